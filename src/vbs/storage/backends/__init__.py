@@ -1,0 +1,1 @@
+"""Backend drivers: where volume and snapshot data lives (one module per backend)."""

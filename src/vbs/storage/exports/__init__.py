@@ -1,0 +1,1 @@
+"""Export drivers: how a volume is served to one hypervisor node (one module per protocol)."""
