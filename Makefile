@@ -1,0 +1,35 @@
+# VBS: `make run` runs the embedded service, `make test` the whole suite; both set up what is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DATA_DIR ?= ./var
+PORT ?= 8770
+
+.PHONY: setup deb venv run test lint demo bench clean
+
+setup: deb venv
+
+deb:
+	@./scripts/install-debian-packages
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: setup
+	$(BIN)/vbs up --data-dir $(DATA_DIR) --port $(PORT)
+
+lint: venv
+	$(BIN)/ruff check src tests bench
+
+test: setup lint
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python bench/control_plane.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,303 @@
+"""The ``vbs`` executable: the paper's volume commands, kept word for word, plus the service commands.
+
+Client commands talk to a controller (``--endpoint`` or ``VBS_ENDPOINT``, default
+``http://127.0.0.1:8770``); they print a table on a terminal and JSON otherwise (``--output``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from vbs.cli import output
+from vbs.cli.client import wait_for
+from vbs.config import DEFAULT_CONTROLLER_PORT
+from vbs.errors import VbsError
+from vbs.web import ApiClient
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="VBS — the Virtual Block Store.")
+
+
+class Context:
+    def __init__(self, endpoint: str, fmt: str) -> None:
+        self.endpoint = endpoint
+        self.fmt = fmt
+        self._client: ApiClient | None = None
+
+    @property
+    def client(self) -> ApiClient:
+        if self._client is None:
+            self._client = ApiClient(self.endpoint, None, timeout=60)
+        return self._client
+
+    @property
+    def interactive(self) -> bool:
+        return output.resolve_format(self.fmt) == "table"
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help="Controller URL.")] =
+        f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",
+    output_format: Annotated[str, typer.Option("--output", "-o", help="auto | table | json")] = "auto",
+) -> None:
+    if output_format not in ("auto", "table", "json"):
+        raise typer.BadParameter("--output must be auto, table or json")
+    ctx.obj = Context(endpoint, output_format)
+
+
+def _tags(values: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"tag {item!r} must be KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _query(name: str, values: list[str] | None) -> list[tuple[str, str]]:
+    return [(name, v) for v in values or []]
+
+
+# -- volumes ---------------------------------------------------------------------------------------
+
+
+@app.command("create-volume")
+def create_volume(
+    ctx: typer.Context,
+    size: Annotated[int | None, typer.Option("--size", help="Size in GiB.")] = None,
+    comment: Annotated[str, typer.Option(help="Free text, up to 255 characters.")] = "",
+    snapshot: Annotated[str | None, typer.Option(help="Create from this snapshot.")] = None,
+    volume_type: Annotated[str, typer.Option("--type")] = "gp3",
+    iops: Annotated[int | None, typer.Option()] = None,
+    throughput: Annotated[int | None, typer.Option(help="MB/s")] = None,
+    multi_attach: Annotated[bool, typer.Option("--multi-attach")] = False,
+    placement: Annotated[str, typer.Option(help="shared | local")] = "shared",
+    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until available (progress bar).")] = False,
+) -> None:
+    """Create a volume (empty, or from a snapshot)."""
+    c: Context = ctx.obj
+    body: dict[str, Any] = {"comment": comment, "volume_type": volume_type, "multi_attach": multi_attach,
+                            "placement": placement, "tags": _tags(tag)}
+    for key, value in (("size_gib", size), ("snapshot_id", snapshot), ("iops", iops), ("throughput", throughput),
+                       ("client_token", client_token)):
+        if value is not None:
+            body[key] = value
+    vol = c.client.call("POST", "/v1/volumes", body)
+    if wait:
+        vol = wait_for(c.client, f"/v1/volumes/{vol['volume_id']}", busy={"creating"},
+                       label=f"creating {vol['volume_id']}", show=c.interactive)
+    output.emit(vol, c.fmt, output.VOLUME_COLUMNS)
+    if vol["status"] == "error":
+        raise typer.Exit(1)
+
+
+@app.command("delete-volume")
+def delete_volume(ctx: typer.Context, volume_id: str,
+                  wait: Annotated[bool, typer.Option("--wait")] = False) -> None:
+    """Delete an available volume (its snapshots stay)."""
+    c: Context = ctx.obj
+    vol = c.client.call("DELETE", f"/v1/volumes/{volume_id}")
+    if wait:
+        vol = wait_for(c.client, f"/v1/volumes/{volume_id}", busy={"deleting"}, label=f"deleting {volume_id}",
+                       show=c.interactive)
+    output.emit(vol, c.fmt, output.VOLUME_COLUMNS)
+
+
+@app.command("describe-volumes")
+def describe_volumes(
+    ctx: typer.Context,
+    volume_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    filter_: Annotated[list[str] | None, typer.Option("--filter", help="name=value, repeatable.")] = None,
+    max_results: Annotated[int | None, typer.Option()] = None,
+    next_token: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    """Describe volumes, by id or by filters (status, snapshot-id, volume-id, size, tag:KEY, tag-key …)."""
+    c: Context = ctx.obj
+    params = _query("volume_id", volume_ids) + _query("filter", filter_)
+    if max_results is not None:
+        params.append(("max_results", str(max_results)))
+    if next_token:
+        params.append(("next_token", next_token))
+    body = c.client.call("GET", "/v1/volumes?" + _encode(params))
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+        return
+    output.emit(body["volumes"], c.fmt, output.VOLUME_COLUMNS)
+    if body.get("next_token"):
+        print(f"next token: {body['next_token']}")
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+@app.command("create-snapshot")
+def create_snapshot(
+    ctx: typer.Context,
+    volume_id: str,
+    comment: Annotated[str, typer.Option()] = "",
+    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")] = False,
+) -> None:
+    """Snapshot a volume (crash-consistent; also of an in-use volume)."""
+    c: Context = ctx.obj
+    snap = c.client.call("POST", "/v1/snapshots", {"volume_id": volume_id, "comment": comment, "tags": _tags(tag)})
+    if wait:
+        snap = wait_for(c.client, f"/v1/snapshots/{snap['snapshot_id']}", busy={"pending"},
+                        label=f"snapshot {snap['snapshot_id']}", show=c.interactive)
+    output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)
+    if snap["status"] == "error":
+        raise typer.Exit(1)
+
+
+@app.command("delete-snapshot")
+def delete_snapshot(ctx: typer.Context, snapshot_id: str) -> None:
+    """Delete a snapshot (volumes made from it stay)."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("DELETE", f"/v1/snapshots/{snapshot_id}"), c.fmt, output.SNAPSHOT_COLUMNS)
+
+
+@app.command("describe-snapshots")
+def describe_snapshots(
+    ctx: typer.Context,
+    snapshot_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    filter_: Annotated[list[str] | None, typer.Option("--filter", help="name=value, repeatable.")] = None,
+    max_results: Annotated[int | None, typer.Option()] = None,
+    next_token: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    """Describe snapshots, by id or by filters (status, volume-id, tag:KEY …)."""
+    c: Context = ctx.obj
+    params = _query("snapshot_id", snapshot_ids) + _query("filter", filter_)
+    if max_results is not None:
+        params.append(("max_results", str(max_results)))
+    if next_token:
+        params.append(("next_token", next_token))
+    body = c.client.call("GET", "/v1/snapshots?" + _encode(params))
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+        return
+    output.emit(body["snapshots"], c.fmt, output.SNAPSHOT_COLUMNS)
+    if body.get("next_token"):
+        print(f"next token: {body['next_token']}")
+
+
+app.command("describe-snapshot", help="Alias of describe-snapshots (the paper's name).")(describe_snapshots)
+
+
+# -- tags, nodes -----------------------------------------------------------------------------------
+
+
+@app.command("create-tags")
+def create_tags(ctx: typer.Context, resource_ids: list[str],
+                tag: Annotated[list[str], typer.Option(help="KEY=VALUE, repeatable.")]) -> None:
+    """Add or overwrite tags on volumes and snapshots."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("POST", "/v1/tags", {"resource_ids": resource_ids, "tags": _tags(tag)}), "json")
+
+
+@app.command("delete-tags")
+def delete_tags(ctx: typer.Context, resource_ids: list[str],
+                key: Annotated[list[str] | None, typer.Option(help="Tag key, repeatable; none = all.")] = None) -> None:
+    """Remove tags from volumes and snapshots."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("POST", "/v1/tags/delete", {"resource_ids": resource_ids, "keys": key or []}), "json")
+
+
+@app.command("describe-storage-nodes")
+def describe_storage_nodes(ctx: typer.Context) -> None:
+    """Storage nodes, their pools, free space and clone method (reflink or copy)."""
+    c: Context = ctx.obj
+    body = c.client.call("GET", "/v1/storage-nodes")
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+    else:
+        output.emit(body["storage_nodes"], c.fmt, output.NODE_COLUMNS)
+
+
+@app.command("describe-operation")
+def describe_operation(ctx: typer.Context, operation_id: str) -> None:
+    """One workflow's steps and their states."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("GET", f"/v1/operations/{operation_id}"), "json")
+
+
+def _encode(params: list[tuple[str, str]]) -> str:
+    from urllib.parse import urlencode
+
+    return urlencode(params)
+
+
+# -- services --------------------------------------------------------------------------------------
+
+
+@app.command("controller")
+def controller(
+    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+    database_url: Annotated[str | None, typer.Option()] = None,
+    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+) -> None:
+    """Run the controller (REST API, metadata DB, workflows)."""
+    from vbs import config as cfgmod
+    from vbs import logs
+    from vbs.controller.app import serve
+
+    logs.setup("controller", json_lines=log_json)
+    cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
+        "host": host, "port": port, "data_dir": data_dir, "database_url": database_url})
+    serve(cfg)
+
+
+@app.command("storage-agent")
+def storage_agent(
+    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    node_name: Annotated[str | None, typer.Option()] = None,
+    controller_url: Annotated[str | None, typer.Option()] = None,
+    pool_path: Annotated[Path | None, typer.Option()] = None,
+    clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
+    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+) -> None:
+    """Run a storage agent (backends and exports of one volume server)."""
+    from vbs import config as cfgmod
+    from vbs import logs
+    from vbs.storage.service import serve
+
+    logs.setup("storage-agent", json_lines=log_json)
+    cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
+        "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
+        "pool_path": pool_path, "clone_method": clone_method})
+    serve(cfg)
+
+
+@app.command("up")
+def up(
+    data_dir: Annotated[Path, typer.Option(help="DB, pool and state of the embedded install.")] = Path("./var"),
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = DEFAULT_CONTROLLER_PORT,
+    clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
+    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+) -> None:
+    """Run the embedded default: controller + storage agent on this machine, until Ctrl-C."""
+    from vbs.cli.up import run_embedded
+
+    raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, log_json=log_json))
+
+
+def main() -> None:
+    try:
+        app()
+    except VbsError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,82 @@
+"""Rendering API answers: Rich tables on a terminal, JSON (same field names as the REST API) for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def _attachments(v: dict[str, Any]) -> str:
+    return ", ".join(f"{a['instance_id'] or a['vm_id']}@{a['host']}:{a['device']} ({a['state']})"
+                     for a in v.get("attachments", []))
+
+
+def _tags(x: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(x.get("tags", {}).items()))
+
+
+def _progress(x: dict[str, Any]) -> str:
+    return f"{x['progress']}%" if x["status"] in ("creating", "pending") else ""
+
+
+VOLUME_COLUMNS: list[Column] = [
+    ("VolumeId", lambda v: v["volume_id"]),
+    ("Size", lambda v: f"{v['size_gib']} GiB"),
+    ("Status", lambda v: v["status"]),
+    ("Progress", _progress),
+    ("Snapshot", lambda v: v["snapshot_id"] or ""),
+    ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"),
+    ("Attachments", _attachments),
+    ("Comment", lambda v: v["comment"]),
+    ("Tags", _tags),
+    ("Created", lambda v: v["created_at"][:19]),
+]
+
+SNAPSHOT_COLUMNS: list[Column] = [
+    ("SnapshotId", lambda s: s["snapshot_id"]),
+    ("VolumeId", lambda s: s["volume_id"]),
+    ("Size", lambda s: f"{s['volume_size_gib']} GiB"),
+    ("Status", lambda s: s["status"]),
+    ("Progress", lambda s: f"{s['progress']}%"),
+    ("Comment", lambda s: s["comment"]),
+    ("Tags", _tags),
+    ("Started", lambda s: s["started_at"][:19]),
+]
+
+NODE_COLUMNS: list[Column] = [
+    ("Name", lambda n: n["name"]),
+    ("State", lambda n: n["state"]),
+    ("URL", lambda n: n["url"]),
+    ("Pools", lambda n: ", ".join(
+        f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f} GiB free ({p['clone_method']})"
+        for p in n["pools"])),
+    ("Last heartbeat", lambda n: n["last_heartbeat"][:19]),
+]
+
+
+def resolve_format(fmt: str) -> str:
+    if fmt == "auto":
+        return "table" if sys.stdout.isatty() else "json"
+    return fmt
+
+
+def emit(data: Any, fmt: str, columns: list[Column] | None = None, *, title: str | None = None) -> None:
+    if resolve_format(fmt) == "json" or columns is None:
+        print(json.dumps(data, indent=2))
+        return
+    rows = data if isinstance(data, list) else [data]
+    table = Table(title=title)
+    for i, (name, _) in enumerate(columns):
+        # Ids are what people copy from the table: never cut them.
+        table.add_column(name, no_wrap=i == 0, min_width=len(name))
+    for row in rows:
+        table.add_row(*(str(get(row)) for _, get in columns))
+    # Piped into a file or another program, lines need not fit a terminal.
+    Console(width=None if sys.stdout.isatty() else 250).print(table)

@@ -1,0 +1,85 @@
+"""Configuration: one TOML file per node (``vbs.toml``), overridable by ``VBS_*`` env vars and flags.
+
+Each service reads its own section (``[controller]``, ``[storage_agent]``, ``[host_agent]``).
+A key ``port`` of section ``controller`` is overridden by ``VBS_CONTROLLER_PORT``, then by a flag.
+The shared secret between controller and agents may also come from ``VBS_AGENT_TOKEN``, so that it
+never has to appear on a command line.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vbs.errors import InvalidParameter
+
+DEFAULT_CONTROLLER_PORT = 8770
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ControllerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_CONTROLLER_PORT, ge=1, le=65535)
+    data_dir: Path = Path("./var")
+    database_url: str | None = None
+    agent_token: str | None = None
+    deleted_retention_s: int = Field(3600, ge=0)
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
+    workflow_threads: int = Field(16, ge=1, le=256)
+    max_volume_gib: int = Field(16384, ge=1)
+    overcommit_ratio: float = Field(4.0, gt=0)
+    retry_interval_s: float = Field(2.0, gt=0)
+
+
+class StorageAgentConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8771, ge=1, le=65535)
+    node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
+    controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
+    advertise_url: str | None = None
+    agent_token: str | None = None
+    pool_name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    pool_path: Path = Path("./var/pool")
+    clone_method: Literal["reflink", "copy"] | None = None
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+
+
+SectionT = TypeVar("SectionT", bound=_Section)
+
+
+def load(
+    model: type[SectionT],
+    section: str,
+    *,
+    config_file: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> SectionT:
+    """Defaults < TOML file section < ``VBS_<SECTION>_<KEY>`` env vars < explicit ``overrides``."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = config_file or (Path(env["VBS_CONFIG"]) if env.get("VBS_CONFIG") else None)
+    if path is not None:
+        try:
+            with path.open("rb") as fh:
+                values.update(tomllib.load(fh).get(section, {}))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidParameter(f"cannot read config file {path}: {exc}") from exc
+    prefix = f"VBS_{section.upper()}_"
+    for key in model.model_fields:
+        if key == "agent_token" and env.get("VBS_AGENT_TOKEN"):
+            values[key] = env["VBS_AGENT_TOKEN"]
+        if env.get(prefix + key.upper()) is not None:
+            values[key] = env[prefix + key.upper()]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise InvalidParameter(f"invalid [{section}] configuration: {exc}") from exc

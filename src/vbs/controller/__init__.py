@@ -1,0 +1,1 @@
+"""The controller: public REST API, metadata DB (the one source of truth) and workflows with rollback."""

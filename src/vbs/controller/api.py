@@ -1,0 +1,136 @@
+"""The public REST API ``/v1`` and the agents' internal endpoints: thin handlers over the domain."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from sqlalchemy import select
+
+from vbs import ids
+from vbs.controller import snapshots, tags, volumes
+from vbs.controller.db import Operation, OperationStep
+from vbs.controller.filters import parse_filters
+from vbs.controller.nodes import describe_storage_nodes, record_storage_heartbeat
+from vbs.controller.schemas import (
+    CreateSnapshotRequest,
+    CreateTagsRequest,
+    CreateVolumeRequest,
+    DeleteTagsRequest,
+    OperationOut,
+    SnapshotList,
+    SnapshotOut,
+    StepOut,
+    StorageHeartbeat,
+    StorageNodeList,
+    VolumeList,
+    VolumeOut,
+)
+from vbs.controller.services import Services
+from vbs.errors import NotFound
+from vbs.web import token_checker
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+def public_router() -> APIRouter:
+    r = APIRouter(prefix="/v1")
+
+    @r.post("/volumes", response_model=VolumeOut, tags=["volumes"])
+    def create_volume(body: CreateVolumeRequest, svc: Services = Depends(services)) -> VolumeOut:
+        return volumes.create_volume(svc, body)
+
+    @r.get("/volumes", response_model=VolumeList, tags=["volumes"])
+    def describe_volumes(
+        volume_id: list[str] = Query(default=[], max_length=1000),
+        filter: list[str] = Query(default=[], max_length=50, description="name=value, e.g. status=available"),
+        max_results: int | None = Query(default=None),
+        next_token: str | None = Query(default=None, max_length=64),
+        svc: Services = Depends(services),
+    ) -> VolumeList:
+        return volumes.describe_volumes(svc, volume_id, parse_filters(filter), max_results, next_token)
+
+    @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
+    def get_volume(volume_id: str, svc: Services = Depends(services)) -> VolumeOut:
+        return volumes.get_volume(svc, volume_id)
+
+    @r.delete("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
+    def delete_volume(volume_id: str, svc: Services = Depends(services)) -> VolumeOut:
+        return volumes.delete_volume(svc, volume_id)
+
+    @r.post("/snapshots", response_model=SnapshotOut, tags=["snapshots"])
+    def create_snapshot(body: CreateSnapshotRequest, svc: Services = Depends(services)) -> SnapshotOut:
+        return snapshots.create_snapshot(svc, body)
+
+    @r.get("/snapshots", response_model=SnapshotList, tags=["snapshots"])
+    def describe_snapshots(
+        snapshot_id: list[str] = Query(default=[], max_length=1000),
+        filter: list[str] = Query(default=[], max_length=50),
+        max_results: int | None = Query(default=None),
+        next_token: str | None = Query(default=None, max_length=64),
+        svc: Services = Depends(services),
+    ) -> SnapshotList:
+        return snapshots.describe_snapshots(svc, snapshot_id, parse_filters(filter), max_results, next_token)
+
+    @r.get("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
+    def get_snapshot(snapshot_id: str, svc: Services = Depends(services)) -> SnapshotOut:
+        return snapshots.get_snapshot(svc, snapshot_id)
+
+    @r.delete("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
+    def delete_snapshot(snapshot_id: str, svc: Services = Depends(services)) -> SnapshotOut:
+        return snapshots.delete_snapshot(svc, snapshot_id)
+
+    @r.post("/tags", tags=["tags"])
+    def create_tags(body: CreateTagsRequest, svc: Services = Depends(services)) -> dict[str, bool]:
+        with svc.db.session() as s:
+            tags.create_tags(s, body.resource_ids, body.tags)
+        return {"return": True}
+
+    @r.post("/tags/delete", tags=["tags"])
+    def delete_tags(body: DeleteTagsRequest, svc: Services = Depends(services)) -> dict[str, bool]:
+        with svc.db.session() as s:
+            tags.delete_tags(s, body.resource_ids, body.keys)
+        return {"return": True}
+
+    @r.get("/storage-nodes", response_model=StorageNodeList, tags=["nodes"])
+    def storage_nodes(svc: Services = Depends(services)) -> StorageNodeList:
+        with svc.db.session() as s:
+            return StorageNodeList(storage_nodes=describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s))
+
+    @r.get("/operations/{operation_id}", response_model=OperationOut, tags=["operations"])
+    def get_operation(operation_id: str, svc: Services = Depends(services)) -> OperationOut:
+        if not ids.is_valid("operation", operation_id):
+            raise NotFound(f"The operation '{operation_id[:40]}' does not exist.", code="InvalidOperation.NotFound")
+        with svc.db.session() as s:
+            op = s.get(Operation, operation_id)
+            if op is None:
+                raise NotFound(f"The operation '{operation_id}' does not exist.", code="InvalidOperation.NotFound")
+            steps = s.scalars(select(OperationStep).where(OperationStep.operation_id == op.id)
+                              .order_by(OperationStep.position)).all()
+            return OperationOut(operation_id=op.id, kind=op.kind, resource_id=op.resource_id, status=op.status,
+                                error=op.error, attempts=op.attempts, created_at=op.created_at,
+                                updated_at=op.updated_at,
+                                steps=[StepOut(name=st.name, state=st.state, error=st.error) for st in steps])
+
+    return r
+
+
+def internal_router(token: str | None) -> APIRouter:
+    r = APIRouter(prefix="/internal/v1", dependencies=[Depends(token_checker(token))], include_in_schema=False)
+
+    @r.post("/storage-heartbeat")
+    def storage_heartbeat(body: StorageHeartbeat, svc: Services = Depends(services)) -> dict[str, str]:
+        with svc.db.session() as s:
+            record_storage_heartbeat(s, body)
+        return {"status": "ok"}
+
+    return r
+
+
+def install_routes(app: FastAPI, token: str | None) -> None:
+    @app.get("/health", include_in_schema=False)
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.include_router(public_router())
+    app.include_router(internal_router(token))

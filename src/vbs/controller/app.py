@@ -1,0 +1,83 @@
+"""The controller application: DB migrations, workflow engine and API wired together."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+from fastapi import FastAPI
+from sqlalchemy import delete, select
+
+from vbs.config import ControllerConfig
+from vbs.controller.api import install_routes
+from vbs.controller.db import Database, Tag, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.services import Services
+from vbs.controller.states import VolumeState
+from vbs.controller.storage_client import StorageAgents
+from vbs.controller.workflows import WorkflowEngine
+from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
+from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
+from vbs.web import install_error_handlers
+
+log = logging.getLogger(__name__)
+
+WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT]
+
+
+def database_for(cfg: ControllerConfig) -> Database:
+    return Database(cfg.database_url) if cfg.database_url else Database.for_data_dir(cfg.data_dir)
+
+
+def purge_deleted(db: Database, retention_s: int) -> int:
+    """Forget volumes deleted longer ago than the retention (EBS shows them as deleted for a while)."""
+    cutoff = utcnow() - timedelta(seconds=retention_s)
+    with db.session() as s:
+        old = list(s.scalars(select(Volume.id).where(Volume.status == VolumeState.DELETED,
+                                                     Volume.deleted_at < cutoff).limit(1000)))
+        if old:
+            s.execute(delete(Tag).where(Tag.resource_id.in_(old)))
+            s.execute(delete(Volume).where(Volume.id.in_(old)))
+    return len(old)
+
+
+def create_app(cfg: ControllerConfig) -> FastAPI:
+    db = database_for(cfg)
+    db.migrate()
+    svc = Services(cfg=cfg, db=db, storage=StorageAgents(db, cfg.agent_token))
+    svc.engine = WorkflowEngine(db, WORKFLOWS, svc, threads=cfg.workflow_threads, retry_interval=cfg.retry_interval_s)
+    stop = threading.Event()
+
+    def housekeeping() -> None:
+        while not stop.wait(60):
+            try:
+                purge_deleted(db, cfg.deleted_retention_s)
+            except Exception:
+                log.exception("housekeeping")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        svc.engine.start()
+        threading.Thread(target=housekeeping, name="housekeeping", daemon=True).start()
+        yield
+        stop.set()
+        svc.engine.stop()
+        svc.storage.close()
+        db.dispose()
+
+    app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)
+    app.state.services = svc
+    install_error_handlers(app)
+    install_routes(app, cfg.agent_token)
+    return app
+
+
+def serve(cfg: ControllerConfig) -> None:
+    import uvicorn
+
+    app = create_app(cfg)
+    log.info("controller listening on http://%s:%d", cfg.host, cfg.port)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")

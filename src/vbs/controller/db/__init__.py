@@ -1,0 +1,27 @@
+"""Metadata storage: SQLAlchemy tables, the engine and its migrations."""
+
+from vbs.controller.db.session import Database
+from vbs.controller.db.tables import (
+    Attachment,
+    Base,
+    Instance,
+    Node,
+    Operation,
+    OperationStep,
+    Snapshot,
+    Tag,
+    Volume,
+)
+
+__all__ = [
+    "Database",
+    "Base",
+    "Volume",
+    "Snapshot",
+    "Attachment",
+    "Instance",
+    "Tag",
+    "Node",
+    "Operation",
+    "OperationStep",
+]

@@ -1,0 +1,160 @@
+"""The controller's tables. Portable SQL only: the same schema runs on SQLite and PostgreSQL.
+
+State columns are never used as locks: every change of ``status`` goes through a conditional
+``UPDATE … WHERE id = ? AND status IN (…)`` (see ``vbs.controller.transitions``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every database (SQLite drops the zone otherwise)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Volume(Base):
+    __tablename__ = "volumes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    size_gib: Mapped[int] = mapped_column(Integer)
+    comment: Mapped[str] = mapped_column(String(255), default="")
+    snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    volume_type: Mapped[str] = mapped_column(String(16))
+    iops: Mapped[int | None] = mapped_column(Integer)
+    throughput: Mapped[int | None] = mapped_column(Integer)
+    multi_attach: Mapped[bool] = mapped_column(Boolean, default=False)
+    placement: Mapped[str] = mapped_column(String(16))
+    storage_node: Mapped[str] = mapped_column(String(64), index=True)
+    pool: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    progress: Mapped[int] = mapped_column(Integer, default=0)
+    client_token: Mapped[str | None] = mapped_column(String(64), unique=True)
+    request_digest: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    deleted_at: Mapped[datetime | None]
+
+
+class Snapshot(Base):
+    __tablename__ = "snapshots"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    volume_id: Mapped[str] = mapped_column(String(32), index=True)
+    volume_size_gib: Mapped[int] = mapped_column(Integer)
+    comment: Mapped[str] = mapped_column(String(255), default="")
+    storage_node: Mapped[str] = mapped_column(String(64), index=True)
+    pool: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    progress: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+
+    resource_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256), default="")
+
+
+class Node(Base):
+    """A storage node or a hypervisor host, as last reported by its agent's heartbeat."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    url: Mapped[str] = mapped_column(String(255))
+    address: Mapped[str] = mapped_column(String(255))
+    info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    started_at: Mapped[datetime | None]
+    last_heartbeat: Mapped[datetime]
+
+
+class Instance(Base):
+    """A VM discovered by a host agent."""
+
+    __tablename__ = "instances"
+    __table_args__ = (Index("ix_instances_host_vm", "host", "vm_id", unique=True),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    host: Mapped[str] = mapped_column(String(64))
+    vm_id: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(255), default="")
+    state: Mapped[str] = mapped_column(String(16))
+    first_seen: Mapped[datetime]
+    last_seen: Mapped[datetime]
+
+
+class Attachment(Base):
+    __tablename__ = "attachments"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    volume_id: Mapped[str] = mapped_column(String(32), ForeignKey("volumes.id"), index=True)
+    instance_id: Mapped[str | None] = mapped_column(String(32))
+    host: Mapped[str] = mapped_column(String(64))
+    vm_id: Mapped[str] = mapped_column(String(64))
+    device: Mapped[str] = mapped_column(String(32))
+    mode: Mapped[str] = mapped_column(String(2))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    connection: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class Operation(Base):
+    """One multi-step workflow; its steps are recorded before and after each agent call."""
+
+    __tablename__ = "operations"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    resource_id: Mapped[str] = mapped_column(String(32), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class OperationStep(Base):
+    __tablename__ = "operation_steps"
+
+    operation_id: Mapped[str] = mapped_column(String(32), ForeignKey("operations.id"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime]
+

@@ -1,0 +1,104 @@
+"""Describe filters (``name=value``, EBS names) and keyset pagination shared by volumes and snapshots."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, exists, select
+
+from vbs.controller.db import Tag
+from vbs.errors import InvalidParameter
+
+MAX_RESULTS = 1000
+MAX_FILTER_VALUES = 200
+
+
+def parse_filters(raw: Iterable[str]) -> dict[str, list[str]]:
+    """``["status=available", "tag:team=db"]`` → ``{"status": ["available"], "tag:team": ["db"]}``."""
+    out: dict[str, list[str]] = {}
+    for item in raw:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InvalidParameter(f"Invalid filter {item[:80]!r}: expecting name=value.")
+        out.setdefault(name, []).extend(v for v in value.split(",") if v != "")
+        if len(out[name]) > MAX_FILTER_VALUES:
+            raise InvalidParameter(f"Too many values for filter {name[:80]!r}.")
+    return out
+
+
+def where_clauses(
+    filters: dict[str, list[str]],
+    id_column: Any,
+    columns: dict[str, Callable[[list[str]], ColumnElement[bool]]],
+) -> list[ColumnElement[bool]]:
+    """SQL conditions for EBS filters: values of one name are OR-ed, names are AND-ed."""
+    clauses: list[ColumnElement[bool]] = []
+    for name, values in filters.items():
+        if name.startswith("tag:"):
+            key = name[4:]
+            clauses.append(exists().where(Tag.resource_id == id_column, Tag.key == key,
+                                          Tag.value.in_(values) if values else True))
+        elif name == "tag-key":
+            clauses.append(exists().where(Tag.resource_id == id_column, Tag.key.in_(values)))
+        elif name == "tag-value":
+            clauses.append(exists().where(Tag.resource_id == id_column, Tag.value.in_(values)))
+        elif name in columns:
+            clauses.append(columns[name](values))
+        else:
+            known = ", ".join(sorted([*columns, "tag:KEY", "tag-key", "tag-value"]))
+            raise InvalidParameter(f"The filter {name[:80]!r} is invalid; known filters: {known}.")
+    return clauses
+
+
+def in_values(column: Any, cast: Callable[[str], Any] = str) -> Callable[[list[str]], ColumnElement[bool]]:
+    def clause(values: list[str]) -> ColumnElement[bool]:
+        try:
+            return column.in_([cast(v) for v in values])
+        except ValueError as exc:
+            raise InvalidParameter(f"Invalid filter value: {exc}") from exc
+
+    return clause
+
+
+def encode_token(last_id: str) -> str:
+    return base64.urlsafe_b64encode(f"v1:{last_id}".encode()).decode().rstrip("=")
+
+
+def decode_token(token: str) -> str:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raw = ""
+    if not raw.startswith("v1:") or len(raw) > 40:
+        raise InvalidParameter("The next token is invalid.")
+    return raw[3:]
+
+
+def paginate(stmt: Select[Any], id_column: Any, max_results: int | None, next_token: str | None) -> Select[Any]:
+    if max_results is not None and not 1 <= max_results <= MAX_RESULTS:
+        raise InvalidParameter(f"max-results must be between 1 and {MAX_RESULTS}.")
+    if next_token:
+        stmt = stmt.where(id_column > decode_token(next_token))
+    stmt = stmt.order_by(id_column)
+    if max_results is not None:
+        stmt = stmt.limit(max_results + 1)
+    return stmt
+
+
+def page(rows: list[Any], max_results: int | None, id_of: Callable[[Any], str]) -> tuple[list[Any], str | None]:
+    if max_results is not None and len(rows) > max_results:
+        rows = rows[:max_results]
+        return rows, encode_token(id_of(rows[-1]))
+    return rows, None
+
+
+def tags_of(session: Any, resource_ids: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {rid: {} for rid in resource_ids}
+    for chunk_start in range(0, len(resource_ids), 500):
+        chunk = resource_ids[chunk_start:chunk_start + 500]
+        for t in session.scalars(select(Tag).where(Tag.resource_id.in_(chunk))):
+            out[t.resource_id][t.key] = t.value
+    return out

@@ -1,0 +1,208 @@
+"""The REST API's request and response models (pydantic), apart from the DB tables.
+
+Requests are strict: unknown fields, wrong JSON types and out-of-range values are refused at the
+edge with ``InvalidParameterValue`` before anything reaches the domain or a driver.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from vbs import ids
+
+MAX_SIZE_GIB = 16384
+COMMENT_MAX = 255
+TAG_KEY_MAX = 128
+TAG_VALUE_MAX = 256
+TAGS_MAX = 50
+
+# Printable text: no control characters (they break logs, terminals and XML answers).
+_TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")
+_TAG_KEY_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
+
+
+def _text(value: str) -> str:
+    if not _TEXT_RE.match(value):
+        raise ValueError("must not contain control characters")
+    return value
+
+
+def _tags(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > TAGS_MAX:
+        raise ValueError(f"at most {TAGS_MAX} tags per resource")
+    for key, val in value.items():
+        if not _TAG_KEY_RE.match(key):
+            raise ValueError(f"tag key {key[:40]!r} must be 1-{TAG_KEY_MAX} printable characters")
+        if key.lower().startswith("aws:"):
+            raise ValueError("tag keys starting with 'aws:' are reserved")
+        if len(val) > TAG_VALUE_MAX or not _TEXT_RE.match(val):
+            raise ValueError(f"tag value for {key[:40]!r} must be at most {TAG_VALUE_MAX} printable characters")
+    return value
+
+
+def _id_of(kind: str):  # type: ignore[no-untyped-def]
+    def check(value: str) -> str:
+        if not ids.is_valid(kind, value):
+            raise ValueError(f'invalid id {value[:40]!r} (expecting "{ids.PREFIXES[kind]}-" and 17 hex digits)')
+        return value
+
+    return check
+
+
+Comment = Annotated[str, Field(max_length=COMMENT_MAX), AfterValidator(_text)]
+Tags = Annotated[dict[str, str], AfterValidator(_tags)]
+VolumeId = Annotated[str, Field(max_length=32), AfterValidator(_id_of("volume"))]
+SnapshotId = Annotated[str, Field(max_length=32), AfterValidator(_id_of("snapshot"))]
+ClientToken = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+VolumeType = Literal["standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CreateVolumeRequest(_Request):
+    size_gib: int | None = Field(None, ge=1, le=MAX_SIZE_GIB)
+    comment: Comment = ""
+    snapshot_id: SnapshotId | None = None
+    volume_type: VolumeType = "gp3"
+    iops: int | None = Field(None, ge=100, le=256000)
+    throughput: int | None = Field(None, ge=1, le=4000)
+    multi_attach: bool = False
+    placement: Literal["shared", "local"] = "shared"
+    tags: Tags = Field(default_factory=dict)
+    client_token: ClientToken | None = None
+
+
+class CreateSnapshotRequest(_Request):
+    volume_id: VolumeId
+    comment: Comment = ""
+    tags: Tags = Field(default_factory=dict)
+
+
+class CreateTagsRequest(_Request):
+    resource_ids: list[str] = Field(min_length=1, max_length=1000)
+    tags: Tags
+
+
+class DeleteTagsRequest(_Request):
+    resource_ids: list[str] = Field(min_length=1, max_length=1000)
+    keys: list[Annotated[str, Field(min_length=1, max_length=TAG_KEY_MAX)]] = Field(default_factory=list)
+
+
+class AttachmentOut(BaseModel):
+    attachment_id: str
+    volume_id: str
+    instance_id: str | None
+    host: str
+    vm_id: str
+    device: str
+    mode: str
+    state: str
+    attach_time: datetime
+
+
+class VolumeOut(BaseModel):
+    volume_id: str
+    size_gib: int
+    comment: str
+    snapshot_id: str | None
+    volume_type: str
+    iops: int | None
+    throughput: int | None
+    multi_attach: bool
+    placement: str
+    status: str
+    status_reason: str | None
+    progress: int
+    storage_node: str
+    pool: str
+    created_at: datetime
+    tags: dict[str, str]
+    attachments: list[AttachmentOut]
+
+
+class SnapshotOut(BaseModel):
+    snapshot_id: str
+    volume_id: str
+    volume_size_gib: int
+    comment: str
+    status: str
+    status_reason: str | None
+    progress: int
+    storage_node: str
+    pool: str
+    started_at: datetime
+    tags: dict[str, str]
+
+
+class VolumeList(BaseModel):
+    volumes: list[VolumeOut]
+    next_token: str | None = None
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[SnapshotOut]
+    next_token: str | None = None
+
+
+class StepOut(BaseModel):
+    name: str
+    state: str
+    error: str | None
+
+
+class OperationOut(BaseModel):
+    operation_id: str
+    kind: str
+    resource_id: str
+    status: str
+    error: str | None
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+    steps: list[StepOut]
+
+
+class PoolOut(BaseModel):
+    name: str
+    capacity_bytes: int
+    free_bytes: int
+    clone_method: str
+
+
+class StorageNodeOut(BaseModel):
+    name: str
+    url: str
+    state: str
+    last_heartbeat: datetime
+    pools: list[PoolOut]
+
+
+class StorageNodeList(BaseModel):
+    storage_nodes: list[StorageNodeOut]
+
+
+class PoolReport(_Request):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    path: str = Field(max_length=4096)
+    capacity_bytes: int = Field(ge=0)
+    free_bytes: int = Field(ge=0)
+    clone_method: Literal["reflink", "copy"]
+
+
+class StorageHeartbeat(_Request):
+    """What a storage agent reports every few seconds (and at start)."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
+    url: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$")
+    address: str = Field(max_length=255)
+    started_at: datetime
+    pools: list[PoolReport] = Field(max_length=64)
+    exports: list[str] = Field(default_factory=list)

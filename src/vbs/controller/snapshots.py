@@ -1,0 +1,112 @@
+"""Snapshot operations as the API offers them: create, delete, describe."""
+
+from __future__ import annotations
+
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import Session
+
+from vbs import ids
+from vbs.controller import filters as flt
+from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.schemas import CreateSnapshotRequest, SnapshotList, SnapshotOut
+from vbs.controller.services import Services
+from vbs.controller.states import SnapshotState, VolumeState
+from vbs.controller.tags import set_tags
+from vbs.controller.transitions import transition
+from vbs.controller.volumes import volume_not_found
+from vbs.errors import IncorrectState, InvalidParameter, NotFound, SnapshotInUse
+
+
+def snapshot_not_found(snapshot_id: str) -> NotFound:
+    return NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
+
+
+def create_snapshot(svc: Services, req: CreateSnapshotRequest) -> SnapshotOut:
+    with svc.db.session() as s:
+        vol = s.get(Volume, req.volume_id)
+        if vol is None or vol.status == VolumeState.DELETED:
+            raise volume_not_found(req.volume_id)
+        # The volume must stay put while we snapshot it: touch it conditionally in this transaction.
+        hit = s.execute(update(Volume).where(Volume.id == vol.id,
+                                             Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
+                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+        if hit != 1:
+            raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
+        now = utcnow()
+        snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,
+                        comment=req.comment, storage_node=vol.storage_node, pool=vol.pool,
+                        status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now)
+        s.add(snap)
+        s.flush()
+        set_tags(s, snap.id, req.tags, check=False)
+        op_id = svc.engine.begin(s, "create-snapshot", snap.id,
+                                 {"node": vol.storage_node, "pool": vol.pool, "volume_id": vol.id})
+        out = _describe_many(s, [snap])[0]
+    svc.engine.submit(op_id)
+    return out
+
+
+def delete_snapshot(svc: Services, snapshot_id: str) -> SnapshotOut:
+    ids.check("snapshot", snapshot_id)
+    with svc.db.session() as s:
+        snap = s.get(Snapshot, snapshot_id)
+        if snap is None or snap.status in (SnapshotState.DELETED, SnapshotState.DELETING):
+            raise snapshot_not_found(snapshot_id)
+        copying = exists().where(Volume.snapshot_id == snapshot_id, Volume.status == VolumeState.CREATING)
+        if s.scalar(select(copying)):
+            raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied into a new volume; "
+                                "delete it when that volume is available.")
+        transition(s, Snapshot, snapshot_id, [SnapshotState.COMPLETED, SnapshotState.ERROR],
+                   SnapshotState.DELETING, ~copying)
+        op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, {"node": snap.storage_node, "pool": snap.pool})
+        s.refresh(snap)
+        out = _describe_many(s, [snap])[0]
+    svc.engine.submit(op_id)
+    return out
+
+
+SNAPSHOT_FILTERS = {
+    "status": flt.in_values(Snapshot.status),
+    "snapshot-id": flt.in_values(Snapshot.id),
+    "volume-id": flt.in_values(Snapshot.volume_id),
+    "volume-size": flt.in_values(Snapshot.volume_size_gib, int),
+    "description": flt.in_values(Snapshot.comment),
+    "progress": flt.in_values(Snapshot.progress, lambda v: int(v.rstrip("%"))),
+}
+
+
+def describe_snapshots(svc: Services, snapshot_ids: list[str], filters: dict[str, list[str]],
+                       max_results: int | None, next_token: str | None) -> SnapshotList:
+    for sid in snapshot_ids:
+        ids.check("snapshot", sid)
+    if snapshot_ids and max_results is not None:
+        raise InvalidParameter("max-results cannot be combined with snapshot ids.")
+    stmt = select(Snapshot).where(Snapshot.status != SnapshotState.DELETED,
+                                  *flt.where_clauses(filters, Snapshot.id, SNAPSHOT_FILTERS))
+    if snapshot_ids:
+        stmt = stmt.where(Snapshot.id.in_(snapshot_ids))
+    stmt = flt.paginate(stmt, Snapshot.id, max_results, next_token)
+    with svc.db.session() as s:
+        rows = list(s.scalars(stmt))
+        if snapshot_ids:
+            missing = sorted(set(snapshot_ids) - {x.id for x in rows})
+            if missing and not filters:
+                raise NotFound(f"The snapshot(s) '{', '.join(missing)}' do not exist.",
+                               code="InvalidSnapshot.NotFound")
+        rows, token = flt.page(rows, max_results, lambda x: x.id)
+        return SnapshotList(snapshots=_describe_many(s, rows), next_token=token)
+
+
+def get_snapshot(svc: Services, snapshot_id: str) -> SnapshotOut:
+    return describe_snapshots(svc, [snapshot_id], {}, None, None).snapshots[0]
+
+
+def _describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
+    tags = flt.tags_of(s, [x.id for x in snaps])
+    return [
+        SnapshotOut(snapshot_id=x.id, volume_id=x.volume_id, volume_size_gib=x.volume_size_gib, comment=x.comment,
+                    status=x.status, status_reason=x.status_reason, progress=x.progress,
+                    storage_node=x.storage_node, pool=x.pool, started_at=x.started_at, tags=tags[x.id])
+        for x in snaps
+    ]

@@ -1,0 +1,57 @@
+"""Tags on volumes and snapshots (EBS CreateTags / DeleteTags semantics)."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from vbs import ids
+from vbs.controller.db import Snapshot, Tag, Volume
+from vbs.controller.schemas import TAGS_MAX
+from vbs.controller.states import SnapshotState, VolumeState
+from vbs.errors import InvalidParameter, NotFound
+
+
+def _check_resource(session: Session, resource_id: str) -> None:
+    if ids.is_valid("volume", resource_id):
+        found = session.scalar(select(Volume.id).where(Volume.id == resource_id,
+                                                       Volume.status != VolumeState.DELETED))
+        if found is None:
+            raise NotFound(f"The volume '{resource_id}' does not exist.", code="InvalidVolume.NotFound")
+    elif ids.is_valid("snapshot", resource_id):
+        found = session.scalar(select(Snapshot.id).where(Snapshot.id == resource_id,
+                                                         Snapshot.status != SnapshotState.DELETED))
+        if found is None:
+            raise NotFound(f"The snapshot '{resource_id}' does not exist.", code="InvalidSnapshot.NotFound")
+    else:
+        raise InvalidParameter(f"Invalid resource id {resource_id[:80]!r}: expecting a volume or snapshot id.",
+                               code="InvalidID")
+
+
+def set_tags(session: Session, resource_id: str, tags: dict[str, str], *, check: bool = True) -> None:
+    if check:
+        _check_resource(session, resource_id)
+    existing = {t.key: t for t in session.scalars(select(Tag).where(Tag.resource_id == resource_id))}
+    if len(set(existing) | set(tags)) > TAGS_MAX:
+        raise InvalidParameter(f"A resource can have at most {TAGS_MAX} tags.", code="TagLimitExceeded")
+    for key, value in tags.items():
+        if key in existing:
+            existing[key].value = value
+        else:
+            session.add(Tag(resource_id=resource_id, key=key, value=value))
+
+
+def create_tags(session: Session, resource_ids: list[str], tags: dict[str, str]) -> None:
+    for rid in resource_ids:
+        _check_resource(session, rid)
+    for rid in resource_ids:
+        set_tags(session, rid, tags, check=False)
+
+
+def delete_tags(session: Session, resource_ids: list[str], keys: list[str]) -> None:
+    for rid in resource_ids:
+        _check_resource(session, rid)
+    stmt = delete(Tag).where(Tag.resource_id.in_(resource_ids))
+    if keys:
+        stmt = stmt.where(Tag.key.in_(keys))
+    session.execute(stmt)

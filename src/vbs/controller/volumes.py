@@ -1,0 +1,203 @@
+"""Volume operations as the API offers them: create, delete, describe.
+
+Each call validates, makes its conditional state change and records its operation in one
+transaction, then hands the operation to the workflow engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import timedelta
+
+from sqlalchemy import exists, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from vbs import ids
+from vbs.controller import filters as flt
+from vbs.controller.db import Attachment, Snapshot, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.nodes import choose_pool
+from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, VolumeList, VolumeOut
+from vbs.controller.services import Services
+from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
+from vbs.controller.tags import set_tags
+from vbs.controller.transitions import transition
+from vbs.errors import (
+    IdempotentParameterMismatch,
+    IncorrectState,
+    InvalidParameter,
+    MissingParameter,
+    NotFound,
+    VolumeInUse,
+)
+
+
+def volume_not_found(volume_id: str) -> NotFound:
+    return NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
+
+
+def _digest(req: CreateVolumeRequest) -> str:
+    body = req.model_dump(exclude={"client_token"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def create_volume(svc: Services, req: CreateVolumeRequest) -> VolumeOut:
+    if req.placement != "shared":
+        raise InvalidParameter("placement 'local' is not supported yet; use 'shared'.")
+    digest = _digest(req)
+    try:
+        with svc.db.session() as s:
+            if req.client_token is not None:
+                existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
+                if existing is not None:
+                    if existing.request_digest != digest:
+                        raise IdempotentParameterMismatch(
+                            "The client token was already used with different parameters.")
+                    return _describe_one(s, existing)
+            volume, op_id = _insert_volume(svc, s, req, digest)
+            out = _describe_one(s, volume)
+    except IntegrityError:
+        # Another request with the same client token won the race: answer with its volume.
+        with svc.db.session() as s:
+            existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
+            if existing is None:
+                raise
+            if existing.request_digest != digest:
+                raise IdempotentParameterMismatch(
+                    "The client token was already used with different parameters.") from None
+            return _describe_one(s, existing)
+    svc.engine.submit(op_id)
+    return out
+
+
+def _insert_volume(svc: Services, s: Session, req: CreateVolumeRequest, digest: str) -> tuple[Volume, str]:
+    cfg = svc.cfg
+    size = req.size_gib
+    node = pool = None
+    if req.snapshot_id is not None:
+        snap = s.get(Snapshot, req.snapshot_id)
+        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
+            raise NotFound(f"The snapshot '{req.snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
+        # Touching the row inside this transaction makes a concurrent delete-snapshot wait for us.
+        hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
+                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+        if hit != 1:
+            raise IncorrectState(f"The snapshot '{snap.id}' is '{snap.status}'; it must be completed.")
+        size = size if size is not None else snap.volume_size_gib
+        if size < snap.volume_size_gib:
+            raise InvalidParameter(
+                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
+        node, pool = snap.storage_node, snap.pool
+    if size is None:
+        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    if size > cfg.max_volume_gib:
+        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
+    node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
+                             node=node, pool=pool)
+    now = utcnow()
+    volume = Volume(
+        id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
+        volume_type=req.volume_type, iops=req.iops, throughput=req.throughput, multi_attach=req.multi_attach,
+        placement=req.placement, storage_node=node, pool=pool, status=VolumeState.CREATING, progress=0,
+        client_token=req.client_token, request_digest=digest, created_at=now, updated_at=now,
+    )
+    s.add(volume)
+    s.flush()
+    set_tags(s, volume.id, req.tags, check=False)
+    op_id = svc.engine.begin(s, "create-volume", volume.id, {
+        "node": node, "pool": pool, "size_gib": size, "snapshot_id": req.snapshot_id})
+    return volume, op_id
+
+
+def delete_volume(svc: Services, volume_id: str) -> VolumeOut:
+    ids.check("volume", volume_id)
+    with svc.db.session() as s:
+        vol = s.get(Volume, volume_id)
+        if vol is None or vol.status == VolumeState.DELETED:
+            raise volume_not_found(volume_id)
+        if vol.status == VolumeState.IN_USE:
+            raise VolumeInUse(f"The volume '{volume_id}' is attached; detach it first.")
+        pending = exists().where(Snapshot.volume_id == volume_id, Snapshot.status == SnapshotState.PENDING)
+        if s.scalar(select(pending)):
+            raise IncorrectState(f"The volume '{volume_id}' has a snapshot in progress; delete it when it completes.")
+        live_attachment = exists().where(Attachment.volume_id == volume_id,
+                                         Attachment.status != AttachmentState.DETACHED)
+        transition(s, Volume, volume_id, [VolumeState.AVAILABLE, VolumeState.ERROR], VolumeState.DELETING,
+                   ~pending, ~live_attachment)
+        op_id = svc.engine.begin(s, "delete-volume", volume_id, {"node": vol.storage_node, "pool": vol.pool})
+        s.refresh(vol)
+        out = _describe_one(s, vol)
+    svc.engine.submit(op_id)
+    return out
+
+
+VOLUME_FILTERS = {
+    "status": flt.in_values(Volume.status),
+    "volume-id": flt.in_values(Volume.id),
+    "snapshot-id": flt.in_values(Volume.snapshot_id),
+    "size": flt.in_values(Volume.size_gib, int),
+    "volume-type": flt.in_values(Volume.volume_type),
+    "multi-attach-enabled": flt.in_values(Volume.multi_attach, lambda v: {"true": True, "false": False}[v]),
+    "storage-node": flt.in_values(Volume.storage_node),
+    "attachment.instance-id": lambda vals: exists().where(
+        Attachment.volume_id == Volume.id, Attachment.instance_id.in_(vals),
+        Attachment.status != AttachmentState.DETACHED),
+    "attachment.status": lambda vals: exists().where(Attachment.volume_id == Volume.id, Attachment.status.in_(vals)),
+    "attachment.device": lambda vals: exists().where(
+        Attachment.volume_id == Volume.id, Attachment.device.in_(vals),
+        Attachment.status != AttachmentState.DETACHED),
+}
+
+
+def describe_volumes(svc: Services, volume_ids: list[str], filters: dict[str, list[str]],
+                     max_results: int | None, next_token: str | None) -> VolumeList:
+    for vid in volume_ids:
+        ids.check("volume", vid)
+    if volume_ids and max_results is not None:
+        raise InvalidParameter("max-results cannot be combined with volume ids.")
+    retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
+    stmt = select(Volume).where(or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention),
+                                *flt.where_clauses(filters, Volume.id, VOLUME_FILTERS))
+    if volume_ids:
+        stmt = stmt.where(Volume.id.in_(volume_ids))
+    stmt = flt.paginate(stmt, Volume.id, max_results, next_token)
+    with svc.db.session() as s:
+        rows = list(s.scalars(stmt))
+        if volume_ids:
+            missing = sorted(set(volume_ids) - {v.id for v in rows})
+            if missing and not filters:
+                raise NotFound(f"The volume(s) '{', '.join(missing)}' do not exist.", code="InvalidVolume.NotFound")
+        rows, token = flt.page(rows, max_results, lambda v: v.id)
+        return VolumeList(volumes=_describe_many(s, rows), next_token=token)
+
+
+def get_volume(svc: Services, volume_id: str) -> VolumeOut:
+    return describe_volumes(svc, [volume_id], {}, None, None).volumes[0]
+
+
+def _describe_one(s: Session, vol: Volume) -> VolumeOut:
+    return _describe_many(s, [vol])[0]
+
+
+def _describe_many(s: Session, vols: list[Volume]) -> list[VolumeOut]:
+    vol_ids = [v.id for v in vols]
+    tags = flt.tags_of(s, vol_ids)
+    atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
+    if vol_ids:
+        for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(vol_ids),
+                                                    Attachment.status != AttachmentState.DETACHED)):
+            atts[a.volume_id].append(AttachmentOut(
+                attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host, vm_id=a.vm_id,
+                device=a.device, mode=a.mode, state=a.status, attach_time=a.created_at))
+    return [
+        VolumeOut(
+            volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,
+            volume_type=v.volume_type, iops=v.iops, throughput=v.throughput, multi_attach=v.multi_attach,
+            placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
+            storage_node=v.storage_node, pool=v.pool, created_at=v.created_at, tags=tags[v.id],
+            attachments=atts[v.id],
+        )
+        for v in vols
+    ]

@@ -1,0 +1,65 @@
+"""Volume workflows: create (rolls back if interrupted) and delete (rolls forward)."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+
+from vbs.controller.db import Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.states import VolumeState
+from vbs.controller.transitions import transition
+from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.waiting import until_ready
+
+
+def _agent(ctx: StepContext):  # type: ignore[no-untyped-def]
+    return ctx.services.storage.for_node(ctx.params["node"])
+
+
+def _set_progress(ctx: StepContext, progress: int) -> None:
+    with ctx.services.db.session() as s:
+        s.execute(update(Volume).where(Volume.id == ctx.resource_id, Volume.status == VolumeState.CREATING)
+                  .values(progress=progress, updated_at=utcnow()))
+
+
+def create_on_storage(ctx: StepContext) -> None:
+    p = ctx.params
+    agent = _agent(ctx)
+    until_ready(lambda: agent.ensure_volume(p["pool"], ctx.resource_id, p["size_gib"], p.get("snapshot_id")),
+                lambda pct: _set_progress(ctx, pct))
+
+
+def remove_from_storage(ctx: StepContext) -> None:
+    _agent(ctx).remove_volume(ctx.params["pool"], ctx.resource_id)
+
+
+def mark_available(ctx: StepContext) -> None:
+    with ctx.services.db.session() as s:
+        transition(s, Volume, ctx.resource_id, [VolumeState.CREATING], VolumeState.AVAILABLE, progress=100,
+                   status_reason=None)
+
+
+def mark_error(ctx: StepContext, reason: str) -> None:
+    with ctx.services.db.session() as s:
+        transition(s, Volume, ctx.resource_id, [VolumeState.CREATING], VolumeState.ERROR,
+                   status_reason=f"creation failed and was rolled back: {reason}"[:2000])
+
+
+def mark_deleted(ctx: StepContext) -> None:
+    with ctx.services.db.session() as s:
+        transition(s, Volume, ctx.resource_id, [VolumeState.DELETING], VolumeState.DELETED, deleted_at=utcnow())
+
+
+CREATE_VOLUME = Workflow(
+    kind="create-volume",
+    resume="rollback",
+    steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
+           Step("mark-available", mark_available)),
+    on_rollback=mark_error,
+)
+
+DELETE_VOLUME = Workflow(
+    kind="delete-volume",
+    resume="forward",
+    steps=(Step("storage-delete", remove_from_storage), Step("mark-deleted", mark_deleted)),
+)

@@ -1,0 +1,41 @@
+"""Waiting for a storage agent's background copy, reporting progress into the DB as it goes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from vbs.controller.storage_client import ItemStatus
+from vbs.errors import AgentUnavailable, DriverError
+
+POLL_INTERVAL_S = 0.25
+UNREACHABLE_LIMIT_S = 120.0
+
+
+def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], None]) -> ItemStatus:
+    """Repeat the idempotent ``ensure`` call until the item is ready.
+
+    Polling with ``ensure`` rather than a read keeps the copy going if the agent restarted midway
+    (it restarts an interrupted copy). An agent unreachable for too long fails the step.
+    """
+    last_progress = -1
+    unreachable_since: float | None = None
+    while True:
+        try:
+            status = ensure()
+            unreachable_since = None
+        except AgentUnavailable:
+            now = time.monotonic()
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since > UNREACHABLE_LIMIT_S:
+                raise
+            time.sleep(1.0)
+            continue
+        if status.state == "ready":
+            return status
+        if status.state == "error":
+            raise DriverError(status.error or "the storage agent reported an error")
+        if status.progress != last_progress:
+            on_progress(status.progress)
+            last_progress = status.progress
+        time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,97 @@
+"""The storage agent's HTTP API: idempotent ``ensure``/``remove`` calls keyed by volume/snapshot id.
+
+The agent keeps no records of its own: the controller's DB is the truth, and every call here may
+be repeated after a crash with the same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from vbs import ids
+from vbs.errors import NotFound
+from vbs.storage.backends.base import Backend
+from vbs.web import install_error_handlers, token_checker
+
+MAX_BYTES = 64 << 40
+
+
+class EnsureVolume(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    size_bytes: int = Field(ge=1, le=MAX_BYTES)
+    source_snapshot_id: str | None = None
+
+
+class ResizeVolume(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    size_bytes: int = Field(ge=1, le=MAX_BYTES)
+
+
+class EnsureSnapshot(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    volume_id: str
+
+
+def create_app(backends: dict[str, Backend], token: str | None, node_name: str) -> FastAPI:
+    app = FastAPI(title="VBS storage agent", version="1")
+    install_error_handlers(app)
+    router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
+
+    def pool(name: str) -> Backend:
+        try:
+            return backends[name]
+        except KeyError:
+            raise NotFound(f"no pool named {name[:64]!r} on {node_name}", code="InvalidPool.NotFound") from None
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok", "node": node_name}
+
+    @router.get("/pools")
+    def pools() -> list[dict[str, Any]]:
+        return [asdict(b.pool_info()) for b in backends.values()]
+
+    @router.put("/pools/{pool_name}/volumes/{volume_id}")
+    def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> dict[str, Any]:
+        ids.check("volume", volume_id)
+        if body.source_snapshot_id is not None:
+            ids.check("snapshot", body.source_snapshot_id)
+        return asdict(pool(pool_name).ensure_volume(volume_id, body.size_bytes, body.source_snapshot_id))
+
+    @router.get("/pools/{pool_name}/volumes/{volume_id}")
+    def volume_status(pool_name: str, volume_id: str) -> dict[str, Any]:
+        return asdict(pool(pool_name).volume_status(ids.check("volume", volume_id)))
+
+    @router.put("/pools/{pool_name}/volumes/{volume_id}/size")
+    def resize_volume(pool_name: str, volume_id: str, body: ResizeVolume) -> dict[str, Any]:
+        return asdict(pool(pool_name).resize_volume(ids.check("volume", volume_id), body.size_bytes))
+
+    @router.delete("/pools/{pool_name}/volumes/{volume_id}")
+    def remove_volume(pool_name: str, volume_id: str) -> dict[str, str]:
+        pool(pool_name).remove_volume(ids.check("volume", volume_id))
+        return {"state": "absent"}
+
+    @router.put("/pools/{pool_name}/snapshots/{snapshot_id}")
+    def ensure_snapshot(pool_name: str, snapshot_id: str, body: EnsureSnapshot) -> dict[str, Any]:
+        ids.check("snapshot", snapshot_id)
+        return asdict(pool(pool_name).ensure_snapshot(snapshot_id, ids.check("volume", body.volume_id)))
+
+    @router.get("/pools/{pool_name}/snapshots/{snapshot_id}")
+    def snapshot_status(pool_name: str, snapshot_id: str) -> dict[str, Any]:
+        return asdict(pool(pool_name).snapshot_status(ids.check("snapshot", snapshot_id)))
+
+    @router.delete("/pools/{pool_name}/snapshots/{snapshot_id}")
+    def remove_snapshot(pool_name: str, snapshot_id: str) -> dict[str, str]:
+        pool(pool_name).remove_snapshot(ids.check("snapshot", snapshot_id))
+        return {"state": "absent"}
+
+    @router.get("/inventory")
+    def inventory() -> dict[str, dict[str, list[str]]]:
+        return {name: b.inventory() for name, b in backends.items()}
+
+    app.include_router(router)
+    return app

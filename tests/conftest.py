@@ -1,0 +1,193 @@
+"""Shared fixtures: real VBS processes on free loopback ports in temporary directories.
+
+Every process a test starts is stopped by its PID at teardown; nothing is killed by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.loopfs import loop_filesystem
+
+VBS = [sys.executable, "-m", "vbs"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Any, timeout: float = 30.0, interval: float = 0.1, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Vbs:
+    """A running VBS install: its endpoint, data dir, and helpers to drive it by REST and CLI."""
+
+    def __init__(self, endpoint: str, data_dir: Path) -> None:
+        self.endpoint = endpoint
+        self.data_dir = data_dir
+        self.http = httpx.Client(base_url=endpoint, timeout=30)
+
+    @property
+    def pool(self) -> Path:
+        return self.data_dir / "pool"
+
+    def cli(self, *args: str, check: bool = True) -> Any:
+        """Run ``vbs -o json ARGS`` and return the parsed JSON (or the process if it failed)."""
+        env = {**os.environ, "VBS_ENDPOINT": self.endpoint}
+        proc = subprocess.run([*VBS, "-o", "json", *args], env=env, capture_output=True, text=True, timeout=120)
+        if check:
+            assert proc.returncode == 0, f"vbs {' '.join(args)} failed: {proc.stderr}"
+            return json.loads(proc.stdout) if proc.stdout.strip() else None
+        return proc
+
+    def volume(self, volume_id: str) -> dict[str, Any]:
+        r = self.http.get(f"/v1/volumes/{volume_id}")
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        r = self.http.get(f"/v1/snapshots/{snapshot_id}")
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def wait_volume(self, volume_id: str, status: str, timeout: float = 60) -> dict[str, Any]:
+        return wait_until(lambda: (v := self.volume(volume_id))["status"] == status and v, timeout,
+                          what=f"{volume_id} {status}")
+
+    def wait_snapshot(self, snapshot_id: str, status: str, timeout: float = 60) -> dict[str, Any]:
+        return wait_until(lambda: (s := self.snapshot(snapshot_id))["status"] == status and s, timeout,
+                          what=f"{snapshot_id} {status}")
+
+    def create_volume(self, **body: Any) -> dict[str, Any]:
+        r = self.http.post("/v1/volumes", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def all_volumes(self) -> list[dict[str, Any]]:
+        return self.http.get("/v1/volumes").json()["volumes"]  # type: ignore[no-any-return]
+
+
+class VbsUp:
+    """``vbs up`` as a child process, started and stopped by the test."""
+
+    def __init__(self, data_dir: Path, log: Path, extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.log_path = log
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Vbs:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
+                                      *self.extra], stdout=log, stderr=subprocess.STDOUT)
+        wait_until(lambda: b"VBS is up" in self.log_path.read_bytes() or self._died(), 90, what="vbs up")
+        assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+        return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
+
+    def _died(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGINT)
+
+
+@pytest.fixture
+def vbs_up(tmp_path: Path) -> Iterator[Vbs]:
+    """A fresh embedded install (controller + storage agent) on the ext4 root: the copy path."""
+    up = VbsUp(tmp_path / "var", tmp_path / "vbs-up.log")
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+@pytest.fixture
+def xfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a real XFS (reflink=1) made on a loop device for this test."""
+    with loop_filesystem(tmp_path, "xfs", size_mib=2048) as mnt:
+        yield mnt
+
+
+class Services:
+    """Controller and storage agent as separate processes (no supervisor), for crash tests."""
+
+    def __init__(self, tmp: Path, token: str = "test-token") -> None:
+        self.tmp = tmp
+        self.data_dir = tmp / "var"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "pool").mkdir(exist_ok=True)
+        self.port = free_port()
+        self.agent_port = free_port()
+        self.env = {**os.environ, "VBS_AGENT_TOKEN": token}
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
+
+    def _log(self, name: str) -> Any:
+        return (self.tmp / f"{name}.log").open("ab")
+
+    def start_controller(self, **env: str) -> None:
+        self.controller = subprocess.Popen(
+            [*VBS, "controller", "--port", str(self.port), "--data-dir", str(self.data_dir)],
+            env={**self.env, **env}, stdout=self._log("controller"), stderr=subprocess.STDOUT)
+        wait_until(lambda: self.vbs.http.get("/health").status_code == 200, 60, what="controller")
+
+    def start_agent(self) -> None:
+        self.agent = subprocess.Popen(
+            [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
+             "--controller-url", self.vbs.endpoint],
+            env=self.env, stdout=self._log("agent"), stderr=subprocess.STDOUT)
+        wait_until(lambda: any(n["state"] == "up" for n in
+                               self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
+
+    def stop(self) -> None:
+        for proc in (self.agent, self.controller):
+            if proc is not None:
+                stop_process(proc)
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[Services]:
+    svc = Services(tmp_path)
+    try:
+        yield svc
+    finally:
+        svc.stop()

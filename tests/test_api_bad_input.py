@@ -1,0 +1,130 @@
+"""Bad input at the API edge: a 4xx with the EBS code and a clear message, and nothing changed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import Vbs
+
+BAD_CREATES: list[tuple[Any, int, str]] = [
+    ({"size_gib": 0}, 400, "InvalidParameterValue"),
+    ({"size_gib": -5}, 400, "InvalidParameterValue"),
+    ({"size_gib": 10**9}, 400, "InvalidParameterValue"),
+    ({"size_gib": "1"}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1.5}, 400, "InvalidParameterValue"),
+    ({"size_gib": True}, 400, "InvalidParameterValue"),
+    ({}, 400, "MissingParameter"),
+    ({"size_gib": 1, "comment": "x" * 256}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "comment": "line\nbreak"}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "tags": {"k" * 129: "v"}}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "tags": {"k": "v" * 257}}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "tags": {"aws:name": "v"}}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "tags": {f"k{i}": "v" for i in range(51)}}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "tags": ["not", "a", "map"]}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "unknown_field": 1}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "snapshot_id": "snap-nothex"}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "snapshot_id": "snap-0123456789abcdef0"}, 404, "InvalidSnapshot.NotFound"),
+    ({"size_gib": 1, "volume_type": "floppy"}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "client_token": "x" * 65}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "placement": "moon"}, 400, "InvalidParameterValue"),
+    ({"size_gib": 1, "comment": "$(touch /tmp/vbs-pwned); `id`; | rm -rf /"}, 200, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def vbs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests.conftest import VbsUp
+
+    d = tmp_path_factory.mktemp("bad-input")
+    up = VbsUp(d / "var", d / "up.log")
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def _state(vbs: Vbs) -> tuple[list[Any], list[str]]:
+    return vbs.all_volumes(), sorted(p.name for p in (vbs.pool / "volumes").iterdir())
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD_CREATES)
+def test_create_volume_rejects_bad_input_and_changes_nothing(vbs: Vbs, body: Any, status: int, code: str) -> None:
+    before = _state(vbs)
+    r = vbs.http.post("/v1/volumes", json=body)
+    assert r.status_code == status, r.text
+    if status == 200:
+        # Shell metacharacters are literal data: stored and returned as given, never run.
+        assert r.json()["comment"] == body["comment"]
+        vbs.wait_volume(r.json()["volume_id"], "available")
+        vbs.http.delete(f"/v1/volumes/{r.json()['volume_id']}")
+        vbs.wait_volume(r.json()["volume_id"], "deleted")
+        return
+    err = r.json()["error"]
+    assert err["code"] == code
+    assert err["message"]
+    assert _state(vbs) == before
+
+
+def test_body_that_is_not_json_is_refused(vbs: Vbs) -> None:
+    r = vbs.http.post("/v1/volumes", content=b"{size_gib: 1", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "InvalidParameterValue"
+
+
+def test_oversized_body_is_refused(vbs: Vbs) -> None:
+    r = vbs.http.post("/v1/volumes", content=b"{" + b" " * (2 << 20) + b"}",
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize("bad_id", ["vol-123", "vol-0123456789ABCDEF0", "snap-0123456789abcdef0", "x" * 300,
+                                    "vol-0123456789abcdef0;rm"])
+def test_malformed_volume_ids_are_invalid_parameters(vbs: Vbs, bad_id: str) -> None:
+    for method, path in (("GET", f"/v1/volumes/{bad_id}"), ("DELETE", f"/v1/volumes/{bad_id}")):
+        r = vbs.http.request(method, path)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "InvalidParameterValue"
+        assert "expecting" in r.json()["error"]["message"]
+
+
+def test_unknown_ids_are_not_found(vbs: Vbs) -> None:
+    r = vbs.http.get("/v1/volumes/vol-0123456789abcdef0")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "InvalidVolume.NotFound")
+    r = vbs.http.delete("/v1/snapshots/snap-0123456789abcdef0")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "InvalidSnapshot.NotFound")
+    r = vbs.http.post("/v1/snapshots", json={"volume_id": "vol-0123456789abcdef0"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "InvalidVolume.NotFound")
+
+
+@pytest.mark.parametrize(("params", "fragment"), [
+    ({"filter": "nosuchfilter=1"}, "invalid"),
+    ({"filter": "noequals"}, "name=value"),
+    ({"max_results": 0}, "between"),
+    ({"max_results": 5000}, "between"),
+    ({"next_token": "garbage!"}, "token"),
+    ({"filter": "size=big"}, "filter value"),
+])
+def test_describe_rejects_bad_filters_and_paging(vbs: Vbs, params: dict[str, Any], fragment: str) -> None:
+    r = vbs.http.get("/v1/volumes", params=params)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "InvalidParameterValue"
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_wrong_states_answer_incorrect_state(vbs: Vbs) -> None:
+    vol = vbs.create_volume(size_gib=1)
+    vbs.wait_volume(vol["volume_id"], "available")
+    assert vbs.http.delete(f"/v1/volumes/{vol['volume_id']}").status_code == 200
+    r = vbs.http.delete(f"/v1/volumes/{vol['volume_id']}")
+    assert r.status_code in (404, 409)
+    assert r.json()["error"]["code"] in ("IncorrectState", "InvalidVolume.NotFound")
+    r = vbs.http.post("/v1/snapshots", json={"volume_id": vol["volume_id"]})
+    assert r.status_code in (404, 409)
+
+
+def test_cli_reports_api_errors_on_stderr_with_the_code(vbs: Vbs) -> None:
+    proc = vbs.cli("create-volume", "--size", "0", check=False)
+    assert proc.returncode == 1
+    assert "InvalidParameterValue" in proc.stderr

@@ -1,0 +1,112 @@
+"""Snapshots and volumes from snapshots: the copy path on the ext4 root (asynchronous, with progress)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from tests.conftest import Vbs, wait_until
+
+MIB = 1 << 20
+
+
+def fill(path: Path, mib: int, seed: bytes) -> str:
+    """Write ``mib`` MiB of a deterministic pattern at the start of ``path``; return its sha256."""
+    block = hashlib.sha256(seed).digest() * (MIB // 32)
+    h = hashlib.sha256()
+    with path.open("r+b") as fh:
+        for _ in range(mib):
+            fh.write(block)
+            h.update(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def digest(path: Path, mib: int) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for _ in range(mib):
+            h.update(fh.read(MIB))
+    return h.hexdigest()
+
+
+def test_snapshot_copy_is_pending_with_rising_progress_then_completed(vbs_up: Vbs) -> None:
+    vol = vbs_up.cli("create-volume", "--size", "4", "--wait")
+    vol_path = vbs_up.pool / "volumes" / f"{vol['volume_id']}.raw"
+    want = fill(vol_path, 1536, b"environment")
+    snap = vbs_up.cli("create-snapshot", vol["volume_id"], "--comment", "env")
+    assert snap["status"] == "pending"
+    seen = [snap["progress"]]
+    while (cur := vbs_up.snapshot(snap["snapshot_id"]))["status"] == "pending":
+        seen.append(cur["progress"])
+    assert cur["status"] == "completed" and cur["progress"] == 100
+    assert seen == sorted(seen), "progress never goes back"
+    snap_path = vbs_up.pool / "snapshots" / f"{snap['snapshot_id']}.raw"
+    assert digest(snap_path, 1536) == want
+    # The snapshot is independent of later writes to its volume.
+    fill(vol_path, 8, b"later")
+    assert digest(snap_path, 1536) == want
+
+
+def test_volume_from_snapshot_is_creating_then_available_with_the_data(vbs_up: Vbs) -> None:
+    vol = vbs_up.cli("create-volume", "--size", "2", "--wait")
+    want = fill(vbs_up.pool / "volumes" / f"{vol['volume_id']}.raw", 1024, b"software")
+    snap = vbs_up.cli("create-snapshot", vol["volume_id"], "--wait")
+    clone = vbs_up.create_volume(snapshot_id=snap["snapshot_id"], size_gib=3)
+    assert clone["status"] == "creating" and clone["size_gib"] == 3
+    done = vbs_up.wait_volume(clone["volume_id"], "available")
+    assert done["progress"] == 100 and done["snapshot_id"] == snap["snapshot_id"]
+    path = vbs_up.pool / "volumes" / f"{clone['volume_id']}.raw"
+    assert path.stat().st_size == 3 << 30
+    assert digest(path, 1024) == want
+
+
+def test_deleting_a_snapshot_that_a_creating_volume_copies_is_refused(vbs_up: Vbs) -> None:
+    vol = vbs_up.cli("create-volume", "--size", "4", "--wait")
+    fill(vbs_up.pool / "volumes" / f"{vol['volume_id']}.raw", 2048, b"big")
+    snap = vbs_up.cli("create-snapshot", vol["volume_id"], "--wait")
+    clone = vbs_up.create_volume(snapshot_id=snap["snapshot_id"])
+    r = vbs_up.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
+    if vbs_up.volume(clone["volume_id"])["status"] == "creating" or r.status_code == 409:
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "InvalidSnapshot.InUse"
+    vbs_up.wait_volume(clone["volume_id"], "available")
+    assert vbs_up.snapshot(snap["snapshot_id"])["status"] == "completed"
+    r = vbs_up.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
+    assert r.status_code == 200, r.text
+    wait_until(lambda: vbs_up.http.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404,
+               what="snapshot gone")
+
+
+def test_deleting_a_volume_keeps_its_snapshots_and_their_clones(vbs_up: Vbs) -> None:
+    vol = vbs_up.cli("create-volume", "--size", "1", "--wait")
+    want = fill(vbs_up.pool / "volumes" / f"{vol['volume_id']}.raw", 64, b"keep")
+    snap = vbs_up.cli("create-snapshot", vol["volume_id"], "--wait")
+    vbs_up.cli("delete-volume", vol["volume_id"], "--wait")
+    assert vbs_up.snapshot(snap["snapshot_id"])["status"] == "completed"
+    clone = vbs_up.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
+    assert digest(vbs_up.pool / "volumes" / f"{clone['volume_id']}.raw", 64) == want
+
+
+def test_restart_finds_every_volume_and_snapshot_again(tmp_path: Path) -> None:
+    from tests.conftest import VbsUp
+
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log")
+    vbs = up.start()
+    try:
+        vol = vbs.cli("create-volume", "--size", "1", "--comment", "persist", "--wait")
+        snap = vbs.cli("create-snapshot", vol["volume_id"], "--wait")
+    finally:
+        up.stop()
+    again = VbsUp(tmp_path / "var", tmp_path / "up2.log")
+    again.port = up.port
+    vbs = again.start()
+    try:
+        assert vbs.volume(vol["volume_id"])["comment"] == "persist"
+        assert vbs.snapshot(snap["snapshot_id"])["status"] == "completed"
+        clone = vbs.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
+        assert clone["status"] == "available"
+    finally:
+        again.stop()

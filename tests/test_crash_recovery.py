@@ -1,0 +1,160 @@
+"""Kill -9 the controller between workflow steps, restart it, and check the world agrees with the DB.
+
+``VBS_CRASH_AT=<workflow>:<step>:<started|done>`` makes the controller SIGKILL itself right after
+recording that point. Creates roll back (the volume or snapshot ends in ``error`` and nothing is left
+on the pool), deletes roll forward (the item is gone from the pool and ``deleted``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Services, wait_until
+
+
+def pool_items(pool: Path) -> dict[str, set[str]]:
+    """Every file in the pool, final or partial, by kind: nothing may hide from the check."""
+    out: dict[str, set[str]] = {"volumes": set(), "snapshots": set()}
+    for kind in out:
+        for p in (pool / kind).iterdir():
+            out[kind].add(p.name)
+    return out
+
+
+def db_rows(data_dir: Path) -> dict[str, dict[str, str]]:
+    with sqlite3.connect(data_dir / "vbs.db") as db:
+        return {
+            "volumes": dict(db.execute("SELECT id, status FROM volumes").fetchall()),
+            "snapshots": dict(db.execute("SELECT id, status FROM snapshots").fetchall()),
+            "operations": dict(db.execute("SELECT id, status FROM operations").fetchall()),
+        }
+
+
+def assert_world_agrees(svc: Services) -> None:
+    rows = db_rows(svc.data_dir)
+    files = pool_items(svc.data_dir / "pool")
+    for kind, live in (("volumes", {"available", "in-use"}), ("snapshots", {"completed"})):
+        expected = {f"{rid}.raw" for rid, status in rows[kind].items() if status in live}
+        assert files[kind] == expected, f"{kind}: files {files[kind]} vs rows {rows[kind]}"
+        transitional = {rid: s for rid, s in rows[kind].items() if s in ("creating", "deleting", "pending")}
+        assert not transitional, f"{kind} stuck in a transitional state: {transitional}"
+    running = {op: s for op, s in rows["operations"].items() if s in ("running", "rolling-back")}
+    assert not running, f"unfinished operations: {running}"
+
+
+def crash_and_recover(svc: Services, crash_at: str, action: Any) -> Any:
+    svc.start_controller(VBS_CRASH_AT=crash_at)
+    svc.start_agent()
+    result = action()
+    assert svc.controller is not None
+    svc.controller.wait(60)
+    assert svc.controller.returncode == -9, "the controller killed itself at the crash point"
+    svc.start_controller()
+    return result
+
+
+def _prepare_volume(svc: Services) -> str:
+    vol = svc.vbs.create_volume(size_gib=1)
+    svc.vbs.wait_volume(vol["volume_id"], "available")
+    with (svc.data_dir / "pool" / "volumes" / f"{vol['volume_id']}.raw").open("r+b") as fh:
+        fh.write(b"x" * (64 << 20))
+    return vol["volume_id"]
+
+
+@pytest.mark.parametrize("point", ["storage-create:started", "storage-create:done", "mark-available:started"])
+def test_create_volume_interrupted_rolls_back(services: Services, point: str) -> None:
+    vol = crash_and_recover(services, f"create-volume:{point}", lambda: services.vbs.create_volume(size_gib=1))
+    final = services.vbs.wait_volume(vol["volume_id"], "error", timeout=30)
+    assert "rolled back" in (final["status_reason"] or "")
+    assert_world_agrees(services)
+    # The service goes on: the same request works now, and the error volume can be deleted.
+    again = services.vbs.create_volume(size_gib=1)
+    services.vbs.wait_volume(again["volume_id"], "available")
+    assert services.vbs.http.delete(f"/v1/volumes/{vol['volume_id']}").status_code == 200
+    services.vbs.wait_volume(vol["volume_id"], "deleted")
+    assert_world_agrees(services)
+
+
+@pytest.mark.parametrize("point", ["storage-create:started", "storage-create:done"])
+def test_create_volume_from_snapshot_with_copy_interrupted_rolls_back(services: Services, point: str) -> None:
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    snap = services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json()
+    services.vbs.wait_snapshot(snap["snapshot_id"], "completed")
+    services.stop()
+    clone = crash_and_recover(services, f"create-volume:{point}",
+                              lambda: services.vbs.create_volume(snapshot_id=snap["snapshot_id"]))
+    services.vbs.wait_volume(clone["volume_id"], "error", timeout=30)
+    assert_world_agrees(services)
+
+
+@pytest.mark.parametrize("point", ["storage-snapshot:started", "storage-snapshot:done"])
+def test_create_snapshot_interrupted_rolls_back(services: Services, point: str) -> None:
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    services.stop()
+    snap = crash_and_recover(services, f"create-snapshot:{point}",
+                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json())
+    services.vbs.wait_snapshot(snap["snapshot_id"], "error", timeout=30)
+    assert_world_agrees(services)
+
+
+@pytest.mark.parametrize("point", ["storage-delete:started", "storage-delete:done", "mark-deleted:started"])
+def test_delete_volume_interrupted_rolls_forward(services: Services, point: str) -> None:
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    services.stop()
+    crash_and_recover(services, f"delete-volume:{point}",
+                      lambda: services.vbs.http.delete(f"/v1/volumes/{vol_id}").json())
+    services.vbs.wait_volume(vol_id, "deleted", timeout=30)
+    assert_world_agrees(services)
+
+
+@pytest.mark.parametrize("point", ["storage-delete:started", "storage-delete:done"])
+def test_delete_snapshot_interrupted_rolls_forward(services: Services, point: str) -> None:
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    snap = services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json()
+    services.vbs.wait_snapshot(snap["snapshot_id"], "completed")
+    services.stop()
+    crash_and_recover(services, f"delete-snapshot:{point}",
+                      lambda: services.vbs.http.delete(f"/v1/snapshots/{snap['snapshot_id']}").json())
+    wait_until(lambda: services.vbs.http.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404,
+               30, what="snapshot deleted")
+    assert_world_agrees(services)
+
+
+def test_create_waits_for_a_restarting_storage_agent(services: Services) -> None:
+    services.start_controller()
+    services.start_agent()
+    assert services.agent is not None
+    services.agent.kill()
+    services.agent.wait()
+    # The agent's last heartbeat is still fresh: the volume is placed there and waits for it.
+    vol = services.vbs.create_volume(size_gib=1)
+    assert services.vbs.volume(vol["volume_id"])["status"] == "creating"
+    services.start_agent()
+    services.vbs.wait_volume(vol["volume_id"], "available", timeout=30)
+    assert_world_agrees(services)
+
+
+def test_no_live_storage_node_refuses_create_and_changes_nothing(services: Services) -> None:
+    services.start_controller(VBS_CONTROLLER_HEARTBEAT_TIMEOUT_S="1.5")
+    services.start_agent()
+    assert services.agent is not None
+    services.agent.kill()
+    services.agent.wait()
+    wait_until(lambda: services.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]["state"] == "down",
+               10, what="node down")
+    r = services.vbs.http.post("/v1/volumes", json={"size_gib": 1})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "InsufficientVolumeCapacity"
+    assert services.vbs.all_volumes() == []
