@@ -142,7 +142,7 @@ def vbs_up(tmp_path: Path) -> Iterator[Vbs]:
 @pytest.fixture
 def xfs_dir(tmp_path: Path) -> Iterator[Path]:
     """A directory on a real XFS (reflink=1) made on a loop device for this test."""
-    with loop_filesystem(tmp_path, "xfs", size_mib=2048) as mnt:
+    with loop_filesystem(tmp_path, "xfs", size_mib=8192) as mnt:
         yield mnt
 
 

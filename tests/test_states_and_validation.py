@@ -1,0 +1,130 @@
+"""Unit tests: conditional state changes, lost races, ids, request validation and filters."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from pydantic import ValidationError
+
+from vbs import ids
+from vbs.controller import filters
+from vbs.controller.db import Base, Database, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.schemas import CreateSnapshotRequest, CreateVolumeRequest
+from vbs.controller.states import VOLUME_TRANSITIONS, VolumeState, volume_sources
+from vbs.controller.transitions import transition
+from vbs.errors import IncorrectState, InvalidParameter, NotFound
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Database:
+    d = Database.for_data_dir(tmp_path)
+    d.migrate()
+    return d
+
+
+def add_volume(db: Database, status: str = "available") -> str:
+    vid = ids.new_id("volume")
+    now = utcnow()
+    with db.session() as s:
+        s.add(Volume(id=vid, size_gib=1, comment="", volume_type="gp3", multi_attach=False, placement="shared",
+                     storage_node="n", pool="p", status=status, progress=0, created_at=now, updated_at=now))
+    return vid
+
+
+def status_of(db: Database, vid: str) -> str:
+    with db.session() as s:
+        return s.get(Volume, vid).status  # type: ignore[union-attr]
+
+
+def test_migrations_build_exactly_the_models(db: Database) -> None:
+    with db.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+
+
+def test_transition_moves_only_from_an_allowed_state(db: Database) -> None:
+    vid = add_volume(db, "available")
+    with db.session() as s:
+        transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.DELETING)
+    assert status_of(db, vid) == "deleting"
+    with pytest.raises(IncorrectState, match="'deleting'"), db.session() as s:
+        transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.IN_USE)
+    assert status_of(db, vid) == "deleting"
+
+
+def test_transition_of_an_unknown_row_is_not_found(db: Database) -> None:
+    with pytest.raises(NotFound) as err, db.session() as s:
+        transition(s, Volume, "vol-0123456789abcdef0", [VolumeState.AVAILABLE], VolumeState.DELETING)
+    assert err.value.code == "InvalidVolume.NotFound"
+
+
+def test_of_racing_transitions_exactly_one_wins(db: Database) -> None:
+    vid = add_volume(db, "available")
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def contender() -> None:
+        barrier.wait()
+        try:
+            with db.session() as s:
+                transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.DELETING)
+            result = "won"
+        except IncorrectState:
+            result = "lost"
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=contender) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["lost"] * 7 + ["won"]
+
+
+def test_state_table_matches_ebs() -> None:
+    assert volume_sources(VolumeState.DELETING) == {VolumeState.AVAILABLE, VolumeState.ERROR}
+    assert VOLUME_TRANSITIONS[VolumeState.DELETED] == frozenset()
+    assert VolumeState.IN_USE not in volume_sources(VolumeState.DELETING), "attached volumes are never deleted"
+
+
+def test_ids_are_ebs_shaped_and_checked() -> None:
+    vid = ids.new_id("volume")
+    assert ids.is_valid("volume", vid) and len(vid) == 21
+    assert ids.virtio_serial(vid) == vid.replace("-", "") and len(ids.virtio_serial(vid)) == 20
+    for bad in ["vol-", "vol-0123456789abcdef", "VOL-0123456789abcdef0", "vol-0123456789abcdefg", 5, None]:
+        assert not ids.is_valid("volume", bad)
+    with pytest.raises(InvalidParameter):
+        ids.check("snapshot", vid)
+
+
+@pytest.mark.parametrize("body", [
+    {"size_gib": 0}, {"size_gib": 16385}, {"size_gib": "1"}, {"size_gib": 1, "extra": True},
+    {"size_gib": 1, "comment": "\x00"}, {"size_gib": 1, "tags": {"": "v"}}, {"size_gib": 1, "iops": 5},
+    {"size_gib": 1, "snapshot_id": "vol-0123456789abcdef0"},
+])
+def test_create_volume_request_rejects(body: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        CreateVolumeRequest.model_validate_json(__import__("json").dumps(body))
+
+
+def test_create_requests_accept_the_documented_shapes() -> None:
+    req = CreateVolumeRequest.model_validate({"size_gib": 8, "comment": "ok ünïcode", "tags": {"a": ""},
+                                              "multi_attach": True, "client_token": "abc-123"})
+    assert req.size_gib == 8 and req.volume_type == "gp3"
+    assert CreateSnapshotRequest.model_validate({"volume_id": "vol-0123456789abcdef0"}).comment == ""
+
+
+def test_filters_parse_and_tokens_round_trip() -> None:
+    assert filters.parse_filters(["status=available,in-use", "tag:team=db"]) == {
+        "status": ["available", "in-use"], "tag:team": ["db"]}
+    with pytest.raises(InvalidParameter):
+        filters.parse_filters(["status"])
+    assert filters.decode_token(filters.encode_token("vol-0123456789abcdef0")) == "vol-0123456789abcdef0"
+    with pytest.raises(InvalidParameter):
+        filters.decode_token("bm9wZQ")
