@@ -55,6 +55,21 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
         proc.wait()
 
 
+def reap_daemons(state_dir: Path) -> None:
+    """Stop export daemons an agent killed with SIGKILL left behind, by the PID in their pidfiles.
+
+    Only a process whose command line names this state directory is signalled (no PID-reuse accidents).
+    """
+    for pidfile in state_dir.rglob("*.pid"):
+        try:
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if str(state_dir).encode() in cmdline:
+            os.kill(pid, signal.SIGKILL)
+
+
 class Vbs:
     """A running VBS install: its endpoint, data dir, and helpers to drive it by REST and CLI."""
 
@@ -127,6 +142,7 @@ class VbsUp:
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, signal.SIGINT)
+        reap_daemons(self.data_dir / "storage-state")
 
 
 @pytest.fixture
@@ -156,6 +172,7 @@ class Services:
         (self.data_dir / "pool").mkdir(exist_ok=True)
         self.port = free_port()
         self.agent_port = free_port()
+        self.nbd_port = free_port()
         self.env = {**os.environ, "VBS_AGENT_TOKEN": token}
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
@@ -173,7 +190,8 @@ class Services:
     def start_agent(self) -> None:
         self.agent = subprocess.Popen(
             [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
-             "--controller-url", self.vbs.endpoint],
+             "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
+             "--nbd-port", str(self.nbd_port)],
             env=self.env, stdout=self._log("agent"), stderr=subprocess.STDOUT)
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
@@ -182,6 +200,7 @@ class Services:
         for proc in (self.agent, self.controller):
             if proc is not None:
                 stop_process(proc)
+        reap_daemons(self.data_dir / "storage-state")
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ class ControllerConfig(_Section):
     max_volume_gib: int = Field(16384, ge=1)
     overcommit_ratio: float = Field(4.0, gt=0)
     retry_interval_s: float = Field(2.0, gt=0)
+    detach_timeout_s: float = Field(10.0, gt=0, le=600)
 
 
 class StorageAgentConfig(_Section):
@@ -49,6 +50,27 @@ class StorageAgentConfig(_Section):
     pool_path: Path = Path("./var/pool")
     clone_method: Literal["reflink", "copy"] | None = None
     heartbeat_interval_s: float = Field(5.0, gt=0)
+    state_dir: Path = Path("./var/storage-state")
+    export: Literal["nbd", "iscsi"] = "nbd"
+    export_host: str = "127.0.0.1"
+    nbd_port: int = Field(10809, ge=1, le=65535)
+    nbd_tls: bool = False
+    iscsi_port: int = Field(3260, ge=1, le=65535)
+    iscsi_control: int = Field(7, ge=0, le=65535)
+
+
+class HostAgentConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8772, ge=1, le=65535)
+    node_name: str = Field("host-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
+    controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
+    advertise_url: str | None = None
+    agent_token: str | None = None
+    address: str = "127.0.0.1"
+    initiator_name: str | None = None
+    vm_dir: Path = Path("./var/vms")
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    qmp_timeout_s: float = Field(10.0, gt=0)
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

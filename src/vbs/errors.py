@@ -18,6 +18,7 @@ __all__ = [
     "InsufficientCapacity",
     "DriverError",
     "AgentUnavailable",
+    "AgentUnreachable",
     "AuthFailure",
 ]
 
@@ -94,6 +95,10 @@ class AgentUnavailable(VbsError):
 
     code = "AgentUnavailable"
     status = 503
+
+
+class AgentUnreachable(AgentUnavailable):
+    """The request never reached the agent (connection refused): nothing can have happened there."""
 
 
 class AuthFailure(VbsError):

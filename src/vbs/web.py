@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vbs.errors import AgentUnavailable, AuthFailure, InvalidParameter, MissingParameter, VbsError
+from vbs.errors import AgentUnavailable, AgentUnreachable, AuthFailure, InvalidParameter, MissingParameter, VbsError
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class ApiClient:
             kwargs["timeout"] = timeout
         try:
             resp = self._http.request(method, path, **kwargs)
+        except httpx.ConnectError as exc:
+            raise AgentUnreachable(f"{self.base_url}: connection refused ({method} {path})") from exc
         except httpx.TimeoutException as exc:
             raise AgentUnavailable(f"{self.base_url}: no answer in time ({method} {path})") from exc
         except httpx.HTTPError as exc:

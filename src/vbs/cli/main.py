@@ -7,6 +7,7 @@ Client commands talk to a controller (``--endpoint`` or ``VBS_ENDPOINT``, defaul
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,6 +135,87 @@ def describe_volumes(
     output.emit(body["volumes"], c.fmt, output.VOLUME_COLUMNS)
     if body.get("next_token"):
         print(f"next token: {body['next_token']}")
+
+
+@app.command("attach-volume")
+def attach_volume(
+    ctx: typer.Context,
+    volume_id: str,
+    host: Annotated[str | None, typer.Option(help="Hypervisor node (with --vm).")] = None,
+    vm: Annotated[str | None, typer.Option(help="VM id on that host (its QMP socket name).")] = None,
+    instance: Annotated[str | None, typer.Option(help="Instance id i-… (instead of --host/--vm).")] = None,
+    device: Annotated[str, typer.Option(help="Device name to record (the guest picks its own).")] = "vdb",
+    read_only: Annotated[bool, typer.Option("--read-only")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until attached.")] = False,
+) -> None:
+    """Hot-plug a volume into a running VM."""
+    c: Context = ctx.obj
+    body: dict[str, Any] = {"device": device, "read_only": read_only}
+    for key, value in (("host", host), ("vm_id", vm), ("instance_id", instance)):
+        if value is not None:
+            body[key] = value
+    att = c.client.call("POST", f"/v1/volumes/{volume_id}/attach", body)
+    if wait:
+        att = _wait_attachment(c, volume_id, att["attachment_id"], "attaching")
+    output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
+    if att["state"] not in ("attaching", "attached"):
+        raise typer.Exit(1)
+
+
+@app.command("detach-volume")
+def detach_volume(
+    ctx: typer.Context,
+    volume_id: str,
+    instance: Annotated[str | None, typer.Option(help="Instance id, where the volume has several.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Unplug without waiting for the guest.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until detached (or busy).")] = False,
+) -> None:
+    """Unplug a volume from its VM, then remove its export."""
+    c: Context = ctx.obj
+    body: dict[str, Any] = {"force": force}
+    if instance is not None:
+        body["instance_id"] = instance
+    att = c.client.call("POST", f"/v1/volumes/{volume_id}/detach", body)
+    if wait:
+        att = _wait_attachment(c, volume_id, att["attachment_id"], "detaching")
+    output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
+    if att["state"] == "busy":
+        raise typer.Exit(1)
+
+
+def _wait_attachment(c: Context, volume_id: str, attachment_id: str, busy_state: str) -> dict[str, Any]:
+    while True:
+        vol = c.client.call("GET", f"/v1/volumes/{volume_id}")
+        att = next((a for a in vol["attachments"] if a["attachment_id"] == attachment_id), None)
+        if att is None:
+            # Gone from the live attachments: detached (or an attach that rolled back).
+            return {"attachment_id": attachment_id, "volume_id": volume_id, "instance_id": None, "host": "",
+                    "vm_id": "", "device": "", "mode": "", "state": "detached", "attach_time": ""}
+        if att["state"] != busy_state:
+            return att  # type: ignore[no-any-return]
+        time.sleep(0.1)
+
+
+@app.command("describe-hosts")
+def describe_hosts(ctx: typer.Context) -> None:
+    """Hypervisor nodes and how many VMs each reports."""
+    c: Context = ctx.obj
+    body = c.client.call("GET", "/v1/hosts")
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+    else:
+        output.emit(body["hosts"], c.fmt, output.HOST_COLUMNS)
+
+
+@app.command("describe-instances")
+def describe_instances(ctx: typer.Context) -> None:
+    """The VMs host agents discovered, with their attached volumes."""
+    c: Context = ctx.obj
+    body = c.client.call("GET", "/v1/instances")
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+    else:
+        output.emit(body["instances"], c.fmt, output.INSTANCE_COLUMNS)
 
 
 # -- snapshots -------------------------------------------------------------------------------------
@@ -267,6 +349,11 @@ def storage_agent(
     controller_url: Annotated[str | None, typer.Option()] = None,
     pool_path: Annotated[Path | None, typer.Option()] = None,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
+    export: Annotated[str | None, typer.Option(help="nbd | iscsi")] = None,
+    nbd_port: Annotated[int | None, typer.Option()] = None,
+    iscsi_port: Annotated[int | None, typer.Option()] = None,
+    iscsi_control: Annotated[int | None, typer.Option(help="tgtd control number (-C).")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run a storage agent (backends and exports of one volume server)."""
@@ -277,7 +364,31 @@ def storage_agent(
     logs.setup("storage-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
-        "pool_path": pool_path, "clone_method": clone_method})
+        "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "export": export,
+        "nbd_port": nbd_port, "iscsi_port": iscsi_port, "iscsi_control": iscsi_control})
+    serve(cfg)
+
+
+@app.command("host-agent")
+def host_agent(
+    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    node_name: Annotated[str | None, typer.Option()] = None,
+    controller_url: Annotated[str | None, typer.Option()] = None,
+    vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
+    address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
+    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+) -> None:
+    """Run a host agent (hot-plug into the VMs of one hypervisor node)."""
+    from vbs import config as cfgmod
+    from vbs import logs
+    from vbs.host.service import serve
+
+    logs.setup("host-agent", json_lines=log_json)
+    cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", config_file=config, overrides={
+        "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
+        "address": address})
     serve(cfg)
 
 
@@ -287,12 +398,16 @@ def up(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = DEFAULT_CONTROLLER_PORT,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
+    export: Annotated[str, typer.Option(help="nbd | iscsi")] = "nbd",
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
-    """Run the embedded default: controller + storage agent on this machine, until Ctrl-C."""
+    """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
     from vbs.cli.up import run_embedded
 
-    raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, log_json=log_json))
+    if export not in ("nbd", "iscsi"):
+        raise typer.BadParameter("--export must be nbd or iscsi")
+    raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
+                                  log_json=log_json))
 
 
 def main() -> None:

@@ -50,6 +50,35 @@ SNAPSHOT_COLUMNS: list[Column] = [
     ("Started", lambda s: s["started_at"][:19]),
 ]
 
+ATTACHMENT_COLUMNS: list[Column] = [
+    ("AttachmentId", lambda a: a["attachment_id"]),
+    ("VolumeId", lambda a: a["volume_id"]),
+    ("Instance", lambda a: a["instance_id"] or ""),
+    ("Host", lambda a: a["host"]),
+    ("VM", lambda a: a["vm_id"]),
+    ("Device", lambda a: a["device"]),
+    ("Mode", lambda a: a["mode"]),
+    ("State", lambda a: a["state"]),
+]
+
+HOST_COLUMNS: list[Column] = [
+    ("Name", lambda h: h["name"]),
+    ("State", lambda h: h["state"]),
+    ("Address", lambda h: h["address"]),
+    ("URL", lambda h: h["url"]),
+    ("VMs", lambda h: h["instances"]),
+    ("Last heartbeat", lambda h: h["last_heartbeat"][:19]),
+]
+
+INSTANCE_COLUMNS: list[Column] = [
+    ("InstanceId", lambda i: i["instance_id"]),
+    ("Host", lambda i: i["host"]),
+    ("VM", lambda i: i["vm_id"]),
+    ("Name", lambda i: i["name"]),
+    ("State", lambda i: i["state"]),
+    ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
+]
+
 NODE_COLUMNS: list[Column] = [
     ("Name", lambda n: n["name"]),
     ("State", lambda n: n["state"]),

@@ -1,4 +1,4 @@
-"""``vbs up``: the embedded default — controller and storage agent as supervised child processes.
+"""``vbs up``: the embedded default — controller, storage agent and host agent as supervised children.
 
 Same code paths as a multi-node install (the agent is reached over HTTP with a shared token); the
 children run in their own sessions so that Ctrl-C reaches only this supervisor, which stops them
@@ -89,7 +89,7 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 
 
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
-                 log_json: bool = False) -> int:
+                 export: str = "nbd", log_json: bool = False) -> int:
     data_dir = data_dir.resolve()
     (data_dir / "pool").mkdir(parents=True, exist_ok=True)
     endpoint = f"http://{host}:{port}"
@@ -100,11 +100,17 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
                                       "--data-dir", str(data_dir), *flags], env)
     agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
-                  "--pool-path", str(data_dir / "pool"), *flags]
+                  "--pool-path", str(data_dir / "pool"), "--state-dir", str(data_dir / "storage-state"),
+                  "--export", export, "--nbd-port", str(free_port(host)), "--iscsi-port", str(free_port(host)),
+                  "--iscsi-control", str(agent_port), *flags]
     if clone_method:
         agent_argv += ["--clone-method", clone_method]
     agent = Child("storage-agent", agent_argv, env)
-    children = [controller, agent]
+    host_port = free_port(host)
+    host_agent = Child("host-agent", [*exe, "host-agent", "--host", host, "--port", str(host_port),
+                                      "--controller-url", endpoint, "--vm-dir", str(data_dir / "vms"),
+                                      "--address", host, *flags], env)
+    children = [controller, agent, host_agent]
 
     stopping = False
 
@@ -119,13 +125,17 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
         _wait_until(lambda: httpx.get(f"{endpoint}/health", timeout=1).status_code == 200, 60, "the controller",
                     [controller])
         agent.start()
+        host_agent.start()
 
-        def storage_up() -> bool:
+        def agents_up() -> bool:
             nodes = httpx.get(f"{endpoint}/v1/storage-nodes", timeout=2).json()["storage_nodes"]
-            return any(n["state"] == "up" and n["url"].endswith(f":{agent_port}") for n in nodes)
+            hosts = httpx.get(f"{endpoint}/v1/hosts", timeout=2).json()["hosts"]
+            return any(n["state"] == "up" and n["url"].endswith(f":{agent_port}") for n in nodes) and any(
+                h["state"] == "up" and h["url"].endswith(f":{host_port}") for h in hosts)
 
-        _wait_until(storage_up, 60, "the storage agent", children)
-        print(f"VBS is up: endpoint {endpoint}, data in {data_dir} (Ctrl-C stops)", flush=True)
+        _wait_until(agents_up, 60, "the agents", children)
+        print(f"VBS is up: endpoint {endpoint}, data in {data_dir}, VMs found in {data_dir / 'vms'} "
+              "(Ctrl-C stops)", flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import snapshots, tags, volumes
+from vbs.controller import attachments, snapshots, tags, volumes
 from vbs.controller.db import Operation, OperationStep
 from vbs.controller.filters import parse_filters
-from vbs.controller.nodes import describe_storage_nodes, record_storage_heartbeat
+from vbs.controller.nodes import describe_hosts, describe_storage_nodes, record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.schemas import (
+    AttachmentOut,
+    AttachVolumeRequest,
     CreateSnapshotRequest,
     CreateTagsRequest,
     CreateVolumeRequest,
     DeleteTagsRequest,
+    DetachVolumeRequest,
+    HostHeartbeat,
+    HostList,
+    InstanceList,
     OperationOut,
     SnapshotList,
     SnapshotOut,
@@ -25,7 +33,7 @@ from vbs.controller.schemas import (
     VolumeOut,
 )
 from vbs.controller.services import Services
-from vbs.errors import NotFound
+from vbs.errors import InvalidParameter, NotFound
 from vbs.web import token_checker
 
 
@@ -57,6 +65,23 @@ def public_router() -> APIRouter:
     @r.delete("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
     def delete_volume(volume_id: str, svc: Services = Depends(services)) -> VolumeOut:
         return volumes.delete_volume(svc, volume_id)
+
+    @r.post("/volumes/{volume_id}/attach", response_model=AttachmentOut, tags=["volumes"])
+    def attach_volume(volume_id: str, body: AttachVolumeRequest, svc: Services = Depends(services)) -> AttachmentOut:
+        return attachments.attach_volume(svc, volume_id, body)
+
+    @r.post("/volumes/{volume_id}/detach", response_model=AttachmentOut, tags=["volumes"])
+    def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Services = Depends(services)) -> AttachmentOut:
+        return attachments.detach_volume(svc, volume_id, body)
+
+    @r.get("/hosts", response_model=HostList, tags=["nodes"])
+    def hosts(svc: Services = Depends(services)) -> HostList:
+        with svc.db.session() as s:
+            return HostList(hosts=describe_hosts(s, svc.cfg.heartbeat_timeout_s))
+
+    @r.get("/instances", response_model=InstanceList, tags=["nodes"])
+    def instances(svc: Services = Depends(services)) -> InstanceList:
+        return InstanceList(instances=attachments.describe_instances(svc))
 
     @r.post("/snapshots", response_model=SnapshotOut, tags=["snapshots"])
     def create_snapshot(body: CreateSnapshotRequest, svc: Services = Depends(services)) -> SnapshotOut:
@@ -122,6 +147,22 @@ def internal_router(token: str | None) -> APIRouter:
     def storage_heartbeat(body: StorageHeartbeat, svc: Services = Depends(services)) -> dict[str, str]:
         with svc.db.session() as s:
             record_storage_heartbeat(s, body)
+        return {"status": "ok"}
+
+    if os.environ.get("VBS_TEST_HOOKS") == "1":
+
+        @r.post("/test/fail-step")
+        def fail_step(body: dict[str, str], svc: Services = Depends(services)) -> dict[str, str]:
+            when = body.get("when", "before")
+            if when not in ("before", "after"):
+                raise InvalidParameter("when must be before or after")
+            svc.engine.inject_failure(str(body["kind"]), str(body["step"]), when)  # type: ignore[arg-type]
+            return {"status": "armed"}
+
+    @r.post("/host-heartbeat")
+    def host_heartbeat(body: HostHeartbeat, svc: Services = Depends(services)) -> dict[str, str]:
+        with svc.db.session() as s:
+            record_host_heartbeat(s, body)
         return {"status": "ok"}
 
     return r

@@ -12,20 +12,21 @@ from fastapi import FastAPI
 from sqlalchemy import delete, select
 
 from vbs.config import ControllerConfig
+from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.db import Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
-from vbs.controller.storage_client import StorageAgents
 from vbs.controller.workflows import WorkflowEngine
+from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.web import install_error_handlers
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT]
+WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME]
 
 
 def database_for(cfg: ControllerConfig) -> Database:
@@ -47,7 +48,7 @@ def purge_deleted(db: Database, retention_s: int) -> int:
 def create_app(cfg: ControllerConfig) -> FastAPI:
     db = database_for(cfg)
     db.migrate()
-    svc = Services(cfg=cfg, db=db, storage=StorageAgents(db, cfg.agent_token))
+    svc = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
     svc.engine = WorkflowEngine(db, WORKFLOWS, svc, threads=cfg.workflow_threads, retry_interval=cfg.retry_interval_s)
     stop = threading.Event()
 
@@ -65,7 +66,7 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
         yield
         stop.set()
         svc.engine.stop()
-        svc.storage.close()
+        svc.agents.close()
         db.dispose()
 
     app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)

@@ -7,9 +7,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from vbs.controller.db import Node
+from vbs import ids
+from vbs.controller.db import Instance, Node
 from vbs.controller.db.tables import utcnow
-from vbs.controller.schemas import PoolOut, StorageHeartbeat, StorageNodeOut
+from vbs.controller.schemas import HostHeartbeat, HostOut, PoolOut, StorageHeartbeat, StorageNodeOut
 from vbs.errors import InsufficientCapacity
 
 GIB = 1 << 30
@@ -68,3 +69,48 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
         where = f" on storage node {node}" if node else ""
         raise InsufficientCapacity(f"There is not enough live capacity{where} for a {size_gib} GiB volume.")
     return best[1], best[2]
+
+
+def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
+    """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
+    now = utcnow()
+    node = session.get(Node, (hb.name, "host"))
+    info = {"initiator_name": hb.initiator_name}
+    if node is None:
+        session.add(Node(name=hb.name, kind="host", url=hb.url, address=hb.address, info=info,
+                         started_at=hb.started_at, last_heartbeat=now))
+    else:
+        node.url, node.address, node.info, node.started_at, node.last_heartbeat = (
+            hb.url, hb.address, info, hb.started_at, now)
+    if hb.vms is None:
+        return
+    known = {i.vm_id: i for i in session.scalars(select(Instance).where(Instance.host == hb.name))}
+    reported = {vm.vm_id: vm for vm in hb.vms}
+    for vm in hb.vms:
+        inst = known.get(vm.vm_id)
+        state = "running" if vm.running else "stopped"
+        if inst is None:
+            session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
+                                 state=state, first_seen=now, last_seen=now))
+        else:
+            inst.state, inst.last_seen, inst.name = state, now, vm.name or vm.vm_id
+    for vm_id, inst in known.items():
+        if vm_id not in reported and inst.state != "gone":
+            inst.state = "gone"
+
+
+def host_is_alive(session: Session, name: str, timeout_s: float) -> bool:
+    node = session.get(Node, (name, "host"))
+    return node is not None and _alive(node, timeout_s, utcnow())
+
+
+def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
+    now = utcnow()
+    counts: dict[str, int] = {}
+    for host in session.scalars(select(Instance.host).where(Instance.state != "gone")):
+        counts[host] = counts.get(host, 0) + 1
+    return [
+        HostOut(name=n.name, url=n.url, address=n.address, state="up" if _alive(n, timeout_s, now) else "down",
+                last_heartbeat=n.last_heartbeat, instances=counts.get(n.name, 0))
+        for n in session.scalars(select(Node).where(Node.kind == "host").order_by(Node.name))
+    ]

@@ -206,3 +206,67 @@ class StorageHeartbeat(_Request):
     started_at: datetime
     pools: list[PoolReport] = Field(max_length=64)
     exports: list[str] = Field(default_factory=list)
+
+
+DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"
+
+
+class AttachVolumeRequest(_Request):
+    """Either ``instance_id``, or ``host`` and ``vm_id`` together."""
+
+    instance_id: str | None = Field(None, max_length=32, pattern=r"^i-[0-9a-f]{17}$")
+    host: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
+    vm_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    device: str = Field("vdb", pattern=DEVICE_RE)
+    read_only: bool = False
+
+
+class DetachVolumeRequest(_Request):
+    instance_id: str | None = Field(None, max_length=32, pattern=r"^i-[0-9a-f]{17}$")
+    force: bool = False
+
+
+class VmReport(_Request):
+    model_config = ConfigDict(extra="forbid", strict=False)
+    vm_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    name: str = Field("", max_length=255)
+    running: bool
+
+
+class HostHeartbeat(_Request):
+    """What a host agent reports: its address for export ACLs and the VMs it can manage."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
+    url: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$")
+    address: str = Field(max_length=255)
+    initiator_name: str | None = Field(None, max_length=223)
+    started_at: datetime
+    vms: list[VmReport] | None = Field(None, max_length=4096)
+
+
+class InstanceOut(BaseModel):
+    instance_id: str
+    host: str
+    vm_id: str
+    name: str
+    state: str
+    volumes: list[AttachmentOut]
+
+
+class HostOut(BaseModel):
+    name: str
+    url: str
+    address: str
+    state: str
+    last_heartbeat: datetime
+    instances: int
+
+
+class HostList(BaseModel):
+    hosts: list[HostOut]
+
+
+class InstanceList(BaseModel):
+    instances: list[InstanceOut]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vbs.config import ControllerConfig
+from vbs.controller.agents import AgentDirectory
 from vbs.controller.db import Database
-from vbs.controller.storage_client import StorageAgents
 
 if TYPE_CHECKING:
     from vbs.controller.workflows import WorkflowEngine
@@ -17,5 +17,5 @@ if TYPE_CHECKING:
 class Services:
     cfg: ControllerConfig
     db: Database
-    storage: StorageAgents
+    agents: AgentDirectory
     engine: WorkflowEngine = field(init=False)

@@ -35,6 +35,7 @@ class OperationState(StrEnum):
     ROLLING_BACK = "rolling-back"
     SUCCEEDED = "succeeded"
     ROLLED_BACK = "rolled-back"
+    FAILED = "failed"
 
 
 VOLUME_TRANSITIONS: dict[VolumeState, frozenset[VolumeState]] = {

@@ -13,8 +13,10 @@ from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from vbs import ids
-from vbs.errors import NotFound
+from vbs.connection import HOST_NAME_RE, HostIdentity
+from vbs.errors import InvalidParameter, NotFound
 from vbs.storage.backends.base import Backend
+from vbs.storage.exports.base import ExportDriver
 from vbs.web import install_error_handlers, token_checker
 
 MAX_BYTES = 64 << 40
@@ -36,7 +38,14 @@ class EnsureSnapshot(BaseModel):
     volume_id: str
 
 
-def create_app(backends: dict[str, Backend], token: str | None, node_name: str) -> FastAPI:
+class EnsureExport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pool: str
+    host: HostIdentity
+    read_only: bool = False
+
+
+def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str | None, node_name: str) -> FastAPI:
     app = FastAPI(title="VBS storage agent", version="1")
     install_error_handlers(app)
     router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
@@ -92,6 +101,27 @@ def create_app(backends: dict[str, Backend], token: str | None, node_name: str) 
     @router.get("/inventory")
     def inventory() -> dict[str, dict[str, list[str]]]:
         return {name: b.inventory() for name, b in backends.items()}
+
+    @router.put("/exports/{volume_id}/hosts/{host_name}")
+    def ensure_export(volume_id: str, host_name: str, body: EnsureExport) -> dict[str, Any]:
+        ids.check("volume", volume_id)
+        if body.host.name != host_name:
+            raise InvalidParameter("the host in the path and in the body differ")
+        path = pool(body.pool).volume_path(volume_id)
+        conn = exports.ensure_export(volume_id, path, body.host, read_only=body.read_only)
+        return {"connection": conn.model_dump(mode="json")}
+
+    @router.delete("/exports/{volume_id}/hosts/{host_name}")
+    def remove_export(volume_id: str, host_name: str) -> dict[str, str]:
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name {host_name[:64]!r}")
+        exports.remove_export(volume_id, host_name)
+        return {"state": "absent"}
+
+    @router.get("/exports")
+    def list_exports() -> list[dict[str, str]]:
+        return [asdict(e) for e in exports.list_exports()]
 
     app.include_router(router)
     return app

@@ -6,8 +6,10 @@ its resource. When the controller starts it resumes every unfinished operation: 
 ``resume="rollback"`` (create, attach) undo what they did, those that ``resume="forward"`` (delete,
 detach) carry on. Agent calls are idempotent, so repeating a step after a crash is safe.
 
-Test hook: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
-point, to prove recovery.
+Test hooks: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
+point, to prove recovery; ``inject_failure(kind, step, when)`` (reachable over the internal API
+only when the controller runs with ``VBS_TEST_HOOKS=1``) makes one step fail before or after its
+call, to prove rollback.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vbs import ids
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.db.tables import utcnow
 from vbs.controller.states import OperationState
+from vbs.errors import AgentUnreachable, DriverError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class Workflow:
     resume: Literal["rollback", "forward"]
     steps: tuple[Step, ...]
     on_rollback: Callable[[StepContext, str], None] | None = None
+    # For roll-forward workflows: a failure this accepts as final stops the operation (no retry).
+    gives_up: Callable[[StepContext, Exception], bool] | None = None
     step_index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,7 @@ class WorkflowEngine:
         self._inflight: set[str] = set()
         self._lock = threading.Lock()
         self._crash_at = _crash_point()
+        self._fail_at: set[tuple[str, str, str]] = set()
         self._retry_interval = retry_interval
         self._stop = threading.Event()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="workflow-retry", daemon=True)
@@ -167,18 +173,26 @@ class WorkflowEngine:
             self._set_step(ctx, pos, "started")
             self._maybe_crash(workflow.kind, step.name, "started")
             try:
+                self._maybe_fail(workflow.kind, step.name, "before")
                 step.do(ctx)
+                self._maybe_fail(workflow.kind, step.name, "after")
             except Exception as exc:
                 message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 log.warning("operation %s (%s) step %s failed: %s", ctx.operation_id, workflow.kind,
                             step.name, message)
                 if not hasattr(exc, "code"):
                     log.exception("unexpected error in step %s", step.name)
-                self._set_step(ctx, pos, "started", error=message)
                 if workflow.resume == "forward":
-                    self._schedule_retry(ctx.operation_id, message)
+                    self._set_step(ctx, pos, "started", error=message)
+                    if workflow.gives_up is not None and workflow.gives_up(ctx, exc):
+                        self._set_op(ctx.operation_id, status=OperationState.FAILED, error=message,
+                                     next_attempt_at=None)
+                    else:
+                        self._schedule_retry(ctx.operation_id, message)
                     return
-                steps[pos] = "started"
+                # A call that never reached its agent changed nothing there: no undo is owed for it.
+                steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
+                self._set_step(ctx, pos, steps[pos], error=message)
                 self._set_op(ctx.operation_id, status=OperationState.ROLLING_BACK, error=message)
                 self._rollback(workflow, ctx, steps, message)
                 return
@@ -243,6 +257,18 @@ class WorkflowEngine:
                     self.submit(op_id)
             except Exception:
                 log.exception("workflow retry loop")
+
+    def inject_failure(self, kind: str, step: str, when: Literal["before", "after"]) -> None:
+        """Make the next run of ``step`` in ``kind`` fail (test hook)."""
+        with self._lock:
+            self._fail_at.add((kind, step, when))
+
+    def _maybe_fail(self, kind: str, step: str, when: str) -> None:
+        with self._lock:
+            if (kind, step, when) not in self._fail_at:
+                return
+            self._fail_at.discard((kind, step, when))
+        raise DriverError(f"injected failure {when} step {step}")
 
     def _maybe_crash(self, kind: str, step: str, moment: str) -> None:
         if self._crash_at == (kind, step, moment):

@@ -13,7 +13,7 @@ from vbs.controller.workflows.waiting import until_ready
 
 
 def _agent(ctx: StepContext):  # type: ignore[no-untyped-def]
-    return ctx.services.storage.for_node(ctx.params["node"])
+    return ctx.services.agents.storage(ctx.params["node"])
 
 
 def _set_progress(ctx: StepContext, progress: int) -> None:

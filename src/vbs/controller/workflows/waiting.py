@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from vbs.controller.storage_client import ItemStatus
+from vbs.controller.agents import ItemStatus
 from vbs.errors import AgentUnavailable, DriverError
 
 POLL_INTERVAL_S = 0.25
@@ -24,11 +24,12 @@ def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], N
         try:
             status = ensure()
             unreachable_since = None
-        except AgentUnavailable:
+        except AgentUnavailable as exc:
             now = time.monotonic()
             unreachable_since = unreachable_since or now
             if now - unreachable_since > UNREACHABLE_LIMIT_S:
-                raise
+                # Not "unreachable": earlier calls of this loop may have started work on the agent.
+                raise AgentUnavailable(exc.message) from exc
             time.sleep(1.0)
             continue
         if status.state == "ready":

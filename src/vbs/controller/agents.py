@@ -1,4 +1,7 @@
-"""The controller's side of the storage agent API: one typed method per idempotent agent call."""
+"""The controller's side of the agent APIs: one typed method per idempotent agent call.
+
+Agents are found by node name from their last heartbeat; one HTTP client is kept per agent URL.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from vbs.connection import HostIdentity
 from vbs.controller.db import Database, Node
 from vbs.errors import AgentUnavailable
 from vbs.web import ApiClient
@@ -54,9 +58,40 @@ class StorageAgent:
     def inventory(self) -> dict[str, dict[str, list[str]]]:
         return self._client.call("GET", "/v1/inventory")  # type: ignore[no-any-return]
 
+    def ensure_export(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool) -> dict[str, Any]:
+        body = {"pool": pool, "host": host.model_dump(), "read_only": read_only}
+        answer = self._client.call("PUT", f"/v1/exports/{volume_id}/hosts/{host.name}", body)
+        return answer["connection"]  # type: ignore[no-any-return]
 
-class StorageAgents:
-    """Finds the agent of a storage node from its last heartbeat; clients are reused per URL."""
+    def remove_export(self, volume_id: str, host_name: str) -> None:
+        self._client.call("DELETE", f"/v1/exports/{volume_id}/hosts/{host_name}")
+
+    def list_exports(self) -> list[dict[str, str]]:
+        return self._client.call("GET", "/v1/exports")  # type: ignore[no-any-return]
+
+
+class HostAgent:
+    """Calls to one host agent, addressed by its node name."""
+
+    def __init__(self, client: ApiClient) -> None:
+        self._client = client
+
+    def attach(self, vm_id: str, serial: str, connection: dict[str, Any], *, read_only: bool,
+               qos: dict[str, int | None] | None) -> dict[str, Any]:
+        body = {"connection": connection, "read_only": read_only, "qos": qos}
+        return self._client.call("PUT", f"/v1/vms/{vm_id}/disks/{serial}", body)  # type: ignore[no-any-return]
+
+    def detach(self, vm_id: str, serial: str, *, force: bool, timeout: float) -> None:
+        # The HTTP call outlives the guest's own deadline by a margin, so "busy" comes back as an answer.
+        self._client.call("DELETE", f"/v1/vms/{vm_id}/disks/{serial}?force={str(force).lower()}&timeout={timeout}",
+                          timeout=timeout + 15)
+
+    def list_disks(self, vm_id: str) -> list[dict[str, Any]]:
+        return self._client.call("GET", f"/v1/vms/{vm_id}/disks")  # type: ignore[no-any-return]
+
+
+class AgentDirectory:
+    """Finds the agent of a node from its last heartbeat; clients are reused per URL."""
 
     def __init__(self, db: Database, token: str | None, *, timeout: float = 30.0) -> None:
         self._db = db
@@ -65,16 +100,22 @@ class StorageAgents:
         self._clients: dict[str, ApiClient] = {}
         self._lock = threading.Lock()
 
-    def for_node(self, name: str) -> StorageAgent:
+    def _client(self, name: str, kind: str) -> ApiClient:
         with self._db.session() as s:
-            url = s.scalar(select(Node.url).where(Node.name == name, Node.kind == "storage"))
+            url = s.scalar(select(Node.url).where(Node.name == name, Node.kind == kind))
         if url is None:
-            raise AgentUnavailable(f"storage node {name!r} has never reported to this controller")
+            raise AgentUnavailable(f"{kind} node {name!r} has never reported to this controller")
         with self._lock:
             client = self._clients.get(url)
             if client is None:
                 client = self._clients[url] = ApiClient(url, self._token, timeout=self._timeout)
-        return StorageAgent(client)
+        return client
+
+    def storage(self, name: str) -> StorageAgent:
+        return StorageAgent(self._client(name, "storage"))
+
+    def host(self, name: str) -> HostAgent:
+        return HostAgent(self._client(name, "host"))
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,16 @@
+"""A tiny Linux guest for tests and demos: Debian's kernel, busybox, and a disk reporter.
+
+``build_guest()`` makes (and caches) the kernel and initramfs; ``TestGuest`` boots them under QEMU
+(TCG), reports virtio disks by serial as they are hot-plugged and runs shell commands in the guest::
+
+    image = build_guest()
+    with TestGuest("vm1", workdir, image, qmp_dir) as guest:
+        guest.wait_ready()
+        dev = guest.wait_for_disk("vol0123456789abcdef0")
+        print(guest.write_pattern(dev, "seed", 4))
+"""
+
+from vbs.testguest.build import GuestImage, build_guest, default_cache_dir
+from vbs.testguest.guest import TestGuest, pattern_bytes, pattern_sha256
+
+__all__ = ["TestGuest", "build_guest", "GuestImage", "pattern_bytes", "pattern_sha256", "default_cache_dir"]

@@ -1,0 +1,78 @@
+#!/bin/sh
+# /init of the VBS test guest (busybox only). It loads the virtio modules, reports virtio disks as
+# they come and go, and runs commands that the host sends over the serial console.
+#
+# Console protocol (one line each, the host strips a trailing CR):
+#   guest -> host  VBS-READY
+#                  VBS-DISK ADD <name> <size in bytes> <serial or ->
+#                  VBS-DISK DEL <name> <serial or ->
+#                  VBS-BEGIN <id> / <output lines> / VBS-END <id> <exit status>
+#   host -> guest  VBS-CMD <id> <timeout in s> <base64 of a sh script>
+# Output between BEGIN and END is the command's stdout+stderr followed by one extra newline, so the
+# host gets the exact text back by joining those lines with "\n".
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+# Kernel messages would interleave with the protocol lines; keep only emergencies.
+echo 1 > /proc/sys/kernel/printk
+for m in virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk; do
+    insmod "/lib/modules/$m.ko" || echo "VBS-ERROR insmod $m"
+done
+stty -echo < /dev/console
+mkdir -p /run/disks
+# A FIFO nobody writes: `read -t` on it is a sleep that forks nothing (cheap under TCG).
+mkfifo /run/nap
+exec 3<>/run/nap
+nap() { read -t "$1" -u 3 _; }
+
+# Both loops print to one console: whole blocks are written under this lock (busybox has no flock).
+lock() { until mkdir /run/console.lock 2>/dev/null; do nap 0.01; done; }
+unlock() { rmdir /run/console.lock; }
+emit() { lock; echo "$*"; unlock; }
+
+scan_disks() {
+    for d in /sys/block/vd*; do
+        [ -e "$d/size" ] || continue
+        n=${d##*/}
+        s=
+        read -r s 2>/dev/null < "$d/serial"
+        [ -n "$s" ] || s=-
+        if [ -e "/run/disks/$n" ]; then
+            read -r old < "/run/disks/$n"
+            [ "$old" = "$s" ] && continue
+            # Same name, other serial: the old disk went and a new one came between two scans.
+            emit "VBS-DISK DEL $n $old"
+        fi
+        read -r sectors < "$d/size"
+        echo "$s" > "/run/disks/$n"
+        emit "VBS-DISK ADD $n $((sectors * 512)) $s"
+    done
+    for f in /run/disks/*; do
+        [ -e "$f" ] || continue
+        n=${f##*/}
+        if [ ! -e "/sys/block/$n" ]; then
+            read -r old < "$f"
+            rm -f "$f"
+            emit "VBS-DISK DEL $n $old"
+        fi
+    done
+}
+
+scan_disks
+emit VBS-READY
+while :; do nap 0.1; scan_disks; done &
+
+while :; do
+    read -r tag id limit script < /dev/console || continue
+    [ "$tag" = VBS-CMD ] || continue
+    echo "$script" | base64 -d > /run/cmd.sh
+    timeout -s KILL "$limit" sh /run/cmd.sh > /run/cmd.out 2>&1 < /dev/null
+    rc=$?
+    lock
+    echo "VBS-BEGIN $id"
+    cat /run/cmd.out
+    echo
+    echo "VBS-END $id $rc"
+    unlock
+done

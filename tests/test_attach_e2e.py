@@ -1,0 +1,181 @@
+"""Attach and detach for real: vbs up (NBD or iSCSI export), two host agents, QEMU guests under TCG.
+
+A guest writes a pattern on a hot-plugged volume, the volume moves to a guest behind another host
+agent and reads the same checksum, and a snapshot's clone shows it to a third attachment. Injected
+failures at every attach step leave no export, no guest disk, and the volume available.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import VBS, Vbs, VbsUp, free_port, stop_process, wait_until
+from vbs.ids import virtio_serial
+from vbs.testguest import TestGuest, build_guest
+
+
+class Cloud:
+    """vbs up with its own host agent (host-1) plus a second host agent (host-2), a guest on each."""
+
+    def __init__(self, vbs: Vbs, up: VbsUp, vm1: TestGuest, vm2: TestGuest, host2: subprocess.Popen[bytes]) -> None:
+        self.vbs, self.up, self.vm1, self.vm2, self.host2 = vbs, up, vm1, vm2, host2
+
+    def instance(self, host: str, vm: str) -> str:
+        def find() -> str | None:
+            for i in self.vbs.http.get("/v1/instances").json()["instances"]:
+                if i["host"] == host and i["vm_id"] == vm and i["state"] == "running":
+                    return str(i["instance_id"])
+            return None
+
+        return wait_until(find, 30, what=f"instance {vm} on {host}")  # type: ignore[no-any-return]
+
+    def attachment_state(self, volume_id: str) -> str | None:
+        atts = self.vbs.volume(volume_id)["attachments"]
+        return atts[0]["state"] if atts else None
+
+    def exports(self) -> list[dict[str, str]]:
+        token = (self.vbs.data_dir / "agent-token").read_text().strip()
+        node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
+        import httpx
+
+        r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
+        return r.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", params=["nbd", "iscsi"])
+def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
+    export = request.param
+    tmp = tmp_path_factory.mktemp(f"cloud-{export}")
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export])
+    up_env = {"VBS_TEST_HOOKS": "1"}
+    os.environ.update(up_env)
+    vbs = up.start()
+    vm1 = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
+    vm2 = TestGuest("vm2", tmp / "guests", image, tmp / "vms-2")
+    token = (tmp / "var" / "agent-token").read_text().strip()
+    host2 = subprocess.Popen(
+        [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url", vbs.endpoint,
+         "--vm-dir", str(tmp / "vms-2")],
+        env={**os.environ, "VBS_AGENT_TOKEN": token}, stdout=(tmp / "host-2.log").open("ab"),
+        stderr=subprocess.STDOUT)
+    try:
+        vm1.start()
+        vm2.start()
+        vm1.wait_ready(120)
+        vm2.wait_ready(120)
+        yield Cloud(vbs, up, vm1, vm2, host2)
+    finally:
+        for vm in (vm1, vm2):
+            vm.stop()
+        stop_process(host2)
+        up.stop()
+        os.environ.pop("VBS_TEST_HOOKS", None)
+
+
+def new_volume(c: Cloud, size: int = 1, **extra: Any) -> str:
+    vol = c.vbs.cli("create-volume", "--size", str(size), "--wait", *[str(x) for x in extra.get("args", [])])
+    return str(vol["volume_id"])
+
+
+def test_volume_moves_between_vms_on_two_hosts_with_its_data(cloud: Cloud) -> None:
+    vol_id = new_volume(cloud)
+    serial = virtio_serial(vol_id)
+
+    att = cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "vm1", "--device", "vdb", "--wait")
+    assert att["state"] == "attached" and att["host"] == "host-1"
+    assert cloud.vbs.volume(vol_id)["status"] == "in-use"
+    dev = cloud.vm1.wait_for_disk(serial, 10)
+    written = cloud.vm1.write_pattern(dev, "extendable", 8)
+
+    det = cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    assert det["state"] == "detached"
+    cloud.vm1.wait_disk_gone(serial, 10)
+    assert cloud.vbs.volume(vol_id)["status"] == "available"
+    assert cloud.exports() == []
+
+    inst2 = cloud.instance("host-2", "vm2")
+    cloud.vbs.cli("attach-volume", vol_id, "--instance", inst2, "--wait")
+    dev2 = cloud.vm2.wait_for_disk(serial, 10)
+    assert cloud.vm2.checksum(dev2, 8) == written
+    described = cloud.vbs.volume(vol_id)["attachments"][0]
+    assert described["instance_id"] == inst2 and described["host"] == "host-2"
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm2.wait_disk_gone(serial, 10)
+
+    # Snapshot -> new volume -> another attachment sees the same data.
+    snap = cloud.vbs.cli("create-snapshot", vol_id, "--wait")
+    clone = cloud.vbs.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
+    cloud.vbs.cli("attach-volume", clone["volume_id"], "--host", "host-1", "--vm", "vm1", "--wait")
+    dev3 = cloud.vm1.wait_for_disk(virtio_serial(clone["volume_id"]), 10)
+    assert cloud.vm1.checksum(dev3, 8) == written
+    cloud.vbs.cli("detach-volume", clone["volume_id"], "--wait")
+    cloud.vm1.wait_disk_gone(virtio_serial(clone["volume_id"]), 10)
+
+
+@pytest.mark.parametrize(("step", "when"), [
+    ("storage-export", "before"), ("storage-export", "after"),
+    ("host-attach", "before"), ("host-attach", "after"),
+    ("mark-attached", "before"),
+])
+def test_a_failure_at_any_attach_step_leaves_everything_as_before(cloud: Cloud, step: str, when: str) -> None:
+    vol_id = new_volume(cloud)
+    r = cloud.vbs.http.post("/internal/v1/test/fail-step", json={"kind": "attach-volume", "step": step, "when": when},
+                            headers={"authorization": "Bearer " + (cloud.vbs.data_dir / "agent-token").read_text()})
+    assert r.status_code == 200, r.text
+    att = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"host": "host-1", "vm_id": "vm1"})
+    assert att.status_code == 200, att.text
+    cloud.vbs.wait_volume(vol_id, "available", timeout=30)
+    wait_until(lambda: cloud.attachment_state(vol_id) is None, 30, what="attachment gone")
+    assert virtio_serial(vol_id) not in cloud.vm1.disks()
+    assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []
+    # And the next attach works.
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "vm1", "--wait")
+    cloud.vm1.wait_for_disk(virtio_serial(vol_id), 10)
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm1.wait_disk_gone(virtio_serial(vol_id), 10)
+
+
+def test_bad_attach_requests_change_nothing(cloud: Cloud) -> None:
+    vol_id = new_volume(cloud)
+    cases = [
+        ({"host": "host-1", "vm_id": "no-such-vm"}, 404, "InvalidInstanceID.NotFound"),
+        ({"host": "nohost", "vm_id": "vm1"}, 404, "InvalidInstanceID.NotFound"),
+        ({"instance_id": "i-0123456789abcdef0"}, 404, "InvalidInstanceID.NotFound"),
+        ({"host": "host-1", "vm_id": "vm1", "device": "vd1; rm -rf /"}, 400, "InvalidParameterValue"),
+        ({"host": "host-1"}, 400, "MissingParameter"),
+        ({"host": "host-1", "vm_id": "vm1", "instance_id": "i-0123456789abcdef0"}, 400, "InvalidParameterValue"),
+    ]
+    for body, status, code in cases:
+        r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json=body)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
+    r = cloud.vbs.http.post("/v1/volumes/vol-0123456789abcdef0/attach", json={"host": "host-1", "vm_id": "vm1"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "InvalidVolume.NotFound")
+    r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/detach", json={})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "IncorrectState")
+    assert cloud.vbs.volume(vol_id)["status"] == "available"
+    assert cloud.vbs.volume(vol_id)["attachments"] == []
+
+    # One VM at a time unless multi-attach; an attached volume cannot be deleted.
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "vm1", "--wait")
+    r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"instance_id": cloud.instance("host-2", "vm2")})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "VolumeInUse")
+    r = cloud.vbs.http.delete(f"/v1/volumes/{vol_id}")
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "VolumeInUse")
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm1.wait_disk_gone(virtio_serial(vol_id), 10)
+
+
+def test_hosts_and_instances_are_described(cloud: Cloud) -> None:
+    hosts = {h["name"]: h for h in cloud.vbs.cli("describe-hosts")["hosts"]}
+    assert hosts["host-1"]["state"] == hosts["host-2"]["state"] == "up"
+    instances = cloud.vbs.cli("describe-instances")["instances"]
+    assert {(i["host"], i["vm_id"]) for i in instances} >= {("host-1", "vm1"), ("host-2", "vm2")}
+    assert all(i["instance_id"].startswith("i-") for i in instances)
+
+

@@ -1,0 +1,416 @@
+"""The NBD export driver against a real qemu-storage-daemon: data path, idempotency, TLS-PSK, recovery.
+
+Each test runs its own daemon in tmp_path on a free loopback port and stops it by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from vbs.argv import run
+from vbs.connection import HostIdentity, NbdConnection
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.storage.exports.base import ExportDriver, ExportInfo
+from vbs.storage.exports.nbd import NbdExportDriver
+
+pytestmark = pytest.mark.integration
+
+VOL = "vol-0123456789abcdef0"
+VOL2 = "vol-0fedcba9876543210"
+HOST_A = HostIdentity(name="hv-a", address="127.0.0.1")
+HOST_B = HostIdentity(name="hv-b.example", address="127.0.0.2")
+MiB = 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def is_qsd(pid: int) -> bool:
+    try:
+        return b"qemu-storage-daemon" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def wait_dead(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return
+        if fields[0] == "Z" and int(fields[17]) <= 1:  # all threads gone, sockets closed
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} still alive")
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path) -> Iterator[Callable[..., NbdExportDriver]]:
+    """Build drivers on a fresh port; every daemon they ran is stopped, by PID, at teardown."""
+    drivers: list[NbdExportDriver] = []
+    pids: set[int] = set()
+
+    def make(state: str = "state", **kw: object) -> NbdExportDriver:
+        kw.setdefault("port", free_port())
+        drv = NbdExportDriver(tmp_path / state, **kw)  # type: ignore[arg-type]
+        drivers.append(drv)
+        return drv
+
+    yield make
+    for drv in reversed(drivers):  # the newest owns the monitor: it quits the daemon cleanly
+        if drv.pid is not None:
+            pids.add(drv.pid)
+        try:
+            pids.add(int(drv.pid_path.read_text()))
+        except (OSError, ValueError):
+            pass
+        try:
+            drv.stop()
+        except DriverError:
+            pass
+    for pid in pids:
+        if is_qsd(pid):  # guard against a recycled PID
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Path:
+    path = tmp_path / "vol.img"
+    with open(path, "wb") as f:
+        f.truncate(16 * MiB)
+    return path
+
+
+def url(c: NbdConnection) -> str:
+    return f"nbd://{c.host}:{c.port}/{c.export}"
+
+
+def qemu_io(c: NbdConnection, cmd: str, *, tls_dir: Path | None = None, user: str | None = None,
+            read_only: bool = False) -> tuple[int, str]:
+    """Run one qemu-io command against the export (TLS-PSK client when ``tls_dir`` is given)."""
+    ro = ["-r"] if read_only else []
+    if tls_dir is None:
+        argv = ["qemu-io", *ro, "-f", "raw", url(c), "-c", cmd]
+    else:
+        argv = ["qemu-io", *ro, "--object",
+                f"tls-creds-psk,id=t0,endpoint=client,dir={tls_dir},username={user}", "--image-opts",
+                f"driver=nbd,server.type=inet,server.host={c.host},server.port={c.port},"
+                f"export={c.export},tls-creds=t0", "-c", cmd]
+    proc = run(argv, timeout=60, check=False)
+    out = proc.stdout + proc.stderr
+    # qemu-io exits 0 even when a command inside fails: look at its output too.
+    failed = proc.returncode != 0 or "failed" in out.lower() or "error" in out.lower()
+    return (1 if failed else 0), out
+
+
+def client_keys(tmp_path: Path, c: NbdConnection, key: str | None = None) -> Path:
+    """What a host agent does with the connection info: its own keys.psk for its identity."""
+    assert c.tls_psk_identity is not None and c.tls_psk_key is not None
+    d = tmp_path / f"client-{c.tls_psk_identity}-{os.urandom(3).hex()}"
+    d.mkdir()
+    (d / "keys.psk").write_text(f"{c.tls_psk_identity}:{key or c.tls_psk_key.get_secret_value()}\n")
+    return d
+
+
+def test_driver_satisfies_the_contract(make_driver: Callable[..., NbdExportDriver]) -> None:
+    assert isinstance(make_driver(), ExportDriver)
+
+
+def test_export_read_write(make_driver: Callable[..., NbdExportDriver], volume: Path, tmp_path: Path) -> None:
+    drv = make_driver()
+    drv.start()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c, NbdConnection)
+    assert (c.host, c.port) == ("127.0.0.1", drv.port)
+    assert c.export.startswith(VOL + "-") and len(c.export) > len(VOL) + 30
+    assert c.tls_psk_identity is None and c.tls_psk_key is None
+
+    # client write -> lands in the file
+    rc, out = qemu_io(c, "write -P 0xab 1M 64k")
+    assert rc == 0, out
+    with open(volume, "rb") as f:
+        f.seek(MiB)
+        assert f.read(64 * 1024) == b"\xab" * 65536
+
+    # file content -> client read (nbdcopy of the whole export)
+    with open(volume, "r+b") as f:
+        f.seek(4 * MiB)
+        f.write(b"\xcd" * 4096)
+    copy = tmp_path / "copy.img"
+    run(["nbdcopy", url(c), str(copy)], timeout=60)
+    assert copy.read_bytes() == volume.read_bytes()
+    assert run(["nbdinfo", "--size", url(c)], timeout=30).stdout.strip() == str(16 * MiB)
+
+
+def test_ensure_is_idempotent(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
+    drv = make_driver()
+    c1 = drv.ensure_export(VOL, volume, HOST_A)  # starts the daemon itself
+    c2 = drv.ensure_export(VOL, volume, HOST_A)
+    assert c1 == c2
+    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "nbd", c1.export)]
+    with pytest.raises(IdempotentParameterMismatch):
+        drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+    # a new attachment after removal gets a new name: the old one is dead for good
+    drv.remove_export(VOL, HOST_A.name)
+    c3 = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c3, NbdConnection) and c3.export != c1.export
+
+
+def test_remove_export(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
+    drv = make_driver()
+    drv.start()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c, NbdConnection)
+    pid = drv.pid
+    assert pid is not None
+
+    def open_files() -> set[str]:
+        fds = Path(f"/proc/{pid}/fd")
+        return {os.readlink(fds / fd) for fd in os.listdir(fds) if (fds / fd).is_symlink()}
+
+    assert str(volume) in open_files()
+    drv.remove_export(VOL, HOST_A.name)
+    assert drv.list_exports() == []
+    assert str(volume) not in open_files()  # both nodes deleted: the file is closed
+    rc, out = qemu_io(c, "read 0 4k")
+    assert rc != 0 and "export" in out.lower(), out
+    # idempotent: absent is success, also for a pair that never existed
+    drv.remove_export(VOL, HOST_A.name)
+    drv.remove_export(VOL2, "never-seen")
+
+
+def test_remove_cuts_a_connected_client(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
+    """A forced detach: the export goes even while a client still holds it open."""
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c, NbdConnection)
+    import subprocess
+
+    holder = subprocess.Popen(  # an idle client keeping the export open
+        ["qemu-io", "-f", "raw", url(c)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.5)
+        drv.remove_export(VOL, HOST_A.name)
+        assert drv.list_exports() == []
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_list_exports_and_multi_attach(make_driver: Callable[..., NbdExportDriver], volume: Path,
+                                       tmp_path: Path) -> None:
+    drv = make_driver()
+    drv.start()
+    assert drv.list_exports() == []
+    vol2 = tmp_path / "vol2.img"
+    vol2.write_bytes(b"\0" * MiB)
+    ca = drv.ensure_export(VOL, volume, HOST_A)
+    cb = drv.ensure_export(VOL, volume, HOST_B)
+    c2 = drv.ensure_export(VOL2, vol2, HOST_A)
+    assert isinstance(ca, NbdConnection) and isinstance(cb, NbdConnection) and isinstance(c2, NbdConnection)
+    assert len({ca.export, cb.export, c2.export}) == 3
+    assert sorted(drv.list_exports(), key=lambda e: (e.volume_id, e.host)) == sorted([
+        ExportInfo(VOL, HOST_A.name, "nbd", ca.export),
+        ExportInfo(VOL, HOST_B.name, "nbd", cb.export),
+        ExportInfo(VOL2, HOST_A.name, "nbd", c2.export),
+    ], key=lambda e: (e.volume_id, e.host))
+
+    # both attachments see one volume: a write by A is read by B (O_DIRECT on both nodes)
+    rc, out = qemu_io(ca, "write -P 0x5a 0 64k")
+    assert rc == 0, out
+    rc, out = qemu_io(cb, "read -P 0x5a 0 64k")
+    assert rc == 0, out
+
+    drv.remove_export(VOL, HOST_A.name)
+    assert {(e.volume_id, e.host) for e in drv.list_exports()} == {(VOL, HOST_B.name), (VOL2, HOST_A.name)}
+    rc, out = qemu_io(cb, "read -P 0x5a 0 64k")
+    assert rc == 0, out
+
+
+def test_read_only_export_refuses_writes(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
+    drv = make_driver()
+    with open(volume, "r+b") as f:
+        f.write(b"\x11" * 4096)
+    c = drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+    assert isinstance(c, NbdConnection)
+    rc, out = qemu_io(c, "read -P 0x11 0 4k", read_only=True)
+    assert rc == 0, out
+    rc, out = qemu_io(c, "write -P 0x22 0 4k")  # a read-write open is refused
+    assert rc != 0 and "denied" in out, out
+    rc, out = qemu_io(c, "write -P 0x22 0 4k", read_only=True)  # so is a write on a read-only open
+    assert rc != 0, out
+    info = run(["nbdinfo", url(c)], timeout=30).stdout
+    assert "is_read_only: true" in info
+    assert volume.read_bytes()[:4096] == b"\x11" * 4096
+
+
+def test_tls_psk(make_driver: Callable[..., NbdExportDriver], volume: Path, tmp_path: Path) -> None:
+    drv = make_driver(tls=True)
+    drv.start()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c, NbdConnection)
+    assert c.tls_psk_identity == HOST_A.name and c.tls_psk_key is not None
+    key = c.tls_psk_key.get_secret_value()
+    assert len(key) == 64 and key not in repr(c)
+    assert (drv.keys_path.stat().st_mode & 0o777) == 0o600
+
+    # plaintext client: refused before any option, listing included
+    rc, out = qemu_io(c, "read 0 4k")
+    assert rc != 0 and "tls" in out.lower(), out
+    listing = run(["nbdinfo", "--list", f"nbd://{c.host}:{c.port}"], timeout=30, check=False)
+    assert listing.returncode != 0
+
+    # the right identity and key: works, data lands in the file
+    good = client_keys(tmp_path, c)
+    rc, out = qemu_io(c, "write -P 0x77 0 64k", tls_dir=good, user=c.tls_psk_identity)
+    assert rc == 0, out
+    assert volume.read_bytes()[:65536] == b"\x77" * 65536
+    info = run(["nbdinfo", "--size",
+                f"nbds://{c.tls_psk_identity}@{c.host}:{c.port}/{c.export}?tls-psk-file={good}/keys.psk"],
+               timeout=30)
+    assert info.stdout.strip() == str(16 * MiB)
+
+    # a wrong key: refused
+    bad = client_keys(tmp_path, c, key="00" * 32)
+    rc, out = qemu_io(c, "read 0 4k", tls_dir=bad, user=c.tls_psk_identity)
+    assert rc != 0, out
+
+    # same host, second volume: same identity and key
+    vol2 = tmp_path / "vol2.img"
+    vol2.write_bytes(b"\0" * MiB)
+    c2 = drv.ensure_export(VOL2, vol2, HOST_A)
+    assert isinstance(c2, NbdConnection) and c2.tls_psk_key is not None
+    assert c2.tls_psk_key.get_secret_value() == key
+
+    # the host's last export removed: its key is revoked at once, no restart
+    drv.remove_export(VOL, HOST_A.name)
+    rc, out = qemu_io(c2, "read 0 4k", tls_dir=good, user=c.tls_psk_identity)
+    assert rc == 0, out
+    drv.remove_export(VOL2, HOST_A.name)
+    assert HOST_A.name not in drv.keys_path.read_text()
+    c3 = drv.ensure_export(VOL2, vol2, HOST_B)  # keep an export so that only the key decides
+    assert isinstance(c3, NbdConnection)
+    stale = NbdConnection(host=c3.host, port=c3.port, export=c3.export,
+                          tls_psk_identity=HOST_A.name, tls_psk_key=c.tls_psk_key)
+    rc, out = qemu_io(stale, "read 0 4k", tls_dir=good, user=HOST_A.name)
+    assert rc != 0, out
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_check_restarts_a_killed_daemon(make_driver: Callable[..., NbdExportDriver], volume: Path,
+                                        tmp_path: Path, tls: bool) -> None:
+    drv = make_driver(tls=tls)
+    drv.start()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    ro = drv.ensure_export(VOL2, volume, HOST_B, read_only=True)
+    assert isinstance(c, NbdConnection) and isinstance(ro, NbdConnection)
+    keys = client_keys(tmp_path, c) if tls else None
+    user = c.tls_psk_identity
+    rc, out = qemu_io(c, "write -P 0x3c 0 64k", tls_dir=keys, user=user)
+    assert rc == 0, out
+
+    old = drv.pid
+    assert old is not None
+    drv.check()  # healthy: nothing changes
+    assert drv.pid == old
+    os.kill(old, signal.SIGKILL)
+    wait_dead(old)
+    rc, out = qemu_io(c, "read 0 4k", tls_dir=keys, user=user)
+    assert rc != 0  # really down
+
+    drv.check()
+    assert drv.pid is not None and drv.pid != old
+    # the same names and secrets work again: a client just reconnects
+    assert drv.ensure_export(VOL, volume, HOST_A) == c
+    assert {e.target for e in drv.list_exports()} == {c.export, ro.export}
+    rc, out = qemu_io(c, "read -P 0x3c 0 64k", tls_dir=keys, user=user)
+    assert rc == 0, out
+    # read-only survives the restart too
+    if tls:
+        keys_b = client_keys(tmp_path, ro)
+        rc, out = qemu_io(ro, "write 0 4k", tls_dir=keys_b, user=ro.tls_psk_identity)
+    else:
+        rc, out = qemu_io(ro, "write 0 4k")
+    assert rc != 0, out
+
+
+def test_a_new_agent_adopts_the_running_daemon(make_driver: Callable[..., NbdExportDriver],
+                                               volume: Path) -> None:
+    port = free_port()
+    first = make_driver(port=port)
+    c = first.ensure_export(VOL, volume, HOST_A)
+    pid = first.pid
+
+    # the agent restarts: it lets go of the daemon, a fresh driver takes over the same state directory
+    first.close()
+    second = make_driver(port=port)
+    second.start()
+    assert second.pid == pid
+    assert second.list_exports() == [ExportInfo(VOL, HOST_A.name, "nbd", c.export)]  # type: ignore[union-attr]
+    assert second.ensure_export(VOL, volume, HOST_A) == c
+    rc, out = qemu_io(c, "read 0 4k")  # type: ignore[arg-type]
+    assert rc == 0, out
+    second.stop()
+    wait_dead(pid)  # type: ignore[arg-type]
+    assert second.pid is None and second.list_exports() == []
+
+    # stopped daemon, agent starts again: the exports come back under the same names
+    third = make_driver(port=port)
+    third.start()
+    assert third.pid not in (None, pid)
+    rc, out = qemu_io(c, "read 0 4k")  # type: ignore[arg-type]
+    assert rc == 0, out
+
+
+def test_start_fails_clearly_when_the_port_is_taken(make_driver: Callable[..., NbdExportDriver]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        drv = make_driver(port=s.getsockname()[1])
+        with pytest.raises(DriverError, match="did not start"):
+            drv.start()
+    assert drv.pid is None
+
+
+def test_bad_input_never_reaches_the_daemon(make_driver: Callable[..., NbdExportDriver], volume: Path,
+                                            tmp_path: Path) -> None:
+    drv = make_driver()
+    with pytest.raises(InvalidParameter):
+        drv.ensure_export("vol-nothex", volume, HOST_A)
+    with pytest.raises(NotFound):
+        drv.ensure_export(VOL, tmp_path / "missing.img", HOST_A)
+    with pytest.raises(InvalidParameter):
+        drv.remove_export(VOL, "Bad Host;rm")
+    with pytest.raises(InvalidParameter):
+        NbdExportDriver(tmp_path / "x", listen_host="0.0.0.0")
+    assert drv.pid is None  # nothing above started a daemon
+
+
+def test_a_second_agent_does_not_kill_a_busy_daemon(make_driver: Callable[..., NbdExportDriver],
+                                                    volume: Path) -> None:
+    port = free_port()
+    first = make_driver(port=port)
+    c = first.ensure_export(VOL, volume, HOST_A)
+    second = make_driver(port=port)  # first still holds the one-client monitor
+    with pytest.raises(DriverError, match="another storage agent"):
+        second.start()
+    assert first.pid is not None and is_qsd(first.pid)
+    rc, out = qemu_io(c, "read 0 4k")  # type: ignore[arg-type]
+    assert rc == 0, out
+    first.stop()  # the monitor's holder quits it (teardown would wait for the busy monitor)
