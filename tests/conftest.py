@@ -176,6 +176,7 @@ class Services:
         self.env = {**os.environ, "VBS_AGENT_TOKEN": token}
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
+        self.host_agent: subprocess.Popen[bytes] | None = None
         self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
 
     def _log(self, name: str) -> Any:
@@ -196,8 +197,20 @@ class Services:
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
 
+    def start_host_agent(self, name: str = "host-1") -> Path:
+        """A host agent whose VMs are QMP sockets in the returned directory."""
+        vm_dir = self.tmp / f"vms-{name}"
+        vm_dir.mkdir(exist_ok=True)
+        self.host_agent = subprocess.Popen(
+            [*VBS, "host-agent", "--node-name", name, "--port", str(free_port()), "--controller-url",
+             self.vbs.endpoint, "--vm-dir", str(vm_dir)],
+            env=self.env, stdout=self._log(name), stderr=subprocess.STDOUT)
+        wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
+                               self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent")
+        return vm_dir
+
     def stop(self) -> None:
-        for proc in (self.agent, self.controller):
+        for proc in (self.host_agent, self.agent, self.controller):
             if proc is not None:
                 stop_process(proc)
         reap_daemons(self.data_dir / "storage-state")
@@ -210,3 +223,10 @@ def services(tmp_path: Path) -> Iterator[Services]:
         yield svc
     finally:
         svc.stop()
+
+
+def start_bare_vm(vm_dir: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
+    """A QEMU with no guest OS: takes hot-plugged disks, never acknowledges an unplug."""
+    return subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
+                             "-display", "none", "-qmp", f"unix:{vm_dir / (name + '.qmp')},server=on,wait=off"],
+                            stdout=subprocess.DEVNULL, stderr=log.open("ab"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,7 +54,7 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     tmp = tmp_path_factory.mktemp(f"cloud-{export}")
     image = build_guest()
     up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export])
-    up_env = {"VBS_TEST_HOOKS": "1"}
+    up_env = {"VBS_TEST_HOOKS": "1", "VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"}
     os.environ.update(up_env)
     vbs = up.start()
     vm1 = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
@@ -75,7 +76,8 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             vm.stop()
         stop_process(host2)
         up.stop()
-        os.environ.pop("VBS_TEST_HOOKS", None)
+        for key in up_env:
+            os.environ.pop(key, None)
 
 
 def new_volume(c: Cloud, size: int = 1, **extra: Any) -> str:
@@ -179,3 +181,60 @@ def test_hosts_and_instances_are_described(cloud: Cloud) -> None:
     assert all(i["instance_id"].startswith("i-") for i in instances)
 
 
+
+
+@pytest.fixture
+def bare_vm(cloud: Cloud, tmp_path: Path) -> Iterator[str]:
+    """A VM with no guest OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
+    qmp = cloud.vbs.data_dir / "vms" / "bare.qmp"
+    proc = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
+                             "-display", "none", "-qmp", f"unix:{qmp},server=on,wait=off"],
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "bare.log").open("ab"))
+    try:
+        cloud.instance("host-1", "bare")
+        yield "bare"
+    finally:
+        stop_process(proc)
+        qmp.unlink(missing_ok=True)
+
+
+def test_a_guest_that_holds_the_disk_makes_detach_busy_and_force_ends_it(cloud: Cloud, bare_vm: str) -> None:
+    vol_id = new_volume(cloud)
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", bare_vm, "--wait")
+    proc = cloud.vbs.cli("detach-volume", vol_id, "--wait", check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert cloud.attachment_state(vol_id) == "busy"
+    assert cloud.vbs.volume(vol_id)["status"] == "in-use"
+    assert [e["volume_id"] for e in cloud.exports()] == [vol_id], "the export stays while the guest holds it"
+
+    det = cloud.vbs.cli("detach-volume", vol_id, "--force", "--wait")
+    assert det["state"] == "detached"
+    assert cloud.vbs.volume(vol_id)["status"] == "available"
+    assert cloud.exports() == []
+
+
+def test_attach_to_a_host_whose_agent_is_down_fails_clearly_and_rolls_back(cloud: Cloud) -> None:
+    vol_id = new_volume(cloud)
+    inst2 = cloud.instance("host-2", "vm2")
+    stop_process(cloud.host2)
+    try:
+        # The last heartbeat is still fresh: the attach is accepted, its hot-plug step cannot reach the
+        # agent, and the export made for it is removed again.
+        proc = cloud.vbs.cli("attach-volume", vol_id, "--instance", inst2, "--wait", check=False)
+        assert proc.returncode == 1
+        assert "attach-volume rolled-back" in proc.stderr and "connection refused" in proc.stderr, proc.stderr
+        assert cloud.vbs.volume(vol_id)["status"] == "available"
+        assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []
+    finally:
+        cloud.host2 = restart_host2(cloud)
+    cloud.instance("host-2", "vm2")
+
+
+def restart_host2(cloud: Cloud) -> subprocess.Popen[bytes]:
+    token = (cloud.vbs.data_dir / "agent-token").read_text().strip()
+    tmp = cloud.vbs.data_dir.parent
+    return subprocess.Popen(
+        [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",
+         cloud.vbs.endpoint, "--vm-dir", str(tmp / "vms-2")],
+        env={**os.environ, "VBS_AGENT_TOKEN": token}, stdout=(tmp / "host-2.log").open("ab"),
+        stderr=subprocess.STDOUT)

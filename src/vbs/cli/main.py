@@ -156,7 +156,7 @@ def attach_volume(
             body[key] = value
     att = c.client.call("POST", f"/v1/volumes/{volume_id}/attach", body)
     if wait:
-        att = _wait_attachment(c, volume_id, att["attachment_id"], "attaching")
+        att = _wait_attachment(c, volume_id, att, "attaching")
     output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
     if att["state"] not in ("attaching", "attached"):
         raise typer.Exit(1)
@@ -177,23 +177,30 @@ def detach_volume(
         body["instance_id"] = instance
     att = c.client.call("POST", f"/v1/volumes/{volume_id}/detach", body)
     if wait:
-        att = _wait_attachment(c, volume_id, att["attachment_id"], "detaching")
+        att = _wait_attachment(c, volume_id, att, "detaching")
     output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
     if att["state"] == "busy":
         raise typer.Exit(1)
 
 
-def _wait_attachment(c: Context, volume_id: str, attachment_id: str, busy_state: str) -> dict[str, Any]:
+def _wait_attachment(c: Context, volume_id: str, started: dict[str, Any], busy_state: str) -> dict[str, Any]:
+    """Poll until the attachment leaves ``busy_state``; say why if its operation failed."""
     while True:
         vol = c.client.call("GET", f"/v1/volumes/{volume_id}")
-        att = next((a for a in vol["attachments"] if a["attachment_id"] == attachment_id), None)
+        att = next((a for a in vol["attachments"] if a["attachment_id"] == started["attachment_id"]), None)
         if att is None:
-            # Gone from the live attachments: detached (or an attach that rolled back).
-            return {"attachment_id": attachment_id, "volume_id": volume_id, "instance_id": None, "host": "",
-                    "vm_id": "", "device": "", "mode": "", "state": "detached", "attach_time": ""}
+            # Gone from the live attachments: detached, or an attach that rolled back.
+            att = {**started, "state": "detached"}
         if att["state"] != busy_state:
-            return att  # type: ignore[no-any-return]
+            break
         time.sleep(0.1)
+    op_id = started.get("operation_id")
+    op = c.client.call("GET", f"/v1/operations/{op_id}") if op_id else None
+    if op is not None and op["status"] in ("rolled-back", "failed"):
+        print(f"error: {started['volume_id']}: {op['kind']} {op['status']}: {op['error']}", file=sys.stderr)
+        if busy_state == "attaching":
+            att = {**att, "state": "failed"}
+    return {**att, "operation_id": op_id}
 
 
 @app.command("describe-hosts")

@@ -91,7 +91,7 @@ def attach_volume(svc: Services, volume_id: str, req: AttachVolumeRequest) -> At
             "host_address": host_node.address, "initiator_name": host_node.info.get("initiator_name"),
             "vm_id": inst.vm_id, "read_only": req.read_only, "serial": ids.virtio_serial(volume_id), "qos": qos,
         })
-        out = _out(att)
+        out = _out(att).model_copy(update={"operation_id": op_id})
     svc.engine.submit(op_id)
     return out
 
@@ -126,7 +126,7 @@ def detach_volume(svc: Services, volume_id: str, req: DetachVolumeRequest) -> At
             "timeout": svc.cfg.detach_timeout_s,
         })
         s.refresh(att)
-        out = _out(att)
+        out = _out(att).model_copy(update={"operation_id": op_id})
     svc.engine.submit(op_id)
     return out
 

@@ -104,6 +104,7 @@ class AttachmentOut(BaseModel):
     mode: str
     state: str
     attach_time: datetime
+    operation_id: str | None = None
 
 
 class VolumeOut(BaseModel):

@@ -1,7 +1,7 @@
 """A running test guest: one QEMU (TCG) process booted from the image of ``build.py``.
 
-The serial console is QEMU's stdio; a reader thread parses the guest's protocol lines (see
-``init.sh``) into disk events and command results, and copies every line to a log file.
+Its serial console is QEMU's stdio: a reader thread parses the guest's lines (protocol in ``init.sh``)
+into disk events and command results, and copies every line to a log file in the work dir.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DEV_RE = re.compile(r"^(/dev/)?[a-z][a-z0-9]{0,15}$")
-_SEED_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SEED_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # The guest reads a command as one canonical tty line, which holds at most 4095 bytes.
 _MAX_LINE = 4000
 MIB = 1024 * 1024

@@ -1,9 +1,7 @@
 """The QEMU hypervisor driver: VMs are QMP sockets ``<vm_id>.qmp`` in one directory.
 
 A disk is a chain of block nodes (protocol -> raw -> optional throttle) under a virtio-blk-pci device,
-every id derived from the virtio serial, so attach, detach and crash cleanup read the VM's own state.
-The driver is synchronous: each call runs its own asyncio loop (``asyncio.run``) in the calling thread,
-so call it from plain threads (from async code: ``await asyncio.to_thread(driver.attach, ...)``).
+all ids derived from the virtio serial, so attach, detach and crash cleanup read the VM's own state.
 """
 
 from __future__ import annotations
@@ -100,6 +98,9 @@ class _Monitor:
         self.path = path
         self.timeout = timeout
         self.client = QMPClient(f"vbs-{vm_id}")
+        # The library logs each failed connect at ERROR; we raise (and the caller logs) instead,
+        # so a stale socket probed at every heartbeat does not flood the log.
+        self.client.logger.setLevel(logging.CRITICAL)
 
     async def __aenter__(self) -> _Monitor:
         try:
@@ -158,7 +159,12 @@ class _Monitor:
 
 
 class QemuDriver:
-    """Hot-plug volumes into QEMU VMs found as ``<vm_id>.qmp`` sockets in ``vm_dir``."""
+    """Hot-plug volumes into QEMU VMs found as ``<vm_id>.qmp`` sockets in ``vm_dir``.
+
+    Synchronous: each call runs its own asyncio loop (``asyncio.run``) in the calling thread, so call
+    it from plain threads; from async code use ``await asyncio.to_thread(driver.attach, ...)``. Calls
+    on one VM are serialised in this process, as QEMU serves one QMP client at a time anyway.
+    """
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None) -> None:
         self.vm_dir = Path(vm_dir)
@@ -167,20 +173,34 @@ class QemuDriver:
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._last_seen: dict[str, VmInfo] = {}
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
     def list_vms(self) -> list[VmInfo]:
-        sockets = (
-            sorted(p for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.match(p.stem) and _is_socket(p))
+        vm_ids = (
+            sorted(p.stem for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.match(p.stem) and _is_socket(p))
             if self.vm_dir.is_dir()
             else []
         )
+        # A VM this driver is busy with cannot be probed (QEMU serves one QMP client at a time):
+        # report what was last seen rather than wait for, or misreport, it.
+        free, busy = [], []
+        for vm_id in vm_ids:
+            (free if self._vm_lock(vm_id).acquire(blocking=False) else busy).append(vm_id)
 
         async def probe_all() -> list[VmInfo | None]:
-            return await asyncio.gather(*(self._probe(p.stem) for p in sockets))
+            return await asyncio.gather(*(self._probe(vm_id) for vm_id in free))
 
-        return [vm for vm in _run(probe_all()) if vm is not None]
+        try:
+            probed = [vm for vm in _run(probe_all()) if vm is not None]
+        finally:
+            for vm_id in free:
+                self._vm_lock(vm_id).release()
+        with self._locks_guard:
+            self._last_seen.update((vm.vm_id, vm) for vm in probed)
+            in_use = [self._last_seen.get(v, VmInfo(vm_id=v, name=v, running=True)) for v in busy]
+        return sorted(probed + in_use, key=lambda vm: vm.vm_id)
 
     def attach(
         self,
