@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from tests.loopfs import loop_filesystem
+from vbs import credentials
+from vbs.credentials import AccessKey
 
 VBS = [sys.executable, "-m", "vbs"]
 
@@ -73,10 +75,12 @@ def reap_daemons(state_dir: Path) -> None:
 class Vbs:
     """A running VBS install: its endpoint, data dir, and helpers to drive it by REST and CLI."""
 
-    def __init__(self, endpoint: str, data_dir: Path) -> None:
+    def __init__(self, endpoint: str, data_dir: Path, key: AccessKey | None = None) -> None:
         self.endpoint = endpoint
         self.data_dir = data_dir
-        self.http = httpx.Client(base_url=endpoint, timeout=30)
+        self.key = key or credentials.read(data_dir / "credentials", "default")[0]
+        self.http = httpx.Client(base_url=endpoint, timeout=30,
+                                 headers={"authorization": f"Bearer {self.key.bearer}"})
 
     @property
     def pool(self) -> Path:
@@ -84,7 +88,8 @@ class Vbs:
 
     def cli(self, *args: str, check: bool = True) -> Any:
         """Run ``vbs -o json ARGS`` and return the parsed JSON (or the process if it failed)."""
-        env = {**os.environ, "VBS_ENDPOINT": self.endpoint}
+        env = {**os.environ, "VBS_ENDPOINT": self.endpoint, "VBS_ACCESS_KEY_ID": self.key.access_key_id,
+               "VBS_SECRET_ACCESS_KEY": self.key.secret_access_key}
         proc = subprocess.run([*VBS, "-o", "json", *args], env=env, capture_output=True, text=True, timeout=120)
         if check:
             assert proc.returncode == 0, f"vbs {' '.join(args)} failed: {proc.stderr}"
@@ -130,8 +135,10 @@ class VbsUp:
 
     def start(self) -> Vbs:
         log = self.log_path.open("ab")
+        # XDG_CONFIG_HOME: vbs up records its endpoint's key there; keep that inside the test's tree.
+        env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg")}
         self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
-                                      *self.extra], stdout=log, stderr=subprocess.STDOUT)
+                                      *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_until(lambda: b"VBS is up" in self.log_path.read_bytes() or self._died(), 90, what="vbs up")
         assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
         return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
@@ -173,11 +180,13 @@ class Services:
         self.port = free_port()
         self.agent_port = free_port()
         self.nbd_port = free_port()
-        self.env = {**os.environ, "VBS_AGENT_TOKEN": token}
+        self.key = credentials.generate()
+        self.env = {**os.environ, "VBS_AGENT_TOKEN": token, "VBS_ACCESS_KEY_ID": self.key.access_key_id,
+                    "VBS_SECRET_ACCESS_KEY": self.key.secret_access_key}
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.host_agent: subprocess.Popen[bytes] | None = None
-        self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
+        self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir, self.key)
 
     def _log(self, name: str) -> Any:
         return (self.tmp / f"{name}.log").open("ab")

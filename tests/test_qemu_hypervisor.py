@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from vbs.argv import run
 from vbs.connection import FileConnection, IscsiConnection, NbdConnection
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import AttachedDisk, DeviceBusy, HypervisorDriver, QoS, VmInfo
-from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
+from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, disk_ids
 from vbs.ids import virtio_serial
 from vbs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.testguest.guest import qmp_execute
@@ -381,3 +382,37 @@ def test_a_guest_that_never_releases_the_disk_is_busy_and_force_cuts_its_io(
         driver.attach(bare_vm, FileConnection(path="/dev/null"), serial)
     driver.detach(bare_vm, serial, force=True, timeout=1.0)  # repeating it is harmless
     print(f"busy detach raised after {time.monotonic() - started:.2f}s total; force {force_s:.3f}s")
+
+
+def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriver, bare_vm: str, volume: Path) -> None:
+    serial = virtio_serial(vol(0x71))
+    driver.attach(bare_vm, FileConnection(path=str(volume)), serial)
+    assert VmInfo(vm_id="bare", name="bare-vm", running=True) in driver.list_vms()
+    errors: list[BaseException] = []
+
+    def slow_detach() -> None:  # holds the bare VM's monitor for 4 s, waiting for a guest that never answers
+        try:
+            driver.detach(bare_vm, serial, timeout=4.0)
+        except DeviceBusy as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=slow_detach)
+    worker.start()
+    time.sleep(0.3)
+    vms, took = timed(driver.list_vms)
+    worker.join()
+    assert took < 2.0  # waiting for the detach would take over 3.5 s
+    assert VmInfo(vm_id="bare", name="bare-vm", running=True) in vms  # as last seen
+    assert len(errors) == 1
+    driver.detach(bare_vm, serial, force=True, timeout=0.5)
+
+
+def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
+    driver: QemuDriver, guest: TestGuest, vm_dir: Path
+) -> None:
+    with socket.socket(socket.AF_UNIX) as holder:
+        holder.connect(str(vm_dir / "guest1.qmp"))  # QEMU serves this client; the driver must queue
+        vms, took = timed(driver.list_vms)
+    assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms
+    assert took < PROBE_TIMEOUT + 2
+    assert VmInfo(vm_id="guest1", name="guest1", running=True) in driver.list_vms()

@@ -54,6 +54,10 @@ def test_guest_boots_and_runs_commands_with_exit_status(guest: TestGuest) -> Non
     assert guest.run("echo hello; echo oops >&2; exit 3") == (3, "hello\noops\n")
     assert guest.run("printf 'no newline'") == (0, "no newline")
     assert guest.run("true") == (0, "")
+    # A command that outlives its timeout is killed in the guest, and the console stays usable.
+    started = time.monotonic()
+    rc, _ = guest.run("sleep 30", timeout=1)
+    assert rc != 0 and time.monotonic() - started < 5
     rc, out = guest.run("ls /sys/module")
     assert rc == 0 and "virtio_blk" in out.split()
     assert "VBS-READY" in guest.console_log.read_text()

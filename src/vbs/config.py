@@ -37,6 +37,12 @@ class ControllerConfig(_Section):
     overcommit_ratio: float = Field(4.0, gt=0)
     retry_interval_s: float = Field(2.0, gt=0)
     detach_timeout_s: float = Field(10.0, gt=0, le=600)
+    # Public API keys: these, VBS_ACCESS_KEY_ID/VBS_SECRET_ACCESS_KEY, and every profile of the
+    # credentials file (default: <data_dir>/credentials, if it exists).
+    access_keys: list[dict[str, str]] = Field(default_factory=list)
+    credentials_file: Path | None = None
+    region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
+    availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
 
 
 class StorageAgentConfig(_Section):

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from vbs import credentials
 from vbs.cli import output
 from vbs.cli.client import wait_for
 from vbs.config import DEFAULT_CONTROLLER_PORT
@@ -32,7 +33,8 @@ class Context:
     @property
     def client(self) -> ApiClient:
         if self._client is None:
-            self._client = ApiClient(self.endpoint, None, timeout=60)
+            key = credentials.for_client(self.endpoint)
+            self._client = ApiClient(self.endpoint, key.bearer if key else None, timeout=60)
         return self._client
 
     @property

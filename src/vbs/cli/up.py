@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from vbs import credentials
+
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = 1.0
@@ -93,6 +95,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     data_dir = data_dir.resolve()
     (data_dir / "pool").mkdir(parents=True, exist_ok=True)
     endpoint = f"http://{host}:{port}"
+    key = credentials.ensure_file(data_dir / "credentials")
+    credentials.register_endpoint(endpoint, key)
     env = {**os.environ, "VBS_AGENT_TOKEN": agent_token(data_dir)}
     exe = [sys.executable, "-m", "vbs"]
     flags = ["--log-json"] if log_json else []
@@ -127,15 +131,17 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
         agent.start()
         host_agent.start()
 
+        auth = {"authorization": f"Bearer {key.bearer}"}
+
         def agents_up() -> bool:
-            nodes = httpx.get(f"{endpoint}/v1/storage-nodes", timeout=2).json()["storage_nodes"]
-            hosts = httpx.get(f"{endpoint}/v1/hosts", timeout=2).json()["hosts"]
+            nodes = httpx.get(f"{endpoint}/v1/storage-nodes", headers=auth, timeout=2).json()["storage_nodes"]
+            hosts = httpx.get(f"{endpoint}/v1/hosts", headers=auth, timeout=2).json()["hosts"]
             return any(n["state"] == "up" and n["url"].endswith(f":{agent_port}") for n in nodes) and any(
                 h["state"] == "up" and h["url"].endswith(f":{host_port}") for h in hosts)
 
         _wait_until(agents_up, 60, "the agents", children)
-        print(f"VBS is up: endpoint {endpoint}, data in {data_dir}, VMs found in {data_dir / 'vms'} "
-              "(Ctrl-C stops)", flush=True)
+        print(f"VBS is up: endpoint {endpoint}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
+              f"credentials in {data_dir / 'credentials'} (Ctrl-C stops)", flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from vbs import ids
 from vbs.controller import attachments, snapshots, tags, volumes
+from vbs.controller.auth import Authenticator
 from vbs.controller.db import Operation, OperationStep
 from vbs.controller.filters import parse_filters
 from vbs.controller.nodes import describe_hosts, describe_storage_nodes, record_host_heartbeat, record_storage_heartbeat
@@ -41,8 +42,11 @@ def services(request: Request) -> Services:
     return request.app.state.services  # type: ignore[no-any-return]
 
 
-def public_router() -> APIRouter:
-    r = APIRouter(prefix="/v1")
+def public_router(auth: Authenticator) -> APIRouter:
+    async def authenticated(request: Request) -> str:
+        return auth.check(request, await request.body())
+
+    r = APIRouter(prefix="/v1", dependencies=[Depends(authenticated)])
 
     @r.post("/volumes", response_model=VolumeOut, tags=["volumes"])
     def create_volume(body: CreateVolumeRequest, svc: Services = Depends(services)) -> VolumeOut:
@@ -168,10 +172,10 @@ def internal_router(token: str | None) -> APIRouter:
     return r
 
 
-def install_routes(app: FastAPI, token: str | None) -> None:
+def install_routes(app: FastAPI, token: str | None, auth: Authenticator) -> None:
     @app.get("/health", include_in_schema=False)
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.include_router(public_router())
+    app.include_router(public_router(auth))
     app.include_router(internal_router(token))

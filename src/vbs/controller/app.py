@@ -11,9 +11,11 @@ from datetime import timedelta
 from fastapi import FastAPI
 from sqlalchemy import delete, select
 
+from vbs import credentials
 from vbs.config import ControllerConfig
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
+from vbs.controller.auth import Authenticator
 from vbs.controller.db import Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.services import Services
@@ -22,6 +24,7 @@ from vbs.controller.workflows import WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
+from vbs.errors import InvalidParameter
 from vbs.web import install_error_handlers
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,24 @@ def purge_deleted(db: Database, retention_s: int) -> int:
     return len(old)
 
 
+def access_keys(cfg: ControllerConfig) -> dict[str, str]:
+    """Every key that may call the public APIs; a controller with none refuses to start."""
+    keys = [credentials.AccessKey(k.get("access_key_id", ""), k.get("secret_access_key", ""))
+            for k in cfg.access_keys]
+    env_key = credentials.from_env()
+    if env_key is not None:
+        keys.append(env_key)
+    path = cfg.credentials_file or cfg.data_dir / "credentials"
+    if path.exists():
+        keys += credentials.read(path)
+    if not keys:
+        raise InvalidParameter(f"no access keys: set VBS_ACCESS_KEY_ID and VBS_SECRET_ACCESS_KEY, access_keys in "
+                               f"[controller], or write {path} (vbs up does)")
+    return {k.access_key_id: k.secret_access_key for k in keys}
+
+
 def create_app(cfg: ControllerConfig) -> FastAPI:
+    auth = Authenticator(access_keys(cfg), cfg.region)
     db = database_for(cfg)
     db.migrate()
     svc = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
@@ -72,7 +92,7 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app)
-    install_routes(app, cfg.agent_token)
+    install_routes(app, cfg.agent_token, auth)
     return app
 
 

@@ -1,32 +1,7 @@
 """iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
 
 One target per volume (``<iqn_prefix>:<volume_id>``), LUN 1 backed by the volume file, an address
-ACL and a CHAP account per (volume, host).
-
-Behaviour of tgt 1.0.85 (Debian 12) measured here that shapes this module:
-
-* ACL entries are alternatives: a login is admitted if its address OR its initiator name is bound.
-  Binding a host's initiator name next to its address would admit that name from any address, so
-  only addresses are bound. The host's initiator name is handed back in the connection info (the
-  hypervisor logs in with it, which makes sessions identifiable) but grants nothing.
-* A target with no account bound admits logins without CHAP. Accounts are therefore bound before
-  the first ACL entry and unbound after the last one.
-* ACLs and accounts are per target, not per LUN or per host: on a multi-attached volume each host's
-  CHAP account works from any host address bound to that target. The read-only flag is per LUN, so
-  every host of a volume has the same mode.
-* Deleting an account still bound to a target makes the next ``--op show`` crash tgtd (SIGSEGV).
-  Accounts are always unbound first. ``--mode conn --op delete`` also left tgtd crashing; unused.
-* If the portal cannot be bound (port taken), tgtd keeps running and listens on 0.0.0.0:3260
-  instead. Start-up checks the portal list and refuses such a daemon.
-* tgtd ignores SIGTERM; it exits on ``--op delete --mode system`` once it has no targets.
-* Deleting a target under a logged-in session hangs that client: tgtd refuses it without
-  ``--force``, and this module never forces it while the daemon keeps running.
-
-Secrets: CHAP secrets are 24 random alphanumeric characters, kept in memory and in
-``<state_dir>/exports.json`` (mode 0600) so that ``check()`` and a restarted agent re-create the
-same accounts. tgtadm takes the secret only as an argument, so it shows in ``/proc/<pid>/cmdline``
-of that short-lived tgtadm (readable by local users) for a few milliseconds. Secrets are never
-logged.
+ACL entry and a CHAP account per (volume, host); desired state survives tgtd and agent restarts.
 """
 
 from __future__ import annotations
@@ -57,9 +32,33 @@ from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, IscsiConnecti
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.storage.exports.base import ExportInfo
 
-__all__ = ["IscsiExportDriver"]
+__all__ = ["IscsiExportDriver", "parse_targets"]
 
 log = logging.getLogger(__name__)
+
+# What tgt 1.0.85 (Debian 12) does, measured here, and what this module does about it:
+# * ACL entries are alternatives: a login is admitted if its address OR its initiator name is
+#   bound. Binding a host's initiator name next to its address would admit that name from any
+#   address, so only addresses are bound. The host's initiator name goes back in the connection
+#   info (the hypervisor logs in with it, so sessions are identifiable) but grants nothing.
+# * A target with no account bound admits logins without CHAP: accounts are bound before the
+#   first ACL entry and unbound after the last one.
+# * ACLs and accounts are per target, not per LUN or per host: on a multi-attached volume each
+#   host's CHAP account also works from the other hosts' addresses. Read-only is per LUN, so all
+#   hosts of a volume share one mode.
+# * Unbinding any account but the last bound one leaves a hole in tgt's account array: the next
+#   `--op show` crashes tgtd (SIGSEGV) and CHAP refuses the accounts behind the hole. Deleting a
+#   bound account does the same. _unbind_accounts never leaves a hole.
+# * tgtadm exits 0 with "tgtd closed the socket" when tgtd dies under a request.
+# * tgtd -C takes 0-32767. If the portal cannot be bound (port taken) tgtd keeps running and
+#   listens on 0.0.0.0:3260 instead: start-up checks the portal list and refuses such a daemon.
+# * tgtd ignores SIGTERM; it exits on `--op delete --mode system` once it has no targets.
+# * Deleting a target under a logged-in session hangs that client. tgtd refuses it without
+#   --force, which this module uses only in stop(), when the daemon exits and closes every session.
+# Secrets: CHAP secrets are 24 random alphanumerics, kept in memory and in <state_dir>/exports.json
+# (mode 0600) so that check() and a restarted agent re-create the same accounts. tgtadm takes the
+# secret only as an argument: it is visible in /proc/<pid>/cmdline of that tgtadm (to local users)
+# for the few milliseconds it runs. Secrets are never logged.
 
 TGTD = "tgtd"
 TGTADM = "tgtadm"
@@ -77,6 +76,7 @@ _SECRET_ALPHABET = string.ascii_letters + string.digits  # safe in URLs, configs
 _SECRET_LEN = 24  # iSCSI wants at least 12 (96 bits); 24 alphanumerics are about 143 bits
 _CHAP_USER_MAX = 64  # IscsiConnection.chap_user limit
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path minus the NUL; tgtd truncates longer paths silently
+_CONTROL_MAX = 32767  # tgtd and tgtadm refuse a larger -C
 _WILDCARDS = {"0.0.0.0", "::", ""}
 _PREFIX_RE = re.compile(r"^iqn\.\d{4}-\d{2}\.[a-z0-9.-]+$")
 _LISTEN_RE = re.compile(r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$")
@@ -126,7 +126,7 @@ class _LiveTarget:
     tid: int
     iqn: str
     luns: dict[int, _LiveLun] = field(default_factory=dict)
-    accounts: set[str] = field(default_factory=set)
+    accounts: list[str] = field(default_factory=list)  # in tgtd's slot order (see _unbind_accounts)
     acl: set[str] = field(default_factory=set)  # addresses and initiator names alike
     sessions: list[str] = field(default_factory=list)  # "initiator@address", for messages
 
@@ -162,7 +162,7 @@ def parse_targets(text: str) -> dict[str, _LiveTarget]:
                 lun.readonly = body.endswith("Yes")
         elif section == "Account information" and indent == 8:
             if not body.endswith("(outgoing)"):
-                cur.accounts.add(body)
+                cur.accounts.append(body)
         elif section == "ACL information" and indent == 8:
             cur.acl.add(body)
         elif section == "I_T nexus information":
@@ -253,7 +253,7 @@ class _AdmError(DriverError):
 
 
 class IscsiExportDriver:
-    """Export driver for iSCSI through one tgtd; see the module docstring."""
+    """Export driver for iSCSI through one tgtd; see the notes at the top of this module."""
 
     protocol = "iscsi"
 
@@ -273,12 +273,17 @@ class IscsiExportDriver:
     ) -> None:
         if not 1 <= port <= 65535:
             raise InvalidParameter(f"port out of range: {port}")
-        if not 0 <= control_port <= 65535:
-            raise InvalidParameter(f"control_port out of range: {control_port}")
+        if not 0 <= control_port <= _CONTROL_MAX:
+            raise InvalidParameter(f"control_port must be 0-{_CONTROL_MAX} (tgtd -C), not {control_port}")
         if not _PREFIX_RE.match(iqn_prefix):
             raise InvalidParameter(f"invalid IQN prefix {iqn_prefix[:80]!r} (expecting iqn.YYYY-MM.domain)")
-        if not _LISTEN_RE.match(listen_host):
-            raise InvalidParameter(f"invalid listen_host: {listen_host[:80]!r}")
+        try:
+            # A literal: tgtd reports its portal numerically, and start-up compares the two.
+            listen_host = str(ipaddress.ip_address(listen_host))
+        except ValueError:
+            raise InvalidParameter(f"listen_host must be an IP address, not {listen_host[:80]!r}") from None
+        if advertise_host is not None and not _LISTEN_RE.match(advertise_host):
+            raise InvalidParameter(f"invalid advertise_host: {advertise_host[:80]!r}")
         advertised = advertise_host or listen_host
         if advertised in _WILDCARDS:
             raise InvalidParameter("listen_host is a wildcard: set advertise_host to the address clients use")
@@ -347,7 +352,8 @@ class IscsiExportDriver:
         """Run one tgtadm request against our daemon; failures name ``step`` (never the argv)."""
         argv = [TGTADM, "-C", str(self.control_port), *args]
         proc = run(argv, timeout=self.adm_timeout, check=False, env=self._env)
-        if proc.returncode != 0:
+        # tgtadm exits 0 with "tgtd closed the socket" when tgtd dies under the request.
+        if proc.returncode != 0 or "tgtadm:" in proc.stderr:
             detail = (proc.stderr or proc.stdout).strip().removeprefix("tgtadm: ")[-300:]
             raise _AdmError(step, detail or f"exit status {proc.returncode}")
         return proc.stdout
@@ -483,6 +489,7 @@ class IscsiExportDriver:
                 if not self._is_ours(pid):
                     return
                 self._pid = pid
+            asked = False
             if self._running():
                 try:
                     self._adm("go offline", "--mode", "sys", "--op", "update", "--name", "State",
@@ -491,9 +498,11 @@ class IscsiExportDriver:
                         self._iscsi(f"delete target {live.iqn}", "--mode", "target", "--op", "delete",
                                     "--force", "--tid", str(live.tid))
                     self._adm("shut down", "--op", "delete", "--mode", "system")
+                    asked = True
                 except DriverError as exc:
                     log.warning("tgtd pid %s did not shut down cleanly: %s", self._pid, exc.message)
-            self._terminate(grace=10.0)
+            # Asked to exit: give it time to close its sessions. Otherwise only SIGKILL works.
+            self._terminate(grace=10.0 if asked else 0.0)
             self._doomed.clear()
             log.info("stopped tgtd")
 
@@ -546,16 +555,18 @@ class IscsiExportDriver:
                         break
                     except DriverError as exc:
                         if attempt == 2:
-                            log.warning("tgtd pid %s does not answer (%s): restarting it",
-                                        self._pid, exc.message)
+                            log.warning("tgtd pid %s does not answer (%s): restarting it, "
+                                        "%d volumes to re-export", self._pid, exc.message,
+                                        len(self._desired))
                         else:
                             time.sleep(0.5)  # one slow answer is not a hang
+            elif self._pid is not None:
+                log.warning("tgtd pid %s is gone: restarting it, %d volumes to re-export",
+                            self._pid, len(self._desired))
             if view is None:
                 if self._pid is not None:
-                    log.warning("tgtd pid %s is gone: restarting it, %d volumes to re-export",
-                                self._pid, len(self._desired))
                     self._terminate()
-                self._ensure_daemon()
+                self._ensure_daemon()  # adopts a tgtd left by an earlier agent, else starts one
             self._reconcile(view)
 
     def _reconcile(self, view: dict[str, _LiveTarget] | None = None) -> None:
@@ -634,13 +645,20 @@ class IscsiExportDriver:
 
         want_users = {g.user: g for g in exp.grants.values()}
         want_acl = {a for g in exp.grants.values() for a in g.addresses}
+        # Accounts before the ACL opens: a target with an ACL entry and no account admits logins
+        # without CHAP.
+        stale = [u for u in live.accounts if u not in want_users or u in fresh_users]
+        self._unbind_accounts(live, stale)
+        for user in stale:
+            if user not in want_users:
+                self._forget_account(live, user, view)
         for user, grant in sorted(want_users.items()):
-            if user in live.accounts and user not in fresh_users:
+            if user in live.accounts:
                 continue
             self._create_account(grant, view)
             self._bind(f"bind account {user}", "--mode", "account", "--op", "bind", "--tid", tid,
                        "--user", user)
-            live.accounts.add(user)
+            live.accounts.append(user)
         for address in sorted(want_acl - live.acl):
             self._bind(f"bind {address} to {live.iqn}", "--mode", "target", "--op", "bind",
                        "--tid", tid, "--initiator-address", address)
@@ -648,8 +666,6 @@ class IscsiExportDriver:
         for entry in sorted(live.acl - want_acl):
             # Initiator names included: bound by hand, one would admit its name from any address.
             self._unbind_acl(live, _acl_kind(entry), entry)
-        for user in sorted(live.accounts - set(want_users)):
-            self._drop_account(live, user, view)
 
     def _bind(self, step: str, *args: str) -> None:
         try:
@@ -672,20 +688,13 @@ class IscsiExportDriver:
 
     def _create_account(self, grant: _Grant, view: dict[str, _LiveTarget]) -> None:
         if grant.user in self._accounts():
-            # An account of that name whose secret is not ours (or not known to be): replace it.
-            # Unbind it everywhere first: deleting a bound account crashes tgtd.
+            # An account of that name whose secret is not ours (or not known to be): replace it,
+            # unbound everywhere first (deleting a bound account leaves the same hole as below).
             for other in view.values():
-                if grant.user not in other.accounts:
-                    continue
-                if other.accounts == {grant.user}:
-                    # Its last account: a target without one admits logins without CHAP. Close
-                    # the ACL first; the ACL step of _apply_target opens it again.
-                    for entry in sorted(other.acl):
-                        self._unbind_acl(other, _acl_kind(entry), entry)
-                self._unbind_account(other, grant.user)
+                self._unbind_accounts(other, [grant.user])
             self._iscsi(f"delete account {grant.user}", "--mode", "account", "--op", "delete",
                         "--user", grant.user)
-        # The secret is in this argv for the life of one tgtadm (see the module docstring).
+        # The secret is in this argv for the life of one tgtadm (see the notes at the top of this module).
         self._iscsi(f"create account {grant.user}", "--mode", "account", "--op", "new",
                     "--user", grant.user, "--password", grant.secret)
 
@@ -698,18 +707,48 @@ class IscsiExportDriver:
                 raise
         live.acl.discard(entry)
 
-    def _unbind_account(self, live: _LiveTarget, user: str) -> None:
-        try:
-            self._iscsi(f"unbind account {user}", "--mode", "account", "--op", "unbind",
-                        "--tid", str(live.tid), "--user", user)
-        except _AdmError as exc:
-            if not exc.says(_E_ABSENT):
-                raise
-        live.accounts.discard(user)
+    def _unbind_accounts(self, live: _LiveTarget, users: list[str]) -> None:
+        """Unbind ``users`` from ``live`` without ever leaving tgtd a hole in its account slots.
 
-    def _drop_account(self, live: _LiveTarget, user: str, view: dict[str, _LiveTarget]) -> None:
-        """Unbind ``user`` from ``live``; delete it once no target holds it (ours only)."""
-        self._unbind_account(live, user)
+        tgt 1.0.85 keeps a target's accounts in an array, an unbind zeroes a slot, and both
+        ``--op show`` and the CHAP login read only the first N slots (N = accounts left): a hole
+        there makes ``show`` crash tgtd (SIGSEGV) and CHAP refuse the accounts behind it. So the
+        accounts are unbound from the last slot backwards and those that stay are bound again
+        (binds fill the lowest free slot). Meanwhile the target may have no account, when tgt
+        would admit logins without CHAP: the ACL is closed for those milliseconds (new logins
+        of the other hosts fail and are retried by their initiators) and restored after.
+        """
+        going = [u for u in live.accounts if u in users]
+        if not going:
+            return
+        keep = [u for u in live.accounts if u not in going]
+        at_tail = live.accounts[len(keep):] == going
+        unbind = going if at_tail else list(live.accounts)
+        closed = sorted(live.acl) if not keep or not at_tail else []
+        for entry in closed:
+            self._unbind_acl(live, _acl_kind(entry), entry)
+        for user in reversed(unbind):
+            try:
+                self._iscsi(f"unbind account {user}", "--mode", "account", "--op", "unbind",
+                            "--tid", str(live.tid), "--user", user)
+            except _AdmError as exc:
+                if not exc.says(_E_ABSENT):
+                    raise
+            live.accounts.remove(user)
+        for user in keep:
+            if user not in live.accounts:
+                self._bind(f"bind account {user}", "--mode", "account", "--op", "bind",
+                           "--tid", str(live.tid), "--user", user)
+                live.accounts.append(user)
+        if keep:
+            for entry in closed:
+                kind = _acl_kind(entry)
+                self._bind(f"bind {entry} to {live.iqn}", "--mode", "target", "--op", "bind",
+                           "--tid", str(live.tid), kind, entry)
+                live.acl.add(entry)
+
+    def _forget_account(self, live: _LiveTarget, user: str, view: dict[str, _LiveTarget]) -> None:
+        """Delete an unbound account of this target's volume once no target holds it."""
         volume_id = self._volume_of(live.iqn)
         if volume_id and user.startswith(f"{volume_id}.") and not any(
             user in t.accounts for t in view.values()
@@ -729,15 +768,17 @@ class IscsiExportDriver:
             return
         for entry in sorted(live.acl):
             self._unbind_acl(live, _acl_kind(entry), entry)
-        for user in sorted(live.accounts):
-            self._drop_account(live, user, view)
+        users = list(live.accounts)
+        self._unbind_accounts(live, users)
+        for user in users:
+            self._forget_account(live, user, view)
         deadline = time.monotonic() + grace
-        for lun in sorted(n for n in live.luns if n != 0):  # LUN 0 is tgt's controller
-            # Without its LUN a lingering client gets I/O errors, not a hang.
-            self._until_idle(deadline, f"delete LUN {lun} of {iqn}", "--mode", "logicalunit",
-                             "--op", "delete", "--tid", str(live.tid), "--lun", str(lun))
-            live.luns.pop(lun, None)
         try:
+            for lun in sorted(n for n in live.luns if n != 0):  # LUN 0 is tgt's controller
+                # Without its LUN a lingering client gets I/O errors, not a hang.
+                self._until_idle(deadline, f"delete LUN {lun} of {iqn}", "--mode", "logicalunit",
+                                 "--op", "delete", "--tid", str(live.tid), "--lun", str(lun))
+                live.luns.pop(lun, None)
             self._until_idle(deadline, f"delete target {iqn}", "--mode", "target", "--op", "delete",
                              "--tid", str(live.tid))
         except _AdmError as exc:
@@ -920,9 +961,10 @@ class IscsiExportDriver:
             else:
                 live = view.get(self.iqn(volume_id))
                 user = self.chap_user(volume_id, host_name)
-                if live is not None and live.accounts - {user}:
+                if live is not None and set(live.accounts) - {user}:
                     # Accounts this agent does not know (a lost state file): leave those hosts be.
-                    self._drop_account(live, user, view)
+                    self._unbind_accounts(live, [user])
+                    self._forget_account(live, user, view)
                 elif live is not None:
                     self._doomed.add(volume_id)
                     self._teardown(volume_id, view, grace=self.session_grace)
