@@ -18,6 +18,7 @@ from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
 from vbs.controller.db import Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
+from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
 from vbs.controller.workflows import WorkflowEngine
@@ -93,6 +94,7 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     app.state.services = svc
     install_error_handlers(app)
     install_routes(app, cfg.agent_token, auth)
+    ec2_api.install(app, auth)
     return app
 
 

@@ -50,7 +50,7 @@ def _out(a: Attachment) -> AttachmentOut:
 
 def attach_volume(svc: Services, volume_id: str, req: AttachVolumeRequest) -> AttachmentOut:
     ids.check("volume", volume_id)
-    device = req.device.removeprefix("/dev/")
+    device = req.device
     with svc.db.session() as s:
         inst = _resolve_instance(s, req)
         if inst.state != "running":

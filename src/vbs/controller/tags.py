@@ -55,3 +55,17 @@ def delete_tags(session: Session, resource_ids: list[str], keys: list[str]) -> N
     if keys:
         stmt = stmt.where(Tag.key.in_(keys))
     session.execute(stmt)
+
+
+def delete_tag_pairs(session: Session, resource_ids: list[str], pairs: list[tuple[str, str | None]]) -> None:
+    """EC2 DeleteTags: a key alone deletes it; a key with a value deletes it only if the value matches."""
+    for rid in resource_ids:
+        _check_resource(session, rid)
+    if not pairs:
+        session.execute(delete(Tag).where(Tag.resource_id.in_(resource_ids)))
+        return
+    for key, value in pairs:
+        stmt = delete(Tag).where(Tag.resource_id.in_(resource_ids), Tag.key == key)
+        if value is not None:
+            stmt = stmt.where(Tag.value == value)
+        session.execute(stmt)

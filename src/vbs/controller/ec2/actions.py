@@ -1,0 +1,380 @@
+"""EC2 actions on top of the controller's domain: parameters in, the 2016-11-15 response shapes out.
+
+Each handler reads its parameters through ``QueryParams``, builds the same request models the REST
+API validates, calls the same domain functions, and returns the body of the XML answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from vbs import ids
+from vbs.controller import attachments, snapshots, tags, volumes
+from vbs.controller.db import Snapshot, Tag, Volume
+from vbs.controller.ec2.query import QueryParams
+from vbs.controller.filters import decode_token, encode_token
+from vbs.controller.schemas import (
+    AttachmentOut,
+    AttachVolumeRequest,
+    CreateSnapshotRequest,
+    CreateVolumeRequest,
+    DetachVolumeRequest,
+    SnapshotOut,
+    VolumeOut,
+)
+from vbs.controller.services import Services
+from vbs.controller.states import SnapshotState, VolumeState
+from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
+
+Handler = Callable[[Services, QueryParams], dict[str, Any]]
+ACCOUNT_ID = "000000000000"
+
+
+class DryRunOperation(VbsError):
+    code = "DryRunOperation"
+    status = 412
+
+    def __init__(self) -> None:
+        super().__init__("Request would have succeeded, but DryRun flag is set.")
+
+
+def _model(model: type[Any], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise InvalidParameter(f"Value for parameter {field} is invalid: {first['msg']}.") from None
+
+
+def _volume_id(value: str | None, name: str = "VolumeId") -> str:
+    if not value:
+        raise MissingParameter(f"The request must contain the parameter {name}.")
+    if not value.startswith("vol-"):
+        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "vol-...")')
+    if not ids.is_valid("volume", value):
+        raise NotFound(f"The volume '{value[:64]}' does not exist.", code="InvalidVolume.NotFound")
+    return value
+
+
+def _snapshot_id(value: str | None, name: str = "SnapshotId") -> str:
+    if not value:
+        raise MissingParameter(f"The request must contain the parameter {name}.")
+    if not value.startswith("snap-"):
+        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "snap-...")')
+    if not ids.is_valid("snapshot", value):
+        raise NotFound(f"The snapshot '{value[:64]}' does not exist.", code="InvalidSnapshot.NotFound")
+    return value
+
+
+def _dry_run(p: QueryParams) -> None:
+    if p.bool("DryRun"):
+        raise DryRunOperation()
+
+
+def _tag_set(values: dict[str, str]) -> list[dict[str, str]]:
+    return [{"key": k, "value": v} for k, v in sorted(values.items())]
+
+
+def _tags_for(p: QueryParams, resource_type: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for rtype, spec_tags in p.tag_specifications():
+        if rtype not in (None, resource_type):
+            raise InvalidParameter(f"The resource type '{rtype}' cannot be tagged by this action; "
+                                   f"use '{resource_type}'.")
+        out.update(spec_tags)
+    return out
+
+
+def _attachment(a: AttachmentOut) -> dict[str, Any]:
+    return {"volumeId": a.volume_id, "instanceId": a.instance_id, "device": a.device, "status": a.state,
+            "attachTime": a.attach_time, "deleteOnTermination": False}
+
+
+def _volume(svc: Services, v: VolumeOut) -> dict[str, Any]:
+    return {
+        "volumeId": v.volume_id, "size": v.size_gib, "snapshotId": v.snapshot_id or "",
+        "availabilityZone": svc.cfg.availability_zone, "status": v.status, "createTime": v.created_at,
+        "attachmentSet": [_attachment(a) for a in v.attachments], "tagSet": _tag_set(v.tags) if v.tags else None,
+        "volumeType": v.volume_type, "iops": v.iops, "throughput": v.throughput, "encrypted": False,
+        "multiAttachEnabled": v.multi_attach, "fastRestored": False,
+    }
+
+
+def _snapshot(s: SnapshotOut) -> dict[str, Any]:
+    return {
+        "snapshotId": s.snapshot_id, "volumeId": s.volume_id, "status": s.status, "startTime": s.started_at,
+        "progress": f"{s.progress}%", "ownerId": ACCOUNT_ID, "volumeSize": s.volume_size_gib,
+        "description": s.comment, "encrypted": False, "storageTier": "standard",
+        "stateMessage": s.status_reason, "tagSet": _tag_set(s.tags) if s.tags else None,
+    }
+
+
+# -- volumes ---------------------------------------------------------------------------------------
+
+
+def create_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+    zone = p.str("AvailabilityZone", max_len=64)
+    if zone is not None and zone != svc.cfg.availability_zone:
+        raise InvalidParameter(f"Invalid availability zone: [{zone[:64]}]; this endpoint serves "
+                               f"{svc.cfg.availability_zone}.", code="InvalidParameterValue")
+    snap = p.str("SnapshotId", max_len=64)
+    data: dict[str, Any] = {
+        "size_gib": p.int("Size"), "snapshot_id": _snapshot_id(snap) if snap else None,
+        "volume_type": p.str("VolumeType", max_len=16) or "gp2", "iops": p.int("Iops"),
+        "throughput": p.int("Throughput"), "multi_attach": p.bool("MultiAttachEnabled"),
+        "tags": _tags_for(p, "volume"), "client_token": p.str("ClientToken", max_len=64),
+    }
+    if data["size_gib"] is None and snap is None:
+        raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
+    req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
+    _dry_run(p)
+    return _volume(svc, volumes.create_volume(svc, req))
+
+
+def delete_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    _dry_run(p)
+    volumes.delete_volume(svc, vol_id)
+    return {"return": True}
+
+
+VOLUME_FILTER_NAMES = {"status", "volume-id", "snapshot-id", "size", "volume-type", "multi-attach-enabled",
+                       "attachment.instance-id", "attachment.status", "attachment.device"}
+
+
+def _zone_filter(svc: Services, filters: dict[str, list[str]]) -> bool:
+    """Apply the ``availability-zone`` filter ourselves: one zone, so it keeps all or nothing."""
+    zones = filters.pop("availability-zone", None)
+    return zones is None or svc.cfg.availability_zone in zones
+
+
+def describe_volumes(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
+    filters = p.filters()
+    max_results = p.int("MaxResults", min=5)
+    if max_results is not None:
+        # EC2 documents 5-500 and returns at most 500 when asked for more (the AWS CLI asks for 1000).
+        max_results = min(max_results, 500)
+    token = p.str("NextToken", max_len=64)
+    if vol_ids and max_results is not None:
+        raise InvalidParameter("The parameter VolumeIds cannot be used with the parameter maxResults.",
+                               code="InvalidParameterCombination")
+    _dry_run(p)
+    for name in filters:
+        if name not in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} \
+                and not name.startswith("tag:"):
+            raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
+    if not _zone_filter(svc, filters):
+        return {"volumeSet": []}
+    found = volumes.describe_volumes(svc, vol_ids, filters, max_results, token)
+    return {"volumeSet": [_volume(svc, v) for v in found.volumes], "nextToken": found.next_token}
+
+
+def attach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    instance = p.str("InstanceId", required=True, max_len=64)
+    device = p.str("Device", required=True, max_len=64)
+    req = _model(AttachVolumeRequest, {"instance_id": instance, "device": device})
+    _dry_run(p)
+    return _attachment(attachments.attach_volume(svc, vol_id, req))
+
+
+def detach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    data: dict[str, Any] = {"force": p.bool("Force")}
+    instance = p.str("InstanceId", max_len=64)
+    if instance is not None:
+        data["instance_id"] = instance
+    req = _model(DetachVolumeRequest, data)
+    _dry_run(p)
+    return _attachment(attachments.detach_volume(svc, vol_id, req))
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+def create_snapshot(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    req = _model(CreateSnapshotRequest, {"volume_id": vol_id, "comment": p.str("Description", max_len=255) or "",
+                                         "tags": _tags_for(p, "snapshot")})
+    _dry_run(p)
+    return _snapshot(snapshots.create_snapshot(svc, req))
+
+
+def delete_snapshot(svc: Services, p: QueryParams) -> dict[str, Any]:
+    snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
+    _dry_run(p)
+    snapshots.delete_snapshot(svc, snap_id)
+    return {"return": True}
+
+
+def describe_snapshots(svc: Services, p: QueryParams) -> dict[str, Any]:
+    snap_ids = [_snapshot_id(v) for v in p.list("SnapshotId")]
+    owners = p.list("Owner")
+    filters = p.filters()
+    filters.pop("owner-id", None)
+    filters.pop("owner-alias", None)
+    max_results = p.int("MaxResults", min=5)
+    if max_results is not None:
+        max_results = min(max_results, 1000)
+    token = p.str("NextToken", max_len=64)
+    if snap_ids and max_results is not None:
+        raise InvalidParameter("The parameter SnapshotIds cannot be used with the parameter maxResults.",
+                               code="InvalidParameterCombination")
+    _dry_run(p)
+    if owners and not {"self", ACCOUNT_ID} & set(owners):
+        return {"snapshotSet": []}
+    # A snapshot being deleted is already gone as far as EC2 clients are concerned.
+    filters.setdefault("status", [SnapshotState.PENDING, SnapshotState.COMPLETED, SnapshotState.ERROR])
+    found = snapshots.describe_snapshots(svc, snap_ids, filters, max_results, token)
+    return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
+
+
+# -- tags ------------------------------------------------------------------------------------------
+
+
+def _resource_ids(p: QueryParams) -> list[str]:
+    rids = p.list("ResourceId")
+    if not rids:
+        raise MissingParameter("The request must contain the parameter ResourceId.")
+    for rid in rids:
+        if not (ids.is_valid("volume", rid) or ids.is_valid("snapshot", rid)):
+            raise InvalidParameter(f"Invalid id: '{rid[:64]}'", code="InvalidID")
+    return rids
+
+
+def create_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+    rids = _resource_ids(p)
+    new_tags = p.tags()
+    if not new_tags:
+        raise MissingParameter("The request must contain the parameter Tag.")
+    from vbs.controller.schemas import CreateTagsRequest
+
+    req = _model(CreateTagsRequest, {"resource_ids": rids, "tags": new_tags})
+    _dry_run(p)
+    with svc.db.session() as s:
+        tags.create_tags(s, req.resource_ids, req.tags)
+    return {"return": True}
+
+
+def delete_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+    rids = _resource_ids(p)
+    pairs = p.tag_keys()
+    _dry_run(p)
+    with svc.db.session() as s:
+        tags.delete_tag_pairs(s, rids, pairs)
+    return {"return": True}
+
+
+def describe_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+    filters = p.filters()
+    max_results = p.int("MaxResults", min=5)
+    if max_results is not None:
+        max_results = min(max_results, 1000)
+    token = p.str("NextToken", max_len=128)
+    _dry_run(p)
+    stmt = select(Tag)
+    for name, values in filters.items():
+        if name == "resource-id":
+            stmt = stmt.where(Tag.resource_id.in_(values))
+        elif name == "key":
+            stmt = stmt.where(Tag.key.in_(values))
+        elif name == "value":
+            stmt = stmt.where(Tag.value.in_(values))
+        elif name == "resource-type":
+            prefixes = [{"volume": "vol-", "snapshot": "snap-"}.get(v, "\0") for v in values]
+            from sqlalchemy import or_
+
+            stmt = stmt.where(or_(*(Tag.resource_id.startswith(x) for x in prefixes)))
+        else:
+            raise InvalidParameter(f"The filter '{name[:64]}' is invalid.")
+    if token:
+        last = decode_token(token)
+        rid, _, key = last.partition("\x1f")
+        stmt = stmt.where((Tag.resource_id > rid) | ((Tag.resource_id == rid) & (Tag.key > key)))
+    stmt = stmt.order_by(Tag.resource_id, Tag.key)
+    with svc.db.session() as s:
+        # Tags of deleted resources are not shown.
+        live_vols = select(Volume.id).where(Volume.status != VolumeState.DELETED)
+        live_snaps = select(Snapshot.id).where(Snapshot.status.not_in([SnapshotState.DELETED,
+                                                                        SnapshotState.DELETING]))
+        stmt = stmt.where(Tag.resource_id.in_(live_vols) | Tag.resource_id.in_(live_snaps))
+        rows = list(s.scalars(stmt.limit((max_results or 1000) + 1)))
+    next_token = None
+    if max_results is not None and len(rows) > max_results:
+        rows = rows[:max_results]
+        next_token = encode_token(f"{rows[-1].resource_id}\x1f{rows[-1].key}")
+    return {"tagSet": [{"resourceId": t.resource_id,
+                        "resourceType": "volume" if t.resource_id.startswith("vol-") else "snapshot",
+                        "key": t.key, "value": t.value} for t in rows], "nextToken": next_token}
+
+
+# -- instances and zones ---------------------------------------------------------------------------
+
+
+def describe_instances(svc: Services, p: QueryParams) -> dict[str, Any]:
+    wanted = set(p.list("InstanceId"))
+    filters = p.filters()
+    _dry_run(p)
+    found = attachments.describe_instances(svc)
+    known = {i.instance_id for i in found}
+    missing = sorted(wanted - known)
+    if missing:
+        raise NotFound(f"The instance IDs '{', '.join(missing)}' do not exist", code="InvalidInstanceID.NotFound")
+    reservations = []
+    for inst in found:
+        if wanted and inst.instance_id not in wanted:
+            continue
+        if "instance-id" in filters and inst.instance_id not in filters["instance-id"]:
+            continue
+        if "instance-state-name" in filters and inst.state not in filters["instance-state-name"]:
+            continue
+        state = {"running": (16, "running"), "stopped": (80, "stopped")}.get(inst.state, (48, "terminated"))
+        reservations.append({
+            "reservationId": "r-" + inst.instance_id[2:], "ownerId": ACCOUNT_ID, "groupSet": [],
+            "instancesSet": [{
+                "instanceId": inst.instance_id, "imageId": "ami-00000000000000000",
+                "instanceState": {"code": state[0], "name": state[1]}, "privateDnsName": inst.host,
+                "instanceType": "vbs.vm", "placement": {"availabilityZone": svc.cfg.availability_zone},
+                "tagSet": [{"key": "Name", "value": inst.name}, {"key": "vbs:host", "value": inst.host},
+                           {"key": "vbs:vm-id", "value": inst.vm_id}],
+                "rootDeviceType": "ebs", "blockDeviceMapping": [
+                    {"deviceName": a.device, "ebs": {"volumeId": a.volume_id, "status": a.state,
+                                                     "attachTime": a.attach_time, "deleteOnTermination": False}}
+                    for a in inst.volumes],
+            }],
+        })
+    return {"reservationSet": reservations}
+
+
+def describe_availability_zones(svc: Services, p: QueryParams) -> dict[str, Any]:
+    _dry_run(p)
+    names = p.list("ZoneName")
+    zone = svc.cfg.availability_zone
+    if names and zone not in names:
+        return {"availabilityZoneInfo": []}
+    return {"availabilityZoneInfo": [{"zoneName": zone, "zoneState": "available", "regionName": svc.cfg.region,
+                                      "zoneId": f"{svc.cfg.region}-az1", "zoneType": "availability-zone",
+                                      "optInStatus": "opt-in-not-required", "messageSet": []}]}
+
+
+HANDLERS: dict[str, Handler] = {
+    "CreateVolume": create_volume,
+    "DeleteVolume": delete_volume,
+    "DescribeVolumes": describe_volumes,
+    "AttachVolume": attach_volume,
+    "DetachVolume": detach_volume,
+    "CreateSnapshot": create_snapshot,
+    "DeleteSnapshot": delete_snapshot,
+    "DescribeSnapshots": describe_snapshots,
+    "CreateTags": create_tags,
+    "DeleteTags": delete_tags,
+    "DescribeTags": describe_tags,
+    "DescribeInstances": describe_instances,
+    "DescribeAvailabilityZones": describe_availability_zones,
+}
