@@ -8,6 +8,7 @@ failures at every attach step leave no export, no guest disk, and the volume ava
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,7 +71,9 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         vm2.start()
         vm1.wait_ready(120)
         vm2.wait_ready(120)
-        yield Cloud(vbs, up, vm1, vm2, host2)
+        cloud = Cloud(vbs, up, vm1, vm2, host2)
+        yield cloud
+        host2 = cloud.host2  # a test may have restarted it
     finally:
         for vm in (vm1, vm2):
             vm.stop()
@@ -238,3 +241,39 @@ def restart_host2(cloud: Cloud) -> subprocess.Popen[bytes]:
          cloud.vbs.endpoint, "--vm-dir", str(tmp / "vms-2")],
         env={**os.environ, "VBS_AGENT_TOKEN": token}, stdout=(tmp / "host-2.log").open("ab"),
         stderr=subprocess.STDOUT)
+
+
+def export_daemon_pid(cloud: Cloud) -> int | None:
+    """The PID of the storage agent's running export daemon (qemu-storage-daemon or tgtd), if any."""
+    for pidfile in (cloud.vbs.data_dir / "storage-state").rglob("*.pid"):
+        try:
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (OSError, ValueError):
+            continue
+        if (b"qemu-storage-daemon" in cmdline or b"tgtd" in cmdline) and "State:\tZ" not in status:
+            return pid
+    return None
+
+
+def test_guest_io_resumes_after_the_export_daemon_is_killed(cloud: Cloud) -> None:
+    vol_id = new_volume(cloud)
+    serial = virtio_serial(vol_id)
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "vm1", "--wait")
+    dev = cloud.vm1.wait_for_disk(serial, 10)
+    before = cloud.vm1.write_pattern(dev, "before", 4)
+
+    old = export_daemon_pid(cloud)
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    # The storage agent notices within a second, restarts the daemon and re-creates the export with
+    # the same name and secrets; the guest's initiator reconnects by itself.
+    wait_until(lambda: export_daemon_pid(cloud) not in (None, old), 30, what="export daemon restarted")
+    assert cloud.vm1.checksum(dev, 4) == before
+    after = cloud.vm1.write_pattern(dev, "after", 4)
+    assert cloud.vm1.checksum(dev, 4) == after != before
+
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm1.wait_disk_gone(serial, 10)
+    assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []

@@ -62,7 +62,7 @@ class StorageAgentConfig(_Section):
     nbd_port: int = Field(10809, ge=1, le=65535)
     nbd_tls: bool = False
     iscsi_port: int = Field(3260, ge=1, le=65535)
-    iscsi_control: int = Field(7, ge=0, le=65535)
+    iscsi_control: int = Field(7, ge=0, le=32767)
 
 
 class HostAgentConfig(_Section):

@@ -34,6 +34,8 @@ VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SERIAL_RE = re.compile(r"^[A-Za-z0-9]{1,20}$")
 _DEVICE_ID_RE = re.compile(r"^vbs-([A-Za-z0-9]{1,20})-dev$")
 MIB = 1024 * 1024
+# How long guest I/O waits for a lost NBD connection to come back (export daemon restarted).
+NBD_RECONNECT_DELAY_S = 15
 # How long a forced detach lets the guest release the disk before cutting its I/O path.
 FORCE_GRACE_SECONDS = 1.0
 # Probing many sockets must not take qmp_timeout each when a monitor is held by another client.
@@ -350,6 +352,8 @@ class QemuDriver:
                 "driver": "nbd",
                 "server": {"type": "inet", "host": connection.host, "port": str(connection.port)},
                 "export": connection.export,
+                # A restarted export daemon comes back with the same export: wait for it, not EIO.
+                "reconnect-delay": NBD_RECONNECT_DELAY_S,
             }
             if connection.tls_psk_key is not None:
                 await self._add_psk_creds(connection, ids, add_object)

@@ -1,0 +1,542 @@
+"""The iSCSI export driver against a real tgtd: data path with CHAP, ACL, multi-attach, read-only,
+recovery after SIGKILL, adoption, stop. Clients are libiscsi's tools and qemu-io.
+
+Each test runs its own tgtd in tmp_path (own control socket) on a free loopback port and stops it
+by PID at teardown; nothing is killed by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vbs.argv import run
+from vbs.connection import HostIdentity, IscsiConnection
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.storage.exports.base import ExportDriver, ExportInfo
+from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
+
+pytestmark = pytest.mark.integration
+
+VOL = "vol-0123456789abcdef0"
+VOL2 = "vol-0fedcba9876543210"
+HOST_A = HostIdentity(name="hv-a", address="127.0.0.1")
+HOST_B = HostIdentity(name="hv-b.example", address="127.0.0.1")
+ELSEWHERE = HostIdentity(name="hv-far", address="127.0.0.2")  # every client here connects from .1
+MiB = 1024 * 1024
+
+Make = Callable[..., IscsiExportDriver]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def is_tgtd(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"tgtd")
+    except OSError:
+        return False
+
+
+def wait_dead(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return
+        if fields[0] == "Z" and int(fields[17]) <= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} still alive")
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path) -> Iterator[Make]:
+    """Build drivers on a fresh port and control number; every tgtd they ran is stopped, by PID."""
+    drivers: list[IscsiExportDriver] = []
+
+    def make(state: str = "state", *, port: int | None = None, **kw: Any) -> IscsiExportDriver:
+        port = free_port() if port is None else port
+        kw.setdefault("control_port", port % 32768)  # tgtd's range; the socket is in tmp_path anyway
+        kw.setdefault("session_grace", 2.0)
+        drv = IscsiExportDriver(tmp_path / state, port=port, **kw)
+        drivers.append(drv)
+        return drv
+
+    yield make
+    pids: set[int] = set()
+    for drv in reversed(drivers):
+        if drv.pid is not None:
+            pids.add(drv.pid)
+        try:
+            pids.add(int(drv.pid_path.read_text()))
+        except (OSError, ValueError):
+            pass
+        try:
+            drv.stop()
+        except DriverError:
+            pass
+    for pid in pids:
+        if is_tgtd(pid):  # guard against a recycled PID
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Path:
+    path = tmp_path / "vol.img"
+    with open(path, "wb") as f:
+        f.truncate(16 * MiB)
+    return path
+
+
+@pytest.fixture
+def clients() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Long-lived initiators a test starts; killed by PID at teardown."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def tgtadm(drv: IscsiExportDriver, *args: str) -> str:
+    """Ask the driver's tgtd directly (its own control socket), as an operator would."""
+    env = {**os.environ, "TGT_IPC_SOCKET": str(drv.socket_base)}
+    return run(["tgtadm", "-C", str(drv.control_port), "--lld", "iscsi", *args], timeout=30, env=env).stdout
+
+
+def live_targets(drv: IscsiExportDriver) -> dict[str, Any]:
+    return parse_targets(tgtadm(drv, "--mode", "target", "--op", "show"))
+
+
+def live_accounts(drv: IscsiExportDriver) -> set[str]:
+    out = tgtadm(drv, "--mode", "account", "--op", "show")
+    return {line.strip() for line in out.splitlines()[1:] if line.strip()}
+
+
+def secret_of(c: IscsiConnection) -> str:
+    assert c.chap_secret is not None
+    return c.chap_secret.get_secret_value()
+
+
+def iscsi_url(c: IscsiConnection, *, user: str | None = None, secret: str | None = None) -> str:
+    user = c.chap_user if user is None else user
+    secret = secret_of(c) if secret is None else secret
+    cred = f"{user}%{secret}@" if user else ""
+    return f"iscsi://{cred}{c.host}:{c.port}/{c.iqn}/{c.lun}"
+
+
+def readcap(c: IscsiConnection, *, secret: str | None = None, user: str | None = None,
+            initiator: str | None = None) -> tuple[int, str]:
+    """Log in and read the capacity (libiscsi): rc 0 and the output, or the login error."""
+    argv = ["iscsi-readcapacity16"]
+    if initiator:
+        argv += ["-i", initiator]
+    proc = run([*argv, iscsi_url(c, user=user, secret=secret)], timeout=30, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def qemu_io(c: IscsiConnection, cmd: str, *, read_only: bool = False) -> tuple[int, str]:
+    """One qemu-io command through QEMU's iSCSI driver, the secret passed as QEMU does it."""
+    ro = ["-r"] if read_only else []
+    opts = (f"driver=iscsi,transport=tcp,portal={c.host}:{c.port},target={c.iqn},lun={c.lun},"
+            f"user={c.chap_user},password-secret=s0")
+    if c.initiator_name:
+        opts += f",initiator-name={c.initiator_name}"
+    proc = run(["qemu-io", *ro, "--object", f"secret,id=s0,data={secret_of(c)}", "--image-opts", opts,
+                "-c", cmd], timeout=60, check=False)
+    out = proc.stdout + proc.stderr
+    # qemu-io exits 0 even when a command inside fails: look at its output too.
+    failed = proc.returncode != 0 or "failed" in out.lower() or "error" in out.lower()
+    return (1 if failed else 0), out
+
+
+def logged_in(c: IscsiConnection, **kw: str) -> bool:
+    rc, out = readcap(c, **kw)
+    if rc == 0:
+        assert f"Total size:{16 * MiB}" in out, out
+    return rc == 0
+
+
+def wait_for_progress(log_path: Path, offset: int, timeout: float = 20.0) -> None:
+    """Wait for iscsi-perf to report I/O done after ``offset`` in its log (a line a second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_bytes()[offset:].decode(errors="replace")
+        for status in text.replace("\r", "\n").splitlines():
+            if "iops current" in status and "iops current 0 " not in status:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no I/O progress: {log_path.read_bytes()[offset:][-500:]!r}")
+
+
+def test_driver_satisfies_the_contract(make_driver: Make) -> None:
+    assert isinstance(make_driver(), ExportDriver)
+
+
+def test_export_read_write_with_chap(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    drv.start()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c, IscsiConnection)
+    assert (c.host, c.port, c.iqn, c.lun) == ("127.0.0.1", drv.port, f"iqn.2026-11.org.vbs:{VOL}", 1)
+    assert c.chap_user == f"{VOL}.hv-a"
+    assert len(secret_of(c)) >= 16 and secret_of(c).isalnum()
+    assert secret_of(c) not in repr(c)
+
+    assert logged_in(c)
+    # initiator write -> lands in the file
+    rc, out = qemu_io(c, "write -P 0xab 1M 64k")
+    assert rc == 0, out
+    with open(volume, "rb") as f:
+        f.seek(MiB)
+        assert f.read(64 * 1024) == b"\xab" * 65536
+    # file content -> initiator read
+    with open(volume, "r+b") as f:
+        f.seek(4 * MiB)
+        f.write(b"\xcd" * 4096)
+        f.flush()
+        os.fsync(f.fileno())
+    rc, out = qemu_io(c, "read -P 0xcd 4M 4k")
+    assert rc == 0, out
+
+
+def test_negotiation_is_tuned(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    drv.ensure_export(VOL, volume, HOST_A)
+    tid = live_targets(drv)[drv.iqn(VOL)].tid
+    params = tgtadm(drv, "--mode", "target", "--op", "show", "--tid", str(tid))
+    for line in ("MaxRecvDataSegmentLength=262144", "MaxXmitDataSegmentLength=262144",
+                 "FirstBurstLength=262144", "MaxBurstLength=1048576", "InitialR2T=No"):
+        assert line in params.splitlines()
+
+
+def test_wrong_or_missing_chap_secret_is_refused(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    right = secret_of(c)
+    rc, out = readcap(c, secret=("Y" if right[0] == "X" else "X") + right[1:])  # one character off
+    assert rc != 0 and "Authentication failure" in out, out
+    rc, out = readcap(c, user="", secret="")  # no CHAP at all
+    assert rc != 0 and "Authentication failure" in out, out
+    rc, out = readcap(c, user=f"{VOL}.someone-else")
+    assert rc != 0 and "Authentication failure" in out, out
+    assert logged_in(c)
+
+
+def test_initiator_address_not_bound_is_refused(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    far = drv.ensure_export(VOL, volume, ELSEWHERE)  # ACL: 127.0.0.2 only
+    rc, out = readcap(far)  # right CHAP, from 127.0.0.1
+    assert rc != 0 and "Target not found" in out, out
+    near = drv.ensure_export(VOL, volume, HOST_A)  # now 127.0.0.1 is bound too
+    assert logged_in(near)
+
+
+def test_initiator_name_alone_grants_nothing(make_driver: Make, volume: Path) -> None:
+    """tgt ORs address and name ACL entries: binding the name would admit it from anywhere."""
+    drv = make_driver()
+    name = "iqn.2026-11.org.test:hv-far"
+    c = drv.ensure_export(VOL, volume, ELSEWHERE.model_copy(update={"initiator_name": name}))
+    assert isinstance(c, IscsiConnection) and c.initiator_name == name  # what the hypervisor presents
+    rc, out = readcap(c, initiator=name)
+    assert rc != 0 and "Target not found" in out, out
+
+
+def test_hostname_address_is_resolved_for_the_acl(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-local", address="localhost"))
+    assert logged_in(c)
+
+
+def test_ensure_is_idempotent(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c1 = drv.ensure_export(VOL, volume, HOST_A)  # starts tgtd itself
+    c2 = drv.ensure_export(VOL, volume, HOST_A)
+    assert c1 == c2 and secret_of(c1) == secret_of(c2)
+    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", drv.iqn(VOL))]
+    assert logged_in(c1)
+    with pytest.raises(IdempotentParameterMismatch):
+        drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+    other = volume.with_name("other.img")
+    other.write_bytes(b"\0" * MiB)
+    with pytest.raises(IdempotentParameterMismatch):
+        drv.ensure_export(VOL, other, HOST_A)
+    assert logged_in(c1)  # a refused call changed nothing
+
+
+def test_remove_is_idempotent_and_deletes_the_target(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    drv.remove_export(VOL, HOST_A.name)
+    assert drv.list_exports() == []
+    assert live_targets(drv) == {}  # LUN and target gone
+    assert live_accounts(drv) == set()  # and the account
+    rc, out = readcap(c)
+    assert rc != 0, out
+    drv.remove_export(VOL, HOST_A.name)
+    drv.remove_export(VOL2, "never-seen")
+    # a new attachment after removal gets a new secret
+    c2 = drv.ensure_export(VOL, volume, HOST_A)
+    assert secret_of(c2) != secret_of(c)
+    assert logged_in(c2) and not logged_in(c)
+
+
+def test_multi_attach_hosts_share_one_target(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    a = drv.ensure_export(VOL, volume, HOST_A)
+    b = drv.ensure_export(VOL, volume, HOST_B)
+    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-c", address="127.0.0.1"))
+    assert isinstance(a, IscsiConnection) and isinstance(b, IscsiConnection)
+    assert a.iqn == b.iqn == c.iqn
+    assert len({a.chap_user, b.chap_user, c.chap_user}) == 3
+    assert len({secret_of(a), secret_of(b), secret_of(c)}) == 3
+    assert sorted(drv.list_exports(), key=lambda e: e.host) == [
+        ExportInfo(VOL, h, "iscsi", a.iqn) for h in ("hv-a", "hv-b.example", "hv-c")]
+    assert logged_in(a) and logged_in(b) and logged_in(c)
+    rc, out = qemu_io(a, "write -P 0x11 0 4k")
+    assert rc == 0, out
+    rc, out = qemu_io(b, "read -P 0x11 0 4k")
+    assert rc == 0, out
+
+    # B (the middle account in tgtd's slots) leaves: its account goes, the others keep working
+    # and tgtd survives (a hole in its account array would crash it at the next show).
+    pid = drv.pid
+    drv.remove_export(VOL, HOST_B.name)
+    assert drv.pid == pid and live_targets(drv)[a.iqn].accounts == [a.chap_user, c.chap_user]
+    assert {e.host for e in drv.list_exports()} == {"hv-a", "hv-c"}
+    assert logged_in(a) and logged_in(c) and not logged_in(b)
+    drv.remove_export(VOL, "hv-c")  # the last slot
+    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", a.iqn)]
+    assert logged_in(a) and not logged_in(c)
+    assert drv.pid == pid
+
+
+def test_removing_one_host_unbinds_its_address(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    a = drv.ensure_export(VOL, volume, HOST_A)  # 127.0.0.1
+    far = drv.ensure_export(VOL, volume, ELSEWHERE)  # 127.0.0.2
+    drv.remove_export(VOL, HOST_A.name)
+    assert drv.list_exports() == [ExportInfo(VOL, ELSEWHERE.name, "iscsi", a.iqn)]
+    live = live_targets(drv)[a.iqn]
+    assert live.acl == {"127.0.0.2"} and live.accounts == [far.chap_user]
+    rc, out = readcap(far)  # far's CHAP is fine, but 127.0.0.1 is no longer bound
+    assert rc != 0 and "Target not found" in out, out
+    assert not logged_in(a)
+
+
+def test_read_only_lun_refuses_writes(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    volume.write_bytes(b"\x5a" * (16 * MiB))
+    c = drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+    assert isinstance(c, IscsiConnection)
+    rc, out = qemu_io(c, "read -P 0x5a 0 64k", read_only=True)
+    assert rc == 0, out
+    rc, out = qemu_io(c, "write -P 0x00 0 4k")
+    assert rc != 0 and "write protected" in out, out
+    # Below QEMU's own check: a raw SCSI WRITE(10) gets DATA PROTECT from the target.
+    proc = run(["iscsi-test-cu", "--dataloss", "-V", "--test", "ALL.Write10.Simple", iscsi_url(c)],
+               timeout=120, check=False)
+    assert "WRITE_PROTECTED" in proc.stdout, proc.stdout[-2000:]
+    assert volume.read_bytes() == b"\x5a" * (16 * MiB)
+    with pytest.raises(IdempotentParameterMismatch):  # one LUN: every host has the same mode
+        drv.ensure_export(VOL, volume, HOST_B)
+
+
+def test_sigkill_then_check_restores_the_same_iqn_and_secret(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    a = drv.ensure_export(VOL, volume, HOST_A)
+    b = drv.ensure_export(VOL, volume, HOST_B)
+    other = volume.with_name("vol2.img")
+    other.write_bytes(b"\0" * MiB)
+    ro = drv.ensure_export(VOL2, other, HOST_A, read_only=True)
+    rc, out = qemu_io(a, "write -P 0x77 0 4k")
+    assert rc == 0, out
+    before = sorted(drv.list_exports(), key=repr)
+
+    old = drv.pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    wait_dead(old)
+    assert drv.list_exports() == []
+    drv.check()
+    assert drv.pid not in (None, old)
+    assert sorted(drv.list_exports(), key=repr) == before
+    assert logged_in(a) and logged_in(b)  # same IQN, same accounts, same secrets
+    rc, out = qemu_io(a, "read -P 0x77 0 4k")
+    assert rc == 0, out
+    rc, out = qemu_io(ro, "write -P 0 0 4k")
+    assert rc != 0 and "write protected" in out, out  # read-only survives the restart
+    drv.check()  # healthy: nothing to do
+    assert drv.pid is not None and drv.list_exports() == before
+
+
+def test_hung_tgtd_is_replaced_by_check(make_driver: Make, volume: Path) -> None:
+    drv = make_driver(adm_timeout=1.0)
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    old = drv.pid
+    assert old is not None
+    os.kill(old, signal.SIGSTOP)  # alive, but its control socket never answers
+    drv.check()
+    wait_dead(old)
+    assert drv.pid not in (None, old)
+    assert logged_in(c)
+
+
+def test_connected_initiator_resumes_after_check(
+    make_driver: Make, volume: Path, tmp_path: Path, clients: list[subprocess.Popen[bytes]]
+) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    log_path = tmp_path / "perf.log"
+    with open(log_path, "wb") as out:
+        # -x: reconnect up to 1000 times, as QEMU's initiator does after a lost session
+        perf = subprocess.Popen(["iscsi-perf", "-x", "1000", iscsi_url(c)], stdout=out, stderr=out)
+    clients.append(perf)
+    wait_for_progress(log_path, 0)
+    old = drv.pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    wait_dead(old)
+    drv.check()
+    mark = log_path.stat().st_size
+    wait_for_progress(log_path, mark)
+    assert perf.poll() is None
+
+
+def test_remove_under_a_live_session_is_refused_then_completes(
+    make_driver: Make, volume: Path, tmp_path: Path, clients: list[subprocess.Popen[bytes]]
+) -> None:
+    """The caller must unplug first; if it did not, tgtd is never forced (that hangs the client)."""
+    drv = make_driver(session_grace=1.0)
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    log_path = tmp_path / "perf.log"
+    with open(log_path, "wb") as out:
+        # -n: keep the session through I/O errors, like a hypervisor that was not unplugged
+        perf = subprocess.Popen(["iscsi-perf", "-n", iscsi_url(c)], stdout=out, stderr=out)
+    clients.append(perf)
+    wait_for_progress(log_path, 0)
+    with pytest.raises(DriverError, match="still has a session"):
+        drv.remove_export(VOL, HOST_A.name)
+    assert drv.list_exports() == []  # no account, no LUN: nothing is exported any more
+    assert not logged_in(c)  # ACL and account are gone: no new logins
+    assert live_targets(drv)[c.iqn].sessions  # only the old session holds the target
+    perf.kill()
+    perf.wait(10)
+    deadline = time.monotonic() + 10
+    while c.iqn in live_targets(drv):  # the next check() finishes the removal
+        assert time.monotonic() < deadline, "target never removed"
+        drv.check()
+        time.sleep(0.2)
+    drv.remove_export(VOL, HOST_A.name)
+
+
+def test_list_exports_matches_the_daemon(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    assert drv.list_exports() == []  # not started: nothing
+    drv.start()
+    other = volume.with_name("vol2.img")
+    other.write_bytes(b"\0" * MiB)
+    drv.ensure_export(VOL, volume, HOST_A)
+    drv.ensure_export(VOL2, other, HOST_A)
+    drv.ensure_export(VOL2, other, HOST_B)
+    got = {(e.volume_id, e.host, e.protocol, e.target) for e in drv.list_exports()}
+    assert got == {(VOL, "hv-a", "iscsi", drv.iqn(VOL)), (VOL2, "hv-a", "iscsi", drv.iqn(VOL2)),
+                   (VOL2, "hv-b.example", "iscsi", drv.iqn(VOL2))}
+    live = live_targets(drv)
+    assert {t.tid for t in live.values()} == {1, 2}  # tids come from what tgtd has
+    # A target that is not ours (an operator's) is left alone and not reported.
+    tgtadm(drv, "--mode", "target", "--op", "new", "--tid", "9", "--targetname", "iqn.2000-01.com.example:manual")
+    assert {(e.volume_id, e.host, e.protocol, e.target) for e in drv.list_exports()} == got
+    drv.check()
+    assert "iqn.2000-01.com.example:manual" in live_targets(drv)
+
+
+def test_stop_and_start_again(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOL, volume, HOST_A)
+    pid = drv.pid
+    assert pid is not None
+    drv.stop()  # tgtd ignores SIGTERM: offline, delete targets, delete system, wait for the PID
+    wait_dead(pid)
+    assert drv.pid is None and not drv.pid_path.exists()
+    assert drv.list_exports() == []
+    drv.stop()  # idempotent
+    drv.start()  # desired exports come back with their secrets
+    assert logged_in(c)
+
+
+def test_restarted_agent_adopts_the_running_tgtd(make_driver: Make, volume: Path) -> None:
+    first = make_driver()
+    c = first.ensure_export(VOL, volume, HOST_A)
+    pid = first.pid
+    first.close()  # the agent goes away, tgtd keeps serving
+    second = make_driver(port=first.port, control_port=first.control_port)
+    second.start()
+    assert second.pid == pid
+    assert second.ensure_export(VOL, volume, HOST_A) == c
+    assert logged_in(c)
+    second.stop()
+    assert pid is not None
+    wait_dead(pid)
+
+
+def test_lost_state_file_gets_a_fresh_secret_that_works(make_driver: Make, volume: Path) -> None:
+    first = make_driver()
+    c = first.ensure_export(VOL, volume, HOST_A)
+    first.close()
+    first.state_path.unlink()
+    second = make_driver(port=first.port, control_port=first.control_port)
+    second.start()
+    c2 = second.ensure_export(VOL, volume, HOST_A)  # the account tgtd has is replaced, not trusted
+    assert secret_of(c2) != secret_of(c)
+    assert logged_in(c2) and not logged_in(c)
+
+
+def test_port_in_use_is_refused(make_driver: Make) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        drv = make_driver(port=busy.getsockname()[1])
+        with pytest.raises(DriverError, match="could not listen"):
+            drv.start()
+    assert drv.pid is None  # the fallback daemon (0.0.0.0:3260) was not kept
+
+
+def test_bad_input_is_refused(make_driver: Make, volume: Path, tmp_path: Path) -> None:
+    drv = make_driver()
+    with pytest.raises(InvalidParameter):
+        drv.ensure_export("vol-nothex", volume, HOST_A)
+    with pytest.raises(InvalidParameter):
+        drv.ensure_export(VOL, Path("relative.img"), HOST_A)
+    with pytest.raises(InvalidParameter):
+        drv.ensure_export(VOL, tmp_path / "a,b.img", HOST_A)
+    with pytest.raises(NotFound):
+        drv.ensure_export(VOL, tmp_path / "missing.img", HOST_A)
+    with pytest.raises(InvalidParameter):
+        drv.remove_export(VOL, "Bad Host")
+    with pytest.raises(InvalidParameter):
+        IscsiExportDriver(tmp_path / ("x" * 120), port=3260)  # unix socket path too long
+    with pytest.raises(InvalidParameter):
+        IscsiExportDriver(tmp_path, listen_host="0.0.0.0")
+    with pytest.raises(InvalidParameter):
+        IscsiExportDriver(tmp_path, control_port=40000)  # beyond tgtd's -C range
+    with pytest.raises(InvalidParameter):
+        IscsiExportDriver(tmp_path, listen_host="storage.example")  # tgtd reports portals numerically
+    assert drv.pid is None  # nothing was started for bad input
