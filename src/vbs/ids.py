@@ -13,6 +13,7 @@ PREFIXES = {
     "attachment": "att",
     "instance": "i",
     "operation": "op",
+    "modification": "mod",
 }
 
 _HEX = 17

@@ -139,6 +139,30 @@ def describe_volumes(
         print(f"next token: {body['next_token']}")
 
 
+@app.command("modify-volume")
+def modify_volume(
+    ctx: typer.Context,
+    volume_id: str,
+    size: Annotated[int | None, typer.Option("--size", help="New size in GiB (grow only).")] = None,
+    volume_type: Annotated[str | None, typer.Option("--type")] = None,
+    iops: Annotated[int | None, typer.Option()] = None,
+    throughput: Annotated[int | None, typer.Option(help="MB/s")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the modification completes.")] = False,
+) -> None:
+    """Grow a volume (also while attached: the guest sees the new size) or change its type."""
+    c: Context = ctx.obj
+    body = {k: v for k, v in (("size_gib", size), ("volume_type", volume_type), ("iops", iops),
+                              ("throughput", throughput)) if v is not None}
+    mod = c.client.call("POST", f"/v1/volumes/{volume_id}/modify", body)
+    while wait and mod["state"] in ("modifying", "optimizing"):
+        time.sleep(0.2)
+        found = c.client.call("GET", f"/v1/volume-modifications?volume_id={volume_id}")["modifications"]
+        mod = next(m for m in found if m["modification_id"] == mod["modification_id"])
+    output.emit(mod, "json")
+    if mod["state"] == "failed":
+        raise typer.Exit(1)
+
+
 @app.command("attach-volume")
 def attach_volume(
     ctx: typer.Context,

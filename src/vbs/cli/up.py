@@ -93,7 +93,8 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
                  export: str = "nbd", log_json: bool = False) -> int:
     data_dir = data_dir.resolve()
-    (data_dir / "pool").mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (data_dir / "pool").mkdir(exist_ok=True)
     endpoint = f"http://{host}:{port}"
     key = credentials.ensure_file(data_dir / "credentials")
     credentials.register_endpoint(endpoint, key)

@@ -48,6 +48,18 @@ class StorageAgent:
     def volume_status(self, pool: str, volume_id: str) -> ItemStatus:
         return ItemStatus.of(self._client.call("GET", f"/v1/pools/{pool}/volumes/{volume_id}"))
 
+    def resize_volume(self, pool: str, volume_id: str, size_gib: int) -> ItemStatus:
+        body = {"size_bytes": size_gib * GIB}
+        return ItemStatus.of(self._client.call("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/size", body))
+
+    def refresh_export(self, pool: str, volume_id: str, host_name: str) -> dict[str, Any]:
+        """A new export of the (grown) volume for ``host_name``; the old one serves until retired."""
+        answer = self._client.call("PUT", f"/v1/exports/{volume_id}/hosts/{host_name}/refresh", {"pool": pool})
+        return answer["connection"]  # type: ignore[no-any-return]
+
+    def retire_exports(self, volume_id: str, host_name: str) -> None:
+        self._client.call("DELETE", f"/v1/exports/{volume_id}/hosts/{host_name}/retired")
+
     def ensure_snapshot(self, pool: str, snapshot_id: str, volume_id: str) -> ItemStatus:
         body = {"volume_id": volume_id}
         return ItemStatus.of(self._client.call("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}", body))
@@ -85,6 +97,10 @@ class HostAgent:
         # The HTTP call outlives the guest's own deadline by a margin, so "busy" comes back as an answer.
         self._client.call("DELETE", f"/v1/vms/{vm_id}/disks/{serial}?force={str(force).lower()}&timeout={timeout}",
                           timeout=timeout + 15)
+
+    def resize(self, vm_id: str, serial: str, connection: dict[str, Any], size_gib: int) -> None:
+        body = {"connection": connection, "size_bytes": size_gib * GIB}
+        self._client.call("PUT", f"/v1/vms/{vm_id}/disks/{serial}/size", body)
 
     def list_disks(self, vm_id: str) -> list[dict[str, Any]]:
         return self._client.call("GET", f"/v1/vms/{vm_id}/disks")  # type: ignore[no-any-return]

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import attachments, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, snapshots, tags, volumes
 from vbs.controller.auth import Authenticator
 from vbs.controller.db import Operation, OperationStep
 from vbs.controller.filters import parse_filters
@@ -24,6 +24,9 @@ from vbs.controller.schemas import (
     HostHeartbeat,
     HostList,
     InstanceList,
+    ModificationList,
+    ModificationOut,
+    ModifyVolumeRequest,
     OperationOut,
     SnapshotList,
     SnapshotOut,
@@ -77,6 +80,20 @@ def public_router(auth: Authenticator) -> APIRouter:
     @r.post("/volumes/{volume_id}/detach", response_model=AttachmentOut, tags=["volumes"])
     def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Services = Depends(services)) -> AttachmentOut:
         return attachments.detach_volume(svc, volume_id, body)
+
+    @r.post("/volumes/{volume_id}/modify", response_model=ModificationOut, tags=["volumes"])
+    def modify_volume(volume_id: str, body: ModifyVolumeRequest, svc: Services = Depends(services)) -> ModificationOut:
+        return modifications.modify_volume(svc, volume_id, body)
+
+    @r.get("/volume-modifications", response_model=ModificationList, tags=["volumes"])
+    def describe_modifications(
+        volume_id: list[str] = Query(default=[], max_length=1000),
+        filter: list[str] = Query(default=[], max_length=50),
+        max_results: int | None = Query(default=None),
+        next_token: str | None = Query(default=None, max_length=64),
+        svc: Services = Depends(services),
+    ) -> ModificationList:
+        return modifications.describe_modifications(svc, volume_id, parse_filters(filter), max_results, next_token)
 
     @r.get("/hosts", response_model=HostList, tags=["nodes"])
     def hosts(svc: Services = Depends(services)) -> HostList:

@@ -23,6 +23,7 @@ from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
 from vbs.controller.workflows import WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
+from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.errors import InvalidParameter
@@ -30,7 +31,8 @@ from vbs.web import install_error_handlers
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME]
+WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME,
+             MODIFY_VOLUME]
 
 
 def database_for(cfg: ControllerConfig) -> Database:

@@ -271,3 +271,33 @@ class HostList(BaseModel):
 
 class InstanceList(BaseModel):
     instances: list[InstanceOut]
+
+
+class ModifyVolumeRequest(_Request):
+    size_gib: int | None = Field(None, ge=1, le=MAX_SIZE_GIB)
+    volume_type: VolumeType | None = None
+    iops: int | None = Field(None, ge=100, le=256000)
+    throughput: int | None = Field(None, ge=1, le=4000)
+
+
+class ModificationOut(BaseModel):
+    modification_id: str
+    volume_id: str
+    state: str
+    status_message: str | None
+    original_size_gib: int
+    target_size_gib: int
+    original_volume_type: str
+    target_volume_type: str
+    original_iops: int | None
+    target_iops: int | None
+    original_throughput: int | None
+    target_throughput: int | None
+    progress: int
+    start_time: datetime
+    end_time: datetime | None
+
+
+class ModificationList(BaseModel):
+    modifications: list[ModificationOut]
+    next_token: str | None = None

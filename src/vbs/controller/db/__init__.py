@@ -11,6 +11,7 @@ from vbs.controller.db.tables import (
     Snapshot,
     Tag,
     Volume,
+    VolumeModification,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "Node",
     "Operation",
     "OperationStep",
+    "VolumeModification",
 ]

@@ -158,3 +158,25 @@ class OperationStep(Base):
     error: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime]
 
+
+
+class VolumeModification(Base):
+    """One ModifyVolume request and how far it got (EC2 DescribeVolumesModifications)."""
+
+    __tablename__ = "volume_modifications"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    volume_id: Mapped[str] = mapped_column(String(32), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    status_message: Mapped[str | None] = mapped_column(Text)
+    original_size_gib: Mapped[int] = mapped_column(Integer)
+    target_size_gib: Mapped[int] = mapped_column(Integer)
+    original_volume_type: Mapped[str] = mapped_column(String(16))
+    target_volume_type: Mapped[str] = mapped_column(String(16))
+    original_iops: Mapped[int | None] = mapped_column(Integer)
+    target_iops: Mapped[int | None] = mapped_column(Integer)
+    original_throughput: Mapped[int | None] = mapped_column(Integer)
+    target_throughput: Mapped[int | None] = mapped_column(Integer)
+    progress: Mapped[int] = mapped_column(Integer, default=0)
+    start_time: Mapped[datetime]
+    end_time: Mapped[datetime | None]

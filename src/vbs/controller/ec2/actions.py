@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import attachments, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, snapshots, tags, volumes
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
@@ -23,6 +23,8 @@ from vbs.controller.schemas import (
     CreateSnapshotRequest,
     CreateVolumeRequest,
     DetachVolumeRequest,
+    ModificationOut,
+    ModifyVolumeRequest,
     SnapshotOut,
     VolumeOut,
 )
@@ -193,6 +195,37 @@ def detach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
     req = _model(DetachVolumeRequest, data)
     _dry_run(p)
     return _attachment(attachments.detach_volume(svc, vol_id, req))
+
+
+def _modification(m: ModificationOut) -> dict[str, Any]:
+    return {
+        "volumeId": m.volume_id, "modificationState": m.state, "statusMessage": m.status_message,
+        "targetSize": m.target_size_gib, "targetIops": m.target_iops, "targetVolumeType": m.target_volume_type,
+        "targetThroughput": m.target_throughput, "originalSize": m.original_size_gib,
+        "originalIops": m.original_iops, "originalVolumeType": m.original_volume_type,
+        "originalThroughput": m.original_throughput, "progress": m.progress, "startTime": m.start_time,
+        "endTime": m.end_time,
+    }
+
+
+def modify_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    data = {"size_gib": p.int("Size"), "volume_type": p.str("VolumeType", max_len=16), "iops": p.int("Iops"),
+            "throughput": p.int("Throughput")}
+    req = _model(ModifyVolumeRequest, {k: v for k, v in data.items() if v is not None})
+    _dry_run(p)
+    return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req))}
+
+
+def describe_volumes_modifications(svc: Services, p: QueryParams) -> dict[str, Any]:
+    vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
+    filters = p.filters()
+    max_results = p.int("MaxResults", min=1, max=500)
+    token = p.str("NextToken", max_len=64)
+    _dry_run(p)
+    found = modifications.describe_modifications(svc, vol_ids, filters, max_results, token)
+    return {"volumeModificationSet": [_modification(m) for m in found.modifications],
+            "nextToken": found.next_token}
 
 
 # -- snapshots -------------------------------------------------------------------------------------
@@ -367,6 +400,8 @@ HANDLERS: dict[str, Handler] = {
     "CreateVolume": create_volume,
     "DeleteVolume": delete_volume,
     "DescribeVolumes": describe_volumes,
+    "ModifyVolume": modify_volume,
+    "DescribeVolumesModifications": describe_volumes_modifications,
     "AttachVolume": attach_volume,
     "DetachVolume": detach_volume,
     "CreateSnapshot": create_snapshot,

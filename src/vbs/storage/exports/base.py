@@ -51,7 +51,22 @@ class ExportDriver(Protocol):
         ...
 
     def list_exports(self) -> list[ExportInfo]:
-        """What the daemon really has now."""
+        """What the daemon really has now: one entry per (volume, host) export."""
+        ...
+
+    def refresh_export(self, volume_id: str, path: Path, host_name: str) -> Connection:
+        """After the volume file grew: a new export of ``path`` to ``host_name`` that reports the
+        file's current size (NBD and iSCSI sizes are fixed when an export is made), while the
+        export the host uses now keeps serving. Idempotent: if the current export already has the
+        file's size it is returned. Persisted like every export (a restart keeps both); raises
+        ``NotFound`` if ``volume_id`` is not exported to ``host_name``. ``ensure_export`` returns
+        the new connection from then on.
+        """
+        ...
+
+    def retire_exports(self, volume_id: str, host_name: str) -> None:
+        """Remove the exports of ``volume_id`` to ``host_name`` that a refresh replaced, once the
+        host moved to the new one (a client still on them is cut off). Idempotent."""
         ...
 
     def check(self) -> None:

@@ -2,6 +2,14 @@
 
 One target per volume (``<iqn_prefix>:<volume_id>``), LUN 1 backed by the volume file, an address
 ACL entry and a CHAP account per (volume, host); desired state survives tgtd and agent restarts.
+
+Online resize: tgt reads a LUN's size when the LUN is made and never again (no tgtadm parameter
+changes it; QEMU's initiator re-reads the capacity on ``block_resize`` but gets the old one). So
+``refresh_export`` adds another LUN on the same target, backed by the same (grown) file: the host
+logs in to it next to its current session (same ACL and CHAP account) and moves its disk over, then
+``retire_exports`` deletes the LUN it left. Each host's grant names the LUN it uses and the ones
+it may still be using; a LUN is kept while any grant names it, so hosts of a multi-attached volume
+move independently and share the newest LUN. Numbers are reused: a lone host alternates 1 and 2.
 """
 
 from __future__ import annotations
@@ -100,16 +108,23 @@ class _Grant:
     initiator_name: str | None
     user: str
     secret: str
+    lun: int = LUN  # the LUN this host is given
+    old_luns: list[int] = field(default_factory=list)  # LUNs it may still use until retire_exports
 
 
 @dataclass
 class _Export:
-    """One volume as it should be served: one target, LUN 1, one grant per host."""
+    """One volume as it should be served: one target, its LUNs, one grant per host."""
 
     volume_id: str
     path: str
     read_only: bool
     grants: dict[str, _Grant] = field(default_factory=dict)
+    lun: int = LUN  # the newest LUN: a host that joins gets this one
+    lun_sizes: dict[int, int] = field(default_factory=dict)  # file size when tgtd made each LUN
+
+    def wanted_luns(self) -> set[int]:
+        return {n for g in self.grants.values() for n in (g.lun, *g.old_luns)} or {self.lun}
 
 
 # -- what tgtd reports ----------------------------------------------------------------------------
@@ -608,7 +623,8 @@ class IscsiExportDriver:
                         "--targetname", iqn)
             live = view[iqn] = _LiveTarget(tid=tid, iqn=iqn)
         try:
-            self._apply_target(exp, live, view, fresh_users=fresh_users, tune=tune or created)
+            if self._apply_target(exp, live, view, fresh_users=fresh_users, tune=tune or created):
+                self._save_state()  # the sizes of new LUNs, which a refresh compares with the file's
         except DriverError:
             if created:  # no half-made target: the caller sees the error, tgtd sees nothing
                 try:
@@ -618,30 +634,48 @@ class IscsiExportDriver:
             raise
 
     def _apply_target(self, exp: _Export, live: _LiveTarget, view: dict[str, _LiveTarget], *,
-                      fresh_users: AbstractSet[str], tune: bool) -> None:
+                      fresh_users: AbstractSet[str], tune: bool) -> bool:
+        """Returns whether ``exp.lun_sizes`` changed."""
         tid = str(live.tid)
+        sizes_changed = False
         # Nothing below lets an initiator in before the ACL exists, and the ACL comes last: a LUN
         # is never visible writable when it should be read-only, nor without CHAP.
         if tune:
             for name, value in TUNING:
                 self._iscsi(f"set {name} on {live.iqn}", "--mode", "target", "--op", "update",
                             "--tid", tid, "--name", name, "--value", value)
-        lun = live.luns.get(LUN)
-        if lun is None:
-            argv = ["--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", str(LUN),
-                    "--backing-store", exp.path, "--bstype", "rdwr"]
-            if self.direct_io and self._direct_ok(exp.path):
-                argv += ["--bsoflags", "direct"]
-            self._iscsi(f"create LUN {LUN} of {live.iqn}", *argv)
-            lun = live.luns[LUN] = _LiveLun(path=exp.path)
-        elif lun.path != exp.path:
-            raise DriverError(f"target {live.iqn} serves {lun.path}, not {exp.path}")
-        if lun.readonly != exp.read_only:
-            # tgtadm takes no --params at LUN creation: read-only is an update right after it.
-            self._iscsi(f"set readonly={int(exp.read_only)} on {live.iqn}", "--mode", "logicalunit",
-                        "--op", "update", "--tid", tid, "--lun", str(LUN),
-                        "--params", f"readonly={int(exp.read_only)}")
-            lun.readonly = exp.read_only
+        wanted = exp.wanted_luns()
+        for n in sorted(wanted):
+            lun = live.luns.get(n)
+            if lun is None:
+                argv = ["--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", str(n),
+                        "--backing-store", exp.path, "--bstype", "rdwr"]
+                if self.direct_io and self._direct_ok(exp.path):
+                    argv += ["--bsoflags", "direct"]
+                try:
+                    size = os.stat(exp.path).st_size  # what tgtd reads as it opens the file just below
+                except OSError as exc:
+                    raise DriverError(f"volume file {exp.path} of {exp.volume_id}: {exc.strerror}") from exc
+                self._iscsi(f"create LUN {n} of {live.iqn}", *argv)
+                lun = live.luns[n] = _LiveLun(path=exp.path)
+                exp.lun_sizes[n] = size
+                sizes_changed = True
+            elif lun.path != exp.path:
+                raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.path}")
+            if lun.readonly != exp.read_only:
+                # tgtadm takes no --params at LUN creation: read-only is an update right after it.
+                self._iscsi(f"set readonly={int(exp.read_only)} on LUN {n} of {live.iqn}", "--mode",
+                            "logicalunit", "--op", "update", "--tid", tid, "--lun", str(n),
+                            "--params", f"readonly={int(exp.read_only)}")
+                lun.readonly = exp.read_only
+        deadline = time.monotonic() + self.session_grace
+        for n in sorted(set(live.luns) - wanted - {0}):  # LUN 0 is tgt's controller
+            # A LUN no host may use any more (retired after a refresh, or its last host removed).
+            # A client still on it gets I/O errors, not a hang.
+            self._until_idle(deadline, f"delete LUN {n} of {live.iqn}", "--mode", "logicalunit",
+                             "--op", "delete", "--tid", tid, "--lun", str(n))
+            live.luns.pop(n, None)
+            sizes_changed = exp.lun_sizes.pop(n, None) is not None or sizes_changed
 
         want_users = {g.user: g for g in exp.grants.values()}
         want_acl = {a for g in exp.grants.values() for a in g.addresses}
@@ -666,6 +700,7 @@ class IscsiExportDriver:
         for entry in sorted(live.acl - want_acl):
             # Initiator names included: bound by hand, one would admit its name from any address.
             self._unbind_acl(live, _acl_kind(entry), entry)
+        return sizes_changed
 
     def _bind(self, step: str, *args: str) -> None:
         try:
@@ -815,6 +850,8 @@ class IscsiExportDriver:
             items = data["exports"] if data.get("version") == _STATE_VERSION else []
             for item in items:
                 grants = {g["host"]: _Grant(**g) for g in item.pop("grants")}
+                # JSON keys are strings
+                item["lun_sizes"] = {int(n): int(size) for n, size in item.get("lun_sizes", {}).items()}
                 exp = _Export(**item, grants=grants)
                 self._desired[exp.volume_id] = exp
         except FileNotFoundError:
@@ -851,7 +888,7 @@ class IscsiExportDriver:
 
     def _connection(self, exp: _Export, grant: _Grant) -> IscsiConnection:
         return IscsiConnection(
-            host=self.advertise_host, port=self.port, iqn=self.iqn(exp.volume_id), lun=LUN,
+            host=self.advertise_host, port=self.port, iqn=self.iqn(exp.volume_id), lun=grant.lun,
             chap_user=grant.user, chap_secret=SecretStr(grant.secret),
             initiator_name=grant.initiator_name,
         )
@@ -890,12 +927,13 @@ class IscsiExportDriver:
             if old is None:
                 grant = _Grant(host=host.name, address=host.address, addresses=addresses,
                                initiator_name=host.initiator_name,
-                               user=self.chap_user(volume_id, host.name), secret=_new_secret())
+                               user=self.chap_user(volume_id, host.name), secret=_new_secret(), lun=exp.lun)
                 fresh.add(grant.user)
             else:
-                # Same host, maybe a new address or initiator name: same account and secret.
+                # Same host, maybe a new address or initiator name: same account, secret and LUNs.
                 grant = _Grant(host=host.name, address=host.address, addresses=addresses,
-                               initiator_name=host.initiator_name, user=old.user, secret=old.secret)
+                               initiator_name=host.initiator_name, user=old.user, secret=old.secret,
+                               lun=old.lun, old_luns=list(old.old_luns))
             exp.grants[host.name] = grant
             # Desired state first: a crash after this point leaves an export that check() or the
             # next start() re-creates, never one the agent does not know about.
@@ -980,7 +1018,7 @@ class IscsiExportDriver:
             out: list[ExportInfo] = []
             for iqn, live in sorted(self._show().items()):
                 volume_id = self._volume_of(iqn)
-                if volume_id is None or LUN not in live.luns:
+                if volume_id is None or not set(live.luns) - {0}:
                     continue  # not ours (an operator's target), or half-made
                 exp = self._desired.get(volume_id)
                 hosts = {g.user: g.host for g in exp.grants.values()} if exp else {}
@@ -990,3 +1028,83 @@ class IscsiExportDriver:
                         out.append(ExportInfo(volume_id=volume_id, host=host, protocol=self.protocol,
                                               target=iqn))
             return out
+
+    # -- online resize ----------------------------------------------------------------------------
+
+    def refresh_export(self, volume_id: str, path: Path, host_name: str) -> Connection:
+        """Give ``host_name`` a LUN of the volume's target that reports the file's current (grown)
+        size: the newest LUN if it does already (another host refreshed first), else a new one.
+        The LUN the host uses now keeps serving until ``retire_exports``. Same target, ACL and
+        CHAP account; the connection differs in its LUN only. Idempotent.
+        """
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
+        path = Path(path)
+        with self._lock:
+            self._load_state()
+            exp = self._desired.get(volume_id)
+            grant = exp.grants.get(host_name) if exp is not None else None
+            if exp is None or grant is None:
+                raise NotFound(f"{volume_id} is not exported to {host_name}", code="InvalidAttachment.NotFound")
+            if exp.path != str(path):
+                raise IdempotentParameterMismatch(f"{volume_id} is exported from {exp.path}, not {path}")
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise NotFound(f"volume file {path} of {volume_id} does not exist",
+                               code="InvalidVolume.NotFound") from None
+            started = not self._running()
+            if started:
+                self._ensure_daemon()
+            view = self._show()
+            # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
+            self._apply(exp, view)
+            if exp.lun_sizes.get(grant.lun) == size:
+                return self._connection(exp, grant)
+            before = (exp.lun, grant.lun, list(grant.old_luns))
+            if exp.lun_sizes.get(exp.lun) != size:
+                live = view.get(self.iqn(volume_id))
+                taken = exp.wanted_luns() | (set(live.luns) if live is not None else set())
+                exp.lun = min(n for n in range(1, 256) if n not in taken)
+            if grant.lun not in grant.old_luns:
+                grant.old_luns.append(grant.lun)
+            grant.lun = exp.lun
+            try:
+                self._save_state()  # desired state first: after a crash, check() makes the LUN
+                self._apply(exp, view)
+                if started:
+                    try:
+                        self._reconcile(view)
+                    except DriverError:
+                        pass  # logged per volume; other volumes' trouble is not this caller's
+            except Exception:
+                exp.lun, grant.lun, grant.old_luns = before
+                self._best_effort_save()
+                try:
+                    self._apply(exp, self._show())  # drops a half-made LUN
+                except DriverError as exc:
+                    log.error("could not roll back the refresh of %s: %s", volume_id, exc.message)
+                raise
+            log.info("refreshed the iSCSI export of %s for %s: LUN %d serves %d bytes",
+                     volume_id, host_name, grant.lun, exp.lun_sizes.get(grant.lun, 0))
+            return self._connection(exp, grant)
+
+    def retire_exports(self, volume_id: str, host_name: str) -> None:
+        """Forget the LUNs ``host_name`` used before its refreshes and delete those no other host
+        uses (a client still on one gets I/O errors). Idempotent."""
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
+        with self._lock:
+            self._load_state()
+            exp = self._desired.get(volume_id)
+            grant = exp.grants.get(host_name) if exp is not None else None
+            if exp is None or grant is None:
+                return
+            if grant.old_luns:
+                retired, grant.old_luns = grant.old_luns, []
+                self._save_state()
+                log.info("retired LUN(s) %s of %s for %s", retired, volume_id, host_name)
+            if self._running():
+                self._apply(exp, self._show())  # also finishes a retire a crash interrupted

@@ -29,6 +29,15 @@ adopt a running one, with the same names and keys, so connected clients just rec
 uses ``block-export-del`` mode ``hard``. The controller removes an export only after the host
 unplugged the disk. Any client still connected at that point (a forced detach) must be cut off,
 or the volume could never be deleted.
+
+Online resize (measured on QEMU 7.2): an NBD export's size is fixed when it is added, and a node
+opened before the file grew keeps its old size (``block_resize`` on it is refused: the export's
+BlockBackend does not share ``resize``; a second export on the same node has the old size too). So
+``refresh_export`` opens the grown file again as a new node chain, exported under a new name: a new
+*generation* of the (volume, host) export. The old generation keeps serving until the host moved
+to the new one and ``retire_exports`` removes it. Every generation is in ``exports.json``; the one
+with the highest number is current (what ``ensure_export`` returns). Two file nodes on one file in
+one daemon are fine (no lock conflict: none of them takes ``resize``).
 """
 
 from __future__ import annotations
@@ -72,21 +81,37 @@ _WILDCARDS = {"0.0.0.0", "::", ""}
 _LISTEN_RE = re.compile(r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Desired:
     volume_id: str
     host: str
     path: str
     read_only: bool
     name: str  # the NBD export name: the per-attachment secret-ish handle
+    gen: int = 0  # generation: a refresh (online resize) adds the next one, retire drops older ones
+    size: int | None = None  # bytes the export reported when the daemon last created it (None: unknown)
 
     @property
     def export_id(self) -> str:
-        return _export_id(self.volume_id, self.host)
+        return _export_id(self.volume_id, self.host, self.gen)
 
 
-def _export_id(volume_id: str, host: str) -> str:
-    return f"{_ID_PREFIX}{volume_id}_{host}"
+def _export_id(volume_id: str, host: str, gen: int = 0) -> str:
+    # Generation 0 keeps the id of the exports made before generations existed.
+    base = f"{_ID_PREFIX}{volume_id}_{host}"
+    return base if gen == 0 else f"{base}_{gen}"
+
+
+def _parse_export_id(export_id: str) -> tuple[str, str, int] | None:
+    """(volume id, host, generation) of one of our export ids, None for anyone else's."""
+    if not export_id.startswith(_ID_PREFIX):
+        return None
+    parts = export_id[len(_ID_PREFIX):].split("_")
+    if len(parts) == 2:
+        return parts[0], parts[1], 0
+    if len(parts) == 3 and parts[2].isdigit():
+        return parts[0], parts[1], int(parts[2])
+    return None
 
 
 def _node_names(export_id: str) -> tuple[str, str]:
@@ -180,7 +205,8 @@ class NbdExportDriver:
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
         self._qmp: QmpSync | None = None
-        self._desired: dict[tuple[str, str], _Desired] = {}
+        self._desired: dict[tuple[str, str], _Desired] = {}  # the current generation of each pair
+        self._older: dict[tuple[str, str], list[_Desired]] = {}  # generations waiting to be retired
         self._keys: dict[str, str] = {}  # host name -> hex PSK
         self._loaded = False
 
@@ -443,15 +469,16 @@ class NbdExportDriver:
             if node in live:
                 self._q("blockdev-del", {"node-name": node})
 
-    def _create(self, d: _Desired, live: dict[str, dict[str, Any]], *, replace: bool = False) -> None:
+    def _create(self, d: _Desired, live: dict[str, dict[str, Any]], *, replace: bool = False) -> bool:
         """Create the nodes and export of ``d`` in the daemon unless it is already there.
 
         ``replace``: an export with this id that the daemon has is not ``d`` (its name was lost with
-        the state file), so it is replaced rather than trusted.
+        the state file), so it is replaced rather than trusted. Returns whether ``d.size`` changed
+        (the caller saves the state).
         """
         if d.export_id in live:
             if not replace and not live[d.export_id].get("shutting-down"):
-                return
+                return False
             self._remove_live(d.export_id)
         self._del_nodes(d.export_id)  # leftovers of an interrupted attempt
         self._add_nodes(d)
@@ -463,6 +490,18 @@ class NbdExportDriver:
         except QmpError:
             self._del_nodes(d.export_id)
             raise
+        # The export serves the size its node had when it was opened, for good: note it, as a refresh
+        # compares it with the file's.
+        size = self._node_size(_node_names(d.export_id)[1])
+        changed = size != d.size
+        d.size = size
+        return changed
+
+    def _node_size(self, node: str) -> int | None:
+        for n in self._q("query-named-block-nodes", {"flat": True}):
+            if n["node-name"] == node:
+                return int(n["image"]["virtual-size"])
+        return None
 
     def _wait_export_gone(self, export_id: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -472,16 +511,22 @@ class NbdExportDriver:
             time.sleep(0.05)
 
     def _reconcile(self) -> None:
-        """Create in the daemon every desired export it lacks (after a restart or adoption)."""
+        """Create in the daemon every desired export it lacks (after a restart or adoption).
+
+        Older generations too: their host may not have moved to the current one yet.
+        """
         live = self._live_exports()
         failed: list[str] = []
-        for d in list(self._desired.values()):
+        changed = False
+        for d in self._all_desired():
             try:
-                self._create(d, live)
+                changed = self._create(d, live) or changed
             except DriverError as exc:
                 # One missing volume file must not keep every other host from its disk.
                 log.error("re-creating export of %s for %s failed: %s", d.volume_id, d.host, exc.message)
-                failed.append(f"{d.volume_id}@{d.host}")
+                failed.append(f"{d.volume_id}@{d.host}" + (f"#{d.gen}" if d.gen else ""))
+        if changed:
+            self._save_state()
         if failed:
             raise DriverError(f"could not re-create {len(failed)} exports: {', '.join(failed)}")
 
@@ -494,9 +539,15 @@ class NbdExportDriver:
         try:
             data = json.loads(self.state_path.read_text())
             items = data["exports"] if data.get("version") == _STATE_VERSION else []
+            generations: dict[tuple[str, str], list[_Desired]] = {}
             for item in items:
                 d = _Desired(**item)
-                self._desired[(d.volume_id, d.host)] = d
+                generations.setdefault((d.volume_id, d.host), []).append(d)
+            for k, gens in generations.items():
+                gens.sort(key=lambda x: x.gen)
+                self._desired[k] = gens[-1]
+                if gens[:-1]:
+                    self._older[k] = gens[:-1]
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -509,8 +560,12 @@ class NbdExportDriver:
             self._write_keys()
         self._loaded = True
 
+    def _all_desired(self) -> list[_Desired]:
+        """Every generation of every export that should exist, older ones first."""
+        return [d for k, cur in self._desired.items() for d in (*self._older.get(k, ()), cur)]
+
     def _save_state(self) -> None:
-        data = {"version": _STATE_VERSION, "exports": [asdict(d) for d in self._desired.values()]}
+        data = {"version": _STATE_VERSION, "exports": [asdict(d) for d in self._all_desired()]}
         self._atomic_write(self.state_path, json.dumps(data, indent=1) + "\n")
 
     def _read_keys(self) -> dict[str, str]:
@@ -590,7 +645,8 @@ class NbdExportDriver:
                 started = not self._running()
                 if started:
                     self._ensure_daemon()
-                self._create(d, self._live_exports(), replace=new)
+                if self._create(d, self._live_exports(), replace=new):
+                    self._save_state()
                 if started:
                     try:
                         self._reconcile()
@@ -620,12 +676,17 @@ class NbdExportDriver:
             raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
         with self._lock:
             self._load_state()
-            export_id = _export_id(volume_id, host_name)
-            d = self._desired.get((volume_id, host_name))
+            k = (volume_id, host_name)
+            d = self._desired.get(k)
             if self._running() and self._qmp is not None:
-                self._remove_live(export_id)
-            if d is not None:
-                del self._desired[(volume_id, host_name)]
+                # Every generation, also one the state file lost: none must outlive the attachment.
+                ours = {x.export_id for x in self._older.get(k, ())} | self._live_ids_of(k)
+                ours.add(d.export_id if d is not None else _export_id(volume_id, host_name))
+                for export_id in sorted(ours):
+                    self._remove_live(export_id)
+            if d is not None or k in self._older:
+                self._desired.pop(k, None)
+                self._older.pop(k, None)
                 self._save_state()
             if self.tls and host_name in self._keys and not any(
                 x.host == host_name for x in self._desired.values()
@@ -634,6 +695,10 @@ class NbdExportDriver:
                 del self._keys[host_name]
                 self._write_keys()
             log.info("removed NBD export of %s for %s", volume_id, host_name)
+
+    def _live_ids_of(self, k: tuple[str, str]) -> set[str]:
+        """Ids of every generation of the (volume, host) export ``k`` that the daemon has."""
+        return {e for e in self._live_exports() if (p := _parse_export_id(e)) is not None and p[:2] == k}
 
     def _remove_live(self, export_id: str) -> None:
         qmp = self._qmp
@@ -659,12 +724,98 @@ class NbdExportDriver:
             self._load_state()
             if not self._running() or self._qmp is None:
                 return []
-            out: list[ExportInfo] = []
-            for export_id in sorted(self._live_exports()):
-                if not export_id.startswith(_ID_PREFIX):
+            # One entry per (volume, host), as the contract has it: while a refresh is pending the
+            # daemon serves two generations of a pair, reported as the newest one it has.
+            newest: dict[tuple[str, str], int] = {}
+            for export_id in self._live_exports():
+                parsed = _parse_export_id(export_id)
+                if parsed is None:
                     continue  # not ours (an operator's manual export): not reported
-                volume_id, _, host = export_id[len(_ID_PREFIX):].partition("_")
-                d = self._desired.get((volume_id, host))
-                out.append(ExportInfo(volume_id=volume_id, host=host, protocol=self.protocol,
-                                      target=d.name if d is not None else ""))
-            return out
+                volume_id, host, gen = parsed
+                newest[(volume_id, host)] = max(gen, newest.get((volume_id, host), -1))
+            names = {(d.volume_id, d.host, d.gen): d.name for d in self._all_desired()}
+            return [ExportInfo(volume_id=v, host=h, protocol=self.protocol, target=names.get((v, h, g), ""))
+                    for (v, h), g in sorted(newest.items())]
+
+    # -- online resize ---------------------------------------------------------------------------
+
+    def refresh_export(self, volume_id: str, path: Path, host_name: str) -> Connection:
+        """A new generation of the export of ``volume_id`` to ``host_name`` that serves the file's
+        current (grown) size, under a new name; the older one keeps serving until retired.
+
+        Idempotent: when the current generation already serves the file's size (a repeated call, or
+        an export made after the file grew), it is returned as it is.
+        """
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
+        path = Path(path)
+        with self._lock:
+            self._load_state()
+            k = (volume_id, host_name)
+            cur = self._desired.get(k)
+            if cur is None:
+                raise NotFound(f"{volume_id} is not exported to {host_name}", code="InvalidAttachment.NotFound")
+            if cur.path != str(path):
+                raise IdempotentParameterMismatch(f"{volume_id} is exported to {host_name} from {cur.path}, not {path}")
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise NotFound(f"volume file {path} of {volume_id} does not exist",
+                               code="InvalidVolume.NotFound") from None
+            started = not self._running()
+            if started:
+                self._ensure_daemon()
+            live = self._live_exports()
+            # The current generation must serve meanwhile. If the daemon had lost it (restarted before
+            # check()), it comes back with the file's size: then it is the refreshed export already.
+            if self._create(cur, live):
+                self._save_state()
+            if cur.size == size:
+                return self._connection(cur)
+            new = _Desired(volume_id=volume_id, host=host_name, path=cur.path, read_only=cur.read_only,
+                           name=f"{volume_id}-{secrets.token_hex(16)}", gen=cur.gen + 1)
+            # Desired state first, as in ensure_export: a crash from here on leaves both generations,
+            # which the next start() or check() re-creates and retire_exports() cleans up.
+            self._desired[k] = new
+            self._older.setdefault(k, []).append(cur)
+            try:
+                self._save_state()
+                self._create(new, live, replace=True)
+                self._save_state()  # with its size
+                if started:
+                    try:
+                        self._reconcile()
+                    except DriverError:
+                        pass  # logged per export; other volumes' trouble is not this caller's
+            except Exception:
+                self._desired[k] = self._older[k].pop()
+                if not self._older[k]:
+                    del self._older[k]
+                self._best_effort_forget(False)
+                raise
+            log.info("refreshed the NBD export of %s for %s: generation %d serves %d bytes",
+                     volume_id, host_name, new.gen, new.size or 0)
+            return self._connection(new)
+
+    def retire_exports(self, volume_id: str, host_name: str) -> None:
+        """Remove the older generations of the export of ``volume_id`` to ``host_name``, once the
+        host uses the current one (their clients are cut off). Idempotent: none is success."""
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
+        with self._lock:
+            self._load_state()
+            k = (volume_id, host_name)
+            cur = self._desired.get(k)
+            older = list(self._older.get(k, ()))
+            if cur is not None and self._running() and self._qmp is not None:
+                # Also generations the state file lost; never the current one.
+                going = {d.export_id for d in older} | self._live_ids_of(k)
+                going.discard(cur.export_id)
+                for export_id in sorted(going):
+                    self._remove_live(export_id)
+            if older:
+                del self._older[k]
+                self._save_state()
+                log.info("retired %d older NBD export(s) of %s for %s", len(older), volume_id, host_name)

@@ -1,0 +1,97 @@
+"""ModifyVolume: grow a volume (also while attached: the guest sees the new size) or change its type.
+
+One modification at a time per volume; the volume stays usable (``available`` or ``in-use``)
+while it runs. Sizes only grow, as on EBS.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select, update
+
+from vbs import ids
+from vbs.controller import filters as flt
+from vbs.controller.db import Volume, VolumeModification
+from vbs.controller.db.tables import utcnow
+from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
+from vbs.controller.services import Services
+from vbs.controller.states import VolumeState
+from vbs.controller.volumes import volume_not_found
+from vbs.errors import IncorrectState, InvalidParameter
+
+IN_PROGRESS = ("modifying", "optimizing")
+
+
+def _out(m: VolumeModification) -> ModificationOut:
+    return ModificationOut(
+        modification_id=m.id, volume_id=m.volume_id, state=m.state, status_message=m.status_message,
+        original_size_gib=m.original_size_gib, target_size_gib=m.target_size_gib,
+        original_volume_type=m.original_volume_type, target_volume_type=m.target_volume_type,
+        original_iops=m.original_iops, target_iops=m.target_iops, original_throughput=m.original_throughput,
+        target_throughput=m.target_throughput, progress=m.progress, start_time=m.start_time, end_time=m.end_time)
+
+
+def modify_volume(svc: Services, volume_id: str, req: ModifyVolumeRequest) -> ModificationOut:
+    ids.check("volume", volume_id)
+    with svc.db.session() as s:
+        vol = s.get(Volume, volume_id)
+        if vol is None or vol.status == VolumeState.DELETED:
+            raise volume_not_found(volume_id)
+        size = req.size_gib if req.size_gib is not None else vol.size_gib
+        if size < vol.size_gib:
+            raise InvalidParameter(f"New size cannot be smaller than existing size ({vol.size_gib} GiB).")
+        if size > svc.cfg.max_volume_gib:
+            raise InvalidParameter(f"The size {size} GiB exceeds this service's limit of {svc.cfg.max_volume_gib} GiB.")
+        target = (size, req.volume_type or vol.volume_type,
+                  req.iops if req.iops is not None else vol.iops,
+                  req.throughput if req.throughput is not None else vol.throughput)
+        if target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput):
+            raise InvalidParameter("The modification changes nothing: give a larger size or another type, "
+                                   "iops or throughput.", code="InvalidParameterCombination")
+        busy = s.scalar(select(VolumeModification.id).where(VolumeModification.volume_id == volume_id,
+                                                            VolumeModification.state.in_(IN_PROGRESS)))
+        if busy is not None:
+            raise IncorrectState(f"The volume '{volume_id}' is already being modified.",
+                                 code="IncorrectModificationState")
+        # The volume must stay put (not be deleted) while it is modified: conditional touch.
+        hit = s.execute(update(Volume).where(Volume.id == volume_id,
+                                             Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
+                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+        if hit != 1:
+            raise IncorrectState(f"The volume '{volume_id}' is '{vol.status}'; it must be available or in-use.")
+        mod = VolumeModification(
+            id=ids.new_id("modification"), volume_id=volume_id, state="modifying",
+            original_size_gib=vol.size_gib, target_size_gib=target[0], original_volume_type=vol.volume_type,
+            target_volume_type=target[1], original_iops=vol.iops, target_iops=target[2],
+            original_throughput=vol.throughput, target_throughput=target[3], progress=0, start_time=utcnow())
+        s.add(mod)
+        s.flush()
+        op_id = svc.engine.begin(s, "modify-volume", volume_id, {
+            "modification_id": mod.id, "node": vol.storage_node, "pool": vol.pool, "size_gib": target[0],
+            "grow": target[0] > vol.size_gib})
+        out = _out(mod)
+    svc.engine.submit(op_id)
+    return out
+
+
+MODIFICATION_FILTERS = {
+    "volume-id": flt.in_values(VolumeModification.volume_id),
+    "modification-state": flt.in_values(VolumeModification.state),
+    "target-size": flt.in_values(VolumeModification.target_size_gib, int),
+    "original-size": flt.in_values(VolumeModification.original_size_gib, int),
+    "target-volume-type": flt.in_values(VolumeModification.target_volume_type),
+    "original-volume-type": flt.in_values(VolumeModification.original_volume_type),
+}
+
+
+def describe_modifications(svc: Services, volume_ids: list[str], filters: dict[str, list[str]],
+                           max_results: int | None, next_token: str | None) -> ModificationList:
+    for vid in volume_ids:
+        ids.check("volume", vid)
+    stmt = select(VolumeModification).where(*flt.where_clauses(filters, VolumeModification.volume_id,
+                                                                MODIFICATION_FILTERS))
+    if volume_ids:
+        stmt = stmt.where(VolumeModification.volume_id.in_(volume_ids))
+    stmt = flt.paginate(stmt, VolumeModification.id, max_results, next_token)
+    with svc.db.session() as s:
+        rows, token = flt.page(list(s.scalars(stmt)), max_results, lambda m: m.id)
+        return ModificationList(modifications=[_out(m) for m in rows], next_token=token)
