@@ -31,5 +31,8 @@ test: setup lint
 bench: setup
 	$(BIN)/python bench/control_plane.py
 
+demo: setup
+	$(BIN)/python scripts/demo.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
