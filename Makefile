@@ -23,7 +23,7 @@ run: setup
 	$(BIN)/vbs up --data-dir $(DATA_DIR) --port $(PORT)
 
 lint: venv
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench scripts
 
 test: setup lint
 	$(BIN)/pytest -q

@@ -35,6 +35,9 @@ def db_rows(data_dir: Path) -> dict[str, dict[str, str]]:
 
 
 def assert_world_agrees(svc: Services) -> None:
+    # The resource reaches its final state a moment before its operation is marked finished.
+    wait_until(lambda: not any(s in ("running", "rolling-back") for s in db_rows(svc.data_dir)["operations"].values()),
+               30, what="operations finished")
     rows = db_rows(svc.data_dir)
     files = pool_items(svc.data_dir / "pool")
     for kind, live in (("volumes", {"available", "in-use"}), ("snapshots", {"completed"})):
