@@ -540,3 +540,101 @@ def test_bad_input_is_refused(make_driver: Make, volume: Path, tmp_path: Path) -
     with pytest.raises(InvalidParameter):
         IscsiExportDriver(tmp_path, listen_host="storage.example")  # tgtd reports portals numerically
     assert drv.pid is None  # nothing was started for bad input
+
+
+# -- online resize: refresh_export / retire_exports ---------------------------------------------------
+
+
+def lun_sizes(drv: IscsiExportDriver, c: IscsiConnection) -> dict[int, int]:
+    """The data LUNs of the volume's target as an initiator reads them (READ CAPACITY 16)."""
+    sizes = {}
+    for n in sorted(live_targets(drv)[c.iqn].luns):
+        if n:
+            rc, out = readcap(c.model_copy(update={"lun": n}))
+            assert rc == 0, out
+            sizes[n] = int(out.split("Total size:")[1].split()[0])
+    return sizes
+
+
+def test_refresh_adds_a_lun_with_the_new_size_and_retire_deletes_the_old(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c1 = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c1, IscsiConnection)
+    assert drv.refresh_export(VOL, volume, HOST_A.name) == c1  # the file did not grow: nothing to do
+    os.truncate(volume, 32 * MiB)
+    assert lun_sizes(drv, c1) == {1: 16 * MiB}  # tgt read the size once, when it made the LUN
+
+    c2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c2, IscsiConnection)
+    assert c2 == c1.model_copy(update={"lun": 2})  # same target, account and secret
+    assert lun_sizes(drv, c1) == {1: 16 * MiB, 2: 32 * MiB}
+    assert drv.refresh_export(VOL, volume, HOST_A.name) == c2
+    assert drv.ensure_export(VOL, volume, HOST_A) == c2
+    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", c1.iqn)]
+    rc, out = qemu_io(c1, "write -P 0x42 0 64k")  # the old LUN serves on, the same file behind both
+    assert rc == 0, out
+    rc, out = qemu_io(c2, "read -P 0x42 0 64k")
+    assert rc == 0, out
+
+    drv.retire_exports(VOL, HOST_A.name)
+    drv.retire_exports(VOL, HOST_A.name)
+    assert lun_sizes(drv, c2) == {2: 32 * MiB}
+    rc, out = qemu_io(c1, "read 0 4k")
+    assert rc != 0, out
+
+    os.truncate(volume, 48 * MiB)
+    c3 = drv.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c3, IscsiConnection) and c3.lun == 1  # numbers alternate
+    assert lun_sizes(drv, c3) == {1: 48 * MiB, 2: 32 * MiB}
+    drv.remove_export(VOL, HOST_A.name)  # every LUN and the target go
+    assert live_targets(drv) == {} and drv.list_exports() == []
+    with pytest.raises(NotFound):
+        drv.refresh_export(VOL, volume, HOST_A.name)
+    drv.retire_exports(VOL, HOST_A.name)
+    with pytest.raises(InvalidParameter):
+        drv.retire_exports(VOL, "Bad Host")
+
+
+def test_multi_attached_hosts_refresh_on_their_own_and_share_the_new_lun(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    a1 = drv.ensure_export(VOL, volume, HOST_A)
+    b1 = drv.ensure_export(VOL, volume, HOST_B)
+    assert isinstance(a1, IscsiConnection) and isinstance(b1, IscsiConnection) and a1.lun == b1.lun == 1
+    os.truncate(volume, 32 * MiB)
+    a2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    b2 = drv.refresh_export(VOL, volume, HOST_B.name)
+    assert isinstance(a2, IscsiConnection) and isinstance(b2, IscsiConnection) and a2.lun == b2.lun == 2
+    drv.retire_exports(VOL, HOST_A.name)
+    assert set(live_targets(drv)[a1.iqn].luns) == {0, 1, 2}  # B may still be on LUN 1
+    drv.retire_exports(VOL, HOST_B.name)
+    assert set(live_targets(drv)[a1.iqn].luns) == {0, 2}
+    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-c", address="127.0.0.1"))
+    assert isinstance(c, IscsiConnection) and c.lun == 2  # a host that joins gets the newest LUN
+    assert lun_sizes(drv, c) == {2: 32 * MiB}
+    drv.remove_export(VOL, HOST_A.name)
+    drv.remove_export(VOL, "hv-c")
+    assert lun_sizes(drv, b2) == {2: 32 * MiB}
+
+
+def test_refresh_survives_tgtd_and_agent_restarts(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    c1 = drv.ensure_export(VOL, volume, HOST_A)
+    os.truncate(volume, 32 * MiB)
+    c2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c1, IscsiConnection) and isinstance(c2, IscsiConnection)
+    old = drv.pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    wait_dead(old)
+    drv.check()  # both LUNs come back, the old one now made from the grown file
+    assert lun_sizes(drv, c2) == {1: 32 * MiB, 2: 32 * MiB}
+    assert drv.refresh_export(VOL, volume, HOST_A.name) == c2
+
+    drv.close()  # the agent restarts between refresh and retire
+    second = make_driver(port=drv.port, control_port=drv.control_port)
+    second.start()
+    assert second.ensure_export(VOL, volume, HOST_A) == c2
+    second.retire_exports(VOL, HOST_A.name)
+    assert lun_sizes(second, c2) == {2: 32 * MiB}
+    rc, out = qemu_io(c2, "read 0 4k")
+    assert rc == 0, out

@@ -5,6 +5,7 @@ Each test runs its own daemon in tmp_path on a free loopback port and stops it b
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -414,3 +415,106 @@ def test_a_second_agent_does_not_kill_a_busy_daemon(make_driver: Callable[..., N
     rc, out = qemu_io(c, "read 0 4k")  # type: ignore[arg-type]
     assert rc == 0, out
     first.stop()  # the monitor's holder quits it (teardown would wait for the busy monitor)
+
+
+# -- online resize: refresh_export / retire_exports ---------------------------------------------------
+
+
+def nbd_sizes(port: int) -> dict[str, int]:
+    """Every export a client can list on the daemon, with the size it reports."""
+    out = run(["nbdinfo", "--list", "--json", f"nbd://127.0.0.1:{port}"], timeout=30, check=False)
+    if out.returncode != 0:
+        return {}
+    return {e["export-name"]: int(e["export-size"]) for e in json.loads(out.stdout)["exports"]}
+
+
+def test_refresh_exports_the_grown_file_under_a_new_name(make_driver: Callable[..., NbdExportDriver],
+                                                         volume: Path) -> None:
+    drv = make_driver()
+    c1 = drv.ensure_export(VOL, volume, HOST_A)
+    assert isinstance(c1, NbdConnection)
+    assert drv.refresh_export(VOL, volume, HOST_A.name) == c1  # the file did not grow: nothing to do
+    os.truncate(volume, 32 * MiB)
+    assert nbd_sizes(drv.port) == {c1.export: 16 * MiB}  # fixed when the export was made
+
+    c2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c2, NbdConnection) and c2.export != c1.export and c2.export.startswith(VOL + "-")
+    assert nbd_sizes(drv.port) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
+    assert drv.refresh_export(VOL, volume, HOST_A.name) == c2
+    assert drv.ensure_export(VOL, volume, HOST_A) == c2
+    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "nbd", c2.export)]  # one per (volume, host)
+    rc, out = qemu_io(c1, "write -P 0x42 0 64k")  # the old one serves on, on the same file
+    assert rc == 0, out
+    rc, out = qemu_io(c2, "read -P 0x42 0 64k")
+    assert rc == 0, out
+
+    drv.retire_exports(VOL, HOST_A.name)
+    drv.retire_exports(VOL, HOST_A.name)  # idempotent
+    assert nbd_sizes(drv.port) == {c2.export: 32 * MiB}
+    rc, out = qemu_io(c1, "read 0 4k")
+    assert rc != 0, out
+    state = drv.state_path.read_text()
+    assert c1.export not in state and c2.export in state
+
+    # remove_export takes every generation with it.
+    os.truncate(volume, 48 * MiB)
+    c3 = drv.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c3, NbdConnection) and len(nbd_sizes(drv.port)) == 2
+    drv.remove_export(VOL, HOST_A.name)
+    assert nbd_sizes(drv.port) == {} and drv.list_exports() == []
+    assert VOL not in drv.state_path.read_text()
+    with pytest.raises(NotFound):
+        drv.refresh_export(VOL, volume, HOST_A.name)
+    drv.retire_exports(VOL, HOST_A.name)  # nothing to retire: fine
+    with pytest.raises(InvalidParameter):
+        drv.refresh_export(VOL, volume, "Bad Host")
+
+
+def test_refresh_is_per_host(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
+    drv = make_driver()
+    a1 = drv.ensure_export(VOL, volume, HOST_A)
+    b1 = drv.ensure_export(VOL, volume, HOST_B)
+    os.truncate(volume, 32 * MiB)
+    a2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    drv.retire_exports(VOL, HOST_A.name)
+    assert isinstance(a2, NbdConnection) and isinstance(b1, NbdConnection) and isinstance(a1, NbdConnection)
+    assert nbd_sizes(drv.port) == {a2.export: 32 * MiB, b1.export: 16 * MiB}  # B untouched
+    drv.retire_exports(VOL, HOST_B.name)  # B has nothing to retire
+    assert set(nbd_sizes(drv.port)) == {a2.export, b1.export}
+
+
+def test_refresh_survives_agent_and_daemon_restarts(make_driver: Callable[..., NbdExportDriver],
+                                                    volume: Path) -> None:
+    port = free_port()
+    first = make_driver(port=port)
+    c1 = first.ensure_export(VOL, volume, HOST_A)
+    os.truncate(volume, 32 * MiB)
+    c2 = first.refresh_export(VOL, volume, HOST_A.name)
+    assert isinstance(c1, NbdConnection) and isinstance(c2, NbdConnection)
+
+    # The agent restarts between refresh and retire: the new one adopts the daemon and knows both.
+    first.close()
+    second = make_driver(port=port)
+    second.start()
+    assert nbd_sizes(port) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
+    assert second.refresh_export(VOL, volume, HOST_A.name) == c2  # its size was persisted
+    assert second.ensure_export(VOL, volume, HOST_A) == c2
+
+    # The daemon dies: check() re-creates both generations (the old one now opens the grown file).
+    pid = second.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    second.check()
+    assert nbd_sizes(port) == {c1.export: 32 * MiB, c2.export: 32 * MiB}
+    assert second.refresh_export(VOL, volume, HOST_A.name) == c2
+    second.retire_exports(VOL, HOST_A.name)
+    assert nbd_sizes(port) == {c2.export: 32 * MiB}
+
+    # Stopped and started again: only the current generation comes back.
+    second.stop()
+    third = make_driver(port=port)
+    third.start()
+    assert nbd_sizes(port) == {c2.export: 32 * MiB}
+    rc, out = qemu_io(c2, "read 0 4k")
+    assert rc == 0, out

@@ -416,3 +416,52 @@ def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
     assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms
     assert took < PROBE_TIMEOUT + 2
     assert VmInfo(vm_id="guest1", name="guest1", running=True) in driver.list_vms()
+
+
+def test_disk_ids_have_two_generations_of_connection_ids() -> None:
+    ids = disk_ids(virtio_serial(vol(0x80)))
+    first, second = ids.generations
+    assert (first.proto, first.secret, first.tls) == (ids.proto, ids.secret, ids.tls)  # what attach uses
+    assert len({first.proto, second.proto, first.secret, second.secret, first.tls, second.tls}) == 6
+    assert max(len(n) for n in ids.nodes_top_down) <= 31  # QEMU's limit on node names
+    assert {first.proto, second.proto} <= set(ids.nodes_top_down)
+    assert set(first.objects + second.objects) <= set(ids.objects)
+
+
+def test_a_grown_file_volume_with_qos_is_resized_in_place(
+    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
+) -> None:
+    """The top node is the throttle node; a file node sees its file grow, so no swap is needed."""
+    serial = virtio_serial(vol(0x81))
+    ids = disk_ids(serial)
+    conn = FileConnection(path=str(volume))
+    driver.attach("guest1", conn, serial, qos=QoS(iops=10_000))
+    dev = guest.wait_for_disk(serial)
+    assert guest.write_pattern(dev, "qos", 2) == pattern_sha256("qos", 2)
+    with volume.open("r+b") as f:
+        f.truncate(32 * MIB)
+    disk = driver.resize("guest1", serial, conn, 32 * MIB)
+    assert disk.node_name == ids.throttle
+    wait_until(lambda: int(guest.check(f"cat /sys/block/{dev}/size")) * 512 == 32 * MIB, 10, 0.05, what="32 MiB")
+    assert vbs_nodes(vm_dir / "guest1.qmp") == {ids.throttle, ids.raw, ids.proto}
+    assert guest.checksum(dev, 2) == pattern_sha256("qos", 2)
+    guest.check(f"dd if=/dev/zero of=/dev/{dev} bs=1M seek=31 count=1 oflag=direct")
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    assert vbs_nodes(vm_dir / "guest1.qmp") == set() and vbs_objects(vm_dir / "guest1.qmp") == set()
+
+
+def test_detach_removes_both_generations_of_an_interrupted_resize(
+    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
+) -> None:
+    serial = virtio_serial(vol(0x82))
+    ids = disk_ids(serial)
+    sock = vm_dir / "guest1.qmp"
+    driver.attach("guest1", FileConnection(path=str(volume)), serial)
+    guest.wait_for_disk(serial)
+    # What an agent killed in the middle of a resize leaves: the second generation's node and secret.
+    qmp_execute(sock, "object-add", {"qom-type": "secret", "id": ids.secret2, "data": "x"})
+    qmp_execute(sock, "blockdev-add", {"driver": "null-co", "node-name": ids.proto2, "size": 16 * MIB})
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    assert vbs_nodes(sock) == set() and vbs_objects(sock) == set()

@@ -107,8 +107,9 @@ def detach_volume(svc: Services, volume_id: str, req: DetachVolumeRequest) -> At
             stmt = stmt.where(Attachment.instance_id == req.instance_id)
         live = list(s.scalars(stmt))
         if not live:
-            raise IncorrectState(f"The volume '{volume_id}' is not attached"
-                                 + (f" to '{req.instance_id}'." if req.instance_id else "."),
+            # EC2's wording: Terraform looks for the state in this message.
+            raise IncorrectState(f"Volume '{volume_id}' is in the '{vol.status}' state"
+                                 + (f" and not attached to '{req.instance_id}'." if req.instance_id else "."),
                                  code="IncorrectState")
         if len(live) > 1:
             raise MissingParameter("The volume is attached to several instances: give instance_id.")

@@ -7,7 +7,7 @@ import binascii
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, exists, select
+from sqlalchemy import ColumnElement, Select, exists, false, select, true
 
 from vbs.controller.db import Tag
 from vbs.errors import InvalidParameter
@@ -59,6 +59,18 @@ def in_values(column: Any, cast: Callable[[str], Any] = str) -> Callable[[list[s
             return column.in_([cast(v) for v in values])
         except ValueError as exc:
             raise InvalidParameter(f"Invalid filter value: {exc}") from exc
+
+    return clause
+
+
+def constant(value: bool) -> Callable[[list[str]], ColumnElement[bool]]:
+    """A filter on a property every resource has the same way (e.g. ``encrypted=false``)."""
+
+    def clause(values: list[str]) -> ColumnElement[bool]:
+        wanted = {v.lower() for v in values}
+        if not wanted <= {"true", "false"}:
+            raise InvalidParameter("Invalid filter value: expecting true or false.")
+        return true() if str(value).lower() in wanted else false()
 
     return clause
 

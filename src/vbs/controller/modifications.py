@@ -6,15 +6,16 @@ while it runs. Sizes only grow, as on EBS.
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import aliased
 
 from vbs import ids
 from vbs.controller import filters as flt
-from vbs.controller.db import Volume, VolumeModification
+from vbs.controller.db import Attachment, Volume, VolumeModification
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.services import Services
-from vbs.controller.states import VolumeState
+from vbs.controller.states import AttachmentState, VolumeState
 from vbs.controller.volumes import volume_not_found
 from vbs.errors import IncorrectState, InvalidParameter
 
@@ -47,6 +48,11 @@ def modify_volume(svc: Services, volume_id: str, req: ModifyVolumeRequest) -> Mo
         if target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput):
             raise InvalidParameter("The modification changes nothing: give a larger size or another type, "
                                    "iops or throughput.", code="InvalidParameterCombination")
+        read_only = s.scalar(select(Attachment.id).where(Attachment.volume_id == volume_id, Attachment.mode == "ro",
+                                                         Attachment.status != AttachmentState.DETACHED))
+        if read_only is not None and size > vol.size_gib:
+            raise IncorrectState(f"The volume '{volume_id}' has a read-only attachment, which cannot grow online; "
+                                 "detach it first.")
         busy = s.scalar(select(VolumeModification.id).where(VolumeModification.volume_id == volume_id,
                                                             VolumeModification.state.in_(IN_PROGRESS)))
         if busy is not None:
@@ -84,13 +90,18 @@ MODIFICATION_FILTERS = {
 
 
 def describe_modifications(svc: Services, volume_ids: list[str], filters: dict[str, list[str]],
-                           max_results: int | None, next_token: str | None) -> ModificationList:
+                           max_results: int | None, next_token: str | None, *,
+                           latest_only: bool = False) -> ModificationList:
     for vid in volume_ids:
         ids.check("volume", vid)
     stmt = select(VolumeModification).where(*flt.where_clauses(filters, VolumeModification.volume_id,
                                                                 MODIFICATION_FILTERS))
     if volume_ids:
         stmt = stmt.where(VolumeModification.volume_id.in_(volume_ids))
+    if latest_only:
+        newer = aliased(VolumeModification)
+        stmt = stmt.where(~exists().where(newer.volume_id == VolumeModification.volume_id,
+                                          newer.start_time > VolumeModification.start_time))
     stmt = flt.paginate(stmt, VolumeModification.id, max_results, next_token)
     with svc.db.session() as s:
         rows, token = flt.page(list(s.scalars(stmt)), max_results, lambda m: m.id)

@@ -73,16 +73,18 @@ SNAPSHOT_FILTERS = {
     "volume-size": flt.in_values(Snapshot.volume_size_gib, int),
     "description": flt.in_values(Snapshot.comment),
     "progress": flt.in_values(Snapshot.progress, lambda v: int(v.rstrip("%"))),
+    "encrypted": flt.constant(False),
 }
 
 
 def describe_snapshots(svc: Services, snapshot_ids: list[str], filters: dict[str, list[str]],
-                       max_results: int | None, next_token: str | None) -> SnapshotList:
+                       max_results: int | None, next_token: str | None, *, hide_deleting: bool = False) -> SnapshotList:
     for sid in snapshot_ids:
         ids.check("snapshot", sid)
     if snapshot_ids and max_results is not None:
         raise InvalidParameter("max-results cannot be combined with snapshot ids.")
-    stmt = select(Snapshot).where(Snapshot.status != SnapshotState.DELETED,
+    hidden = [SnapshotState.DELETED, SnapshotState.DELETING] if hide_deleting else [SnapshotState.DELETED]
+    stmt = select(Snapshot).where(Snapshot.status.not_in(hidden),
                                   *flt.where_clauses(filters, Snapshot.id, SNAPSHOT_FILTERS))
     if snapshot_ids:
         stmt = stmt.where(Snapshot.id.in_(snapshot_ids))

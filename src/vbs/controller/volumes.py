@@ -10,7 +10,7 @@ import hashlib
 import json
 from datetime import timedelta
 
-from sqlalchemy import exists, or_, select, update
+from sqlalchemy import exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -141,6 +141,11 @@ VOLUME_FILTERS = {
     "volume-type": flt.in_values(Volume.volume_type),
     "multi-attach-enabled": flt.in_values(Volume.multi_attach, lambda v: {"true": True, "false": False}[v]),
     "storage-node": flt.in_values(Volume.storage_node),
+    # VBS volumes are not encrypted at rest (yet): the filter keeps all or nothing.
+    "encrypted": flt.constant(False),
+    "attachment.delete-on-termination": lambda vals: exists().where(
+        Attachment.volume_id == Volume.id, Attachment.status != AttachmentState.DETACHED) if "false" in vals
+    else false(),
     "attachment.instance-id": lambda vals: exists().where(
         Attachment.volume_id == Volume.id, Attachment.instance_id.in_(vals),
         Attachment.status != AttachmentState.DETACHED),

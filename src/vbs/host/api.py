@@ -34,6 +34,12 @@ class AttachBody(BaseModel):
     qos: QosBody | None = None
 
 
+class ResizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    connection: Connection
+    size_bytes: int = Field(ge=512, le=64 << 40, multiple_of=512, strict=True)
+
+
 def _serial(serial: str) -> str:
     if not SERIAL_RE.match(serial):
         raise InvalidParameter(f"invalid disk serial {serial[:40]!r}: expecting a volume id without its dash")
@@ -67,6 +73,12 @@ def create_app(driver: HypervisorDriver, token: str | None, node_name: str) -> F
         except DeviceBusy as exc:
             raise VbsError(exc.message, code="DeviceBusy", status=409) from exc
         return {"state": "absent"}
+
+    @router.put("/vms/{vm_id}/disks/{serial}/size")
+    def resize(vm_id: str, serial: str, body: ResizeBody) -> dict[str, Any]:
+        """Swap the disk onto a refreshed export of its (grown) volume and show the guest the new size."""
+        disk = driver.resize(vm_id, _serial(serial), body.connection, body.size_bytes)
+        return asdict(disk)
 
     @router.get("/vms/{vm_id}/disks")
     def list_disks(vm_id: str) -> list[dict[str, Any]]:

@@ -45,6 +45,11 @@ class EnsureExport(BaseModel):
     read_only: bool = False
 
 
+class RefreshExport(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    pool: str
+
+
 def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str | None, node_name: str) -> FastAPI:
     app = FastAPI(title="VBS storage agent", version="1")
     install_error_handlers(app)
@@ -117,6 +122,25 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str |
         if not HOST_NAME_RE.match(host_name):
             raise InvalidParameter(f"invalid host name {host_name[:64]!r}")
         exports.remove_export(volume_id, host_name)
+        return {"state": "absent"}
+
+    @router.put("/exports/{volume_id}/hosts/{host_name}/refresh")
+    def refresh_export(volume_id: str, host_name: str, body: RefreshExport) -> dict[str, Any]:
+        """After the volume grew: a new export for that host with the new size (the old one serves on)."""
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name {host_name[:64]!r}")
+        path = pool(body.pool).volume_path(volume_id)
+        conn = exports.refresh_export(volume_id, path, host_name)
+        return {"connection": conn.model_dump(mode="json")}
+
+    @router.delete("/exports/{volume_id}/hosts/{host_name}/retired")
+    def retire_exports(volume_id: str, host_name: str) -> dict[str, str]:
+        """Remove the exports a refresh replaced, once the host uses the new one."""
+        ids.check("volume", volume_id)
+        if not HOST_NAME_RE.match(host_name):
+            raise InvalidParameter(f"invalid host name {host_name[:64]!r}")
+        exports.retire_exports(volume_id, host_name)
         return {"state": "absent"}
 
     @router.get("/exports")

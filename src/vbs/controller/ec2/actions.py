@@ -44,13 +44,22 @@ class DryRunOperation(VbsError):
         super().__init__("Request would have succeeded, but DryRun flag is set.")
 
 
+# The request models' field names, as EC2 clients know the parameters.
+EC2_NAMES = {"size_gib": "Size", "snapshot_id": "SnapshotId", "volume_type": "VolumeType", "iops": "Iops",
+             "throughput": "Throughput", "client_token": "ClientToken", "tags": "TagSpecification",
+             "comment": "Description", "device": "Device", "instance_id": "InstanceId", "volume_id": "VolumeId",
+             "multi_attach": "MultiAttachEnabled", "resource_ids": "ResourceId", "force": "Force"}
+
+
 def _model(model: type[Any], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise InvalidParameter(f"Value for parameter {field} is invalid: {first['msg']}.") from None
+        loc = [str(p) for p in first["loc"]]
+        field = ".".join([EC2_NAMES.get(loc[0], loc[0]), *loc[1:]]) if loc else "request"
+        value = str(first.get("input", ""))[:64] if not isinstance(first.get("input"), dict) else ""
+        raise InvalidParameter(f"Value ({value}) for parameter {field} is invalid. {first['msg']}.") from None
 
 
 def _volume_id(value: str | None, name: str = "VolumeId") -> str:
@@ -146,7 +155,8 @@ def delete_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
 
 
 VOLUME_FILTER_NAMES = {"status", "volume-id", "snapshot-id", "size", "volume-type", "multi-attach-enabled",
-                       "attachment.instance-id", "attachment.status", "attachment.device"}
+                       "attachment.instance-id", "attachment.status", "attachment.device", "encrypted",
+                       "attachment.delete-on-termination"}
 
 
 def _zone_filter(svc: Services, filters: dict[str, list[str]]) -> bool:
@@ -180,6 +190,8 @@ def describe_volumes(svc: Services, p: QueryParams) -> dict[str, Any]:
 def attach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     instance = p.str("InstanceId", required=True, max_len=64)
+    if not ids.is_valid("instance", instance):
+        raise InvalidParameter(f"Invalid id: \"{str(instance)[:64]}\"", code="InvalidInstanceID.Malformed")
     device = p.str("Device", required=True, max_len=64)
     req = _model(AttachVolumeRequest, {"instance_id": instance, "device": device})
     _dry_run(p)
@@ -223,7 +235,8 @@ def describe_volumes_modifications(svc: Services, p: QueryParams) -> dict[str, A
     max_results = p.int("MaxResults", min=1, max=500)
     token = p.str("NextToken", max_len=64)
     _dry_run(p)
-    found = modifications.describe_modifications(svc, vol_ids, filters, max_results, token)
+    # EC2 describes the most recent modification of each volume (Terraform relies on one answer).
+    found = modifications.describe_modifications(svc, vol_ids, filters, max_results, token, latest_only=True)
     return {"volumeModificationSet": [_modification(m) for m in found.modifications],
             "nextToken": found.next_token}
 
@@ -263,8 +276,7 @@ def describe_snapshots(svc: Services, p: QueryParams) -> dict[str, Any]:
     if owners and not {"self", ACCOUNT_ID} & set(owners):
         return {"snapshotSet": []}
     # A snapshot being deleted is already gone as far as EC2 clients are concerned.
-    filters.setdefault("status", [SnapshotState.PENDING, SnapshotState.COMPLETED, SnapshotState.ERROR])
-    found = snapshots.describe_snapshots(svc, snap_ids, filters, max_results, token)
+    found = snapshots.describe_snapshots(svc, snap_ids, filters, max_results, token, hide_deleting=True)
     return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
 
 
@@ -363,19 +375,26 @@ def describe_instances(svc: Services, p: QueryParams) -> dict[str, Any]:
     for inst in found:
         if wanted and inst.instance_id not in wanted:
             continue
-        if "instance-id" in filters and inst.instance_id not in filters["instance-id"]:
-            continue
-        if "instance-state-name" in filters and inst.state not in filters["instance-state-name"]:
-            continue
         state = {"running": (16, "running"), "stopped": (80, "stopped")}.get(inst.state, (48, "terminated"))
+        inst_tags = {"Name": inst.name, "vbs:host": inst.host, "vbs:vm-id": inst.vm_id}
+        facts = {"instance-id": [inst.instance_id], "instance-state-name": [state[1]],
+                 "instance-state-code": [str(state[0])], "availability-zone": [svc.cfg.availability_zone],
+                 "private-dns-name": [inst.host], "tag-key": list(inst_tags), "tag-value": list(inst_tags.values()),
+                 "block-device-mapping.volume-id": [a.volume_id for a in inst.volumes],
+                 "block-device-mapping.device-name": [a.device for a in inst.volumes],
+                 **{f"tag:{k}": [v] for k, v in inst_tags.items()}}
+        if not _matches(filters, facts, known={"instance-id", "instance-state-name", "instance-state-code",
+                                                  "availability-zone", "private-dns-name", "tag-key", "tag-value",
+                                                  "block-device-mapping.volume-id",
+                                                  "block-device-mapping.device-name"}):
+            continue
         reservations.append({
             "reservationId": "r-" + inst.instance_id[2:], "ownerId": ACCOUNT_ID, "groupSet": [],
             "instancesSet": [{
                 "instanceId": inst.instance_id, "imageId": "ami-00000000000000000",
                 "instanceState": {"code": state[0], "name": state[1]}, "privateDnsName": inst.host,
                 "instanceType": "vbs.vm", "placement": {"availabilityZone": svc.cfg.availability_zone},
-                "tagSet": [{"key": "Name", "value": inst.name}, {"key": "vbs:host", "value": inst.host},
-                           {"key": "vbs:vm-id", "value": inst.vm_id}],
+                "tagSet": _tag_set(inst_tags),
                 "rootDeviceType": "ebs", "blockDeviceMapping": [
                     {"deviceName": a.device, "ebs": {"volumeId": a.volume_id, "status": a.state,
                                                      "attachTime": a.attach_time, "deleteOnTermination": False}}
@@ -385,11 +404,28 @@ def describe_instances(svc: Services, p: QueryParams) -> dict[str, Any]:
     return {"reservationSet": reservations}
 
 
+def _matches(filters: dict[str, list[str]], facts: dict[str, list[str]], known: set[str]) -> bool:
+    """EC2 filter semantics over a resource's facts: values of a name OR-ed, names AND-ed."""
+    for name, values in filters.items():
+        if name not in known and not name.startswith("tag:"):
+            raise InvalidParameter(f"The filter '{name[:64]}' is invalid.")
+        if not set(values) & set(facts.get(name, [])):
+            return False
+    return True
+
+
 def describe_availability_zones(svc: Services, p: QueryParams) -> dict[str, Any]:
-    _dry_run(p)
     names = p.list("ZoneName")
+    zone_ids = p.list("ZoneId")
+    filters = p.filters()
+    _dry_run(p)
     zone = svc.cfg.availability_zone
-    if names and zone not in names:
+    facts = {"zone-name": [zone], "zone-id": [f"{svc.cfg.region}-az1"], "region-name": [svc.cfg.region],
+             "state": ["available"], "zone-type": ["availability-zone"], "opt-in-status": ["opt-in-not-required"]}
+    unknown = [n for n in names if n != zone] + [z for z in zone_ids if z not in facts["zone-id"]]
+    if unknown:
+        raise InvalidParameter(f"Invalid availability zone: [{unknown[0][:64]}]", code="InvalidParameterValue")
+    if not _matches(filters, facts, known=set(facts)):
         return {"availabilityZoneInfo": []}
     return {"availabilityZoneInfo": [{"zoneName": zone, "zoneState": "available", "regionName": svc.cfg.region,
                                       "zoneId": f"{svc.cfg.region}-az1", "zoneType": "availability-zone",

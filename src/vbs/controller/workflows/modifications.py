@@ -9,7 +9,12 @@ from vbs.controller.db import Attachment, Volume, VolumeModification
 from vbs.controller.db.tables import utcnow
 from vbs.controller.states import AttachmentState
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.errors import AgentUnavailable
+from vbs.errors import AgentUnavailable, VbsError
+
+
+class RetryLater(VbsError):
+    code = "RetryLater"
+    status = 503
 
 
 def _set_modification(ctx: StepContext, **values: object) -> None:
@@ -30,8 +35,13 @@ def resize_in_guests(ctx: StepContext) -> None:
     if not p["grow"]:
         return
     with ctx.services.db.session() as s:
-        attached = list(s.scalars(select(Attachment).where(Attachment.volume_id == ctx.resource_id,
-                                                           Attachment.status == AttachmentState.ATTACHED)))
+        live = list(s.scalars(select(Attachment).where(Attachment.volume_id == ctx.resource_id,
+                                                       Attachment.status.in_([AttachmentState.ATTACHING,
+                                                                              AttachmentState.ATTACHED]))))
+    if any(a.status == AttachmentState.ATTACHING for a in live):
+        # Its export may predate the grown file: resize it once it is attached.
+        raise RetryLater("an attachment of this volume is still being made")
+    attached = live
     storage = ctx.services.agents.storage(p["node"])
     serial = ctx.resource_id.replace("-", "", 1)
     for att in attached:

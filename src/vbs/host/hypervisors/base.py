@@ -70,3 +70,11 @@ class HypervisorDriver(Protocol):
     def list_disks(self, vm_id: str) -> list[AttachedDisk]:
         """The disks VBS attached to the VM (recognised by their ids), for reconciliation."""
         ...
+
+    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> AttachedDisk:
+        """Online resize: move the attached disk to ``connection`` (a refreshed export of its grown
+        volume) without unplugging it, and make the guest see ``size_bytes``. Idempotent (a disk on
+        that connection with that size is left alone); on failure the disk keeps its old connection.
+        Raises ``NotFound`` if the disk is not attached, ``IncorrectState`` if it cannot be resized
+        online (read-only, force-detached)."""
+        ...

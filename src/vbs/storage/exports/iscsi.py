@@ -38,6 +38,7 @@ from vbs import ids
 from vbs.argv import run
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, IscsiConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
 
 __all__ = ["IscsiExportDriver", "parse_targets"]
@@ -315,12 +316,12 @@ class IscsiExportDriver:
 
         # Our own control socket inside state_dir: tests, several agents and a system tgtd (which
         # uses /var/run/tgtd/socket.N) never share one. tgtd appends ".<control_port>".
-        self.socket_base = self.state_dir / "tgtd.sock"
-        socket_path = f"{self.socket_base}.{control_port}"
-        if len(socket_path.encode()) > _SUN_PATH_MAX:
+        self.socket_base = socket_path(self.state_dir, "tgtd.sock")
+        control_socket = f"{self.socket_base}.{control_port}"
+        if len(control_socket.encode()) > _SUN_PATH_MAX:
             raise InvalidParameter(
-                f"state_dir too long for a unix socket path ({len(socket_path)} > {_SUN_PATH_MAX} bytes): "
-                f"{socket_path}")
+                f"state_dir too long for a unix socket path ({len(control_socket)} > {_SUN_PATH_MAX} bytes): "
+                f"{control_socket}")
         self.pid_path = self.state_dir / "tgtd.pid"  # tgtd -f ignores -p: we write it ourselves
         self.log_path = self.state_dir / "tgtd.log"
         self.state_path = self.state_dir / "exports.json"
@@ -896,8 +897,10 @@ class IscsiExportDriver:
     def ensure_export(
         self, volume_id: str, path: Path, host: HostIdentity, *, read_only: bool = False
     ) -> Connection:
-        """Serve ``path`` as LUN 1 of the volume's target to ``host`` (its address in the ACL, its
+        """Serve ``path`` as a LUN of the volume's target to ``host`` (its address in the ACL, its
         own CHAP account); idempotent: the same (volume, host) gets the same connection and secret.
+        The LUN is 1 until a refresh (online resize): then the host's current one, or for a host
+        that joins, the newest one.
 
         A second host on the same volume (multi-attach) joins the same target with its own ACL
         entry and account. All hosts of a volume share its mode: the read-only flag is per LUN.
@@ -1054,9 +1057,12 @@ class IscsiExportDriver:
             except FileNotFoundError:
                 raise NotFound(f"volume file {path} of {volume_id} does not exist",
                                code="InvalidVolume.NotFound") from None
-            started = not self._running()
-            if started:
+            if not self._running():
                 self._ensure_daemon()
+                try:
+                    self._reconcile()
+                except DriverError:
+                    pass  # logged per volume; other volumes' trouble is not this caller's
             view = self._show()
             # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
             self._apply(exp, view)
@@ -1066,18 +1072,16 @@ class IscsiExportDriver:
             if exp.lun_sizes.get(exp.lun) != size:
                 live = view.get(self.iqn(volume_id))
                 taken = exp.wanted_luns() | (set(live.luns) if live is not None else set())
-                exp.lun = min(n for n in range(1, 256) if n not in taken)
+                free = [n for n in range(1, 256) if n not in taken]
+                if not free:
+                    raise DriverError(f"target {self.iqn(volume_id)} has no free LUN number")
+                exp.lun = free[0]
             if grant.lun not in grant.old_luns:
                 grant.old_luns.append(grant.lun)
             grant.lun = exp.lun
             try:
                 self._save_state()  # desired state first: after a crash, check() makes the LUN
                 self._apply(exp, view)
-                if started:
-                    try:
-                        self._reconcile(view)
-                    except DriverError:
-                        pass  # logged per volume; other volumes' trouble is not this caller's
             except Exception:
                 exp.lun, grant.lun, grant.old_luns = before
                 self._best_effort_save()

@@ -61,6 +61,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, NbdConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
 from vbs.storage.exports.qmp_sync import (
     QmpCommandError,
@@ -194,7 +195,7 @@ class NbdExportDriver:
         self.qmp_timeout = qmp_timeout
         self.start_timeout = start_timeout
 
-        self.qmp_path = self.state_dir / "qsd.qmp"
+        self.qmp_path = socket_path(self.state_dir, "qsd.qmp")
         self.pid_path = self.state_dir / "qsd.pid"
         self.log_path = self.state_dir / "qsd.log"
         self.state_path = self.state_dir / "exports.json"
@@ -763,9 +764,12 @@ class NbdExportDriver:
             except FileNotFoundError:
                 raise NotFound(f"volume file {path} of {volume_id} does not exist",
                                code="InvalidVolume.NotFound") from None
-            started = not self._running()
-            if started:
+            if not self._running():
                 self._ensure_daemon()
+                try:
+                    self._reconcile()
+                except DriverError:
+                    pass  # logged per export; this one is created (or its error raised) just below
             live = self._live_exports()
             # The current generation must serve meanwhile. If the daemon had lost it (restarted before
             # check()), it comes back with the file's size: then it is the refreshed export already.
@@ -783,16 +787,16 @@ class NbdExportDriver:
                 self._save_state()
                 self._create(new, live, replace=True)
                 self._save_state()  # with its size
-                if started:
-                    try:
-                        self._reconcile()
-                    except DriverError:
-                        pass  # logged per export; other volumes' trouble is not this caller's
             except Exception:
                 self._desired[k] = self._older[k].pop()
                 if not self._older[k]:
                     del self._older[k]
                 self._best_effort_forget(False)
+                if self._qmp is not None:
+                    try:
+                        self._remove_live(new.export_id)
+                    except DriverError as exc:
+                        log.error("could not remove the half-made export %s: %s", new.export_id, exc.message)
                 raise
             log.info("refreshed the NBD export of %s for %s: generation %d serves %d bytes",
                      volume_id, host_name, new.gen, new.size or 0)
