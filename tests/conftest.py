@@ -203,6 +203,9 @@ class Services:
              "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
              "--nbd-port", str(self.nbd_port)],
             env=self.env, stdout=self._log("agent"), stderr=subprocess.STDOUT)
+        # A restarted agent's predecessor may still look "up": wait for this one to listen.
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,
+                   what="agent listening")
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
 

@@ -37,6 +37,8 @@ class ControllerConfig(_Section):
     overcommit_ratio: float = Field(4.0, gt=0)
     retry_interval_s: float = Field(2.0, gt=0)
     detach_timeout_s: float = Field(10.0, gt=0, le=600)
+    reconcile_interval_s: float = Field(30.0, gt=0)
+    orphan_grace_s: float = Field(120.0, ge=0)
     # Public API keys: these, VBS_ACCESS_KEY_ID/VBS_SECRET_ACCESS_KEY, and every profile of the
     # credentials file (default: <data_dir>/credentials, if it exists).
     access_keys: list[dict[str, str]] = Field(default_factory=list)

@@ -337,6 +337,28 @@ def describe_storage_nodes(ctx: typer.Context) -> None:
         output.emit(body["storage_nodes"], c.fmt, output.NODE_COLUMNS)
 
 
+@app.command("check")
+def check(
+    ctx: typer.Context,
+    repair: Annotated[bool, typer.Option("--repair", help="Repair what drifted (orphans after their grace).")] = False,
+    now: Annotated[bool, typer.Option("--now", help="With --repair: remove orphans without the grace period.")]
+    = False,
+) -> None:
+    """Compare what the agents really have with the DB: orphans, missing files, exports and disks."""
+    c: Context = ctx.obj
+    report = (c.client.call("POST", f"/v1/admin/reconcile?now={str(now).lower()}") if repair
+              else c.client.call("GET", "/v1/admin/check"))
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(report, "json")
+    else:
+        print(f"checked {report['storage_nodes']} storage node(s) and {report['hosts']} host(s): "
+              + ("everything agrees" if report["clean"] else f"{len(report['findings'])} finding(s)"))
+        if report["findings"]:
+            output.emit(report["findings"], c.fmt, output.FINDING_COLUMNS)
+    if not report["clean"] and not repair:
+        raise typer.Exit(1)
+
+
 @app.command("describe-operation")
 def describe_operation(ctx: typer.Context, operation_id: str) -> None:
     """One workflow's steps and their states."""

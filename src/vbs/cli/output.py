@@ -79,6 +79,14 @@ INSTANCE_COLUMNS: list[Column] = [
     ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
 ]
 
+FINDING_COLUMNS: list[Column] = [
+    ("Kind", lambda f: f["kind"]),
+    ("Node", lambda f: f["node"]),
+    ("Resource", lambda f: f["resource_id"]),
+    ("Detail", lambda f: f["detail"]),
+    ("Action", lambda f: f["action"]),
+]
+
 NODE_COLUMNS: list[Column] = [
     ("Name", lambda n: n["name"]),
     ("State", lambda n: n["state"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from sqlalchemy import select
@@ -142,6 +143,16 @@ def public_router(auth: Authenticator) -> APIRouter:
     def storage_nodes(svc: Services = Depends(services)) -> StorageNodeList:
         with svc.db.session() as s:
             return StorageNodeList(storage_nodes=describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s))
+
+    @r.get("/admin/check", tags=["admin"])
+    def check(svc: Services = Depends(services)) -> dict[str, Any]:
+        """Compare the agents' real inventory with the DB; change nothing."""
+        return svc.reconciler.run(repair=False).as_dict()
+
+    @r.post("/admin/reconcile", tags=["admin"])
+    def reconcile(now: bool = False, svc: Services = Depends(services)) -> dict[str, Any]:
+        """Repair drift now; ``now=true`` also removes orphans without waiting for their grace period."""
+        return svc.reconciler.run(repair=True, ignore_grace=now).as_dict()
 
     @r.get("/operations/{operation_id}", response_model=OperationOut, tags=["operations"])
     def get_operation(operation_id: str, svc: Services = Depends(services)) -> OperationOut:

@@ -19,6 +19,7 @@ from vbs.controller.auth import Authenticator
 from vbs.controller.db import Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
+from vbs.controller.reconcile import Reconciler
 from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
 from vbs.controller.workflows import WorkflowEngine
@@ -73,6 +74,7 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     db.migrate()
     svc = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
     svc.engine = WorkflowEngine(db, WORKFLOWS, svc, threads=cfg.workflow_threads, retry_interval=cfg.retry_interval_s)
+    svc.reconciler = Reconciler(svc, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s)
     stop = threading.Event()
 
     def housekeeping() -> None:
@@ -85,9 +87,11 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         svc.engine.start()
+        svc.reconciler.start()
         threading.Thread(target=housekeeping, name="housekeeping", daemon=True).start()
         yield
         stop.set()
+        svc.reconciler.stop()
         svc.engine.stop()
         svc.agents.close()
         db.dispose()

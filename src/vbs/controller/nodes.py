@@ -28,7 +28,7 @@ def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
     node.last_heartbeat = utcnow()
 
 
-def _alive(node: Node, timeout_s: float, now: datetime) -> bool:
+def is_alive(node: Node, timeout_s: float, now: datetime) -> bool:
     return node.last_heartbeat >= now - timedelta(seconds=timeout_s)
 
 
@@ -37,7 +37,7 @@ def describe_storage_nodes(session: Session, timeout_s: float) -> list[StorageNo
     nodes = session.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name)).all()
     return [
         StorageNodeOut(
-            name=n.name, url=n.url, state="up" if _alive(n, timeout_s, now) else "down",
+            name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down",
             last_heartbeat=n.last_heartbeat,
             pools=[PoolOut(**{k: p[k] for k in ("name", "capacity_bytes", "free_bytes", "clone_method")})
                    for p in n.info.get("pools", [])],
@@ -56,7 +56,7 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     now = utcnow()
     best: tuple[int, str, str] | None = None
     for n in session.scalars(select(Node).where(Node.kind == "storage")).all():
-        if (node is not None and n.name != node) or not _alive(n, timeout_s, now):
+        if (node is not None and n.name != node) or not is_alive(n, timeout_s, now):
             continue
         for p in n.info.get("pools", []):
             if pool is not None and p["name"] != pool:
@@ -101,7 +101,7 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
 
 def host_is_alive(session: Session, name: str, timeout_s: float) -> bool:
     node = session.get(Node, (name, "host"))
-    return node is not None and _alive(node, timeout_s, utcnow())
+    return node is not None and is_alive(node, timeout_s, utcnow())
 
 
 def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
@@ -110,7 +110,7 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
     for host in session.scalars(select(Instance.host).where(Instance.state != "gone")):
         counts[host] = counts.get(host, 0) + 1
     return [
-        HostOut(name=n.name, url=n.url, address=n.address, state="up" if _alive(n, timeout_s, now) else "down",
+        HostOut(name=n.name, url=n.url, address=n.address, state="up" if is_alive(n, timeout_s, now) else "down",
                 last_heartbeat=n.last_heartbeat, instances=counts.get(n.name, 0))
         for n in session.scalars(select(Node).where(Node.kind == "host").order_by(Node.name))
     ]

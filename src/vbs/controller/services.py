@@ -10,6 +10,7 @@ from vbs.controller.agents import AgentDirectory
 from vbs.controller.db import Database
 
 if TYPE_CHECKING:
+    from vbs.controller.reconcile import Reconciler
     from vbs.controller.workflows import WorkflowEngine
 
 
@@ -19,3 +20,4 @@ class Services:
     db: Database
     agents: AgentDirectory
     engine: WorkflowEngine = field(init=False)
+    reconciler: Reconciler = field(init=False)

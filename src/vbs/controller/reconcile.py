@@ -1,0 +1,261 @@
+"""Reconciliation: compare what the agents really have with what the DB says should exist, and repair.
+
+Level-triggered: every pass looks at the whole picture, so a missed event (an agent restart, a lost
+export daemon, a crash between steps) is healed by the next pass. Resources that an operation is
+working on right now are left alone. Deleting something the DB does not know waits for a grace
+period (it must be seen as an orphan on two passes at least that far apart), so a pass that races
+a workflow never removes what the workflow is making.
+
+Repairs: a missing export of an attached volume is re-created; an orphan export is removed; an
+orphan pool file is removed; an orphan disk in a VM is force-unplugged; an available volume or a
+completed snapshot whose file vanished is marked ``error`` with the reason. Everything found is in
+the report, which ``vbs check`` prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import select, update
+
+from vbs import ids
+from vbs.connection import HostIdentity
+from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.nodes import is_alive
+from vbs.controller.services import Services
+from vbs.controller.states import AttachmentState, OperationState, SnapshotState, VolumeState
+from vbs.errors import VbsError
+
+log = logging.getLogger(__name__)
+
+LIVE_VOLUME = (VolumeState.AVAILABLE, VolumeState.IN_USE)
+MUST_BE_EXPORTED = (AttachmentState.ATTACHED, AttachmentState.BUSY)
+MAY_BE_EXPORTED = (AttachmentState.ATTACHING, AttachmentState.DETACHING, *MUST_BE_EXPORTED)
+
+
+@dataclass
+class Finding:
+    kind: str  # orphan-file, missing-file, orphan-export, missing-export, orphan-disk, missing-disk, unreachable
+    node: str
+    resource_id: str
+    detail: str
+    action: str = "reported"  # what the repair did: reported, waiting, repaired, failed
+
+
+@dataclass
+class Report:
+    checked_at: str
+    storage_nodes: int = 0
+    hosts: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"checked_at": self.checked_at, "storage_nodes": self.storage_nodes, "hosts": self.hosts,
+                "clean": self.clean, "findings": [asdict(f) for f in self.findings]}
+
+
+class Reconciler:
+    def __init__(self, svc: Services, *, grace_s: float, interval_s: float) -> None:
+        self.svc = svc
+        self.grace_s = grace_s
+        self.interval_s = interval_s
+        self._first_seen: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                report = self.run(repair=True)
+                for f in report.findings:
+                    log.warning("reconcile: %s %s on %s: %s (%s)", f.kind, f.resource_id, f.node, f.detail, f.action)
+            except Exception:
+                log.exception("reconcile pass failed")
+
+    # -- one pass ----------------------------------------------------------------------------------
+
+    def run(self, *, repair: bool, ignore_grace: bool = False) -> Report:
+        with self._lock:
+            report = Report(checked_at=utcnow().isoformat())
+            busy = self._busy_resources()
+            seen: set[tuple[str, str, str]] = set()
+            with self.svc.db.session() as s:
+                # Hosts first: an orphan disk is unplugged before its export goes, as in a detach (a
+                # VM whose storage vanished first waits on its reconnect delay before it lets go).
+                nodes = sorted(s.scalars(select(Node)), key=lambda n: n.kind != "host")
+            now = utcnow()
+            for node in nodes:
+                if not is_alive(node, self.svc.cfg.heartbeat_timeout_s, now):
+                    continue
+                try:
+                    if node.kind == "storage":
+                        report.storage_nodes += 1
+                        self._check_storage(node, busy, report, seen, repair, ignore_grace)
+                    else:
+                        report.hosts += 1
+                        self._check_host(node, busy, report, seen, repair, ignore_grace)
+                except VbsError as exc:
+                    report.findings.append(Finding("unreachable", node.name, node.name, exc.message))
+            # Forget orphans that went away by themselves.
+            self._first_seen = {k: v for k, v in self._first_seen.items() if k in seen}
+            return report
+
+    def _busy_resources(self) -> set[str]:
+        with self.svc.db.session() as s:
+            return set(s.scalars(select(Operation.resource_id).where(
+                Operation.status.in_([OperationState.RUNNING, OperationState.ROLLING_BACK]))))
+
+    def _orphan_due(self, key: tuple[str, str, str], seen: set[tuple[str, str, str]], ignore_grace: bool) -> bool:
+        seen.add(key)
+        first = self._first_seen.setdefault(key, time.monotonic())
+        return ignore_grace or time.monotonic() - first >= self.grace_s
+
+    # -- storage nodes -----------------------------------------------------------------------------
+
+    def _check_storage(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
+                       repair: bool, ignore_grace: bool) -> None:
+        agent = self.svc.agents.storage(node.name)
+        inventory = agent.inventory()
+        exports = agent.list_exports()
+        with self.svc.db.session() as s:
+            volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name))}
+            snaps = {x.id: x for x in s.scalars(select(Snapshot).where(Snapshot.storage_node == node.name))}
+            atts = list(s.scalars(select(Attachment).where(Attachment.volume_id.in_(list(volumes)),
+                                                           Attachment.status.in_(MAY_BE_EXPORTED))))
+            hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
+        for pool, items in inventory.items():
+            self._check_files(node.name, pool, "volume", items.get("volumes", []), volumes, busy, report, seen,
+                              repair, ignore_grace)
+            self._check_files(node.name, pool, "snapshot", items.get("snapshots", []), snaps, busy, report, seen,
+                              repair, ignore_grace)
+        self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
+
+    def _check_files(self, node: str, pool: str, kind: str, present: list[str], rows: dict[str, Any],
+                     busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
+                     ignore_grace: bool) -> None:
+        agent = self.svc.agents.storage(node)
+        live = LIVE_VOLUME if kind == "volume" else (SnapshotState.COMPLETED,)
+        transitional = (VolumeState.CREATING, VolumeState.DELETING) if kind == "volume" else (
+            SnapshotState.PENDING, SnapshotState.DELETING)
+        for item_id in present:
+            row = rows.get(item_id)
+            if item_id in busy or (row is not None and (row.status in live or row.status in transitional)):
+                continue
+            finding = Finding("orphan-file", node, item_id,
+                              f"{kind} file in pool {pool} with {'no row' if row is None else 'row ' + row.status}")
+            report.findings.append(finding)
+            if repair and self._orphan_due(("file", node, item_id), seen, ignore_grace):
+                try:
+                    (agent.remove_volume if kind == "volume" else agent.remove_snapshot)(pool, item_id)
+                    finding.action = "repaired"
+                except VbsError as exc:
+                    finding.action = f"failed: {exc.message}"
+            elif repair:
+                finding.action = "waiting"
+        present_set = set(present)
+        for item_id, row in rows.items():
+            if row.pool != pool or row.status not in live or item_id in present_set or item_id in busy:
+                continue
+            finding = Finding("missing-file", node, item_id, f"{kind} is {row.status} but its file is gone")
+            report.findings.append(finding)
+            if repair:
+                finding.action = "repaired" if self._mark_lost(kind, item_id) else "reported"
+
+    def _mark_lost(self, kind: str, item_id: str) -> bool:
+        """An available volume or a completed snapshot without data becomes ``error`` (in-use: reported)."""
+        table, state = (Volume, VolumeState.AVAILABLE) if kind == "volume" else (Snapshot, SnapshotState.COMPLETED)
+        with self.svc.db.session() as s:
+            hit = s.execute(update(table).where(table.id == item_id, table.status == state).values(
+                status="error", status_reason="its data file vanished from the storage node",
+                updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+        return bool(hit)
+
+    def _check_exports(self, node: str, exports: list[dict[str, str]], volumes: dict[str, Volume],
+                       atts: list[Attachment], hosts: dict[str, Node], busy: set[str], report: Report,
+                       seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
+        agent = self.svc.agents.storage(node)
+        have = {(e["volume_id"], e["host"]) for e in exports}
+        may = {(a.volume_id, a.host) for a in atts}
+        for vol_id, host in sorted(have - may):
+            if vol_id in busy:
+                continue
+            finding = Finding("orphan-export", node, vol_id, f"exported to {host} without a live attachment")
+            report.findings.append(finding)
+            if repair and self._orphan_due(("export", vol_id, host), seen, ignore_grace):
+                try:
+                    agent.remove_export(vol_id, host)
+                    finding.action = "repaired"
+                except VbsError as exc:
+                    finding.action = f"failed: {exc.message}"
+            elif repair:
+                finding.action = "waiting"
+        for att in atts:
+            if att.status not in MUST_BE_EXPORTED or (att.volume_id, att.host) in have or att.volume_id in busy:
+                continue
+            finding = Finding("missing-export", node, att.volume_id, f"attached to {att.host} but not exported")
+            report.findings.append(finding)
+            host = hosts.get(att.host)
+            if repair and host is not None:
+                try:
+                    identity = HostIdentity(name=host.name, address=host.address,
+                                            initiator_name=host.info.get("initiator_name"))
+                    agent.ensure_export(volumes[att.volume_id].pool, att.volume_id, identity, att.mode == "ro")
+                    finding.action = "repaired"
+                except VbsError as exc:
+                    finding.action = f"failed: {exc.message}"
+
+    # -- hosts -------------------------------------------------------------------------------------
+
+    def _check_host(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
+                    repair: bool, ignore_grace: bool) -> None:
+        agent = self.svc.agents.host(node.name)
+        with self.svc.db.session() as s:
+            vms = list(s.scalars(select(Instance).where(Instance.host == node.name, Instance.state == "running")))
+            atts = list(s.scalars(select(Attachment).where(Attachment.host == node.name,
+                                                           Attachment.status.in_(MAY_BE_EXPORTED))))
+        for vm in vms:
+            try:
+                disks = agent.list_disks(vm.vm_id)
+            except VbsError as exc:
+                report.findings.append(Finding("unreachable", node.name, vm.id, f"VM {vm.vm_id}: {exc.message}"))
+                continue
+            expected = {ids.virtio_serial(a.volume_id): a for a in atts if a.vm_id == vm.vm_id}
+            for disk in disks:
+                serial = disk["serial"]
+                volume_id = f"vol-{serial[3:]}" if serial.startswith("vol") else serial
+                if serial in expected or volume_id in busy:
+                    continue
+                finding = Finding("orphan-disk", node.name, volume_id, f"plugged into VM {vm.vm_id} without a "
+                                  "live attachment")
+                report.findings.append(finding)
+                if repair and self._orphan_due(("disk", vm.id, serial), seen, ignore_grace):
+                    try:
+                        agent.detach(vm.vm_id, serial, force=True, timeout=5.0)
+                        finding.action = "repaired"
+                    except VbsError as exc:
+                        finding.action = f"failed: {exc.message}"
+                elif repair:
+                    finding.action = "waiting"
+            plugged = {d["serial"] for d in disks}
+            for serial, att in expected.items():
+                if att.status in MUST_BE_EXPORTED and serial not in plugged and att.volume_id not in busy:
+                    report.findings.append(Finding("missing-disk", node.name, att.volume_id,
+                                                   f"attached to VM {vm.vm_id} per the DB, not in the VM"))
