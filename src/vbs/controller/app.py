@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -86,6 +87,11 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Describing 1,000 volumes makes many short-lived objects; full collections of the long-lived
+        # start-up objects were the p99 of a describe page. Freeze them and collect young ones less often.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
         svc.engine.start()
         svc.reconciler.start()
         threading.Thread(target=housekeeping, name="housekeeping", daemon=True).start()

@@ -133,7 +133,7 @@ def detach_volume(svc: Services, volume_id: str, req: DetachVolumeRequest) -> At
 
 
 def describe_instances(svc: Services) -> list[InstanceOut]:
-    with svc.db.session() as s:
+    with svc.db.read() as s:
         insts = list(s.scalars(select(Instance).where(Instance.state != "gone").order_by(Instance.host,
                                                                                          Instance.vm_id)))
         atts: dict[str, list[AttachmentOut]] = {i.id: [] for i in insts}

@@ -103,6 +103,6 @@ def describe_modifications(svc: Services, volume_ids: list[str], filters: dict[s
         stmt = stmt.where(~exists().where(newer.volume_id == VolumeModification.volume_id,
                                           newer.start_time > VolumeModification.start_time))
     stmt = flt.paginate(stmt, VolumeModification.id, max_results, next_token)
-    with svc.db.session() as s:
+    with svc.db.read() as s:
         rows, token = flt.page(list(s.scalars(stmt)), max_results, lambda m: m.id)
         return ModificationList(modifications=[_out(m) for m in rows], next_token=token)

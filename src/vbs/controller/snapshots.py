@@ -89,7 +89,7 @@ def describe_snapshots(svc: Services, snapshot_ids: list[str], filters: dict[str
     if snapshot_ids:
         stmt = stmt.where(Snapshot.id.in_(snapshot_ids))
     stmt = flt.paginate(stmt, Snapshot.id, max_results, next_token)
-    with svc.db.session() as s:
+    with svc.db.read() as s:
         rows = list(s.scalars(stmt))
         if snapshot_ids:
             missing = sorted(set(snapshot_ids) - {x.id for x in rows})

@@ -168,7 +168,7 @@ def describe_volumes(svc: Services, volume_ids: list[str], filters: dict[str, li
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
     stmt = flt.paginate(stmt, Volume.id, max_results, next_token)
-    with svc.db.session() as s:
+    with svc.db.read() as s:
         rows = list(s.scalars(stmt))
         if volume_ids:
             missing = sorted(set(volume_ids) - {v.id for v in rows})

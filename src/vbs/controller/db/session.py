@@ -1,11 +1,14 @@
 """The database handle: engine set-up for SQLite or PostgreSQL, migrations at start, sessions.
 
-SQLite runs in WAL mode with ``BEGIN IMMEDIATE`` transactions: writers queue on the busy timeout
-instead of failing half-way with "database is locked", and synchronous=FULL keeps every commit.
+SQLite runs in WAL mode. Writing transactions start with ``BEGIN IMMEDIATE`` and queue on a lock
+in this process (SQLite's own busy handler sleeps between retries, which makes waits long and
+unfair); read-only ones (``read()``) start with a plain ``BEGIN`` and run beside the writer.
+synchronous=FULL keeps every commit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +20,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+READ_ONLY = "vbs_read_only"
 
 
 def _sqlite_pragmas(engine: Engine) -> None:
@@ -33,7 +37,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
 class Database:
@@ -49,6 +53,10 @@ class Database:
         else:
             self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
+                                           expire_on_commit=False)
+        self._sqlite = url.startswith("sqlite")
+        self._write_lock = threading.RLock()
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Database:
@@ -65,7 +73,18 @@ class Database:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        with self._sessions() as session, session.begin():
+        """A writing transaction: commits on success, rolls back on an exception."""
+        if not self._sqlite:
+            with self._sessions() as session, session.begin():
+                yield session
+            return
+        with self._write_lock, self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only transaction (on SQLite it does not wait for writers)."""
+        with self._read_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:

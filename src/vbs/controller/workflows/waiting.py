@@ -8,6 +8,8 @@ from collections.abc import Callable
 from vbs.controller.agents import ItemStatus
 from vbs.errors import AgentUnavailable, DriverError
 
+# Short copies finish between two polls: start polling fast, back off to the steady interval.
+FIRST_POLL_S = 0.02
 POLL_INTERVAL_S = 0.25
 UNREACHABLE_LIMIT_S = 120.0
 
@@ -20,6 +22,7 @@ def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], N
     """
     last_progress = -1
     unreachable_since: float | None = None
+    delay = FIRST_POLL_S
     while True:
         try:
             status = ensure()
@@ -39,4 +42,5 @@ def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], N
         if status.progress != last_progress:
             on_progress(status.progress)
             last_progress = status.progress
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(delay)
+        delay = min(POLL_INTERVAL_S, delay * 2)
