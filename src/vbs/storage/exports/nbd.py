@@ -63,6 +63,7 @@ from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, NbdConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
+from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.qmp_sync import (
     QmpCommandError,
     QmpConnectionError,
@@ -239,6 +240,17 @@ class NbdExportDriver:
     def _ensure_daemon(self) -> None:
         if not self._adopt():
             self._spawn()
+        self._set_nodelay()
+
+    def _set_nodelay(self) -> None:
+        """QEMU 7.2's NBD server leaves Nagle on, which stalls QEMU's NBD client: turn it off."""
+        if self._pid is None:
+            return
+        try:
+            force_nodelay(self._pid)
+        except OSError as exc:
+            log.warning("could not set TCP_NODELAY on qemu-storage-daemon %d (%s): small random I/O "
+                        "through QEMU's NBD client will be slow", self._pid, exc.strerror or exc)
 
     def _running(self) -> bool:
         if self._pid is None:

@@ -1,0 +1,553 @@
+#!/usr/bin/env python3
+"""Data-path benchmark of VBS's export drivers: prints figures (it is not a test).
+
+One 2 GiB volume file full of random data is served on loopback by the real export drivers and
+read and written through them, each figure next to the same tool on the same file locally:
+
+* NBD (``NbdExportDriver``, qemu-storage-daemon) measured with fio's ``nbd`` engine (libnbd) against
+  fio ``libaio`` with ``direct=1`` on the file, for each export tunable (aio native / threads /
+  io_uring, cache.direct on / off);
+* NBD and iSCSI (``IscsiExportDriver``, tgtd) measured with ``qemu-img bench``, whose client is QEMU's
+  own NBD / libiscsi block driver: the code a VM's disk runs through. Compared with ``qemu-img
+  bench -t none -i native`` on the file. iSCSI tunables: tgt ``bsoflags=direct`` on / off and the
+  negotiated segment lengths (tgt's defaults, the driver's ``TUNING``, 1 MiB).
+
+Workloads: sequential read / write, 1 MiB, queue depth 8; random read / write, 4 KiB, queue depth
+32; ``--runtime`` seconds each (10, ``--quick``: 3). qemu-img bench has no random mode: its "random"
+requests walk the file with a stride of about 0.62 of its size in 4 KiB blocks (every block once
+per pass, never two neighbours in a row). Its request count is calibrated to last ``--runtime``.
+
+Variants marked "experimental" are not driver settings: they set TCP_NODELAY on the export daemon's
+listening socket from outside (pidfd_getfd; accepted connections inherit it), which QEMU 7.2's NBD
+server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
+sending reply"). tgtd sets it on its own connections.
+
+Each run starts with the file evicted from the page cache. Every daemon is stopped by its driver
+(by PID) in a ``finally``; only 127.0.0.1 is used.
+
+    .venv/bin/python bench/datapath.py            # one round (about 10 minutes)
+    .venv/bin/python bench/datapath.py --quick    # 3 s per figure (about 4 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))
+
+from vbs.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
+from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
+from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
+from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
+from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
+
+MIB = 1 << 20
+GIB = 1 << 30
+BLOCK = 4096
+VOLUME_ID = "vol-0b0e0c0d0a7a0a7a0"
+HOST = HostIdentity(name="bench", address="127.0.0.1", initiator_name="iqn.2026-11.org.vbs.bench:datapath")
+WRITE_PATTERN = 0xA5  # qemu-img bench writes this byte: the file never turns to zeros
+CALIBRATE_S = 0.4  # a qemu-img bench probe must last this long before its rate is trusted
+
+# Targets of the brief: NBD on loopback against the local file.
+TARGET_SEQ_READ = 0.9
+TARGET_RAND_READ = 0.6
+NOISE = 0.10  # differences under this (relative) are not called a winner
+
+# tgt's own defaults (no update) / the driver's TUNING / bigger PDUs: iSCSI segment-length variants.
+TGT_LARGE: tuple[tuple[str, str], ...] = (
+    ("MaxRecvDataSegmentLength", "1048576"),
+    ("MaxXmitDataSegmentLength", "1048576"),
+    ("FirstBurstLength", "1048576"),
+    ("MaxBurstLength", "1048576"),
+    ("InitialR2T", "No"),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    rw: str  # fio's name
+    bs: int
+    qd: int
+
+    @property
+    def write(self) -> bool:
+        return "write" in self.rw
+
+    @property
+    def random(self) -> bool:
+        return self.rw.startswith("rand")
+
+
+WORKLOADS = (
+    Workload("seq read 1M qd8", "read", MIB, 8),
+    Workload("seq write 1M qd8", "write", MIB, 8),
+    Workload("rand read 4k qd32", "randread", BLOCK, 32),
+    Workload("rand write 4k qd32", "randwrite", BLOCK, 32),
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of serving the file (or the file itself) and the tool that measures it."""
+
+    key: str
+    label: str
+    protocol: str  # local | nbd | iscsi
+    tool: str  # fio | qemu-img
+    nbd: dict[str, Any] = field(default_factory=dict)  # NbdExportDriver keyword arguments
+    iscsi_direct: bool = True
+    iscsi_tuning: tuple[tuple[str, str], ...] | None = None  # None: the driver's TUNING
+    nodelay: bool = False  # experimental: TCP_NODELAY forced on the daemon's sockets
+    default: bool = False  # the drivers' defaults
+
+
+VARIANTS = (
+    Variant("local-fio", "local file, fio libaio direct", "local", "fio"),
+    Variant("nbd-native", "NBD aio=native cache.direct (default)", "nbd", "fio",
+            {"aio": "native", "cache_direct": True}, default=True),
+    Variant("nbd-threads", "NBD aio=threads cache.direct", "nbd", "fio", {"aio": "threads", "cache_direct": True}),
+    Variant("nbd-io_uring", "NBD aio=io_uring cache.direct", "nbd", "fio", {"aio": "io_uring", "cache_direct": True}),
+    Variant("nbd-cached", "NBD aio=threads page cache", "nbd", "fio", {"aio": "threads", "cache_direct": False}),
+    Variant("nbd-nodelay", "NBD default + TCP_NODELAY (experimental)", "nbd", "fio",
+            {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("local-qemu", "local file, qemu-img -t none -i native", "local", "qemu-img"),
+    Variant("nbd-native-q", "NBD aio=native cache.direct (default)", "nbd", "qemu-img",
+            {"aio": "native", "cache_direct": True}, default=True),
+    Variant("nbd-nodelay-q", "NBD default + TCP_NODELAY (experimental)", "nbd", "qemu-img",
+            {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("iscsi-direct", "iSCSI bsoflags=direct, driver TUNING (default)", "iscsi", "qemu-img", default=True),
+    Variant("iscsi-buffered", "iSCSI page cache, driver TUNING", "iscsi", "qemu-img", iscsi_direct=False),
+    Variant("iscsi-tgtdefaults", "iSCSI direct, tgt default segment lengths", "iscsi", "qemu-img",
+            iscsi_tuning=()),
+    Variant("iscsi-large", "iSCSI direct, 1 MiB segments", "iscsi", "qemu-img", iscsi_tuning=TGT_LARGE),
+)
+
+
+@dataclass
+class Figure:
+    mbps: float  # 10^6 bytes per second
+    iops: float
+    seconds: float
+    note: str = ""
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_volume(path: Path, size: int) -> None:
+    """``size`` bytes of random data (a 64 MiB random block repeated), on disk before returning."""
+    chunk = os.urandom(min(64 * MIB, size))
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(chunk))
+            f.write(chunk[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def evict(path: Path) -> None:
+    """Drop this file's pages from the page cache (written back first), so each run starts cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def stride_blocks(nblocks: int) -> int:
+    """A block stride near the golden ratio of the file, coprime with its block count: one pass
+    touches every block once and consecutive requests land far apart."""
+    p = int(nblocks * 0.6180339887) | 1
+    while math.gcd(p, nblocks) != 1:
+        p += 2
+    return p
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def machine() -> dict[str, str]:
+    info = {"cpus": str(os.cpu_count()), "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                info["os"] = line.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    for name, argv in (("fio", ["fio", "--version"]), ("qemu", ["qemu-img", "--version"]),
+                       ("tgt", ["tgtadm", "--version"])):
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout  # noqa: S603
+            info[name] = out.splitlines()[0].strip() if out else "?"
+        except (OSError, subprocess.SubprocessError):
+            info[name] = "missing"
+    return info
+
+
+# -- TCP_NODELAY from outside (experimental) --------------------------------------------------------
+
+# -- the tools -------------------------------------------------------------------------------------
+
+
+def run_tool(argv: list[str], timeout: float) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)  # noqa: S603 - argv list
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-800:]}")
+    return proc.stdout
+
+
+def fio(target: list[str], w: Workload, runtime: float) -> Figure:
+    argv = ["fio", "--name=vbs", f"--rw={w.rw}", f"--bs={w.bs}", f"--iodepth={w.qd}", "--numjobs=1",
+            f"--runtime={runtime:g}", "--time_based", "--norandommap", "--randrepeat=0",
+            "--output-format=json", *target]
+    out = run_tool(argv, timeout=runtime + 120)
+    data = json.loads(out[out.index("{"):])  # the nbd engine prints a line before the JSON
+    job = data["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio job error {job['error']}")
+    side = job["write" if w.write else "read"]
+    return Figure(mbps=side["bw_bytes"] / 1e6, iops=side["iops"], seconds=side["runtime"] / 1000)
+
+
+_COMPLETED = re.compile(r"Run completed in ([0-9.]+) seconds")
+
+
+def qemu_bench(target: list[str], w: Workload, runtime: float, size: int) -> Figure:
+    """``qemu-img bench`` for about ``runtime`` seconds: probe with a growing count, then scale."""
+    base = ["qemu-img", "bench", "-d", str(w.qd), "-s", str(w.bs)]
+    if w.random:
+        base += ["-S", str(stride_blocks(size // BLOCK) * BLOCK)]
+    if w.write:
+        base += ["-w", f"--pattern={WRITE_PATTERN}"]
+
+    def once(count: int, timeout: float) -> float:
+        out = run_tool([*base, "-c", str(count), *target], timeout=timeout)
+        m = _COMPLETED.search(out)
+        if not m:
+            raise RuntimeError(f"qemu-img bench: no timing in {out[-300:]!r}")
+        return max(float(m.group(1)), 1e-6)
+
+    count = max(2 * w.qd, (64 * MIB) // w.bs // 8)
+    elapsed = once(count, 120)
+    while elapsed < min(CALIBRATE_S, runtime / 2):
+        count *= 4 if elapsed < CALIBRATE_S / 4 else 2
+        elapsed = once(count, 120)
+    if elapsed < runtime * 0.7:
+        count = max(count, int(count * runtime / elapsed))
+        elapsed = once(count, runtime * 4 + 120)
+    return Figure(mbps=count * w.bs / elapsed / 1e6, iops=count / elapsed, seconds=elapsed)
+
+
+# -- exports ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def quiet_driver_logs() -> Iterator[list[str]]:
+    """Collect the drivers' warnings (a refused aio / cache mode falls back with a warning)."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    handler = Keep()
+    loggers = [logging.getLogger(n) for n in ("vbs.storage.exports.nbd", "vbs.storage.exports.iscsi")]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    try:
+        yield seen
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], list[str], int | None]]:
+    """Serve ``volume`` as ``v`` says; yield (fio target args, qemu-img target args, daemon pid)."""
+    if v.protocol == "local":
+        yield ([f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"],
+               ["-f", "raw", "-t", "none", "-i", "native", str(volume)], None)
+        return
+    state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))
+    if v.protocol == "nbd":
+        nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **v.nbd)
+        try:
+            nbd.start()
+            c = nbd.ensure_export(VOLUME_ID, volume, HOST)
+            assert isinstance(c, NbdConnection)
+            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
+                    f"file.server.port={c.port},file.export={c.export}")
+            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], nbd.pid
+        finally:
+            nbd.stop()
+            shutil.rmtree(state, ignore_errors=True)
+        return
+    saved = iscsi_mod.TUNING
+    if v.iscsi_tuning is not None:
+        iscsi_mod.TUNING = v.iscsi_tuning  # read by the driver when it creates a target
+    port = free_port()
+    drv = IscsiExportDriver(state, "127.0.0.1", port, control_port=port % 32768, direct_io=v.iscsi_direct)
+    try:
+        drv.start()
+        c = drv.ensure_export(VOLUME_ID, volume, HOST)
+        assert isinstance(c, IscsiConnection) and c.chap_secret is not None
+        # qemu-img bench takes no --object: the CHAP secret goes in the URL (a loopback throwaway).
+        url = f"iscsi://{c.chap_user}%{c.chap_secret.get_secret_value()}@{c.host}:{c.port}/{c.iqn}/{c.lun}"
+        yield [], ["-f", "raw", url], drv.pid
+    finally:
+        iscsi_mod.TUNING = saved
+        try:
+            drv.remove_export(VOLUME_ID, HOST.name)
+        finally:
+            drv.stop()
+            shutil.rmtree(state, ignore_errors=True)
+
+
+def measure(v: Variant, volume: Path, work: Path, runtime: float) -> dict[str, Any]:
+    """All workloads through one export of ``v``."""
+    size = volume.stat().st_size
+    figures: dict[str, Figure] = {}
+    notes: list[str] = []
+    with quiet_driver_logs() as warnings, served(v, volume, work) as (fio_target, qemu_target, pid):
+        if v.nodelay and pid is not None:
+            try:
+                notes.append(f"TCP_NODELAY set on {force_nodelay(pid)} socket(s) of the daemon (its listener: "
+                             "every connection inherits it)")
+            except OSError as exc:
+                notes.append(f"TCP_NODELAY not set: {exc}")
+        for w in WORKLOADS:
+            evict(volume)
+            load = loadavg()
+            try:
+                fig = fio(fio_target, w, runtime) if v.tool == "fio" else qemu_bench(qemu_target, w, runtime, size)
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                log(f"  {v.key} {w.key}: FAILED {exc}")
+                notes.append(f"{w.key}: failed: {str(exc)[:200]}")
+                continue
+            figures[w.key] = fig
+            log(f"  {v.key:18} {w.key:20} {fig.mbps:9.1f} MB/s {fig.iops:9.0f} IOPS  (load {load})")
+        notes += [f"driver: {m}" for m in warnings if "refused" in m or "serving with" in m]
+    return {"figures": figures, "notes": notes}
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Figure]:
+    """Median of each figure across rounds."""
+    keys = {k for r in runs for k in r["figures"]}
+    out: dict[str, Figure] = {}
+    for k in keys:
+        figs = [r["figures"][k] for r in runs if k in r["figures"]]
+        out[k] = Figure(mbps=statistics.median(f.mbps for f in figs), iops=statistics.median(f.iops for f in figs),
+                        seconds=statistics.median(f.seconds for f in figs))
+    return out
+
+
+def ratio(fig: Figure | None, base: Figure | None) -> float | None:
+    if fig is None or base is None or base.mbps <= 0:
+        return None
+    return fig.mbps / base.mbps
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}"
+
+
+def geomean(values: list[float]) -> float | None:
+    vals = [v for v in values if v and v > 0]
+    if len(vals) != len(WORKLOADS):
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: dict[str, str]) -> str:
+    lines = [f"# VBS data path ({args.runtime:g} s per figure, {args.rounds} round(s), "
+             f"{args.size_gib} GiB file, MB = 10^6 bytes)", ""]
+    lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    lines.append("")
+    figs = {k: combine(r["runs"]) for k, r in results.items()}
+    baseline = {"fio": figs.get("local-fio", {}), "qemu-img": figs.get("local-qemu", {})}
+    for tool, title in (("fio", "fio (NBD through libnbd) vs local fio libaio direct"),
+                        ("qemu-img", "qemu-img bench (QEMU's NBD / iSCSI client, as in a VM) vs local qemu-img")):
+        rows = []
+        for v in VARIANTS:
+            if v.tool != tool or v.key not in figs:
+                continue
+            row = [v.label + (" *" if v.default else "")]
+            for w in WORKLOADS:
+                f = figs[v.key].get(w.key)
+                if f is None:
+                    row.append("failed")
+                    continue
+                cell = f"{f.mbps:.0f} MB/s, {f.iops:.0f} IOPS"
+                r = ratio(f, baseline[tool].get(w.key))
+                if v.protocol != "local" and r is not None:
+                    cell += f" ({r:.2f})"
+                row.append(cell)
+            rows.append(row)
+        if rows:
+            lines += [f"## {title}", "", table(["variant", *[w.key for w in WORKLOADS]], rows),
+                      "", "(ratio to the local file, same tool, in brackets; * = driver default)", ""]
+    notes = [f"- {v.key}: {n}" for v in VARIANTS if v.key in results for n in results[v.key]["notes"]]
+    if notes:
+        lines += ["Notes:", *notes, ""]
+    lines += verdicts(figs, baseline)
+    return "\n".join(lines)
+
+
+def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[str]:
+    out = ["## Targets (NBD on loopback vs local)", ""]
+    rows = []
+    for key in ("nbd-native", "nbd-native-q", "nbd-nodelay", "nbd-nodelay-q"):
+        if key not in figs:
+            continue
+        v = next(x for x in VARIANTS if x.key == key)
+        base = baseline[v.tool]
+        sr = ratio(figs[key].get("seq read 1M qd8"), base.get("seq read 1M qd8"))
+        rr = ratio(figs[key].get("rand read 4k qd32"), base.get("rand read 4k qd32"))
+        rows.append([f"{v.label} [{v.tool}]",
+                     f"{fmt_ratio(sr)} {'met' if sr is not None and sr >= TARGET_SEQ_READ else 'NOT met'}",
+                     f"{fmt_ratio(rr)} {'met' if rr is not None and rr >= TARGET_RAND_READ else 'NOT met'}"])
+    out += [table(["path", f"seq read >= {TARGET_SEQ_READ}", f"rand read >= {TARGET_RAND_READ}"], rows), ""]
+
+    out += ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    for protocol, tool in (("nbd", "fio"), ("iscsi", "qemu-img")):
+        scored = []
+        for v in VARIANTS:
+            if v.protocol != protocol or v.tool != tool or v.nodelay or v.key not in figs:
+                continue
+            g = geomean([ratio(figs[v.key].get(w.key), baseline[tool].get(w.key)) or 0 for w in WORKLOADS])
+            if g is not None:
+                scored.append((g, v))
+        if not scored:
+            continue
+        scored.sort(key=lambda t: t[0], reverse=True)
+        best_g, best = scored[0]
+        default = next(((g, v) for g, v in scored if v.default), None)
+        out.append(f"- {protocol}: " + ", ".join(f"{v.label} {g:.2f}" for g, v in scored))
+        for w in WORKLOADS:
+            per = [(ratio(figs[v.key].get(w.key), baseline[tool].get(w.key)) or 0, v) for _, v in scored]
+            top = max(per, key=lambda t: t[0])
+            out.append(f"  - best for {w.key}: {top[1].label} ({top[0]:.2f})")
+        if default is not None:
+            if best.default or best_g <= default[0] * (1 + NOISE):
+                out.append(f"  - the default ({default[1].label}) is best or within {NOISE:.0%} of the best: keep it")
+            else:
+                out.append(f"  - {best.label} beats the default by {best_g / default[0] - 1:.0%}: consider it")
+    return out + [""]
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3 s per figure instead of 10")
+    p.add_argument("--runtime", type=float, default=None, help="seconds per figure (default 10, --quick 3)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole matrix; figures are medians (default 1)")
+    p.add_argument("--size-gib", type=int, default=2, help="volume file size (default 2)")
+    p.add_argument("--only", default=None, help="comma-separated variant keys (default: all)")
+    p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="where the file goes (default /var/tmp)")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
+    p.add_argument("--list", action="store_true", help="list the variant keys and exit")
+    args = p.parse_args(argv)
+    if args.runtime is None:
+        args.runtime = 3.0 if args.quick else 10.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for v in VARIANTS:
+            print(f"{v.key:18} {v.tool:9} {v.label}")
+        return 0
+    chosen = [v for v in VARIANTS if args.only is None or v.key in args.only.split(",")]
+    need = {"fio", "qemu-img"} | ({"qemu-storage-daemon"} if any(v.protocol == "nbd" for v in chosen) else set()) | (
+        {"tgtd", "tgtadm"} if any(v.protocol == "iscsi" for v in chosen) else set())
+    missing = sorted(t for t in need if shutil.which(t) is None)
+    if missing:
+        print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    info = machine()
+    work = Path(tempfile.mkdtemp(prefix="vbs-dp-", dir=args.work_dir))
+    results: dict[str, dict[str, Any]] = {v.key: {"runs": [], "notes": []} for v in chosen}
+    try:
+        volume = work / "volume.img"
+        log(f"writing {args.size_gib} GiB of random data to {volume}")
+        make_volume(volume, args.size_gib * GIB)
+        for rnd in range(args.rounds):
+            for v in chosen:
+                log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
+                try:
+                    res = measure(v, volume, work, args.runtime)
+                except Exception as exc:  # one broken variant must not lose the others' figures
+                    log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
+                    results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                results[v.key]["runs"].append(res)
+                results[v.key]["notes"] += [n for n in res["notes"] if n not in results[v.key]["notes"]]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = report(results, args, info)
+    print(text)
+    if args.json:
+        raw = {k: {"notes": r["notes"], "runs": [{w: vars(f) for w, f in run["figures"].items()} for run in r["runs"]]}
+               for k, r in results.items()}
+        args.json.write_text(json.dumps({"machine": info, "runtime_s": args.runtime, "rounds": args.rounds,
+                                         "results": raw}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
