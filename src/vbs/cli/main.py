@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 import typer
 
@@ -64,8 +65,22 @@ def _tags(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _query(name: str, values: list[str] | None) -> list[tuple[str, str]]:
-    return [(name, v) for v in values or []]
+def _describe(c: Context, collection: str, id_param: str, resource_ids: list[str] | None,
+              filters: list[str] | None, max_results: int | None, next_token: str | None,
+              columns: list[output.Column]) -> None:
+    """One page of a describe: JSON as the API answers it, or a table and the next token."""
+    params = [(id_param, v) for v in resource_ids or []] + [("filter", f) for f in filters or []]
+    if max_results is not None:
+        params.append(("max_results", str(max_results)))
+    if next_token:
+        params.append(("next_token", next_token))
+    body = c.client.call("GET", f"/v1/{collection}?" + urlencode(params))
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+        return
+    output.emit(body[collection], c.fmt, columns)
+    if body.get("next_token"):
+        print(f"next token: {body['next_token']}")
 
 
 # -- volumes ---------------------------------------------------------------------------------------
@@ -124,19 +139,7 @@ def describe_volumes(
     next_token: Annotated[str | None, typer.Option()] = None,
 ) -> None:
     """Describe volumes, by id or by filters (status, snapshot-id, volume-id, size, tag:KEY, tag-key …)."""
-    c: Context = ctx.obj
-    params = _query("volume_id", volume_ids) + _query("filter", filter_)
-    if max_results is not None:
-        params.append(("max_results", str(max_results)))
-    if next_token:
-        params.append(("next_token", next_token))
-    body = c.client.call("GET", "/v1/volumes?" + _encode(params))
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
-        return
-    output.emit(body["volumes"], c.fmt, output.VOLUME_COLUMNS)
-    if body.get("next_token"):
-        print(f"next token: {body['next_token']}")
+    _describe(ctx.obj, "volumes", "volume_id", volume_ids, filter_, max_results, next_token, output.VOLUME_COLUMNS)
 
 
 @app.command("modify-volume")
@@ -289,19 +292,8 @@ def describe_snapshots(
     next_token: Annotated[str | None, typer.Option()] = None,
 ) -> None:
     """Describe snapshots, by id or by filters (status, volume-id, tag:KEY …)."""
-    c: Context = ctx.obj
-    params = _query("snapshot_id", snapshot_ids) + _query("filter", filter_)
-    if max_results is not None:
-        params.append(("max_results", str(max_results)))
-    if next_token:
-        params.append(("next_token", next_token))
-    body = c.client.call("GET", "/v1/snapshots?" + _encode(params))
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
-        return
-    output.emit(body["snapshots"], c.fmt, output.SNAPSHOT_COLUMNS)
-    if body.get("next_token"):
-        print(f"next token: {body['next_token']}")
+    _describe(ctx.obj, "snapshots", "snapshot_id", snapshot_ids, filter_, max_results, next_token,
+              output.SNAPSHOT_COLUMNS)
 
 
 app.command("describe-snapshot", help="Alias of describe-snapshots (the paper's name).")(describe_snapshots)
@@ -364,12 +356,6 @@ def describe_operation(ctx: typer.Context, operation_id: str) -> None:
     """One workflow's steps and their states."""
     c: Context = ctx.obj
     output.emit(c.client.call("GET", f"/v1/operations/{operation_id}"), "json")
-
-
-def _encode(params: list[tuple[str, str]]) -> str:
-    from urllib.parse import urlencode
-
-    return urlencode(params)
 
 
 # -- services --------------------------------------------------------------------------------------

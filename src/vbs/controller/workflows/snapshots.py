@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-from sqlalchemy import update
-
 from vbs.controller.db import Snapshot
-from vbs.controller.db.tables import utcnow
 from vbs.controller.states import SnapshotState
 from vbs.controller.transitions import transition
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.controller.workflows.waiting import until_ready
-
-
-def _agent(ctx: StepContext):  # type: ignore[no-untyped-def]
-    return ctx.services.agents.storage(ctx.params["node"])
-
-
-def _set_progress(ctx: StepContext, progress: int) -> None:
-    with ctx.services.db.session() as s:
-        s.execute(update(Snapshot).where(Snapshot.id == ctx.resource_id, Snapshot.status == SnapshotState.PENDING)
-                  .values(progress=progress, updated_at=utcnow()))
+from vbs.controller.workflows.storage import progress_reporter, storage_agent, until_ready
 
 
 def snapshot_on_storage(ctx: StepContext) -> None:
     p = ctx.params
-    agent = _agent(ctx)
+    agent = storage_agent(ctx)
     until_ready(lambda: agent.ensure_snapshot(p["pool"], ctx.resource_id, p["volume_id"]),
-                lambda pct: _set_progress(ctx, pct))
+                progress_reporter(ctx, Snapshot, SnapshotState.PENDING))
 
 
 def remove_from_storage(ctx: StepContext) -> None:
-    _agent(ctx).remove_snapshot(ctx.params["pool"], ctx.resource_id)
+    storage_agent(ctx).remove_snapshot(ctx.params["pool"], ctx.resource_id)
 
 
 def mark_completed(ctx: StepContext) -> None:

@@ -2,35 +2,23 @@
 
 from __future__ import annotations
 
-from sqlalchemy import update
-
 from vbs.controller.db import Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.states import VolumeState
 from vbs.controller.transitions import transition
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.controller.workflows.waiting import until_ready
-
-
-def _agent(ctx: StepContext):  # type: ignore[no-untyped-def]
-    return ctx.services.agents.storage(ctx.params["node"])
-
-
-def _set_progress(ctx: StepContext, progress: int) -> None:
-    with ctx.services.db.session() as s:
-        s.execute(update(Volume).where(Volume.id == ctx.resource_id, Volume.status == VolumeState.CREATING)
-                  .values(progress=progress, updated_at=utcnow()))
+from vbs.controller.workflows.storage import progress_reporter, storage_agent, until_ready
 
 
 def create_on_storage(ctx: StepContext) -> None:
     p = ctx.params
-    agent = _agent(ctx)
+    agent = storage_agent(ctx)
     until_ready(lambda: agent.ensure_volume(p["pool"], ctx.resource_id, p["size_gib"], p.get("snapshot_id")),
-                lambda pct: _set_progress(ctx, pct))
+                progress_reporter(ctx, Volume, VolumeState.CREATING))
 
 
 def remove_from_storage(ctx: StepContext) -> None:
-    _agent(ctx).remove_volume(ctx.params["pool"], ctx.resource_id)
+    storage_agent(ctx).remove_volume(ctx.params["pool"], ctx.resource_id)
 
 
 def mark_available(ctx: StepContext) -> None:

@@ -38,6 +38,7 @@ from vbs import ids
 from vbs.argv import run
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, IscsiConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.processes import cmdline, environ_value, pid_alive
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
 
@@ -194,42 +195,6 @@ def _parse_portals(text: str) -> set[str]:
 
 
 # -- processes ------------------------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return True
-    # A zombie leader whose I/O threads are still exiting may still hold the portal's port: only
-    # when they are gone too can a new tgtd bind it.
-    return not (fields[0] == "Z" and int(fields[17]) <= 1)
-
-
-def _proc_argv(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _proc_env(pid: int, name: str) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    prefix = name.encode() + b"="
-    for item in raw.split(b"\0"):
-        if item.startswith(prefix):
-            return item[len(prefix):].decode(errors="replace")
-    return None
 
 
 def _acl_kind(entry: str) -> str:
@@ -391,12 +356,12 @@ class IscsiExportDriver:
 
     def _is_ours(self, pid: int) -> bool:
         """A live tgtd on our control socket (guards against a reused PID: never signal a stranger)."""
-        argv = _proc_argv(pid)
-        if not (_pid_alive(pid) and argv and Path(argv[0]).name == TGTD):
+        argv = cmdline(pid)
+        if not (pid_alive(pid) and argv and Path(argv[0]).name == TGTD):
             return False
         if argv[1:4] != ["-f", "-C", str(self.control_port)]:
             return False
-        env = _proc_env(pid, "TGT_IPC_SOCKET")
+        env = environ_value(pid, "TGT_IPC_SOCKET")
         return env is None or env == str(self.socket_base)
 
     def _running(self) -> bool:
@@ -427,7 +392,7 @@ class IscsiExportDriver:
         if not self._is_ours(pid):
             return False
         self._pid, self._proc = pid, None
-        if _proc_argv(pid)[1:] != self._argv()[1:]:
+        if cmdline(pid)[1:] != self._argv()[1:]:
             log.warning("tgtd pid %d listens elsewhere than %s: restarting it", pid, self.portal)
             self._terminate()
             return False
@@ -550,7 +515,7 @@ class IscsiExportDriver:
     def _wait_exit(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
-            gone = proc.poll() is not None if proc is not None else not _pid_alive(pid)
+            gone = proc.poll() is not None if proc is not None else not pid_alive(pid)
             if gone:
                 return True
             if time.monotonic() >= deadline:

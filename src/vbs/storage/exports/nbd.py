@@ -61,6 +61,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, NbdConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.processes import cmdline, pid_alive
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
 from vbs.storage.exports.nodelay import force_nodelay
@@ -123,34 +124,10 @@ def _node_names(export_id: str) -> tuple[str, str]:
     return f"vbsf{h}", f"vbsr{h}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return True
-    # A zombie answers kill(0) but is gone, unless only its main thread has exited: with other
-    # threads still exiting it keeps its sockets (a restart would find the port taken).
-    return not (fields[0] == "Z" and int(fields[17]) <= 1)
-
-
 def _is_qsd_for(pid: int, qmp_path: Path) -> bool:
     """Whether ``pid`` is a live qemu-storage-daemon with our monitor socket (guards PID reuse)."""
-    cmd = _cmdline(pid)
-    return _pid_alive(pid) and bool(cmd) and Path(cmd[0]).name == QSD and str(qmp_path) in " ".join(cmd)
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    cmd = cmdline(pid)
+    return pid_alive(pid) and bool(cmd) and Path(cmd[0]).name == QSD and str(qmp_path) in " ".join(cmd)
 
 
 class NbdExportDriver:
@@ -257,7 +234,7 @@ class NbdExportDriver:
             return False
         if self._proc is not None:
             return self._proc.poll() is None
-        return _pid_alive(self._pid)
+        return pid_alive(self._pid)
 
     def _adopt(self) -> bool:
         """Take over a daemon left by an earlier agent, if it is ours, alive and configured alike."""
@@ -267,7 +244,7 @@ class NbdExportDriver:
             return False
         if not _is_qsd_for(pid, self.qmp_path):
             return False  # dead, or the PID was reused by another process: never signal it
-        if _cmdline(pid)[1:] != self._argv()[1:]:
+        if cmdline(pid)[1:] != self._argv()[1:]:
             # Configuration changed (port, bind address, TLS): replace the daemon. Its exports come
             # back on the new one from the desired state.
             log.warning("qemu-storage-daemon %d runs with another configuration: restarting it", pid)
@@ -399,7 +376,7 @@ class NbdExportDriver:
     def _wait_exit(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
-            gone = proc.poll() is not None if proc is not None else not _pid_alive(pid)
+            gone = proc.poll() is not None if proc is not None else not pid_alive(pid)
             if gone:
                 return True
             if time.monotonic() >= deadline:

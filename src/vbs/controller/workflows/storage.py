@@ -1,11 +1,16 @@
-"""Waiting for a storage agent's background copy, reporting progress into the DB as it goes."""
+"""What storage steps share: their node's agent, and waiting for a background copy with progress."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from vbs.controller.agents import ItemStatus
+from sqlalchemy import update
+
+from vbs.controller.agents import ItemStatus, StorageAgent
+from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.tables import utcnow
+from vbs.controller.workflows.engine import StepContext
 from vbs.errors import AgentUnavailable, DriverError
 
 # Short copies finish between two polls: start polling fast, back off to the steady interval.
@@ -44,3 +49,19 @@ def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], N
             last_progress = status.progress
         time.sleep(delay)
         delay = min(POLL_INTERVAL_S, delay * 2)
+
+
+def storage_agent(ctx: StepContext) -> StorageAgent:
+    """The agent of the storage node the operation's resource lives on."""
+    return ctx.services.agents.storage(ctx.params["node"])  # type: ignore[no-any-return]
+
+
+def progress_reporter(ctx: StepContext, table: type[Volume] | type[Snapshot], while_in: str) -> Callable[[int], None]:
+    """Mirror a copy's progress into the resource row, while the row is still ``while_in``."""
+
+    def report(progress: int) -> None:
+        with ctx.services.db.session() as s:
+            s.execute(update(table).where(table.id == ctx.resource_id, table.status == while_in)
+                      .values(progress=progress, updated_at=utcnow()))
+
+    return report

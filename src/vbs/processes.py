@@ -1,0 +1,49 @@
+"""Facts about other processes, read from /proc: is a PID alive, what is its command line.
+
+Drivers that adopt a daemon left by an earlier agent check both before they signal anything, so a
+recycled PID never gets a signal meant for a daemon that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (and still holds its sockets)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    # A zombie answers kill(0) but is gone, unless only its main thread has exited: with other
+    # threads still exiting it keeps its sockets (a restarted daemon would find its port taken).
+    return not (fields[0] == "Z" and int(fields[17]) <= 1)
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of ``pid``; empty if it is gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """One variable of the environment ``pid`` started with."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    for item in raw.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode(errors="replace")
+    return None
