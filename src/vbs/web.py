@@ -6,12 +6,16 @@ turns request-validation failures into ``InvalidParameterValue`` / ``MissingPara
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,6 +26,7 @@ from vbs.errors import AgentUnavailable, AgentUnreachable, AuthFailure, InvalidP
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+BODY_IDLE_TIMEOUT_S = 10.0
 
 
 def _describe_validation(exc: RequestValidationError) -> VbsError:
@@ -62,13 +67,74 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unexpected error")
         return JSONResponse({"error": {"code": "InternalError", "message": "internal error"}}, status_code=500)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Callable[[Request], Any]) -> Any:
-        length = request.headers.get("content-length")
+    app.add_middleware(BodyLimit)
+
+
+# BaseException, not Exception: FastAPI turns any Exception raised while it reads a body into a
+# generic 400, and these must reach BodyLimit to become 413 / 408.
+class _BodyTooLarge(BaseException):
+    pass
+
+
+class _BodyTooSlow(BaseException):
+    pass
+
+
+class BodyLimit:
+    """Bound every request body in size and time, however it is sent (Content-Length or chunked).
+
+    A body over ``MAX_BODY_BYTES`` is refused with 413 as soon as that much has arrived; a client
+    that stops sending its body for ``BODY_IDLE_TIMEOUT_S`` gets 408. Nothing reads more than that.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            err = InvalidParameter(f"request body larger than {MAX_BODY_BYTES} bytes")
-            return JSONResponse(err.to_body(), status_code=413)
-        return await call_next(request)
+            await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+            except TimeoutError:
+                raise _BodyTooSlow() from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+        except _BodyTooSlow:
+            if not started:
+                await _plain_error(send, 408, "RequestTimeout", "the request body stopped arriving")
+
+
+async def _plain_error(send: Any, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def token_checker(token: str | None) -> Callable[[Request], None]:
@@ -114,3 +180,49 @@ class ApiClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+IDLE_CONNECTION_TIMEOUT_S = 10.0
+
+
+class BoundedServer(uvicorn.Server):
+    """uvicorn, plus a deadline for connections that are not in the middle of a request.
+
+    uvicorn closes an idle keep-alive connection only after a response, and never times out a
+    client that connects and then sends nothing, or stops halfway through its headers: each would
+    hold a socket for ever. Every second this closes connections that have waited for a request for
+    ``IDLE_CONNECTION_TIMEOUT_S``. (A stalled *body* is BodyLimit's business.)
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._waiting: dict[Any, tuple[int, float]] = {}
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0:
+            self._close_stalled(time.monotonic())
+        return await super().on_tick(counter)
+
+    def _close_stalled(self, now: float) -> None:
+        connections = list(self.server_state.connections)
+        for proto in connections:
+            cycle = getattr(proto, "cycle", None)
+            if cycle is not None and not getattr(cycle, "response_complete", False):
+                self._waiting.pop(proto, None)
+                continue
+            marker, since = self._waiting.get(proto, (id(cycle), now))
+            if marker != id(cycle):  # a request came and went since the last look
+                since = now
+            self._waiting[proto] = (id(cycle), since)
+            if now - since > IDLE_CONNECTION_TIMEOUT_S:
+                transport = getattr(proto, "transport", None)
+                if transport is not None:
+                    transport.close()
+        for proto in list(self._waiting):
+            if proto not in connections:
+                del self._waiting[proto]
+
+
+def serve(app: Any, host: str, port: int) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above."""
+    BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5)).run()

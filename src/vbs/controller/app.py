@@ -12,7 +12,7 @@ from datetime import timedelta
 from fastapi import FastAPI
 from sqlalchemy import delete, select
 
-from vbs import credentials
+from vbs import credentials, web
 from vbs.config import ControllerConfig
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
@@ -111,8 +111,6 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
 
 
 def serve(cfg: ControllerConfig) -> None:
-    import uvicorn
-
     app = create_app(cfg)
     log.info("controller listening on http://%s:%d", cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    web.serve(app, cfg.host, cfg.port)

@@ -248,7 +248,7 @@ class Reconciler:
                 report.findings.append(finding)
                 if repair and self._orphan_due(("disk", vm.id, serial), seen, ignore_grace):
                     try:
-                        agent.detach(vm.vm_id, serial, force=True, timeout=5.0)
+                        agent.detach(vm.vm_id, serial, force=True, timeout=10.0)
                         finding.action = "repaired"
                     except VbsError as exc:
                         finding.action = f"failed: {exc.message}"

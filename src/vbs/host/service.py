@@ -17,7 +17,7 @@ from vbs.errors import VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.web import ApiClient
+from vbs.web import ApiClient, BoundedServer
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def serve(cfg: HostAgentConfig) -> None:
     driver = QemuDriver(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s)
     app = create_app(driver, cfg.agent_token, cfg.node_name)
     url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+    server = BoundedServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=5))
     started_at = datetime.now(UTC).isoformat()
 
     def report() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from vbs.storage.api import create_app
 from vbs.storage.backends.base import Backend
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import ExportDriver
-from vbs.web import ApiClient
+from vbs.web import ApiClient, BoundedServer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     exports.start()
     app = create_app(backends, exports, cfg.agent_token, cfg.node_name)
     url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+    server = BoundedServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=5))
     started_at = datetime.now(UTC).isoformat()
 
     def report() -> dict[str, Any]:

@@ -6,7 +6,7 @@ iSCSI target under a live session hangs the client forever.
 
 from __future__ import annotations
 
-from sqlalchemy import exists, update
+from sqlalchemy import exists, select, update
 
 from vbs.connection import HostIdentity
 from vbs.controller.db import Attachment, Volume
@@ -28,7 +28,16 @@ def export_volume(ctx: StepContext) -> None:
 
 
 def unexport_volume(ctx: StepContext) -> None:
-    ctx.services.agents.storage(ctx.params["node"]).remove_export(ctx.resource_id, ctx.params["host"])
+    """Remove the volume's export to this host, unless another VM on the host still uses it.
+
+    Exports are per (volume, host): with multi-attach, two VMs of one host share one.
+    """
+    with ctx.services.db.session() as s:
+        shared = s.scalar(select(Attachment.id).where(
+            Attachment.volume_id == ctx.resource_id, Attachment.host == ctx.params["host"],
+            Attachment.id != ctx.params["attachment_id"], Attachment.status.in_(LIVE)))
+    if shared is None:
+        ctx.services.agents.storage(ctx.params["node"]).remove_export(ctx.resource_id, ctx.params["host"])
 
 
 def plug_into_vm(ctx: StepContext) -> None:
@@ -39,7 +48,7 @@ def plug_into_vm(ctx: StepContext) -> None:
 
 def unplug_forcibly(ctx: StepContext) -> None:
     p = ctx.params
-    ctx.services.agents.host(p["host"]).detach(p["vm_id"], p["serial"], force=True, timeout=5.0)
+    ctx.services.agents.host(p["host"]).detach(p["vm_id"], p["serial"], force=True, timeout=10.0)
 
 
 def unplug_from_vm(ctx: StepContext) -> None:

@@ -165,13 +165,14 @@ class _Monitor:
         except (QMPError, OSError, TimeoutError) as err:
             log.debug("VM %s: QMP disconnect: %s", self.vm_id, err)
 
-    async def cmd(self, command: str, args: dict[str, Any] | None = None) -> Any:
+    async def cmd(self, command: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        limit = timeout if timeout is not None else self.timeout
         try:
-            return await asyncio.wait_for(self.client.execute(command, args), self.timeout)
+            return await asyncio.wait_for(self.client.execute(command, args), limit)
         except ExecuteError as exc:
             raise QmpCommandError(command, exc.error_class, str(exc)) from exc
         except TimeoutError as exc:
-            raise DriverError(f"VM {self.vm_id}: QMP {command}: no answer within {self.timeout:g}s") from exc
+            raise DriverError(f"VM {self.vm_id}: QMP {command}: no answer within {limit:g}s") from exc
         except QMPError as exc:
             raise DriverError(f"VM {self.vm_id}: QMP {command}: {exc}") from exc
 
@@ -642,7 +643,8 @@ async def _cut_io(m: _Monitor, ids: DiskIds) -> None:
     export removed safely. The device stays, reporting I/O errors, until the guest lets it go.
     """
     nodes = await m.node_names()
-    if ids.dead not in nodes:
+    added = ids.dead not in nodes
+    if added:
         size = await m.node_size(ids.raw)
         await m.cmd(
             "blockdev-add",
@@ -654,12 +656,24 @@ async def _cut_io(m: _Monitor, ids: DiskIds) -> None:
                 "inject-error": [{"event": "read_aio", "errno": 5}, {"event": "write_aio", "errno": 5}],
             },
         )
-        ro = ids.raw in nodes and await _read_only(m, ids.raw)
-        try:
-            await m.cmd("blockdev-reopen", {"options": [_raw_options(ids, ids.dead, ro)]})
-        except QmpCommandError:
+    # Always (re)do the swap: an earlier attempt may have timed out after adding the dead node. The
+    # reopen drains in-flight requests, which wait up to the NBD reconnect delay if the export is gone.
+    ro = ids.raw in nodes and await _read_only(m, ids.raw)
+    try:
+        await m.cmd("blockdev-reopen", {"options": [_raw_options(ids, ids.dead, ro)]},
+                    timeout=max(m.timeout, NBD_RECONNECT_DELAY_S + 5))
+    except QmpCommandError as exc:
+        if "Error flushing" in exc.desc:
+            # The reopen flushes the old connection first, and its storage is already gone (export
+            # removed, node down): every request on it fails by now, which is all force promises.
+            # It stays until the guest lets go; the caller then removes the export for good, so the
+            # client cannot reconnect to it.
+            log.warning("VM %s: the storage of %s is already unreachable: its I/O fails; leaving the dead "
+                        "connection until the guest releases the device", m.vm_id, ids.raw)
+            return
+        if added:
             await m.cmd("blockdev-del", {"node-name": ids.dead})
-            raise
+        raise
     nodes = await m.node_names()
     for gen in ids.generations:  # after a resize the connection may be either generation
         if gen.proto in nodes:
