@@ -28,6 +28,11 @@ lint: venv
 test: setup lint
 	$(BIN)/pytest -q
 
+# Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset).
+.PHONY: torture
+torture: setup
+	$(BIN)/pytest -q -m 'torture or not torture' tests/test_torture.py
+
 bench: setup
 	$(BIN)/python bench/control_plane.py
 

@@ -8,56 +8,41 @@ on the pool), deletes roll forward (the item is gone from the pool and ``deleted
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import Services, wait_until
+from tests.world import assert_world_agrees
 
 
-def pool_items(pool: Path) -> dict[str, set[str]]:
-    """Every file in the pool, final or partial, by kind: nothing may hide from the check."""
-    out: dict[str, set[str]] = {"volumes": set(), "snapshots": set()}
-    for kind in out:
-        for p in (pool / kind).iterdir():
-            out[kind].add(p.name)
-    return out
+def crash_and_recover(svc: Services, crash_at: str, action: Any, recover: Any = None) -> Any:
+    """Run ``action`` on a controller armed to die at ``crash_at``, then restart it.
 
-
-def db_rows(data_dir: Path) -> dict[str, dict[str, str]]:
-    with sqlite3.connect(data_dir / "vbs.db") as db:
-        return {
-            "volumes": dict(db.execute("SELECT id, status FROM volumes").fetchall()),
-            "snapshots": dict(db.execute("SELECT id, status FROM snapshots").fetchall()),
-            "operations": dict(db.execute("SELECT id, status FROM operations").fetchall()),
-        }
-
-
-def assert_world_agrees(svc: Services) -> None:
-    # The resource reaches its final state a moment before its operation is marked finished.
-    wait_until(lambda: not any(s in ("running", "rolling-back") for s in db_rows(svc.data_dir)["operations"].values()),
-               30, what="operations finished")
-    rows = db_rows(svc.data_dir)
-    files = pool_items(svc.data_dir / "pool")
-    for kind, live in (("volumes", {"available", "in-use"}), ("snapshots", {"completed"})):
-        expected = {f"{rid}.raw" for rid, status in rows[kind].items() if status in live}
-        assert files[kind] == expected, f"{kind}: files {files[kind]} vs rows {rows[kind]}"
-        transitional = {rid: s for rid, s in rows[kind].items() if s in ("creating", "deleting", "pending")}
-        assert not transitional, f"{kind} stuck in a transitional state: {transitional}"
-    running = {op: s for op, s in rows["operations"].items() if s in ("running", "rolling-back")}
-    assert not running, f"unfinished operations: {running}"
-
-
-def crash_and_recover(svc: Services, crash_at: str, action: Any) -> Any:
+    The workflow starts as soon as its request commits, so the controller may die before the answer
+    is sent: ``recover`` then finds the resource after the restart (a create repeated with its
+    client token answers the same volume).
+    """
     svc.start_controller(VBS_CRASH_AT=crash_at)
     svc.start_agent()
-    result = action()
+    try:
+        result = action()
+    except httpx.TransportError:
+        result = None
     assert svc.controller is not None
     svc.controller.wait(60)
     assert svc.controller.returncode == -9, "the controller killed itself at the crash point"
     svc.start_controller()
+    if result is None and recover is not None:
+        result = recover()
     return result
+
+
+def newest_snapshot(svc: Services) -> dict[str, Any]:
+    with sqlite3.connect(svc.data_dir / "vbs.db") as db:
+        (snap_id,) = db.execute("SELECT id FROM snapshots ORDER BY started_at DESC LIMIT 1").fetchone()
+    return {"snapshot_id": snap_id}
 
 
 def _prepare_volume(svc: Services) -> str:
@@ -70,7 +55,9 @@ def _prepare_volume(svc: Services) -> str:
 
 @pytest.mark.parametrize("point", ["storage-create:started", "storage-create:done", "mark-available:started"])
 def test_create_volume_interrupted_rolls_back(services: Services, point: str) -> None:
-    vol = crash_and_recover(services, f"create-volume:{point}", lambda: services.vbs.create_volume(size_gib=1))
+    vol = crash_and_recover(services, f"create-volume:{point}",
+                            lambda: services.vbs.create_volume(size_gib=1, client_token="crash"),
+                            lambda: services.vbs.create_volume(size_gib=1, client_token="crash"))
     final = services.vbs.wait_volume(vol["volume_id"], "error", timeout=30)
     assert "rolled back" in (final["status_reason"] or "")
     assert_world_agrees(services)
@@ -90,8 +77,10 @@ def test_create_volume_from_snapshot_with_copy_interrupted_rolls_back(services: 
     snap = services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json()
     services.vbs.wait_snapshot(snap["snapshot_id"], "completed")
     services.stop()
-    clone = crash_and_recover(services, f"create-volume:{point}",
-                              lambda: services.vbs.create_volume(snapshot_id=snap["snapshot_id"]))
+    def create() -> dict[str, Any]:
+        return services.vbs.create_volume(snapshot_id=snap["snapshot_id"], client_token="crash-clone")
+
+    clone = crash_and_recover(services, f"create-volume:{point}", create, create)
     services.vbs.wait_volume(clone["volume_id"], "error", timeout=30)
     assert_world_agrees(services)
 
@@ -103,7 +92,8 @@ def test_create_snapshot_interrupted_rolls_back(services: Services, point: str) 
     vol_id = _prepare_volume(services)
     services.stop()
     snap = crash_and_recover(services, f"create-snapshot:{point}",
-                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json())
+                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json(),
+                             lambda: newest_snapshot(services))
     services.vbs.wait_snapshot(snap["snapshot_id"], "error", timeout=30)
     assert_world_agrees(services)
 
