@@ -735,7 +735,7 @@ class Recorder:
         return {
             "tried": len(self.rows), "survived": sum(r["converged"] for r in self.rows),
             "by_component": {k: {"tried": v[0], "survived": v[1]} for k, v in sorted(by_component.items())},
-            "converge_s": {"median": statistics.median(times) if times else None,
+            "converge_s": {"median": round(statistics.median(times), 2) if times else None,
                            "p90": times[int(0.9 * (len(times) - 1))] if times else None,
                            "max": times[-1] if times else None},
             "slowest": sorted((r for r in self.rows if r["converged"]), key=lambda r: -r["converge_s"])[:5],

@@ -180,3 +180,35 @@ def test_begin_is_part_of_the_callers_transaction(db: Database) -> None:
         assert s.scalars(select(Operation)).all() == []
 
 
+
+
+def test_a_rollback_workflow_whose_steps_all_finished_is_not_undone_at_restart(db: Database) -> None:
+    rec = Recorder()
+    wf = rec.workflow("w", "rollback", ["a", "b"])
+    engine = WorkflowEngine(db, [wf], None)
+    op_id = start_op(engine, db, "w")
+    # The controller died after recording the last step done, before the operation's own record.
+    with db.session() as s:
+        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
+            st.state = "done"
+    restarted = WorkflowEngine(db, [wf], None)
+    restarted.start()
+    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="finished")
+    restarted.stop()
+    assert rec.calls == [] and rec.rolled_back == []
+
+
+def test_a_rollback_workflow_whose_resource_is_final_finishes_at_restart(db: Database) -> None:
+    rec = Recorder()
+    wf = Workflow("w", "rollback", (rec.step("a"), rec.step("b")), finished=lambda ctx: True)
+    engine = WorkflowEngine(db, [wf], None)
+    op_id = start_op(engine, db, "w")
+    # The last step (a DB transition) ran, but the controller died before recording it done.
+    with db.session() as s:
+        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
+            st.state = {0: "done", 1: "started"}[st.position]
+    restarted = WorkflowEngine(db, [wf], None)
+    restarted.start()
+    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="finished")
+    restarted.stop()
+    assert rec.calls == []

@@ -91,6 +91,12 @@ def detach_gives_up(ctx: StepContext, exc: Exception) -> bool:
     return True
 
 
+def is_attached(ctx: StepContext) -> bool:
+    with ctx.services.db.read() as s:
+        status = s.scalar(select(Attachment.status).where(Attachment.id == ctx.params["attachment_id"]))
+    return status not in (None, AttachmentState.ATTACHING)
+
+
 ATTACH_VOLUME = Workflow(
     kind="attach-volume",
     resume="rollback",
@@ -98,6 +104,7 @@ ATTACH_VOLUME = Workflow(
            Step("host-attach", plug_into_vm, undo=unplug_forcibly),
            Step("mark-attached", mark_attached)),
     on_rollback=attach_rolled_back,
+    finished=is_attached,
 )
 
 DETACH_VOLUME = Workflow(

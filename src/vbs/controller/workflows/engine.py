@@ -66,6 +66,9 @@ class Workflow:
     on_rollback: Callable[[StepContext, str], None] | None = None
     # For roll-forward workflows: a failure this accepts as final stops the operation (no retry).
     gives_up: Callable[[StepContext, Exception], bool] | None = None
+    # For roll-back workflows: whether the resource already reached its final state (the last step,
+    # a DB transition, ran but the controller died before recording it): then resuming finishes.
+    finished: Callable[[StepContext], bool] | None = None
     step_index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +162,12 @@ class WorkflowEngine:
         ctx = StepContext(op.id, op.resource_id, dict(op.params), self.services)
         if op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
+        elif resuming and workflow.resume == "rollback" and (
+                all(steps.get(pos) == "done" for pos in range(len(workflow.steps)))
+                or (workflow.finished is not None and workflow.finished(ctx))):
+            # Everything was done; only the operation's own record was missing. Undoing it now would
+            # destroy a finished volume or attachment.
+            self._set_op(op_id, status=OperationState.SUCCEEDED, next_attempt_at=None)
         elif resuming and workflow.resume == "rollback":
             reason = "interrupted by a controller restart"
             self._set_op(op_id, status=OperationState.ROLLING_BACK, error=reason)

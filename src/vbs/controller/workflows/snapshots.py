@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sqlalchemy import select
+
 from vbs.controller.db import Snapshot
 from vbs.controller.states import SnapshotState
 from vbs.controller.transitions import transition
@@ -36,12 +38,18 @@ def mark_deleted(ctx: StepContext) -> None:
         transition(s, Snapshot, ctx.resource_id, [SnapshotState.DELETING], SnapshotState.DELETED)
 
 
+def is_completed(ctx: StepContext) -> bool:
+    with ctx.services.db.read() as s:
+        return s.scalar(select(Snapshot.status).where(Snapshot.id == ctx.resource_id)) != SnapshotState.PENDING
+
+
 CREATE_SNAPSHOT = Workflow(
     kind="create-snapshot",
     resume="rollback",
     steps=(Step("storage-snapshot", snapshot_on_storage, undo=remove_from_storage),
            Step("mark-completed", mark_completed)),
     on_rollback=mark_error,
+    finished=is_completed,
 )
 
 DELETE_SNAPSHOT = Workflow(

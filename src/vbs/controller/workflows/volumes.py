@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sqlalchemy import select
+
 from vbs.controller.db import Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.states import VolumeState
@@ -38,12 +40,18 @@ def mark_deleted(ctx: StepContext) -> None:
         transition(s, Volume, ctx.resource_id, [VolumeState.DELETING], VolumeState.DELETED, deleted_at=utcnow())
 
 
+def is_available(ctx: StepContext) -> bool:
+    with ctx.services.db.read() as s:
+        return s.scalar(select(Volume.status).where(Volume.id == ctx.resource_id)) != VolumeState.CREATING
+
+
 CREATE_VOLUME = Workflow(
     kind="create-volume",
     resume="rollback",
     steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
            Step("mark-available", mark_available)),
     on_rollback=mark_error,
+    finished=is_available,
 )
 
 DELETE_VOLUME = Workflow(
