@@ -7,6 +7,7 @@ the ``vbs`` CLI all find the same key: ``AWS_SHARED_CREDENTIALS_FILE=<data-dir>/
 from __future__ import annotations
 
 import configparser
+import io
 import os
 import re
 import secrets
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vbs.errors import InvalidParameter
+from vbs.files import write_private
 
 KEY_ID_RE = re.compile(r"^[A-Z0-9]{16,128}$")
 SECRET_RE = re.compile(r"^[A-Za-z0-9/+=_-]{16,128}$")
@@ -72,12 +74,8 @@ def read(path: Path, profile: str | None = None) -> list[AccessKey]:
 
 def write(path: Path, key: AccessKey) -> None:
     """Write ``key`` as the ``default`` profile, readable by its owner only, replaced atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"[default]\naws_access_key_id = {key.access_key_id}\n"
-                 f"aws_secret_access_key = {key.secret_access_key}\n")
-    os.replace(tmp, path)
+    write_private(path, f"[default]\naws_access_key_id = {key.access_key_id}\n"
+                        f"aws_secret_access_key = {key.secret_access_key}\n")
 
 
 def ensure_file(path: Path, env: dict[str, str] | None = None) -> AccessKey:
@@ -110,11 +108,9 @@ def register_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None 
         parser.add_section(endpoint)
     parser.set(endpoint, "aws_access_key_id", key.access_key_id)
     parser.set(endpoint, "aws_secret_access_key", key.secret_access_key)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        parser.write(fh)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    parser.write(text)
+    write_private(path, text.getvalue())
 
 
 def for_client(endpoint: str, env: dict[str, str] | None = None) -> AccessKey | None:

@@ -38,6 +38,7 @@ from vbs import ids
 from vbs.argv import run
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, IscsiConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.files import write_private
 from vbs.processes import cmdline, environ_value, pid_alive
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
@@ -423,7 +424,7 @@ class IscsiExportDriver:
         finally:
             logf.close()
         self._proc, self._pid = proc, proc.pid
-        self._atomic_write(self.pid_path, f"{proc.pid}\n")
+        write_private(self.pid_path, f"{proc.pid}\n")
         deadline = time.monotonic() + self.start_timeout
         while True:
             if proc.poll() is not None:
@@ -833,22 +834,8 @@ class IscsiExportDriver:
             item["grants"] = list(item["grants"].values())
             exports.append(item)
         data = {"version": _STATE_VERSION, "exports": exports}
-        self._atomic_write(self.state_path, json.dumps(data, indent=1) + "\n")
+        write_private(self.state_path, json.dumps(data, indent=1) + "\n")
 
-    @staticmethod
-    def _atomic_write(path: Path, text: str) -> None:
-        # 0600: exports.json holds the CHAP secrets. Renamed into place: never half a file.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
     # -- the contract -----------------------------------------------------------------------------
 

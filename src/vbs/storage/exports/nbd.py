@@ -61,6 +61,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, NbdConnection
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.files import write_private
 from vbs.processes import cmdline, pid_alive
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportInfo
@@ -556,7 +557,7 @@ class NbdExportDriver:
 
     def _save_state(self) -> None:
         data = {"version": _STATE_VERSION, "exports": [asdict(d) for d in self._all_desired()]}
-        self._atomic_write(self.state_path, json.dumps(data, indent=1) + "\n")
+        write_private(self.state_path, json.dumps(data, indent=1) + "\n")
 
     def _read_keys(self) -> dict[str, str]:
         keys: dict[str, str] = {}
@@ -573,23 +574,8 @@ class NbdExportDriver:
     def _write_keys(self) -> None:
         # The GnuTLS password-file format that psktool writes: "identity:hexkey" per line.
         self.tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._atomic_write(self.keys_path, "".join(f"{h}:{k}\n" for h, k in sorted(self._keys.items())))
+        write_private(self.keys_path, "".join(f"{h}:{k}\n" for h, k in sorted(self._keys.items())))
 
-    @staticmethod
-    def _atomic_write(path: Path, text: str) -> None:
-        # Written aside then renamed: QSD (GnuTLS) rereads keys.psk at each handshake and must never
-        # see half a file; 0600 because both files hold secrets.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
     # -- the contract ------------------------------------------------------------------------------
 
