@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DATA_DIR ?= ./var
 PORT ?= 8770
 
-.PHONY: setup deb venv run test lint demo bench clean
+.PHONY: setup deb venv run test test-fast lint demo bench clean
 
 setup: deb venv
 
@@ -24,9 +24,14 @@ run: setup
 
 lint: venv
 	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/mypy
 
 test: setup lint
 	$(BIN)/pytest -q
+
+# The unit tier: no root, no daemons, no guests; what a developer runs on every change.
+test-fast: venv
+	$(BIN)/pytest -q -m 'unit and not integration'
 
 # Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset).
 .PHONY: torture

@@ -55,11 +55,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
-from vbs.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
+from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
+from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -315,7 +316,7 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
         nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **v.nbd)
         try:
             nbd.start()
-            c = nbd.ensure_export(VOLUME_ID, volume, HOST)
+            c = nbd.ensure_export(VOLUME_ID, FileSource(volume), HOST)
             assert isinstance(c, NbdConnection)
             opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
                     f"file.server.port={c.port},file.export={c.export}")
@@ -331,7 +332,7 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
     drv = IscsiExportDriver(state, "127.0.0.1", port, control_port=port % 32768, direct_io=v.iscsi_direct)
     try:
         drv.start()
-        c = drv.ensure_export(VOLUME_ID, volume, HOST)
+        c = drv.ensure_export(VOLUME_ID, FileSource(volume), HOST)
         assert isinstance(c, IscsiConnection) and c.chap_secret is not None
         # qemu-img bench takes no --object: the CHAP secret goes in the URL (a loopback throwaway).
         url = f"iscsi://{c.chap_user}%{c.chap_secret.get_secret_value()}@{c.host}:{c.port}/{c.iqn}/{c.lun}"

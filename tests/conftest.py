@@ -237,8 +237,17 @@ def services(tmp_path: Path) -> Iterator[Services]:
         svc.stop()
 
 
+def private_qmp(vm_dir: Path, name: str) -> Path:
+    """The second QMP monitor of a VM a test starts, which only the test talks to: the host agent holds
+    the first one (``<vm_dir>/<name>.qmp``) with a persistent connection, and QEMU serves one client
+    per monitor."""
+    return vm_dir.parent / f"{name}.test.qmp"
+
+
 def start_bare_vm(vm_dir: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
-    """A QEMU with no guest OS: takes hot-plugged disks, never acknowledges an unplug."""
+    """A QEMU with no guest OS: takes hot-plugged disks, never acknowledges an unplug. Its test
+    monitor is ``private_qmp(vm_dir, name)``."""
     return subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
-                             "-display", "none", "-qmp", f"unix:{vm_dir / (name + '.qmp')},server=on,wait=off"],
+                             "-display", "none", "-qmp", f"unix:{vm_dir / (name + '.qmp')},server=on,wait=off",
+                             "-qmp", f"unix:{private_qmp(vm_dir, name)},server=on,wait=off"],
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, stop_process, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, free_port, private_qmp, stop_process, wait_until
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
@@ -46,7 +46,7 @@ class Cloud:
         import httpx
 
         r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
-        return r.json()  # type: ignore[no-any-return]
+        return r.json()["exports"]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
@@ -138,7 +138,7 @@ def test_a_failure_at_any_attach_step_leaves_everything_as_before(cloud: Cloud, 
     cloud.vbs.wait_volume(vol_id, "available", timeout=30)
     wait_until(lambda: cloud.attachment_state(vol_id) is None, 30, what="attachment gone")
     assert virtio_serial(vol_id) not in cloud.vm1.disks()
-    assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []
+    assert [e for e in cloud.exports() if e["key"] == vol_id] == []
     # And the next attach works.
     cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "vm1", "--wait")
     cloud.vm1.wait_for_disk(virtio_serial(vol_id), 10)
@@ -190,8 +190,10 @@ def test_hosts_and_instances_are_described(cloud: Cloud) -> None:
 def bare_vm(cloud: Cloud, tmp_path: Path) -> Iterator[str]:
     """A VM with no guest OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
     qmp = cloud.vbs.data_dir / "vms" / "bare.qmp"
+    test_qmp = private_qmp(qmp.parent, "bare")  # the host agent holds the first monitor
     proc = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
-                             "-display", "none", "-qmp", f"unix:{qmp},server=on,wait=off"],
+                             "-display", "none", "-qmp", f"unix:{qmp},server=on,wait=off",
+                             "-qmp", f"unix:{test_qmp},server=on,wait=off"],
                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "bare.log").open("ab"))
     try:
         cloud.instance("host-1", "bare")
@@ -199,6 +201,7 @@ def bare_vm(cloud: Cloud, tmp_path: Path) -> Iterator[str]:
     finally:
         stop_process(proc)
         qmp.unlink(missing_ok=True)
+        test_qmp.unlink(missing_ok=True)
 
 
 def test_a_guest_that_holds_the_disk_makes_detach_busy_and_force_ends_it(cloud: Cloud, bare_vm: str) -> None:
@@ -208,7 +211,7 @@ def test_a_guest_that_holds_the_disk_makes_detach_busy_and_force_ends_it(cloud: 
     assert proc.returncode == 1, proc.stdout
     assert cloud.attachment_state(vol_id) == "busy"
     assert cloud.vbs.volume(vol_id)["status"] == "in-use"
-    assert [e["volume_id"] for e in cloud.exports()] == [vol_id], "the export stays while the guest holds it"
+    assert [e["key"] for e in cloud.exports()] == [vol_id], "the export stays while the guest holds it"
 
     det = cloud.vbs.cli("detach-volume", vol_id, "--force", "--wait")
     assert det["state"] == "detached"
@@ -227,7 +230,7 @@ def test_attach_to_a_host_whose_agent_is_down_fails_clearly_and_rolls_back(cloud
         assert proc.returncode == 1
         assert "attach-volume rolled-back" in proc.stderr and "connection refused" in proc.stderr, proc.stderr
         assert cloud.vbs.volume(vol_id)["status"] == "available"
-        assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []
+        assert [e for e in cloud.exports() if e["key"] == vol_id] == []
     finally:
         cloud.host2 = restart_host2(cloud)
     cloud.instance("host-2", "vm2")
@@ -276,4 +279,4 @@ def test_guest_io_resumes_after_the_export_daemon_is_killed(cloud: Cloud) -> Non
 
     cloud.vbs.cli("detach-volume", vol_id, "--wait")
     cloud.vm1.wait_disk_gone(serial, 10)
-    assert [e for e in cloud.exports() if e["volume_id"] == vol_id] == []
+    assert [e for e in cloud.exports() if e["key"] == vol_id] == []

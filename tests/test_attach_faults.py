@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Services, start_bare_vm, stop_process, wait_until
+from tests.conftest import Services, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.testguest.guest import qmp_execute
 
 
@@ -30,19 +30,19 @@ def cluster(services: Services, tmp_path: Path) -> Iterator[tuple[Services, Path
 
 
 def vm_devices(vm_dir: Path) -> list[str]:
-    return [d["name"] for d in qmp_execute(vm_dir / "vm1.qmp", "qom-list", {"path": "/machine/peripheral"})
+    return [d["name"] for d in qmp_execute(private_qmp(vm_dir, "vm1"), "qom-list", {"path": "/machine/peripheral"})
             if d["name"].startswith("vbs-")]
 
 
 def nbd_nodes(vm_dir: Path) -> list[str]:
-    nodes = qmp_execute(vm_dir / "vm1.qmp", "query-named-block-nodes", {"flat": True})
+    nodes = qmp_execute(private_qmp(vm_dir, "vm1"), "query-named-block-nodes", {"flat": True})
     return [n["node-name"] for n in nodes if n["drv"] == "nbd"]
 
 
 def agent_exports(svc: Services) -> list[dict[str, str]]:
     r = httpx.get(f"http://127.0.0.1:{svc.agent_port}/v1/exports", headers={"authorization": "Bearer test-token"})
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()["exports"]  # type: ignore[no-any-return]
 
 
 def available_volume(svc: Services) -> str:

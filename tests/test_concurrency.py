@@ -323,14 +323,14 @@ def quiesced(world: World) -> bool:
 def exports(world: World) -> set[tuple[str, str]]:
     r = httpx.get(world.agent_url("storage", "storage-1") + "/v1/exports", headers=world.agent_auth, timeout=10)
     r.raise_for_status()
-    return {(e["volume_id"], e["host"]) for e in r.json()}
+    return {(e["key"], e["host"]) for e in r.json()["exports"]}
 
 
 def vm_disks(world: World, vm: str) -> set[str]:
     url = world.agent_url("host", VMS[vm])
     r = httpx.get(f"{url}/v1/vms/{vm}/disks", headers=world.agent_auth, timeout=30)
     r.raise_for_status()
-    return {d["serial"] for d in r.json()}
+    return {d["serial"] for d in r.json()["disks"]}
 
 
 def _summary(shared: Shared, samples: int, elapsed: float) -> str:

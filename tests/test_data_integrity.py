@@ -138,7 +138,7 @@ class Cloud:
         node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
         r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
         r.raise_for_status()
-        return r.json()  # type: ignore[no-any-return]
+        return r.json()["exports"]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
@@ -297,7 +297,7 @@ def test_checksums_survive_a_killed_service_while_the_guest_writes(cloud: Cloud,
     wait_until(lambda: all(n["state"] == "up" for n in cloud.vbs.http.get("/v1/hosts").json()["hosts"]), 30,
                what="host agents up")
     cloud.detach(vol)
-    assert [e for e in cloud.exports() if e["volume_id"] == vol] == []
+    assert [e for e in cloud.exports() if e["key"] == vol] == []
     cloud.attach(vol, cloud.vm2)
     cloud.check_guest(vol, cloud.models[vol])
     cloud.detach(vol)

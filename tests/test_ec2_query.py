@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from vbs.controller.ec2.query import MAX_BODY, MAX_INDEX, MAX_PARAMS, QueryParams, parse_form
 from vbs.errors import InvalidParameter, MissingParameter, VbsError
 
+pytestmark = pytest.mark.unit
+
 _MODEL = botocore.session.get_session().get_service_model("ec2")
 _SERIALIZER = create_serializer("ec2")
 
@@ -387,4 +389,5 @@ def test_worst_case_bodies_finish_fast() -> None:
     for body in worst:
         started = time.monotonic()
         check_body(body)
-        assert time.monotonic() - started < 1.0, body[:60]
+        # Bounded work, not speed (benchmarks measure speed): a quadratic parser takes minutes here.
+        assert time.monotonic() - started < 5.0, body[:60]

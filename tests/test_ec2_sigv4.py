@@ -30,6 +30,8 @@ from vbs.controller.ec2.query import QueryParams, parse_form
 from vbs.controller.ec2.sigv4 import Credential, verify
 from vbs.errors import AuthFailure
 
+pytestmark = pytest.mark.unit
+
 AK, SK = "AKIAVBSTESTKEY000001", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 AK2, SK2 = "AKIAVBSTESTKEY000002", "second+secret/with=odd~chars"
 KEYS = {AK: SK, AK2: SK2}

@@ -7,9 +7,9 @@ by PID at teardown; nothing is killed by name.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
+from tests import export_fixtures
+from tests.export_fixtures import MiB, drivers_of, read_at, taken_port, wait_dead, write_at
 from vbs.argv import run
-from vbs.connection import HostIdentity, IscsiConnection
+from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
-from vbs.storage.exports.base import ExportDriver, ExportInfo
+from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
+from vbs.wire.connection import HostIdentity, IscsiConnection
+from vbs.wire.storage import ExportInfo
 
 pytestmark = pytest.mark.integration
 
@@ -31,77 +36,21 @@ VOL2 = "vol-0fedcba9876543210"
 HOST_A = HostIdentity(name="hv-a", address="127.0.0.1")
 HOST_B = HostIdentity(name="hv-b.example", address="127.0.0.1")
 ELSEWHERE = HostIdentity(name="hv-far", address="127.0.0.2")  # every client here connects from .1
-MiB = 1024 * 1024
+volume = export_fixtures.volume
 
 Make = Callable[..., IscsiExportDriver]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def is_tgtd(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"tgtd")
-    except OSError:
-        return False
-
-
-def wait_dead(pid: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return
-        if fields[0] == "Z" and int(fields[17]) <= 1:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} still alive")
+def tgtd_driver(state_dir: Path, *, port: int, **kw: Any) -> IscsiExportDriver:
+    kw.setdefault("control_port", port % 32768)  # tgtd's range; the socket is in tmp_path anyway
+    kw.setdefault("session_grace", 2.0)
+    return IscsiExportDriver(state_dir, port=port, **kw)
 
 
 @pytest.fixture
 def make_driver(tmp_path: Path) -> Iterator[Make]:
     """Build drivers on a fresh port and control number; every tgtd they ran is stopped, by PID."""
-    drivers: list[IscsiExportDriver] = []
-
-    def make(state: str = "state", *, port: int | None = None, **kw: Any) -> IscsiExportDriver:
-        port = free_port() if port is None else port
-        kw.setdefault("control_port", port % 32768)  # tgtd's range; the socket is in tmp_path anyway
-        kw.setdefault("session_grace", 2.0)
-        drv = IscsiExportDriver(tmp_path / state, port=port, **kw)
-        drivers.append(drv)
-        return drv
-
-    yield make
-    pids: set[int] = set()
-    for drv in reversed(drivers):
-        if drv.pid is not None:
-            pids.add(drv.pid)
-        try:
-            pids.add(int(drv.pid_path.read_text()))
-        except (OSError, ValueError):
-            pass
-        try:
-            drv.stop()
-        except DriverError:
-            pass
-    for pid in pids:
-        if is_tgtd(pid):  # guard against a recycled PID
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-@pytest.fixture
-def volume(tmp_path: Path) -> Path:
-    path = tmp_path / "vol.img"
-    with open(path, "wb") as f:
-        f.truncate(16 * MiB)
-    return path
+    yield from drivers_of(tgtd_driver, tmp_path, "tgtd")
 
 
 @pytest.fixture
@@ -128,6 +77,10 @@ def live_targets(drv: IscsiExportDriver) -> dict[str, Any]:
 def live_accounts(drv: IscsiExportDriver) -> set[str]:
     out = tgtadm(drv, "--mode", "account", "--op", "show")
     return {line.strip() for line in out.splitlines()[1:] if line.strip()}
+
+
+def info(key: str, host: str, target: str) -> ExportInfo:
+    return ExportInfo(key=key, host=host, protocol="iscsi", target=target)
 
 
 def secret_of(c: IscsiConnection) -> str:
@@ -187,13 +140,23 @@ def wait_for_progress(log_path: Path, offset: int, timeout: float = 20.0) -> Non
 
 
 def test_driver_satisfies_the_contract(make_driver: Make) -> None:
-    assert isinstance(make_driver(), ExportDriver)
+    drv = make_driver()
+    assert isinstance(drv, ExportDriver) and not isinstance(drv, PointInTimeCopier)
+
+
+def test_from_config(tmp_path: Path) -> None:
+    cfg = StorageAgentConfig(export="iscsi", export_host="127.0.0.1", iscsi_port=3261, iscsi_control=99,
+                             options={"iscsi": {"iqn_prefix": "iqn.2030-01.org.example"}})
+    drv = IscsiExportDriver.from_config(cfg, tmp_path / "iscsi")
+    assert (drv.listen_host, drv.port, drv.control_port) == ("127.0.0.1", 3261, 99)
+    assert drv.iqn(VOL) == f"iqn.2030-01.org.example:{VOL}"
+    assert drv.pid is None
 
 
 def test_export_read_write_with_chap(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
     drv.start()
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     assert isinstance(c, IscsiConnection)
     assert (c.host, c.port, c.iqn, c.lun) == ("127.0.0.1", drv.port, f"iqn.2026-11.org.vbs:{VOL}", 1)
     assert c.chap_user == f"{VOL}.hv-a"
@@ -204,22 +167,16 @@ def test_export_read_write_with_chap(make_driver: Make, volume: Path) -> None:
     # initiator write -> lands in the file
     rc, out = qemu_io(c, "write -P 0xab 1M 64k")
     assert rc == 0, out
-    with open(volume, "rb") as f:
-        f.seek(MiB)
-        assert f.read(64 * 1024) == b"\xab" * 65536
+    assert read_at(volume, MiB, 65536) == b"\xab" * 65536
     # file content -> initiator read
-    with open(volume, "r+b") as f:
-        f.seek(4 * MiB)
-        f.write(b"\xcd" * 4096)
-        f.flush()
-        os.fsync(f.fileno())
+    write_at(volume, 4 * MiB, b"\xcd" * 4096)
     rc, out = qemu_io(c, "read -P 0xcd 4M 4k")
     assert rc == 0, out
 
 
 def test_negotiation_is_tuned(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    drv.ensure_export(VOL, volume, HOST_A)
+    drv.ensure_export(VOL, FileSource(volume), HOST_A)
     tid = live_targets(drv)[drv.iqn(VOL)].tid
     params = tgtadm(drv, "--mode", "target", "--op", "show", "--tid", str(tid))
     for line in ("MaxRecvDataSegmentLength=262144", "MaxXmitDataSegmentLength=262144",
@@ -229,7 +186,7 @@ def test_negotiation_is_tuned(make_driver: Make, volume: Path) -> None:
 
 def test_wrong_or_missing_chap_secret_is_refused(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     right = secret_of(c)
     rc, out = readcap(c, secret=("Y" if right[0] == "X" else "X") + right[1:])  # one character off
     assert rc != 0 and "Authentication failure" in out, out
@@ -242,10 +199,10 @@ def test_wrong_or_missing_chap_secret_is_refused(make_driver: Make, volume: Path
 
 def test_initiator_address_not_bound_is_refused(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    far = drv.ensure_export(VOL, volume, ELSEWHERE)  # ACL: 127.0.0.2 only
+    far = drv.ensure_export(VOL, FileSource(volume), ELSEWHERE)  # ACL: 127.0.0.2 only
     rc, out = readcap(far)  # right CHAP, from 127.0.0.1
     assert rc != 0 and "Target not found" in out, out
-    near = drv.ensure_export(VOL, volume, HOST_A)  # now 127.0.0.1 is bound too
+    near = drv.ensure_export(VOL, FileSource(volume), HOST_A)  # now 127.0.0.1 is bound too
     assert logged_in(near)
 
 
@@ -253,7 +210,7 @@ def test_initiator_name_alone_grants_nothing(make_driver: Make, volume: Path) ->
     """tgt ORs address and name ACL entries: binding the name would admit it from anywhere."""
     drv = make_driver()
     name = "iqn.2026-11.org.test:hv-far"
-    c = drv.ensure_export(VOL, volume, ELSEWHERE.model_copy(update={"initiator_name": name}))
+    c = drv.ensure_export(VOL, FileSource(volume), ELSEWHERE.model_copy(update={"initiator_name": name}))
     assert isinstance(c, IscsiConnection) and c.initiator_name == name  # what the hypervisor presents
     rc, out = readcap(c, initiator=name)
     assert rc != 0 and "Target not found" in out, out
@@ -261,29 +218,29 @@ def test_initiator_name_alone_grants_nothing(make_driver: Make, volume: Path) ->
 
 def test_hostname_address_is_resolved_for_the_acl(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-local", address="localhost"))
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-local", address="localhost"))
     assert logged_in(c)
 
 
 def test_ensure_is_idempotent(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c1 = drv.ensure_export(VOL, volume, HOST_A)  # starts tgtd itself
-    c2 = drv.ensure_export(VOL, volume, HOST_A)
+    c1 = drv.ensure_export(VOL, FileSource(volume), HOST_A)  # starts tgtd itself
+    c2 = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     assert c1 == c2 and secret_of(c1) == secret_of(c2)
-    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", drv.iqn(VOL))]
+    assert drv.list_exports() == [info(VOL, HOST_A.name, drv.iqn(VOL))]
     assert logged_in(c1)
     with pytest.raises(IdempotentParameterMismatch):
-        drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+        drv.ensure_export(VOL, FileSource(volume), HOST_A, read_only=True)
     other = volume.with_name("other.img")
     other.write_bytes(b"\0" * MiB)
     with pytest.raises(IdempotentParameterMismatch):
-        drv.ensure_export(VOL, other, HOST_A)
+        drv.ensure_export(VOL, FileSource(other), HOST_A)
     assert logged_in(c1)  # a refused call changed nothing
 
 
 def test_remove_is_idempotent_and_deletes_the_target(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     drv.remove_export(VOL, HOST_A.name)
     assert drv.list_exports() == []
     assert live_targets(drv) == {}  # LUN and target gone
@@ -293,22 +250,22 @@ def test_remove_is_idempotent_and_deletes_the_target(make_driver: Make, volume: 
     drv.remove_export(VOL, HOST_A.name)
     drv.remove_export(VOL2, "never-seen")
     # a new attachment after removal gets a new secret
-    c2 = drv.ensure_export(VOL, volume, HOST_A)
+    c2 = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     assert secret_of(c2) != secret_of(c)
     assert logged_in(c2) and not logged_in(c)
 
 
 def test_multi_attach_hosts_share_one_target(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    a = drv.ensure_export(VOL, volume, HOST_A)
-    b = drv.ensure_export(VOL, volume, HOST_B)
-    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-c", address="127.0.0.1"))
+    a = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    b = drv.ensure_export(VOL, FileSource(volume), HOST_B)
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-c", address="127.0.0.1"))
     assert isinstance(a, IscsiConnection) and isinstance(b, IscsiConnection)
     assert a.iqn == b.iqn == c.iqn
     assert len({a.chap_user, b.chap_user, c.chap_user}) == 3
     assert len({secret_of(a), secret_of(b), secret_of(c)}) == 3
     assert sorted(drv.list_exports(), key=lambda e: e.host) == [
-        ExportInfo(VOL, h, "iscsi", a.iqn) for h in ("hv-a", "hv-b.example", "hv-c")]
+        info(VOL, h, a.iqn) for h in ("hv-a", "hv-b.example", "hv-c")]
     assert logged_in(a) and logged_in(b) and logged_in(c)
     rc, out = qemu_io(a, "write -P 0x11 0 4k")
     assert rc == 0, out
@@ -323,17 +280,17 @@ def test_multi_attach_hosts_share_one_target(make_driver: Make, volume: Path) ->
     assert {e.host for e in drv.list_exports()} == {"hv-a", "hv-c"}
     assert logged_in(a) and logged_in(c) and not logged_in(b)
     drv.remove_export(VOL, "hv-c")  # the last slot
-    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", a.iqn)]
+    assert drv.list_exports() == [info(VOL, HOST_A.name, a.iqn)]
     assert logged_in(a) and not logged_in(c)
     assert drv.pid == pid
 
 
 def test_removing_one_host_unbinds_its_address(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    a = drv.ensure_export(VOL, volume, HOST_A)  # 127.0.0.1
-    far = drv.ensure_export(VOL, volume, ELSEWHERE)  # 127.0.0.2
+    a = drv.ensure_export(VOL, FileSource(volume), HOST_A)  # 127.0.0.1
+    far = drv.ensure_export(VOL, FileSource(volume), ELSEWHERE)  # 127.0.0.2
     drv.remove_export(VOL, HOST_A.name)
-    assert drv.list_exports() == [ExportInfo(VOL, ELSEWHERE.name, "iscsi", a.iqn)]
+    assert drv.list_exports() == [info(VOL, ELSEWHERE.name, a.iqn)]
     live = live_targets(drv)[a.iqn]
     assert live.acl == {"127.0.0.2"} and live.accounts == [far.chap_user]
     rc, out = readcap(far)  # far's CHAP is fine, but 127.0.0.1 is no longer bound
@@ -344,7 +301,7 @@ def test_removing_one_host_unbinds_its_address(make_driver: Make, volume: Path) 
 def test_read_only_lun_refuses_writes(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
     volume.write_bytes(b"\x5a" * (16 * MiB))
-    c = drv.ensure_export(VOL, volume, HOST_A, read_only=True)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A, read_only=True)
     assert isinstance(c, IscsiConnection)
     rc, out = qemu_io(c, "read -P 0x5a 0 64k", read_only=True)
     assert rc == 0, out
@@ -356,16 +313,16 @@ def test_read_only_lun_refuses_writes(make_driver: Make, volume: Path) -> None:
     assert "WRITE_PROTECTED" in proc.stdout, proc.stdout[-2000:]
     assert volume.read_bytes() == b"\x5a" * (16 * MiB)
     with pytest.raises(IdempotentParameterMismatch):  # one LUN: every host has the same mode
-        drv.ensure_export(VOL, volume, HOST_B)
+        drv.ensure_export(VOL, FileSource(volume), HOST_B)
 
 
 def test_sigkill_then_check_restores_the_same_iqn_and_secret(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    a = drv.ensure_export(VOL, volume, HOST_A)
-    b = drv.ensure_export(VOL, volume, HOST_B)
+    a = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    b = drv.ensure_export(VOL, FileSource(volume), HOST_B)
     other = volume.with_name("vol2.img")
     other.write_bytes(b"\0" * MiB)
-    ro = drv.ensure_export(VOL2, other, HOST_A, read_only=True)
+    ro = drv.ensure_export(VOL2, FileSource(other), HOST_A, read_only=True)
     rc, out = qemu_io(a, "write -P 0x77 0 4k")
     assert rc == 0, out
     before = sorted(drv.list_exports(), key=repr)
@@ -389,7 +346,7 @@ def test_sigkill_then_check_restores_the_same_iqn_and_secret(make_driver: Make, 
 
 def test_hung_tgtd_is_replaced_by_check(make_driver: Make, volume: Path) -> None:
     drv = make_driver(adm_timeout=1.0)
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     old = drv.pid
     assert old is not None
     os.kill(old, signal.SIGSTOP)  # alive, but its control socket never answers
@@ -403,7 +360,7 @@ def test_connected_initiator_resumes_after_check(
     make_driver: Make, volume: Path, tmp_path: Path, clients: list[subprocess.Popen[bytes]]
 ) -> None:
     drv = make_driver()
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     log_path = tmp_path / "perf.log"
     with open(log_path, "wb") as out:
         # -x: reconnect up to 1000 times, as QEMU's initiator does after a lost session
@@ -425,7 +382,7 @@ def test_remove_under_a_live_session_is_refused_then_completes(
 ) -> None:
     """The caller must unplug first; if it did not, tgtd is never forced (that hangs the client)."""
     drv = make_driver(session_grace=1.0)
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     log_path = tmp_path / "perf.log"
     with open(log_path, "wb") as out:
         # -n: keep the session through I/O errors, like a hypervisor that was not unplugged
@@ -453,24 +410,24 @@ def test_list_exports_matches_the_daemon(make_driver: Make, volume: Path) -> Non
     drv.start()
     other = volume.with_name("vol2.img")
     other.write_bytes(b"\0" * MiB)
-    drv.ensure_export(VOL, volume, HOST_A)
-    drv.ensure_export(VOL2, other, HOST_A)
-    drv.ensure_export(VOL2, other, HOST_B)
-    got = {(e.volume_id, e.host, e.protocol, e.target) for e in drv.list_exports()}
+    drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    drv.ensure_export(VOL2, FileSource(other), HOST_A)
+    drv.ensure_export(VOL2, FileSource(other), HOST_B)
+    got = {(e.key, e.host, e.protocol, e.target) for e in drv.list_exports()}
     assert got == {(VOL, "hv-a", "iscsi", drv.iqn(VOL)), (VOL2, "hv-a", "iscsi", drv.iqn(VOL2)),
                    (VOL2, "hv-b.example", "iscsi", drv.iqn(VOL2))}
     live = live_targets(drv)
     assert {t.tid for t in live.values()} == {1, 2}  # tids come from what tgtd has
     # A target that is not ours (an operator's) is left alone and not reported.
     tgtadm(drv, "--mode", "target", "--op", "new", "--tid", "9", "--targetname", "iqn.2000-01.com.example:manual")
-    assert {(e.volume_id, e.host, e.protocol, e.target) for e in drv.list_exports()} == got
+    assert {(e.key, e.host, e.protocol, e.target) for e in drv.list_exports()} == got
     drv.check()
     assert "iqn.2000-01.com.example:manual" in live_targets(drv)
 
 
 def test_stop_and_start_again(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c = drv.ensure_export(VOL, volume, HOST_A)
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     pid = drv.pid
     assert pid is not None
     drv.stop()  # tgtd ignores SIGTERM: offline, delete targets, delete system, wait for the PID
@@ -484,13 +441,13 @@ def test_stop_and_start_again(make_driver: Make, volume: Path) -> None:
 
 def test_restarted_agent_adopts_the_running_tgtd(make_driver: Make, volume: Path) -> None:
     first = make_driver()
-    c = first.ensure_export(VOL, volume, HOST_A)
+    c = first.ensure_export(VOL, FileSource(volume), HOST_A)
     pid = first.pid
     first.close()  # the agent goes away, tgtd keeps serving
     second = make_driver(port=first.port, control_port=first.control_port)
     second.start()
     assert second.pid == pid
-    assert second.ensure_export(VOL, volume, HOST_A) == c
+    assert second.ensure_export(VOL, FileSource(volume), HOST_A) == c
     assert logged_in(c)
     second.stop()
     assert pid is not None
@@ -499,21 +456,19 @@ def test_restarted_agent_adopts_the_running_tgtd(make_driver: Make, volume: Path
 
 def test_lost_state_file_gets_a_fresh_secret_that_works(make_driver: Make, volume: Path) -> None:
     first = make_driver()
-    c = first.ensure_export(VOL, volume, HOST_A)
+    c = first.ensure_export(VOL, FileSource(volume), HOST_A)
     first.close()
     first.state_path.unlink()
     second = make_driver(port=first.port, control_port=first.control_port)
     second.start()
-    c2 = second.ensure_export(VOL, volume, HOST_A)  # the account tgtd has is replaced, not trusted
+    c2 = second.ensure_export(VOL, FileSource(volume), HOST_A)  # the account tgtd has is replaced, not trusted
     assert secret_of(c2) != secret_of(c)
     assert logged_in(c2) and not logged_in(c)
 
 
 def test_port_in_use_is_refused(make_driver: Make) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        drv = make_driver(port=busy.getsockname()[1])
+    with taken_port() as port:
+        drv = make_driver(port=port)
         with pytest.raises(DriverError, match="could not listen"):
             drv.start()
     assert drv.pid is None  # the fallback daemon (0.0.0.0:3260) was not kept
@@ -522,13 +477,15 @@ def test_port_in_use_is_refused(make_driver: Make) -> None:
 def test_bad_input_is_refused(make_driver: Make, volume: Path, tmp_path: Path) -> None:
     drv = make_driver()
     with pytest.raises(InvalidParameter):
-        drv.ensure_export("vol-nothex", volume, HOST_A)
+        drv.ensure_export("vol-nothex", FileSource(volume), HOST_A)
     with pytest.raises(InvalidParameter):
-        drv.ensure_export(VOL, Path("relative.img"), HOST_A)
+        drv.ensure_export(VOL, FileSource(Path("relative.img")), HOST_A)
+    comma = tmp_path / "a,b.img"  # tgtd would split its backing store there
+    comma.write_bytes(b"\0" * MiB)
     with pytest.raises(InvalidParameter):
-        drv.ensure_export(VOL, tmp_path / "a,b.img", HOST_A)
+        drv.ensure_export(VOL, FileSource(comma), HOST_A)
     with pytest.raises(NotFound):
-        drv.ensure_export(VOL, tmp_path / "missing.img", HOST_A)
+        drv.ensure_export(VOL, FileSource(tmp_path / "missing.img"), HOST_A)
     with pytest.raises(InvalidParameter):
         drv.remove_export(VOL, "Bad Host")
     # A state dir too deep for a unix socket path puts the control socket under /run/vbs instead.
@@ -559,19 +516,19 @@ def lun_sizes(drv: IscsiExportDriver, c: IscsiConnection) -> dict[int, int]:
 
 def test_refresh_adds_a_lun_with_the_new_size_and_retire_deletes_the_old(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c1 = drv.ensure_export(VOL, volume, HOST_A)
+    c1 = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     assert isinstance(c1, IscsiConnection)
-    assert drv.refresh_export(VOL, volume, HOST_A.name) == c1  # the file did not grow: nothing to do
+    assert drv.refresh_export(VOL, FileSource(volume), HOST_A.name) == c1  # the file did not grow: nothing to do
     os.truncate(volume, 32 * MiB)
     assert lun_sizes(drv, c1) == {1: 16 * MiB}  # tgt read the size once, when it made the LUN
 
-    c2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    c2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     assert isinstance(c2, IscsiConnection)
     assert c2 == c1.model_copy(update={"lun": 2})  # same target, account and secret
     assert lun_sizes(drv, c1) == {1: 16 * MiB, 2: 32 * MiB}
-    assert drv.refresh_export(VOL, volume, HOST_A.name) == c2
-    assert drv.ensure_export(VOL, volume, HOST_A) == c2
-    assert drv.list_exports() == [ExportInfo(VOL, HOST_A.name, "iscsi", c1.iqn)]
+    assert drv.refresh_export(VOL, FileSource(volume), HOST_A.name) == c2
+    assert drv.ensure_export(VOL, FileSource(volume), HOST_A) == c2
+    assert drv.list_exports() == [info(VOL, HOST_A.name, c1.iqn)]
     rc, out = qemu_io(c1, "write -P 0x42 0 64k")  # the old LUN serves on, the same file behind both
     assert rc == 0, out
     rc, out = qemu_io(c2, "read -P 0x42 0 64k")
@@ -584,13 +541,13 @@ def test_refresh_adds_a_lun_with_the_new_size_and_retire_deletes_the_old(make_dr
     assert rc != 0, out
 
     os.truncate(volume, 48 * MiB)
-    c3 = drv.refresh_export(VOL, volume, HOST_A.name)
+    c3 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     assert isinstance(c3, IscsiConnection) and c3.lun == 1  # numbers alternate
     assert lun_sizes(drv, c3) == {1: 48 * MiB, 2: 32 * MiB}
     drv.remove_export(VOL, HOST_A.name)  # every LUN and the target go
     assert live_targets(drv) == {} and drv.list_exports() == []
     with pytest.raises(NotFound):
-        drv.refresh_export(VOL, volume, HOST_A.name)
+        drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     drv.retire_exports(VOL, HOST_A.name)
     with pytest.raises(InvalidParameter):
         drv.retire_exports(VOL, "Bad Host")
@@ -598,18 +555,18 @@ def test_refresh_adds_a_lun_with_the_new_size_and_retire_deletes_the_old(make_dr
 
 def test_multi_attached_hosts_refresh_on_their_own_and_share_the_new_lun(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    a1 = drv.ensure_export(VOL, volume, HOST_A)
-    b1 = drv.ensure_export(VOL, volume, HOST_B)
+    a1 = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    b1 = drv.ensure_export(VOL, FileSource(volume), HOST_B)
     assert isinstance(a1, IscsiConnection) and isinstance(b1, IscsiConnection) and a1.lun == b1.lun == 1
     os.truncate(volume, 32 * MiB)
-    a2 = drv.refresh_export(VOL, volume, HOST_A.name)
-    b2 = drv.refresh_export(VOL, volume, HOST_B.name)
+    a2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
+    b2 = drv.refresh_export(VOL, FileSource(volume), HOST_B.name)
     assert isinstance(a2, IscsiConnection) and isinstance(b2, IscsiConnection) and a2.lun == b2.lun == 2
     drv.retire_exports(VOL, HOST_A.name)
     assert set(live_targets(drv)[a1.iqn].luns) == {0, 1, 2}  # B may still be on LUN 1
     drv.retire_exports(VOL, HOST_B.name)
     assert set(live_targets(drv)[a1.iqn].luns) == {0, 2}
-    c = drv.ensure_export(VOL, volume, HostIdentity(name="hv-c", address="127.0.0.1"))
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-c", address="127.0.0.1"))
     assert isinstance(c, IscsiConnection) and c.lun == 2  # a host that joins gets the newest LUN
     assert lun_sizes(drv, c) == {2: 32 * MiB}
     drv.remove_export(VOL, HOST_A.name)
@@ -619,9 +576,9 @@ def test_multi_attached_hosts_refresh_on_their_own_and_share_the_new_lun(make_dr
 
 def test_refresh_survives_tgtd_and_agent_restarts(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
-    c1 = drv.ensure_export(VOL, volume, HOST_A)
+    c1 = drv.ensure_export(VOL, FileSource(volume), HOST_A)
     os.truncate(volume, 32 * MiB)
-    c2 = drv.refresh_export(VOL, volume, HOST_A.name)
+    c2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     assert isinstance(c1, IscsiConnection) and isinstance(c2, IscsiConnection)
     old = drv.pid
     assert old is not None
@@ -629,13 +586,66 @@ def test_refresh_survives_tgtd_and_agent_restarts(make_driver: Make, volume: Pat
     wait_dead(old)
     drv.check()  # both LUNs come back, the old one now made from the grown file
     assert lun_sizes(drv, c2) == {1: 32 * MiB, 2: 32 * MiB}
-    assert drv.refresh_export(VOL, volume, HOST_A.name) == c2
+    assert drv.refresh_export(VOL, FileSource(volume), HOST_A.name) == c2
 
     drv.close()  # the agent restarts between refresh and retire
     second = make_driver(port=drv.port, control_port=drv.control_port)
     second.start()
-    assert second.ensure_export(VOL, volume, HOST_A) == c2
+    assert second.ensure_export(VOL, FileSource(volume), HOST_A) == c2
     second.retire_exports(VOL, HOST_A.name)
     assert lun_sizes(second, c2) == {2: 32 * MiB}
     rc, out = qemu_io(c2, "read 0 4k")
     assert rc == 0, out
+
+
+# -- keys and the state file of version 1 -------------------------------------------------------------
+
+
+def v1_state(volume: Path, c: IscsiConnection, host: str, address: str) -> str:
+    """What the driver before the driver kit wrote for one (volume, host) export."""
+    return json.dumps({"version": 1, "exports": [{
+        "volume_id": VOL, "path": str(volume), "read_only": False, "lun": 1, "lun_sizes": {"1": 16 * MiB},
+        "grants": [{"host": host, "address": address, "addresses": [address], "initiator_name": None,
+                    "user": c.chap_user, "secret": secret_of(c), "lun": 1, "old_luns": []}]}]})
+
+
+def test_v1_state_is_upgraded_under_a_running_tgtd(make_driver: Make, volume: Path) -> None:
+    first = make_driver()
+    c = first.ensure_export(VOL, FileSource(volume), HOST_A)
+    assert isinstance(c, IscsiConnection)
+    pid = first.pid
+    first.close()
+    first.state_path.write_text(v1_state(volume, c, HOST_A.name, HOST_A.address))  # the agent upgraded
+    second = make_driver(port=first.port, control_port=first.control_port)
+    second.start()
+    assert second.pid == pid
+    assert second.ensure_export(VOL, FileSource(volume), HOST_A) == c  # same account, same secret
+    assert second.list_exports() == [info(VOL, HOST_A.name, c.iqn)]
+    assert logged_in(c)
+    second.remove_export(VOL, HOST_A.name)
+    assert live_targets(second) == {} and live_accounts(second) == set()
+
+
+def test_v1_state_is_upgraded_without_a_tgtd(make_driver: Make, volume: Path) -> None:
+    drv = make_driver()
+    drv.state_path.parent.mkdir(parents=True)
+    c = IscsiConnection(host="127.0.0.1", port=drv.port, iqn=drv.iqn(VOL), chap_user=f"{VOL}.hv-a",
+                        chap_secret=SecretStr("S3cretS3cretS3cretS3cret"))
+    drv.state_path.write_text(v1_state(volume, c, HOST_A.name, HOST_A.address))
+    drv.start()  # tgtd comes up with the target, the ACL and the account of the old state
+    assert logged_in(c)
+    assert drv.ensure_export(VOL, FileSource(volume), HOST_A) == c
+
+
+def test_a_snapshot_key_is_exported_like_a_volume(make_driver: Make, volume: Path) -> None:
+    """A snapshot a hypervisor copies into: served writable to that one host, under its own id."""
+    drv = make_driver()
+    snap = "snap-0123456789abcdef0"
+    c = drv.ensure_export(snap, FileSource(volume), HOST_A)
+    assert isinstance(c, IscsiConnection) and c.iqn == drv.iqn(snap) and c.chap_user == f"{snap}.hv-a"
+    assert drv.is_exported(snap) and not drv.is_exported(VOL)
+    rc, out = qemu_io(c, "write -P 0x3d 0 4k")
+    assert rc == 0, out
+    assert drv.list_exports() == [info(snap, HOST_A.name, c.iqn)]
+    drv.remove_export(snap, HOST_A.name)
+    assert not drv.is_exported(snap) and live_targets(drv) == {}

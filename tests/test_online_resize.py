@@ -21,21 +21,23 @@ from typing import Any
 import pytest
 import uvicorn
 
-from tests.conftest import free_port, start_bare_vm, stop_process, wait_until
+from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.argv import run
-from vbs.connection import Connection, HostIdentity, IscsiConnection, NbdConnection
+from vbs.controller.agents import HostAgent, StorageAgent
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.api import create_app as create_host_app
 from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
 from vbs.ids import virtio_serial
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
-from vbs.storage.exports.base import ExportDriver
+from vbs.storage.exports.base import ExportDriver, FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.testguest.guest import qmp_execute
 from vbs.web import ApiClient
+from vbs.wire.connection import Connection, HostIdentity, IscsiConnection, NbdConnection
+from vbs.wire.host import QoS
 
 pytestmark = pytest.mark.integration
 
@@ -52,12 +54,14 @@ def vol(n: int) -> str:
 
 @pytest.fixture(scope="module")
 def vm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vms")
+    path = tmp_path_factory.mktemp("resize") / "vms"  # its parent holds the VMs' test monitors
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")
 def guest(vm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestGuest]:
-    with TestGuest("guest1", tmp_path_factory.mktemp("guest1"), build_guest(), vm_dir) as g:
+    with TestGuest("guest1", vm_dir.parent, build_guest(), vm_dir) as g:  # test monitor: private_qmp()
         g.wait_ready(60)
         yield g
 
@@ -157,12 +161,12 @@ def file_at(path: Path, offset_mib: int, mib: int) -> bytes:
 
 
 def vbs_nodes(vm_dir: Path, vm: str = "guest1") -> set[str]:
-    nodes = qmp_execute(vm_dir / f"{vm}.qmp", "query-named-block-nodes", {"flat": True})
+    nodes = qmp_execute(private_qmp(vm_dir, vm), "query-named-block-nodes", {"flat": True})
     return {n["node-name"] for n in nodes if n["node-name"].startswith("vbs-")}
 
 
 def vbs_objects(vm_dir: Path, vm: str = "guest1") -> set[str]:
-    objects = qmp_execute(vm_dir / f"{vm}.qmp", "qom-list", {"path": "/objects"})
+    objects = qmp_execute(private_qmp(vm_dir, vm), "qom-list", {"path": "/objects"})
     return {o["name"] for o in objects if o["name"].startswith("vbs-")}
 
 
@@ -189,8 +193,8 @@ def test_attached_volume_grows_online(
     pool.ensure_volume(volume_id, 64 * MIB)
     path = pool.volume_path(volume_id)
 
-    c1 = exports.ensure_export(volume_id, path, HOST)
-    driver.attach("guest1", c1, serial)
+    c1 = exports.ensure_export(volume_id, FileSource(path), HOST)
+    driver.attach("guest1", serial, c1)
     dev = guest.wait_for_disk(serial)
     assert guest.disk_size(serial) == guest_size(guest, dev) == 64 * MIB
     assert write_at(guest, dev, "head", 0, 4) == pattern_sha256("head", 4)
@@ -202,18 +206,18 @@ def test_attached_volume_grows_online(
     assert served(exports, c1) == {key(c1): 64 * MIB}
 
     # 2. A new export of the same file reports the new size; the old one serves on, idempotently.
-    c2, refresh_s = timed(lambda: exports.refresh_export(volume_id, path, HOST.name))
+    c2, refresh_s = timed(lambda: exports.refresh_export(volume_id, FileSource(path), HOST.name))
     assert c2 != c1 and type(c2) is type(c1)
     assert served(exports, c2) == {key(c1): 64 * MIB, key(c2): 128 * MIB}
-    assert exports.refresh_export(volume_id, path, HOST.name) == c2
-    assert exports.ensure_export(volume_id, path, HOST) == c2  # what a new attach would be given
-    assert [(e.volume_id, e.host) for e in exports.list_exports()] == [(volume_id, HOST.name)]
+    assert exports.refresh_export(volume_id, FileSource(path), HOST.name) == c2
+    assert exports.ensure_export(volume_id, FileSource(path), HOST) == c2  # what a new attach would be given
+    assert [(e.key, e.host) for e in exports.list_exports()] == [(volume_id, HOST.name)]
     assert sha_at(guest, dev, 0, 4) == pattern_sha256("head", 4)  # still through the old export
     assert guest_size(guest, dev) == 64 * MIB
 
     # 3. The host swaps it under the disk: the guest sees 128 MiB, without a detach.
     disk, resize_s = timed(lambda: driver.resize("guest1", serial, c2, 128 * MIB))
-    assert disk.serial == serial and disk.device_id == ids.device
+    assert disk.serial == serial and disk.size_bytes == 128 * MIB and disk.connected
     started = time.monotonic()
     wait_until(lambda: guest_size(guest, dev) == 128 * MIB, 10, 0.05, what="the guest to see 128 MiB")
     seen_s = time.monotonic() - started
@@ -241,7 +245,7 @@ def test_attached_volume_grows_online(
 
     # 7. Again: the ids alternate back, and the sizes keep adding up.
     pool.resize_volume(volume_id, 192 * MIB)
-    c3 = exports.refresh_export(volume_id, path, HOST.name)
+    c3 = exports.refresh_export(volume_id, FileSource(path), HOST.name)
     assert c3 != c2
     if isinstance(c3, IscsiConnection):
         assert (c1.lun, c2.lun, c3.lun) == (1, 2, 1)  # type: ignore[union-attr]  # LUN numbers alternate
@@ -281,12 +285,12 @@ def test_export_daemon_restart_between_refresh_and_resize(
     serial = virtio_serial(volume_id)
     pool.ensure_volume(volume_id, 64 * MIB)
     path = pool.volume_path(volume_id)
-    c1 = exports.ensure_export(volume_id, path, HOST)
-    driver.attach("guest1", c1, serial)
+    c1 = exports.ensure_export(volume_id, FileSource(path), HOST)
+    driver.attach("guest1", serial, c1)
     dev = guest.wait_for_disk(serial)
     assert write_at(guest, dev, "kept", 0, 2) == pattern_sha256("kept", 2)
     pool.resize_volume(volume_id, 96 * MIB)
-    c2 = exports.refresh_export(volume_id, path, HOST.name)
+    c2 = exports.refresh_export(volume_id, FileSource(path), HOST.name)
 
     pid = exports.pid
     assert pid is not None
@@ -300,7 +304,7 @@ def test_export_daemon_restart_between_refresh_and_resize(
     assert exports.pid not in (None, pid)
     # Both come back (re-created, the old one now with the file's size too).
     assert set(served(exports, c2)) == {key(c1), key(c2)}
-    assert exports.refresh_export(volume_id, path, HOST.name) == c2
+    assert exports.refresh_export(volume_id, FileSource(path), HOST.name) == c2
 
     driver.resize("guest1", serial, c2, 96 * MIB)
     wait_until(lambda: guest_size(guest, dev) == 96 * MIB, 20, 0.1, what="the guest to see 96 MiB")
@@ -324,12 +328,12 @@ def test_tls_psk_nbd_grows_online(
         ids = disk_ids(serial)
         pool.ensure_volume(volume_id, 32 * MIB)
         path = pool.volume_path(volume_id)
-        driver.attach("guest1", drv.ensure_export(volume_id, path, HOST), serial)
+        driver.attach("guest1", serial, drv.ensure_export(volume_id, FileSource(path), HOST))
         dev = guest.wait_for_disk(serial)
         assert write_at(guest, dev, "tls", 0, 1) == pattern_sha256("tls", 1)
         for size, gen in ((48 * MIB, 1), (64 * MIB, 0)):
             pool.resize_volume(volume_id, size)
-            conn = drv.refresh_export(volume_id, path, HOST.name)
+            conn = drv.refresh_export(volume_id, FileSource(path), HOST.name)
             assert isinstance(conn, NbdConnection) and conn.tls_psk_key is not None
             driver.resize("guest1", serial, conn, size)
             wait_until(lambda size=size: guest_size(guest, dev) == size, 10, 0.05, what=f"{size} in the guest")
@@ -366,9 +370,9 @@ def test_a_failed_resize_leaves_the_disk_on_its_old_connection(
     ids = disk_ids(serial)
     pool.ensure_volume(volume_id, 32 * MIB)
     path = pool.volume_path(volume_id)
-    c1 = nbd_exports.ensure_export(volume_id, path, HOST)
+    c1 = nbd_exports.ensure_export(volume_id, FileSource(path), HOST)
     assert isinstance(c1, NbdConnection)
-    driver.attach("guest1", c1, serial)
+    driver.attach("guest1", serial, c1)
     dev = guest.wait_for_disk(serial)
     assert write_at(guest, dev, "safe", 0, 1) == pattern_sha256("safe", 1)
     before = (vbs_nodes(vm_dir), vbs_objects(vm_dir))
@@ -397,7 +401,7 @@ def test_a_failed_resize_leaves_the_disk_on_its_old_connection(
     assert driver.resize("guest1", serial, c1, 32 * MIB).serial == serial  # already so: nothing to do
     unchanged()
 
-    sock = vm_dir / "guest1.qmp"
+    sock = private_qmp(vm_dir, "guest1")
 
     def add_nbd_node(node: str, c: NbdConnection) -> None:
         qmp_execute(
@@ -414,7 +418,7 @@ def test_a_failed_resize_leaves_the_disk_on_its_old_connection(
 
     # A resize interrupted after its new node was added (the agent killed): the next one drops it.
     pool.resize_volume(volume_id, 48 * MIB)
-    c2 = nbd_exports.refresh_export(volume_id, path, HOST.name)
+    c2 = nbd_exports.refresh_export(volume_id, FileSource(path), HOST.name)
     assert isinstance(c2, NbdConnection)
     add_nbd_node(ids.proto2, c2)
     driver.resize("guest1", serial, c2, 48 * MIB)
@@ -426,7 +430,7 @@ def test_a_failed_resize_leaves_the_disk_on_its_old_connection(
     # Interrupted after the reopen, before block_resize: the disk reads the new export but the guest
     # was never told. The next call finds it on that connection, tells the guest, drops the old node.
     pool.resize_volume(volume_id, 64 * MIB)
-    c3 = nbd_exports.refresh_export(volume_id, path, HOST.name)
+    c3 = nbd_exports.refresh_export(volume_id, FileSource(path), HOST.name)
     assert isinstance(c3, NbdConnection)
     add_nbd_node(ids.proto, c3)
     qmp_execute(
@@ -449,8 +453,8 @@ def test_a_failed_resize_leaves_the_disk_on_its_old_connection(
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
     nbd_exports.remove_export(volume_id, HOST.name)
-    ro = nbd_exports.ensure_export(volume_id, path, HOST, read_only=True)
-    driver.attach("guest1", ro, serial, read_only=True)
+    ro = nbd_exports.ensure_export(volume_id, FileSource(path), HOST, read_only=True)
+    driver.attach("guest1", serial, ro, read_only=True)
     guest.wait_for_disk(serial)
     with pytest.raises(IncorrectState, match="read-only"):
         driver.resize("guest1", serial, ro, 64 * MIB)
@@ -465,15 +469,15 @@ def test_force_detach_after_a_resize_cuts_the_new_connection(
     """A guest that never releases the disk: the forced detach must find the swapped-in node."""
     proc = start_bare_vm(vm_dir, "bare", tmp_path / "bare.log")
     try:
-        wait_until((vm_dir / "bare.qmp").exists, 10, what="the bare VM's QMP socket")
+        wait_until(private_qmp(vm_dir, "bare").exists, 10, what="the bare VM's QMP sockets")
         volume_id = vol(0x600)
         serial = virtio_serial(volume_id)
         ids = disk_ids(serial)
         pool.ensure_volume(volume_id, 16 * MIB)
         path = pool.volume_path(volume_id)
-        driver.attach("bare", nbd_exports.ensure_export(volume_id, path, HOST), serial)
+        driver.attach("bare", serial, nbd_exports.ensure_export(volume_id, FileSource(path), HOST))
         pool.resize_volume(volume_id, 32 * MIB)
-        c2 = nbd_exports.refresh_export(volume_id, path, HOST.name)
+        c2 = nbd_exports.refresh_export(volume_id, FileSource(path), HOST.name)
         driver.resize("bare", serial, c2, 32 * MIB)
         nbd_exports.retire_exports(volume_id, HOST.name)
         assert vbs_nodes(vm_dir, "bare") == {ids.raw, ids.proto2}
@@ -510,69 +514,69 @@ class _Server:
 
 
 def test_the_controller_calls_over_http(
-    exports: NbdExportDriver | IscsiExportDriver, pool: FileBackend, guest: TestGuest, driver: QemuDriver
+    exports: NbdExportDriver | IscsiExportDriver, tmp_path: Path, guest: TestGuest, driver: QemuDriver, vm_dir: Path
 ) -> None:
-    """The calls and bodies the ModifyVolume workflow makes, against both agents' real apps."""
+    """The calls the ModifyVolume workflow makes, through the controller's typed agent clients, against
+    both agents' real apps."""
     volume_id = vol(0x700 if exports.protocol == "nbd" else 0x800)
     serial = virtio_serial(volume_id)
+    (tmp_path / "pool").mkdir()
+    pool = FileBackend("pool1", tmp_path / "pool", exports=exports, clone_method="copy")
     storage_app = create_storage_app({"pool1": pool}, exports, "t0ken", "storage-1")
     host_app = create_host_app(driver, "t0ken", HOST.name)
-    with _Server(storage_app) as storage, _Server(host_app) as host:
-        storage.call("PUT", f"/v1/pools/pool1/volumes/{volume_id}", {"size_bytes": 64 * MIB})
-        c1 = storage.call(
-            "PUT", f"/v1/exports/{volume_id}/hosts/{HOST.name}", {"pool": "pool1", "host": HOST.model_dump()}
-        )["connection"]
+    with _Server(storage_app) as storage_client, _Server(host_app) as host_client:
+        storage, host = StorageAgent(storage_client), HostAgent(host_client)
+        storage.ensure_volume("pool1", volume_id, 1, None)
+        storage.resize_volume("pool1", volume_id, 1)
+        c1 = storage.connection_for("pool1", volume_id, HOST, read_only=False)
         # With QoS: the raw node that is reopened sits under a throttle node, which is resized.
-        attached = host.call("PUT", f"/v1/vms/guest1/disks/{serial}", {"connection": c1, "qos": {"iops": 100_000}})
-        assert attached["node_name"] == disk_ids(serial).throttle
+        attached = host.attach("guest1", serial, c1, read_only=False, qos=QoS(iops=100_000))
+        assert attached.serial == serial and disk_ids(serial).throttle in vbs_nodes(vm_dir)
         dev = guest.wait_for_disk(serial)
         assert write_at(guest, dev, "http", 0, 1) == pattern_sha256("http", 1)
 
-        storage.call("PUT", f"/v1/pools/pool1/volumes/{volume_id}/size", {"size_bytes": 128 * MIB})
-        c2 = storage.call("PUT", f"/v1/exports/{volume_id}/hosts/{HOST.name}/refresh", {"pool": "pool1"})["connection"]
-        assert c2 != c1 and c2["protocol"] == exports.protocol
-        disk = host.call("PUT", f"/v1/vms/guest1/disks/{serial}/size", {"connection": c2, "size_bytes": 128 * MIB})
-        assert disk["serial"] == serial and disk["read_only"] is False
-        wait_until(lambda: guest_size(guest, dev) == 128 * MIB, 10, 0.05, what="128 MiB in the guest")
-        assert storage.call("DELETE", f"/v1/exports/{volume_id}/hosts/{HOST.name}/retired") == {"state": "absent"}
-        assert storage.call("DELETE", f"/v1/exports/{volume_id}/hosts/{HOST.name}/retired") == {"state": "absent"}
+        storage.resize_volume("pool1", volume_id, 2)
+        c2 = storage.refresh_connection("pool1", volume_id, HOST.name)
+        assert c2 != c1 and c2.protocol == exports.protocol
+        disk = host.resize("guest1", serial, c2, 2)
+        assert disk.serial == serial and disk.read_only is False
+        wait_until(lambda: guest_size(guest, dev) == 2 << 30, 10, 0.05, what="2 GiB in the guest")
+        storage.retire_connections("pool1", volume_id, HOST.name)
+        storage.retire_connections("pool1", volume_id, HOST.name)
         assert sha_at(guest, dev, 0, 1) == pattern_sha256("http", 1)
 
         # Bad input is refused before any driver call.
+        base = f"/v1/pools/pool1/volumes/{volume_id}/connections"
         for method, path, body in (
-            ("PUT", f"/v1/exports/{volume_id}/hosts/{HOST.name}/refresh", {"pool": "pool1", "extra": 1}),
-            ("PUT", f"/v1/exports/vol-nothex/hosts/{HOST.name}/refresh", {"pool": "pool1"}),
-            ("PUT", f"/v1/exports/{volume_id}/hosts/Bad_Host/refresh", {"pool": "pool1"}),
-            ("DELETE", f"/v1/exports/{volume_id}/hosts/Bad_Host/retired", None),
+            ("PUT", f"{base}/{HOST.name}", {"host": HOST.model_dump(), "extra": 1}),
+            ("PUT", f"/v1/pools/pool1/volumes/vol-nothex/connections/{HOST.name}/refresh", None),
+            ("PUT", f"{base}/Bad_Host/refresh", None),
+            ("DELETE", f"{base}/Bad_Host/retired", None),
         ):
             with pytest.raises(VbsError) as err:
-                storage.call(method, path, body)
+                storage_client.call(method, path, body)
             assert err.value.status == 400, err.value.message
-        with pytest.raises(VbsError) as err:
-            storage.call("PUT", f"/v1/exports/{volume_id}/hosts/hv-none/refresh", {"pool": "pool1"})
-        assert err.value.status == 404
+        with pytest.raises(NotFound):
+            storage.refresh_connection("pool1", volume_id, "hv-none")
+        raw_c2 = c2.model_dump(mode="json")
         for body in (
-            {"connection": c2, "size_bytes": 100},
-            {"connection": c2, "size_bytes": 128 * MIB + 1},
-            {"connection": c2},
-            {"connection": c2, "size_bytes": 128 * MIB, "read_only": True},
-            {"connection": {"protocol": "nfs"}, "size_bytes": 128 * MIB},
+            {"connection": raw_c2, "size_bytes": 100},
+            {"connection": raw_c2, "size_bytes": (2 << 30) + 1},
+            {"connection": raw_c2},
+            {"connection": raw_c2, "size_bytes": 2 << 30, "read_only": True},
+            {"connection": {"protocol": "nfs"}, "size_bytes": 2 << 30},
         ):
             with pytest.raises(VbsError) as err:
-                host.call("PUT", f"/v1/vms/guest1/disks/{serial}/size", body)
+                host_client.call("PUT", f"/v1/vms/guest1/disks/{serial}/size", body)
             assert err.value.status in (400, 422), err.value.message
         with pytest.raises(VbsError) as err:
-            host.call("PUT", "/v1/vms/guest1/disks/vol-dash/size", {"connection": c2, "size_bytes": 128 * MIB})
+            host_client.call("PUT", "/v1/vms/guest1/disks/vol-dash/size", {"connection": raw_c2, "size_bytes": 2 << 30})
         assert err.value.status == 400
-        with pytest.raises(VbsError) as err:
-            host.call(
-                "PUT",
-                f"/v1/vms/guest1/disks/{virtio_serial(vol(0x9))}/size",
-                {"connection": c2, "size_bytes": 128 * MIB},
-            )
-        assert err.value.status == 404
+        with pytest.raises(NotFound):
+            host.resize("guest1", virtio_serial(vol(0x9)), c2, 2)
 
-        host.call("DELETE", f"/v1/vms/guest1/disks/{serial}")
+        host.detach("guest1", serial, force=False, timeout=10)
         guest.wait_disk_gone(serial)
-        storage.call("DELETE", f"/v1/exports/{volume_id}/hosts/{HOST.name}")
-        assert storage.call("GET", "/v1/exports") == []
+        storage.remove_connection("pool1", volume_id, HOST.name)
+        assert storage.list_exports() == []
+    pool.close()

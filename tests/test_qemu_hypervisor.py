@@ -1,11 +1,17 @@
-"""The QEMU hypervisor driver against real VMs: a booted test guest and a bare VM with no guest OS.
+"""The QEMU hypervisor driver and its host connectors, against real VMs.
 
-Volumes are raw files opened by QEMU or served by our own qemu-nbd on a free loopback port; every
-check of the guest's view goes through the guest's serial console, every check of QEMU's through QMP.
+A booted test guest and bare VMs with no guest OS; volumes are raw files opened by QEMU or served by
+our own qemu-nbd, qemu-storage-daemon or tgtd on free loopback ports. Every check of the guest's view
+goes through the guest's serial console, every check of QEMU's through the VM's test monitor (the
+driver holds its main monitor with a persistent connection).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -17,49 +23,59 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from tests.conftest import free_port, stop_process, wait_until
+from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.argv import run
-from vbs.connection import FileConnection, IscsiConnection, NbdConnection
-from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.hypervisors.base import AttachedDisk, DeviceBusy, HypervisorDriver, QoS, VmInfo
-from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, disk_ids
+from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
+from vbs.host.connectors import connector_for
+from vbs.host.hypervisors.base import HypervisorDriver
+from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
 from vbs.ids import virtio_serial
-from vbs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.testguest.guest import qmp_execute
+from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection
+from vbs.wire.host import DiskInfo, QoS, VmInfo
 
 MIB = 1024 * 1024
 PSK_KEY = "0123456789abcdef0123456789abcdef"
+CHAP_SECRET = "chap-secret-1"
+SNAP = "snap-0123456789abcdef0"
+SnapshotTarget = Callable[..., tuple[NbdConnection, Path]]
 
 
 def vol(n: int) -> str:
     return f"vol-{n:017x}"
 
 
+# -- fixtures ---------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def vm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vms")
+    path = tmp_path_factory.mktemp("qemu-hv") / "vms"  # its parent holds the VMs' test monitors
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")
-def guest(vm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestGuest]:
-    image: GuestImage = build_guest()
-    with TestGuest("guest1", tmp_path_factory.mktemp("guest1"), image, vm_dir) as g:
+def guest(vm_dir: Path) -> Iterator[TestGuest]:
+    with TestGuest("guest1", vm_dir.parent, build_guest(), vm_dir) as g:
+        assert g.test_qmp_path == private_qmp(vm_dir, "guest1")
         g.wait_ready(60)
         yield g
 
 
 @pytest.fixture(scope="module")
-def bare_vm(vm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def bare_vm(vm_dir: Path) -> Iterator[str]:
     """A VM with firmware only: nothing in it will ever acknowledge an unplug."""
-    log = (tmp_path_factory.mktemp("bare") / "qemu.log").open("wb")
-    sock = vm_dir / "bare.qmp"
+    log = (vm_dir.parent / "bare.log").open("wb")
     proc = subprocess.Popen(  # noqa: S603 - argv list
-        ["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
-         "-display", "none", "-name", "bare-vm", "-qmp", f"unix:{sock},server=on,wait=off"],
+        ["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults", "-display", "none",
+         "-name", "bare-vm", "-qmp", f"unix:{vm_dir / 'bare.qmp'},server=on,wait=off",
+         "-qmp", f"unix:{private_qmp(vm_dir, 'bare')},server=on,wait=off"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        wait_until(sock.exists, 10, what="the bare VM's QMP socket")
+        wait_until(private_qmp(vm_dir, "bare").exists, 10, what="the bare VM's QMP sockets")
         yield "bare"
     finally:
         stop_process(proc)  # by the PID we started
@@ -67,16 +83,36 @@ def bare_vm(vm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture(scope="module")
-def driver(vm_dir: Path, guest: TestGuest, bare_vm: str) -> QemuDriver:
-    return QemuDriver(vm_dir, qmp_timeout=10.0, secrets_dir=vm_dir.parent / "vbs-secrets")
+def driver(vm_dir: Path, guest: TestGuest, bare_vm: str) -> Iterator[QemuDriver]:
+    drv = QemuDriver(vm_dir, qmp_timeout=10.0, secrets_dir=vm_dir.parent / "vbs-secrets")
+    yield drv
+    drv.close()
+
+
+@pytest.fixture
+def own_vms(tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    """Bare VMs in a directory of this test's own (``tmp_path / "vms"``), stopped by PID at the end."""
+    vms = tmp_path / "vms"
+    vms.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        proc = start_bare_vm(vms, name, tmp_path / f"{name}.log")
+        procs.append(proc)
+        wait_until(lambda: private_qmp(vms, name).exists() and (vms / f"{name}.qmp").exists(), 10,
+                   what=f"VM {name}'s sockets")
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
+        stop_process(proc)
 
 
 @pytest.fixture
 def volume(tmp_path: Path) -> Path:
-    path = tmp_path / "volume.raw"
-    with path.open("wb") as f:
-        f.truncate(16 * MIB)
-    return path
+    return empty_file(tmp_path / "volume.raw", 16 * MIB)
 
 
 @pytest.fixture
@@ -111,6 +147,42 @@ def nbd_server(tmp_path: Path, volume: Path) -> Iterator[Callable[..., NbdConnec
 
 
 @pytest.fixture
+def snapshot_target(tmp_path: Path) -> Iterator[SnapshotTarget]:
+    """An empty 16 MiB snapshot file exported by qemu-storage-daemon, as a storage node makes one for a
+    copy: its connection and its path.
+
+    By default its writes are throttled to 2 MiB/s, so a point-in-time copy into it runs for seconds
+    while the guest writes; with ``failing`` every data write fails (EIO).
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(failing: bool = False) -> tuple[NbdConnection, Path]:
+        target = empty_file(tmp_path / f"snap{len(procs)}.raw", 16 * MIB)
+        port = free_port()
+        file = {"driver": "file", "filename": str(target)}
+        if failing:
+            objects: list[str] = []
+            top = {"driver": "raw", "node-name": "t",  # raw raises write_aio for each write it passes down
+                   "file": {"driver": "blkdebug", "image": file, "inject-error": [{"event": "write_aio", "errno": 5}]}}
+        else:
+            objects = ["--object", json.dumps({"qom-type": "throttle-group", "id": "tg",
+                                               "limits": {"bps-write": 2 * MIB}})]
+            top = {"driver": "throttle", "node-name": "t", "throttle-group": "tg", "file": file}
+        argv = ["qemu-storage-daemon", *objects, "--blockdev", json.dumps(top),
+                "--nbd-server", f"addr.type=inet,addr.host=127.0.0.1,addr.port={port}",
+                "--export", "type=nbd,id=e,node-name=t,name=snap,writable=on"]  # fmt: skip
+        log = (tmp_path / "qsd.log").open("ab")
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))  # noqa: S603
+        log.close()
+        wait_until(lambda: _listening(port), 10, what="qemu-storage-daemon to listen")
+        return NbdConnection(host="127.0.0.1", port=port, export="snap"), target
+
+    yield start
+    for proc in procs:
+        stop_process(proc)
+
+
+@pytest.fixture
 def tgt_server(tmp_path: Path, volume: Path) -> Iterator[IscsiConnection]:
     """tgtd on a free loopback port exporting ``volume`` as LUN 1, with CHAP."""
     port = free_port()
@@ -131,10 +203,10 @@ def tgt_server(tmp_path: Path, volume: Path) -> Iterator[IscsiConnection]:
         tgtadm("--mode", "target", "--op", "new", "--tid", "1", "-T", iqn)
         tgtadm("--mode", "logicalunit", "--op", "new", "--tid", "1", "--lun", "1", "-b", str(volume))
         tgtadm("--mode", "target", "--op", "bind", "--tid", "1", "--initiator-address", "127.0.0.1")
-        tgtadm("--mode", "account", "--op", "new", "--user", "vbsuser", "--password", "chap-secret-1")
+        tgtadm("--mode", "account", "--op", "new", "--user", "vbsuser", "--password", CHAP_SECRET)
         tgtadm("--mode", "account", "--op", "bind", "--tid", "1", "--user", "vbsuser")
         yield IscsiConnection(
-            host="127.0.0.1", port=port, iqn=iqn, lun=1, chap_user="vbsuser", chap_secret="chap-secret-1"
+            host="127.0.0.1", port=port, iqn=iqn, lun=1, chap_user="vbsuser", chap_secret=SecretStr(CHAP_SECRET)
         )
     finally:
         # tgtd ignores SIGTERM: take it offline and delete it through its control socket.
@@ -148,24 +220,57 @@ def tgt_server(tmp_path: Path, volume: Path) -> Iterator[IscsiConnection]:
             Path(leftover).unlink(missing_ok=True)  # tgtd leaves them behind
 
 
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def empty_file(path: Path, size: int) -> Path:
+    with path.open("wb") as f:
+        f.truncate(size)
+    return path
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def vbs_nodes(vm_sock: Path) -> set[str]:
-    nodes = qmp_execute(vm_sock, "query-named-block-nodes", {"flat": True})
+def vbs_nodes(monitor: Path) -> set[str]:
+    nodes = qmp_execute(monitor, "query-named-block-nodes", {"flat": True})
     return {n["node-name"] for n in nodes if n["node-name"].startswith("vbs-")}
 
 
-def vbs_objects(vm_sock: Path) -> set[str]:
-    return {o["name"] for o in qmp_execute(vm_sock, "qom-list", {"path": "/objects"}) if o["name"].startswith("vbs-")}
+def node(monitor: Path, name: str) -> dict[str, Any]:
+    return next(n for n in qmp_execute(monitor, "query-named-block-nodes", {"flat": True}) if n["node-name"] == name)
+
+
+def vbs_objects(monitor: Path) -> set[str]:
+    return {o["name"] for o in qmp_execute(monitor, "qom-list", {"path": "/objects"}) if o["name"].startswith("vbs-")}
+
+
+def jobs(monitor: Path) -> list[dict[str, Any]]:
+    return qmp_execute(monitor, "query-jobs")  # type: ignore[no-any-return]
+
+
+def monitor_connections(sock: Path) -> set[str]:
+    """The connections QEMU accepted on a monitor socket and still holds (their socket inodes)."""
+    out = run(["ss", "-xH", "state", "connected", "src", str(sock)], timeout=10).stdout
+    return {line.split()[line.split().index(str(sock)) + 1] for line in out.splitlines() if str(sock) in line}
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     started = time.monotonic()
     result = fn()
     return result, time.monotonic() - started
+
+
+def wait_copy(driver: QemuDriver, vm: str, serial: str, target: NbdConnection | FileConnection,
+              timeout: float = 60) -> Any:
+    status = wait_until(lambda: (s := driver.ensure_copy(vm, serial, SNAP, target)).state != "copying" and s,
+                        timeout, 0.2, what="the copy to end")
+    return status
+
+
+# -- discovery and the monitor connection -------------------------------------------------------------
 
 
 def test_vms_are_discovered_by_their_sockets_and_stale_ones_skipped(driver: QemuDriver, vm_dir: Path) -> None:
@@ -185,13 +290,126 @@ def test_vms_are_discovered_by_their_sockets_and_stale_ones_skipped(driver: Qemu
 
 def test_unknown_and_malformed_vm_ids_are_refused(driver: QemuDriver, volume: Path) -> None:
     conn = FileConnection(path=str(volume))
-    with pytest.raises(NotFound):
-        driver.attach("no-such-vm", conn, virtio_serial(vol(1)))
+    with pytest.raises(NotFound) as raised:
+        driver.attach("no-such-vm", virtio_serial(vol(1)), conn)
+    assert raised.value.code == "InvalidInstanceID.NotFound"
     for bad in ("../guest1", "", "a b", "x" * 65):
         with pytest.raises(InvalidParameter):
-            driver.attach(bad, conn, virtio_serial(vol(1)))
+            driver.attach(bad, virtio_serial(vol(1)), conn)
     with pytest.raises(InvalidParameter):
-        driver.attach("guest1", conn, "vol-with-dash")
+        driver.attach("guest1", "vol-with-dash", conn)
+
+
+def test_one_persistent_connection_serves_every_call(driver: QemuDriver, guest: TestGuest, volume: Path,
+                                                     vm_dir: Path) -> None:
+    driver.list_vms()
+    held = monitor_connections(vm_dir / "guest1.qmp")
+    assert len(held) == 1
+    serial = virtio_serial(vol(0x05))
+    (_, took) = timed(lambda: [driver.list_disks("guest1") for _ in range(50)])
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
+    guest.wait_for_disk(serial)
+    driver.list_vms()
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    assert monitor_connections(vm_dir / "guest1.qmp") == held
+    print(f"50 list_disks on one connection: {took:.3f}s")
+
+
+def test_a_vm_restarted_under_the_driver_is_reconnected(own_vms: Callable[[str], subprocess.Popen[bytes]],
+                                                        tmp_path: Path, volume: Path) -> None:
+    driver = QemuDriver(tmp_path / "vms", qmp_timeout=5.0)
+    try:
+        proc = own_vms("vm1")
+        serial = virtio_serial(vol(0x06))
+        driver.attach("vm1", serial, FileConnection(path=str(volume)))
+        first = monitor_connections(tmp_path / "vms" / "vm1.qmp")
+        stop_process(proc)
+        own_vms("vm1")  # a new QEMU on the same socket, before the driver calls again
+        assert driver.list_disks("vm1") == []
+        second = monitor_connections(tmp_path / "vms" / "vm1.qmp")
+        assert len(second) == 1 and second != first
+        assert [vm.vm_id for vm in driver.list_vms()] == ["vm1"]
+    finally:
+        driver.close()
+
+
+def test_a_vm_that_is_gone_holds_no_disk(own_vms: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path,
+                                         volume: Path) -> None:
+    """Attach, detach, stop the VM, attach again: the attach fails, and its undo (a detach) succeeds."""
+    driver = QemuDriver(tmp_path / "vms", qmp_timeout=5.0)
+    try:
+        proc = own_vms("vm1")
+        serial = virtio_serial(vol(0x07))
+        conn = FileConnection(path=str(volume))
+        driver.attach("vm1", serial, conn)
+        driver.detach("vm1", serial, force=True, timeout=0.5)  # nothing in a bare VM lets go
+        stop_process(proc)
+
+        for call in (lambda: driver.attach("vm1", serial, conn),
+                     lambda: driver.resize("vm1", serial, conn, 32 * MIB),
+                     lambda: driver.ensure_copy("vm1", serial, SNAP, conn),
+                     lambda: driver.list_disks("vm1")):  # fmt: skip
+            with pytest.raises(NotFound) as raised:
+                call()
+            assert raised.value.code == "InvalidInstanceID.NotFound"
+        driver.detach("vm1", serial)
+        driver.detach("vm1", serial, force=True)
+        driver.remove_copy("vm1", serial, SNAP)
+        driver.detach("never-was", serial)  # no socket at all
+        assert driver.list_vms() == []
+    finally:
+        driver.close()
+
+
+def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
+    own_vms: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path, volume: Path
+) -> None:
+    driver = QemuDriver(tmp_path / "vms", qmp_timeout=2.0)
+    try:
+        proc = own_vms("vm1")
+        assert driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True)]
+        serial = virtio_serial(vol(0x08))
+        os.kill(proc.pid, signal.SIGSTOP)  # the process and its socket are there; nothing answers
+        try:
+            vms, took = timed(driver.list_vms)
+            assert vms == [VmInfo(vm_id="vm1", name="vm1", running=False)]
+            assert took < PROBE_TIMEOUT + 3
+            for call in (lambda: driver.attach("vm1", serial, FileConnection(path=str(volume))),
+                         lambda: driver.detach("vm1", serial),
+                         lambda: driver.remove_copy("vm1", serial, SNAP)):  # fmt: skip
+                with pytest.raises(DriverError) as raised:
+                    call()
+                assert not isinstance(raised.value, NotFound)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True)], 20,
+                   what="the VM to answer again")
+        driver.attach("vm1", serial, FileConnection(path=str(volume)))
+        assert [d.serial for d in driver.list_disks("vm1")] == [serial]
+    finally:
+        driver.close()
+
+
+def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
+    driver: QemuDriver, guest: TestGuest, vm_dir: Path, volume: Path
+) -> None:
+    driver.list_vms()  # this driver holds both monitors now: a second agent on the same VMs must queue
+    other = QemuDriver(vm_dir, qmp_timeout=2.0)
+    try:
+        vms, took = timed(other.list_vms)
+        assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms
+        assert VmInfo(vm_id="bare", name="bare", running=False) in vms
+        assert took < PROBE_TIMEOUT + 2  # both probed at once
+        with pytest.raises(DriverError) as raised:
+            other.attach("guest1", virtio_serial(vol(0x09)), FileConnection(path=str(volume)))
+        assert not isinstance(raised.value, NotFound)
+    finally:
+        other.close()
+    assert VmInfo(vm_id="guest1", name="guest1", running=True) in driver.list_vms()
+
+
+# -- attach and detach ------------------------------------------------------------------------------
 
 
 def test_file_volume_is_hot_plugged_written_and_unplugged(
@@ -199,9 +417,8 @@ def test_file_volume_is_hot_plugged_written_and_unplugged(
 ) -> None:
     hv: HypervisorDriver = driver  # the host agent sees only the contract
     serial = virtio_serial(vol(0x10))
-    disk, attach_s = timed(lambda: hv.attach("guest1", FileConnection(path=str(volume)), serial))
-    ids = disk_ids(serial)
-    assert disk == AttachedDisk(serial=serial, device_id=ids.device, node_name=ids.raw, read_only=False)
+    disk, attach_s = timed(lambda: hv.attach("guest1", serial, FileConnection(path=str(volume))))
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=16 * MIB)
     dev = guest.wait_for_disk(serial, timeout=10)
     assert guest.disk_size(serial) == 16 * MIB
     assert hv.list_disks("guest1") == [disk]
@@ -211,7 +428,7 @@ def test_file_volume_is_hot_plugged_written_and_unplugged(
     _, detach_s = timed(lambda: hv.detach("guest1", serial))
     guest.wait_disk_gone(serial, timeout=10)
     assert hv.list_disks("guest1") == []
-    assert vbs_nodes(vm_dir / "guest1.qmp") == set()
+    assert vbs_nodes(guest.test_qmp_path) == set()
     assert volume.read_bytes()[: 4 * MIB] == pattern_bytes("file-vol", 4)
     print(f"file attach {attach_s:.3f}s, detach (guest released) {detach_s:.3f}s")
 
@@ -219,8 +436,8 @@ def test_file_volume_is_hot_plugged_written_and_unplugged(
 def test_attach_and_detach_are_idempotent(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     serial = virtio_serial(vol(0x11))
     conn = FileConnection(path=str(volume))
-    first = driver.attach("guest1", conn, serial)
-    assert driver.attach("guest1", conn, serial) == first
+    first = driver.attach("guest1", serial, conn)
+    assert driver.attach("guest1", serial, conn) == first
     guest.wait_for_disk(serial)
     assert [d.serial for d in driver.list_disks("guest1")] == [serial]
 
@@ -235,7 +452,9 @@ def test_nbd_volume_is_read_and_written_through_qemu_nbd(
 ) -> None:
     conn = nbd_server()
     serial = virtio_serial(vol(0x20))
-    _, attach_s = timed(lambda: driver.attach("guest1", conn, serial))
+    _, attach_s = timed(lambda: driver.attach("guest1", serial, conn))
+    # What QEMU reports of the node is what the connector recognises (resize relies on it).
+    assert connector_for(conn).qemu_node_opens(node(guest.test_qmp_path, disk_ids(serial).proto), conn)
     dev = guest.wait_for_disk(serial)
     assert guest.write_pattern(dev, "over-nbd", 3) == pattern_sha256("over-nbd", 3)
     _, detach_s = timed(lambda: driver.detach("guest1", serial))
@@ -245,71 +464,75 @@ def test_nbd_volume_is_read_and_written_through_qemu_nbd(
 
 
 def test_iscsi_volume_with_chap_is_read_and_written_through_tgt(
-    driver: QemuDriver, guest: TestGuest, tgt_server: IscsiConnection, volume: Path, vm_dir: Path
+    driver: QemuDriver, guest: TestGuest, tgt_server: IscsiConnection, volume: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     serial = virtio_serial(vol(0x22))
-    _, attach_s = timed(lambda: driver.attach("guest1", tgt_server, serial))
+    _, attach_s = timed(lambda: driver.attach("guest1", serial, tgt_server))
     # The CHAP secret lives in a QEMU secret object, created over QMP only.
-    assert disk_ids(serial).secret in vbs_objects(vm_dir / "guest1.qmp")
+    assert disk_ids(serial).secret in vbs_objects(guest.test_qmp_path)
+    assert connector_for(tgt_server).qemu_node_opens(node(guest.test_qmp_path, disk_ids(serial).proto), tgt_server)
     dev = guest.wait_for_disk(serial)
     assert guest.write_pattern(dev, "over-iscsi", 2) == pattern_sha256("over-iscsi", 2)
     _, detach_s = timed(lambda: driver.detach("guest1", serial))
     guest.wait_disk_gone(serial)
-    assert vbs_objects(vm_dir / "guest1.qmp") == set()
+    assert vbs_objects(guest.test_qmp_path) == set()
     assert volume.read_bytes()[: 2 * MIB] == pattern_bytes("over-iscsi", 2)
+    assert CHAP_SECRET not in caplog.text
     print(f"iscsi attach {attach_s:.3f}s, detach {detach_s:.3f}s")
 
 
 def test_iscsi_with_a_wrong_chap_secret_fails_cleanly(
-    driver: QemuDriver, guest: TestGuest, tgt_server: IscsiConnection, vm_dir: Path
+    driver: QemuDriver, guest: TestGuest, tgt_server: IscsiConnection, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     wrong = tgt_server.model_copy(update={"chap_secret": SecretStr("not-the-secret")})
     serial = virtio_serial(vol(0x23))
-    with pytest.raises(DriverError):
-        driver.attach("guest1", wrong, serial)
-    assert vbs_nodes(vm_dir / "guest1.qmp") == set()
-    assert vbs_objects(vm_dir / "guest1.qmp") == set()
+    with pytest.raises(DriverError) as raised:
+        driver.attach("guest1", serial, wrong)
+    assert "not-the-secret" not in str(raised.value) and "not-the-secret" not in caplog.text
+    assert vbs_nodes(guest.test_qmp_path) == set()
+    assert vbs_objects(guest.test_qmp_path) == set()
 
 
 def test_nbd_with_tls_psk_leaves_no_key_on_disk(
-    driver: QemuDriver, guest: TestGuest, nbd_server: Callable[..., NbdConnection], vm_dir: Path
+    driver: QemuDriver, guest: TestGuest, nbd_server: Callable[..., NbdConnection], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     conn = nbd_server(psk_identity="host1")
     serial = virtio_serial(vol(0x21))
-    driver.attach("guest1", conn, serial)
+    driver.attach("guest1", serial, conn)
     dev = guest.wait_for_disk(serial)
     assert guest.write_pattern(dev, "tls", 1) == pattern_sha256("tls", 1)
-    assert disk_ids(serial).tls in vbs_objects(vm_dir / "guest1.qmp")
+    assert disk_ids(serial).tls in vbs_objects(guest.test_qmp_path)
+    assert connector_for(conn).qemu_node_opens(node(guest.test_qmp_path, disk_ids(serial).proto), conn)
     assert list(driver.secrets_dir.rglob("*")) == []
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
-    assert vbs_objects(vm_dir / "guest1.qmp") == set()
+    assert vbs_objects(guest.test_qmp_path) == set()
+    assert PSK_KEY not in caplog.text
 
 
-def test_a_failed_attach_leaves_no_node_or_object(driver: QemuDriver, guest: TestGuest, vm_dir: Path) -> None:
+def test_a_failed_attach_leaves_no_node_or_object(driver: QemuDriver, guest: TestGuest) -> None:
     nobody = NbdConnection(
-        host="127.0.0.1", port=free_port(), export="vol", tls_psk_identity="host1", tls_psk_key=PSK_KEY
+        host="127.0.0.1", port=free_port(), export="vol", tls_psk_identity="host1", tls_psk_key=SecretStr(PSK_KEY)
     )
     serial = virtio_serial(vol(0x30))
     with pytest.raises(DriverError, match="QMP blockdev-add"):
-        driver.attach("guest1", nobody, serial, qos=QoS(iops=100))
-    sock = vm_dir / "guest1.qmp"
-    assert vbs_nodes(sock) == set()
-    assert vbs_objects(sock) == set()
+        driver.attach("guest1", serial, nobody, qos=QoS(iops=100))
+    assert vbs_nodes(guest.test_qmp_path) == set()
+    assert vbs_objects(guest.test_qmp_path) == set()
     assert driver.list_disks("guest1") == []
     assert serial not in guest.disks()
 
 
-def test_qos_puts_a_throttle_group_under_the_disk(
-    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
-) -> None:
+def test_qos_puts_a_throttle_group_under_the_disk(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     serial = virtio_serial(vol(0x40))
     ids = disk_ids(serial)
-    disk = driver.attach("guest1", FileConnection(path=str(volume)), serial, qos=QoS(iops=20, mbps=5))
-    assert disk.node_name == ids.throttle
-    limits = qmp_execute(
-        vm_dir / "guest1.qmp", "qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"}
-    )
+    driver.attach("guest1", serial, FileConnection(path=str(volume)), qos=QoS(iops=20, mbps=5))
+    block = {b["qdev"]: b for b in guest.qmp("query-block")}
+    assert block[f"/machine/peripheral/{ids.device}/virtio-backend"]["inserted"]["node-name"] == ids.throttle
+    limits = guest.qmp("qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"})
     assert limits["iops-total"] == 20 and limits["bps-total"] == 5 * MIB
     dev = guest.wait_for_disk(serial)
     # 40 synchronous 4 KiB writes at 20 IOPS take about 2 s (less a small initial burst).
@@ -317,13 +540,13 @@ def test_qos_puts_a_throttle_group_under_the_disk(
     assert took > 1.2
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
-    assert vbs_objects(vm_dir / "guest1.qmp") == set()
+    assert vbs_objects(guest.test_qmp_path) == set()
 
 
 def test_read_only_attach_is_read_only_in_the_guest(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     volume.write_bytes(pattern_bytes("ro", 1) + bytes(15 * MIB))
     serial = virtio_serial(vol(0x50))
-    disk = driver.attach("guest1", FileConnection(path=str(volume)), serial, read_only=True)
+    disk = driver.attach("guest1", serial, FileConnection(path=str(volume)), read_only=True)
     assert disk.read_only and driver.list_disks("guest1")[0].read_only
     dev = guest.wait_for_disk(serial)
     assert guest.check(f"cat /sys/block/{dev}/ro").strip() == "1"
@@ -335,62 +558,59 @@ def test_read_only_attach_is_read_only_in_the_guest(driver: QemuDriver, guest: T
     assert volume.read_bytes()[:MIB] == pattern_bytes("ro", 1)
 
 
-def test_leftovers_of_a_crashed_attach_are_cleaned(
-    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
-) -> None:
+def test_leftovers_of_a_crashed_attach_are_cleaned(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     serial = virtio_serial(vol(0x60))
     ids = disk_ids(serial)
-    sock = vm_dir / "guest1.qmp"
 
     def half_attach() -> None:  # what an agent killed between blockdev-add and device_add leaves
-        qmp_execute(sock, "blockdev-add", {"driver": "file", "node-name": ids.proto, "filename": str(volume)})
-        qmp_execute(sock, "blockdev-add", {"driver": "raw", "node-name": ids.raw, "file": ids.proto})
+        guest.qmp("blockdev-add", {"driver": "file", "node-name": ids.proto, "filename": str(volume)})
+        guest.qmp("blockdev-add", {"driver": "raw", "node-name": ids.raw, "file": ids.proto})
 
     half_attach()
     driver.detach("guest1", serial)
-    assert vbs_nodes(sock) == set()
+    assert vbs_nodes(guest.test_qmp_path) == set()
 
     half_attach()
-    driver.attach("guest1", FileConnection(path=str(volume)), serial)
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
     guest.wait_for_disk(serial)
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
-    assert vbs_nodes(sock) == set()
+    assert vbs_nodes(guest.test_qmp_path) == set()
 
 
 def test_a_guest_that_never_releases_the_disk_is_busy_and_force_cuts_its_io(
     driver: QemuDriver, bare_vm: str, nbd_server: Callable[..., NbdConnection], vm_dir: Path
 ) -> None:
-    sock = vm_dir / f"{bare_vm}.qmp"
+    monitor = private_qmp(vm_dir, bare_vm)
     serial = virtio_serial(vol(0x70))
     ids = disk_ids(serial)
-    driver.attach(bare_vm, nbd_server(), serial)
+    driver.attach(bare_vm, serial, nbd_server())
 
     started = time.monotonic()
     with pytest.raises(DeviceBusy, match="did not release"):
         driver.detach(bare_vm, serial, timeout=1.0)
     assert time.monotonic() - started < 4
-    assert {ids.proto, ids.raw} <= vbs_nodes(sock)  # still in use: nothing was pulled from under it
+    assert {ids.proto, ids.raw} <= vbs_nodes(monitor)  # still in use: nothing was pulled from under it
 
     _, force_s = timed(lambda: driver.detach(bare_vm, serial, force=True, timeout=5.0))
     assert force_s < 4
     # The device stays until a guest acknowledges; the NBD session is gone and I/O fails.
-    nodes = vbs_nodes(sock)
+    nodes = vbs_nodes(monitor)
     assert ids.proto not in nodes and ids.dead in nodes
     assert [d.serial for d in driver.list_disks(bare_vm)] == [serial]
     with pytest.raises(IncorrectState, match="force-detached"):
-        driver.attach(bare_vm, FileConnection(path="/dev/null"), serial)
+        driver.attach(bare_vm, serial, FileConnection(path="/dev/null"))
     driver.detach(bare_vm, serial, force=True, timeout=1.0)  # repeating it is harmless
     print(f"busy detach raised after {time.monotonic() - started:.2f}s total; force {force_s:.3f}s")
 
 
 def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriver, bare_vm: str, volume: Path) -> None:
     serial = virtio_serial(vol(0x71))
-    driver.attach(bare_vm, FileConnection(path=str(volume)), serial)
+    driver.attach(bare_vm, serial, FileConnection(path=str(volume)))
     assert VmInfo(vm_id="bare", name="bare-vm", running=True) in driver.list_vms()
     errors: list[BaseException] = []
 
-    def slow_detach() -> None:  # holds the bare VM's monitor for 4 s, waiting for a guest that never answers
+    def slow_detach() -> None:  # holds the bare VM for 4 s, waiting for a guest that never answers
         try:
             driver.detach(bare_vm, serial, timeout=4.0)
         except DeviceBusy as exc:
@@ -407,61 +627,176 @@ def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriv
     driver.detach(bare_vm, serial, force=True, timeout=0.5)
 
 
-def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
-    driver: QemuDriver, guest: TestGuest, vm_dir: Path
-) -> None:
-    with socket.socket(socket.AF_UNIX) as holder:
-        holder.connect(str(vm_dir / "guest1.qmp"))  # QEMU serves this client; the driver must queue
-        vms, took = timed(driver.list_vms)
-    assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms
-    assert took < PROBE_TIMEOUT + 2
-    assert VmInfo(vm_id="guest1", name="guest1", running=True) in driver.list_vms()
+# -- online resize ----------------------------------------------------------------------------------
 
 
-def test_disk_ids_have_two_generations_of_connection_ids() -> None:
-    ids = disk_ids(virtio_serial(vol(0x80)))
-    first, second = ids.generations
-    assert (first.proto, first.secret, first.tls) == (ids.proto, ids.secret, ids.tls)  # what attach uses
-    assert len({first.proto, second.proto, first.secret, second.secret, first.tls, second.tls}) == 6
-    assert max(len(n) for n in ids.nodes_top_down) <= 31  # QEMU's limit on node names
-    assert {first.proto, second.proto} <= set(ids.nodes_top_down)
-    assert set(first.objects + second.objects) <= set(ids.objects)
-
-
-def test_a_grown_file_volume_with_qos_is_resized_in_place(
-    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
-) -> None:
+def test_a_grown_file_volume_with_qos_is_resized_in_place(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     """The top node is the throttle node; a file node sees its file grow, so no swap is needed."""
     serial = virtio_serial(vol(0x81))
     ids = disk_ids(serial)
     conn = FileConnection(path=str(volume))
-    driver.attach("guest1", conn, serial, qos=QoS(iops=10_000))
+    driver.attach("guest1", serial, conn, qos=QoS(iops=10_000))
     dev = guest.wait_for_disk(serial)
     assert guest.write_pattern(dev, "qos", 2) == pattern_sha256("qos", 2)
     with volume.open("r+b") as f:
         f.truncate(32 * MIB)
     disk = driver.resize("guest1", serial, conn, 32 * MIB)
-    assert disk.node_name == ids.throttle
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB)
     wait_until(lambda: int(guest.check(f"cat /sys/block/{dev}/size")) * 512 == 32 * MIB, 10, 0.05, what="32 MiB")
-    assert vbs_nodes(vm_dir / "guest1.qmp") == {ids.throttle, ids.raw, ids.proto}
+    assert vbs_nodes(guest.test_qmp_path) == {ids.throttle, ids.raw, ids.proto}
     assert guest.checksum(dev, 2) == pattern_sha256("qos", 2)
     guest.check(f"dd if=/dev/zero of=/dev/{dev} bs=1M seek=31 count=1 oflag=direct")
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
-    assert vbs_nodes(vm_dir / "guest1.qmp") == set() and vbs_objects(vm_dir / "guest1.qmp") == set()
+    assert vbs_nodes(guest.test_qmp_path) == set() and vbs_objects(guest.test_qmp_path) == set()
+
+
+def test_a_grown_nbd_volume_moves_to_its_refreshed_export(
+    driver: QemuDriver, guest: TestGuest, volume: Path, nbd_server: Callable[..., NbdConnection]
+) -> None:
+    """An NBD node keeps its export's size: the disk moves to a second node on the refreshed export."""
+    serial = virtio_serial(vol(0x83))
+    ids = disk_ids(serial)
+    old = nbd_server()
+    driver.attach("guest1", serial, old)
+    dev = guest.wait_for_disk(serial)
+    assert guest.write_pattern(dev, "grow", 2) == pattern_sha256("grow", 2)
+    with volume.open("r+b") as f:
+        f.truncate(32 * MIB)
+    new = nbd_server()  # what the storage node's refresh answers: an export that has the new size
+    disk, took = timed(lambda: driver.resize("guest1", serial, new, 32 * MIB))
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB)
+    wait_until(lambda: int(guest.check(f"cat /sys/block/{dev}/size")) * 512 == 32 * MIB, 10, 0.05, what="32 MiB")
+    assert vbs_nodes(guest.test_qmp_path) == {ids.raw, ids.proto2}
+    assert connector_for(new).qemu_node_opens(node(guest.test_qmp_path, ids.proto2), new)
+    assert driver.resize("guest1", serial, new, 32 * MIB) == disk  # already so: nothing to do
+    assert vbs_nodes(guest.test_qmp_path) == {ids.raw, ids.proto2}
+    assert guest.checksum(dev, 2) == pattern_sha256("grow", 2)
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    assert vbs_nodes(guest.test_qmp_path) == set()
+    print(f"nbd resize {took:.3f}s")
 
 
 def test_detach_removes_both_generations_of_an_interrupted_resize(
-    driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path
+    driver: QemuDriver, guest: TestGuest, volume: Path
 ) -> None:
     serial = virtio_serial(vol(0x82))
     ids = disk_ids(serial)
-    sock = vm_dir / "guest1.qmp"
-    driver.attach("guest1", FileConnection(path=str(volume)), serial)
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
     guest.wait_for_disk(serial)
     # What an agent killed in the middle of a resize leaves: the second generation's node and secret.
-    qmp_execute(sock, "object-add", {"qom-type": "secret", "id": ids.secret2, "data": "x"})
-    qmp_execute(sock, "blockdev-add", {"driver": "null-co", "node-name": ids.proto2, "size": 16 * MIB})
+    guest.qmp("object-add", {"qom-type": "secret", "id": ids.secret2, "data": "x"})
+    guest.qmp("blockdev-add", {"driver": "null-co", "node-name": ids.proto2, "size": 16 * MIB})
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
-    assert vbs_nodes(sock) == set() and vbs_objects(sock) == set()
+    assert vbs_nodes(guest.test_qmp_path) == set() and vbs_objects(guest.test_qmp_path) == set()
+
+
+# -- point-in-time copies ---------------------------------------------------------------------------
+
+
+def test_a_copy_holds_the_disk_as_it_was_when_it_started_while_the_guest_writes(
+    driver: QemuDriver, guest: TestGuest, volume: Path, snapshot_target: SnapshotTarget
+) -> None:
+    serial = virtio_serial(vol(0x90))
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
+    dev = guest.wait_for_disk(serial)
+    assert guest.write_pattern(dev, "before", 8) == pattern_sha256("before", 8)
+    target, snapshot = snapshot_target()
+
+    first, start_s = timed(lambda: driver.ensure_copy("guest1", serial, SNAP, target))
+    assert first.state == "copying" and 0 <= first.progress < 100
+    # The guest overwrites what is being copied: QEMU copies each old block out before the write.
+    _, write_s = timed(lambda: guest.write_pattern(dev, "after", 8))
+    status, wait_s = timed(lambda: wait_copy(driver, "guest1", serial, target))
+    assert (status.state, status.progress, status.size_bytes) == ("ready", 100, 16 * MIB)
+
+    assert snapshot.read_bytes() == pattern_bytes("before", 8) + bytes(8 * MIB)
+    assert volume.read_bytes()[: 8 * MIB] == pattern_bytes("after", 8)
+    cids = copy_ids(serial, SNAP)
+    # The target is closed once the copy is complete; the finished job stays as its record.
+    assert vbs_nodes(guest.test_qmp_path) == {disk_ids(serial).raw, disk_ids(serial).proto}
+    assert [(j["id"], j["status"]) for j in jobs(guest.test_qmp_path)] == [(cids.job, "concluded")]
+    assert driver.ensure_copy("guest1", serial, SNAP, target).state == "ready"  # not a second copy
+
+    driver.remove_copy("guest1", serial, SNAP)
+    driver.remove_copy("guest1", serial, SNAP)
+    assert jobs(guest.test_qmp_path) == []
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    assert vbs_nodes(guest.test_qmp_path) == set() and vbs_objects(guest.test_qmp_path) == set()
+    print(f"copy started in {start_s:.3f}s; the guest wrote 8 MiB during it in {write_s:.2f}s; "
+          f"the copy was ready {wait_s:.2f}s later")
+
+
+def test_detach_during_a_copy_cancels_the_copy(
+    driver: QemuDriver, guest: TestGuest, volume: Path, snapshot_target: SnapshotTarget,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    serial = virtio_serial(vol(0x91))
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
+    dev = guest.wait_for_disk(serial)
+    guest.write_pattern(dev, "data", 12)
+    target, _ = snapshot_target()
+    assert driver.ensure_copy("guest1", serial, SNAP, target).state == "copying"
+    with pytest.raises(IncorrectState, match="copy"):
+        driver.resize("guest1", serial, FileConnection(path=str(volume)), 32 * MIB)
+
+    _, detach_s = timed(lambda: driver.detach("guest1", serial))
+    guest.wait_disk_gone(serial)
+    assert "cancelled by its detach" in caplog.text
+    assert jobs(guest.test_qmp_path) == []
+    assert vbs_nodes(guest.test_qmp_path) == set() and vbs_objects(guest.test_qmp_path) == set()
+    with pytest.raises(NotFound):
+        driver.ensure_copy("guest1", serial, SNAP, target)
+    driver.remove_copy("guest1", serial, SNAP)
+    print(f"detach with a copy running took {detach_s:.2f}s")
+
+
+def test_a_copy_whose_target_fails_answers_qemus_reason_until_removed(
+    driver: QemuDriver, guest: TestGuest, volume: Path, snapshot_target: SnapshotTarget
+) -> None:
+    serial = virtio_serial(vol(0x94))
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
+    dev = guest.wait_for_disk(serial)
+    guest.write_pattern(dev, "data", 4)
+    target, _ = snapshot_target(failing=True)
+    status = wait_copy(driver, "guest1", serial, target)
+    assert status.state == "error" and "Input/output error" in (status.error or "")
+    assert driver.ensure_copy("guest1", serial, SNAP, target) == status  # its instant is lost: no retry
+    assert vbs_nodes(guest.test_qmp_path) == {disk_ids(serial).raw, disk_ids(serial).proto}  # target closed
+    driver.remove_copy("guest1", serial, SNAP)
+    assert jobs(guest.test_qmp_path) == []
+
+    # A target node without its job (a call stopped between the two): the copy's instant is unknown.
+    guest.qmp("blockdev-add", {"driver": "null-co", "node-name": copy_ids(serial, SNAP).target.proto,
+                               "size": 16 * MIB})
+    assert driver.ensure_copy("guest1", serial, SNAP, target).state == "error"
+    driver.remove_copy("guest1", serial, SNAP)
+    assert vbs_nodes(guest.test_qmp_path) == {disk_ids(serial).raw, disk_ids(serial).proto}
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+
+
+def test_a_copy_into_a_target_of_the_wrong_size_fails_and_leaves_nothing(
+    driver: QemuDriver, guest: TestGuest, volume: Path, tmp_path: Path
+) -> None:
+    serial = virtio_serial(vol(0x92))
+    driver.attach("guest1", serial, FileConnection(path=str(volume)))
+    guest.wait_for_disk(serial)
+    small = empty_file(tmp_path / "small.raw", 8 * MIB)
+    with pytest.raises(DriverError, match="different sizes"):
+        driver.ensure_copy("guest1", serial, SNAP, FileConnection(path=str(small)))
+    assert jobs(guest.test_qmp_path) == []
+    assert vbs_nodes(guest.test_qmp_path) == {disk_ids(serial).raw, disk_ids(serial).proto}
+
+    # A copy into a local file works the same way; a copy of a disk that is not attached does not.
+    right = empty_file(tmp_path / "right.raw", 16 * MIB)
+    assert wait_copy(driver, "guest1", serial, FileConnection(path=str(right))).state == "ready"
+    driver.remove_copy("guest1", serial, SNAP)
+    with pytest.raises(NotFound) as raised:
+        driver.ensure_copy("guest1", virtio_serial(vol(0x93)), SNAP, FileConnection(path=str(right)))
+    assert raised.value.code == "InvalidAttachment.NotFound"
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)

@@ -88,8 +88,8 @@ def test_an_orphan_export_and_an_orphan_disk_are_removed(cluster: tuple[Services
     vol_id = available_volume(svc)
     host = svc.vbs.http.get("/v1/hosts").json()["hosts"][0]
     with agent(svc) as a:
-        r = a.put(f"/v1/exports/{vol_id}/hosts/host-1", json={
-            "pool": "default", "host": {"name": "host-1", "address": host["address"]}})
+        r = a.put(f"/v1/pools/default/volumes/{vol_id}/connections/host-1", json={
+            "host": {"name": "host-1", "address": host["address"]}})
         assert r.status_code == 200, r.text
         connection = r.json()["connection"]
     serial = ids.virtio_serial(vol_id)
@@ -101,9 +101,10 @@ def test_an_orphan_export_and_an_orphan_disk_are_removed(cluster: tuple[Services
     report = svc.vbs.http.post("/v1/admin/reconcile?now=true").json()
     assert {f["action"] for f in report["findings"] if f["resource_id"] == vol_id} == {"repaired"}
     with agent(svc) as a:
-        assert a.get("/v1/exports").json() == []
+        assert a.get("/v1/exports").json() == {"exports": []}
     disks = httpx.get(f"{host['url']}/v1/vms/vm1/disks", headers={"authorization": "Bearer test-token"}).json()
-    assert disks == [] or all(d["serial"] != serial or d["node_name"] for d in disks)
+    # A bare VM never acknowledges an unplug: what stays of the disk has no connection any more.
+    assert all(not d["connected"] for d in disks["disks"] if d["serial"] == serial)
 
 
 def test_a_lost_export_of_an_attached_volume_is_recreated(cluster: tuple[Services, Path]) -> None:
@@ -119,6 +120,6 @@ def test_a_lost_export_of_an_attached_volume_is_recreated(cluster: tuple[Service
         state.unlink()
     svc.start_agent()
     wait_until(lambda: agent(svc).get("/health").status_code == 200, 30, what="agent listening")
-    wait_until(lambda: [e["volume_id"] for e in agent(svc).get("/v1/exports").json()] == [vol_id], 30,
+    wait_until(lambda: [e["key"] for e in agent(svc).get("/v1/exports").json()["exports"]] == [vol_id], 30,
                what="export re-created by reconciliation")
     assert check(svc)["clean"]

@@ -12,12 +12,22 @@ from pydantic import ValidationError
 
 from vbs import ids
 from vbs.controller import filters
-from vbs.controller.db import Base, Database, Volume
+from vbs.controller.db import Attachment, Base, Database, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import CreateSnapshotRequest, CreateVolumeRequest
-from vbs.controller.states import VOLUME_TRANSITIONS, VolumeState, volume_sources
-from vbs.controller.transitions import transition
+from vbs.controller.states import (
+    ATTACHMENT_TRANSITIONS,
+    SNAPSHOT_TRANSITIONS,
+    VOLUME_TRANSITIONS,
+    AttachmentState,
+    SnapshotState,
+    VolumeState,
+    sources,
+)
+from vbs.controller.transitions import transition, try_transition
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
@@ -49,16 +59,49 @@ def test_migrations_build_exactly_the_models(db: Database) -> None:
 def test_transition_moves_only_from_an_allowed_state(db: Database) -> None:
     vid = add_volume(db, "available")
     with db.session() as s:
-        transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.DELETING)
+        transition(s, Volume, vid, VolumeState.DELETING)
     assert status_of(db, vid) == "deleting"
     with pytest.raises(IncorrectState, match="'deleting'"), db.session() as s:
-        transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.IN_USE)
+        transition(s, Volume, vid, VolumeState.IN_USE)
     assert status_of(db, vid) == "deleting"
+
+
+def test_the_state_table_refuses_a_change_it_does_not_allow(db: Database) -> None:
+    vid = add_volume(db, "in-use")
+    # A caller that asks for a move the table forbids is a bug, refused before any SQL runs.
+    with pytest.raises(ValueError, match="may not go from"), db.session() as s:
+        transition(s, Volume, vid, VolumeState.DELETING, from_states=[VolumeState.IN_USE])
+    # Without from_states the table decides, and an in-use volume is never deleted.
+    with pytest.raises(IncorrectState, match="'in-use'; this needs it to be available or error"), db.session() as s:
+        transition(s, Volume, vid, VolumeState.DELETING)
+    with db.session() as s:
+        assert not try_transition(s, Volume, vid, VolumeState.CREATING)
+    assert status_of(db, vid) == "in-use"
+
+
+def test_attachments_and_snapshots_follow_their_tables_too(db: Database) -> None:
+    vid = add_volume(db, "in-use")
+    now = utcnow()
+    with db.session() as s:
+        s.add(Attachment(id="att-0123456789abcdef0", volume_id=vid, instance_id=None, host="h", vm_id="vm",
+                         device="vdb", mode="rw", status="attaching", created_at=now, updated_at=now))
+        s.add(Snapshot(id="snap-0123456789abcdef0", volume_id=vid, volume_size_gib=1, comment="", storage_node="n",
+                       pool="p", status="pending", progress=0, started_at=now, updated_at=now))
+    with pytest.raises(IncorrectState, match="'attaching'"), db.session() as s:
+        transition(s, Attachment, "att-0123456789abcdef0", AttachmentState.DETACHING)  # detach before attached
+    with db.session() as s:
+        transition(s, Attachment, "att-0123456789abcdef0", AttachmentState.ATTACHED)
+        transition(s, Attachment, "att-0123456789abcdef0", AttachmentState.DETACHING)
+    with pytest.raises(IncorrectState), db.session() as s:
+        transition(s, Snapshot, "snap-0123456789abcdef0", SnapshotState.DELETING)  # still pending
+    with pytest.raises(NotFound) as err, db.session() as s:
+        transition(s, Attachment, "att-0123456789abcdef1", AttachmentState.DETACHED)
+    assert err.value.code == "InvalidAttachment.NotFound"
 
 
 def test_transition_of_an_unknown_row_is_not_found(db: Database) -> None:
     with pytest.raises(NotFound) as err, db.session() as s:
-        transition(s, Volume, "vol-0123456789abcdef0", [VolumeState.AVAILABLE], VolumeState.DELETING)
+        transition(s, Volume, "vol-0123456789abcdef0", VolumeState.DELETING)
     assert err.value.code == "InvalidVolume.NotFound"
 
 
@@ -72,7 +115,7 @@ def test_of_racing_transitions_exactly_one_wins(db: Database) -> None:
         barrier.wait()
         try:
             with db.session() as s:
-                transition(s, Volume, vid, [VolumeState.AVAILABLE], VolumeState.DELETING)
+                transition(s, Volume, vid, VolumeState.DELETING)
             result = "won"
         except IncorrectState:
             result = "lost"
@@ -88,9 +131,12 @@ def test_of_racing_transitions_exactly_one_wins(db: Database) -> None:
 
 
 def test_state_table_matches_ebs() -> None:
-    assert volume_sources(VolumeState.DELETING) == {VolumeState.AVAILABLE, VolumeState.ERROR}
+    assert sources(VOLUME_TRANSITIONS, VolumeState.DELETING) == {VolumeState.AVAILABLE, VolumeState.ERROR}
     assert VOLUME_TRANSITIONS[VolumeState.DELETED] == frozenset()
-    assert VolumeState.IN_USE not in volume_sources(VolumeState.DELETING), "attached volumes are never deleted"
+    assert VolumeState.IN_USE not in sources(VOLUME_TRANSITIONS, VolumeState.DELETING), "attached: never deleted"
+    assert SNAPSHOT_TRANSITIONS[SnapshotState.DELETED] == frozenset()
+    assert sources(ATTACHMENT_TRANSITIONS, AttachmentState.DETACHING) == {AttachmentState.ATTACHED,
+                                                                          AttachmentState.BUSY}
 
 
 def test_ids_are_ebs_shaped_and_checked() -> None:

@@ -1,7 +1,7 @@
 """The test guest: built from Debian's packages, booted under QEMU (TCG), it reports hot-plugged disks.
 
-One guest is booted for the module; disks are hot-plugged with plain QMP commands (not the VBS driver)
-so that this proves the guest itself.
+One guest is booted for the module; disks are hot-plugged with plain QMP commands on the guest's test
+monitor (not the VBS driver) so that this proves the guest itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vbs.ids import virtio_serial
+from vbs.qmp import QmpClient
 from vbs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.testguest.build import MODULES
 
@@ -61,6 +62,23 @@ def test_guest_boots_and_runs_commands_with_exit_status(guest: TestGuest) -> Non
     rc, out = guest.run("ls /sys/module")
     assert rc == 0 and "virtio_blk" in out.split()
     assert "VBS-READY" in guest.console_log.read_text()
+
+
+def test_a_long_command_runs_in_the_background_while_others_run(guest: TestGuest) -> None:
+    started = time.monotonic()
+    writer = guest.run_background("i=0; while [ $i -lt 3 ]; do sleep 1; i=$((i+1)); done; echo wrote $i", timeout=30)
+    assert guest.run("echo beside") == (0, "beside\n")
+    assert time.monotonic() - started < 2 and not writer.done()
+    assert writer.result(timeout=30) == (0, "wrote 3\n")
+    assert 2.9 < time.monotonic() - started < 15
+
+
+def test_the_guest_has_a_test_monitor_beside_the_one_the_host_agent_holds(guest: TestGuest) -> None:
+    assert guest.test_qmp_path != guest.qmp_path and guest.test_qmp_path.parent == guest.workdir
+    with QmpClient(guest.qmp_path, name="host-agent") as agent:  # holds the main monitor, as the driver does
+        assert agent.execute("query-name") == {"name": "tg1"}
+        assert guest.qmp("query-status")["running"] is True
+        assert guest.qmp("query-name") == {"name": "tg1"}
 
 
 def test_hot_plugged_disk_is_seen_with_its_serial_written_and_unplugged(guest: TestGuest, tmp_path: Path) -> None:

@@ -5,14 +5,23 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
 
 from tests.conftest import wait_until
 from vbs.controller.db import Database, Operation, OperationStep
-from vbs.controller.workflows import Step, StepContext, Workflow, WorkflowEngine
-from vbs.errors import AgentUnavailable, DriverError
+from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
+from vbs.errors import AgentUnavailable, DriverError, IncorrectState
+
+pytestmark = pytest.mark.unit
+
+VOLUME = "vol-0123456789abcdef0"
+
+
+class Seen(Params):
+    seen: list[str] = []
 
 
 class Recorder:
@@ -28,7 +37,7 @@ class Recorder:
                 self.calls.append(f"do:{name}")
             if name in self.fail:
                 raise DriverError(f"{name} failed")
-            ctx.params.setdefault("seen", []).append(name)
+            ctx.params.seen.append(name)
 
         def undo(ctx: StepContext) -> None:
             with self.lock:
@@ -36,9 +45,9 @@ class Recorder:
 
         return Step(name, do, undo)
 
-    def workflow(self, kind: str, resume: str, names: list[str]) -> Workflow:
-        return Workflow(kind, resume, tuple(self.step(n) for n in names),  # type: ignore[arg-type]
-                        on_rollback=lambda ctx, reason: self.rolled_back.append(reason))
+    def workflow(self, kind: str, resume: str, names: list[str], **extra: Any) -> Workflow[Seen]:
+        return Workflow(kind, Seen, resume, tuple(self.step(n) for n in names),  # type: ignore[arg-type]
+                        on_rollback=lambda ctx, reason: self.rolled_back.append(reason), **extra)
 
 
 @pytest.fixture
@@ -48,9 +57,9 @@ def db(tmp_path: Path) -> Database:
     return d
 
 
-def start_op(engine: WorkflowEngine, db: Database, kind: str) -> str:
+def start_op(engine: WorkflowEngine, db: Database, kind: str, resource: str = VOLUME) -> str:
     with db.session() as s:
-        op_id = engine.begin(s, kind, "vol-0123456789abcdef0", {})
+        op_id = engine.begin(s, kind, resource, Seen())
     return op_id
 
 
@@ -74,7 +83,7 @@ def test_steps_run_in_order_and_are_recorded_done(db: Database) -> None:
     assert op_status(db, op_id) == "succeeded"
     assert step_states(db, op_id) == ["done", "done", "done"]
     with db.session() as s:
-        assert s.get(Operation, op_id).params["seen"] == ["a", "b", "c"]  # type: ignore[union-attr]
+        assert s.get(Operation, op_id).params == {"seen": ["a", "b", "c"]}  # type: ignore[union-attr]
 
 
 def test_a_failed_step_undoes_it_and_every_earlier_step_in_reverse(db: Database) -> None:
@@ -124,12 +133,12 @@ def test_an_interrupted_forward_workflow_finishes_at_restart(db: Database) -> No
 def test_a_forward_workflow_retries_until_its_agent_answers(db: Database) -> None:
     attempts: list[float] = []
 
-    def flaky(ctx: StepContext) -> None:
+    def flaky(ctx: StepContext[Seen]) -> None:
         attempts.append(time.monotonic())
         if len(attempts) < 3:
             raise AgentUnavailable("agent down")
 
-    wf = Workflow("w", "forward", (Step("flaky", flaky),))
+    wf = Workflow("w", Seen, "forward", (Step("flaky", flaky),))
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.1)
     engine.start()
     op_id = start_op(engine, db, "w")
@@ -145,11 +154,11 @@ def test_an_operation_runs_once_even_if_submitted_twice(db: Database) -> None:
     gate = threading.Event()
     runs: list[int] = []
 
-    def slow(ctx: StepContext) -> None:
+    def slow(ctx: StepContext[Seen]) -> None:
         runs.append(1)
         gate.wait(5)
 
-    engine = WorkflowEngine(db, [Workflow("w", "rollback", (Step("slow", slow),))], None)
+    engine = WorkflowEngine(db, [Workflow("w", Seen, "rollback", (Step("slow", slow),))], None)  # type: ignore[arg-type]
     op_id = start_op(engine, db, "w")
     engine.submit(op_id)
     wait_until(lambda: runs, 5)
@@ -174,7 +183,7 @@ def test_begin_is_part_of_the_callers_transaction(db: Database) -> None:
     rec = Recorder()
     engine = WorkflowEngine(db, [rec.workflow("w", "rollback", ["a"])], None)
     with pytest.raises(RuntimeError), db.session() as s:
-        engine.begin(s, "w", "vol-0123456789abcdef0", {})
+        engine.begin(s, "w", VOLUME, Seen())
         raise RuntimeError("the caller's transaction fails")
     with db.session() as s:
         assert s.scalars(select(Operation)).all() == []
@@ -200,7 +209,7 @@ def test_a_rollback_workflow_whose_steps_all_finished_is_not_undone_at_restart(d
 
 def test_a_rollback_workflow_whose_resource_is_final_finishes_at_restart(db: Database) -> None:
     rec = Recorder()
-    wf = Workflow("w", "rollback", (rec.step("a"), rec.step("b")), finished=lambda ctx: True)
+    wf = rec.workflow("w", "rollback", ["a", "b"], finished=lambda ctx: True)
     engine = WorkflowEngine(db, [wf], None)
     op_id = start_op(engine, db, "w")
     # The last step (a DB transition) ran, but the controller died before recording it done.
@@ -212,3 +221,158 @@ def test_a_rollback_workflow_whose_resource_is_final_finishes_at_restart(db: Dat
     wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="finished")
     restarted.stop()
     assert rec.calls == []
+
+
+# -- nothing retries forever ---------------------------------------------------------------------
+
+
+def test_a_forward_step_that_keeps_failing_ends_failed_with_its_reason(db: Database) -> None:
+    ended: list[str] = []
+
+    def down(ctx: StepContext[Seen]) -> None:
+        raise AgentUnavailable("storage node gone")
+
+    wf = Workflow("w", Seen, "forward", (Step("down", down),), on_give_up=lambda ctx, why: ended.append(why))
+    engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.5)  # type: ignore[arg-type]
+    engine.start()
+    op_id = start_op(engine, db, "w")
+    engine.submit(op_id)
+    wait_until(lambda: op_status(db, op_id) == "failed", 20, what="give up")
+    engine.stop()
+    with db.session() as s:
+        op = s.get(Operation, op_id)
+        assert op is not None and op.next_attempt_at is None and op.failing_since is None
+        assert op.error is not None and "gave up" in op.error and "storage node gone" in op.error
+    assert len(ended) == 1 and "storage node gone" in ended[0]
+
+
+def test_a_skippable_step_is_left_out_once_its_retries_are_exhausted(db: Database) -> None:
+    rec = Recorder()
+
+    def down(ctx: StepContext[Seen]) -> None:
+        raise AgentUnavailable("host gone")
+
+    wf = Workflow("w", Seen, "forward", (Step("host", down, skippable=lambda ctx: True), rec.step("storage")))
+    engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.3)  # type: ignore[arg-type]
+    engine.start()
+    op_id = start_op(engine, db, "w")
+    engine.submit(op_id)
+    wait_until(lambda: op_status(db, op_id) == "succeeded", 20, what="skip")
+    engine.stop()
+    assert step_states(db, op_id) == ["skipped", "done"]
+    assert rec.calls == ["do:storage"]
+
+
+def test_an_undo_that_keeps_failing_is_abandoned_and_the_rest_is_undone(db: Database) -> None:
+    rec = Recorder()
+    rec.fail = {"c"}
+
+    def undo_unreachable(ctx: StepContext[Seen]) -> None:
+        raise AgentUnavailable("host gone")
+
+    wf = Workflow("w", Seen, "rollback",
+                  (rec.step("a"), Step("b", lambda ctx: None, undo=undo_unreachable), rec.step("c")),
+                  on_rollback=lambda ctx, reason: rec.rolled_back.append(reason))
+    engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.3)  # type: ignore[arg-type]
+    engine.start()
+    op_id = start_op(engine, db, "w")
+    engine.submit(op_id)
+    wait_until(lambda: op_status(db, op_id) == "failed", 20, what="rollback to end")
+    engine.stop()
+    assert step_states(db, op_id) == ["undone", "abandoned", "undone"]
+    assert rec.calls.count("undo:a") == 1 and rec.rolled_back == ["c failed"]
+    with db.session() as s:
+        error = s.get(Operation, op_id).error  # type: ignore[union-attr]
+    assert error is not None and "could not undo b" in error
+
+
+# -- operations that exclude each other ------------------------------------------------------------
+
+
+def test_one_unfinished_exclusive_operation_per_resource(db: Database) -> None:
+    rec = Recorder()
+    engine = WorkflowEngine(db, [rec.workflow("delete-volume", "forward", ["a"]),  # type: ignore[arg-type]
+                                 rec.workflow("modify-volume", "forward", ["a"]),
+                                 rec.workflow("create-snapshot", "rollback", ["a"])], None)
+    first = start_op(engine, db, "modify-volume")
+    with pytest.raises(IncorrectState, match=f"modify-volume in progress \\({first}\\)"):
+        start_op(engine, db, "delete-volume")
+    with pytest.raises(IncorrectState):
+        start_op(engine, db, "modify-volume")
+    # Another resource, and kinds that may overlap, are not held up.
+    start_op(engine, db, "delete-volume", resource="vol-0123456789abcdef1")
+    start_op(engine, db, "create-snapshot")
+    start_op(engine, db, "create-snapshot")
+    engine.run_now(first)
+    assert op_status(db, start_op(engine, db, "delete-volume")) == "running"
+
+
+def test_the_unique_index_itself_refuses_a_second_exclusive_operation(db: Database) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    from vbs.controller.db.tables import utcnow
+
+    def row(op_id: str) -> Operation:
+        now = utcnow()
+        return Operation(id=op_id, kind="delete-volume", resource_id=VOLUME, status="running", exclusive=True,
+                         params={}, attempts=0, created_at=now, updated_at=now)
+
+    with db.session() as s:
+        s.add(row("op-00000000000000001"))
+    with pytest.raises(IntegrityError), db.session() as s:
+        s.add(row("op-00000000000000002"))
+
+
+# -- parameters, memo, holds, purge ------------------------------------------------------------------
+
+
+def test_params_are_typed_and_the_memo_is_never_persisted(db: Database) -> None:
+    class Attach(Params):
+        host: str
+
+    seen: list[str] = []
+
+    def export(ctx: StepContext[Attach]) -> None:
+        ctx.memo["connection"] = "chap-secret-s3cr3t"
+
+    def plug(ctx: StepContext[Attach]) -> None:
+        seen.append(f"{ctx.params.host}:{ctx.memo['connection']}")
+
+    wf = Workflow("attach-volume", Attach, "rollback", (Step("export", export), Step("plug", plug)))
+    engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
+    with db.session() as s:
+        op_id = engine.begin(s, "attach-volume", VOLUME, Attach(host="host-1"))
+        with pytest.raises(TypeError):
+            engine.begin(s, "attach-volume", VOLUME, Seen())
+    engine.run_now(op_id)
+    assert seen == ["host-1:chap-secret-s3cr3t"]
+    with db.session() as s:
+        op = s.get(Operation, op_id)
+        assert op is not None and op.params == {"host": "host-1"}
+        assert "s3cr3t" not in repr(op.params) and "s3cr3t" not in (op.error or "")
+
+
+def test_a_held_step_waits_until_released(db: Database) -> None:
+    rec = Recorder()
+    engine = WorkflowEngine(db, [rec.workflow("w", "forward", ["a", "b"])], None)
+    engine.hold("w", "b")
+    op_id = start_op(engine, db, "w")
+    engine.submit(op_id)
+    wait_until(lambda: engine.held("w", "b"), 10, what="hold reached")
+    assert rec.calls == ["do:a"] and op_status(db, op_id) == "running"
+    engine.release("w", "b")
+    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="released")
+    engine.stop()
+    assert rec.calls == ["do:a", "do:b"]
+
+
+def test_finished_operations_are_purged_with_their_steps_after_the_retention(db: Database) -> None:
+    rec = Recorder()
+    engine = WorkflowEngine(db, [rec.workflow("w", "forward", ["a"])], None)
+    done, running = start_op(engine, db, "w"), start_op(engine, db, "w", resource="vol-0123456789abcdef1")
+    engine.run_now(done)
+    assert engine.purge(3600) == 0
+    assert engine.purge(0) == 1
+    with db.session() as s:
+        assert s.get(Operation, done) is None and s.get(Operation, running) is not None
+        assert s.scalars(select(OperationStep).where(OperationStep.operation_id == done)).all() == []

@@ -41,7 +41,6 @@ What must hold (``expected`` = attachments ``attached`` or ``busy``):
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sqlite3
@@ -53,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from qemu.qmp import QMPClient
 
 from tests.conftest import Services, wait_until
+from vbs.qmp import QmpClient
 from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
 
 GIB = 1 << 30
@@ -245,17 +244,10 @@ def tgtadm(control: int, socket_base: str, *args: str) -> str:
 
 
 def qmp_many(socket: Path, commands: list[tuple[str, dict[str, Any] | None]], timeout: float = 10.0) -> list[Any]:
-    """Run several QMP commands in one session on a monitor socket."""
-
-    async def session() -> list[Any]:
-        client = QMPClient("vbs-world-check")
-        await asyncio.wait_for(client.connect(str(socket)), timeout)
-        try:
-            return [await asyncio.wait_for(client.execute(cmd, args), timeout) for cmd, args in commands]
-        finally:
-            await client.disconnect()
-
-    return asyncio.run(session())
+    """Run several QMP commands in one session on a monitor socket (a VM's test monitor: the host agent
+    holds its main one)."""
+    with QmpClient(socket, name="vbs-world-check", connect_timeout=timeout, timeout=timeout) as client:
+        return [client.execute(cmd, args) for cmd, args in commands]
 
 
 @dataclass
@@ -373,7 +365,7 @@ def _check_pool(spec: WorldSpec, db: Db, v: Verdict) -> None:
                 v.add(f"{kind}/{name} has {have[name]} bytes, the DB says {files[name]}")
     try:
         inv = httpx.get(f"{spec.agent_url}/v1/inventory", headers={"authorization": f"Bearer {spec.agent_token}"},
-                        timeout=30).json()
+                        timeout=30).json()["pools"]
     except httpx.HTTPError as exc:
         v.add(f"storage agent inventory unreadable: {exc!r}")
         return
@@ -398,8 +390,8 @@ def _check_exports(spec: WorldSpec, db: Db, v: Verdict) -> Exports:
     want_files = {f"volumes/{vol}.raw" for vol, _ in expected}
     try:
         agent = httpx.get(f"{spec.agent_url}/v1/exports", headers={"authorization": f"Bearer {spec.agent_token}"},
-                          timeout=30).json()
-        agent_view = {(e["volume_id"], e["host"]) for e in agent}
+                          timeout=30).json()["exports"]
+        agent_view = {(e["key"], e["host"]) for e in agent}
         if agent_view != expected:
             v.add(f"storage agent lists exports {sorted(agent_view)}, expected {sorted(expected)}")
     except httpx.HTTPError as exc:
@@ -423,13 +415,13 @@ def _check_exports(spec: WorldSpec, db: Db, v: Verdict) -> Exports:
             if not by_volume[vol]:
                 v.add(f"the NBD server serves no export of attached volume {vol}")
         try:
-            state = json.loads((spec.state_dir / "nbd" / "exports.json").read_text())["exports"]
+            items = json.loads((spec.state_dir / "nbd" / "exports.json").read_text())["items"]
         except FileNotFoundError:
-            state = []
-        desired = {(e["volume_id"], e["host"]): e["name"] for e in state}
+            items = []
+        state = [(item["key"], e["host"], e["gen"], e["name"]) for item in items for e in item["exports"]]
+        desired = {(key, host): name for key, host, _gen, name in state}
         if set(desired) != expected or len(state) != len(desired):
-            v.add(f"the agent's desired NBD exports {sorted((e['volume_id'], e['host'], e['gen']) for e in state)} "
-                  f"differ from {sorted(expected)}")
+            v.add(f"the agent's desired NBD exports {sorted(x[:3] for x in state)} differ from {sorted(expected)}")
         for key, name in desired.items():
             if name not in served:
                 v.add(f"desired NBD export {name} of {key} is not served")

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vbs.errors import InvalidParameter
 
 DEFAULT_CONTROLLER_PORT = 8770
+DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 
 
 class _Section(BaseModel):
@@ -36,6 +37,10 @@ class ControllerConfig(_Section):
     max_volume_gib: int = Field(16384, ge=1)
     overcommit_ratio: float = Field(4.0, gt=0)
     retry_interval_s: float = Field(2.0, gt=0)
+    # A step (or an undo) that keeps failing is retried with back-off this long at most; then its
+    # operation ends failed, with the resource in a stable state and the reason (never stuck).
+    give_up_after_s: float = Field(600.0, gt=0)
+    operation_retention_s: int = Field(7 * 86400, ge=0)
     detach_timeout_s: float = Field(10.0, gt=0, le=600)
     reconcile_interval_s: float = Field(30.0, gt=0)
     orphan_grace_s: float = Field(120.0, ge=0)
@@ -47,19 +52,28 @@ class ControllerConfig(_Section):
     availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
 
 
-class StorageAgentConfig(_Section):
+class _AgentSection(_Section):
+    """What every agent has: where it listens, its node name, its controller and their shared token.
+    Settings of drivers that are not VBS's own go in ``options.<driver name>``."""
+
     host: str = "127.0.0.1"
-    port: int = Field(8771, ge=1, le=65535)
-    node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
     controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
     advertise_url: str | None = None
     agent_token: str | None = None
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class StorageAgentConfig(_AgentSection):
+    port: int = Field(8771, ge=1, le=65535)
+    node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
     pool_name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
     pool_path: Path = Path("./var/pool")
     clone_method: Literal["reflink", "copy"] | None = None
     heartbeat_interval_s: float = Field(5.0, gt=0)
     state_dir: Path = Path("./var/storage-state")
-    export: Literal["nbd", "iscsi"] = "nbd"
+    # Drivers by their registered names (vbs.drivers).
+    backend: str = Field("file", pattern=DRIVER_NAME_RE)
+    export: str = Field("nbd", pattern=DRIVER_NAME_RE)
     export_host: str = "127.0.0.1"
     nbd_port: int = Field(10809, ge=1, le=65535)
     nbd_tls: bool = False
@@ -67,18 +81,15 @@ class StorageAgentConfig(_Section):
     iscsi_control: int = Field(7, ge=0, le=32767)
 
 
-class HostAgentConfig(_Section):
-    host: str = "127.0.0.1"
+class HostAgentConfig(_AgentSection):
     port: int = Field(8772, ge=1, le=65535)
     node_name: str = Field("host-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
-    controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
-    advertise_url: str | None = None
-    agent_token: str | None = None
     address: str = "127.0.0.1"
     initiator_name: str | None = None
     vm_dir: Path = Path("./var/vms")
     heartbeat_interval_s: float = Field(2.0, gt=0)
     qmp_timeout_s: float = Field(10.0, gt=0)
+    hypervisor: str = Field("qemu", pattern=DRIVER_NAME_RE)
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

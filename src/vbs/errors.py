@@ -1,10 +1,15 @@
 """The one error hierarchy of VBS.
 
 Every error carries the EBS/EC2 error code and the HTTP status the API edge answers with. Code below
-the API raises these; the REST and agent edges map them to responses in exactly one place.
+the API raises these; the REST and agent edges map them to responses in exactly one place
+(``vbs.web``). Errors keep their class across the wire: the body names the class and its fields,
+and ``from_body`` on the caller's side makes the same exception again (``DeviceBusy`` raised in a
+host agent arrives as ``DeviceBusy`` in the controller).
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 __all__ = [
     "VbsError",
@@ -14,31 +19,67 @@ __all__ = [
     "IncorrectState",
     "VolumeInUse",
     "SnapshotInUse",
+    "DeviceBusy",
+    "PointInTimeUnavailable",
     "IdempotentParameterMismatch",
     "InsufficientCapacity",
     "DriverError",
+    "RetryLater",
     "AgentUnavailable",
     "AgentUnreachable",
     "AuthFailure",
+    "from_body",
 ]
+
+FieldValue = str | int | bool | None
 
 
 class VbsError(Exception):
-    """Root of every error VBS raises on purpose."""
+    """Root of every error VBS raises on purpose.
+
+    ``fields`` are machine-readable details (the VM, the serial…) that travel with the error.
+    """
 
     code = "InternalError"
     status = 500
+    _by_name: ClassVar[dict[str, type[VbsError]]] = {}
 
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
+                 **fields: FieldValue) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
         if status is not None:
             self.status = status
+        self.fields: dict[str, FieldValue] = fields
 
-    def to_body(self) -> dict[str, dict[str, str]]:
-        return {"error": {"code": self.code, "message": self.message}}
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A driver's own error class registers itself the same way, so it survives the wire too.
+        VbsError._by_name.setdefault(cls.__name__, cls)
+
+    def to_body(self) -> dict[str, dict[str, Any]]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "type": type(self).__name__}
+        if self.fields:
+            body["fields"] = self.fields
+        return {"error": body}
+
+
+VbsError._by_name["VbsError"] = VbsError
+
+
+def from_body(error: dict[str, Any], status: int) -> VbsError:
+    """The exception an agent raised, made again from its answer's ``error`` object.
+
+    An unknown type (a newer agent) becomes a ``VbsError`` that still has the code and status.
+    """
+    cls = VbsError._by_name.get(str(error.get("type", "")), VbsError)
+    fields = error.get("fields") or {}
+    exc = cls.__new__(cls)  # subclasses may take other constructor arguments: bypass them
+    VbsError.__init__(exc, str(error.get("message", "")), code=str(error.get("code", cls.code)), status=status,
+                      **{str(k): v for k, v in fields.items() if isinstance(v, str | int | bool) or v is None})
+    return exc
 
 
 class InvalidParameter(VbsError):
@@ -73,6 +114,19 @@ class SnapshotInUse(VbsError):
     status = 409
 
 
+class DeviceBusy(IncorrectState):
+    """The guest did not release an unplugged disk in time (attachment state ``busy``)."""
+
+    code = "DeviceBusy"
+
+
+class PointInTimeUnavailable(IncorrectState):
+    """The storage node cannot take a point-in-time copy of this volume now (a writer it does not
+    control has it open); the hypervisor that writes to it may."""
+
+    code = "PointInTimeUnavailable"
+
+
 class IdempotentParameterMismatch(VbsError):
     code = "IdempotentParameterMismatch"
     status = 409
@@ -88,6 +142,13 @@ class DriverError(VbsError):
 
     code = "DriverError"
     status = 502
+
+
+class RetryLater(VbsError):
+    """Not now, and not a failure: something this depends on is still in progress."""
+
+    code = "RetryLater"
+    status = 503
 
 
 class AgentUnavailable(VbsError):

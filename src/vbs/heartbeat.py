@@ -1,7 +1,8 @@
 """Agents' heartbeat: report what this node has to the controller at once, then every few seconds.
 
-The controller learns of an agent (its URL, pools, VMs, exports) only from this report, so the
-first one is sent as soon as the agent's API listens; a failing controller is retried every second.
+The controller learns of an agent (its URL, pools, VMs, exports, capabilities) only from this
+report, so the first one is sent as soon as the agent's API listens; a failing controller is
+retried every second.
 """
 
 from __future__ import annotations
@@ -9,16 +10,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from vbs.errors import VbsError
 from vbs.web import ApiClient
+from vbs.wire.base import Ack, Wire
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, controller: ApiClient, path: str, report: Callable[[], dict[str, Any]], *,
+    def __init__(self, controller: ApiClient, path: str, report: Callable[[], Wire], *,
                  interval: float, ready: Callable[[], bool] = lambda: True) -> None:
         self._controller = controller
         self._path = path
@@ -29,7 +30,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
-        self._controller.call("POST", self._path, self._report(), timeout=5)
+        self._controller.request("POST", self._path, Ack, self._report(), timeout=5)
 
     def _loop(self) -> None:
         while not self._ready() and not self._stop.wait(0.02):

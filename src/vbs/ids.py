@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Callable
 
 from vbs.errors import InvalidParameter
 
@@ -43,7 +44,25 @@ def check(kind: str, value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def must_be(kind: str) -> Callable[[str], str]:
+    """A pydantic validator for ids of ``kind`` (it raises ``ValueError``, which pydantic reports)."""
+
+    def check_id(value: str) -> str:
+        if not is_valid(kind, value):
+            raise ValueError(f'invalid id {value[:40]!r} (expecting "{PREFIXES[kind]}-" and {_HEX} hex digits)')
+        return value
+
+    return check_id
+
+
 def virtio_serial(volume_id: str) -> str:
     """The virtio-blk serial of a volume: its id without the dash, exactly 20 bytes."""
     check("volume", volume_id)
     return volume_id.replace("-", "", 1)
+
+
+def volume_of_serial(serial: str) -> str | None:
+    """The volume whose virtio serial ``serial`` is, or None for a serial that is not one of ours."""
+    prefix = PREFIXES["volume"]
+    volume_id = f"{prefix}-{serial[len(prefix):]}" if serial.startswith(prefix) else ""
+    return volume_id if is_valid("volume", volume_id) else None

@@ -1,7 +1,8 @@
-"""HTTP plumbing shared by the three services: error mapping, bearer-token auth, agent clients.
+"""HTTP plumbing shared by the three services: error mapping, bearer-token auth, the API client.
 
-The API edge maps ``VbsError`` to ``{"error": {"code", "message"}}`` here and nowhere else, and
-turns request-validation failures into ``InvalidParameterValue`` / ``MissingParameter``.
+The API edge maps ``VbsError`` to ``{"error": {"code", "message", "type", "fields"}}`` here and
+nowhere else, and turns request-validation failures into ``InvalidParameterValue`` /
+``MissingParameter``; ``ApiClient`` turns such a body back into the same exception class.
 """
 
 from __future__ import annotations
@@ -10,18 +11,32 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vbs.errors import AgentUnavailable, AgentUnreachable, AuthFailure, InvalidParameter, MissingParameter, VbsError
+from vbs.errors import (
+    AgentUnavailable,
+    AgentUnreachable,
+    AuthFailure,
+    InvalidParameter,
+    MissingParameter,
+    NotFound,
+    VbsError,
+    from_body,
+)
+
+M = TypeVar("M", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +74,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "NotFound", 405: "MethodNotAllowed", 413: "RequestTooLarge"}.get(exc.status_code, "BadRequest")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+        err: VbsError
+        if exc.status_code == 404:
+            err = NotFound(str(exc.detail))
+        else:
+            code = {405: "MethodNotAllowed", 413: "RequestTooLarge"}.get(exc.status_code, "BadRequest")
+            err = VbsError(str(exc.detail), code=code, status=exc.status_code)
+        return JSONResponse(err.to_body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -151,15 +171,17 @@ def token_checker(token: str | None) -> Callable[[Request], None]:
 
 
 class ApiClient:
-    """A small JSON client for VBS APIs (agents, controller, CLI); errors come back as VbsError."""
+    """A JSON client for VBS APIs (agents, controller, CLI); errors come back as their VbsError class."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout: float = 30.0) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
-    def call(self, method: str, path: str, json: Any = None, *, timeout: float | None = None) -> Any:
-        kwargs: dict[str, Any] = {"json": json}
+    def call(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
+             params: dict[str, str] | None = None) -> Any:
+        """One call with a JSON body; the decoded JSON answer (the CLI's view of the public API)."""
+        kwargs: dict[str, Any] = {"json": json, "params": params}
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
@@ -173,10 +195,24 @@ class ApiClient:
         if resp.status_code >= 400:
             try:
                 err = resp.json()["error"]
-                raise VbsError(str(err["message"]), code=str(err["code"]), status=resp.status_code)
+                if not isinstance(err, dict):
+                    raise TypeError("error is not an object")
             except (ValueError, KeyError, TypeError):
                 raise VbsError(f"{self.base_url}: HTTP {resp.status_code}", status=502) from None
+            raise from_body(err, resp.status_code)
         return resp.json() if resp.content else None
+
+    def request(self, method: str, path: str, answer: type[M], body: BaseModel | None = None, *,
+                timeout: float | None = None, params: dict[str, str] | None = None) -> M:
+        """One typed call: ``body`` is sent as JSON (secrets revealed for the wire), the answer is
+        validated as ``answer``. An answer that is not one is the agent's fault: a DriverError."""
+        payload = body.model_dump(mode="json") if body is not None else None
+        raw = self.call(method, path, payload, timeout=timeout, params=params)
+        try:
+            return answer.model_validate(raw)
+        except ValidationError as exc:
+            raise VbsError(f"{self.base_url}: {method} {path} answered an invalid {answer.__name__}: "
+                           f"{exc.error_count()} problems", status=502) from exc
 
     def close(self) -> None:
         self._http.close()
@@ -223,6 +259,39 @@ class BoundedServer(uvicorn.Server):
                 del self._waiting[proto]
 
 
+def bounded_server(app: Any, host: str, port: int) -> BoundedServer:
+    return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5))
+
+
 def serve(app: Any, host: str, port: int) -> None:
     """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above."""
-    BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5)).run()
+    bounded_server(app, host, port).run()
+
+
+def serve_agent(app: FastAPI, host: str, port: int, *, heartbeat: Callable[[BoundedServer], Any],
+                shutdown: Callable[[], None]) -> None:
+    """Serve an agent's ``app`` until SIGINT/SIGTERM: its heartbeat starts once the API listens,
+    ``shutdown`` runs once at the end (uvicorn re-raises the signal after its own shutdown, so the
+    clean-up runs in the lifespan's exit, and again, harmlessly, in ``finally``)."""
+    server = bounded_server(app, host, port)
+    beat = heartbeat(server)
+    done = threading.Event()
+
+    def stop() -> None:
+        if done.is_set():
+            return
+        done.set()
+        beat.stop()
+        shutdown()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        stop()
+
+    app.router.lifespan_context = lifespan
+    beat.start()
+    try:
+        server.run()
+    finally:
+        stop()

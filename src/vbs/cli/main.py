@@ -391,7 +391,8 @@ def storage_agent(
     pool_path: Annotated[Path | None, typer.Option()] = None,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
-    export: Annotated[str | None, typer.Option(help="nbd | iscsi")] = None,
+    backend: Annotated[str | None, typer.Option(help="Backend driver by name (default: file).")] = None,
+    export: Annotated[str | None, typer.Option(help="Export driver by name: nbd | iscsi.")] = None,
     nbd_port: Annotated[int | None, typer.Option()] = None,
     iscsi_port: Annotated[int | None, typer.Option()] = None,
     iscsi_control: Annotated[int | None, typer.Option(help="tgtd control number (-C).")] = None,
@@ -405,7 +406,8 @@ def storage_agent(
     logs.setup("storage-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
-        "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "export": export,
+        "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
+        "export": export,
         "nbd_port": nbd_port, "iscsi_port": iscsi_port, "iscsi_control": iscsi_control})
     serve(cfg)
 
@@ -419,6 +421,7 @@ def host_agent(
     controller_url: Annotated[str | None, typer.Option()] = None,
     vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
+    hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run a host agent (hot-plug into the VMs of one hypervisor node)."""
@@ -429,7 +432,7 @@ def host_agent(
     logs.setup("host-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
-        "address": address})
+        "address": address, "hypervisor": hypervisor})
     serve(cfg)
 
 
@@ -443,10 +446,11 @@ def up(
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
+    from vbs import drivers
     from vbs.cli.up import run_embedded
 
-    if export not in ("nbd", "iscsi"):
-        raise typer.BadParameter("--export must be nbd or iscsi")
+    if export not in drivers.available("export"):
+        raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
     raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
                                   log_json=log_json))
 

@@ -1,35 +1,35 @@
 """The controller's side of the agent APIs: one typed method per idempotent agent call.
 
-Agents are found by node name from their last heartbeat; one HTTP client is kept per agent URL.
+Every body and answer is a ``vbs.wire`` model; an agent's error arrives as the exception class it
+raised. Agents are found by node name from their last heartbeat; one HTTP client is kept per URL.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select
 
-from vbs.connection import HostIdentity
 from vbs.controller.db import Database, Node
 from vbs.errors import AgentUnavailable
 from vbs.web import ApiClient
+from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, QoS, ResizeDisk
+from vbs.wire.storage import (
+    ConnectionAnswer,
+    ConnectionRequest,
+    EnsureSnapshot,
+    EnsureVolume,
+    ExportInfo,
+    ExportList,
+    Inventory,
+    ItemStatus,
+    Removed,
+    ResizeVolume,
+    SnapshotTargetRequest,
+)
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ItemStatus:
-    state: str
-    size_bytes: int = 0
-    progress: int = 0
-    error: str | None = None
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> ItemStatus:
-        return cls(state=str(body["state"]), size_bytes=int(body.get("size_bytes", 0)),
-                   progress=int(body.get("progress", 0)), error=body.get("error"))
 
 
 class StorageAgent:
@@ -38,48 +38,68 @@ class StorageAgent:
     def __init__(self, client: ApiClient) -> None:
         self._client = client
 
+    # -- volumes and snapshots -------------------------------------------------------------------
+
     def ensure_volume(self, pool: str, volume_id: str, size_gib: int, source_snapshot_id: str | None) -> ItemStatus:
-        body = {"size_bytes": size_gib * GIB, "source_snapshot_id": source_snapshot_id}
-        return ItemStatus.of(self._client.call("PUT", f"/v1/pools/{pool}/volumes/{volume_id}", body))
+        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id)
+        return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus, body)
 
     def remove_volume(self, pool: str, volume_id: str) -> None:
-        self._client.call("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}")
+        self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}", Removed)
 
     def volume_status(self, pool: str, volume_id: str) -> ItemStatus:
-        return ItemStatus.of(self._client.call("GET", f"/v1/pools/{pool}/volumes/{volume_id}"))
+        return self._client.request("GET", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus)
 
     def resize_volume(self, pool: str, volume_id: str, size_gib: int) -> ItemStatus:
-        body = {"size_bytes": size_gib * GIB}
-        return ItemStatus.of(self._client.call("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/size", body))
-
-    def refresh_export(self, pool: str, volume_id: str, host_name: str) -> dict[str, Any]:
-        """A new export of the (grown) volume for ``host_name``; the old one serves until retired."""
-        answer = self._client.call("PUT", f"/v1/exports/{volume_id}/hosts/{host_name}/refresh", {"pool": pool})
-        return answer["connection"]  # type: ignore[no-any-return]
-
-    def retire_exports(self, volume_id: str, host_name: str) -> None:
-        self._client.call("DELETE", f"/v1/exports/{volume_id}/hosts/{host_name}/retired")
+        return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/size", ItemStatus,
+                                    ResizeVolume(size_bytes=size_gib * GIB))
 
     def ensure_snapshot(self, pool: str, snapshot_id: str, volume_id: str) -> ItemStatus:
-        body = {"volume_id": volume_id}
-        return ItemStatus.of(self._client.call("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}", body))
+        return self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}", ItemStatus,
+                                    EnsureSnapshot(volume_id=volume_id))
 
     def remove_snapshot(self, pool: str, snapshot_id: str) -> None:
-        self._client.call("DELETE", f"/v1/pools/{pool}/snapshots/{snapshot_id}")
+        self._client.request("DELETE", f"/v1/pools/{pool}/snapshots/{snapshot_id}", Removed)
 
-    def inventory(self) -> dict[str, dict[str, list[str]]]:
-        return self._client.call("GET", "/v1/inventory")  # type: ignore[no-any-return]
+    def snapshot_target(self, pool: str, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
+        answer = self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}/targets/{host.name}",
+                                      ConnectionAnswer, SnapshotTargetRequest(volume_id=volume_id, host=host))
+        return answer.connection
 
-    def ensure_export(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool) -> dict[str, Any]:
-        body = {"pool": pool, "host": host.model_dump(), "read_only": read_only}
-        answer = self._client.call("PUT", f"/v1/exports/{volume_id}/hosts/{host.name}", body)
-        return answer["connection"]  # type: ignore[no-any-return]
+    def finish_snapshot_target(self, pool: str, snapshot_id: str, host_name: str) -> ItemStatus:
+        return self._client.request("DELETE", f"/v1/pools/{pool}/snapshots/{snapshot_id}/targets/{host_name}",
+                                    ItemStatus)
 
-    def remove_export(self, volume_id: str, host_name: str) -> None:
-        self._client.call("DELETE", f"/v1/exports/{volume_id}/hosts/{host_name}")
+    def inventory(self) -> Inventory:
+        return self._client.request("GET", "/v1/inventory", Inventory)
 
-    def list_exports(self) -> list[dict[str, str]]:
-        return self._client.call("GET", "/v1/exports")  # type: ignore[no-any-return]
+    # -- how hosts reach volumes --------------------------------------------------------------------
+
+    def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool) -> Connection:
+        answer = self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host.name}",
+                                      ConnectionAnswer, ConnectionRequest(host=host, read_only=read_only))
+        return answer.connection
+
+    def remove_connection(self, pool: str, volume_id: str, host_name: str) -> None:
+        self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}", Removed)
+
+    def refresh_connection(self, pool: str, volume_id: str, host_name: str) -> Connection:
+        """A new connection of the (grown) volume for ``host_name``; the old one serves until retired."""
+        answer = self._client.request(
+            "PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}/refresh", ConnectionAnswer)
+        return answer.connection
+
+    def retire_connections(self, pool: str, volume_id: str, host_name: str) -> None:
+        self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}/retired",
+                             Removed)
+
+    # -- the export daemon, for reconciliation ---------------------------------------------------------
+
+    def list_exports(self) -> list[ExportInfo]:
+        return self._client.request("GET", "/v1/exports", ExportList).exports
+
+    def remove_export(self, key: str, host_name: str) -> None:
+        self._client.request("DELETE", f"/v1/exports/{key}/hosts/{host_name}", Removed)
 
 
 class HostAgent:
@@ -88,22 +108,29 @@ class HostAgent:
     def __init__(self, client: ApiClient) -> None:
         self._client = client
 
-    def attach(self, vm_id: str, serial: str, connection: dict[str, Any], *, read_only: bool,
-               qos: dict[str, int | None] | None) -> dict[str, Any]:
-        body = {"connection": connection, "read_only": read_only, "qos": qos}
-        return self._client.call("PUT", f"/v1/vms/{vm_id}/disks/{serial}", body)  # type: ignore[no-any-return]
+    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool,
+               qos: QoS | None) -> DiskInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
+                                    AttachDisk(connection=connection, read_only=read_only, qos=qos))
 
     def detach(self, vm_id: str, serial: str, *, force: bool, timeout: float) -> None:
         # The HTTP call outlives the guest's own deadline by a margin, so "busy" comes back as an answer.
-        self._client.call("DELETE", f"/v1/vms/{vm_id}/disks/{serial}?force={str(force).lower()}&timeout={timeout}",
-                          timeout=timeout + 15)
+        self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}", Removed, timeout=timeout + 15,
+                             params={"force": str(force).lower(), "timeout": f"{timeout:g}"})
 
-    def resize(self, vm_id: str, serial: str, connection: dict[str, Any], size_gib: int) -> None:
-        body = {"connection": connection, "size_bytes": size_gib * GIB}
-        self._client.call("PUT", f"/v1/vms/{vm_id}/disks/{serial}/size", body)
+    def resize(self, vm_id: str, serial: str, connection: Connection, size_gib: int) -> DiskInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/size", DiskInfo,
+                                    ResizeDisk(connection=connection, size_bytes=size_gib * GIB))
 
-    def list_disks(self, vm_id: str) -> list[dict[str, Any]]:
-        return self._client.call("GET", f"/v1/vms/{vm_id}/disks")  # type: ignore[no-any-return]
+    def list_disks(self, vm_id: str) -> list[DiskInfo]:
+        return self._client.request("GET", f"/v1/vms/{vm_id}/disks", DiskList).disks
+
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", ItemStatus,
+                                    CopyDisk(target=target))
+
+    def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
+        self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", Removed)
 
 
 class AgentDirectory:
@@ -117,7 +144,7 @@ class AgentDirectory:
         self._lock = threading.Lock()
 
     def _client(self, name: str, kind: str) -> ApiClient:
-        with self._db.session() as s:
+        with self._db.read() as s:
             url = s.scalar(select(Node.url).where(Node.name == name, Node.kind == kind))
         if url is None:
             raise AgentUnavailable(f"{kind} node {name!r} has never reported to this controller")

@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import delete, select
@@ -17,13 +18,14 @@ from vbs.config import ControllerConfig
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
-from vbs.controller.db import Database, Tag, Volume
+from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.reconcile import Reconciler
+from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
-from vbs.controller.workflows import WorkflowEngine
+from vbs.controller.workflows import Workflow, WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
@@ -33,8 +35,8 @@ from vbs.web import install_error_handlers
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME,
-             MODIFY_VOLUME]
+WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
+                                  DETACH_VOLUME, MODIFY_VOLUME]
 
 
 def database_for(cfg: ControllerConfig) -> Database:
@@ -42,13 +44,15 @@ def database_for(cfg: ControllerConfig) -> Database:
 
 
 def purge_deleted(db: Database, retention_s: int) -> int:
-    """Forget volumes deleted longer ago than the retention (EBS shows them as deleted for a while)."""
+    """Forget volumes deleted longer ago than the retention (EBS shows them as deleted for a while),
+    with their tags and their (detached) attachments."""
     cutoff = utcnow() - timedelta(seconds=retention_s)
     with db.session() as s:
         old = list(s.scalars(select(Volume.id).where(Volume.status == VolumeState.DELETED,
                                                      Volume.deleted_at < cutoff).limit(1000)))
         if old:
             s.execute(delete(Tag).where(Tag.resource_id.in_(old)))
+            s.execute(delete(Attachment).where(Attachment.volume_id.in_(old)))
             s.execute(delete(Volume).where(Volume.id.in_(old)))
     return len(old)
 
@@ -73,15 +77,18 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     auth = Authenticator(access_keys(cfg), cfg.region)
     db = database_for(cfg)
     db.migrate()
-    svc = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
-    svc.engine = WorkflowEngine(db, WORKFLOWS, svc, threads=cfg.workflow_threads, retry_interval=cfg.retry_interval_s)
-    svc.reconciler = Reconciler(svc, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s)
+    services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
+    engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
+                            retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
+    svc = Controller(cfg=cfg, db=db, agents=services.agents, engine=engine,
+                     reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s))
     stop = threading.Event()
 
     def housekeeping() -> None:
         while not stop.wait(60):
             try:
                 purge_deleted(db, cfg.deleted_retention_s)
+                engine.purge(cfg.operation_retention_s)
             except Exception:
                 log.exception("housekeeping")
 

@@ -40,7 +40,7 @@ def where_clauses(
         if name.startswith("tag:"):
             key = name[4:]
             clauses.append(exists().where(Tag.resource_id == id_column, Tag.key == key,
-                                          Tag.value.in_(values) if values else True))
+                                          Tag.value.in_(values) if values else true()))
         elif name == "tag-key":
             clauses.append(exists().where(Tag.resource_id == id_column, Tag.key.in_(values)))
         elif name == "tag-value":
@@ -56,7 +56,8 @@ def where_clauses(
 def in_values(column: Any, cast: Callable[[str], Any] = str) -> Callable[[list[str]], ColumnElement[bool]]:
     def clause(values: list[str]) -> ColumnElement[bool]:
         try:
-            return column.in_([cast(v) for v in values])
+            condition: ColumnElement[bool] = column.in_([cast(v) for v in values])
+            return condition
         except ValueError as exc:
             raise InvalidParameter(f"Invalid filter value: {exc}") from exc
 

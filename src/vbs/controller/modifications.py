@@ -7,16 +7,18 @@ while it runs. Sizes only grow, as on EBS.
 from __future__ import annotations
 
 from sqlalchemy import exists, select, update
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import Session, aliased
 
 from vbs import ids
 from vbs.controller import filters as flt
-from vbs.controller.db import Attachment, Volume, VolumeModification
+from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.tables import utcnow
+from vbs.controller.nodes import host_info
+from vbs.controller.runtime import Controller
 from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
-from vbs.controller.services import Services
 from vbs.controller.states import AttachmentState, VolumeState
-from vbs.controller.volumes import volume_not_found
+from vbs.controller.volumes import live_volume
+from vbs.controller.workflows.modifications import ModifyParams
 from vbs.errors import IncorrectState, InvalidParameter
 
 IN_PROGRESS = ("modifying", "optimizing")
@@ -31,12 +33,9 @@ def _out(m: VolumeModification) -> ModificationOut:
         target_throughput=m.target_throughput, progress=m.progress, start_time=m.start_time, end_time=m.end_time)
 
 
-def modify_volume(svc: Services, volume_id: str, req: ModifyVolumeRequest) -> ModificationOut:
-    ids.check("volume", volume_id)
+def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest) -> ModificationOut:
     with svc.db.session() as s:
-        vol = s.get(Volume, volume_id)
-        if vol is None or vol.status == VolumeState.DELETED:
-            raise volume_not_found(volume_id)
+        vol = live_volume(s, volume_id)
         size = req.size_gib if req.size_gib is not None else vol.size_gib
         if size < vol.size_gib:
             raise InvalidParameter(f"New size cannot be smaller than existing size ({vol.size_gib} GiB).")
@@ -48,11 +47,10 @@ def modify_volume(svc: Services, volume_id: str, req: ModifyVolumeRequest) -> Mo
         if target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput):
             raise InvalidParameter("The modification changes nothing: give a larger size or another type, "
                                    "iops or throughput.", code="InvalidParameterCombination")
-        read_only = s.scalar(select(Attachment.id).where(Attachment.volume_id == volume_id, Attachment.mode == "ro",
-                                                         Attachment.status != AttachmentState.DETACHED))
-        if read_only is not None and size > vol.size_gib:
-            raise IncorrectState(f"The volume '{volume_id}' has a read-only attachment, which cannot grow online; "
-                                 "detach it first.")
+        attached = list(s.scalars(select(Attachment).where(Attachment.volume_id == volume_id,
+                                                           Attachment.status != AttachmentState.DETACHED)))
+        if size > vol.size_gib:
+            _check_online_growth(s, volume_id, attached)
         busy = s.scalar(select(VolumeModification.id).where(VolumeModification.volume_id == volume_id,
                                                             VolumeModification.state.in_(IN_PROGRESS)))
         if busy is not None:
@@ -71,12 +69,24 @@ def modify_volume(svc: Services, volume_id: str, req: ModifyVolumeRequest) -> Mo
             original_throughput=vol.throughput, target_throughput=target[3], progress=0, start_time=utcnow())
         s.add(mod)
         s.flush()
-        op_id = svc.engine.begin(s, "modify-volume", volume_id, {
-            "modification_id": mod.id, "node": vol.storage_node, "pool": vol.pool, "size_gib": target[0],
-            "grow": target[0] > vol.size_gib})
+        op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
+            modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
+            grow=target[0] > vol.size_gib))
         out = _out(mod)
     svc.engine.submit(op_id)
     return out
+
+
+def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment]) -> None:
+    """A volume grows under its guests only where every one of their hypervisors can show them the new size."""
+    if any(a.mode == "ro" for a in attached):
+        raise IncorrectState(f"The volume '{volume_id}' has a read-only attachment, which cannot grow online; "
+                             "detach it first.")
+    for a in attached:
+        node = s.get(Node, (a.host, "host"))
+        if node is None or not host_info(node).capabilities.online_resize:
+            raise IncorrectState(f"The volume '{volume_id}' is attached on host '{a.host}', whose hypervisor cannot "
+                                 "grow a disk online; detach it first.")
 
 
 MODIFICATION_FILTERS = {
@@ -89,7 +99,7 @@ MODIFICATION_FILTERS = {
 }
 
 
-def describe_modifications(svc: Services, volume_ids: list[str], filters: dict[str, list[str]],
+def describe_modifications(svc: Controller, volume_ids: list[str], filters: dict[str, list[str]],
                            max_results: int | None, next_token: str | None, *,
                            latest_only: bool = False) -> ModificationList:
     for vid in volume_ids:

@@ -1,35 +1,112 @@
-"""Storage nodes as their heartbeats describe them, and the scheduler that places new volumes."""
+"""Nodes as their heartbeats describe them, and the scheduler that places new volumes.
+
+A heartbeat is a ``vbs.wire`` model; what the controller keeps of it (``Node.info``) is read back
+through the typed views here, never as a loose dict.
+"""
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Instance, Node
 from vbs.controller.db.tables import utcnow
-from vbs.controller.schemas import HostHeartbeat, HostOut, PoolOut, StorageHeartbeat, StorageNodeOut
+from vbs.controller.schemas import HostOut, PoolOut, StorageNodeOut
 from vbs.errors import InsufficientCapacity
+from vbs.wire.base import Wire
+from vbs.wire.connection import HostIdentity
+from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
+from vbs.wire.storage import ExportInfo, PoolInfo, StorageHeartbeat
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
 
-def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
-    node = session.get(Node, (hb.name, "storage"))
-    info = {"pools": [p.model_dump() for p in hb.pools], "exports": hb.exports}
+class StorageNodeInfo(Wire):
+    """What the controller keeps of a storage node's last heartbeat."""
+
+    pools: list[PoolInfo] = []
+    exports: list[ExportInfo] = []
+
+
+class HostNodeInfo(Wire):
+    """What the controller keeps of a host's last heartbeat."""
+
+    initiator_name: str | None = None
+    hypervisor: str = "unknown"
+    capabilities: HypervisorCapabilities = HypervisorCapabilities(protocols=[])
+
+
+def storage_info(node: Node) -> StorageNodeInfo:
+    try:
+        return StorageNodeInfo.model_validate(node.info)
+    except ValidationError:
+        return StorageNodeInfo()  # written by an older controller; the next heartbeat replaces it
+
+
+def host_info(node: Node) -> HostNodeInfo:
+    try:
+        return HostNodeInfo.model_validate(node.info)
+    except ValidationError:
+        return HostNodeInfo()
+
+
+def host_identity(node: Node) -> HostIdentity:
+    """The host an export is made for, as its agent reported itself."""
+    return HostIdentity(name=node.name, address=node.address, initiator_name=host_info(node).initiator_name)
+
+
+def _record(session: Session, name: str, kind: str, url: str, address: str, started_at: datetime, info: Wire) -> None:
+    values = {"url": url, "address": address, "info": info.model_dump(mode="json"), "started_at": started_at,
+              "last_heartbeat": utcnow()}
+    node = session.get(Node, (name, kind))
     if node is None:
-        session.add(Node(name=hb.name, kind="storage", url=hb.url, address=hb.address, info=info,
-                         started_at=hb.started_at, last_heartbeat=utcnow()))
+        session.add(Node(name=name, kind=kind, **values))
         return
-    node.url, node.address, node.info = hb.url, hb.address, info
-    node.started_at = hb.started_at
-    node.last_heartbeat = utcnow()
+    for key, value in values.items():
+        setattr(node, key, value)
+
+
+def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
+    _record(session, hb.name, "storage", hb.url, hb.address, hb.started_at,
+            StorageNodeInfo(pools=hb.pools, exports=hb.exports))
+
+
+def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
+    """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
+    _record(session, hb.name, "host", hb.url, hb.address, hb.started_at,
+            HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities))
+    if hb.vms is None:
+        return
+    now = utcnow()
+    known = {i.vm_id: i for i in session.scalars(select(Instance).where(Instance.host == hb.name))}
+    reported = {vm.vm_id for vm in hb.vms}
+    for vm in hb.vms:
+        inst = known.get(vm.vm_id)
+        state = "running" if vm.running else "stopped"
+        if inst is None:
+            session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
+                                 state=state, first_seen=now, last_seen=now))
+        else:
+            inst.state, inst.last_seen, inst.name = state, now, vm.name or vm.vm_id
+    for vm_id, inst in known.items():
+        if vm_id not in reported and inst.state != "gone":
+            inst.state = "gone"
 
 
 def is_alive(node: Node, timeout_s: float, now: datetime) -> bool:
     return node.last_heartbeat >= now - timedelta(seconds=timeout_s)
+
+
+def host_is_alive(session: Session, name: str, timeout_s: float) -> bool:
+    node = session.get(Node, (name, "host"))
+    return node is not None and is_alive(node, timeout_s, utcnow())
 
 
 def describe_storage_nodes(session: Session, timeout_s: float) -> list[StorageNodeOut]:
@@ -39,11 +116,27 @@ def describe_storage_nodes(session: Session, timeout_s: float) -> list[StorageNo
         StorageNodeOut(
             name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down",
             last_heartbeat=n.last_heartbeat,
-            pools=[PoolOut(**{k: p[k] for k in ("name", "capacity_bytes", "free_bytes", "clone_method")})
-                   for p in n.info.get("pools", [])],
+            pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
+                           clone_method=p.clone_method, point_in_time=p.point_in_time)
+                   for p in storage_info(n).pools],
         )
         for n in nodes
     ]
+
+
+def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
+    now = utcnow()
+    counts: dict[str, int] = {}
+    for host in session.scalars(select(Instance.host).where(Instance.state != "gone")):
+        counts[host] = counts.get(host, 0) + 1
+    hosts = []
+    for n in session.scalars(select(Node).where(Node.kind == "host").order_by(Node.name)):
+        info = host_info(n)
+        hosts.append(HostOut(name=n.name, url=n.url, address=n.address,
+                             state="up" if is_alive(n, timeout_s, now) else "down", last_heartbeat=n.last_heartbeat,
+                             instances=counts.get(n.name, 0), hypervisor=info.hypervisor,
+                             capabilities=info.capabilities))
+    return hosts
 
 
 def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float,
@@ -58,59 +151,14 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     for n in session.scalars(select(Node).where(Node.kind == "storage")).all():
         if (node is not None and n.name != node) or not is_alive(n, timeout_s, now):
             continue
-        for p in n.info.get("pools", []):
-            if pool is not None and p["name"] != pool:
+        for p in storage_info(n).pools:
+            if pool is not None and p.name != pool:
                 continue
-            if size_gib * GIB > p["capacity_bytes"] * overcommit:
+            if size_gib * GIB > p.capacity_bytes * overcommit:
                 continue
-            if best is None or p["free_bytes"] > best[0]:
-                best = (p["free_bytes"], n.name, p["name"])
+            if best is None or p.free_bytes > best[0]:
+                best = (p.free_bytes, n.name, p.name)
     if best is None:
         where = f" on storage node {node}" if node else ""
         raise InsufficientCapacity(f"There is not enough live capacity{where} for a {size_gib} GiB volume.")
     return best[1], best[2]
-
-
-def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
-    """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
-    now = utcnow()
-    node = session.get(Node, (hb.name, "host"))
-    info = {"initiator_name": hb.initiator_name}
-    if node is None:
-        session.add(Node(name=hb.name, kind="host", url=hb.url, address=hb.address, info=info,
-                         started_at=hb.started_at, last_heartbeat=now))
-    else:
-        node.url, node.address, node.info, node.started_at, node.last_heartbeat = (
-            hb.url, hb.address, info, hb.started_at, now)
-    if hb.vms is None:
-        return
-    known = {i.vm_id: i for i in session.scalars(select(Instance).where(Instance.host == hb.name))}
-    reported = {vm.vm_id: vm for vm in hb.vms}
-    for vm in hb.vms:
-        inst = known.get(vm.vm_id)
-        state = "running" if vm.running else "stopped"
-        if inst is None:
-            session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
-                                 state=state, first_seen=now, last_seen=now))
-        else:
-            inst.state, inst.last_seen, inst.name = state, now, vm.name or vm.vm_id
-    for vm_id, inst in known.items():
-        if vm_id not in reported and inst.state != "gone":
-            inst.state = "gone"
-
-
-def host_is_alive(session: Session, name: str, timeout_s: float) -> bool:
-    node = session.get(Node, (name, "host"))
-    return node is not None and is_alive(node, timeout_s, utcnow())
-
-
-def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
-    now = utcnow()
-    counts: dict[str, int] = {}
-    for host in session.scalars(select(Instance.host).where(Instance.state != "gone")):
-        counts[host] = counts.get(host, 0) + 1
-    return [
-        HostOut(name=n.name, url=n.url, address=n.address, state="up" if is_alive(n, timeout_s, now) else "down",
-                last_heartbeat=n.last_heartbeat, instances=counts.get(n.name, 0))
-        for n in session.scalars(select(Node).where(Node.kind == "host").order_by(Node.name))
-    ]

@@ -20,16 +20,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from vbs import ids
-from vbs.connection import HostIdentity
 from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import is_alive
+from vbs.controller.nodes import host_identity, is_alive
 from vbs.controller.services import Services
-from vbs.controller.states import AttachmentState, OperationState, SnapshotState, VolumeState
-from vbs.errors import VbsError
+from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
+from vbs.controller.transitions import try_transition
+from vbs.errors import NotFound, VbsError
+from vbs.wire.storage import ExportInfo
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,7 @@ class Reconciler:
 
     def _busy_resources(self) -> set[str]:
         with self.svc.db.session() as s:
-            return set(s.scalars(select(Operation.resource_id).where(
-                Operation.status.in_([OperationState.RUNNING, OperationState.ROLLING_BACK]))))
+            return set(s.scalars(select(Operation.resource_id).where(Operation.status.in_(UNFINISHED_OPERATION))))
 
     def _orphan_due(self, key: tuple[str, str, str], seen: set[tuple[str, str, str]], ignore_grace: bool) -> bool:
         seen.add(key)
@@ -141,10 +141,10 @@ class Reconciler:
             atts = list(s.scalars(select(Attachment).where(Attachment.volume_id.in_(list(volumes)),
                                                            Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
-        for pool, items in inventory.items():
-            self._check_files(node.name, pool, "volume", items.get("volumes", []), volumes, busy, report, seen,
+        for pool, items in inventory.pools.items():
+            self._check_files(node.name, pool, "volume", items.volumes, volumes, busy, report, seen,
                               repair, ignore_grace)
-            self._check_files(node.name, pool, "snapshot", items.get("snapshots", []), snaps, busy, report, seen,
+            self._check_files(node.name, pool, "snapshot", items.snapshots, snaps, busy, report, seen,
                               repair, ignore_grace)
         self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
 
@@ -181,18 +181,19 @@ class Reconciler:
 
     def _mark_lost(self, kind: str, item_id: str) -> bool:
         """An available volume or a completed snapshot without data becomes ``error`` (in-use: reported)."""
-        table, state = (Volume, VolumeState.AVAILABLE) if kind == "volume" else (Snapshot, SnapshotState.COMPLETED)
+        reason = "its data file vanished from the storage node"
         with self.svc.db.session() as s:
-            hit = s.execute(update(table).where(table.id == item_id, table.status == state).values(
-                status="error", status_reason="its data file vanished from the storage node",
-                updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
-        return bool(hit)
+            if kind == "volume":
+                return try_transition(s, Volume, item_id, VolumeState.ERROR, from_states=[VolumeState.AVAILABLE],
+                                      status_reason=reason)
+            return try_transition(s, Snapshot, item_id, SnapshotState.ERROR, from_states=[SnapshotState.COMPLETED],
+                                  status_reason=reason)
 
-    def _check_exports(self, node: str, exports: list[dict[str, str]], volumes: dict[str, Volume],
+    def _check_exports(self, node: str, exports: list[ExportInfo], volumes: dict[str, Volume],
                        atts: list[Attachment], hosts: dict[str, Node], busy: set[str], report: Report,
                        seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
         agent = self.svc.agents.storage(node)
-        have = {(e["volume_id"], e["host"]) for e in exports}
+        have = {(e.key, e.host) for e in exports}
         may = {(a.volume_id, a.host) for a in atts}
         for vol_id, host in sorted(have - may):
             if vol_id in busy:
@@ -212,12 +213,11 @@ class Reconciler:
                 continue
             finding = Finding("missing-export", node, att.volume_id, f"attached to {att.host} but not exported")
             report.findings.append(finding)
-            host = hosts.get(att.host)
-            if repair and host is not None:
+            host_node = hosts.get(att.host)
+            if repair and host_node is not None:
                 try:
-                    identity = HostIdentity(name=host.name, address=host.address,
-                                            initiator_name=host.info.get("initiator_name"))
-                    agent.ensure_export(volumes[att.volume_id].pool, att.volume_id, identity, att.mode == "ro")
+                    agent.connection_for(volumes[att.volume_id].pool, att.volume_id, host_identity(host_node),
+                                         att.mode == "ro")
                     finding.action = "repaired"
                 except VbsError as exc:
                     finding.action = f"failed: {exc.message}"
@@ -234,13 +234,15 @@ class Reconciler:
         for vm in vms:
             try:
                 disks = agent.list_disks(vm.vm_id)
+            except NotFound:
+                continue  # the VM is gone since the last heartbeat: it holds no disk, the next one says so
             except VbsError as exc:
                 report.findings.append(Finding("unreachable", node.name, vm.id, f"VM {vm.vm_id}: {exc.message}"))
                 continue
             expected = {ids.virtio_serial(a.volume_id): a for a in atts if a.vm_id == vm.vm_id}
             for disk in disks:
-                serial = disk["serial"]
-                volume_id = f"vol-{serial[3:]}" if serial.startswith("vol") else serial
+                serial = disk.serial
+                volume_id = ids.volume_of_serial(serial) or serial
                 if serial in expected or volume_id in busy:
                     continue
                 finding = Finding("orphan-disk", node.name, volume_id, f"plugged into VM {vm.vm_id} without a "
@@ -254,7 +256,7 @@ class Reconciler:
                         finding.action = f"failed: {exc.message}"
                 elif repair:
                     finding.action = "waiting"
-            plugged = {d["serial"] for d in disks}
+            plugged = {d.serial for d in disks}
             for serial, att in expected.items():
                 if att.status in MUST_BE_EXPORTED and serial not in plugged and att.volume_id not in busy:
                     report.findings.append(Finding("missing-disk", node.name, att.volume_id,

@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from vbs import ids
+from vbs.wire.base import SnapshotId, VolumeId
+from vbs.wire.host import HypervisorCapabilities
 
 MAX_SIZE_GIB = 16384
 COMMENT_MAX = 255
@@ -44,19 +45,8 @@ def _tags(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
-def _id_of(kind: str):  # type: ignore[no-untyped-def]
-    def check(value: str) -> str:
-        if not ids.is_valid(kind, value):
-            raise ValueError(f'invalid id {value[:40]!r} (expecting "{ids.PREFIXES[kind]}-" and 17 hex digits)')
-        return value
-
-    return check
-
-
 Comment = Annotated[str, Field(max_length=COMMENT_MAX), AfterValidator(_text)]
 Tags = Annotated[dict[str, str], AfterValidator(_tags)]
-VolumeId = Annotated[str, Field(max_length=32), AfterValidator(_id_of("volume"))]
-SnapshotId = Annotated[str, Field(max_length=32), AfterValidator(_id_of("snapshot"))]
 ClientToken = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
 VolumeType = Literal["standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"]
 
@@ -103,6 +93,7 @@ class AttachmentOut(BaseModel):
     device: str
     mode: str
     state: str
+    state_reason: str | None = None
     attach_time: datetime
     operation_id: str | None = None
 
@@ -171,9 +162,11 @@ class OperationOut(BaseModel):
 
 class PoolOut(BaseModel):
     name: str
+    backend: str
     capacity_bytes: int
     free_bytes: int
     clone_method: str
+    point_in_time: bool
 
 
 class StorageNodeOut(BaseModel):
@@ -186,27 +179,6 @@ class StorageNodeOut(BaseModel):
 
 class StorageNodeList(BaseModel):
     storage_nodes: list[StorageNodeOut]
-
-
-class PoolReport(_Request):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
-    path: str = Field(max_length=4096)
-    capacity_bytes: int = Field(ge=0)
-    free_bytes: int = Field(ge=0)
-    clone_method: Literal["reflink", "copy"]
-
-
-class StorageHeartbeat(_Request):
-    """What a storage agent reports every few seconds (and at start)."""
-
-    model_config = ConfigDict(extra="forbid", strict=False)
-
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
-    url: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$")
-    address: str = Field(max_length=255)
-    started_at: datetime
-    pools: list[PoolReport] = Field(max_length=64)
-    exports: list[str] = Field(default_factory=list)
 
 
 DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"
@@ -227,26 +199,6 @@ class DetachVolumeRequest(_Request):
     force: bool = False
 
 
-class VmReport(_Request):
-    model_config = ConfigDict(extra="forbid", strict=False)
-    vm_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    name: str = Field("", max_length=255)
-    running: bool
-
-
-class HostHeartbeat(_Request):
-    """What a host agent reports: its address for export ACLs and the VMs it can manage."""
-
-    model_config = ConfigDict(extra="forbid", strict=False)
-
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
-    url: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$")
-    address: str = Field(max_length=255)
-    initiator_name: str | None = Field(None, max_length=223)
-    started_at: datetime
-    vms: list[VmReport] | None = Field(None, max_length=4096)
-
-
 class InstanceOut(BaseModel):
     instance_id: str
     host: str
@@ -263,6 +215,8 @@ class HostOut(BaseModel):
     state: str
     last_heartbeat: datetime
     instances: int
+    hypervisor: str
+    capabilities: HypervisorCapabilities
 
 
 class HostList(BaseModel):

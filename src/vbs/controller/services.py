@@ -1,17 +1,12 @@
-"""The controller's services in one place, handed to API handlers and workflow steps."""
+"""What workflow steps and reconciliation use: the configuration, the metadata DB and the agents."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from vbs.config import ControllerConfig
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.db import Database
-
-if TYPE_CHECKING:
-    from vbs.controller.reconcile import Reconciler
-    from vbs.controller.workflows import WorkflowEngine
 
 
 @dataclass
@@ -19,5 +14,3 @@ class Services:
     cfg: ControllerConfig
     db: Database
     agents: AgentDirectory
-    engine: WorkflowEngine = field(init=False)
-    reconciler: Reconciler = field(init=False)

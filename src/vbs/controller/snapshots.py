@@ -9,12 +9,14 @@ from vbs import ids
 from vbs.controller import filters as flt
 from vbs.controller.db import Snapshot, Volume
 from vbs.controller.db.tables import utcnow
+from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CreateSnapshotRequest, SnapshotList, SnapshotOut
-from vbs.controller.services import Services
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
-from vbs.controller.volumes import volume_not_found
+from vbs.controller.volumes import live_volume
+from vbs.controller.workflows.snapshots import CreateSnapshotParams
+from vbs.controller.workflows.storage import StorageParams
 from vbs.errors import IncorrectState, InvalidParameter, NotFound, SnapshotInUse
 
 
@@ -22,11 +24,9 @@ def snapshot_not_found(snapshot_id: str) -> NotFound:
     return NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
 
 
-def create_snapshot(svc: Services, req: CreateSnapshotRequest) -> SnapshotOut:
+def create_snapshot(svc: Controller, req: CreateSnapshotRequest) -> SnapshotOut:
     with svc.db.session() as s:
-        vol = s.get(Volume, req.volume_id)
-        if vol is None or vol.status == VolumeState.DELETED:
-            raise volume_not_found(req.volume_id)
+        vol = live_volume(s, req.volume_id)
         # The volume must stay put while we snapshot it: touch it conditionally in this transaction.
         hit = s.execute(update(Volume).where(Volume.id == vol.id,
                                              Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
@@ -40,14 +40,14 @@ def create_snapshot(svc: Services, req: CreateSnapshotRequest) -> SnapshotOut:
         s.add(snap)
         s.flush()
         set_tags(s, snap.id, req.tags, check=False)
-        op_id = svc.engine.begin(s, "create-snapshot", snap.id,
-                                 {"node": vol.storage_node, "pool": vol.pool, "volume_id": vol.id})
+        op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
+            node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
         out = _describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
 
-def delete_snapshot(svc: Services, snapshot_id: str) -> SnapshotOut:
+def delete_snapshot(svc: Controller, snapshot_id: str) -> SnapshotOut:
     ids.check("snapshot", snapshot_id)
     with svc.db.session() as s:
         snap = s.get(Snapshot, snapshot_id)
@@ -57,9 +57,9 @@ def delete_snapshot(svc: Services, snapshot_id: str) -> SnapshotOut:
         if s.scalar(select(copying)):
             raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied into a new volume; "
                                 "delete it when that volume is available.")
-        transition(s, Snapshot, snapshot_id, [SnapshotState.COMPLETED, SnapshotState.ERROR],
-                   SnapshotState.DELETING, ~copying)
-        op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, {"node": snap.storage_node, "pool": snap.pool})
+        transition(s, Snapshot, snapshot_id, SnapshotState.DELETING, ~copying)
+        op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, StorageParams(node=snap.storage_node,
+                                                                                   pool=snap.pool))
         s.refresh(snap)
         out = _describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
@@ -77,7 +77,7 @@ SNAPSHOT_FILTERS = {
 }
 
 
-def describe_snapshots(svc: Services, snapshot_ids: list[str], filters: dict[str, list[str]],
+def describe_snapshots(svc: Controller, snapshot_ids: list[str], filters: dict[str, list[str]],
                        max_results: int | None, next_token: str | None, *, hide_deleting: bool = False) -> SnapshotList:
     for sid in snapshot_ids:
         ids.check("snapshot", sid)
@@ -100,7 +100,7 @@ def describe_snapshots(svc: Services, snapshot_ids: list[str], filters: dict[str
         return SnapshotList(snapshots=_describe_many(s, rows), next_token=token)
 
 
-def get_snapshot(svc: Services, snapshot_id: str) -> SnapshotOut:
+def get_snapshot(svc: Controller, snapshot_id: str) -> SnapshotOut:
     return describe_snapshots(svc, [snapshot_id], {}, None, None).snapshots[0]
 
 

@@ -1,8 +1,28 @@
-"""EBS states of each resource and the transitions allowed between them (DESIGN §3)."""
+"""EBS states of each resource, the transitions allowed between them, and which operations may
+overlap on one resource (README "Concepts", docs/operations.md). These tables govern:
+``transitions.transition`` refuses any change they do not allow, and the operations table's unique
+index enforces ``EXCLUSIVE_KINDS``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import TypeVar
+
+__all__ = [
+    "VolumeState",
+    "SnapshotState",
+    "AttachmentState",
+    "OperationState",
+    "VOLUME_TRANSITIONS",
+    "SNAPSHOT_TRANSITIONS",
+    "ATTACHMENT_TRANSITIONS",
+    "LIVE_ATTACHMENT",
+    "UNFINISHED_OPERATION",
+    "EXCLUSIVE_KINDS",
+    "sources",
+]
 
 
 class VolumeState(StrEnum):
@@ -38,28 +58,57 @@ class OperationState(StrEnum):
     FAILED = "failed"
 
 
-VOLUME_TRANSITIONS: dict[VolumeState, frozenset[VolumeState]] = {
+VOLUME_TRANSITIONS: Mapping[VolumeState, frozenset[VolumeState]] = {
     VolumeState.CREATING: frozenset({VolumeState.AVAILABLE, VolumeState.ERROR}),
-    VolumeState.AVAILABLE: frozenset({VolumeState.IN_USE, VolumeState.DELETING}),
+    # available -> error: its data file vanished (reconciliation).
+    VolumeState.AVAILABLE: frozenset({VolumeState.IN_USE, VolumeState.DELETING, VolumeState.ERROR}),
+    # in-use -> in-use: a second attachment of a multi-attach volume reserves it again.
     VolumeState.IN_USE: frozenset({VolumeState.AVAILABLE, VolumeState.IN_USE}),
-    VolumeState.DELETING: frozenset({VolumeState.DELETED}),
+    # deleting -> error: the storage node stayed unreachable; deleting again is allowed.
+    VolumeState.DELETING: frozenset({VolumeState.DELETED, VolumeState.ERROR}),
     VolumeState.ERROR: frozenset({VolumeState.DELETING}),
     VolumeState.DELETED: frozenset(),
 }
 
-SNAPSHOT_TRANSITIONS: dict[SnapshotState, frozenset[SnapshotState]] = {
+SNAPSHOT_TRANSITIONS: Mapping[SnapshotState, frozenset[SnapshotState]] = {
     SnapshotState.PENDING: frozenset({SnapshotState.COMPLETED, SnapshotState.ERROR}),
-    SnapshotState.COMPLETED: frozenset({SnapshotState.DELETING}),
+    SnapshotState.COMPLETED: frozenset({SnapshotState.DELETING, SnapshotState.ERROR}),
     SnapshotState.ERROR: frozenset({SnapshotState.DELETING}),
-    SnapshotState.DELETING: frozenset({SnapshotState.DELETED}),
+    SnapshotState.DELETING: frozenset({SnapshotState.DELETED, SnapshotState.ERROR}),
     SnapshotState.DELETED: frozenset(),
 }
 
+ATTACHMENT_TRANSITIONS: Mapping[AttachmentState, frozenset[AttachmentState]] = {
+    # attaching -> detached: the attach failed and was rolled back.
+    AttachmentState.ATTACHING: frozenset({AttachmentState.ATTACHED, AttachmentState.DETACHED}),
+    AttachmentState.ATTACHED: frozenset({AttachmentState.DETACHING}),
+    # detaching -> busy: the guest holds on to the disk, or its host stayed unreachable.
+    AttachmentState.DETACHING: frozenset({AttachmentState.DETACHED, AttachmentState.BUSY}),
+    AttachmentState.BUSY: frozenset({AttachmentState.DETACHING}),
+    AttachmentState.DETACHED: frozenset(),
+}
 
-def volume_sources(target: VolumeState) -> frozenset[VolumeState]:
-    """Every state from which a volume may move to ``target``."""
-    return frozenset(s for s, targets in VOLUME_TRANSITIONS.items() if target in targets)
+# An attachment that holds (or may hold) an export and a disk in a VM.
+LIVE_ATTACHMENT = frozenset({AttachmentState.ATTACHING, AttachmentState.ATTACHED, AttachmentState.DETACHING,
+                             AttachmentState.BUSY})
+
+UNFINISHED_OPERATION = frozenset({OperationState.RUNNING, OperationState.ROLLING_BACK})
+
+# Which operations may overlap on one resource (EBS's rules): a snapshot may be taken while its
+# volume attaches, detaches or is modified (create-snapshot works on the snapshot's own id);
+# delete, attach, detach, modify and migrate of a volume exclude each other and themselves, and a
+# snapshot is deleted alone. One unfinished exclusive operation per resource: the DB's partial
+# unique index on operations(resource_id) enforces it, so a delete during a modify, or an attach
+# during a delete, is IncorrectState by construction. The table is in docs/operations.md.
+EXCLUSIVE_KINDS = frozenset({
+    "create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume", "migrate-volume",
+    "delete-snapshot",
+})
 
 
-def snapshot_sources(target: SnapshotState) -> frozenset[SnapshotState]:
-    return frozenset(s for s, targets in SNAPSHOT_TRANSITIONS.items() if target in targets)
+S = TypeVar("S", bound=StrEnum)
+
+
+def sources(table: Mapping[S, frozenset[S]], target: S) -> frozenset[S]:
+    """Every state from which ``table`` allows a move to ``target``."""
+    return frozenset(s for s, targets in table.items() if target in targets)

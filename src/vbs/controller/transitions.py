@@ -1,51 +1,91 @@
 """Conditional state changes: ``UPDATE … WHERE id = ? AND status IN (…)``, never read-then-write.
 
-A lost race shows up as zero rows updated and is answered with ``IncorrectState`` (or the
-resource's ``NotFound`` when the row does not exist at all).
+Every change of a volume's, snapshot's or attachment's ``status`` goes through ``transition``, and
+the states it may start from come from ``states.py``'s tables: a change the table does not allow
+cannot be written. A lost race shows up as zero rows updated and is answered with
+``IncorrectState`` (or the resource's ``NotFound`` when the row does not exist at all).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.orm import Session
 
-from vbs.controller.db.tables import Snapshot, Volume, utcnow
+from vbs.controller.db.tables import Attachment, Snapshot, Volume, utcnow
+from vbs.controller.states import (
+    ATTACHMENT_TRANSITIONS,
+    SNAPSHOT_TRANSITIONS,
+    VOLUME_TRANSITIONS,
+    AttachmentState,
+    SnapshotState,
+    VolumeState,
+    sources,
+)
 from vbs.errors import IncorrectState, NotFound
 
-_NOT_FOUND = {Volume: "InvalidVolume.NotFound", Snapshot: "InvalidSnapshot.NotFound"}
-_LABEL = {Volume: "volume", Snapshot: "snapshot"}
+__all__ = ["transition", "try_transition", "Stateful"]
+
+Stateful = type[Volume] | type[Snapshot] | type[Attachment]
+
+_TABLES: dict[type[Any], tuple[Mapping[Any, frozenset[Any]], type[StrEnum], str, str]] = {
+    Volume: (VOLUME_TRANSITIONS, VolumeState, "volume", "InvalidVolume.NotFound"),
+    Snapshot: (SNAPSHOT_TRANSITIONS, SnapshotState, "snapshot", "InvalidSnapshot.NotFound"),
+    Attachment: (ATTACHMENT_TRANSITIONS, AttachmentState, "attachment", "InvalidAttachment.NotFound"),
+}
 
 
-def transition(
-    session: Session,
-    table: type[Volume] | type[Snapshot],
-    resource_id: str,
-    from_states: Iterable[str],
-    to_state: str,
-    *conditions: ColumnElement[bool],
-    **values: Any,
-) -> None:
-    """Move one row from any of ``from_states`` to ``to_state`` atomically, or raise.
+def _allowed(table: Stateful, to_state: str, from_states: Iterable[str] | None) -> list[str]:
+    rules, enum, label, _ = _TABLES[table]
+    target = enum(to_state)
+    legal = sources(rules, target)
+    if from_states is None:
+        return sorted(str(s) for s in legal)
+    wanted = {enum(s) for s in from_states}
+    if not wanted or not wanted <= legal:
+        # A programming error, not a lost race: the table is the one place that says what may happen.
+        raise ValueError(f"a {label} may not go from {sorted(str(s) for s in wanted - legal)} to {target}")
+    return sorted(str(s) for s in wanted)
 
-    Extra ``conditions`` join the WHERE clause (e.g. "no pending snapshot of this volume"), so the
-    guard and the change are one statement.
-    """
-    allowed = [str(s) for s in from_states]
+
+def try_transition(session: Session, table: Stateful, resource_id: str, to_state: str,
+                   *conditions: ColumnElement[bool], from_states: Iterable[str] | None = None,
+                   **values: Any) -> bool:
+    """Move one row to ``to_state`` if it is in a state the table allows (all of them, or those of
+    ``from_states``) and ``conditions`` hold; return whether it moved. One statement: the guard
+    and the change cannot be separated by another writer."""
+    allowed = _allowed(table, to_state, from_states)
     stmt = (
         update(table)
         .where(table.id == resource_id, table.status.in_(allowed), *conditions)
         .values(status=str(to_state), updated_at=utcnow(), **values)
         .execution_options(synchronize_session=False)
     )
-    if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
+    return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+
+def transition(session: Session, table: Stateful, resource_id: str, to_state: str,
+               *conditions: ColumnElement[bool], from_states: Iterable[str] | None = None, already_ok: bool = False,
+               **values: Any) -> None:
+    """``try_transition``, or raise: ``NotFound`` if there is no such row, else ``IncorrectState``.
+
+    Extra ``conditions`` join the WHERE clause (e.g. "no pending snapshot of this volume").
+    ``already_ok``: a row already in ``to_state`` is success (a workflow step repeated after a
+    crash finds its own work done).
+    """
+    if try_transition(session, table, resource_id, to_state, *conditions, from_states=from_states, **values):
         return
     current = session.scalar(select(table.status).where(table.id == resource_id))
-    label = _LABEL[table]
+    _, _, label, not_found = _TABLES[table]
     if current is None:
-        raise NotFound(f"The {label} '{resource_id}' does not exist.", code=_NOT_FOUND[table])
-    raise IncorrectState(
-        f"The {label} '{resource_id}' is '{current}'; this needs it to be {' or '.join(allowed)}."
-    )
+        raise NotFound(f"The {label} '{resource_id}' does not exist.", code=not_found)
+    if already_ok and current == to_state:
+        return
+    allowed = _allowed(table, to_state, from_states)
+    if current in allowed:
+        raise IncorrectState(f"The {label} '{resource_id}' cannot become {to_state} now: "
+                             "another change of it is in progress.")
+    raise IncorrectState(f"The {label} '{resource_id}' is '{current}'; this needs it to be {' or '.join(allowed)}.")

@@ -19,11 +19,13 @@ from vbs.controller import filters as flt
 from vbs.controller.db import Attachment, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import choose_pool
+from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, VolumeList, VolumeOut
-from vbs.controller.services import Services
 from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
+from vbs.controller.workflows.storage import StorageParams
+from vbs.controller.workflows.volumes import CreateVolumeParams
 from vbs.errors import (
     IdempotentParameterMismatch,
     IncorrectState,
@@ -38,12 +40,20 @@ def volume_not_found(volume_id: str) -> NotFound:
     return NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
 
 
+def live_volume(s: Session, volume_id: str) -> Volume:
+    """The volume row, unless it is unknown or deleted (``InvalidVolume.NotFound``, as EC2 answers)."""
+    vol = s.get(Volume, ids.check("volume", volume_id))
+    if vol is None or vol.status == VolumeState.DELETED:
+        raise volume_not_found(volume_id)
+    return vol
+
+
 def _digest(req: CreateVolumeRequest) -> str:
     body = req.model_dump(exclude={"client_token"})
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def create_volume(svc: Services, req: CreateVolumeRequest) -> VolumeOut:
+def create_volume(svc: Controller, req: CreateVolumeRequest) -> VolumeOut:
     if req.placement != "shared":
         raise InvalidParameter("placement 'local' is not supported yet; use 'shared'.")
     digest = _digest(req)
@@ -72,7 +82,7 @@ def create_volume(svc: Services, req: CreateVolumeRequest) -> VolumeOut:
     return out
 
 
-def _insert_volume(svc: Services, s: Session, req: CreateVolumeRequest, digest: str) -> tuple[Volume, str]:
+def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str) -> tuple[Volume, str]:
     cfg = svc.cfg
     size = req.size_gib
     node = pool = None
@@ -106,17 +116,14 @@ def _insert_volume(svc: Services, s: Session, req: CreateVolumeRequest, digest: 
     s.add(volume)
     s.flush()
     set_tags(s, volume.id, req.tags, check=False)
-    op_id = svc.engine.begin(s, "create-volume", volume.id, {
-        "node": node, "pool": pool, "size_gib": size, "snapshot_id": req.snapshot_id})
+    op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
+        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id))
     return volume, op_id
 
 
-def delete_volume(svc: Services, volume_id: str) -> VolumeOut:
-    ids.check("volume", volume_id)
+def delete_volume(svc: Controller, volume_id: str) -> VolumeOut:
     with svc.db.session() as s:
-        vol = s.get(Volume, volume_id)
-        if vol is None or vol.status == VolumeState.DELETED:
-            raise volume_not_found(volume_id)
+        vol = live_volume(s, volume_id)
         if vol.status == VolumeState.IN_USE:
             raise VolumeInUse(f"The volume '{volume_id}' is attached; detach it first.")
         pending = exists().where(Snapshot.volume_id == volume_id, Snapshot.status == SnapshotState.PENDING)
@@ -124,9 +131,8 @@ def delete_volume(svc: Services, volume_id: str) -> VolumeOut:
             raise IncorrectState(f"The volume '{volume_id}' has a snapshot in progress; delete it when it completes.")
         live_attachment = exists().where(Attachment.volume_id == volume_id,
                                          Attachment.status != AttachmentState.DETACHED)
-        transition(s, Volume, volume_id, [VolumeState.AVAILABLE, VolumeState.ERROR], VolumeState.DELETING,
-                   ~pending, ~live_attachment)
-        op_id = svc.engine.begin(s, "delete-volume", volume_id, {"node": vol.storage_node, "pool": vol.pool})
+        transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment)
+        op_id = svc.engine.begin(s, "delete-volume", volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
         s.refresh(vol)
         out = _describe_one(s, vol)
     svc.engine.submit(op_id)
@@ -156,7 +162,7 @@ VOLUME_FILTERS = {
 }
 
 
-def describe_volumes(svc: Services, volume_ids: list[str], filters: dict[str, list[str]],
+def describe_volumes(svc: Controller, volume_ids: list[str], filters: dict[str, list[str]],
                      max_results: int | None, next_token: str | None) -> VolumeList:
     for vid in volume_ids:
         ids.check("volume", vid)
@@ -178,7 +184,7 @@ def describe_volumes(svc: Services, volume_ids: list[str], filters: dict[str, li
         return VolumeList(volumes=_describe_many(s, rows), next_token=token)
 
 
-def get_volume(svc: Services, volume_id: str) -> VolumeOut:
+def get_volume(svc: Controller, volume_id: str) -> VolumeOut:
     return describe_volumes(svc, [volume_id], {}, None, None).volumes[0]
 
 
@@ -195,7 +201,7 @@ def _describe_many(s: Session, vols: list[Volume]) -> list[VolumeOut]:
                                                     Attachment.status != AttachmentState.DETACHED)):
             atts[a.volume_id].append(AttachmentOut(
                 attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host, vm_id=a.vm_id,
-                device=a.device, mode=a.mode, state=a.status, attach_time=a.created_at))
+                device=a.device, mode=a.mode, state=a.status, state_reason=a.status_reason, attach_time=a.created_at))
     return [
         VolumeOut(
             volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,

@@ -1,43 +1,20 @@
 """The host agent's HTTP API: hot-plug a connection into a VM and unplug it, keyed by the disk serial.
 
 Like the storage agent it keeps no records: attaching an attached serial or detaching an absent one
-succeeds, so the controller may repeat any call after a crash.
+succeeds, so the controller may repeat any call after a crash. Every body and answer is a
+``vbs.wire`` model; errors keep their class across the wire (``DeviceBusy`` arrives as itself).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict
-from typing import Any
-
 from fastapi import APIRouter, Depends, FastAPI, Query
-from pydantic import BaseModel, ConfigDict, Field
 
-from vbs.connection import Connection
-from vbs.errors import InvalidParameter, VbsError
-from vbs.host.hypervisors.base import DeviceBusy, HypervisorDriver, QoS
+from vbs import ids
+from vbs.errors import IncorrectState, InvalidParameter
+from vbs.host.hypervisors.base import HypervisorDriver
 from vbs.web import install_error_handlers, token_checker
-
-SERIAL_RE = re.compile(r"^vol[0-9a-f]{17}$")
-
-
-class QosBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    iops: int | None = Field(None, ge=1, le=1_000_000)
-    mbps: int | None = Field(None, ge=1, le=100_000)
-
-
-class AttachBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    connection: Connection
-    read_only: bool = False
-    qos: QosBody | None = None
-
-
-class ResizeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    connection: Connection
-    size_bytes: int = Field(ge=512, le=64 << 40, multiple_of=512, strict=True)
+from vbs.wire.host import SERIAL_RE, VM_ID_RE, AttachDisk, CopyDisk, DiskInfo, DiskList, ResizeDisk, VmList
+from vbs.wire.storage import ItemStatus, Removed
 
 
 def _serial(serial: str) -> str:
@@ -46,43 +23,63 @@ def _serial(serial: str) -> str:
     return serial
 
 
+def _vm(vm_id: str) -> str:
+    if not VM_ID_RE.match(vm_id):
+        raise InvalidParameter(f"invalid VM id {vm_id[:70]!r}")
+    return vm_id
+
+
 def create_app(driver: HypervisorDriver, token: str | None, node_name: str) -> FastAPI:
     app = FastAPI(title="VBS host agent", version="1")
     install_error_handlers(app)
     router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
+    caps = driver.capabilities
+
+    def able(what: str, can: bool) -> None:
+        if not can:
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot {what}")
 
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok", "node": node_name}
 
     @router.get("/vms")
-    def list_vms() -> list[dict[str, Any]]:
-        return [asdict(vm) for vm in driver.list_vms()]
+    def list_vms() -> VmList:
+        return VmList(vms=driver.list_vms())
 
     @router.put("/vms/{vm_id}/disks/{serial}")
-    def attach(vm_id: str, serial: str, body: AttachBody) -> dict[str, Any]:
-        qos = QoS(iops=body.qos.iops, mbps=body.qos.mbps) if body.qos else None
-        disk = driver.attach(vm_id, body.connection, _serial(serial), read_only=body.read_only, qos=qos)
-        return asdict(disk)
+    def attach(vm_id: str, serial: str, body: AttachDisk) -> DiskInfo:
+        able(f"open {body.connection.protocol} connections", body.connection.protocol in caps.protocols)
+        if body.qos is not None:
+            able("enforce QoS limits", caps.qos)
+        return driver.attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only, qos=body.qos)
 
     @router.delete("/vms/{vm_id}/disks/{serial}")
     def detach(vm_id: str, serial: str, force: bool = False,
-               timeout: float = Query(10.0, gt=0, le=600)) -> dict[str, str]:
-        try:
-            driver.detach(vm_id, _serial(serial), force=force, timeout=timeout)
-        except DeviceBusy as exc:
-            raise VbsError(exc.message, code="DeviceBusy", status=409) from exc
-        return {"state": "absent"}
+               timeout: float = Query(10.0, gt=0, le=600)) -> Removed:
+        driver.detach(_vm(vm_id), _serial(serial), force=force, timeout=timeout)
+        return Removed()
 
     @router.put("/vms/{vm_id}/disks/{serial}/size")
-    def resize(vm_id: str, serial: str, body: ResizeBody) -> dict[str, Any]:
-        """Swap the disk onto a refreshed export of its (grown) volume and show the guest the new size."""
-        disk = driver.resize(vm_id, _serial(serial), body.connection, body.size_bytes)
-        return asdict(disk)
+    def resize(vm_id: str, serial: str, body: ResizeDisk) -> DiskInfo:
+        """Move the disk onto a refreshed connection of its (grown) volume and show the guest the new size."""
+        able("resize a disk online", caps.online_resize)
+        return driver.resize(_vm(vm_id), _serial(serial), body.connection, body.size_bytes)
 
     @router.get("/vms/{vm_id}/disks")
-    def list_disks(vm_id: str) -> list[dict[str, Any]]:
-        return [asdict(d) for d in driver.list_disks(vm_id)]
+    def list_disks(vm_id: str) -> DiskList:
+        return DiskList(disks=driver.list_disks(_vm(vm_id)))
+
+    @router.put("/vms/{vm_id}/disks/{serial}/copies/{copy_id}")
+    def ensure_copy(vm_id: str, serial: str, copy_id: str, body: CopyDisk) -> ItemStatus:
+        """Copy the disk at one instant into a snapshot target; answers progress, ready when done."""
+        able("copy a disk at one instant", caps.point_in_time_copy)
+        return driver.ensure_copy(_vm(vm_id), _serial(serial), ids.check("snapshot", copy_id), body.target)
+
+    @router.delete("/vms/{vm_id}/disks/{serial}/copies/{copy_id}")
+    def remove_copy(vm_id: str, serial: str, copy_id: str) -> Removed:
+        driver.remove_copy(_vm(vm_id), _serial(serial), ids.check("snapshot", copy_id))
+        return Removed()
 
     app.include_router(router)
     return app

@@ -1,11 +1,14 @@
-"""Sparse-aware file copy with progress and cancellation, and a thread that runs one.
+"""Sparse-aware file copy with progress and cancellation, giving space back, and a thread for each.
 
 Used where a backend cannot clone in O(1): only the data extents (SEEK_DATA/SEEK_HOLE) are copied,
 with copy_file_range so the kernel moves the bytes, in chunks so progress and cancel stay responsive.
+``sparsify`` gives back what a copy made by someone else allocated for nothing (a QEMU backup job
+allocates zero ranges; an iSCSI target writes zeros as data).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -14,9 +17,11 @@ from pathlib import Path
 from typing import Literal
 
 __all__ = [
+    "Job",
     "CopyJob",
     "CopyCancelled",
     "sparse_copy",
+    "sparsify",
     "data_ranges",
     "DEFAULT_CHUNK_BYTES",
 ]
@@ -27,6 +32,10 @@ DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 # to reading and writing ourselves.
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _FALLBACK_BUFFER = 8 * 1024 * 1024
+_PUNCH_BLOCK = 64 * 1024  # zero blocks smaller than this are left: not worth an extent each
+_SCAN_BYTES = 4 * 1024 * 1024
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 
 ProgressCallback = Callable[[int, int], None]
 JobState = Literal["pending", "running", "done", "failed", "cancelled"]
@@ -121,34 +130,90 @@ def sparse_copy(
     return done
 
 
-class CopyJob:
-    """One sparse copy in a background thread: ``src_fd`` into a new file at ``dst_path``.
+def _punch(fd: int, offset: int, length: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
 
-    The job owns ``src_fd`` and closes it when it ends; holding it open means the source may be
-    unlinked meanwhile without harm. On success ``on_success`` runs in the job's thread (a backend
-    renames the file there); on failure the destination is removed and ``error`` says why. A
-    cancelled job leaves the destination for its owner to keep or remove.
+
+def sparsify(
+    fd: int,
+    *,
+    scan_data: bool,
+    cancel: threading.Event | None = None,
+    progress: ProgressCallback | None = None,
+) -> int:
+    """Give back the space of every range of ``fd`` that reads as zeros; return the bytes punched.
+
+    Ranges the filesystem reports as holes (allocated but unwritten extents, as a QEMU backup job
+    leaves them) are punched at once. With ``scan_data`` the data is read too, and every aligned
+    block of ``_PUNCH_BLOCK`` zero bytes is punched. Punching zeros changes no byte of the file, so
+    this is safe whenever nobody writes to it. Raises ``CopyCancelled`` when ``cancel`` is set.
+    """
+    size = os.fstat(fd).st_size
+    ranges = list(data_ranges(fd, size))
+    punched = 0
+    pos = 0
+    for start, end in [*ranges, (size, size)]:
+        if start > pos:
+            _punch(fd, pos, start - pos)
+            punched += start - pos
+        pos = end
+    if not scan_data:
+        os.fsync(fd)
+        return punched
+    total = sum(end - start for start, end in ranges)
+    done = 0
+    zero = bytes(_PUNCH_BLOCK)
+    for start, end in ranges:
+        offset = start - start % _PUNCH_BLOCK
+        while offset < end:
+            if cancel is not None and cancel.is_set():
+                raise CopyCancelled()
+            chunk = os.pread(fd, min(_SCAN_BYTES, end - offset), offset)
+            if not chunk:
+                break
+            for at in range(0, len(chunk) - _PUNCH_BLOCK + 1, _PUNCH_BLOCK):
+                if chunk[at:at + _PUNCH_BLOCK] == zero:
+                    _punch(fd, offset + at, _PUNCH_BLOCK)
+                    punched += _PUNCH_BLOCK
+            offset += len(chunk)
+            done = min(total, done + len(chunk))
+            if progress is not None:
+                progress(done, total)
+    os.fsync(fd)
+    return punched
+
+
+class Job:
+    """One piece of background work in its own thread, with progress, cancel and an outcome.
+
+    ``work(cancel, progress)`` does the work; ``on_success`` runs in the job's thread after it (a
+    backend renames the finished file there); ``on_failure`` cleans up after a failure. ``error``
+    says why a failed job failed; a cancelled job leaves its files to its owner.
     """
 
     def __init__(
         self,
-        src_fd: int,
-        dst_path: Path,
-        size_bytes: int,
+        work: Callable[[threading.Event, ProgressCallback], object],
         *,
+        size_bytes: int,
         on_success: Callable[[], None] | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        name: str = "vbs-copy",
+        on_failure: Callable[[], None] | None = None,
+        on_end: Callable[[], None] | None = None,
+        name: str = "vbs-job",
     ) -> None:
-        self.dst_path = dst_path
         self.size_bytes = size_bytes
         self.done_bytes = 0
         self.total_bytes = 0
         self.state: JobState = "pending"
         self.error: str | None = None
-        self._src_fd = src_fd
+        self._work = work
         self._on_success = on_success
-        self._chunk_bytes = chunk_bytes
+        self._on_failure = on_failure
+        self._on_end = on_end
         self._cancel = threading.Event()
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -159,7 +224,7 @@ class CopyJob:
             return 100
         if self.total_bytes == 0:
             return 0
-        return min(100, self.done_bytes * 100 // self.total_bytes)
+        return min(99, self.done_bytes * 100 // self.total_bytes)
 
     @property
     def running(self) -> bool:
@@ -171,8 +236,9 @@ class CopyJob:
             self._thread.start()
         except BaseException:
             self.state = "failed"
-            self.error = "could not start a copy thread"
-            os.close(self._src_fd)
+            self.error = "could not start a worker thread"
+            if self._on_end is not None:
+                self._on_end()
             self._finished.set()
             raise
 
@@ -189,19 +255,7 @@ class CopyJob:
 
     def _run(self) -> None:
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-            dst_fd = os.open(self.dst_path, flags, 0o600)
-            try:
-                sparse_copy(
-                    self._src_fd,
-                    dst_fd,
-                    size_bytes=self.size_bytes,
-                    chunk_bytes=self._chunk_bytes,
-                    cancel=self._cancel,
-                    progress=self._progress,
-                )
-            finally:
-                os.close(dst_fd)
+            self._work(self._cancel, self._progress)
             if self._cancel.is_set():
                 raise CopyCancelled()
             if self._on_success is not None:
@@ -212,13 +266,47 @@ class CopyJob:
         except Exception as exc:  # any failure must end as a reported state, never a dead thread
             self.error = _describe(exc)
             self.state = "failed"
-            try:
-                os.unlink(self.dst_path)
-            except OSError:
-                pass  # already gone, or the owner removes it on the next ensure or remove
+            if self._on_failure is not None:
+                try:
+                    self._on_failure()
+                except OSError:
+                    pass  # the owner removes what is left on the next ensure or remove
         finally:
-            os.close(self._src_fd)
+            if self._on_end is not None:
+                self._on_end()
             self._finished.set()
+
+
+class CopyJob(Job):
+    """One sparse copy in a background thread: ``src_fd`` into a new file at ``dst_path``.
+
+    The job owns ``src_fd`` and closes it when it ends; holding it open means the source may be
+    unlinked meanwhile without harm. On failure the destination is removed.
+    """
+
+    def __init__(
+        self,
+        src_fd: int,
+        dst_path: Path,
+        size_bytes: int,
+        *,
+        on_success: Callable[[], None] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        name: str = "vbs-copy",
+    ) -> None:
+        self.dst_path = dst_path
+
+        def copy(cancel: threading.Event, progress: ProgressCallback) -> None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+            dst_fd = os.open(dst_path, flags, 0o600)
+            try:
+                sparse_copy(src_fd, dst_fd, size_bytes=size_bytes, chunk_bytes=chunk_bytes, cancel=cancel,
+                            progress=progress)
+            finally:
+                os.close(dst_fd)
+
+        super().__init__(copy, size_bytes=size_bytes, on_success=on_success,
+                         on_failure=lambda: os.unlink(dst_path), on_end=lambda: os.close(src_fd), name=name)
 
 
 def _describe(exc: Exception) -> str:

@@ -2,11 +2,14 @@
 
 Its serial console is QEMU's stdio: a reader thread parses the guest's lines (protocol in ``init.sh``)
 into disk events and command results, and copies every line to a log file in the work dir.
+
+The guest has two QMP monitors: ``<qmp_dir>/<name>.qmp`` for the host agent (whose driver holds it
+with a persistent connection; QEMU serves one client per monitor) and ``<workdir>/<name>.test.qmp``,
+which only tests and demos use (``TestGuest.qmp``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import itertools
@@ -16,13 +19,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from qemu.qmp import QMPClient
-
 from vbs.errors import DriverError, InvalidParameter
+from vbs.qmp import QmpClient
 from vbs.testguest.build import GuestImage
 
 __all__ = ["TestGuest", "pattern_bytes", "pattern_sha256", "qmp_execute"]
@@ -38,17 +41,10 @@ MIB = 1024 * 1024
 
 
 def qmp_execute(socket: Path, command: str, args: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
-    """Run one QMP command on a VM's monitor socket (tests and demos; the product uses its driver)."""
-
-    async def once() -> Any:
-        client = QMPClient("vbs-testguest")
-        await asyncio.wait_for(client.connect(str(socket)), timeout)
-        try:
-            return await asyncio.wait_for(client.execute(command, args), timeout)
-        finally:
-            await client.disconnect()
-
-    return asyncio.run(once())
+    """Run one QMP command on a monitor socket, in a connection of its own (tests and demos: use a
+    VM's test monitor, as the host agent holds its main one)."""
+    with QmpClient(socket, name="vbs-test", connect_timeout=timeout, timeout=timeout) as client:
+        return client.execute(command, args)
 
 
 def pattern_bytes(seed: str, mib: int) -> bytes:
@@ -82,6 +78,7 @@ class TestGuest:
         self.workdir = Path(workdir)
         self.image = image
         self.qmp_path = Path(qmp_dir) / f"{name}.qmp"
+        self.test_qmp_path = self.workdir / f"{name}.test.qmp"
         self.console_log = self.workdir / f"{name}.console.log"
         self.machine = machine
         self.memory_mib = memory_mib
@@ -94,7 +91,7 @@ class TestGuest:
         self._results: dict[str, tuple[int, str]] = {}
         self._collecting: dict[str, list[str]] = {}
         self._ids = itertools.count(1)
-        self._cmd_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one command line at a time onto the console
         self._started_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -115,6 +112,7 @@ class TestGuest:
             "-append", "console=ttyS0 quiet panic=-1",
             "-serial", "stdio",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
+            "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
             "-no-reboot",
         ]  # fmt: skip
         stderr = (self.workdir / f"{self.name}.qemu.log").open("ab")
@@ -130,8 +128,9 @@ class TestGuest:
         return self
 
     def qmp(self, command: str, args: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
-        """One QMP command on this guest's monitor (it serves one client at a time)."""
-        return qmp_execute(self.qmp_path, command, args, timeout)
+        """One QMP command on this guest's test monitor, in a connection of its own (so that any
+        other test helper can use that monitor between two calls)."""
+        return qmp_execute(self.test_qmp_path, command, args, timeout)
 
     @property
     def pid(self) -> int | None:
@@ -160,6 +159,7 @@ class TestGuest:
         if self._reader:
             self._reader.join(timeout)
         self.qmp_path.unlink(missing_ok=True)
+        self.test_qmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> TestGuest:
         if self._proc is None:
@@ -209,10 +209,14 @@ class TestGuest:
     # -- commands --------------------------------------------------------------------------------
 
     def run(self, cmd: str, timeout: float = 30.0) -> tuple[int, str]:
-        """Run ``cmd`` with the guest's busybox sh; return its exit status and stdout+stderr."""
+        """Run ``cmd`` with the guest's busybox sh; return its exit status and stdout+stderr.
+
+        Thread-safe: commands from several threads run in the guest at the same time (each in a
+        subshell of its own), so a long one in a thread does not hold up the others.
+        """
         script = base64.b64encode(cmd.encode()).decode()
         limit = max(1, int(timeout))
-        with self._cmd_lock:
+        with self._write_lock:
             cmd_id = str(next(self._ids))
             line = f"VBS-CMD {cmd_id} {limit} {script}\n"
             if len(line) > _MAX_LINE:
@@ -222,10 +226,25 @@ class TestGuest:
                 raise DriverError(f"test guest {self.name} is not running")
             proc.stdin.write(line.encode())
             proc.stdin.flush()
-            # The guest kills the command at `limit`; allow a little for the answer to come back.
-            self._wait(lambda: cmd_id in self._results, limit + 10.0, f"command {cmd_id}")
-            with self._cond:
-                return self._results.pop(cmd_id)
+        # The guest kills the command at `limit`; allow a little for the answer to come back.
+        self._wait(lambda: cmd_id in self._results, limit + 10.0, f"command {cmd_id}")
+        with self._cond:
+            return self._results.pop(cmd_id)
+
+    def run_background(self, cmd: str, timeout: float = 300.0) -> Future[tuple[int, str]]:
+        """Start ``cmd`` in the guest and return at once: the future gets what ``run`` answers.
+        Other commands run meanwhile (a writer during a snapshot, say)."""
+        future: Future[tuple[int, str]] = Future()
+        future.set_running_or_notify_cancel()
+
+        def work() -> None:
+            try:
+                future.set_result(self.run(cmd, timeout))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+        threading.Thread(target=work, name=f"guest-cmd-{self.name}", daemon=True).start()
+        return future
 
     def check(self, cmd: str, timeout: float = 30.0) -> str:
         """Like ``run`` but a non-zero exit status raises ``DriverError``."""

@@ -9,7 +9,8 @@
 #                  VBS-BEGIN <id> / <output lines> / VBS-END <id> <exit status>
 #   host -> guest  VBS-CMD <id> <timeout in s> <base64 of a sh script>
 # Output between BEGIN and END is the command's stdout+stderr followed by one extra newline, so the
-# host gets the exact text back by joining those lines with "\n".
+# host gets the exact text back by joining those lines with "\n". Each command runs in a subshell of
+# its own, so several run at once (a long writer and quick checks beside it); blocks never interleave.
 export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -63,16 +64,22 @@ scan_disks
 emit VBS-READY
 while :; do nap 0.1; scan_disks; done &
 
+run_cmd() {  # <id> <timeout in s> <base64 script>
+    echo "$3" | base64 -d > "/run/cmd.$1.sh"
+    timeout -s KILL "$2" sh "/run/cmd.$1.sh" > "/run/cmd.$1.out" 2>&1 < /dev/null
+    rc=$?
+    lock
+    echo "VBS-BEGIN $1"
+    cat "/run/cmd.$1.out"
+    echo
+    echo "VBS-END $1 $rc"
+    unlock
+    rm -f "/run/cmd.$1.sh" "/run/cmd.$1.out"
+}
+
 while :; do
     read -r tag id limit script < /dev/console || continue
     [ "$tag" = VBS-CMD ] || continue
-    echo "$script" | base64 -d > /run/cmd.sh
-    timeout -s KILL "$limit" sh /run/cmd.sh > /run/cmd.out 2>&1 < /dev/null
-    rc=$?
-    lock
-    echo "VBS-BEGIN $id"
-    cat /run/cmd.out
-    echo
-    echo "VBS-END $id $rc"
-    unlock
+    case "$id:$limit" in *[!0-9:]*|:*|*:) continue ;; esac
+    run_cmd "$id" "$limit" "$script" &
 done

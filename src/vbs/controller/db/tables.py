@@ -1,7 +1,8 @@
 """The controller's tables. Portable SQL only: the same schema runs on SQLite and PostgreSQL.
 
 State columns are never used as locks: every change of ``status`` goes through a conditional
-``UPDATE … WHERE id = ? AND status IN (…)`` (see ``vbs.controller.transitions``).
+``UPDATE … WHERE id = ? AND status IN (…)`` whose allowed states come from ``states.py``
+(see ``vbs.controller.transitions``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, TypeDecorator, false, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -126,24 +127,38 @@ class Attachment(Base):
     device: Mapped[str] = mapped_column(String(32))
     mode: Mapped[str] = mapped_column(String(2))
     status: Mapped[str] = mapped_column(String(16), index=True)
-    connection: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    status_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
 
+_UNFINISHED_EXCLUSIVE = text("status IN ('running', 'rolling-back') AND exclusive")
+
+
 class Operation(Base):
-    """One multi-step workflow; its steps are recorded before and after each agent call."""
+    """One multi-step workflow; its steps are recorded before and after each agent call.
+
+    ``params`` is the workflow's typed parameters (never a secret). ``exclusive`` operations
+    (``states.EXCLUSIVE_KINDS``) are one at a time per resource while unfinished: a partial unique
+    index says so, on SQLite and PostgreSQL alike.
+    """
 
     __tablename__ = "operations"
+    __table_args__ = (
+        Index("uq_operations_exclusive_unfinished", "resource_id", unique=True,
+              sqlite_where=_UNFINISHED_EXCLUSIVE, postgresql_where=_UNFINISHED_EXCLUSIVE),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
     resource_id: Mapped[str] = mapped_column(String(32), index=True)
     status: Mapped[str] = mapped_column(String(16), index=True)
+    exclusive: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None]
+    failing_since: Mapped[datetime | None]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
@@ -157,7 +172,6 @@ class OperationStep(Base):
     state: Mapped[str] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime]
-
 
 
 class VolumeModification(Base):

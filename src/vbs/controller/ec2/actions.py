@@ -17,6 +17,7 @@ from vbs.controller import attachments, modifications, snapshots, tags, volumes
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
+from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
@@ -28,11 +29,10 @@ from vbs.controller.schemas import (
     SnapshotOut,
     VolumeOut,
 )
-from vbs.controller.services import Services
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
 
-Handler = Callable[[Services, QueryParams], dict[str, Any]]
+Handler = Callable[[Controller, QueryParams], dict[str, Any]]
 ACCOUNT_ID = "000000000000"
 
 
@@ -106,7 +106,7 @@ def _attachment(a: AttachmentOut) -> dict[str, Any]:
             "attachTime": a.attach_time, "deleteOnTermination": False}
 
 
-def _volume(svc: Services, v: VolumeOut) -> dict[str, Any]:
+def _volume(svc: Controller, v: VolumeOut) -> dict[str, Any]:
     return {
         "volumeId": v.volume_id, "size": v.size_gib, "snapshotId": v.snapshot_id or "",
         "availabilityZone": svc.cfg.availability_zone, "status": v.status, "createTime": v.created_at,
@@ -128,7 +128,7 @@ def _snapshot(s: SnapshotOut) -> dict[str, Any]:
 # -- volumes ---------------------------------------------------------------------------------------
 
 
-def create_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+def create_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     zone = p.str("AvailabilityZone", max_len=64)
     if zone is not None and zone != svc.cfg.availability_zone:
         raise InvalidParameter(f"Invalid availability zone: [{zone[:64]}]; this endpoint serves "
@@ -147,7 +147,7 @@ def create_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
     return _volume(svc, volumes.create_volume(svc, req))
 
 
-def delete_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+def delete_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     _dry_run(p)
     volumes.delete_volume(svc, vol_id)
@@ -159,13 +159,13 @@ VOLUME_FILTER_NAMES = {"status", "volume-id", "snapshot-id", "size", "volume-typ
                        "attachment.delete-on-termination"}
 
 
-def _zone_filter(svc: Services, filters: dict[str, list[str]]) -> bool:
+def _zone_filter(svc: Controller, filters: dict[str, list[str]]) -> bool:
     """Apply the ``availability-zone`` filter ourselves: one zone, so it keeps all or nothing."""
     zones = filters.pop("availability-zone", None)
     return zones is None or svc.cfg.availability_zone in zones
 
 
-def describe_volumes(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_volumes(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
     filters = p.filters()
     max_results = p.int("MaxResults", min=5)
@@ -187,7 +187,7 @@ def describe_volumes(svc: Services, p: QueryParams) -> dict[str, Any]:
     return {"volumeSet": [_volume(svc, v) for v in found.volumes], "nextToken": found.next_token}
 
 
-def attach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+def attach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     instance = p.str("InstanceId", required=True, max_len=64)
     if not ids.is_valid("instance", instance):
@@ -198,7 +198,7 @@ def attach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
     return _attachment(attachments.attach_volume(svc, vol_id, req))
 
 
-def detach_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+def detach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     data: dict[str, Any] = {"force": p.bool("Force")}
     instance = p.str("InstanceId", max_len=64)
@@ -220,7 +220,7 @@ def _modification(m: ModificationOut) -> dict[str, Any]:
     }
 
 
-def modify_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
+def modify_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     data = {"size_gib": p.int("Size"), "volume_type": p.str("VolumeType", max_len=16), "iops": p.int("Iops"),
             "throughput": p.int("Throughput")}
@@ -229,7 +229,7 @@ def modify_volume(svc: Services, p: QueryParams) -> dict[str, Any]:
     return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req))}
 
 
-def describe_volumes_modifications(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_volumes_modifications(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
     filters = p.filters()
     max_results = p.int("MaxResults", min=1, max=500)
@@ -244,7 +244,7 @@ def describe_volumes_modifications(svc: Services, p: QueryParams) -> dict[str, A
 # -- snapshots -------------------------------------------------------------------------------------
 
 
-def create_snapshot(svc: Services, p: QueryParams) -> dict[str, Any]:
+def create_snapshot(svc: Controller, p: QueryParams) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     req = _model(CreateSnapshotRequest, {"volume_id": vol_id, "comment": p.str("Description", max_len=255) or "",
                                          "tags": _tags_for(p, "snapshot")})
@@ -252,14 +252,14 @@ def create_snapshot(svc: Services, p: QueryParams) -> dict[str, Any]:
     return _snapshot(snapshots.create_snapshot(svc, req))
 
 
-def delete_snapshot(svc: Services, p: QueryParams) -> dict[str, Any]:
+def delete_snapshot(svc: Controller, p: QueryParams) -> dict[str, Any]:
     snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
     _dry_run(p)
     snapshots.delete_snapshot(svc, snap_id)
     return {"return": True}
 
 
-def describe_snapshots(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_snapshots(svc: Controller, p: QueryParams) -> dict[str, Any]:
     snap_ids = [_snapshot_id(v) for v in p.list("SnapshotId")]
     owners = p.list("Owner")
     filters = p.filters()
@@ -293,7 +293,7 @@ def _resource_ids(p: QueryParams) -> list[str]:
     return rids
 
 
-def create_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+def create_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
     rids = _resource_ids(p)
     new_tags = p.tags()
     if not new_tags:
@@ -307,7 +307,7 @@ def create_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
     return {"return": True}
 
 
-def delete_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+def delete_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
     rids = _resource_ids(p)
     pairs = p.tag_keys()
     _dry_run(p)
@@ -316,7 +316,7 @@ def delete_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
     return {"return": True}
 
 
-def describe_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
     filters = p.filters()
     max_results = p.int("MaxResults", min=5)
     if max_results is not None:
@@ -362,7 +362,7 @@ def describe_tags(svc: Services, p: QueryParams) -> dict[str, Any]:
 # -- instances and zones ---------------------------------------------------------------------------
 
 
-def describe_instances(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_instances(svc: Controller, p: QueryParams) -> dict[str, Any]:
     wanted = set(p.list("InstanceId"))
     filters = p.filters()
     _dry_run(p)
@@ -414,7 +414,7 @@ def _matches(filters: dict[str, list[str]], facts: dict[str, list[str]], known: 
     return True
 
 
-def describe_availability_zones(svc: Services, p: QueryParams) -> dict[str, Any]:
+def describe_availability_zones(svc: Controller, p: QueryParams) -> dict[str, Any]:
     names = p.list("ZoneName")
     zone_ids = p.list("ZoneId")
     filters = p.filters()

@@ -17,7 +17,7 @@ from vbs.controller.auth import Authenticator
 from vbs.controller.ec2 import xml
 from vbs.controller.ec2.actions import HANDLERS
 from vbs.controller.ec2.query import MAX_BODY, QueryParams, parse_form
-from vbs.controller.services import Services
+from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter, VbsError
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
             if handler is None:
                 raise InvalidParameter(f"The action {action} is not valid for this web service.",
                                        code="InvalidAction")
-            svc: Services = request.app.state.services
+            svc: Controller = request.app.state.services
             answer = await run_in_threadpool(handler, svc, params)
         except VbsError as exc:
             return _error(exc, request_id)

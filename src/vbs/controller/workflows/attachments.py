@@ -2,103 +2,145 @@
 
 The order matters both ways: export, then hot-plug; unplug, then remove the export — removing an
 iSCSI target under a live session hangs the client forever.
+
+The connection a host gets (with its CHAP or TLS-PSK secret) is never stored: the export step keeps
+it in memory for the plug step, and after a restart the plug step asks the storage agent again (the
+same export gives the same connection).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import exists, select, update
+from typing import Any
 
-from vbs.connection import HostIdentity
-from vbs.controller.db import Attachment, Volume
-from vbs.controller.db.tables import utcnow
-from vbs.controller.states import AttachmentState, VolumeState
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session
 
-LIVE = [AttachmentState.ATTACHING, AttachmentState.ATTACHED, AttachmentState.DETACHING, AttachmentState.BUSY]
+from vbs.controller.db import Attachment, Node, Volume
+from vbs.controller.nodes import host_identity
+from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
+from vbs.controller.transitions import transition, try_transition
+from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.storage import StorageParams, storage_agent, waiting
+from vbs.errors import DeviceBusy, NotFound
+from vbs.wire.connection import Connection
+from vbs.wire.host import QoS
 
 
-def _host_identity(p: dict) -> HostIdentity:  # type: ignore[type-arg]
-    return HostIdentity(name=p["host"], address=p["host_address"], initiator_name=p.get("initiator_name"))
+class AttachParams(StorageParams):
+    attachment_id: str
+    host: str
+    vm_id: str
+    serial: str
+    read_only: bool = False
+    qos: QoS | None = None
 
 
-def export_volume(ctx: StepContext) -> None:
+class DetachParams(Params):
+    attachment_id: str
+    node: str
+    pool: str = ""  # older controllers did not record it: read from the volume then
+    host: str
+    vm_id: str
+    serial: str
+    force: bool = False
+    timeout: float = 10.0
+
+
+def _connection(ctx: StepContext[AttachParams]) -> Connection:
+    """The host's connection to the volume: made (or found again: it is idempotent) on the storage node."""
     p = ctx.params
-    storage = ctx.services.agents.storage(p["node"])
-    p["connection"] = storage.ensure_export(p["pool"], ctx.resource_id, _host_identity(p), p["read_only"])
+    with ctx.services.db.read() as s:
+        node = s.get(Node, (p.host, "host"))
+    if node is None:
+        raise NotFound(f"host {p.host} is not known", code="InvalidHost.NotFound")
+    agent = storage_agent(ctx)
+    conn: Connection = waiting(lambda: agent.connection_for(p.pool, ctx.resource_id, host_identity(node), p.read_only),
+                               limit_s=ctx.services.cfg.give_up_after_s)
+    ctx.memo["connection"] = conn
+    return conn
 
 
-def unexport_volume(ctx: StepContext) -> None:
-    """Remove the volume's export to this host, unless another VM on the host still uses it.
+def export_volume(ctx: StepContext[AttachParams]) -> None:
+    _connection(ctx)
+
+
+def unexport_volume(ctx: StepContext[Any]) -> None:
+    """Remove the volume's connection to this host, unless another VM on the host still uses it.
 
     Exports are per (volume, host): with multi-attach, two VMs of one host share one.
     """
-    with ctx.services.db.session() as s:
+    p = ctx.params
+    with ctx.services.db.read() as s:
         shared = s.scalar(select(Attachment.id).where(
-            Attachment.volume_id == ctx.resource_id, Attachment.host == ctx.params["host"],
-            Attachment.id != ctx.params["attachment_id"], Attachment.status.in_(LIVE)))
-    if shared is None:
-        ctx.services.agents.storage(ctx.params["node"]).remove_export(ctx.resource_id, ctx.params["host"])
+            Attachment.volume_id == ctx.resource_id, Attachment.host == p.host,
+            Attachment.id != p.attachment_id, Attachment.status.in_(LIVE_ATTACHMENT)))
+        pool = p.pool or s.scalar(select(Volume.pool).where(Volume.id == ctx.resource_id))
+    if shared is None and pool is not None:
+        storage_agent(ctx).remove_connection(pool, ctx.resource_id, p.host)
 
 
-def plug_into_vm(ctx: StepContext) -> None:
+def plug_into_vm(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
-    ctx.services.agents.host(p["host"]).attach(p["vm_id"], p["serial"], p["connection"],
-                                               read_only=p["read_only"], qos=p.get("qos"))
+    conn = ctx.memo.get("connection") or _connection(ctx)
+    ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, conn, read_only=p.read_only, qos=p.qos)
 
 
-def unplug_forcibly(ctx: StepContext) -> None:
+def unplug_forcibly(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
-    ctx.services.agents.host(p["host"]).detach(p["vm_id"], p["serial"], force=True, timeout=10.0)
+    ctx.services.agents.host(p.host).detach(p.vm_id, p.serial, force=True, timeout=10.0)
 
 
-def unplug_from_vm(ctx: StepContext) -> None:
+def unplug_from_vm(ctx: StepContext[DetachParams]) -> None:
     p = ctx.params
-    ctx.services.agents.host(p["host"]).detach(p["vm_id"], p["serial"], force=p["force"], timeout=p["timeout"])
+    ctx.services.agents.host(p.host).detach(p.vm_id, p.serial, force=p.force, timeout=p.timeout)
 
 
-def _set_attachment(ctx: StepContext, from_states: list[str], to_state: str) -> None:
-    with ctx.services.db.session() as s:
-        s.execute(update(Attachment).where(Attachment.id == ctx.params["attachment_id"],
-                                           Attachment.status.in_(from_states))
-                  .values(status=to_state, updated_at=utcnow()))
-        _release_volume_if_free(s, ctx.resource_id)
-
-
-def _release_volume_if_free(s, volume_id: str) -> None:  # type: ignore[no-untyped-def]
+def release_volume_if_free(s: Session, volume_id: str) -> None:
     """``in-use`` → ``available`` once no live attachment is left (one statement: no lost update)."""
-    other = exists().where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE))
-    s.execute(update(Volume).where(Volume.id == volume_id, Volume.status == VolumeState.IN_USE, ~other)
-              .values(status=VolumeState.AVAILABLE, updated_at=utcnow()))
+    others = exists().where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
+    try_transition(s, Volume, volume_id, VolumeState.AVAILABLE, ~others, from_states=[VolumeState.IN_USE])
 
 
-def mark_attached(ctx: StepContext) -> None:
-    _set_attachment(ctx, [AttachmentState.ATTACHING], AttachmentState.ATTACHED)
+def _settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None = None) -> None:
+    with ctx.services.db.session() as s:
+        transition(s, Attachment, ctx.params.attachment_id, to_state, already_ok=True,
+                   status_reason=reason[:2000] if reason else None)
+        release_volume_if_free(s, ctx.resource_id)
 
 
-def mark_detached(ctx: StepContext) -> None:
-    _set_attachment(ctx, [AttachmentState.DETACHING], AttachmentState.DETACHED)
+def mark_attached(ctx: StepContext[AttachParams]) -> None:
+    _settle(ctx, AttachmentState.ATTACHED)
 
 
-def attach_rolled_back(ctx: StepContext, _reason: str) -> None:
-    _set_attachment(ctx, [AttachmentState.ATTACHING], AttachmentState.DETACHED)
+def mark_detached(ctx: StepContext[DetachParams]) -> None:
+    _settle(ctx, AttachmentState.DETACHED)
 
 
-def detach_gives_up(ctx: StepContext, exc: Exception) -> bool:
-    """The guest holds on to the disk: the attachment is ``busy``; detach again, or with force."""
-    if getattr(exc, "code", None) != "DeviceBusy":
+def attach_rolled_back(ctx: StepContext[AttachParams], reason: str) -> None:
+    _settle(ctx, AttachmentState.DETACHED, f"the attach failed and was rolled back: {reason}")
+
+
+def detach_ends_busy(ctx: StepContext[DetachParams], reason: str) -> None:
+    """The detach could not finish: the attachment is ``busy``; detach again, or with force."""
+    _settle(ctx, AttachmentState.BUSY, reason)
+
+
+def guest_holds_disk(ctx: StepContext[DetachParams], exc: Exception) -> bool:
+    if not isinstance(exc, DeviceBusy):
         return False
-    _set_attachment(ctx, [AttachmentState.DETACHING], AttachmentState.BUSY)
+    detach_ends_busy(ctx, exc.message)
     return True
 
 
-def is_attached(ctx: StepContext) -> bool:
+def is_attached(ctx: StepContext[AttachParams]) -> bool:
     with ctx.services.db.read() as s:
-        status = s.scalar(select(Attachment.status).where(Attachment.id == ctx.params["attachment_id"]))
+        status = s.scalar(select(Attachment.status).where(Attachment.id == ctx.params.attachment_id))
     return status not in (None, AttachmentState.ATTACHING)
 
 
 ATTACH_VOLUME = Workflow(
     kind="attach-volume",
+    params=AttachParams,
     resume="rollback",
     steps=(Step("storage-export", export_volume, undo=unexport_volume),
            Step("host-attach", plug_into_vm, undo=unplug_forcibly),
@@ -109,9 +151,13 @@ ATTACH_VOLUME = Workflow(
 
 DETACH_VOLUME = Workflow(
     kind="detach-volume",
+    params=DetachParams,
     resume="forward",
-    steps=(Step("host-detach", unplug_from_vm),
+    # A forced detach whose host never answers goes on without it: removing the export cuts the
+    # VM off the volume all the same, and the reconciler unplugs the dead disk once the host is back.
+    steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
            Step("storage-unexport", unexport_volume),
            Step("mark-detached", mark_detached)),
-    gives_up=detach_gives_up,
+    gives_up=guest_holds_disk,
+    on_give_up=detach_ends_busy,
 )

@@ -4,12 +4,22 @@ A step is recorded ``started`` before its agent call and ``done`` after it, each
 On failure the engine undoes the started and done steps in reverse and lets the workflow restore
 its resource. When the controller starts it resumes every unfinished operation: workflows that
 ``resume="rollback"`` (create, attach) undo what they did, those that ``resume="forward"`` (delete,
-detach) carry on. Agent calls are idempotent, so repeating a step after a crash is safe.
+detach, modify) carry on. Agent calls are idempotent, so repeating a step after a crash is safe.
+
+Nothing retries forever. A step (or an undo) that keeps failing is retried with back-off for
+``give_up_after_s``; then a roll-forward operation ends ``failed`` (its workflow puts the resource
+in a stable state and says why, or skips a step it may skip), and an undo is abandoned (the
+reconciler removes what it leaves once its target answers again) and the roll-back goes on.
+
+Each workflow has a typed ``Params`` model, stored in the operation row. Params never hold a
+secret: what a step learns that is secret (a connection) stays in ``StepContext.memo``, in memory
+only, and a later step that needs it after a restart asks the agent again.
 
 Test hooks: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
-point, to prove recovery; ``inject_failure(kind, step, when)`` (reachable over the internal API
-only when the controller runs with ``VBS_TEST_HOOKS=1``) makes one step fail before or after its
-call, to prove rollback.
+point, to prove recovery; ``inject_failure(kind, step, when)`` makes one step fail before or after
+its call, to prove rollback; ``hold(kind, step)`` stops the next run of a step before its call
+until ``release``, so a test can remove its target meanwhile. The last two are reachable over the
+internal API only when the controller runs with ``VBS_TEST_HOOKS=1``.
 """
 
 from __future__ import annotations
@@ -21,58 +31,87 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Literal
+from datetime import datetime, timedelta
+from typing import Any, Generic, Literal, TypeVar
 
-from sqlalchemy import select, update
+from pydantic import BaseModel, ConfigDict, ValidationError
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.db.tables import utcnow
-from vbs.controller.states import OperationState
-from vbs.errors import AgentUnreachable, DriverError
+from vbs.controller.services import Services
+from vbs.controller.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
+from vbs.errors import AgentUnreachable, DriverError, IncorrectState
+
+__all__ = ["Params", "StepContext", "Step", "Workflow", "WorkflowEngine"]
 
 log = logging.getLogger(__name__)
 
 MAX_RETRY_DELAY_S = 60.0
+HOLD_LIMIT_S = 300.0  # a held step goes on by itself after this, so a forgotten hold cannot wedge anything
+
+
+class Params(BaseModel):
+    """A workflow's parameters, persisted in its operation row (never a secret).
+
+    Keys an older controller wrote and this one no longer has are ignored when a row is read.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+
+P = TypeVar("P", bound=Params)
 
 
 @dataclass
-class StepContext:
-    """What a step sees: its operation, the workflow's parameters (persisted) and the services."""
+class StepContext(Generic[P]):
+    """What a step sees: its operation, the workflow's parameters (persisted) and the services.
+
+    ``memo`` holds what earlier steps of this run learned and must not be persisted (a connection
+    with its secrets); it is empty after a restart. ``save()`` persists ``params`` at once (steps
+    record there what an undo must know before they act).
+    """
 
     operation_id: str
     resource_id: str
-    params: dict[str, Any]
-    services: Any
-
-
-StepFn = Callable[[StepContext], None]
+    params: P
+    services: Services
+    memo: dict[str, Any] = field(default_factory=dict)
+    save: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
-class Step:
+class Step(Generic[P]):
     name: str
-    do: StepFn
-    undo: StepFn | None = None
+    do: Callable[[StepContext[P]], None]
+    undo: Callable[[StepContext[P]], None] | None = None
+    # A roll-forward step that may be left out once its retries are exhausted (a forced detach
+    # whose host never answers: removing the export cuts the VM off all the same).
+    skippable: Callable[[StepContext[P]], bool] | None = None
 
 
 @dataclass(frozen=True)
-class Workflow:
+class Workflow(Generic[P]):
     kind: str
+    params: type[P]
     resume: Literal["rollback", "forward"]
-    steps: tuple[Step, ...]
-    on_rollback: Callable[[StepContext, str], None] | None = None
-    # For roll-forward workflows: a failure this accepts as final stops the operation (no retry).
-    gives_up: Callable[[StepContext, Exception], bool] | None = None
-    # For roll-back workflows: whether the resource already reached its final state (the last step,
-    # a DB transition, ran but the controller died before recording it): then resuming finishes.
-    finished: Callable[[StepContext], bool] | None = None
-    step_index: dict[str, int] = field(init=False, repr=False)
+    steps: tuple[Step[P], ...]
+    # Roll-back workflows: put the resource back once every step is undone (or abandoned).
+    on_rollback: Callable[[StepContext[P], str], None] | None = None
+    # A failure this accepts as final ends the operation at once (no retry).
+    gives_up: Callable[[StepContext[P], Exception], bool] | None = None
+    # Roll-forward workflows: retries are exhausted; leave the resource in a stable state.
+    on_give_up: Callable[[StepContext[P], str], None] | None = None
+    # Roll-back workflows: whether the resource already reached its final state (the last step, a
+    # DB transition, ran but the controller died before recording it): then resuming finishes.
+    finished: Callable[[StepContext[P]], bool] | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "step_index", {s.name: i for i, s in enumerate(self.steps)})
+    @property
+    def exclusive(self) -> bool:
+        return self.kind in EXCLUSIVE_KINDS
 
 
 def _crash_point() -> tuple[str, str, str] | None:
@@ -81,31 +120,54 @@ def _crash_point() -> tuple[str, str, str] | None:
     return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
 
 
+def _message(exc: Exception) -> str:
+    return str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+
+
 class WorkflowEngine:
-    def __init__(self, db: Database, workflows: list[Workflow], services: Any, *, threads: int = 16,
-                 retry_interval: float = 2.0) -> None:
+    def __init__(self, db: Database, workflows: list[Workflow[Any]], services: Services, *, threads: int = 16,
+                 retry_interval: float = 2.0, give_up_after: float = 600.0) -> None:
         self.db = db
-        self.workflows = {w.kind: w for w in workflows}
+        self.workflows: dict[str, Workflow[Any]] = {w.kind: w for w in workflows}
         self.services = services
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="workflow")
         self._inflight: set[str] = set()
         self._lock = threading.Lock()
         self._crash_at = _crash_point()
         self._fail_at: set[tuple[str, str, str]] = set()
+        self._holds: dict[tuple[str, str], tuple[threading.Event, threading.Event]] = {}
         self._retry_interval = retry_interval
+        self._give_up_after = timedelta(seconds=give_up_after)
         self._stop = threading.Event()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="workflow-retry", daemon=True)
 
     # -- starting operations -------------------------------------------------------------------
 
-    def begin(self, session: Session, kind: str, resource_id: str, params: dict[str, Any]) -> str:
-        """Record a new operation inside the caller's transaction (atomic with the resource row)."""
+    def begin(self, session: Session, kind: str, resource_id: str, params: Params) -> str:
+        """Record a new operation inside the caller's transaction (atomic with the resource row).
+
+        An exclusive kind (see ``states.EXCLUSIVE_KINDS``) on a resource that has an unfinished
+        exclusive operation is refused by the DB's unique index: ``IncorrectState``.
+        """
         workflow = self.workflows[kind]
+        if not isinstance(params, workflow.params):
+            raise TypeError(f"{kind} takes {workflow.params.__name__}, not {type(params).__name__}")
         op_id = ids.new_id("operation")
         now = utcnow()
-        session.add(Operation(id=op_id, kind=kind, resource_id=resource_id, status=OperationState.RUNNING,
-                              params=params, attempts=0, created_at=now, updated_at=now))
-        session.flush()
+        try:
+            with session.begin_nested():
+                session.add(Operation(id=op_id, kind=kind, resource_id=resource_id, status=OperationState.RUNNING,
+                                      exclusive=workflow.exclusive, params=params.model_dump(mode="json"),
+                                      attempts=0, created_at=now, updated_at=now))
+                session.flush()
+        except IntegrityError:
+            other = session.scalar(select(Operation).where(
+                Operation.resource_id == resource_id, Operation.exclusive.is_(True),
+                Operation.status.in_(UNFINISHED_OPERATION)))
+            if other is None:
+                raise
+            raise IncorrectState(f"'{resource_id}' has a {other.kind} in progress ({other.id}); "
+                                 "try again when it is done.") from None
         for pos, step in enumerate(workflow.steps):
             session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
                                       updated_at=now))
@@ -122,8 +184,7 @@ class WorkflowEngine:
     def start(self) -> None:
         """Resume every operation left unfinished by a previous controller, then watch for retries."""
         with self.db.session() as s:
-            pending = s.scalars(select(Operation.id).where(
-                Operation.status.in_([OperationState.RUNNING, OperationState.ROLLING_BACK]))).all()
+            pending = s.scalars(select(Operation.id).where(Operation.status.in_(UNFINISHED_OPERATION))).all()
         for op_id in pending:
             log.info("resuming operation %s", op_id)
             self.submit(op_id, resuming=True)
@@ -131,7 +192,21 @@ class WorkflowEngine:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            for _reached, release in self._holds.values():
+                release.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def purge(self, retention_s: float) -> int:
+        """Forget finished operations (and their steps) older than ``retention_s``."""
+        cutoff = utcnow() - timedelta(seconds=retention_s)
+        with self.db.session() as s:
+            old = list(s.scalars(select(Operation.id).where(Operation.status.not_in(UNFINISHED_OPERATION),
+                                                            Operation.updated_at < cutoff).limit(1000)))
+            if old:
+                s.execute(delete(OperationStep).where(OperationStep.operation_id.in_(old)))
+                s.execute(delete(Operation).where(Operation.id.in_(old)))
+        return len(old)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -145,72 +220,94 @@ class WorkflowEngine:
         except Exception:
             # The DB is unreachable or a bug: leave the operation for the retry loop.
             log.exception("operation %s: engine error", op_id)
-            self._schedule_retry(op_id, "engine error")
+            self._retry_later(op_id, "engine error")
         finally:
             with self._lock:
                 self._inflight.discard(op_id)
 
+    def _context(self, workflow: Workflow[Any], op: Operation) -> StepContext[Any]:
+        try:
+            params = workflow.params.model_validate(op.params)
+        except ValidationError as exc:
+            raise DriverError(f"operation {op.id}: unreadable parameters ({exc.error_count()} problems)") from exc
+        ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services)
+        ctx.save = lambda: self._save_params(ctx)
+        return ctx
+
     def _run(self, op_id: str, resuming: bool) -> None:
         with self.db.session() as s:
             op = s.get(Operation, op_id)
-            if op is None or op.status not in (OperationState.RUNNING, OperationState.ROLLING_BACK):
+            if op is None or op.status not in UNFINISHED_OPERATION:
                 return
             steps = {st.position: st.state for st in s.scalars(
                 select(OperationStep).where(OperationStep.operation_id == op_id))}
             s.expunge(op)
         workflow = self.workflows[op.kind]
-        ctx = StepContext(op.id, op.resource_id, dict(op.params), self.services)
+        ctx = self._context(workflow, op)
         if op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
         elif resuming and workflow.resume == "rollback" and (
-                all(steps.get(pos) == "done" for pos in range(len(workflow.steps)))
+                all(steps.get(pos) in ("done", "skipped") for pos in range(len(workflow.steps)))
                 or (workflow.finished is not None and workflow.finished(ctx))):
             # Everything was done; only the operation's own record was missing. Undoing it now would
             # destroy a finished volume or attachment.
-            self._set_op(op_id, status=OperationState.SUCCEEDED, next_attempt_at=None)
+            self._finish(op_id, OperationState.SUCCEEDED)
         elif resuming and workflow.resume == "rollback":
             reason = "interrupted by a controller restart"
-            self._set_op(op_id, status=OperationState.ROLLING_BACK, error=reason)
+            self._set_op(op_id, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
         else:
             self._forward(workflow, ctx, steps)
 
-    def _forward(self, workflow: Workflow, ctx: StepContext, steps: dict[int, str]) -> None:
+    def _forward(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str]) -> None:
         for pos, step in enumerate(workflow.steps):
-            if steps.get(pos) == "done":
+            if steps.get(pos) in ("done", "skipped"):
                 continue
             self._set_step(ctx, pos, "started")
             self._maybe_crash(workflow.kind, step.name, "started")
             try:
+                self._maybe_hold(workflow.kind, step.name)
                 self._maybe_fail(workflow.kind, step.name, "before")
                 step.do(ctx)
                 self._maybe_fail(workflow.kind, step.name, "after")
             except Exception as exc:
-                message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-                log.warning("operation %s (%s) step %s failed: %s", ctx.operation_id, workflow.kind,
-                            step.name, message)
+                message = _message(exc)
+                log.warning("operation %s (%s) step %s failed: %s", ctx.operation_id, workflow.kind, step.name,
+                            message)
                 if not hasattr(exc, "code"):
                     log.exception("unexpected error in step %s", step.name)
-                if workflow.resume == "forward":
-                    self._set_step(ctx, pos, "started", error=message)
-                    if workflow.gives_up is not None and workflow.gives_up(ctx, exc):
-                        self._set_op(ctx.operation_id, status=OperationState.FAILED, error=message,
-                                     next_attempt_at=None)
-                    else:
-                        self._schedule_retry(ctx.operation_id, message)
+                if workflow.resume == "rollback":
+                    # A call that never reached its agent changed nothing there: no undo is owed for it.
+                    steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
+                    self._set_step(ctx, pos, steps[pos], error=message)
+                    self._set_op(ctx.operation_id, status=OperationState.ROLLING_BACK, error=message,
+                                 failing_since=None)
+                    self._rollback(workflow, ctx, steps, message)
                     return
-                # A call that never reached its agent changed nothing there: no undo is owed for it.
-                steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
-                self._set_step(ctx, pos, steps[pos], error=message)
-                self._set_op(ctx.operation_id, status=OperationState.ROLLING_BACK, error=message)
-                self._rollback(workflow, ctx, steps, message)
+                self._set_step(ctx, pos, "started", error=message)
+                if workflow.gives_up is not None and workflow.gives_up(ctx, exc):
+                    self._finish(ctx.operation_id, OperationState.FAILED, message)
+                    return
+                if not self._exhausted(ctx.operation_id):
+                    self._retry_later(ctx.operation_id, message)
+                    return
+                if step.skippable is not None and step.skippable(ctx):
+                    log.warning("operation %s: giving up on step %s, which may be skipped: %s", ctx.operation_id,
+                                step.name, message)
+                    self._set_step(ctx, pos, "skipped", error=message)
+                    self._set_op(ctx.operation_id, failing_since=None)
+                    continue
+                reason = f"gave up after {self._give_up_after.total_seconds():g}s of failures at {step.name}: {message}"
+                if workflow.on_give_up is not None:
+                    workflow.on_give_up(ctx, reason)
+                self._finish(ctx.operation_id, OperationState.FAILED, reason)
                 return
             steps[pos] = "done"
-            self._set_step(ctx, pos, "done")
+            self._set_step(ctx, pos, "done", succeeded=True)
             self._maybe_crash(workflow.kind, step.name, "done")
-        self._set_op(ctx.operation_id, status=OperationState.SUCCEEDED, next_attempt_at=None)
+        self._finish(ctx.operation_id, OperationState.SUCCEEDED)
 
-    def _rollback(self, workflow: Workflow, ctx: StepContext, steps: dict[int, str], reason: str) -> None:
+    def _rollback(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str], reason: str) -> None:
         for pos in sorted(steps, reverse=True):
             if steps[pos] not in ("started", "done"):
                 continue
@@ -219,38 +316,79 @@ class WorkflowEngine:
                 try:
                     step.undo(ctx)
                 except Exception as exc:
-                    message = getattr(exc, "message", None) or str(exc)
-                    log.warning("operation %s: undo of %s failed (will retry): %s", ctx.operation_id,
-                                step.name, message)
-                    self._schedule_retry(ctx.operation_id, reason)
-                    return
-            self._set_step(ctx, pos, "undone")
+                    message = _message(exc)
+                    if not self._exhausted(ctx.operation_id):
+                        log.warning("operation %s: undo of %s failed (will retry): %s", ctx.operation_id,
+                                    step.name, message)
+                        self._retry_later(ctx.operation_id, reason)
+                        return
+                    # Its target stays unreachable: leave what it holds to the reconciler (an orphan
+                    # export or disk is removed once it answers again) and undo the rest.
+                    log.error("operation %s: abandoning the undo of %s: %s", ctx.operation_id, step.name, message)
+                    steps[pos] = "abandoned"
+                    self._set_step(ctx, pos, "abandoned", error=message)
+                    self._set_op(ctx.operation_id, failing_since=None)
+                    continue
+            steps[pos] = "undone"
+            self._set_step(ctx, pos, "undone", succeeded=True)
         if workflow.on_rollback is not None:
             workflow.on_rollback(ctx, reason)
-        self._set_op(ctx.operation_id, status=OperationState.ROLLED_BACK, next_attempt_at=None)
+        abandoned = [workflow.steps[p].name for p, state in steps.items() if state == "abandoned"]
+        if abandoned:
+            self._finish(ctx.operation_id, OperationState.FAILED,
+                         f"{reason}; rolled back, but could not undo {', '.join(abandoned)} (left to reconciliation)")
+        else:
+            self._finish(ctx.operation_id, OperationState.ROLLED_BACK)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _set_step(self, ctx: StepContext, pos: int, state: str, error: str | None = None) -> None:
+    def _set_step(self, ctx: StepContext[Any], pos: int, state: str, *, error: str | None = None,
+                  succeeded: bool = False) -> None:
         with self.db.session() as s:
             s.execute(update(OperationStep)
                       .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == pos)
                       .values(state=state, error=error, updated_at=utcnow()))
-            s.execute(update(Operation).where(Operation.id == ctx.operation_id)
-                      .values(params=ctx.params, updated_at=utcnow()))
+            values: dict[str, Any] = {"params": ctx.params.model_dump(mode="json"), "updated_at": utcnow()}
+            if succeeded:
+                values["failing_since"] = None  # the clock of give_up_after restarts at the next failure
+            s.execute(update(Operation).where(Operation.id == ctx.operation_id).values(**values))
+
+    def _save_params(self, ctx: StepContext[Any]) -> None:
+        self._set_op(ctx.operation_id, params=ctx.params.model_dump(mode="json"))
 
     def _set_op(self, op_id: str, **values: Any) -> None:
         with self.db.session() as s:
             s.execute(update(Operation).where(Operation.id == op_id).values(updated_at=utcnow(), **values))
 
-    def _schedule_retry(self, op_id: str, error: str) -> None:
+    def _finish(self, op_id: str, status: OperationState, error: str | None = None) -> None:
+        values: dict[str, Any] = {"status": status, "next_attempt_at": None, "failing_since": None}
+        if error is not None:
+            values["error"] = error[:4000]
+        self._set_op(op_id, **values)
+
+    def _exhausted(self, op_id: str) -> bool:
+        """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""
+        now = utcnow()
+        with self.db.session() as s:
+            op = s.get(Operation, op_id)
+            if op is None:
+                return True
+            since: datetime | None = op.failing_since
+            if since is None:
+                op.failing_since = now
+                return False
+            return now - since >= self._give_up_after
+
+    def _retry_later(self, op_id: str, error: str) -> None:
         with self.db.session() as s:
             op = s.get(Operation, op_id)
             if op is None:
                 return
-            delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)))
+            delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)),
+                        max(self._retry_interval, self._give_up_after.total_seconds() / 4))
             op.attempts += 1
-            op.error = error
+            op.error = error[:4000]
+            op.failing_since = op.failing_since or utcnow()
             op.next_attempt_at = utcnow() + timedelta(seconds=delay)
             op.updated_at = utcnow()
 
@@ -259,7 +397,7 @@ class WorkflowEngine:
             try:
                 with self.db.session() as s:
                     due = s.scalars(select(Operation.id).where(
-                        Operation.status.in_([OperationState.RUNNING, OperationState.ROLLING_BACK]),
+                        Operation.status.in_(UNFINISHED_OPERATION),
                         Operation.next_attempt_at.is_not(None),
                         Operation.next_attempt_at <= utcnow())).all()
                 for op_id in due:
@@ -267,10 +405,38 @@ class WorkflowEngine:
             except Exception:
                 log.exception("workflow retry loop")
 
+    # -- test hooks ------------------------------------------------------------------------------
+
     def inject_failure(self, kind: str, step: str, when: Literal["before", "after"]) -> None:
         """Make the next run of ``step`` in ``kind`` fail (test hook)."""
         with self._lock:
             self._fail_at.add((kind, step, when))
+
+    def hold(self, kind: str, step: str) -> None:
+        """Stop the next run of ``step`` in ``kind`` before its call, until ``release`` (test hook)."""
+        with self._lock:
+            self._holds[(kind, step)] = (threading.Event(), threading.Event())
+
+    def held(self, kind: str, step: str) -> bool:
+        """Whether a run has reached the hold of ``step`` and waits there."""
+        with self._lock:
+            hold = self._holds.get((kind, step))
+        return hold is not None and hold[0].is_set()
+
+    def release(self, kind: str, step: str) -> None:
+        with self._lock:
+            hold = self._holds.pop((kind, step), None)
+        if hold is not None:
+            hold[1].set()
+
+    def _maybe_hold(self, kind: str, step: str) -> None:
+        with self._lock:
+            hold = self._holds.get((kind, step))
+        if hold is None:
+            return
+        reached, release = hold
+        reached.set()
+        release.wait(HOLD_LIMIT_S)
 
     def _maybe_fail(self, kind: str, step: str, when: str) -> None:
         with self._lock:

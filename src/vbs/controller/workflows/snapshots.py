@@ -1,59 +1,135 @@
-"""Snapshot workflows: create (rolls back if interrupted) and delete (rolls forward)."""
+"""Snapshot workflows: create (rolls back if interrupted) and delete (rolls forward).
+
+A snapshot is point-in-time, also of a volume that a guest writes to. The storage node takes it
+where it can (reflink, or an export daemon that copies at one instant). Where it cannot — the
+volume is exported by a daemon that writes to the file directly (tgtd) and a host writes to it —
+it says so (``PointInTimeUnavailable``), and the hypervisor of the one VM the volume is attached to
+copies it at one instant into a snapshot target the storage node exports to that host. A volume
+attached to several VMs, or to a hypervisor that cannot copy, is refused with the reason: never a
+snapshot that is not point-in-time.
+"""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from sqlalchemy import select
 
-from vbs.controller.db import Snapshot
-from vbs.controller.states import SnapshotState
-from vbs.controller.transitions import transition
+from vbs import ids
+from vbs.controller.db import Attachment, Node, Snapshot
+from vbs.controller.nodes import host_identity, host_info
+from vbs.controller.states import AttachmentState, SnapshotState
+from vbs.controller.workflows import storage as shared
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.controller.workflows.storage import progress_reporter, storage_agent, until_ready
+from vbs.controller.workflows.storage import StorageParams
+from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
+
+# How long a snapshot waits for its volume's attachment to settle (being attached or detached)
+# before it gives up on a point-in-time copy.
+SETTLE_LIMIT_S = 120.0
 
 
-def snapshot_on_storage(ctx: StepContext) -> None:
+class CreateSnapshotParams(StorageParams):
+    volume_id: str
+    # Set while (and after) the hypervisor of this VM copies the volume: its undo must cancel it.
+    via_host: str | None = None
+    via_vm: str | None = None
+
+
+def take_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     p = ctx.params
-    agent = storage_agent(ctx)
-    until_ready(lambda: agent.ensure_snapshot(p["pool"], ctx.resource_id, p["volume_id"]),
-                progress_reporter(ctx, Snapshot, SnapshotState.PENDING))
+    agent = shared.storage_agent(ctx)
+    report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while True:
+        try:
+            shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.volume_id), report,
+                               unreachable_s=shared.patience(ctx))
+            return
+        except PointInTimeUnavailable:
+            pass
+        attachment = _writer(ctx)
+        if attachment is None:
+            # Being attached or detached: the export is there, the disk not (yet, or any more).
+            if time.monotonic() >= deadline:
+                raise IncorrectState(f"The volume '{p.volume_id}' did not settle (attaching or detaching) within "
+                                     f"{SETTLE_LIMIT_S:g}s; no point-in-time copy of it could be taken.")
+            time.sleep(0.5)
+            continue
+        try:
+            _copy_through_hypervisor(ctx, attachment, report)
+            return
+        except NotFound:
+            # The disk left the VM meanwhile (a detach): start over, the storage node may copy it now.
+            _remove_host_copy(ctx)
+            agent.remove_snapshot(p.pool, ctx.resource_id)
 
 
-def remove_from_storage(ctx: StepContext) -> None:
-    storage_agent(ctx).remove_snapshot(ctx.params["pool"], ctx.resource_id)
-
-
-def mark_completed(ctx: StepContext) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Snapshot, ctx.resource_id, [SnapshotState.PENDING], SnapshotState.COMPLETED, progress=100)
-
-
-def mark_error(ctx: StepContext, reason: str) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Snapshot, ctx.resource_id, [SnapshotState.PENDING], SnapshotState.ERROR,
-                   status_reason=f"snapshot failed and was rolled back: {reason}"[:2000])
-
-
-def mark_deleted(ctx: StepContext) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Snapshot, ctx.resource_id, [SnapshotState.DELETING], SnapshotState.DELETED)
-
-
-def is_completed(ctx: StepContext) -> bool:
+def _writer(ctx: StepContext[CreateSnapshotParams]) -> Attachment | None:
+    """The one attachment whose VM writes to the volume; IncorrectState if none can copy it."""
+    p = ctx.params
     with ctx.services.db.read() as s:
-        return s.scalar(select(Snapshot.status).where(Snapshot.id == ctx.resource_id)) != SnapshotState.PENDING
+        live = list(s.scalars(select(Attachment).where(Attachment.volume_id == p.volume_id,
+                                                       Attachment.status != AttachmentState.DETACHED)))
+        hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
+    if len(live) > 1:
+        raise IncorrectState(f"The volume '{p.volume_id}' is attached to {len(live)} VMs and its storage node cannot "
+                             "copy it at one instant; a point-in-time snapshot of it needs a reflink pool or an "
+                             "NBD-exporting storage node.")
+    if not live or live[0].status != AttachmentState.ATTACHED:
+        return None
+    host = hosts.get(live[0].host)
+    if host is None or not host_info(host).capabilities.point_in_time_copy:
+        raise IncorrectState(f"Neither the storage node of '{p.volume_id}' nor the hypervisor of host "
+                             f"'{live[0].host}' can copy it at one instant; detach it to snapshot it.")
+    return live[0]
+
+
+def _copy_through_hypervisor(ctx: StepContext[CreateSnapshotParams], attachment: Attachment,
+                             report: Any) -> None:
+    p = ctx.params
+    agent = shared.storage_agent(ctx)
+    with ctx.services.db.read() as s:
+        node = s.get(Node, (attachment.host, "host"))
+    if node is None:
+        raise NotFound(f"host {attachment.host} is not known")
+    p.via_host, p.via_vm = attachment.host, attachment.vm_id
+    ctx.save()  # before anything is made: an undo after a crash must know where to look
+    host = ctx.services.agents.host(attachment.host)
+    serial = ids.virtio_serial(p.volume_id)
+    target = agent.snapshot_target(p.pool, ctx.resource_id, p.volume_id, host_identity(node))
+    shared.until_ready(lambda: host.ensure_copy(attachment.vm_id, serial, ctx.resource_id, target), report,
+                       unreachable_s=shared.patience(ctx))
+    # The finished job is the copy's record until now (a repeated ensure must not copy a later instant).
+    host.remove_copy(attachment.vm_id, serial, ctx.resource_id)
+    shared.until_ready(lambda: agent.finish_snapshot_target(p.pool, ctx.resource_id, attachment.host), report,
+                       unreachable_s=shared.patience(ctx))
+
+
+def _remove_host_copy(ctx: StepContext[CreateSnapshotParams]) -> None:
+    p = ctx.params
+    if p.via_host is not None and p.via_vm is not None:
+        ctx.services.agents.host(p.via_host).remove_copy(p.via_vm, ids.virtio_serial(p.volume_id), ctx.resource_id)
+
+
+def remove_snapshot(ctx: StepContext[Any]) -> None:
+    shared.storage_agent(ctx).remove_snapshot(ctx.params.pool, ctx.resource_id)
+
+
+def undo_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
+    _remove_host_copy(ctx)
+    remove_snapshot(ctx)
 
 
 CREATE_SNAPSHOT = Workflow(
     kind="create-snapshot",
+    params=CreateSnapshotParams,
     resume="rollback",
-    steps=(Step("storage-snapshot", snapshot_on_storage, undo=remove_from_storage),
-           Step("mark-completed", mark_completed)),
-    on_rollback=mark_error,
-    finished=is_completed,
+    steps=(Step("storage-snapshot", take_snapshot, undo=undo_snapshot),
+           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100))),
+    on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot failed and was rolled back"),
+    finished=shared.has_left(Snapshot, SnapshotState.PENDING),
 )
 
-DELETE_SNAPSHOT = Workflow(
-    kind="delete-snapshot",
-    resume="forward",
-    steps=(Step("storage-delete", remove_from_storage), Step("mark-deleted", mark_deleted)),
-)
+DELETE_SNAPSHOT = shared.deletion("delete-snapshot", Snapshot, remove_snapshot)

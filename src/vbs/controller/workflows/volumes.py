@@ -2,60 +2,38 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
 from vbs.controller.db import Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.states import VolumeState
-from vbs.controller.transitions import transition
+from vbs.controller.workflows import storage as shared
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.controller.workflows.storage import progress_reporter, storage_agent, until_ready
+from vbs.controller.workflows.storage import StorageParams
 
 
-def create_on_storage(ctx: StepContext) -> None:
+class CreateVolumeParams(StorageParams):
+    size_gib: int
+    snapshot_id: str | None = None
+
+
+def create_on_storage(ctx: StepContext[CreateVolumeParams]) -> None:
     p = ctx.params
-    agent = storage_agent(ctx)
-    until_ready(lambda: agent.ensure_volume(p["pool"], ctx.resource_id, p["size_gib"], p.get("snapshot_id")),
-                progress_reporter(ctx, Volume, VolumeState.CREATING))
+    agent = shared.storage_agent(ctx)
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id),
+                       shared.progress_reporter(ctx, Volume, VolumeState.CREATING), unreachable_s=shared.patience(ctx))
 
 
-def remove_from_storage(ctx: StepContext) -> None:
-    storage_agent(ctx).remove_volume(ctx.params["pool"], ctx.resource_id)
-
-
-def mark_available(ctx: StepContext) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Volume, ctx.resource_id, [VolumeState.CREATING], VolumeState.AVAILABLE, progress=100,
-                   status_reason=None)
-
-
-def mark_error(ctx: StepContext, reason: str) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Volume, ctx.resource_id, [VolumeState.CREATING], VolumeState.ERROR,
-                   status_reason=f"creation failed and was rolled back: {reason}"[:2000])
-
-
-def mark_deleted(ctx: StepContext) -> None:
-    with ctx.services.db.session() as s:
-        transition(s, Volume, ctx.resource_id, [VolumeState.DELETING], VolumeState.DELETED, deleted_at=utcnow())
-
-
-def is_available(ctx: StepContext) -> bool:
-    with ctx.services.db.read() as s:
-        return s.scalar(select(Volume.status).where(Volume.id == ctx.resource_id)) != VolumeState.CREATING
+def remove_from_storage(ctx: StepContext[StorageParams]) -> None:
+    shared.storage_agent(ctx).remove_volume(ctx.params.pool, ctx.resource_id)
 
 
 CREATE_VOLUME = Workflow(
     kind="create-volume",
+    params=CreateVolumeParams,
     resume="rollback",
     steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
-           Step("mark-available", mark_available)),
-    on_rollback=mark_error,
-    finished=is_available,
+           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None))),
+    on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
+    finished=shared.has_left(Volume, VolumeState.CREATING),
 )
 
-DELETE_VOLUME = Workflow(
-    kind="delete-volume",
-    resume="forward",
-    steps=(Step("storage-delete", remove_from_storage), Step("mark-deleted", mark_deleted)),
-)
+DELETE_VOLUME = shared.deletion("delete-volume", Volume, remove_from_storage, deleted_at=utcnow)

@@ -1,80 +1,69 @@
 """The contract every hypervisor driver of the host agent fulfils.
 
 A driver finds the VMs of its node and hot-plugs / unplugs a volume's connection into one of them,
-identifying each disk by its virtio serial (the volume id without its dash). Both calls are idempotent.
+identifying each disk by its virtio serial (the volume id without its dash). It says what it can do
+(``capabilities``: the protocols it opens, online resize, QoS, point-in-time copies) and the
+controller's workflows ask that instead of assuming QEMU. A call a driver cannot do raises
+``IncorrectState`` saying so.
+
+Every call is idempotent and works from the VM's own state. A VM that is gone holds no disk: detach
+and ``remove_copy`` then succeed (there is nothing left to undo), attach raises ``NotFound``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from vbs.connection import Connection
-from vbs.errors import IncorrectState
+from vbs.config import HostAgentConfig
+from vbs.wire.connection import Connection
+from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "VmInfo", "QoS", "AttachedDisk", "DeviceBusy"]
-
-
-@dataclass(frozen=True)
-class VmInfo:
-    vm_id: str
-    name: str
-    running: bool
+__all__ = ["HypervisorDriver"]
 
 
-@dataclass(frozen=True)
-class QoS:
-    """Per-disk limits; ``mbps`` is MiB/s, as EBS counts throughput."""
-
-    iops: int | None = None
-    mbps: int | None = None
-
-
-@dataclass(frozen=True)
-class AttachedDisk:
-    """A disk VBS attached. The guest names it (``vdb``…); the serial is how anyone finds it."""
-
-    serial: str
-    device_id: str
-    node_name: str
-    read_only: bool
-
-
-class DeviceBusy(IncorrectState):
-    """The guest did not release an unplugged disk in time (attachment state ``busy``)."""
-
-
+@runtime_checkable
 class HypervisorDriver(Protocol):
+    capabilities: HypervisorCapabilities
+
+    @classmethod
+    def from_config(cls, cfg: HostAgentConfig) -> HypervisorDriver: ...
+
     def list_vms(self) -> list[VmInfo]:
         """The VMs on this node that the driver can manage."""
         ...
 
-    def attach(
-        self,
-        vm_id: str,
-        connection: Connection,
-        serial: str,
-        *,
-        read_only: bool = False,
-        qos: QoS | None = None,
-    ) -> AttachedDisk:
-        """Hot-plug ``connection`` into the VM as a virtio disk; a disk already there with this
-        serial is returned as it is."""
+    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool = False,
+               qos: QoS | None = None) -> DiskInfo:
+        """Hot-plug ``connection`` into the running VM as a virtio disk; a disk already there with
+        this serial is answered as it is."""
         ...
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
-        """Unplug the disk and release its connection; an absent disk is success. Raises
-        ``DeviceBusy`` if the guest does not release it within ``timeout``."""
+        """Unplug the disk and close its connection; an absent disk or VM is success. Raises
+        ``DeviceBusy`` if the guest does not release it within ``timeout``; with ``force`` the
+        connection is closed anyway (the guest's I/O on it fails)."""
         ...
 
-    def list_disks(self, vm_id: str) -> list[AttachedDisk]:
-        """The disks VBS attached to the VM (recognised by their ids), for reconciliation."""
+    def list_disks(self, vm_id: str) -> list[DiskInfo]:
+        """The disks VBS attached to the VM, for reconciliation."""
         ...
 
-    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> AttachedDisk:
-        """Online resize: move the attached disk to ``connection`` (a refreshed export of its grown
-        volume) without unplugging it, and make the guest see ``size_bytes``. Idempotent (a disk on
-        that connection with that size is left alone); on failure the disk keeps its old connection.
-        Raises ``NotFound`` if the disk is not attached, ``IncorrectState`` if it cannot be resized
-        online (read-only, force-detached)."""
+    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> DiskInfo:
+        """Online resize (``capabilities.online_resize``): move the disk to ``connection`` (a
+        refreshed connection of its grown volume) and make the guest see ``size_bytes``."""
+        ...
+
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
+        """Point-in-time copy (``capabilities.point_in_time_copy``): copy the disk as it is when the
+        copy starts into ``target`` while the guest keeps writing. Idempotent: answers progress,
+        ``ready`` once complete."""
+        ...
+
+    def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
+        """Cancel the copy if it runs and close the target; absent (or a gone VM) is success."""
+        ...
+
+    def close(self) -> None:
+        """Release connections to VMs (the VMs are not touched)."""
         ...

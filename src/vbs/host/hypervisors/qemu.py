@@ -2,6 +2,9 @@
 
 A disk is a chain of block nodes (protocol -> raw -> optional throttle) under a virtio-blk-pci device,
 all ids derived from the virtio serial, so attach, detach and crash cleanup read the VM's own state.
+The protocol node and the objects it needs come from the connection's host connector
+(``vbs.host.connectors``). The driver keeps one persistent QMP connection per VM (``vbs.qmp``):
+QEMU serves one client per monitor, so tests talk to a second monitor of their own.
 
 Online resize (measured on QEMU 7.2): the NBD and iSCSI block drivers cannot grow a node (their
 export's size is fixed, and ``block_resize`` answers "Cannot grow NBD nodes"), and reopening a node
@@ -10,60 +13,57 @@ other of two alternating generations of ids), points the raw node at it with ``b
 then ``block_resize``s the top node to exactly the new node's size. That is a no-op for the
 protocol driver, but the truncate path notifies the device, so virtio-blk raises a config change
 and the guest sees the new capacity at once. The old protocol node is deleted last.
+
+Point-in-time copy: ``blockdev-backup`` (sync full) from the disk's raw node into a target protocol
+node. QEMU inserts a copy-before-write filter above the raw node, so the target receives the disk as
+it was when the job started while the guest keeps writing. The job is made with auto-dismiss off:
+once concluded it stays in ``query-jobs`` with its outcome (the target connection is closed then),
+so a repeated ``ensure_copy`` answers that outcome instead of copying a later instant; ``remove_copy``
+dismisses it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import os
 import re
 import stat
-import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
-from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+from vbs.config import HostAgentConfig
+from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
+from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
+from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
+from vbs.wire.connection import Connection
+from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.storage import ItemStatus
 
-from vbs.connection import Connection, FileConnection, IscsiConnection, NbdConnection
-from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
-from vbs.host.hypervisors.base import AttachedDisk, DeviceBusy, QoS, VmInfo
-
-__all__ = ["QemuDriver", "QmpCommandError", "disk_ids", "DiskIds", "ProtoIds"]
+__all__ = ["QemuDriver", "disk_ids", "DiskIds", "copy_ids", "CopyIds", "PROBE_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
-VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-# A virtio-blk serial holds 20 bytes; ours also become parts of QEMU ids, so keep them alphanumeric.
-SERIAL_RE = re.compile(r"^[A-Za-z0-9]{1,20}$")
-_DEVICE_ID_RE = re.compile(r"^vbs-([A-Za-z0-9]{1,20})-dev$")
+_DEVICE_ID_RE = re.compile(r"^vbs-(vol[0-9a-f]{17})-dev$")
+# A copy id (a snapshot id) without its dash becomes part of node names: at most 22 characters.
+_COPY_ID_RE = re.compile(r"^[A-Za-z0-9]{1,8}-?[A-Za-z0-9]{1,17}$")
 MIB = 1024 * 1024
-# How long guest I/O waits for a lost NBD connection to come back (export daemon restarted).
-NBD_RECONNECT_DELAY_S = 15
 # How long a forced detach lets the guest release the disk before cutting its I/O path.
 FORCE_GRACE_SECONDS = 1.0
-# Probing many sockets must not take qmp_timeout each when a monitor is held by another client.
+# Probing many sockets must not take qmp_timeout each when a monitor does not answer.
 PROBE_TIMEOUT = 3.0
+# Deciding whether a VM went during a call: a connect is refused at once when nothing listens.
+_GONE_CHECK_TIMEOUT = 1.0
+_PROBE_THREADS = 8
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ProtoIds:
-    """Ids of one generation of a disk's connection: its protocol node and the objects it uses."""
-
-    proto: str
-    secret: str
-    tls: str
-
-    @property
-    def objects(self) -> tuple[str, ...]:
-        return (self.secret, self.tls)
+Undo = list[Callable[[], object]]
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,11 @@ class DiskIds:
     proto2: str
     secret2: str
     tls2: str
+    copy_job_prefix: str  # every point-in-time copy job of this disk has an id starting so
 
     @property
-    def generations(self) -> tuple[ProtoIds, ProtoIds]:
-        return ProtoIds(self.proto, self.secret, self.tls), ProtoIds(self.proto2, self.secret2, self.tls2)
+    def generations(self) -> tuple[QemuIds, QemuIds]:
+        return QemuIds(self.proto, self.secret, self.tls), QemuIds(self.proto2, self.secret2, self.tls2)
 
     @property
     def nodes_top_down(self) -> tuple[str, ...]:
@@ -100,8 +101,8 @@ class DiskIds:
 
 
 def disk_ids(serial: str) -> DiskIds:
-    if not SERIAL_RE.match(serial):
-        raise InvalidParameter(f"invalid disk serial {serial!r} (1-20 letters and digits)")
+    if not isinstance(serial, str) or not SERIAL_RE.match(serial):
+        raise InvalidParameter(f"invalid disk serial {serial!r} (a volume id without its dash)")
     p = f"vbs-{serial}"
     return DiskIds(
         device=f"{p}-dev",
@@ -115,107 +116,106 @@ def disk_ids(serial: str) -> DiskIds:
         proto2=f"{p}-proto2",
         secret2=f"{p}-sec2",
         tls2=f"{p}-tls2",
+        copy_job_prefix=f"{p}-copy-",
     )
 
 
-class QmpCommandError(DriverError):
-    """QEMU refused a QMP command; ``error_class`` is QMP's (``GenericError``, ``DeviceNotFound``…)."""
+@dataclass(frozen=True)
+class CopyIds:
+    """QEMU ids of one point-in-time copy of a disk: its job, the copy-before-write filter QEMU
+    inserts above the raw node, and the target's protocol node and objects (29 characters at most)."""
 
-    def __init__(self, command: str, error_class: str, desc: str) -> None:
-        super().__init__(f"QMP {command}: {desc}")
-        self.command = command
-        self.error_class = error_class
-        self.desc = desc
+    job: str
+    filter: str
+    target: QemuIds
 
 
-class _Monitor:
-    """One QMP session with one VM; every step is bounded by ``timeout``."""
+def copy_ids(serial: str, copy_id: str) -> CopyIds:
+    prefix = disk_ids(serial).copy_job_prefix
+    if not isinstance(copy_id, str) or not _COPY_ID_RE.match(copy_id):
+        raise InvalidParameter(f"invalid copy id {copy_id!r} (a snapshot id)")
+    return _copy_ids(prefix, copy_id.replace("-", ""))
 
-    def __init__(self, vm_id: str, path: Path, timeout: float) -> None:
+
+def _copy_ids(job_prefix: str, key: str) -> CopyIds:
+    p = f"vbs-{key}"
+    return CopyIds(job=f"{job_prefix}{key}", filter=f"{p}-cbw", target=QemuIds(f"{p}-tgt", f"{p}-sec", f"{p}-tls"))
+
+
+class _Vm:
+    """One VM's monitor as a driver call uses it, under the driver's lock for that VM."""
+
+    def __init__(self, vm_id: str, qmp: QmpClient) -> None:
         self.vm_id = vm_id
-        self.path = path
-        self.timeout = timeout
-        self.client = QMPClient(f"vbs-{vm_id}")
-        # The library logs each failed connect at ERROR; we raise (and the caller logs) instead,
-        # so a stale socket probed at every heartbeat does not flood the log.
-        self.client.logger.setLevel(logging.CRITICAL)
+        self.qmp = qmp
 
-    async def __aenter__(self) -> _Monitor:
-        try:
-            await asyncio.wait_for(self.client.connect(str(self.path)), self.timeout)
-        except ConnectError as exc:
-            if isinstance(exc.exc, FileNotFoundError | ConnectionRefusedError):
-                raise NotFound(
-                    f"VM {self.vm_id} not found (no QEMU behind {self.path.name})",
-                    code="InvalidInstanceID.NotFound",
-                ) from exc
-            raise DriverError(f"VM {self.vm_id}: QMP connection failed: {exc}") from exc
-        except TimeoutError as exc:
-            # QEMU serves one QMP client at a time: another one holding the monitor looks like this.
-            raise DriverError(
-                f"VM {self.vm_id}: QMP monitor did not answer within {self.timeout:g}s (busy with another client?)"
-            ) from exc
-        return self
+    def cmd(self, command: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        return self.qmp.execute(command, args, timeout=timeout)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            await asyncio.wait_for(self.client.disconnect(), self.timeout)
-        except (QMPError, OSError, TimeoutError) as err:
-            log.debug("VM %s: QMP disconnect: %s", self.vm_id, err)
-
-    async def cmd(self, command: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        limit = timeout if timeout is not None else self.timeout
-        try:
-            return await asyncio.wait_for(self.client.execute(command, args), limit)
-        except ExecuteError as exc:
-            raise QmpCommandError(command, exc.error_class, str(exc)) from exc
-        except TimeoutError as exc:
-            raise DriverError(f"VM {self.vm_id}: QMP {command}: no answer within {limit:g}s") from exc
-        except QMPError as exc:
-            raise DriverError(f"VM {self.vm_id}: QMP {command}: {exc}") from exc
-
-    # -- what the VM holds -----------------------------------------------------------------------
-
-    async def devices(self) -> set[str]:
-        children = await self.cmd("qom-list", {"path": "/machine/peripheral"})
+    def devices(self) -> set[str]:
+        children = self.cmd("qom-list", {"path": "/machine/peripheral"})
         return {c["name"] for c in children if c["type"].startswith("child<")}
 
-    async def node_names(self) -> set[str]:
-        nodes = await self.cmd("query-named-block-nodes", {"flat": True})
-        return {n["node-name"] for n in nodes}
-
-    async def objects(self) -> set[str]:
-        children = await self.cmd("qom-list", {"path": "/objects"})
+    def objects(self) -> set[str]:
+        children = self.cmd("qom-list", {"path": "/objects"})
         return {c["name"] for c in children if c["type"].startswith("child<")}
 
-    async def node_size(self, node: str) -> int:
-        for n in await self.cmd("query-named-block-nodes", {"flat": True}):
-            if n["node-name"] == node:
-                return int(n["image"]["virtual-size"])
-        raise DriverError(f"VM {self.vm_id}: block node {node} vanished")
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        return {n["node-name"]: n for n in self.cmd("query-named-block-nodes", {"flat": True})}
 
-    async def nodes(self) -> dict[str, dict[str, Any]]:
-        return {n["node-name"]: n for n in await self.cmd("query-named-block-nodes", {"flat": True})}
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        return {j["id"]: j for j in self.cmd("query-jobs")}
+
+    def node_size(self, node: str) -> int:
+        found = self.nodes().get(node)
+        if found is None:
+            raise DriverError(f"VM {self.vm_id}: block node {node} vanished")
+        return int(found["image"]["virtual-size"])
+
+    def del_nodes(self, names: Iterable[str]) -> None:
+        """Delete those of ``names`` that exist, in order (each may hold the next)."""
+        existing = self.nodes()
+        for node in names:
+            if node in existing:
+                self.cmd("blockdev-del", {"node-name": node})
+
+    def del_objects(self, ids: Iterable[str]) -> None:
+        existing = self.objects()
+        for obj in ids:
+            if obj in existing:
+                self.cmd("object-del", {"id": obj})
 
 
 class QemuDriver:
     """Hot-plug volumes into QEMU VMs found as ``<vm_id>.qmp`` sockets in ``vm_dir``.
 
-    Synchronous: each call runs its own asyncio loop (``asyncio.run``) in the calling thread, so call
-    it from plain threads; from async code use ``await asyncio.to_thread(driver.attach, ...)``. Calls
-    on one VM are serialised in this process, as QEMU serves one QMP client at a time anyway.
+    Synchronous and thread-safe: call it from plain threads (``asyncio.to_thread`` from async code).
+    Calls on one VM are serialised; each VM's monitor is held by one persistent connection, made on
+    first use and dropped when the VM is gone.
     """
+
+    capabilities = HypervisorCapabilities.model_validate(
+        {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True}
+    )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None) -> None:
         self.vm_dir = Path(vm_dir)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
+        self._guard = threading.Lock()  # guards the three dicts below
         self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
+        self._clients: dict[str, QmpClient] = {}
         self._last_seen: dict[str, VmInfo] = {}
+
+    @classmethod
+    def from_config(cls, cfg: HostAgentConfig) -> QemuDriver:
+        options = dict(cfg.options.get("qemu", {}))
+        secrets_dir = options.pop("secrets_dir", None)
+        if options:
+            raise InvalidParameter(f"unknown options of the qemu hypervisor driver: {', '.join(sorted(options))}")
+        return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
+                   secrets_dir=Path(secrets_dir) if secrets_dir else None)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -225,49 +225,50 @@ class QemuDriver:
             if self.vm_dir.is_dir()
             else []
         )
-        # A VM this driver is busy with cannot be probed (QEMU serves one QMP client at a time):
-        # report what was last seen rather than wait for, or misreport, it.
-        free, busy = [], []
+        with self._guard:
+            vanished = [(v, c) for v, c in self._clients.items() if v not in vm_ids]
+        for vm_id, client in vanished:  # a call busy with one finds out for itself
+            if self._vm_lock(vm_id).acquire(blocking=False):
+                try:
+                    self._forget(vm_id, client)
+                finally:
+                    self._vm_lock(vm_id).release()
+        # A VM this driver is busy with is not probed: report what was last seen rather than wait.
+        free: list[str] = []
+        busy: list[str] = []
         for vm_id in vm_ids:
             (free if self._vm_lock(vm_id).acquire(blocking=False) else busy).append(vm_id)
-
-        async def probe_all() -> list[VmInfo | None]:
-            return await asyncio.gather(*(self._probe(vm_id) for vm_id in free))
-
         try:
-            probed = [vm for vm in _run(probe_all()) if vm is not None]
+            if len(free) > 1:
+                with ThreadPoolExecutor(min(_PROBE_THREADS, len(free)), thread_name_prefix="vbs-probe") as pool:
+                    found = list(pool.map(self._probe, free))
+            else:
+                found = [self._probe(vm_id) for vm_id in free]
         finally:
             for vm_id in free:
                 self._vm_lock(vm_id).release()
-        with self._locks_guard:
+        probed = [vm for vm in found if vm is not None]
+        with self._guard:
             self._last_seen.update((vm.vm_id, vm) for vm in probed)
             in_use = [self._last_seen.get(v, VmInfo(vm_id=v, name=v, running=True)) for v in busy]
         return sorted(probed + in_use, key=lambda vm: vm.vm_id)
 
-    def attach(
-        self,
-        vm_id: str,
-        connection: Connection,
-        serial: str,
-        *,
-        read_only: bool = False,
-        qos: QoS | None = None,
-    ) -> AttachedDisk:
+    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool = False,
+               qos: QoS | None = None) -> DiskInfo:
         ids = disk_ids(serial)
-        _check_qos(qos)
-        with self._vm_lock(vm_id):
-            return _run(self._attach(vm_id, connection, serial, ids, read_only, qos))
+        return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos))
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         ids = disk_ids(serial)
-        with self._vm_lock(vm_id):
-            _run(self._detach(vm_id, serial, ids, force, timeout))
+        try:
+            self._on_vm(vm_id, lambda vm: self._detach(vm, serial, ids, force, timeout))
+        except QmpGone:
+            log.info("VM %s is gone: disk %s went with it", vm_id, serial)
 
-    def list_disks(self, vm_id: str) -> list[AttachedDisk]:
-        with self._vm_lock(vm_id):
-            return _run(self._list_disks(vm_id))
+    def list_disks(self, vm_id: str) -> list[DiskInfo]:
+        return self._on_present_vm(vm_id, _our_disks)
 
-    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> AttachedDisk:
+    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> DiskInfo:
         """Move the attached disk to ``connection`` (a refreshed export of its volume) and make the
         guest see ``size_bytes``; see the module docstring. Idempotent: a disk that already uses
         ``connection`` at that size is left alone. On failure the disk stays on its old connection.
@@ -275,14 +276,32 @@ class QemuDriver:
         ids = disk_ids(serial)
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % 512:
             raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
-        with self._vm_lock(vm_id):
-            return _run(self._resize(vm_id, serial, ids, connection, size_bytes))
+        return self._on_present_vm(vm_id, lambda vm: self._resize(vm, serial, ids, connection, size_bytes))
 
-    # -- internals -------------------------------------------------------------------------------
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
+        """Copy the disk as it is now into ``target`` (see the module docstring); answers the copy's
+        progress, ``ready`` once it is complete, ``error`` if it failed (its instant is lost)."""
+        ids, cids = disk_ids(serial), copy_ids(serial, copy_id)
+        return self._on_present_vm(vm_id, lambda vm: self._ensure_copy(vm, serial, ids, cids, target))
+
+    def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
+        cids = copy_ids(serial, copy_id)
+        try:
+            self._on_vm(vm_id, lambda vm: self._end_copy(vm, cids))
+        except QmpGone:
+            log.info("VM %s is gone: copy %s of %s went with it", vm_id, copy_id, serial)
+
+    def close(self) -> None:
+        with self._guard:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    # -- VMs and their monitors ------------------------------------------------------------------
 
     def _vm_lock(self, vm_id: str) -> threading.Lock:
         self._socket(vm_id)  # validates the id before it names anything
-        with self._locks_guard:
+        with self._guard:
             return self._locks.setdefault(vm_id, threading.Lock())
 
     def _socket(self, vm_id: str) -> Path:
@@ -290,85 +309,103 @@ class QemuDriver:
             raise InvalidParameter(f"invalid VM id {vm_id!r}")
         return self.vm_dir / f"{vm_id}.qmp"
 
-    def _monitor(self, vm_id: str, timeout: float | None = None) -> _Monitor:
-        return _Monitor(vm_id, self._socket(vm_id), timeout or self.qmp_timeout)
+    def _client(self, vm_id: str) -> QmpClient:
+        with self._guard:
+            client = self._clients.get(vm_id)
+            if client is None:
+                client = QmpClient(self._socket(vm_id), name=f"vbs-{vm_id}", connect_timeout=self.qmp_timeout,
+                                   timeout=self.qmp_timeout)
+                self._clients[vm_id] = client
+            return client
 
-    async def _probe(self, vm_id: str) -> VmInfo | None:
+    def _forget(self, vm_id: str, client: QmpClient) -> None:
+        """Drop the connection of a VM that is gone (a new QEMU on that socket gets a new one)."""
+        with self._guard:
+            if self._clients.get(vm_id) is client:
+                del self._clients[vm_id]
+                self._last_seen.pop(vm_id, None)
+        client.close()
+
+    def _on_vm(self, vm_id: str, call: Callable[[_Vm], T]) -> T:
+        """Run ``call`` on the VM's monitor, serialised with this driver's other calls on the VM.
+
+        Raises ``QmpGone`` if no QEMU listens on the VM's socket, also when it went during the call.
+        A VM that is there but does not answer raises ``QmpConnectionError`` (a ``DriverError``).
+        """
+        with self._vm_lock(vm_id):
+            client = self._client(vm_id)
+            try:
+                return call(_Vm(vm_id, client))
+            except QmpGone:
+                self._forget(vm_id, client)
+                raise
+            except QmpConnectionError as exc:
+                if self._went(client):
+                    self._forget(vm_id, client)
+                    raise QmpGone(f"VM {vm_id} went during the call: {exc}") from exc
+                raise
+
+    def _on_present_vm(self, vm_id: str, call: Callable[[_Vm], T]) -> T:
+        """``_on_vm`` for calls that need the VM: one that is gone is ``NotFound``."""
         try:
-            async with self._monitor(vm_id, min(self.qmp_timeout, PROBE_TIMEOUT)) as m:
-                status = await m.cmd("query-status")
-                name = (await m.cmd("query-name")).get("name") or vm_id
-                return VmInfo(vm_id=vm_id, name=name, running=bool(status.get("running")))
-        except NotFound:
+            return self._on_vm(vm_id, call)
+        except QmpGone as exc:
+            raise NotFound(f"VM {vm_id} not found (no QEMU behind {vm_id}.qmp)", code="InvalidInstanceID.NotFound",
+                           vm_id=vm_id) from exc
+
+    @staticmethod
+    def _went(client: QmpClient) -> bool:
+        try:
+            client.connect(timeout=_GONE_CHECK_TIMEOUT)
+        except QmpGone:
+            return True
+        except QmpError:
+            return False  # there, but busy or hung
+        return False
+
+    def _probe(self, vm_id: str) -> VmInfo | None:
+        client = self._client(vm_id)
+        limit = min(self.qmp_timeout, PROBE_TIMEOUT)
+        try:
+            client.connect(timeout=limit)
+            status = client.execute("query-status", timeout=limit)
+            name = client.execute("query-name", timeout=limit).get("name") or vm_id
+            return VmInfo(vm_id=vm_id, name=name, running=bool(status.get("running")))
+        except QmpGone:
+            self._forget(vm_id, client)
             return None  # a stale socket left by a QEMU that is gone
-        except DriverError as exc:
+        except QmpError as exc:
             # The process is there but its monitor does not answer us: list it, but not as running.
             log.warning("VM %s: %s", vm_id, exc)
             return VmInfo(vm_id=vm_id, name=vm_id, running=False)
 
-    async def _list_disks(self, vm_id: str) -> list[AttachedDisk]:
-        async with self._monitor(vm_id) as m:
-            return await _our_disks(m)
+    # -- attach ----------------------------------------------------------------------------------
 
-    async def _attach(
-        self,
-        vm_id: str,
-        connection: Connection,
-        serial: str,
-        ids: DiskIds,
-        read_only: bool,
-        qos: QoS | None,
-    ) -> AttachedDisk:
-        async with self._monitor(vm_id) as m:
-            if ids.device in await m.devices():
-                if ids.dead in await m.node_names():
-                    raise IncorrectState(
-                        f"disk {serial} of VM {vm_id} was force-detached and the guest has not released "
-                        "it yet; detach it again once the guest lets go, or restart the VM"
-                    )
-                for disk in await _our_disks(m):
-                    if disk.serial == serial:
-                        return disk
-            # Nodes without a device: a crashed attach or detach. Start from a clean slate.
-            await _remove_nodes(m, ids)
-            undo: list[Callable[[], Awaitable[Any]]] = []
-            try:
-                top = await self._build_chain(m, connection, ids, read_only, qos, undo)
-                await m.cmd(
-                    "device_add",
-                    {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial},
+    def _attach(self, vm: _Vm, serial: str, ids: DiskIds, connection: Connection, read_only: bool,
+                qos: QoS | None) -> DiskInfo:
+        if ids.device in vm.devices():
+            if ids.dead in vm.nodes():
+                raise IncorrectState(
+                    f"disk {serial} of VM {vm.vm_id} was force-detached and the guest has not released "
+                    "it yet; detach it again once the guest lets go, or restart the VM"
                 )
-            except Exception as exc:
-                for step in reversed(undo):
-                    try:
-                        await step()
-                    except (VbsError, QMPError) as err:
-                        log.warning("VM %s: undo after failed attach of %s: %s", vm_id, serial, err)
-                if isinstance(exc, VbsError):
-                    raise
-                raise DriverError(f"VM {vm_id}: attach of {serial} failed: {exc}") from exc
-            return AttachedDisk(serial=serial, device_id=ids.device, node_name=top, read_only=read_only)
+            for disk in _our_disks(vm):
+                if disk.serial == serial:
+                    return disk
+        # Nodes without a device: a crashed attach or detach. Start from a clean slate.
+        self._end_copies(vm, serial, ids)
+        _remove_nodes(vm, ids)
+        with _undone_on_failure(vm, f"attach of {serial}") as undo:
+            top = self._build_chain(vm, connection, ids, read_only, qos, undo)
+            vm.cmd("device_add", {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial})
+        return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw))
 
-    async def _build_chain(
-        self,
-        m: _Monitor,
-        connection: Connection,
-        ids: DiskIds,
-        read_only: bool,
-        qos: QoS | None,
-        undo: list[Callable[[], Awaitable[Any]]],
-    ) -> str:
-        async def add_object(args: dict[str, Any]) -> None:
-            await m.cmd("object-add", args)
-            undo.append(lambda: m.cmd("object-del", {"id": args["id"]}))
-
-        async def add_node(args: dict[str, Any]) -> None:
-            await m.cmd("blockdev-add", args)
-            undo.append(lambda: m.cmd("blockdev-del", {"node-name": args["node-name"]}))
-
+    def _build_chain(self, vm: _Vm, connection: Connection, ids: DiskIds, read_only: bool, qos: QoS | None,
+                     undo: Undo) -> str:
         gen = ids.generations[0]
-        await self._add_protocol_node(connection, gen, read_only, add_object, add_node)
-        await add_node(_raw_options(ids, gen.proto, read_only))
+        self._open_connection(vm, connection, gen, read_only, undo)
+        vm.cmd("blockdev-add", _raw_options(ids, gen.proto, read_only))
+        undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.raw}))
         if qos is None or (qos.iops is None and qos.mbps is None):
             return ids.raw
         limits: dict[str, int] = {}
@@ -376,265 +413,254 @@ class QemuDriver:
             limits["iops-total"] = qos.iops
         if qos.mbps is not None:
             limits["bps-total"] = qos.mbps * MIB
-        await add_object({"qom-type": "throttle-group", "id": ids.throttle_group, "limits": limits})
-        await add_node(
-            {
-                "driver": "throttle",
-                "node-name": ids.throttle,
-                "throttle-group": ids.throttle_group,
-                "file": ids.raw,
-                "read-only": read_only,
-            }
-        )
+        vm.cmd("object-add", {"qom-type": "throttle-group", "id": ids.throttle_group, "limits": limits})
+        undo.append(lambda: vm.cmd("object-del", {"id": ids.throttle_group}))
+        vm.cmd("blockdev-add", {"driver": "throttle", "node-name": ids.throttle, "throttle-group": ids.throttle_group,
+                                "file": ids.raw, "read-only": read_only})
+        undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.throttle}))
         return ids.throttle
 
-    async def _add_protocol_node(
-        self,
-        connection: Connection,
-        gen: ProtoIds,
-        read_only: bool,
-        add_object: Callable[[dict[str, Any]], Awaitable[None]],
-        add_node: Callable[[dict[str, Any]], Awaitable[None]],
-    ) -> None:
-        proto = await self._protocol_node(connection, gen, add_object)
-        await add_node({**proto, "node-name": gen.proto, "read-only": read_only, "discard": "unmap"})
+    def _open_connection(self, vm: _Vm, connection: Connection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
+        """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""
+        blockdev = connector_for(connection).qemu_blockdev(connection, ids)
+        for obj in blockdev.objects:
+            with obj.qmp_arguments(self.secrets_dir) as args:
+                vm.cmd("object-add", args)
+            undo.append(partial(vm.cmd, "object-del", {"id": obj.id}))
+        vm.cmd("blockdev-add", {**blockdev.options, "node-name": ids.proto, "read-only": read_only,
+                                "discard": "unmap"})
+        undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.proto}))
 
-    async def _protocol_node(
-        self,
-        connection: Connection,
-        ids: ProtoIds,
-        add_object: Callable[[dict[str, Any]], Awaitable[None]],
-    ) -> dict[str, Any]:
-        if isinstance(connection, FileConnection):
-            return {"driver": "file", "filename": connection.path}
-        if isinstance(connection, NbdConnection):
-            node: dict[str, Any] = {
-                "driver": "nbd",
-                "server": {"type": "inet", "host": connection.host, "port": str(connection.port)},
-                "export": connection.export,
-                # A restarted export daemon comes back with the same export: wait for it, not EIO.
-                "reconnect-delay": NBD_RECONNECT_DELAY_S,
-            }
-            if connection.tls_psk_key is not None:
-                await self._add_psk_creds(connection, ids, add_object)
-                node["tls-creds"] = ids.tls
-            return node
-        if isinstance(connection, IscsiConnection):
-            host = f"[{connection.host}]" if ":" in connection.host else connection.host
-            node = {
-                "driver": "iscsi",
-                "transport": "tcp",
-                "portal": f"{host}:{connection.port}",
-                "target": connection.iqn,
-                "lun": connection.lun,
-            }
-            if connection.initiator_name:
-                node["initiator-name"] = connection.initiator_name
-            if connection.chap_user:
-                if connection.chap_secret is None:
-                    raise InvalidParameter("iSCSI CHAP user given without a secret")
-                # The secret travels inside the QMP session only, never on a command line or disk.
-                secret = connection.chap_secret.get_secret_value()
-                await add_object({"qom-type": "secret", "id": ids.secret, "data": secret})
-                node["user"] = connection.chap_user
-                node["password-secret"] = ids.secret
-            return node
-        raise InvalidParameter(f"QEMU driver cannot attach protocol {getattr(connection, 'protocol', '?')}")
+    # -- resize ----------------------------------------------------------------------------------
 
-    async def _add_psk_creds(
-        self,
-        connection: NbdConnection,
-        ids: ProtoIds,
-        add_object: Callable[[dict[str, Any]], Awaitable[None]],
-    ) -> None:
-        assert connection.tls_psk_key is not None
-        key = connection.tls_psk_key.get_secret_value()
-        if not re.fullmatch(r"[0-9a-fA-F]{2,1024}", key):
-            raise InvalidParameter("TLS-PSK key must be hexadecimal")
-        identity = connection.tls_psk_identity or "qemu"
-        self.secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.secrets_dir, 0o700)
-        # One private directory per attach: QEMU wants a directory holding exactly "keys.psk".
-        key_dir = Path(tempfile.mkdtemp(prefix=f"{ids.tls}-", dir=self.secrets_dir))
-        key_file = key_dir / "keys.psk"
-        try:
-            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{identity}:{key}\n")
-            await add_object(
-                {
-                    "qom-type": "tls-creds-psk",
-                    "id": ids.tls,
-                    "endpoint": "client",
-                    "dir": str(key_dir),
-                    "username": identity,
-                }
+    def _resize(self, vm: _Vm, serial: str, ids: DiskIds, connection: Connection, size_bytes: int) -> DiskInfo:
+        vm_id = vm.vm_id
+        disk = next((d for d in _our_disks(vm) if d.serial == serial), None)
+        if disk is None:
+            raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+        nodes = vm.nodes()
+        if ids.dead in nodes:
+            raise IncorrectState(f"disk {serial} of VM {vm_id} was force-detached; it cannot be resized")
+        if ids.raw not in nodes:
+            raise DriverError(f"VM {vm_id}: disk {serial} has no node {ids.raw}: not a disk VBS attached")
+        if disk.read_only:
+            # Measured: QEMU refuses block_resize on a read-only node ("Image is read-only"), and only
+            # a truncate tells the device. The guest would never see the new size.
+            raise IncorrectState(
+                f"disk {serial} of VM {vm_id} is attached read-only: QEMU cannot show the guest a new "
+                "size; detach and attach it again"
             )
-        finally:
-            # A client reads its key when the object is created: the file is not needed afterwards.
-            key_file.unlink(missing_ok=True)
-            key_dir.rmdir()
+        if any(j["status"] != "concluded" for j in _copy_jobs(vm, ids).values()):
+            raise IncorrectState(f"a point-in-time copy of disk {serial} of VM {vm_id} is running; resize it "
+                                 "once the snapshot is complete")
+        top = ids.throttle if ids.throttle in nodes else ids.raw
+        current = int(nodes[top]["image"]["virtual-size"])
+        if size_bytes < current:
+            raise InvalidParameter(f"disk {serial} of VM {vm_id} has {current} bytes; it cannot shrink to {size_bytes}")
 
-    async def _resize(
-        self, vm_id: str, serial: str, ids: DiskIds, connection: Connection, size_bytes: int
-    ) -> AttachedDisk:
-        async with self._monitor(vm_id) as m:
-            disk = next((d for d in await _our_disks(m) if d.serial == serial), None)
-            if disk is None:
-                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
-            nodes = await m.nodes()
-            if ids.dead in nodes:
-                raise IncorrectState(f"disk {serial} of VM {vm_id} was force-detached; it cannot be resized")
-            if ids.raw not in nodes or disk.node_name not in nodes:
-                raise DriverError(f"VM {vm_id}: disk {serial} has no node {ids.raw}: not a disk VBS attached")
-            if disk.read_only:
-                # Measured: QEMU refuses block_resize on a read-only node ("Image is read-only"), and only
-                # a truncate tells the device. The guest would never see the new size.
-                raise IncorrectState(
-                    f"disk {serial} of VM {vm_id} is attached read-only: QEMU cannot show the guest a new "
-                    "size; detach and attach it again"
-                )
-            current = int(nodes[disk.node_name]["image"]["virtual-size"])
-            if size_bytes < current:
-                raise InvalidParameter(
-                    f"disk {serial} of VM {vm_id} has {current} bytes; it cannot shrink to {size_bytes}"
-                )
-
-            # Which generation the raw node reads from. Two protocol nodes exist only after an
-            # interrupted resize; blockdev-del refuses the one in use, so trying both keeps that one.
+        # Which generation the raw node reads from. Two protocol nodes exist only after an
+        # interrupted resize; blockdev-del refuses the one in use, so trying both keeps that one.
+        present = [g for g in ids.generations if g.proto in nodes]
+        interrupted = len(present) == 2
+        if interrupted:
+            for gen in present:
+                try:
+                    vm.cmd("blockdev-del", {"node-name": gen.proto})
+                except QmpCommandError as exc:
+                    log.debug("VM %s: %s is in use: %s", vm_id, gen.proto, exc.desc)
+            nodes = vm.nodes()
+            vm.del_objects(obj for g in present if g.proto not in nodes for obj in g.objects)
             present = [g for g in ids.generations if g.proto in nodes]
-            interrupted = len(present) == 2
-            if interrupted:
-                for gen in present:
-                    try:
-                        await m.cmd("blockdev-del", {"node-name": gen.proto})
-                    except QmpCommandError as exc:
-                        log.debug("VM %s: %s is in use: %s", vm_id, gen.proto, exc.desc)
-                nodes = await m.nodes()
-                await _del_objects(m, [g for g in present if g.proto not in nodes])
-                present = [g for g in ids.generations if g.proto in nodes]
-            if len(present) != 1:
-                raise DriverError(f"VM {vm_id}: disk {serial} has {len(present)} protocol nodes, expected one")
-            old = present[0]
-            new = ids.generations[1] if old == ids.generations[0] else ids.generations[0]
+        if len(present) != 1:
+            raise DriverError(f"VM {vm_id}: disk {serial} has {len(present)} protocol nodes, expected one")
+        old = present[0]
+        new = ids.generations[1] if old == ids.generations[0] else ids.generations[0]
 
-            if _uses(nodes[old.proto], connection):
-                # A local file grows under its node (and a second node on it would not get the write
-                # lock); an export that already has the size means the disk was moved already.
-                if isinstance(connection, FileConnection) or nodes[old.proto]["image"]["virtual-size"] >= size_bytes:
-                    # Only the notification may be missing (an interrupted resize).
-                    if interrupted or current != size_bytes:
-                        await m.cmd("block_resize", {"node-name": disk.node_name, "size": size_bytes})
-                    return disk
-                # Same export, but this node was opened before it grew (the export daemon restarted
-                # under it, say): a fresh node on the same connection sees the new size.
+        connector = connector_for(connection)
+        if connector.qemu_node_opens(nodes[old.proto], connection):
+            # A node that sees its volume grow, or an export that already has the size: the disk
+            # was moved already. Only the notification may be missing (an interrupted resize).
+            if connector.qemu_node_sees_growth or nodes[old.proto]["image"]["virtual-size"] >= size_bytes:
+                if interrupted or current != size_bytes:
+                    vm.cmd("block_resize", {"node-name": top, "size": size_bytes})
+                return disk.model_copy(update={"size_bytes": vm.node_size(ids.raw)})
+            # Same export, but this node was opened before it grew (the export daemon restarted
+            # under it, say): a fresh node on the same connection sees the new size.
 
-            await _del_objects(m, [new])  # leftovers of a crash before its node was made
-            undo: list[Callable[[], Awaitable[Any]]] = []
+        vm.del_objects(new.objects)  # leftovers of a crash before its node was made
+        with _undone_on_failure(vm, f"resize of {serial}") as undo:
+            self._open_connection(vm, connection, new, False, undo)
+            # Every option of the raw node: blockdev-reopen resets the ones left out to defaults.
+            vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, new.proto, False)]})
+            undo.append(lambda: vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, old.proto, False)]}))
+            # Exactly the size: more than the export has fails ("Cannot grow"), and is refused here.
+            vm.cmd("block_resize", {"node-name": top, "size": size_bytes})
+        # The guest is on the new connection: the old one goes (a failure here leaves a node that
+        # the next resize or the detach removes).
+        try:
+            vm.cmd("blockdev-del", {"node-name": old.proto})
+            vm.del_objects(old.objects)
+        except VbsError as exc:
+            log.warning("VM %s: could not release the old connection of %s: %s", vm_id, serial, exc)
+        log.info("VM %s: disk %s moved to its refreshed export, now %d bytes", vm_id, serial, size_bytes)
+        return disk.model_copy(update={"size_bytes": vm.node_size(ids.raw)})
 
-            async def add_object(args: dict[str, Any]) -> None:
-                await m.cmd("object-add", args)
-                undo.append(lambda: m.cmd("object-del", {"id": args["id"]}))
+    # -- detach ----------------------------------------------------------------------------------
 
-            async def add_node(args: dict[str, Any]) -> None:
-                await m.cmd("blockdev-add", args)
-                undo.append(lambda: m.cmd("blockdev-del", {"node-name": args["node-name"]}))
-
-            try:
-                await self._add_protocol_node(connection, new, False, add_object, add_node)
-                # Every option of the raw node: blockdev-reopen resets the ones left out to defaults.
-                await m.cmd("blockdev-reopen", {"options": [_raw_options(ids, new.proto, False)]})
-                undo.append(lambda: m.cmd("blockdev-reopen", {"options": [_raw_options(ids, old.proto, False)]}))
-                # Exactly the size: more than the export has fails ("Cannot grow"), and is refused here.
-                await m.cmd("block_resize", {"node-name": disk.node_name, "size": size_bytes})
-            except Exception as exc:
-                for step in reversed(undo):
-                    try:
-                        await step()
-                    except (VbsError, QMPError) as err:
-                        log.warning("VM %s: undo after failed resize of %s: %s", vm_id, serial, err)
-                if isinstance(exc, VbsError):
-                    raise
-                raise DriverError(f"VM {vm_id}: resize of {serial} failed: {exc}") from exc
-            # The guest is on the new connection: the old one goes (a failure here leaves a node that
-            # the next resize or the detach removes).
-            try:
-                await m.cmd("blockdev-del", {"node-name": old.proto})
-                await _del_objects(m, [old])
-            except VbsError as exc:
-                log.warning("VM %s: could not release the old connection of %s: %s", vm_id, serial, exc)
-            log.info("VM %s: disk %s moved to its refreshed export, now %d bytes", vm_id, serial, size_bytes)
-            return disk
-
-    async def _detach(self, vm_id: str, serial: str, ids: DiskIds, force: bool, timeout: float) -> None:
-        async with self._monitor(vm_id) as m:
-            if ids.device in await m.devices():
-                wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
-                if not await _unplug(m, ids.device, wait):
-                    if not force:
-                        raise DeviceBusy(f"guest of VM {vm_id} did not release disk {serial} within {timeout:g}s")
-                    await _cut_io(m, ids)
-                    log.warning(
-                        "VM %s: forced detach of %s: the guest still holds the device, its I/O now "
-                        "fails and the storage connection is closed",
-                        vm_id,
-                        serial,
-                    )
-                    return
-            await _remove_nodes(m, ids)
-
-
-async def _our_disks(m: _Monitor) -> list[AttachedDisk]:
-    by_device: dict[str, dict[str, Any]] = {}
-    for blk in await m.cmd("query-block"):
-        qdev = blk.get("qdev", "")
-        parts = qdev.split("/")
-        if qdev.startswith("/machine/peripheral/") and len(parts) > 3 and "inserted" in blk:
-            by_device[parts[3]] = blk["inserted"]
-    disks = []
-    for dev in sorted(await m.devices()):
-        match = _DEVICE_ID_RE.match(dev)
-        if match and dev in by_device:
-            inserted = by_device[dev]
-            disks.append(
-                AttachedDisk(
-                    serial=match.group(1),
-                    device_id=dev,
-                    node_name=inserted.get("node-name", ""),
-                    read_only=bool(inserted.get("ro")),
+    def _detach(self, vm: _Vm, serial: str, ids: DiskIds, force: bool, timeout: float) -> None:
+        self._end_copies(vm, serial, ids)
+        if ids.device in vm.devices():
+            wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
+            if not _unplug(vm, ids.device, wait):
+                if not force:
+                    raise DeviceBusy(f"guest of VM {vm.vm_id} did not release disk {serial} within {timeout:g}s",
+                                     vm_id=vm.vm_id, serial=serial)
+                _cut_io(vm, ids, self.qmp_timeout)
+                log.warning(
+                    "VM %s: forced detach of %s: the guest still holds the device, its I/O now "
+                    "fails and the storage connection is closed",
+                    vm.vm_id,
+                    serial,
                 )
-            )
+                return
+        _remove_nodes(vm, ids)
+
+    # -- point-in-time copies --------------------------------------------------------------------
+
+    def _ensure_copy(self, vm: _Vm, serial: str, ids: DiskIds, cids: CopyIds, target: Connection) -> ItemStatus:
+        job = vm.jobs().get(cids.job)
+        if job is not None:
+            return self._copy_status(vm, cids, job)
+        nodes = vm.nodes()
+        if cids.target.proto in nodes:
+            # Made by a call that did not get to start the job: the copy's instant cannot be known.
+            return ItemStatus(state="error", error="the copy's target is open but no copy job runs; "
+                                                   "remove the copy and take a new one")
+        if ids.device not in vm.devices() or ids.raw not in nodes:
+            raise NotFound(f"disk {serial} is not attached to VM {vm.vm_id}", code="InvalidAttachment.NotFound")
+        if ids.dead in nodes:
+            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} was force-detached; it cannot be copied")
+        vm.del_objects(cids.target.objects)  # leftovers of a crash before the target node was made
+        with _undone_on_failure(vm, f"copy of {serial}") as undo:
+            self._open_connection(vm, target, cids.target, False, undo)
+            vm.cmd("blockdev-backup", {"job-id": cids.job, "device": ids.raw, "target": cids.target.proto,
+                                       "sync": "full", "auto-dismiss": False, "filter-node-name": cids.filter})
+        log.info("VM %s: point-in-time copy %s of disk %s started", vm.vm_id, cids.job, serial)
+        job = vm.jobs().get(cids.job)
+        return self._copy_status(vm, cids, job) if job is not None else ItemStatus(state="copying")
+
+    def _copy_status(self, vm: _Vm, cids: CopyIds, job: dict[str, Any]) -> ItemStatus:
+        total = int(job.get("total-progress") or 0)
+        done = int(job.get("current-progress") or 0)
+        if job["status"] == "concluded":
+            # The target is complete (or never will be): its connection is not needed any more.
+            vm.del_nodes([cids.target.proto])
+            vm.del_objects(cids.target.objects)
+            if job.get("error"):
+                return ItemStatus(state="error", size_bytes=total, error=f"the copy failed: {job['error']}"[:2000])
+            return ItemStatus(state="ready", size_bytes=total, progress=100)
+        if job["status"] == "aborting":
+            return ItemStatus(state="error", size_bytes=total, error="the copy is being cancelled")
+        return ItemStatus(state="copying", size_bytes=total, progress=min(99, done * 100 // total) if total else 0)
+
+    def _end_copy(self, vm: _Vm, cids: CopyIds) -> bool:
+        """Cancel the copy if it runs, close its target and dismiss its job; True if it was running."""
+        job = vm.jobs().get(cids.job)
+        running = job is not None and job["status"] != "concluded"
+        if running:
+            mark = vm.qmp.event_mark()
+            try:
+                vm.cmd("job-cancel", {"id": cids.job})
+            except QmpCommandError as exc:  # it concluded meanwhile, or is being cancelled already
+                log.debug("VM %s: job-cancel %s: %s", vm.vm_id, cids.job, exc.desc)
+            # In-flight writes to a target whose server went wait for the NBD reconnect delay.
+            _wait_concluded(vm, cids.job, mark, self.qmp_timeout + NBD_RECONNECT_DELAY_S)
+        vm.del_nodes([cids.target.proto])
+        vm.del_objects(cids.target.objects)
+        if job is not None:
+            try:
+                vm.cmd("job-dismiss", {"id": cids.job})
+            except QmpCommandError as exc:
+                if exc.error_class != "GenericError" or "not found" not in exc.desc:
+                    raise
+        return running
+
+    def _end_copies(self, vm: _Vm, serial: str, ids: DiskIds) -> None:
+        """End every copy of the disk: a detach must not fail because a snapshot is being taken."""
+        for job_id in _copy_jobs(vm, ids):
+            key = job_id.removeprefix(ids.copy_job_prefix)
+            if self._end_copy(vm, _copy_ids(ids.copy_job_prefix, key)):
+                log.warning("VM %s: point-in-time copy %s of disk %s cancelled by its detach; that snapshot fails",
+                            vm.vm_id, key, serial)
+
+
+def _copy_jobs(vm: _Vm, ids: DiskIds) -> dict[str, dict[str, Any]]:
+    return {job_id: job for job_id, job in vm.jobs().items() if job_id.startswith(ids.copy_job_prefix)}
+
+
+def _wait_concluded(vm: _Vm, job_id: str, mark: int, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        job = vm.jobs().get(job_id)
+        if job is None or job["status"] == "concluded":
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DriverError(f"VM {vm.vm_id}: copy job {job_id} did not stop within {limit:g}s")
+        try:
+            vm.qmp.wait_event("JOB_STATUS_CHANGE", lambda e: e.get("data", {}).get("id") == job_id, since=mark,
+                              timeout=min(remaining, 1.0))
+        except QmpConnectionError:
+            pass  # no news within a second: look again
+        mark = vm.qmp.event_mark()
+
+
+def _our_disks(vm: _Vm) -> list[DiskInfo]:
+    """The disks VBS attached: devices with our ids and a medium, read from their raw nodes."""
+    inserted: dict[str, dict[str, Any]] = {}
+    for blk in vm.cmd("query-block"):
+        parts = blk.get("qdev", "").split("/")
+        if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] and "inserted" in blk:
+            inserted[parts[3]] = blk["inserted"]
+    nodes = vm.nodes()
+    disks = []
+    for dev in sorted(vm.devices()):
+        match = _DEVICE_ID_RE.match(dev)
+        if match is None or dev not in inserted:
+            continue
+        # The raw node, not the device's top node: a copy's filter may sit on top of it.
+        ids = disk_ids(match.group(1))
+        raw = nodes.get(ids.raw)
+        node = raw if raw is not None else inserted[dev]
+        size = raw["image"].get("virtual-size") if raw is not None else None
+        # A forced detach the guest has not acknowledged leaves the device on the always-failing node.
+        disks.append(DiskInfo(serial=match.group(1), read_only=bool(node.get("ro")),
+                              size_bytes=int(size) if size is not None else None, connected=ids.dead not in nodes))
     return disks
 
 
-async def _unplug(m: _Monitor, device: str, wait: float) -> bool:
+def _unplug(vm: _Vm, device: str, wait: float) -> bool:
     """Ask the guest to release ``device``; True once QEMU reports it deleted within ``wait`` s."""
-    with m.client.listener("DEVICE_DELETED") as events:
-        try:
-            await m.cmd("device_del", {"id": device})
-        except QmpCommandError as exc:
-            if exc.error_class == "DeviceNotFound":
-                return True
-            # A repeated request while the guest has not answered the first one is not an error.
-            if "already in the process of unplug" not in exc.desc and "pending" not in exc.desc:
-                raise
-
-        async def deleted() -> None:
-            while True:
-                event = await events.get()
-                # QEMU also reports the virtio backend, with a path only; ours carries the id.
-                if event.get("data", {}).get("device") == device:
-                    return
-
-        try:
-            await asyncio.wait_for(deleted(), wait)
+    mark = vm.qmp.event_mark()
+    try:
+        vm.cmd("device_del", {"id": device})
+    except QmpCommandError as exc:
+        if exc.error_class == "DeviceNotFound":
             return True
-        except TimeoutError:
-            # An event can be missed across reconnects; the VM's state is the truth.
-            return device not in await m.devices()
+        # A repeated request while the guest has not answered the first one is not an error.
+        if "already in the process of unplug" not in exc.desc and "pending" not in exc.desc:
+            raise
+    try:
+        # QEMU also reports the virtio backend, with a path only; ours carries the id.
+        vm.qmp.wait_event("DEVICE_DELETED", lambda e: e.get("data", {}).get("device") == device, since=mark,
+                          timeout=wait)
+        return True
+    except QmpConnectionError:
+        # No event in time, or it was missed across a reconnect: the VM's state is the truth.
+        return device not in vm.devices()
 
 
-async def _cut_io(m: _Monitor, ids: DiskIds) -> None:
+def _cut_io(vm: _Vm, ids: DiskIds, qmp_timeout: float) -> None:
     """Detach the storage from a disk the guest will not release.
 
     QEMU cannot remove a PCI device without the guest's consent, and a node under a device cannot be
@@ -642,26 +668,22 @@ async def _cut_io(m: _Monitor, ids: DiskIds) -> None:
     (``blockdev-reopen``), after which the protocol node (the NBD/iSCSI session) can be deleted and the
     export removed safely. The device stays, reporting I/O errors, until the guest lets it go.
     """
-    nodes = await m.node_names()
+    nodes = vm.nodes()
     added = ids.dead not in nodes
     if added:
-        size = await m.node_size(ids.raw)
-        await m.cmd(
-            "blockdev-add",
-            {
-                "driver": "blkdebug",
-                "node-name": ids.dead,
-                "image": {"driver": "null-co", "size": size},
-                # raw raises these events for every read and write it passes down.
-                "inject-error": [{"event": "read_aio", "errno": 5}, {"event": "write_aio", "errno": 5}],
-            },
-        )
+        vm.cmd("blockdev-add", {
+            "driver": "blkdebug",
+            "node-name": ids.dead,
+            "image": {"driver": "null-co", "size": vm.node_size(ids.raw)},
+            # raw raises these events for every read and write it passes down.
+            "inject-error": [{"event": "read_aio", "errno": 5}, {"event": "write_aio", "errno": 5}],
+        })
     # Always (re)do the swap: an earlier attempt may have timed out after adding the dead node. The
     # reopen drains in-flight requests, which wait up to the NBD reconnect delay if the export is gone.
-    ro = ids.raw in nodes and await _read_only(m, ids.raw)
+    ro = bool(nodes[ids.raw].get("ro")) if ids.raw in nodes else False
     try:
-        await m.cmd("blockdev-reopen", {"options": [_raw_options(ids, ids.dead, ro)]},
-                    timeout=max(m.timeout, NBD_RECONNECT_DELAY_S + 5))
+        vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, ids.dead, ro)]},
+               timeout=max(qmp_timeout, NBD_RECONNECT_DELAY_S + 5))
     except QmpCommandError as exc:
         if "Error flushing" in exc.desc:
             # The reopen flushes the old connection first, and its storage is already gone (export
@@ -669,16 +691,14 @@ async def _cut_io(m: _Monitor, ids: DiskIds) -> None:
             # It stays until the guest lets go; the caller then removes the export for good, so the
             # client cannot reconnect to it.
             log.warning("VM %s: the storage of %s is already unreachable: its I/O fails; leaving the dead "
-                        "connection until the guest releases the device", m.vm_id, ids.raw)
+                        "connection until the guest releases the device", vm.vm_id, ids.raw)
             return
         if added:
-            await m.cmd("blockdev-del", {"node-name": ids.dead})
+            vm.cmd("blockdev-del", {"node-name": ids.dead})
         raise
-    nodes = await m.node_names()
-    for gen in ids.generations:  # after a resize the connection may be either generation
-        if gen.proto in nodes:
-            await m.cmd("blockdev-del", {"node-name": gen.proto})
-    await _del_objects(m, ids.generations)
+    # After a resize the connection may be either generation.
+    vm.del_nodes(gen.proto for gen in ids.generations)
+    vm.del_objects(obj for gen in ids.generations for obj in gen.objects)
 
 
 def _raw_options(ids: DiskIds, file: str, read_only: bool) -> dict[str, Any]:
@@ -686,77 +706,28 @@ def _raw_options(ids: DiskIds, file: str, read_only: bool) -> dict[str, Any]:
     return {"driver": "raw", "node-name": ids.raw, "file": file, "read-only": read_only, "discard": "unmap"}
 
 
-async def _del_objects(m: _Monitor, gens: Iterable[ProtoIds]) -> None:
-    existing = await m.objects()
-    for gen in gens:
-        for obj in gen.objects:
-            if obj in existing:
-                await m.cmd("object-del", {"id": obj})
-
-
-def _uses(node: dict[str, Any], connection: Connection) -> bool:
-    """Whether a protocol node (as query-named-block-nodes shows it) is open on ``connection``.
-
-    QEMU names an NBD node ``nbd://host:port/export`` (``json:{...}`` for IPv6), an iSCSI node opened
-    from options ``json:{...}``, a file node by its path. Anything else counts as another connection.
-    """
-    filename = str(node.get("file", ""))
-    opts: dict[str, Any] = {}
-    if filename.startswith("json:"):
-        try:
-            opts = json.loads(filename[5:])
-        except ValueError:
-            return False
-    if isinstance(connection, FileConnection):
-        return node.get("drv") == "file" and filename == connection.path
-    if isinstance(connection, NbdConnection):
-        if node.get("drv") != "nbd":
-            return False
-        if opts:
-            server = opts.get("server", {})
-            return (str(server.get("host")), str(server.get("port")), opts.get("export")) == (
-                connection.host,
-                str(connection.port),
-                connection.export,
-            )
-        host = f"[{connection.host}]" if ":" in connection.host else connection.host
-        return filename == f"nbd://{host}:{connection.port}/{connection.export}"
-    if isinstance(connection, IscsiConnection):
-        host = f"[{connection.host}]" if ":" in connection.host else connection.host
-        return node.get("drv") == "iscsi" and (
-            opts.get("portal"),
-            opts.get("target"),
-            str(opts.get("lun")),
-            opts.get("user"),
-        ) == (f"{host}:{connection.port}", connection.iqn, str(connection.lun), connection.chap_user)
-    return False
-
-
-async def _read_only(m: _Monitor, node: str) -> bool:
-    for n in await m.cmd("query-named-block-nodes", {"flat": True}):
-        if n["node-name"] == node:
-            return bool(n.get("ro"))
-    return False
-
-
-async def _remove_nodes(m: _Monitor, ids: DiskIds) -> None:
+def _remove_nodes(vm: _Vm, ids: DiskIds) -> None:
     """Delete this disk's nodes (top-down, as each holds the next) and objects, whichever exist."""
-    nodes = await m.node_names()
-    for node in ids.nodes_top_down:
-        if node in nodes:
-            await m.cmd("blockdev-del", {"node-name": node})
-    existing = await m.objects()
-    for obj in ids.objects:
-        if obj in existing:
-            await m.cmd("object-del", {"id": obj})
+    vm.del_nodes(ids.nodes_top_down)
+    vm.del_objects(ids.objects)
 
 
-def _check_qos(qos: QoS | None) -> None:
-    if qos is None:
-        return
-    for name, value in (("iops", qos.iops), ("mbps", qos.mbps)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise InvalidParameter(f"QoS {name} must be a positive integer, not {value!r}")
+@contextmanager
+def _undone_on_failure(vm: _Vm, what: str) -> Iterator[Undo]:
+    """Collects undo steps; if the block fails they run in reverse and the error is re-raised (as a
+    ``DriverError`` unless it is a VBS error already)."""
+    undo: Undo = []
+    try:
+        yield undo
+    except Exception as exc:
+        for step in reversed(undo):
+            try:
+                step()
+            except VbsError as err:
+                log.warning("VM %s: undo after failed %s: %s", vm.vm_id, what, err)
+        if isinstance(exc, VbsError):
+            raise
+        raise DriverError(f"VM {vm.vm_id}: {what} failed: {exc}") from exc
 
 
 def _is_socket(path: Path) -> bool:
@@ -764,12 +735,3 @@ def _is_socket(path: Path) -> bool:
         return stat.S_ISSOCK(path.stat().st_mode)
     except OSError:
         return False
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise RuntimeError("QemuDriver is synchronous: call it from a thread (asyncio.to_thread), not a loop")

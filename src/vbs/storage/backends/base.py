@@ -1,72 +1,98 @@
 """The backend contract: what the storage agent asks of any place that holds volume data.
 
-Every call is an idempotent executor step of a controller workflow (DESIGN §5): the controller may
-repeat any of them after a crash, so "ensure" returns the current state instead of failing on a repeat.
+Every call is an idempotent executor step of a controller workflow: the controller may repeat any
+of them after a crash, so ``ensure_*`` answers the current state instead of failing on a repeat and
+``remove_*`` succeeds when the thing is already gone.
+
+How hosts reach a volume is the backend's answer too (``connection_for``): a backend of files asks
+its export driver for an export, one whose hypervisors open its volumes natively (Ceph RBD)
+answers with its own connection and needs no export at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Backend", "ItemStatus", "PoolInfo", "CloneMethod", "ItemState"]
+from vbs.config import StorageAgentConfig
+from vbs.storage.exports.base import ExportDriver
+from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
 
-CloneMethod = Literal["reflink", "copy"]
-
-# ready: usable; copying: a background copy runs; stalled: a partial copy with no job behind it
-# (the agent restarted), the next ensure restarts it; error: the last copy failed, the next ensure
-# retries; absent: nothing there.
-ItemState = Literal["ready", "copying", "stalled", "error", "absent"]
+__all__ = ["Backend"]
 
 
-@dataclass(frozen=True)
-class PoolInfo:
-    name: str
-    path: str
-    capacity_bytes: int
-    free_bytes: int
-    clone_method: CloneMethod
-
-
-@dataclass(frozen=True)
-class ItemStatus:
-    state: ItemState
-    size_bytes: int = 0
-    progress: int = 0  # percent, 0..100
-    error: str | None = None
-
-
+@runtime_checkable
 class Backend(Protocol):
     """One storage pool. Ids are validated by the backend; sizes are bytes."""
 
     name: str
 
+    @classmethod
+    def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> Backend:
+        """The pool this agent's config describes, serving hosts through ``exports``."""
+        ...
+
     def pool_info(self) -> PoolInfo: ...
 
-    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None) -> ItemStatus: ...
+    def inventory(self) -> PoolInventory:
+        """Ids of the volumes and snapshots that are ready or in progress."""
+        ...
+
+    # -- volumes ------------------------------------------------------------------------------------
+
+    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None) -> ItemStatus:
+        """Create the volume (empty, or a clone of a snapshot of this pool), or answer how far it got."""
+        ...
 
     def volume_status(self, volume_id: str) -> ItemStatus: ...
 
     def remove_volume(self, volume_id: str) -> None: ...
 
-    def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus: ...
-
-    def snapshot_status(self, snapshot_id: str) -> ItemStatus: ...
-
-    def remove_snapshot(self, snapshot_id: str) -> None: ...
-
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
         """Grow only; a smaller size raises ``InvalidParameter``."""
         ...
 
-    def volume_path(self, volume_id: str) -> Path:
-        """Where the raw data of a ready volume is, for export drivers; ``NotFound`` otherwise."""
+    # -- snapshots ----------------------------------------------------------------------------------
+
+    def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus:
+        """A point-in-time copy of the volume, also while hosts write to it. Raises
+        ``PointInTimeUnavailable`` when this node cannot give one now (a writer it does not control
+        has the volume open): the controller then asks that writer (``snapshot_target``)."""
         ...
 
-    def inventory(self) -> dict[str, list[str]]:
-        """``{"volumes": [...], "snapshots": [...]}``: ids that are ready or in progress."""
+    def snapshot_status(self, snapshot_id: str) -> ItemStatus: ...
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        """Also cancels a copy in progress and removes a snapshot target and its exports."""
         ...
+
+    def snapshot_target(self, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
+        """An empty snapshot of the volume's size that ``host`` may write, for a hypervisor that
+        copies the volume into it at one instant. Idempotent."""
+        ...
+
+    def finish_snapshot_target(self, snapshot_id: str, host_name: str) -> ItemStatus:
+        """The hypervisor's copy is complete: withdraw the host's access and make the snapshot
+        ready. Idempotent (a ready snapshot stays ready)."""
+        ...
+
+    # -- how hosts reach volumes ----------------------------------------------------------------------
+
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
+        """Let ``host`` reach the volume and say how. Raises ``RetryLater`` while it cannot be
+        given safely yet (a copy of the volume that a new writer would spoil is running)."""
+        ...
+
+    def remove_connection(self, volume_id: str, host_name: str) -> None:
+        """Withdraw ``host_name``'s access; a client still connected is cut off."""
+        ...
+
+    def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
+        """After the volume grew: a connection that shows its new size; the old one serves on
+        until ``retire_connections``."""
+        ...
+
+    def retire_connections(self, volume_id: str, host_name: str) -> None: ...
 
     def close(self) -> None:
         """Stop background copies; their partial files stay and read as ``stalled`` later."""

@@ -2,6 +2,19 @@
 
 Snapshots and clones are reflinks (FICLONE: O(1) on xfs and btrfs) where the filesystem can, else a
 background sparse copy with progress. A finished file only ever appears by renaming its ``.partial``.
+Hosts reach volumes through the pool's export driver (NBD, iSCSI).
+
+A snapshot is a point-in-time copy of its volume, also while hosts write to it:
+- on a reflink pool the clone is taken at one instant (every write the export daemon acknowledged
+  is in the file);
+- on a copy pool whose export driver copies at one instant (``PointInTimeCopier``: the NBD daemon,
+  through which every write passes), the daemon runs the copy, exported or not;
+- otherwise a volume that no host can write (not exported) is copied here, and no export of it is
+  made until the copy is done (``connection_for`` raises ``RetryLater``); one that hosts write to
+  is refused with ``PointInTimeUnavailable``: the hypervisor that writes to it copies it instead,
+  into a snapshot *target* this backend exports to that host (``snapshot_target``).
+A snapshot copy that was interrupted (agent or daemon restart) is an error, never restarted: the
+instant it stood for is lost. Clones from snapshots restart: their source does not change.
 """
 
 from __future__ import annotations
@@ -17,15 +30,28 @@ from pathlib import Path
 from typing import Literal
 
 from vbs import ids
-from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.storage.backends.base import CloneMethod, ItemStatus, PoolInfo
-from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob
+from vbs.config import StorageAgentConfig
+from vbs.errors import (
+    DriverError,
+    IncorrectState,
+    InvalidParameter,
+    NotFound,
+    PointInTimeUnavailable,
+    RetryLater,
+)
+from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
+from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
+from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["FileBackend", "FICLONE"]
 
 log = logging.getLogger(__name__)
 
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)  # fcntl only names it from Python 3.12
+
+CloneMethod = Literal["reflink", "copy"]
+Kind = Literal["volume", "snapshot"]
 
 # What FICLONE answers when the filesystem (or this pair of files) cannot share extents.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS}
@@ -35,13 +61,12 @@ _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
 _STOP_TIMEOUT = 120.0
 _PROBE_PREFIX = ".vbs-reflink-probe-"
 _SECTOR = 512
-
-Kind = Literal["volume", "snapshot"]
 _DIRS: dict[Kind, str] = {"volume": "volumes", "snapshot": "snapshots"}
 _NOT_FOUND_CODES: dict[Kind, str] = {
     "volume": "InvalidVolume.NotFound",
     "snapshot": "InvalidSnapshot.NotFound",
 }
+_INTERRUPTED = "the snapshot copy was interrupted; its point in time is lost: delete the snapshot and take another"
 
 
 class FileBackend:
@@ -49,6 +74,7 @@ class FileBackend:
 
     ``path`` must exist: creating it would silently fill the parent filesystem when the pool's own
     filesystem failed to mount. ``clone_method`` forces reflink or copy; None detects it.
+    ``exports`` serves the volumes to hosts (None: a pool that serves no host, for tools and tests).
     """
 
     def __init__(
@@ -56,11 +82,14 @@ class FileBackend:
         name: str,
         path: str | Path,
         *,
+        exports: ExportDriver | None = None,
         clone_method: CloneMethod | None = None,
         copy_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.name = name
         self.path = Path(path)
+        self.exports = exports
+        self._copier = exports if isinstance(exports, PointInTimeCopier) else None
         if not self.path.is_dir():
             raise DriverError(f"pool {name}: {self.path} is not a directory")
         try:
@@ -70,9 +99,11 @@ class FileBackend:
             raise DriverError(f"pool {name}: cannot prepare {self.path}: {exc.strerror}") from exc
         self._chunk_bytes = copy_chunk_bytes
         self._lock = threading.Lock()
-        # Only caller threads touch the registry (under the lock); copy threads only touch files,
-        # so waiting for a cancelled job while holding the lock cannot deadlock.
-        self._jobs: dict[tuple[Kind, str], CopyJob] = {}
+        # Only caller threads touch these (under the lock); job threads only touch files, so waiting
+        # for a cancelled job while holding the lock cannot deadlock.
+        self._jobs: dict[tuple[Kind, str], Job] = {}
+        self._plain_snapshots: dict[str, str] = {}  # snapshot id -> volume it copies with no daemon
+        self._exporting: set[str] = set()  # volumes an export is being made for right now
         self._closed = False
         if clone_method == "copy":
             self.clone_method: CloneMethod = "copy"
@@ -83,37 +114,41 @@ class FileBackend:
             self.clone_method = detected
         log.info("pool %s at %s: clone method %s", name, self.path, self.clone_method)
 
+    @classmethod
+    def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> FileBackend:
+        return cls(cfg.pool_name, cfg.pool_path.resolve(), exports=exports, clone_method=cfg.clone_method)
+
     # -- pool -------------------------------------------------------------------------------------
 
     def pool_info(self) -> PoolInfo:
         st = os.statvfs(self.path)
         return PoolInfo(
             name=self.name,
-            path=str(self.path),
+            backend="file",
             capacity_bytes=st.f_blocks * st.f_frsize,
             free_bytes=st.f_bavail * st.f_frsize,
             clone_method=self.clone_method,
+            point_in_time=self.clone_method == "reflink" or self._copier is not None,
         )
 
-    def inventory(self) -> dict[str, list[str]]:
-        result: dict[str, list[str]] = {}
+    def inventory(self) -> PoolInventory:
+        found: dict[Kind, set[str]] = {"volume": set(), "snapshot": set()}
         with self._lock:
             for kind, sub in _DIRS.items():
-                found: set[str] = set()
                 with os.scandir(self.path / sub) as entries:
                     for entry in entries:
                         item_id = entry.name.removesuffix(".partial").removesuffix(".raw")
                         if entry.name.endswith((".raw", ".raw.partial")) and ids.is_valid(kind, item_id):
-                            found.add(item_id)
-                found.update(item_id for (k, item_id), job in self._jobs.items() if k == kind and job.running)
-                result[sub] = sorted(found)
-        return result
+                            found[kind].add(item_id)
+                found[kind].update(item_id for (k, item_id), job in self._jobs.items() if k == kind and job.running)
+        return PoolInventory(volumes=sorted(found["volume"]), snapshots=sorted(found["snapshot"]))
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             jobs = list(self._jobs.values())
             self._jobs.clear()
+            self._plain_snapshots.clear()
             for job in jobs:
                 job.cancel()
             for job in jobs:
@@ -128,9 +163,10 @@ class FileBackend:
         _check_size(size_bytes)
         with self._lock:
             self._check_open()
-            current = self._existing("volume", volume_id, final)
-            if current is not None:
-                return current
+            status = self._status("volume", volume_id, final)
+            if status.state in ("ready", "copying"):
+                return status
+            self._jobs.pop(("volume", volume_id), None)  # error or stalled: forget it and start over
             if source_snapshot_id is None:
                 self._create_sparse(final, size_bytes)
                 return _ready(final)
@@ -169,6 +205,7 @@ class FileBackend:
             return _ready(final)
 
     def volume_path(self, volume_id: str) -> Path:
+        """Where the raw data of a ready volume is (this backend's own; tools and tests use it)."""
         final = self._final("volume", volume_id)
         with self._lock:
             if not final.exists():
@@ -179,13 +216,24 @@ class FileBackend:
 
     def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus:
         final = self._final("snapshot", snapshot_id)
-        ids.check("volume", volume_id)
+        source = self._final("volume", volume_id)
         with self._lock:
             self._check_open()
-            current = self._existing("snapshot", snapshot_id, final)
-            if current is not None:
-                return current
-            return self._clone("snapshot", snapshot_id, final, "volume", volume_id, None)
+            status = self._snapshot_state(snapshot_id, volume_id, final)
+            if status.state != "absent":
+                return status
+            if self.clone_method == "reflink":
+                return self._clone("snapshot", snapshot_id, final, "volume", volume_id, None)
+            if self._copier is not None:
+                return self._start_daemon_copy(snapshot_id, volume_id, source, final)
+            if volume_id in self._exporting or (self.exports is not None and self.exports.is_exported(volume_id)):
+                raise PointInTimeUnavailable(
+                    f"The volume '{volume_id}' is exported to a host and this storage node cannot copy it at "
+                    "one instant; its hypervisor must take the copy.")
+            status = self._clone("snapshot", snapshot_id, final, "volume", volume_id, None)
+            if status.state == "copying":
+                self._plain_snapshots[snapshot_id] = volume_id
+            return status
 
     def snapshot_status(self, snapshot_id: str) -> ItemStatus:
         final = self._final("snapshot", snapshot_id)
@@ -193,7 +241,83 @@ class FileBackend:
             return self._status("snapshot", snapshot_id, final)
 
     def remove_snapshot(self, snapshot_id: str) -> None:
+        final = self._final("snapshot", snapshot_id)
+        if self._copier is not None:
+            self._copier.remove_copy(snapshot_id)
+        if self.exports is not None:
+            for export in self.exports.list_exports():
+                if export.key == snapshot_id:
+                    self.exports.remove_export(snapshot_id, export.host)
         self._remove("snapshot", snapshot_id)
+        with self._lock:
+            self._plain_snapshots.pop(snapshot_id, None)
+        log.debug("removed snapshot %s (%s)", snapshot_id, final.name)
+
+    def snapshot_target(self, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
+        final = self._final("snapshot", snapshot_id)
+        source = self._final("volume", volume_id)
+        exports = self._need_exports()
+        partial = _partial(final)
+        with self._lock:
+            self._check_open()
+            if final.exists():
+                raise IncorrectState(f"The snapshot '{snapshot_id}' is complete already.")
+            if ("snapshot", snapshot_id) in self._jobs:
+                raise IncorrectState(f"The snapshot '{snapshot_id}' is being copied on this node.")
+            if not partial.exists():
+                try:
+                    size = os.stat(source).st_size
+                except FileNotFoundError:
+                    raise self._missing("volume", volume_id) from None
+                self._create_sparse(partial, size, publish=False)
+        return exports.ensure_export(snapshot_id, FileSource(partial), host, read_only=False)
+
+    def finish_snapshot_target(self, snapshot_id: str, host_name: str) -> ItemStatus:
+        final = self._final("snapshot", snapshot_id)
+        exports = self._need_exports()
+        exports.remove_export(snapshot_id, host_name)
+        with self._lock:
+            job = self._jobs.get(("snapshot", snapshot_id))
+            if final.exists() or job is not None:
+                return self._status("snapshot", snapshot_id, final)
+            partial = _partial(final)
+            if not partial.exists():
+                raise self._missing("snapshot", snapshot_id)
+            # The hypervisor's copy wrote zeros as data (an iSCSI target has no other way): give the
+            # space back before the snapshot is published.
+            self._start_finish(snapshot_id, final, scan_data=True)
+            return self._status("snapshot", snapshot_id, final)
+
+    # -- how hosts reach volumes ----------------------------------------------------------------------
+
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
+        final = self._final("volume", volume_id)
+        exports = self._need_exports()
+        with self._lock:
+            if not final.exists():
+                raise self._missing("volume", volume_id)
+            copying = self._plain_copies_of(volume_id)
+            if copying:
+                raise RetryLater(f"The volume '{volume_id}' is being copied into snapshot {copying[0]}, which a "
+                                 "writer would spoil; it can be attached once the copy is done.")
+            self._exporting.add(volume_id)
+        try:
+            return exports.ensure_export(volume_id, FileSource(final), host, read_only=read_only)
+        finally:
+            with self._lock:
+                self._exporting.discard(volume_id)
+
+    def remove_connection(self, volume_id: str, host_name: str) -> None:
+        ids.check("volume", volume_id)
+        self._need_exports().remove_export(volume_id, host_name)
+
+    def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
+        final = self._final("volume", volume_id)
+        return self._need_exports().refresh_export(volume_id, FileSource(final), host_name)
+
+    def retire_connections(self, volume_id: str, host_name: str) -> None:
+        ids.check("volume", volume_id)
+        self._need_exports().retire_exports(volume_id, host_name)
 
     # -- internals (callers hold self._lock where the name says nothing else) ---------------------
 
@@ -205,7 +329,21 @@ class FileBackend:
         if self._closed:
             raise DriverError(f"pool {self.name} is closed")
 
-    def _job(self, kind: Kind, item_id: str) -> CopyJob | None:
+    def _need_exports(self) -> ExportDriver:
+        if self.exports is None:
+            raise DriverError(f"pool {self.name} serves no host (it has no export driver)")
+        return self.exports
+
+    def _plain_copies_of(self, volume_id: str) -> list[str]:
+        """Snapshots being copied from ``volume_id`` here, with no daemon to see later writes."""
+        for snap in [s for s, v in self._plain_snapshots.items() if v == volume_id]:
+            job = self._jobs.get(("snapshot", snap))
+            # A published snapshot is done, even while its job thread is still returning.
+            if job is None or not job.running or self._final("snapshot", snap).exists():
+                del self._plain_snapshots[snap]
+        return [s for s, v in self._plain_snapshots.items() if v == volume_id]
+
+    def _job(self, kind: Kind, item_id: str) -> Job | None:
         """The job of an item if it still runs or its failure is still to be reported."""
         job = self._jobs.get((kind, item_id))
         if job is not None and not (job.running or job.state == "failed"):
@@ -218,22 +356,81 @@ class FileBackend:
             return _ready(final)
         job = self._job(kind, item_id)
         if job is not None and job.running:
-            return ItemStatus("copying", job.size_bytes, job.progress)
+            return ItemStatus(state="copying", size_bytes=job.size_bytes, progress=job.progress)
         if job is not None:
-            return ItemStatus("error", job.size_bytes, 0, job.error)
+            return ItemStatus(state="error", size_bytes=job.size_bytes, error=job.error)
         try:
-            return ItemStatus("stalled", os.lstat(_partial(final)).st_size)
+            return ItemStatus(state="stalled", size_bytes=os.lstat(_partial(final)).st_size)
         except FileNotFoundError:
-            return ItemStatus("absent")
+            return ItemStatus(state="absent")
 
-    def _existing(self, kind: Kind, item_id: str, final: Path) -> ItemStatus | None:
-        """The status to answer an ensure with when nothing new must start, else None."""
-        status = self._status(kind, item_id, final)
-        if status.state in ("ready", "copying"):
+    def _snapshot_state(self, snapshot_id: str, volume_id: str, final: Path) -> ItemStatus:
+        """Where a snapshot stands for an ``ensure``: ``absent`` means start it now."""
+        status = self._status("snapshot", snapshot_id, final)
+        if status.state != "stalled":
             return status
-        # error or stalled: forget the failure and start over.
-        self._jobs.pop((kind, item_id), None)
-        return None
+        # A partial with no job of ours behind it: the export daemon's copy, a hypervisor's, or an
+        # interrupted one.
+        if self._copier is not None:
+            copy = self._copier.ensure_copy(snapshot_id, volume_id, FileSource(self._final("volume", volume_id)),
+                                            _partial(final))
+            if copy.state == "ready":
+                self._start_finish(snapshot_id, final, scan_data=False)
+                return self._status("snapshot", snapshot_id, final)
+            return copy
+        if self.exports is not None and self.exports.is_exported(snapshot_id):
+            raise IncorrectState(f"The snapshot '{snapshot_id}' is being copied by a hypervisor; finish it there.")
+        return ItemStatus(state="error", size_bytes=status.size_bytes, error=_INTERRUPTED)
+
+    def _start_daemon_copy(self, snapshot_id: str, volume_id: str, source: Path, final: Path) -> ItemStatus:
+        try:
+            size = os.stat(source).st_size
+        except FileNotFoundError:
+            raise self._missing("volume", volume_id) from None
+        st = os.statvfs(self.path)
+        if st.f_bavail * st.f_frsize < size:
+            # The daemon's copy job allocates the whole size while it runs (zero ranges included);
+            # the unwritten part is given back when it is done.
+            raise DriverError(f"snapshot {snapshot_id}: a point-in-time copy of {volume_id} needs {size} bytes free "
+                              f"in pool {self.name} while it runs")
+        partial = _partial(final)
+        self._create_sparse(partial, size, publish=False)
+        assert self._copier is not None
+        try:
+            status = self._copier.ensure_copy(snapshot_id, volume_id, FileSource(source), partial)
+        except Exception:
+            partial.unlink(missing_ok=True)
+            raise
+        if status.state == "ready":
+            self._start_finish(snapshot_id, final, scan_data=False)
+            return self._status("snapshot", snapshot_id, final)
+        return status
+
+    def _start_finish(self, snapshot_id: str, final: Path, *, scan_data: bool) -> None:
+        """Give back the space a copy made by someone else allocated for zeros, then publish it."""
+        partial = _partial(final)
+
+        def work(cancel: threading.Event, progress: ProgressCallback) -> None:
+            fd = os.open(partial, os.O_RDWR | _OPEN)
+            try:
+                sparsify(fd, scan_data=scan_data, cancel=cancel, progress=progress)
+            finally:
+                os.close(fd)
+
+        def publish() -> None:
+            _publish(partial, final)
+            if self._copier is not None:
+                # Only now: until the snapshot is published, the daemon's record of the copy is what
+                # tells a finished copy from one to start (a new one would be of a later instant).
+                try:
+                    self._copier.remove_copy(snapshot_id)
+                except DriverError as exc:
+                    log.warning("snapshot %s: the export daemon's copy record stays: %s", snapshot_id, exc.message)
+
+        job = Job(work, size_bytes=os.lstat(partial).st_size, on_success=publish, on_failure=partial.unlink,
+                  name=f"vbs-finish-{snapshot_id}")
+        job.start()
+        self._jobs[("snapshot", snapshot_id)] = job
 
     def _missing(self, kind: Kind, item_id: str) -> IncorrectState | NotFound:
         final = self._final(kind, item_id)
@@ -241,18 +438,20 @@ class FileBackend:
             return IncorrectState(f"The {kind} '{item_id}' is not ready yet.")
         return NotFound(f"The {kind} '{item_id}' does not exist.", code=_NOT_FOUND_CODES[kind])
 
-    def _create_sparse(self, final: Path, size_bytes: int) -> None:
-        partial = _partial(final)
+    def _create_sparse(self, final: Path, size_bytes: int, *, publish: bool = True) -> None:
+        """A sparse file of ``size_bytes`` at ``final`` (through its partial when ``publish``)."""
+        path = _partial(final) if publish else final
         try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN, 0o600)
             try:
                 os.ftruncate(fd, size_bytes)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _publish(partial, final)
+            if publish:
+                _publish(path, final)
         except OSError as exc:
-            partial.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise DriverError(f"create {final.stem}: {exc.strerror}") from exc
 
     def _clone(
@@ -303,7 +502,7 @@ class FileBackend:
         job.start()  # owns src_fd from here on
         self._jobs[(kind, item_id)] = job
         log.info("copying %s %s from %s %s", kind, item_id, source_kind, source_id)
-        return ItemStatus("copying", size, job.progress)
+        return ItemStatus(state="copying", size_bytes=size, progress=job.progress)
 
     def _reflink(self, src_fd: int, partial: Path, size: int) -> bool:
         """Clone into ``partial``; False if this pair cannot be cloned (then copy instead)."""
@@ -371,7 +570,7 @@ def _partial(final: Path) -> Path:
 
 
 def _ready(final: Path) -> ItemStatus:
-    return ItemStatus("ready", os.lstat(final).st_size, 100)
+    return ItemStatus(state="ready", size_bytes=os.lstat(final).st_size, progress=100)
 
 
 def _publish(partial: Path, final: Path) -> None:

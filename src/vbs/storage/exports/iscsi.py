@@ -1,7 +1,8 @@
 """iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
 
-One target per volume (``<iqn_prefix>:<volume_id>``), LUN 1 backed by the volume file, an address
-ACL entry and a CHAP account per (volume, host); desired state survives tgtd and agent restarts.
+One target per key (``<iqn_prefix>:<key>``, a volume or a snapshot a hypervisor copies into), LUN 1
+backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
+tgtd and agent restarts.
 
 Online resize: tgt reads a LUN's size when the LUN is made and never again (no tgtadm parameter
 changes it; QEMU's initiator re-reads the capacity on ``block_resize`` but gets the old one). So
@@ -17,7 +18,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -25,23 +25,24 @@ import secrets
 import signal
 import socket
 import string
-import subprocess
-import threading
 import time
 from collections.abc import Set as AbstractSet
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pydantic import SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from vbs import ids
 from vbs.argv import run
-from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, IscsiConnection
-from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
-from vbs.files import write_private
-from vbs.processes import cmdline, environ_value, pid_alive
+from vbs.config import StorageAgentConfig
+from vbs.daemons import DaemonSpec, argv0_is
+from vbs.desired_state import DesiredState
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter
+from vbs.processes import cmdline, environ_value
 from vbs.runtime import socket_path
-from vbs.storage.exports.base import ExportInfo
+from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key
+from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
+from vbs.wire.storage import ExportInfo
 
 __all__ = ["IscsiExportDriver", "parse_targets"]
 
@@ -82,15 +83,13 @@ TUNING: tuple[tuple[str, str], ...] = (
     ("MaxBurstLength", "1048576"),
     ("InitialR2T", "No"),
 )
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _SECRET_ALPHABET = string.ascii_letters + string.digits  # safe in URLs, configs and every initiator
 _SECRET_LEN = 24  # iSCSI wants at least 12 (96 bits); 24 alphanumerics are about 143 bits
 _CHAP_USER_MAX = 64  # IscsiConnection.chap_user limit
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path minus the NUL; tgtd truncates longer paths silently
 _CONTROL_MAX = 32767  # tgtd and tgtadm refuse a larger -C
-_WILDCARDS = {"0.0.0.0", "::", ""}
 _PREFIX_RE = re.compile(r"^iqn\.\d{4}-\d{2}\.[a-z0-9.-]+$")
-_LISTEN_RE = re.compile(r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$")
 
 # tgtadm's error strings (tgtadm_strerror); its exit code is 22 for all of them.
 _E_EXISTS = ("already exists",)
@@ -101,9 +100,8 @@ _E_ACTIVE = ("still active",)
 # -- desired state --------------------------------------------------------------------------------
 
 
-@dataclass
-class _Grant:
-    """One host's access to one volume: its ACL addresses and its CHAP account."""
+class _Grant(BaseModel):
+    """One host's access to one key: its ACL addresses and its CHAP account."""
 
     host: str
     address: str  # as the host identity gave it
@@ -112,22 +110,37 @@ class _Grant:
     user: str
     secret: str
     lun: int = LUN  # the LUN this host is given
-    old_luns: list[int] = field(default_factory=list)  # LUNs it may still use until retire_exports
+    old_luns: list[int] = Field(default_factory=list)  # LUNs it may still use until retire_exports
 
 
-@dataclass
-class _Export:
-    """One volume as it should be served: one target, its LUNs, one grant per host."""
+class _Export(ServedKey):
+    """One key as it should be served: one target, its LUNs, one grant per host."""
 
-    volume_id: str
-    path: str
     read_only: bool
-    grants: dict[str, _Grant] = field(default_factory=dict)
+    grants: dict[str, _Grant] = Field(default_factory=dict)
     lun: int = LUN  # the newest LUN: a host that joins gets this one
-    lun_sizes: dict[int, int] = field(default_factory=dict)  # file size when tgtd made each LUN
+    lun_sizes: dict[int, int] = Field(default_factory=dict)  # file size when tgtd made each LUN
 
     def wanted_luns(self) -> set[int]:
         return {n for g in self.grants.values() for n in (g.lun, *g.old_luns)} or {self.lun}
+
+
+def _upgrade_v1(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Version 1 keyed exports by ``volume_id`` and listed grants; the same facts otherwise."""
+    items: list[dict[str, Any]] = []
+    for old in data["exports"]:
+        item = {k: v for k, v in old.items() if k not in ("volume_id", "grants")}
+        items.append({**item, "key": old["volume_id"], "grants": {g["host"]: g for g in old["grants"]}})
+    return items
+
+
+class _IscsiOptions(BaseModel):
+    """``[storage_agent.options.iscsi]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iqn_prefix: str = "iqn.2026-11.org.vbs"
+    direct_io: bool = True
 
 
 # -- what tgtd reports ----------------------------------------------------------------------------
@@ -191,11 +204,13 @@ def parse_targets(text: str) -> dict[str, _LiveTarget]:
     return targets
 
 
+_View = dict[str, _LiveTarget]  # what tgtd serves, by IQN
+
+
 def _parse_portals(text: str) -> set[str]:
     return {line.split("Portal: ", 1)[1].rsplit(",", 1)[0] for line in text.splitlines() if "Portal: " in line}
 
 
-# -- processes ------------------------------------------------------------------------------------
 
 
 def _acl_kind(entry: str) -> str:
@@ -231,10 +246,11 @@ class _AdmError(DriverError):
         return any(p in self.detail for p in phrases)
 
 
+
 # -- the driver -----------------------------------------------------------------------------------
 
 
-class IscsiExportDriver:
+class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
     """Export driver for iSCSI through one tgtd; see the notes at the top of this module."""
 
     protocol = "iscsi"
@@ -247,14 +263,12 @@ class IscsiExportDriver:
         control_port: int = 7,
         iqn_prefix: str = "iqn.2026-11.org.vbs",
         *,
-        advertise_host: str | None = None,
         direct_io: bool = True,
+        advertise_host: str | None = None,
         adm_timeout: float = 10.0,
         start_timeout: float = 15.0,
         session_grace: float = 10.0,
     ) -> None:
-        if not 1 <= port <= 65535:
-            raise InvalidParameter(f"port out of range: {port}")
         if not 0 <= control_port <= _CONTROL_MAX:
             raise InvalidParameter(f"control_port must be 0-{_CONTROL_MAX} (tgtd -C), not {control_port}")
         if not _PREFIX_RE.match(iqn_prefix):
@@ -264,69 +278,66 @@ class IscsiExportDriver:
             listen_host = str(ipaddress.ip_address(listen_host))
         except ValueError:
             raise InvalidParameter(f"listen_host must be an IP address, not {listen_host[:80]!r}") from None
-        if advertise_host is not None and not _LISTEN_RE.match(advertise_host):
-            raise InvalidParameter(f"invalid advertise_host: {advertise_host[:80]!r}")
-        advertised = advertise_host or listen_host
-        if advertised in _WILDCARDS:
-            raise InvalidParameter("listen_host is a wildcard: set advertise_host to the address clients use")
-        self.state_dir = Path(state_dir).absolute()
-        self.listen_host = listen_host
-        self.port = port
-        self.control_port = control_port
-        self.iqn_prefix = iqn_prefix
-        self.advertise_host = advertised
-        self.direct_io = direct_io
-        self.adm_timeout = adm_timeout
-        self.start_timeout = start_timeout
-        self.session_grace = session_grace
-
+        state_dir = Path(state_dir).absolute()
         # Our own control socket inside state_dir: tests, several agents and a system tgtd (which
         # uses /var/run/tgtd/socket.N) never share one. tgtd appends ".<control_port>".
-        self.socket_base = socket_path(self.state_dir, "tgtd.sock")
+        self.socket_base = socket_path(state_dir, "tgtd.sock")
         control_socket = f"{self.socket_base}.{control_port}"
         if len(control_socket.encode()) > _SUN_PATH_MAX:
             raise InvalidParameter(
                 f"state_dir too long for a unix socket path ({len(control_socket)} > {_SUN_PATH_MAX} bytes): "
                 f"{control_socket}")
-        self.pid_path = self.state_dir / "tgtd.pid"  # tgtd -f ignores -p: we write it ourselves
-        self.log_path = self.state_dir / "tgtd.log"
-        self.state_path = self.state_dir / "exports.json"
-        host = f"[{listen_host}]" if ":" in listen_host else listen_host
-        self.portal = f"{host}:{port}"
+        self.control_port = control_port
+        self.iqn_prefix = iqn_prefix
+        self.direct_io = direct_io
+        self.adm_timeout, self.start_timeout = adm_timeout, start_timeout
+        self.session_grace = session_grace
+        self.portal = f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"
         self._env = {**os.environ, "TGT_IPC_SOCKET": str(self.socket_base)}
+        self._portals: set[str] = set()  # what a starting tgtd offers
+        self._doomed: set[str] = set()  # keys whose target teardown is unfinished (sessions)
+        state = DesiredState(state_dir / "exports.json", _Export, version=_STATE_VERSION, upgrades={1: _upgrade_v1})
+        super().__init__(state_dir, state, listen_host=listen_host, port=port, advertise_host=advertise_host)
 
-        self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._pid: int | None = None
-        self._desired: dict[str, _Export] = {}
-        self._doomed: set[str] = set()  # volumes whose target teardown is unfinished (sessions)
-        self._loaded = False
+    @classmethod
+    def from_config(cls, cfg: StorageAgentConfig, state_dir: Path) -> IscsiExportDriver:
+        """``export_host``, ``iscsi_port`` and ``iscsi_control``; ``iqn_prefix`` and ``direct_io``
+        from ``[storage_agent.options.iscsi]``."""
+        opts = _IscsiOptions.model_validate(cfg.options.get("iscsi", {}))
+        return cls(state_dir, listen_host=cfg.export_host, port=cfg.iscsi_port, control_port=cfg.iscsi_control,
+                   iqn_prefix=opts.iqn_prefix, direct_io=opts.direct_io)
+
+    def _daemon_spec(self) -> DaemonSpec:
+        return DaemonSpec(
+            name=TGTD, argv=(TGTD, "-f", "-C", str(self.control_port), "--iscsi", f"portal={self.portal}"),
+            pid_path=self.state_dir / "tgtd.pid",  # tgtd -f ignores -p: the supervisor writes it
+            log_path=self.state_dir / "tgtd.log", owns=self._is_ours, env=self._env,
+            stop_signals=(signal.SIGKILL,),  # tgtd ignores SIGTERM
+            start_timeout=self.start_timeout)
 
     # -- names ------------------------------------------------------------------------------------
 
-    @property
-    def pid(self) -> int | None:
-        """PID of the tgtd this driver runs or adopted (None when stopped)."""
-        return self._pid
+    def iqn(self, key: str) -> str:
+        return f"{self.iqn_prefix}:{key}"
 
-    def iqn(self, volume_id: str) -> str:
-        return f"{self.iqn_prefix}:{volume_id}"
-
-    def _volume_of(self, iqn: str) -> str | None:
+    def _key_of(self, iqn: str) -> str | None:
         prefix = f"{self.iqn_prefix}:"
-        vol = iqn[len(prefix):] if iqn.startswith(prefix) else ""
-        return vol if ids.is_valid("volume", vol) else None
+        key = iqn[len(prefix):] if iqn.startswith(prefix) else ""
+        try:
+            return check_key(key)
+        except InvalidParameter:
+            return None
 
     @staticmethod
-    def chap_user(volume_id: str, host_name: str) -> str:
-        """The CHAP account of (volume, host): readable where it fits, deterministic always.
+    def chap_user(key: str, host_name: str) -> str:
+        """The CHAP account of (key, host): readable where it fits, deterministic always.
 
-        tgt accounts are global to the daemon, so the volume id is part of the name.
+        tgt accounts are global to the daemon, so the key is part of the name.
         """
-        user = f"{volume_id}.{host_name}"
+        user = f"{key}.{host_name}"
         if len(user) <= _CHAP_USER_MAX:
             return user
-        return f"{volume_id}.h{hashlib.sha256(host_name.encode()).hexdigest()[:24]}"
+        return f"{key}.h{hashlib.sha256(host_name.encode()).hexdigest()[:24]}"
 
     # -- tgtadm -----------------------------------------------------------------------------------
 
@@ -343,237 +354,80 @@ class IscsiExportDriver:
     def _iscsi(self, step: str, *args: str) -> str:
         return self._adm(step, "--lld", "iscsi", *args)
 
-    def _show(self) -> dict[str, _LiveTarget]:
+    def _show(self) -> _View:
         return parse_targets(self._iscsi("show targets", "--mode", "target", "--op", "show"))
 
     def _accounts(self) -> set[str]:
         out = self._iscsi("show accounts", "--mode", "account", "--op", "show")
         return {line.strip() for line in out.splitlines()[1:] if line.strip()}
 
-    # -- daemon lifecycle -------------------------------------------------------------------------
-
-    def _argv(self) -> list[str]:
-        return [TGTD, "-f", "-C", str(self.control_port), "--iscsi", f"portal={self.portal}"]
+    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
 
     def _is_ours(self, pid: int) -> bool:
         """A live tgtd on our control socket (guards against a reused PID: never signal a stranger)."""
-        argv = cmdline(pid)
-        if not (pid_alive(pid) and argv and Path(argv[0]).name == TGTD):
-            return False
-        if argv[1:4] != ["-f", "-C", str(self.control_port)]:
+        if not argv0_is(pid, TGTD) or cmdline(pid)[1:4] != ["-f", "-C", str(self.control_port)]:
             return False
         env = environ_value(pid, "TGT_IPC_SOCKET")
         return env is None or env == str(self.socket_base)
 
-    def _running(self) -> bool:
-        if self._pid is None:
-            return False
-        if self._proc is not None:
-            return self._proc.poll() is None
-        return self._is_ours(self._pid)
+    def _ready(self, deadline: float) -> None:
+        self._portals = _parse_portals(self._adm("show portals", "--mode", "portal", "--op", "show"))
 
-    def start(self) -> None:
-        """Start tgtd, or adopt the one an earlier agent left, and create every desired export."""
-        with self._lock:
-            self._load_state()
-            if self._running():
-                return
-            self._ensure_daemon()
-            self._reconcile()
+    def _spawned(self) -> None:
+        if self._portals != {self.portal}:
+            # tgtd falls back to 0.0.0.0:3260 when it cannot bind the portal: never serve that.
+            raise DriverError(f"{TGTD} could not listen on {self.portal} (port in use?); it offered "
+                              f"{sorted(self._portals)}: {self._daemon.log_tail()}")
+        log.info("tgtd serves %s (control %d)", self.portal, self.control_port)
 
-    def _ensure_daemon(self) -> None:
-        if not self._adopt():
-            self._spawn()
-
-    def _adopt(self) -> bool:
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (OSError, ValueError):
-            return False
-        if not self._is_ours(pid):
-            return False
-        self._pid, self._proc = pid, None
-        if cmdline(pid)[1:] != self._argv()[1:]:
-            log.warning("tgtd pid %d listens elsewhere than %s: restarting it", pid, self.portal)
-            self._terminate()
-            return False
+    def _take_over(self) -> bool:
         try:
             self._adm("probe", "--mode", "sys", "--op", "show")
         except DriverError as exc:
             # Management and I/O share one event loop in tgtd: a daemon that does not answer here
             # serves no I/O either, so replacing it costs the clients nothing more.
-            log.warning("tgtd pid %d does not answer (%s): restarting it", pid, exc.message)
-            self._terminate()
+            log.warning("tgtd pid %s does not answer (%s): restarting it", self._daemon.pid, exc.message)
+            self._daemon.terminate()
             return False
-        log.info("adopted tgtd pid %d", pid)
         return True
 
-    def _spawn(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed just below
+    def _probe(self) -> None:
         try:
-            # A new session: tgtd outlives the agent (the next agent adopts it, so attached hosts
-            # keep their sessions) and does not get the agent's terminal signals.
-            proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
-                self._argv(), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                env=self._env, start_new_session=True,
-            )
-        except FileNotFoundError as exc:
-            raise DriverError(f"{TGTD}: not installed") from exc
-        finally:
-            logf.close()
-        self._proc, self._pid = proc, proc.pid
-        write_private(self.pid_path, f"{proc.pid}\n")
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if proc.poll() is not None:
-                self._terminate()
-                raise DriverError(f"{TGTD} exited at start: {self._log_tail(log_start)}")
+            self._show()
+        except DriverError:
+            time.sleep(0.5)  # one slow answer is not a hang
+            self._show()
+
+    def _ask_exit(self) -> bool:
+        """Offline, every target deleted, then ``--op delete --mode system``. Targets go with
+        ``--force``: the daemon is going away, which closes every session anyway."""
+        self._adm("go offline", "--mode", "sys", "--op", "update", "--name", "State", "-v", "offline")
+        for live in self._show().values():
+            self._iscsi(f"delete target {live.iqn}", "--mode", "target", "--op", "delete", "--force",
+                        "--tid", str(live.tid))
+        self._adm("shut down", "--op", "delete", "--mode", "system")
+        return True
+
+    def _let_go(self) -> None:
+        self._doomed.clear()  # the targets waiting for their sessions go with the daemon
+
+    def _view(self) -> _View:
+        return self._show()
+
+    def _restore(self, item: _Export, view: _View) -> None:
+        self._apply(item, view)
+
+    def _reconciled(self, view: _View) -> None:
+        for key in sorted(self._doomed - set(self._desired)):
             try:
-                portals = _parse_portals(self._adm("show portals", "--mode", "portal", "--op", "show"))
-                break
+                self._teardown(key, view, grace=0.0)
+                self._doomed.discard(key)
             except DriverError as exc:
-                if time.monotonic() >= deadline:
-                    self._terminate()
-                    raise DriverError(f"{TGTD} did not answer within {self.start_timeout:g}s: "
-                                      f"{exc.message}; {self._log_tail(log_start)}") from exc
-                time.sleep(0.02)
-        if portals != {self.portal}:
-            # tgtd falls back to 0.0.0.0:3260 when it cannot bind the portal: never serve that.
-            self._terminate()
-            raise DriverError(f"{TGTD} could not listen on {self.portal} (port in use?); it offered "
-                              f"{sorted(portals)}: {self._log_tail(log_start)}")
-        log.info("started tgtd pid %d on %s (control %d)", proc.pid, self.portal, self.control_port)
-
-    def _log_tail(self, start: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(start)
-                text = f.read().decode(errors="replace").strip()
-        except OSError:
-            return "(no log)"
-        return text[-400:] or "(no output)"
-
-    def stop(self) -> None:
-        """Stop tgtd: go offline, delete every target, ``--op delete --mode system``, wait for the
-        PID, SIGKILL by PID as the last resort (tgtd ignores SIGTERM).
-
-        Targets are deleted with ``--force``: the daemon is going away, which closes every session
-        anyway. The desired exports are kept: ``start()`` brings them back.
-        """
-        with self._lock:
-            if self._pid is None:
-                try:
-                    pid = int(self.pid_path.read_text().strip())
-                except (OSError, ValueError):
-                    return
-                if not self._is_ours(pid):
-                    return
-                self._pid = pid
-            asked = False
-            if self._running():
-                try:
-                    self._adm("go offline", "--mode", "sys", "--op", "update", "--name", "State",
-                              "-v", "offline")
-                    for live in self._show().values():
-                        self._iscsi(f"delete target {live.iqn}", "--mode", "target", "--op", "delete",
-                                    "--force", "--tid", str(live.tid))
-                    self._adm("shut down", "--op", "delete", "--mode", "system")
-                    asked = True
-                except DriverError as exc:
-                    log.warning("tgtd pid %s did not shut down cleanly: %s", self._pid, exc.message)
-            # Asked to exit: give it time to close its sessions. Otherwise only SIGKILL works.
-            self._terminate(grace=10.0 if asked else 0.0)
-            self._doomed.clear()
-            log.info("stopped tgtd")
-
-    def close(self) -> None:
-        """Let go of tgtd without stopping it: exports keep serving and the next agent adopts it."""
-        with self._lock:
-            self._proc, self._pid = None, None
-
-    def _terminate(self, grace: float = 0.0) -> None:
-        """Make sure tgtd is gone: wait ``grace`` for it to exit, then SIGKILL it by PID."""
-        pid, proc = self._pid, self._proc
-        if pid is not None:
-            for sig, wait in ((None, grace), (signal.SIGKILL, 5.0)):
-                if proc is None and not self._is_ours(pid):
-                    break  # an adopted daemon that is gone: its PID may belong to someone else now
-                if sig is not None:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        break
-                if self._wait_exit(pid, proc, wait):
-                    break
-            else:
-                raise DriverError(f"{TGTD} pid {pid} survived SIGKILL")
-        self._pid, self._proc = None, None
-        self.pid_path.unlink(missing_ok=True)
-
-    @staticmethod
-    def _wait_exit(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:
-            gone = proc.poll() is not None if proc is not None else not pid_alive(pid)
-            if gone:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-
-    def check(self) -> None:
-        """Restart a dead or hung tgtd and re-create every target, ACL and account that should exist,
-        with the same IQNs and CHAP secrets: initiators that reconnect resume. Also finishes target
-        removals that were waiting for sessions to log out."""
-        with self._lock:
-            self._load_state()
-            view: dict[str, _LiveTarget] | None = None
-            if self._running():
-                for attempt in (1, 2):
-                    try:
-                        view = self._show()
-                        break
-                    except DriverError as exc:
-                        if attempt == 2:
-                            log.warning("tgtd pid %s does not answer (%s): restarting it, "
-                                        "%d volumes to re-export", self._pid, exc.message,
-                                        len(self._desired))
-                        else:
-                            time.sleep(0.5)  # one slow answer is not a hang
-            elif self._pid is not None:
-                log.warning("tgtd pid %s is gone: restarting it, %d volumes to re-export",
-                            self._pid, len(self._desired))
-            if view is None:
-                if self._pid is not None:
-                    self._terminate()
-                self._ensure_daemon()  # adopts a tgtd left by an earlier agent, else starts one
-            self._reconcile(view)
-
-    def _reconcile(self, view: dict[str, _LiveTarget] | None = None) -> None:
-        """Create in tgtd whatever desired state it lacks (after a restart or an adoption)."""
-        view = self._show() if view is None else view
-        failed: list[str] = []
-        for exp in list(self._desired.values()):
-            try:
-                self._apply(exp, view)
-            except DriverError as exc:
-                # One missing volume file must not keep every other host from its disk.
-                log.error("re-creating the iSCSI export of %s failed: %s", exp.volume_id, exc.message)
-                failed.append(exp.volume_id)
-        for volume_id in sorted(self._doomed - set(self._desired)):
-            try:
-                self._teardown(volume_id, view, grace=0.0)
-                self._doomed.discard(volume_id)
-            except DriverError as exc:
-                log.info("target of %s still not removable: %s", volume_id, exc.message)
-        if failed:
-            raise DriverError(f"could not re-create the iSCSI exports of {', '.join(failed)}")
+                log.info("target of %s still not removable: %s", key, exc.message)
 
     # -- applying desired state -------------------------------------------------------------------
 
-    def _apply(self, exp: _Export, view: dict[str, _LiveTarget], *, fresh_users: AbstractSet[str] = frozenset(),
+    def _apply(self, exp: _Export, view: _View, *, fresh_users: AbstractSet[str] = frozenset(),
                tune: bool = False) -> None:
         """Make tgtd's target for ``exp`` match it; ``view`` is updated as tgtd changes.
 
@@ -581,7 +435,7 @@ class IscsiExportDriver:
         that name (left by a lost state: its secret is unknown). ``tune``: set the negotiation
         parameters even on an existing target.
         """
-        iqn = self.iqn(exp.volume_id)
+        iqn = self.iqn(exp.key)
         live = view.get(iqn)
         created = live is None
         if live is None:
@@ -591,16 +445,16 @@ class IscsiExportDriver:
             live = view[iqn] = _LiveTarget(tid=tid, iqn=iqn)
         try:
             if self._apply_target(exp, live, view, fresh_users=fresh_users, tune=tune or created):
-                self._save_state()  # the sizes of new LUNs, which a refresh compares with the file's
+                self._save()  # the sizes of new LUNs, which a refresh compares with the file's
         except DriverError:
             if created:  # no half-made target: the caller sees the error, tgtd sees nothing
                 try:
-                    self._teardown(exp.volume_id, view, grace=0.0)
+                    self._teardown(exp.key, view, grace=0.0)
                 except DriverError as exc:
                     log.error("could not remove the half-made target %s: %s", iqn, exc.message)
             raise
 
-    def _apply_target(self, exp: _Export, live: _LiveTarget, view: dict[str, _LiveTarget], *,
+    def _apply_target(self, exp: _Export, live: _LiveTarget, view: _View, *,
                       fresh_users: AbstractSet[str], tune: bool) -> bool:
         """Returns whether ``exp.lun_sizes`` changed."""
         tid = str(live.tid)
@@ -622,7 +476,7 @@ class IscsiExportDriver:
                 try:
                     size = os.stat(exp.path).st_size  # what tgtd reads as it opens the file just below
                 except OSError as exc:
-                    raise DriverError(f"volume file {exp.path} of {exp.volume_id}: {exc.strerror}") from exc
+                    raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
                 self._iscsi(f"create LUN {n} of {live.iqn}", *argv)
                 lun = live.luns[n] = _LiveLun(path=exp.path)
                 exp.lun_sizes[n] = size
@@ -688,7 +542,7 @@ class IscsiExportDriver:
         os.close(fd)
         return True
 
-    def _create_account(self, grant: _Grant, view: dict[str, _LiveTarget]) -> None:
+    def _create_account(self, grant: _Grant, view: _View) -> None:
         if grant.user in self._accounts():
             # An account of that name whose secret is not ours (or not known to be): replace it,
             # unbound everywhere first (deleting a bound account leaves the same hole as below).
@@ -749,10 +603,10 @@ class IscsiExportDriver:
                            "--tid", str(live.tid), kind, entry)
                 live.acl.add(entry)
 
-    def _forget_account(self, live: _LiveTarget, user: str, view: dict[str, _LiveTarget]) -> None:
-        """Delete an unbound account of this target's volume once no target holds it."""
-        volume_id = self._volume_of(live.iqn)
-        if volume_id and user.startswith(f"{volume_id}.") and not any(
+    def _forget_account(self, live: _LiveTarget, user: str, view: _View) -> None:
+        """Delete an unbound account of this target's key once no target holds it."""
+        key = self._key_of(live.iqn)
+        if key and user.startswith(f"{key}.") and not any(
             user in t.accounts for t in view.values()
         ):
             try:
@@ -761,10 +615,10 @@ class IscsiExportDriver:
                 if not exc.says(_E_ABSENT):
                     raise
 
-    def _teardown(self, volume_id: str, view: dict[str, _LiveTarget], *, grace: float) -> None:
-        """Remove the target of ``volume_id``: ACL first (no new logins), then accounts, LUNs and
+    def _teardown(self, key: str, view: _View, *, grace: float) -> None:
+        """Remove the target of ``key``: ACL first (no new logins), then accounts, LUNs and
         the target itself, which tgtd refuses while a session is logged in (never forced)."""
-        iqn = self.iqn(volume_id)
+        iqn = self.iqn(key)
         live = view.get(iqn)
         if live is None:
             return
@@ -806,261 +660,159 @@ class IscsiExportDriver:
                     raise
             time.sleep(0.1)
 
-    # -- persisted desired state ------------------------------------------------------------------
-
-    def _load_state(self) -> None:
-        if self._loaded:
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            data = json.loads(self.state_path.read_text())
-            items = data["exports"] if data.get("version") == _STATE_VERSION else []
-            for item in items:
-                grants = {g["host"]: _Grant(**g) for g in item.pop("grants")}
-                # JSON keys are strings
-                item["lun_sizes"] = {int(n): int(size) for n, size in item.get("lun_sizes", {}).items()}
-                exp = _Export(**item, grants=grants)
-                self._desired[exp.volume_id] = exp
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DriverError(f"unreadable export state {self.state_path}: {exc}") from exc
-        self._loaded = True
-
-    def _save_state(self) -> None:
-        exports = []
-        for exp in self._desired.values():
-            item = asdict(exp)
-            item["grants"] = list(item["grants"].values())
-            exports.append(item)
-        data = {"version": _STATE_VERSION, "exports": exports}
-        write_private(self.state_path, json.dumps(data, indent=1) + "\n")
-
-
-    # -- the contract -----------------------------------------------------------------------------
+    # -- the contract (hooks of SupervisedExportDriver) ----------------------------------------------
 
     def _connection(self, exp: _Export, grant: _Grant) -> IscsiConnection:
         return IscsiConnection(
-            host=self.advertise_host, port=self.port, iqn=self.iqn(exp.volume_id), lun=grant.lun,
-            chap_user=grant.user, chap_secret=SecretStr(grant.secret),
-            initiator_name=grant.initiator_name,
+            host=self.advertise_host, port=self.port, iqn=self.iqn(exp.key), lun=grant.lun,
+            chap_user=grant.user, chap_secret=SecretStr(grant.secret), initiator_name=grant.initiator_name,
         )
 
-    def ensure_export(
-        self, volume_id: str, path: Path, host: HostIdentity, *, read_only: bool = False
-    ) -> Connection:
-        """Serve ``path`` as a LUN of the volume's target to ``host`` (its address in the ACL, its
-        own CHAP account); idempotent: the same (volume, host) gets the same connection and secret.
-        The LUN is 1 until a refresh (online resize): then the host's current one, or for a host
-        that joins, the newest one.
+    def _hosts(self, item: _Export) -> set[str]:
+        return set(item.grants)
 
-        A second host on the same volume (multi-attach) joins the same target with its own ACL
-        entry and account. All hosts of a volume share its mode: the read-only flag is per LUN.
-        """
-        ids.check("volume", volume_id)
-        path = Path(path)
-        if not path.is_absolute():
-            raise InvalidParameter(f"volume path must be absolute: {path}")
+    def _live_keys(self) -> set[str]:
+        return {key for iqn, live in self._show().items() if live.accounts and (key := self._key_of(iqn))}
+
+    def _check_source(self, path: Path) -> None:
         if "," in str(path):
             # tgtd passes the backing store as "path=…,bstype=…": a comma would split it.
-            raise InvalidParameter(f"volume path must not contain a comma: {path}")
-        if not path.exists():
-            raise NotFound(f"volume file {path} of {volume_id} does not exist", code="InvalidVolume.NotFound")
+            raise InvalidParameter(f"source path must not contain a comma: {path}")
+
+    def _ensure(self, item: _Export | None, key: str, path: Path, host: HostIdentity, read_only: bool
+                ) -> Connection:
+        """A LUN of the key's target for the host (its address in the ACL, its own CHAP account);
+        the same (key, host) gets the same connection and secret. The LUN is 1 until a refresh
+        (online resize): then the host's current one, or for a host that joins, the newest one.
+
+        A second host on the same key (multi-attach) joins the same target with its own ACL
+        entry and account. All hosts of a key share its mode: the read-only flag is per LUN.
+        """
+        exp = item or _Export(key=key, path=str(path), read_only=read_only)
+        if exp.read_only != read_only:
+            raise IdempotentParameterMismatch(
+                f"{key} is already exported with read_only={exp.read_only} to "
+                f"{', '.join(sorted(exp.grants)) or 'no host'}; remove those exports first")
         addresses = _acl_addresses(host.address)
-        with self._lock:
-            self._load_state()
-            exp = self._desired.get(volume_id)
-            new_export = exp is None
-            if exp is None:
-                exp = _Export(volume_id=volume_id, path=str(path), read_only=read_only)
-            elif exp.path != str(path) or exp.read_only != read_only:
-                raise IdempotentParameterMismatch(
-                    f"{volume_id} is already exported from {exp.path} (read_only={exp.read_only}) "
-                    f"to {', '.join(sorted(exp.grants)) or 'no host'}; remove those exports first")
-            old = exp.grants.get(host.name)
-            fresh: set[str] = set()
+        old = exp.grants.get(host.name)
+        fresh: set[str] = set()
+        if old is None:
+            grant = _Grant(host=host.name, address=host.address, addresses=addresses,
+                           initiator_name=host.initiator_name, user=self.chap_user(key, host.name),
+                           secret=_new_secret(), lun=exp.lun)
+            fresh.add(grant.user)
+        else:
+            # Same host, maybe a new address or initiator name: same account, secret and LUNs.
+            grant = old.model_copy(update={"address": host.address, "addresses": addresses,
+                                           "initiator_name": host.initiator_name})
+        exp.grants[host.name] = grant
+        self._desired[key] = exp
+        self._doomed.discard(key)
+
+        def undo() -> None:
             if old is None:
-                grant = _Grant(host=host.name, address=host.address, addresses=addresses,
-                               initiator_name=host.initiator_name,
-                               user=self.chap_user(volume_id, host.name), secret=_new_secret(), lun=exp.lun)
-                fresh.add(grant.user)
+                del exp.grants[host.name]
             else:
-                # Same host, maybe a new address or initiator name: same account, secret and LUNs.
-                grant = _Grant(host=host.name, address=host.address, addresses=addresses,
-                               initiator_name=host.initiator_name, user=old.user, secret=old.secret,
-                               lun=old.lun, old_luns=list(old.old_luns))
-            exp.grants[host.name] = grant
-            # Desired state first: a crash after this point leaves an export that check() or the
-            # next start() re-creates, never one the agent does not know about.
-            self._desired[volume_id] = exp
-            self._doomed.discard(volume_id)
-            try:
-                self._save_state()
-                started = not self._running()
-                if started:
-                    self._ensure_daemon()
-                view = self._show()
-                self._apply(exp, view, fresh_users=fresh, tune=True)
-                if started:
-                    try:
-                        self._reconcile(view)
-                    except DriverError:
-                        pass  # logged per volume; other volumes' trouble is not this caller's
-            except Exception:
-                if old is None:
-                    exp.grants.pop(host.name, None)
-                else:
-                    exp.grants[host.name] = old
-                if new_export:
-                    self._desired.pop(volume_id, None)
-                self._best_effort_save()
-                raise
-            log.info("exported %s to %s over iSCSI as %s (read_only=%s)",
-                     volume_id, host.name, self.iqn(volume_id), read_only)
-            return self._connection(exp, grant)
+                exp.grants[host.name] = old
+            if item is None:
+                del self._desired[key]
 
-    def _best_effort_save(self) -> None:
-        try:
-            self._save_state()
-        except OSError as exc:
-            log.error("could not roll back export state: %s", exc)
+        with self._desired_first(undo):
+            self._apply(exp, self._show(), fresh_users=fresh, tune=True)
+        log.info("exported %s to %s over iSCSI as %s (read_only=%s)", key, host.name, self.iqn(key), read_only)
+        return self._connection(exp, grant)
 
-    def remove_export(self, volume_id: str, host_name: str) -> None:
-        """Withdraw ``host_name``'s access to ``volume_id`` (its ACL entry and account); with the
-        last host, delete the LUN and then the target. Idempotent: absent is success.
+    def _remove(self, item: _Export | None, key: str, host_name: str) -> None:
+        """Withdraw the host's ACL entry and account; with the last host, delete the LUN and then
+        the target.
 
         The caller must have unplugged the disk on that host first: tgtd refuses to delete a target
         under a logged-in session (forcing it would hang that client forever). In that case this
         raises ``DriverError`` once ``session_grace`` has passed, with the ACL and accounts already
         gone so the initiator cannot log in again; the next call or ``check()`` finishes the job.
         """
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        with self._lock:
-            self._load_state()
-            exp = self._desired.get(volume_id)
-            if exp is not None and host_name in exp.grants:
-                del exp.grants[host_name]
-                if not exp.grants:
-                    del self._desired[volume_id]
-                self._save_state()
-            if not self._running():
-                return  # nothing live to change; check() will not re-create what is no longer desired
-            view = self._show()
-            exp = self._desired.get(volume_id)
-            if exp is not None:
-                self._apply(exp, view)
-            else:
-                live = view.get(self.iqn(volume_id))
-                user = self.chap_user(volume_id, host_name)
-                if live is not None and set(live.accounts) - {user}:
-                    # Accounts this agent does not know (a lost state file): leave those hosts be.
-                    self._unbind_accounts(live, [user])
-                    self._forget_account(live, user, view)
-                elif live is not None:
-                    self._doomed.add(volume_id)
-                    self._teardown(volume_id, view, grace=self.session_grace)
-                    self._doomed.discard(volume_id)
-            log.info("removed the iSCSI export of %s for %s", volume_id, host_name)
+        if item is not None and host_name in item.grants:
+            del item.grants[host_name]
+            if not item.grants:
+                del self._desired[key]
+            self._save()
+        if not self._running():
+            return  # nothing live to change; check() will not re-create what is no longer desired
+        view = self._show()
+        if item is not None and item.grants:
+            self._apply(item, view)
+            return
+        live = view.get(self.iqn(key))
+        user = self.chap_user(key, host_name)
+        if live is not None and set(live.accounts) - {user}:
+            # Accounts this agent does not know (a lost state file): leave those hosts be.
+            self._unbind_accounts(live, [user])
+            self._forget_account(live, user, view)
+        elif live is not None:
+            self._doomed.add(key)
+            self._teardown(key, view, grace=self.session_grace)
+            self._doomed.discard(key)
 
-    def list_exports(self) -> list[ExportInfo]:
-        """One entry per (volume, host) account bound to a target of ours that has its LUN."""
-        with self._lock:
-            self._load_state()
-            if not self._running():
-                return []
-            out: list[ExportInfo] = []
-            for iqn, live in sorted(self._show().items()):
-                volume_id = self._volume_of(iqn)
-                if volume_id is None or not set(live.luns) - {0}:
-                    continue  # not ours (an operator's target), or half-made
-                exp = self._desired.get(volume_id)
-                hosts = {g.user: g.host for g in exp.grants.values()} if exp else {}
-                for user in sorted(live.accounts):
-                    host = hosts.get(user) or user.removeprefix(f"{volume_id}.")
-                    if host != user:
-                        out.append(ExportInfo(volume_id=volume_id, host=host, protocol=self.protocol,
-                                              target=iqn))
-            return out
+    def _list(self) -> list[ExportInfo]:
+        """One entry per (key, host) account bound to a target of ours that has its LUN."""
+        out: list[ExportInfo] = []
+        for iqn, live in sorted(self._show().items()):
+            key = self._key_of(iqn)
+            if key is None or not set(live.luns) - {0}:
+                continue  # not ours (an operator's target), or half-made
+            exp = self._desired.get(key)
+            hosts = {g.user: g.host for g in exp.grants.values()} if exp else {}
+            for user in sorted(live.accounts):
+                host = hosts.get(user) or user.removeprefix(f"{key}.")
+                if host != user:
+                    out.append(ExportInfo(key=key, host=host, protocol=self.protocol, target=iqn))
+        return out
 
     # -- online resize ----------------------------------------------------------------------------
 
-    def refresh_export(self, volume_id: str, path: Path, host_name: str) -> Connection:
-        """Give ``host_name`` a LUN of the volume's target that reports the file's current (grown)
-        size: the newest LUN if it does already (another host refreshed first), else a new one.
-        The LUN the host uses now keeps serving until ``retire_exports``. Same target, ACL and
-        CHAP account; the connection differs in its LUN only. Idempotent.
-        """
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        path = Path(path)
-        with self._lock:
-            self._load_state()
-            exp = self._desired.get(volume_id)
-            grant = exp.grants.get(host_name) if exp is not None else None
-            if exp is None or grant is None:
-                raise NotFound(f"{volume_id} is not exported to {host_name}", code="InvalidAttachment.NotFound")
-            if exp.path != str(path):
-                raise IdempotentParameterMismatch(f"{volume_id} is exported from {exp.path}, not {path}")
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise NotFound(f"volume file {path} of {volume_id} does not exist",
-                               code="InvalidVolume.NotFound") from None
-            if not self._running():
-                self._ensure_daemon()
-                try:
-                    self._reconcile()
-                except DriverError:
-                    pass  # logged per volume; other volumes' trouble is not this caller's
-            view = self._show()
-            # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
-            self._apply(exp, view)
-            if exp.lun_sizes.get(grant.lun) == size:
-                return self._connection(exp, grant)
-            before = (exp.lun, grant.lun, list(grant.old_luns))
-            if exp.lun_sizes.get(exp.lun) != size:
-                live = view.get(self.iqn(volume_id))
-                taken = exp.wanted_luns() | (set(live.luns) if live is not None else set())
-                free = [n for n in range(1, 256) if n not in taken]
-                if not free:
-                    raise DriverError(f"target {self.iqn(volume_id)} has no free LUN number")
-                exp.lun = free[0]
-            if grant.lun not in grant.old_luns:
-                grant.old_luns.append(grant.lun)
-            grant.lun = exp.lun
-            try:
-                self._save_state()  # desired state first: after a crash, check() makes the LUN
-                self._apply(exp, view)
-            except Exception:
-                exp.lun, grant.lun, grant.old_luns = before
-                self._best_effort_save()
-                try:
-                    self._apply(exp, self._show())  # drops a half-made LUN
-                except DriverError as exc:
-                    log.error("could not roll back the refresh of %s: %s", volume_id, exc.message)
-                raise
-            log.info("refreshed the iSCSI export of %s for %s: LUN %d serves %d bytes",
-                     volume_id, host_name, grant.lun, exp.lun_sizes.get(grant.lun, 0))
+    def _refresh(self, item: _Export, host_name: str, size: int) -> Connection:
+        """A LUN of the key's target that reports the file's current (grown) size: the newest LUN
+        if it does already (another host refreshed first), else a new one. The LUN the host uses
+        now keeps serving until ``retire_exports``. Same target, ACL and CHAP account; the
+        connection differs in its LUN only."""
+        exp, grant = item, item.grants[host_name]
+        view = self._show()
+        # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
+        self._apply(exp, view)
+        if exp.lun_sizes.get(grant.lun) == size:
             return self._connection(exp, grant)
+        before = (exp.lun, grant.lun, list(grant.old_luns))
+        if exp.lun_sizes.get(exp.lun) != size:
+            live = view.get(self.iqn(exp.key))
+            taken = exp.wanted_luns() | (set(live.luns) if live is not None else set())
+            free = [n for n in range(1, 256) if n not in taken]
+            if not free:
+                raise DriverError(f"target {self.iqn(exp.key)} has no free LUN number")
+            exp.lun = free[0]
+        if grant.lun not in grant.old_luns:
+            grant.old_luns.append(grant.lun)
+        grant.lun = exp.lun
 
-    def retire_exports(self, volume_id: str, host_name: str) -> None:
-        """Forget the LUNs ``host_name`` used before its refreshes and delete those no other host
-        uses (a client still on one gets I/O errors). Idempotent."""
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        with self._lock:
-            self._load_state()
-            exp = self._desired.get(volume_id)
-            grant = exp.grants.get(host_name) if exp is not None else None
-            if exp is None or grant is None:
-                return
-            if grant.old_luns:
-                retired, grant.old_luns = grant.old_luns, []
-                self._save_state()
-                log.info("retired LUN(s) %s of %s for %s", retired, volume_id, host_name)
-            if self._running():
-                self._apply(exp, self._show())  # also finishes a retire a crash interrupted
+        def undo() -> None:
+            exp.lun, grant.lun, grant.old_luns = before
+            try:
+                self._apply(exp, self._show())  # drops a half-made LUN
+            except DriverError as exc:
+                log.error("could not roll back the refresh of %s: %s", exp.key, exc.message)
+
+        with self._desired_first(undo):  # after a crash, check() makes the LUN
+            self._apply(exp, view)
+        log.info("refreshed the iSCSI export of %s for %s: LUN %d serves %d bytes",
+                 exp.key, host_name, grant.lun, exp.lun_sizes.get(grant.lun, 0))
+        return self._connection(exp, grant)
+
+    def _retire(self, item: _Export, host_name: str) -> None:
+        """Forget the LUNs the host used before its refreshes and delete those no other host uses
+        (a client still on one gets I/O errors)."""
+        grant = item.grants[host_name]
+        if grant.old_luns:
+            retired, grant.old_luns = grant.old_luns, []
+            self._save()
+            log.info("retired LUN(s) %s of %s for %s", retired, item.key, host_name)
+        if self._running():
+            self._apply(item, self._show())  # also finishes a retire a crash interrupted

@@ -1,15 +1,17 @@
 """NBD exports from one long-lived qemu-storage-daemon (QSD) per storage agent, driven over QMP.
 
-Each (volume, host) attachment gets its own file + raw node and NBD export; TLS-PSK is optional.
+Each key (a volume, or a snapshot a hypervisor copies into) is opened once, as a *chain* of a file
+node and a raw node, and every host's NBD export of that key is added on that one chain, under its
+own random name; TLS-PSK is optional. The daemon also takes point-in-time copies of what it serves.
 
 Access control (measured on QEMU 7.2, the version installed here):
 
 * The NBD server is one per daemon and answers ``NBD_OPT_LIST`` with every export, and QEMU has no
   per-export ACL. So a client that can open a session can list and open every export.
 * Plain mode (``tls=False``): isolation is the network only. Bind ``listen_host`` to the storage
-  network (or loopback). Export names are ``<volume_id>-<128-bit random token>`` per attachment:
-  a host that asks for a name it was not given (a typo, a stale id, a re-created volume) fails
-  rather than reaching the wrong volume. Any client that can reach the port can still list the names.
+  network (or loopback). Export names are ``<key>-<128-bit random token>`` per attachment: a host
+  that asks for a name it was not given (a typo, a stale id, a re-created volume) fails rather
+  than reaching the wrong volume. Any client that can reach the port can still list the names.
 * TLS mode (``tls=True``): plaintext clients are refused before any option (``NBD_OPT_LIST``
   included). Each host gets its own PSK identity (its host name) and a 256-bit key. The key lives in
   ``<state_dir>/tls/keys.psk`` only while the host has at least one export here. GnuTLS reads that
@@ -23,388 +25,355 @@ Access control (measured on QEMU 7.2, the version installed here):
 So TLS-PSK is the mode for a storage network that untrusted machines can reach, and binding is
 the mode for a dedicated or loopback network. Per-attachment export names are used in both.
 
-Other choices: desired exports are kept in memory and in ``<state_dir>/exports.json`` (mode 0600),
-keys only in ``keys.psk``. That way ``check()`` can rebuild a dead daemon, and a restarted agent can
-adopt a running one, with the same names and keys, so connected clients just reconnect. Removal
-uses ``block-export-del`` mode ``hard``. The controller removes an export only after the host
-unplugged the disk. Any client still connected at that point (a forced detach) must be cut off,
-or the volume could never be deleted.
+Other choices: desired chains and exports are kept in memory and in ``<state_dir>/exports.json``
+(mode 0600), keys only in ``keys.psk``. That way ``check()`` can rebuild a dead daemon, and a
+restarted agent can adopt a running one, with the same names and keys, so connected clients just
+reconnect. Removal uses ``block-export-del`` mode ``hard``. The controller removes an export only
+after the host unplugged the disk. Any client still connected at that point (a forced detach) must
+be cut off, or the volume could never be deleted.
 
 Online resize (measured on QEMU 7.2): an NBD export's size is fixed when it is added, and a node
 opened before the file grew keeps its old size (``block_resize`` on it is refused: the export's
 BlockBackend does not share ``resize``; a second export on the same node has the old size too). So
-``refresh_export`` opens the grown file again as a new node chain, exported under a new name: a new
-*generation* of the (volume, host) export. The old generation keeps serving until the host moved
-to the new one and ``retire_exports`` removes it. Every generation is in ``exports.json``; the one
-with the highest number is current (what ``ensure_export`` returns). Two file nodes on one file in
-one daemon are fine (no lock conflict: none of them takes ``resize``).
+``refresh_export`` gives the host a new export, under a new name, on a chain that has the file's
+current size: the key's newest chain if it has (another host refreshed first), else a new chain
+opened on the grown file, the key's next *generation*. The host's older export keeps serving until
+it moved over and ``retire_exports`` removes it; a chain that no export and no copy uses is closed.
+Two chains on one file in one daemon are fine (no lock conflict: none of them takes ``resize``).
+
+Point-in-time copies (``ensure_copy``): ``blockdev-backup`` (``sync=full``) from the key's newest
+chain into a file node on the target. QEMU puts a copy-before-write filter above the chain's raw
+node: a write from any export reaches the volume only after the old data went to the target, so
+the target is the volume at the instant the job started. Exports added while a copy runs go on the
+filter (an export added on the raw node below it is refused: the filter does not share ``write``);
+when the job ends QEMU drops the filter and the exports move back to the raw node. A job writes the
+source's zero regions with write-zeroes without MAY_UNMAP, so on ext4/xfs the target is allocated
+(unwritten extents) for its whole size: the caller punches those out afterwards. A copy cannot
+survive its daemon: one whose job is gone is an error (its instant is lost), never restarted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import re
 import secrets
-import signal
-import subprocess
-import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from vbs import ids
-from vbs.connection import HOST_NAME_RE, Connection, HostIdentity, NbdConnection
-from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.config import StorageAgentConfig
+from vbs.daemons import DaemonSpec, argv0_is
+from vbs.desired_state import DesiredState
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
 from vbs.files import write_private
-from vbs.processes import cmdline, pid_alive
+from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
 from vbs.runtime import socket_path
-from vbs.storage.exports.base import ExportInfo
+from vbs.storage.exports.base import ExportSource
 from vbs.storage.exports.nodelay import force_nodelay
-from vbs.storage.exports.qmp_sync import (
-    QmpCommandError,
-    QmpConnectionError,
-    QmpError,
-    QmpSync,
-    wait_for_socket,
+from vbs.storage.exports.supervised import (
+    LISTEN_RE,
+    ServedKey,
+    SupervisedExportDriver,
+    check_key,
+    file_size,
+    source_file,
 )
+from vbs.wire.connection import Connection, HostIdentity, NbdConnection
+from vbs.wire.storage import ExportInfo, ItemStatus
 
 __all__ = ["NbdExportDriver"]
 
 log = logging.getLogger(__name__)
 
 QSD = "qemu-storage-daemon"
-_ID_PREFIX = "vbs_"  # "_" never occurs in a volume id or a host name, so ids split back unambiguously
-_STATE_VERSION = 1
-_WILDCARDS = {"0.0.0.0", "::", ""}
-_LISTEN_RE = re.compile(r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$")
+_ID_PREFIX = "vbs_"  # "_" never occurs in a key or a host name, so ids split back unambiguously
+_JOB_PREFIX = "vbs_copy_"
+_STATE_VERSION = 2
+_INTERRUPTED = "the copy was interrupted; its point in time is lost"
 
 
-@dataclass
-class _Desired:
-    volume_id: str
+# -- desired state ------------------------------------------------------------------------------
+
+
+class _Chain(BaseModel):
+    """One opening of the key's file in the daemon: a file node and a raw node on it."""
+
+    gen: int = Field(ge=0)
+    read_only: bool
+    size: int | None = None  # bytes the raw node had when the daemon last opened it (None: unknown)
+    file_node: str
+    raw_node: str
+
+
+class _HostExport(BaseModel):
+    """One host's NBD export of the key, on the chain of generation ``gen``."""
+
     host: str
-    path: str
+    gen: int = Field(ge=0)
     read_only: bool
     name: str  # the NBD export name: the per-attachment secret-ish handle
-    gen: int = 0  # generation: a refresh (online resize) adds the next one, retire drops older ones
-    size: int | None = None  # bytes the export reported when the daemon last created it (None: unknown)
-
-    @property
-    def export_id(self) -> str:
-        return _export_id(self.volume_id, self.host, self.gen)
+    id: str  # QEMU's block export id
 
 
-def _export_id(volume_id: str, host: str, gen: int = 0) -> str:
-    # Generation 0 keeps the id of the exports made before generations existed.
-    base = f"{_ID_PREFIX}{volume_id}_{host}"
-    return base if gen == 0 else f"{base}_{gen}"
+class _Copy(BaseModel):
+    """A point-in-time copy that was started (never re-created: its job cannot outlive the daemon)."""
+
+    id: str
+    gen: int = Field(ge=0)  # the chain it copies
+    target: str
+    size: int
+    outcome: Literal["copying", "ready", "error"] = "copying"
+    error: str | None = None
 
 
-def _parse_export_id(export_id: str) -> tuple[str, str, int] | None:
-    """(volume id, host, generation) of one of our export ids, None for anyone else's."""
-    if not export_id.startswith(_ID_PREFIX):
+class _Served(ServedKey):
+    """Everything the daemon should hold of one key."""
+
+    chains: list[_Chain] = Field(default_factory=list)
+    exports: list[_HostExport] = Field(default_factory=list)
+    copies: list[_Copy] = Field(default_factory=list)
+
+    def chain(self, gen: int) -> _Chain | None:
+        return next((c for c in self.chains if c.gen == gen), None)
+
+    def newest(self) -> _Chain | None:
+        return max(self.chains, key=lambda c: c.gen, default=None)
+
+    def current(self, host: str) -> _HostExport | None:
+        """The host's newest export: what ``ensure_export`` answers."""
+        return max((e for e in self.exports if e.host == host), key=lambda e: e.gen, default=None)
+
+    def next_gen(self) -> int:
+        return 1 + max([c.gen for c in self.chains] + [c.gen for c in self.copies], default=-1)
+
+
+def _export_id(key: str, host: str, gen: int) -> str:
+    return f"{_ID_PREFIX}{key}_{host}_{gen}"
+
+
+def _key_host(export_id: str) -> tuple[str, str] | None:
+    """(key, host) of one of our export ids (also those of earlier versions), None for anyone else's."""
+    if not export_id.startswith(_ID_PREFIX) or export_id.startswith(_JOB_PREFIX):
         return None
     parts = export_id[len(_ID_PREFIX):].split("_")
-    if len(parts) == 2:
-        return parts[0], parts[1], 0
-    if len(parts) == 3 and parts[2].isdigit():
-        return parts[0], parts[1], int(parts[2])
+    if len(parts) == 2 or (len(parts) == 3 and parts[2].isdigit()):
+        return parts[0], parts[1]
     return None
 
 
-def _node_names(export_id: str) -> tuple[str, str]:
-    # QEMU caps node names at 31 characters, too short for a volume id plus a 63-character host
-    # name: a hash of the export id keeps them deterministic.
-    h = hashlib.sha256(export_id.encode()).hexdigest()[:24]
-    return f"vbsf{h}", f"vbsr{h}"
+def _hashed(text: str) -> str:
+    # QEMU caps node names at 31 characters, too short for a key plus a 63-character host name:
+    # a hash keeps them deterministic ("vbs" + one letter + 24 hex digits).
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _is_qsd_for(pid: int, qmp_path: Path) -> bool:
-    """Whether ``pid`` is a live qemu-storage-daemon with our monitor socket (guards PID reuse)."""
-    cmd = cmdline(pid)
-    return pid_alive(pid) and bool(cmd) and Path(cmd[0]).name == QSD and str(qmp_path) in " ".join(cmd)
+def _new_chain(key: str, gen: int, read_only: bool) -> _Chain:
+    h = _hashed(f"{key}/{gen}")
+    return _Chain(gen=gen, read_only=read_only, file_node=f"vbsf{h}", raw_node=f"vbsr{h}")
 
 
-class NbdExportDriver:
+def _copy_names(copy_id: str) -> tuple[str, str, str]:
+    """The job id, target node and copy-before-write filter node of a copy."""
+    h = _hashed(copy_id)
+    return f"{_JOB_PREFIX}{copy_id}", f"vbst{h}", f"vbsc{h}"
+
+
+def _upgrade_v1(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Version 1 had one chain per (volume, host, generation). Each becomes a chain of its own with
+    the same node names and export id, so a daemon adopted under running exports serves on
+    untouched; later exports of the volume go on its newest chain."""
+    olds: dict[str, list[dict[str, Any]]] = {}
+    for item in data["exports"]:
+        olds.setdefault(str(item["volume_id"]), []).append(item)
+    items: list[dict[str, Any]] = []
+    for key, group in olds.items():
+        group.sort(key=lambda x: (int(x.get("gen", 0)), str(x["host"])))
+        chains: list[dict[str, Any]] = []
+        exports: list[dict[str, Any]] = []
+        gen = -1
+        for old in group:
+            legacy_gen = int(old.get("gen", 0))
+            # Never below the export's own generation: the ids of later exports
+            # (vbs_<key>_<host>_<chain>) then never meet an adopted one.
+            gen = max(gen + 1, legacy_gen)
+            export_id = f"{_ID_PREFIX}{key}_{old['host']}" + (f"_{legacy_gen}" if legacy_gen else "")
+            h = _hashed(export_id)
+            chains.append({"gen": gen, "read_only": old["read_only"], "size": old.get("size"),
+                           "file_node": f"vbsf{h}", "raw_node": f"vbsr{h}"})
+            exports.append({"host": old["host"], "gen": gen, "read_only": old["read_only"],
+                            "name": old["name"], "id": export_id})
+        items.append({"key": key, "path": group[-1]["path"], "chains": chains, "exports": exports})
+    return items
+
+
+# -- what the daemon has --------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    status: str
+    error: str | None
+    done: int
+    total: int
+
+    def percent(self) -> int:
+        # Never 100 while it runs: 100 is for a finished copy.
+        return min(99, self.done * 100 // self.total) if self.total else 0
+
+
+@dataclass
+class _Live:
+    exports: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> query-block-exports entry
+    nodes: dict[str, int | None] = field(default_factory=dict)  # node name -> virtual size
+    jobs: dict[str, _Job] = field(default_factory=dict)  # our copy jobs by job id
+
+
+def _fits(chain: _Chain, read_only: bool, size: int) -> bool:
+    """Whether a host's export may go on ``chain``: the file's current size, and writable if needed."""
+    return chain.size == size and (read_only or not chain.read_only)
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
     protocol = "nbd"
 
-    def __init__(
-        self,
-        state_dir: Path,
-        listen_host: str = "127.0.0.1",
-        port: int = 10809,
-        tls: bool = False,
-        aio: str = "native",
-        cache_direct: bool = True,
-        *,
-        advertise_host: str | None = None,
-        qmp_timeout: float = 30.0,
-        start_timeout: float = 15.0,
-    ) -> None:
+    def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809, tls: bool = False,
+                 aio: str = "native", cache_direct: bool = True, *, advertise_host: str | None = None,
+                 qmp_timeout: float = 30.0, start_timeout: float = 15.0, copy_speed: int = 0) -> None:
         if aio not in ("native", "threads", "io_uring"):
             raise InvalidParameter(f"aio must be native, threads or io_uring, not {aio!r}")
-        if not 1 <= port <= 65535:
-            raise InvalidParameter(f"port out of range: {port}")
         if aio == "native" and not cache_direct:
             # QEMU refuses aio=native without O_DIRECT; say so at configuration time.
             raise InvalidParameter("aio=native requires cache_direct=True")
-        if not _LISTEN_RE.match(listen_host):
+        if not LISTEN_RE.match(listen_host):
             raise InvalidParameter(f"invalid listen_host: {listen_host[:80]!r}")
         if "," in str(state_dir):
             # QEMU's option syntax would split the path there.
             raise InvalidParameter(f"state_dir must not contain a comma: {state_dir}")
-        advertised = advertise_host or listen_host
-        if advertised in _WILDCARDS:
-            raise InvalidParameter("listen_host is a wildcard: set advertise_host to the address clients use")
-        self.state_dir = Path(state_dir)
-        self.listen_host = listen_host
-        self.port = port
+        if copy_speed < 0:
+            raise InvalidParameter(f"copy_speed must be 0 (unlimited) or bytes per second, not {copy_speed}")
+        state_dir = Path(state_dir)
         self.tls = tls
-        self.aio = aio
-        self.cache_direct = cache_direct
-        self.advertise_host = advertised
-        self.qmp_timeout = qmp_timeout
-        self.start_timeout = start_timeout
-
-        self.qmp_path = socket_path(self.state_dir, "qsd.qmp")
-        self.pid_path = self.state_dir / "qsd.pid"
-        self.log_path = self.state_dir / "qsd.log"
-        self.state_path = self.state_dir / "exports.json"
-        self.tls_dir = self.state_dir / "tls"
+        self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
+        self.qmp_timeout, self.start_timeout = qmp_timeout, start_timeout
+        self.copy_speed = copy_speed
+        self.qmp_path = socket_path(state_dir, "qsd.qmp")
+        self.tls_dir = state_dir / "tls"
         self.keys_path = self.tls_dir / "keys.psk"
-
-        self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._pid: int | None = None
-        self._qmp: QmpSync | None = None
-        self._desired: dict[tuple[str, str], _Desired] = {}  # the current generation of each pair
-        self._older: dict[tuple[str, str], list[_Desired]] = {}  # generations waiting to be retired
+        self._qmp: QmpClient | None = None
         self._keys: dict[str, str] = {}  # host name -> hex PSK
-        self._loaded = False
+        state = DesiredState(state_dir / "exports.json", _Served, version=_STATE_VERSION, upgrades={1: _upgrade_v1})
+        super().__init__(state_dir, state, listen_host=listen_host, port=port, advertise_host=advertise_host)
 
-    # -- daemon lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: StorageAgentConfig, state_dir: Path) -> NbdExportDriver:
+        """``export_host``, ``nbd_port`` and ``nbd_tls``; ``aio``, ``cache_direct`` and ``copy_speed``
+        (bytes/s) from ``[storage_agent.options.nbd]``."""
+        opts = _NbdOptions.model_validate(cfg.options.get("nbd", {}))
+        return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=cfg.nbd_tls, aio=opts.aio,
+                   cache_direct=opts.cache_direct, copy_speed=opts.copy_speed)
 
-    @property
-    def pid(self) -> int | None:
-        """PID of the daemon this driver runs or adopted (None when stopped)."""
-        return self._pid
-
-    def _argv(self) -> list[str]:
+    def _daemon_spec(self) -> DaemonSpec:
+        pid_path = self.state_dir / "qsd.pid"
         nbd = f"addr.type=inet,addr.host={self.listen_host},addr.port={self.port}"
-        argv = [QSD, "--chardev", f"socket,path={self.qmp_path},server=on,wait=off,id=m",
-                "--monitor", "chardev=m"]
+        argv = [QSD, "--chardev", f"socket,path={self.qmp_path},server=on,wait=off,id=m", "--monitor", "chardev=m"]
         if self.tls:
             argv += ["--object", f"tls-creds-psk,id=tls0,endpoint=server,dir={self.tls_dir}"]
             nbd += ",tls-creds=tls0"
-        argv += ["--nbd-server", nbd, "--pidfile", str(self.pid_path)]
-        return argv
+        argv += ["--nbd-server", nbd, "--pidfile", str(pid_path)]
+        return DaemonSpec(name=QSD, argv=tuple(argv), pid_path=pid_path, log_path=self.state_dir / "qsd.log",
+                          owns=self._owns, writes_pidfile=True, start_timeout=self.start_timeout,
+                          stale_files=(self.qmp_path,))
 
-    def start(self) -> None:
-        with self._lock:
-            self._load_state()
-            if self._running():
-                return
-            self._ensure_daemon()
-            self._reconcile()
+    def _owns(self, pid: int) -> bool:
+        """A live qemu-storage-daemon with our monitor socket (guards against a reused PID)."""
+        return argv0_is(pid, QSD, mentions=str(self.qmp_path))
 
-    def _ensure_daemon(self) -> None:
-        if not self._adopt():
-            self._spawn()
-        self._set_nodelay()
+    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
 
-    def _set_nodelay(self) -> None:
-        """QEMU 7.2's NBD server leaves Nagle on, which stalls QEMU's NBD client: turn it off."""
-        if self._pid is None:
-            return
+    def _ready(self, deadline: float) -> None:
+        self._qmp = connect_until(self.qmp_path, deadline, alive=self._daemon.running, name="vbs-nbd",
+                                  timeout=self.qmp_timeout)
+
+    def _take_over(self) -> bool:
+        client = QmpClient(self.qmp_path, name="vbs-nbd", timeout=self.qmp_timeout)
         try:
-            force_nodelay(self._pid)
-        except OSError as exc:
-            log.warning("could not set TCP_NODELAY on qemu-storage-daemon %d (%s): small random I/O "
-                        "through QEMU's NBD client will be slow", self._pid, exc.strerror or exc)
-
-    def _running(self) -> bool:
-        if self._pid is None:
-            return False
-        if self._proc is not None:
-            return self._proc.poll() is None
-        return pid_alive(self._pid)
-
-    def _adopt(self) -> bool:
-        """Take over a daemon left by an earlier agent, if it is ours, alive and configured alike."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (OSError, ValueError):
-            return False
-        if not _is_qsd_for(pid, self.qmp_path):
-            return False  # dead, or the PID was reused by another process: never signal it
-        if cmdline(pid)[1:] != self._argv()[1:]:
-            # Configuration changed (port, bind address, TLS): replace the daemon. Its exports come
-            # back on the new one from the desired state.
-            log.warning("qemu-storage-daemon %d runs with another configuration: restarting it", pid)
-            self._pid = pid
-            self._terminate(grace=0.0)
-            return False
-        qmp = QmpSync(self.qmp_path, name="vbs-nbd")
-        try:
-            qmp.execute("query-version", timeout=self.qmp_timeout)
+            client.execute("query-version")
         except QmpError as exc:
-            qmp.close()
+            client.close()
+            pid = self._daemon.pid
+            self._daemon.forget()
             # The monitor takes one client at a time: most likely another agent still drives this
             # daemon. Killing it would cut every attached host, so an operator decides.
             raise DriverError(
                 f"{QSD} pid {pid} is alive but its monitor does not answer ({exc.message}); "
-                "is another storage agent using it? Stop that agent or the daemon, then retry"
-            ) from exc
-        self._pid, self._qmp, self._proc = pid, qmp, None
-        log.info("adopted qemu-storage-daemon pid %d", pid)
+                "is another storage agent using it? Stop that agent or the daemon, then retry") from exc
+        self._qmp = client
         return True
 
-    def _spawn(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.tls:
-            self.tls_dir.mkdir(exist_ok=True, mode=0o700)
-            self._write_keys()  # QSD refuses to start without the keys file
-        for stale in (self.qmp_path, self.pid_path):
-            stale.unlink(missing_ok=True)
-        argv = self._argv()
-        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed just below
-        try:
-            # A new session: the daemon outlives the agent (it is adopted on restart) and does not
-            # get the agent's terminal signals.
-            proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
-                argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
-            )
-        except FileNotFoundError as exc:
-            raise DriverError(f"{QSD}: not installed") from exc
-        finally:
-            logf.close()
-        self._proc, self._pid = proc, proc.pid
-        deadline = time.monotonic() + self.start_timeout
-        up = wait_for_socket(self.qmp_path, deadline, alive=lambda: proc.poll() is None)
-        qmp = QmpSync(self.qmp_path, name="vbs-nbd")
-        try:
-            if not up:
-                raise QmpConnectionError("monitor socket did not appear")
-            qmp.execute("query-version", timeout=max(1.0, deadline - time.monotonic()))
-        except QmpError as exc:
-            qmp.close()
-            self._terminate(grace=0.0)
-            raise DriverError(f"{QSD} did not start: {self._log_tail(log_start)} ({exc.message})") from exc
-        self._qmp = qmp
-        log.info("started qemu-storage-daemon pid %d on %s:%d (tls=%s)",
-                 proc.pid, self.listen_host, self.port, self.tls)
-
-    def _log_tail(self, start: int) -> str:
-        """What the daemon wrote since ``start``: its own reason for failing to start."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(start)
-                text = f.read().decode(errors="replace").strip()
-        except OSError:
-            return "(no log)"
-        return text[-500:] or "(no output)"
-
-    def stop(self) -> None:
-        """Stop the daemon (QMP ``quit``, then signals by PID). The desired exports are kept:
-        ``start()`` brings them back."""
-        with self._lock:
-            if self._pid is None:
-                self._adopt_for_stop()
-            if self._pid is None:
-                return
-            quit_sent = False
-            if self._running():
-                if self._qmp is None:  # a daemon found by its pidfile: talk to it for a clean quit
-                    self._qmp = QmpSync(self.qmp_path, name="vbs-nbd")
-                try:
-                    self._qmp.execute("quit", timeout=5.0)
-                    quit_sent = True
-                except QmpError as exc:
-                    log.info("QMP quit: %s", exc)
-            # After a quit, give it time to close its exports; otherwise go straight to SIGTERM.
-            self._terminate(grace=10.0 if quit_sent else 0.0)
-
-    def close(self) -> None:
-        """Let go of the daemon without stopping it: the exports keep serving and the next agent
-        adopts the daemon. For an agent restart or upgrade."""
-        with self._lock:
-            if self._qmp is not None:
-                self._qmp.close()
-            self._qmp, self._proc, self._pid = None, None, None
-
-    def _adopt_for_stop(self) -> None:
-        # stop() on a fresh driver object must still stop the daemon a previous agent left.
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (OSError, ValueError):
+    def _daemon_up(self) -> None:
+        """QEMU 7.2's NBD server leaves Nagle on, which stalls QEMU's NBD client: turn it off."""
+        pid = self._daemon.pid
+        if pid is None:
             return
-        if _is_qsd_for(pid, self.qmp_path):
-            self._pid = pid
+        try:
+            force_nodelay(pid)
+        except OSError as exc:
+            log.warning("could not set TCP_NODELAY on %s %d (%s): small random I/O through QEMU's NBD "
+                        "client will be slow", QSD, pid, exc.strerror or exc)
 
-    def _terminate(self, grace: float = 10.0) -> None:
-        """Make sure the daemon is gone: wait for it, SIGTERM, then SIGKILL, always by PID."""
-        pid, proc = self._pid, self._proc
+    def _probe(self) -> None:
+        self._q("query-version")
+
+    def _ask_exit(self) -> bool:
+        # Also a daemon found only by its pidfile (a fresh driver stopping what an earlier agent
+        # left). A monitor that does not answer raises: then SIGTERM follows at once.
+        self._qmp = self._qmp or QmpClient(self.qmp_path, name="vbs-nbd", timeout=self.qmp_timeout)
+        self._qmp.execute("quit", timeout=5.0)
+        return True
+
+    def _let_go(self) -> None:
         if self._qmp is not None:
             self._qmp.close()
-            self._qmp = None
-        if pid is not None:
-            for sig, wait in ((None, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-                if proc is None and not _is_qsd_for(pid, self.qmp_path):
-                    break  # an adopted daemon that is gone: its PID may belong to someone else now
-                if sig is not None:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        break
-                if self._wait_exit(pid, proc, wait):
-                    break
-            else:
-                raise DriverError(f"{QSD} pid {pid} survived SIGKILL")
-        self._pid, self._proc = None, None
-        for leftover in (self.qmp_path, self.pid_path):
-            leftover.unlink(missing_ok=True)
+        self._qmp = None
 
-    @staticmethod
-    def _wait_exit(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:
-            gone = proc.poll() is not None if proc is not None else not pid_alive(pid)
-            if gone:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
+    def _loaded_state(self) -> None:
+        if not self.tls:
+            return
+        # A host with no export keeps no key (a crash came between removing its last export and
+        # dropping the key); one with exports and no key (TLS was just turned on) gets one. The
+        # file is written even when empty: QSD refuses to start without it.
+        keys = self._read_keys()
+        self._keys = {h: keys.get(h) or secrets.token_hex(32) for h in sorted(self._hosts_with_exports())}
+        self._write_keys()
 
-    def check(self) -> None:
-        """Restart a dead or hung daemon and re-create every export that should exist."""
-        with self._lock:
-            self._load_state()
-            healthy = self._running() and self._qmp is not None
-            if healthy:
-                try:
-                    self._q("query-version")
-                except QmpError as exc:
-                    log.warning("qemu-storage-daemon pid %s does not answer (%s): restarting it",
-                                self._pid, exc)
-                    healthy = False
-            if not healthy:
-                if self._pid is not None:
-                    log.warning("qemu-storage-daemon pid %s is gone: restarting, %d exports to restore",
-                                self._pid, len(self._desired))
-                    self._terminate(grace=0.0)
-                self._ensure_daemon()
-            self._reconcile()
+    def _view(self) -> _Live:
+        if not self._running() or self._qmp is None:
+            return _Live()
+        jobs = {j["id"]: _Job(status=j["status"], error=j.get("error"), done=int(j["current-progress"]),
+                              total=int(j["total-progress"]))
+                for j in self._q("query-jobs") if str(j["id"]).startswith(_JOB_PREFIX)}
+        return _Live(exports=self._live_exports(), nodes=self._live_nodes(), jobs=jobs)
 
-    # -- QMP helpers -----------------------------------------------------------------------------
+    def _restore(self, item: _Served, view: _Live) -> None:
+        """Every chain an export uses and every export (older generations too: their host may not
+        have moved yet); chains held only by copy jobs that died with a daemon are forgotten."""
+        changed = False
+        for exp in item.exports:
+            changed = self._open_export(item, exp, view) or changed
+        if self._collect(item, view) or changed:
+            self._save()
+
+    # -- QMP ----------------------------------------------------------------------------------------
 
     def _q(self, command: str, args: dict[str, Any] | None = None) -> Any:
         if self._qmp is None:
@@ -414,8 +383,9 @@ class NbdExportDriver:
     def _live_exports(self) -> dict[str, dict[str, Any]]:
         return {e["id"]: e for e in self._q("query-block-exports")}
 
-    def _live_nodes(self) -> set[str]:
-        return {n["node-name"] for n in self._q("query-named-block-nodes", {"flat": True})}
+    def _live_nodes(self) -> dict[str, int | None]:
+        return {n["node-name"]: n.get("image", {}).get("virtual-size")
+                for n in self._q("query-named-block-nodes", {"flat": True})}
 
     def _file_attempts(self) -> list[tuple[bool, str]]:
         attempts = [(self.cache_direct, self.aio)]
@@ -425,139 +395,439 @@ class NbdExportDriver:
             attempts.append((False, "threads"))  # a filesystem without O_DIRECT (tmpfs)
         return attempts
 
-    def _add_nodes(self, d: _Desired) -> None:
-        fnode, rnode = _node_names(d.export_id)
+    def _add_file_node(self, node: str, path: str, *, read_only: bool, what: str) -> None:
+        """A file node in the configured mode, or the first fallback the file system takes."""
         err: QmpCommandError | None = None
         for direct, aio in self._file_attempts():
             try:
                 self._q("blockdev-add", {
-                    "driver": "file", "node-name": fnode, "filename": d.path,
-                    "cache": {"direct": direct}, "aio": aio, "read-only": d.read_only,
+                    "driver": "file", "node-name": node, "filename": path, "cache": {"direct": direct},
+                    "aio": aio, "read-only": read_only,
                     "discard": "unmap",  # guest TRIM punches holes: files stay thin
                 })
             except QmpCommandError as exc:
                 err = err or exc
-                log.info("%s: file node with cache.direct=%s aio=%s refused: %s",
-                         d.volume_id, direct, aio, exc.desc)
+                log.info("%s: file node with cache.direct=%s aio=%s refused: %s", what, direct, aio, exc.desc)
                 continue
             if (direct, aio) != (self.cache_direct, self.aio):
-                log.warning("%s: serving with cache.direct=%s aio=%s (configured mode refused)",
-                            d.volume_id, direct, aio)
-            break
-        else:
-            assert err is not None
-            raise DriverError(f"cannot open {d.path} for {d.volume_id}: {err.desc}") from err
-        try:
-            self._q("blockdev-add", {"driver": "raw", "node-name": rnode, "file": fnode,
-                                     "read-only": d.read_only, "discard": "unmap"})
-        except QmpError:
-            self._del_nodes(d.export_id, {fnode})
-            raise
+                log.warning("%s: serving with cache.direct=%s aio=%s (configured mode refused)", what, direct, aio)
+            return
+        assert err is not None
+        raise DriverError(f"cannot open {path} for {what}: {err.desc}") from err
 
-    def _del_nodes(self, export_id: str, present: set[str] | None = None) -> None:
-        live = self._live_nodes() if present is None else present
-        for node in reversed(_node_names(export_id)):  # raw first: it holds the file node
-            if node in live:
+    def _del_nodes(self, nodes: Iterable[str], live: _Live) -> None:
+        """Delete those of ``nodes`` the daemon has, in order (a parent before its child)."""
+        for node in nodes:
+            if node in live.nodes:
                 self._q("blockdev-del", {"node-name": node})
+                del live.nodes[node]
 
-    def _create(self, d: _Desired, live: dict[str, dict[str, Any]], *, replace: bool = False) -> bool:
-        """Create the nodes and export of ``d`` in the daemon unless it is already there.
+    # -- chains and exports in the daemon --------------------------------------------------------------
 
-        ``replace``: an export with this id that the daemon has is not ``d`` (its name was lost with
-        the state file), so it is replaced rather than trusted. Returns whether ``d.size`` changed
-        (the caller saves the state).
-        """
-        if d.export_id in live:
-            if not replace and not live[d.export_id].get("shutting-down"):
-                return False
-            self._remove_live(d.export_id)
-        self._del_nodes(d.export_id)  # leftovers of an interrupted attempt
-        self._add_nodes(d)
+    def _open_chain(self, served: _Served, chain: _Chain, live: _Live) -> bool:
+        """Open ``chain`` unless the daemon has it; returns whether its size changed (save it: a
+        refresh compares it with the file's)."""
+        if chain.raw_node in live.nodes:
+            return False
+        self._del_nodes((chain.file_node,), live)  # the leftover of an interrupted attempt
+        self._add_file_node(chain.file_node, served.path, read_only=chain.read_only, what=served.key)
         try:
-            self._q("block-export-add", {
-                "type": "nbd", "id": d.export_id, "node-name": _node_names(d.export_id)[1],
-                "name": d.name, "writable": not d.read_only,
-            })
+            self._q("blockdev-add", {"driver": "raw", "node-name": chain.raw_node, "file": chain.file_node,
+                                     "read-only": chain.read_only, "discard": "unmap"})
         except QmpError:
-            self._del_nodes(d.export_id)
+            live.nodes[chain.file_node] = None
+            self._del_nodes((chain.file_node,), live)
             raise
-        # The export serves the size its node had when it was opened, for good: note it, as a refresh
-        # compares it with the file's.
-        size = self._node_size(_node_names(d.export_id)[1])
-        changed = size != d.size
-        d.size = size
+        live.nodes = self._live_nodes()
+        # The chain serves the size its node had when it was opened, for good.
+        size = live.nodes.get(chain.raw_node)
+        changed, chain.size = size != chain.size, size
         return changed
 
-    def _node_size(self, node: str) -> int | None:
-        for n in self._q("query-named-block-nodes", {"flat": True}):
-            if n["node-name"] == node:
-                return int(n["image"]["virtual-size"])
-        return None
+    def _top(self, served: _Served, chain: _Chain, live: _Live) -> str:
+        """The node exports of ``chain`` go on: the filter of the oldest copy that runs on it (copy
+        filters stack below the first one), else the raw node."""
+        for copy in served.copies:
+            filter_node = _copy_names(copy.id)[2]
+            if copy.gen == chain.gen and filter_node in live.nodes:
+                return filter_node
+        return chain.raw_node
 
-    def _wait_export_gone(self, export_id: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
+    def _open_export(self, served: _Served, exp: _HostExport, live: _Live, *, replace: bool = False) -> bool:
+        """Add ``exp`` (and its chain) unless the daemon has it; returns whether a chain size changed.
+
+        ``replace``: an export with this id that the daemon has is not ``exp`` (its name was lost
+        with the state file), so it is replaced rather than trusted.
+        """
+        if exp.id in live.exports:
+            if not replace and not live.exports[exp.id].get("shutting-down"):
+                return False
+            self._close_export(exp.id, live)
+        chain = served.chain(exp.gen)
+        if chain is None:
+            raise DriverError(f"export {exp.id} names chain {exp.gen} of {served.key}, which is not in the state")
+        changed = self._open_chain(served, chain, live)
+        node = self._top(served, chain, live)
+        self._q("block-export-add", {"type": "nbd", "id": exp.id, "node-name": node, "name": exp.name,
+                                     "writable": not exp.read_only})
+        live.exports[exp.id] = {"id": exp.id, "node-name": node}
+        return changed
+
+    def _close_export(self, export_id: str, live: _Live) -> None:
+        qmp = self._qmp
+        if qmp is None or export_id not in live.exports:
+            return
+        mark = qmp.event_mark()
+        try:
+            # hard: a client still connected (forced detach) is cut off instead of pinning it.
+            self._q("block-export-del", {"id": export_id, "mode": "hard"})
+        except QmpCommandError as exc:
+            if "not found" not in exc.desc:  # raced with its own shutdown: fine
+                raise
+        try:
+            qmp.wait_event("BLOCK_EXPORT_DELETED", lambda e: e.get("data", {}).get("id") == export_id,
+                           since=mark, timeout=self.qmp_timeout)
+        except QmpConnectionError:
+            self._wait_export_gone(export_id)  # event lost (reconnect): the daemon's state decides
+        del live.exports[export_id]
+
+    def _wait_export_gone(self, export_id: str) -> None:
+        deadline = time.monotonic() + self.qmp_timeout
         while export_id in self._live_exports():
             if time.monotonic() >= deadline:
-                raise DriverError(f"export {export_id} still shutting down after {timeout:g}s")
+                raise DriverError(f"export {export_id} still shutting down after {self.qmp_timeout:g}s")
             time.sleep(0.05)
 
-    def _reconcile(self) -> None:
-        """Create in the daemon every desired export it lacks (after a restart or adoption).
+    def _close_unknown(self, key: str, host: str, live: _Live) -> None:
+        """Close the exports of (key, host) that the daemon has and the state does not (lost with a
+        state file), and the nodes only they used."""
+        known = {e.id for s in self._desired.values() for e in s.exports}
+        ours = {c.raw_node for s in self._desired.values() for c in s.chains}
+        for export_id, info in sorted(live.exports.items()):
+            if export_id in known or _key_host(export_id) != (key, host):
+                continue
+            self._close_export(export_id, live)
+            raw = str(info.get("node-name", ""))
+            in_use = any(e.get("node-name") == raw for e in live.exports.values())
+            if raw.startswith("vbsr") and raw not in ours and not in_use:
+                self._del_nodes((raw, "vbsf" + raw[4:]), live)
 
-        Older generations too: their host may not have moved to the current one yet.
-        """
-        live = self._live_exports()
-        failed: list[str] = []
+    def _in_use(self, served: _Served, gen: int, live: _Live) -> bool:
+        return any(e.gen == gen for e in served.exports) or any(
+            c.gen == gen and _copy_names(c.id)[0] in live.jobs for c in served.copies)
+
+    def _collect(self, served: _Served, live: _Live) -> bool:
+        """Close the chains of ``served`` that no export and no copy job uses; forget the key once
+        nothing of it is left. Returns whether the desired state changed."""
         changed = False
-        for d in self._all_desired():
+        for chain in list(served.chains):
+            if not self._in_use(served, chain.gen, live):
+                self._del_nodes((chain.raw_node, chain.file_node), live)  # raw first: it holds the file node
+                served.chains.remove(chain)
+                changed = True
+        if not (served.chains or served.exports or served.copies) and self._desired.get(served.key) is served:
+            del self._desired[served.key]
+            changed = True
+        return changed
+
+    def _copying(self, served: _Served, live: _Live) -> bool:
+        """Whether a copy of the key runs now (its job is there and has not concluded)."""
+        jobs = (live.jobs.get(_copy_names(c.id)[0]) for c in served.copies)
+        return any(job is not None and job.status != "concluded" for job in jobs)
+
+    def _add_export(self, served: _Served, host: str, chain: _Chain, read_only: bool, live: _Live) -> _HostExport:
+        """A new export for ``host`` on ``chain`` (made if it is not in ``served``), desired first."""
+        new_chain = served.chain(chain.gen) is None
+        exp = _HostExport(host=host, gen=chain.gen, read_only=read_only,
+                          name=f"{served.key}-{secrets.token_hex(16)}", id=_export_id(served.key, host, chain.gen))
+        new_key = self.tls and host not in self._keys
+        if new_chain:
+            served.chains.append(chain)
+        served.exports.append(exp)
+        self._desired[served.key] = served
+        if new_key:
+            self._keys[host] = secrets.token_hex(32)
+
+        def undo() -> None:
+            served.exports.remove(exp)
             try:
-                changed = self._create(d, live) or changed
+                self._close_export(exp.id, live)
+                self._collect(served, live)  # closes a chain made for it
             except DriverError as exc:
-                # One missing volume file must not keep every other host from its disk.
-                log.error("re-creating export of %s for %s failed: %s", d.volume_id, d.host, exc.message)
-                failed.append(f"{d.volume_id}@{d.host}" + (f"#{d.gen}" if d.gen else ""))
-        if changed:
-            self._save_state()
-        if failed:
-            raise DriverError(f"could not re-create {len(failed)} exports: {', '.join(failed)}")
+                log.error("could not remove the half-made export %s: %s", exp.id, exc.message)
+            if new_key:
+                del self._keys[host]
+                self._write_keys()
 
-    # -- desired state -----------------------------------------------------------------------------
+        # Desired state first: a crash from here on leaves an export that check() or the next
+        # start() re-creates, never one the agent does not know about.
+        with self._desired_first(undo):
+            if new_key:
+                self._write_keys()
+            self._open_export(served, exp, live, replace=True)
+            self._save()  # with the size of a new chain
+        return exp
 
-    def _load_state(self) -> None:
-        if self._loaded:
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            data = json.loads(self.state_path.read_text())
-            items = data["exports"] if data.get("version") == _STATE_VERSION else []
-            generations: dict[tuple[str, str], list[_Desired]] = {}
-            for item in items:
-                d = _Desired(**item)
-                generations.setdefault((d.volume_id, d.host), []).append(d)
-            for k, gens in generations.items():
-                gens.sort(key=lambda x: x.gen)
-                self._desired[k] = gens[-1]
-                if gens[:-1]:
-                    self._older[k] = gens[:-1]
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DriverError(f"unreadable export state {self.state_path}: {exc}") from exc
-        self._keys = self._read_keys() if self.tls else {}
-        hosts = {d.host for d in self._desired.values()}
-        if set(self._keys) - hosts:
-            # A crash between removing a host's last export and dropping its key: drop it now.
-            self._keys = {h: k for h, k in self._keys.items() if h in hosts}
+    # -- the contract (hooks of SupervisedExportDriver) ----------------------------------------------
+
+    def _connection(self, exp: _HostExport) -> NbdConnection:
+        key = self._keys.get(exp.host) if self.tls else None
+        return NbdConnection(host=self.advertise_host, port=self.port, export=exp.name,
+                             tls_psk_identity=exp.host if key else None,
+                             tls_psk_key=SecretStr(key) if key else None)
+
+    def _hosts(self, item: _Served) -> set[str]:
+        return {e.host for e in item.exports}
+
+    def _live_keys(self) -> set[str]:
+        return {pair[0] for export_id in self._live_exports() if (pair := _key_host(export_id)) is not None}
+
+    def _ensure(self, item: _Served | None, key: str, path: Path, host: HostIdentity, read_only: bool
+                ) -> Connection:
+        """A name of its own for the host, on the key's newest chain (a new chain if that one is
+        stale or read-only for a writer)."""
+        served = item or _Served(key=key, path=str(path))
+        cur = served.current(host.name)
+        live = self._view()
+        if cur is not None:
+            if cur.read_only != read_only:
+                raise IdempotentParameterMismatch(f"{key} is already exported to {host.name} "
+                                                  f"(read_only={cur.read_only}); remove that export first")
+            if self._open_export(served, cur, live):
+                self._save()
+            return self._connection(cur)
+        chain = served.newest()
+        if chain is None or not _fits(chain, read_only, file_size(key, path)):
+            if chain is not None and self._copying(served, live):
+                # A new chain would escape the copy-before-write filter of the running copy.
+                raise RetryLater(f"a point-in-time copy of {key} is running; a new chain of it must wait")
+            chain = _new_chain(key, served.next_gen(), read_only)
+        exp = self._add_export(served, host.name, chain, read_only, live)
+        log.info("exported %s to %s as NBD export (tls=%s)", key, host.name, self.tls)
+        return self._connection(exp)
+
+    def _remove(self, item: _Served | None, key: str, host_name: str) -> None:
+        live = self._view()
+        # Every export of the pair, also one the state file lost: none must outlive the attachment.
+        self._close_unknown(key, host_name, live)
+        if item is not None:
+            mine = [e for e in item.exports if e.host == host_name]
+            for exp in mine:
+                self._close_export(exp.id, live)
+                item.exports.remove(exp)
+            if self._collect(item, live) or mine:
+                self._save()
+        if self.tls and host_name in self._keys and host_name not in self._hosts_with_exports():
+            # The host's last export here: its key goes, so it cannot even open a TLS session.
+            del self._keys[host_name]
             self._write_keys()
-        self._loaded = True
 
-    def _all_desired(self) -> list[_Desired]:
-        """Every generation of every export that should exist, older ones first."""
-        return [d for k, cur in self._desired.items() for d in (*self._older.get(k, ()), cur)]
+    def _list(self) -> list[ExportInfo]:
+        desired = {e.id: e for s in self._desired.values() for e in s.exports}
+        # One entry per (key, host), as the contract has it: while a refresh is pending the
+        # daemon serves two exports of a pair, reported as the newest one it has.
+        newest: dict[tuple[str, str], _HostExport | None] = {}
+        for export_id in self._live_exports():
+            pair = _key_host(export_id)
+            if pair is None:
+                continue  # not ours (an operator's manual export): not reported
+            exp, best = desired.get(export_id), newest.get(pair)
+            if pair not in newest or (exp is not None and (best is None or exp.gen > best.gen)):
+                newest[pair] = exp
+        return [ExportInfo(key=k, host=h, protocol=self.protocol, target=exp.name if exp else "")
+                for (k, h), exp in sorted(newest.items())]
 
-    def _save_state(self) -> None:
-        data = {"version": _STATE_VERSION, "exports": [asdict(d) for d in self._all_desired()]}
-        write_private(self.state_path, json.dumps(data, indent=1) + "\n")
+    # -- online resize -------------------------------------------------------------------------------
+
+    def _refresh(self, item: _Served, host_name: str, size: int) -> Connection:
+        """An export of the file's current size under a new name: on the key's newest chain if it
+        has that size, else on a new chain; the older one serves on until retired. ``RetryLater``
+        while a copy of the key runs (a new chain would escape its filter)."""
+        cur = item.current(host_name)
+        assert cur is not None
+        live = self._view()
+        if self._copying(item, live):
+            raise RetryLater(f"a point-in-time copy of {item.key} is running; refresh its exports after it")
+        # The current export must serve meanwhile. If the daemon had lost it (restarted before
+        # check()), its chain came back with the file's size: then it is the refreshed one already.
+        if self._open_export(item, cur, live):
+            self._save()
+        chain = item.chain(cur.gen)
+        if chain is not None and chain.size == size:
+            return self._connection(cur)
+        newest = item.newest()
+        if newest is None or not _fits(newest, cur.read_only, size):
+            newest = _new_chain(item.key, item.next_gen(), cur.read_only)
+        exp = self._add_export(item, host_name, newest, cur.read_only, live)
+        log.info("refreshed the NBD export of %s for %s: chain %d serves %d bytes",
+                 item.key, host_name, exp.gen, newest.size or 0)
+        return self._connection(exp)
+
+    def _retire(self, item: _Served, host_name: str) -> None:
+        """The host's exports older than its current one go (their clients are cut off), and the
+        chains nothing uses any more."""
+        cur = item.current(host_name)
+        live = self._view()
+        going = [e for e in item.exports if e.host == host_name and e is not cur]
+        self._close_unknown(item.key, host_name, live)  # also those the state file lost
+        for exp in going:
+            self._close_export(exp.id, live)
+            item.exports.remove(exp)
+        if self._collect(item, live) or going:
+            self._save()
+        if going:
+            log.info("retired %d older NBD export(s) of %s for %s", len(going), item.key, host_name)
+
+    # -- point-in-time copies --------------------------------------------------------------------------
+
+    def ensure_copy(self, copy_id: str, key: str, source: ExportSource, target: Path) -> ItemStatus:
+        """Copy ``source`` as it is now into ``target`` (an existing file of its size) while hosts
+        keep writing to it; see the module docstring. ``copying`` with its progress, then ``ready``;
+        ``error`` if the job failed or its daemon restarted midway (never restarted: its instant is
+        lost). ``RetryLater`` while a refresh of the key is not retired (a host still writes
+        through an older chain, which the copy would not see)."""
+        ids.check("snapshot", copy_id)
+        check_key(key)
+        path = source_file(key, source)
+        target = Path(target)
+        if not target.is_absolute():
+            raise InvalidParameter(f"copy target must be absolute: {target}")
+        with self._lock:
+            self._up()
+            live = self._view()
+            found = self._find_copy(copy_id)
+            if found is None:
+                served = self._serving(key, path) or _Served(key=key, path=str(path))
+                found = self._start_copy(copy_id, served, target, live)
+            served, copy = found
+            if served.key != key or copy.target != str(target):
+                raise IdempotentParameterMismatch(f"copy {copy_id} is of {served.key} into {copy.target}")
+            return self._copy_status(served, copy, live)
+
+    def remove_copy(self, copy_id: str) -> None:
+        """Cancel the copy if it runs, close its target and forget it; idempotent."""
+        ids.check("snapshot", copy_id)
+        with self._lock:
+            self._load()
+            live = self._view()
+            self._end_copy(copy_id, live)  # also a job the state file lost
+            found = self._find_copy(copy_id)
+            if found is not None:
+                served, copy = found
+                served.copies.remove(copy)
+                self._collect(served, live)
+                self._save()
+                log.info("removed copy %s of %s", copy_id, served.key)
+
+    def _find_copy(self, copy_id: str) -> tuple[_Served, _Copy] | None:
+        for served in self._desired.values():
+            for copy in served.copies:
+                if copy.id == copy_id:
+                    return served, copy
+        return None
+
+    def _start_copy(self, copy_id: str, served: _Served, target: Path, live: _Live) -> tuple[_Served, _Copy]:
+        size = file_size(served.key, Path(served.path))
+        try:
+            target_size = target.stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"copy target {target} does not exist", code="InvalidSnapshot.NotFound") from None
+        if target_size != size:
+            raise InvalidParameter(f"copy target {target} has {target_size} bytes, {served.key} has {size}")
+        chain = served.newest()
+        if chain is None:
+            # Opened writable: a host that attaches during the copy joins this chain, below the filter.
+            chain = _new_chain(served.key, served.next_gen(), False)
+        elif chain.size != size or any(not e.read_only and e.gen != chain.gen for e in served.exports):
+            # Writes through another chain would not pass the copy's filter: wait until every
+            # writer is on the newest one (a refresh retired, or an export older than this agent gone).
+            raise RetryLater(f"hosts of {served.key} do not all write through its newest chain yet "
+                             "(a resize is not finished); copy it after")
+        copy = _Copy(id=copy_id, gen=chain.gen, target=str(target), size=size)
+        new_chain = served.chain(chain.gen) is None
+        if new_chain:
+            served.chains.append(chain)
+        served.copies.append(copy)
+        self._desired[served.key] = served
+        job, target_node, filter_node = _copy_names(copy_id)
+
+        def undo() -> None:
+            served.copies.remove(copy)
+            try:
+                self._del_nodes((target_node,), live)
+                self._collect(served, live)
+            except DriverError as exc:
+                log.error("could not undo the start of copy %s: %s", copy_id, exc.message)
+
+        with self._desired_first(undo):  # recorded before the job starts: a daemon restart is then an error
+            self._open_chain(served, chain, live)
+            self._del_nodes((target_node,), live)  # the leftover of an interrupted start
+            self._add_file_node(target_node, str(target), read_only=False, what=copy_id)
+            live.nodes[target_node] = size
+            backup: dict[str, Any] = {"job-id": job, "device": chain.raw_node, "target": target_node,
+                                      "sync": "full", "auto-dismiss": False, "filter-node-name": filter_node}
+            if self.copy_speed:
+                backup["speed"] = self.copy_speed
+            self._q("blockdev-backup", backup)
+            live.jobs[job] = _Job(status="created", error=None, done=0, total=size)
+            live.nodes[filter_node] = size
+            self._save()  # with the size of a new chain
+        log.info("copying %s into %s at one instant (copy %s)", served.key, target, copy_id)
+        return served, copy
+
+    def _copy_status(self, served: _Served, copy: _Copy, live: _Live) -> ItemStatus:
+        if copy.outcome == "copying":
+            job = live.jobs.get(_copy_names(copy.id)[0])
+            if job is not None and job.status != "concluded":
+                return ItemStatus(state="copying", size_bytes=copy.size, progress=job.percent())
+            copy.outcome = "ready" if job is not None and not job.error else "error"
+            copy.error = (job.error or None) if job is not None else _INTERRUPTED
+            self._save()  # the outcome first: the job that tells it goes next
+            log.info("copy %s of %s: %s%s", copy.id, served.key, copy.outcome, f" ({copy.error})" if copy.error else "")
+        self._end_copy(copy.id, live)
+        if self._collect(served, live):
+            self._save()
+        return ItemStatus(state=copy.outcome, size_bytes=copy.size, progress=100 if copy.outcome == "ready" else 0,
+                          error=copy.error)
+
+    def _end_copy(self, copy_id: str, live: _Live) -> None:
+        """Cancel the copy's job if it runs, dismiss it and close its target node."""
+        job_id, target_node, _ = _copy_names(copy_id)
+        job = live.jobs.get(job_id)
+        if job is not None:
+            if job.status != "concluded":
+                self._cancel(job_id)
+            self._q("job-dismiss", {"id": job_id})
+            del live.jobs[job_id]
+            live.nodes = self._live_nodes()  # its filter is gone
+        self._del_nodes((target_node,), live)
+
+    def _cancel(self, job_id: str) -> None:
+        qmp = self._qmp
+        assert qmp is not None
+        mark = qmp.event_mark()
+        try:
+            self._q("job-cancel", {"id": job_id})
+        except QmpCommandError as exc:
+            log.info("cancelling %s: %s", job_id, exc.desc)  # it concluded meanwhile
+            return
+        try:
+            qmp.wait_event("JOB_STATUS_CHANGE", lambda e: e.get("data", {}).get("id") == job_id
+                           and e["data"].get("status") == "concluded", since=mark, timeout=self.qmp_timeout)
+        except QmpConnectionError:
+            self._wait_job_concluded(job_id)  # event lost (reconnect): the daemon's state decides
+
+    def _wait_job_concluded(self, job_id: str) -> None:
+        deadline = time.monotonic() + self.qmp_timeout
+        while any(j["id"] == job_id and j["status"] != "concluded" for j in self._q("query-jobs")):
+            if time.monotonic() >= deadline:
+                raise DriverError(f"copy job {job_id} still running {self.qmp_timeout:g}s after its cancel")
+            time.sleep(0.05)
+
+    # -- TLS keys -----------------------------------------------------------------------------------
+
+    def _hosts_with_exports(self) -> set[str]:
+        return {e.host for s in self._desired.values() for e in s.exports}
 
     def _read_keys(self) -> dict[str, str]:
         keys: dict[str, str] = {}
@@ -577,224 +847,12 @@ class NbdExportDriver:
         write_private(self.keys_path, "".join(f"{h}:{k}\n" for h, k in sorted(self._keys.items())))
 
 
-    # -- the contract ------------------------------------------------------------------------------
+class _NbdOptions(BaseModel):
+    """``[storage_agent.options.nbd]``: the daemon's I/O mode and the point-in-time copy rate."""
 
-    def _connection(self, d: _Desired) -> NbdConnection:
-        key = self._keys.get(d.host) if self.tls else None
-        return NbdConnection(
-            host=self.advertise_host, port=self.port, export=d.name,
-            tls_psk_identity=d.host if key else None,
-            tls_psk_key=SecretStr(key) if key else None,
-        )
+    model_config = ConfigDict(extra="forbid")
 
-    def ensure_export(
-        self, volume_id: str, path: Path, host: HostIdentity, *, read_only: bool = False
-    ) -> Connection:
-        ids.check("volume", volume_id)
-        path = Path(path)
-        if not path.is_absolute():
-            raise InvalidParameter(f"volume path must be absolute: {path}")
-        if not path.exists():
-            raise NotFound(f"volume file {path} of {volume_id} does not exist", code="InvalidVolume.NotFound")
-        with self._lock:
-            self._load_state()
-            k = (volume_id, host.name)
-            d = self._desired.get(k)
-            new = d is None
-            if d is None:
-                d = _Desired(volume_id=volume_id, host=host.name, path=str(path), read_only=read_only,
-                             name=f"{volume_id}-{secrets.token_hex(16)}")
-            elif d.path != str(path) or d.read_only != read_only:
-                raise IdempotentParameterMismatch(
-                    f"{volume_id} is already exported to {host.name} "
-                    f"(read_only={d.read_only}); remove that export first")
-            new_key = self.tls and host.name not in self._keys
-            if new_key:
-                self._keys[host.name] = secrets.token_hex(32)
-            # Desired state first: a crash after this point leaves an export that check() or the
-            # next start() re-creates, never one the agent does not know about.
-            self._desired[k] = d
-            try:
-                self._save_state()
-                if new_key:
-                    self._write_keys()
-                started = not self._running()
-                if started:
-                    self._ensure_daemon()
-                if self._create(d, self._live_exports(), replace=new):
-                    self._save_state()
-                if started:
-                    try:
-                        self._reconcile()
-                    except DriverError:
-                        pass  # logged per export; other volumes' trouble is not this caller's
-            except Exception:
-                if new:
-                    self._desired.pop(k, None)
-                    if new_key:
-                        self._keys.pop(host.name, None)
-                    self._best_effort_forget(new_key)
-                raise
-            log.info("exported %s to %s as NBD export (tls=%s)", volume_id, host.name, self.tls)
-            return self._connection(d)
+    aio: Literal["native", "threads", "io_uring"] = "native"
+    cache_direct: bool = True
+    copy_speed: int = Field(0, ge=0)
 
-    def _best_effort_forget(self, keys_changed: bool) -> None:
-        try:
-            self._save_state()
-            if keys_changed:
-                self._write_keys()
-        except OSError as exc:
-            log.error("could not roll back export state: %s", exc)
-
-    def remove_export(self, volume_id: str, host_name: str) -> None:
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        with self._lock:
-            self._load_state()
-            k = (volume_id, host_name)
-            d = self._desired.get(k)
-            if self._running() and self._qmp is not None:
-                # Every generation, also one the state file lost: none must outlive the attachment.
-                ours = {x.export_id for x in self._older.get(k, ())} | self._live_ids_of(k)
-                ours.add(d.export_id if d is not None else _export_id(volume_id, host_name))
-                for export_id in sorted(ours):
-                    self._remove_live(export_id)
-            if d is not None or k in self._older:
-                self._desired.pop(k, None)
-                self._older.pop(k, None)
-                self._save_state()
-            if self.tls and host_name in self._keys and not any(
-                x.host == host_name for x in self._desired.values()
-            ):
-                # The host's last export here: its key goes, so it cannot even open a TLS session.
-                del self._keys[host_name]
-                self._write_keys()
-            log.info("removed NBD export of %s for %s", volume_id, host_name)
-
-    def _live_ids_of(self, k: tuple[str, str]) -> set[str]:
-        """Ids of every generation of the (volume, host) export ``k`` that the daemon has."""
-        return {e for e in self._live_exports() if (p := _parse_export_id(e)) is not None and p[:2] == k}
-
-    def _remove_live(self, export_id: str) -> None:
-        qmp = self._qmp
-        assert qmp is not None
-        live = self._live_exports()
-        if export_id in live:
-            mark = qmp.event_mark()
-            try:
-                # hard: a client still connected (forced detach) is cut off instead of pinning it.
-                self._q("block-export-del", {"id": export_id, "mode": "hard"})
-            except QmpCommandError as exc:
-                if "not found" not in exc.desc:  # raced with its own shutdown: fine
-                    raise
-            try:
-                qmp.wait_event("BLOCK_EXPORT_DELETED", lambda e: e.get("data", {}).get("id") == export_id,
-                               since=mark, timeout=self.qmp_timeout)
-            except QmpConnectionError:
-                self._wait_export_gone(export_id)  # event lost (reconnect): the daemon's state decides
-        self._del_nodes(export_id)
-
-    def list_exports(self) -> list[ExportInfo]:
-        with self._lock:
-            self._load_state()
-            if not self._running() or self._qmp is None:
-                return []
-            # One entry per (volume, host), as the contract has it: while a refresh is pending the
-            # daemon serves two generations of a pair, reported as the newest one it has.
-            newest: dict[tuple[str, str], int] = {}
-            for export_id in self._live_exports():
-                parsed = _parse_export_id(export_id)
-                if parsed is None:
-                    continue  # not ours (an operator's manual export): not reported
-                volume_id, host, gen = parsed
-                newest[(volume_id, host)] = max(gen, newest.get((volume_id, host), -1))
-            names = {(d.volume_id, d.host, d.gen): d.name for d in self._all_desired()}
-            return [ExportInfo(volume_id=v, host=h, protocol=self.protocol, target=names.get((v, h, g), ""))
-                    for (v, h), g in sorted(newest.items())]
-
-    # -- online resize ---------------------------------------------------------------------------
-
-    def refresh_export(self, volume_id: str, path: Path, host_name: str) -> Connection:
-        """A new generation of the export of ``volume_id`` to ``host_name`` that serves the file's
-        current (grown) size, under a new name; the older one keeps serving until retired.
-
-        Idempotent: when the current generation already serves the file's size (a repeated call, or
-        an export made after the file grew), it is returned as it is.
-        """
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        path = Path(path)
-        with self._lock:
-            self._load_state()
-            k = (volume_id, host_name)
-            cur = self._desired.get(k)
-            if cur is None:
-                raise NotFound(f"{volume_id} is not exported to {host_name}", code="InvalidAttachment.NotFound")
-            if cur.path != str(path):
-                raise IdempotentParameterMismatch(f"{volume_id} is exported to {host_name} from {cur.path}, not {path}")
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise NotFound(f"volume file {path} of {volume_id} does not exist",
-                               code="InvalidVolume.NotFound") from None
-            if not self._running():
-                self._ensure_daemon()
-                try:
-                    self._reconcile()
-                except DriverError:
-                    pass  # logged per export; this one is created (or its error raised) just below
-            live = self._live_exports()
-            # The current generation must serve meanwhile. If the daemon had lost it (restarted before
-            # check()), it comes back with the file's size: then it is the refreshed export already.
-            if self._create(cur, live):
-                self._save_state()
-            if cur.size == size:
-                return self._connection(cur)
-            new = _Desired(volume_id=volume_id, host=host_name, path=cur.path, read_only=cur.read_only,
-                           name=f"{volume_id}-{secrets.token_hex(16)}", gen=cur.gen + 1)
-            # Desired state first, as in ensure_export: a crash from here on leaves both generations,
-            # which the next start() or check() re-creates and retire_exports() cleans up.
-            self._desired[k] = new
-            self._older.setdefault(k, []).append(cur)
-            try:
-                self._save_state()
-                self._create(new, live, replace=True)
-                self._save_state()  # with its size
-            except Exception:
-                self._desired[k] = self._older[k].pop()
-                if not self._older[k]:
-                    del self._older[k]
-                self._best_effort_forget(False)
-                if self._qmp is not None:
-                    try:
-                        self._remove_live(new.export_id)
-                    except DriverError as exc:
-                        log.error("could not remove the half-made export %s: %s", new.export_id, exc.message)
-                raise
-            log.info("refreshed the NBD export of %s for %s: generation %d serves %d bytes",
-                     volume_id, host_name, new.gen, new.size or 0)
-            return self._connection(new)
-
-    def retire_exports(self, volume_id: str, host_name: str) -> None:
-        """Remove the older generations of the export of ``volume_id`` to ``host_name``, once the
-        host uses the current one (their clients are cut off). Idempotent: none is success."""
-        ids.check("volume", volume_id)
-        if not HOST_NAME_RE.match(host_name):
-            raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-        with self._lock:
-            self._load_state()
-            k = (volume_id, host_name)
-            cur = self._desired.get(k)
-            older = list(self._older.get(k, ()))
-            if cur is not None and self._running() and self._qmp is not None:
-                # Also generations the state file lost; never the current one.
-                going = {d.export_id for d in older} | self._live_ids_of(k)
-                going.discard(cur.export_id)
-                for export_id in sorted(going):
-                    self._remove_live(export_id)
-            if older:
-                del self._older[k]
-                self._save_state()
-                log.info("retired %d older NBD export(s) of %s for %s", len(older), volume_id, host_name)

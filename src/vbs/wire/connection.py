@@ -1,8 +1,9 @@
-"""Typed connection info: how a hypervisor node reaches an exported volume.
+"""Typed connection info: how a hypervisor node reaches a volume.
 
-An export driver makes one of these, the controller stores and forwards it, a hypervisor driver
-consumes it. Secrets are ``SecretStr``: hidden in ``repr`` and logs, revealed only when the model is
-serialised to JSON for the wire (``model_dump(mode="json")`` / ``model_dump_json()``).
+A storage backend makes one of these (a file backend through its export driver), the controller
+forwards it (never stores it: it may hold secrets), a host connector turns it into what a
+hypervisor driver consumes. Secrets are ``SecretStr``: hidden in ``repr`` and logs, revealed only
+when the model is serialised to JSON for the wire (``model_dump(mode="json")``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer
+from pydantic import Field, SecretStr, field_serializer
+
+from vbs.wire.base import Wire
 
 __all__ = [
     "HostIdentity",
@@ -18,6 +21,7 @@ __all__ = [
     "IscsiConnection",
     "FileConnection",
     "Connection",
+    "ProtocolName",
     "HOST_NAME_RE",
 ]
 
@@ -26,11 +30,10 @@ IQN_RE = r"^iqn\.\d{4}-\d{2}\.[a-z0-9.-]+(:[A-Za-z0-9.:_-]+)?$"
 ADDRESS_RE = r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$"
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+ProtocolName = Literal["nbd", "iscsi", "file"]
 
 
-class HostIdentity(_Wire):
+class HostIdentity(Wire):
     """The hypervisor node an export is made for: the ACL is built from these fields."""
 
     name: str = Field(pattern=HOST_NAME_RE.pattern)
@@ -38,7 +41,7 @@ class HostIdentity(_Wire):
     initiator_name: str | None = Field(default=None, pattern=IQN_RE)
 
 
-class NbdConnection(_Wire):
+class NbdConnection(Wire):
     protocol: Literal["nbd"] = "nbd"
     host: str = Field(pattern=ADDRESS_RE)
     port: int = Field(ge=1, le=65535)
@@ -51,7 +54,7 @@ class NbdConnection(_Wire):
         return v.get_secret_value() if v is not None else None
 
 
-class IscsiConnection(_Wire):
+class IscsiConnection(Wire):
     protocol: Literal["iscsi"] = "iscsi"
     host: str = Field(pattern=ADDRESS_RE)
     port: int = Field(ge=1, le=65535)
@@ -66,7 +69,7 @@ class IscsiConnection(_Wire):
         return v.get_secret_value() if v is not None else None
 
 
-class FileConnection(_Wire):
+class FileConnection(Wire):
     """A volume file the hypervisor opens directly (same machine; tests and local placement)."""
 
     protocol: Literal["file"] = "file"

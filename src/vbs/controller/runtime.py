@@ -1,0 +1,15 @@
+"""The running controller as the API handlers see it: its services, workflow engine and reconciler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vbs.controller.reconcile import Reconciler
+from vbs.controller.services import Services
+from vbs.controller.workflows import WorkflowEngine
+
+
+@dataclass
+class Controller(Services):
+    engine: WorkflowEngine
+    reconciler: Reconciler

@@ -1,0 +1,61 @@
+"""NBD: QEMU's own NBD client, optionally over TLS with a pre-shared key."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import SecretStr
+
+from vbs.errors import InvalidParameter
+from vbs.host.connectors.base import HostConnector, KeyFile, QemuBlockdev, QemuIds, QemuObject, bracketed, json_filename
+from vbs.wire.connection import NbdConnection
+
+__all__ = ["NbdConnector", "NBD_RECONNECT_DELAY_S"]
+
+# How long guest I/O waits for a lost NBD connection to come back (export daemon restarted).
+NBD_RECONNECT_DELAY_S = 15
+_HEX_KEY_RE = re.compile(r"[0-9a-fA-F]{2,1024}")
+
+
+class NbdConnector(HostConnector[NbdConnection]):
+    protocol: ClassVar[str] = "nbd"
+
+    def qemu_blockdev(self, connection: NbdConnection, ids: QemuIds) -> QemuBlockdev:
+        options: dict[str, Any] = {
+            "driver": "nbd",
+            "server": {"type": "inet", "host": connection.host, "port": str(connection.port)},
+            "export": connection.export,
+            # A restarted export daemon comes back with the same export: wait for it, not EIO.
+            "reconnect-delay": NBD_RECONNECT_DELAY_S,
+        }
+        if connection.tls_psk_key is None:
+            return QemuBlockdev(options=options)
+        key = connection.tls_psk_key.get_secret_value()
+        if not _HEX_KEY_RE.fullmatch(key):
+            raise InvalidParameter("TLS-PSK key must be hexadecimal")
+        identity = connection.tls_psk_identity or "qemu"
+        # QEMU wants a directory holding exactly "keys.psk"; a client reads it once, when the object
+        # is made, so the file exists only for that moment.
+        creds = QemuObject(
+            qom_type="tls-creds-psk",
+            id=ids.tls,
+            props={"endpoint": "client", "username": identity},
+            key_files=(KeyFile("keys.psk", SecretStr(f"{identity}:{key}\n")),),
+        )
+        return QemuBlockdev(options={**options, "tls-creds": ids.tls}, objects=(creds,))
+
+    def qemu_node_opens(self, node: Mapping[str, Any], connection: NbdConnection) -> bool:
+        # QEMU names an NBD node nbd://host:port/export, or json:{...} when a URL cannot say it all.
+        if node.get("drv") != "nbd":
+            return False
+        opts = json_filename(node)
+        if opts is not None:
+            server = opts.get("server") or {}
+            return (str(server.get("host")), str(server.get("port")), opts.get("export")) == (
+                connection.host,
+                str(connection.port),
+                connection.export,
+            )
+        return node.get("file") == f"nbd://{bracketed(connection.host)}:{connection.port}/{connection.export}"

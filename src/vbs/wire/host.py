@@ -1,0 +1,116 @@
+"""What the controller and a host agent say to each other: disks, VMs, capabilities, the heartbeat."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from pydantic import Field
+
+from vbs.wire.base import Wire
+from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
+from vbs.wire.storage import NODE_URL_RE
+
+__all__ = [
+    "QoS",
+    "VmInfo",
+    "VmList",
+    "DiskInfo",
+    "DiskList",
+    "AttachDisk",
+    "ResizeDisk",
+    "CopyDisk",
+    "HypervisorCapabilities",
+    "HostHeartbeat",
+    "SERIAL_RE",
+    "VM_ID_RE",
+]
+
+# A disk's serial is its volume id without the dash (20 bytes: all a virtio-blk serial holds).
+SERIAL_RE = re.compile(r"^vol[0-9a-f]{17}$")
+VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class QoS(Wire):
+    """Per-disk limits; ``mbps`` is MiB/s, as EBS counts throughput."""
+
+    iops: int | None = Field(None, ge=1, le=1_000_000)
+    mbps: int | None = Field(None, ge=1, le=100_000)
+
+
+class VmInfo(Wire):
+    vm_id: str = Field(pattern=VM_ID_RE.pattern)
+    name: str = Field("", max_length=255)
+    running: bool
+
+
+class VmList(Wire):
+    vms: list[VmInfo] = Field(max_length=4096)
+
+
+class DiskInfo(Wire):
+    """A disk VBS attached to a VM. The guest names it (``vdb``…); the serial is how anyone finds it.
+
+    ``connected`` is False for what a forced detach leaves while the guest still holds the device:
+    its storage connection is closed and its I/O fails until the guest lets go.
+    """
+
+    serial: str = Field(pattern=SERIAL_RE.pattern)
+    read_only: bool
+    size_bytes: int | None = Field(None, ge=0)
+    connected: bool = True
+
+
+class DiskList(Wire):
+    disks: list[DiskInfo]
+
+
+class AttachDisk(Wire):
+    connection: Connection
+    read_only: bool = False
+    qos: QoS | None = None
+
+
+class ResizeDisk(Wire):
+    """Move the attached disk to ``connection`` (a refreshed export of its grown volume) and show the
+    guest ``size_bytes``."""
+
+    connection: Connection
+    size_bytes: int = Field(ge=512, le=64 << 40, multiple_of=512, strict=True)
+
+
+class CopyDisk(Wire):
+    """Copy the disk, as it is at the instant the copy starts, into ``target`` (a snapshot file the
+    storage node made writable for this host)."""
+
+    target: Connection
+
+
+class HypervisorCapabilities(Wire):
+    """What a host's hypervisor driver can do: workflows ask these instead of assuming QEMU.
+
+    ``protocols``: connection kinds it opens itself. ``online_resize``: it can show a guest a grown
+    disk. ``qos``: it enforces iops/throughput limits. ``point_in_time_copy``: it can copy an
+    attached disk at one instant into a target (``CopyDisk``).
+    """
+
+    protocols: list[ProtocolName]
+    online_resize: bool = False
+    qos: bool = False
+    point_in_time_copy: bool = False
+
+
+class HostHeartbeat(Wire):
+    """What a host agent reports: its address for export ACLs, what it can do and its VMs.
+
+    ``vms`` is None when listing them failed this time: the controller keeps what it knew.
+    """
+
+    name: str = Field(pattern=HOST_NAME_RE.pattern)
+    url: str = Field(pattern=NODE_URL_RE)
+    address: str = Field(pattern=ADDRESS_RE)
+    initiator_name: str | None = Field(None, pattern=IQN_RE)
+    hypervisor: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
+    capabilities: HypervisorCapabilities
+    started_at: datetime
+    vms: list[VmInfo] | None = Field(None, max_length=4096)
