@@ -26,8 +26,9 @@ lint: venv
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/mypy
 
+# Two workers, a test module each at a time: most tests wait on daemons and guests, not on a CPU.
 test: setup lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # The unit tier: no root, no daemons, no guests; what a developer runs on every change.
 test-fast: venv

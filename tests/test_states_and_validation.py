@@ -174,3 +174,28 @@ def test_filters_parse_and_tokens_round_trip() -> None:
     assert filters.decode_token(filters.encode_token("vol-0123456789abcdef0")) == "vol-0123456789abcdef0"
     with pytest.raises(InvalidParameter):
         filters.decode_token("bm9wZQ")
+
+
+def test_purge_forgets_deleted_volumes_that_were_attached_with_their_attachments(db: Database) -> None:
+    from datetime import timedelta
+
+    from vbs.controller.app import purge_deleted
+    from vbs.controller.db import Tag
+
+    vid = add_volume(db, "deleted")
+    never = add_volume(db, "deleted")
+    recent = add_volume(db, "deleted")
+    long_ago = utcnow() - timedelta(hours=2)
+    with db.session() as s:
+        for v in (vid, never):
+            s.get(Volume, v).deleted_at = long_ago  # type: ignore[union-attr]
+        s.get(Volume, recent).deleted_at = utcnow()  # type: ignore[union-attr]
+        s.add(Attachment(id="att-0123456789abcdef0", volume_id=vid, instance_id=None, host="h", vm_id="vm",
+                         device="vdb", mode="rw", status="detached", created_at=long_ago, updated_at=long_ago))
+        s.add(Tag(resource_id=vid, key="team", value="db"))
+
+    assert purge_deleted(db, 3600) == 2  # foreign keys are on: the attachment row must go first
+
+    with db.session() as s:
+        assert s.get(Volume, vid) is None and s.get(Volume, never) is None and s.get(Volume, recent) is not None
+        assert s.get(Attachment, "att-0123456789abcdef0") is None and s.get(Tag, (vid, "team")) is None

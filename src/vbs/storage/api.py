@@ -6,6 +6,8 @@ be repeated after a crash with the same result. Every body and answer is a ``vbs
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fastapi import APIRouter, Depends, FastAPI
 
 from vbs import ids
@@ -13,7 +15,7 @@ from vbs.errors import InvalidParameter, NotFound
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportDriver
 from vbs.web import install_error_handlers, token_checker
-from vbs.wire.connection import HOST_NAME_RE
+from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -33,6 +35,19 @@ def _host_name(name: str) -> str:
     if not HOST_NAME_RE.match(name):
         raise InvalidParameter(f"invalid host name {name[:64]!r}")
     return name
+
+
+class Reach(NamedTuple):
+    """A volume of a pool and a host, as the path names them (checked)."""
+
+    backend: Backend
+    volume_id: str
+    host: str
+
+
+def _same_host(host: HostIdentity, host_name: str) -> None:
+    if host.name != host_name:
+        raise InvalidParameter("the host in the path and in the body differ")
 
 
 def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str | None, node_name: str) -> FastAPI:
@@ -96,8 +111,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str |
     def snapshot_target(pool_name: str, snapshot_id: str, host_name: str, body: SnapshotTargetRequest
                         ) -> ConnectionAnswer:
         """An empty snapshot that this host's hypervisor copies the volume into at one instant."""
-        if body.host.name != _host_name(host_name):
-            raise InvalidParameter("the host in the path and in the body differ")
+        _same_host(body.host, _host_name(host_name))
         conn = pool(pool_name).snapshot_target(ids.check("snapshot", snapshot_id), body.volume_id, body.host)
         return ConnectionAnswer(connection=conn)
 
@@ -108,28 +122,28 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str |
 
     # -- how hosts reach volumes ------------------------------------------------------------------------
 
+    def reach(pool_name: str, volume_id: str, host_name: str) -> Reach:
+        return Reach(pool(pool_name), ids.check("volume", volume_id), _host_name(host_name))
+
     @router.put("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
-    def connection_for(pool_name: str, volume_id: str, host_name: str, body: ConnectionRequest) -> ConnectionAnswer:
-        if body.host.name != _host_name(host_name):
-            raise InvalidParameter("the host in the path and in the body differ")
-        conn = pool(pool_name).connection_for(ids.check("volume", volume_id), body.host, read_only=body.read_only)
-        return ConnectionAnswer(connection=conn)
+    def connection_for(body: ConnectionRequest, at: Reach = Depends(reach)) -> ConnectionAnswer:
+        _same_host(body.host, at.host)
+        return ConnectionAnswer(connection=at.backend.connection_for(at.volume_id, body.host, read_only=body.read_only))
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
-    def remove_connection(pool_name: str, volume_id: str, host_name: str) -> Removed:
-        pool(pool_name).remove_connection(ids.check("volume", volume_id), _host_name(host_name))
+    def remove_connection(at: Reach = Depends(reach)) -> Removed:
+        at.backend.remove_connection(at.volume_id, at.host)
         return Removed()
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}/refresh")
-    def refresh_connection(pool_name: str, volume_id: str, host_name: str) -> ConnectionAnswer:
+    def refresh_connection(at: Reach = Depends(reach)) -> ConnectionAnswer:
         """After the volume grew: a new connection for that host with the new size (the old one serves on)."""
-        conn = pool(pool_name).refresh_connection(ids.check("volume", volume_id), _host_name(host_name))
-        return ConnectionAnswer(connection=conn)
+        return ConnectionAnswer(connection=at.backend.refresh_connection(at.volume_id, at.host))
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}/retired")
-    def retire_connections(pool_name: str, volume_id: str, host_name: str) -> Removed:
+    def retire_connections(at: Reach = Depends(reach)) -> Removed:
         """Remove what a refresh replaced, once the host uses the new connection."""
-        pool(pool_name).retire_connections(ids.check("volume", volume_id), _host_name(host_name))
+        at.backend.retire_connections(at.volume_id, at.host)
         return Removed()
 
     # -- the export daemon, for reconciliation -------------------------------------------------------------
