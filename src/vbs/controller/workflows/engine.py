@@ -166,7 +166,7 @@ class WorkflowEngine:
                 Operation.status.in_(UNFINISHED_OPERATION)))
             if other is None:
                 raise
-            raise IncorrectState(f"'{resource_id}' has a {other.kind} in progress ({other.id}); "
+            raise IncorrectState(f"'{resource_id}' has {other.kind} in progress ({other.id}); "
                                  "try again when it is done.") from None
         for pos, step in enumerate(workflow.steps):
             session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
