@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, Verbosity, given, settings
 from hypothesis import strategies as st
@@ -43,6 +44,8 @@ from schemathesis.generation import GenerationMode
 from tests.conftest import Vbs, VbsUp, start_bare_vm, stop_process, wait_until
 
 pytestmark = pytest.mark.integration
+
+HTTP_HEAD_LIMIT = 16 * 1024  # h11's max_incomplete_event_size, under uvicorn
 
 HEARTBEAT_TIMEOUT_S = 10
 FUZZ_EXAMPLES = 50  # per operation, generation mode and target
@@ -228,7 +231,17 @@ def test_schemathesis_finds_no_5xx_and_rejected_requests_change_nothing(service:
         def one(case: Any) -> None:
             svc.wait_quiet()
             before = svc.fingerprint()
-            r = case.call(base_url=svc.vbs.endpoint, headers=svc.auth, timeout=30)
+            try:
+                r = case.call(base_url=svc.vbs.endpoint, headers=svc.auth, timeout=30)
+            except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError):
+                # A request head over the HTTP layer's limit (h11: 16 KiB; e.g. a thousand long
+                # volume_id values) is answered 400 and the connection closed while the client may
+                # still be sending: it can see a reset. Refused either way, and nothing may change.
+                if len(case.as_curl_command()) < HTTP_HEAD_LIMIT:
+                    raise
+                svc.wait_quiet()
+                assert svc.fingerprint() == before, "a request refused at the HTTP layer changed something"
+                return
             tally.check(svc, label, before, r.status_code, _error_code(r), case.as_curl_command()[:400],
                         _error_message(r))
 
