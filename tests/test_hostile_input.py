@@ -90,8 +90,19 @@ class Service:
             return db.execute("SELECT count(*) FROM operations WHERE status IN ('running', 'rolling-back')"
                               ).fetchone()[0] == 0
 
-    def wait_quiet(self, timeout: float = 30) -> None:
-        wait_until(self.quiesced, timeout, interval=0.1, what="no operation running")
+    def running(self) -> list[tuple[Any, ...]]:
+        with closing(self.db()) as db:
+            return [tuple(r) for r in db.execute(
+                "SELECT o.id, o.kind, o.resource_id, o.status, o.attempts, o.error, "
+                "(SELECT group_concat(s.name || ':' || s.state || ':' || coalesce(s.error, ''), ' | ') "
+                " FROM operation_steps s WHERE s.operation_id = o.id) "
+                "FROM operations o WHERE o.status IN ('running', 'rolling-back')")]
+
+    def wait_quiet(self, timeout: float = 120) -> None:
+        try:
+            wait_until(self.quiesced, timeout, interval=0.1, what="no operation running")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; still running: {self.running()}") from None
 
     def child_pid(self, role: str) -> int:
         assert self.up.proc is not None
