@@ -25,7 +25,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ControllerConfig(_Section):
+class _Service(_Section):
+    """What every service has: its TLS files (mutual TLS between services) and the explicit opt-out.
+
+    ``tls_cert``/``tls_key`` are this service's certificate (server and client); ``tls_ca`` is the
+    CA its peers' certificates must chain to. ``insecure`` lets a service run without credentials
+    or TLS, and it says so on every start."""
+
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    insecure: bool = False
+
+
+class ControllerConfig(_Service):
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_CONTROLLER_PORT, ge=1, le=65535)
     data_dir: Path = Path("./var")
@@ -52,7 +65,7 @@ class ControllerConfig(_Section):
     availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
 
 
-class _AgentSection(_Section):
+class _AgentSection(_Service):
     """What every agent has: where it listens, its node name, its controller and their shared token.
     Settings of drivers that are not VBS's own go in ``options.<driver name>``."""
 
