@@ -22,8 +22,14 @@ import pytest
 from tests.loopfs import loop_filesystem
 from vbs import credentials
 from vbs.credentials import AccessKey
+from vbs.node_credentials import NodeKeyring
 
 VBS = [sys.executable, "-m", "vbs"]
+
+
+def node_token(data_dir: Path, kind: str, name: str) -> str:
+    """The token of node ``name`` of the install whose controller keeps ``data_dir``."""
+    return NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name)
 
 
 def free_port() -> int:
@@ -172,7 +178,7 @@ def xfs_dir(tmp_path: Path) -> Iterator[Path]:
 class Services:
     """Controller and storage agent as separate processes (no supervisor), for crash tests."""
 
-    def __init__(self, tmp: Path, token: str = "test-token") -> None:
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.data_dir = tmp / "var"
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -181,12 +187,17 @@ class Services:
         self.agent_port = free_port()
         self.nbd_port = free_port()
         self.key = credentials.generate()
-        self.env = {**os.environ, "VBS_AGENT_TOKEN": token, "VBS_ACCESS_KEY_ID": self.key.access_key_id,
+        self.agent_token = node_token(self.data_dir, "storage", "storage-1")
+        self.env = {**os.environ, "VBS_ACCESS_KEY_ID": self.key.access_key_id,
                     "VBS_SECRET_ACCESS_KEY": self.key.secret_access_key}
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.host_agent: subprocess.Popen[bytes] | None = None
         self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir, self.key)
+
+    def node_env(self, kind: str, name: str) -> dict[str, str]:
+        """The environment of one agent: the test's, plus that node's own token."""
+        return {**self.env, "VBS_AGENT_TOKEN": node_token(self.data_dir, kind, name)}
 
     def _log(self, name: str) -> Any:
         return (self.tmp / f"{name}.log").open("ab")
@@ -202,7 +213,7 @@ class Services:
             [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
              "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
              "--nbd-port", str(self.nbd_port)],
-            env=self.env, stdout=self._log("agent"), stderr=subprocess.STDOUT)
+            env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
         # A restarted agent's predecessor may still look "up": wait for this one to listen.
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,
                    what="agent listening")
@@ -216,7 +227,7 @@ class Services:
         self.host_agent = subprocess.Popen(
             [*VBS, "host-agent", "--node-name", name, "--port", str(free_port()), "--controller-url",
              self.vbs.endpoint, "--vm-dir", str(vm_dir)],
-            env=self.env, stdout=self._log(name), stderr=subprocess.STDOUT)
+            env=self.node_env("host", name), stdout=self._log(name), stderr=subprocess.STDOUT)
         wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
                                self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent")
         return vm_dir

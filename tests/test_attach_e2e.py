@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, private_qmp, stop_process, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, private_qmp, stop_process, wait_until
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
@@ -41,7 +41,7 @@ class Cloud:
         return atts[0]["state"] if atts else None
 
     def exports(self) -> list[dict[str, str]]:
-        token = (self.vbs.data_dir / "agent-token").read_text().strip()
+        token = node_token(self.vbs.data_dir, "storage", "storage-1")
         node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
         import httpx
 
@@ -60,7 +60,7 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     vbs = up.start()
     vm1 = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
     vm2 = TestGuest("vm2", tmp / "guests", image, tmp / "vms-2")
-    token = (tmp / "var" / "agent-token").read_text().strip()
+    token = node_token(tmp / "var", "host", "host-2")
     host2 = subprocess.Popen(
         [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url", vbs.endpoint,
          "--vm-dir", str(tmp / "vms-2")],
@@ -131,7 +131,8 @@ def test_volume_moves_between_vms_on_two_hosts_with_its_data(cloud: Cloud) -> No
 def test_a_failure_at_any_attach_step_leaves_everything_as_before(cloud: Cloud, step: str, when: str) -> None:
     vol_id = new_volume(cloud)
     r = cloud.vbs.http.post("/internal/v1/test/fail-step", json={"kind": "attach-volume", "step": step, "when": when},
-                            headers={"authorization": "Bearer " + (cloud.vbs.data_dir / "agent-token").read_text()})
+                            headers={"authorization": "Bearer "
+                                     + node_token(cloud.vbs.data_dir, "storage", "storage-1")})
     assert r.status_code == 200, r.text
     att = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"host": "host-1", "vm_id": "vm1"})
     assert att.status_code == 200, att.text
@@ -237,7 +238,7 @@ def test_attach_to_a_host_whose_agent_is_down_fails_clearly_and_rolls_back(cloud
 
 
 def restart_host2(cloud: Cloud) -> subprocess.Popen[bytes]:
-    token = (cloud.vbs.data_dir / "agent-token").read_text().strip()
+    token = node_token(cloud.vbs.data_dir, "host", "host-2")
     tmp = cloud.vbs.data_dir.parent
     return subprocess.Popen(
         [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",

@@ -40,7 +40,8 @@ def nbd_nodes(vm_dir: Path) -> list[str]:
 
 
 def agent_exports(svc: Services) -> list[dict[str, str]]:
-    r = httpx.get(f"http://127.0.0.1:{svc.agent_port}/v1/exports", headers={"authorization": "Bearer test-token"})
+    r = httpx.get(f"http://127.0.0.1:{svc.agent_port}/v1/exports",
+                  headers={"authorization": f"Bearer {svc.agent_token}"})
     assert r.status_code == 200, r.text
     return r.json()["exports"]  # type: ignore[no-any-return]
 

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, start_bare_vm, stop_process, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, start_bare_vm, stop_process, wait_until
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
@@ -67,7 +67,7 @@ class World:
         self.instances = instances  # vm name -> instance id
         self.tmp = tmp
         self.db_path = vbs.data_dir / "vbs.db"
-        self.agent_auth = {"authorization": "Bearer " + (vbs.data_dir / "agent-token").read_text().strip()}
+        self.agent_auth = {"authorization": "Bearer " + node_token(vbs.data_dir, "storage", "storage-1")}
 
     def read_db(self) -> sqlite3.Connection:
         db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30, isolation_level=None)
@@ -95,7 +95,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         vm_dirs = {"host-1": vbs.data_dir / "vms", "host-2": tmp / "vms-2"}
         for d in vm_dirs.values():
             d.mkdir(exist_ok=True)
-        token = (vbs.data_dir / "agent-token").read_text().strip()
+        token = node_token(vbs.data_dir, "host", "host-2")
         procs.append(subprocess.Popen(
             [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",
              vbs.endpoint, "--vm-dir", str(vm_dirs["host-2"])],

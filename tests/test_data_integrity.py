@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, stop_process, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, stop_process, wait_until
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest, pattern_bytes
 
@@ -134,7 +134,7 @@ class Cloud:
     def exports(self) -> list[dict[str, str]]:
         import httpx
 
-        token = (self.vbs.data_dir / "agent-token").read_text().strip()
+        token = node_token(self.vbs.data_dir, "storage", "storage-1")
         node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
         r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
         r.raise_for_status()
@@ -152,7 +152,7 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     host2: subprocess.Popen[bytes] | None = None
     try:
         vbs = up.start()
-        token = (tmp / "var" / "agent-token").read_text().strip()
+        token = node_token(tmp / "var", "host", "host-2")
         host2 = subprocess.Popen(
             [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",
              vbs.endpoint, "--vm-dir", str(tmp / "vms-2")],

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
 
-from tests.conftest import Vbs, VbsUp, start_bare_vm, stop_process, wait_until
+from tests.conftest import Vbs, VbsUp, node_token, start_bare_vm, stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ class Service:
     def __init__(self, vbs: Vbs, up: VbsUp, vms: dict[str, subprocess.Popen[bytes]]) -> None:
         self.vbs, self.up, self.vms = vbs, up, vms
         self.auth = {"authorization": f"Bearer {vbs.key.bearer}"}
-        self.agent_auth = {"authorization": "Bearer " + (vbs.data_dir / "agent-token").read_text().strip()}
+        self.agent_auth = {"authorization": "Bearer " + node_token(vbs.data_dir, "storage", "storage-1")}
         self.instances = {i["vm_id"]: i["instance_id"] for i in vbs.http.get("/v1/instances").json()["instances"]}
 
     def db(self) -> sqlite3.Connection:

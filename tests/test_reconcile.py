@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import VBS, Services, start_bare_vm, stop_process, wait_until
+from tests.conftest import VBS, Services, node_token, start_bare_vm, stop_process, wait_until
 from vbs import ids
 
 
@@ -40,7 +40,8 @@ def kinds(report: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def agent(svc: Services) -> httpx.Client:
-    return httpx.Client(base_url=f"http://127.0.0.1:{svc.agent_port}", headers={"authorization": "Bearer test-token"})
+    return httpx.Client(base_url=f"http://127.0.0.1:{svc.agent_port}",
+                        headers={"authorization": f"Bearer {svc.agent_token}"})
 
 
 def available_volume(svc: Services) -> str:
@@ -94,7 +95,7 @@ def test_an_orphan_export_and_an_orphan_disk_are_removed(cluster: tuple[Services
         connection = r.json()["connection"]
     serial = ids.virtio_serial(vol_id)
     r = httpx.put(f"{host['url']}/v1/vms/vm1/disks/{serial}", json={"connection": connection},
-                  headers={"authorization": "Bearer test-token"}, timeout=30)
+                  headers={"authorization": f"Bearer {node_token(svc.data_dir, 'host', 'host-1')}"}, timeout=30)
     assert r.status_code == 200, r.text
     found = kinds(check(svc))
     assert {("orphan-export", vol_id), ("orphan-disk", vol_id)} <= found
@@ -102,7 +103,8 @@ def test_an_orphan_export_and_an_orphan_disk_are_removed(cluster: tuple[Services
     assert {f["action"] for f in report["findings"] if f["resource_id"] == vol_id} == {"repaired"}
     with agent(svc) as a:
         assert a.get("/v1/exports").json() == {"exports": []}
-    disks = httpx.get(f"{host['url']}/v1/vms/vm1/disks", headers={"authorization": "Bearer test-token"}).json()
+    host_auth = {"authorization": f"Bearer {node_token(svc.data_dir, 'host', 'host-1')}"}
+    disks = httpx.get(f"{host['url']}/v1/vms/vm1/disks", headers=host_auth).json()
     # A bare VM never acknowledges an unplug: what stays of the disk has no connection any more.
     assert all(not d["connected"] for d in disks["disks"] if d["serial"] == serial)
 

@@ -290,7 +290,7 @@ class Cluster(Services):
              "--controller-url", self.vbs.endpoint, "--state-dir", str(self.state_dir), "--export", self.protocol,
              "--clone-method", "copy", "--nbd-port", str(self.nbd_port), "--iscsi-port", str(self.iscsi_port),
              "--iscsi-control", str(self.iscsi_control)],
-            env=self.env, stdout=self._log("agent"), stderr=subprocess.STDOUT)
+            env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
         self._wait_listening(self.agent, self.agent_port, "storage agent")
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent up")
@@ -299,7 +299,7 @@ class Cluster(Services):
         self.host_agent = subprocess.Popen(
             [*VBS, "host-agent", "--node-name", name, "--port", str(self.host_port), "--controller-url",
              self.vbs.endpoint, "--vm-dir", str(self.vm_dir)],
-            env=self.env, stdout=self._log(name), stderr=subprocess.STDOUT)
+            env=self.node_env("host", name), stdout=self._log(name), stderr=subprocess.STDOUT)
         self._wait_listening(self.host_agent, self.host_port, "host agent")
         wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
                                self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent up")
@@ -415,7 +415,7 @@ class Cluster(Services):
         assert self.vm is not None
         return WorldSpec(
             data_dir=self.data_dir, controller=self.vbs.http, agent_url=f"http://127.0.0.1:{self.agent_port}",
-            agent_token="test-token", protocol=self.protocol, state_dir=self.state_dir,
+            agent_token=self.agent_token, protocol=self.protocol, state_dir=self.state_dir,
             nbd_port=self.nbd_port if self.protocol == "nbd" else None,
             iscsi_control=self.iscsi_control if self.protocol == "iscsi" else None,
             vms={(self.host, self.vm.name): self.vm.private})

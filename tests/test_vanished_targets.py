@@ -40,7 +40,7 @@ class Lab:
     def internal(self, path: str, body: dict[str, str]) -> Any:
         """The controller's internal API (test hooks) takes the agents' token, not an access key."""
         r = httpx.post(f"{self.svc.vbs.endpoint}/internal/v1/test/{path}", json=body,
-                       headers={"authorization": "Bearer test-token"}, timeout=10)
+                       headers={"authorization": f"Bearer {self.svc.agent_token}"}, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()
 

@@ -20,7 +20,8 @@ from tests.conftest import free_port
 from vbs.controller.agents import HostAgent
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, NotFound, VbsError, from_body
 from vbs.host.api import create_app
-from vbs.web import ApiClient
+from vbs.node_credentials import TokenSource
+from vbs.web import ApiClient, agent_auth
 from vbs.wire.connection import IscsiConnection, NbdConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import EnsureVolume, ItemStatus
@@ -61,7 +62,8 @@ class RaisingDriver:
 def host_agent() -> Iterator[tuple[HostAgent, RaisingDriver]]:
     driver = RaisingDriver()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(driver, "t0ken", "host-1"), host="127.0.0.1", port=port,  # type: ignore[arg-type]
+    app = create_app(driver, agent_auth(TokenSource("t0ken"), insecure=False), "host-1")  # type: ignore[arg-type]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

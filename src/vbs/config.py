@@ -43,7 +43,6 @@ class ControllerConfig(_Service):
     port: int = Field(DEFAULT_CONTROLLER_PORT, ge=1, le=65535)
     data_dir: Path = Path("./var")
     database_url: str | None = None
-    agent_token: str | None = None
     deleted_retention_s: int = Field(3600, ge=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     workflow_threads: int = Field(16, ge=1, le=256)
@@ -72,7 +71,10 @@ class _AgentSection(_Service):
     host: str = "127.0.0.1"
     controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
     advertise_url: str | None = None
+    # This node's own credential (``vbs node-token`` on the controller's machine prints it): from
+    # VBS_AGENT_TOKEN, or better a 0600 file the agent re-reads when it changes (rotation).
     agent_token: str | None = None
+    agent_token_file: Path | None = None
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 

@@ -165,3 +165,10 @@ class AgentUnreachable(AgentUnavailable):
 class AuthFailure(VbsError):
     code = "AuthFailure"
     status = 401
+
+
+class UnauthorizedOperation(VbsError):
+    """Authenticated, but not allowed to do this (EC2's code for it)."""
+
+    code = "UnauthorizedOperation"
+    status = 403

@@ -8,9 +8,10 @@ nowhere else, and turns request-validation failures into ``InvalidParameterValue
 from __future__ import annotations
 
 import asyncio
-import hmac
+import ipaddress
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +36,8 @@ from vbs.errors import (
     VbsError,
     from_body,
 )
+from vbs.node_credentials import TokenSource
+from vbs.tls import TlsFiles
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -42,6 +45,10 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 BODY_IDLE_TIMEOUT_S = 10.0
+BODY_TOTAL_TIMEOUT_S = 30.0
+# Requests in progress at once: per client address, and for the whole server (then 503).
+MAX_REQUESTS_PER_CLIENT = 64
+MAX_CONCURRENCY = 1024
 
 
 def _describe_validation(exc: RequestValidationError) -> VbsError:
@@ -104,7 +111,8 @@ class BodyLimit:
     """Bound every request body in size and time, however it is sent (Content-Length or chunked).
 
     A body over ``MAX_BODY_BYTES`` is refused with 413 as soon as that much has arrived; a client
-    that stops sending its body for ``BODY_IDLE_TIMEOUT_S`` gets 408. Nothing reads more than that.
+    that stops sending its body for ``BODY_IDLE_TIMEOUT_S``, or has not sent all of it after
+    ``BODY_TOTAL_TIMEOUT_S`` (a byte at a time), gets 408. Nothing reads more than that.
     """
 
     def __init__(self, app: Any) -> None:
@@ -120,11 +128,15 @@ class BodyLimit:
             return
         received = 0
         started = False
+        deadline = time.monotonic() + BODY_TOTAL_TIMEOUT_S
 
         async def limited_receive() -> Any:
             nonlocal received
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), min(BODY_IDLE_TIMEOUT_S, left))
             except TimeoutError:
                 raise _BodyTooSlow() from None
             if message["type"] == "http.request":
@@ -157,36 +169,111 @@ async def _plain_error(send: Any, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def token_checker(token: str | None) -> Callable[[Request], None]:
-    """A FastAPI dependency that requires ``Authorization: Bearer <token>`` (constant-time compare)."""
+def refusal(exc: VbsError) -> Response:
+    """A JSON error answer without a request (for checks made on a request's head)."""
+    return JSONResponse(exc.to_body(), status_code=exc.status, headers={"connection": "close"})
 
-    def check(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise AuthFailure("missing or wrong bearer token")
+
+def agent_auth(source: TokenSource, *, insecure: bool) -> Callable[[Scope], Response | None]:
+    """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``.
+
+    Without a token the agent accepts every caller only when it runs ``--insecure``."""
+
+    def check(scope: Scope) -> Response | None:
+        if scope["path"] == "/health":
+            return None
+        if not source.configured and insecure:
+            return None
+        given = header(scope, b"authorization")
+        if given.startswith("Bearer ") and source.accepts(given[len("Bearer "):].strip()):
+            return None
+        return refusal(AuthFailure("missing or wrong bearer token"))
 
     return check
+
+
+Scope = dict[str, Any]
+
+
+def header(scope: Scope, name: bytes) -> str:
+    for k, v in scope.get("headers", []):
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return ""
+
+
+def is_loopback(host: str | None) -> bool:
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class PreAuth:
+    """Refuse a request on its head alone, before any of its body is read (an unauthenticated client
+    cannot make a server wait for a body), and bound requests in progress per client address.
+
+    ``check(scope)`` answers None to let the request through, or the answer that refuses it.
+    """
+
+    def __init__(self, app: Any, check: Callable[[Scope], Response | None]) -> None:
+        self.app = app
+        self.check = check
+        self._in_flight: dict[str, int] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self.check(scope)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        client = (scope.get("client") or ("?", 0))[0]
+        if self._in_flight.get(client, 0) >= MAX_REQUESTS_PER_CLIENT:
+            await _plain_error(send, 503, "RequestLimitExceeded",
+                               f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client")
+            return
+        self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self._in_flight[client] - 1
+            if left:
+                self._in_flight[client] = left
+            else:
+                del self._in_flight[client]
 
 
 class ApiClient:
     """A JSON client for VBS APIs (agents, controller, CLI); errors come back as their VbsError class."""
 
-    def __init__(self, base_url: str, token: str | None, *, timeout: float = 30.0) -> None:
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+    def __init__(self, base_url: str, token: str | Callable[[], str | None] | None, *, timeout: float = 30.0,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        """``token`` is a bearer token, or a function that gives the current one (it may rotate)."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._token = token
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, verify=verify)
+
+    def _auth(self) -> dict[str, str]:
+        token = self._token() if callable(self._token) else self._token
+        return {"authorization": f"Bearer {token}"} if token else {}
 
     def call(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
              params: dict[str, str] | None = None) -> Any:
         """One call with a JSON body; the decoded JSON answer (the CLI's view of the public API)."""
-        kwargs: dict[str, Any] = {"json": json, "params": params}
+        kwargs: dict[str, Any] = {"json": json, "params": params, "headers": self._auth()}
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.ConnectError as exc:
+            if isinstance(exc.__context__, ssl.SSLError) or "SSL" in str(exc) or "certificate" in str(exc):
+                raise AgentUnavailable(f"{self.base_url}: TLS handshake failed ({method} {path}): {exc}") from exc
             raise AgentUnreachable(f"{self.base_url}: connection refused ({method} {path})") from exc
         except httpx.TimeoutException as exc:
             raise AgentUnavailable(f"{self.base_url}: no answer in time ({method} {path})") from exc
@@ -259,21 +346,25 @@ class BoundedServer(uvicorn.Server):
                 del self._waiting[proto]
 
 
-def bounded_server(app: Any, host: str, port: int) -> BoundedServer:
-    return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5))
+def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, *,
+                   require_client_cert: bool = False) -> BoundedServer:
+    ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
+    return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5,
+                                        limit_concurrency=MAX_CONCURRENCY, **ssl_kwargs))
 
 
-def serve(app: Any, host: str, port: int) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above."""
-    bounded_server(app, host, port).run()
+def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above (HTTPS with ``tls``)."""
+    bounded_server(app, host, port, tls).run()
 
 
 def serve_agent(app: FastAPI, host: str, port: int, *, heartbeat: Callable[[BoundedServer], Any],
-                shutdown: Callable[[], None]) -> None:
+                shutdown: Callable[[], None], tls: TlsFiles | None = None) -> None:
     """Serve an agent's ``app`` until SIGINT/SIGTERM: its heartbeat starts once the API listens,
     ``shutdown`` runs once at the end (uvicorn re-raises the signal after its own shutdown, so the
     clean-up runs in the lifespan's exit, and again, harmlessly, in ``finally``)."""
-    server = bounded_server(app, host, port)
+    # Only the controller calls an agent: with a CA configured it must present a certificate from it.
+    server = bounded_server(app, host, port, tls, require_client_cert=True)
     beat = heartbeat(server)
     done = threading.Event()
 

@@ -19,6 +19,7 @@ from vbs.cli import output
 from vbs.cli.client import wait_for
 from vbs.config import DEFAULT_CONTROLLER_PORT
 from vbs.errors import VbsError
+from vbs.tls import client_verify
 from vbs.web import ApiClient
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -26,16 +27,18 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 
 class Context:
-    def __init__(self, endpoint: str, fmt: str) -> None:
+    def __init__(self, endpoint: str, fmt: str, ca_bundle: str | None = None) -> None:
         self.endpoint = endpoint
         self.fmt = fmt
+        self.ca_bundle = ca_bundle
         self._client: ApiClient | None = None
 
     @property
     def client(self) -> ApiClient:
         if self._client is None:
             key = credentials.for_client(self.endpoint)
-            self._client = ApiClient(self.endpoint, key.bearer if key else None, timeout=60)
+            self._client = ApiClient(self.endpoint, key.bearer if key else None, timeout=60,
+                                     verify=client_verify(self.ca_bundle))
         return self._client
 
     @property
@@ -49,10 +52,12 @@ def _global(
     endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help="Controller URL.")] =
         f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",
     output_format: Annotated[str, typer.Option("--output", "-o", help="auto | table | json")] = "auto",
+    ca_bundle: Annotated[str | None, typer.Option(envvar="VBS_CA_BUNDLE",
+                                                  help="CA certificate to verify an https endpoint with.")] = None,
 ) -> None:
     if output_format not in ("auto", "table", "json"):
         raise typer.BadParameter("--output must be auto, table or json")
-    ctx.obj = Context(endpoint, output_format)
+    ctx.obj = Context(endpoint, output_format, ca_bundle)
 
 
 def _tags(values: list[str] | None) -> dict[str, str]:
@@ -368,6 +373,10 @@ def controller(
     port: Annotated[int | None, typer.Option()] = None,
     data_dir: Annotated[Path | None, typer.Option()] = None,
     database_url: Annotated[str | None, typer.Option()] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the controller (REST API, metadata DB, workflows)."""
@@ -377,7 +386,8 @@ def controller(
 
     logs.setup("controller", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
-        "host": host, "port": port, "data_dir": data_dir, "database_url": database_url})
+        "host": host, "port": port, "data_dir": data_dir, "database_url": database_url,
+        **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
 
@@ -396,6 +406,11 @@ def storage_agent(
     nbd_port: Annotated[int | None, typer.Option()] = None,
     iscsi_port: Annotated[int | None, typer.Option()] = None,
     iscsi_control: Annotated[int | None, typer.Option(help="tgtd control number (-C).")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
+    agent_token_file: Annotated[Path | None, typer.Option(help="File with this node's token (0600).")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run a storage agent (backends and exports of one volume server)."""
@@ -408,7 +423,8 @@ def storage_agent(
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
         "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
         "export": export,
-        "nbd_port": nbd_port, "iscsi_port": iscsi_port, "iscsi_control": iscsi_control})
+        "nbd_port": nbd_port, "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
+        "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
 
@@ -422,6 +438,11 @@ def host_agent(
     vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
+    agent_token_file: Annotated[Path | None, typer.Option(help="File with this node's token (0600).")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run a host agent (hot-plug into the VMs of one hypervisor node)."""
@@ -432,7 +453,8 @@ def host_agent(
     logs.setup("host-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
-        "address": address, "hypervisor": hypervisor})
+        "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
+        **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
 
@@ -443,6 +465,7 @@ def up(
     port: Annotated[int, typer.Option()] = DEFAULT_CONTROLLER_PORT,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     export: Annotated[str, typer.Option(help="nbd | iscsi")] = "nbd",
+    tls: Annotated[bool, typer.Option("--tls", help="HTTPS everywhere, with a private CA in the data dir.")] = False,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
@@ -452,7 +475,51 @@ def up(
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
     raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
-                                  log_json=log_json))
+                                  log_json=log_json, tls=tls))
+
+
+def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:
+    return {"tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": tls_ca, "insecure": insecure or None}
+
+
+NodeKindOpt = Annotated[str, typer.Option("--kind", help="storage | host")]
+
+
+@app.command("node-token")
+def node_token(
+    name: Annotated[str, typer.Argument(help="The node's name (its --node-name).")],
+    kind: NodeKindOpt = "host",
+    data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
+) -> None:
+    """Print a node's token (run where the controller's data dir is); give it to that agent only."""
+    from vbs.node_credentials import NodeKeyring
+
+    print(NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name))
+
+
+@app.command("rotate-keys")
+def rotate_keys(
+    node: Annotated[str, typer.Option(help="Rotate this node's token.")],
+    kind: NodeKindOpt = "host",
+    data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
+    write_to: Annotated[Path | None, typer.Option(help="Write the new token to this file (0600).")] = None,
+    revoke: Annotated[bool, typer.Option("--revoke", help="Invalidate the node's tokens at once.")] = False,
+) -> None:
+    """A node's new token, without downtime: the old one is accepted until the node uses the new one."""
+    from vbs.files import write_private
+    from vbs.node_credentials import NodeKeyring
+
+    keyring = NodeKeyring.for_data_dir(data_dir).ensure()
+    if revoke:
+        keyring.revoke(kind, node)
+        print(f"every token of {kind} node {node} is revoked; `vbs node-token {node} --kind {kind}` prints its new one")
+        return
+    token = keyring.rotate(kind, node)
+    if write_to is not None:
+        write_private(write_to, token + "\n")
+        print(f"new token of {kind} node {node} written to {write_to}; the old one is accepted until the node uses it")
+    else:
+        print(token)
 
 
 def main() -> None:

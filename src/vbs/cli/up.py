@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -21,6 +21,10 @@ from pathlib import Path
 import httpx
 
 from vbs import credentials
+from vbs.fail_closed import harden
+from vbs.files import write_private
+from vbs.node_credentials import NodeKeyring
+from vbs.pki import CertificateAuthority
 
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
@@ -33,14 +37,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def agent_token(data_dir: Path) -> str:
-    """The controller-agent shared secret of this install, made once and kept private (mode 0600)."""
-    path = data_dir / "agent-token"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+STORAGE_NODE = "storage-1"
+HOST_NODE = "host-1"
+# What a child keeps of this process's environment: no secrets (tokens and keys reach the children
+# as 0600 files), just what a Python program and the VBS settings need.
+KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
+            "VBS_CONFIG")
+KEPT_ENV_PREFIXES = ("VBS_CONTROLLER_", "VBS_STORAGE_AGENT_", "VBS_HOST_AGENT_")
+
+
+def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ) if environ is None else environ
+    return {k: v for k, v in env.items() if k in KEPT_ENV or k.startswith(KEPT_ENV_PREFIXES)}
+
+
+def node_token_file(data_dir: Path, kind: str, name: str) -> Path:
+    """The node token of one of the embedded agents, written 0600 where only it is read from."""
+    path = data_dir / "agents" / f"{kind}-{name}.token"
+    path.parent.mkdir(exist_ok=True, mode=0o700)
+    keyring = NodeKeyring.for_data_dir(data_dir).ensure()
+    token = keyring.token(kind, name)
+    if not path.exists() or path.read_text().strip() != token:
+        write_private(path, token)
+    return path
+
+
+def tls_flags(data_dir: Path, name: str, host: str) -> list[str]:
+    """Make (once) the install's CA and ``name``'s certificate; the flags that serve with them."""
+    ca = CertificateAuthority.in_data_dir(data_dir)
+    files = ca.issue_in(data_dir / "tls", name, sorted({host, "127.0.0.1", "localhost"}))
+    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
 
 
 def _detach_but_follow_parent() -> None:
@@ -91,20 +117,28 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 
 
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
-                 export: str = "nbd", log_json: bool = False) -> int:
+                 export: str = "nbd", log_json: bool = False, tls: bool = False) -> int:
     data_dir = data_dir.resolve()
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (data_dir / "pool").mkdir(exist_ok=True)
-    endpoint = f"http://{host}:{port}"
+    harden(data_dir, data_dir / "pool")
+    scheme = "https" if tls else "http"
+    endpoint = f"{scheme}://{host}:{port}"
     key = credentials.ensure_file(data_dir / "credentials")
     credentials.register_endpoint(endpoint, key)
-    env = {**os.environ, "VBS_AGENT_TOKEN": agent_token(data_dir)}
+    env = child_env()
+    verify: ssl.SSLContext | bool = True
+    tls_of: dict[str, list[str]] = {"controller": [], STORAGE_NODE: [], HOST_NODE: []}
+    if tls:
+        tls_of = {name: tls_flags(data_dir, name, host) for name in tls_of}
+        verify = ssl.create_default_context(cafile=str(data_dir / "ca.pem"))
     exe = [sys.executable, "-m", "vbs"]
     flags = ["--log-json"] if log_json else []
     agent_port = free_port(host)
     controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
-                                      "--data-dir", str(data_dir), *flags], env)
+                                      "--data-dir", str(data_dir), *tls_of["controller"], *flags], env)
     agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
+                  "--node-name", STORAGE_NODE,
+                  "--agent-token-file", str(node_token_file(data_dir, "storage", STORAGE_NODE)),
+                  *tls_of[STORAGE_NODE],
                   "--pool-path", str(data_dir / "pool"), "--state-dir", str(data_dir / "storage-state"),
                   "--export", export, "--nbd-port", str(free_port(host)), "--iscsi-port", str(free_port(host)),
                   "--iscsi-control", str(agent_port % 32768), *flags]
@@ -114,7 +148,9 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     host_port = free_port(host)
     host_agent = Child("host-agent", [*exe, "host-agent", "--host", host, "--port", str(host_port),
                                       "--controller-url", endpoint, "--vm-dir", str(data_dir / "vms"),
-                                      "--address", host, *flags], env)
+                                      "--node-name", HOST_NODE,
+                                      "--agent-token-file", str(node_token_file(data_dir, "host", HOST_NODE)),
+                                      *tls_of[HOST_NODE], "--address", host, *flags], env)
     children = [controller, agent, host_agent]
 
     stopping = False
@@ -127,22 +163,24 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         controller.start()
-        _wait_until(lambda: httpx.get(f"{endpoint}/health", timeout=1).status_code == 200, 60, "the controller",
-                    [controller])
+        _wait_until(lambda: httpx.get(f"{endpoint}/health", timeout=1, verify=verify).status_code == 200, 60,
+                    "the controller", [controller])
         agent.start()
         host_agent.start()
 
         auth = {"authorization": f"Bearer {key.bearer}"}
 
         def agents_up() -> bool:
-            nodes = httpx.get(f"{endpoint}/v1/storage-nodes", headers=auth, timeout=2).json()["storage_nodes"]
-            hosts = httpx.get(f"{endpoint}/v1/hosts", headers=auth, timeout=2).json()["hosts"]
+            nodes = httpx.get(f"{endpoint}/v1/storage-nodes", headers=auth, timeout=2, verify=verify
+                              ).json()["storage_nodes"]
+            hosts = httpx.get(f"{endpoint}/v1/hosts", headers=auth, timeout=2, verify=verify).json()["hosts"]
             return any(n["state"] == "up" and n["url"].endswith(f":{agent_port}") for n in nodes) and any(
                 h["state"] == "up" and h["url"].endswith(f":{host_port}") for h in hosts)
 
         _wait_until(agents_up, 60, "the agents", children)
         print(f"VBS is up: endpoint {endpoint}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
-              f"credentials in {data_dir / 'credentials'} (Ctrl-C stops)", flush=True)
+              f"credentials in {data_dir / 'credentials'}"
+              + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "") + " (Ctrl-C stops)", flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:

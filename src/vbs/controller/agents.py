@@ -6,12 +6,16 @@ raised. Agents are found by node name from their last heartbeat; one HTTP client
 
 from __future__ import annotations
 
+import ssl
 import threading
+from urllib.parse import urlsplit
 
 from sqlalchemy import select
 
 from vbs.controller.db import Database, Node
-from vbs.errors import AgentUnavailable
+from vbs.errors import AgentUnavailable, DriverError
+from vbs.node_credentials import NodeKeyring
+from vbs.tls import TlsFiles
 from vbs.web import ApiClient
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, QoS, ResizeDisk
@@ -33,10 +37,22 @@ GIB = 1 << 30
 
 
 class StorageAgent:
-    """Calls to one storage agent, addressed by its node name."""
+    """Calls to one storage agent, addressed by its node name.
 
-    def __init__(self, client: ApiClient) -> None:
+    A connection it answers is vouched for before any host sees it: it must lead to this node's own
+    address (what its authenticated heartbeats declare), so a compromised storage node cannot send
+    hosts to another machine, and a raw path cannot even be expressed (``Connection`` has none)."""
+
+    def __init__(self, client: ApiClient, name: str = "", addresses: frozenset[str] = frozenset()) -> None:
         self._client = client
+        self._name = name
+        self._addresses = addresses
+
+    def _vouched(self, connection: Connection) -> Connection:
+        if connection.host not in self._addresses:
+            raise DriverError(f"storage node {self._name} answered a connection to {connection.host[:64]}, "
+                              f"which is not its address: refused")
+        return connection
 
     # -- volumes and snapshots -------------------------------------------------------------------
 
@@ -64,7 +80,7 @@ class StorageAgent:
     def snapshot_target(self, pool: str, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
         answer = self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}/targets/{host.name}",
                                       ConnectionAnswer, SnapshotTargetRequest(volume_id=volume_id, host=host))
-        return answer.connection
+        return self._vouched(answer.connection)
 
     def finish_snapshot_target(self, pool: str, snapshot_id: str, host_name: str) -> ItemStatus:
         return self._client.request("DELETE", f"/v1/pools/{pool}/snapshots/{snapshot_id}/targets/{host_name}",
@@ -78,7 +94,7 @@ class StorageAgent:
     def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool) -> Connection:
         answer = self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host.name}",
                                       ConnectionAnswer, ConnectionRequest(host=host, read_only=read_only))
-        return answer.connection
+        return self._vouched(answer.connection)
 
     def remove_connection(self, pool: str, volume_id: str, host_name: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}", Removed)
@@ -87,7 +103,7 @@ class StorageAgent:
         """A new connection of the (grown) volume for ``host_name``; the old one serves until retired."""
         answer = self._client.request(
             "PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}/refresh", ConnectionAnswer)
-        return answer.connection
+        return self._vouched(answer.connection)
 
     def retire_connections(self, pool: str, volume_id: str, host_name: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}/retired",
@@ -136,26 +152,37 @@ class HostAgent:
 class AgentDirectory:
     """Finds the agent of a node from its last heartbeat; clients are reused per URL."""
 
-    def __init__(self, db: Database, token: str | None, *, timeout: float = 30.0) -> None:
+    def __init__(self, db: Database, keyring: NodeKeyring, *, tls: TlsFiles | None = None,
+                 timeout: float = 30.0) -> None:
         self._db = db
-        self._token = token
+        self._keyring = keyring
+        self._verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
         self._timeout = timeout
-        self._clients: dict[str, ApiClient] = {}
+        self._clients: dict[tuple[str, str, str], ApiClient] = {}
         self._lock = threading.Lock()
 
     def _client(self, name: str, kind: str) -> ApiClient:
+        return self._node(name, kind)[0]
+
+    def _node(self, name: str, kind: str) -> tuple[ApiClient, frozenset[str]]:
         with self._db.read() as s:
-            url = s.scalar(select(Node.url).where(Node.name == name, Node.kind == kind))
-        if url is None:
+            row = s.execute(select(Node.url, Node.address).where(Node.name == name, Node.kind == kind)).first()
+        if row is None:
             raise AgentUnavailable(f"{kind} node {name!r} has never reported to this controller")
+        url, address = row
+        addresses = frozenset(a for a in (address, urlsplit(url).hostname) if a)
         with self._lock:
-            client = self._clients.get(url)
+            client = self._clients.get((url, kind, name))
             if client is None:
-                client = self._clients[url] = ApiClient(url, self._token, timeout=self._timeout)
-        return client
+                # Each node is called with its own token (the generation it last used).
+                client = self._clients[(url, kind, name)] = ApiClient(
+                    url, lambda: self._keyring.token_for_calls(kind, name), timeout=self._timeout,
+                    verify=self._verify)
+        return client, addresses
 
     def storage(self, name: str) -> StorageAgent:
-        return StorageAgent(self._client(name, "storage"))
+        client, addresses = self._node(name, "storage")
+        return StorageAgent(client, name, addresses)
 
     def host(self, name: str) -> HostAgent:
         return HostAgent(self._client(name, "host"))

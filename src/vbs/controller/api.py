@@ -37,8 +37,8 @@ from vbs.controller.schemas import (
     VolumeList,
     VolumeOut,
 )
-from vbs.errors import NotFound
-from vbs.web import token_checker
+from vbs.errors import NotFound, UnauthorizedOperation
+from vbs.node_credentials import NodeKeyring
 from vbs.wire.base import Ack
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.storage import StorageHeartbeat
@@ -175,17 +175,30 @@ def public_router(auth: Authenticator) -> APIRouter:
     return r
 
 
-def internal_router(token: str | None) -> APIRouter:
-    r = APIRouter(prefix="/internal/v1", dependencies=[Depends(token_checker(token))], include_in_schema=False)
+def internal_router(keyring: NodeKeyring, *, insecure: bool) -> APIRouter:
+    """The agents' endpoints. A node token says which node calls (the edge checked it already):
+    a node reports only as itself, and a storage node's token is no host's."""
+    r = APIRouter(prefix="/internal/v1", include_in_schema=False)
+
+    def same_node(request: Request, kind: str, name: str) -> None:
+        authz = request.headers.get("authorization", "")
+        if not authz and insecure:
+            return
+        who = keyring.verify(authz[len("Bearer "):].strip())
+        if who.kind != kind or who.name != name:
+            raise UnauthorizedOperation(f"the credential of {who.kind} node {who.name} cannot report as "
+                                        f"{kind} node {name[:63]}")
 
     @r.post("/storage-heartbeat")
-    def storage_heartbeat(body: StorageHeartbeat, svc: Controller = Depends(services)) -> Ack:
+    def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
+        same_node(request, "storage", body.name)
         with svc.db.session() as s:
             record_storage_heartbeat(s, body)
         return Ack()
 
     @r.post("/host-heartbeat")
-    def host_heartbeat(body: HostHeartbeat, svc: Controller = Depends(services)) -> Ack:
+    def host_heartbeat(body: HostHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
+        same_node(request, "host", body.name)
         with svc.db.session() as s:
             record_host_heartbeat(s, body)
         return Ack()
@@ -229,10 +242,10 @@ def test_hooks_router() -> APIRouter:
     return r
 
 
-def install_routes(app: FastAPI, token: str | None, auth: Authenticator) -> None:
+def install_routes(app: FastAPI, keyring: NodeKeyring, auth: Authenticator, *, insecure: bool) -> None:
     @app.get("/health", include_in_schema=False)
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
     app.include_router(public_router(auth))
-    app.include_router(internal_router(token))
+    app.include_router(internal_router(keyring, insecure=insecure))

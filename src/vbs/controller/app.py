@@ -15,6 +15,7 @@ from sqlalchemy import delete, select
 
 from vbs import credentials, web
 from vbs.config import ControllerConfig
+from vbs.controller import edge
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
@@ -31,7 +32,10 @@ from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.snapshots import CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.errors import InvalidParameter
-from vbs.web import install_error_handlers
+from vbs.fail_closed import check_start, harden
+from vbs.node_credentials import NodeKeyring
+from vbs.tls import TlsFiles
+from vbs.web import PreAuth, install_error_handlers
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +77,12 @@ def access_keys(cfg: ControllerConfig) -> dict[str, str]:
     return {k.access_key_id: k.secret_access_key for k in keys}
 
 
-def create_app(cfg: ControllerConfig) -> FastAPI:
+def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     auth = Authenticator(access_keys(cfg), cfg.region)
+    keyring = NodeKeyring.for_data_dir(cfg.data_dir).ensure()
     db = database_for(cfg)
     db.migrate()
-    services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
+    services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls))
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
     svc = Controller(cfg=cfg, db=db, agents=services.agents, engine=engine,
@@ -112,12 +117,17 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app)
-    install_routes(app, cfg.agent_token, auth)
+    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure))
+    install_routes(app, keyring, auth, insecure=cfg.insecure)
     ec2_api.install(app, auth)
     return app
 
 
 def serve(cfg: ControllerConfig) -> None:
-    app = create_app(cfg)
-    log.info("controller listening on http://%s:%d", cfg.host, cfg.port)
-    web.serve(app, cfg.host, cfg.port)
+    harden(cfg.data_dir.resolve())
+    # The controller's own credentials (access keys, the node secret) are checked in create_app.
+    tls = check_start("controller", cfg, has_credentials=True, what="access keys")
+    app = create_app(cfg, tls)
+    scheme = "https" if tls is not None and tls.serves else "http"
+    log.info("controller listening on %s://%s:%d", scheme, cfg.host, cfg.port)
+    web.serve(app, cfg.host, cfg.port, tls)

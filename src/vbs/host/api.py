@@ -7,12 +7,15 @@ succeeds, so the controller may repeat any call after a crash. Every body and an
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, FastAPI, Query
+from collections.abc import Callable
+
+from fastapi import APIRouter, FastAPI, Query
+from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.web import install_error_handlers, token_checker
+from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, AttachDisk, CopyDisk, DiskInfo, DiskList, ResizeDisk, VmList
 from vbs.wire.storage import ItemStatus, Removed
 
@@ -29,10 +32,12 @@ def _vm(vm_id: str) -> str:
     return vm_id
 
 
-def create_app(driver: HypervisorDriver, token: str | None, node_name: str) -> FastAPI:
+def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None],
+               node_name: str) -> FastAPI:
     app = FastAPI(title="VBS host agent", version="1")
     install_error_handlers(app)
-    router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
+    app.add_middleware(PreAuth, check=auth)
+    router = APIRouter(prefix="/v1")
     caps = driver.capabilities
 
     def able(what: str, can: bool) -> None:

@@ -6,13 +6,13 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from vbs import drivers
+from vbs import agent_security, drivers
 from vbs.config import HostAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.web import ApiClient, BoundedServer, serve_agent
+from vbs.web import BoundedServer, serve_agent
 from vbs.wire.host import HostHeartbeat, VmInfo
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,10 @@ def build_driver(cfg: HostAgentConfig) -> HypervisorDriver:
 
 
 def serve(cfg: HostAgentConfig) -> None:
+    sec = agent_security.prepare("host agent", cfg)
     driver = build_driver(cfg)
-    app = create_app(driver, cfg.agent_token, cfg.node_name)
-    url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
+    app = create_app(driver, sec.auth, cfg.node_name)
+    url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
 
     def report() -> HostHeartbeat:
@@ -44,8 +45,8 @@ def serve(cfg: HostAgentConfig) -> None:
                              vms=vms)
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
-        return Heartbeat(ApiClient(cfg.controller_url, cfg.agent_token), "/internal/v1/host-heartbeat", report,
+        return Heartbeat(sec.controller(cfg.controller_url), "/internal/v1/host-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)
-    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=driver.close)
+    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=driver.close, tls=sec.tls)

@@ -6,15 +6,17 @@ be repeated after a crash with the same result. Every body and answer is a ``vbs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from fastapi import APIRouter, Depends, FastAPI
+from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import InvalidParameter, NotFound
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportDriver
-from vbs.web import install_error_handlers, token_checker
+from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.storage import (
     ConnectionAnswer,
@@ -50,10 +52,12 @@ def _same_host(host: HostIdentity, host_name: str) -> None:
         raise InvalidParameter("the host in the path and in the body differ")
 
 
-def create_app(backends: dict[str, Backend], exports: ExportDriver, token: str | None, node_name: str) -> FastAPI:
+def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callable[[Scope], Response | None],
+               node_name: str) -> FastAPI:
     app = FastAPI(title="VBS storage agent", version="1")
     install_error_handlers(app)
-    router = APIRouter(prefix="/v1", dependencies=[Depends(token_checker(token))])
+    app.add_middleware(PreAuth, check=auth)
+    router = APIRouter(prefix="/v1")
 
     def pool(name: str) -> Backend:
         try:

@@ -7,14 +7,14 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from vbs import drivers
+from vbs import agent_security, drivers
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.storage.api import create_app
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportDriver
-from vbs.web import ApiClient, BoundedServer, serve_agent
+from vbs.web import BoundedServer, serve_agent
 from vbs.wire.storage import StorageHeartbeat
 
 log = logging.getLogger(__name__)
@@ -47,18 +47,21 @@ def watch_daemon(exports: ExportDriver, stop: threading.Event) -> None:
 
 
 def serve(cfg: StorageAgentConfig) -> None:
+    sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve())
     exports, backends = build_drivers(cfg)
     exports.start()
-    app = create_app(backends, exports, cfg.agent_token, cfg.node_name)
-    url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
+    app = create_app(backends, exports, sec.auth, cfg.node_name)
+    url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
+    # Where hosts reach this node's exports: the controller refuses connections to anywhere else.
+    address = str(getattr(exports, "advertise_host", None) or cfg.export_host)
 
     def report() -> StorageHeartbeat:
-        return StorageHeartbeat(name=cfg.node_name, url=url, address=cfg.host, started_at=started_at,
+        return StorageHeartbeat(name=cfg.node_name, url=url, address=address, started_at=started_at,
                                 pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports())
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
-        return Heartbeat(ApiClient(cfg.controller_url, cfg.agent_token), "/internal/v1/storage-heartbeat", report,
+        return Heartbeat(sec.controller(cfg.controller_url), "/internal/v1/storage-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     stop = threading.Event()
@@ -74,4 +77,4 @@ def serve(cfg: StorageAgentConfig) -> None:
 
     watcher.start()
     log.info("storage agent %s serving on %s (backend %s, export %s)", cfg.node_name, url, cfg.backend, cfg.export)
-    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown)
+    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

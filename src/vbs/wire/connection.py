@@ -21,6 +21,7 @@ __all__ = [
     "IscsiConnection",
     "FileConnection",
     "Connection",
+    "AnyConnection",
     "ProtocolName",
     "HOST_NAME_RE",
 ]
@@ -70,10 +71,14 @@ class IscsiConnection(Wire):
 
 
 class FileConnection(Wire):
-    """A volume file the hypervisor opens directly (same machine; tests and local placement)."""
+    """A volume file the hypervisor opens directly: in-process only (driver tests, a local backend
+    on the same machine). It is not a ``Connection``: no API accepts a raw path from the wire."""
 
     protocol: Literal["file"] = "file"
     path: str = Field(pattern=r"^/[^\x00]{1,4000}$")
 
 
-Connection = Annotated[NbdConnection | IscsiConnection | FileConnection, Field(discriminator="protocol")]
+# What may cross the wire: network protocols only, to storage nodes the controller knows.
+Connection = Annotated[NbdConnection | IscsiConnection, Field(discriminator="protocol")]
+# What a hypervisor driver opens, in-process.
+AnyConnection = NbdConnection | IscsiConnection | FileConnection

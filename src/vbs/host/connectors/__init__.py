@@ -21,7 +21,7 @@ from vbs.host.connectors.base import HostConnector, KeyFile, QemuBlockdev, QemuI
 from vbs.host.connectors.file import FileConnector
 from vbs.host.connectors.iscsi import IscsiConnector
 from vbs.host.connectors.nbd import NbdConnector
-from vbs.wire.connection import Connection
+from vbs.wire.connection import AnyConnection
 
 __all__ = [
     "connector_for",
@@ -36,7 +36,7 @@ __all__ = [
 CONNECTORS: dict[str, HostConnector[Any]] = {c.protocol: c for c in (NbdConnector(), IscsiConnector(), FileConnector())}
 
 
-def connector_for(connection: Connection) -> HostConnector[Any]:
+def connector_for(connection: AnyConnection) -> HostConnector[Any]:
     """The connector of ``connection``'s protocol."""
     protocol = getattr(connection, "protocol", None)
     connector = CONNECTORS.get(str(protocol))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from vbs.config import HostAgentConfig
-from vbs.wire.connection import Connection
+from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
@@ -33,7 +33,7 @@ class HypervisorDriver(Protocol):
         """The VMs on this node that the driver can manage."""
         ...
 
-    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool = False,
+    def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None) -> DiskInfo:
         """Hot-plug ``connection`` into the running VM as a virtio disk; a disk already there with
         this serial is answered as it is."""
@@ -49,12 +49,12 @@ class HypervisorDriver(Protocol):
         """The disks VBS attached to the VM, for reconciliation."""
         ...
 
-    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> DiskInfo:
+    def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
         """Online resize (``capabilities.online_resize``): move the disk to ``connection`` (a
         refreshed connection of its grown volume) and make the guest see ``size_bytes``."""
         ...
 
-    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         """Point-in-time copy (``capabilities.point_in_time_copy``): copy the disk as it is when the
         copy starts into ``target`` while the guest keeps writing. Idempotent: answers progress,
         ``ready`` once complete."""

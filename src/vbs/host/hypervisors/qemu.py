@@ -42,7 +42,7 @@ from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
-from vbs.wire.connection import Connection
+from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
@@ -253,7 +253,7 @@ class QemuDriver:
             in_use = [self._last_seen.get(v, VmInfo(vm_id=v, name=v, running=True)) for v in busy]
         return sorted(probed + in_use, key=lambda vm: vm.vm_id)
 
-    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool = False,
+    def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None) -> DiskInfo:
         ids = disk_ids(serial)
         return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos))
@@ -268,7 +268,7 @@ class QemuDriver:
     def list_disks(self, vm_id: str) -> list[DiskInfo]:
         return self._on_present_vm(vm_id, _our_disks)
 
-    def resize(self, vm_id: str, serial: str, connection: Connection, size_bytes: int) -> DiskInfo:
+    def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
         """Move the attached disk to ``connection`` (a refreshed export of its volume) and make the
         guest see ``size_bytes``; see the module docstring. Idempotent: a disk that already uses
         ``connection`` at that size is left alone. On failure the disk stays on its old connection.
@@ -278,7 +278,7 @@ class QemuDriver:
             raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
         return self._on_present_vm(vm_id, lambda vm: self._resize(vm, serial, ids, connection, size_bytes))
 
-    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         """Copy the disk as it is now into ``target`` (see the module docstring); answers the copy's
         progress, ``ready`` once it is complete, ``error`` if it failed (its instant is lost)."""
         ids, cids = disk_ids(serial), copy_ids(serial, copy_id)
@@ -381,7 +381,7 @@ class QemuDriver:
 
     # -- attach ----------------------------------------------------------------------------------
 
-    def _attach(self, vm: _Vm, serial: str, ids: DiskIds, connection: Connection, read_only: bool,
+    def _attach(self, vm: _Vm, serial: str, ids: DiskIds, connection: AnyConnection, read_only: bool,
                 qos: QoS | None) -> DiskInfo:
         if ids.device in vm.devices():
             if ids.dead in vm.nodes():
@@ -400,7 +400,7 @@ class QemuDriver:
             vm.cmd("device_add", {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial})
         return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw))
 
-    def _build_chain(self, vm: _Vm, connection: Connection, ids: DiskIds, read_only: bool, qos: QoS | None,
+    def _build_chain(self, vm: _Vm, connection: AnyConnection, ids: DiskIds, read_only: bool, qos: QoS | None,
                      undo: Undo) -> str:
         gen = ids.generations[0]
         self._open_connection(vm, connection, gen, read_only, undo)
@@ -420,7 +420,7 @@ class QemuDriver:
         undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.throttle}))
         return ids.throttle
 
-    def _open_connection(self, vm: _Vm, connection: Connection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
+    def _open_connection(self, vm: _Vm, connection: AnyConnection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""
         blockdev = connector_for(connection).qemu_blockdev(connection, ids)
         for obj in blockdev.objects:
@@ -433,7 +433,7 @@ class QemuDriver:
 
     # -- resize ----------------------------------------------------------------------------------
 
-    def _resize(self, vm: _Vm, serial: str, ids: DiskIds, connection: Connection, size_bytes: int) -> DiskInfo:
+    def _resize(self, vm: _Vm, serial: str, ids: DiskIds, connection: AnyConnection, size_bytes: int) -> DiskInfo:
         vm_id = vm.vm_id
         disk = next((d for d in _our_disks(vm) if d.serial == serial), None)
         if disk is None:
@@ -527,7 +527,7 @@ class QemuDriver:
 
     # -- point-in-time copies --------------------------------------------------------------------
 
-    def _ensure_copy(self, vm: _Vm, serial: str, ids: DiskIds, cids: CopyIds, target: Connection) -> ItemStatus:
+    def _ensure_copy(self, vm: _Vm, serial: str, ids: DiskIds, cids: CopyIds, target: AnyConnection) -> ItemStatus:
         job = vm.jobs().get(cids.job)
         if job is not None:
             return self._copy_status(vm, cids, job)

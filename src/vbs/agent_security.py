@@ -1,0 +1,47 @@
+"""What both agents do before they serve: refuse to start unsafely, own their files, know their token.
+
+An agent's credential is its own node token (vbs.node_credentials): it answers only a caller that
+presents it (the controller), and presents it in its heartbeats. With TLS files it serves HTTPS,
+requires the controller's client certificate, and verifies the controller against the CA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.responses import Response
+
+from vbs.config import _AgentSection
+from vbs.fail_closed import check_start, harden
+from vbs.node_credentials import TokenSource
+from vbs.tls import TlsFiles
+from vbs.web import ApiClient, Scope, agent_auth
+
+
+@dataclass(frozen=True)
+class AgentSecurity:
+    tls: TlsFiles | None
+    token: TokenSource
+    insecure: bool
+
+    @property
+    def auth(self) -> Callable[[Scope], Response | None]:
+        return agent_auth(self.token, insecure=self.insecure)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None and self.tls.serves else "http"
+
+    def controller(self, url: str) -> ApiClient:
+        verify = self.tls.client_context() if self.tls is not None else True
+        return ApiClient(url, self.token.current, verify=verify)
+
+
+def prepare(service: str, cfg: _AgentSection, *dirs: Path) -> AgentSecurity:
+    token = TokenSource(cfg.agent_token, cfg.agent_token_file)
+    tls = check_start(service, cfg, has_credentials=token.configured,
+                      what="node token (VBS_AGENT_TOKEN or agent_token_file; `vbs node-token` prints it)")
+    harden(*dirs)
+    return AgentSecurity(tls, token, cfg.insecure)

@@ -1,0 +1,61 @@
+"""The controller's checks on a request's head, made before any of its body is read.
+
+- ``/health`` is open.
+- ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.node_credentials), unless the
+  controller runs ``--insecure`` and the caller sends none.
+- The public APIs need credentials: a bearer key is checked in full here (and accepted over plain
+  HTTP from loopback only: it is the secret itself); a SigV4 signature covers the body's hash, so it
+  is verified once the (bounded) body has arrived, but a request without any is refused at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from starlette.responses import Response
+
+from vbs.controller.auth import Authenticator
+from vbs.controller.ec2 import xml
+from vbs.errors import AuthFailure, VbsError
+from vbs.node_credentials import NodeKeyring
+from vbs.web import Scope, header, is_loopback, refusal
+
+XML_TYPE = "text/xml;charset=UTF-8"
+NO_CREDENTIALS = "The request carries no credentials (a bearer key or an AWS Signature Version 4)."
+BEARER_OFF_LOOPBACK = ("bearer credentials are accepted over plain HTTP from loopback only: use HTTPS, "
+                       "or sign the request (SigV4)")
+
+
+def _refuse(scope: Scope, exc: VbsError) -> Response:
+    if scope["path"] == "/":  # the EC2 Query API answers in its own envelope
+        return Response(xml.error(exc.code, exc.message, str(uuid.uuid4())), status_code=exc.status,
+                        media_type=XML_TYPE, headers={"connection": "close"})
+    return refusal(exc)
+
+
+def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool) -> Callable[[Scope], Response | None]:
+    def check(scope: Scope) -> Response | None:
+        path = scope["path"]
+        if path == "/health":
+            return None
+        authz = header(scope, b"authorization")
+        try:
+            if path.startswith("/internal/"):
+                if not authz and insecure:
+                    return None
+                keyring.verify(authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else "")
+                return None
+            if authz.startswith("Bearer "):
+                client = (scope.get("client") or (None, 0))[0]
+                if scope.get("scheme") != "https" and not is_loopback(client):
+                    raise AuthFailure(BEARER_OFF_LOOPBACK)
+                auth.check_bearer(authz[len("Bearer "):].strip())
+                return None
+            if authz.startswith("AWS4-HMAC-SHA256 ") or b"X-Amz-Signature=" in scope.get("query_string", b""):
+                return None
+            raise AuthFailure(NO_CREDENTIALS)
+        except AuthFailure as exc:
+            return _refuse(scope, exc)
+
+    return check
