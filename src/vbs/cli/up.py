@@ -1,6 +1,6 @@
 """``vbs up``: the embedded default — controller, storage agent and host agent as supervised children.
 
-Same code paths as a multi-node install (the agent is reached over HTTP with a shared token); the
+Same code paths as a multi-node install (each agent reached over HTTP(S) with its own node token); the
 children run in their own sessions so that Ctrl-C reaches only this supervisor, which stops them
 in order (agent first, then controller) and waits for them.
 """
