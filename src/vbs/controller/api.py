@@ -234,5 +234,12 @@ def install_routes(app: FastAPI, token: str | None, auth: Authenticator) -> None
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    async def authenticated(request: Request) -> str:
+        return auth.check(request, await request.body())
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authenticated)])
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
     app.include_router(public_router(auth))
     app.include_router(internal_router(token))

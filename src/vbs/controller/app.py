@@ -109,7 +109,9 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
         svc.agents.close()
         db.dispose()
 
-    app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)
+    # No /docs or /redoc, and the schema only to an authenticated caller (install_routes): docs/security.md.
+    app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.services = svc
     install_error_handlers(app)
     install_routes(app, cfg.agent_token, auth)
