@@ -28,6 +28,8 @@ __all__ = [
     "AgentUnavailable",
     "AgentUnreachable",
     "AuthFailure",
+    "UnauthorizedOperation",
+    "LimitExceeded",
     "from_body",
 ]
 
@@ -165,3 +167,17 @@ class AgentUnreachable(AgentUnavailable):
 class AuthFailure(VbsError):
     code = "AuthFailure"
     status = 401
+
+
+class UnauthorizedOperation(VbsError):
+    """The key is valid but its role may not do this (a ``user`` key on an admin route)."""
+
+    code = "UnauthorizedOperation"
+    status = 403
+
+
+class LimitExceeded(VbsError):
+    """A tenant's quota would be exceeded; ``code`` names it (``VolumeLimitExceeded``, ``SnapshotLimitExceeded``)."""
+
+    code = "LimitExceeded"
+    status = 400

@@ -91,7 +91,7 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 
 
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
-                 export: str = "nbd", log_json: bool = False) -> int:
+                 export: str = "nbd", log_json: bool = False, controller_env: dict[str, str] | None = None) -> int:
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     (data_dir / "pool").mkdir(exist_ok=True)
@@ -103,7 +103,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     flags = ["--log-json"] if log_json else []
     agent_port = free_port(host)
     controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
-                                      "--data-dir", str(data_dir), *flags], env)
+                                      "--data-dir", str(data_dir), *flags], {**env, **(controller_env or {})})
     agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
                   "--pool-path", str(data_dir / "pool"), "--state-dir", str(data_dir / "storage-state"),
                   "--export", export, "--nbd-port", str(free_port(host)), "--iscsi-port", str(free_port(host)),

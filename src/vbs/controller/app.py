@@ -21,6 +21,7 @@ from vbs.controller.auth import Authenticator
 from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
+from vbs.controller.keys import KeyStore, MasterKey
 from vbs.controller.reconcile import Reconciler
 from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
@@ -74,9 +75,11 @@ def access_keys(cfg: ControllerConfig) -> dict[str, str]:
 
 
 def create_app(cfg: ControllerConfig) -> FastAPI:
-    auth = Authenticator(access_keys(cfg), cfg.region)
+    bootstrap = access_keys(cfg)
     db = database_for(cfg)
     db.migrate()
+    key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
+    auth = Authenticator(key_store, cfg.region)
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, cfg.agent_token))
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
@@ -113,6 +116,7 @@ def create_app(cfg: ControllerConfig) -> FastAPI:
     app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.services = svc
+    app.state.keys = key_store
     install_error_handlers(app)
     install_routes(app, cfg.agent_token, auth)
     ec2_api.install(app, auth)

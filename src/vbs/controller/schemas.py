@@ -179,6 +179,7 @@ class StorageNodeOut(BaseModel):
 
 class StorageNodeList(BaseModel):
     storage_nodes: list[StorageNodeOut]
+    next_token: str | None = None
 
 
 DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"
@@ -221,10 +222,12 @@ class HostOut(BaseModel):
 
 class HostList(BaseModel):
     hosts: list[HostOut]
+    next_token: str | None = None
 
 
 class InstanceList(BaseModel):
     instances: list[InstanceOut]
+    next_token: str | None = None
 
 
 class ModifyVolumeRequest(_Request):
@@ -255,3 +258,21 @@ class ModificationOut(BaseModel):
 class ModificationList(BaseModel):
     modifications: list[ModificationOut]
     next_token: str | None = None
+
+
+class CreateKeyRequest(_Request):
+    tenant: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    role: Literal["admin", "user"] = "user"
+
+
+class KeyOut(BaseModel):
+    access_key_id: str
+    tenant: str
+    role: str
+    bootstrap: bool = False
+    # Only in the answer to the request that made the key: it is never shown again.
+    secret_access_key: str | None = None
+
+
+class KeyList(BaseModel):
+    keys: list[KeyOut]

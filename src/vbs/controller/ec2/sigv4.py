@@ -18,7 +18,7 @@ from urllib.parse import quote, unquote_to_bytes
 
 from vbs.errors import AuthFailure
 
-__all__ = ["ALGORITHM", "Credential", "verify"]
+__all__ = ["ALGORITHM", "BAD_SIGNATURE", "Credential", "SecretLookup", "verify"]
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 TERMINATOR = "aws4_request"
@@ -45,7 +45,7 @@ _QUERY_AUTH_KEYS = ("X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-
 _UNSIGNED_PAYLOADS = {"UNSIGNED-PAYLOAD", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}
 
 _UNKNOWN_KEY_SECRET = "\0" * 40
-_BAD_SIGNATURE = ("The request signature we calculated does not match the signature you provided. "
+BAD_SIGNATURE = ("The request signature we calculated does not match the signature you provided. "
                   "Check your AWS Secret Access Key and signing method.")
 
 
@@ -392,5 +392,5 @@ def verify(
     ])
     expected = _signature(secret, scope, stamp, canonical_request)
     if not hmac.compare_digest(expected.encode("ascii"), signature.lower().encode("ascii")) or not known:
-        raise _fail(_BAD_SIGNATURE)
+        raise _fail(BAD_SIGNATURE)
     return scope.access_key_id
