@@ -53,11 +53,22 @@ def services(request: Request) -> Controller:
     return request.app.state.services  # type: ignore[no-any-return]
 
 
-# Query parameters shared by every describe: bounded at the edge (400, never 500).
-MaxResults = Query(default=None, description=f"1-{MAX_RESULTS}; default {DEFAULT_PAGE}")
-NextToken = Query(default=None, max_length=160)
-ResourceIds = Query(default=[], max_length=1000)
-Filters = Query(default=[], max_length=50, description="name=value, e.g. status=available")
+# Query parameters of every describe, bounded at the edge (400, never 500). Made per use, not shared:
+# FastAPI records each parameter's name on its Query object, so one object must not serve two parameters.
+def max_results_query() -> Any:
+    return Query(default=None, description=f"1-{MAX_RESULTS}; default {DEFAULT_PAGE}")
+
+
+def next_token_query() -> Any:
+    return Query(default=None, max_length=160)
+
+
+def ids_query() -> Any:
+    return Query(default=[], max_length=1000)
+
+
+def filters_query() -> Any:
+    return Query(default=[], max_length=50, description="name=value, e.g. status=available")
 
 
 def caller(request: Request) -> Principal:
@@ -88,8 +99,8 @@ def _volume_routes(r: APIRouter) -> None:
         return volumes.create_volume(svc, body, who.tenant)
 
     @r.get("/volumes", response_model=VolumeList, tags=["volumes"])
-    def describe_volumes(volume_id: list[str] = ResourceIds, filter: list[str] = Filters,
-                         max_results: int | None = MaxResults, next_token: str | None = NextToken,
+    def describe_volumes(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                         max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                          svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeList:
         return volumes.describe_volumes(svc, who.tenant, volume_id, parse_filters(filter), max_results, next_token)
 
@@ -118,9 +129,9 @@ def _volume_routes(r: APIRouter) -> None:
         return modifications.modify_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/volume-modifications", response_model=ModificationList, tags=["volumes"])
-    def describe_modifications(volume_id: list[str] = ResourceIds, filter: list[str] = Filters,
-                               max_results: int | None = MaxResults, next_token: str | None = NextToken,
-                               svc: Controller = Depends(services),
+    def describe_modifications(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                               max_results: int | None = max_results_query(),
+                               next_token: str | None = next_token_query(), svc: Controller = Depends(services),
                                who: Principal = Depends(caller)) -> ModificationList:
         return modifications.describe_modifications(svc, who.tenant, volume_id, parse_filters(filter), max_results,
                                                     next_token)
@@ -147,8 +158,8 @@ def _snapshot_routes(r: APIRouter) -> None:
         return snapshots.create_snapshot(svc, body, who.tenant)
 
     @r.get("/snapshots", response_model=SnapshotList, tags=["snapshots"])
-    def describe_snapshots(snapshot_id: list[str] = ResourceIds, filter: list[str] = Filters,
-                           max_results: int | None = MaxResults, next_token: str | None = NextToken,
+    def describe_snapshots(snapshot_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                           max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                            svc: Controller = Depends(services), who: Principal = Depends(caller)) -> SnapshotList:
         return snapshots.describe_snapshots(svc, who.tenant, snapshot_id, parse_filters(filter), max_results,
                                             next_token)
@@ -166,7 +177,7 @@ def _snapshot_routes(r: APIRouter) -> None:
 
 def _node_routes(r: APIRouter) -> None:
     @r.get("/instances", response_model=InstanceList, tags=["nodes"])
-    def instances(max_results: int | None = MaxResults, next_token: str | None = NextToken,
+    def instances(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                   svc: Controller = Depends(services), who: Principal = Depends(caller)) -> InstanceList:
         """Every key may list instances (attaching needs an instance id); only its tenant's attachments show."""
         found, token = page_of(attachments.describe_instances(svc, who.tenant), lambda i: i.instance_id,
@@ -174,7 +185,7 @@ def _node_routes(r: APIRouter) -> None:
         return InstanceList(instances=found, next_token=token)
 
     @r.get("/hosts", response_model=HostList, tags=["nodes"], dependencies=[Depends(admin)])
-    def hosts(max_results: int | None = MaxResults, next_token: str | None = NextToken,
+    def hosts(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
               svc: Controller = Depends(services)) -> HostList:
         with svc.db.read() as s:
             found, token = page_of(describe_hosts(s, svc.cfg.heartbeat_timeout_s), lambda h: h.name, max_results,
@@ -182,7 +193,7 @@ def _node_routes(r: APIRouter) -> None:
         return HostList(hosts=found, next_token=token)
 
     @r.get("/storage-nodes", response_model=StorageNodeList, tags=["nodes"], dependencies=[Depends(admin)])
-    def storage_nodes(max_results: int | None = MaxResults, next_token: str | None = NextToken,
+    def storage_nodes(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                       svc: Controller = Depends(services)) -> StorageNodeList:
         with svc.db.read() as s:
             found, token = page_of(describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s), lambda n: n.name,
