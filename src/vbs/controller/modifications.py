@@ -52,8 +52,8 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
                                                            Attachment.status != AttachmentState.DETACHED)))
         if size > vol.size_gib:
             _check_online_growth(s, volume_id, attached)
-            quotas.check_volumes(s, svc.cfg, tenant, new_volumes=0, new_gib=size - vol.size_gib)
             check_growth(s, vol.storage_node, vol.pool, size - vol.size_gib, overcommit=svc.cfg.overcommit_ratio)
+            quotas.check_volumes(s, svc.cfg, tenant, new_volumes=0, new_gib=size - vol.size_gib)
         busy = s.scalar(select(VolumeModification.id).where(VolumeModification.volume_id == volume_id,
                                                             VolumeModification.state.in_(IN_PROGRESS)))
         if busy is not None:

@@ -2,8 +2,9 @@
 
 Limits are per tenant, not per key: resources belong to a tenant and all of its keys share them, so
 making more keys buys no more room. The defaults are config keys (``quota_volumes``, ``quota_gib``,
-``quota_snapshots``). Checks run inside the transaction that inserts the resource; on SQLite writes
-are serialised, so two concurrent creates cannot both slip under a limit.
+``quota_snapshots``). Checks run inside the transaction that inserts the resource: on SQLite writes
+are serialised; on PostgreSQL a volume's check runs after placement locked the storage node rows, so
+two concurrent creates cannot both slip under a limit (snapshots: see docs/security.md).
 """
 
 from __future__ import annotations

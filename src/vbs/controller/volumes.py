@@ -110,9 +110,10 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
-    quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
+    # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              node=node, pool=pool)
+    quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
     now = utcnow()
     volume = Volume(
         id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
