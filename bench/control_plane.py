@@ -151,6 +151,12 @@ def git_revision() -> str:
 # -- vbs up as a child process ---------------------------------------------------------------------
 
 
+# The benchmark fills one pool with far more (thin, mostly empty) volumes than a tenant's default quota
+# or the default overcommit allow: raise them, as docs/configuration.md says operators and benchmarks may.
+BENCH_LIMITS = ["--quota-volumes", "10000000", "--quota-gib", str(1 << 40), "--quota-snapshots", "10000000",
+                "--overcommit-ratio", "1000"]
+
+
 class VbsUp:
     """``vbs up`` on a free port; stopped by its PID (SIGINT, then SIGKILL after a grace period)."""
 
@@ -167,7 +173,7 @@ class VbsUp:
         with self.log_path.open("ab") as out:
             # Own session: a Ctrl-C of the benchmark reaches only us, and we stop vbs up in order.
             self.proc = subprocess.Popen(  # noqa: S603 - argv list
-                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port)],
+                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port), *BENCH_LIMITS],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.data_dir.parent, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -126,7 +126,15 @@ class Vbs:
         return r.json()  # type: ignore[no-any-return]
 
     def all_volumes(self) -> list[dict[str, Any]]:
-        return self.http.get("/v1/volumes").json()["volumes"]  # type: ignore[no-any-return]
+        """Every volume this key sees, page after page (a describe answers at most 1,000)."""
+        found: list[dict[str, Any]] = []
+        params: dict[str, str] = {"max_results": "1000"}
+        while True:
+            body = self.http.get("/v1/volumes", params=params).json()
+            found += body["volumes"]
+            if not body.get("next_token"):
+                return found
+            params["next_token"] = body["next_token"]
 
 
 class VbsUp:

@@ -47,7 +47,7 @@ class ControllerConfig(_Service):
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     workflow_threads: int = Field(16, ge=1, le=256)
     max_volume_gib: int = Field(16384, ge=1)
-    overcommit_ratio: float = Field(4.0, gt=0)
+    overcommit_ratio: float = Field(4.0, gt=0, le=1000)
     retry_interval_s: float = Field(2.0, gt=0)
     # A step (or an undo) that keeps failing is retried with back-off this long at most; then its
     # operation ends failed, with the resource in a stable state and the reason (never stuck).
@@ -60,6 +60,12 @@ class ControllerConfig(_Service):
     # credentials file (default: <data_dir>/credentials, if it exists).
     access_keys: list[dict[str, str]] = Field(default_factory=list)
     credentials_file: Path | None = None
+    # Seals the secrets of keys made by `vbs create-key` (default: <data_dir>/master.key, made on first use).
+    master_key_file: Path | None = None
+    # Per-tenant limits (VolumeLimitExceeded / SnapshotLimitExceeded); operators and benchmarks raise them.
+    quota_volumes: int = Field(5000, ge=0, le=10_000_000)
+    quota_gib: int = Field(1_048_576, ge=0, le=1 << 40)
+    quota_snapshots: int = Field(10000, ge=0, le=10_000_000)
     region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
     availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
 

@@ -28,9 +28,9 @@ class AccessKey:
     secret_access_key: str = field(repr=False)
 
     def __post_init__(self) -> None:
-        if not KEY_ID_RE.match(self.access_key_id):
+        if not KEY_ID_RE.fullmatch(self.access_key_id):
             raise InvalidParameter("an access key id is 16-128 uppercase letters and digits")
-        if not SECRET_RE.match(self.secret_access_key):
+        if not SECRET_RE.fullmatch(self.secret_access_key):
             raise InvalidParameter("a secret access key is 16-128 characters of [A-Za-z0-9/+=_-]")
 
     @property

@@ -28,6 +28,8 @@ __all__ = [
     "AgentUnavailable",
     "AgentUnreachable",
     "AuthFailure",
+    "UnauthorizedOperation",
+    "LimitExceeded",
     "from_body",
 ]
 
@@ -168,7 +170,14 @@ class AuthFailure(VbsError):
 
 
 class UnauthorizedOperation(VbsError):
-    """Authenticated, but not allowed to do this (EC2's code for it)."""
+    """The key is valid but its role may not do this (a ``user`` key on an admin route)."""
 
     code = "UnauthorizedOperation"
     status = 403
+
+
+class LimitExceeded(VbsError):
+    """A tenant's quota would be exceeded; ``code`` names it (``VolumeLimitExceeded``, ``SnapshotLimitExceeded``)."""
+
+    code = "LimitExceeded"
+    status = 400

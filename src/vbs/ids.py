@@ -33,7 +33,7 @@ _PATTERNS = {kind: id_pattern(kind) for kind in PREFIXES}
 
 
 def is_valid(kind: str, value: object) -> bool:
-    return isinstance(value, str) and bool(_PATTERNS[kind].match(value))
+    return isinstance(value, str) and bool(_PATTERNS[kind].fullmatch(value))
 
 
 def check(kind: str, value: object) -> str:

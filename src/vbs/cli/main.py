@@ -70,22 +70,43 @@ def _tags(values: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _pages(c: Context, path: str, collection: str, params: list[tuple[str, str]]) -> dict[str, Any]:
+    """Every page of a describe, merged: the API answers at most 1,000 items a call."""
+    body = c.client.call("GET", f"{path}?" + urlencode(params))
+    items = list(body[collection])
+    while body.get("next_token"):
+        body = c.client.call("GET", f"{path}?" + urlencode([*params, ("next_token", body["next_token"])]))
+        items += body[collection]
+    return {collection: items}
+
+
 def _describe(c: Context, collection: str, id_param: str, resource_ids: list[str] | None,
               filters: list[str] | None, max_results: int | None, next_token: str | None,
               columns: list[output.Column]) -> None:
-    """One page of a describe: JSON as the API answers it, or a table and the next token."""
+    """Everything that matches, or one page (and the next token) where --max-results or --next-token ask for it."""
     params = [(id_param, v) for v in resource_ids or []] + [("filter", f) for f in filters or []]
-    if max_results is not None:
-        params.append(("max_results", str(max_results)))
-    if next_token:
-        params.append(("next_token", next_token))
-    body = c.client.call("GET", f"/v1/{collection}?" + urlencode(params))
+    if max_results is None and next_token is None:
+        body = _pages(c, f"/v1/{collection}", collection, params + ([] if resource_ids else [("max_results", "1000")]))
+    else:
+        if max_results is not None:
+            params.append(("max_results", str(max_results)))
+        if next_token:
+            params.append(("next_token", next_token))
+        body = c.client.call("GET", f"/v1/{collection}?" + urlencode(params))
     if output.resolve_format(c.fmt) == "json":
         output.emit(body, "json")
         return
     output.emit(body[collection], c.fmt, columns)
     if body.get("next_token"):
         print(f"next token: {body['next_token']}")
+
+
+def _describe_all(c: Context, collection: str, path: str, columns: list[output.Column]) -> None:
+    body = _pages(c, path, collection, [("max_results", "1000")])
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(body, "json")
+    else:
+        output.emit(body[collection], c.fmt, columns)
 
 
 # -- volumes ---------------------------------------------------------------------------------------
@@ -240,23 +261,13 @@ def _wait_attachment(c: Context, volume_id: str, started: dict[str, Any], busy_s
 @app.command("describe-hosts")
 def describe_hosts(ctx: typer.Context) -> None:
     """Hypervisor nodes and how many VMs each reports."""
-    c: Context = ctx.obj
-    body = c.client.call("GET", "/v1/hosts")
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
-    else:
-        output.emit(body["hosts"], c.fmt, output.HOST_COLUMNS)
+    _describe_all(ctx.obj, "hosts", "/v1/hosts", output.HOST_COLUMNS)
 
 
 @app.command("describe-instances")
 def describe_instances(ctx: typer.Context) -> None:
     """The VMs host agents discovered, with their attached volumes."""
-    c: Context = ctx.obj
-    body = c.client.call("GET", "/v1/instances")
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
-    else:
-        output.emit(body["instances"], c.fmt, output.INSTANCE_COLUMNS)
+    _describe_all(ctx.obj, "instances", "/v1/instances", output.INSTANCE_COLUMNS)
 
 
 # -- snapshots -------------------------------------------------------------------------------------
@@ -326,12 +337,7 @@ def delete_tags(ctx: typer.Context, resource_ids: list[str],
 @app.command("describe-storage-nodes")
 def describe_storage_nodes(ctx: typer.Context) -> None:
     """Storage nodes, their pools, free space and clone method (reflink or copy)."""
-    c: Context = ctx.obj
-    body = c.client.call("GET", "/v1/storage-nodes")
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
-    else:
-        output.emit(body["storage_nodes"], c.fmt, output.NODE_COLUMNS)
+    _describe_all(ctx.obj, "storage_nodes", "/v1/storage-nodes", output.NODE_COLUMNS)
 
 
 @app.command("check")
@@ -356,6 +362,37 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command("create-key")
+def create_key(
+    ctx: typer.Context,
+    tenant: Annotated[str, typer.Option(help="The tenant whose volumes and snapshots the key sees.")],
+    role: Annotated[str, typer.Option(help="admin | user")] = "user",
+) -> None:
+    """Make an access key (admin only); its secret is shown this once."""
+    c: Context = ctx.obj
+    key = c.client.call("POST", "/v1/keys", {"tenant": tenant, "role": role})
+    if output.resolve_format(c.fmt) == "json":
+        output.emit({"access_key_id": key["access_key_id"], "secret_access_key": key["secret_access_key"]}, "json")
+    else:
+        print(f"access key id:     {key['access_key_id']}\nsecret access key: {key['secret_access_key']}\n"
+              f"tenant: {key['tenant']}, role: {key['role']} (the secret is not shown again)")
+
+
+@app.command("delete-key")
+def delete_key(ctx: typer.Context, access_key_id: str) -> None:
+    """Delete an access key made by create-key (admin only); requests signed with it are refused at once."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("DELETE", f"/v1/keys/{access_key_id}"), "json")
+
+
+@app.command("describe-keys")
+def describe_keys(ctx: typer.Context) -> None:
+    """Access keys, their tenants and roles, never their secrets (admin only)."""
+    c: Context = ctx.obj
+    body = c.client.call("GET", "/v1/keys")
+    output.emit(body if output.resolve_format(c.fmt) == "json" else body["keys"], c.fmt, output.KEY_COLUMNS)
+
+
 @app.command("describe-operation")
 def describe_operation(ctx: typer.Context, operation_id: str) -> None:
     """One workflow's steps and their states."""
@@ -377,6 +414,10 @@ def controller(
     tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
+    overcommit_ratio: Annotated[float | None, typer.Option(help="A pool promises up to capacity x this.")] = None,
+    quota_volumes: Annotated[int | None, typer.Option(help="Volumes per tenant.")] = None,
+    quota_gib: Annotated[int | None, typer.Option(help="GiB of volumes per tenant.")] = None,
+    quota_snapshots: Annotated[int | None, typer.Option(help="Snapshots per tenant.")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the controller (REST API, metadata DB, workflows)."""
@@ -387,7 +428,8 @@ def controller(
     logs.setup("controller", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
         "host": host, "port": port, "data_dir": data_dir, "database_url": database_url,
-        **_security(tls_cert, tls_key, tls_ca, insecure)})
+        "overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
+        "quota_snapshots": quota_snapshots, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
 
@@ -466,6 +508,11 @@ def up(
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     export: Annotated[str, typer.Option(help="nbd | iscsi")] = "nbd",
     tls: Annotated[bool, typer.Option("--tls", help="HTTPS everywhere, with a private CA in the data dir.")] = False,
+    overcommit_ratio: Annotated[float | None, typer.Option(help="Controller: a pool promises up to capacity x this.")]
+    = None,
+    quota_volumes: Annotated[int | None, typer.Option(help="Controller: volumes per tenant.")] = None,
+    quota_gib: Annotated[int | None, typer.Option(help="Controller: GiB of volumes per tenant.")] = None,
+    quota_snapshots: Annotated[int | None, typer.Option(help="Controller: snapshots per tenant.")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
@@ -474,8 +521,11 @@ def up(
 
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
+    limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
+              "quota_snapshots": quota_snapshots}
+    controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
     raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
-                                  log_json=log_json, tls=tls))
+                                  log_json=log_json, tls=tls, controller_env=controller_env))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

@@ -87,6 +87,13 @@ FINDING_COLUMNS: list[Column] = [
     ("Action", lambda f: f["action"]),
 ]
 
+KEY_COLUMNS: list[Column] = [
+    ("AccessKeyId", lambda k: k["access_key_id"]),
+    ("Tenant", lambda k: k["tenant"]),
+    ("Role", lambda k: k["role"]),
+    ("Source", lambda k: "bootstrap" if k["bootstrap"] else "create-key"),
+]
+
 NODE_COLUMNS: list[Column] = [
     ("Name", lambda n: n["name"]),
     ("State", lambda n: n["state"]),

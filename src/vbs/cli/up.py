@@ -117,7 +117,8 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 
 
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
-                 export: str = "nbd", log_json: bool = False, tls: bool = False) -> int:
+                 export: str = "nbd", log_json: bool = False, tls: bool = False,
+                 controller_env: dict[str, str] | None = None) -> int:
     data_dir = data_dir.resolve()
     harden(data_dir, data_dir / "pool")
     scheme = "https" if tls else "http"
@@ -134,7 +135,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     flags = ["--log-json"] if log_json else []
     agent_port = free_port(host)
     controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
-                                      "--data-dir", str(data_dir), *tls_of["controller"], *flags], env)
+                                      "--data-dir", str(data_dir), *tls_of["controller"], *flags],
+                       {**env, **(controller_env or {})})
     agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
                   "--node-name", STORAGE_NODE,
                   "--agent-token-file", str(node_token_file(data_dir, "storage", STORAGE_NODE)),

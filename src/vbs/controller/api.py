@@ -8,17 +8,20 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller import attachments, modifications, snapshots, tags, volumes
-from vbs.controller.auth import Authenticator
-from vbs.controller.db import Operation, OperationStep
-from vbs.controller.filters import parse_filters
+from vbs.controller.auth import Authenticator, require_admin
+from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
+from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_of, parse_filters
+from vbs.controller.keys import KeyStore, Principal
 from vbs.controller.nodes import describe_hosts, describe_storage_nodes, record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
+    CreateKeyRequest,
     CreateSnapshotRequest,
     CreateTagsRequest,
     CreateVolumeRequest,
@@ -26,6 +29,8 @@ from vbs.controller.schemas import (
     DetachVolumeRequest,
     HostList,
     InstanceList,
+    KeyList,
+    KeyOut,
     ModificationList,
     ModificationOut,
     ModifyVolumeRequest,
@@ -48,131 +53,213 @@ def services(request: Request) -> Controller:
     return request.app.state.services  # type: ignore[no-any-return]
 
 
+# Query parameters of every describe, bounded at the edge (400, never 500). Made per use, not shared:
+# FastAPI records each parameter's name on its Query object, so one object must not serve two parameters.
+def max_results_query() -> Any:
+    return Query(default=None, description=f"1-{MAX_RESULTS}; default {DEFAULT_PAGE}")
+
+
+def next_token_query() -> Any:
+    return Query(default=None, max_length=160)
+
+
+def ids_query() -> Any:
+    return Query(default=[], max_length=1000)
+
+
+def filters_query() -> Any:
+    return Query(default=[], max_length=50, description="name=value, e.g. status=available")
+
+
+def caller(request: Request) -> Principal:
+    """Who sent this request (``authenticated`` ran first: it is a dependency of every public route)."""
+    return request.state.caller  # type: ignore[no-any-return]
+
+
+def admin(who: Principal = Depends(caller)) -> Principal:
+    return require_admin(who)
+
+
 def public_router(auth: Authenticator) -> APIRouter:
-    async def authenticated(request: Request) -> str:
-        return auth.check(request, await request.body())
+    async def authenticated(request: Request) -> None:
+        request.state.caller = auth.check(request, await request.body())
 
     r = APIRouter(prefix="/v1", dependencies=[Depends(authenticated)])
+    _volume_routes(r)
+    _snapshot_routes(r)
+    _node_routes(r)
+    _admin_routes(r)
+    return r
 
+
+def _volume_routes(r: APIRouter) -> None:
     @r.post("/volumes", response_model=VolumeOut, tags=["volumes"])
-    def create_volume(body: CreateVolumeRequest, svc: Controller = Depends(services)) -> VolumeOut:
-        return volumes.create_volume(svc, body)
+    def create_volume(body: CreateVolumeRequest, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> VolumeOut:
+        return volumes.create_volume(svc, body, who.tenant)
 
     @r.get("/volumes", response_model=VolumeList, tags=["volumes"])
-    def describe_volumes(
-        volume_id: list[str] = Query(default=[], max_length=1000),
-        filter: list[str] = Query(default=[], max_length=50, description="name=value, e.g. status=available"),
-        max_results: int | None = Query(default=None),
-        next_token: str | None = Query(default=None, max_length=64),
-        svc: Controller = Depends(services),
-    ) -> VolumeList:
-        return volumes.describe_volumes(svc, volume_id, parse_filters(filter), max_results, next_token)
+    def describe_volumes(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                         max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
+                         svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeList:
+        return volumes.describe_volumes(svc, who.tenant, volume_id, parse_filters(filter), max_results, next_token)
 
     @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
-    def get_volume(volume_id: str, svc: Controller = Depends(services)) -> VolumeOut:
-        return volumes.get_volume(svc, volume_id)
+    def get_volume(volume_id: str, svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeOut:
+        return volumes.get_volume(svc, volume_id, who.tenant)
 
     @r.delete("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
-    def delete_volume(volume_id: str, svc: Controller = Depends(services)) -> VolumeOut:
-        return volumes.delete_volume(svc, volume_id)
+    def delete_volume(volume_id: str, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> VolumeOut:
+        return volumes.delete_volume(svc, volume_id, who.tenant)
 
     @r.post("/volumes/{volume_id}/attach", response_model=AttachmentOut, tags=["volumes"])
-    def attach_volume(volume_id: str, body: AttachVolumeRequest, svc: Controller = Depends(services)) -> AttachmentOut:
-        return attachments.attach_volume(svc, volume_id, body)
+    def attach_volume(volume_id: str, body: AttachVolumeRequest, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> AttachmentOut:
+        return attachments.attach_volume(svc, volume_id, body, who.tenant)
 
     @r.post("/volumes/{volume_id}/detach", response_model=AttachmentOut, tags=["volumes"])
-    def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Controller = Depends(services)) -> AttachmentOut:
-        return attachments.detach_volume(svc, volume_id, body)
+    def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> AttachmentOut:
+        return attachments.detach_volume(svc, volume_id, body, who.tenant)
 
     @r.post("/volumes/{volume_id}/modify", response_model=ModificationOut, tags=["volumes"])
-    def modify_volume(volume_id: str, body: ModifyVolumeRequest,
-                      svc: Controller = Depends(services)) -> ModificationOut:
-        return modifications.modify_volume(svc, volume_id, body)
+    def modify_volume(volume_id: str, body: ModifyVolumeRequest, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> ModificationOut:
+        return modifications.modify_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/volume-modifications", response_model=ModificationList, tags=["volumes"])
-    def describe_modifications(
-        volume_id: list[str] = Query(default=[], max_length=1000),
-        filter: list[str] = Query(default=[], max_length=50),
-        max_results: int | None = Query(default=None),
-        next_token: str | None = Query(default=None, max_length=64),
-        svc: Controller = Depends(services),
-    ) -> ModificationList:
-        return modifications.describe_modifications(svc, volume_id, parse_filters(filter), max_results, next_token)
-
-    @r.get("/hosts", response_model=HostList, tags=["nodes"])
-    def hosts(svc: Controller = Depends(services)) -> HostList:
-        with svc.db.session() as s:
-            return HostList(hosts=describe_hosts(s, svc.cfg.heartbeat_timeout_s))
-
-    @r.get("/instances", response_model=InstanceList, tags=["nodes"])
-    def instances(svc: Controller = Depends(services)) -> InstanceList:
-        return InstanceList(instances=attachments.describe_instances(svc))
-
-    @r.post("/snapshots", response_model=SnapshotOut, tags=["snapshots"])
-    def create_snapshot(body: CreateSnapshotRequest, svc: Controller = Depends(services)) -> SnapshotOut:
-        return snapshots.create_snapshot(svc, body)
-
-    @r.get("/snapshots", response_model=SnapshotList, tags=["snapshots"])
-    def describe_snapshots(
-        snapshot_id: list[str] = Query(default=[], max_length=1000),
-        filter: list[str] = Query(default=[], max_length=50),
-        max_results: int | None = Query(default=None),
-        next_token: str | None = Query(default=None, max_length=64),
-        svc: Controller = Depends(services),
-    ) -> SnapshotList:
-        return snapshots.describe_snapshots(svc, snapshot_id, parse_filters(filter), max_results, next_token)
-
-    @r.get("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
-    def get_snapshot(snapshot_id: str, svc: Controller = Depends(services)) -> SnapshotOut:
-        return snapshots.get_snapshot(svc, snapshot_id)
-
-    @r.delete("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
-    def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services)) -> SnapshotOut:
-        return snapshots.delete_snapshot(svc, snapshot_id)
+    def describe_modifications(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                               max_results: int | None = max_results_query(),
+                               next_token: str | None = next_token_query(), svc: Controller = Depends(services),
+                               who: Principal = Depends(caller)) -> ModificationList:
+        return modifications.describe_modifications(svc, who.tenant, volume_id, parse_filters(filter), max_results,
+                                                    next_token)
 
     @r.post("/tags", tags=["tags"])
-    def create_tags(body: CreateTagsRequest, svc: Controller = Depends(services)) -> dict[str, bool]:
+    def create_tags(body: CreateTagsRequest, svc: Controller = Depends(services),
+                    who: Principal = Depends(caller)) -> dict[str, bool]:
         with svc.db.session() as s:
-            tags.create_tags(s, body.resource_ids, body.tags)
+            tags.create_tags(s, body.resource_ids, body.tags, who.tenant)
         return {"return": True}
 
     @r.post("/tags/delete", tags=["tags"])
-    def delete_tags(body: DeleteTagsRequest, svc: Controller = Depends(services)) -> dict[str, bool]:
+    def delete_tags(body: DeleteTagsRequest, svc: Controller = Depends(services),
+                    who: Principal = Depends(caller)) -> dict[str, bool]:
         with svc.db.session() as s:
-            tags.delete_tags(s, body.resource_ids, body.keys)
+            tags.delete_tags(s, body.resource_ids, body.keys, who.tenant)
         return {"return": True}
 
-    @r.get("/storage-nodes", response_model=StorageNodeList, tags=["nodes"])
-    def storage_nodes(svc: Controller = Depends(services)) -> StorageNodeList:
-        with svc.db.session() as s:
-            return StorageNodeList(storage_nodes=describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s))
 
-    @r.get("/admin/check", tags=["admin"])
+def _snapshot_routes(r: APIRouter) -> None:
+    @r.post("/snapshots", response_model=SnapshotOut, tags=["snapshots"])
+    def create_snapshot(body: CreateSnapshotRequest, svc: Controller = Depends(services),
+                        who: Principal = Depends(caller)) -> SnapshotOut:
+        return snapshots.create_snapshot(svc, body, who.tenant)
+
+    @r.get("/snapshots", response_model=SnapshotList, tags=["snapshots"])
+    def describe_snapshots(snapshot_id: list[str] = ids_query(), filter: list[str] = filters_query(),
+                           max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
+                           svc: Controller = Depends(services), who: Principal = Depends(caller)) -> SnapshotList:
+        return snapshots.describe_snapshots(svc, who.tenant, snapshot_id, parse_filters(filter), max_results,
+                                            next_token)
+
+    @r.get("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
+    def get_snapshot(snapshot_id: str, svc: Controller = Depends(services),
+                     who: Principal = Depends(caller)) -> SnapshotOut:
+        return snapshots.get_snapshot(svc, snapshot_id, who.tenant)
+
+    @r.delete("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
+    def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services),
+                        who: Principal = Depends(caller)) -> SnapshotOut:
+        return snapshots.delete_snapshot(svc, snapshot_id, who.tenant)
+
+
+def _node_routes(r: APIRouter) -> None:
+    @r.get("/instances", response_model=InstanceList, tags=["nodes"])
+    def instances(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
+                  svc: Controller = Depends(services), who: Principal = Depends(caller)) -> InstanceList:
+        """Every key may list instances (attaching needs an instance id); only its tenant's attachments show."""
+        found, token = page_of(attachments.describe_instances(svc, who.tenant), lambda i: i.instance_id,
+                               max_results, next_token)
+        return InstanceList(instances=found, next_token=token)
+
+    @r.get("/hosts", response_model=HostList, tags=["nodes"], dependencies=[Depends(admin)])
+    def hosts(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
+              svc: Controller = Depends(services)) -> HostList:
+        with svc.db.read() as s:
+            found, token = page_of(describe_hosts(s, svc.cfg.heartbeat_timeout_s), lambda h: h.name, max_results,
+                                   next_token)
+        return HostList(hosts=found, next_token=token)
+
+    @r.get("/storage-nodes", response_model=StorageNodeList, tags=["nodes"], dependencies=[Depends(admin)])
+    def storage_nodes(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
+                      svc: Controller = Depends(services)) -> StorageNodeList:
+        with svc.db.read() as s:
+            found, token = page_of(describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s), lambda n: n.name,
+                                   max_results, next_token)
+        return StorageNodeList(storage_nodes=found, next_token=token)
+
+
+def _admin_routes(r: APIRouter) -> None:
+    @r.get("/admin/check", tags=["admin"], dependencies=[Depends(admin)])
     def check(svc: Controller = Depends(services)) -> dict[str, Any]:
         """Compare the agents' real inventory with the DB; change nothing."""
         return svc.reconciler.run(repair=False).as_dict()
 
-    @r.post("/admin/reconcile", tags=["admin"])
+    @r.post("/admin/reconcile", tags=["admin"], dependencies=[Depends(admin)])
     def reconcile(now: bool = False, svc: Controller = Depends(services)) -> dict[str, Any]:
         """Repair drift now; ``now=true`` also removes orphans without waiting for their grace period."""
         return svc.reconciler.run(repair=True, ignore_grace=now).as_dict()
 
     @r.get("/operations/{operation_id}", response_model=OperationOut, tags=["operations"])
-    def get_operation(operation_id: str, svc: Controller = Depends(services)) -> OperationOut:
-        if not ids.is_valid("operation", operation_id):
-            raise NotFound(f"The operation '{operation_id[:40]}' does not exist.", code="InvalidOperation.NotFound")
-        with svc.db.session() as s:
-            op = s.get(Operation, operation_id)
-            if op is None:
-                raise NotFound(f"The operation '{operation_id}' does not exist.", code="InvalidOperation.NotFound")
-            steps = s.scalars(select(OperationStep).where(OperationStep.operation_id == op.id)
-                              .order_by(OperationStep.position)).all()
-            return OperationOut(operation_id=op.id, kind=op.kind, resource_id=op.resource_id, status=op.status,
-                                error=op.error, attempts=op.attempts, created_at=op.created_at,
-                                updated_at=op.updated_at,
-                                steps=[StepOut(name=st.name, state=st.state, error=st.error) for st in steps])
+    def get_operation(operation_id: str, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> OperationOut:
+        """Any operation to an admin; to a user, those on its tenant's volumes and snapshots (the CLI's --wait)."""
+        return describe_operation(svc, operation_id, who)
 
-    return r
+    @r.post("/keys", response_model=KeyOut, tags=["keys"], dependencies=[Depends(admin)])
+    def create_key(body: CreateKeyRequest, request: Request) -> KeyOut:
+        key = _key_store(request).create(body.tenant, body.role)
+        return KeyOut(access_key_id=key.access_key_id, tenant=body.tenant, role=body.role,
+                      secret_access_key=key.secret_access_key)
+
+    @r.get("/keys", response_model=KeyList, tags=["keys"], dependencies=[Depends(admin)])
+    def list_keys(request: Request) -> KeyList:
+        return KeyList(keys=[KeyOut(access_key_id=k.access_key_id, tenant=k.tenant, role=k.role,
+                                    bootstrap=k.bootstrap) for k in _key_store(request).list()])
+
+    @r.delete("/keys/{access_key_id}", tags=["keys"], dependencies=[Depends(admin)])
+    def delete_key(access_key_id: str, request: Request) -> dict[str, bool]:
+        _key_store(request).delete(access_key_id)
+        return {"return": True}
+
+
+def _key_store(request: Request) -> KeyStore:
+    return request.app.state.keys  # type: ignore[no-any-return]
+
+
+def describe_operation(svc: Controller, operation_id: str, who: Principal) -> OperationOut:
+    if not ids.is_valid("operation", operation_id):
+        raise operation_not_found(operation_id)
+    with svc.db.read() as s:
+        op = s.get(Operation, operation_id)
+        if op is None or not (who.is_admin or _owns(s, op.resource_id, who.tenant)):
+            raise operation_not_found(operation_id)
+        steps = s.scalars(select(OperationStep).where(OperationStep.operation_id == op.id)
+                          .order_by(OperationStep.position)).all()
+        return OperationOut(operation_id=op.id, kind=op.kind, resource_id=op.resource_id, status=op.status,
+                            error=op.error, attempts=op.attempts, created_at=op.created_at, updated_at=op.updated_at,
+                            steps=[StepOut(name=st.name, state=st.state, error=st.error) for st in steps])
+
+
+def operation_not_found(operation_id: str) -> NotFound:
+    return NotFound(f"The operation '{operation_id[:40]}' does not exist.", code="InvalidOperation.NotFound")
+
+
+def _owns(s: Session, resource_id: str, tenant: str) -> bool:
+    table: type[Volume] | type[Snapshot] = Volume if resource_id.startswith("vol-") else Snapshot
+    return s.scalar(select(table.tenant).where(table.id == resource_id)) == tenant
 
 
 def internal_router(keyring: NodeKeyring, *, insecure: bool) -> APIRouter:
@@ -246,6 +333,13 @@ def install_routes(app: FastAPI, keyring: NodeKeyring, auth: Authenticator, *, i
     @app.get("/health", include_in_schema=False)
     def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    async def authenticated(request: Request) -> None:
+        auth.check(request, await request.body())
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authenticated)])
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     app.include_router(public_router(auth))
     app.include_router(internal_router(keyring, insecure=insecure))

@@ -22,6 +22,7 @@ from vbs.controller.auth import Authenticator
 from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
+from vbs.controller.keys import KeyStore, MasterKey
 from vbs.controller.reconcile import Reconciler
 from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
@@ -78,10 +79,12 @@ def access_keys(cfg: ControllerConfig) -> dict[str, str]:
 
 
 def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
-    auth = Authenticator(access_keys(cfg), cfg.region)
+    bootstrap = access_keys(cfg)
     keyring = NodeKeyring.for_data_dir(cfg.data_dir).ensure()
     db = database_for(cfg)
     db.migrate()
+    key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
+    auth = Authenticator(key_store, cfg.region)
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls))
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
@@ -114,8 +117,11 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
         svc.agents.close()
         db.dispose()
 
-    app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan)
+    # No /docs or /redoc, and the schema only to an authenticated caller (install_routes): docs/security.md.
+    app = FastAPI(title="VBS — Virtual Block Store", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.services = svc
+    app.state.keys = key_store
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure))
     install_routes(app, keyring, auth, insecure=cfg.insecure)

@@ -49,17 +49,18 @@ def _out(a: Attachment) -> AttachmentOut:
                          attach_time=a.created_at)
 
 
-def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest) -> AttachmentOut:
+def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, tenant: str) -> AttachmentOut:
     ids.check("volume", volume_id)
     device = req.device
     with svc.db.session() as s:
+        # The volume first: another tenant's volume is not found, whatever the instance.
+        vol = live_volume(s, volume_id, tenant)
         inst = _resolve_instance(s, req)
         if inst.state != "running":
             raise IncorrectState(f"The instance '{inst.id}' is {inst.state}, not running.",
                                  code="IncorrectInstanceState")
         if not host_is_alive(s, inst.host, svc.cfg.heartbeat_timeout_s):
             raise AgentUnavailable(f"The host agent of '{inst.host}' is not reporting; cannot attach there.")
-        vol = live_volume(s, volume_id)
         live = list(s.scalars(select(Attachment).where(Attachment.volume_id == volume_id,
                                                        Attachment.status.in_(LIVE_ATTACHMENT))))
         if any(a.instance_id == inst.id for a in live):
@@ -91,9 +92,9 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest) -> 
     return out
 
 
-def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest) -> AttachmentOut:
+def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, tenant: str) -> AttachmentOut:
     with svc.db.session() as s:
-        vol = live_volume(s, volume_id)
+        vol = live_volume(s, volume_id, tenant)
         stmt = select(Attachment).where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
         if req.instance_id is not None:
             stmt = stmt.where(Attachment.instance_id == req.instance_id)
@@ -117,12 +118,18 @@ def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest) -> 
     return out
 
 
-def describe_instances(svc: Controller) -> list[InstanceOut]:
+def describe_instances(svc: Controller, tenant: str) -> list[InstanceOut]:
+    """The VMs host agents report, each with the attachments of ``tenant``'s volumes only.
+
+    Every key may list instances (attaching needs an instance id); another tenant's volumes on them stay hidden.
+    """
     with svc.db.read() as s:
         insts = list(s.scalars(select(Instance).where(Instance.state != "gone").order_by(Instance.host,
                                                                                          Instance.vm_id)))
         atts: dict[str, list[AttachmentOut]] = {i.id: [] for i in insts}
-        for a in s.scalars(select(Attachment).where(Attachment.status.in_(LIVE_ATTACHMENT))):
+        owned = select(Volume.id).where(Volume.tenant == tenant)
+        for a in s.scalars(select(Attachment).where(Attachment.status.in_(LIVE_ATTACHMENT),
+                                                    Attachment.volume_id.in_(owned))):
             if a.instance_id in atts:
                 atts[a.instance_id].append(_out(a))
         return [InstanceOut(instance_id=i.id, host=i.host, vm_id=i.vm_id, name=i.name, state=i.state,

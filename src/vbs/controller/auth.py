@@ -1,37 +1,47 @@
-"""Who may call the public APIs: the configured access keys, as a bearer token or a SigV4 signature.
+"""Who may call the public APIs: access keys, as a bearer token or a SigV4 signature, and what each may do.
 
 ``Authorization: Bearer <access key id>:<secret>`` is the simple form for the REST API and the vbs
 CLI; SigV4 (header or presigned query) is what AWS SDKs send, for REST and for the EC2 Query API.
+Every refusal that could tell whether a key id exists answers the same ``AuthFailure``.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
 
 from fastapi import Request
 
 from vbs.controller.ec2 import sigv4
-from vbs.errors import AuthFailure
+from vbs.controller.keys import KeyStore, Principal
+from vbs.errors import AuthFailure, UnauthorizedOperation
 
 SIGV4_SERVICES = ("ec2", "vbs")
+_UNKNOWN = "\0" * 40
+
+
+def require_admin(who: Principal) -> Principal:
+    """``who``, if its role may see the infrastructure (hosts, storage nodes, operations, repairs, keys)."""
+    if not who.is_admin:
+        raise UnauthorizedOperation("You are not authorized to perform this operation: it needs an admin key.")
+    return who
 
 
 class Authenticator:
-    def __init__(self, keys: Mapping[str, str], region: str) -> None:
-        self.keys = dict(keys)
+    def __init__(self, keys: KeyStore, region: str) -> None:
+        self.keys = keys
         self.region = region
 
-    def check_bearer(self, value: str) -> str:
+    def check_bearer(self, value: str) -> Principal:
         key_id, _, secret = value.partition(":")
-        expected = self.keys.get(key_id)
+        found = self.keys.lookup(key_id)
         # Compare against something even for an unknown key id, so timing says nothing.
-        if not hmac.compare_digest(secret.encode(), (expected or "\0" * 40).encode()) or expected is None:
+        expected = found[0] if found else _UNKNOWN
+        if not hmac.compare_digest(secret.encode(), expected.encode()) or found is None:
             raise AuthFailure("AWS was not able to validate the provided access credentials")
-        return key_id
+        return found[1]
 
-    def check(self, request: Request, body: bytes) -> str:
-        """The access key id that authenticated ``request``, or AuthFailure."""
+    def check(self, request: Request, body: bytes) -> Principal:
+        """Who sent ``request``, or AuthFailure."""
         header = request.headers.get("authorization", "")
         if header.startswith("Bearer "):
             return self.check_bearer(header[len("Bearer "):].strip())
@@ -40,11 +50,15 @@ class Authenticator:
         last: AuthFailure | None = None
         for service in SIGV4_SERVICES:
             try:
-                return sigv4.verify(request.method, path, query, request.headers, body, self.keys,
-                                    region=self.region, service=service)
+                key_id = sigv4.verify(request.method, path, query, request.headers, body, self.keys.secret_of,
+                                      region=self.region, service=service)
             except AuthFailure as exc:
                 last = exc
                 if "service" not in exc.message.lower():
                     break
-        assert last is not None
-        raise last
+                continue
+            found = self.keys.lookup(key_id)
+            if found is None:  # deleted between the two look-ups
+                break
+            return found[1]
+        raise last or AuthFailure(sigv4.BAD_SIGNATURE)

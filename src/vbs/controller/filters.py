@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, Select, exists, false, select, true
 
 from vbs.controller.db import Tag
 from vbs.errors import InvalidParameter
 
+DEFAULT_PAGE = 100  # a REST describe without max_results answers this many and a next_token
 MAX_RESULTS = 1000
 MAX_FILTER_VALUES = 200
+MAX_TOKEN_KEY = 100  # "v1:" and the last key of a page (a node name is up to 63 characters)
+INT_MAX = (1 << 31) - 1  # SQL INTEGER
+_INT_RE = re.compile(r"-?[0-9]{1,10}")  # ASCII digits only: int() also takes " 1_0 " and other scripts' digits
+T = TypeVar("T")
 
 
 def parse_filters(raw: Iterable[str]) -> dict[str, list[str]]:
@@ -85,27 +91,62 @@ def decode_token(token: str) -> str:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raw = ""
-    if not raw.startswith("v1:") or len(raw) > 40:
+    if not raw.startswith("v1:") or len(raw) > MAX_TOKEN_KEY:
         raise InvalidParameter("The next token is invalid.")
     return raw[3:]
 
 
-def paginate(stmt: Select[Any], id_column: Any, max_results: int | None, next_token: str | None) -> Select[Any]:
-    if max_results is not None and not 1 <= max_results <= MAX_RESULTS:
+def page_limit(max_results: int | None, resource_ids: list[str], *, default: int = DEFAULT_PAGE,
+               maximum: int = MAX_RESULTS) -> int | None:
+    """How many rows one page holds: as asked (1..maximum), else ``default``; None where the ids asked for
+    bound the answer already (at most 1,000 of them)."""
+    if max_results is not None:
+        if resource_ids:
+            raise InvalidParameter("max-results cannot be combined with resource ids.")
+        if not 1 <= max_results <= maximum:
+            raise InvalidParameter(f"max-results must be between 1 and {maximum}.")
+        return max_results
+    return None if resource_ids else default
+
+
+def paginate(stmt: Select[Any], id_column: Any, limit: int | None, next_token: str | None) -> Select[Any]:
+    """``stmt`` in ``id_column`` order after the token's row, one row more than ``limit`` (to know if more follow)."""
+    if limit is not None and not 1 <= limit <= MAX_RESULTS:
         raise InvalidParameter(f"max-results must be between 1 and {MAX_RESULTS}.")
     if next_token:
         stmt = stmt.where(id_column > decode_token(next_token))
     stmt = stmt.order_by(id_column)
-    if max_results is not None:
-        stmt = stmt.limit(max_results + 1)
+    if limit is not None:
+        stmt = stmt.limit(limit + 1)
     return stmt
 
 
-def page(rows: list[Any], max_results: int | None, id_of: Callable[[Any], str]) -> tuple[list[Any], str | None]:
-    if max_results is not None and len(rows) > max_results:
-        rows = rows[:max_results]
+def page(rows: list[Any], limit: int | None, id_of: Callable[[Any], str]) -> tuple[list[Any], str | None]:
+    if limit is not None and len(rows) > limit:
+        rows = rows[:limit]
         return rows, encode_token(id_of(rows[-1]))
     return rows, None
+
+
+def page_of(items: list[T], key: Callable[[T], str], max_results: int | None,
+            next_token: str | None) -> tuple[list[T], str | None]:
+    """One page of a list already in memory (nodes, instances), in ``key`` order."""
+    limit = page_limit(max_results, [])
+    after = decode_token(next_token) if next_token else None
+    rows = sorted((i for i in items if after is None or key(i) > after), key=key)
+    return page(rows, limit, key)
+
+
+def bounded_int(low: int = 0, high: int = INT_MAX) -> Callable[[str], int]:
+    """A filter value's cast to a whole number within [low, high]; anything else is refused (400), never
+    handed to the database (a 20-digit ``size=`` overflowed SQLite's INTEGER: a 500)."""
+
+    def cast(value: str) -> int:
+        if not _INT_RE.fullmatch(value) or not low <= int(value) <= high:
+            raise ValueError(f"{value[:32]!r} is not a whole number from {low} to {high}")
+        return int(value)
+
+    return cast
 
 
 def tags_of(session: Any, resource_ids: list[str]) -> dict[str, dict[str, str]]:

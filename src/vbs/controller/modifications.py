@@ -11,9 +11,10 @@ from sqlalchemy.orm import Session, aliased
 
 from vbs import ids
 from vbs.controller import filters as flt
+from vbs.controller import quotas
 from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_info
+from vbs.controller.nodes import check_growth, host_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.states import AttachmentState, VolumeState
@@ -33,9 +34,9 @@ def _out(m: VolumeModification) -> ModificationOut:
         target_throughput=m.target_throughput, progress=m.progress, start_time=m.start_time, end_time=m.end_time)
 
 
-def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest) -> ModificationOut:
+def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, tenant: str) -> ModificationOut:
     with svc.db.session() as s:
-        vol = live_volume(s, volume_id)
+        vol = live_volume(s, volume_id, tenant)
         size = req.size_gib if req.size_gib is not None else vol.size_gib
         if size < vol.size_gib:
             raise InvalidParameter(f"New size cannot be smaller than existing size ({vol.size_gib} GiB).")
@@ -51,6 +52,8 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest) -> 
                                                            Attachment.status != AttachmentState.DETACHED)))
         if size > vol.size_gib:
             _check_online_growth(s, volume_id, attached)
+            check_growth(s, vol.storage_node, vol.pool, size - vol.size_gib, overcommit=svc.cfg.overcommit_ratio)
+            quotas.check_volumes(s, svc.cfg, tenant, new_volumes=0, new_gib=size - vol.size_gib)
         busy = s.scalar(select(VolumeModification.id).where(VolumeModification.volume_id == volume_id,
                                                             VolumeModification.state.in_(IN_PROGRESS)))
         if busy is not None:
@@ -92,27 +95,30 @@ def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment])
 MODIFICATION_FILTERS = {
     "volume-id": flt.in_values(VolumeModification.volume_id),
     "modification-state": flt.in_values(VolumeModification.state),
-    "target-size": flt.in_values(VolumeModification.target_size_gib, int),
-    "original-size": flt.in_values(VolumeModification.original_size_gib, int),
+    "target-size": flt.in_values(VolumeModification.target_size_gib, flt.bounded_int()),
+    "original-size": flt.in_values(VolumeModification.original_size_gib, flt.bounded_int()),
     "target-volume-type": flt.in_values(VolumeModification.target_volume_type),
     "original-volume-type": flt.in_values(VolumeModification.original_volume_type),
 }
 
 
-def describe_modifications(svc: Controller, volume_ids: list[str], filters: dict[str, list[str]],
+def describe_modifications(svc: Controller, tenant: str, volume_ids: list[str], filters: dict[str, list[str]],
                            max_results: int | None, next_token: str | None, *,
                            latest_only: bool = False) -> ModificationList:
     for vid in volume_ids:
         ids.check("volume", vid)
-    stmt = select(VolumeModification).where(*flt.where_clauses(filters, VolumeModification.volume_id,
-                                                                MODIFICATION_FILTERS))
+    owned = select(Volume.id).where(Volume.tenant == tenant)
+    stmt = select(VolumeModification).where(VolumeModification.volume_id.in_(owned),
+                                            *flt.where_clauses(filters, VolumeModification.volume_id,
+                                                               MODIFICATION_FILTERS))
     if volume_ids:
         stmt = stmt.where(VolumeModification.volume_id.in_(volume_ids))
     if latest_only:
         newer = aliased(VolumeModification)
         stmt = stmt.where(~exists().where(newer.volume_id == VolumeModification.volume_id,
                                           newer.start_time > VolumeModification.start_time))
-    stmt = flt.paginate(stmt, VolumeModification.id, max_results, next_token)
+    limit = flt.page_limit(max_results, [])
+    stmt = flt.paginate(stmt, VolumeModification.id, limit, next_token)
     with svc.db.read() as s:
-        rows, token = flt.page(list(s.scalars(stmt)), max_results, lambda m: m.id)
+        rows, token = flt.page(list(s.scalars(stmt)), limit, lambda m: m.id)
         return ModificationList(modifications=[_out(m) for m in rows], next_token=token)

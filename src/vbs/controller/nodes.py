@@ -10,13 +10,14 @@ import logging
 from datetime import datetime, timedelta
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Instance, Node
+from vbs.controller.db import Instance, Node, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import HostOut, PoolOut, StorageNodeOut
+from vbs.controller.states import VolumeState
 from vbs.errors import InsufficientCapacity
 from vbs.wire.base import Wire
 from vbs.wire.connection import HostIdentity
@@ -139,26 +140,56 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
     return hosts
 
 
+def provisioned_gib(session: Session, node: str, pool: str) -> int:
+    """What the volumes on ``node``/``pool`` were promised (GiB), deleted ones excepted."""
+    total = session.scalar(select(func.coalesce(func.sum(Volume.size_gib), 0)).where(
+        Volume.storage_node == node, Volume.pool == pool, Volume.status != VolumeState.DELETED))
+    return int(total or 0)
+
+
+def _fits(capacity_bytes: int, provisioned: int, size_gib: int, overcommit: float) -> bool:
+    return (provisioned + size_gib) * GIB <= capacity_bytes * overcommit
+
+
 def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float,
                 node: str | None = None, pool: str | None = None) -> tuple[str, str]:
-    """The live (node, pool) with the most free space that can hold ``size_gib`` thin-provisioned.
+    """The live (node, pool) with the most free space that can hold ``size_gib`` more, thin-provisioned.
 
-    Where the volume must live on a given node/pool (it clones a snapshot there), only that one is
-    considered. Capacity is weighed by free space, so the emptiest pool fills first.
+    A pool takes a volume only while what its volumes were promised, this one included, stays within
+    its capacity × ``overcommit``. Call it in the transaction that inserts the volume: the storage
+    node rows are locked (SQLite serialises writers anyway), so two creates cannot both take the
+    last room. Where the volume must live on a given node/pool (it clones a snapshot there), only
+    that one is considered. Capacity is weighed by free space, so the emptiest pool fills first.
     """
     now = utcnow()
     best: tuple[int, str, str] | None = None
-    for n in session.scalars(select(Node).where(Node.kind == "storage")).all():
+    full = False
+    for n in session.scalars(select(Node).where(Node.kind == "storage").with_for_update()).all():
         if (node is not None and n.name != node) or not is_alive(n, timeout_s, now):
             continue
         for p in storage_info(n).pools:
             if pool is not None and p.name != pool:
                 continue
-            if size_gib * GIB > p.capacity_bytes * overcommit:
+            if not _fits(p.capacity_bytes, provisioned_gib(session, n.name, p.name), size_gib, overcommit):
+                full = True
                 continue
             if best is None or p.free_bytes > best[0]:
                 best = (p.free_bytes, n.name, p.name)
     if best is None:
         where = f" on storage node {node}" if node else ""
+        if full:
+            raise InsufficientCapacity(f"There is not enough capacity{where} for a {size_gib} GiB volume: the pools "
+                                       f"have promised all they may (capacity x overcommit ratio {overcommit:g}).",
+                                       status=400)
         raise InsufficientCapacity(f"There is not enough live capacity{where} for a {size_gib} GiB volume.")
     return best[1], best[2]
+
+
+def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overcommit: float) -> None:
+    """Refuse growing a volume on ``node``/``pool`` by ``grow_gib`` past what the pool may promise."""
+    n = session.scalars(select(Node).where(Node.kind == "storage", Node.name == node).with_for_update()).first()
+    pools = {p.name: p for p in storage_info(n).pools} if n is not None else {}
+    if pool in pools and not _fits(pools[pool].capacity_bytes, provisioned_gib(session, node, pool), grow_gib,
+                                   overcommit):
+        raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
+                                   f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)

@@ -27,7 +27,7 @@ _TAG_KEY_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
 
 
 def _text(value: str) -> str:
-    if not _TEXT_RE.match(value):
+    if not _TEXT_RE.fullmatch(value):
         raise ValueError("must not contain control characters")
     return value
 
@@ -36,11 +36,11 @@ def _tags(value: dict[str, str]) -> dict[str, str]:
     if len(value) > TAGS_MAX:
         raise ValueError(f"at most {TAGS_MAX} tags per resource")
     for key, val in value.items():
-        if not _TAG_KEY_RE.match(key):
+        if not _TAG_KEY_RE.fullmatch(key):
             raise ValueError(f"tag key {key[:40]!r} must be 1-{TAG_KEY_MAX} printable characters")
         if key.lower().startswith("aws:"):
             raise ValueError("tag keys starting with 'aws:' are reserved")
-        if len(val) > TAG_VALUE_MAX or not _TEXT_RE.match(val):
+        if len(val) > TAG_VALUE_MAX or not _TEXT_RE.fullmatch(val):
             raise ValueError(f"tag value for {key[:40]!r} must be at most {TAG_VALUE_MAX} printable characters")
     return value
 
@@ -179,6 +179,7 @@ class StorageNodeOut(BaseModel):
 
 class StorageNodeList(BaseModel):
     storage_nodes: list[StorageNodeOut]
+    next_token: str | None = None
 
 
 DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"
@@ -221,10 +222,12 @@ class HostOut(BaseModel):
 
 class HostList(BaseModel):
     hosts: list[HostOut]
+    next_token: str | None = None
 
 
 class InstanceList(BaseModel):
     instances: list[InstanceOut]
+    next_token: str | None = None
 
 
 class ModifyVolumeRequest(_Request):
@@ -255,3 +258,21 @@ class ModificationOut(BaseModel):
 class ModificationList(BaseModel):
     modifications: list[ModificationOut]
     next_token: str | None = None
+
+
+class CreateKeyRequest(_Request):
+    tenant: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    role: Literal["admin", "user"] = "user"
+
+
+class KeyOut(BaseModel):
+    access_key_id: str
+    tenant: str
+    role: str
+    bootstrap: bool = False
+    # Only in the answer to the request that made the key: it is never shown again.
+    secret_access_key: str | None = None
+
+
+class KeyList(BaseModel):
+    keys: list[KeyOut]

@@ -12,14 +12,15 @@ from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import InvalidParameter, NotFound
 
 
-def _check_resource(session: Session, resource_id: str) -> None:
+def _check_resource(session: Session, resource_id: str, tenant: str) -> None:
+    """Only the caller's tenant's live volumes and snapshots exist for it."""
     if ids.is_valid("volume", resource_id):
-        found = session.scalar(select(Volume.id).where(Volume.id == resource_id,
+        found = session.scalar(select(Volume.id).where(Volume.id == resource_id, Volume.tenant == tenant,
                                                        Volume.status != VolumeState.DELETED))
         if found is None:
             raise NotFound(f"The volume '{resource_id}' does not exist.", code="InvalidVolume.NotFound")
     elif ids.is_valid("snapshot", resource_id):
-        found = session.scalar(select(Snapshot.id).where(Snapshot.id == resource_id,
+        found = session.scalar(select(Snapshot.id).where(Snapshot.id == resource_id, Snapshot.tenant == tenant,
                                                          Snapshot.status != SnapshotState.DELETED))
         if found is None:
             raise NotFound(f"The snapshot '{resource_id}' does not exist.", code="InvalidSnapshot.NotFound")
@@ -28,9 +29,8 @@ def _check_resource(session: Session, resource_id: str) -> None:
                                code="InvalidID")
 
 
-def set_tags(session: Session, resource_id: str, tags: dict[str, str], *, check: bool = True) -> None:
-    if check:
-        _check_resource(session, resource_id)
+def set_tags(session: Session, resource_id: str, tags: dict[str, str]) -> None:
+    """Add or overwrite tags of a resource the caller was already allowed to touch."""
     existing = {t.key: t for t in session.scalars(select(Tag).where(Tag.resource_id == resource_id))}
     if len(set(existing) | set(tags)) > TAGS_MAX:
         raise InvalidParameter(f"A resource can have at most {TAGS_MAX} tags.", code="TagLimitExceeded")
@@ -41,26 +41,27 @@ def set_tags(session: Session, resource_id: str, tags: dict[str, str], *, check:
             session.add(Tag(resource_id=resource_id, key=key, value=value))
 
 
-def create_tags(session: Session, resource_ids: list[str], tags: dict[str, str]) -> None:
+def create_tags(session: Session, resource_ids: list[str], tags: dict[str, str], tenant: str) -> None:
     for rid in resource_ids:
-        _check_resource(session, rid)
+        _check_resource(session, rid, tenant)
     for rid in resource_ids:
-        set_tags(session, rid, tags, check=False)
+        set_tags(session, rid, tags)
 
 
-def delete_tags(session: Session, resource_ids: list[str], keys: list[str]) -> None:
+def delete_tags(session: Session, resource_ids: list[str], keys: list[str], tenant: str) -> None:
     for rid in resource_ids:
-        _check_resource(session, rid)
+        _check_resource(session, rid, tenant)
     stmt = delete(Tag).where(Tag.resource_id.in_(resource_ids))
     if keys:
         stmt = stmt.where(Tag.key.in_(keys))
     session.execute(stmt)
 
 
-def delete_tag_pairs(session: Session, resource_ids: list[str], pairs: list[tuple[str, str | None]]) -> None:
+def delete_tag_pairs(session: Session, resource_ids: list[str], pairs: list[tuple[str, str | None]],
+                     tenant: str) -> None:
     """EC2 DeleteTags: a key alone deletes it; a key with a value deletes it only if the value matches."""
     for rid in resource_ids:
-        _check_resource(session, rid)
+        _check_resource(session, rid, tenant)
     if not pairs:
         session.execute(delete(Tag).where(Tag.resource_id.in_(resource_ids)))
         return

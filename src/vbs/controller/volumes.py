@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller import filters as flt
+from vbs.controller import quotas
 from vbs.controller.db import Attachment, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import choose_pool
@@ -40,10 +41,11 @@ def volume_not_found(volume_id: str) -> NotFound:
     return NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
 
 
-def live_volume(s: Session, volume_id: str) -> Volume:
-    """The volume row, unless it is unknown or deleted (``InvalidVolume.NotFound``, as EC2 answers)."""
+def live_volume(s: Session, volume_id: str, tenant: str) -> Volume:
+    """The tenant's volume row, unless it is unknown, another tenant's or deleted (``InvalidVolume.NotFound``,
+    as EC2 answers: another tenant's volume does not exist for this caller)."""
     vol = s.get(Volume, ids.check("volume", volume_id))
-    if vol is None or vol.status == VolumeState.DELETED:
+    if vol is None or vol.status == VolumeState.DELETED or vol.tenant != tenant:
         raise volume_not_found(volume_id)
     return vol
 
@@ -53,7 +55,7 @@ def _digest(req: CreateVolumeRequest) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def create_volume(svc: Controller, req: CreateVolumeRequest) -> VolumeOut:
+def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> VolumeOut:
     if req.placement != "shared":
         raise InvalidParameter("placement 'local' is not supported yet; use 'shared'.")
     digest = _digest(req)
@@ -62,11 +64,14 @@ def create_volume(svc: Controller, req: CreateVolumeRequest) -> VolumeOut:
             if req.client_token is not None:
                 existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
                 if existing is not None:
+                    if existing.tenant != tenant:
+                        raise IdempotentParameterMismatch(
+                            "The client token was already used with different parameters.")
                     if existing.request_digest != digest:
                         raise IdempotentParameterMismatch(
                             "The client token was already used with different parameters.")
                     return _describe_one(s, existing)
-            volume, op_id = _insert_volume(svc, s, req, digest)
+            volume, op_id = _insert_volume(svc, s, req, digest, tenant)
             out = _describe_one(s, volume)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
@@ -74,7 +79,7 @@ def create_volume(svc: Controller, req: CreateVolumeRequest) -> VolumeOut:
             existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
             if existing is None:
                 raise
-            if existing.request_digest != digest:
+            if existing.request_digest != digest or existing.tenant != tenant:
                 raise IdempotentParameterMismatch(
                     "The client token was already used with different parameters.") from None
             return _describe_one(s, existing)
@@ -82,13 +87,14 @@ def create_volume(svc: Controller, req: CreateVolumeRequest) -> VolumeOut:
     return out
 
 
-def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str) -> tuple[Volume, str]:
+def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
+                   tenant: str) -> tuple[Volume, str]:
     cfg = svc.cfg
     size = req.size_gib
     node = pool = None
     if req.snapshot_id is not None:
         snap = s.get(Snapshot, req.snapshot_id)
-        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
+        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) or snap.tenant != tenant:
             raise NotFound(f"The snapshot '{req.snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
         # Touching the row inside this transaction makes a concurrent delete-snapshot wait for us.
         hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
@@ -104,26 +110,28 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
+    # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              node=node, pool=pool)
+    quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
     now = utcnow()
     volume = Volume(
         id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
         volume_type=req.volume_type, iops=req.iops, throughput=req.throughput, multi_attach=req.multi_attach,
-        placement=req.placement, storage_node=node, pool=pool, status=VolumeState.CREATING, progress=0,
+        placement=req.placement, storage_node=node, pool=pool, status=VolumeState.CREATING, progress=0, tenant=tenant,
         client_token=req.client_token, request_digest=digest, created_at=now, updated_at=now,
     )
     s.add(volume)
     s.flush()
-    set_tags(s, volume.id, req.tags, check=False)
+    set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id))
     return volume, op_id
 
 
-def delete_volume(svc: Controller, volume_id: str) -> VolumeOut:
+def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
     with svc.db.session() as s:
-        vol = live_volume(s, volume_id)
+        vol = live_volume(s, volume_id, tenant)
         if vol.status == VolumeState.IN_USE:
             raise VolumeInUse(f"The volume '{volume_id}' is attached; detach it first.")
         pending = exists().where(Snapshot.volume_id == volume_id, Snapshot.status == SnapshotState.PENDING)
@@ -143,7 +151,7 @@ VOLUME_FILTERS = {
     "status": flt.in_values(Volume.status),
     "volume-id": flt.in_values(Volume.id),
     "snapshot-id": flt.in_values(Volume.snapshot_id),
-    "size": flt.in_values(Volume.size_gib, int),
+    "size": flt.in_values(Volume.size_gib, flt.bounded_int()),
     "volume-type": flt.in_values(Volume.volume_type),
     "multi-attach-enabled": flt.in_values(Volume.multi_attach, lambda v: {"true": True, "false": False}[v]),
     "storage-node": flt.in_values(Volume.storage_node),
@@ -162,30 +170,30 @@ VOLUME_FILTERS = {
 }
 
 
-def describe_volumes(svc: Controller, volume_ids: list[str], filters: dict[str, list[str]],
+def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filters: dict[str, list[str]],
                      max_results: int | None, next_token: str | None) -> VolumeList:
     for vid in volume_ids:
         ids.check("volume", vid)
-    if volume_ids and max_results is not None:
-        raise InvalidParameter("max-results cannot be combined with volume ids.")
+    limit = flt.page_limit(max_results, volume_ids)
     retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
-    stmt = select(Volume).where(or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention),
+    stmt = select(Volume).where(Volume.tenant == tenant,
+                                or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention),
                                 *flt.where_clauses(filters, Volume.id, VOLUME_FILTERS))
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
-    stmt = flt.paginate(stmt, Volume.id, max_results, next_token)
+    stmt = flt.paginate(stmt, Volume.id, limit, next_token)
     with svc.db.read() as s:
         rows = list(s.scalars(stmt))
         if volume_ids:
             missing = sorted(set(volume_ids) - {v.id for v in rows})
             if missing and not filters:
                 raise NotFound(f"The volume(s) '{', '.join(missing)}' do not exist.", code="InvalidVolume.NotFound")
-        rows, token = flt.page(rows, max_results, lambda v: v.id)
+        rows, token = flt.page(rows, limit, lambda v: v.id)
         return VolumeList(volumes=_describe_many(s, rows), next_token=token)
 
 
-def get_volume(svc: Controller, volume_id: str) -> VolumeOut:
-    return describe_volumes(svc, [volume_id], {}, None, None).volumes[0]
+def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
+    return describe_volumes(svc, tenant, [volume_id], {}, None, None).volumes[0]
 
 
 def _describe_one(s: Session, vol: Volume) -> VolumeOut:

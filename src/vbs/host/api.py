@@ -21,20 +21,20 @@ from vbs.wire.storage import ItemStatus, Removed
 
 
 def _serial(serial: str) -> str:
-    if not SERIAL_RE.match(serial):
+    if not SERIAL_RE.fullmatch(serial):
         raise InvalidParameter(f"invalid disk serial {serial[:40]!r}: expecting a volume id without its dash")
     return serial
 
 
 def _vm(vm_id: str) -> str:
-    if not VM_ID_RE.match(vm_id):
+    if not VM_ID_RE.fullmatch(vm_id):
         raise InvalidParameter(f"invalid VM id {vm_id[:70]!r}")
     return vm_id
 
 
 def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None],
                node_name: str) -> FastAPI:
-    app = FastAPI(title="VBS host agent", version="1")
+    app = FastAPI(title="VBS host agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
     router = APIRouter(prefix="/v1")

@@ -34,7 +34,7 @@ from vbs.wire.storage import (
 
 
 def _host_name(name: str) -> str:
-    if not HOST_NAME_RE.match(name):
+    if not HOST_NAME_RE.fullmatch(name):
         raise InvalidParameter(f"invalid host name {name[:64]!r}")
     return name
 
@@ -54,7 +54,7 @@ def _same_host(host: HostIdentity, host_name: str) -> None:
 
 def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callable[[Scope], Response | None],
                node_name: str) -> FastAPI:
-    app = FastAPI(title="VBS storage agent", version="1")
+    app = FastAPI(title="VBS storage agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
     router = APIRouter(prefix="/v1")

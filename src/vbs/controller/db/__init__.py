@@ -2,6 +2,7 @@
 
 from vbs.controller.db.session import Database
 from vbs.controller.db.tables import (
+    AccessKeyRecord,
     Attachment,
     Base,
     Instance,
@@ -26,4 +27,5 @@ __all__ = [
     "Operation",
     "OperationStep",
     "VolumeModification",
+    "AccessKeyRecord",
 ]

@@ -35,6 +35,10 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# Resources made before tenants existed, and by the bootstrap keys, belong to this tenant.
+DEFAULT_TENANT = "default"
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
 
@@ -56,6 +60,8 @@ class Volume(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     status_reason: Mapped[str | None] = mapped_column(Text)
     progress: Mapped[int] = mapped_column(Integer, default=0)
+    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
+                                        server_default=DEFAULT_TENANT)
     client_token: Mapped[str | None] = mapped_column(String(64), unique=True)
     request_digest: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime]
@@ -75,8 +81,26 @@ class Snapshot(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     status_reason: Mapped[str | None] = mapped_column(Text)
     progress: Mapped[int] = mapped_column(Integer, default=0)
+    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
+                                        server_default=DEFAULT_TENANT)
     started_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+
+
+class AccessKeyRecord(Base):
+    """An access key made by ``vbs create-key``: its tenant, its role and its secret, sealed.
+
+    SigV4 needs the secret itself (not a hash), so it is kept encrypted with the controller's
+    master key (``vbs.controller.keys``); the row alone reveals nothing usable.
+    """
+
+    __tablename__ = "access_keys"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    sealed_secret: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
 
 
 class Tag(Base):

@@ -17,6 +17,7 @@ from vbs.controller import attachments, modifications, snapshots, tags, volumes
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
+from vbs.controller.keys import Principal
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
@@ -32,8 +33,14 @@ from vbs.controller.schemas import (
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
 
-Handler = Callable[[Controller, QueryParams], dict[str, Any]]
+Handler = Callable[[Controller, QueryParams, Principal], dict[str, Any]]
 ACCOUNT_ID = "000000000000"
+# Largest pages, as EC2 documents them; a describe without MaxResults answers one such page and a NextToken.
+VOLUMES_PAGE = 500
+SNAPSHOTS_PAGE = 1000
+MODIFICATIONS_PAGE = 500
+TAGS_PAGE = 1000
+MAX_TOKEN = 160
 
 
 class DryRunOperation(VbsError):
@@ -82,6 +89,18 @@ def _snapshot_id(value: str | None, name: str = "SnapshotId") -> str:
     return value
 
 
+def _page_size(p: QueryParams, resource_ids: list[str], ids_name: str, largest: int) -> int | None:
+    """MaxResults (at least 5; above ``largest`` answers ``largest``, as EC2 does), else ``largest`` per page;
+    None where resource ids were given (they bound the answer and cannot be combined with MaxResults)."""
+    asked = p.int("MaxResults", min=5)
+    if resource_ids:
+        if asked is not None:
+            raise InvalidParameter(f"The parameter {ids_name} cannot be used with the parameter maxResults.",
+                                   code="InvalidParameterCombination")
+        return None
+    return min(asked or largest, largest)
+
+
 def _dry_run(p: QueryParams) -> None:
     if p.bool("DryRun"):
         raise DryRunOperation()
@@ -128,7 +147,7 @@ def _snapshot(s: SnapshotOut) -> dict[str, Any]:
 # -- volumes ---------------------------------------------------------------------------------------
 
 
-def create_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     zone = p.str("AvailabilityZone", max_len=64)
     if zone is not None and zone != svc.cfg.availability_zone:
         raise InvalidParameter(f"Invalid availability zone: [{zone[:64]}]; this endpoint serves "
@@ -144,13 +163,13 @@ def create_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
     req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
-    return _volume(svc, volumes.create_volume(svc, req))
+    return _volume(svc, volumes.create_volume(svc, req, who.tenant))
 
 
-def delete_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def delete_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     _dry_run(p)
-    volumes.delete_volume(svc, vol_id)
+    volumes.delete_volume(svc, vol_id, who.tenant)
     return {"return": True}
 
 
@@ -165,17 +184,12 @@ def _zone_filter(svc: Controller, filters: dict[str, list[str]]) -> bool:
     return zones is None or svc.cfg.availability_zone in zones
 
 
-def describe_volumes(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
     filters = p.filters()
-    max_results = p.int("MaxResults", min=5)
-    if max_results is not None:
-        # EC2 documents 5-500 and returns at most 500 when asked for more (the AWS CLI asks for 1000).
-        max_results = min(max_results, 500)
-    token = p.str("NextToken", max_len=64)
-    if vol_ids and max_results is not None:
-        raise InvalidParameter("The parameter VolumeIds cannot be used with the parameter maxResults.",
-                               code="InvalidParameterCombination")
+    # EC2 documents 5-500 and returns at most 500 when asked for more (the AWS CLI asks for 1000).
+    max_results = _page_size(p, vol_ids, "VolumeIds", VOLUMES_PAGE)
+    token = p.str("NextToken", max_len=MAX_TOKEN)
     _dry_run(p)
     for name in filters:
         if name not in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} \
@@ -183,11 +197,11 @@ def describe_volumes(svc: Controller, p: QueryParams) -> dict[str, Any]:
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
     if not _zone_filter(svc, filters):
         return {"volumeSet": []}
-    found = volumes.describe_volumes(svc, vol_ids, filters, max_results, token)
+    found = volumes.describe_volumes(svc, who.tenant, vol_ids, filters, max_results, token)
     return {"volumeSet": [_volume(svc, v) for v in found.volumes], "nextToken": found.next_token}
 
 
-def attach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def attach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     instance = p.str("InstanceId", required=True, max_len=64)
     if not ids.is_valid("instance", instance):
@@ -195,10 +209,10 @@ def attach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
     device = p.str("Device", required=True, max_len=64)
     req = _model(AttachVolumeRequest, {"instance_id": instance, "device": device})
     _dry_run(p)
-    return _attachment(attachments.attach_volume(svc, vol_id, req))
+    return _attachment(attachments.attach_volume(svc, vol_id, req, who.tenant))
 
 
-def detach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def detach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     data: dict[str, Any] = {"force": p.bool("Force")}
     instance = p.str("InstanceId", max_len=64)
@@ -206,7 +220,7 @@ def detach_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
         data["instance_id"] = instance
     req = _model(DetachVolumeRequest, data)
     _dry_run(p)
-    return _attachment(attachments.detach_volume(svc, vol_id, req))
+    return _attachment(attachments.detach_volume(svc, vol_id, req, who.tenant))
 
 
 def _modification(m: ModificationOut) -> dict[str, Any]:
@@ -220,23 +234,24 @@ def _modification(m: ModificationOut) -> dict[str, Any]:
     }
 
 
-def modify_volume(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def modify_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     data = {"size_gib": p.int("Size"), "volume_type": p.str("VolumeType", max_len=16), "iops": p.int("Iops"),
             "throughput": p.int("Throughput")}
     req = _model(ModifyVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
-    return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req))}
+    return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req, who.tenant))}
 
 
-def describe_volumes_modifications(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_volumes_modifications(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
     filters = p.filters()
-    max_results = p.int("MaxResults", min=1, max=500)
-    token = p.str("NextToken", max_len=64)
+    max_results = p.int("MaxResults", min=1, max=MODIFICATIONS_PAGE) or MODIFICATIONS_PAGE
+    token = p.str("NextToken", max_len=MAX_TOKEN)
     _dry_run(p)
     # EC2 describes the most recent modification of each volume (Terraform relies on one answer).
-    found = modifications.describe_modifications(svc, vol_ids, filters, max_results, token, latest_only=True)
+    found = modifications.describe_modifications(svc, who.tenant, vol_ids, filters, max_results, token,
+                                                 latest_only=True)
     return {"volumeModificationSet": [_modification(m) for m in found.modifications],
             "nextToken": found.next_token}
 
@@ -244,39 +259,35 @@ def describe_volumes_modifications(svc: Controller, p: QueryParams) -> dict[str,
 # -- snapshots -------------------------------------------------------------------------------------
 
 
-def create_snapshot(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def create_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     req = _model(CreateSnapshotRequest, {"volume_id": vol_id, "comment": p.str("Description", max_len=255) or "",
                                          "tags": _tags_for(p, "snapshot")})
     _dry_run(p)
-    return _snapshot(snapshots.create_snapshot(svc, req))
+    return _snapshot(snapshots.create_snapshot(svc, req, who.tenant))
 
 
-def delete_snapshot(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def delete_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
     _dry_run(p)
-    snapshots.delete_snapshot(svc, snap_id)
+    snapshots.delete_snapshot(svc, snap_id, who.tenant)
     return {"return": True}
 
 
-def describe_snapshots(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_ids = [_snapshot_id(v) for v in p.list("SnapshotId")]
     owners = p.list("Owner")
     filters = p.filters()
     filters.pop("owner-id", None)
     filters.pop("owner-alias", None)
-    max_results = p.int("MaxResults", min=5)
-    if max_results is not None:
-        max_results = min(max_results, 1000)
-    token = p.str("NextToken", max_len=64)
-    if snap_ids and max_results is not None:
-        raise InvalidParameter("The parameter SnapshotIds cannot be used with the parameter maxResults.",
-                               code="InvalidParameterCombination")
+    max_results = _page_size(p, snap_ids, "SnapshotIds", SNAPSHOTS_PAGE)
+    token = p.str("NextToken", max_len=MAX_TOKEN)
     _dry_run(p)
     if owners and not {"self", ACCOUNT_ID} & set(owners):
         return {"snapshotSet": []}
     # A snapshot being deleted is already gone as far as EC2 clients are concerned.
-    found = snapshots.describe_snapshots(svc, snap_ids, filters, max_results, token, hide_deleting=True)
+    found = snapshots.describe_snapshots(svc, who.tenant, snap_ids, filters, max_results, token,
+                                        hide_deleting=True)
     return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
 
 
@@ -293,7 +304,7 @@ def _resource_ids(p: QueryParams) -> list[str]:
     return rids
 
 
-def create_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def create_tags(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     rids = _resource_ids(p)
     new_tags = p.tags()
     if not new_tags:
@@ -303,25 +314,23 @@ def create_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
     req = _model(CreateTagsRequest, {"resource_ids": rids, "tags": new_tags})
     _dry_run(p)
     with svc.db.session() as s:
-        tags.create_tags(s, req.resource_ids, req.tags)
+        tags.create_tags(s, req.resource_ids, req.tags, who.tenant)
     return {"return": True}
 
 
-def delete_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def delete_tags(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     rids = _resource_ids(p)
     pairs = p.tag_keys()
     _dry_run(p)
     with svc.db.session() as s:
-        tags.delete_tag_pairs(s, rids, pairs)
+        tags.delete_tag_pairs(s, rids, pairs, who.tenant)
     return {"return": True}
 
 
-def describe_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_tags(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     filters = p.filters()
-    max_results = p.int("MaxResults", min=5)
-    if max_results is not None:
-        max_results = min(max_results, 1000)
-    token = p.str("NextToken", max_len=128)
+    max_results = min(p.int("MaxResults", min=5) or TAGS_PAGE, TAGS_PAGE)
+    token = p.str("NextToken", max_len=MAX_TOKEN)
     _dry_run(p)
     stmt = select(Tag)
     for name, values in filters.items():
@@ -345,13 +354,13 @@ def describe_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
     stmt = stmt.order_by(Tag.resource_id, Tag.key)
     with svc.db.session() as s:
         # Tags of deleted resources are not shown.
-        live_vols = select(Volume.id).where(Volume.status != VolumeState.DELETED)
-        live_snaps = select(Snapshot.id).where(Snapshot.status.not_in([SnapshotState.DELETED,
-                                                                        SnapshotState.DELETING]))
+        live_vols = select(Volume.id).where(Volume.tenant == who.tenant, Volume.status != VolumeState.DELETED)
+        live_snaps = select(Snapshot.id).where(Snapshot.tenant == who.tenant,
+                                               Snapshot.status.not_in([SnapshotState.DELETED, SnapshotState.DELETING]))
         stmt = stmt.where(Tag.resource_id.in_(live_vols) | Tag.resource_id.in_(live_snaps))
-        rows = list(s.scalars(stmt.limit((max_results or 1000) + 1)))
+        rows = list(s.scalars(stmt.limit(max_results + 1)))
     next_token = None
-    if max_results is not None and len(rows) > max_results:
+    if len(rows) > max_results:
         rows = rows[:max_results]
         next_token = encode_token(f"{rows[-1].resource_id}\x1f{rows[-1].key}")
     return {"tagSet": [{"resourceId": t.resource_id,
@@ -362,11 +371,11 @@ def describe_tags(svc: Controller, p: QueryParams) -> dict[str, Any]:
 # -- instances and zones ---------------------------------------------------------------------------
 
 
-def describe_instances(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_instances(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     wanted = set(p.list("InstanceId"))
     filters = p.filters()
     _dry_run(p)
-    found = attachments.describe_instances(svc)
+    found = attachments.describe_instances(svc, who.tenant)
     known = {i.instance_id for i in found}
     missing = sorted(wanted - known)
     if missing:
@@ -414,7 +423,7 @@ def _matches(filters: dict[str, list[str]], facts: dict[str, list[str]], known: 
     return True
 
 
-def describe_availability_zones(svc: Controller, p: QueryParams) -> dict[str, Any]:
+def describe_availability_zones(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     names = p.list("ZoneName")
     zone_ids = p.list("ZoneId")
     filters = p.filters()

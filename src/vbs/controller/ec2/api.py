@@ -26,7 +26,7 @@ XML_TYPE = "text/xml;charset=UTF-8"
 
 
 def _status(exc: VbsError) -> int:
-    if exc.code in ("AuthFailure", "DryRunOperation") or exc.status >= 500:
+    if exc.code in ("AuthFailure", "DryRunOperation", "UnauthorizedOperation") or exc.status >= 500:
         return exc.status
     return 400
 
@@ -57,7 +57,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
             body = await request.body()
             if len(body) > MAX_BODY:
                 raise InvalidParameter(f"The request body is larger than {MAX_BODY} bytes.")
-            auth.check(request, body)
+            who = auth.check(request, body)
             params = await _params(request, body)
             action = params.action
             handler = HANDLERS.get(action)
@@ -65,7 +65,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
                 raise InvalidParameter(f"The action {action} is not valid for this web service.",
                                        code="InvalidAction")
             svc: Controller = request.app.state.services
-            answer = await run_in_threadpool(handler, svc, params)
+            answer = await run_in_threadpool(handler, svc, params, who)
         except VbsError as exc:
             return _error(exc, request_id)
         except Exception:

@@ -1,7 +1,8 @@
 """Verify AWS Signature Version 4 on requests to the EC2 Query API edge.
 
 Header (``Authorization: AWS4-HMAC-SHA256 …``) and query-string (presigned) authentication, canonicalised the way
-botocore and the AWS SDKs sign; every failure is an ``AuthFailure`` (HTTP 401) saying what was wrong.
+botocore and the AWS SDKs sign; every failure is an ``AuthFailure`` (HTTP 401) saying what was wrong, except that
+nothing says whether an access key id exists (unknown key, wrong secret and bad signature answer alike).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
@@ -17,7 +18,7 @@ from urllib.parse import quote, unquote_to_bytes
 
 from vbs.errors import AuthFailure
 
-__all__ = ["ALGORITHM", "Credential", "verify"]
+__all__ = ["ALGORITHM", "BAD_SIGNATURE", "Credential", "SecretLookup", "verify"]
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 TERMINATOR = "aws4_request"
@@ -43,8 +44,12 @@ _QUERY_AUTH_KEYS = ("X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-
                     "X-Amz-Signature")
 _UNSIGNED_PAYLOADS = {"UNSIGNED-PAYLOAD", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}
 
-_BAD_SIGNATURE = ("The request signature we calculated does not match the signature you provided. "
+_UNKNOWN_KEY_SECRET = "\0" * 40
+BAD_SIGNATURE = ("The request signature we calculated does not match the signature you provided. "
                   "Check your AWS Secret Access Key and signing method.")
+
+
+SecretLookup = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -294,7 +299,7 @@ def verify(
     query_string: str,
     headers: Mapping[str, str],
     body: bytes,
-    credentials: Mapping[str, str],
+    credentials: Mapping[str, str] | SecretLookup,
     *,
     region: str,
     service: str = "ec2",
@@ -305,7 +310,9 @@ def verify(
 
     ``path`` and ``query_string`` are as sent on the wire (still percent-encoded: ASGI ``raw_path`` and
     ``query_string``); ``headers`` may be a plain dict or a Starlette ``Headers``; ``body`` is the raw body;
-    ``credentials`` maps access key id to secret. Raises ``AuthFailure`` (HTTP 401) on any problem.
+    ``credentials`` maps access key id to secret (a mapping, or a function answering None for an unknown
+    key id). Every failure that depends on the key (unknown id, wrong secret, bad signature) has one
+    message. Raises ``AuthFailure`` (HTTP 401) on any problem.
     """
     now = datetime.now(UTC) if now is None else (now.replace(tzinfo=UTC) if now.tzinfo is None else now)
     hdrs = _normalise_headers(headers)
@@ -356,10 +363,12 @@ def verify(
     if scope.date != stamp[:8]:
         raise _fail(f"Date in Credential scope does not match YYYYMMDD from the signing time: "
                     f"{_show(scope.date)} != {_show(stamp[:8])}, from {_show(stamp)}.")
-    secret = credentials.get(scope.access_key_id)
-    if secret is None:
-        raise _fail(f"VBS was not able to validate the provided access credentials: the access key id "
-                    f"{_show(scope.access_key_id)} is not known.")
+    lookup = credentials.get if isinstance(credentials, Mapping) else credentials
+    secret = lookup(scope.access_key_id)
+    # An unknown key id takes the same path as a known one (every check below, the same HMAC work) and
+    # fails with the same answer as a wrong secret: no reply may tell whether a key id exists.
+    known = secret is not None
+    secret = secret if secret is not None else _UNKNOWN_KEY_SECRET
     if expires is None:
         _check_skew(signed_at, now, max_skew, stamp)
     else:
@@ -382,6 +391,6 @@ def verify(
         _payload_hash(hdrs, body),
     ])
     expected = _signature(secret, scope, stamp, canonical_request)
-    if not hmac.compare_digest(expected.encode("ascii"), signature.lower().encode("ascii")):
-        raise _fail(_BAD_SIGNATURE)
+    if not hmac.compare_digest(expected.encode("ascii"), signature.lower().encode("ascii")) or not known:
+        raise _fail(BAD_SIGNATURE)
     return scope.access_key_id

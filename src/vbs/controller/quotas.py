@@ -1,0 +1,39 @@
+"""Per-tenant limits: how many volumes, how many GiB of them, and how many snapshots a tenant may hold.
+
+Limits are per tenant, not per key: resources belong to a tenant and all of its keys share them, so
+making more keys buys no more room. The defaults are config keys (``quota_volumes``, ``quota_gib``,
+``quota_snapshots``). Checks run inside the transaction that inserts the resource: on SQLite writes
+are serialised; on PostgreSQL a volume's check runs after placement locked the storage node rows, so
+two concurrent creates cannot both slip under a limit (snapshots: see docs/security.md).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from vbs.config import ControllerConfig
+from vbs.controller.db import Snapshot, Volume
+from vbs.controller.states import SnapshotState, VolumeState
+from vbs.errors import LimitExceeded
+
+
+def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes: int, new_gib: int) -> None:
+    """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB."""
+    count, gib = s.execute(select(func.count(), func.coalesce(func.sum(Volume.size_gib), 0))
+                           .where(Volume.tenant == tenant, Volume.status != VolumeState.DELETED)).one()
+    if count + new_volumes > cfg.quota_volumes:
+        raise LimitExceeded(f"The maximum number of volumes ({cfg.quota_volumes}) has been reached.",
+                            code="VolumeLimitExceeded")
+    if gib + new_gib > cfg.quota_gib:
+        raise LimitExceeded(f"This request would take the volumes' total size to {gib + new_gib} GiB, above the "
+                            f"limit of {cfg.quota_gib} GiB.", code="VolumeLimitExceeded")
+
+
+def check_snapshots(s: Session, cfg: ControllerConfig, tenant: str) -> None:
+    """Refuse (``SnapshotLimitExceeded``) one more snapshot over ``tenant``'s limit."""
+    count = s.scalar(select(func.count()).select_from(Snapshot)
+                     .where(Snapshot.tenant == tenant, Snapshot.status != SnapshotState.DELETED)) or 0
+    if count + 1 > cfg.quota_snapshots:
+        raise LimitExceeded(f"The maximum number of snapshots ({cfg.quota_snapshots}) has been reached.",
+                            code="SnapshotLimitExceeded")
