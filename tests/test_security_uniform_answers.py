@@ -16,7 +16,7 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from tests.conftest import Vbs, VbsUp
+from tests.conftest import Vbs, VbsUp, node_token
 from vbs.credentials import AccessKey
 from vbs.errors import InvalidParameter
 
@@ -49,9 +49,37 @@ def agent_urls(vbs: Vbs) -> tuple[str, str]:
     return storage.rstrip("/"), host.rstrip("/")
 
 
-def agent_client(vbs: Vbs) -> httpx.Client:
-    token = (vbs.data_dir / "agent-token").read_text().strip()
-    return httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=30)
+class AgentClient:
+    """Calls to the install's two agents, each with its own node token."""
+
+    def __init__(self, vbs: Vbs) -> None:
+        storage, host = agent_urls(vbs)
+        self.tokens = {storage: node_token(vbs.data_dir, "storage", "storage-1"),
+                       host: node_token(vbs.data_dir, "host", "host-1")}
+        self.http = httpx.Client(timeout=30)
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        token = next(t for base, t in self.tokens.items() if url.startswith(base))
+        return self.http.request(method, url, headers={"authorization": f"Bearer {token}"}, **kwargs)
+
+    def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def put(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("PUT", url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("DELETE", url, **kwargs)
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.http.close()
+
+
+def agent_client(vbs: Vbs) -> AgentClient:
+    return AgentClient(vbs)
 
 
 def assert_refused(r: httpx.Response, status: int = 400) -> None:
@@ -130,13 +158,14 @@ def test_ids_with_trailing_newline_are_refused_by_the_agents(vbs: Vbs) -> None:
 
 def test_api_docs_are_not_served_and_the_schema_needs_a_key(vbs: Vbs) -> None:
     storage, host = agent_urls(vbs)
-    for base in (vbs.endpoint, storage, host):
-        for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
-            assert httpx.get(f"{base}{path}").status_code == 404, (base, path)
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert vbs.http.get(path).status_code == 404, path
     for base in (storage, host):
-        assert httpx.get(f"{base}/openapi.json").status_code == 404
+        # An agent answers nothing but /health without its token, and has no docs with it.
         with agent_client(vbs) as agent:
-            assert agent.get(f"{base}/openapi.json").status_code == 404
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                assert httpx.get(f"{base}{path}").status_code == 401, (base, path)
+                assert agent.get(f"{base}{path}").status_code == 404, (base, path)
     r = httpx.get(f"{vbs.endpoint}/openapi.json")
     assert r.status_code == 401 and r.json()["error"]["code"] == "AuthFailure"
     r = vbs.http.get("/openapi.json")
