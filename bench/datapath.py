@@ -17,6 +17,13 @@ Workloads: sequential read / write, 1 MiB, queue depth 8; random read / write, 4
 requests walk the file with a stride of about 0.62 of its size in 4 KiB blocks (every block once
 per pass, never two neighbours in a row). Its request count is calibrated to last ``--runtime``.
 
+NBD transports (what the security defaults cost): plain TCP (``--insecure`` only), the unix socket
+``vbs up`` uses, TLS with X.509 certificates from a throwaway CA (the default over TCP: the host
+presents its certificate, the server checks it against its authz list) and TLS-PSK, all with the
+default tunables, measured with fio (libnbd: GnuTLS like QEMU's client; ``qemu-img bench`` takes no
+``--object``, so it cannot open a TLS export) and, for the socket, also with qemu-img bench. The
+report gives each one's ratio to plain TCP measured in the same run.
+
 Variants marked "experimental" are not driver settings: they set TCP_NODELAY on the export daemon's
 listening socket from outside (pidfd_getfd; accepted connections inherit it), which QEMU 7.2's NBD
 server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
@@ -55,6 +62,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
+from vbs.pki import CertificateAuthority  # noqa: E402
+from vbs.qemu_tls import X509Files, qemu_x509_dir  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
 from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
@@ -126,6 +135,7 @@ class Variant:
     iscsi_tuning: tuple[tuple[str, str], ...] | None = None  # None: the driver's TUNING
     nodelay: bool = False  # experimental: TCP_NODELAY forced on the daemon's sockets
     default: bool = False  # the drivers' defaults
+    transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
 
 
 VARIANTS = (
@@ -137,11 +147,18 @@ VARIANTS = (
     Variant("nbd-cached", "NBD aio=threads page cache", "nbd", "fio", {"aio": "threads", "cache_direct": False}),
     Variant("nbd-nodelay", "NBD default + TCP_NODELAY (experimental)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("nbd-unix", "NBD unix socket (vbs up)", "nbd", "fio", {"aio": "native", "cache_direct": True},
+            transport="unix"),
+    Variant("nbd-x509", "NBD TLS X.509 (default over TCP)", "nbd", "fio", {"aio": "native", "cache_direct": True},
+            transport="x509"),
+    Variant("nbd-psk", "NBD TLS-PSK", "nbd", "fio", {"aio": "native", "cache_direct": True}, transport="psk"),
     Variant("local-qemu", "local file, qemu-img -t none -i native", "local", "qemu-img"),
     Variant("nbd-native-q", "NBD aio=native cache.direct (default)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, default=True),
     Variant("nbd-nodelay-q", "NBD default + TCP_NODELAY (experimental)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("nbd-unix-q", "NBD unix socket (vbs up)", "nbd", "qemu-img", {"aio": "native", "cache_direct": True},
+            transport="unix"),
     Variant("iscsi-direct", "iSCSI bsoflags=direct, driver TUNING (default)", "iscsi", "qemu-img", default=True),
     Variant("iscsi-buffered", "iSCSI page cache, driver TUNING", "iscsi", "qemu-img", iscsi_direct=False),
     Variant("iscsi-tgtdefaults", "iSCSI direct, tgt default segment lengths", "iscsi", "qemu-img",
@@ -313,14 +330,38 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
         return
     state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))
     if v.protocol == "nbd":
-        nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **v.nbd)
+        kw: dict[str, Any] = dict(v.nbd)
+        client = state / "client"
+        if v.transport == "unix":
+            kw["socket_dir"] = state / "sock"
+        elif v.transport == "psk":
+            kw["tls"] = "psk"
+        elif v.transport == "x509":
+            ca = CertificateAuthority(state / "ca" / "ca.pem", state / "ca" / "ca-key.pem")
+            node = ca.issue_in(state / "node", "storage-1", ["127.0.0.1"])
+            kw.update(tls="x509", x509=X509Files(node.cert, node.key, node.ca))
+            mine = ca.issue_in(state / "host", HOST.name, [HOST.name])
+            qemu_x509_dir(X509Files(mine.cert, mine.key, mine.ca), client, "client")
+        nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **kw)
         try:
             nbd.start()
             c = nbd.ensure_export(VOLUME_ID, FileSource(volume), HOST)
             assert isinstance(c, NbdConnection)
-            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
-                    f"file.server.port={c.port},file.export={c.export}")
-            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], nbd.pid
+            if c.socket is not None:
+                opts = f"driver=raw,file.driver=nbd,file.server.type=unix,file.server.path={c.socket}"
+                uri = f"nbd+unix:///{c.export}?socket={c.socket}"
+            else:
+                opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
+                        f"file.server.port={c.port},file.export={c.export}")
+                uri = f"nbd://{c.host}:{c.port}/{c.export}"
+            if c.tls == "x509":
+                uri = f"nbds://{c.host}:{c.port}/{c.export}?tls-certificates={client}"
+            elif c.tls == "psk":
+                assert c.tls_psk_key is not None
+                client.mkdir(mode=0o700)
+                (client / "keys.psk").write_text(f"{c.tls_psk_identity}:{c.tls_psk_key.get_secret_value()}\n")
+                uri = f"nbds://{c.tls_psk_identity}@{c.host}:{c.port}/{c.export}?tls-psk-file={client}/keys.psk"
+            yield ["--ioengine=nbd", f"--uri={uri}"], ["--image-opts", opts], nbd.pid
         finally:
             nbd.stop()
             shutil.rmtree(state, ignore_errors=True)
@@ -441,8 +482,28 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     notes = [f"- {v.key}: {n}" for v in VARIANTS if v.key in results for n in results[v.key]["notes"]]
     if notes:
         lines += ["Notes:", *notes, ""]
+    lines += transports(figs)
     lines += verdicts(figs, baseline)
     return "\n".join(lines)
+
+
+def transports(figs: dict[str, dict[str, Figure]]) -> list[str]:
+    """What each NBD transport costs against plain TCP measured in the same run."""
+    rows = []
+    for base_key, keys in (("nbd-native", ("nbd-unix", "nbd-x509", "nbd-psk")), ("nbd-native-q", ("nbd-unix-q",))):
+        base = figs.get(base_key)
+        if base is None:
+            continue
+        for key in keys:
+            if key not in figs:
+                continue
+            v = next(x for x in VARIANTS if x.key == key)
+            rows.append([f"{v.label} [{v.tool}]",
+                         *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in WORKLOADS]])
+    if not rows:
+        return []
+    return ["## NBD transports vs plain TCP (same run, same tool)", "",
+            table(["transport", *[w.key for w in WORKLOADS]], rows), ""]
 
 
 def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[str]:

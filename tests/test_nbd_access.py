@@ -29,12 +29,14 @@ from tests.export_fixtures import MiB, drivers_of, read_at, write_at
 from vbs.argv import run
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter
+from vbs.host.connectors import connector_for
+from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
 from vbs.pki import CertificateAuthority
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.testguest import TestGuest, build_guest
+from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.wire.connection import HostIdentity, NbdConnection
 
 pytestmark = pytest.mark.integration
@@ -245,6 +247,36 @@ def test_tls_x509_admits_only_the_attached_hosts_certificate(
                           netns=netns.name)
     assert not listed, f"a host whose last export went may still open a session: {out}"
     assert "authz check for CN=hv-a is denied" in drv.log_path.read_text()
+
+
+def test_a_guest_disk_over_x509_through_the_host_agents_own_certificate(
+        make_driver: Callable[..., NbdExportDriver], volume: Path, tmp_path: Path) -> None:
+    """The QEMU driver of the host agent, a real TCG guest: what a VM's disk runs on."""
+    ca = CertificateAuthority(tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "ca-key.pem")
+    node = ca.issue_in(tmp_path / "node", "storage-1", ["127.0.0.1"])
+    host = ca.issue_in(tmp_path / "host", "hv-a", ["hv-a"])
+    drv = make_driver(tls="x509", x509=X509Files(node.cert, node.key, node.ca))
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address="127.0.0.1"))
+    assert isinstance(c, NbdConnection) and c.tls == "x509"
+    vm_dir = tmp_path / "vms"
+    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
+    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=X509Files(host.cert, host.key, host.ca))
+    try:
+        guest.start()
+        guest.wait_ready(120)
+        serial = virtio_serial(VOL)
+        qemu.attach("vm1", serial, c)
+        dev = guest.wait_for_disk(serial, 20)
+        assert guest.write_pattern(dev, "over-x509", 2) == pattern_sha256("over-x509", 2)
+        nodes = guest.qmp("query-named-block-nodes", {"flat": True})
+        assert any(connector_for(c).qemu_node_opens(n, c) for n in nodes)
+        assert stat.S_IMODE((tmp_path / "host-secrets" / "x509").stat().st_mode) == 0o700
+        qemu.detach("vm1", serial)
+        guest.wait_disk_gone(serial, 20)
+        assert read_at(volume, 0, 2 * MiB) == pattern_bytes("over-x509", 2)
+    finally:
+        qemu.close()
+        guest.stop()
 
 
 def test_the_authz_list_comes_back_with_a_restarted_daemon(
