@@ -690,7 +690,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         if self.tls == "psk" and host_name in self._keys:
             del self._keys[host_name]
             self._write_keys()
-        if self.tls == "x509" and self._running():
+        if self.tls == "x509" and self._running() and self._qmp is not None:  # else made at its next start
             self._write_authz()
 
     def _list(self) -> list[ExportInfo]:
