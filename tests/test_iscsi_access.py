@@ -18,6 +18,8 @@ from tests import export_fixtures
 from tests.export_fixtures import drivers_of
 from tests.test_iscsi_export import live_accounts, logged_in, readcap, secret_of, tgtd_driver
 from vbs import argv as argv_module
+from vbs.config import StorageAgentConfig
+from vbs.errors import InvalidParameter
 from vbs.storage.exports import iscsi as iscsi_module
 from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.base import FileSource
@@ -127,3 +129,12 @@ def test_the_management_socket_refuses_what_would_change_the_request(
         tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW, {"user": "u1", "password": "q" * 16})
     assert exc.value.tgt_errno == 14
     assert "u1" in live_accounts(drv)
+
+
+def test_iscsi_off_loopback_needs_insecure(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParameter, match="unencrypted"):
+        IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="10.0.0.5"), tmp_path / "a")
+    drv = IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="10.0.0.5", insecure=True),
+                                        tmp_path / "b")
+    assert drv.listen_host == "10.0.0.5" and drv.pid is None
+    assert IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="::1"), tmp_path / "c")

@@ -220,6 +220,13 @@ def _acl_kind(entry: str) -> str:
     return "--initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "--initiator-address"
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _new_secret() -> str:
     return "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(_SECRET_LEN))
 
@@ -308,6 +315,15 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         """``export_host``, ``iscsi_port`` and ``iscsi_control``; ``iqn_prefix`` and ``direct_io``
         from ``[storage_agent.options.iscsi]``."""
         opts = _IscsiOptions.model_validate(cfg.options.get("iscsi", {}))
+        if not _is_loopback(cfg.export_host):
+            # iSCSI has no encryption of its own: CHAP's challenge, and all data, cross the network
+            # in clear. A TLS tunnel for it is not implemented yet.
+            if not cfg.insecure:
+                raise InvalidParameter(
+                    f"iSCSI on {cfg.export_host} would cross the network unencrypted: serve it on loopback, "
+                    "use the nbd export (TLS), or run --insecure on a dedicated storage network")
+            log.warning("INSECURE: iSCSI exports are served unencrypted on %s:%d (CHAP and the address ACL "
+                        "still apply)", cfg.export_host, cfg.iscsi_port)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.iscsi_port, control_port=cfg.iscsi_control,
                    iqn_prefix=opts.iqn_prefix, direct_io=opts.direct_io)
 
