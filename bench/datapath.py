@@ -17,6 +17,15 @@ Workloads: sequential read / write, 1 MiB, queue depth 8; random read / write, 4
 requests walk the file with a stride of about 0.62 of its size in 4 KiB blocks (every block once
 per pass, never two neighbours in a row). Its request count is calibrated to last ``--runtime``.
 
+NBD transports (what the security defaults cost): plain TCP (``--insecure`` only), the unix socket
+``vbs up`` uses, TLS with X.509 certificates from a throwaway CA (the default over TCP: the host
+presents its certificate, the server checks it against its authz list) and TLS-PSK, all with the
+default tunables. All four through QEMU's own NBD client with ``qemu-img convert`` (the whole file,
+8 coroutines, to or from ``null-co``: sequential read and write only; ``qemu-img bench`` takes no
+``--object`` and fio's libnbd refuses a URI naming certificate files, so neither opens a TLS
+export); TCP and the socket also with fio and qemu-img bench (random I/O too). The report gives
+each one's ratio to plain TCP measured in the same run with the same tool.
+
 Variants marked "experimental" are not driver settings: they set TCP_NODELAY on the export daemon's
 listening socket from outside (pidfd_getfd; accepted connections inherit it), which QEMU 7.2's NBD
 server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
@@ -55,6 +64,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
+from vbs.pki import CertificateAuthority  # noqa: E402
+from vbs.qemu_tls import X509Files, qemu_x509_dir  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
 from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
@@ -126,6 +137,7 @@ class Variant:
     iscsi_tuning: tuple[tuple[str, str], ...] | None = None  # None: the driver's TUNING
     nodelay: bool = False  # experimental: TCP_NODELAY forced on the daemon's sockets
     default: bool = False  # the drivers' defaults
+    transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
 
 
 VARIANTS = (
@@ -137,11 +149,21 @@ VARIANTS = (
     Variant("nbd-cached", "NBD aio=threads page cache", "nbd", "fio", {"aio": "threads", "cache_direct": False}),
     Variant("nbd-nodelay", "NBD default + TCP_NODELAY (experimental)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("nbd-unix", "NBD unix socket (vbs up)", "nbd", "fio", {"aio": "native", "cache_direct": True},
+            transport="unix"),
     Variant("local-qemu", "local file, qemu-img -t none -i native", "local", "qemu-img"),
     Variant("nbd-native-q", "NBD aio=native cache.direct (default)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, default=True),
     Variant("nbd-nodelay-q", "NBD default + TCP_NODELAY (experimental)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, nodelay=True),
+    Variant("nbd-unix-q", "NBD unix socket (vbs up)", "nbd", "qemu-img", {"aio": "native", "cache_direct": True},
+            transport="unix"),
+    Variant("nbd-tcp-c", "NBD plain TCP (--insecure)", "nbd", "convert", {"aio": "native", "cache_direct": True}),
+    Variant("nbd-unix-c", "NBD unix socket (vbs up)", "nbd", "convert", {"aio": "native", "cache_direct": True},
+            transport="unix"),
+    Variant("nbd-x509-c", "NBD TLS X.509 (default over TCP)", "nbd", "convert",
+            {"aio": "native", "cache_direct": True}, transport="x509"),
+    Variant("nbd-psk-c", "NBD TLS-PSK", "nbd", "convert", {"aio": "native", "cache_direct": True}, transport="psk"),
     Variant("iscsi-direct", "iSCSI bsoflags=direct, driver TUNING (default)", "iscsi", "qemu-img", default=True),
     Variant("iscsi-buffered", "iSCSI page cache, driver TUNING", "iscsi", "qemu-img", iscsi_direct=False),
     Variant("iscsi-tgtdefaults", "iSCSI direct, tgt default segment lengths", "iscsi", "qemu-img",
@@ -278,6 +300,23 @@ def qemu_bench(target: list[str], w: Workload, runtime: float, size: int) -> Fig
     return Figure(mbps=count * w.bs / elapsed / 1e6, iops=count / elapsed, seconds=elapsed)
 
 
+def qemu_convert(target: list[str], w: Workload, size: int) -> Figure:
+    """The whole file through QEMU's NBD client with ``qemu-img convert`` (8 coroutines, out of
+    order), to or from QEMU's ``null-co`` driver: sequential only, but it takes ``--object``, so it
+    opens TLS exports too (``qemu-img bench`` cannot)."""
+    if w.random:
+        raise ValueError("qemu-img convert measures sequential transfers only")
+    objects = target[:target.index("--image-opts")]
+    opts = target[target.index("--image-opts") + 1]
+    null = f"driver=null-co,size={size}"
+    source, dest = (null, opts) if w.write else (opts, null)
+    start = time.monotonic()
+    run_tool(["qemu-img", "convert", "-n", "-m", "8", "-W", "-S", "0", *objects, "--image-opts", source,
+              "--target-image-opts", dest], timeout=600)
+    elapsed = time.monotonic() - start
+    return Figure(mbps=size / elapsed / 1e6, iops=size / MIB / elapsed, seconds=elapsed)
+
+
 # -- exports ----------------------------------------------------------------------------------------
 
 
@@ -313,14 +352,47 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
         return
     state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))
     if v.protocol == "nbd":
-        nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **v.nbd)
+        kw: dict[str, Any] = dict(v.nbd)
+        client = state / "client"
+        if v.transport == "unix":
+            kw["socket_dir"] = state / "sock"
+        elif v.transport == "psk":
+            kw["tls"] = "psk"
+        elif v.transport == "x509":
+            ca = CertificateAuthority(state / "ca" / "ca.pem", state / "ca" / "ca-key.pem")
+            node = ca.issue_in(state / "node", "storage-1", ["127.0.0.1"])
+            kw.update(tls="x509", x509=X509Files(node.cert, node.key, node.ca))
+            mine = ca.issue_in(state / "host", HOST.name, [HOST.name])
+            qemu_x509_dir(X509Files(mine.cert, mine.key, mine.ca), client, "client")
+        nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **kw)
         try:
             nbd.start()
             c = nbd.ensure_export(VOLUME_ID, FileSource(volume), HOST)
             assert isinstance(c, NbdConnection)
-            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
-                    f"file.server.port={c.port},file.export={c.export}")
-            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], nbd.pid
+            if c.socket is not None:
+                opts = (f"driver=raw,file.driver=nbd,file.server.type=unix,file.server.path={c.socket},"
+                        f"file.export={c.export}")
+                uri = f"nbd+unix:///{c.export}?socket={c.socket}"
+            else:
+                opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
+                        f"file.server.port={c.port},file.export={c.export}")
+                uri = f"nbd://{c.host}:{c.port}/{c.export}"
+            objects: list[str] = []
+            if c.tls == "x509":
+                # fio's libnbd refuses URIs naming local files (tls-certificates): such variants use
+                # qemu-img convert, which opens the export with QEMU's own TLS client as a VM does.
+                uri = f"nbds://{c.host}:{c.port}/{c.export}?tls-certificates={client}"
+                objects = ["--object", f"tls-creds-x509,id=tls0,endpoint=client,dir={client}"]
+            elif c.tls == "psk":
+                assert c.tls_psk_key is not None
+                client.mkdir(mode=0o700)
+                (client / "keys.psk").write_text(f"{c.tls_psk_identity}:{c.tls_psk_key.get_secret_value()}\n")
+                uri = f"nbds://{c.tls_psk_identity}@{c.host}:{c.port}/{c.export}?tls-psk-file={client}/keys.psk"
+                objects = ["--object", f"tls-creds-psk,id=tls0,endpoint=client,dir={client},"
+                           f"username={c.tls_psk_identity}"]
+            if objects:
+                opts += ",file.tls-creds=tls0"
+            yield ["--ioengine=nbd", f"--uri={uri}"], [*objects, "--image-opts", opts], nbd.pid
         finally:
             nbd.stop()
             shutil.rmtree(state, ignore_errors=True)
@@ -362,7 +434,14 @@ def measure(v: Variant, volume: Path, work: Path, runtime: float) -> dict[str, A
             evict(volume)
             load = loadavg()
             try:
-                fig = fio(fio_target, w, runtime) if v.tool == "fio" else qemu_bench(qemu_target, w, runtime, size)
+                if v.tool == "convert" and w.random:
+                    continue
+                if v.tool == "fio":
+                    fig = fio(fio_target, w, runtime)
+                elif v.tool == "convert":
+                    fig = qemu_convert(qemu_target, w, size)
+                else:
+                    fig = qemu_bench(qemu_target, w, runtime, size)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                 log(f"  {v.key} {w.key}: FAILED {exc}")
                 notes.append(f"{w.key}: failed: {str(exc)[:200]}")
@@ -417,8 +496,10 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     lines.append("")
     figs = {k: combine(r["runs"]) for k, r in results.items()}
     baseline = {"fio": figs.get("local-fio", {}), "qemu-img": figs.get("local-qemu", {})}
+    baseline["convert"] = {}
     for tool, title in (("fio", "fio (NBD through libnbd) vs local fio libaio direct"),
-                        ("qemu-img", "qemu-img bench (QEMU's NBD / iSCSI client, as in a VM) vs local qemu-img")):
+                        ("qemu-img", "qemu-img bench (QEMU's NBD / iSCSI client, as in a VM) vs local qemu-img"),
+                        ("convert", "qemu-img convert (QEMU's NBD client, whole file, sequential only)")):
         rows = []
         for v in VARIANTS:
             if v.tool != tool or v.key not in figs:
@@ -427,7 +508,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
             for w in WORKLOADS:
                 f = figs[v.key].get(w.key)
                 if f is None:
-                    row.append("failed")
+                    row.append("n/a" if v.tool == "convert" and w.random else "failed")
                     continue
                 cell = f"{f.mbps:.0f} MB/s, {f.iops:.0f} IOPS"
                 r = ratio(f, baseline[tool].get(w.key))
@@ -441,8 +522,29 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     notes = [f"- {v.key}: {n}" for v in VARIANTS if v.key in results for n in results[v.key]["notes"]]
     if notes:
         lines += ["Notes:", *notes, ""]
+    lines += transports(figs)
     lines += verdicts(figs, baseline)
     return "\n".join(lines)
+
+
+def transports(figs: dict[str, dict[str, Figure]]) -> list[str]:
+    """What each NBD transport costs against plain TCP measured in the same run."""
+    rows = []
+    for base_key, keys in (("nbd-native", ("nbd-unix",)), ("nbd-native-q", ("nbd-unix-q",)),
+                           ("nbd-tcp-c", ("nbd-unix-c", "nbd-x509-c", "nbd-psk-c"))):
+        base = figs.get(base_key)
+        if base is None:
+            continue
+        for key in keys:
+            if key not in figs:
+                continue
+            v = next(x for x in VARIANTS if x.key == key)
+            rows.append([f"{v.label} [{v.tool}]",
+                         *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in WORKLOADS]])
+    if not rows:
+        return []
+    return ["## NBD transports vs plain TCP (same run, same tool)", "",
+            table(["transport", *[w.key for w in WORKLOADS]], rows), ""]
 
 
 def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[str]:

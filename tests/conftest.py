@@ -196,8 +196,10 @@ class Services:
         self.nbd_port = free_port()
         self.key = credentials.generate()
         self.agent_token = node_token(self.data_dir, "storage", "storage-1")
+        # NBD over plain TCP, which the storage agent allows only --insecure: the world checks of
+        # these tests list exports as any client on loopback would.
         self.env = {**os.environ, "VBS_ACCESS_KEY_ID": self.key.access_key_id,
-                    "VBS_SECRET_ACCESS_KEY": self.key.secret_access_key}
+                    "VBS_SECRET_ACCESS_KEY": self.key.secret_access_key, "VBS_STORAGE_AGENT_INSECURE": "true"}
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.host_agent: subprocess.Popen[bytes] | None = None

@@ -90,6 +90,32 @@ def test_nbd_tls_psk_key_exists_only_while_its_object_is_made(tmp_path: Path) ->
     assert PSK_KEY not in str(raised.value)
 
 
+def test_nbd_connector_opens_a_unix_socket_and_knows_it_by_url_or_json() -> None:
+    conn = NbdConnection(socket="/srv/vbs/nbd/nbd.sock", export="vol-1")
+    nbd = connector_for(conn)
+    blockdev = nbd.qemu_blockdev(conn, IDS)
+    assert blockdev.objects == ()
+    assert blockdev.options["server"] == {"type": "unix", "path": "/srv/vbs/nbd/nbd.sock"}
+    assert nbd.qemu_node_opens({"drv": "nbd", "file": "nbd+unix:///vol-1?socket=/srv/vbs/nbd/nbd.sock"}, conn)
+    assert not nbd.qemu_node_opens({"drv": "nbd", "file": "nbd+unix:///vol-1?socket=/other/nbd.sock"}, conn)
+    as_json = {"driver": "nbd", "export": "vol-1", "server": {"type": "unix", "path": "/srv/vbs/nbd/nbd.sock"}}
+    assert nbd.qemu_node_opens({"drv": "nbd", "file": "json:" + json.dumps(as_json)}, conn)
+    tcp = NbdConnection(host="127.0.0.1", port=10809, export="vol-1")
+    assert not nbd.qemu_node_opens({"drv": "nbd", "file": "json:" + json.dumps(as_json)}, tcp)
+
+
+def test_nbd_x509_presents_the_hosts_own_certificate_directory(tmp_path: Path) -> None:
+    conn = NbdConnection(host="10.0.0.5", port=10809, export="v", tls="x509")
+    blockdev = connector_for(conn).qemu_blockdev(conn, IDS)
+    assert blockdev.options["tls-creds"] == IDS.tls
+    (creds,) = blockdev.objects
+    assert (creds.qom_type, dict(creds.props)) == ("tls-creds-x509", {"endpoint": "client", "verify-peer": True})
+    with creds.qmp_arguments(tmp_path / "secrets", tmp_path / "x509") as args:
+        assert args["dir"] == str(tmp_path / "x509")
+    with pytest.raises(InvalidParameter, match="tls_cert"), creds.qmp_arguments(tmp_path / "secrets"):
+        pass  # a host agent without a certificate cannot open an X.509 export
+
+
 def test_iscsi_connector_passes_the_chap_secret_only_as_a_secret_object(tmp_path: Path) -> None:
     conn = IscsiConnection(host="127.0.0.1", port=3260, iqn="iqn.2024-01.org.vbs:v1", lun=1, chap_user="u1",
                            chap_secret=SecretStr(CHAP_SECRET), initiator_name="iqn.2024-01.org.vbs:host1")

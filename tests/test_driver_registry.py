@@ -67,7 +67,8 @@ def test_a_driver_installed_as_a_package_is_picked_by_config(tmp_path: Path, mon
     monkeypatch.syspath_prepend(str(site))
     pool = tmp_path / "demo-pool"
     pool.mkdir()
-    cfg = StorageAgentConfig(backend="demo", state_dir=tmp_path / "state", options={"demo": {"path": str(pool)}})
+    cfg = StorageAgentConfig(backend="demo", state_dir=tmp_path / "state", options={"demo": {"path": str(pool)}},
+                             nbd_socket_dir=tmp_path / "nbd")
 
     assert "demo" in drivers.available("backend")
     exports, backends = build_drivers(cfg)

@@ -106,7 +106,7 @@ def test_from_config(tmp_path: Path) -> None:
     cfg = StorageAgentConfig(export_host="127.0.0.1", nbd_port=10999, nbd_tls=True,
                              options={"nbd": {"aio": "threads", "copy_speed": 1 << 20}})
     drv = NbdExportDriver.from_config(cfg, tmp_path / "nbd")
-    assert (drv.listen_host, drv.port, drv.tls) == ("127.0.0.1", 10999, True)
+    assert (drv.listen_host, drv.port, drv.tls) == ("127.0.0.1", 10999, "psk")
     assert (drv.aio, drv.copy_speed) == ("threads", 1 << 20)
     assert drv.pid is None  # nothing started
     with pytest.raises(ValidationError):

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vbs.errors import InvalidParameter
 
@@ -97,9 +97,20 @@ class StorageAgentConfig(_AgentSection):
     export: str = Field("nbd", pattern=DRIVER_NAME_RE)
     export_host: str = "127.0.0.1"
     nbd_port: int = Field(10809, ge=1, le=65535)
-    nbd_tls: bool = False
+    # NBD over TCP: "x509" (tls_cert/tls_key/tls_ca of this section), "psk", or "off" (--insecure
+    # only); true/false of older configs mean "psk"/"off". nbd_socket_dir: listen on
+    # <dir>/nbd.sock instead (a 0700 directory; the hypervisor on this machine; `vbs up`).
+    nbd_tls: Literal["x509", "psk", "off"] = "x509"
+    nbd_socket_dir: Path | None = None
     iscsi_port: int = Field(3260, ge=1, le=65535)
     iscsi_control: int = Field(7, ge=0, le=32767)
+
+
+    @field_validator("nbd_tls", mode="before")
+    @classmethod
+    def _nbd_tls_of_old_configs(cls, v: Any) -> Any:
+        flags = {True: "psk", False: "off", "true": "psk", "false": "off", "1": "psk", "0": "off"}
+        return flags.get(v.lower() if isinstance(v, str) else v, v)
 
 
 class HostAgentConfig(_AgentSection):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vbs.errors import DriverError
 from vbs.files import write_private
-from vbs.processes import cmdline, pid_alive
+from vbs.processes import cmdline, minimal_environment, pid_alive
 
 __all__ = ["DaemonSpec", "Daemon", "argv0_is"]
 
@@ -109,7 +109,7 @@ class Daemon:
         try:
             proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
                 list(spec.argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
-                env=dict(spec.env) if spec.env is not None else None, start_new_session=True)
+                env=dict(spec.env) if spec.env is not None else minimal_environment(), start_new_session=True)
         except FileNotFoundError as exc:
             raise DriverError(f"{spec.name}: not installed") from exc
         finally:

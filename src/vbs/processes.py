@@ -1,4 +1,5 @@
-"""Facts about other processes, read from /proc: is a PID alive, what is its command line.
+"""Facts about other processes, read from /proc: is a PID alive, what is its command line; and the
+minimal environment every helper process VBS starts gets.
 
 Drivers that adopt a daemon left by an earlier agent check both before they signal anything, so a
 recycled PID never gets a signal meant for a daemon that is gone.
@@ -47,3 +48,13 @@ def environ_value(pid: int, name: str) -> str | None:
         if item.startswith(prefix):
             return item[len(prefix):].decode(errors="replace")
     return None
+
+
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def minimal_environment(**extra: str) -> dict[str, str]:
+    """The whole environment of a helper VBS starts (export daemons, their admin tools): the search
+    path, the C locale (their output is parsed) and ``extra``. Nothing of the agent's own
+    environment (``VBS_AGENT_TOKEN``, cloud credentials…) reaches a child."""
+    return {"PATH": os.environ.get("PATH") or _DEFAULT_PATH, "LC_ALL": "C", **extra}

@@ -446,6 +446,8 @@ def storage_agent(
     backend: Annotated[str | None, typer.Option(help="Backend driver by name (default: file).")] = None,
     export: Annotated[str | None, typer.Option(help="Export driver by name: nbd | iscsi.")] = None,
     nbd_port: Annotated[int | None, typer.Option()] = None,
+    nbd_socket_dir: Annotated[Path | None, typer.Option(
+        help="Serve NBD on <dir>/nbd.sock (a 0700 directory) instead of TCP: hypervisors on this machine.")] = None,
     iscsi_port: Annotated[int | None, typer.Option()] = None,
     iscsi_control: Annotated[int | None, typer.Option(help="tgtd control number (-C).")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
@@ -464,8 +466,8 @@ def storage_agent(
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
         "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
-        "export": export,
-        "nbd_port": nbd_port, "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
+        "export": export, "nbd_port": nbd_port, "nbd_socket_dir": nbd_socket_dir,
+        "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 

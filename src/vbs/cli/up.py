@@ -143,6 +143,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
                   *tls_of[STORAGE_NODE],
                   "--pool-path", str(data_dir / "pool"), "--state-dir", str(data_dir / "storage-state"),
                   "--export", export, "--nbd-port", str(free_port(host)), "--iscsi-port", str(free_port(host)),
+                  # NBD to the host agent on this same machine: a unix socket in a 0700 directory.
+                  "--nbd-socket-dir", str(data_dir / "nbd"),
                   "--iscsi-control", str(agent_port % 32768), *flags]
     if clone_method:
         agent_argv += ["--clone-method", clone_method]

@@ -16,7 +16,7 @@ from vbs.controller.db import Database, Node
 from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
-from vbs.web import ApiClient
+from vbs.web import ApiClient, is_loopback
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, QoS, ResizeDisk
 from vbs.wire.storage import (
@@ -49,6 +49,13 @@ class StorageAgent:
         self._addresses = addresses
 
     def _vouched(self, connection: Connection) -> Connection:
+        if connection.host is None:
+            # A unix socket (NBD) is the same-machine path of an all-in-one install: only from a
+            # storage node whose own address is loopback, and the wire model checked the path.
+            if not any(is_loopback(a) for a in self._addresses):
+                raise DriverError(f"storage node {self._name} answered a unix-socket connection, but it is not "
+                                  f"on this machine: refused")
+            return connection
         if connection.host not in self._addresses:
             raise DriverError(f"storage node {self._name} answered a connection to {connection.host[:64]}, "
                               f"which is not its address: refused")

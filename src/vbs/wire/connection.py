@@ -9,9 +9,9 @@ when the model is serialised to JSON for the wire (``model_dump(mode="json")``).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_serializer
+from pydantic import Field, SecretStr, field_serializer, model_validator
 
 from vbs.wire.base import Wire
 
@@ -24,11 +24,17 @@ __all__ = [
     "AnyConnection",
     "ProtocolName",
     "HOST_NAME_RE",
+    "NBD_SOCKET_RE",
 ]
 
 HOST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,62}$")
 IQN_RE = r"^iqn\.\d{4}-\d{2}\.[a-z0-9.-]+(:[A-Za-z0-9.:_-]+)?$"
 ADDRESS_RE = r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$"
+# A unix socket of an NBD server on the host's own machine: absolute, plain components (no "." or
+# "..", no empty one), ending in ".sock", within sun_path's 107 bytes. Nothing else is a socket a
+# host agent lets its hypervisor open on a controller's word.
+NBD_SOCKET_RE = re.compile(r"(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,254})+\.sock")
+NBD_SOCKET_MAX = 107
 
 
 ProtocolName = Literal["nbd", "iscsi", "file"]
@@ -43,12 +49,40 @@ class HostIdentity(Wire):
 
 
 class NbdConnection(Wire):
+    """An NBD export, over TCP (``host`` and ``port``) or a unix socket on the host's own machine
+    (``socket``). ``tls``: ``x509`` (the host presents its certificate from the install's CA and
+    checks the server's), ``psk`` (the per-host identity and key given here), or none (a unix
+    socket, or a TCP export its operator runs ``--insecure``)."""
+
     protocol: Literal["nbd"] = "nbd"
-    host: str = Field(pattern=ADDRESS_RE)
-    port: int = Field(ge=1, le=65535)
+    host: str | None = Field(default=None, pattern=ADDRESS_RE)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    socket: str | None = Field(default=None, max_length=NBD_SOCKET_MAX)
     export: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:@-]+$")
+    tls: Literal["x509", "psk"] | None = None
     tls_psk_identity: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
     tls_psk_key: SecretStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _psk_without_mode(cls, data: Any) -> Any:
+        # Connections of agents older than the x509 mode name only the PSK.
+        if isinstance(data, dict) and data.get("tls") is None and data.get("tls_psk_key") is not None:
+            return {**data, "tls": "psk"}
+        return data
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> NbdConnection:
+        if self.socket is not None:
+            if self.host is not None or self.port is not None:
+                raise ValueError("an NBD connection is either a unix socket or host and port, not both")
+            if not NBD_SOCKET_RE.fullmatch(self.socket) or "/../" in self.socket + "/" or "/./" in self.socket:
+                raise ValueError("NBD socket must be an absolute path of plain components ending in .sock")
+        elif self.host is None or self.port is None:
+            raise ValueError("an NBD connection needs a unix socket, or host and port")
+        if self.tls == "psk" and (self.tls_psk_key is None or self.tls_psk_identity is None):
+            raise ValueError("TLS-PSK needs an identity and a key")
+        return self
 
     @field_serializer("tls_psk_key", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:

@@ -72,7 +72,9 @@ class QemuObject:
 
     ``props`` hold nothing secret; ``secret_props`` are revealed only in the QMP arguments. With
     ``key_files``, the arguments also carry ``dir``: a fresh private directory holding those files,
-    which exists only while the object is being made (``qmp_arguments``).
+    which exists only while the object is being made (``qmp_arguments``). With ``host_x509``, ``dir``
+    is the host's own X.509 client credentials (``ca-cert.pem``, ``client-cert.pem``,
+    ``client-key.pem``), which the hypervisor driver keeps.
     """
 
     qom_type: str
@@ -80,13 +82,19 @@ class QemuObject:
     props: Mapping[str, str | int | bool] = field(default_factory=dict)
     secret_props: Mapping[str, SecretStr] = field(default_factory=dict)
     key_files: tuple[KeyFile, ...] = ()
+    host_x509: bool = False
 
     @contextmanager
-    def qmp_arguments(self, secrets_dir: Path) -> Iterator[dict[str, Any]]:
+    def qmp_arguments(self, secrets_dir: Path, x509_dir: Path | None = None) -> Iterator[dict[str, Any]]:
         """The ``object-add`` arguments, valid inside the ``with`` block only: key files are removed
-        when it ends (QEMU has read them by then)."""
+        when it ends (QEMU has read them by then). ``x509_dir``: the host's client credentials."""
         args: dict[str, Any] = {"qom-type": self.qom_type, "id": self.id, **self.props}
         args.update((k, v.get_secret_value()) for k, v in self.secret_props.items())
+        if self.host_x509:
+            if x509_dir is None:
+                raise InvalidParameter("this export needs the host's TLS certificate: set tls_cert, tls_key "
+                                       "and tls_ca of [host_agent]")
+            args["dir"] = str(x509_dir)
         if not self.key_files:
             yield args
             return

@@ -41,6 +41,7 @@ from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
@@ -198,11 +199,14 @@ class QemuDriver:
         {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True}
     )
 
-    def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None) -> None:
+    def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
+                 x509: X509Files | None = None) -> None:
         self.vm_dir = Path(vm_dir)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
+        # This host's certificate as QEMU's NBD client presents it to X.509 export servers.
+        self.x509_dir = qemu_x509_dir(x509, self.secrets_dir / "x509", "client") if x509 else None
         self._guard = threading.Lock()  # guards the three dicts below
         self._locks: dict[str, threading.Lock] = {}
         self._clients: dict[str, QmpClient] = {}
@@ -215,7 +219,8 @@ class QemuDriver:
         if options:
             raise InvalidParameter(f"unknown options of the qemu hypervisor driver: {', '.join(sorted(options))}")
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
-                   secrets_dir=Path(secrets_dir) if secrets_dir else None)
+                   secrets_dir=Path(secrets_dir) if secrets_dir else None,
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -424,7 +429,7 @@ class QemuDriver:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""
         blockdev = connector_for(connection).qemu_blockdev(connection, ids)
         for obj in blockdev.objects:
-            with obj.qmp_arguments(self.secrets_dir) as args:
+            with obj.qmp_arguments(self.secrets_dir, self.x509_dir) as args:
                 vm.cmd("object-add", args)
             undo.append(partial(vm.cmd, "object-del", {"id": obj.id}))
         vm.cmd("blockdev-add", {**blockdev.options, "node-name": ids.proto, "read-only": read_only,

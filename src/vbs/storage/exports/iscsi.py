@@ -38,8 +38,9 @@ from vbs.config import StorageAgentConfig
 from vbs.daemons import DaemonSpec, argv0_is
 from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter
-from vbs.processes import cmdline, environ_value
+from vbs.processes import cmdline, environ_value, minimal_environment
 from vbs.runtime import socket_path
+from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
@@ -68,9 +69,10 @@ log = logging.getLogger(__name__)
 # * Deleting a target under a logged-in session hangs that client. tgtd refuses it without
 #   --force, which this module uses only in stop(), when the daemon exits and closes every session.
 # Secrets: CHAP secrets are 24 random alphanumerics, kept in memory and in <state_dir>/exports.json
-# (mode 0600) so that check() and a restarted agent re-create the same accounts. tgtadm takes the
-# secret only as an argument: it is visible in /proc/<pid>/cmdline of that tgtadm (to local users)
-# for the few milliseconds it runs. Secrets are never logged.
+# (mode 0600) so that check() and a restarted agent re-create the same accounts. tgtadm takes a
+# secret only as an argument, visible in /proc/<pid>/cmdline to every local user, so accounts are
+# made by sending tgtadm's request on tgtd's management socket directly (tgt_ipc); no secret is on
+# any command line. tgtd and tgtadm run with a minimal environment. Secrets are never logged.
 
 TGTD = "tgtd"
 TGTADM = "tgtadm"
@@ -218,6 +220,13 @@ def _acl_kind(entry: str) -> str:
     return "--initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "--initiator-address"
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _new_secret() -> str:
     return "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(_SECRET_LEN))
 
@@ -293,7 +302,9 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         self.adm_timeout, self.start_timeout = adm_timeout, start_timeout
         self.session_grace = session_grace
         self.portal = f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"
-        self._env = {**os.environ, "TGT_IPC_SOCKET": str(self.socket_base)}
+        self.control_socket = Path(control_socket)
+        # tgtd and tgtadm get nothing of the agent's environment (its token, cloud credentials).
+        self._env = minimal_environment(TGT_IPC_SOCKET=str(self.socket_base))
         self._portals: set[str] = set()  # what a starting tgtd offers
         self._doomed: set[str] = set()  # keys whose target teardown is unfinished (sessions)
         state = DesiredState(state_dir / "exports.json", _Export, version=_STATE_VERSION, upgrades={1: _upgrade_v1})
@@ -304,6 +315,15 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         """``export_host``, ``iscsi_port`` and ``iscsi_control``; ``iqn_prefix`` and ``direct_io``
         from ``[storage_agent.options.iscsi]``."""
         opts = _IscsiOptions.model_validate(cfg.options.get("iscsi", {}))
+        if not _is_loopback(cfg.export_host):
+            # iSCSI has no encryption of its own: CHAP's challenge, and all data, cross the network
+            # in clear. A TLS tunnel for it is not implemented yet.
+            if not cfg.insecure:
+                raise InvalidParameter(
+                    f"iSCSI on {cfg.export_host} would cross the network unencrypted: serve it on loopback, "
+                    "use the nbd export (TLS), or run --insecure on a dedicated storage network")
+            log.warning("INSECURE: iSCSI exports are served unencrypted on %s:%d (CHAP and the address ACL "
+                        "still apply)", cfg.export_host, cfg.iscsi_port)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.iscsi_port, control_port=cfg.iscsi_control,
                    iqn_prefix=opts.iqn_prefix, direct_io=opts.direct_io)
 
@@ -550,9 +570,13 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
                 self._unbind_accounts(other, [grant.user])
             self._iscsi(f"delete account {grant.user}", "--mode", "account", "--op", "delete",
                         "--user", grant.user)
-        # The secret is in this argv for the life of one tgtadm (see the notes at the top of this module).
-        self._iscsi(f"create account {grant.user}", "--mode", "account", "--op", "new",
-                    "--user", grant.user, "--password", grant.secret)
+        # Not through tgtadm, which takes the secret only on its command line (readable in /proc by
+        # every local user): the same request, sent on tgtd's management socket directly.
+        try:
+            tgt_ipc.request(self.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW,
+                            {"user": grant.user, "password": grant.secret}, timeout=self.adm_timeout)
+        except tgt_ipc.TgtIpcError as exc:
+            raise _AdmError(f"create account {grant.user}", exc.message) from exc
 
     def _unbind_acl(self, live: _LiveTarget, kind: str, entry: str) -> None:
         try:

@@ -4,26 +4,29 @@ Each key (a volume, or a snapshot a hypervisor copies into) is opened once, as a
 node and a raw node, and every host's NBD export of that key is added on that one chain, under its
 own random name; TLS-PSK is optional. The daemon also takes point-in-time copies of what it serves.
 
-Access control (measured on QEMU 7.2, the version installed here):
+Access control (measured on QEMU 7.2, the version installed here). The NBD server is one per
+daemon and answers ``NBD_OPT_LIST`` with every export, and QEMU has no per-export ACL: a client
+that can open a session can list and open every export. So who can open a session is the
+boundary; export names (``<key>-<128-bit random token>`` per attachment) only make a host that asks
+for a name it was not given (a typo, a stale id) fail rather than reach the wrong volume. Modes:
 
-* The NBD server is one per daemon and answers ``NBD_OPT_LIST`` with every export, and QEMU has no
-  per-export ACL. So a client that can open a session can list and open every export.
-* Plain mode (``tls=False``): isolation is the network only. Bind ``listen_host`` to the storage
-  network (or loopback). Export names are ``<key>-<128-bit random token>`` per attachment: a host
-  that asks for a name it was not given (a typo, a stale id, a re-created volume) fails rather
-  than reaching the wrong volume. Any client that can reach the port can still list the names.
-* TLS mode (``tls=True``): plaintext clients are refused before any option (``NBD_OPT_LIST``
-  included). Each host gets its own PSK identity (its host name) and a 256-bit key. The key lives in
-  ``<state_dir>/tls/keys.psk`` only while the host has at least one export here. GnuTLS reads that
-  file at every handshake, so a host is admitted as soon as its key is written and refused for new
-  sessions as soon as its last export is removed, with no restart. The traffic is encrypted.
-  What TLS does not give: a host that holds a live key can list and open the exports of other
-  hosts on this daemon. ``tls-authz`` does not close this gap. On 7.2 it checks only x509
-  distinguished names and ignores the PSK identity: an ``authz-simple`` naming one identity still
-  admitted another. And it is set once for the whole server, never per export. Strict per-host
-  isolation would need one daemon (one NBD server, one port) per host.
-So TLS-PSK is the mode for a storage network that untrusted machines can reach, and binding is
-the mode for a dedicated or loopback network. Per-attachment export names are used in both.
+* Unix socket (``socket_dir``): the daemon listens on ``<socket_dir>/nbd.sock`` in a 0700
+  directory; only processes of the daemon's user (QEMU on the same machine) can connect. ``vbs up``.
+* TLS with X.509 (``tls="x509"``, the default over TCP): the daemon presents the storage node's
+  certificate and requires a client certificate from the same CA (``verify-peer``); plaintext
+  clients are refused before any option, listing included. A ``tls-authz`` list admits only the
+  client certificates whose DN is ``CN=<host>`` of a host with at least one export here: it is an
+  ``authz-list`` object made over QMP, replaced whenever that set of hosts changes (QEMU looks it
+  up by id at every handshake; while it is absent every client is refused). A host that holds an
+  export here can still list and open other hosts' exports on this daemon (the authz list is
+  server-wide); strict per-host isolation would need one daemon per host.
+* TLS-PSK (``tls="psk"``): each host gets its own PSK identity (its host name) and a 256-bit key,
+  kept in ``<state_dir>/tls/keys.psk`` only while the host has at least one export here. GnuTLS
+  reads that file at every handshake, so a host is admitted as soon as its key is written and
+  refused for new sessions as soon as its last export is removed. ``tls-authz`` ignores PSK
+  identities on 7.2, so the same server-wide caveat holds.
+* Plain TCP (``tls="off"``): the bind address is the only isolation; the storage agent allows it
+  only with ``insecure`` and says so at every start.
 
 Other choices: desired chains and exports are kept in memory and in ``<state_dir>/exports.json``
 (mode 0600), keys only in ``keys.psk``. That way ``check()`` can rebuild a dead daemon, and a
@@ -71,6 +74,8 @@ from vbs.daemons import DaemonSpec, argv0_is
 from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
 from vbs.files import write_private
+from vbs.processes import minimal_environment
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
 from vbs.runtime import socket_path
 from vbs.storage.exports.base import ExportSource
@@ -83,10 +88,12 @@ from vbs.storage.exports.supervised import (
     file_size,
     source_file,
 )
-from vbs.wire.connection import Connection, HostIdentity, NbdConnection
+from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus
 
-__all__ = ["NbdExportDriver"]
+__all__ = ["NbdExportDriver", "TlsMode"]
+
+TlsMode = Literal["x509", "psk", "off"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +101,7 @@ QSD = "qemu-storage-daemon"
 _ID_PREFIX = "vbs_"  # "_" never occurs in a key or a host name, so ids split back unambiguously
 _JOB_PREFIX = "vbs_copy_"
 _STATE_VERSION = 2
+_AUTHZ_ID = "vbsauthz"
 _INTERRUPTED = "the copy was interrupted; its point in time is lost"
 
 
@@ -246,9 +254,13 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
 
     protocol = "nbd"
 
-    def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809, tls: bool = False,
-                 aio: str = "native", cache_direct: bool = True, *, advertise_host: str | None = None,
-                 qmp_timeout: float = 30.0, start_timeout: float = 15.0, copy_speed: int = 0) -> None:
+    def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809,
+                 tls: TlsMode | bool = "off", aio: str = "native", cache_direct: bool = True, *,
+                 advertise_host: str | None = None, qmp_timeout: float = 30.0, start_timeout: float = 15.0,
+                 copy_speed: int = 0, x509: X509Files | None = None, socket_dir: Path | None = None) -> None:
+        """``tls``: ``x509`` (needs ``x509``: this node's certificate, key and CA), ``psk``, or
+        ``off`` (True and False are ``psk`` and ``off``). ``socket_dir``: listen on a unix socket
+        there instead of TCP (no TLS then: the directory's mode is the boundary)."""
         if aio not in ("native", "threads", "io_uring"):
             raise InvalidParameter(f"aio must be native, threads or io_uring, not {aio!r}")
         if aio == "native" and not cache_direct:
@@ -262,7 +274,18 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         if copy_speed < 0:
             raise InvalidParameter(f"copy_speed must be 0 (unlimited) or bytes per second, not {copy_speed}")
         state_dir = Path(state_dir)
-        self.tls = tls
+        mode: TlsMode = ("psk" if tls else "off") if isinstance(tls, bool) else tls
+        if mode not in ("x509", "psk", "off"):
+            raise InvalidParameter(f"nbd tls must be x509, psk or off, not {mode!r}")
+        self.socket_dir = Path(socket_dir).absolute() if socket_dir is not None else None
+        self.socket = socket_path(self.socket_dir, "nbd.sock") if self.socket_dir is not None else None
+        if self.socket is not None and ("," in str(self.socket) or not NBD_SOCKET_RE.fullmatch(str(self.socket))):
+            raise InvalidParameter(f"unusable NBD socket path {self.socket} (plain components, no comma)")
+        self.tls: TlsMode = "off" if self.socket is not None else mode
+        if self.tls == "x509" and x509 is None:
+            raise InvalidParameter("NBD TLS with X.509 needs this node's certificate, key and CA")
+        self.x509 = x509
+        self.x509_dir = state_dir / "x509"
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
         self.qmp_timeout, self.start_timeout = qmp_timeout, start_timeout
         self.copy_speed = copy_speed
@@ -279,20 +302,44 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         """``export_host``, ``nbd_port`` and ``nbd_tls``; ``aio``, ``cache_direct`` and ``copy_speed``
         (bytes/s) from ``[storage_agent.options.nbd]``."""
         opts = _NbdOptions.model_validate(cfg.options.get("nbd", {}))
-        return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=cfg.nbd_tls, aio=opts.aio,
-                   cache_direct=opts.cache_direct, copy_speed=opts.copy_speed)
+        x509 = X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        tls: TlsMode = cfg.nbd_tls
+        if cfg.nbd_socket_dir is None and tls == "x509" and x509 is None:
+            if not cfg.insecure:
+                raise InvalidParameter(
+                    "NBD over TCP needs TLS: set tls_cert, tls_key and tls_ca of [storage_agent] (X.509, the "
+                    "default), or nbd_tls = \"psk\", or nbd_socket_dir (hypervisor on this machine), or run "
+                    "--insecure")
+            tls = "off"
+        if cfg.nbd_socket_dir is None and tls == "off":
+            if not cfg.insecure:
+                raise InvalidParameter("nbd_tls = \"off\" (plain NBD over TCP) is allowed only with --insecure")
+            log.warning("INSECURE: NBD exports are served over plain TCP on %s:%d: anyone who reaches that "
+                        "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
+        return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=tls, aio=opts.aio,
+                   cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
+                   socket_dir=cfg.nbd_socket_dir)
 
     def _daemon_spec(self) -> DaemonSpec:
         pid_path = self.state_dir / "qsd.pid"
-        nbd = f"addr.type=inet,addr.host={self.listen_host},addr.port={self.port}"
+        if self.socket is not None:
+            nbd = f"addr.type=unix,addr.path={self.socket}"
+        else:
+            nbd = f"addr.type=inet,addr.host={self.listen_host},addr.port={self.port}"
         argv = [QSD, "--chardev", f"socket,path={self.qmp_path},server=on,wait=off,id=m", "--monitor", "chardev=m"]
-        if self.tls:
+        if self.tls == "psk":
             argv += ["--object", f"tls-creds-psk,id=tls0,endpoint=server,dir={self.tls_dir}"]
             nbd += ",tls-creds=tls0"
+        elif self.tls == "x509":
+            # verify-peer: a client must present a certificate from the CA; the authz list (made
+            # over QMP, see _write_authz) then admits only hosts with an export here.
+            argv += ["--object", f"tls-creds-x509,id=tls0,endpoint=server,dir={self.x509_dir},verify-peer=on"]
+            nbd += f",tls-creds=tls0,tls-authz={_AUTHZ_ID}"
         argv += ["--nbd-server", nbd, "--pidfile", str(pid_path)]
+        stale = (self.qmp_path,) if self.socket is None else (self.qmp_path, self.socket)
         return DaemonSpec(name=QSD, argv=tuple(argv), pid_path=pid_path, log_path=self.state_dir / "qsd.log",
                           owns=self._owns, writes_pidfile=True, start_timeout=self.start_timeout,
-                          stale_files=(self.qmp_path,))
+                          stale_files=stale, env=minimal_environment())
 
     def _owns(self, pid: int) -> bool:
         """A live qemu-storage-daemon with our monitor socket (guards against a reused PID)."""
@@ -321,9 +368,12 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         return True
 
     def _daemon_up(self) -> None:
-        """QEMU 7.2's NBD server leaves Nagle on, which stalls QEMU's NBD client: turn it off."""
+        """The authz list of an X.509 daemon; TCP_NODELAY (QEMU 7.2's NBD server leaves Nagle on,
+        which stalls QEMU's NBD client)."""
+        if self.tls == "x509":
+            self._write_authz()
         pid = self._daemon.pid
-        if pid is None:
+        if pid is None or self.socket is not None:
             return
         try:
             force_nodelay(pid)
@@ -347,7 +397,15 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         self._qmp = None
 
     def _loaded_state(self) -> None:
-        if not self.tls:
+        if self.socket_dir is not None:
+            # The boundary of a unix-socket export: only this user may enter the directory.
+            for d in {self.socket_dir, Path(str(self.socket)).parent}:
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                d.chmod(0o700)
+        if self.tls == "x509":
+            assert self.x509 is not None
+            qemu_x509_dir(self.x509, self.x509_dir, "server")
+        if self.tls != "psk":
             return
         # A host with no export keeps no key (a crash came between removing its last export and
         # dropping the key); one with exports and no key (TLS was just turned on) gets one. The
@@ -540,7 +598,8 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         new_chain = served.chain(chain.gen) is None
         exp = _HostExport(host=host, gen=chain.gen, read_only=read_only,
                           name=f"{served.key}-{secrets.token_hex(16)}", id=_export_id(served.key, host, chain.gen))
-        new_key = self.tls and host not in self._keys
+        new_key = self.tls == "psk" and host not in self._keys
+        new_host = self.tls == "x509" and host not in self._hosts_with_exports()
         if new_chain:
             served.chains.append(chain)
         served.exports.append(exp)
@@ -558,12 +617,16 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             if new_key:
                 del self._keys[host]
                 self._write_keys()
+            if new_host:
+                self._write_authz_best_effort()
 
         # Desired state first: a crash from here on leaves an export that check() or the next
         # start() re-creates, never one the agent does not know about.
         with self._desired_first(undo):
             if new_key:
                 self._write_keys()
+            if new_host:
+                self._write_authz()
             self._open_export(served, exp, live, replace=True)
             self._save()  # with the size of a new chain
         return exp
@@ -571,7 +634,11 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     # -- the contract (hooks of SupervisedExportDriver) ----------------------------------------------
 
     def _connection(self, exp: _HostExport) -> NbdConnection:
-        key = self._keys.get(exp.host) if self.tls else None
+        if self.socket is not None:
+            return NbdConnection(socket=str(self.socket), export=exp.name)
+        if self.tls == "x509":
+            return NbdConnection(host=self.advertise_host, port=self.port, export=exp.name, tls="x509")
+        key = self._keys.get(exp.host) if self.tls == "psk" else None
         return NbdConnection(host=self.advertise_host, port=self.port, export=exp.name,
                              tls_psk_identity=exp.host if key else None,
                              tls_psk_key=SecretStr(key) if key else None)
@@ -617,10 +684,14 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
                 item.exports.remove(exp)
             if self._collect(item, live) or mine:
                 self._save()
-        if self.tls and host_name in self._keys and host_name not in self._hosts_with_exports():
-            # The host's last export here: its key goes, so it cannot even open a TLS session.
+        if host_name in self._hosts_with_exports():
+            return
+        # The host's last export here: it may not even open a TLS session any more.
+        if self.tls == "psk" and host_name in self._keys:
             del self._keys[host_name]
             self._write_keys()
+        if self.tls == "x509" and self._running() and self._qmp is not None:  # else made at its next start
+            self._write_authz()
 
     def _list(self) -> list[ExportInfo]:
         desired = {e.id: e for s in self._desired.values() for e in s.exports}
@@ -840,6 +911,25 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             if sep and ident and key:
                 keys[ident] = key
         return keys
+
+    def _write_authz(self) -> None:
+        """Replace the daemon's authz list with the hosts that have an export here (QEMU cannot change
+        an authz-list's rules in place; it looks the object up by id at each handshake, and refuses
+        every client while it is missing)."""
+        rules = [{"match": f"CN={h}", "policy": "allow", "format": "exact"}
+                 for h in sorted(self._hosts_with_exports())]
+        try:
+            self._q("object-del", {"id": _AUTHZ_ID})
+        except QmpCommandError as exc:
+            if "not found" not in exc.desc:
+                raise
+        self._q("object-add", {"qom-type": "authz-list", "id": _AUTHZ_ID, "policy": "deny", "rules": rules})
+
+    def _write_authz_best_effort(self) -> None:
+        try:
+            self._write_authz()
+        except DriverError as exc:
+            log.error("could not update the NBD authz list: %s", exc.message)
 
     def _write_keys(self) -> None:
         # The GnuTLS password-file format that psktool writes: "identity:hexkey" per line.

@@ -1,0 +1,140 @@
+"""iSCSI secrets stay off every command line and out of tgtd's environment; CHAP is required.
+
+Real tgtd, libiscsi's iscsi-readcapacity16. CHAP accounts are made on tgtd's management socket
+(``vbs.storage.exports.tgt_ipc``), never with ``tgtadm --password``. Each test runs its own tgtd
+on a free port and stops it by PID.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import export_fixtures
+from tests.export_fixtures import drivers_of
+from tests.test_iscsi_export import live_accounts, logged_in, readcap, secret_of, tgtd_driver
+from vbs import argv as argv_module
+from vbs.config import StorageAgentConfig
+from vbs.errors import InvalidParameter
+from vbs.storage.exports import iscsi as iscsi_module
+from vbs.storage.exports import tgt_ipc
+from vbs.storage.exports.base import FileSource
+from vbs.storage.exports.iscsi import IscsiExportDriver
+from vbs.wire.connection import HostIdentity, IscsiConnection
+
+pytestmark = pytest.mark.integration
+
+VOLS = [f"vol-{i:017x}" for i in range(1, 7)]
+HOST = HostIdentity(name="hv-a", address="127.0.0.1")
+volume = export_fixtures.volume
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path) -> Iterator[Callable[..., IscsiExportDriver]]:
+    yield from drivers_of(tgtd_driver, tmp_path, "tgtd")
+
+
+def all_cmdlines() -> list[bytes]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                out.append((proc / "cmdline").read_bytes())
+            except OSError:
+                pass
+    return out
+
+
+def test_no_chap_secret_is_ever_on_a_command_line(make_driver: Callable[..., IscsiExportDriver], volume: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    drv = make_driver()
+    drv.start()
+    argvs: list[list[str]] = []
+
+    def recording_run(argv: Sequence[str], **kw: Any) -> Any:
+        argvs.append([str(a) for a in argv])
+        return argv_module.run(argv, **kw)
+
+    monkeypatch.setattr(iscsi_module, "run", recording_run)
+    seen: list[bytes] = []
+    done = threading.Event()
+
+    def watch() -> None:  # every process's argv, over and over, while accounts are made
+        while not done.is_set():
+            seen.extend(all_cmdlines())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        conns = [drv.ensure_export(vol, FileSource(volume), HOST) for vol in VOLS]
+    finally:
+        done.set()
+        watcher.join()
+    secrets = [secret_of(c) for c in conns if isinstance(c, IscsiConnection)]
+    assert len(secrets) == len(VOLS) and len(set(secrets)) == len(VOLS)
+    assert any(a[0] == "tgtadm" for a in argvs) and len(seen) > len(VOLS)  # the watch did run
+    for secret in secrets:
+        assert not [a for a in argvs if any(secret in arg for arg in a)], "a secret on tgtadm's argv"
+        assert not [c for c in seen if secret.encode() in c], "a secret in some /proc/<pid>/cmdline"
+        assert not [c for c in all_cmdlines() if secret.encode() in c]
+    assert {c.chap_user for c in conns if isinstance(c, IscsiConnection)} <= live_accounts(drv)
+    for c in conns:
+        assert isinstance(c, IscsiConnection) and logged_in(c)  # accounts made over the socket work
+
+
+def test_every_target_requires_chap(make_driver: Callable[..., IscsiExportDriver], volume: Path) -> None:
+    drv = make_driver()
+    c = drv.ensure_export(VOLS[0], FileSource(volume), HOST)
+    assert isinstance(c, IscsiConnection) and c.chap_user and c.chap_secret
+    rc, out = readcap(c, user="", secret="")
+    assert rc != 0 and "Authentication failure" in out, out
+    assert logged_in(c)
+
+
+def test_tgtd_and_tgtadm_get_a_minimal_environment(make_driver: Callable[..., IscsiExportDriver], volume: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VBS_AGENT_TOKEN", "agent-token-that-must-not-leak")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-that-must-not-leak")
+    drv = make_driver()
+    envs: list[dict[str, str]] = []
+
+    def recording_run(argv: Sequence[str], **kw: Any) -> Any:
+        envs.append(dict(kw.get("env") or {}))
+        return argv_module.run(argv, **kw)
+
+    monkeypatch.setattr(iscsi_module, "run", recording_run)
+    drv.ensure_export(VOLS[0], FileSource(volume), HOST)
+    assert drv.pid is not None
+    environ = Path(f"/proc/{drv.pid}/environ").read_bytes()
+    assert b"must-not-leak" not in environ
+    assert {item.split(b"=", 1)[0] for item in environ.split(b"\0") if item} <= {b"PATH", b"LC_ALL",
+                                                                                 b"TGT_IPC_SOCKET"}
+    assert envs and all(set(e) == {"PATH", "LC_ALL", "TGT_IPC_SOCKET"} for e in envs), envs
+
+
+def test_the_management_socket_refuses_what_would_change_the_request(
+        make_driver: Callable[..., IscsiExportDriver]) -> None:
+    drv = make_driver()
+    drv.start()
+    for user, password in (("a,password=x", "secretsecret1"), ("u", "pass,word=1"), ("u", "p\0w")):
+        with pytest.raises(tgt_ipc.TgtIpcError, match="splits on"):
+            tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW,
+                            {"user": user, "password": password})
+    tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW, {"user": "u1", "password": "p" * 16})
+    with pytest.raises(tgt_ipc.TgtIpcError, match="already exists") as exc:
+        tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW, {"user": "u1", "password": "q" * 16})
+    assert exc.value.tgt_errno == 14
+    assert "u1" in live_accounts(drv)
+
+
+def test_iscsi_off_loopback_needs_insecure(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParameter, match="unencrypted"):
+        IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="10.0.0.5"), tmp_path / "a")
+    drv = IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="10.0.0.5", insecure=True),
+                                        tmp_path / "b")
+    assert drv.listen_host == "10.0.0.5" and drv.pid is None
+    assert IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="::1"), tmp_path / "c")
