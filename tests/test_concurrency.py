@@ -328,7 +328,8 @@ def exports(world: World) -> set[tuple[str, str]]:
 
 def vm_disks(world: World, vm: str) -> set[str]:
     url = world.agent_url("host", VMS[vm])
-    r = httpx.get(f"{url}/v1/vms/{vm}/disks", headers=world.agent_auth, timeout=30)
+    token = node_token(world.vbs.data_dir, "host", VMS[vm])
+    r = httpx.get(f"{url}/v1/vms/{vm}/disks", headers={"authorization": f"Bearer {token}"}, timeout=30)
     r.raise_for_status()
     return {d["serial"] for d in r.json()["disks"]}
 

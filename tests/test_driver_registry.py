@@ -90,7 +90,7 @@ def test_a_storage_agent_runs_a_plugin_backend_and_volumes_land_in_it(services: 
     config.write_text(f'[storage_agent]\nbackend = "demo"\n\n[storage_agent.options.demo]\npath = "{pool}"\n')
     services.start_controller()
     port = free_port()
-    env = {**services.env, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
+    env = {**services.node_env("storage", "storage-1"), "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
     agent = subprocess.Popen(
         [*VBS, "storage-agent", "--config", str(config), "--port", str(port), "--controller-url",
          services.vbs.endpoint, "--state-dir", str(tmp_path / "state"), "--nbd-port", str(free_port())],

@@ -498,7 +498,8 @@ def test_an_oversized_chunked_body_is_refused_without_reading_it_whole(service: 
     grew = _controller_rss_mib(svc) - rss
     print(f"\n64 MiB chunked body ({'with' if authenticated else 'without'} a key): {r.status_code} "
           f"{_error_code(r)}, controller RSS +{grew} MiB")
-    assert r.status_code == 413, r.text
+    # With a key: 413 once 1 MiB has arrived. Without one: 401 on the head, before any of the body.
+    assert r.status_code == (413 if authenticated else 401), r.text
     assert grew < 32
 
 
@@ -593,7 +594,8 @@ def test_a_stalled_request_is_cut_off_in_bounded_time(service: Service) -> None:
             except TimeoutError:
                 still_open.append(partial)
                 continue
-            assert data == b"" or data.startswith(b"HTTP/1.1 408"), data[:200]
+            # A stalled body without credentials is refused on its head (401), others time out (408).
+            assert data == b"" or data.startswith((b"HTTP/1.1 408", b"HTTP/1.1 401")), data[:200]
     finally:
         for s in socks:
             s.close()

@@ -28,6 +28,7 @@ from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, 
 from vbs.host.api import create_app as create_host_app
 from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
 from vbs.ids import virtio_serial
+from vbs.node_credentials import TokenSource
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import ExportDriver, FileSource
@@ -35,7 +36,7 @@ from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.testguest.guest import qmp_execute
-from vbs.web import ApiClient
+from vbs.web import ApiClient, agent_auth
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection, NbdConnection
 from vbs.wire.host import QoS
 
@@ -522,10 +523,11 @@ def test_the_controller_calls_over_http(
     serial = virtio_serial(volume_id)
     (tmp_path / "pool").mkdir()
     pool = FileBackend("pool1", tmp_path / "pool", exports=exports, clone_method="copy")
-    storage_app = create_storage_app({"pool1": pool}, exports, "t0ken", "storage-1")
-    host_app = create_host_app(driver, "t0ken", HOST.name)
+    auth = agent_auth(TokenSource("t0ken"), insecure=False)
+    storage_app = create_storage_app({"pool1": pool}, exports, auth, "storage-1")
+    host_app = create_host_app(driver, auth, HOST.name)
     with _Server(storage_app) as storage_client, _Server(host_app) as host_client:
-        storage, host = StorageAgent(storage_client), HostAgent(host_client)
+        storage, host = StorageAgent(storage_client, "storage-1", frozenset({"127.0.0.1"})), HostAgent(host_client)
         storage.ensure_volume("pool1", volume_id, 1, None)
         storage.resize_volume("pool1", volume_id, 1)
         c1 = storage.connection_for("pool1", volume_id, HOST, read_only=False)

@@ -17,7 +17,8 @@ GIB = 1 << 30
 
 @pytest.fixture
 def vbs_xfs(xfs_dir: Path, tmp_path: Path) -> Iterator[Vbs]:
-    up = VbsUp(xfs_dir / "var", tmp_path / "up.log")
+    # An 8 GiB loop filesystem holding two 16 GiB thin volumes: raise the overcommit ratio for it.
+    up = VbsUp(xfs_dir / "var", tmp_path / "up.log", extra=["--overcommit-ratio", "16"])
     try:
         yield up.start()
     finally:
