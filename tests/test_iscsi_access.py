@@ -20,6 +20,7 @@ from tests.test_iscsi_export import live_accounts, logged_in, readcap, secret_of
 from vbs import argv as argv_module
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter
+from vbs.pki import CertificateAuthority
 from vbs.storage.exports import iscsi as iscsi_module
 from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.base import FileSource
@@ -138,3 +139,14 @@ def test_iscsi_off_loopback_needs_insecure(tmp_path: Path) -> None:
                                         tmp_path / "b")
     assert drv.listen_host == "10.0.0.5" and drv.pid is None
     assert IscsiExportDriver.from_config(StorageAgentConfig(export="iscsi", export_host="::1"), tmp_path / "c")
+
+
+def test_iscsi_off_loopback_with_certificates_goes_through_the_tunnel(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "ca.pem", tmp_path / "ca-key.pem")
+    node = ca.issue_in(tmp_path, "storage-1", ["10.0.0.5"])
+    cfg = StorageAgentConfig(export="iscsi", export_host="10.0.0.5", tls_cert=node.cert, tls_key=node.key,
+                             tls_ca=node.ca)
+    drv = IscsiExportDriver.from_config(cfg, tmp_path / "a")
+    assert drv.tunnel_files is not None and drv.portal.startswith("127.0.0.1:") and drv.pid is None
+    on_loopback = IscsiExportDriver.from_config(cfg.model_copy(update={"export_host": "127.0.0.1"}), tmp_path / "b")
+    assert on_loopback.tunnel_files is None  # nothing leaves the machine: no tunnel

@@ -98,6 +98,9 @@ class IscsiConnection(Wire):
     chap_user: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
     chap_secret: SecretStr | None = None
     initiator_name: str | None = Field(default=None, pattern=IQN_RE)
+    # "stunnel": the portal speaks TLS (iSCSI has none of its own); the host tunnels to it with
+    # its certificate from the install's CA.
+    tls: Literal["stunnel"] | None = None
 
     @field_serializer("chap_secret", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:

@@ -41,6 +41,7 @@ from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.connection import AnyConnection
@@ -207,6 +208,8 @@ class QemuDriver:
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
         # This host's certificate as QEMU's NBD client presents it to X.509 export servers.
         self.x509_dir = qemu_x509_dir(x509, self.secrets_dir / "x509", "client") if x509 else None
+        # iSCSI served through TLS: QEMU dials this host's end of a tunnel to the storage portal.
+        self.tunnels = IscsiTunnels(self.secrets_dir / "tunnels", x509)
         self._guard = threading.Lock()  # guards the three dicts below
         self._locks: dict[str, threading.Lock] = {}
         self._clients: dict[str, QmpClient] = {}
@@ -261,6 +264,7 @@ class QemuDriver:
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None) -> DiskInfo:
         ids = disk_ids(serial)
+        connection = self._dialled(connection)
         return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos))
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
@@ -281,12 +285,14 @@ class QemuDriver:
         ids = disk_ids(serial)
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % 512:
             raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
+        connection = self._dialled(connection)
         return self._on_present_vm(vm_id, lambda vm: self._resize(vm, serial, ids, connection, size_bytes))
 
     def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         """Copy the disk as it is now into ``target`` (see the module docstring); answers the copy's
         progress, ``ready`` once it is complete, ``error`` if it failed (its instant is lost)."""
         ids, cids = disk_ids(serial), copy_ids(serial, copy_id)
+        target = self._dialled(target)
         return self._on_present_vm(vm_id, lambda vm: self._ensure_copy(vm, serial, ids, cids, target))
 
     def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
@@ -301,6 +307,11 @@ class QemuDriver:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
+        self.tunnels.close()
+
+    def _dialled(self, connection: Connection) -> Connection:
+        """What QEMU opens: an iSCSI connection served through TLS goes through this host's tunnel."""
+        return self.tunnels.local(connection)
 
     # -- VMs and their monitors ------------------------------------------------------------------
 

@@ -39,9 +39,11 @@ from vbs.daemons import DaemonSpec, argv0_is
 from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter
 from vbs.processes import cmdline, environ_value, minimal_environment
+from vbs.qemu_tls import X509Files
 from vbs.runtime import socket_path
 from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key
+from vbs.stunnel import Tunnel, server_config
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
 
@@ -73,6 +75,9 @@ log = logging.getLogger(__name__)
 # secret only as an argument, visible in /proc/<pid>/cmdline to every local user, so accounts are
 # made by sending tgtadm's request on tgtd's management socket directly (tgt_ipc); no secret is on
 # any command line. tgtd and tgtadm run with a minimal environment. Secrets are never logged.
+# Off loopback (``tunnel``): tgtd listens on 127.0.0.1 behind a stunnel on the export address that
+# admits only certificates of hosts with an export here (vbs.stunnel); the ACL then holds
+# 127.0.0.1, where stunnel connects from.
 
 TGTD = "tgtd"
 TGTADM = "tgtadm"
@@ -277,7 +282,10 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         adm_timeout: float = 10.0,
         start_timeout: float = 15.0,
         session_grace: float = 10.0,
+        tunnel: X509Files | None = None,
     ) -> None:
+        """``tunnel``: serve through TLS (stunnel with this node's certificate, key and CA) on
+        ``listen_host``, a non-loopback address; tgtd itself then listens on 127.0.0.1."""
         if not 0 <= control_port <= _CONTROL_MAX:
             raise InvalidParameter(f"control_port must be 0-{_CONTROL_MAX} (tgtd -C), not {control_port}")
         if not _PREFIX_RE.match(iqn_prefix):
@@ -301,7 +309,12 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         self.direct_io = direct_io
         self.adm_timeout, self.start_timeout = adm_timeout, start_timeout
         self.session_grace = session_grace
-        self.portal = f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"
+        if tunnel is not None and _is_loopback(listen_host):
+            raise InvalidParameter("an iSCSI TLS tunnel is for a non-loopback listen_host (loopback needs none)")
+        self.tunnel_files = tunnel
+        self._tunnel = Tunnel(state_dir / "stunnel.conf") if tunnel is not None else None
+        tgtd_host = "127.0.0.1" if tunnel is not None else listen_host
+        self.portal = f"[{tgtd_host}]:{port}" if ":" in tgtd_host else f"{tgtd_host}:{port}"
         self.control_socket = Path(control_socket)
         # tgtd and tgtadm get nothing of the agent's environment (its token, cloud credentials).
         self._env = minimal_environment(TGT_IPC_SOCKET=str(self.socket_base))
@@ -315,17 +328,23 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         """``export_host``, ``iscsi_port`` and ``iscsi_control``; ``iqn_prefix`` and ``direct_io``
         from ``[storage_agent.options.iscsi]``."""
         opts = _IscsiOptions.model_validate(cfg.options.get("iscsi", {}))
+        x509 = X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        tunnel = None
         if not _is_loopback(cfg.export_host):
-            # iSCSI has no encryption of its own: CHAP's challenge, and all data, cross the network
-            # in clear. A TLS tunnel for it is not implemented yet.
-            if not cfg.insecure:
+            # iSCSI has no encryption of its own: CHAP's challenge, and all data, would cross the
+            # network in clear. So off loopback it goes through a TLS tunnel, or only --insecure.
+            if x509 is not None:
+                tunnel = x509
+            elif not cfg.insecure:
                 raise InvalidParameter(
-                    f"iSCSI on {cfg.export_host} would cross the network unencrypted: serve it on loopback, "
-                    "use the nbd export (TLS), or run --insecure on a dedicated storage network")
-            log.warning("INSECURE: iSCSI exports are served unencrypted on %s:%d (CHAP and the address ACL "
-                        "still apply)", cfg.export_host, cfg.iscsi_port)
+                    f"iSCSI on {cfg.export_host} would cross the network unencrypted: set tls_cert, tls_key and "
+                    "tls_ca of [storage_agent] (a TLS tunnel), serve it on loopback, or run --insecure on a "
+                    "dedicated storage network")
+            else:
+                log.warning("INSECURE: iSCSI exports are served unencrypted on %s:%d (CHAP and the address ACL "
+                            "still apply)", cfg.export_host, cfg.iscsi_port)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.iscsi_port, control_port=cfg.iscsi_control,
-                   iqn_prefix=opts.iqn_prefix, direct_io=opts.direct_io)
+                   iqn_prefix=opts.iqn_prefix, direct_io=opts.direct_io, tunnel=tunnel)
 
     def _daemon_spec(self) -> DaemonSpec:
         return DaemonSpec(
@@ -431,6 +450,34 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
     def _let_go(self) -> None:
         self._doomed.clear()  # the targets waiting for their sessions go with the daemon
 
+    def _daemon_up(self) -> None:
+        self._sync_tunnel()
+
+    def _sync_tunnel(self) -> None:
+        """The TLS tunnel running and admitting exactly the hosts with an export here."""
+        if self._tunnel is None or self.tunnel_files is None:
+            return
+        hosts = sorted({h for item in self._desired.values() for h in item.grants})
+        text = server_config((self.listen_host, self.port), self.port, self.tunnel_files, hosts)
+        self._tunnel.ensure(text, (self.listen_host, self.port))
+
+    def stop(self) -> None:
+        """Stop tgtd, then the tunnel in front of it."""
+        with self._lock:
+            super().stop()
+            if self._tunnel is not None:
+                self._tunnel.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+            if self._tunnel is not None:
+                self._tunnel.forget()
+
+    @property
+    def tunnel_pid(self) -> int | None:
+        return self._tunnel.pid if self._tunnel is not None else None
+
     def _view(self) -> _View:
         return self._show()
 
@@ -438,6 +485,7 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         self._apply(item, view)
 
     def _reconciled(self, view: _View) -> None:
+        self._sync_tunnel()  # restarted if it died
         for key in sorted(self._doomed - set(self._desired)):
             try:
                 self._teardown(key, view, grace=0.0)
@@ -690,6 +738,7 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         return IscsiConnection(
             host=self.advertise_host, port=self.port, iqn=self.iqn(exp.key), lun=grant.lun,
             chap_user=grant.user, chap_secret=SecretStr(grant.secret), initiator_name=grant.initiator_name,
+            tls="stunnel" if self._tunnel is not None else None,
         )
 
     def _hosts(self, item: _Export) -> set[str]:
@@ -717,7 +766,9 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
             raise IdempotentParameterMismatch(
                 f"{key} is already exported with read_only={exp.read_only} to "
                 f"{', '.join(sorted(exp.grants)) or 'no host'}; remove those exports first")
-        addresses = _acl_addresses(host.address)
+        # Through the tunnel every host arrives from stunnel on 127.0.0.1: its certificate, checked
+        # by stunnel, stands in for its address.
+        addresses = ["127.0.0.1"] if self._tunnel is not None else _acl_addresses(host.address)
         old = exp.grants.get(host.name)
         fresh: set[str] = set()
         if old is None:
@@ -743,6 +794,7 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
 
         with self._desired_first(undo):
             self._apply(exp, self._show(), fresh_users=fresh, tune=True)
+            self._sync_tunnel()
         log.info("exported %s to %s over iSCSI as %s (read_only=%s)", key, host.name, self.iqn(key), read_only)
         return self._connection(exp, grant)
 
@@ -760,6 +812,8 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
             if not item.grants:
                 del self._desired[key]
             self._save()
+        if self._running():
+            self._sync_tunnel()  # a host with no export left loses the tunnel first
         if not self._running():
             return  # nothing live to change; check() will not re-create what is no longer desired
         view = self._show()
