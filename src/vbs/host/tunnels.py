@@ -17,7 +17,7 @@ from pathlib import Path
 from vbs.errors import InvalidParameter
 from vbs.qemu_tls import X509Files
 from vbs.stunnel import Tunnel, accept_port, client_config
-from vbs.wire.connection import Connection, IscsiConnection
+from vbs.wire.connection import AnyConnection, IscsiConnection
 
 __all__ = ["IscsiTunnels"]
 
@@ -37,7 +37,7 @@ class IscsiTunnels:
         self._lock = threading.Lock()
         self._tunnels: dict[tuple[str, int], Tunnel] = {}
 
-    def local(self, connection: Connection) -> Connection:
+    def local(self, connection: AnyConnection) -> AnyConnection:
         """``connection`` as QEMU dials it: itself, or (an iSCSI portal served through TLS) this
         host's end of a tunnel to it."""
         if not isinstance(connection, IscsiConnection) or connection.tls != "stunnel":

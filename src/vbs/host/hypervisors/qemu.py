@@ -309,7 +309,7 @@ class QemuDriver:
             client.close()
         self.tunnels.close()
 
-    def _dialled(self, connection: Connection) -> Connection:
+    def _dialled(self, connection: AnyConnection) -> AnyConnection:
         """What QEMU opens: an iSCSI connection served through TLS goes through this host's tunnel."""
         return self.tunnels.local(connection)
 
