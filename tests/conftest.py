@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -172,14 +173,21 @@ class VbsUp:
         reap_daemons(self.data_dir / "storage-state")
 
 
-@pytest.fixture
-def vbs_up(tmp_path: Path) -> Iterator[Vbs]:
-    """A fresh embedded install (controller + storage agent) on the ext4 root: the copy path."""
-    up = VbsUp(tmp_path / "var", tmp_path / "vbs-up.log")
+@contextmanager
+def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
+    """``vbs up EXTRA`` with its data in ``tmp/var`` and its log in ``tmp/vbs-up.log``, stopped after."""
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=list(extra))
     try:
         yield up.start()
     finally:
         up.stop()
+
+
+@pytest.fixture
+def vbs_up(tmp_path: Path) -> Iterator[Vbs]:
+    """A fresh embedded install (controller + storage agent) on the ext4 root: the copy path."""
+    with running_vbs_up(tmp_path) as vbs:
+        yield vbs
 
 
 @pytest.fixture

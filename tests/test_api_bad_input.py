@@ -35,14 +35,10 @@ BAD_CREATES: list[tuple[Any, int, str]] = [
 
 @pytest.fixture(scope="module")
 def vbs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from tests.conftest import VbsUp
+    from tests.conftest import running_vbs_up
 
-    d = tmp_path_factory.mktemp("bad-input")
-    up = VbsUp(d / "var", d / "up.log")
-    try:
-        yield up.start()
-    finally:
-        up.stop()
+    with running_vbs_up(tmp_path_factory.mktemp("bad-input")) as vbs:
+        yield vbs
 
 
 def _state(vbs: Vbs) -> tuple[list[Any], list[str]]:

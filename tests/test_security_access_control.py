@@ -17,19 +17,15 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from tests.conftest import VBS, Vbs, running_vbs_up, wait_until
 
 UNKNOWN_INSTANCE = "i-0123456789abcdef0"
 
 
 @pytest.fixture(scope="module")
 def vbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
-    tmp = tmp_path_factory.mktemp("acl")
-    up = VbsUp(tmp / "var", tmp / "vbs-up.log")
-    try:
-        yield up.start()
-    finally:
-        up.stop()
+    with running_vbs_up(tmp_path_factory.mktemp("acl")) as vbs:
+        yield vbs
 
 
 @dataclass

@@ -16,7 +16,7 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from tests.conftest import Vbs, VbsUp, node_token
+from tests.conftest import Vbs, node_token, running_vbs_up
 from vbs.credentials import AccessKey
 from vbs.errors import InvalidParameter
 
@@ -28,12 +28,8 @@ EC2_REFUSALS = {"InvalidParameterValue", "InvalidVolume.NotFound", "InvalidSnaps
 
 @pytest.fixture(scope="module")
 def vbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
-    tmp = tmp_path_factory.mktemp("uniform")
-    up = VbsUp(tmp / "var", tmp / "vbs-up.log")
-    try:
-        yield up.start()
-    finally:
-        up.stop()
+    with running_vbs_up(tmp_path_factory.mktemp("uniform")) as vbs:
+        yield vbs
 
 
 def world(vbs: Vbs) -> tuple[Any, ...]:
