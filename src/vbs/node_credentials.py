@@ -58,6 +58,9 @@ class NodeKeyring:
         self.state_path = state_path
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], int] = {}
+        # Each file as last read, keyed by its (inode, mtime, size): every heartbeat and every call to an
+        # agent needs both, and they change only when an operator rotates or replaces them.
+        self._files: dict[Path, tuple[tuple[int, int, int], str]] = {}
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> NodeKeyring:
@@ -78,12 +81,22 @@ class NodeKeyring:
             os.fsync(fh.fileno())
         return self
 
+    def _read(self, path: Path) -> str:
+        """``path``'s text, read again only when the file changed (FileNotFoundError if it is gone)."""
+        st = path.stat()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._files.get(path)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, path.read_text())
+            self._files[path] = cached
+        return cached[1]
+
     def _secret(self) -> bytes:
-        return self.secret_path.read_text().strip().encode()
+        return self._read(self.secret_path).strip().encode()
 
     def _state(self) -> dict[str, dict[str, int]]:
         try:
-            data = json.loads(self.state_path.read_text())
+            data = json.loads(self._read(self.state_path))
         except FileNotFoundError:
             return {}
         return {str(k): {kk: int(vv) for kk, vv in v.items()} for k, v in data.items()}

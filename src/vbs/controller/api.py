@@ -42,8 +42,8 @@ from vbs.controller.schemas import (
     VolumeList,
     VolumeOut,
 )
-from vbs.errors import NotFound, UnauthorizedOperation
-from vbs.node_credentials import NodeKeyring
+from vbs.errors import AuthFailure, NotFound, UnauthorizedOperation
+from vbs.node_credentials import REFUSED, NodeIdentity
 from vbs.wire.base import Ack
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.storage import StorageHeartbeat
@@ -262,16 +262,18 @@ def _owns(s: Session, resource_id: str, tenant: str) -> bool:
     return s.scalar(select(table.tenant).where(table.id == resource_id)) == tenant
 
 
-def internal_router(keyring: NodeKeyring, *, insecure: bool) -> APIRouter:
-    """The agents' endpoints. A node token says which node calls (the edge checked it already):
-    a node reports only as itself, and a storage node's token is no host's."""
+def internal_router(*, insecure: bool) -> APIRouter:
+    """The agents' endpoints. A node token says which node calls (the edge checked it and left the
+    node in the request's state; a request without one passes only on an ``--insecure``
+    controller): a node reports only as itself, and a storage node's token is no host's."""
     r = APIRouter(prefix="/internal/v1", include_in_schema=False)
 
     def same_node(request: Request, kind: str, name: str) -> None:
-        authz = request.headers.get("authorization", "")
-        if not authz and insecure:
-            return
-        who = keyring.verify(authz[len("Bearer "):].strip())
+        who: NodeIdentity | None = getattr(request.state, "node", None)
+        if who is None:
+            if insecure:
+                return
+            raise AuthFailure(REFUSED)
         if who.kind != kind or who.name != name:
             raise UnauthorizedOperation(f"the credential of {who.kind} node {who.name} cannot report as "
                                         f"{kind} node {name[:63]}")
@@ -329,7 +331,7 @@ def test_hooks_router() -> APIRouter:
     return r
 
 
-def install_routes(app: FastAPI, keyring: NodeKeyring, auth: Authenticator, *, insecure: bool) -> None:
+def install_routes(app: FastAPI, auth: Authenticator, *, insecure: bool) -> None:
     @app.get("/health", include_in_schema=False)
     def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -342,4 +344,4 @@ def install_routes(app: FastAPI, keyring: NodeKeyring, auth: Authenticator, *, i
         return app.openapi()
 
     app.include_router(public_router(auth))
-    app.include_router(internal_router(keyring, insecure=insecure))
+    app.include_router(internal_router(insecure=insecure))

@@ -124,7 +124,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     app.state.keys = key_store
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure))
-    install_routes(app, keyring, auth, insecure=cfg.insecure)
+    install_routes(app, auth, insecure=cfg.insecure)
     ec2_api.install(app, auth)
     return app
 

@@ -41,7 +41,11 @@ class Authenticator:
         return found[1]
 
     def check(self, request: Request, body: bytes) -> Principal:
-        """Who sent ``request``, or AuthFailure."""
+        """Who sent ``request``, or AuthFailure. A bearer key the edge already checked on the request's
+        head (vbs.controller.edge) is not looked up twice."""
+        checked: Principal | None = getattr(request.state, "caller", None)
+        if checked is not None:
+            return checked
         header = request.headers.get("authorization", "")
         if header.startswith("Bearer "):
             return self.check_bearer(header[len("Bearer "):].strip())

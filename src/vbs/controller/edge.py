@@ -2,7 +2,8 @@
 
 - ``/health`` is open.
 - ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.node_credentials), unless the
-  controller runs ``--insecure`` and the caller sends none.
+  controller runs ``--insecure`` and the caller sends none; the node it names is left in the
+  request's state (``request.state.node``) for the handler.
 - The public APIs need credentials: a bearer key is checked in full here (and accepted over plain
   HTTP from loopback only: it is the secret itself); a SigV4 signature covers the body's hash, so it
   is verified once the (bounded) body has arrived, but a request without any is refused at once.
@@ -44,13 +45,15 @@ def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool) -> Ca
             if path.startswith("/internal/"):
                 if not authz and insecure:
                     return None
-                keyring.verify(authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else "")
+                token = authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else ""
+                scope.setdefault("state", {})["node"] = keyring.verify(token)
                 return None
             if authz.startswith("Bearer "):
                 client = (scope.get("client") or (None, 0))[0]
                 if scope.get("scheme") != "https" and not is_loopback(client):
                     raise AuthFailure(BEARER_OFF_LOOPBACK)
-                auth.check_bearer(authz[len("Bearer "):].strip())
+                # The handler's own check finds the caller here instead of looking the key up again.
+                scope.setdefault("state", {})["caller"] = auth.check_bearer(authz[len("Bearer "):].strip())
                 return None
             if authz.startswith("AWS4-HMAC-SHA256 ") or b"X-Amz-Signature=" in scope.get("query_string", b""):
                 return None
