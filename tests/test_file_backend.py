@@ -257,6 +257,27 @@ def test_resize_grows_keeps_data_and_refuses_to_shrink(pool: FileBackend) -> Non
         pool.resize_volume(new_vol(), GiB)
 
 
+@pytest.mark.integration  # a loop device: root
+def test_a_size_the_file_system_cannot_hold_is_refused_as_bad_input_and_changes_nothing(tmp_path: Path) -> None:
+    """ext4 with 4 KiB blocks holds files up to 16 TiB - 4 KiB: a 16 TiB volume is the caller's to change (a
+    400 that ends a modification as failed), not a driver fault retried for minutes."""
+    with loop_filesystem(tmp_path, "ext4", 64) as mountpoint:
+        backend = FileBackend("ext4", mountpoint, copy_chunk_bytes=CHUNK)
+        try:
+            vol = new_vol()
+            backend.ensure_volume(vol, GiB)
+            with pytest.raises(InvalidParameter, match="more than this pool's file system holds"):
+                backend.resize_volume(vol, 16 << 40)
+            assert backend.volume_path(vol).stat().st_size == GiB
+            big = new_vol()
+            with pytest.raises(InvalidParameter, match="more than this pool's file system holds"):
+                backend.ensure_volume(big, 16 << 40)
+            assert backend.volume_status(big).state == "absent"
+            assert leftovers(mountpoint) == [f"{vol}.raw"]  # no partial of the refused one
+        finally:
+            close_and_check_threads(backend)
+
+
 def _read(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)

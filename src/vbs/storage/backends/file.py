@@ -34,10 +34,12 @@ from vbs.config import StorageAgentConfig
 from vbs.errors import (
     DriverError,
     IncorrectState,
+    InsufficientCapacity,
     InvalidParameter,
     NotFound,
     PointInTimeUnavailable,
     RetryLater,
+    VbsError,
 )
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
@@ -199,7 +201,7 @@ class FileBackend:
                     os.ftruncate(fd, size_bytes)
                     os.fsync(fd)
             except OSError as exc:
-                raise DriverError(f"resize {volume_id}: {exc.strerror}") from exc
+                raise _refusal(f"resize {volume_id}", size_bytes, exc) from exc
             finally:
                 os.close(fd)
             return _ready(final)
@@ -452,7 +454,7 @@ class FileBackend:
                 _publish(path, final)
         except OSError as exc:
             path.unlink(missing_ok=True)
-            raise DriverError(f"create {final.stem}: {exc.strerror}") from exc
+            raise _refusal(f"create {final.stem}", size_bytes, exc) from exc
 
     def _clone(
         self,
@@ -585,6 +587,16 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _refusal(action: str, size_bytes: int, exc: OSError) -> VbsError:
+    """A size the pool's file system refuses for good is the caller's to change, not a fault to retry."""
+    if exc.errno == errno.EFBIG:
+        return InvalidParameter(f"{action}: {size_bytes} bytes is more than this pool's file system holds in "
+                                "one file")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientCapacity(f"{action}: the pool is out of space ({exc.strerror})")
+    return DriverError(f"{action}: {exc.strerror}")
 
 
 def _check_size(size_bytes: object) -> None:
