@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vbs.errors import (
     AgentUnavailable,
@@ -37,6 +38,7 @@ from vbs.errors import (
     from_body,
 )
 from vbs.node_credentials import TokenSource
+from vbs.pki import PeerCertificate, peer_certificate
 from vbs.tls import TlsFiles
 
 M = TypeVar("M", bound=BaseModel)
@@ -306,6 +308,33 @@ class ApiClient:
 
 
 IDLE_CONNECTION_TIMEOUT_S = 10.0
+PEER_KEY = "vbs.peer_certificate"
+
+
+def peer_of(scope: Scope) -> PeerCertificate | None:
+    """The verified client certificate of the request's connection, if it presented one."""
+    peer = scope.get(PEER_KEY)
+    return peer if isinstance(peer, PeerCertificate) else None
+
+
+class PeerCertProtocol(H11Protocol):
+    """uvicorn's h11 protocol, plus the connection's verified client certificate in every request's
+    scope (``peer_of``): uvicorn passes no TLS details to the app. The TLS handshake (and so the
+    certificate's verification against the CA) is over before ``connection_made``."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        if not der:
+            return
+        peer, app = peer_certificate(der), self.app
+
+        async def with_peer(scope: Scope, receive: Any, send: Any) -> None:
+            scope[PEER_KEY] = peer
+            await app(scope, receive, send)
+
+        self.app = with_peer
 
 
 class BoundedServer(uvicorn.Server):
@@ -350,7 +379,7 @@ def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, 
                    require_client_cert: bool = False) -> BoundedServer:
     ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
     return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5,
-                                        limit_concurrency=MAX_CONCURRENCY, **ssl_kwargs))
+                                        limit_concurrency=MAX_CONCURRENCY, http=PeerCertProtocol, **ssl_kwargs))
 
 
 def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None) -> None:
