@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import ssl
 import threading
@@ -126,7 +125,7 @@ class BodyLimit:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+            await _send_refusal(scope, send, _too_large())
             return
         received = 0
         started = False
@@ -157,18 +156,24 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+                await _send_refusal(scope, send, _too_large())
         except _BodyTooSlow:
             if not started:
-                await _plain_error(send, 408, "RequestTimeout", "the request body stopped arriving")
+                await _send_refusal(scope, send, VbsError("the request body stopped arriving", code="RequestTimeout",
+                                                          status=408))
 
 
-async def _plain_error(send: Any, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+def _too_large() -> VbsError:
+    return VbsError(f"request body larger than {MAX_BODY_BYTES} bytes", code="RequestTooLarge", status=413)
+
+
+async def _send_refusal(scope: Scope, send: Any, exc: VbsError) -> None:
+    """Answer with ``refusal(exc)`` from inside an ASGI middleware (it reads nothing more)."""
+
+    async def nothing() -> Any:
+        return {"type": "http.disconnect"}
+
+    await refusal(exc)(scope, nothing, send)
 
 
 def refusal(exc: VbsError) -> Response:
@@ -237,8 +242,9 @@ class PreAuth:
             return
         client = (scope.get("client") or ("?", 0))[0]
         if self._in_flight.get(client, 0) >= MAX_REQUESTS_PER_CLIENT:
-            await _plain_error(send, 503, "RequestLimitExceeded",
-                               f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client")
+            await _send_refusal(scope, send, VbsError(
+                f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client",
+                code="RequestLimitExceeded", status=503))
             return
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
         try:
