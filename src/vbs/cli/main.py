@@ -17,6 +17,7 @@ import typer
 from vbs import credentials
 from vbs.cli import output
 from vbs.cli.client import wait_for
+from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.config import DEFAULT_CONTROLLER_PORT
 from vbs.errors import VbsError
 from vbs.tls import client_verify
@@ -24,6 +25,7 @@ from vbs.web import ApiClient
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="VBS — the Virtual Block Store.")
+app.add_typer(db_app, name="db")
 
 
 class Context:
@@ -409,7 +411,9 @@ def controller(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     data_dir: Annotated[Path | None, typer.Option()] = None,
-    database_url: Annotated[str | None, typer.Option()] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="postgresql+psycopg://… (default: SQLite in the data dir); a password belongs in the file.")] = None,
+    database_url_file: Annotated[Path | None, typer.Option(help="A 0600 file holding the database URL.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
@@ -426,8 +430,10 @@ def controller(
     from vbs.controller.app import serve
 
     logs.setup("controller", json_lines=log_json)
+    warn_if_password_on_argv(database_url)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
         "host": host, "port": port, "data_dir": data_dir, "database_url": database_url,
+        "database_url_file": database_url_file,
         "overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
         "quota_snapshots": quota_snapshots, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
