@@ -521,6 +521,13 @@ def up(
     quota_volumes: Annotated[int | None, typer.Option(help="Controller: volumes per tenant.")] = None,
     quota_gib: Annotated[int | None, typer.Option(help="Controller: GiB of volumes per tenant.")] = None,
     quota_snapshots: Annotated[int | None, typer.Option(help="Controller: snapshots per tenant.")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="Controller: metadata in this PostgreSQL (postgresql+psycopg://…), upgraded by `vbs db upgrade`.")]
+    = None,
+    database_url_file: Annotated[Path | None, typer.Option(help="A 0600 file holding that URL.")] = None,
+    postgres: Annotated[bool, typer.Option(
+        "--postgres", help="Metadata in a PostgreSQL cluster of the data dir's own, started and stopped with it.")]
+    = False,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
@@ -532,8 +539,14 @@ def up(
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
+    if sum((database_url is not None, database_url_file is not None, postgres)) > 1:
+        raise typer.BadParameter("give one of --database-url, --database-url-file and --postgres")
+    warn_if_password_on_argv(database_url)
+    if database_url_file is not None:
+        database_url = database_url_file.read_text().strip() or None
     raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
-                                  log_json=log_json, tls=tls, controller_env=controller_env))
+                                  log_json=log_json, tls=tls, controller_env=controller_env,
+                                  database_url=database_url, postgres=postgres))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:
