@@ -370,7 +370,7 @@ class WorkflowEngine:
         """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""
         now = utcnow()
         with self.db.session() as s:
-            op = s.get(Operation, op_id)
+            op = s.get(Operation, op_id, with_for_update=True)  # read, then written: no lost update
             if op is None:
                 return True
             since: datetime | None = op.failing_since
@@ -381,7 +381,7 @@ class WorkflowEngine:
 
     def _retry_later(self, op_id: str, error: str) -> None:
         with self.db.session() as s:
-            op = s.get(Operation, op_id)
+            op = s.get(Operation, op_id, with_for_update=True)
             if op is None:
                 return
             delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)),
