@@ -91,7 +91,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
-def _alembic_config() -> Config:
+def alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     return cfg
@@ -176,7 +176,7 @@ class Database:
     def migrate(self) -> None:
         """Bring the schema to the newest Alembic revision (idempotent): ``vbs db upgrade``, and a
         SQLite controller at its start."""
-        cfg = _alembic_config()
+        cfg = alembic_config()
         with self._reaching(), self.engine.begin() as connection:
             if self.dialect == "postgresql":
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
@@ -185,7 +185,7 @@ class Database:
 
     def revisions(self) -> tuple[str | None, str]:
         """(the database's schema revision or None if it has none, the newest this VBS knows)."""
-        head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
         assert head is not None
         with self._reaching(), self.engine.connect() as connection:
             current = MigrationContext.configure(connection).get_current_revision()
@@ -197,7 +197,7 @@ class Database:
         current, head = self.revisions()
         if current == head:
             return
-        known = {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+        known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
         where = redact(self.url)
         if current is None:
             raise SchemaMismatch(f"the database {where} has no VBS schema yet: run `vbs db upgrade` "
