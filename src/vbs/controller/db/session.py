@@ -17,6 +17,7 @@ writes another locks first (``vbs.controller.db.locks``). Its schema is upgraded
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -30,10 +31,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import ArgumentError, DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 READ_ONLY = "vbs_read_only"
@@ -72,6 +75,19 @@ def has_password(url: str) -> bool:
         return make_url(url).password is not None
     except ArgumentError:
         return False
+
+
+@contextmanager
+def _refused_values() -> Iterator[None]:
+    """A value PostgreSQL cannot take (a NUL character in text, which SQLite stores) reaches it only from
+    a request the edge let through: answer ``InvalidParameterValue``, as for any other bad value, not
+    an internal error. The statement's parameters are not repeated (they are the caller's data)."""
+    try:
+        yield
+    except DataError as exc:
+        reason = str(exc.orig or "").strip().splitlines()[0][:200] if exc.orig else "invalid value"
+        log.warning("database refused a value: %s", reason)
+        raise InvalidParameter(f"A value in the request cannot be stored or compared: {reason}.") from None
 
 
 def _sqlite_pragmas(engine: Engine) -> None:
@@ -215,7 +231,7 @@ class Database:
     def session(self) -> Iterator[Session]:
         """A writing transaction: commits on success, rolls back on an exception."""
         if not self._sqlite:
-            with self._sessions() as session, session.begin():
+            with _refused_values(), self._sessions() as session, session.begin():
                 yield session
             return
         with self._write_lock, self._sessions() as session, session.begin():
@@ -224,7 +240,7 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with self._read_sessions() as session, session.begin():
+        with _refused_values(), self._read_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:
