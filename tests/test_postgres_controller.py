@@ -127,6 +127,16 @@ def test_a_second_controller_on_the_same_sqlite_file_is_refused(services: Servic
         stop_process(proc)  # type: ignore[arg-type]
 
 
+def test_vbs_db_upgrade_of_a_new_sqlite_data_dir_makes_private_files(tmp_path: Path) -> None:
+    data_dir = tmp_path / "var"
+    upgraded = vbs_db("upgrade", "--data-dir", str(data_dir))
+    assert upgraded.returncode == 0 and "upgraded from nothing to 0004" in upgraded.stdout
+    assert vbs_db("status", "--data-dir", str(data_dir)).returncode == 0
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+    for name in ("vbs.db", "vbs.db.lock"):
+        assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
+
+
 # -- no password on argv, in a child's environment, or in a log ---------------------------------------------
 
 

@@ -39,11 +39,15 @@ def _database(config: Path | None, data_dir: Path | None, database_url: str | No
               database_url_file: Path | None) -> Database:
     from vbs import config as cfgmod
     from vbs.controller.app import database_for
+    from vbs.fail_closed import harden
 
     warn_if_password_on_argv(database_url)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
         "data_dir": data_dir, "database_url": database_url, "database_url_file": database_url_file})
-    return database_for(cfg)
+    db = database_for(cfg)
+    if db.sqlite_path is not None:
+        harden(db.sqlite_path.parent)  # the file this may create is the controller's: 0600 in a 0700 dir
+    return db
 
 
 @db_app.command("upgrade")
