@@ -123,12 +123,6 @@ class Vbs:
         return wait_until(lambda: (s := self.snapshot(snapshot_id))["status"] == status and s, timeout,
                           what=f"{snapshot_id} {status}")
 
-    def once_idle(self, call: Any, timeout: float = 30) -> httpx.Response:
-        """``call()``, repeated while it answers 409 because an operation on the resource is still
-        ending: a volume reads ``available`` from its create's last step, just before that
-        operation is recorded as done."""
-        return wait_until(lambda: (r := call()).status_code != 409 and r, timeout, what="the resource idle")  # type: ignore[no-any-return]
-
     def create_volume(self, **body: Any) -> dict[str, Any]:
         r = self.http.post("/v1/volumes", json=body)
         assert r.status_code == 200, r.text

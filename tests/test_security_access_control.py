@@ -142,6 +142,44 @@ def test_deleted_key_is_refused_at_once(vbs: Vbs) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == "AuthFailure"
 
 
+def test_rotate_keys_gives_an_access_key_a_successor_and_the_old_one_works_until_deleted(vbs: Vbs) -> None:
+    old = make_key(vbs, "rotating")
+    new = vbs.cli("rotate-keys", "--access-key", old.access_key_id)
+    assert new["replaces"] == old.access_key_id and new["access_key_id"] != old.access_key_id
+    listed = {k["access_key_id"]: k for k in vbs.cli("describe-keys")["keys"]}
+    assert (listed[new["access_key_id"]]["tenant"], listed[new["access_key_id"]]["role"]) == ("rotating", "user")
+    successor = httpx.Client(base_url=vbs.endpoint, timeout=30, headers={
+        "authorization": f"Bearer {new['access_key_id']}:{new['secret_access_key']}"})
+    made = ok(successor.post("/v1/volumes", json={"size_gib": 1}))["volume_id"]
+    # No downtime: both keys work, and see the same tenant's volumes, until the old one is deleted.
+    assert made in [v["volume_id"] for v in ok(old.http.get("/v1/volumes"))["volumes"]]
+    vbs.cli("delete-key", old.access_key_id)
+    assert old.http.get("/v1/volumes").status_code == 401
+    assert successor.get("/v1/volumes").status_code == 200
+    # A user key cannot rotate keys, and a key that does not exist has no successor.
+    user = make_key(vbs, "rotating")
+    assert user.http.post(f"/v1/keys/{new['access_key_id']}/rotate").status_code == 403
+    missing = vbs.http.post("/v1/keys/VBSK0000000000000000/rotate")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "InvalidAccessKeyId.NotFound"
+
+
+def test_rotating_the_master_key_reseals_every_secret_while_the_controller_runs(vbs: Vbs) -> None:
+    user = make_key(vbs, "resealed")
+    before = (vbs.data_dir / "master.key").read_text()
+    proc = subprocess.run([*VBS, "rotate-keys", "--master-key", "--data-dir", str(vbs.data_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    after = (vbs.data_dir / "master.key").read_text()
+    assert after != before and len(after.split()) == 1  # one key left: the new one
+    assert oct((vbs.data_dir / "master.key").stat().st_mode & 0o777) == "0o600"
+    # The running controller opens every secret under the new key: bearer and SigV4 both still work.
+    assert user.http.get("/v1/volumes").status_code == 200
+    ec2 = boto3.client("ec2", endpoint_url=vbs.endpoint, region_name="us-east-1",
+                       aws_access_key_id=user.access_key_id, aws_secret_access_key=user.secret_access_key)
+    assert ec2.describe_volumes()["Volumes"] == []
+    assert make_key(vbs, "after-rotation").http.get("/v1/volumes").status_code == 200
+
+
 def test_made_secrets_are_sealed_in_the_database(vbs: Vbs) -> None:
     user = make_key(vbs, "sealed")
     db = (vbs.data_dir / "vbs.db").read_bytes() + b"".join(

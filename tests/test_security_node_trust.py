@@ -102,8 +102,7 @@ def test_a_rogue_storage_nodes_connection_never_reaches_the_vm(rogue: tuple[Serv
     svc, _vm = rogue
     vol = svc.vbs.create_volume(size_gib=1)["volume_id"]
     svc.vbs.wait_volume(vol, "available")
-    r = svc.vbs.once_idle(lambda: svc.vbs.http.post(f"/v1/volumes/{vol}/attach",
-                                                    json={"host": "host-1", "vm_id": "vm1"}))
+    r = svc.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"host": "host-1", "vm_id": "vm1"})
     assert r.status_code == 200, r.text
     # The attach fails at the controller, rolls back, and leaves the volume as it was.
     volume = wait_until(lambda: (v := svc.vbs.volume(vol))["status"] == "available"

@@ -15,9 +15,11 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port
-from vbs.pki import CertificateAuthority
+from vbs.pki import CertificateAuthority, peer_certificate
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +95,51 @@ def test_agents_take_only_clients_with_a_certificate_from_the_ca(tls_up: Vbs, tm
     ctx = ssl.create_default_context(cafile=ca)
     ctx.load_cert_chain(str(vbs.data_dir / "tls" / "controller.pem"), str(vbs.data_dir / "tls" / "controller-key.pem"))
     assert httpx.get(f"{agent}/v1/exports", headers=auth, verify=ctx, timeout=5).status_code == 200
+
+
+def test_the_controller_takes_a_heartbeat_only_with_the_nodes_certificate_naming_its_address(
+        tls_up: Vbs, tmp_path: Path) -> None:
+    """Mutual TLS towards the controller too: a node's token alone (stolen from its disk) is not
+    enough, nor is another node's certificate; and a node reports only an address it was issued."""
+    vbs = tls_up
+    ca, tls = str(vbs.data_dir / "ca.pem"), vbs.data_dir / "tls"
+    token = (vbs.data_dir / "agents" / "storage-storage-1.token").read_text().strip()
+    before = vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]
+    node = next(n for n in before if n["name"] == "storage-1")
+    beat = {"name": "storage-1", "url": node["url"], "address": "127.0.0.1",
+            "started_at": "2026-01-01T00:00:00Z", "pools": []}
+
+    def send(cert: str | None, body: dict[str, object]) -> httpx.Response:
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert is not None:
+            ctx.load_cert_chain(str(tls / f"{cert}.pem"), str(tls / f"{cert}-key.pem"))
+        return httpx.post(f"{vbs.endpoint}/internal/v1/storage-heartbeat", json=body, verify=ctx, timeout=10,
+                          headers={"authorization": f"Bearer {token}"})
+
+    assert send(None, beat).status_code == 401  # the token without a certificate
+    assert send("host-1", beat).status_code == 401  # another node's certificate
+    lying = send("storage-1", beat | {"address": "192.0.2.7"})
+    assert lying.status_code == 403 and "certificate does not name" in lying.json()["error"]["message"]
+    # Nothing the refused heartbeats said was recorded.
+    after = {n["name"]: n for n in vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]}
+    assert after["storage-1"]["pools"] == node["pools"]  # not the empty list the refused beats carried
+
+
+def test_issue_cert_makes_a_node_certificate_with_its_name_and_addresses(tmp_path: Path) -> None:
+    data = tmp_path / "var"
+    made = subprocess.run([*VBS, "issue-cert", "storage-9", "--host", "10.0.0.9", "--host", "St9.Example",
+                           "--data-dir", str(data)], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    cert = x509.load_pem_x509_certificate((data / "tls" / "storage-9.pem").read_bytes())
+    peer = peer_certificate(cert.public_bytes(serialization.Encoding.DER))
+    assert peer.common_name == "storage-9"
+    assert peer.names_address("10.0.0.9") and peer.names_address("st9.example")
+    assert not peer.names_address("10.0.0.10")
+    assert (data / "tls" / "storage-9-key.pem").stat().st_mode & 0o777 == 0o600
+    assert data.stat().st_mode & 0o777 == 0o700
+    again = subprocess.run([*VBS, "issue-cert", "storage-9", "--host", "10.0.0.9", "--data-dir", str(data)],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "exists already" in again.stderr
 
 
 def test_a_controller_on_a_public_address_without_tls_refuses_to_start(tmp_path: Path) -> None:

@@ -375,3 +375,52 @@ def test_finished_operations_are_purged_with_their_steps_after_the_retention(db:
     with db.session() as s:
         assert s.get(Operation, done) is None and s.get(Operation, running) is not None
         assert s.scalars(select(OperationStep).where(OperationStep.operation_id == done)).all() == []
+
+
+# -- endings: the resource's final state and the operation's end in one transaction ----------------
+
+
+def _record_in_ending(db: Database, seen: list[tuple[str, str]]) -> Any:
+    """A closing step that writes through ctx.session() and, from another connection, looks at
+    whether its operation already ended (it must not have: both commit together)."""
+
+    def record(ctx: StepContext) -> None:
+        with ctx.session() as s:
+            s.add(OperationStep(operation_id=ctx.operation_id, position=99, name="marker", state="done",
+                                updated_at=s.get(Operation, ctx.operation_id).updated_at))  # type: ignore[union-attr]
+        with db.read() as other:
+            seen.append(("during", other.scalar(select(Operation.status).where(
+                Operation.id == ctx.operation_id)) or ""))
+
+    return record
+
+
+def test_a_closing_step_commits_with_the_end_of_its_operation(db: Database) -> None:
+    seen: list[tuple[str, str]] = []
+    rec = Recorder()
+    wf = Workflow("w", Seen, "rollback", (rec.step("a"), Step("mark", _record_in_ending(db, seen), ends=True)))
+    engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
+    op_id = start_op(engine, db, "w")
+    engine.run_now(op_id)
+    assert seen == [("during", "running")]  # the marker was not visible yet, nor the end
+    assert op_status(db, op_id) == "succeeded"
+    assert step_states(db, op_id) == ["done", "done", "done"]  # a, mark, and the marker row
+
+
+def test_a_closing_step_that_fails_leaves_neither_its_writes_nor_an_ended_operation(db: Database) -> None:
+    seen: list[tuple[str, str]] = []
+    rec = Recorder()
+    wf = Workflow("w", Seen, "rollback", (rec.step("a"), Step("mark", _record_in_ending(db, seen), ends=True)),
+                  on_rollback=lambda ctx, reason: rec.rolled_back.append(reason))
+    engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
+    engine.inject_failure("w", "mark", "after")
+    op_id = start_op(engine, db, "w")
+    engine.run_now(op_id)
+    assert op_status(db, op_id) == "rolled-back"
+    assert step_states(db, op_id) == ["undone", "undone"]  # no marker row: the closing write rolled back
+    assert rec.calls == ["do:a", "undo:a"]
+
+
+def test_only_the_last_step_may_end_an_operation() -> None:
+    with pytest.raises(ValueError, match="only the last step"):
+        Workflow("w", Seen, "forward", (Step("a", lambda ctx: None, ends=True), Step("b", lambda ctx: None)))

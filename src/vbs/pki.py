@@ -144,6 +144,37 @@ class CertificateAuthority:
         return self.issue(name, hosts, files.cert, files.key)
 
 
+@dataclass(frozen=True)
+class PeerCertificate:
+    """What a verified TLS peer's certificate says: who (its CN) and where (its SAN names)."""
+
+    common_name: str | None
+    names: frozenset[str]  # IP addresses in canonical form, DNS names in lower case
+
+    def names_address(self, address: str) -> bool:
+        """Whether ``address`` (an IP or a DNS name) is one the certificate was issued for."""
+        return _canonical(address) in self.names
+
+
+def _canonical(name: str) -> str:
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return name.lower()
+
+
+def peer_certificate(cert_der: bytes) -> PeerCertificate:
+    cert = x509.load_der_x509_certificate(cert_der)
+    names: set[str] = set()
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names.update(str(ip) for ip in san.get_values_for_type(x509.IPAddress))
+        names.update(n.lower() for n in san.get_values_for_type(x509.DNSName))
+    except x509.ExtensionNotFound:
+        pass
+    return PeerCertificate(common_name(cert_der), frozenset(names))
+
+
 def common_name(cert_der: bytes) -> str | None:
     """The subject CN of a DER certificate (what a peer presented), or None."""
     cert = x509.load_der_x509_certificate(cert_der)

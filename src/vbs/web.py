@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import ssl
 import threading
@@ -25,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vbs.errors import (
     AgentUnavailable,
@@ -37,6 +37,7 @@ from vbs.errors import (
     from_body,
 )
 from vbs.node_credentials import TokenSource
+from vbs.pki import PeerCertificate, peer_certificate
 from vbs.tls import TlsFiles
 
 M = TypeVar("M", bound=BaseModel)
@@ -124,7 +125,7 @@ class BodyLimit:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+            await _send_refusal(scope, send, _too_large())
             return
         received = 0
         started = False
@@ -155,18 +156,24 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _plain_error(send, 413, "RequestTooLarge", f"request body larger than {MAX_BODY_BYTES} bytes")
+                await _send_refusal(scope, send, _too_large())
         except _BodyTooSlow:
             if not started:
-                await _plain_error(send, 408, "RequestTimeout", "the request body stopped arriving")
+                await _send_refusal(scope, send, VbsError("the request body stopped arriving", code="RequestTimeout",
+                                                          status=408))
 
 
-async def _plain_error(send: Any, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+def _too_large() -> VbsError:
+    return VbsError(f"request body larger than {MAX_BODY_BYTES} bytes", code="RequestTooLarge", status=413)
+
+
+async def _send_refusal(scope: Scope, send: Any, exc: VbsError) -> None:
+    """Answer with ``refusal(exc)`` from inside an ASGI middleware (it reads nothing more)."""
+
+    async def nothing() -> Any:
+        return {"type": "http.disconnect"}
+
+    await refusal(exc)(scope, nothing, send)
 
 
 def refusal(exc: VbsError) -> Response:
@@ -235,8 +242,9 @@ class PreAuth:
             return
         client = (scope.get("client") or ("?", 0))[0]
         if self._in_flight.get(client, 0) >= MAX_REQUESTS_PER_CLIENT:
-            await _plain_error(send, 503, "RequestLimitExceeded",
-                               f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client")
+            await _send_refusal(scope, send, VbsError(
+                f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client",
+                code="RequestLimitExceeded", status=503))
             return
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
         try:
@@ -306,6 +314,33 @@ class ApiClient:
 
 
 IDLE_CONNECTION_TIMEOUT_S = 10.0
+PEER_KEY = "vbs.peer_certificate"
+
+
+def peer_of(scope: Scope) -> PeerCertificate | None:
+    """The verified client certificate of the request's connection, if it presented one."""
+    peer = scope.get(PEER_KEY)
+    return peer if isinstance(peer, PeerCertificate) else None
+
+
+class PeerCertProtocol(H11Protocol):
+    """uvicorn's h11 protocol, plus the connection's verified client certificate in every request's
+    scope (``peer_of``): uvicorn passes no TLS details to the app. The TLS handshake (and so the
+    certificate's verification against the CA) is over before ``connection_made``."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        if not der:
+            return
+        peer, app = peer_certificate(der), self.app
+
+        async def with_peer(scope: Scope, receive: Any, send: Any) -> None:
+            scope[PEER_KEY] = peer
+            await app(scope, receive, send)
+
+        self.app = with_peer
 
 
 class BoundedServer(uvicorn.Server):
@@ -350,7 +385,7 @@ def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, 
                    require_client_cert: bool = False) -> BoundedServer:
     ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
     return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5,
-                                        limit_concurrency=MAX_CONCURRENCY, **ssl_kwargs))
+                                        limit_concurrency=MAX_CONCURRENCY, http=PeerCertProtocol, **ssl_kwargs))
 
 
 def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None) -> None:

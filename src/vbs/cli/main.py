@@ -19,7 +19,7 @@ from vbs.cli import output
 from vbs.cli.client import wait_for
 from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.config import DEFAULT_CONTROLLER_PORT
-from vbs.errors import VbsError
+from vbs.errors import InvalidParameter, VbsError
 from vbs.tls import client_verify
 from vbs.web import ApiClient
 
@@ -568,15 +568,84 @@ def node_token(
     print(NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name))
 
 
+@app.command("issue-cert")
+def issue_cert(
+    name: Annotated[str, typer.Argument(help="The node's name (its --node-name): the certificate's CN.")],
+    host: Annotated[list[str], typer.Option("--host", help="An address or DNS name the node serves on and "
+                                                          "reports (repeat).")],
+    data_dir: Annotated[Path, typer.Option(help="The data dir that holds the install's CA.")] = Path("./var"),
+    out_dir: Annotated[Path | None, typer.Option(help="Where to write NAME.pem and NAME-key.pem.")] = None,
+) -> None:
+    """Issue a node's certificate from the install's CA (run where the CA is; made on first use). The node
+    serves with it, presents it to the controller, and may report only the addresses it names."""
+    from vbs.fail_closed import harden
+    from vbs.pki import CertificateAuthority
+
+    harden(data_dir)
+    ca = CertificateAuthority.in_data_dir(data_dir)
+    directory = out_dir or data_dir / "tls"
+    cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    if cert.exists() or key.exists():
+        raise InvalidParameter(f"{cert} or {key} exists already: remove them to issue a new certificate")
+    files = ca.issue(name, host, cert, key)
+    print(f"certificate {files.cert}\nkey         {files.key} (0600)\nCA          {files.ca}\n"
+          f"run the node with --tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")
+
+
 @app.command("rotate-keys")
 def rotate_keys(
-    node: Annotated[str, typer.Option(help="Rotate this node's token.")],
+    ctx: typer.Context,
+    node: Annotated[str | None, typer.Option(help="Rotate this node's token.")] = None,
+    access_key: Annotated[str | None, typer.Option(help="Make a successor of this access key (admin).")] = None,
+    master_key: Annotated[bool, typer.Option("--master-key", help="Re-seal every access key's secret under a "
+                                                                  "new master key.")] = False,
     kind: NodeKindOpt = "host",
     data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
-    write_to: Annotated[Path | None, typer.Option(help="Write the new token to this file (0600).")] = None,
+    database_url: Annotated[str | None, typer.Option(help="The controller's database, if not in the data dir.")] = None,
+    write_to: Annotated[Path | None, typer.Option(help="Write the new node token to this file (0600).")] = None,
     revoke: Annotated[bool, typer.Option("--revoke", help="Invalidate the node's tokens at once.")] = False,
 ) -> None:
-    """A node's new token, without downtime: the old one is accepted until the node uses the new one."""
+    """New credentials without downtime: a node's token (the old one is accepted until the node uses the
+    new one), an access key's successor (the old key works until `vbs delete-key`), or the master key."""
+    chosen = [name for name, given in (("--node", node), ("--access-key", access_key), ("--master-key", master_key))
+              if given]
+    if len(chosen) != 1:
+        raise InvalidParameter("say what to rotate: one of --node NAME, --access-key ID, --master-key")
+    if access_key is not None:
+        _rotate_access_key(ctx.obj, access_key)
+    elif master_key:
+        _rotate_master_key(data_dir, database_url)
+    elif node is not None:
+        _rotate_node_token(node, kind, data_dir, write_to, revoke)
+
+
+def _rotate_access_key(c: Context, access_key_id: str) -> None:
+    key = c.client.call("POST", f"/v1/keys/{access_key_id}/rotate")
+    if output.resolve_format(c.fmt) == "json":
+        output.emit({"access_key_id": key["access_key_id"], "secret_access_key": key["secret_access_key"],
+                     "replaces": access_key_id}, "json")
+    else:
+        print(f"access key id:     {key['access_key_id']}\nsecret access key: {key['secret_access_key']}\n"
+              f"tenant: {key['tenant']}, role: {key['role']} (the secret is not shown again)\n"
+              f"{access_key_id} keeps working: switch the clients over, then `vbs delete-key {access_key_id}`")
+
+
+def _rotate_master_key(data_dir: Path, database_url: str | None) -> None:
+    from vbs import config as cfgmod
+    from vbs.controller.app import database_for
+    from vbs.controller.keys import MasterKey
+
+    cfg = cfgmod.load(cfgmod.ControllerConfig, "controller",
+                      overrides={"data_dir": data_dir, "database_url": database_url})
+    db = database_for(cfg)
+    try:
+        count = MasterKey(cfg.master_key_file or cfg.data_dir / "master.key").rotate(db)
+    finally:
+        db.dispose()
+    print(f"{count} access key secrets re-sealed under a new master key; a running controller reads it at once")
+
+
+def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | None, revoke: bool) -> None:
     from vbs.files import write_private
     from vbs.node_credentials import NodeKeyring
 

@@ -44,6 +44,7 @@ from vbs.controller.schemas import (
 )
 from vbs.errors import AuthFailure, NotFound, UnauthorizedOperation
 from vbs.node_credentials import REFUSED, NodeIdentity
+from vbs.pki import PeerCertificate
 from vbs.wire.base import Ack
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.storage import StorageHeartbeat
@@ -224,6 +225,13 @@ def _admin_routes(r: APIRouter) -> None:
         return KeyOut(access_key_id=key.access_key_id, tenant=body.tenant, role=body.role,
                       secret_access_key=key.secret_access_key)
 
+    @r.post("/keys/{access_key_id}/rotate", response_model=KeyOut, tags=["keys"], dependencies=[Depends(admin)])
+    def rotate_key(access_key_id: str, request: Request) -> KeyOut:
+        """A new key for the same tenant and role; the old one works until it is deleted (no downtime)."""
+        key, info = _key_store(request).successor(access_key_id)
+        return KeyOut(access_key_id=key.access_key_id, tenant=info.tenant, role=info.role,
+                      secret_access_key=key.secret_access_key)
+
     @r.get("/keys", response_model=KeyList, tags=["keys"], dependencies=[Depends(admin)])
     def list_keys(request: Request) -> KeyList:
         return KeyList(keys=[KeyOut(access_key_id=k.access_key_id, tenant=k.tenant, role=k.role,
@@ -268,7 +276,7 @@ def internal_router(*, insecure: bool) -> APIRouter:
     controller): a node reports only as itself, and a storage node's token is no host's."""
     r = APIRouter(prefix="/internal/v1", include_in_schema=False)
 
-    def same_node(request: Request, kind: str, name: str) -> None:
+    def same_node(request: Request, kind: str, name: str, address: str) -> None:
         who: NodeIdentity | None = getattr(request.state, "node", None)
         if who is None:
             if insecure:
@@ -277,17 +285,23 @@ def internal_router(*, insecure: bool) -> APIRouter:
         if who.kind != kind or who.name != name:
             raise UnauthorizedOperation(f"the credential of {who.kind} node {who.name} cannot report as "
                                         f"{kind} node {name[:63]}")
+        cert: PeerCertificate | None = getattr(request.state, "node_cert", None)
+        if cert is not None and not cert.names_address(address):
+            # Hosts connect to the address a storage node reports, and exports admit a host's
+            # address: a node reports only an address its certificate names.
+            raise UnauthorizedOperation(f"{kind} node {name} reports the address {address[:255]!r}, which its "
+                                        "certificate does not name")
 
     @r.post("/storage-heartbeat")
     def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
-        same_node(request, "storage", body.name)
+        same_node(request, "storage", body.name, body.address)
         with svc.db.session() as s:
             record_storage_heartbeat(s, body)
         return Ack()
 
     @r.post("/host-heartbeat")
     def host_heartbeat(body: HostHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
-        same_node(request, "host", body.name)
+        same_node(request, "host", body.name, body.address)
         with svc.db.session() as s:
             record_host_heartbeat(s, body)
         return Ack()

@@ -121,6 +121,8 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     db = open_database(cfg)
     key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
     auth = Authenticator(key_store, cfg.region)
+    # Serving HTTPS with a CA: agents must present their certificate as well as their token.
+    node_certs = tls is not None and tls.serves and tls.ca is not None
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls))
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
@@ -159,7 +161,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     app.state.services = svc
     app.state.keys = key_store
     install_error_handlers(app)
-    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure))
+    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
     install_routes(app, auth, insecure=cfg.insecure)
     ec2_api.install(app, auth)
     return app

@@ -3,7 +3,10 @@
 - ``/health`` is open.
 - ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.node_credentials), unless the
   controller runs ``--insecure`` and the caller sends none; the node it names is left in the
-  request's state (``request.state.node``) for the handler.
+  request's state (``request.state.node``) for the handler. A controller that serves HTTPS with a
+  CA also needs the node's client certificate (CN = the token's node name: mutual TLS, two factors
+  a thief must both hold); the certificate goes in ``request.state.node_cert``, whose names bound
+  the address the node may report.
 - The public APIs need credentials: a bearer key is checked in full here (and accepted over plain
   HTTP from loopback only: it is the secret itself); a SigV4 signature covers the body's hash, so it
   is verified once the (bounded) body has arrived, but a request without any is refused at once.
@@ -19,8 +22,8 @@ from starlette.responses import Response
 from vbs.controller.auth import Authenticator
 from vbs.controller.ec2 import xml
 from vbs.errors import AuthFailure, VbsError
-from vbs.node_credentials import NodeKeyring
-from vbs.web import Scope, header, is_loopback, refusal
+from vbs.node_credentials import REFUSED, NodeKeyring
+from vbs.web import Scope, header, is_loopback, peer_of, refusal
 
 XML_TYPE = "text/xml;charset=UTF-8"
 NO_CREDENTIALS = "The request carries no credentials (a bearer key or an AWS Signature Version 4)."
@@ -35,7 +38,8 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
     return refusal(exc)
 
 
-def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool) -> Callable[[Scope], Response | None]:
+def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool,
+             node_certs: bool) -> Callable[[Scope], Response | None]:
     def check(scope: Scope) -> Response | None:
         path = scope["path"]
         if path == "/health":
@@ -46,7 +50,11 @@ def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool) -> Ca
                 if not authz and insecure:
                     return None
                 token = authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else ""
-                scope.setdefault("state", {})["node"] = keyring.verify(token)
+                node = keyring.verify(token)
+                peer = peer_of(scope)
+                if node_certs and (peer is None or peer.common_name != node.name):
+                    raise AuthFailure(REFUSED)
+                scope.setdefault("state", {}).update(node=node, node_cert=peer)
                 return None
             if authz.startswith("Bearer "):
                 client = (scope.get("client") or (None, 0))[0]

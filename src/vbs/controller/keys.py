@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -24,6 +25,7 @@ from vbs import credentials
 from vbs.controller.db import AccessKeyRecord, Database
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.errors import InvalidParameter, NotFound
+from vbs.files import write_private
 
 __all__ = ["Role", "ROLES", "TENANT_RE", "Principal", "MasterKey", "KeyStore", "check_tenant"]
 
@@ -54,41 +56,110 @@ class Principal:
 
 
 class MasterKey:
-    """The AES-256-GCM key that seals made keys' secrets, kept in a private file made on first use."""
+    """The AES-256-GCM keys that seal made keys' secrets, in a private file made on first use.
+
+    The file holds one base64 key per line, the current one first: secrets are sealed with it and
+    opened with whichever line opens them. ``vbs rotate-keys --master-key`` adds a new first line,
+    re-seals every secret under it, then drops the old lines; a running controller re-reads the file
+    when it changes, so it opens every secret at each stage (no downtime).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._aead: AESGCM | None = None
+        self._keys: list[AESGCM] = []
+        self._seen: tuple[int, int, int] | None = None
+        self._lock = threading.Lock()
 
-    def _key(self) -> AESGCM:
-        if self._aead is None:
+    def _load(self) -> list[AESGCM]:
+        with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
-                raw = base64.b64decode(self.path.read_text().strip())
+                pass
             else:
-                raw = AESGCM.generate_key(bit_length=256)
                 with os.fdopen(fd, "w") as fh:
-                    fh.write(base64.b64encode(raw).decode())
+                    fh.write(_new_key_line())
                     fh.flush()
                     os.fsync(fh.fileno())
-            if len(raw) != 32:
-                raise InvalidParameter(f"the master key {self.path} is not a base64 AES-256 key")
-            self._aead = AESGCM(raw)
-        return self._aead
+            st = self.path.stat()
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen != self._seen:
+                self._keys = [AESGCM(raw) for raw in _read_keys(self.path)]
+                self._seen = seen
+            return self._keys
 
     def seal(self, secret: str, key_id: str) -> str:
         nonce = os.urandom(_NONCE)
-        return base64.b64encode(nonce + self._key().encrypt(nonce, secret.encode(), key_id.encode())).decode()
+        return base64.b64encode(nonce + self._load()[0].encrypt(nonce, secret.encode(), key_id.encode())).decode()
 
     def open(self, sealed: str, key_id: str) -> str | None:
         """The secret, or None where it does not open (another master key, or a row moved to another id)."""
         try:
             raw = base64.b64decode(sealed)
-            return self._key().decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode()).decode()
-        except (InvalidTag, ValueError):
+        except ValueError:
             return None
+        for key in self._load():
+            try:
+                return key.decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode()).decode()
+            except (InvalidTag, ValueError):
+                continue
+        return None
+
+    def rotate(self, db: Database) -> int:
+        """Seal every made key's secret under a new master key; the number of secrets re-sealed.
+
+        The old keys stay in the file until every row opens with the new one (a key made by a
+        running controller meanwhile included), so an interrupted rotation loses nothing: run it again.
+        """
+        new_raw = AESGCM.generate_key(bit_length=256)
+        new = AESGCM(new_raw)
+        old = _read_keys(self.path) if self.path.exists() else []
+        write_private(self.path, "".join(_line(raw) for raw in [new_raw, *old]))
+        resealed: set[str] = set()
+        for _ in range(3):
+            stale = 0
+            with db.session() as s:
+                for row in s.scalars(select(AccessKeyRecord).with_for_update()):
+                    if _opens(new, row.sealed_secret, row.id):
+                        continue
+                    secret = self.open(row.sealed_secret, row.id)
+                    if secret is None:
+                        raise InvalidParameter(f"the secret of {row.id} opens with none of the master keys in "
+                                               f"{self.path}; the old keys are kept")
+                    nonce = os.urandom(_NONCE)
+                    row.sealed_secret = base64.b64encode(
+                        nonce + new.encrypt(nonce, secret.encode(), row.id.encode())).decode()
+                    resealed.add(row.id)
+                    stale += 1
+            if stale == 0:
+                write_private(self.path, _line(new_raw))
+                return len(resealed)
+        raise InvalidParameter("keys kept being made under the old master key; run the rotation again")
+
+
+def _opens(key: AESGCM, sealed: str, key_id: str) -> bool:
+    try:
+        raw = base64.b64decode(sealed)
+        key.decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode())
+    except (InvalidTag, ValueError):
+        return False
+    return True
+
+
+def _line(raw: bytes) -> str:
+    return base64.b64encode(raw).decode() + "\n"
+
+
+def _new_key_line() -> str:
+    return _line(AESGCM.generate_key(bit_length=256))
+
+
+def _read_keys(path: Path) -> list[bytes]:
+    keys = [base64.b64decode(line) for line in path.read_text().split() if line]
+    if not keys or any(len(k) != 32 for k in keys):
+        raise InvalidParameter(f"the master key file {path} does not hold base64 AES-256 keys")
+    return keys
 
 
 @dataclass(frozen=True)
@@ -142,6 +213,14 @@ class KeyStore:
             except IntegrityError:
                 continue
         raise InvalidParameter("could not make a unique access key id; try again")
+
+    def successor(self, key_id: str) -> tuple[credentials.AccessKey, KeyInfo]:
+        """A new key with the tenant and role of ``key_id`` (which keeps working until deleted)."""
+        found = self.lookup(key_id) if credentials.KEY_ID_RE.fullmatch(key_id) or key_id in self.bootstrap else None
+        if found is None:
+            raise NotFound(f"The access key '{key_id[:64]}' does not exist.", code="InvalidAccessKeyId.NotFound")
+        who = found[1]
+        return self.create(who.tenant, who.role), KeyInfo(key_id, who.tenant, who.role, key_id in self.bootstrap)
 
     def delete(self, key_id: str) -> None:
         if key_id in self.bootstrap:

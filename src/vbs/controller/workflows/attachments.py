@@ -104,7 +104,7 @@ def release_volume_if_free(s: Session, volume_id: str) -> None:
 
 
 def _settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None = None) -> None:
-    with ctx.services.db.session() as s:
+    with ctx.session() as s:
         lock_rows(s, Volume, ctx.resource_id)  # the volume before its attachments (db.locks' order)
         transition(s, Attachment, ctx.params.attachment_id, to_state, already_ok=True,
                    status_reason=reason[:2000] if reason else None)
@@ -147,7 +147,7 @@ ATTACH_VOLUME = Workflow(
     resume="rollback",
     steps=(Step("storage-export", export_volume, undo=unexport_volume),
            Step("host-attach", plug_into_vm, undo=unplug_forcibly),
-           Step("mark-attached", mark_attached)),
+           Step("mark-attached", mark_attached, ends=True)),
     on_rollback=attach_rolled_back,
     finished=is_attached,
 )
@@ -160,7 +160,7 @@ DETACH_VOLUME = Workflow(
     # VM off the volume all the same, and the reconciler unplugs the dead disk once the host is back.
     steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
            Step("storage-unexport", unexport_volume),
-           Step("mark-detached", mark_detached)),
+           Step("mark-detached", mark_detached, ends=True)),
     gives_up=guest_holds_disk,
     on_give_up=detach_ends_busy,
 )

@@ -1,6 +1,10 @@
 """The workflow engine: each operation is a row with ordered steps, each step ``do`` and ``undo``.
 
 A step is recorded ``started`` before its agent call and ``done`` after it, each in its own commit.
+The last step of a workflow is a DB-only record (``Step(..., ends=True)``): it runs in the
+transaction that ends the operation, and so do the endings (``on_rollback``, ``on_give_up``,
+``gives_up``), so nobody sees a resource in its final state while its operation still runs (a
+delete right after a create found the volume ``available`` and was refused as busy).
 On failure the engine undoes the started and done steps in reverse and lets the workflow restore
 its resource. When the controller starts it resumes every unfinished operation: workflows that
 ``resume="rollback"`` (create, attach) undo what they did, those that ``resume="forward"`` (delete,
@@ -28,8 +32,9 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, TypeVar
@@ -82,6 +87,18 @@ class StepContext(Generic[P]):
     services: Services
     memo: dict[str, Any] = field(default_factory=dict)
     save: Callable[[], None] = lambda: None
+    # The engine's open transaction while a closing step or an ending runs (see session()).
+    tx: Session | None = field(default=None, repr=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """The transaction a step writes in: the one that ends the operation while a closing step
+        or an ending runs, else a transaction of its own."""
+        if self.tx is not None:
+            yield self.tx
+            return
+        with self.services.db.session() as s:
+            yield s
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,8 @@ class Step(Generic[P]):
     # A roll-forward step that may be left out once its retries are exhausted (a forced detach
     # whose host never answers: removing the export cuts the VM off all the same).
     skippable: Callable[[StepContext[P]], bool] | None = None
+    # A DB-only last step, run in the transaction that ends the operation (writes via ctx.session()).
+    ends: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,10 @@ class Workflow(Generic[P]):
     # DB transition, ran but the controller died before recording it): then resuming finishes.
     finished: Callable[[StepContext[P]], bool] | None = None
 
+    def __post_init__(self) -> None:
+        if any(step.ends for step in self.steps[:-1]):
+            raise ValueError(f"{self.kind}: only the last step may end the operation")
+
     @property
     def exclusive(self) -> bool:
         return self.kind in EXCLUSIVE_KINDS
@@ -119,6 +142,19 @@ def _crash_point() -> tuple[str, str, str] | None:
     spec = os.environ.get("VBS_CRASH_AT", "")
     parts = spec.split(":")
     return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
+
+
+@dataclass
+class _Ending:
+    cancelled: bool = False
+
+
+def _ended(status: OperationState, error: str | None) -> dict[str, Any]:
+    values: dict[str, Any] = {"status": status, "next_attempt_at": None, "failing_since": None,
+                              "updated_at": utcnow()}
+    if error is not None:
+        values["error"] = error[:4000]
+    return values
 
 
 def _message(exc: Exception) -> str:
@@ -276,6 +312,12 @@ class WorkflowEngine:
             try:
                 self._maybe_hold(workflow.kind, step.name)
                 self._maybe_fail(workflow.kind, step.name, "before")
+                if step.ends:
+                    with self._ending(ctx, OperationState.SUCCEEDED, step=pos):
+                        step.do(ctx)
+                        self._maybe_fail(workflow.kind, step.name, "after")
+                    self._maybe_crash(workflow.kind, step.name, "done")
+                    return
                 step.do(ctx)
                 self._maybe_fail(workflow.kind, step.name, "after")
             except Exception as exc:
@@ -293,9 +335,11 @@ class WorkflowEngine:
                     self._rollback(workflow, ctx, steps, message)
                     return
                 self._set_step(ctx, pos, "started", error=message)
-                if workflow.gives_up is not None and workflow.gives_up(ctx, exc):
-                    self._finish(ctx.operation_id, OperationState.FAILED, message)
-                    return
+                if workflow.gives_up is not None:
+                    with self._ending(ctx, OperationState.FAILED, message) as ending:
+                        ending.cancelled = not workflow.gives_up(ctx, exc)
+                    if not ending.cancelled:
+                        return
                 if not self._exhausted(ctx.operation_id):
                     self._retry_later(ctx.operation_id, message)
                     return
@@ -306,9 +350,9 @@ class WorkflowEngine:
                     self._set_op(ctx.operation_id, failing_since=None)
                     continue
                 reason = f"gave up after {self._give_up_after.total_seconds():g}s of failures at {step.name}: {message}"
-                if workflow.on_give_up is not None:
-                    workflow.on_give_up(ctx, reason)
-                self._finish(ctx.operation_id, OperationState.FAILED, reason)
+                with self._ending(ctx, OperationState.FAILED, reason):
+                    if workflow.on_give_up is not None:
+                        workflow.on_give_up(ctx, reason)
                 return
             steps[pos] = "done"
             self._set_step(ctx, pos, "done", succeeded=True)
@@ -339,14 +383,13 @@ class WorkflowEngine:
                     continue
             steps[pos] = "undone"
             self._set_step(ctx, pos, "undone", succeeded=True)
-        if workflow.on_rollback is not None:
-            workflow.on_rollback(ctx, reason)
         abandoned = [workflow.steps[p].name for p, state in steps.items() if state == "abandoned"]
-        if abandoned:
-            self._finish(ctx.operation_id, OperationState.FAILED,
-                         f"{reason}; rolled back, but could not undo {', '.join(abandoned)} (left to reconciliation)")
-        else:
-            self._finish(ctx.operation_id, OperationState.ROLLED_BACK)
+        ending = (self._ending(ctx, OperationState.FAILED, f"{reason}; rolled back, but could not undo "
+                                                              f"{', '.join(abandoned)} (left to reconciliation)")
+                  if abandoned else self._ending(ctx, OperationState.ROLLED_BACK))
+        with ending:
+            if workflow.on_rollback is not None:
+                workflow.on_rollback(ctx, reason)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -369,10 +412,30 @@ class WorkflowEngine:
             s.execute(update(Operation).where(Operation.id == op_id).values(updated_at=utcnow(), **values))
 
     def _finish(self, op_id: str, status: OperationState, error: str | None = None) -> None:
-        values: dict[str, Any] = {"status": status, "next_attempt_at": None, "failing_since": None}
-        if error is not None:
-            values["error"] = error[:4000]
-        self._set_op(op_id, **values)
+        with self.db.session() as s:
+            s.execute(update(Operation).where(Operation.id == op_id).values(**_ended(status, error)))
+
+    @contextmanager
+    def _ending(self, ctx: StepContext[Any], status: OperationState, error: str | None = None, *,
+                step: int | None = None) -> Iterator[_Ending]:
+        """One transaction for what the block writes through ``ctx.session()``, the closing step
+        ``step`` (if any) recorded done and the operation ended ``status`` — unless the block sets
+        ``cancelled`` (then only its own writes commit)."""
+        ending = _Ending()
+        with self.db.session() as s:
+            ctx.tx = s
+            try:
+                yield ending
+            finally:
+                ctx.tx = None
+            if ending.cancelled:
+                return
+            if step is not None:
+                s.execute(update(OperationStep)
+                          .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == step)
+                          .values(state="done", error=None, updated_at=utcnow()))
+            s.execute(update(Operation).where(Operation.id == ctx.operation_id).values(
+                params=ctx.params.model_dump(mode="json"), **_ended(status, error)))
 
     def _exhausted(self, op_id: str) -> bool:
         """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""

@@ -26,7 +26,7 @@ class ModifyParams(StorageParams):
 
 
 def _set_modification(ctx: StepContext[ModifyParams], **values: object) -> None:
-    with ctx.services.db.session() as s:
+    with ctx.session() as s:
         s.execute(update(VolumeModification).where(VolumeModification.id == ctx.params.modification_id)
                   .values(**values))
 
@@ -59,7 +59,7 @@ def resize_in_guests(ctx: StepContext[ModifyParams]) -> None:
 
 
 def record(ctx: StepContext[ModifyParams]) -> None:
-    with ctx.services.db.session() as s:
+    with ctx.session() as s:
         mod = s.get(VolumeModification, ctx.params.modification_id)
         if mod is None:
             raise RetryLater(f"modification {ctx.params.modification_id} is not recorded")
@@ -85,7 +85,8 @@ MODIFY_VOLUME = Workflow(
     kind="modify-volume",
     params=ModifyParams,
     resume="forward",
-    steps=(Step("storage-grow", grow_on_storage), Step("guest-resize", resize_in_guests), Step("record", record)),
+    steps=(Step("storage-grow", grow_on_storage), Step("guest-resize", resize_in_guests),
+           Step("record", record, ends=True)),
     gives_up=refused,
     on_give_up=failed,
 )

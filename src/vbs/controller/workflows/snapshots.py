@@ -127,7 +127,7 @@ CREATE_SNAPSHOT = Workflow(
     params=CreateSnapshotParams,
     resume="rollback",
     steps=(Step("storage-snapshot", take_snapshot, undo=undo_snapshot),
-           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100))),
+           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
     on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot failed and was rolled back"),
     finished=shared.has_left(Snapshot, SnapshotState.PENDING),
 )

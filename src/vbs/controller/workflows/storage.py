@@ -111,7 +111,7 @@ def mark(table: Stateful, to_state: str, **values: Any) -> Callable[[StepContext
     """A step that moves the operation's resource to ``to_state`` (as the state table allows)."""
 
     def step(ctx: StepContext[Any]) -> None:
-        with ctx.services.db.session() as s:
+        with ctx.session() as s:
             transition(s, table, ctx.resource_id, to_state, already_ok=True,
                        **{k: v() if callable(v) else v for k, v in values.items()})
 
@@ -123,7 +123,7 @@ def mark_failed(table: Stateful, to_state: str, what: str) -> Callable[[StepCont
     resource already there (the ending ran before a crash) is left as it is."""
 
     def ending(ctx: StepContext[Any], reason: str) -> None:
-        with ctx.services.db.session() as s:
+        with ctx.session() as s:
             transition(s, table, ctx.resource_id, to_state, already_ok=True, status_reason=f"{what}: {reason}"[:2000])
 
     return ending
@@ -147,6 +147,7 @@ def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[
         kind=kind,
         params=StorageParams,
         resume="forward",
-        steps=(Step("storage-delete", remove), Step("mark-deleted", mark(table, "deleted", **deleted_values))),
+        steps=(Step("storage-delete", remove),
+               Step("mark-deleted", mark(table, "deleted", **deleted_values), ends=True)),
         on_give_up=mark_failed(table, "error", "deletion could not finish (delete it again)"),
     )

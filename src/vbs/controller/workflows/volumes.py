@@ -31,7 +31,8 @@ CREATE_VOLUME = Workflow(
     params=CreateVolumeParams,
     resume="rollback",
     steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
-           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None))),
+           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None),
+                ends=True)),
     on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
     finished=shared.has_left(Volume, VolumeState.CREATING),
 )
