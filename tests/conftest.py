@@ -21,7 +21,9 @@ import httpx
 import pytest
 
 from tests.loopfs import loop_filesystem
+from tests.postgres import PostgresForTests
 from vbs import credentials
+from vbs.controller.db import Database
 from vbs.credentials import AccessKey
 from vbs.node_credentials import NodeKeyring
 
@@ -177,10 +179,54 @@ def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
         up.stop()
 
 
+# The metadata databases a module runs on when it asks for both:
+#   pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
+DATABASES = ("sqlite", "postgresql")
+# The same for tests of the unit tier: the PostgreSQL half needs root and a daemon, so it is integration.
+UNIT_DATABASES = ("sqlite", pytest.param("postgresql", marks=pytest.mark.integration))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresForTests]:
+    """A real PostgreSQL cluster for this session (started only when a test asks for it)."""
+    pg = PostgresForTests(free_port())
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture(scope="module")
+def metadata_db(request: pytest.FixtureRequest) -> str:
+    """The metadata DB of the installs a test starts: "sqlite" unless its module parametrises it."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+def database_flags(kind: str, request: pytest.FixtureRequest) -> list[str]:
+    """``vbs up`` flags for ``kind``: none for SQLite; for PostgreSQL a new database of the session's
+    cluster, upgraded by ``vbs db upgrade``."""
+    if kind == "sqlite":
+        return []
+    pg: PostgresForTests = request.getfixturevalue("postgres")
+    return ["--database-url", pg.upgraded_database()]
+
+
+def fresh_database(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    """An empty metadata DB at this VBS's schema: SQLite in ``tmp_path``, or a new PostgreSQL database."""
+    if kind == "sqlite":
+        db = Database.for_data_dir(tmp_path)
+    else:
+        db = Database(request.getfixturevalue("postgres").new_database())
+    db.migrate()
+    request.addfinalizer(db.dispose)
+    return db
+
+
 @pytest.fixture
-def vbs_up(tmp_path: Path) -> Iterator[Vbs]:
+def vbs_up(tmp_path: Path, metadata_db: str, request: pytest.FixtureRequest) -> Iterator[Vbs]:
     """A fresh embedded install (controller + storage agent) on the ext4 root: the copy path."""
-    with running_vbs_up(tmp_path) as vbs:
+    with running_vbs_up(tmp_path, *database_flags(metadata_db, request)) as vbs:
         yield vbs
 
 

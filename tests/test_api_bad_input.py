@@ -1,12 +1,16 @@
-"""Bad input at the API edge: a 4xx with the EBS code and a clear message, and nothing changed."""
+"""Bad input at the API edge: a 4xx with the EBS code and a clear message, and nothing changed; with the
+metadata in SQLite and in PostgreSQL (whose text cannot hold what SQLite's can)."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
 
-from tests.conftest import Vbs
+from tests.conftest import DATABASES, Vbs, database_flags
+
+pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
 
 BAD_CREATES: list[tuple[Any, int, str]] = [
     ({"size_gib": 0}, 400, "InvalidParameterValue"),
@@ -34,10 +38,10 @@ BAD_CREATES: list[tuple[Any, int, str]] = [
 
 
 @pytest.fixture(scope="module")
-def vbs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def vbs(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: pytest.FixtureRequest) -> Any:
     from tests.conftest import running_vbs_up
 
-    with running_vbs_up(tmp_path_factory.mktemp("bad-input")) as vbs:
+    with running_vbs_up(tmp_path_factory.mktemp("bad-input"), *database_flags(metadata_db, request)) as vbs:
         yield vbs
 
 
@@ -124,3 +128,28 @@ def test_cli_reports_api_errors_on_stderr_with_the_code(vbs: Vbs) -> None:
     proc = vbs.cli("create-volume", "--size", "0", check=False)
     assert proc.returncode == 1
     assert "InvalidParameterValue" in proc.stderr
+
+
+NUL_TOKEN = base64.urlsafe_b64encode(b"v1:vol-\x00").decode().rstrip("=")
+
+
+@pytest.mark.parametrize(("method", "path", "request_args"), [
+    ("GET", "/v1/volumes", {"params": {"filter": "status=a\x00b"}}),
+    ("GET", "/v1/volumes", {"params": {"filter": "tag:k\x00=v"}}),
+    ("GET", "/v1/volumes", {"params": {"next_token": NUL_TOKEN}}),
+    ("GET", "/v1/snapshots", {"params": {"filter": "description=\x00"}}),
+    ("POST", "/v1/tags/delete", {"json": {"resource_ids": ["VOLUME"], "keys": ["k\x00"]}}),
+    ("POST", "/", {"data": {"Action": "DescribeVolumes", "Version": "2016-11-15", "Filter.1.Name": "status",
+                            "Filter.1.Value.1": "a\x00"}}),
+])
+def test_a_nul_character_that_reaches_a_query_is_never_an_internal_error(
+        vbs: Vbs, metadata_db: str, method: str, path: str, request_args: dict[str, Any]) -> None:
+    """SQLite compares text with a NUL in it (and finds nothing); PostgreSQL's text cannot hold one: there
+    it is a 400 InvalidParameterValue, never a 500."""
+    if request_args.get("json", {}).get("resource_ids") == ["VOLUME"]:
+        request_args = {"json": {**request_args["json"], "resource_ids": [vbs.create_volume(size_gib=1)["volume_id"]]}}
+    r = vbs.http.request(method, path, **request_args)
+    assert r.status_code < 500, r.text
+    if metadata_db == "postgresql":
+        assert r.status_code == 400, r.text
+        assert "InvalidParameterValue" in r.text and "NUL" in r.text

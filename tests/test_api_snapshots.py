@@ -1,4 +1,5 @@
-"""Snapshots and volumes from snapshots: the copy path on the ext4 root (asynchronous, with progress)."""
+"""Snapshots and volumes from snapshots: the copy path on the ext4 root (asynchronous, with progress),
+with the metadata in SQLite and in PostgreSQL."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import hashlib
 import os
 from pathlib import Path
 
-from tests.conftest import Vbs, wait_until
+import pytest
+
+from tests.conftest import DATABASES, Vbs, database_flags, wait_until
+
+pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
 
 MIB = 1 << 20
 
@@ -90,17 +95,19 @@ def test_deleting_a_volume_keeps_its_snapshots_and_their_clones(vbs_up: Vbs) -> 
     assert digest(vbs_up.pool / "volumes" / f"{clone['volume_id']}.raw", 64) == want
 
 
-def test_restart_finds_every_volume_and_snapshot_again(tmp_path: Path) -> None:
+def test_restart_finds_every_volume_and_snapshot_again(tmp_path: Path, metadata_db: str,
+                                                      request: pytest.FixtureRequest) -> None:
     from tests.conftest import VbsUp
 
-    up = VbsUp(tmp_path / "var", tmp_path / "up.log")
+    flags = database_flags(metadata_db, request)
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", extra=flags)
     vbs = up.start()
     try:
         vol = vbs.cli("create-volume", "--size", "1", "--comment", "persist", "--wait")
         snap = vbs.cli("create-snapshot", vol["volume_id"], "--wait")
     finally:
         up.stop()
-    again = VbsUp(tmp_path / "var", tmp_path / "up2.log")
+    again = VbsUp(tmp_path / "var", tmp_path / "up2.log", extra=flags)
     again.port = up.port
     vbs = again.start()
     try:

@@ -1,10 +1,15 @@
-"""The core API on a real embedded install (controller + storage agent processes, ext4 pool)."""
+"""The core API on a real embedded install (controller + storage agent processes, ext4 pool), with its
+metadata in SQLite and in PostgreSQL."""
 
 from __future__ import annotations
 
 import re
 
-from tests.conftest import Vbs
+import pytest
+
+from tests.conftest import DATABASES, Vbs
+
+pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
 
 GIB = 1 << 30
 

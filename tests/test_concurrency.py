@@ -5,12 +5,16 @@ A real ``vbs up`` with two bare QEMU VMs and a real test guest on host-1, and a 
 are forced. Fifty client threads send random attach, detach, delete, snapshot, delete-snapshot,
 create-from-snapshot, create and tag requests for a bounded time and count, on a handful of volumes
 (one of them multi-attach). Every answer must be a 2xx or a 4xx with an EBS error code, within 30 s.
-Meanwhile a sampler reads the SQLite DB (read-only, one transaction per sample) and checks the
-invariants: at most one live attachment per non-multi-attach volume, none on a deleting/deleted
-volume, one volume per (VM, device), ``in-use`` exactly while attached, no deleting/deleted snapshot
-under a copy in progress, no deleting/deleted volume under a pending snapshot. Afterwards the service
-must quiesce: no transitional state, every operation finished, and pool files, exports, guest disks
-and tags agreeing with the rows and with what the clients were told.
+Meanwhile a sampler reads the DB (read-only, one transaction per sample: SQLite's WAL snapshot, or
+PostgreSQL's REPEATABLE READ) and checks the invariants: at most one live attachment per
+non-multi-attach volume, none on a deleting/deleted volume, one volume per (VM, device), ``in-use`` exactly
+while attached, no deleting/deleted snapshot under a copy in progress, no deleting/deleted volume
+under a pending snapshot. Afterwards the service must quiesce: no transitional state, every
+operation finished, and pool files, exports, guest disks and tags agreeing with the rows and with
+what the clients were told.
+
+The module runs twice: metadata in SQLite, then in PostgreSQL (READ COMMITTED, where every check
+of other rows before a write must be serialised by a lock: see vbs.controller.db.locks).
 
 Two bugs this run found (a detach from one VM removing the export another VM of the same host
 shared; a forced detach that never finished once its export was gone) have their own tests at the end.
@@ -33,13 +37,27 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, start_bare_vm, stop_process, wait_until
+from tests.conftest import (
+    DATABASES,
+    VBS,
+    Vbs,
+    VbsUp,
+    database_flags,
+    free_port,
+    node_token,
+    start_bare_vm,
+    stop_process,
+    wait_until,
+)
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")]
 
 CLIENTS = 50
 RUN_SECONDS = 40.0
@@ -62,14 +80,18 @@ EBS_CODES = {
 class World:
     """vbs up (host-1) and a second host agent (host-2), their VMs, and the instance ids of those VMs."""
 
-    def __init__(self, vbs: Vbs, instances: dict[str, str], tmp: Path) -> None:
+    def __init__(self, vbs: Vbs, instances: dict[str, str], tmp: Path, database_url: str | None) -> None:
         self.vbs = vbs
         self.instances = instances  # vm name -> instance id
         self.tmp = tmp
         self.db_path = vbs.data_dir / "vbs.db"
+        self.database_url = database_url  # None: SQLite in the data dir
         self.agent_auth = {"authorization": "Bearer " + node_token(vbs.data_dir, "storage", "storage-1")}
 
-    def read_db(self) -> sqlite3.Connection:
+    def read_db(self) -> Any:
+        """A read-only connection with sqlite3's interface (``execute`` with ``?``, rows by name or index)."""
+        if self.database_url is not None:
+            return PostgresReader(self.database_url)
         db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30, isolation_level=None)
         db.row_factory = sqlite3.Row
         return db
@@ -80,11 +102,53 @@ class World:
         return next(n["url"] for n in self.vbs.http.get(path).json()[key] if n["name"] == name)
 
 
+class Row(tuple[Any, ...]):
+    """A PostgreSQL row read like a ``sqlite3.Row``: by index or by column name."""
+
+    names: dict[str, int]
+
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__(self.names[key] if isinstance(key, str) else key)
+
+
+class PostgresReader:
+    """What the checks below use of a sqlite3 connection, on PostgreSQL: ``BEGIN`` is REPEATABLE READ
+    (one snapshot for the whole sample, as SQLite's WAL read transaction gives)."""
+
+    def __init__(self, url: str) -> None:
+        u = make_url(url)
+        self.conn = psycopg.connect(dbname=u.database, user=u.username, host=str(u.query["host"]),
+                                    port=int(str(u.query["port"])), autocommit=True)
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        if sql == "BEGIN":
+            sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+        cur = self.conn.cursor(row_factory=_rows)
+        return cur.execute(sql.replace("?", "%s").encode(), params)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _rows(cursor: Any) -> Any:
+    names = {c.name: i for i, c in enumerate(cursor.description or [])}
+
+    def make(values: Any) -> Row:
+        row = Row(values)
+        row.names = names
+        return row
+
+    return make
+
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: pytest.FixtureRequest
+          ) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("concurrency")
     image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log")
+    flags = database_flags(metadata_db, request)
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=flags)
     env = {"VBS_CONTROLLER_DETACH_TIMEOUT_S": "2"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -110,7 +174,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                      if i["state"] == "running" and VMS.get(i["vm_id"]) == i["host"]}
             return found if set(found) == set(VMS) else None
 
-        yield World(vbs, wait_until(instances, 60, what=f"{len(VMS)} instances"), tmp)
+        yield World(vbs, wait_until(instances, 60, what=f"{len(VMS)} instances"), tmp, flags[1] if flags else None)
     finally:
         guest.stop()
         for proc in reversed(procs):
@@ -254,7 +318,7 @@ def _record(shared: Shared, action: str, body: dict[str, Any] | None, r: httpx.R
 # --- invariants on a consistent snapshot of the DB --------------------------------------------------------------
 
 
-def check_invariants(db: sqlite3.Connection) -> list[str]:
+def check_invariants(db: Any) -> list[str]:
     db.execute("BEGIN")
     try:
         volumes = {r["id"]: r for r in db.execute("SELECT id, status, multi_attach, snapshot_id FROM volumes")}
@@ -264,7 +328,7 @@ def check_invariants(db: sqlite3.Connection) -> list[str]:
     finally:
         db.execute("COMMIT")
     bad: list[str] = []
-    per_volume: dict[str, list[sqlite3.Row]] = collections.defaultdict(list)
+    per_volume: dict[str, list[Any]] = collections.defaultdict(list)
     per_device: dict[tuple[str, str, str], list[str]] = collections.defaultdict(list)
     for a in live:
         per_volume[a["volume_id"]].append(a)

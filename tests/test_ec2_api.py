@@ -30,7 +30,7 @@ from botocore.config import Config
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
-from tests.conftest import Vbs, VbsUp, wait_until
+from tests.conftest import DATABASES, Vbs, VbsUp, database_flags, wait_until
 from vbs.errors import VbsError
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
@@ -46,6 +46,9 @@ FAST = {"Delay": 0.25, "MaxAttempts": 240}  # boto3 waiters poll every 15 s by d
 PAGE_VOLUMES = 250
 
 Ec2Client = Any  # boto3's generated client class has no importable name
+
+# The whole module runs twice: metadata in SQLite, then in PostgreSQL.
+pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
 
 
 class Ec2Env:
@@ -154,10 +157,11 @@ def flt(**filters: str | list[str]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2Env]:
+def env(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: pytest.FixtureRequest
+        ) -> Iterator[Ec2Env]:
     tmp = tmp_path_factory.mktemp("ec2-api")
     image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log")
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=database_flags(metadata_db, request))
     guest = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
     try:
         guest.start()  # boots while vbs up starts; host-1 finds its QMP socket in <data-dir>/vms

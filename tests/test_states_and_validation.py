@@ -10,6 +10,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from pydantic import ValidationError
 
+from tests.conftest import UNIT_DATABASES, fresh_database
 from vbs import ids
 from vbs.controller import filters
 from vbs.controller.db import Attachment, Base, Database, Snapshot, Volume
@@ -30,11 +31,10 @@ from vbs.errors import IncorrectState, InvalidParameter, NotFound
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Database:
-    d = Database.for_data_dir(tmp_path)
-    d.migrate()
-    return d
+@pytest.fixture(params=UNIT_DATABASES)
+def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
+    """The metadata DB, SQLite and (integration tier) PostgreSQL."""
+    return fresh_database(request.param, request, tmp_path)
 
 
 def add_volume(db: Database, status: str = "available") -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from tests.conftest import wait_until
+from tests.conftest import UNIT_DATABASES, fresh_database, wait_until
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.errors import AgentUnavailable, DriverError, IncorrectState
@@ -50,11 +50,10 @@ class Recorder:
                         on_rollback=lambda ctx, reason: self.rolled_back.append(reason), **extra)
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Database:
-    d = Database.for_data_dir(tmp_path)
-    d.migrate()
-    return d
+@pytest.fixture(params=UNIT_DATABASES)
+def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
+    """The metadata DB, SQLite and (integration tier) PostgreSQL."""
+    return fresh_database(request.param, request, tmp_path)
 
 
 def start_op(engine: WorkflowEngine, db: Database, kind: str, resource: str = VOLUME) -> str:

@@ -42,7 +42,10 @@ class ControllerConfig(_Service):
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_CONTROLLER_PORT, ge=1, le=65535)
     data_dir: Path = Path("./var")
+    # None: SQLite in data_dir. A URL with a password belongs in database_url_file (0600), not on a
+    # command line (other users see argv) nor in a log (vbs.controller.db.session.redact).
     database_url: str | None = None
+    database_url_file: Path | None = None
     deleted_retention_s: int = Field(3600, ge=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     workflow_threads: int = Field(16, ge=1, le=256)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vbs.errors import InvalidParameter
+from vbs.postgres import holds_cluster
 from vbs.tls import TlsFiles
 from vbs.web import is_loopback
 
@@ -41,13 +42,16 @@ def check_start(service: str, cfg: Any, *, has_credentials: bool, what: str) -> 
 
 def harden(*dirs: Path) -> None:
     """umask 077 for everything this process makes; its directories 0700 and their files 0600, also
-    when they existed before with wider modes (only the top level: the rest was made under this umask)."""
+    when they existed before with wider modes (only the top level: the rest was made under this umask).
+
+    A data dir that holds an embedded PostgreSQL cluster (``vbs up --postgres``) stays 0710: its
+    group (``postgres``) may enter it to reach the cluster's own directory, and list nothing."""
     os.umask(0o077)
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         if d.stat().st_uid != os.geteuid():
             continue  # a directory another user owns (e.g. a PostgreSQL cluster): not ours to change
-        d.chmod(0o700)
+        d.chmod(0o710 if holds_cluster(d) else 0o700)
         for entry in d.iterdir():
             try:
                 st = entry.lstat()

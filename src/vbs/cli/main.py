@@ -17,6 +17,7 @@ import typer
 from vbs import credentials
 from vbs.cli import output
 from vbs.cli.client import wait_for
+from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.config import DEFAULT_CONTROLLER_PORT
 from vbs.errors import InvalidParameter, VbsError
 from vbs.tls import client_verify
@@ -24,6 +25,7 @@ from vbs.web import ApiClient
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="VBS — the Virtual Block Store.")
+app.add_typer(db_app, name="db")
 
 
 class Context:
@@ -409,7 +411,9 @@ def controller(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     data_dir: Annotated[Path | None, typer.Option()] = None,
-    database_url: Annotated[str | None, typer.Option()] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="postgresql+psycopg://… (default: SQLite in the data dir); a password belongs in the file.")] = None,
+    database_url_file: Annotated[Path | None, typer.Option(help="A 0600 file holding the database URL.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
@@ -426,8 +430,10 @@ def controller(
     from vbs.controller.app import serve
 
     logs.setup("controller", json_lines=log_json)
+    warn_if_password_on_argv(database_url)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={
         "host": host, "port": port, "data_dir": data_dir, "database_url": database_url,
+        "database_url_file": database_url_file,
         "overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
         "quota_snapshots": quota_snapshots, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
@@ -515,6 +521,13 @@ def up(
     quota_volumes: Annotated[int | None, typer.Option(help="Controller: volumes per tenant.")] = None,
     quota_gib: Annotated[int | None, typer.Option(help="Controller: GiB of volumes per tenant.")] = None,
     quota_snapshots: Annotated[int | None, typer.Option(help="Controller: snapshots per tenant.")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="Controller: metadata in this PostgreSQL (postgresql+psycopg://…), upgraded by `vbs db upgrade`.")]
+    = None,
+    database_url_file: Annotated[Path | None, typer.Option(help="A 0600 file holding that URL.")] = None,
+    postgres: Annotated[bool, typer.Option(
+        "--postgres", help="Metadata in a PostgreSQL cluster of the data dir's own, started and stopped with it.")]
+    = False,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
@@ -526,8 +539,14 @@ def up(
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
+    if sum((database_url is not None, database_url_file is not None, postgres)) > 1:
+        raise typer.BadParameter("give one of --database-url, --database-url-file and --postgres")
+    warn_if_password_on_argv(database_url)
+    if database_url_file is not None:
+        database_url = database_url_file.read_text().strip() or None
     raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
-                                  log_json=log_json, tls=tls, controller_env=controller_env))
+                                  log_json=log_json, tls=tls, controller_env=controller_env,
+                                  database_url=database_url, postgres=postgres))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

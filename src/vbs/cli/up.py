@@ -21,10 +21,12 @@ from pathlib import Path
 import httpx
 
 from vbs import credentials
+from vbs.errors import VbsError
 from vbs.fail_closed import harden
 from vbs.files import write_private
 from vbs.node_credentials import NodeKeyring
 from vbs.pki import CertificateAuthority
+from vbs.postgres import CLUSTER_DIR, EmbeddedPostgres
 
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
@@ -44,11 +46,44 @@ HOST_NODE = "host-1"
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
             "VBS_CONFIG")
 KEPT_ENV_PREFIXES = ("VBS_CONTROLLER_", "VBS_STORAGE_AGENT_", "VBS_HOST_AGENT_")
+# May hold a password: the controller gets the URL as a 0600 file instead (database_url_file).
+DATABASE_URL_ENV = "VBS_CONTROLLER_DATABASE_URL"
+DATABASE_URL_FILE = "database-url"
 
 
 def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ) if environ is None else environ
-    return {k: v for k, v in env.items() if k in KEPT_ENV or k.startswith(KEPT_ENV_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if (k in KEPT_ENV or k.startswith(KEPT_ENV_PREFIXES)) and k != DATABASE_URL_ENV}
+
+
+def embedded_postgres(data_dir: Path) -> EmbeddedPostgres:
+    """``vbs up --postgres``: the data dir's own PostgreSQL cluster, started, with database ``vbs`` at
+    this VBS's schema (what ``vbs db upgrade`` does)."""
+    from vbs.controller.db import Database
+
+    cluster = EmbeddedPostgres(data_dir, port=free_port())
+    cluster.start()
+    try:
+        db = Database(cluster.create_database("vbs"))
+        try:
+            db.migrate()
+        finally:
+            db.dispose()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _check_metadata_home(data_dir: Path, database_url: str | None, postgres: bool) -> None:
+    """A data dir keeps its metadata in one place: starting it on the other would show an empty install
+    over a pool full of volumes."""
+    if not postgres and database_url is None and (data_dir / CLUSTER_DIR).is_dir():
+        raise RuntimeError(f"{data_dir} keeps its metadata in its own PostgreSQL cluster: start it with "
+                           "vbs up --postgres")
+    if postgres and (data_dir / "vbs.db").exists():
+        raise RuntimeError(f"{data_dir} keeps its metadata in SQLite (vbs.db): start it without --postgres")
 
 
 def node_token_file(data_dir: Path, kind: str, name: str) -> Path:
@@ -118,9 +153,33 @@ def _wait_until(check: object, timeout: float, what: str, children: list[Child])
 
 def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
-                 controller_env: dict[str, str] | None = None) -> int:
+                 controller_env: dict[str, str] | None = None, database_url: str | None = None,
+                 postgres: bool = False) -> int:
+    """Run the three services until SIGINT/SIGTERM. The metadata DB: SQLite in the data dir (the
+    controller upgrades it as it starts), ``database_url`` (PostgreSQL, upgraded by ``vbs db
+    upgrade`` beforehand), or with ``postgres`` a cluster of the data dir's own that this process
+    starts, upgrades, and stops last."""
     data_dir = data_dir.resolve()
     harden(data_dir, data_dir / "pool")
+    database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
+    try:
+        _check_metadata_home(data_dir, database_url, postgres)
+        cluster = embedded_postgres(data_dir) if postgres else None
+    except (RuntimeError, VbsError) as exc:
+        print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
+    try:
+        if cluster is not None:
+            database_url = cluster.url("vbs")
+        return _run_services(data_dir, host, port, clone_method=clone_method, export=export, log_json=log_json,
+                             tls=tls, controller_env=controller_env, database_url=database_url)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _run_services(data_dir: Path, host: str, port: int, *, clone_method: str | None, export: str, log_json: bool,
+                  tls: bool, controller_env: dict[str, str] | None, database_url: str | None) -> int:
     scheme = "https" if tls else "http"
     endpoint = f"{scheme}://{host}:{port}"
     key = credentials.ensure_file(data_dir / "credentials")
@@ -134,8 +193,13 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     exe = [sys.executable, "-m", "vbs"]
     flags = ["--log-json"] if log_json else []
     agent_port = free_port(host)
+    db_flags: list[str] = []
+    if database_url is not None:
+        url_file = data_dir / DATABASE_URL_FILE
+        write_private(url_file, database_url + "\n")
+        db_flags = ["--database-url-file", str(url_file)]
     controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
-                                      "--data-dir", str(data_dir), *tls_of["controller"], *flags],
+                                      "--data-dir", str(data_dir), *db_flags, *tls_of["controller"], *flags],
                        {**env, **(controller_env or {})})
     agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
                   "--node-name", STORAGE_NODE,

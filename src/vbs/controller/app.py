@@ -20,6 +20,7 @@ from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
 from vbs.controller.db import Attachment, Database, Tag, Volume
+from vbs.controller.db.session import redact
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.keys import KeyStore, MasterKey
@@ -44,8 +45,44 @@ WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT,
                                   DETACH_VOLUME, MODIFY_VOLUME]
 
 
+def database_url(cfg: ControllerConfig) -> str | None:
+    """The configured database URL (``database_url``, or the first line of ``database_url_file``), or None
+    for the embedded SQLite file in the data dir."""
+    if cfg.database_url and cfg.database_url_file:
+        raise InvalidParameter("give database_url or database_url_file, not both")
+    if cfg.database_url_file is not None:
+        try:
+            url = cfg.database_url_file.read_text().strip()
+        except OSError as exc:
+            raise InvalidParameter(f"cannot read the database URL file {cfg.database_url_file}: "
+                                   f"{exc.strerror}") from None
+        if not url:
+            raise InvalidParameter(f"the database URL file {cfg.database_url_file} is empty")
+        return url
+    return cfg.database_url or None
+
+
 def database_for(cfg: ControllerConfig) -> Database:
-    return Database(cfg.database_url) if cfg.database_url else Database.for_data_dir(cfg.data_dir)
+    url = database_url(cfg)
+    return Database(url) if url else Database.for_data_dir(cfg.data_dir)
+
+
+def open_database(cfg: ControllerConfig) -> Database:
+    """The controller's database, ready: SQLite (one controller) is claimed for this process and
+    migrated; PostgreSQL must already have this VBS's schema (``vbs db upgrade``), else the controller
+    refuses to start."""
+    db = database_for(cfg)
+    try:
+        if db.dialect == "sqlite":
+            db.claim("a controller")
+            db.migrate()
+        else:
+            db.check_schema()
+    except BaseException:
+        db.dispose()
+        raise
+    log.info("metadata database: %s", redact(db.url))
+    return db
 
 
 def purge_deleted(db: Database, retention_s: int) -> int:
@@ -81,8 +118,7 @@ def access_keys(cfg: ControllerConfig) -> dict[str, str]:
 def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     bootstrap = access_keys(cfg)
     keyring = NodeKeyring.for_data_dir(cfg.data_dir).ensure()
-    db = database_for(cfg)
-    db.migrate()
+    db = open_database(cfg)
     key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
     auth = Authenticator(key_store, cfg.region)
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.

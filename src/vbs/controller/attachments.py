@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Attachment, Instance, Volume
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_is_alive
 from vbs.controller.runtime import Controller
@@ -28,6 +29,13 @@ def instance_not_found(what: str) -> NotFound:
 
 
 def _resolve_instance(s: Session, req: AttachVolumeRequest) -> Instance:
+    """The instance to attach to, its row locked: two attaches to one VM check its devices in turn."""
+    inst = _find_instance(s, req)
+    lock_rows(s, Instance, inst.id)
+    return inst
+
+
+def _find_instance(s: Session, req: AttachVolumeRequest) -> Instance:
     if req.instance_id is not None:
         if req.host is not None or req.vm_id is not None:
             raise InvalidParameter("Give either instance_id, or host and vm_id, not both.")
@@ -53,7 +61,9 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
     ids.check("volume", volume_id)
     device = req.device
     with svc.db.session() as s:
-        # The volume first: another tenant's volume is not found, whatever the instance.
+        # The volume first: another tenant's volume is not found, whatever the instance. Its row is
+        # locked (db.locks' order), so a detach or delete of it that is ending is seen ended.
+        lock_rows(s, Volume, volume_id)
         vol = live_volume(s, volume_id, tenant)
         inst = _resolve_instance(s, req)
         if inst.state != "running":
@@ -94,6 +104,7 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
 
 def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, tenant: str) -> AttachmentOut:
     with svc.db.session() as s:
+        lock_rows(s, Volume, ids.check("volume", volume_id))
         vol = live_volume(s, volume_id, tenant)
         stmt = select(Attachment).where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
         if req.instance_id is not None:

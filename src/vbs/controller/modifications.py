@@ -13,6 +13,7 @@ from vbs import ids
 from vbs.controller import filters as flt
 from vbs.controller import quotas
 from vbs.controller.db import Attachment, Node, Volume, VolumeModification
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import check_growth, host_info
 from vbs.controller.runtime import Controller
@@ -36,6 +37,9 @@ def _out(m: VolumeModification) -> ModificationOut:
 
 def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, tenant: str) -> ModificationOut:
     with svc.db.session() as s:
+        # The volume first (db.locks' order): what follows reads its attachments and modifications as
+        # they are once every earlier change of it committed.
+        lock_rows(s, Volume, volume_id)
         vol = live_volume(s, volume_id, tenant)
         size = req.size_gib if req.size_gib is not None else vol.size_gib
         if size < vol.size_gib:

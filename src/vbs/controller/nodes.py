@@ -11,10 +11,12 @@ from datetime import datetime, timedelta
 
 from pydantic import ValidationError
 from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Instance, Node, Volume
+from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import HostOut, PoolOut, StorageNodeOut
 from vbs.controller.states import VolumeState
@@ -64,14 +66,13 @@ def host_identity(node: Node) -> HostIdentity:
 
 
 def _record(session: Session, name: str, kind: str, url: str, address: str, started_at: datetime, info: Wire) -> None:
+    """Insert or update the node's row in one statement (two first heartbeats of a node cannot both
+    insert); on PostgreSQL it also locks the row, so one node's heartbeats take turns."""
     values = {"url": url, "address": address, "info": info.model_dump(mode="json"), "started_at": started_at,
               "last_heartbeat": utcnow()}
-    node = session.get(Node, (name, kind))
-    if node is None:
-        session.add(Node(name=name, kind=kind, **values))
-        return
-    for key, value in values.items():
-        setattr(node, key, value)
+    insert = postgresql.insert if on_postgresql(session) else sqlite.insert
+    session.execute(insert(Node).values(name=name, kind=kind, **values)
+                    .on_conflict_do_update(index_elements=[Node.name, Node.kind], set_=values))
 
 
 def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
@@ -157,14 +158,15 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
 
     A pool takes a volume only while what its volumes were promised, this one included, stays within
     its capacity × ``overcommit``. Call it in the transaction that inserts the volume: the storage
-    node rows are locked (SQLite serialises writers anyway), so two creates cannot both take the
-    last room. Where the volume must live on a given node/pool (it clones a snapshot there), only
-    that one is considered. Capacity is weighed by free space, so the emptiest pool fills first.
+    node rows are locked, in name order (SQLite serialises writers anyway), so two creates cannot
+    both take the last room. Where the volume must live on a given node/pool (it clones a snapshot
+    there), only that one is considered. Capacity is weighed by free space, so the emptiest pool fills first.
     """
     now = utcnow()
     best: tuple[int, str, str] | None = None
     full = False
-    for n in session.scalars(select(Node).where(Node.kind == "storage").with_for_update()).all():
+    nodes = select(Node).where(Node.kind == "storage").order_by(Node.name).with_for_update()
+    for n in session.scalars(nodes).all():
         if (node is not None and n.name != node) or not is_alive(n, timeout_s, now):
             continue
         for p in storage_info(n).pools:

@@ -3,8 +3,8 @@
 Limits are per tenant, not per key: resources belong to a tenant and all of its keys share them, so
 making more keys buys no more room. The defaults are config keys (``quota_volumes``, ``quota_gib``,
 ``quota_snapshots``). Checks run inside the transaction that inserts the resource: on SQLite writes
-are serialised; on PostgreSQL a volume's check runs after placement locked the storage node rows, so
-two concurrent creates cannot both slip under a limit (snapshots: see docs/security.md).
+are serialised; on PostgreSQL each check first takes the tenant's advisory lock (``db.locks``), so two
+concurrent creates (or a create and a modify) of one tenant cannot both slip under a limit.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from sqlalchemy.orm import Session
 
 from vbs.config import ControllerConfig
 from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.locks import lock_tenant
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import LimitExceeded
 
 
 def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes: int, new_gib: int) -> None:
     """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB."""
+    lock_tenant(s, tenant)
     count, gib = s.execute(select(func.count(), func.coalesce(func.sum(Volume.size_gib), 0))
                            .where(Volume.tenant == tenant, Volume.status != VolumeState.DELETED)).one()
     if count + new_volumes > cfg.quota_volumes:
@@ -32,6 +34,7 @@ def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes
 
 def check_snapshots(s: Session, cfg: ControllerConfig, tenant: str) -> None:
     """Refuse (``SnapshotLimitExceeded``) one more snapshot over ``tenant``'s limit."""
+    lock_tenant(s, tenant)
     count = s.scalar(select(func.count()).select_from(Snapshot)
                      .where(Snapshot.tenant == tenant, Snapshot.status != SnapshotState.DELETED)) or 0
     if count + 1 > cfg.quota_snapshots:

@@ -28,13 +28,14 @@ def snapshot_not_found(snapshot_id: str) -> NotFound:
 def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) -> SnapshotOut:
     with svc.db.session() as s:
         vol = live_volume(s, req.volume_id, tenant)
-        quotas.check_snapshots(s, svc.cfg, tenant)
-        # The volume must stay put while we snapshot it: touch it conditionally in this transaction.
+        # The volume must stay put while we snapshot it: touch it conditionally in this transaction
+        # (its row lock comes before the tenant's: db.locks' order).
         hit = s.execute(update(Volume).where(Volume.id == vol.id,
                                              Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
         if hit != 1:
             raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
+        quotas.check_snapshots(s, svc.cfg, tenant)
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,
                         comment=req.comment, storage_node=vol.storage_node, pool=vol.pool,

@@ -7,26 +7,32 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Snapshot, Tag, Volume
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.schemas import TAGS_MAX
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import InvalidParameter, NotFound
 
 
-def _check_resource(session: Session, resource_id: str, tenant: str) -> None:
-    """Only the caller's tenant's live volumes and snapshots exist for it."""
-    if ids.is_valid("volume", resource_id):
-        found = session.scalar(select(Volume.id).where(Volume.id == resource_id, Volume.tenant == tenant,
-                                                       Volume.status != VolumeState.DELETED))
-        if found is None:
-            raise NotFound(f"The volume '{resource_id}' does not exist.", code="InvalidVolume.NotFound")
-    elif ids.is_valid("snapshot", resource_id):
-        found = session.scalar(select(Snapshot.id).where(Snapshot.id == resource_id, Snapshot.tenant == tenant,
-                                                         Snapshot.status != SnapshotState.DELETED))
-        if found is None:
-            raise NotFound(f"The snapshot '{resource_id}' does not exist.", code="InvalidSnapshot.NotFound")
-    else:
-        raise InvalidParameter(f"Invalid resource id {resource_id[:80]!r}: expecting a volume or snapshot id.",
-                               code="InvalidID")
+def _check_resources(session: Session, resource_ids: list[str], tenant: str) -> None:
+    """Only the caller's tenant's live volumes and snapshots exist for it. Their rows are locked (in id
+    order): tag changes of one resource take turns, as the tag limit and the insert-or-update read first."""
+    for rid in resource_ids:
+        if not ids.is_valid("volume", rid) and not ids.is_valid("snapshot", rid):
+            raise InvalidParameter(f"Invalid resource id {rid[:80]!r}: expecting a volume or snapshot id.",
+                                   code="InvalidID")
+    lock_rows(session, Snapshot, *(rid for rid in resource_ids if ids.is_valid("snapshot", rid)))
+    lock_rows(session, Volume, *(rid for rid in resource_ids if ids.is_valid("volume", rid)))
+    for rid in resource_ids:
+        if ids.is_valid("volume", rid):
+            found = session.scalar(select(Volume.id).where(Volume.id == rid, Volume.tenant == tenant,
+                                                           Volume.status != VolumeState.DELETED))
+            if found is None:
+                raise NotFound(f"The volume '{rid}' does not exist.", code="InvalidVolume.NotFound")
+        else:
+            found = session.scalar(select(Snapshot.id).where(Snapshot.id == rid, Snapshot.tenant == tenant,
+                                                             Snapshot.status != SnapshotState.DELETED))
+            if found is None:
+                raise NotFound(f"The snapshot '{rid}' does not exist.", code="InvalidSnapshot.NotFound")
 
 
 def set_tags(session: Session, resource_id: str, tags: dict[str, str]) -> None:
@@ -42,15 +48,13 @@ def set_tags(session: Session, resource_id: str, tags: dict[str, str]) -> None:
 
 
 def create_tags(session: Session, resource_ids: list[str], tags: dict[str, str], tenant: str) -> None:
-    for rid in resource_ids:
-        _check_resource(session, rid, tenant)
+    _check_resources(session, resource_ids, tenant)
     for rid in resource_ids:
         set_tags(session, rid, tags)
 
 
 def delete_tags(session: Session, resource_ids: list[str], keys: list[str], tenant: str) -> None:
-    for rid in resource_ids:
-        _check_resource(session, rid, tenant)
+    _check_resources(session, resource_ids, tenant)
     stmt = delete(Tag).where(Tag.resource_id.in_(resource_ids))
     if keys:
         stmt = stmt.where(Tag.key.in_(keys))
@@ -60,8 +64,7 @@ def delete_tags(session: Session, resource_ids: list[str], keys: list[str], tena
 def delete_tag_pairs(session: Session, resource_ids: list[str], pairs: list[tuple[str, str | None]],
                      tenant: str) -> None:
     """EC2 DeleteTags: a key alone deletes it; a key with a value deletes it only if the value matches."""
-    for rid in resource_ids:
-        _check_resource(session, rid, tenant)
+    _check_resources(session, resource_ids, tenant)
     if not pairs:
         session.execute(delete(Tag).where(Tag.resource_id.in_(resource_ids)))
         return

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.orm import Session
 
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import Attachment, Snapshot, Volume, utcnow
 from vbs.controller.states import (
     ATTACHMENT_TRANSITIONS,
@@ -56,8 +57,16 @@ def try_transition(session: Session, table: Stateful, resource_id: str, to_state
                    **values: Any) -> bool:
     """Move one row to ``to_state`` if it is in a state the table allows (all of them, or those of
     ``from_states``) and ``conditions`` hold; return whether it moved. One statement: the guard
-    and the change cannot be separated by another writer."""
+    and the change cannot be separated by another writer.
+
+    ``conditions`` read other rows (no live attachment, no pending snapshot): the row is locked
+    first, so that on PostgreSQL they are evaluated after every writer that took this row before us
+    committed (an UPDATE that waited for the row would re-check only the row itself, and see the
+    other rows as they were when it started). Writers that make such a condition false (attach,
+    create-snapshot, create-volume from a snapshot) change this row in their transaction."""
     allowed = _allowed(table, to_state, from_states)
+    if conditions:
+        lock_rows(session, table, resource_id)
     stmt = (
         update(table)
         .where(table.id == resource_id, table.status.in_(allowed), *conditions)

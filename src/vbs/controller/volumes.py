@@ -18,6 +18,7 @@ from vbs import ids
 from vbs.controller import filters as flt
 from vbs.controller import quotas
 from vbs.controller.db import Attachment, Snapshot, Volume
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import choose_pool
 from vbs.controller.runtime import Controller
@@ -131,6 +132,9 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
 
 def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
     with svc.db.session() as s:
+        # Locked first, the row and its attachments and snapshots are read as they are once every
+        # earlier change of the volume committed (PostgreSQL; SQLite serialises writers anyway).
+        lock_rows(s, Volume, ids.check("volume", volume_id))
         vol = live_volume(s, volume_id, tenant)
         if vol.status == VolumeState.IN_USE:
             raise VolumeInUse(f"The volume '{volume_id}' is attached; detach it first.")

@@ -1,13 +1,24 @@
-"""The database handle: engine set-up for SQLite or PostgreSQL, migrations at start, sessions.
+"""The database handle: engine set-up for SQLite or PostgreSQL, the schema's revision, sessions.
 
-SQLite runs in WAL mode. Writing transactions start with ``BEGIN IMMEDIATE`` and queue on a lock
-in this process (SQLite's own busy handler sleeps between retries, which makes waits long and
-unfair); read-only ones (``read()``) start with a plain ``BEGIN`` and run beside the writer.
-synchronous=FULL keeps every commit.
+SQLite is the embedded default and serves exactly one controller: ``claim()`` holds an exclusive
+``flock`` on ``<db>.lock`` for the controller's lifetime, so a second one on the same file is refused
+with a clear error instead of two writers each thinking they own the workflows. SQLite runs in WAL
+mode; writing transactions start with ``BEGIN IMMEDIATE`` and queue on a lock in this process
+(SQLite's own busy handler sleeps between retries, which makes waits long and unfair); read-only
+ones (``read()``) start with a plain ``BEGIN`` and run beside the writer. synchronous=FULL keeps
+every commit.
+
+PostgreSQL (``postgresql+psycopg://…``) runs at READ COMMITTED: code that checks one row and then
+writes another locks first (``vbs.controller.db.locks``). Its schema is upgraded only by
+``vbs db upgrade``; a controller whose schema is behind (or ahead) refuses to start
+(``check_schema``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,11 +27,67 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 READ_ONLY = "vbs_read_only"
+# Two `vbs db upgrade` at once on one PostgreSQL database take turns on this advisory lock.
+MIGRATION_LOCK = 0x7662_735F_6462  # "vbs_db"
+
+
+class DatabaseInUse(IncorrectState):
+    """Another controller (or ``vbs db upgrade``) holds this SQLite database."""
+
+    code = "DatabaseInUse"
+
+
+class SchemaMismatch(IncorrectState):
+    """The database's schema is not the one this controller was built for."""
+
+    code = "SchemaMismatch"
+
+
+class DatabaseUnavailable(AgentUnavailable):
+    """The database server cannot be reached (or refused the connection)."""
+
+    code = "DatabaseUnavailable"
+
+
+def redact(url: str) -> str:
+    """``url`` fit for a log line or an error message: its password, if any, replaced by ``***``."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<an unreadable database URL>"
+
+
+def has_password(url: str) -> bool:
+    try:
+        return make_url(url).password is not None
+    except ArgumentError:
+        return False
+
+
+@contextmanager
+def _refused_values() -> Iterator[None]:
+    """A value PostgreSQL cannot take (a NUL character in text, which SQLite stores) reaches it only from
+    a request the edge let through: answer ``InvalidParameterValue``, as for any other bad value, not
+    an internal error. The statement's parameters are not repeated (they are the caller's data)."""
+    try:
+        yield
+    except DataError as exc:
+        reason = str(exc.orig or "").strip().splitlines()[0][:200] if exc.orig else "invalid value"
+        log.warning("database refused a value: %s", reason)
+        raise InvalidParameter(f"A value in the request cannot be stored or compared: {reason}.") from None
 
 
 def _sqlite_pragmas(engine: Engine) -> None:
@@ -40,12 +107,29 @@ def _sqlite_pragmas(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return cfg
+
+
 class Database:
     """One engine and its session factory; ``session()`` is a transaction that commits on success."""
 
     def __init__(self, url: str) -> None:
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            raise InvalidParameter(f"the database URL is not valid: {redact(url)}") from None
         self.url = url
-        if url.startswith("sqlite"):
+        self.dialect = parsed.get_backend_name()
+        if self.dialect not in ("sqlite", "postgresql"):
+            raise InvalidParameter(f"unsupported database {redact(url)}: SQLite or PostgreSQL "
+                                   "(postgresql+psycopg://…)")
+        self.sqlite_path: Path | None = None
+        if self.dialect == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                self.sqlite_path = Path(parsed.database).resolve()
             self.engine = create_engine(
                 url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=20, max_overflow=20
             )
@@ -55,27 +139,99 @@ class Database:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
                                            expire_on_commit=False)
-        self._sqlite = url.startswith("sqlite")
+        self._sqlite = self.dialect == "sqlite"
         self._write_lock = threading.RLock()
+        self._claim_fd: int | None = None
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Database:
         data_dir.mkdir(parents=True, exist_ok=True)
         return cls(f"sqlite:///{data_dir.resolve() / 'vbs.db'}")
 
+    def __repr__(self) -> str:
+        return f"Database({redact(self.url)})"
+
+    # -- one controller per SQLite file ----------------------------------------------------------
+
+    def claim(self, holder: str = "a controller") -> None:
+        """SQLite: take this database for this process until ``dispose()``; ``DatabaseInUse`` if another
+        process has it. PostgreSQL serves several processes: nothing to take."""
+        if self.sqlite_path is None or self._claim_fd is not None:
+            return
+        lock = self.sqlite_path.with_name(self.sqlite_path.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise DatabaseInUse(
+                f"the SQLite database {self.sqlite_path} is in use by {other}: SQLite serves exactly one "
+                "controller. Stop that one first, or run several controllers on PostgreSQL "
+                "(--database-url, docs/scale-out.md).") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{holder} (pid {os.getpid()})\n".encode(), 0)
+        self._claim_fd = fd
+
+    def _release(self) -> None:
+        if self._claim_fd is not None:
+            os.close(self._claim_fd)  # closing the descriptor releases the flock
+            self._claim_fd = None
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """Connection failures as ``DatabaseUnavailable``, naming the database without its password."""
+        try:
+            yield
+        except OperationalError as exc:
+            reason = str(exc.orig or exc).strip().splitlines()[0][:500]
+            raise DatabaseUnavailable(f"cannot use the database {redact(self.url)}: {reason}") from None
+
     def migrate(self) -> None:
-        """Bring the schema to the newest Alembic revision (idempotent)."""
-        cfg = Config()
-        cfg.set_main_option("script_location", str(MIGRATIONS))
-        with self.engine.begin() as connection:
+        """Bring the schema to the newest Alembic revision (idempotent): ``vbs db upgrade``, and a
+        SQLite controller at its start."""
+        cfg = alembic_config()
+        with self._reaching(), self.engine.begin() as connection:
+            if self.dialect == "postgresql":
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             cfg.attributes["connection"] = connection
             command.upgrade(cfg, "head")
+
+    def revisions(self) -> tuple[str | None, str]:
+        """(the database's schema revision or None if it has none, the newest this VBS knows)."""
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+        assert head is not None
+        with self._reaching(), self.engine.connect() as connection:
+            current = MigrationContext.configure(connection).get_current_revision()
+        return current, head
+
+    def check_schema(self) -> None:
+        """Refuse (``SchemaMismatch``) a database whose schema is not this VBS's newest: PostgreSQL
+        is upgraded only by ``vbs db upgrade``, never by a controller as it starts."""
+        current, head = self.revisions()
+        if current == head:
+            return
+        known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+        where = redact(self.url)
+        if current is None:
+            raise SchemaMismatch(f"the database {where} has no VBS schema yet: run `vbs db upgrade` "
+                                 "(with the same --database-url) before starting the controller.")
+        if current in known:
+            raise SchemaMismatch(f"the database {where} has schema revision {current}, older than this VBS's "
+                                 f"{head}: run `vbs db upgrade` (with the same --database-url), then start the "
+                                 "controller.")
+        raise SchemaMismatch(f"the database {where} has schema revision {current}, which this VBS does not know "
+                             f"(its newest is {head}): it was upgraded by a newer VBS; run that version.")
+
+    # -- transactions ------------------------------------------------------------------------------
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A writing transaction: commits on success, rolls back on an exception."""
         if not self._sqlite:
-            with self._sessions() as session, session.begin():
+            with _refused_values(), self._sessions() as session, session.begin():
                 yield session
             return
         with self._write_lock, self._sessions() as session, session.begin():
@@ -84,8 +240,9 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with self._read_sessions() as session, session.begin():
+        with _refused_values(), self._read_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:
         self.engine.dispose()
+        self._release()

@@ -15,7 +15,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class UTCDateTime(TypeDecorator[datetime]):
-    """Timezone-aware UTC datetimes on every database (SQLite drops the zone otherwise)."""
+    """Timezone-aware UTC datetimes on every database (SQLite drops the zone otherwise; PostgreSQL keeps
+    the instant in ``timestamptz`` and answers in its session's zone)."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
@@ -26,9 +27,12 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC) if value is not None else None
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
             return value.replace(tzinfo=UTC)
-        return value
+        # PostgreSQL answers in its session's time zone (whatever the server's TimeZone is): back to UTC.
+        return value.astimezone(UTC)
 
 
 def utcnow() -> datetime:

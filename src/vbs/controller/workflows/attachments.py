@@ -16,6 +16,7 @@ from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from vbs.controller.db import Attachment, Node, Volume
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.nodes import host_identity
 from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
 from vbs.controller.transitions import transition, try_transition
@@ -96,13 +97,15 @@ def unplug_from_vm(ctx: StepContext[DetachParams]) -> None:
 
 
 def release_volume_if_free(s: Session, volume_id: str) -> None:
-    """``in-use`` → ``available`` once no live attachment is left (one statement: no lost update)."""
+    """``in-use`` → ``available`` once no live attachment is left: one conditional statement, after the
+    volume's row is locked (``try_transition``), so an attach that committed meanwhile is seen."""
     others = exists().where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
     try_transition(s, Volume, volume_id, VolumeState.AVAILABLE, ~others, from_states=[VolumeState.IN_USE])
 
 
 def _settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None = None) -> None:
     with ctx.session() as s:
+        lock_rows(s, Volume, ctx.resource_id)  # the volume before its attachments (db.locks' order)
         transition(s, Attachment, ctx.params.attachment_id, to_state, already_ok=True,
                    status_reason=reason[:2000] if reason else None)
         release_volume_if_free(s, ctx.resource_id)

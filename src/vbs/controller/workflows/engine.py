@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_RETRY_DELAY_S = 60.0
 HOLD_LIMIT_S = 300.0  # a held step goes on by itself after this, so a forgotten hold cannot wedge anything
+EXCLUSIVE_ATTEMPTS = 5  # inserts of an exclusive operation whose slot another one was just leaving
 
 
 class Params(BaseModel):
@@ -190,20 +191,27 @@ class WorkflowEngine:
             raise TypeError(f"{kind} takes {workflow.params.__name__}, not {type(params).__name__}")
         op_id = ids.new_id("operation")
         now = utcnow()
-        try:
-            with session.begin_nested():
-                session.add(Operation(id=op_id, kind=kind, resource_id=resource_id, status=OperationState.RUNNING,
-                                      exclusive=workflow.exclusive, params=params.model_dump(mode="json"),
-                                      attempts=0, created_at=now, updated_at=now))
-                session.flush()
-        except IntegrityError:
-            other = session.scalar(select(Operation).where(
-                Operation.resource_id == resource_id, Operation.exclusive.is_(True),
-                Operation.status.in_(UNFINISHED_OPERATION)))
-            if other is None:
-                raise
-            raise IncorrectState(f"'{resource_id}' has {other.kind} in progress ({other.id}); "
-                                 "try again when it is done.") from None
+        for _attempt in range(EXCLUSIVE_ATTEMPTS):
+            try:
+                with session.begin_nested():
+                    session.add(Operation(id=op_id, kind=kind, resource_id=resource_id,
+                                          status=OperationState.RUNNING, exclusive=workflow.exclusive,
+                                          params=params.model_dump(mode="json"), attempts=0, created_at=now,
+                                          updated_at=now))
+                    session.flush()
+                break
+            except IntegrityError:
+                other = session.scalar(select(Operation).where(
+                    Operation.resource_id == resource_id, Operation.exclusive.is_(True),
+                    Operation.status.in_(UNFINISHED_OPERATION)))
+                if other is not None:
+                    raise IncorrectState(f"'{resource_id}' has {other.kind} in progress ({other.id}); "
+                                         "try again when it is done.") from None
+                # PostgreSQL: the operation that held the slot ended between our insert and this look-up
+                # (at READ COMMITTED each statement sees the latest commits). The slot is free: try again.
+                log.info("operation slot of %s freed meanwhile; retrying", resource_id)
+        else:
+            raise IncorrectState(f"'{resource_id}' is being changed by another operation; try again.")
         for pos, step in enumerate(workflow.steps):
             session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
                                       updated_at=now))
@@ -433,7 +441,7 @@ class WorkflowEngine:
         """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""
         now = utcnow()
         with self.db.session() as s:
-            op = s.get(Operation, op_id)
+            op = s.get(Operation, op_id, with_for_update=True)  # read, then written: no lost update
             if op is None:
                 return True
             since: datetime | None = op.failing_since
@@ -444,7 +452,7 @@ class WorkflowEngine:
 
     def _retry_later(self, op_id: str, error: str) -> None:
         with self.db.session() as s:
-            op = s.get(Operation, op_id)
+            op = s.get(Operation, op_id, with_for_update=True)
             if op is None:
                 return
             delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)),

@@ -1,0 +1,302 @@
+"""Check-then-write races on a real PostgreSQL (READ COMMITTED), through the controller's own code.
+
+On SQLite a writing transaction holds the whole database, so these interleavings cannot happen
+there. On PostgreSQL each statement sees what was committed when it started: a check of other rows
+that runs while a competing transaction is still open sees the world before it. Each test lets one
+API call (the "holder") make all its writes and stop just before its commit (inside
+``engine.begin``, the last thing an API call does in its transaction), starts the competing call
+(the "waiter"), waits until PostgreSQL shows the waiter blocked on a lock (or finished: then nothing
+serialised it), lets the holder commit, and checks that the outcome is one that a serial order of
+the two could give.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text
+
+from tests.conftest import wait_until
+from tests.postgres import PostgresForTests
+from vbs import ids
+from vbs.config import ControllerConfig
+from vbs.controller.app import WORKFLOWS
+from vbs.controller.attachments import attach_volume
+from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume
+from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
+from vbs.controller.nodes import StorageNodeInfo
+from vbs.controller.schemas import AttachVolumeRequest, CreateSnapshotRequest, CreateVolumeRequest
+from vbs.controller.snapshots import create_snapshot, delete_snapshot
+from vbs.controller.volumes import create_volume, delete_volume
+from vbs.controller.workflows import StepContext, WorkflowEngine
+from vbs.controller.workflows.attachments import DetachParams, mark_detached
+from vbs.errors import IncorrectState, InvalidParameter, LimitExceeded, SnapshotInUse, VbsError
+from vbs.wire.storage import PoolInfo
+
+pytestmark = pytest.mark.integration
+
+GIB = 1 << 30
+
+
+class PausingEngine(WorkflowEngine):
+    """Records operations like the real engine but runs none; with ``pause``, the transaction that
+    begins an operation stops there (all its writes made, not committed) until ``go``."""
+
+    def __init__(self, db: Database, *, pause: bool) -> None:
+        super().__init__(db, WORKFLOWS, None, threads=1)  # type: ignore[arg-type]
+        self.pause = pause
+        self.holding = threading.Event()
+        self.go = threading.Event()
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+        op_id = super().begin(session, kind, resource_id, params)
+        session.flush()
+        if self.pause:
+            self.holding.set()
+            assert self.go.wait(30), "the test never let the holder commit"
+        return op_id
+
+    def submit(self, op_id: str, *, resuming: bool = False) -> None:
+        pass
+
+
+@pytest.fixture
+def db(postgres: PostgresForTests) -> Iterator[Database]:
+    d = Database(postgres.new_database())
+    d.migrate()
+    yield d
+    d.dispose()
+
+
+def controller(db: Database, engine: PausingEngine, **cfg: Any) -> Any:
+    """What the API functions use of a controller: its config, DB and engine."""
+    return SimpleNamespace(cfg=ControllerConfig(**cfg), db=db, engine=engine)
+
+
+def waiting_for_a_lock(db: Database) -> int:
+    with db.engine.connect() as conn:
+        return int(conn.scalar(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                    "AND wait_event_type = 'Lock'")) or 0)
+
+
+def race(db: Database, holder: Callable[[PausingEngine], Any], waiter: Callable[[PausingEngine], Any],
+         ) -> tuple[Any, Any]:
+    """Run ``holder`` up to its commit, then ``waiter``; let the holder commit once the waiter waits for
+    a lock (or is done). What each returned or raised."""
+    hold, free = PausingEngine(db, pause=True), PausingEngine(db, pause=False)
+    results: dict[str, Any] = {}
+
+    def run(name: str, call: Callable[[PausingEngine], Any], engine: PausingEngine) -> None:
+        try:
+            results[name] = call(engine)
+        except (VbsError, AssertionError) as exc:
+            results[name] = exc
+
+    first = threading.Thread(target=run, args=("holder", holder, hold))
+    first.start()
+    assert hold.holding.wait(30), f"the holder never reached its commit: {results}"
+    second = threading.Thread(target=run, args=("waiter", waiter, free))
+    second.start()
+    wait_until(lambda: waiting_for_a_lock(db) > 0 or not second.is_alive(), 30, what="the waiter blocked")
+    time.sleep(0.2)  # the waiter stays blocked: nothing else would let it go
+    hold.go.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    return results["holder"], results["waiter"]
+
+
+# -- the world the calls act on ------------------------------------------------------------------------
+
+
+def add_storage_node(db: Database, name: str = "storage-1") -> None:
+    info = StorageNodeInfo(pools=[PoolInfo(name="default", backend="file", capacity_bytes=100 * GIB,
+                                           free_bytes=100 * GIB, clone_method="copy", point_in_time=True)])
+    with db.session() as s:
+        s.add(Node(name=name, kind="storage", url="http://127.0.0.1:1", address="127.0.0.1",
+                   info=info.model_dump(mode="json"), started_at=utcnow(), last_heartbeat=utcnow()))
+
+
+def add_vm(db: Database, vm_id: str, host: str = "host-1") -> str:
+    with db.session() as s:
+        if s.get(Node, (host, "host")) is None:
+            s.add(Node(name=host, kind="host", url="http://127.0.0.1:2", address="127.0.0.1", info={},
+                       started_at=utcnow(), last_heartbeat=utcnow() + timedelta(hours=1)))
+        inst = Instance(id=ids.new_id("instance"), host=host, vm_id=vm_id, name=vm_id, state="running",
+                        first_seen=utcnow(), last_seen=utcnow())
+        s.add(inst)
+    return inst.id
+
+
+def add_volume(db: Database, status: str = "available", multi_attach: bool = False) -> str:
+    now = utcnow()
+    vid = ids.new_id("volume")
+    with db.session() as s:
+        s.add(Volume(id=vid, size_gib=1, comment="", volume_type="gp3", multi_attach=multi_attach,
+                     placement="shared", storage_node="storage-1", pool="default", status=status, progress=100,
+                     tenant=DEFAULT_TENANT, created_at=now, updated_at=now))
+    return vid
+
+
+def add_attachment(db: Database, volume_id: str, instance_id: str, vm_id: str, status: str = "attached") -> str:
+    now = utcnow()
+    aid = ids.new_id("attachment")
+    with db.session() as s:
+        s.add(Attachment(id=aid, volume_id=volume_id, instance_id=instance_id, host="host-1", vm_id=vm_id,
+                         device="vdb", mode="rw", status=status, created_at=now, updated_at=now))
+    return aid
+
+
+def add_snapshot(db: Database, volume_id: str) -> str:
+    now = utcnow()
+    sid = ids.new_id("snapshot")
+    with db.session() as s:
+        s.add(Snapshot(id=sid, volume_id=volume_id, volume_size_gib=1, comment="", storage_node="storage-1",
+                       pool="default", status="completed", progress=100, tenant=DEFAULT_TENANT, started_at=now,
+                       updated_at=now))
+    return sid
+
+
+def status(db: Database, table: Any, row_id: str) -> str:
+    with db.read() as s:
+        return str(s.scalar(select(table.status).where(table.id == row_id)))
+
+
+# -- the races ------------------------------------------------------------------------------------------
+
+
+def test_a_detach_that_ends_while_another_attach_commits_never_frees_the_volume(db: Database) -> None:
+    """The last step of a detach frees the volume if no live attachment is left; an attach of the same
+    (multi-attach) volume to another VM commits meanwhile. The volume must stay in-use."""
+    vm_a, vm_b = add_vm(db, "vm-a"), add_vm(db, "vm-b")
+    vol = add_volume(db, "in-use", multi_attach=True)
+    old = add_attachment(db, vol, vm_a, "vm-a", status="detaching")
+    detach = DetachParams(attachment_id=old, node="storage-1", pool="default", host="host-1", vm_id="vm-a",
+                          serial=ids.virtio_serial(vol))
+
+    def attach(engine: PausingEngine) -> Any:
+        return attach_volume(controller(db, engine), vol, AttachVolumeRequest(instance_id=vm_b, device="vdc"),
+                             DEFAULT_TENANT)
+
+    def finish_detach(_engine: PausingEngine) -> None:
+        mark_detached(StepContext("op-0", vol, detach, SimpleNamespace(db=db)))  # type: ignore[arg-type]
+
+    attached, _ = race(db, attach, finish_detach)
+    assert not isinstance(attached, Exception), attached
+    assert status(db, Attachment, old) == "detached"
+    assert status(db, Attachment, attached.attachment_id) == "attaching"
+    assert status(db, Volume, vol) == "in-use", "the volume was freed while an attachment of it is live"
+
+
+def test_an_attach_that_waits_for_the_last_detach_finds_the_volume_free(db: Database) -> None:
+    """The other order: the detach ends first (frees the volume), the attach waits for it, then takes it."""
+    vm_a, vm_b = add_vm(db, "vm-a"), add_vm(db, "vm-b")
+    vol = add_volume(db, "in-use")
+    old = add_attachment(db, vol, vm_a, "vm-a", status="detaching")
+    freed = threading.Event()
+
+    def finish_detach(engine: PausingEngine) -> None:
+        # mark_detached's own transaction, held open after its writes as the engine holds the others.
+        from vbs.controller.db.locks import lock_rows
+        from vbs.controller.states import AttachmentState
+        from vbs.controller.transitions import transition
+        from vbs.controller.workflows.attachments import release_volume_if_free
+
+        with db.session() as s:
+            lock_rows(s, Volume, vol)
+            transition(s, Attachment, old, AttachmentState.DETACHED)
+            release_volume_if_free(s, vol)
+            s.flush()
+            engine.holding.set()
+            engine.go.wait(30)
+        freed.set()
+
+    def attach(engine: PausingEngine) -> Any:
+        return attach_volume(controller(db, engine), vol, AttachVolumeRequest(instance_id=vm_b), DEFAULT_TENANT)
+
+    _, attached = race(db, finish_detach, attach)
+    assert freed.is_set()
+    assert not isinstance(attached, Exception), attached
+    assert status(db, Volume, vol) == "in-use"
+    assert status(db, Attachment, attached.attachment_id) == "attaching"
+
+
+def test_a_volume_is_not_deleted_under_a_snapshot_that_committed_meanwhile(db: Database) -> None:
+    vol = add_volume(db)
+
+    def snapshot(engine: PausingEngine) -> Any:
+        return create_snapshot(controller(db, engine), CreateSnapshotRequest(volume_id=vol), DEFAULT_TENANT)
+
+    def delete(engine: PausingEngine) -> Any:
+        return delete_volume(controller(db, engine), vol, DEFAULT_TENANT)
+
+    snap, deleted = race(db, snapshot, delete)
+    assert not isinstance(snap, Exception), snap
+    assert isinstance(deleted, IncorrectState), deleted
+    assert status(db, Volume, vol) == "available"
+    assert status(db, Snapshot, snap.snapshot_id) == "pending"
+
+
+def test_a_snapshot_is_not_deleted_under_a_volume_that_started_copying_it(db: Database) -> None:
+    add_storage_node(db)
+    snap = add_snapshot(db, add_volume(db))
+
+    def clone(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine), CreateVolumeRequest(snapshot_id=snap), DEFAULT_TENANT)
+
+    def delete(engine: PausingEngine) -> Any:
+        return delete_snapshot(controller(db, engine), snap, DEFAULT_TENANT)
+
+    made, deleted = race(db, clone, delete)
+    assert not isinstance(made, Exception), made
+    assert isinstance(deleted, SnapshotInUse | IncorrectState), deleted
+    assert status(db, Snapshot, snap) == "completed"
+    assert status(db, Volume, made.volume_id) == "creating"
+
+
+def test_two_snapshots_of_one_tenant_cannot_both_take_its_last_place(db: Database) -> None:
+    """Snapshots of two different volumes share no row: only the tenant's lock serialises the quota."""
+    one, two = add_volume(db), add_volume(db)
+
+    def snapshot_of(vol: str) -> Callable[[PausingEngine], Any]:
+        return lambda engine: create_snapshot(controller(db, engine, quota_snapshots=1),
+                                              CreateSnapshotRequest(volume_id=vol), DEFAULT_TENANT)
+
+    first, second = race(db, snapshot_of(one), snapshot_of(two))
+    assert not isinstance(first, Exception), first
+    assert isinstance(second, LimitExceeded) and second.code == "SnapshotLimitExceeded", second
+    with db.read() as s:
+        assert len(s.scalars(select(Snapshot.id)).all()) == 1
+
+
+def test_two_creates_cannot_both_take_a_pools_last_room(db: Database) -> None:
+    """Overcommit 1: the pool promises its 100 GiB once; two 60 GiB creates race for it."""
+    add_storage_node(db)
+
+    def create(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine, overcommit_ratio=1.0), CreateVolumeRequest(size_gib=60),
+                             DEFAULT_TENANT)
+
+    first, second = race(db, create, create)
+    assert not isinstance(first, Exception), first
+    assert isinstance(second, VbsError) and second.code == "InsufficientVolumeCapacity", second
+
+
+def test_two_attaches_to_one_vm_cannot_both_take_its_device(db: Database) -> None:
+    vm = add_vm(db, "vm-a")
+    one, two = add_volume(db), add_volume(db)
+
+    def attach(vol: str) -> Callable[[PausingEngine], Any]:
+        return lambda engine: attach_volume(controller(db, engine), vol,
+                                            AttachVolumeRequest(instance_id=vm, device="vdb"), DEFAULT_TENANT)
+
+    first, second = race(db, attach(one), attach(two))
+    assert not isinstance(first, Exception), first
+    assert isinstance(second, InvalidParameter), second
+    assert status(db, Volume, two) == "available"
