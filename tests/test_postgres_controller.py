@@ -106,6 +106,27 @@ def test_a_controller_refuses_a_schema_behind_or_ahead_of_it(services: Services,
     db.dispose()
 
 
+def test_a_second_controller_on_the_same_postgresql_database_is_refused(services: Services,
+                                                                        postgres: PostgresForTests) -> None:
+    """Until operations carry leases and fences, a second controller would resume the first one's
+    operations: it is refused, and the first goes on; once the first stops, the next one starts."""
+    url = postgres.new_database()
+    assert vbs_db("upgrade", "--database-url", url).returncode == 0
+    first = start_controller(services, "--database-url", url)
+    try:
+        wait_until(lambda: healthy(services), 60, what="the first controller on PostgreSQL")
+        out = refused(start_controller(services, "--database-url", url, port=free_port()))
+        assert "DatabaseInUse" in out and "one controller runs per database" in out
+        assert healthy(services), "the first controller goes on"
+    finally:
+        stop_process(first)  # type: ignore[arg-type]
+    again = start_controller(services, "--database-url", url)
+    try:
+        wait_until(lambda: healthy(services), 60, what="a controller after the first one stopped")
+    finally:
+        stop_process(again)  # type: ignore[arg-type]
+
+
 # -- SQLite: exactly one controller ------------------------------------------------------------------------
 
 

@@ -68,13 +68,13 @@ def database_for(cfg: ControllerConfig) -> Database:
 
 
 def open_database(cfg: ControllerConfig) -> Database:
-    """The controller's database, ready: SQLite (one controller) is claimed for this process and
-    migrated; PostgreSQL must already have this VBS's schema (``vbs db upgrade``), else the controller
-    refuses to start."""
+    """The controller's database, ready and claimed for this process (one controller per database
+    until operations carry leases): SQLite is migrated; PostgreSQL must already have this VBS's schema
+    (``vbs db upgrade``), else the controller refuses to start."""
     db = database_for(cfg)
     try:
+        db.claim("a controller")
         if db.dialect == "sqlite":
-            db.claim("a controller")
             db.migrate()
         else:
             db.check_schema()

@@ -29,7 +29,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -42,6 +42,9 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 READ_ONLY = "vbs_read_only"
 # Two `vbs db upgrade` at once on one PostgreSQL database take turns on this advisory lock.
 MIGRATION_LOCK = 0x7662_735F_6462  # "vbs_db"
+# Until operations carry leases and fences (DESIGN §11), one controller per PostgreSQL database too:
+# it holds this session-level advisory lock on a connection of its own for its lifetime.
+CONTROLLER_LOCK = 0x7662_735F_6374  # "vbs_ct"
 
 
 class DatabaseInUse(IncorrectState):
@@ -142,6 +145,7 @@ class Database:
         self._sqlite = self.dialect == "sqlite"
         self._write_lock = threading.RLock()
         self._claim_fd: int | None = None
+        self._claim_connection: Connection | None = None
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Database:
@@ -155,8 +159,12 @@ class Database:
 
     def claim(self, holder: str = "a controller") -> None:
         """SQLite: take this database for this process until ``dispose()``; ``DatabaseInUse`` if another
-        process has it. PostgreSQL serves several processes: nothing to take."""
-        if self.sqlite_path is None or self._claim_fd is not None:
+        process has it. PostgreSQL: the same, with an advisory lock held on a connection of its own
+        (several controllers on one database need leases and fences, which are not there yet)."""
+        if self.sqlite_path is None:
+            self._claim_postgresql(holder)
+            return
+        if self._claim_fd is not None:
             return
         lock = self.sqlite_path.with_name(self.sqlite_path.name + ".lock")
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
@@ -173,7 +181,32 @@ class Database:
         os.pwrite(fd, f"{holder} (pid {os.getpid()})\n".encode(), 0)
         self._claim_fd = fd
 
+    def _claim_postgresql(self, holder: str) -> None:
+        if self._claim_connection is not None:
+            return
+        with self._reaching():
+            connection = self.engine.connect()
+            try:
+                got = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": CONTROLLER_LOCK}).scalar()
+                connection.commit()
+            except BaseException:
+                connection.close()
+                raise
+        if not got:
+            connection.close()
+            raise DatabaseInUse(
+                f"the database {redact(self.url)} is in use by another controller (or `vbs db upgrade`): until "
+                "operations carry leases (docs/scale-out.md), one controller runs per database. Stop that one "
+                f"first ({holder} was refused).")
+        self._claim_connection = connection
+
     def _release(self) -> None:
+        if self._claim_connection is not None:
+            connection, self._claim_connection = self._claim_connection, None
+            try:
+                connection.invalidate()  # its session ends, and the advisory lock with it
+            finally:
+                connection.close()
         if self._claim_fd is not None:
             os.close(self._claim_fd)  # closing the descriptor releases the flock
             self._claim_fd = None
@@ -244,5 +277,5 @@ class Database:
             yield session
 
     def dispose(self) -> None:
-        self.engine.dispose()
         self._release()
+        self.engine.dispose()
