@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import Vbs, VbsUp, wait_until
+from tests.conftest import Vbs, running_vbs_up, wait_until
 
 GIB = 1 << 30
 HUGE = [10**20, -(10**20), 2**63, -1]
@@ -46,19 +45,9 @@ def ec2_code(call: Any) -> tuple[str, int]:
     return info.value.response["Error"]["Code"], info.value.response["ResponseMetadata"]["HTTPStatusCode"]
 
 
-@contextmanager
-def running(tmp: Path, *flags: str) -> Iterator[Vbs]:
-    """A ``vbs up`` with these flags (they reach the controller), stopped at the end."""
-    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=list(flags))
-    try:
-        yield up.start()
-    finally:
-        up.stop()
-
-
 @pytest.fixture(scope="module")
 def vbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
-    with running(tmp_path_factory.mktemp("bounds")) as vbs:
+    with running_vbs_up(tmp_path_factory.mktemp("bounds")) as vbs:
         yield vbs
 
 
@@ -166,7 +155,7 @@ def test_overcommit_counts_what_the_pool_already_promised_even_under_concurrent_
     st = os.statvfs(tmp_path)
     capacity = st.f_blocks * st.f_frsize
     ratio = 10.5 * GIB / capacity  # the pool may promise 10.5 GiB: ten 1 GiB volumes, not eleven
-    with running(tmp_path, "--overcommit-ratio", f"{ratio:.15g}") as vbs:
+    with running_vbs_up(tmp_path, "--overcommit-ratio", f"{ratio:.15g}") as vbs:
         with ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(lambda _: vbs.http.post("/v1/volumes", json={"size_gib": 1}), range(20)))
         accepted = [r for r in answers if r.status_code == 200]
@@ -192,7 +181,7 @@ def test_overcommit_counts_what_the_pool_already_promised_even_under_concurrent_
 
 
 def test_quotas_per_tenant_refuse_the_excess_and_leave_other_tenants_alone(tmp_path: Path) -> None:
-    with running(tmp_path, "--quota-volumes", "3", "--quota-gib", "5", "--quota-snapshots", "1") as vbs:
+    with running_vbs_up(tmp_path, "--quota-volumes", "3", "--quota-gib", "5", "--quota-snapshots", "1") as vbs:
         alice, alice_ec2 = user_key(vbs, "alice")
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda _: alice.post("/v1/volumes", json={"size_gib": 1}), range(6)))

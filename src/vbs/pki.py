@@ -172,12 +172,10 @@ def peer_certificate(cert_der: bytes) -> PeerCertificate:
         names.update(n.lower() for n in san.get_values_for_type(x509.DNSName))
     except x509.ExtensionNotFound:
         pass
-    return PeerCertificate(common_name(cert_der), frozenset(names))
+    return PeerCertificate(_common_name(cert), frozenset(names))
 
 
-def common_name(cert_der: bytes) -> str | None:
-    """The subject CN of a DER certificate (what a peer presented), or None."""
-    cert = x509.load_der_x509_certificate(cert_der)
+def _common_name(cert: x509.Certificate) -> str | None:
     attrs = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     value = attrs[0].value if attrs else None
     return value if isinstance(value, str) else None

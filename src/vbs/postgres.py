@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from vbs.errors import DriverError, InvalidParameter
+from vbs.processes import cmdline, pid_alive
 
 __all__ = ["EmbeddedPostgres", "CLUSTER_DIR", "holds_cluster"]
 
@@ -55,14 +56,6 @@ def holds_cluster(directory: Path) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(inner.st_mode) and inner.st_uid != os.geteuid() and inner.st_gid == outer.st_gid
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 class EmbeddedPostgres:
@@ -161,10 +154,9 @@ class EmbeddedPostgres:
         """A postmaster a killed ``vbs up`` left running on this data directory: stopped by its PID."""
         try:
             pid = int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return
-        if str(self.data).encode() in cmdline and _pid_alive(pid):
+        if str(self.data) in " ".join(cmdline(pid)) and pid_alive(pid):
             os.kill(pid, signal.SIGINT)
             _wait_gone(pid, STOP_TIMEOUT_S)
 
@@ -184,7 +176,7 @@ class EmbeddedPostgres:
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGQUIT)
             proc.wait(STOP_TIMEOUT_S)
-        if _pid_alive(proc.pid):
+        if pid_alive(proc.pid):
             raise DriverError(f"the PostgreSQL postmaster {proc.pid} is still running")
 
     # -- databases -----------------------------------------------------------------------------
@@ -210,7 +202,7 @@ class EmbeddedPostgres:
 
 def _wait_gone(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _pid_alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             raise DriverError(f"the PostgreSQL postmaster {pid} did not stop")
         time.sleep(0.05)

@@ -90,20 +90,14 @@ class MasterKey:
             return self._keys
 
     def seal(self, secret: str, key_id: str) -> str:
-        nonce = os.urandom(_NONCE)
-        return base64.b64encode(nonce + self._load()[0].encrypt(nonce, secret.encode(), key_id.encode())).decode()
+        return _seal(self._load()[0], secret, key_id)
 
     def open(self, sealed: str, key_id: str) -> str | None:
         """The secret, or None where it does not open (another master key, or a row moved to another id)."""
-        try:
-            raw = base64.b64decode(sealed)
-        except ValueError:
-            return None
         for key in self._load():
-            try:
-                return key.decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode()).decode()
-            except (InvalidTag, ValueError):
-                continue
+            secret = _open(key, sealed, key_id)
+            if secret is not None:
+                return secret
         return None
 
     def rotate(self, db: Database) -> int:
@@ -121,15 +115,13 @@ class MasterKey:
             stale = 0
             with db.session() as s:
                 for row in s.scalars(select(AccessKeyRecord).with_for_update()):
-                    if _opens(new, row.sealed_secret, row.id):
+                    if _open(new, row.sealed_secret, row.id) is not None:
                         continue
                     secret = self.open(row.sealed_secret, row.id)
                     if secret is None:
                         raise InvalidParameter(f"the secret of {row.id} opens with none of the master keys in "
                                                f"{self.path}; the old keys are kept")
-                    nonce = os.urandom(_NONCE)
-                    row.sealed_secret = base64.b64encode(
-                        nonce + new.encrypt(nonce, secret.encode(), row.id.encode())).decode()
+                    row.sealed_secret = _seal(new, secret, row.id)
                     resealed.add(row.id)
                     stale += 1
             if stale == 0:
@@ -138,13 +130,17 @@ class MasterKey:
         raise InvalidParameter("keys kept being made under the old master key; run the rotation again")
 
 
-def _opens(key: AESGCM, sealed: str, key_id: str) -> bool:
+def _seal(key: AESGCM, secret: str, key_id: str) -> str:
+    nonce = os.urandom(_NONCE)
+    return base64.b64encode(nonce + key.encrypt(nonce, secret.encode(), key_id.encode())).decode()
+
+
+def _open(key: AESGCM, sealed: str, key_id: str) -> str | None:
     try:
         raw = base64.b64decode(sealed)
-        key.decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode())
+        return key.decrypt(raw[:_NONCE], raw[_NONCE:], key_id.encode()).decode()
     except (InvalidTag, ValueError):
-        return False
-    return True
+        return None
 
 
 def _line(raw: bytes) -> str:
