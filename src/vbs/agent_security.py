@@ -7,7 +7,7 @@ requires the controller's client certificate, and verifies the controller agains
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +34,10 @@ class AgentSecurity:
     def scheme(self) -> str:
         return "https" if self.tls is not None and self.tls.serves else "http"
 
-    def controller(self, url: str) -> ApiClient:
+    def controller(self, urls: Sequence[str], *, label: str) -> ApiClient:
+        """The client of every call this agent makes to its controllers: it fails over among ``urls``."""
         verify = self.tls.client_context() if self.tls is not None else True
-        return ApiClient(url, self.token.current, verify=verify)
+        return ApiClient(urls, self.token.current, verify=verify, label=label)
 
 
 def prepare(service: str, cfg: _AgentSection, *dirs: Path) -> AgentSecurity:

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vbs import endpoints
 from vbs.errors import InvalidParameter
 
 DEFAULT_CONTROLLER_PORT = 8770
@@ -22,7 +23,8 @@ DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # An error names the key, never the value given: a URL may carry a password.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
 
 class _Service(_Section):
@@ -74,17 +76,30 @@ class ControllerConfig(_Service):
 
 
 class _AgentSection(_Service):
-    """What every agent has: where it listens, its node name, its controller and their shared token.
+    """What every agent has: where it listens, its node name, its controllers and its own token.
     Settings of drivers that are not VBS's own go in ``options.<driver name>``."""
 
     host: str = "127.0.0.1"
-    controller_url: str = f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
+    # The install's controllers: one URL, a TOML list, or (env, flag) URLs separated by commas. The
+    # agent reports to one at a time and moves on to the next when it fails (vbs.web.ApiClient).
+    controller_url: tuple[str, ...] = (f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",)
     advertise_url: str | None = None
     # This node's own credential (``vbs node-token`` on the controller's machine prints it): from
     # VBS_AGENT_TOKEN, or better a 0600 file the agent re-reads when it changes (rotation).
     agent_token: str | None = None
     agent_token_file: Path | None = None
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("controller_url", mode="before")
+    @classmethod
+    def _controller_urls(cls, v: Any) -> tuple[str, ...]:
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list | tuple) or not all(isinstance(u, str) for u in items):
+            raise ValueError("controller_url is a URL or a list of URLs")
+        try:
+            return endpoints.parse(items, what="controller_url")
+        except InvalidParameter as exc:
+            raise ValueError(exc.message) from None
 
 
 class StorageAgentConfig(_AgentSection):

@@ -2,7 +2,8 @@
 
 The controller learns of an agent (its URL, pools, VMs, exports, capabilities) only from this
 report, so the first one is sent as soon as the agent's API listens; a failing controller is
-retried every second.
+retried every second. With several controllers the report goes to the current one and, when that
+fails, to the next (``vbs.web.ApiClient`` moves on and says so once).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
-        self._controller.request("POST", self._path, Ack, self._report(), timeout=5)
+        # A report says what is, not what to do: sent twice, or to another controller, it changes nothing.
+        self._controller.request("POST", self._path, Ack, self._report(), timeout=5, idempotent=True)
 
     def _loop(self) -> None:
         while not self._ready() and not self._stop.wait(0.02):

@@ -45,7 +45,8 @@ def serve(cfg: HostAgentConfig) -> None:
                              vms=vms)
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
-        return Heartbeat(sec.controller(cfg.controller_url), "/internal/v1/host-heartbeat", report,
+        controllers = sec.controller(cfg.controller_url, label=f"host agent {cfg.node_name}")
+        return Heartbeat(controllers, "/internal/v1/host-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)

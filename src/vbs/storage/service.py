@@ -61,7 +61,8 @@ def serve(cfg: StorageAgentConfig) -> None:
                                 pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports())
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
-        return Heartbeat(sec.controller(cfg.controller_url), "/internal/v1/storage-heartbeat", report,
+        controllers = sec.controller(cfg.controller_url, label=f"storage agent {cfg.node_name}")
+        return Heartbeat(controllers, "/internal/v1/storage-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     stop = threading.Event()
