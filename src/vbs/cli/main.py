@@ -445,7 +445,8 @@ def storage_agent(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     node_name: Annotated[str | None, typer.Option()] = None,
-    controller_url: Annotated[str | None, typer.Option()] = None,
+    controller_url: Annotated[list[str] | None, typer.Option(
+        help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
     pool_path: Annotated[Path | None, typer.Option()] = None,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
@@ -484,7 +485,8 @@ def host_agent(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     node_name: Annotated[str | None, typer.Option()] = None,
-    controller_url: Annotated[str | None, typer.Option()] = None,
+    controller_url: Annotated[list[str] | None, typer.Option(
+        help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
     vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
