@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,8 +114,9 @@ def register_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None 
     write_private(path, text.getvalue())
 
 
-def for_client(endpoint: str, env: dict[str, str] | None = None) -> AccessKey | None:
-    """The key a client on this machine uses for ``endpoint``, looked for in the documented order."""
+def for_client(endpoints: Sequence[str], env: dict[str, str] | None = None) -> AccessKey | None:
+    """The key a client on this machine uses for ``endpoints`` (the controllers of one install), looked
+    for in the documented order; of the keys ``vbs up`` recorded, the first endpoint's that has one."""
     env = dict(os.environ) if env is None else env
     key = from_env(env)
     if key is not None:
@@ -122,7 +124,8 @@ def for_client(endpoint: str, env: dict[str, str] | None = None) -> AccessKey | 
     candidates: list[tuple[Path, str]] = []
     if env.get("VBS_CREDENTIALS_FILE"):
         candidates.append((Path(env["VBS_CREDENTIALS_FILE"]), "default"))
-    candidates += [(user_file(env), endpoint.rstrip("/")), (Path("var/credentials"), "default")]
+    candidates += [(user_file(env), endpoint.rstrip("/")) for endpoint in endpoints]
+    candidates.append((Path("var/credentials"), "default"))
     for path, profile in candidates:
         if path.exists():
             found = read(path, profile)

@@ -1,11 +1,13 @@
 """The ``vbs`` executable: the paper's volume commands, kept word for word, plus the service commands.
 
 Client commands talk to a controller (``--endpoint`` or ``VBS_ENDPOINT``, default
-``http://127.0.0.1:8770``); they print a table on a terminal and JSON otherwise (``--output``).
+``http://127.0.0.1:8770``; several separated by commas, tried in turn when one fails); they print a
+table on a terminal and JSON otherwise (``--output``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from urllib.parse import urlencode
 
 import typer
 
-from vbs import credentials
+from vbs import credentials, endpoints
 from vbs.cli import output
 from vbs.cli.client import wait_for
 from vbs.cli.database import db_app, warn_if_password_on_argv
@@ -37,9 +39,11 @@ class Context:
 
     @property
     def client(self) -> ApiClient:
+        """The client of the endpoints (checked here: the service commands do not use them)."""
         if self._client is None:
-            key = credentials.for_client(self.endpoint)
-            self._client = ApiClient(self.endpoint, key.bearer if key else None, timeout=60,
+            urls = endpoints.parse(self.endpoint, what="--endpoint (VBS_ENDPOINT)")
+            key = credentials.for_client(urls)
+            self._client = ApiClient(urls, key.bearer if key else None, timeout=60,
                                      verify=client_verify(self.ca_bundle))
         return self._client
 
@@ -51,7 +55,8 @@ class Context:
 @app.callback()
 def _global(
     ctx: typer.Context,
-    endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help="Controller URL.")] =
+    endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help=(
+        "Controller URL, or several separated by commas (the next is tried when one fails)."))] =
         f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",
     output_format: Annotated[str, typer.Option("--output", "-o", help="auto | table | json")] = "auto",
     ca_bundle: Annotated[str | None, typer.Option(envvar="VBS_CA_BUNDLE",
@@ -325,7 +330,9 @@ def create_tags(ctx: typer.Context, resource_ids: list[str],
                 tag: Annotated[list[str], typer.Option(help="KEY=VALUE, repeatable.")]) -> None:
     """Add or overwrite tags on volumes and snapshots."""
     c: Context = ctx.obj
-    output.emit(c.client.call("POST", "/v1/tags", {"resource_ids": resource_ids, "tags": _tags(tag)}), "json")
+    # Setting the same tags twice changes nothing: safe to repeat at another endpoint.
+    output.emit(c.client.call("POST", "/v1/tags", {"resource_ids": resource_ids, "tags": _tags(tag)},
+                              idempotent=True), "json")
 
 
 @app.command("delete-tags")
@@ -333,7 +340,8 @@ def delete_tags(ctx: typer.Context, resource_ids: list[str],
                 key: Annotated[list[str] | None, typer.Option(help="Tag key, repeatable; none = all.")] = None) -> None:
     """Remove tags from volumes and snapshots."""
     c: Context = ctx.obj
-    output.emit(c.client.call("POST", "/v1/tags/delete", {"resource_ids": resource_ids, "keys": key or []}), "json")
+    output.emit(c.client.call("POST", "/v1/tags/delete", {"resource_ids": resource_ids, "keys": key or []},
+                              idempotent=True), "json")
 
 
 @app.command("describe-storage-nodes")
@@ -665,6 +673,9 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 
 
 def main() -> None:
+    # A client that moves on to another endpoint says so on stderr (vbs.web logs it); the services
+    # replace this with their own logging (vbs.logs).
+    logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
     try:
         app()
     except VbsError as exc:
