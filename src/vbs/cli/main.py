@@ -538,12 +538,17 @@ def up(
     postgres: Annotated[bool, typer.Option(
         "--postgres", help="Metadata in a PostgreSQL cluster of the data dir's own, started and stopped with it.")]
     = False,
+    controllers: Annotated[int, typer.Option(
+        help="Controllers (1-8), on --port and the ports after it; more than one needs PostgreSQL.")] = 1,
+    storage_nodes: Annotated[int, typer.Option(help="Storage agents (1-16), each with its own pool.")] = 1,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
-    """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C."""
+    """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
+    or a small cluster of them (--controllers, --storage-nodes)."""
     from vbs import drivers
-    from vbs.cli.up import run_embedded
+    from vbs.cli.up import Shape, run_embedded
 
+    shape = Shape(controllers, storage_nodes)
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
@@ -554,9 +559,9 @@ def up(
     warn_if_password_on_argv(database_url)
     if database_url_file is not None:
         database_url = database_url_file.read_text().strip() or None
-    raise typer.Exit(run_embedded(data_dir, host, port, clone_method=clone_method, export=export,
-                                  log_json=log_json, tls=tls, controller_env=controller_env,
-                                  database_url=database_url, postgres=postgres))
+    raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
+                                  clone_method=clone_method, export=export, log_json=log_json, tls=tls,
+                                  controller_env=controller_env, database_url=database_url, postgres=postgres))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

@@ -1,13 +1,17 @@
-"""``vbs up``: the embedded default — controller, storage agent and host agent as supervised children.
+"""``vbs up``: the embedded default — controller, storage agent and host agent as supervised children —
+and, with ``--controllers N --storage-nodes M``, a small cluster on one machine.
 
-Same code paths as a multi-node install (each agent reached over HTTP(S) with its own node token); the
-children run in their own sessions so that Ctrl-C reaches only this supervisor, which stops them
-in order (agent first, then controller) and waits for them.
+Same code paths as a multi-node install (each agent reached over HTTP(S) with its own node token and,
+with ``--tls``, its own certificate; every agent given every controller's URL); the children run in
+their own sessions so that Ctrl-C reaches only this supervisor, which stops them in order (host
+agent, storage agents, controllers) and waits for them. ``<data-dir>/up.json`` lists the services
+that run (role, name, PID, URL); it is rewritten whenever one is restarted and removed at the end.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -15,18 +19,22 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from vbs import credentials
-from vbs.errors import VbsError
+from vbs.errors import InvalidParameter, VbsError
 from vbs.fail_closed import harden
 from vbs.files import write_private
 from vbs.node_credentials import NodeKeyring
 from vbs.pki import CertificateAuthority
 from vbs.postgres import CLUSTER_DIR, EmbeddedPostgres
+from vbs.web import ApiClient
 
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
@@ -41,6 +49,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 STORAGE_NODE = "storage-1"
 HOST_NODE = "host-1"
+MAX_CONTROLLERS = 8
+MAX_STORAGE_NODES = 16
+SERVICES_FILE = "up.json"
 # What a child keeps of this process's environment: no secrets (tokens and keys reach the children
 # as 0600 files), just what a Python program and the VBS settings need.
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
@@ -111,9 +122,45 @@ def _detach_but_follow_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How many controllers and storage agents ``vbs up`` runs (and one host agent)."""
+
+    controllers: int = 1
+    storage_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.controllers <= MAX_CONTROLLERS:
+            raise InvalidParameter(f"--controllers is 1-{MAX_CONTROLLERS}, not {self.controllers}")
+        if not 1 <= self.storage_nodes <= MAX_STORAGE_NODES:
+            raise InvalidParameter(f"--storage-nodes is 1-{MAX_STORAGE_NODES}, not {self.storage_nodes}")
+
+    @property
+    def storage_names(self) -> list[str]:
+        return [f"storage-{k}" for k in range(1, self.storage_nodes + 1)]
+
+
+@dataclass(frozen=True)
+class StorageNodeDirs:
+    pool: Path
+    state: Path
+    nbd: Path
+
+
+def storage_node_dirs(data_dir: Path, name: str) -> StorageNodeDirs:
+    """Where storage node ``name`` keeps its pool, its export daemon's state and its NBD socket. The
+    first keeps the paths of a one-node install, so a data dir that grows to several nodes keeps its
+    volumes; each other one has its own beside or under them."""
+    if name == STORAGE_NODE:
+        return StorageNodeDirs(data_dir / "pool", data_dir / "storage-state", data_dir / "nbd")
+    return StorageNodeDirs(data_dir / "pools" / name, data_dir / "storage-state" / name, data_dir / "nbd" / name)
+
+
 @dataclass
 class Child:
+    role: str  # controller | storage-agent | host-agent
     name: str
+    url: str
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
@@ -136,33 +183,122 @@ class Child:
             self.proc.wait()
 
 
-def _wait_until(check: object, timeout: float, what: str, children: list[Child]) -> None:
+@dataclass
+class _Plan:
+    """The command lines of the services of one ``vbs up``: secrets reach them as 0600 files only."""
+
+    data_dir: Path
+    host: str
+    scheme: str
+    tls: bool
+    log_json: bool
+    env: dict[str, str]
+
+    @property
+    def _exe(self) -> list[str]:
+        return [sys.executable, "-m", "vbs"]
+
+    @property
+    def _flags(self) -> list[str]:
+        return ["--log-json"] if self.log_json else []
+
+    def _tls(self, name: str) -> list[str]:
+        return tls_flags(self.data_dir, name, self.host) if self.tls else []
+
+    def controller(self, k: int, port: int, db_flags: list[str], extra_env: dict[str, str]) -> Child:
+        # The first one's certificate keeps the name a one-controller install gave it.
+        cert = "controller" if k == 1 else f"controller-{k}"
+        return Child("controller", f"controller-{k}", f"{self.scheme}://{self.host}:{port}",
+                     [*self._exe, "controller", "--host", self.host, "--port", str(port),
+                      "--data-dir", str(self.data_dir), *db_flags, *self._tls(cert), *self._flags],
+                     {**self.env, **extra_env})
+
+    def storage_agent(self, name: str, controllers: list[str], export: str, clone_method: str | None) -> Child:
+        port = free_port(self.host)
+        dirs = storage_node_dirs(self.data_dir, name)
+        argv = [*self._exe, "storage-agent", "--host", self.host, "--port", str(port),
+                *_controller_flags(controllers), "--node-name", name,
+                "--agent-token-file", str(node_token_file(self.data_dir, "storage", name)), *self._tls(name),
+                "--pool-path", str(dirs.pool), "--state-dir", str(dirs.state),
+                "--export", export, "--nbd-port", str(free_port(self.host)), "--iscsi-port", str(free_port(self.host)),
+                # NBD to the host agent on this same machine: a unix socket in a 0700 directory.
+                "--nbd-socket-dir", str(dirs.nbd),
+                "--iscsi-control", str(port % 32768), *self._flags]
+        if clone_method:
+            argv += ["--clone-method", clone_method]
+        return Child("storage-agent", name, f"{self.scheme}://{self.host}:{port}", argv, self.env)
+
+    def host_agent(self, controllers: list[str]) -> Child:
+        port = free_port(self.host)
+        return Child("host-agent", HOST_NODE, f"{self.scheme}://{self.host}:{port}",
+                     [*self._exe, "host-agent", "--host", self.host, "--port", str(port),
+                      *_controller_flags(controllers), "--vm-dir", str(self.data_dir / "vms"),
+                      "--node-name", HOST_NODE,
+                      "--agent-token-file", str(node_token_file(self.data_dir, "host", HOST_NODE)),
+                      *self._tls(HOST_NODE), "--address", self.host, *self._flags], self.env)
+
+
+def _controller_flags(urls: list[str]) -> list[str]:
+    return [flag for url in urls for flag in ("--controller-url", url)]
+
+
+def _wait_until(check: Callable[[], bool], timeout: float, what: str, children: list[Child]) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for c in children:
             if not c.alive():
                 raise RuntimeError(f"{c.name} exited during start-up (code {c.proc.returncode if c.proc else '?'})")
         try:
-            if check():  # type: ignore[operator]
+            if check():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, VbsError):
             pass
         time.sleep(0.1)
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | None = None,
+def is_postgresql(database_url: str | None) -> bool:
+    """Whether ``database_url`` names a PostgreSQL database (None is SQLite in the data dir)."""
+    return database_url is not None and database_url.split(":", 1)[0].split("+", 1)[0] == "postgresql"
+
+
+def _check_shape(shape: Shape, *, postgres: bool, database_url: str | None) -> None:
+    if shape.controllers > 1 and not (postgres or is_postgresql(database_url)):
+        raise RuntimeError(f"--controllers {shape.controllers} needs PostgreSQL (--postgres, --database-url or "
+                           "--database-url-file): SQLite serves exactly one controller")
+
+
+def _check_ports_free(host: str, ports: list[int]) -> None:
+    """The controllers' ports are the operator's choice (``--port`` and the ones after it): say which one
+    is taken before anything starts, instead of a controller that dies at start-up."""
+    for port in ports:
+        if not 1 <= port <= 65535:
+            raise RuntimeError(f"controller port {port} is not in 1-65535: give a lower --port")
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise RuntimeError(f"port {port} on {host} is in use ({exc.strerror}): give another --port") from None
+
+
+def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = None, clone_method: str | None = None,
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
                  postgres: bool = False) -> int:
-    """Run the three services until SIGINT/SIGTERM. The metadata DB: SQLite in the data dir (the
-    controller upgrades it as it starts), ``database_url`` (PostgreSQL, upgraded by ``vbs db
-    upgrade`` beforehand), or with ``postgres`` a cluster of the data dir's own that this process
-    starts, upgrades, and stops last."""
-    data_dir = data_dir.resolve()
-    harden(data_dir, data_dir / "pool")
+    """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
+    ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
+    (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
+    upgraded by ``vbs db upgrade`` beforehand), or with ``postgres`` a cluster of the data dir's own
+    that this process starts, upgrades, and stops last. Everything that would refuse is checked
+    before anything starts."""
+    shape = shape or Shape()
     database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
     try:
+        _check_shape(shape, postgres=postgres, database_url=database_url)
+        _check_ports_free(host, [port + k for k in range(shape.controllers)])
+        data_dir = data_dir.resolve()
+        harden(data_dir, *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
         _check_metadata_home(data_dir, database_url, postgres)
         cluster = embedded_postgres(data_dir) if postgres else None
     except (RuntimeError, VbsError) as exc:
@@ -171,55 +307,42 @@ def run_embedded(data_dir: Path, host: str, port: int, *, clone_method: str | No
     try:
         if cluster is not None:
             database_url = cluster.url("vbs")
-        return _run_services(data_dir, host, port, clone_method=clone_method, export=export, log_json=log_json,
-                             tls=tls, controller_env=controller_env, database_url=database_url)
+        return _run_services(data_dir, host, port, shape, clone_method=clone_method, export=export,
+                             log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url)
     finally:
         if cluster is not None:
             cluster.stop()
 
 
-def _run_services(data_dir: Path, host: str, port: int, *, clone_method: str | None, export: str, log_json: bool,
-                  tls: bool, controller_env: dict[str, str] | None, database_url: str | None) -> int:
+def write_services(path: Path, children: list[Child]) -> None:
+    """``up.json``: every service started so far, its role, name, PID and URL (0600, replaced whole)."""
+    services = [{"role": c.role, "name": c.name, "pid": c.proc.pid, "url": c.url}
+                for c in children if c.proc is not None]
+    write_private(path, json.dumps({"services": services}, indent=2) + "\n")
+
+
+def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_method: str | None, export: str,
+                  log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None) -> int:
     scheme = "https" if tls else "http"
-    endpoint = f"{scheme}://{host}:{port}"
     key = credentials.ensure_file(data_dir / "credentials")
-    credentials.register_endpoint(endpoint, key)
-    env = child_env()
-    verify: ssl.SSLContext | bool = True
-    tls_of: dict[str, list[str]] = {"controller": [], STORAGE_NODE: [], HOST_NODE: []}
-    if tls:
-        tls_of = {name: tls_flags(data_dir, name, host) for name in tls_of}
-        verify = ssl.create_default_context(cafile=str(data_dir / "ca.pem"))
-    exe = [sys.executable, "-m", "vbs"]
-    flags = ["--log-json"] if log_json else []
-    agent_port = free_port(host)
+    plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env())
     db_flags: list[str] = []
     if database_url is not None:
         url_file = data_dir / DATABASE_URL_FILE
         write_private(url_file, database_url + "\n")
         db_flags = ["--database-url-file", str(url_file)]
-    controller = Child("controller", [*exe, "controller", "--host", host, "--port", str(port),
-                                      "--data-dir", str(data_dir), *db_flags, *tls_of["controller"], *flags],
-                       {**env, **(controller_env or {})})
-    agent_argv = [*exe, "storage-agent", "--host", host, "--port", str(agent_port), "--controller-url", endpoint,
-                  "--node-name", STORAGE_NODE,
-                  "--agent-token-file", str(node_token_file(data_dir, "storage", STORAGE_NODE)),
-                  *tls_of[STORAGE_NODE],
-                  "--pool-path", str(data_dir / "pool"), "--state-dir", str(data_dir / "storage-state"),
-                  "--export", export, "--nbd-port", str(free_port(host)), "--iscsi-port", str(free_port(host)),
-                  # NBD to the host agent on this same machine: a unix socket in a 0700 directory.
-                  "--nbd-socket-dir", str(data_dir / "nbd"),
-                  "--iscsi-control", str(agent_port % 32768), *flags]
-    if clone_method:
-        agent_argv += ["--clone-method", clone_method]
-    agent = Child("storage-agent", agent_argv, env)
-    host_port = free_port(host)
-    host_agent = Child("host-agent", [*exe, "host-agent", "--host", host, "--port", str(host_port),
-                                      "--controller-url", endpoint, "--vm-dir", str(data_dir / "vms"),
-                                      "--node-name", HOST_NODE,
-                                      "--agent-token-file", str(node_token_file(data_dir, "host", HOST_NODE)),
-                                      *tls_of[HOST_NODE], "--address", host, *flags], env)
-    children = [controller, agent, host_agent]
+    controllers = [plan.controller(k, port + k - 1, db_flags, controller_env or {})
+                   for k in range(1, shape.controllers + 1)]
+    endpoints = [c.url for c in controllers]
+    for endpoint in endpoints:
+        credentials.register_endpoint(endpoint, key)
+    storage_agents = [plan.storage_agent(name, endpoints, export, clone_method) for name in shape.storage_names]
+    host_agent = plan.host_agent(endpoints)
+    children = [*controllers, *storage_agents, host_agent]
+    # After the plan: with --tls, it made the CA.
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(data_dir / "ca.pem")) if tls else True
+    services_file = data_dir / SERVICES_FILE
+    api = ApiClient(endpoints, key.bearer, timeout=2, verify=verify, label="vbs up")
 
     stopping = False
 
@@ -230,25 +353,16 @@ def _run_services(data_dir: Path, host: str, port: int, *, clone_method: str | N
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
-        controller.start()
-        _wait_until(lambda: httpx.get(f"{endpoint}/health", timeout=1, verify=verify).status_code == 200, 60,
-                    "the controller", [controller])
-        agent.start()
-        host_agent.start()
-
-        auth = {"authorization": f"Bearer {key.bearer}"}
-
-        def agents_up() -> bool:
-            nodes = httpx.get(f"{endpoint}/v1/storage-nodes", headers=auth, timeout=2, verify=verify
-                              ).json()["storage_nodes"]
-            hosts = httpx.get(f"{endpoint}/v1/hosts", headers=auth, timeout=2, verify=verify).json()["hosts"]
-            return any(n["state"] == "up" and n["url"].endswith(f":{agent_port}") for n in nodes) and any(
-                h["state"] == "up" and h["url"].endswith(f":{host_port}") for h in hosts)
-
-        _wait_until(agents_up, 60, "the agents", children)
-        print(f"VBS is up: endpoint {endpoint}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
-              f"credentials in {data_dir / 'credentials'}"
-              + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "") + " (Ctrl-C stops)", flush=True)
+        for controller in controllers:
+            controller.start()
+        write_services(services_file, children)
+        for controller in controllers:
+            _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", controllers)
+        for agent in (*storage_agents, host_agent):
+            agent.start()
+        write_services(services_file, children)
+        _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
+        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls), flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:
@@ -258,6 +372,7 @@ def _run_services(data_dir: Path, host: str, port: int, *, clone_method: str | N
                           f"restarting", file=sys.stderr, flush=True)
                     time.sleep(RESTART_BACKOFF_S)
                     child.start()
+                    write_services(services_file, children)
         return 0
     except RuntimeError as exc:
         print(f"vbs up: {exc}", file=sys.stderr)
@@ -265,3 +380,32 @@ def _run_services(data_dir: Path, host: str, port: int, *, clone_method: str | N
     finally:
         for child in reversed(children):
             child.stop()
+        services_file.unlink(missing_ok=True)
+        api.close()
+
+
+def _healthy(url: str, verify: ssl.SSLContext | bool) -> bool:
+    return httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200
+
+
+def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -> bool:
+    """Whether every agent's newest heartbeat (from this start: its port) says it is up."""
+    nodes = {n["name"]: n for n in api.call("GET", "/v1/storage-nodes?max_results=1000")["storage_nodes"]}
+    hosts = {h["name"]: h for h in api.call("GET", "/v1/hosts?max_results=1000")["hosts"]}
+
+    def up(found: dict[str, Any], child: Child) -> bool:
+        node = found.get(child.name)
+        return node is not None and node["state"] == "up" and node["url"] == child.url
+
+    return all(up(nodes, a) for a in storage_agents) and up(hosts, host_agent)
+
+
+def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
+            tls: bool) -> str:
+    where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
+             else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
+    nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
+    services = "" if len(endpoints) == 1 and len(storage_agents) == 1 else f", services in {services_file}"
+    return (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
+            f"credentials in {data_dir / 'credentials'}{services}"
+            + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "") + " (Ctrl-C stops)")
