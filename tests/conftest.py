@@ -143,17 +143,19 @@ class Vbs:
 class VbsUp:
     """``vbs up`` as a child process, started and stopped by the test."""
 
-    def __init__(self, data_dir: Path, log: Path, extra: list[str] | None = None) -> None:
+    def __init__(self, data_dir: Path, log: Path, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.data_dir = data_dir
         self.log_path = log
         self.extra = extra or []
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Vbs:
         log = self.log_path.open("ab")
         # XDG_CONFIG_HOME: vbs up records its endpoint's key there; keep that inside the test's tree.
-        env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg")}
+        env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg"), **self.env}
         self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
                                       *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_until(lambda: b"VBS is up" in self.log_path.read_bytes() or self._died(), 90, what="vbs up")
