@@ -129,6 +129,10 @@ def test_several_controllers_share_a_postgresql_database_but_not_an_id(services:
                             and c, 30, what="both controllers listed")
         assert [(c["controller_id"], c["state"]) for c in listed] == [("ctl-a", "up"), ("ctl-b", "up")]
         assert listed[1]["url"] == f"http://127.0.0.1:{second_port}"
+        # A schema upgrade under running controllers is refused unless forced.
+        busy = vbs_db("upgrade", "--database-url", url)
+        assert busy.returncode == 1 and "ctl-a, ctl-b" in busy.stderr and "stop them" in busy.stderr
+        assert vbs_db("upgrade", "--database-url", url, "--force").returncode == 0
         assert healthy(services), "the first controller goes on"
     finally:
         stop_process(second)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import logging
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from vbs.controller.db import ControllerRecord, Database, LeaseRecord, Operation
 from vbs.controller.schemas import ControllerOut
@@ -68,6 +68,17 @@ class ControllerRegistry:
                 s.add(ControllerRecord(id=self.id, url=self.url, started_at=self._started, last_seen=now))
             else:
                 row.url, row.started_at, row.last_seen = self.url, self._started, now
+
+
+def live_controllers(db: Database, within_s: float) -> list[str]:
+    """Ids of the controllers that renewed their row in the last ``within_s`` (none on a schema that
+    predates the ``controllers`` table)."""
+    try:
+        with db.read() as s:
+            since = db.clock(s) - timedelta(seconds=within_s)
+            return list(s.scalars(select(ControllerRecord.id).where(ControllerRecord.last_seen >= since)))
+    except (OperationalError, ProgrammingError):
+        return []
 
 
 def describe_controllers(db: Database, lease_s: float) -> list[ControllerOut]:
