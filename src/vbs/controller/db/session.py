@@ -35,10 +35,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DataError, OperationalError
+from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
+from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, RetryLater
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,30 @@ def has_password(url: str) -> bool:
         return make_url(url).password is not None
     except ArgumentError:
         return False
+
+
+# PostgreSQL: a statement that waits this long for a lock, or runs this long, is cancelled (and the
+# request answered 503 RetryLater), instead of holding a connection and its locks without end.
+LOCK_TIMEOUT_MS = 10_000
+STATEMENT_TIMEOUT_MS = 60_000
+# SQLSTATEs that mean "the same request would succeed if tried again".
+_TRANSIENT = {"40P01": "a deadlock", "40001": "a serialisation conflict", "55P03": "a lock wait timeout",
+              "57014": "a statement timeout"}
+
+
+@contextmanager
+def _transient_conflicts() -> Iterator[None]:
+    """A deadlock, serialisation failure or timeout PostgreSQL detects rolls the transaction back: the
+    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500."""
+    try:
+        yield
+    except DBAPIError as exc:
+        state = getattr(exc.orig, "sqlstate", None)
+        if state not in _TRANSIENT:
+            raise
+        log.warning("database: %s (SQLSTATE %s); the transaction was rolled back", _TRANSIENT[state], state)
+        raise RetryLater(f"The request met {_TRANSIENT[state]} in the metadata database and changed nothing; "
+                         "try again.") from None
 
 
 @contextmanager
@@ -142,7 +166,8 @@ class Database:
             )
             _sqlite_pragmas(self.engine)
         else:
-            self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+            self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, connect_args={
+                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"})
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
                                            expire_on_commit=False)
@@ -256,6 +281,9 @@ class Database:
         cfg = alembic_config()
         with self._reaching(), self.engine.begin() as connection:
             if self.dialect == "postgresql":
+                # A migration may wait for the lock and rewrite big tables: no timeouts here.
+                connection.execute(text("SET LOCAL lock_timeout = 0"))
+                connection.execute(text("SET LOCAL statement_timeout = 0"))
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             cfg.attributes["connection"] = connection
             command.upgrade(cfg, "head")
@@ -292,7 +320,7 @@ class Database:
     def session(self) -> Iterator[Session]:
         """A writing transaction: commits on success, rolls back on an exception."""
         if not self._sqlite:
-            with _refused_values(), self._sessions() as session, session.begin():
+            with _transient_conflicts(), _refused_values(), self._sessions() as session, session.begin():
                 yield session
             return
         with self._write_lock, self._sessions() as session, session.begin():
@@ -301,7 +329,7 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with _refused_values(), self._read_sessions() as session, session.begin():
+        with _transient_conflicts(), _refused_values(), self._read_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:
