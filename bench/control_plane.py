@@ -160,9 +160,10 @@ BENCH_LIMITS = ["--quota-volumes", "10000000", "--quota-gib", str(1 << 40), "--q
 class VbsUp:
     """``vbs up`` on a free port; stopped by its PID (SIGINT, then SIGKILL after a grace period)."""
 
-    def __init__(self, data_dir: Path, log_path: Path) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, extra: list[str] | None = None) -> None:
         self.data_dir = data_dir
         self.log_path = log_path
+        self.extra = extra or []
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -173,7 +174,7 @@ class VbsUp:
         with self.log_path.open("ab") as out:
             # Own session: a Ctrl-C of the benchmark reaches only us, and we stop vbs up in order.
             self.proc = subprocess.Popen(  # noqa: S603 - argv list
-                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port), *BENCH_LIMITS],
+                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port), *BENCH_LIMITS, *self.extra],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.data_dir.parent, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -837,6 +838,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the temporary pools go; must be on the root ext4 (default /var/tmp)")
     p.add_argument("--xfs-image-gib", type=int, default=XFS_MIN_IMAGE_GIB, help="sparse xfs image size (default 40)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
+    p.add_argument("--cluster", action="store_true",
+                   help="only the cluster mode: creates through 1 and 2 controllers on PostgreSQL vs 1 on SQLite")
     args = p.parse_args(argv)
     quick = args.quick
     args.sizes = [int(s) for s in (args.sizes or ("1" if quick else "1,16")).split(",") if s.strip() and int(s) > 0]
@@ -875,6 +878,19 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
 
     threading.Thread(target=sample_load, name="load-sampler", daemon=True).start()
+    if args.cluster:
+        from bench import cluster_mode
+
+        with workdir(args.work_dir) as work:
+            cluster = cluster_mode.run(work, args)
+        sampling.set()
+        if loads:
+            info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+        print("\n".join(f"{k}: {v}" for k, v in info.items()))
+        print(cluster_mode.report(cluster))
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "cluster": cluster}, indent=2, default=str))
+        return 0
     with workdir(args.work_dir) as work:
         log(f"work dir {work} ({fs_type(work)}, {free_gib(work):.1f} GiB free)")
         if not args.skip_ext4:

@@ -13,8 +13,10 @@ under a pending snapshot. Afterwards the service must quiesce: no transitional s
 operation finished, and pool files, exports, guest disks and tags agreeing with the rows and with
 what the clients were told.
 
-The module runs twice: metadata in SQLite, then in PostgreSQL (READ COMMITTED, where every check
-of other rows before a write must be serialised by a lock: see vbs.controller.db.locks).
+The module runs three times: metadata in SQLite; in PostgreSQL (READ COMMITTED, where every check
+of other rows before a write must be serialised by a lock: see vbs.controller.db.locks); and in
+PostgreSQL with two controllers at once (``postgresql-2``), the clients split between them, so that
+operations begun on one meet requests served by the other (leases and fences: DESIGN §11).
 
 Two bugs this run found (a detach from one VM removing the export another VM of the same host
 shared; a forced detach that never finished once its export was gone) have their own tests at the end.
@@ -57,7 +59,7 @@ from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
 pytestmark = [pytest.mark.integration,
-              pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")]
+              pytest.mark.parametrize("metadata_db", (*DATABASES, "postgresql-2"), indirect=True, scope="module")]
 
 CLIENTS = 50
 RUN_SECONDS = 40.0
@@ -80,8 +82,10 @@ EBS_CODES = {
 class World:
     """vbs up (host-1) and a second host agent (host-2), their VMs, and the instance ids of those VMs."""
 
-    def __init__(self, vbs: Vbs, instances: dict[str, str], tmp: Path, database_url: str | None) -> None:
+    def __init__(self, vbs: Vbs, instances: dict[str, str], tmp: Path, database_url: str | None,
+                 endpoints: list[str]) -> None:
         self.vbs = vbs
+        self.endpoints = endpoints  # every controller's; client i uses endpoints[i % len]
         self.instances = instances  # vm name -> instance id
         self.tmp = tmp
         self.db_path = vbs.data_dir / "vbs.db"
@@ -147,7 +151,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: p
           ) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("concurrency")
     image = build_guest()
-    flags = database_flags(metadata_db, request)
+    controllers = 2 if metadata_db == "postgresql-2" else 1
+    flags = database_flags(metadata_db.removesuffix("-2"), request)
     up = VbsUp(tmp / "var", tmp / "up.log", extra=flags)
     env = {"VBS_CONTROLLER_DETACH_TIMEOUT_S": "2"}
     saved = {k: os.environ.get(k) for k in env}
@@ -156,6 +161,15 @@ def world(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: p
     guest = TestGuest(GUEST, tmp / "guests", image, tmp / "var" / "vms")
     try:
         vbs = up.start()
+        endpoints = [vbs.endpoint]
+        if controllers == 2:
+            # A second controller on the same database and data dir (keys, node keyring, master key).
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [*VBS, "controller", "--port", str(port), "--data-dir", str(vbs.data_dir), *flags],
+                env=dict(os.environ), stdout=(tmp / "controller-2.log").open("ab"), stderr=subprocess.STDOUT))
+            endpoints.append(f"http://127.0.0.1:{port}")
+            wait_until(lambda: _healthy(endpoints[1]), 60, what="the second controller")
         vm_dirs = {"host-1": vbs.data_dir / "vms", "host-2": tmp / "vms-2"}
         for d in vm_dirs.values():
             d.mkdir(exist_ok=True)
@@ -174,7 +188,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: p
                      if i["state"] == "running" and VMS.get(i["vm_id"]) == i["host"]}
             return found if set(found) == set(VMS) else None
 
-        yield World(vbs, wait_until(instances, 60, what=f"{len(VMS)} instances"), tmp, flags[1] if flags else None)
+        yield World(vbs, wait_until(instances, 60, what=f"{len(VMS)} instances"), tmp, flags[1] if flags else None,
+                    endpoints)
     finally:
         guest.stop()
         for proc in reversed(procs):
@@ -207,8 +222,16 @@ class Shared:
     created_volumes: set[str] = field(default_factory=set)
 
 
-def _client(vbs: Vbs) -> httpx.Client:
-    return httpx.Client(base_url=vbs.endpoint, timeout=60, headers={"authorization": f"Bearer {vbs.key.bearer}"})
+def _healthy(endpoint: str) -> bool:
+    try:
+        return httpx.get(f"{endpoint}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _client(vbs: Vbs, endpoint: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=endpoint or vbs.endpoint, timeout=60,
+                        headers={"authorization": f"Bearer {vbs.key.bearer}"})
 
 
 def _request(world: World, shared: Shared, rng: random.Random) -> tuple[str, str, str, dict[str, Any] | None]:
@@ -249,7 +272,7 @@ def _request(world: World, shared: Shared, rng: random.Random) -> tuple[str, str
 
 def _client_loop(world: World, shared: Shared, deadline: float, seed: int) -> None:
     rng = random.Random(seed)
-    with _client(world.vbs) as http:
+    with _client(world.vbs, world.endpoints[seed % len(world.endpoints)]) as http:
         while time.monotonic() < deadline:
             with shared.lock:
                 if shared.sent >= MAX_REQUESTS:
@@ -451,6 +474,9 @@ def test_fifty_clients_at_once_leave_only_legal_outcomes(world: World) -> None:
         stop.set()
         sampler.join(30)
     assert quiesced(world), "operations still unfinished:\n" + "\n".join(unfinished(world))
+    if len(world.endpoints) == 2:
+        ctrls = vbs.http.get("/v1/controllers").json()["controllers"]
+        assert [c["state"] for c in ctrls] == ["up", "up"] and all(c["operations_held"] == 0 for c in ctrls), ctrls
 
     assert not shared.failures, f"{len(shared.failures)} bad answers, e.g.:\n" + "\n".join(shared.failures[:20])
     assert not violations, f"{len(violations)} invariant violations, e.g.:\n" + "\n".join(violations[:20])

@@ -17,8 +17,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from alembic import command
+from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from tests.conftest import VBS, Services, VbsUp, free_port, stop_process, wait_until
@@ -29,6 +31,7 @@ from vbs.controller.db.session import alembic_config
 pytestmark = pytest.mark.integration
 
 SECRET = "s3cr3t-Pa55word"
+HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
 def start_controller(svc: Services, *flags: str, port: int | None = None) -> subprocess.Popen[str]:
@@ -73,7 +76,7 @@ def test_vbs_db_upgrade_then_the_controller_starts(services: Services, postgres:
 
     upgraded = vbs_db("upgrade", "--database-url", url)
     assert upgraded.returncode == 0, upgraded.stderr
-    assert "upgraded from nothing to 0004" in upgraded.stdout
+    assert f"upgraded from nothing to {HEAD}" in upgraded.stdout
     assert vbs_db("status", "--database-url", url).returncode == 0
 
     proc = start_controller(services, "--database-url", url)
@@ -96,7 +99,7 @@ def test_a_controller_refuses_a_schema_behind_or_ahead_of_it(services: Services,
     assert behind.returncode == 1 and "schema revision 0003" in behind.stdout
 
     out = refused(start_controller(services, "--database-url", url))
-    assert "revision 0003, older than this VBS's 0004" in out and "vbs db upgrade" in out
+    assert f"revision 0003, older than this VBS's {HEAD}" in out and "vbs db upgrade" in out
     assert revision(url) == "0003"
 
     with db.engine.begin() as conn:
@@ -106,23 +109,37 @@ def test_a_controller_refuses_a_schema_behind_or_ahead_of_it(services: Services,
     db.dispose()
 
 
-def test_a_second_controller_on_the_same_postgresql_database_is_refused(services: Services,
-                                                                        postgres: PostgresForTests) -> None:
-    """Until operations carry leases and fences, a second controller would resume the first one's
-    operations: it is refused, and the first goes on; once the first stops, the next one starts."""
+def test_several_controllers_share_a_postgresql_database_but_not_an_id(services: Services,
+                                                                       postgres: PostgresForTests) -> None:
+    """Operations carry leases and fences (DESIGN §11): a second controller runs beside the first, each
+    under its own id; a second one under an id that a live controller holds is refused."""
     url = postgres.new_database()
     assert vbs_db("upgrade", "--database-url", url).returncode == 0
-    first = start_controller(services, "--database-url", url)
+    first = start_controller(services, "--database-url", url, "--controller-id", "ctl-a")
+    second_port = free_port()
+    second = start_controller(services, "--database-url", url, "--controller-id", "ctl-b", port=second_port)
     try:
         wait_until(lambda: healthy(services), 60, what="the first controller on PostgreSQL")
-        out = refused(start_controller(services, "--database-url", url, port=free_port()))
-        assert "DatabaseInUse" in out and "one controller runs per database" in out
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{second_port}/health").status_code == 200, 60,
+                   what="the second controller")
+        out = refused(start_controller(services, "--database-url", url, "--controller-id", "ctl-a",
+                                       port=free_port()))
+        assert "DatabaseInUse" in out and "'ctl-a' already runs" in out
+        listed = wait_until(lambda: (c := services.vbs.cli("describe-controllers")["controllers"]) and len(c) == 2
+                            and c, 30, what="both controllers listed")
+        assert [(c["controller_id"], c["state"]) for c in listed] == [("ctl-a", "up"), ("ctl-b", "up")]
+        assert listed[1]["url"] == f"http://127.0.0.1:{second_port}"
+        # A schema upgrade under running controllers is refused unless forced.
+        busy = vbs_db("upgrade", "--database-url", url)
+        assert busy.returncode == 1 and "ctl-a, ctl-b" in busy.stderr and "stop them" in busy.stderr
+        assert vbs_db("upgrade", "--database-url", url, "--force").returncode == 0
         assert healthy(services), "the first controller goes on"
     finally:
+        stop_process(second)  # type: ignore[arg-type]
         stop_process(first)  # type: ignore[arg-type]
-    again = start_controller(services, "--database-url", url)
+    again = start_controller(services, "--database-url", url, "--controller-id", "ctl-a")
     try:
-        wait_until(lambda: healthy(services), 60, what="a controller after the first one stopped")
+        wait_until(lambda: healthy(services), 60, what="ctl-a again once the first one stopped")
     finally:
         stop_process(again)  # type: ignore[arg-type]
 
@@ -151,7 +168,7 @@ def test_a_second_controller_on_the_same_sqlite_file_is_refused(services: Servic
 def test_vbs_db_upgrade_of_a_new_sqlite_data_dir_makes_private_files(tmp_path: Path) -> None:
     data_dir = tmp_path / "var"
     upgraded = vbs_db("upgrade", "--data-dir", str(data_dir))
-    assert upgraded.returncode == 0 and "upgraded from nothing to 0004" in upgraded.stdout
+    assert upgraded.returncode == 0 and f"upgraded from nothing to {HEAD}" in upgraded.stdout
     assert vbs_db("status", "--data-dir", str(data_dir)).returncode == 0
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
     for name in ("vbs.db", "vbs.db.lock"):

@@ -300,3 +300,34 @@ def test_two_attaches_to_one_vm_cannot_both_take_its_device(db: Database) -> Non
     assert not isinstance(first, Exception), first
     assert isinstance(second, InvalidParameter), second
     assert status(db, Volume, two) == "available"
+
+
+def test_a_transaction_that_meets_a_deadlock_changes_nothing_and_says_retry(db: Database) -> None:
+    """Two transactions lock two rows in opposite orders: PostgreSQL cancels one of them. That one is
+    answered 503 RetryLater (the SDKs retry), not 500; the other commits."""
+    a, b = add_volume(db), add_volume(db)
+    first_locked, second_locked = threading.Event(), threading.Event()
+    outcomes: dict[str, str] = {}
+
+    def one(name: str, mine: str, other: str, locked: threading.Event, wait_for: threading.Event) -> None:
+        try:
+            with db.session() as s:
+                s.execute(select(Volume).where(Volume.id == mine).with_for_update())
+                s.execute(text("UPDATE volumes SET comment = :c WHERE id = :id"), {"c": name, "id": mine})
+                locked.set()
+                wait_for.wait(10)
+                s.execute(text("UPDATE volumes SET comment = :c WHERE id = :id"), {"c": name, "id": other})
+            outcomes[name] = "committed"
+        except VbsError as exc:
+            outcomes[name] = f"{exc.code} {exc.status}"
+
+    threads = [threading.Thread(target=one, args=("x", a, b, first_locked, second_locked)),
+               threading.Thread(target=one, args=("y", b, a, second_locked, first_locked))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes.values()) == ["RetryLater 503", "committed"], outcomes
+    winner = next(n for n, o in outcomes.items() if o == "committed")
+    with db.session() as s:
+        assert set(s.scalars(select(Volume.comment).where(Volume.id.in_([a, b])))) == {winner}

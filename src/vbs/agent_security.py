@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from vbs.config import _AgentSection
 from vbs.fail_closed import check_start, harden
+from vbs.fencing import FenceBook
 from vbs.node_credentials import TokenSource
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, Scope, agent_auth
@@ -25,10 +26,13 @@ class AgentSecurity:
     tls: TlsFiles | None
     token: TokenSource
     insecure: bool
+    # The highest fencing token seen per resource (vbs.fencing): a controller that lost an operation
+    # to another one is refused.
+    fences: FenceBook
 
     @property
     def auth(self) -> Callable[[Scope], Response | None]:
-        return agent_auth(self.token, insecure=self.insecure)
+        return agent_auth(self.token, insecure=self.insecure, fences=self.fences)
 
     @property
     def scheme(self) -> str:
@@ -40,9 +44,10 @@ class AgentSecurity:
         return ApiClient(urls, self.token.current, verify=verify, label=label)
 
 
-def prepare(service: str, cfg: _AgentSection, *dirs: Path) -> AgentSecurity:
+def prepare(service: str, cfg: _AgentSection, *dirs: Path, fence_file: Path | None = None) -> AgentSecurity:
+    """``fence_file`` keeps the fence book across restarts (in a state dir of the agent's own)."""
     token = TokenSource(cfg.agent_token, cfg.agent_token_file)
     tls = check_start(service, cfg, has_credentials=token.configured,
                       what="node token (VBS_AGENT_TOKEN or agent_token_file; `vbs node-token` prints it)")
     harden(*dirs)
-    return AgentSecurity(tls, token, cfg.insecure)
+    return AgentSecurity(tls, token, cfg.insecure, FenceBook(fence_file))

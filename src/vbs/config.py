@@ -73,6 +73,12 @@ class ControllerConfig(_Service):
     quota_snapshots: int = Field(10000, ge=0, le=10_000_000)
     region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
     availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
+    # Several controllers on one PostgreSQL database (docs/scale-out.md): each has its own id (default:
+    # <hostname>-<port>) and URL; an operation whose controller stops renewing its lease for this long
+    # is adopted by another one.
+    controller_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    advertise_url: str | None = Field(None, pattern=r"^https?://[A-Za-z0-9._:\[\]-]{1,200}/?$")
+    operation_lease_s: float = Field(15.0, ge=1, le=600)
 
 
 class _AgentSection(_Service):

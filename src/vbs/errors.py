@@ -27,6 +27,8 @@ __all__ = [
     "RetryLater",
     "AgentUnavailable",
     "AgentUnreachable",
+    "StaleFence",
+    "LeaseLost",
     "AuthFailure",
     "UnauthorizedOperation",
     "LimitExceeded",
@@ -162,6 +164,20 @@ class AgentUnavailable(VbsError):
 
 class AgentUnreachable(AgentUnavailable):
     """The request never reached the agent (connection refused): nothing can have happened there."""
+
+
+class StaleFence(IncorrectState):
+    """An agent refused a call whose fencing token is lower than one it already saw for that resource:
+    the caller's operation was taken over by another controller (DESIGN §11)."""
+
+    code = "StaleFence"
+
+
+class LeaseLost(IncorrectState):
+    """This controller no longer owns the operation (its lease expired and another controller adopted
+    it): it must stop at once and write nothing more for it."""
+
+    code = "LeaseLost"
 
 
 class AuthFailure(VbsError):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from vbs import fencing
 from vbs.endpoints import is_idempotent
 from vbs.errors import (
     AgentUnavailable,
@@ -182,19 +183,32 @@ def refusal(exc: VbsError) -> Response:
     return JSONResponse(exc.to_body(), status_code=exc.status, headers={"connection": "close"})
 
 
-def agent_auth(source: TokenSource, *, insecure: bool) -> Callable[[Scope], Response | None]:
-    """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``.
+def agent_auth(source: TokenSource, *, insecure: bool,
+               fences: fencing.FenceBook | None = None) -> Callable[[Scope], Response | None]:
+    """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``, then
+    the call's fencing token, if it carries one (``vbs.fencing``).
 
     Without a token the agent accepts every caller only when it runs ``--insecure``."""
+
+    def fence_check(scope: Scope) -> Response | None:
+        value = header(scope, fencing.FENCE_HEADER.encode())
+        if not value or fences is None:
+            return None
+        try:
+            fences.admit(value)
+        except VbsError as exc:
+            log.warning("refused a call to %s: %s", scope["path"][:200], exc.message)
+            return refusal(exc)
+        return None
 
     def check(scope: Scope) -> Response | None:
         if scope["path"] == "/health":
             return None
         if not source.configured and insecure:
-            return None
+            return fence_check(scope)
         given = header(scope, b"authorization")
         if given.startswith("Bearer ") and source.accepts(given[len("Bearer "):].strip()):
-            return None
+            return fence_check(scope)
         return refusal(AuthFailure("missing or wrong bearer token"))
 
     return check
@@ -291,7 +305,11 @@ class ApiClient:
 
     def _auth(self) -> dict[str, str]:
         token = self._token() if callable(self._token) else self._token
-        return {"authorization": f"Bearer {token}"} if token else {}
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        fence = fencing.current()
+        if fence is not None:
+            headers[fencing.FENCE_HEADER] = fence
+        return headers
 
     def call(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
              params: dict[str, str] | None = None, idempotent: bool | None = None) -> Any:

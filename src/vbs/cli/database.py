@@ -23,6 +23,7 @@ ConfigOpt = Annotated[Path | None, typer.Option(help="vbs.toml (its [controller]
 DataDirOpt = Annotated[Path | None, typer.Option(help="The controller's data dir (SQLite: <dir>/vbs.db).")]
 UrlOpt = Annotated[str | None, typer.Option(
     help="postgresql+psycopg://USER@HOST/DB (a password here is visible to other users: prefer the file).")]
+LIVE_CONTROLLER_S = 60.0
 UrlFileOpt = Annotated[Path | None, typer.Option(help="A 0600 file whose first line is the database URL.")]
 
 
@@ -52,13 +53,21 @@ def _database(config: Path | None, data_dir: Path | None, database_url: str | No
 
 @db_app.command("upgrade")
 def upgrade(config: ConfigOpt = None, data_dir: DataDirOpt = None, database_url: UrlOpt = None,
-            database_url_file: UrlFileOpt = None) -> None:
+            database_url_file: UrlFileOpt = None,
+            force: Annotated[bool, typer.Option("--force", help="Upgrade even while controllers run.")] = False,
+            ) -> None:
     """Bring the schema to this VBS's newest revision (run it before starting upgraded controllers)."""
+    from vbs.controller.cluster import live_controllers
     from vbs.controller.db.session import redact
 
     db = _database(config, data_dir, database_url, database_url_file)
     try:
         db.claim("vbs db upgrade")
+        running = live_controllers(db, LIVE_CONTROLLER_S) if db.dialect == "postgresql" else []
+        if running and not force:
+            print(f"{redact(db.url)}: controllers ran in the last minute ({', '.join(sorted(running))}): stop them "
+                  "before upgrading the schema (or --force, for a migration known to be additive)", file=sys.stderr)
+            raise typer.Exit(1)
         before, head = db.revisions()
         db.migrate()
     finally:

@@ -350,6 +350,13 @@ def describe_storage_nodes(ctx: typer.Context) -> None:
     _describe_all(ctx.obj, "storage_nodes", "/v1/storage-nodes", output.NODE_COLUMNS)
 
 
+@app.command("describe-controllers")
+def describe_controllers(ctx: typer.Context) -> None:
+    """Controllers on this database: id, URL, last renewal, unfinished operations they hold, and the
+    singleton loops (reconciler, housekeeping) they run."""
+    _describe_all(ctx.obj, "controllers", "/v1/controllers", output.CONTROLLER_COLUMNS)
+
+
 @app.command("check")
 def check(
     ctx: typer.Context,
@@ -430,6 +437,10 @@ def controller(
     quota_volumes: Annotated[int | None, typer.Option(help="Volumes per tenant.")] = None,
     quota_gib: Annotated[int | None, typer.Option(help="GiB of volumes per tenant.")] = None,
     quota_snapshots: Annotated[int | None, typer.Option(help="Snapshots per tenant.")] = None,
+    controller_id: Annotated[str | None, typer.Option(
+        help="This controller's id among several on one database (default: <hostname>-<port>).")] = None,
+    advertise_url: Annotated[str | None, typer.Option(
+        help="The URL others reach this controller at (vbs describe-controllers).")] = None,
     log_json: Annotated[bool, typer.Option("--log-json")] = False,
 ) -> None:
     """Run the controller (REST API, metadata DB, workflows)."""
@@ -443,7 +454,8 @@ def controller(
         "host": host, "port": port, "data_dir": data_dir, "database_url": database_url,
         "database_url_file": database_url_file,
         "overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
-        "quota_snapshots": quota_snapshots, **_security(tls_cert, tls_key, tls_ca, insecure)})
+        "quota_snapshots": quota_snapshots, "controller_id": controller_id, "advertise_url": advertise_url,
+        **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
 

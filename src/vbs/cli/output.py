@@ -94,6 +94,15 @@ KEY_COLUMNS: list[Column] = [
     ("Source", lambda k: "bootstrap" if k["bootstrap"] else "create-key"),
 ]
 
+CONTROLLER_COLUMNS: list[Column] = [
+    ("Id", lambda c: c["controller_id"]),
+    ("State", lambda c: c["state"]),
+    ("URL", lambda c: c["url"]),
+    ("Last seen", lambda c: c["last_seen"][:19]),
+    ("Operations held", lambda c: str(c["operations_held"])),
+    ("Runs", lambda c: ", ".join(c["singletons"])),
+]
+
 NODE_COLUMNS: list[Column] = [
     ("Name", lambda n: n["name"]),
     ("State", lambda n: n["state"]),

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.controller import attachments, modifications, snapshots, tags, volumes
 from vbs.controller.auth import Authenticator, require_admin
+from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_of, parse_filters
 from vbs.controller.keys import KeyStore, Principal
@@ -21,6 +22,7 @@ from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
+    ControllerList,
     CreateKeyRequest,
     CreateSnapshotRequest,
     CreateTagsRequest,
@@ -203,6 +205,11 @@ def _node_routes(r: APIRouter) -> None:
 
 
 def _admin_routes(r: APIRouter) -> None:
+    @r.get("/controllers", response_model=ControllerList, tags=["admin"], dependencies=[Depends(admin)])
+    def controllers(svc: Controller = Depends(services)) -> ControllerList:
+        """The controllers on this database: live ones, their operations and singleton loops."""
+        return ControllerList(controllers=describe_controllers(svc.db, svc.cfg.operation_lease_s))
+
     @r.get("/admin/check", tags=["admin"], dependencies=[Depends(admin)])
     def check(svc: Controller = Depends(services)) -> dict[str, Any]:
         """Compare the agents' real inventory with the DB; change nothing."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
+import socket
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +21,7 @@ from vbs.controller import edge
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
+from vbs.controller.cluster import ControllerRegistry, SingletonLease
 from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.session import redact
 from vbs.controller.db.tables import utcnow
@@ -40,6 +43,8 @@ from vbs.tls import TlsFiles
 from vbs.web import PreAuth, install_error_handlers
 
 log = logging.getLogger(__name__)
+
+HOUSEKEEPING_INTERVAL_S = 60.0
 
 WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
                                   DETACH_VOLUME, MODIFY_VOLUME]
@@ -67,13 +72,21 @@ def database_for(cfg: ControllerConfig) -> Database:
     return Database(url) if url else Database.for_data_dir(cfg.data_dir)
 
 
-def open_database(cfg: ControllerConfig) -> Database:
-    """The controller's database, ready and claimed for this process (one controller per database
-    until operations carry leases): SQLite is migrated; PostgreSQL must already have this VBS's schema
-    (``vbs db upgrade``), else the controller refuses to start."""
+def controller_id(cfg: ControllerConfig) -> str:
+    """This controller's id on a shared database: configured, or ``<hostname>-<port>``."""
+    if cfg.controller_id:
+        return cfg.controller_id
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")[:50] or "controller"
+    return f"{host}-{cfg.port}"
+
+
+def open_database(cfg: ControllerConfig, owner: str) -> Database:
+    """The controller's database, ready and claimed for this process: SQLite (one controller) is
+    migrated; PostgreSQL must already have this VBS's schema (``vbs db upgrade``), else the controller
+    refuses to start, and no other live controller may have the id ``owner``."""
     db = database_for(cfg)
     try:
-        db.claim("a controller")
+        db.claim("a controller", controller_id=owner)
         if db.dialect == "sqlite":
             db.migrate()
         else:
@@ -118,25 +131,41 @@ def access_keys(cfg: ControllerConfig) -> dict[str, str]:
 def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     bootstrap = access_keys(cfg)
     keyring = NodeKeyring.for_data_dir(cfg.data_dir).ensure()
-    db = open_database(cfg)
+    owner = controller_id(cfg)
+    db = open_database(cfg, owner)
     key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
     auth = Authenticator(key_store, cfg.region)
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.
     node_certs = tls is not None and tls.serves and tls.ca is not None
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls))
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
-                            retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s)
+                            retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s, owner=owner,
+                            lease_s=cfg.operation_lease_s)
+    # Singleton loops run on one controller at a time; another takes over once a lease lapses.
+    reconcile_lease = SingletonLease(db, "reconciler", owner, max(3 * cfg.reconcile_interval_s, cfg.operation_lease_s))
+    housekeeping_lease = SingletonLease(db, "housekeeping", owner, 3 * HOUSEKEEPING_INTERVAL_S)
     svc = Controller(cfg=cfg, db=db, agents=services.agents, engine=engine,
-                     reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s))
+                     reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s,
+                                           lease=reconcile_lease))
+    scheme = "https" if tls is not None and tls.serves else "http"
+    registry = ControllerRegistry(db, owner, cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}")
     stop = threading.Event()
 
     def housekeeping() -> None:
-        while not stop.wait(60):
+        while not stop.wait(HOUSEKEEPING_INTERVAL_S):
             try:
-                purge_deleted(db, cfg.deleted_retention_s)
-                engine.purge(cfg.operation_retention_s)
+                if housekeeping_lease.hold():
+                    purge_deleted(db, cfg.deleted_retention_s)
+                    engine.purge(cfg.operation_retention_s)
             except Exception:
                 log.exception("housekeeping")
+
+    def registration() -> None:
+        while not stop.wait(cfg.operation_lease_s / 3):
+            try:
+                registry.renew()
+            except Exception:
+                log.exception("controller registration")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -145,9 +174,12 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
+        registry.renew()
+        log.info("controller id %s", owner)
         svc.engine.start()
         svc.reconciler.start()
         threading.Thread(target=housekeeping, name="housekeeping", daemon=True).start()
+        threading.Thread(target=registration, name="registration", daemon=True).start()
         yield
         stop.set()
         svc.reconciler.stop()

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import select
 
 from vbs import ids
+from vbs.controller.cluster import SingletonLease
 from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_identity, is_alive
@@ -65,7 +66,10 @@ class Report:
 
 
 class Reconciler:
-    def __init__(self, svc: Services, *, grace_s: float, interval_s: float) -> None:
+    def __init__(self, svc: Services, *, grace_s: float, interval_s: float,
+                 lease: SingletonLease | None = None) -> None:
+        # With several controllers, the background passes run on the one that holds this lease.
+        self._lease = lease
         self.svc = svc
         self.grace_s = grace_s
         self.interval_s = interval_s
@@ -85,6 +89,8 @@ class Reconciler:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
+                if self._lease is not None and not self._lease.hold():
+                    continue
                 report = self.run(repair=True)
                 for f in report.findings:
                     log.warning("reconcile: %s %s on %s: %s (%s)", f.kind, f.resource_id, f.node, f.detail, f.action)

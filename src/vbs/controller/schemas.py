@@ -169,6 +169,20 @@ class PoolOut(BaseModel):
     point_in_time: bool
 
 
+class ControllerOut(BaseModel):
+    controller_id: str
+    url: str
+    state: str
+    started_at: datetime
+    last_seen: datetime
+    operations_held: int
+    singletons: list[str]
+
+
+class ControllerList(BaseModel):
+    controllers: list[ControllerOut]
+
+
 class StorageNodeOut(BaseModel):
     name: str
     url: str

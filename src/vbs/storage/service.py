@@ -47,7 +47,8 @@ def watch_daemon(exports: ExportDriver, stop: threading.Event) -> None:
 
 
 def serve(cfg: StorageAgentConfig) -> None:
-    sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve())
+    sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve(),
+                                 fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
     exports.start()
     app = create_app(backends, exports, sec.auth, cfg.node_name)

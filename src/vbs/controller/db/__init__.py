@@ -5,7 +5,10 @@ from vbs.controller.db.tables import (
     AccessKeyRecord,
     Attachment,
     Base,
+    ControllerRecord,
+    FenceCounter,
     Instance,
+    LeaseRecord,
     Node,
     Operation,
     OperationStep,
@@ -28,4 +31,7 @@ __all__ = [
     "OperationStep",
     "VolumeModification",
     "AccessKeyRecord",
+    "ControllerRecord",
+    "LeaseRecord",
+    "FenceCounter",
 ]

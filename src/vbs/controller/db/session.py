@@ -2,7 +2,9 @@
 
 SQLite is the embedded default and serves exactly one controller: ``claim()`` holds an exclusive
 ``flock`` on ``<db>.lock`` for the controller's lifetime, so a second one on the same file is refused
-with a clear error instead of two writers each thinking they own the workflows. SQLite runs in WAL
+with a clear error instead of two writers each thinking they own the workflows. PostgreSQL serves
+several controllers at once; each claims its own id (an advisory lock), and their operations carry
+leases by the database's clock (``clock()``) and fences (``next_fence()``). SQLite runs in WAL
 mode; writing transactions start with ``BEGIN IMMEDIATE`` and queue on a lock in this process
 (SQLite's own busy handler sleeps between retries, which makes waits long and unfair); read-only
 ones (``read()``) start with a plain ``BEGIN`` and run beside the writer. synchronous=FULL keeps
@@ -17,11 +19,13 @@ writes another locks first (``vbs.controller.db.locks``). Its schema is upgraded
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +35,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DataError, OperationalError
+from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
+from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, RetryLater
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +46,9 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 READ_ONLY = "vbs_read_only"
 # Two `vbs db upgrade` at once on one PostgreSQL database take turns on this advisory lock.
 MIGRATION_LOCK = 0x7662_735F_6462  # "vbs_db"
-# Until operations carry leases and fences (DESIGN §11), one controller per PostgreSQL database too:
-# it holds this session-level advisory lock on a connection of its own for its lifetime.
-CONTROLLER_LOCK = 0x7662_735F_6374  # "vbs_ct"
+# Controllers on one PostgreSQL database each hold a session advisory lock keyed by their id (this
+# namespace, then the id's hash) for their lifetime: two live controllers cannot share an id.
+CONTROLLER_LOCK_NAMESPACE = 0x7662_735F  # "vbs_"
 
 
 class DatabaseInUse(IncorrectState):
@@ -78,6 +82,30 @@ def has_password(url: str) -> bool:
         return make_url(url).password is not None
     except ArgumentError:
         return False
+
+
+# PostgreSQL: a statement that waits this long for a lock, or runs this long, is cancelled (and the
+# request answered 503 RetryLater), instead of holding a connection and its locks without end.
+LOCK_TIMEOUT_MS = 10_000
+STATEMENT_TIMEOUT_MS = 60_000
+# SQLSTATEs that mean "the same request would succeed if tried again".
+_TRANSIENT = {"40P01": "a deadlock", "40001": "a serialisation conflict", "55P03": "a lock wait timeout",
+              "57014": "a statement timeout"}
+
+
+@contextmanager
+def _transient_conflicts() -> Iterator[None]:
+    """A deadlock, serialisation failure or timeout PostgreSQL detects rolls the transaction back: the
+    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500."""
+    try:
+        yield
+    except DBAPIError as exc:
+        state = getattr(exc.orig, "sqlstate", None)
+        if state not in _TRANSIENT:
+            raise
+        log.warning("database: %s (SQLSTATE %s); the transaction was rolled back", _TRANSIENT[state], state)
+        raise RetryLater(f"The request met {_TRANSIENT[state]} in the metadata database and changed nothing; "
+                         "try again.") from None
 
 
 @contextmanager
@@ -138,7 +166,8 @@ class Database:
             )
             _sqlite_pragmas(self.engine)
         else:
-            self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+            self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, connect_args={
+                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"})
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
                                            expire_on_commit=False)
@@ -157,12 +186,14 @@ class Database:
 
     # -- one controller per SQLite file ----------------------------------------------------------
 
-    def claim(self, holder: str = "a controller") -> None:
+    def claim(self, holder: str = "a controller", *, controller_id: str | None = None) -> None:
         """SQLite: take this database for this process until ``dispose()``; ``DatabaseInUse`` if another
-        process has it. PostgreSQL: the same, with an advisory lock held on a connection of its own
-        (several controllers on one database need leases and fences, which are not there yet)."""
+        process has it. PostgreSQL serves several controllers (their operations carry leases and
+        fences): a controller claims its own id instead, so that two live ones cannot share it
+        (``vbs db upgrade`` claims nothing there: its migrations take a lock of their own)."""
         if self.sqlite_path is None:
-            self._claim_postgresql(holder)
+            if controller_id is not None:
+                self._claim_postgresql(holder, controller_id)
             return
         if self._claim_fd is not None:
             return
@@ -181,13 +212,16 @@ class Database:
         os.pwrite(fd, f"{holder} (pid {os.getpid()})\n".encode(), 0)
         self._claim_fd = fd
 
-    def _claim_postgresql(self, holder: str) -> None:
+    def _claim_postgresql(self, holder: str, controller_id: str) -> None:
         if self._claim_connection is not None:
             return
+        key = int.from_bytes(hashlib.sha256(controller_id.encode()).digest()[:4], "big", signed=True)
         with self._reaching():
             connection = self.engine.connect()
             try:
-                got = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": CONTROLLER_LOCK}).scalar()
+                got = connection.execute(
+                    text("SELECT pg_try_advisory_lock(CAST(:ns AS integer), CAST(:key AS integer))"),
+                    {"ns": CONTROLLER_LOCK_NAMESPACE, "key": key}).scalar()
                 connection.commit()
             except BaseException:
                 connection.close()
@@ -195,10 +229,29 @@ class Database:
         if not got:
             connection.close()
             raise DatabaseInUse(
-                f"the database {redact(self.url)} is in use by another controller (or `vbs db upgrade`): until "
-                "operations carry leases (docs/scale-out.md), one controller runs per database. Stop that one "
-                f"first ({holder} was refused).")
+                f"a controller with the id {controller_id!r} already runs on the database {redact(self.url)}: "
+                f"give each controller its own id (--controller-id; {holder} was refused).")
         self._claim_connection = connection
+
+    # -- the database's clock and fences (DESIGN §11) ----------------------------------------------
+
+    def clock(self, session: Session) -> datetime:
+        """Now, by the database's clock: leases are compared with it, never with a controller's own.
+        (SQLite serves one controller on one machine: there the machine's clock is the DB's.)"""
+        if self._sqlite:
+            return datetime.now(UTC)
+        now = session.execute(text("SELECT clock_timestamp()")).scalar_one()
+        assert isinstance(now, datetime)
+        return now.astimezone(UTC)
+
+    def next_fence(self, session: Session) -> int:
+        """A fencing token larger than every one handed out before."""
+        if self._sqlite:
+            value = session.execute(text("UPDATE fence_counter SET value = value + 1 WHERE id = 1 "
+                                         "RETURNING value")).scalar_one()
+        else:
+            value = session.execute(text("SELECT nextval('vbs_fence')")).scalar_one()
+        return int(value)
 
     def _release(self) -> None:
         if self._claim_connection is not None:
@@ -228,6 +281,9 @@ class Database:
         cfg = alembic_config()
         with self._reaching(), self.engine.begin() as connection:
             if self.dialect == "postgresql":
+                # A migration may wait for the lock and rewrite big tables: no timeouts here.
+                connection.execute(text("SET LOCAL lock_timeout = 0"))
+                connection.execute(text("SET LOCAL statement_timeout = 0"))
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             cfg.attributes["connection"] = connection
             command.upgrade(cfg, "head")
@@ -264,7 +320,7 @@ class Database:
     def session(self) -> Iterator[Session]:
         """A writing transaction: commits on success, rolls back on an exception."""
         if not self._sqlite:
-            with _refused_values(), self._sessions() as session, session.begin():
+            with _transient_conflicts(), _refused_values(), self._sessions() as session, session.begin():
                 yield session
             return
         with self._write_lock, self._sessions() as session, session.begin():
@@ -273,7 +329,7 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with _refused_values(), self._read_sessions() as session, session.begin():
+        with _transient_conflicts(), _refused_values(), self._read_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:

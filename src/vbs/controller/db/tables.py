@@ -10,7 +10,20 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, TypeDecorator, false, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    false,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -189,6 +202,41 @@ class Operation(Base):
     failing_since: Mapped[datetime | None]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    # The controller running it, until when (DB clock), and its fencing token (DESIGN §11).
+    owner: Mapped[str | None] = mapped_column(String(64), index=True)
+    lease_until: Mapped[datetime | None]
+    fence: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class ControllerRecord(Base):
+    """A controller that runs (or ran) on this database, as its lease loop last renewed it."""
+
+    __tablename__ = "controllers"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    url: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[datetime]
+    last_seen: Mapped[datetime]
+
+
+class LeaseRecord(Base):
+    """A singleton loop's lease: one controller at a time runs the loop ``name``."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64))
+    lease_until: Mapped[datetime]
+    fence: Mapped[int] = mapped_column(BigInteger)
+
+
+class FenceCounter(Base):
+    """SQLite's source of fences (PostgreSQL has the ``vbs_fence`` sequence): one row."""
+
+    __tablename__ = "fence_counter"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
 
 
 class OperationStep(Base):

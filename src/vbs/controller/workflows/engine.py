@@ -19,6 +19,15 @@ Each workflow has a typed ``Params`` model, stored in the operation row. Params 
 secret: what a step learns that is secret (a connection) stays in ``StepContext.memo``, in memory
 only, and a later step that needs it after a restart asks the agent again.
 
+Several controllers share one database (DESIGN §11). Each operation has an ``owner`` (a controller
+id), a ``lease_until`` (by the DB's clock) and a ``fence`` (from one DB counter). The controller that
+begins an operation owns it; its lease loop renews the leases of everything it owns and adopts the
+operations whose lease expired (their controller died or hangs), each with a new, higher fence,
+claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` so two survivors never adopt the same one. Every
+write for an operation is conditional on owner and fence (``LeaseLost`` when another controller took
+it: the run stops at once, writing nothing), and every agent call carries the fence
+(``vbs.fencing``), so a controller paused past its lease cannot undo the new owner's work.
+
 Test hooks: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
 point, to prove recovery; ``inject_failure(kind, step, when)`` makes one step fail before or after
 its call, to prove rollback; ``hold(kind, step)`` stops the next run of a step before its call
@@ -40,16 +49,16 @@ from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from vbs import ids
+from vbs import fencing, ids
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.db.tables import utcnow
 from vbs.controller.services import Services
 from vbs.controller.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
-from vbs.errors import AgentUnreachable, DriverError, IncorrectState
+from vbs.errors import AgentUnreachable, DriverError, IncorrectState, LeaseLost, StaleFence
 
 __all__ = ["Params", "StepContext", "Step", "Workflow", "WorkflowEngine"]
 
@@ -86,6 +95,10 @@ class StepContext(Generic[P]):
     params: P
     services: Services
     memo: dict[str, Any] = field(default_factory=dict)
+    # This run's fencing token, and the check that this controller still owns the operation (run
+    # last in every transaction a step writes in: the lock order is resource rows, then operation).
+    fence: int = 0
+    guard: Callable[[Session], None] = lambda _s: None
     save: Callable[[], None] = lambda: None
     # The engine's open transaction while a closing step or an ending runs (see session()).
     tx: Session | None = field(default=None, repr=False)
@@ -99,6 +112,7 @@ class StepContext(Generic[P]):
             return
         with self.services.db.session() as s:
             yield s
+            self.guard(s)  # last, so that the operation row is locked after the resource rows
 
 
 @dataclass(frozen=True)
@@ -157,14 +171,26 @@ def _ended(status: OperationState, error: str | None) -> dict[str, Any]:
     return values
 
 
+def _stop_if_fenced_off(exc: Exception) -> None:
+    """An agent refused this run's fence, or a write found the operation taken: stop the run here (no
+    undo, no retry, no record: the operation's new owner has it)."""
+    if isinstance(exc, LeaseLost):
+        raise exc
+    if isinstance(exc, StaleFence):
+        raise LeaseLost(f"an agent refused the fence of this run: {exc.message}") from exc
+
+
 def _message(exc: Exception) -> str:
     return str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
 
 
 class WorkflowEngine:
     def __init__(self, db: Database, workflows: list[Workflow[Any]], services: Services, *, threads: int = 16,
-                 retry_interval: float = 2.0, give_up_after: float = 600.0) -> None:
+                 retry_interval: float = 2.0, give_up_after: float = 600.0, owner: str = "controller",
+                 lease_s: float = 15.0) -> None:
         self.db = db
+        self.owner = owner
+        self._lease = timedelta(seconds=lease_s)
         self.workflows: dict[str, Workflow[Any]] = {w.kind: w for w in workflows}
         self.services = services
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="workflow")
@@ -177,6 +203,7 @@ class WorkflowEngine:
         self._give_up_after = timedelta(seconds=give_up_after)
         self._stop = threading.Event()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="workflow-retry", daemon=True)
+        self._lease_thread = threading.Thread(target=self._lease_loop, name="workflow-leases", daemon=True)
 
     # -- starting operations -------------------------------------------------------------------
 
@@ -191,13 +218,16 @@ class WorkflowEngine:
             raise TypeError(f"{kind} takes {workflow.params.__name__}, not {type(params).__name__}")
         op_id = ids.new_id("operation")
         now = utcnow()
+        lease_until = self.db.clock(session) + self._lease
+        fence = self.db.next_fence(session)
         for _attempt in range(EXCLUSIVE_ATTEMPTS):
             try:
                 with session.begin_nested():
                     session.add(Operation(id=op_id, kind=kind, resource_id=resource_id,
                                           status=OperationState.RUNNING, exclusive=workflow.exclusive,
                                           params=params.model_dump(mode="json"), attempts=0, created_at=now,
-                                          updated_at=now))
+                                          updated_at=now, owner=self.owner, lease_until=lease_until,
+                                          fence=fence))
                     session.flush()
                 break
             except IntegrityError:
@@ -226,13 +256,55 @@ class WorkflowEngine:
         self._run_guarded(op_id, False)
 
     def start(self) -> None:
-        """Resume every operation left unfinished by a previous controller, then watch for retries."""
+        """Adopt what a previous controller left unfinished (on SQLite: everything, there is only one
+        controller; on PostgreSQL: this controller's own earlier operations, those of no one, and
+        those whose lease expired), then renew leases, adopt more as leases expire, and retry."""
+        self.adopt(everything=self.db.dialect == "sqlite", own=True)
+        self._retry_thread.start()
+        self._lease_thread.start()
+
+    def adopt(self, *, everything: bool = False, own: bool = False, limit: int = 100) -> list[str]:
+        """Take over unfinished operations whose lease expired (or that have no owner), each with a new
+        fence, and resume them. Rows another controller is adopting at this moment are skipped."""
         with self.db.session() as s:
-            pending = s.scalars(select(Operation.id).where(Operation.status.in_(UNFINISHED_OPERATION))).all()
-        for op_id in pending:
+            now = self.db.clock(s)
+            query = select(Operation).where(Operation.status.in_(UNFINISHED_OPERATION))
+            if not everything:
+                orphaned = [Operation.owner.is_(None), Operation.lease_until.is_(None), Operation.lease_until < now]
+                if own:
+                    orphaned.append(Operation.owner == self.owner)
+                query = query.where(or_(*orphaned))
+            ops = s.scalars(query.order_by(Operation.created_at).limit(limit)
+                            .with_for_update(skip_locked=True)).all()
+            adopted = []
+            for op in ops:
+                if op.owner not in (None, self.owner):
+                    log.warning("adopting operation %s (%s of %s) from controller %s, whose lease expired",
+                                op.id, op.kind, op.resource_id, op.owner)
+                op.owner, op.fence, op.lease_until = self.owner, self.db.next_fence(s), now + self._lease
+                op.next_attempt_at = None
+                adopted.append(op.id)
+        for op_id in adopted:
             log.info("resuming operation %s", op_id)
             self.submit(op_id, resuming=True)
-        self._retry_thread.start()
+        return adopted
+
+    def renew(self) -> int:
+        """Extend the lease of every unfinished operation this controller owns."""
+        with self.db.session() as s:
+            until = self.db.clock(s) + self._lease
+            result = s.execute(update(Operation).where(Operation.owner == self.owner,
+                                                       Operation.status.in_(UNFINISHED_OPERATION))
+                               .values(lease_until=until))
+        return int(getattr(result, "rowcount", 0) or 0)
+
+    def _lease_loop(self) -> None:
+        while not self._stop.wait(self._lease.total_seconds() / 3):
+            try:
+                self.renew()
+                self.adopt()
+            except Exception:
+                log.exception("workflow lease loop")
 
     def stop(self) -> None:
         self._stop.set()
@@ -261,6 +333,8 @@ class WorkflowEngine:
             self._inflight.add(op_id)
         try:
             self._run(op_id, resuming)
+        except LeaseLost as exc:
+            log.warning("operation %s: %s; stopping here, its new owner carries on", op_id, exc.message)
         except Exception:
             # The DB is unreachable or a bug: leave the operation for the retry loop.
             log.exception("operation %s: engine error", op_id)
@@ -274,20 +348,26 @@ class WorkflowEngine:
             params = workflow.params.model_validate(op.params)
         except ValidationError as exc:
             raise DriverError(f"operation {op.id}: unreadable parameters ({exc.error_count()} problems)") from exc
-        ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services)
+        ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services, fence=op.fence)
         ctx.save = lambda: self._save_params(ctx)
+        ctx.guard = lambda s: self._guard(s, ctx)
         return ctx
 
     def _run(self, op_id: str, resuming: bool) -> None:
         with self.db.session() as s:
             op = s.get(Operation, op_id)
-            if op is None or op.status not in UNFINISHED_OPERATION:
+            if op is None or op.status not in UNFINISHED_OPERATION or op.owner != self.owner:
                 return
             steps = {st.position: st.state for st in s.scalars(
                 select(OperationStep).where(OperationStep.operation_id == op_id))}
             s.expunge(op)
         workflow = self.workflows[op.kind]
         ctx = self._context(workflow, op)
+        with fencing.fenced(op.resource_id, op.fence):
+            self._resume(workflow, ctx, op, steps, resuming)
+
+    def _resume(self, workflow: Workflow[Any], ctx: StepContext[Any], op: Operation, steps: dict[int, str],
+                resuming: bool) -> None:
         if op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
         elif resuming and workflow.resume == "rollback" and (
@@ -295,10 +375,10 @@ class WorkflowEngine:
                 or (workflow.finished is not None and workflow.finished(ctx))):
             # Everything was done; only the operation's own record was missing. Undoing it now would
             # destroy a finished volume or attachment.
-            self._finish(op_id, OperationState.SUCCEEDED)
+            self._finish(ctx, OperationState.SUCCEEDED)
         elif resuming and workflow.resume == "rollback":
             reason = "interrupted by a controller restart"
-            self._set_op(op_id, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
+            self._set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
         else:
             self._forward(workflow, ctx, steps)
@@ -321,6 +401,7 @@ class WorkflowEngine:
                 step.do(ctx)
                 self._maybe_fail(workflow.kind, step.name, "after")
             except Exception as exc:
+                _stop_if_fenced_off(exc)
                 message = _message(exc)
                 log.warning("operation %s (%s) step %s failed: %s", ctx.operation_id, workflow.kind, step.name,
                             message)
@@ -330,7 +411,7 @@ class WorkflowEngine:
                     # A call that never reached its agent changed nothing there: no undo is owed for it.
                     steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
                     self._set_step(ctx, pos, steps[pos], error=message)
-                    self._set_op(ctx.operation_id, status=OperationState.ROLLING_BACK, error=message,
+                    self._set_op(ctx, status=OperationState.ROLLING_BACK, error=message,
                                  failing_since=None)
                     self._rollback(workflow, ctx, steps, message)
                     return
@@ -340,14 +421,14 @@ class WorkflowEngine:
                         ending.cancelled = not workflow.gives_up(ctx, exc)
                     if not ending.cancelled:
                         return
-                if not self._exhausted(ctx.operation_id):
-                    self._retry_later(ctx.operation_id, message)
+                if not self._exhausted(ctx):
+                    self._retry_later(ctx, message)
                     return
                 if step.skippable is not None and step.skippable(ctx):
                     log.warning("operation %s: giving up on step %s, which may be skipped: %s", ctx.operation_id,
                                 step.name, message)
                     self._set_step(ctx, pos, "skipped", error=message)
-                    self._set_op(ctx.operation_id, failing_since=None)
+                    self._set_op(ctx, failing_since=None)
                     continue
                 reason = f"gave up after {self._give_up_after.total_seconds():g}s of failures at {step.name}: {message}"
                 with self._ending(ctx, OperationState.FAILED, reason):
@@ -357,7 +438,7 @@ class WorkflowEngine:
             steps[pos] = "done"
             self._set_step(ctx, pos, "done", succeeded=True)
             self._maybe_crash(workflow.kind, step.name, "done")
-        self._finish(ctx.operation_id, OperationState.SUCCEEDED)
+        self._finish(ctx, OperationState.SUCCEEDED)
 
     def _rollback(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str], reason: str) -> None:
         for pos in sorted(steps, reverse=True):
@@ -368,18 +449,19 @@ class WorkflowEngine:
                 try:
                     step.undo(ctx)
                 except Exception as exc:
+                    _stop_if_fenced_off(exc)
                     message = _message(exc)
-                    if not self._exhausted(ctx.operation_id):
+                    if not self._exhausted(ctx):
                         log.warning("operation %s: undo of %s failed (will retry): %s", ctx.operation_id,
                                     step.name, message)
-                        self._retry_later(ctx.operation_id, reason)
+                        self._retry_later(ctx, reason)
                         return
                     # Its target stays unreachable: leave what it holds to the reconciler (an orphan
                     # export or disk is removed once it answers again) and undo the rest.
                     log.error("operation %s: abandoning the undo of %s: %s", ctx.operation_id, step.name, message)
                     steps[pos] = "abandoned"
                     self._set_step(ctx, pos, "abandoned", error=message)
-                    self._set_op(ctx.operation_id, failing_since=None)
+                    self._set_op(ctx, failing_since=None)
                     continue
             steps[pos] = "undone"
             self._set_step(ctx, pos, "undone", succeeded=True)
@@ -393,27 +475,43 @@ class WorkflowEngine:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
+    def _mine(self, ctx: StepContext[Any]) -> Any:
+        """The WHERE clause of every write for the operation of ``ctx``: still ours, same fence."""
+        return (Operation.id == ctx.operation_id) & (Operation.owner == self.owner) & (Operation.fence == ctx.fence)
+
+    def _update_op(self, s: Session, ctx: StepContext[Any], **values: Any) -> None:
+        """Write the operation row, or raise ``LeaseLost`` if another controller took it over."""
+        result = s.execute(update(Operation).where(self._mine(ctx)).values(**values))
+        if getattr(result, "rowcount", 0) != 1:
+            raise LeaseLost(f"operation {ctx.operation_id} is no longer this controller's ({self.owner}, "
+                            f"fence {ctx.fence})")
+
+    def _guard(self, s: Session, ctx: StepContext[Any]) -> None:
+        # On PostgreSQL this also locks the row until the transaction ends: no adoption in between.
+        # Call it after the transaction's other writes (lock order: resources, then operations).
+        self._update_op(s, ctx, updated_at=utcnow())
+
     def _set_step(self, ctx: StepContext[Any], pos: int, state: str, *, error: str | None = None,
                   succeeded: bool = False) -> None:
         with self.db.session() as s:
-            s.execute(update(OperationStep)
-                      .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == pos)
-                      .values(state=state, error=error, updated_at=utcnow()))
             values: dict[str, Any] = {"params": ctx.params.model_dump(mode="json"), "updated_at": utcnow()}
             if succeeded:
                 values["failing_since"] = None  # the clock of give_up_after restarts at the next failure
-            s.execute(update(Operation).where(Operation.id == ctx.operation_id).values(**values))
+            self._update_op(s, ctx, **values)
+            s.execute(update(OperationStep)
+                      .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == pos)
+                      .values(state=state, error=error, updated_at=utcnow()))
 
     def _save_params(self, ctx: StepContext[Any]) -> None:
-        self._set_op(ctx.operation_id, params=ctx.params.model_dump(mode="json"))
+        self._set_op(ctx, params=ctx.params.model_dump(mode="json"))
 
-    def _set_op(self, op_id: str, **values: Any) -> None:
+    def _set_op(self, ctx: StepContext[Any], **values: Any) -> None:
         with self.db.session() as s:
-            s.execute(update(Operation).where(Operation.id == op_id).values(updated_at=utcnow(), **values))
+            self._update_op(s, ctx, updated_at=utcnow(), **values)
 
-    def _finish(self, op_id: str, status: OperationState, error: str | None = None) -> None:
+    def _finish(self, ctx: StepContext[Any], status: OperationState, error: str | None = None) -> None:
         with self.db.session() as s:
-            s.execute(update(Operation).where(Operation.id == op_id).values(**_ended(status, error)))
+            self._update_op(s, ctx, **_ended(status, error))
 
     @contextmanager
     def _ending(self, ctx: StepContext[Any], status: OperationState, error: str | None = None, *,
@@ -428,32 +526,37 @@ class WorkflowEngine:
                 yield ending
             finally:
                 ctx.tx = None
+            # The operation row is written last, conditional on owner and fence (LeaseLost rolls the
+            # whole transaction back): resource rows are locked before operation rows, as in the API.
             if ending.cancelled:
+                self._guard(s, ctx)
                 return
             if step is not None:
                 s.execute(update(OperationStep)
                           .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == step)
                           .values(state="done", error=None, updated_at=utcnow()))
-            s.execute(update(Operation).where(Operation.id == ctx.operation_id).values(
-                params=ctx.params.model_dump(mode="json"), **_ended(status, error)))
+            self._update_op(s, ctx, params=ctx.params.model_dump(mode="json"), **_ended(status, error))
 
-    def _exhausted(self, op_id: str) -> bool:
+    def _exhausted(self, ctx: StepContext[Any]) -> bool:
         """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""
         now = utcnow()
         with self.db.session() as s:
-            op = s.get(Operation, op_id, with_for_update=True)  # read, then written: no lost update
-            if op is None:
-                return True
+            op = s.get(Operation, ctx.operation_id, with_for_update=True)  # read, then written: no lost update
+            if op is None or op.owner != self.owner or op.fence != ctx.fence:
+                raise LeaseLost(f"operation {ctx.operation_id} is no longer this controller's")
             since: datetime | None = op.failing_since
             if since is None:
                 op.failing_since = now
                 return False
             return now - since >= self._give_up_after
 
-    def _retry_later(self, op_id: str, error: str) -> None:
+    def _retry_later(self, ctx: StepContext[Any] | str, error: str) -> None:
+        """Schedule the next attempt (``ctx``: of this run; an operation id: of whatever run of this
+        controller's had it)."""
+        op_id = ctx if isinstance(ctx, str) else ctx.operation_id
         with self.db.session() as s:
             op = s.get(Operation, op_id, with_for_update=True)
-            if op is None:
+            if op is None or op.owner != self.owner or (not isinstance(ctx, str) and op.fence != ctx.fence):
                 return
             delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)),
                         max(self._retry_interval, self._give_up_after.total_seconds() / 4))
@@ -468,7 +571,7 @@ class WorkflowEngine:
             try:
                 with self.db.session() as s:
                     due = s.scalars(select(Operation.id).where(
-                        Operation.status.in_(UNFINISHED_OPERATION),
+                        Operation.status.in_(UNFINISHED_OPERATION), Operation.owner == self.owner,
                         Operation.next_attempt_at.is_not(None),
                         Operation.next_attempt_at <= utcnow())).all()
                 for op_id in due:
