@@ -5,6 +5,7 @@ Every process a test starts is stopped by its PID at teardown; nothing is killed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +40,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> int:
+    """A port P with P .. P+n-1 all free now (``vbs up --controllers N`` uses consecutive ports)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n - 1 > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base + 1, base + n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def wait_until(check: Any, timeout: float = 30.0, interval: float = 0.1, what: str = "condition") -> Any:
@@ -144,8 +162,8 @@ class VbsUp:
     """``vbs up`` as a child process, started and stopped by the test."""
 
     def __init__(self, data_dir: Path, log: Path, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: dict[str, str] | None = None, ports: int = 1) -> None:
+        self.port = free_ports(ports)  # vbs up --controllers N takes this port and the N-1 after it
         self.data_dir = data_dir
         self.log_path = log
         self.extra = extra or []

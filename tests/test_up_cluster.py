@@ -150,10 +150,9 @@ def test_two_controllers_on_sqlite_are_refused_before_anything_starts(tmp_path: 
 
 def test_two_controllers_on_postgresql_keep_serving_when_one_is_killed(tmp_path: Path,
                                                                       postgres: PostgresForTests) -> None:
-    """Needs operation leases (the second controller is refused with DatabaseInUse until they land)."""
     # Heartbeats every half second: the agents surely call the killed controller before it is back.
     fast = {"VBS_STORAGE_AGENT_HEARTBEAT_INTERVAL_S": "0.5", "VBS_HOST_AGENT_HEARTBEAT_INTERVAL_S": "0.5"}
-    up = VbsUp(tmp_path / "var", tmp_path / "up.log", env=fast, extra=[
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", env=fast, ports=2, extra=[
         "--controllers", "2", "--storage-nodes", "2", "--database-url", postgres.upgraded_database()])
     vbs = up.start()
     assert up.proc is not None
