@@ -446,7 +446,11 @@ def storage_agent(
     port: Annotated[int | None, typer.Option()] = None,
     node_name: Annotated[str | None, typer.Option()] = None,
     controller_url: Annotated[str | None, typer.Option()] = None,
-    pool_path: Annotated[Path | None, typer.Option()] = None,
+    pool_path: Annotated[Path | None, typer.Option(help="The directory of the one pool 'default'.")] = None,
+    pool: Annotated[list[str] | None, typer.Option(
+        "--pool", help="NAME=PATH: a pool this node serves (repeat for several; replaces --pool-path).")] = None,
+    availability_zone: Annotated[str | None, typer.Option(
+        help="This node's zone (default: the controller's zone, e.g. us-east-1a).")] = None,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
     backend: Annotated[str | None, typer.Option(help="Backend driver by name (default: file).")] = None,
@@ -471,7 +475,8 @@ def storage_agent(
     logs.setup("storage-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
-        "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
+        "pool_path": pool_path, "pools": pool, "availability_zone": availability_zone,
+        "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
         "export": export, "nbd_port": nbd_port, "nbd_socket_dir": nbd_socket_dir,
         "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
