@@ -195,6 +195,8 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
 
 
 VolumeStatusCheck = Literal["ok", "impaired", "insufficient-data"]
+# The states in which a volume serves I/O (if its node does).
+LIVE_VOLUME_STATES = (VolumeState.AVAILABLE, VolumeState.IN_USE)
 
 
 def volume_status(state: str, node: NodeHealth | None) -> VolumeStatusCheck:
@@ -206,9 +208,6 @@ def volume_status(state: str, node: NodeHealth | None) -> VolumeStatusCheck:
     if node is None or state not in LIVE_VOLUME_STATES:
         return "insufficient-data"
     return "ok"
-
-
-LIVE_VOLUME_STATES = (VolumeState.AVAILABLE, VolumeState.IN_USE)
 
 
 def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
