@@ -7,6 +7,8 @@ Storage nodes come in as their agents report them (``record_storage_heartbeat``)
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +34,7 @@ from vbs.controller.nodes import (
     zone_id,
 )
 from vbs.controller.schemas import CreateVolumeRequest
-from vbs.controller.volumes import create_volume, describe_volumes
+from vbs.controller.volumes import _digest, create_volume, describe_volumes
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound, VbsError
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 
@@ -403,3 +405,11 @@ def test_a_heartbeat_without_a_zone_still_validates() -> None:
     assert StorageHeartbeat.model_validate(old).availability_zone is None
     with pytest.raises(ValueError):
         StorageHeartbeat.model_validate({**old, "availability_zone": "Zone A"})
+
+
+def test_a_create_without_hints_has_the_digest_older_controllers_stored() -> None:
+    """A client token retried across the upgrade that added placement hints still matches."""
+    req = CreateVolumeRequest(size_gib=1, client_token="t")
+    before_hints = req.model_dump(exclude={"client_token", "availability_zone", "storage_node", "pool"})
+    assert _digest(req) == hashlib.sha256(json.dumps(before_hints, sort_keys=True).encode()).hexdigest()
+    assert _digest(CreateVolumeRequest(size_gib=1, pool="a")) != _digest(req)

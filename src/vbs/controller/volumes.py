@@ -51,8 +51,16 @@ def live_volume(s: Session, volume_id: str, tenant: str) -> Volume:
     return vol
 
 
+# Fields newer than some stored digests: left out when not given, so that a request retried with its
+# client token across an upgrade still matches the digest an older controller stored.
+_DIGEST_OPTIONAL = ("availability_zone", "storage_node", "pool")
+
+
 def _digest(req: CreateVolumeRequest) -> str:
     body = req.model_dump(exclude={"client_token"})
+    for key in _DIGEST_OPTIONAL:
+        if body[key] is None:
+            del body[key]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
