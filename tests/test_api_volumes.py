@@ -91,6 +91,8 @@ def test_tags_can_be_added_and_removed(vbs_up: Vbs) -> None:
 def test_storage_node_reports_its_pool_and_clone_method(vbs_up: Vbs) -> None:
     nodes = vbs_up.cli("describe-storage-nodes")["storage_nodes"]
     assert len(nodes) == 1 and nodes[0]["state"] == "up"
+    # vbs up's agent names no zone: it is in the controller's, and nobody drained it.
+    assert (nodes[0]["availability_zone"], nodes[0]["drained"]) == ("us-east-1a", False)
     pool = nodes[0]["pools"][0]
     assert pool["clone_method"] == "copy", "the ext4 root has no reflink"
     assert pool["capacity_bytes"] > pool["free_bytes"] > 0
@@ -102,3 +104,12 @@ def test_table_output_names_the_columns(vbs_up: Vbs) -> None:
     # -o json comes first on the command line; the later --output table wins.
     assert proc.returncode == 0, proc.stderr
     assert "VolumeId" in proc.stdout and "shown" in proc.stdout
+
+
+def test_a_volume_reports_its_zone_and_whether_io_reaches_it(vbs_up: Vbs) -> None:
+    vol = vbs_up.create_volume(size_gib=1)
+    assert vol["volume_status"] == "insufficient-data"  # still creating
+    ready = vbs_up.wait_volume(vol["volume_id"], "available")
+    assert (ready["availability_zone"], ready["volume_status"]) == ("us-east-1a", "ok")
+    proc = vbs_up.cli("--output", "table", "describe-volumes", vol["volume_id"], check=False)
+    assert proc.returncode == 0 and "Zone" in proc.stdout and "us-east-1a" in proc.stdout, proc.stderr

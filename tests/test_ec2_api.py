@@ -278,6 +278,21 @@ def test_describe_availability_zones(env: Ec2Env) -> None:
     assert error(env.ec2.describe_availability_zones, DryRun=True) == (412, "DryRunOperation")
 
 
+def test_describe_volume_status_says_io_reaches_a_volume(env: Ec2Env) -> None:
+    vol = env.new_volume()
+    found = env.ec2.describe_volume_status(VolumeIds=[vol])["VolumeStatuses"]
+    assert [(s["VolumeId"], s["AvailabilityZone"]) for s in found] == [(vol, ZONE)]
+    assert found[0]["VolumeStatus"] == {"Status": "ok", "Details": [{"Name": "io-enabled", "Status": "passed"},
+                                                                    {"Name": "io-performance",
+                                                                     "Status": "not-applicable"}]}
+    mine = env.ec2.describe_volume_status(VolumeIds=[vol], Filters=flt(volume_status__status="ok"))
+    assert [s["VolumeId"] for s in mine["VolumeStatuses"]] == [vol]
+    impaired = env.ec2.describe_volume_status(VolumeIds=[vol], Filters=flt(volume_status__status="impaired"))
+    assert impaired["VolumeStatuses"] == []
+    assert error(env.ec2.describe_volume_status, Filters=flt(create_time="x")) == (400, "InvalidParameterValue")
+    assert error(env.ec2.describe_volume_status, DryRun=True) == (412, "DryRunOperation")
+
+
 def test_describe_availability_zones_applies_its_filters(env: Ec2Env) -> None:
     """DescribeAvailabilityZonesRequest.Filters in botocore's model documents zone-name, region-name and state
     (among others); a filter that does not match leaves the zone out."""

@@ -289,9 +289,10 @@ def test_schemathesis_finds_no_5xx_and_rejected_requests_change_nothing(service:
 
 # --- hypothesis on the live EC2 Query endpoint ----------------------------------------------------------------------
 
-EC2_ACTIONS = ["CreateVolume", "DeleteVolume", "DescribeVolumes", "ModifyVolume", "DescribeVolumesModifications",
-               "AttachVolume", "DetachVolume", "CreateSnapshot", "DeleteSnapshot", "DescribeSnapshots", "CreateTags",
-               "DeleteTags", "DescribeTags", "DescribeInstances", "DescribeAvailabilityZones", "NoSuchAction"]
+EC2_ACTIONS = ["CreateVolume", "DeleteVolume", "DescribeVolumes", "DescribeVolumeStatus", "ModifyVolume",
+               "DescribeVolumesModifications", "AttachVolume", "DetachVolume", "CreateSnapshot", "DeleteSnapshot",
+               "DescribeSnapshots", "CreateTags", "DeleteTags", "DescribeTags", "DescribeInstances",
+               "DescribeAvailabilityZones", "NoSuchAction"]
 EC2_PARAMS = ["AvailabilityZone", "ClientToken", "Description", "Device", "DryRun", "Force", "InstanceId", "Iops",
               "MaxResults", "MultiAttachEnabled", "NextToken", "Size", "SnapshotId", "Throughput", "VolumeId",
               "VolumeType", "VolumeId.1", "VolumeId.2", "SnapshotId.1", "ResourceId.1", "Tag.1.Key", "Tag.1.Value",

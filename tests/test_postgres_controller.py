@@ -31,6 +31,7 @@ from vbs.controller.db.session import alembic_config
 pytestmark = pytest.mark.integration
 
 SECRET = "s3cr3t-Pa55word"
+# This VBS's schema revision, whatever the newest migration is.
 HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 

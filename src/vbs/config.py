@@ -9,14 +9,16 @@ never has to appear on a command line.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vbs import endpoints
 from vbs.errors import InvalidParameter
+from vbs.wire.storage import MAX_POOLS, POOL_NAME_RE, ZONE_NAME_RE
 
 DEFAULT_CONTROLLER_PORT = 8770
 DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -72,7 +74,8 @@ class ControllerConfig(_Service):
     quota_gib: int = Field(1_048_576, ge=0, le=1 << 40)
     quota_snapshots: int = Field(10000, ge=0, le=10_000_000)
     region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
-    availability_zone: str = Field("us-east-1a", pattern=r"^[a-z0-9-]{1,32}$")
+    # The zone of every storage node that names none (older agents too): the region's first zone.
+    availability_zone: str = Field("us-east-1a", pattern=ZONE_NAME_RE)
     # Several controllers on one PostgreSQL database (docs/scale-out.md): each has its own id (default:
     # <hostname>-<port>) and URL; an operation whose controller stops renewing its lease for this long
     # is adopted by another one.
@@ -108,11 +111,33 @@ class _AgentSection(_Service):
             raise ValueError(exc.message) from None
 
 
+class PoolConfig(_Section):
+    """One pool an agent serves: its name (unique on the node) and where its data lives."""
+
+    name: str = Field(pattern=POOL_NAME_RE)
+    path: Path
+
+    @classmethod
+    def parse(cls, spec: str) -> PoolConfig:
+        """``NAME=PATH``, as ``--pool`` and ``VBS_STORAGE_AGENT_POOLS`` give it."""
+        name, sep, path = spec.partition("=")
+        if not sep or not re.fullmatch(POOL_NAME_RE, name) or not path:
+            raise ValueError(f"pool {spec[:80]!r} must be NAME=PATH, NAME of 1-63 characters a-z, 0-9, _ and - "
+                             "(starting with a letter or digit)")
+        return cls(name=name, path=Path(path))
+
+
 class StorageAgentConfig(_AgentSection):
     port: int = Field(8771, ge=1, le=65535)
     node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
-    pool_name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    # The one pool of an agent that lists no ``pools``.
+    pool_name: str = Field("default", pattern=POOL_NAME_RE)
     pool_path: Path = Path("./var/pool")
+    # Several pools: [[storage_agent.pools]] tables, "NAME=PATH" strings (--pool, repeatable), or
+    # VBS_STORAGE_AGENT_POOLS="NAME=PATH,NAME=PATH".
+    pools: list[PoolConfig] = Field(default_factory=list, max_length=MAX_POOLS)
+    # None: the controller's own zone (its [controller] availability_zone, by default its region's first).
+    availability_zone: str | None = Field(None, pattern=ZONE_NAME_RE)
     clone_method: Literal["reflink", "copy"] | None = None
     heartbeat_interval_s: float = Field(5.0, gt=0)
     state_dir: Path = Path("./var/storage-state")
@@ -129,6 +154,38 @@ class StorageAgentConfig(_AgentSection):
     iscsi_port: int = Field(3260, ge=1, le=65535)
     iscsi_control: int = Field(7, ge=0, le=32767)
 
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _pools_as_text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [item for item in v.split(",") if item.strip()]
+        if isinstance(v, list):
+            return [PoolConfig.parse(item.strip()) if isinstance(item, str) else item for item in v]
+        return v
+
+    @model_validator(mode="after")
+    def _pools_are_distinct(self) -> StorageAgentConfig:
+        if self.pools and {"pool_name", "pool_path"} & self.model_fields_set:
+            raise ValueError("give either pools (--pool NAME=PATH) or pool_name/pool_path (--pool-path), not both")
+        names: set[str] = set()
+        paths: dict[Path, str] = {}
+        for pool in self.pools:
+            if pool.name in names:
+                raise ValueError(f"the pool name {pool.name!r} is given twice; each pool of a node needs its own")
+            names.add(pool.name)
+            where = pool.path.resolve()
+            if where in paths:
+                raise ValueError(f"the pools {paths[where]!r} and {pool.name!r} have the same directory {pool.path}")
+            paths[where] = pool.name
+        return self
+
+    def served_pools(self) -> list[PoolConfig]:
+        """The pools this agent serves: ``pools``, or else the one ``pool_name`` at ``pool_path``."""
+        return list(self.pools) or [PoolConfig(name=self.pool_name, path=self.pool_path)]
+
+    def for_pool(self, pool: PoolConfig) -> StorageAgentConfig:
+        """This config as a backend of ``pool`` reads it: ``pool_name``/``pool_path`` name that pool."""
+        return self.model_copy(update={"pool_name": pool.name, "pool_path": pool.path, "pools": []})
 
     @field_validator("nbd_tls", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import typer
 
@@ -132,14 +132,21 @@ def create_volume(
     placement: Annotated[str, typer.Option(help="shared | local")] = "shared",
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
     client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
+    availability_zone: Annotated[str | None, typer.Option(help="Place it in this zone.")] = None,
+    storage_node: Annotated[str | None, typer.Option(help="Place it on this storage node.")] = None,
+    pool: Annotated[str | None, typer.Option(help="Place it in a pool of this name.")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until available (progress bar).")] = False,
 ) -> None:
-    """Create a volume (empty, or from a snapshot)."""
+    """Create a volume (empty, or from a snapshot, where the snapshot lives).
+
+    The scheduler picks the pool with the most room relative to its capacity, within the zone, node
+    and pool given."""
     c: Context = ctx.obj
     body: dict[str, Any] = {"comment": comment, "volume_type": volume_type, "multi_attach": multi_attach,
                             "placement": placement, "tags": _tags(tag)}
     for key, value in (("size_gib", size), ("snapshot_id", snapshot), ("iops", iops), ("throughput", throughput),
-                       ("client_token", client_token)):
+                       ("client_token", client_token), ("availability_zone", availability_zone),
+                       ("storage_node", storage_node), ("pool", pool)):
         if value is not None:
             body[key] = value
     vol = c.client.call("POST", "/v1/volumes", body)
@@ -357,6 +364,37 @@ def describe_controllers(ctx: typer.Context) -> None:
     _describe_all(ctx.obj, "controllers", "/v1/controllers", output.CONTROLLER_COLUMNS)
 
 
+@app.command("drain-storage-node")
+def drain_storage_node(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The storage node's name.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Let it take new volumes again.")] = False,
+) -> None:
+    """Stop placing new volumes on a storage node (admin); clones of its snapshots still go there.
+    Prints the volumes and snapshots that still live on it."""
+    c: Context = ctx.obj
+    found = c.client.call("POST", f"/v1/storage-nodes/{quote(name, safe='')}/drain", {"undo": undo})
+    if output.resolve_format(c.fmt) == "json":
+        output.emit(found, "json")
+        return
+    node = found["storage_node"]
+    print(f"storage node {node['name']} ({node['state']}) is {'drained' if node['drained'] else 'not drained'}: "
+          f"{len(found['volumes'])} volume(s) and {len(found['snapshots'])} snapshot(s) live on it")
+    if found["volumes"]:
+        output.emit(found["volumes"], c.fmt, output.RESIDENT_COLUMNS, title="volumes")
+    if found["snapshots"]:
+        output.emit(found["snapshots"], c.fmt, output.RESIDENT_COLUMNS, title="snapshots")
+
+
+@app.command("describe-availability-zones")
+def describe_availability_zones(ctx: typer.Context) -> None:
+    """The zones of the storage nodes: available while one of their nodes is up."""
+    c: Context = ctx.obj
+    body = c.client.call("GET", "/v1/availability-zones")
+    output.emit(body if output.resolve_format(c.fmt) == "json" else body["availability_zones"], c.fmt,
+                output.ZONE_COLUMNS)
+
+
 @app.command("check")
 def check(
     ctx: typer.Context,
@@ -467,7 +505,11 @@ def storage_agent(
     node_name: Annotated[str | None, typer.Option()] = None,
     controller_url: Annotated[list[str] | None, typer.Option(
         help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
-    pool_path: Annotated[Path | None, typer.Option()] = None,
+    pool_path: Annotated[Path | None, typer.Option(help="The directory of the one pool 'default'.")] = None,
+    pool: Annotated[list[str] | None, typer.Option(
+        "--pool", help="NAME=PATH: a pool this node serves (repeat for several; replaces --pool-path).")] = None,
+    availability_zone: Annotated[str | None, typer.Option(
+        help="This node's zone (default: the controller's zone, e.g. us-east-1a).")] = None,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
     backend: Annotated[str | None, typer.Option(help="Backend driver by name (default: file).")] = None,
@@ -492,7 +534,8 @@ def storage_agent(
     logs.setup("storage-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url,
-        "pool_path": pool_path, "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
+        "pool_path": pool_path, "pools": pool, "availability_zone": availability_zone,
+        "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
         "export": export, "nbd_port": nbd_port, "nbd_socket_dir": nbd_socket_dir,
         "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})

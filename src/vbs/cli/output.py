@@ -33,6 +33,8 @@ VOLUME_COLUMNS: list[Column] = [
     ("Progress", _progress),
     ("Snapshot", lambda v: v["snapshot_id"] or ""),
     ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"),
+    ("Zone", lambda v: v.get("availability_zone", "")),
+    ("Check", lambda v: v.get("volume_status", "")),
     ("Attachments", _attachments),
     ("Comment", lambda v: v["comment"]),
     ("Tags", _tags),
@@ -105,12 +107,29 @@ CONTROLLER_COLUMNS: list[Column] = [
 
 NODE_COLUMNS: list[Column] = [
     ("Name", lambda n: n["name"]),
-    ("State", lambda n: n["state"]),
+    ("State", lambda n: n["state"] + (", drained" if n.get("drained") else "")),
+    ("Zone", lambda n: n.get("availability_zone", "")),
     ("URL", lambda n: n["url"]),
     ("Pools", lambda n: ", ".join(
         f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f} GiB free ({p['clone_method']})"
         for p in n["pools"])),
     ("Last heartbeat", lambda n: n["last_heartbeat"][:19]),
+]
+
+
+RESIDENT_COLUMNS: list[Column] = [
+    ("Id", lambda r: r["id"]),
+    ("Tenant", lambda r: r["tenant"]),
+    ("Pool", lambda r: r["pool"]),
+    ("Size", lambda r: f"{r['size_gib']} GiB"),
+    ("Status", lambda r: r["status"]),
+]
+
+ZONE_COLUMNS: list[Column] = [
+    ("Zone", lambda z: z["zone_name"]),
+    ("ZoneId", lambda z: z["zone_id"]),
+    ("Region", lambda z: z["region_name"]),
+    ("State", lambda z: z["state"]),
 ]
 
 

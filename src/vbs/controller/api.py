@@ -17,7 +17,14 @@ from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_of, parse_filters
 from vbs.controller.keys import KeyStore, Principal
-from vbs.controller.nodes import describe_hosts, describe_storage_nodes, record_host_heartbeat, record_storage_heartbeat
+from vbs.controller.nodes import (
+    availability_zones,
+    describe_hosts,
+    describe_storage_nodes,
+    drain_storage_node,
+    record_host_heartbeat,
+    record_storage_heartbeat,
+)
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
@@ -29,6 +36,8 @@ from vbs.controller.schemas import (
     CreateVolumeRequest,
     DeleteTagsRequest,
     DetachVolumeRequest,
+    DrainOut,
+    DrainRequest,
     HostList,
     InstanceList,
     KeyList,
@@ -43,11 +52,13 @@ from vbs.controller.schemas import (
     StorageNodeList,
     VolumeList,
     VolumeOut,
+    ZoneList,
 )
 from vbs.errors import AuthFailure, NotFound, UnauthorizedOperation
 from vbs.node_credentials import REFUSED, NodeIdentity
 from vbs.pki import PeerCertificate
 from vbs.wire.base import Ack
+from vbs.wire.connection import HOST_NAME_RE
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.storage import StorageHeartbeat
 
@@ -199,9 +210,25 @@ def _node_routes(r: APIRouter) -> None:
     def storage_nodes(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                       svc: Controller = Depends(services)) -> StorageNodeList:
         with svc.db.read() as s:
-            found, token = page_of(describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s), lambda n: n.name,
-                                   max_results, next_token)
+            found, token = page_of(describe_storage_nodes(s, svc.cfg.heartbeat_timeout_s, svc.cfg.availability_zone),
+                                   lambda n: n.name, max_results, next_token)
         return StorageNodeList(storage_nodes=found, next_token=token)
+
+    @r.post("/storage-nodes/{name}/drain", response_model=DrainOut, tags=["nodes"], dependencies=[Depends(admin)])
+    def drain(name: str, body: DrainRequest | None = None, svc: Controller = Depends(services)) -> DrainOut:
+        """No new volumes on this node (``undo``: again), clones of its snapshots excepted; what still lives there."""
+        if not HOST_NAME_RE.fullmatch(name):
+            raise NotFound(f"The storage node '{name[:64]}' does not exist.", code="InvalidStorageNode.NotFound")
+        with svc.db.session() as s:
+            return drain_storage_node(s, name, drained=not (body and body.undo),
+                                      timeout_s=svc.cfg.heartbeat_timeout_s, default_zone=svc.cfg.availability_zone)
+
+    @r.get("/availability-zones", response_model=ZoneList, tags=["nodes"])
+    def zones(svc: Controller = Depends(services)) -> ZoneList:
+        """The zones of the storage nodes; every key may list them (creating a volume may name one)."""
+        with svc.db.read() as s:
+            return ZoneList(availability_zones=availability_zones(s, svc.cfg.heartbeat_timeout_s,
+                                                                  svc.cfg.availability_zone, svc.cfg.region))
 
 
 def _admin_routes(r: APIRouter) -> None:

@@ -7,20 +7,22 @@ through the typed views here, never as a loose dict.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Literal
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Instance, Node, Volume
+from vbs.controller.db import Instance, Node, Snapshot, Volume
 from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
-from vbs.controller.schemas import HostOut, PoolOut, StorageNodeOut
-from vbs.controller.states import VolumeState
-from vbs.errors import InsufficientCapacity
+from vbs.controller.schemas import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
+from vbs.controller.states import SnapshotState, VolumeState
+from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound
 from vbs.wire.base import Wire
 from vbs.wire.connection import HostIdentity
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
@@ -32,10 +34,12 @@ GIB = 1 << 30
 
 
 class StorageNodeInfo(Wire):
-    """What the controller keeps of a storage node's last heartbeat."""
+    """What the controller keeps of a storage node's last heartbeat. No ``availability_zone``: the
+    controller's own zone."""
 
     pools: list[PoolInfo] = []
     exports: list[ExportInfo] = []
+    availability_zone: str | None = None
 
 
 class HostNodeInfo(Wire):
@@ -53,6 +57,11 @@ def storage_info(node: Node) -> StorageNodeInfo:
         return StorageNodeInfo()  # written by an older controller; the next heartbeat replaces it
 
 
+def zone_of(node: Node, default_zone: str) -> str:
+    """The availability zone of a storage node: the one its agent reports, else the controller's."""
+    return storage_info(node).availability_zone or default_zone
+
+
 def host_info(node: Node) -> HostNodeInfo:
     try:
         return HostNodeInfo.model_validate(node.info)
@@ -67,7 +76,8 @@ def host_identity(node: Node) -> HostIdentity:
 
 def _record(session: Session, name: str, kind: str, url: str, address: str, started_at: datetime, info: Wire) -> None:
     """Insert or update the node's row in one statement (two first heartbeats of a node cannot both
-    insert); on PostgreSQL it also locks the row, so one node's heartbeats take turns."""
+    insert); on PostgreSQL it also locks the row, so one node's heartbeats take turns. ``drained`` is
+    not among what it sets: that is the operator's, and a heartbeat keeps it."""
     values = {"url": url, "address": address, "info": info.model_dump(mode="json"), "started_at": started_at,
               "last_heartbeat": utcnow()}
     insert = postgresql.insert if on_postgresql(session) else sqlite.insert
@@ -77,7 +87,7 @@ def _record(session: Session, name: str, kind: str, url: str, address: str, star
 
 def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
     _record(session, hb.name, "storage", hb.url, hb.address, hb.started_at,
-            StorageNodeInfo(pools=hb.pools, exports=hb.exports))
+            StorageNodeInfo(pools=hb.pools, exports=hb.exports, availability_zone=hb.availability_zone))
 
 
 def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
@@ -111,19 +121,93 @@ def host_is_alive(session: Session, name: str, timeout_s: float) -> bool:
     return node is not None and is_alive(node, timeout_s, utcnow())
 
 
-def describe_storage_nodes(session: Session, timeout_s: float) -> list[StorageNodeOut]:
+def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetime) -> StorageNodeOut:
+    return StorageNodeOut(
+        name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down", drained=n.drained,
+        availability_zone=zone_of(n, default_zone), last_heartbeat=n.last_heartbeat,
+        pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
+                       clone_method=p.clone_method, point_in_time=p.point_in_time)
+               for p in storage_info(n).pools],
+    )
+
+
+def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str) -> list[StorageNodeOut]:
     now = utcnow()
     nodes = session.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name)).all()
-    return [
-        StorageNodeOut(
-            name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down",
-            last_heartbeat=n.last_heartbeat,
-            pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
-                           clone_method=p.clone_method, point_in_time=p.point_in_time)
-                   for p in storage_info(n).pools],
-        )
-        for n in nodes
-    ]
+    return [_storage_node_out(n, timeout_s, default_zone, now) for n in nodes]
+
+
+def drain_storage_node(session: Session, name: str, *, drained: bool, timeout_s: float,
+                       default_zone: str) -> DrainOut:
+    """Mark the node drained (no new volumes) or not, and say what still lives on it."""
+    hit = session.execute(update(Node).where(Node.kind == "storage", Node.name == name)
+                          .values(drained=drained)).rowcount  # type: ignore[attr-defined]
+    if hit != 1:
+        raise NotFound(f"The storage node '{name[:64]}' does not exist.", code="InvalidStorageNode.NotFound")
+    node = session.get(Node, (name, "storage"), populate_existing=True)
+    assert node is not None
+    vols = session.scalars(select(Volume).where(Volume.storage_node == name, Volume.status != VolumeState.DELETED)
+                           .order_by(Volume.id))
+    snaps = session.scalars(select(Snapshot).where(
+        Snapshot.storage_node == name, Snapshot.status.not_in([SnapshotState.DELETED])).order_by(Snapshot.id))
+    return DrainOut(
+        storage_node=_storage_node_out(node, timeout_s, default_zone, utcnow()),
+        volumes=[ResidentOut(id=v.id, tenant=v.tenant, pool=v.pool, size_gib=v.size_gib, status=v.status)
+                 for v in vols],
+        snapshots=[ResidentOut(id=x.id, tenant=x.tenant, pool=x.pool, size_gib=x.volume_size_gib, status=x.status)
+                   for x in snaps])
+
+
+def availability_zones(session: Session, timeout_s: float, default_zone: str, region: str) -> list[ZoneOut]:
+    """The zones of the known storage nodes: ``available`` while one of its nodes is up."""
+    now = utcnow()
+    up: dict[str, bool] = {}
+    for n in session.scalars(select(Node).where(Node.kind == "storage")):
+        zone = zone_of(n, default_zone)
+        up[zone] = up.get(zone, False) or is_alive(n, timeout_s, now)
+    return [ZoneOut(zone_name=z, zone_id=zone_id(z, region), region_name=region,
+                    state="available" if alive else "unavailable") for z, alive in sorted(up.items())]
+
+
+def zone_id(zone: str, region: str) -> str:
+    """A zone's id: ``<region>-az<n>`` for the region's n-th lettered zone (us-east-1a: us-east-1-az1),
+    else its name."""
+    suffix = zone.removeprefix(region)
+    if zone.startswith(region) and len(suffix) == 1 and "a" <= suffix <= "z":
+        return f"{region}-az{ord(suffix) - ord('a') + 1}"
+    return zone
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """What describes of volumes need of their storage node."""
+
+    zone: str
+    alive: bool
+
+
+def node_health(session: Session, names: set[str], *, timeout_s: float, default_zone: str) -> dict[str, NodeHealth]:
+    now = utcnow()
+    if not names:
+        return {}
+    nodes = session.scalars(select(Node).where(Node.kind == "storage", Node.name.in_(sorted(names))))
+    return {n.name: NodeHealth(zone_of(n, default_zone), is_alive(n, timeout_s, now)) for n in nodes}
+
+
+VolumeStatusCheck = Literal["ok", "impaired", "insufficient-data"]
+# The states in which a volume serves I/O (if its node does).
+LIVE_VOLUME_STATES = (VolumeState.AVAILABLE, VolumeState.IN_USE)
+
+
+def volume_status(state: str, node: NodeHealth | None) -> VolumeStatusCheck:
+    """EC2's volume status check: can I/O reach the volume? ``impaired`` when its storage node stopped
+    heartbeating or the volume is in error; ``insufficient-data`` while it is not (or no longer) a
+    volume that serves I/O, or its node never reported."""
+    if state == VolumeState.ERROR or (node is not None and not node.alive and state in LIVE_VOLUME_STATES):
+        return "impaired"
+    if node is None or state not in LIVE_VOLUME_STATES:
+        return "insufficient-data"
+    return "ok"
 
 
 def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
@@ -148,42 +232,109 @@ def provisioned_gib(session: Session, node: str, pool: str) -> int:
     return int(total or 0)
 
 
+def _promised(session: Session, nodes: list[str]) -> dict[tuple[str, str], int]:
+    """``provisioned_gib`` of every pool of these nodes, in one query."""
+    rows = session.execute(select(Volume.storage_node, Volume.pool, func.sum(Volume.size_gib)).where(
+        Volume.storage_node.in_(nodes), Volume.status != VolumeState.DELETED).group_by(Volume.storage_node,
+                                                                                      Volume.pool))
+    return {(node, pool): int(total or 0) for node, pool, total in rows}
+
+
 def _fits(capacity_bytes: int, provisioned: int, size_gib: int, overcommit: float) -> bool:
     return (provisioned + size_gib) * GIB <= capacity_bytes * overcommit
 
 
-def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float,
-                node: str | None = None, pool: str | None = None) -> tuple[str, str]:
-    """The live (node, pool) with the most free space that can hold ``size_gib`` more, thin-provisioned.
+@dataclass(frozen=True)
+class Placement:
+    """Where a new volume may go: anywhere, or within a zone, on a node, in a pool of that name.
 
-    A pool takes a volume only while what its volumes were promised, this one included, stays within
-    its capacity × ``overcommit``. Call it in the transaction that inserts the volume: the storage
-    node rows are locked, in name order (SQLite serialises writers anyway), so two creates cannot
-    both take the last room. Where the volume must live on a given node/pool (it clones a snapshot
-    there), only that one is considered. Capacity is weighed by free space, so the emptiest pool fills first.
+    ``drained_ok``: a drained node may take it (a clone of a snapshot that lives there).
     """
+
+    zone: str | None = None
+    node: str | None = None
+    pool: str | None = None
+    drained_ok: bool = False
+
+    def includes(self, node: Node, default_zone: str) -> bool:
+        """Whether ``node`` is the named node (if any) in the named zone (if any)."""
+        return (self.node is None or node.name == self.node) and (
+            self.zone is None or zone_of(node, default_zone) == self.zone)
+
+    def where(self) -> str:
+        parts = [f"in zone {self.zone}" if self.zone else "", f"on storage node {self.node}" if self.node else "",
+                 f"in pool {self.pool}" if self.pool else ""]
+        return "".join(f" {p}" for p in parts if p)
+
+
+def _check_hints(nodes: list[Node], want: Placement, *, timeout_s: float, default_zone: str, now: datetime) -> None:
+    """Refuse a zone, node or pool that cannot take the volume whatever the room: unknown (400), or a
+    named node that is down or drained (409). Room itself is the scheduler's question."""
+    if want.zone is not None and not any(zone_of(n, default_zone) == want.zone for n in nodes):
+        raise InvalidParameter(f"Invalid availability zone: [{want.zone}]; no storage node is in it.")
+    named = None
+    if want.node is not None:
+        named = next((n for n in nodes if n.name == want.node), None)
+        if named is None:
+            raise InvalidParameter(f"The storage node '{want.node}' does not exist.")
+        if want.zone is not None and zone_of(named, default_zone) != want.zone:
+            raise InvalidParameter(f"The storage node '{want.node}' is in zone {zone_of(named, default_zone)}, "
+                                   f"not {want.zone}.")
+        if not is_alive(named, timeout_s, now):
+            raise IncorrectState(f"The storage node '{want.node}' is down: no heartbeat for more than {timeout_s:g} s.")
+        if named.drained and not want.drained_ok:
+            raise IncorrectState(f"The storage node '{want.node}' is drained: it takes no new volumes "
+                                 f"(`vbs drain-storage-node {want.node} --undo` ends that).")
+    if want.pool is not None:
+        if named is not None:
+            if not any(p.name == want.pool for p in storage_info(named).pools):
+                raise InvalidParameter(f"The storage node '{named.name}' has no pool named '{want.pool}'.")
+        elif not any(p.name == want.pool for n in nodes if want.includes(n, default_zone)
+                     for p in storage_info(n).pools):
+            in_zone = f" in zone {want.zone}" if want.zone else ""
+            raise InvalidParameter(f"No storage node{in_zone} has a pool named '{want.pool}'.")
+
+
+def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
+                want: Placement | None = None) -> tuple[str, str]:
+    """The (node, pool) a new volume of ``size_gib`` goes to: water-filling by capacity.
+
+    Among the pools of live, undrained nodes (within ``want``) that can promise ``size_gib`` more —
+    what their volumes were promised, this one included, stays within capacity × ``overcommit`` — the
+    one that would be the least full relative to its capacity afterwards, ties by name. N creates
+    thus spread in proportion to capacity, deterministically, and every pool fills up at once.
+
+    Call it in the transaction that inserts the volume: the storage node rows are locked, in name
+    order (SQLite serialises writers anyway), so two creates cannot both take the last room, and a
+    drain that committed is seen.
+    """
+    want = want or Placement()
     now = utcnow()
-    best: tuple[int, str, str] | None = None
+    nodes = list(session.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name).with_for_update()
+                                 .execution_options(populate_existing=True)))
+    _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
+    live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
+            and (want.drained_ok or not n.drained)]
+    promised = _promised(session, [n.name for n in live])
+    best: tuple[float, str, str] | None = None
     full = False
-    nodes = select(Node).where(Node.kind == "storage").order_by(Node.name).with_for_update()
-    for n in session.scalars(nodes).all():
-        if (node is not None and n.name != node) or not is_alive(n, timeout_s, now):
-            continue
+    for n in live:
         for p in storage_info(n).pools:
-            if pool is not None and p.name != pool:
+            if want.pool is not None and p.name != want.pool:
                 continue
-            if not _fits(p.capacity_bytes, provisioned_gib(session, n.name, p.name), size_gib, overcommit):
+            provisioned = promised.get((n.name, p.name), 0)
+            if not _fits(p.capacity_bytes, provisioned, size_gib, overcommit):
                 full = True
                 continue
-            if best is None or p.free_bytes > best[0]:
-                best = (p.free_bytes, n.name, p.name)
+            candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, n.name, p.name)
+            if best is None or candidate < best:
+                best = candidate
     if best is None:
-        where = f" on storage node {node}" if node else ""
         if full:
-            raise InsufficientCapacity(f"There is not enough capacity{where} for a {size_gib} GiB volume: the pools "
-                                       f"have promised all they may (capacity x overcommit ratio {overcommit:g}).",
-                                       status=400)
-        raise InsufficientCapacity(f"There is not enough live capacity{where} for a {size_gib} GiB volume.")
+            raise InsufficientCapacity(f"There is not enough capacity{want.where()} for a {size_gib} GiB volume: "
+                                       f"the pools have promised all they may (capacity x overcommit ratio "
+                                       f"{overcommit:g}).", status=400)
+        raise InsufficientCapacity(f"There is not enough live capacity{want.where()} for a {size_gib} GiB volume.")
     return best[1], best[2]
 
 

@@ -13,7 +13,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from vbs.wire.base import SnapshotId, VolumeId
+from vbs.wire.connection import HOST_NAME_RE
 from vbs.wire.host import HypervisorCapabilities
+from vbs.wire.storage import POOL_NAME_RE, ZONE_NAME_RE
 
 MAX_SIZE_GIB = 16384
 COMMENT_MAX = 255
@@ -49,6 +51,9 @@ Comment = Annotated[str, Field(max_length=COMMENT_MAX), AfterValidator(_text)]
 Tags = Annotated[dict[str, str], AfterValidator(_tags)]
 ClientToken = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
 VolumeType = Literal["standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"]
+StorageZone = Annotated[str, Field(pattern=ZONE_NAME_RE)]
+NodeName = Annotated[str, Field(pattern=HOST_NAME_RE.pattern)]
+PoolName = Annotated[str, Field(pattern=POOL_NAME_RE)]
 
 
 class _Request(BaseModel):
@@ -66,6 +71,10 @@ class CreateVolumeRequest(_Request):
     placement: Literal["shared", "local"] = "shared"
     tags: Tags = Field(default_factory=dict)
     client_token: ClientToken | None = None
+    # Where it may go (the scheduler picks within): a zone, a storage node, a pool of that name.
+    availability_zone: StorageZone | None = None
+    storage_node: NodeName | None = None
+    pool: PoolName | None = None
 
 
 class CreateSnapshotRequest(_Request):
@@ -113,6 +122,10 @@ class VolumeOut(BaseModel):
     progress: int
     storage_node: str
     pool: str
+    availability_zone: str
+    # EC2's volume status check (DescribeVolumeStatus): ok, impaired (its storage node stopped
+    # heartbeating, or the volume is in error), insufficient-data (not serving I/O yet or any more).
+    volume_status: Literal["ok", "impaired", "insufficient-data"]
     created_at: datetime
     tags: dict[str, str]
     attachments: list[AttachmentOut]
@@ -187,6 +200,8 @@ class StorageNodeOut(BaseModel):
     name: str
     url: str
     state: str
+    drained: bool
+    availability_zone: str
     last_heartbeat: datetime
     pools: list[PoolOut]
 
@@ -194,6 +209,37 @@ class StorageNodeOut(BaseModel):
 class StorageNodeList(BaseModel):
     storage_nodes: list[StorageNodeOut]
     next_token: str | None = None
+
+
+class DrainRequest(_Request):
+    undo: bool = False
+
+
+class ResidentOut(BaseModel):
+    """A volume or snapshot that lives on a storage node (any tenant's: what an operator must move)."""
+
+    id: str
+    tenant: str
+    pool: str
+    size_gib: int
+    status: str
+
+
+class DrainOut(BaseModel):
+    storage_node: StorageNodeOut
+    volumes: list[ResidentOut]
+    snapshots: list[ResidentOut]
+
+
+class ZoneOut(BaseModel):
+    zone_name: str
+    zone_id: str
+    region_name: str
+    state: Literal["available", "unavailable"]
+
+
+class ZoneList(BaseModel):
+    availability_zones: list[ZoneOut]
 
 
 DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"

@@ -10,17 +10,17 @@ import hashlib
 import json
 from datetime import timedelta
 
-from sqlalchemy import exists, false, or_, select, update
+from sqlalchemy import ColumnElement, exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller import filters as flt
 from vbs.controller import quotas
-from vbs.controller.db import Attachment, Snapshot, Volume
+from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import choose_pool
+from vbs.controller.nodes import Placement, choose_pool, node_health, volume_status, zone_of
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
@@ -51,8 +51,16 @@ def live_volume(s: Session, volume_id: str, tenant: str) -> Volume:
     return vol
 
 
+# Fields newer than some stored digests: left out when not given, so that a request retried with its
+# client token across an upgrade still matches the digest an older controller stored.
+_DIGEST_OPTIONAL = ("availability_zone", "storage_node", "pool")
+
+
 def _digest(req: CreateVolumeRequest) -> str:
     body = req.model_dump(exclude={"client_token"})
+    for key in _DIGEST_OPTIONAL:
+        if body[key] is None:
+            del body[key]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -71,9 +79,9 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
                     if existing.request_digest != digest:
                         raise IdempotentParameterMismatch(
                             "The client token was already used with different parameters.")
-                    return _describe_one(s, existing)
+                    return _describe_one(svc, s, existing)
             volume, op_id = _insert_volume(svc, s, req, digest, tenant)
-            out = _describe_one(s, volume)
+            out = _describe_one(svc, s, volume)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
@@ -83,7 +91,7 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
             if existing.request_digest != digest or existing.tenant != tenant:
                 raise IdempotentParameterMismatch(
                     "The client token was already used with different parameters.") from None
-            return _describe_one(s, existing)
+            return _describe_one(svc, s, existing)
     svc.engine.submit(op_id)
     return out
 
@@ -92,7 +100,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
                    tenant: str) -> tuple[Volume, str]:
     cfg = svc.cfg
     size = req.size_gib
-    node = pool = None
+    want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     if req.snapshot_id is not None:
         snap = s.get(Snapshot, req.snapshot_id)
         if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) or snap.tenant != tenant:
@@ -106,14 +114,20 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         if size < snap.volume_size_gib:
             raise InvalidParameter(
                 f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
-        node, pool = snap.storage_node, snap.pool
+        for asked, there, what in ((req.storage_node, snap.storage_node, "storage node"),
+                                   (req.pool, snap.pool, "pool")):
+            if asked is not None and asked != there:
+                raise InvalidParameter(f"A volume made from the snapshot '{snap.id}' is made where it lives, on "
+                                       f"{what} {there}, not {asked}.")
+        # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
+        want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
     if size is None:
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
     # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
-                             node=node, pool=pool)
+                             default_zone=cfg.availability_zone, want=want)
     quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
     now = utcnow()
     volume = Volume(
@@ -146,7 +160,7 @@ def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
         transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment)
         op_id = svc.engine.begin(s, "delete-volume", volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
         s.refresh(vol)
-        out = _describe_one(s, vol)
+        out = _describe_one(svc, s, vol)
     svc.engine.submit(op_id)
     return out
 
@@ -180,33 +194,48 @@ def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filter
         ids.check("volume", vid)
     limit = flt.page_limit(max_results, volume_ids)
     retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
+    column_filters = {name: values for name, values in filters.items() if name != "availability-zone"}
     stmt = select(Volume).where(Volume.tenant == tenant,
                                 or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention),
-                                *flt.where_clauses(filters, Volume.id, VOLUME_FILTERS))
+                                *flt.where_clauses(column_filters, Volume.id, VOLUME_FILTERS))
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
     stmt = flt.paginate(stmt, Volume.id, limit, next_token)
     with svc.db.read() as s:
+        if "availability-zone" in filters:
+            stmt = stmt.where(_in_zones(s, set(filters["availability-zone"]), svc.cfg.availability_zone))
         rows = list(s.scalars(stmt))
         if volume_ids:
             missing = sorted(set(volume_ids) - {v.id for v in rows})
             if missing and not filters:
                 raise NotFound(f"The volume(s) '{', '.join(missing)}' do not exist.", code="InvalidVolume.NotFound")
         rows, token = flt.page(rows, limit, lambda v: v.id)
-        return VolumeList(volumes=_describe_many(s, rows), next_token=token)
+        return VolumeList(volumes=_describe_many(svc, s, rows), next_token=token)
+
+
+def _in_zones(s: Session, zones: set[str], default_zone: str) -> ColumnElement[bool]:
+    """Volumes whose storage node is in one of ``zones`` (a zone lives in the node's heartbeat, not a column)."""
+    storage = s.scalars(select(Node).where(Node.kind == "storage")).all()
+    clause: ColumnElement[bool] = Volume.storage_node.in_([n.name for n in storage
+                                                           if zone_of(n, default_zone) in zones])
+    if default_zone in zones:  # a node with no row (yet) is in the controller's zone
+        clause = or_(clause, Volume.storage_node.not_in([n.name for n in storage]))
+    return clause
 
 
 def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
     return describe_volumes(svc, tenant, [volume_id], {}, None, None).volumes[0]
 
 
-def _describe_one(s: Session, vol: Volume) -> VolumeOut:
-    return _describe_many(s, [vol])[0]
+def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
+    return _describe_many(svc, s, [vol])[0]
 
 
-def _describe_many(s: Session, vols: list[Volume]) -> list[VolumeOut]:
+def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[VolumeOut]:
     vol_ids = [v.id for v in vols]
     tags = flt.tags_of(s, vol_ids)
+    nodes = node_health(s, {v.storage_node for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
+                        default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
     if vol_ids:
         for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(vol_ids),
@@ -219,8 +248,10 @@ def _describe_many(s: Session, vols: list[Volume]) -> list[VolumeOut]:
             volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,
             volume_type=v.volume_type, iops=v.iops, throughput=v.throughput, multi_attach=v.multi_attach,
             placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
-            storage_node=v.storage_node, pool=v.pool, created_at=v.created_at, tags=tags[v.id],
-            attachments=atts[v.id],
+            storage_node=v.storage_node, pool=v.pool,
+            availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,
+            volume_status=volume_status(v.status, nodes.get(v.storage_node)), created_at=v.created_at,
+            tags=tags[v.id], attachments=atts[v.id],
         )
         for v in vols
     ]

@@ -23,7 +23,11 @@ DAEMON_CHECK_INTERVAL_S = 1.0
 
 
 def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Backend]]:
-    """The export driver and the pools this agent's config names (``export``, ``backend``)."""
+    """The export driver and the pools this agent's config names (``export``, ``backend``, ``pools``).
+
+    One backend per pool, all serving hosts through the one export driver: a backend's
+    ``from_config`` reads its pool from ``pool_name``/``pool_path``, as it does on a one-pool node.
+    """
     export_cls: Any = drivers.load("export", cfg.export)
     state_dir = cfg.state_dir.resolve() / cfg.export
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -31,10 +35,15 @@ def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Back
     if not isinstance(exports, ExportDriver):
         raise DriverError(f"export driver {cfg.export!r} does not fulfil the ExportDriver contract")
     backend_cls: Any = drivers.load("backend", cfg.backend)
-    backend = backend_cls.from_config(cfg, exports)
-    if not isinstance(backend, Backend):
-        raise DriverError(f"backend {cfg.backend!r} does not fulfil the Backend contract")
-    return exports, {backend.name: backend}
+    backends: dict[str, Backend] = {}
+    for pool in cfg.served_pools():
+        backend = backend_cls.from_config(cfg.for_pool(pool), exports)
+        if not isinstance(backend, Backend):
+            raise DriverError(f"backend {cfg.backend!r} does not fulfil the Backend contract")
+        if backend.name in backends:
+            raise DriverError(f"backend {cfg.backend!r} named two pools {backend.name!r}")
+        backends[backend.name] = backend
+    return exports, backends
 
 
 def watch_daemon(exports: ExportDriver, stop: threading.Event) -> None:
@@ -59,7 +68,8 @@ def serve(cfg: StorageAgentConfig) -> None:
 
     def report() -> StorageHeartbeat:
         return StorageHeartbeat(name=cfg.node_name, url=url, address=address, started_at=started_at,
-                                pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports())
+                                pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports(),
+                                availability_zone=cfg.availability_zone)
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
         controllers = sec.controller(cfg.controller_url, label=f"storage agent {cfg.node_name}")
@@ -78,5 +88,6 @@ def serve(cfg: StorageAgentConfig) -> None:
         log.info("storage agent %s stopped", cfg.node_name)
 
     watcher.start()
-    log.info("storage agent %s serving on %s (backend %s, export %s)", cfg.node_name, url, cfg.backend, cfg.export)
+    log.info("storage agent %s serving on %s (backend %s, pools %s, export %s)", cfg.node_name, url, cfg.backend,
+             ", ".join(backends), cfg.export)
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

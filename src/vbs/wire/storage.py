@@ -29,11 +29,15 @@ __all__ = [
     "StorageHeartbeat",
     "MAX_VOLUME_BYTES",
     "POOL_NAME_RE",
+    "ZONE_NAME_RE",
+    "MAX_POOLS",
     "NODE_URL_RE",
 ]
 
 MAX_VOLUME_BYTES = 64 << 40
 POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+ZONE_NAME_RE = r"^[a-z0-9-]{1,32}$"
+MAX_POOLS = 64
 NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
 
 
@@ -65,7 +69,7 @@ class PoolInfo(Wire):
 
 
 class PoolList(Wire):
-    pools: list[PoolInfo] = Field(max_length=64)
+    pools: list[PoolInfo] = Field(max_length=MAX_POOLS)
 
 
 class PoolInventory(Wire):
@@ -138,5 +142,7 @@ class StorageHeartbeat(Wire):
     url: str = Field(pattern=NODE_URL_RE)
     address: str = Field(pattern=ADDRESS_RE)
     started_at: datetime
-    pools: list[PoolInfo] = Field(max_length=64)
+    pools: list[PoolInfo] = Field(max_length=MAX_POOLS)
     exports: list[ExportInfo] = Field(default_factory=list, max_length=100_000)
+    # None (and agents older than zones): the controller's own zone.
+    availability_zone: str | None = Field(None, pattern=ZONE_NAME_RE)

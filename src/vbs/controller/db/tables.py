@@ -129,7 +129,10 @@ class Tag(Base):
 
 
 class Node(Base):
-    """A storage node or a hypervisor host, as last reported by its agent's heartbeat."""
+    """A storage node or a hypervisor host, as last reported by its agent's heartbeat.
+
+    ``drained`` is the operator's (``vbs drain-storage-node``), never a heartbeat's: a drained storage
+    node takes no new volumes, except clones of the snapshots it holds."""
 
     __tablename__ = "nodes"
 
@@ -140,6 +143,7 @@ class Node(Base):
     info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     started_at: Mapped[datetime | None]
     last_heartbeat: Mapped[datetime]
+    drained: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Instance(Base):

@@ -6,6 +6,7 @@ API validates, calls the same domain functions, and returns the body of the XML 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import attachments, modifications, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, nodes, snapshots, tags, volumes
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
@@ -32,6 +33,7 @@ from vbs.controller.schemas import (
 )
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
+from vbs.wire.storage import ZONE_NAME_RE
 
 Handler = Callable[[Controller, QueryParams, Principal], dict[str, Any]]
 ACCOUNT_ID = "000000000000"
@@ -39,6 +41,7 @@ ACCOUNT_ID = "000000000000"
 VOLUMES_PAGE = 500
 SNAPSHOTS_PAGE = 1000
 MODIFICATIONS_PAGE = 500
+VOLUME_STATUS_PAGE = 1000
 TAGS_PAGE = 1000
 MAX_TOKEN = 160
 
@@ -55,7 +58,8 @@ class DryRunOperation(VbsError):
 EC2_NAMES = {"size_gib": "Size", "snapshot_id": "SnapshotId", "volume_type": "VolumeType", "iops": "Iops",
              "throughput": "Throughput", "client_token": "ClientToken", "tags": "TagSpecification",
              "comment": "Description", "device": "Device", "instance_id": "InstanceId", "volume_id": "VolumeId",
-             "multi_attach": "MultiAttachEnabled", "resource_ids": "ResourceId", "force": "Force"}
+             "multi_attach": "MultiAttachEnabled", "resource_ids": "ResourceId", "force": "Force",
+             "availability_zone": "AvailabilityZone"}
 
 
 def _model(model: type[Any], data: dict[str, Any]) -> Any:
@@ -125,10 +129,10 @@ def _attachment(a: AttachmentOut) -> dict[str, Any]:
             "attachTime": a.attach_time, "deleteOnTermination": False}
 
 
-def _volume(svc: Controller, v: VolumeOut) -> dict[str, Any]:
+def _volume(v: VolumeOut) -> dict[str, Any]:
     return {
         "volumeId": v.volume_id, "size": v.size_gib, "snapshotId": v.snapshot_id or "",
-        "availabilityZone": svc.cfg.availability_zone, "status": v.status, "createTime": v.created_at,
+        "availabilityZone": v.availability_zone, "status": v.status, "createTime": v.created_at,
         "attachmentSet": [_attachment(a) for a in v.attachments], "tagSet": _tag_set(v.tags) if v.tags else None,
         "volumeType": v.volume_type, "iops": v.iops, "throughput": v.throughput, "encrypted": False,
         "multiAttachEnabled": v.multi_attach, "fastRestored": False,
@@ -149,21 +153,21 @@ def _snapshot(s: SnapshotOut) -> dict[str, Any]:
 
 def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     zone = p.str("AvailabilityZone", max_len=64)
-    if zone is not None and zone != svc.cfg.availability_zone:
-        raise InvalidParameter(f"Invalid availability zone: [{zone[:64]}]; this endpoint serves "
-                               f"{svc.cfg.availability_zone}.", code="InvalidParameterValue")
+    if zone is not None and not re.fullmatch(ZONE_NAME_RE, zone):
+        raise InvalidParameter(f"Invalid availability zone: [{zone[:64]}]", code="InvalidParameterValue")
     snap = p.str("SnapshotId", max_len=64)
     data: dict[str, Any] = {
         "size_gib": p.int("Size"), "snapshot_id": _snapshot_id(snap) if snap else None,
         "volume_type": p.str("VolumeType", max_len=16) or "gp2", "iops": p.int("Iops"),
         "throughput": p.int("Throughput"), "multi_attach": p.bool("MultiAttachEnabled"),
         "tags": _tags_for(p, "volume"), "client_token": p.str("ClientToken", max_len=64),
+        "availability_zone": zone,
     }
     if data["size_gib"] is None and snap is None:
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
     req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
-    return _volume(svc, volumes.create_volume(svc, req, who.tenant))
+    return _volume(volumes.create_volume(svc, req, who.tenant))
 
 
 def delete_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -178,12 +182,6 @@ VOLUME_FILTER_NAMES = {"status", "volume-id", "snapshot-id", "size", "volume-typ
                        "attachment.delete-on-termination"}
 
 
-def _zone_filter(svc: Controller, filters: dict[str, list[str]]) -> bool:
-    """Apply the ``availability-zone`` filter ourselves: one zone, so it keeps all or nothing."""
-    zones = filters.pop("availability-zone", None)
-    return zones is None or svc.cfg.availability_zone in zones
-
-
 def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
     filters = p.filters()
@@ -195,10 +193,53 @@ def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[st
         if name not in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} \
                 and not name.startswith("tag:"):
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
-    if not _zone_filter(svc, filters):
-        return {"volumeSet": []}
     found = volumes.describe_volumes(svc, who.tenant, vol_ids, filters, max_results, token)
-    return {"volumeSet": [_volume(svc, v) for v in found.volumes], "nextToken": found.next_token}
+    return {"volumeSet": [_volume(v) for v in found.volumes], "nextToken": found.next_token}
+
+
+# What DescribeVolumeStatus answers of each check; VBS has no scheduled events or actions.
+_IO_ENABLED = {"ok": "passed", "impaired": "failed", "insufficient-data": "insufficient-data"}
+VOLUME_STATUS_FILTERS = {"availability-zone", "volume-status.status", "volume-status.details-name",
+                         "volume-status.details-status", "action.code", "action.description", "action.event-id",
+                         "event.description", "event.event-id", "event.event-type", "event.not-after",
+                         "event.not-before"}
+
+
+def describe_volume_status(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    """Whether I/O reaches each volume: ``impaired`` once its storage node stopped heartbeating.
+
+    The status filters apply to a page after it is read: a page may hold fewer than MaxResults and
+    still have a NextToken, as EC2 allows."""
+    vol_ids = [_volume_id(v) for v in p.list("VolumeId")]
+    filters = p.filters()
+    max_results = _page_size(p, vol_ids, "VolumeIds", VOLUME_STATUS_PAGE)
+    token = p.str("NextToken", max_len=MAX_TOKEN)
+    _dry_run(p)
+    for name in filters:
+        if name not in VOLUME_STATUS_FILTERS:
+            raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
+    by_zone = {"availability-zone": filters["availability-zone"]} if "availability-zone" in filters else {}
+    found = volumes.describe_volumes(svc, who.tenant, vol_ids, by_zone, max_results, token)
+    statuses = []
+    for v in found.volumes:
+        if v.status == VolumeState.DELETED:
+            continue
+        io = _IO_ENABLED[v.volume_status]
+        facts: dict[str, list[str]] = {
+            "availability-zone": [v.availability_zone], "volume-status.status": [v.volume_status],
+            "volume-status.details-name": ["io-enabled", "io-performance"],
+            "volume-status.details-status": [io, "not-applicable"]}
+        if not _matches({k: vals for k, vals in filters.items() if k != "availability-zone"}, facts,
+                        known=VOLUME_STATUS_FILTERS):
+            continue
+        statuses.append({
+            "volumeId": v.volume_id, "availabilityZone": v.availability_zone, "actionsSet": [], "eventsSet": [],
+            "volumeStatus": {"status": v.volume_status, "details": [
+                {"name": "io-enabled", "status": io}, {"name": "io-performance", "status": "not-applicable"}]},
+            "attachmentStatuses": [{"instanceId": a.instance_id, "ioPerformance": "not-applicable"}
+                                   for a in v.attachments if a.instance_id],
+        })
+    return {"volumeStatusSet": statuses, "nextToken": found.next_token}
 
 
 def attach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -423,28 +464,40 @@ def _matches(filters: dict[str, list[str]], facts: dict[str, list[str]], known: 
     return True
 
 
+ZONE_FILTERS = {"zone-name", "zone-id", "region-name", "state", "zone-type", "opt-in-status"}
+
+
 def describe_availability_zones(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    """The zones of the storage nodes (``available`` while one of its nodes is up)."""
     names = p.list("ZoneName")
     zone_ids = p.list("ZoneId")
     filters = p.filters()
     _dry_run(p)
-    zone = svc.cfg.availability_zone
-    facts = {"zone-name": [zone], "zone-id": [f"{svc.cfg.region}-az1"], "region-name": [svc.cfg.region],
-             "state": ["available"], "zone-type": ["availability-zone"], "opt-in-status": ["opt-in-not-required"]}
-    unknown = [n for n in names if n != zone] + [z for z in zone_ids if z not in facts["zone-id"]]
+    with svc.db.read() as s:
+        zones = nodes.availability_zones(s, svc.cfg.heartbeat_timeout_s, svc.cfg.availability_zone, svc.cfg.region)
+    unknown = [n for n in names if n not in {z.zone_name for z in zones}] + [
+        i for i in zone_ids if i not in {z.zone_id for z in zones}]
     if unknown:
         raise InvalidParameter(f"Invalid availability zone: [{unknown[0][:64]}]", code="InvalidParameterValue")
-    if not _matches(filters, facts, known=set(facts)):
-        return {"availabilityZoneInfo": []}
-    return {"availabilityZoneInfo": [{"zoneName": zone, "zoneState": "available", "regionName": svc.cfg.region,
-                                      "zoneId": f"{svc.cfg.region}-az1", "zoneType": "availability-zone",
-                                      "optInStatus": "opt-in-not-required", "messageSet": []}]}
+    info = []
+    for z in zones:
+        facts: dict[str, list[str]] = {
+            "zone-name": [z.zone_name], "zone-id": [z.zone_id], "region-name": [z.region_name], "state": [z.state],
+            "zone-type": ["availability-zone"], "opt-in-status": ["opt-in-not-required"]}
+        if (names and z.zone_name not in names) or (zone_ids and z.zone_id not in zone_ids) \
+                or not _matches(filters, facts, known=ZONE_FILTERS):
+            continue
+        info.append({"zoneName": z.zone_name, "zoneState": z.state, "regionName": z.region_name,
+                     "zoneId": z.zone_id, "zoneType": "availability-zone", "optInStatus": "opt-in-not-required",
+                     "messageSet": []})
+    return {"availabilityZoneInfo": info}
 
 
 HANDLERS: dict[str, Handler] = {
     "CreateVolume": create_volume,
     "DeleteVolume": delete_volume,
     "DescribeVolumes": describe_volumes,
+    "DescribeVolumeStatus": describe_volume_status,
     "ModifyVolume": modify_volume,
     "DescribeVolumesModifications": describe_volumes_modifications,
     "AttachVolume": attach_volume,

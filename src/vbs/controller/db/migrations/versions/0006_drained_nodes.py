@@ -1,0 +1,25 @@
+"""drained storage nodes: an operator's mark that a node takes no new volumes
+
+- nodes.drained (existing rows: false). Heartbeats never write it; `vbs drain-storage-node` does.
+
+Revision ID: 0006
+Revises: 0005
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("nodes", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("drained", sa.Boolean(), nullable=False, server_default=sa.false()))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("nodes", schema=None) as batch_op:
+        batch_op.drop_column("drained")
