@@ -28,7 +28,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from tests.conftest import VBS, Services, Vbs, free_port, start_bare_vm, stop_process, wait_until
+from tests.conftest import VBS, Services, Vbs, free_port, node_token, start_bare_vm, stop_process, wait_until
 from tests.postgres import PostgresForTests
 from vbs.controller.db import Database, Operation
 
@@ -242,3 +242,32 @@ def test_a_frozen_controller_that_wakes_after_its_lease_cannot_undo_the_survivor
     r = a.http.post("/v1/volumes", json={"size_gib": 1})
     assert r.status_code == 200, r.text
     p.b.wait_volume(r.json()["volume_id"], "available")
+
+
+def test_a_host_agent_remembers_fences_across_its_restart(services: Services, tmp_path: Path) -> None:
+    """The host agent, with a state dir, refuses a lower fence for a volume also after a restart."""
+    port = free_port()
+    token = node_token(services.data_dir, "host", "host-9")
+    argv = [*VBS, "host-agent", "--node-name", "host-9", "--port", str(port), "--controller-url",
+            services.vbs.endpoint, "--vm-dir", str(tmp_path / "vms"), "--state-dir", str(tmp_path / "host-state")]
+    url = f"http://127.0.0.1:{port}/v1/vms/vm1/disks"
+    vol = "vol-0123456789abcdef0"
+
+    def call(fence: int) -> httpx.Response:
+        return httpx.get(url, headers={"authorization": f"Bearer {token}", "x-vbs-fence": f"{vol} {fence}"})
+
+    for attempt in range(2):
+        proc = subprocess.Popen(argv, env={**services.env, "VBS_AGENT_TOKEN": token},
+                                stdout=(tmp_path / "host-9.log").open("ab"), stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 60,
+                       what="host agent")
+            if attempt == 0:
+                assert call(7).status_code != 409
+            r = call(6)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "StaleFence", r.text
+            assert call(7).status_code != 409
+        finally:
+            stop_process(proc)
+    fences = tmp_path / "host-state" / "fences.json"
+    assert fences.stat().st_mode & 0o777 == 0o600 and (tmp_path / "host-state").stat().st_mode & 0o777 == 0o700

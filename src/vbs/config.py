@@ -200,6 +200,8 @@ class HostAgentConfig(_AgentSection):
     address: str = "127.0.0.1"
     initiator_name: str | None = None
     vm_dir: Path = Path("./var/vms")
+    # Where the agent keeps what must outlive it (the highest fence seen per volume); None: in memory.
+    state_dir: Path | None = None
     heartbeat_interval_s: float = Field(2.0, gt=0)
     qmp_timeout_s: float = Field(10.0, gt=0)
     hypervisor: str = Field("qemu", pattern=DRIVER_NAME_RE)

@@ -551,6 +551,7 @@ def host_agent(
     controller_url: Annotated[list[str] | None, typer.Option(
         help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
     vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="This agent's own state (0700; fences).")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
@@ -568,6 +569,7 @@ def host_agent(
     logs.setup("host-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", config_file=config, overrides={
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
+        "state_dir": state_dir,
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)

@@ -233,6 +233,7 @@ class _Plan:
         return Child("host-agent", HOST_NODE, f"{self.scheme}://{self.host}:{port}",
                      [*self._exe, "host-agent", "--host", self.host, "--port", str(port),
                       *_controller_flags(controllers), "--vm-dir", str(self.data_dir / "vms"),
+                      "--state-dir", str(self.data_dir / "host-state"),
                       "--node-name", HOST_NODE,
                       "--agent-token-file", str(node_token_file(self.data_dir, "host", HOST_NODE)),
                       *self._tls(HOST_NODE), "--address", self.host, *self._flags], self.env)

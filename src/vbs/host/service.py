@@ -27,7 +27,9 @@ def build_driver(cfg: HostAgentConfig) -> HypervisorDriver:
 
 
 def serve(cfg: HostAgentConfig) -> None:
-    sec = agent_security.prepare("host agent", cfg)
+    state = cfg.state_dir.resolve() if cfg.state_dir is not None else None
+    sec = agent_security.prepare("host agent", cfg, *([state] if state else []),
+                                 fence_file=state / "fences.json" if state else None)
     driver = build_driver(cfg)
     app = create_app(driver, sec.auth, cfg.node_name)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
