@@ -143,6 +143,7 @@ POINTS = [
     ("detach-volume", "host-detach", "started"), ("detach-volume", "storage-unexport", "done"),
     ("delete-volume", "storage-delete", "started"),
     ("create-snapshot", "storage-snapshot", "done"),
+    ("modify-volume", "storage-grow", "done"),
 ]
 
 
@@ -163,6 +164,7 @@ def test_the_survivor_finishes_or_rolls_back_what_a_killed_controller_left(pair:
             "detach-volume": ("POST", f"/v1/volumes/{vol}/detach", {"force": True}),
             "delete-volume": ("DELETE", f"/v1/volumes/{vol}", None),
             "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": vol}),
+            "modify-volume": ("POST", f"/v1/volumes/{vol}/modify", {"size_gib": 2}),
         }[kind]
         try:
             a.http.request(request[0], request[1], json=request[2])
