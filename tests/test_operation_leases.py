@@ -186,3 +186,23 @@ def test_agent_calls_carry_the_fence_of_the_run_that_makes_them() -> None:
         client.call("PUT", f"/v1/pools/default/volumes/{VOLUME}")
     client.call("GET", "/v1/inventory")
     assert seen == [None, f"{VOLUME} 42", None]
+
+
+def test_a_controller_never_adopts_its_own_running_operation(db: Database) -> None:
+    """Its own lease lapsed (renewal stalled): the loop renews it, it does not adopt it (a second run
+    of it in this process would be dropped as a duplicate, and the operation left to no one)."""
+    gate = threading.Event()
+    a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("slow", lambda c: gate.wait(30)),))],
+                       None, owner="a", lease_s=1)  # type: ignore[arg-type]
+    try:
+        with db.session() as s:
+            op_id = a.begin(s, "w", VOLUME, Noted())
+        a.submit(op_id)
+        time.sleep(1.3)
+        assert a.adopt() == []
+        assert a.renew() == 1
+        gate.set()
+        wait_until(lambda: operation(db, op_id).status == "succeeded", 10)
+    finally:
+        gate.set()
+        a.stop()

@@ -49,7 +49,7 @@ from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -270,7 +270,10 @@ class WorkflowEngine:
             now = self.db.clock(s)
             query = select(Operation).where(Operation.status.in_(UNFINISHED_OPERATION))
             if not everything:
-                orphaned = [Operation.owner.is_(None), Operation.lease_until.is_(None), Operation.lease_until < now]
+                # Never this controller's own operations (a run of one may be under way here: its lease
+                # is renewed, not adopted), except at start, when no run of this process exists yet.
+                expired = or_(Operation.lease_until.is_(None), Operation.lease_until < now)
+                orphaned = [Operation.owner.is_(None), and_(Operation.owner != self.owner, expired)]
                 if own:
                     orphaned.append(Operation.owner == self.owner)
                 query = query.where(or_(*orphaned))
