@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.ceph import CephForTests
 from tests.loopfs import loop_filesystem
 from tests.postgres import PostgresForTests
 from vbs import credentials
@@ -215,6 +216,17 @@ def postgres() -> Iterator[PostgresForTests]:
         yield pg
     finally:
         pg.stop()
+
+
+@pytest.fixture(scope="session")
+def ceph() -> Iterator[CephForTests]:
+    """A real single-node Ceph cluster for this session (started only when a test asks for it)."""
+    cluster = CephForTests()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
