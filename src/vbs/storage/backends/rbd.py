@@ -16,9 +16,13 @@ stays in the agent; ``--format json`` gives typed answers, and the cost (a proce
 environment, the cluster's ``ceph.conf`` and the cephx user name: the key is read by the tool from
 the keyring file the conf names and never appears on an argv or in a log.
 
-Not here yet (issue 11, later parts): serving volumes to hosts (``connection_for``: the hypervisor
-opens RBD natively, or an NBD/iSCSI export of the image), per-tenant cephx keys, clone depth limits
-and flattening, the RBD trash.
+Hosts reach a volume through the agent's export driver, as with the ``file`` backend: the export
+daemon opens the image itself (``RbdSource``: qemu-storage-daemon's librbd, as the agent's cephx
+user, its key read from the keyring the conf names) and serves it over NBD. So the controller, host
+agents and hypervisor drivers see an NBD connection and need nothing of Ceph.
+
+Not here yet (issue 11, later parts): hypervisors that open RBD natively, per-tenant cephx keys,
+tgt's ``--bstype rbd`` for the iSCSI export, clone depth limits and flattening, the RBD trash.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.processes import minimal_environment
-from vbs.storage.exports.base import ExportDriver
+from vbs.storage.exports.base import ExportDriver, RbdSource
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
 
@@ -49,7 +53,6 @@ COMMAND_TIMEOUT_S = 60.0
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
-_NOT_READY = "is not served to hosts by the rbd backend yet (issue 11, part 2)"
 
 
 @dataclass
@@ -108,7 +111,7 @@ class RbdBackend:
     """One VBS pool in the Ceph pool ``rbd_pool`` of the cluster ``ceph_conf`` describes."""
 
     def __init__(self, name: str, ceph_conf: Path, *, ceph_user: str = "admin", rbd_pool: str = "rbd",
-                 timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+                 timeout_s: float = COMMAND_TIMEOUT_S, exports: ExportDriver | None = None) -> None:
         if not re.fullmatch(CEPH_USER_RE, ceph_user):
             raise InvalidParameter(f"invalid Ceph user {ceph_user[:64]!r}")
         if not re.fullmatch(RBD_POOL_RE, rbd_pool):
@@ -120,6 +123,7 @@ class RbdBackend:
         self.ceph_user = ceph_user
         self.rbd_pool = rbd_pool
         self.timeout_s = timeout_s
+        self.exports = exports
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
 
@@ -127,7 +131,8 @@ class RbdBackend:
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
         if cfg.ceph_conf is None:
             raise InvalidParameter("the rbd backend needs ceph_conf (--ceph-conf)")
-        return cls(cfg.pool_name, cfg.ceph_conf.resolve(), ceph_user=cfg.ceph_user, rbd_pool=cfg.rbd_pool)
+        return cls(cfg.pool_name, cfg.ceph_conf.resolve(), ceph_user=cfg.ceph_user, rbd_pool=cfg.rbd_pool,
+                   exports=exports)
 
     # -- the tools ----------------------------------------------------------------------------------
 
@@ -349,17 +354,34 @@ class RbdBackend:
 
     def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
         ids.check("volume", volume_id)
-        raise DriverError(f"pool {self.name}: volume {volume_id} {_NOT_READY}")
+        return self._need_exports().ensure_export(volume_id, self._source(volume_id), host, read_only=read_only)
 
     def remove_connection(self, volume_id: str, host_name: str) -> None:
-        ids.check("volume", volume_id)  # nothing was ever given
+        ids.check("volume", volume_id)
+        self._need_exports().remove_export(volume_id, host_name)
 
     def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
+        """After a grow: a connection of the image's new size (the one in use serves on)."""
         ids.check("volume", volume_id)
-        raise DriverError(f"pool {self.name}: volume {volume_id} {_NOT_READY}")
+        return self._need_exports().refresh_export(volume_id, self._source(volume_id), host_name)
 
     def retire_connections(self, volume_id: str, host_name: str) -> None:
         ids.check("volume", volume_id)
+        self._need_exports().retire_exports(volume_id, host_name)
+
+    def _need_exports(self) -> ExportDriver:
+        if self.exports is None:
+            raise DriverError(f"pool {self.name}: this storage agent has no export driver to serve volumes to hosts")
+        return self.exports
+
+    def _source(self, volume_id: str) -> RbdSource:
+        """The volume's image with its size now (``NotFound`` if it has none)."""
+        with self._lock:
+            size = self._image_size(volume_id)
+        if size is None:
+            raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
+        return RbdSource(pool=self.rbd_pool, image=volume_id, conf=self.ceph_conf, user=self.ceph_user,
+                         size_bytes=size)
 
 
 def _ready(size: int) -> ItemStatus:
