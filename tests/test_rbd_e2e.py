@@ -58,6 +58,11 @@ class RbdCloud:
         assert r.status_code == 200, r.text
         return str(self.vbs.wait_snapshot(r.json()["snapshot_id"], "completed", timeout=120)["snapshot_id"])
 
+    def assert_consistent(self) -> None:
+        """The reconciler's check (inventory, exports, disks against the DB) finds nothing."""
+        report = self.vbs.http.get("/v1/admin/check").json()
+        assert report["clean"], report["findings"]
+
     def new_volume(self, **body: object) -> str:
         vol = self.vbs.create_volume(**body)["volume_id"]
         self.vbs.wait_volume(vol, "available", timeout=120)
@@ -110,7 +115,9 @@ def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(
     clone_dev = cloud.attach(clone, "vdb")
     assert guest.checksum(clone_dev, SPAN_MIB) == pattern_sha256("rbd-parent", SPAN_MIB)
     guest.check(f"yes clone | head -c {MIB} | dd of=/dev/{clone_dev} bs=1M conv=fsync 2>/dev/null", timeout=60)
+    cloud.assert_consistent()  # images, snapshots, the export and the guest's disk as the DB says
     cloud.detach(clone)
+    cloud.assert_consistent()
 
     # Ceph and the DB agree: the clone is the one volume, the snapshot lives on the retired parent.
     live_volumes = {v["volume_id"] for v in vbs.all_volumes() if v["status"] != "deleted"}
