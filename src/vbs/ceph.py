@@ -260,6 +260,19 @@ log file =
         self.ceph("osd", "pool", "set", name, "size", str(size), "--yes-i-really-mean-it")
         self.ceph("osd", "pool", "application", "enable", name, "rbd")
         self.wait_clean()
+        self._wait_pool_stats(name)
+
+    def _wait_pool_stats(self, name: str, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait until ``ceph df`` reports the pool with free space: the mgr publishes a new pool's
+        stats seconds after its PGs are clean, and until then an rbd backend cannot say its capacity."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pools = json.loads(self.ceph("df", "--format", "json")).get("pools", [])
+            if any(p.get("name") == name and p.get("stats", {}).get("max_avail", 0) > 0 for p in pools):
+                return
+            if time.monotonic() > deadline:
+                raise DriverError(f"ceph df did not report the pool {name} within {timeout:g}s")
+            time.sleep(0.3)
 
     @property
     def pids(self) -> dict[str, int]:
