@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.ceph import CephForTests
 from tests.loopfs import loop_filesystem
 from tests.postgres import PostgresForTests
 from vbs import credentials
@@ -217,6 +218,17 @@ def postgres() -> Iterator[PostgresForTests]:
         pg.stop()
 
 
+@pytest.fixture(scope="session")
+def ceph() -> Iterator[CephForTests]:
+    """A real single-node Ceph cluster for this session (started only when a test asks for it)."""
+    cluster = CephForTests()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def metadata_db(request: pytest.FixtureRequest) -> str:
     """The metadata DB of the installs a test starts: "sqlite" unless its module parametrises it."""
@@ -292,11 +304,12 @@ class Services:
             env={**self.env, **env}, stdout=self._log("controller"), stderr=subprocess.STDOUT)
         wait_until(lambda: self.vbs.http.get("/health").status_code == 200, 60, what="controller")
 
-    def start_agent(self) -> None:
+    def start_agent(self, *extra: str) -> None:
+        """The storage agent (``extra``: more flags, e.g. another backend's)."""
         self.agent = subprocess.Popen(
             [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
              "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
-             "--nbd-port", str(self.nbd_port)],
+             "--nbd-port", str(self.nbd_port), *extra],
             env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
         # A restarted agent's predecessor may still look "up": wait for this one to listen.
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,

@@ -84,6 +84,10 @@ class ControllerConfig(_Service):
     operation_lease_s: float = Field(15.0, ge=1, le=600)
 
 
+CEPH_USER_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+RBD_POOL_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
 class _AgentSection(_Service):
     """What every agent has: where it listens, its node name, its controllers and its own token.
     Settings of drivers that are not VBS's own go in ``options.<driver name>``."""
@@ -153,6 +157,11 @@ class StorageAgentConfig(_AgentSection):
     nbd_socket_dir: Path | None = None
     iscsi_port: int = Field(3260, ge=1, le=65535)
     iscsi_control: int = Field(7, ge=0, le=32767)
+    # The rbd backend: the cluster's ceph.conf (it names the keyring of ceph_user), the cephx user
+    # and the Ceph pool that holds this node's volumes.
+    ceph_conf: Path | None = None
+    ceph_user: str = Field("admin", pattern=CEPH_USER_RE)
+    rbd_pool: str = Field("rbd", pattern=RBD_POOL_RE)
 
     @field_validator("pools", mode="before")
     @classmethod

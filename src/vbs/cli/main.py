@@ -519,6 +519,10 @@ def storage_agent(
         help="Serve NBD on <dir>/nbd.sock (a 0700 directory) instead of TCP: hypervisors on this machine.")] = None,
     iscsi_port: Annotated[int | None, typer.Option()] = None,
     iscsi_control: Annotated[int | None, typer.Option(help="tgtd control number (-C).")] = None,
+    ceph_conf: Annotated[Path | None, typer.Option(
+        help="rbd backend: the cluster's ceph.conf (it names the user's keyring).")] = None,
+    ceph_user: Annotated[str | None, typer.Option(help="rbd backend: the cephx user (default: admin).")] = None,
+    rbd_pool: Annotated[str | None, typer.Option(help="rbd backend: the Ceph pool (default: rbd).")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
@@ -538,6 +542,7 @@ def storage_agent(
         "clone_method": clone_method, "state_dir": state_dir, "backend": backend,
         "export": export, "nbd_port": nbd_port, "nbd_socket_dir": nbd_socket_dir,
         "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
+        "ceph_conf": ceph_conf, "ceph_user": ceph_user, "rbd_pool": rbd_pool,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 

@@ -1,9 +1,9 @@
 """The export driver contract: how a storage node serves its data to hypervisor nodes (NBD, iSCSI).
 
-An export driver serves *sources* (a volume file today; an RBD image later) under *keys*: a volume
-id, or the id of a snapshot that a hypervisor copies into. Each export is made for one (key, host)
-pair. Backends own their data and ask their export driver for exports (``Backend.connection_for``);
-the driver knows nothing of pools.
+An export driver serves *sources* (a volume file, or an RBD image the daemon opens through librbd)
+under *keys*: a volume id, or the id of a snapshot that a hypervisor copies into. Each export is
+made for one (key, host) pair. Backends own their data and ask their export driver for exports
+(``Backend.connection_for``); the driver knows nothing of pools.
 
 Drivers whose daemon sits in the data path can also take point-in-time copies of what they serve
 (``PointInTimeCopier``): every write of every host reaches the volume through that daemon, so a
@@ -12,15 +12,17 @@ copy-before-write job there sees the volume at one instant, also while hosts wri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from vbs.config import StorageAgentConfig
+from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
+from vbs.errors import InvalidParameter
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus
 
-__all__ = ["FileSource", "ExportSource", "ExportDriver", "PointInTimeCopier"]
+__all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,45 @@ class FileSource:
     path: Path
 
 
-ExportSource = FileSource
+# An RBD image name as VBS makes them (vol-…, vbs-retired-vol-…): no "@" or "/" (a snapshot or a
+# namespace would follow), nothing QEMU's or Ceph's option parsers split on.
+RBD_IMAGE_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,126}"
+
+
+@dataclass(frozen=True)
+class RbdSource:
+    """An RBD image that the export daemon opens itself (librbd), as the cephx ``user``.
+
+    ``conf`` is the cluster's ``ceph.conf``; the user's key reaches the daemon only through the
+    keyring file that conf names (never on an argv, in a log or in a state file). ``size_bytes``
+    is the image's size as the backend just read it: NBD and iSCSI fix an export's size when it is
+    made, so the driver compares it with what it serves to know when a grown image needs a new
+    opening (it is not part of the source's identity).
+    """
+
+    pool: str
+    image: str
+    conf: Path
+    user: str = "admin"
+    size_bytes: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, str) or not re.fullmatch(RBD_POOL_RE, self.pool):
+            raise InvalidParameter(f"invalid RBD pool {str(self.pool)[:64]!r}")
+        if not isinstance(self.image, str) or not re.fullmatch(RBD_IMAGE_RE, self.image):
+            raise InvalidParameter(f"invalid RBD image name {str(self.image)[:130]!r}")
+        if not isinstance(self.user, str) or not re.fullmatch(CEPH_USER_RE, self.user):
+            raise InvalidParameter(f"invalid Ceph user {str(self.user)[:64]!r}")
+        conf = Path(self.conf)
+        if not conf.is_absolute() or "\0" in str(conf):
+            raise InvalidParameter(f"the Ceph configuration path must be absolute: {str(conf)[:200]}")
+        object.__setattr__(self, "conf", conf)
+        size = self.size_bytes
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise InvalidParameter(f"invalid RBD image size {size!r}")
+
+
+ExportSource = FileSource | RbdSource
 
 
 @runtime_checkable

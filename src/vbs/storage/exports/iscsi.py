@@ -42,6 +42,7 @@ from vbs.processes import cmdline, environ_value, minimal_environment
 from vbs.qemu_tls import X509Files
 from vbs.runtime import socket_path
 from vbs.storage.exports import tgt_ipc
+from vbs.storage.exports.base import ExportSource, FileSource
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key
 from vbs.stunnel import Tunnel, server_config
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
@@ -747,12 +748,16 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
     def _live_keys(self) -> set[str]:
         return {key for iqn, live in self._show().items() if live.accounts and (key := self._key_of(iqn))}
 
-    def _check_source(self, path: Path) -> None:
-        if "," in str(path):
+    def _check_source(self, source: ExportSource) -> None:
+        if not isinstance(source, FileSource):
+            # tgtd can serve an image through its rbd backing store (--bstype rbd): not done yet.
+            raise InvalidParameter(f"the iscsi export serves files only, not {type(source).__name__} "
+                                   f"(use the nbd export for RBD volumes)")
+        if "," in str(source.path):
             # tgtd passes the backing store as "path=…,bstype=…": a comma would split it.
-            raise InvalidParameter(f"source path must not contain a comma: {path}")
+            raise InvalidParameter(f"source path must not contain a comma: {source.path}")
 
-    def _ensure(self, item: _Export | None, key: str, path: Path, host: HostIdentity, read_only: bool
+    def _ensure(self, item: _Export | None, key: str, source: ExportSource, host: HostIdentity, read_only: bool
                 ) -> Connection:
         """A LUN of the key's target for the host (its address in the ACL, its own CHAP account);
         the same (key, host) gets the same connection and secret. The LUN is 1 until a refresh
@@ -761,7 +766,8 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         A second host on the same key (multi-attach) joins the same target with its own ACL
         entry and account. All hosts of a key share its mode: the read-only flag is per LUN.
         """
-        exp = item or _Export(key=key, path=str(path), read_only=read_only)
+        assert isinstance(source, FileSource)  # _check_source refused anything else
+        exp = item or _Export(key=key, path=str(source.path), read_only=read_only)
         if exp.read_only != read_only:
             raise IdempotentParameterMismatch(
                 f"{key} is already exported with read_only={exp.read_only} to "

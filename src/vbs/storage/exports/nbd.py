@@ -78,15 +78,17 @@ from vbs.processes import minimal_environment
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
 from vbs.runtime import socket_path
-from vbs.storage.exports.base import ExportSource
+from vbs.storage.exports.base import ExportSource, FileSource
 from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.supervised import (
     LISTEN_RE,
+    ServedImage,
     ServedKey,
     SupervisedExportDriver,
     check_key,
     file_size,
     source_file,
+    source_size,
 )
 from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus
@@ -473,6 +475,20 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         assert err is not None
         raise DriverError(f"cannot open {path} for {what}: {err.desc}") from err
 
+    def _add_rbd_node(self, node: str, image: ServedImage, *, read_only: bool, what: str) -> None:
+        """A node on an RBD image, opened by the daemon's librbd. The cephx key is read by librbd
+        from the keyring file the conf names: nothing secret crosses QMP or lands in a log.
+        ``cache.direct`` turns librbd's write-back cache off: a write is acknowledged once the
+        OSDs have it, as a file node's O_DIRECT write is once the disk has it."""
+        try:
+            self._q("blockdev-add", {
+                "driver": "rbd", "node-name": node, "pool": image.pool, "image": image.image,
+                "conf": image.conf, "user": image.user, "cache": {"direct": self.cache_direct},
+                "read-only": read_only, "discard": "unmap",
+            })
+        except QmpCommandError as exc:
+            raise DriverError(f"cannot open the RBD image {image.pool}/{image.image} for {what}: {exc.desc}") from exc
+
     def _del_nodes(self, nodes: Iterable[str], live: _Live) -> None:
         """Delete those of ``nodes`` the daemon has, in order (a parent before its child)."""
         for node in nodes:
@@ -488,7 +504,10 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         if chain.raw_node in live.nodes:
             return False
         self._del_nodes((chain.file_node,), live)  # the leftover of an interrupted attempt
-        self._add_file_node(chain.file_node, served.path, read_only=chain.read_only, what=served.key)
+        if served.rbd is not None:
+            self._add_rbd_node(chain.file_node, served.rbd, read_only=chain.read_only, what=served.key)
+        else:
+            self._add_file_node(chain.file_node, served.path, read_only=chain.read_only, what=served.key)
         try:
             self._q("blockdev-add", {"driver": "raw", "node-name": chain.raw_node, "file": chain.file_node,
                                      "read-only": chain.read_only, "discard": "unmap"})
@@ -649,11 +668,11 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     def _live_keys(self) -> set[str]:
         return {pair[0] for export_id in self._live_exports() if (pair := _key_host(export_id)) is not None}
 
-    def _ensure(self, item: _Served | None, key: str, path: Path, host: HostIdentity, read_only: bool
+    def _ensure(self, item: _Served | None, key: str, source: ExportSource, host: HostIdentity, read_only: bool
                 ) -> Connection:
         """A name of its own for the host, on the key's newest chain (a new chain if that one is
         stale or read-only for a writer)."""
-        served = item or _Served(key=key, path=str(path))
+        served = item or _Served(key=key, **ServedKey.fields_of(source))
         cur = served.current(host.name)
         live = self._view()
         if cur is not None:
@@ -664,7 +683,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
                 self._save()
             return self._connection(cur)
         chain = served.newest()
-        if chain is None or not _fits(chain, read_only, file_size(key, path)):
+        if chain is None or not _fits(chain, read_only, source_size(key, source)):
             if chain is not None and self._copying(served, live):
                 # A new chain would escape the copy-before-write filter of the running copy.
                 raise RetryLater(f"a point-in-time copy of {key} is running; a new chain of it must wait")
@@ -768,7 +787,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             live = self._view()
             found = self._find_copy(copy_id)
             if found is None:
-                served = self._serving(key, path) or _Served(key=key, path=str(path))
+                served = self._serving(key, FileSource(path)) or _Served(key=key, path=str(path))
                 found = self._start_copy(copy_id, served, target, live)
             served, copy = found
             if served.key != key or copy.target != str(target):

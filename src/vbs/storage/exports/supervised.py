@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -23,15 +23,18 @@ from vbs import ids
 from vbs.daemons import Daemon, DaemonSpec
 from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
-from vbs.storage.exports.base import ExportSource, FileSource
+from vbs.storage.exports.base import ExportSource, FileSource, RbdSource
 from vbs.wire.connection import HOST_NAME_RE, Connection, HostIdentity
 from vbs.wire.storage import ExportInfo
 
 __all__ = [
     "ServedKey",
+    "ServedImage",
     "SupervisedExportDriver",
     "check_key",
+    "checked_source",
     "source_file",
+    "source_size",
     "file_size",
     "LISTEN_RE",
 ]
@@ -98,14 +101,64 @@ def file_size(key: str, path: Path) -> int:
         raise _missing(key, path) from None
 
 
+def checked_source(key: str, source: ExportSource) -> ExportSource:
+    """``source`` if it can be served: a file that exists, or an image whose cluster configuration
+    is a file (the image itself is the daemon's to open)."""
+    if isinstance(source, RbdSource):
+        if not source.conf.is_file():
+            raise InvalidParameter(f"the Ceph configuration {source.conf} of {key} is not a file")
+        return source
+    return FileSource(source_file(key, source))
+
+
+def source_size(key: str, source: ExportSource) -> int:
+    """The bytes ``source`` has now: a file's own size, an image's as its backend read it."""
+    if isinstance(source, RbdSource):
+        if source.size_bytes is None:
+            raise InvalidParameter(f"the RBD source of {key} must say its size")
+        return source.size_bytes
+    return file_size(key, source_file(key, source))
+
+
 # -- the driver skeleton --------------------------------------------------------------------------
 
 
+class ServedImage(BaseModel):
+    """The RBD image a key is served from (no key material: librbd reads the keyring ``conf`` names)."""
+
+    pool: str
+    image: str
+    conf: str
+    user: str
+
+    def source(self) -> RbdSource:
+        return RbdSource(pool=self.pool, image=self.image, conf=Path(self.conf), user=self.user)
+
+
 class ServedKey(BaseModel):
-    """One desired item of an export driver: everything it serves under one key, from one file."""
+    """One desired item of an export driver: everything it serves under one key, from one source:
+    the file ``path``, or the RBD image ``rbd``."""
 
     key: str
-    path: str
+    path: str = ""
+    rbd: ServedImage | None = None
+
+    @staticmethod
+    def fields_of(source: ExportSource) -> dict[str, Any]:
+        """The fields that name ``source`` (a new item is ``Item(key=…, **ServedKey.fields_of(s))``)."""
+        if isinstance(source, RbdSource):
+            return {"path": "", "rbd": ServedImage(pool=source.pool, image=source.image, conf=str(source.conf),
+                                                   user=source.user)}
+        return {"path": str(source.path), "rbd": None}
+
+    def serves(self, source: ExportSource) -> bool:
+        fields = self.fields_of(source)
+        return bool(self.path == fields["path"] and self.rbd == fields["rbd"])
+
+    def describe(self) -> str:
+        if self.rbd is not None:
+            return f"rbd:{self.rbd.pool}/{self.rbd.image}"
+        return self.path
 
 
 ItemT = TypeVar("ItemT", bound=ServedKey)
@@ -200,12 +253,13 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
     def _list(self) -> list[ExportInfo]:
         """``list_exports`` of the running daemon."""
 
-    def _check_source(self, path: Path) -> None:
+    def _check_source(self, source: ExportSource) -> None:
         """Refuse a source this protocol cannot serve (``InvalidParameter``), before any daemon runs."""
 
     @abstractmethod
-    def _ensure(self, item: ItemT | None, key: str, path: Path, host: HostIdentity, read_only: bool) -> Connection:
-        """``ensure_export`` with the daemon up; ``item`` (if any) serves ``path``."""
+    def _ensure(self, item: ItemT | None, key: str, source: ExportSource, host: HostIdentity, read_only: bool
+                ) -> Connection:
+        """``ensure_export`` with the daemon up; ``item`` (if any) serves ``source``."""
 
     @abstractmethod
     def _remove(self, item: ItemT | None, key: str, host_name: str) -> None:
@@ -213,7 +267,7 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
 
     @abstractmethod
     def _refresh(self, item: ItemT, host_name: str, size: int) -> Connection:
-        """``refresh_export`` with the daemon up, for a host ``item`` has, ``size`` the file's now."""
+        """``refresh_export`` with the daemon up, for a host ``item`` has, ``size`` the source's now."""
 
     @abstractmethod
     def _retire(self, item: ItemT, host_name: str) -> None:
@@ -225,11 +279,11 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
                       ) -> Connection:
         """Serve ``source`` under ``key`` to ``host`` only; idempotent (same names and secrets)."""
         check_key(key)
-        path = source_file(key, source)
-        self._check_source(path)
+        source = checked_source(key, source)
+        self._check_source(source)
         with self._lock:
             self._up()
-            return self._ensure(self._serving(key, path), key, path, host, read_only)
+            return self._ensure(self._serving(key, source), key, source, host, read_only)
 
     def remove_export(self, key: str, host_name: str) -> None:
         """Withdraw ``host_name``'s export of ``key``; idempotent (absent is success)."""
@@ -244,14 +298,15 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
         """A connection that reports the source's grown size; ``NotFound`` if there is no export."""
         check_key(key)
         _check_host(host_name)
-        path = source_file(key, source)
+        source = checked_source(key, source)
+        self._check_source(source)
         with self._lock:
             self._load()
             item = self._desired.get(key)
             if item is None or host_name not in self._hosts(item):
                 raise NotFound(f"{key} is not exported to {host_name}", code="InvalidAttachment.NotFound")
-            self._serving(key, path)
-            size = file_size(key, path)
+            self._serving(key, source)
+            size = source_size(key, source)
             self._up()
             return self._refresh(item, host_name, size)
 
@@ -281,11 +336,11 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
             self._load()
             return self._list() if self._running() else []
 
-    def _serving(self, key: str, path: Path) -> ItemT | None:
-        """The desired item of ``key``, which must serve ``path`` (a key is one source)."""
+    def _serving(self, key: str, source: ExportSource) -> ItemT | None:
+        """The desired item of ``key``, which must serve ``source`` (a key is one source)."""
         item = self._desired.get(key)
-        if item is not None and item.path != str(path):
-            raise IdempotentParameterMismatch(f"{key} is served from {item.path}, not {path}")
+        if item is not None and not item.serves(source):
+            raise IdempotentParameterMismatch(f"{key} is served from {item.describe()}, not {source}")
         return item
 
     # -- the daemon's life -------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""A real single-node Ceph cluster for the tests (Debian's Ceph 16), one per test session and xdist worker.
+
+It is ``vbs.ceph.EmbeddedCeph`` in a fresh 0700 directory under /tmp: a mon on free loopback ports, a
+mgr and one bluestore OSD on a sparse file. Each test gets a Ceph pool of its own. At the end the
+daemons are stopped by their PIDs (the OSD before the mon) and the test checks that every PID is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from pathlib import Path
+
+from vbs.ceph import EmbeddedCeph
+
+
+class CephForTests:
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="vbs-ceph-", dir="/tmp"))
+        self.cluster = EmbeddedCeph(self.dir)
+        self._names = itertools.count(1)
+
+    @property
+    def conf_path(self) -> Path:
+        return self.cluster.conf_path
+
+    def start(self) -> None:
+        self.cluster.start()
+
+    def new_pool(self) -> str:
+        """A new, empty RBD pool: its name."""
+        name = f"t{next(self._names)}"
+        self.cluster.create_pool(name)
+        return name
+
+    def stop(self) -> None:
+        pids = self.cluster.pids
+        self.cluster.stop()
+        alive = [f"{name} ({pid})" for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]
+        assert not alive, f"Ceph daemons still running: {alive}"
+        shutil.rmtree(self.dir, ignore_errors=True)

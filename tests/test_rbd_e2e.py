@@ -1,0 +1,158 @@
+"""RBD volumes end to end, real parts only: a single-node Ceph, the controller, a storage agent
+``--backend rbd --export nbd``, a host agent and a guest that writes and reads through its disks.
+
+The controller, the host agent and QEMU are the same as for file volumes: the storage agent's
+qemu-storage-daemon opens the image and serves it over NBD. Every process is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ceph import CephForTests
+from tests.conftest import Services, Vbs, wait_until
+from vbs.ids import virtio_serial
+from vbs.testguest import TestGuest, build_guest, pattern_sha256
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+SPAN_MIB = 8
+
+
+@dataclass
+class RbdCloud:
+    svc: Services
+    ceph: CephForTests
+    pool: str
+    guest: TestGuest
+
+    @property
+    def vbs(self) -> Vbs:
+        return self.svc.vbs
+
+    def rbd(self, *args: str) -> Any:
+        """What the rbd tool answers in JSON."""
+        proc = subprocess.run(["rbd", "--conf", str(self.ceph.conf_path), *args, "--format", "json"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(proc.stdout or "null")
+
+    def attach(self, volume_id: str, device: str) -> str:
+        self.vbs.cli("attach-volume", volume_id, "--host", "host-1", "--vm", self.guest.name, "--device", device,
+                     "--wait")
+        return self.guest.wait_for_disk(virtio_serial(volume_id), 60)
+
+    def detach(self, volume_id: str) -> None:
+        assert self.vbs.cli("detach-volume", volume_id, "--wait")["state"] == "detached"
+        self.guest.wait_disk_gone(virtio_serial(volume_id), 60)
+
+    def snapshot(self, volume_id: str) -> str:
+        r = self.vbs.http.post("/v1/snapshots", json={"volume_id": volume_id})
+        assert r.status_code == 200, r.text
+        return str(self.vbs.wait_snapshot(r.json()["snapshot_id"], "completed", timeout=120)["snapshot_id"])
+
+    def assert_consistent(self) -> None:
+        """The reconciler's check (inventory, exports, disks against the DB) finds nothing."""
+        report = self.vbs.http.get("/v1/admin/check").json()
+        assert report["clean"], report["findings"]
+
+    def new_volume(self, **body: object) -> str:
+        vol = self.vbs.create_volume(**body)["volume_id"]
+        self.vbs.wait_volume(vol, "available", timeout=120)
+        return str(vol)
+
+
+@pytest.fixture
+def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
+    pool = ceph.new_pool()
+    svc = Services(tmp_path)
+    guest: TestGuest | None = None
+    try:
+        svc.start_controller()
+        svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
+                        "--ceph-user", "admin", "--rbd-pool", pool)
+        vm_dir = svc.start_host_agent("host-1")
+        guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vm_dir)
+        guest.start()
+        guest.wait_ready(120)
+        wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running"
+                               for i in svc.vbs.http.get("/v1/instances").json()["instances"]), 60, what="guest")
+        yield RbdCloud(svc, ceph, pool, guest)
+    finally:
+        if guest is not None:
+            guest.stop()
+        svc.stop()
+
+
+def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(cloud: RbdCloud) -> None:
+    vbs, guest = cloud.vbs, cloud.guest
+    parent = cloud.new_volume(size_gib=1)
+    dev = cloud.attach(parent, "vdb")
+    guest.check(f"yes rbd-parent | head -c {SPAN_MIB * MIB} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null",
+                timeout=180)
+    snap = cloud.snapshot(parent)  # while attached: an RBD snapshot is taken at one instant
+    # Written after the snapshot: the clone must not see it.
+    guest.check(f"yes later | head -c {MIB} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null", timeout=60)
+
+    clone = cloud.new_volume(snapshot_id=snap)
+    assert clone in cloud.rbd("ls", cloud.pool)
+    clone_dev = cloud.attach(clone, "vdc")
+    assert guest.checksum(clone_dev, SPAN_MIB) == pattern_sha256("rbd-parent", SPAN_MIB)
+    cloud.detach(clone)
+    cloud.detach(parent)
+
+    # The parent goes while its snapshot and the clone remain: the clone keeps its data.
+    assert vbs.http.delete(f"/v1/volumes/{parent}").status_code == 200
+    wait_until(lambda: vbs.http.get(f"/v1/volumes/{parent}").status_code == 404
+               or vbs.volume(parent)["status"] == "deleted", 60, what=f"{parent} deleted")
+    clone_dev = cloud.attach(clone, "vdb")
+    assert guest.checksum(clone_dev, SPAN_MIB) == pattern_sha256("rbd-parent", SPAN_MIB)
+    guest.check(f"yes clone | head -c {MIB} | dd of=/dev/{clone_dev} bs=1M conv=fsync 2>/dev/null", timeout=60)
+    cloud.assert_consistent()  # images, snapshots, the export and the guest's disk as the DB says
+    cloud.detach(clone)
+    cloud.assert_consistent()
+
+    # Ceph and the DB agree: the clone is the one volume, the snapshot lives on the retired parent.
+    live_volumes = {v["volume_id"] for v in vbs.all_volumes() if v["status"] != "deleted"}
+    live_snaps = {s["snapshot_id"] for s in vbs.http.get("/v1/snapshots").json()["snapshots"]
+                  if s["status"] != "deleted"}
+    images = set(cloud.rbd("ls", cloud.pool))
+    assert live_volumes == {clone} == {i for i in images if i.startswith("vol-")}
+    assert images == {clone, f"vbs-retired-{parent}"}
+    rbd_snaps = {s["name"] for i in images for s in cloud.rbd("snap", "ls", f"{cloud.pool}/{i}")}
+    assert rbd_snaps == live_snaps == {snap}
+
+
+def test_the_cephx_key_is_not_on_the_export_daemons_argv_nor_in_the_agents_log(cloud: RbdCloud) -> None:
+    vol = cloud.new_volume(size_gib=1)
+    dev = cloud.attach(vol, "vdb")
+    cloud.guest.check(f"dd if=/dev/{dev} of=/dev/null bs=1M count=1 2>/dev/null")
+    key = _admin_key(cloud.ceph)
+    pidfiles = list((cloud.svc.data_dir / "storage-state").rglob("qsd.pid"))
+    assert len(pidfiles) == 1
+    pid = int(pidfiles[0].read_text())
+    assert b"qemu-storage-daemon" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+    agent_log = (cloud.svc.tmp / "agent.log").read_bytes()
+    assert b"backend rbd" in agent_log  # the log is the agent's, and it got this far
+    assert key.encode() not in agent_log
+    for f in (cloud.svc.data_dir / "storage-state").rglob("*"):
+        if f.is_file():
+            assert key.encode() not in f.read_bytes(), f
+    cloud.detach(vol)
+
+
+def _admin_key(ceph: CephForTests) -> str:
+    for line in ceph.cluster.admin_keyring.read_text().splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name.strip() == "key":
+            return value.strip()
+    raise AssertionError("no key in the admin keyring")
