@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vbs.errors import DriverError, InvalidParameter
-from vbs.processes import minimal_environment, pid_alive
+from vbs.processes import minimal_environment, stop_child
 
 __all__ = ["EmbeddedCeph", "CLUSTER_DIR", "pgs_all_clean"]
 
@@ -282,17 +281,6 @@ log file =
         """Stop the OSDs, then the mgr, then the mon, each by its PID; wait until each is gone."""
         rank = {"osd": 0, "mgr": 1, "mon": 2}
         for name in sorted(self._procs, key=lambda n: (rank[n.split(".", 1)[0]], n)):
-            _stop(self._procs.pop(name))
+            stop_child(self._procs.pop(name), timeout=STOP_TIMEOUT_S, what="the Ceph daemon")
         self._procs.clear()
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(STOP_TIMEOUT_S)
-    if pid_alive(proc.pid):
-        raise DriverError(f"the Ceph daemon {proc.pid} is still running")

@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from vbs.errors import DriverError, InvalidParameter
-from vbs.processes import cmdline, pid_alive
+from vbs.processes import cmdline, pid_alive, stop_child
 
 __all__ = ["EmbeddedPostgres", "CLUSTER_DIR", "holds_cluster"]
 
@@ -170,14 +170,8 @@ class EmbeddedPostgres:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGQUIT)
-            proc.wait(STOP_TIMEOUT_S)
-        if pid_alive(proc.pid):
-            raise DriverError(f"the PostgreSQL postmaster {proc.pid} is still running")
+        stop_child(proc, timeout=STOP_TIMEOUT_S, what="the PostgreSQL postmaster", first=signal.SIGINT,
+                   last=signal.SIGQUIT)
 
     # -- databases -----------------------------------------------------------------------------
 

@@ -8,7 +8,26 @@ recycled PID never gets a signal meant for a daemon that is gone.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
+
+from vbs.errors import DriverError
+
+
+def stop_child(proc: subprocess.Popen[bytes], *, timeout: float, what: str,
+               first: signal.Signals = signal.SIGTERM, last: signal.Signals = signal.SIGKILL) -> None:
+    """Stop a child of this process by its PID: ``first``, then ``last`` if it has not exited within
+    ``timeout``; ``DriverError`` naming ``what`` if its PID is still alive after that."""
+    if proc.poll() is None:
+        proc.send_signal(first)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(last)
+            proc.wait(timeout)
+    if pid_alive(proc.pid):
+        raise DriverError(f"{what} {proc.pid} is still running")
 
 
 def pid_alive(pid: int) -> bool:
