@@ -28,6 +28,14 @@ class CephForTests:
     def start(self) -> None:
         self.cluster.start()
 
+    def admin_key(self) -> str:
+        """The cephx key of client.admin, read from its keyring (to check it leaks nowhere)."""
+        for line in self.cluster.admin_keyring.read_text().splitlines():
+            name, sep, value = line.strip().partition("=")
+            if sep and name.strip() == "key":
+                return value.strip()
+        raise AssertionError("no key in the admin keyring")
+
     def new_pool(self) -> str:
         """A new, empty RBD pool: its name."""
         name = f"t{next(self._names)}"

@@ -134,7 +134,7 @@ def test_the_cephx_key_is_not_on_the_export_daemons_argv_nor_in_the_agents_log(c
     vol = cloud.new_volume(size_gib=1)
     dev = cloud.attach(vol, "vdb")
     cloud.guest.check(f"dd if=/dev/{dev} of=/dev/null bs=1M count=1 2>/dev/null")
-    key = _admin_key(cloud.ceph)
+    key = cloud.ceph.admin_key()
     pidfiles = list((cloud.svc.data_dir / "storage-state").rglob("qsd.pid"))
     assert len(pidfiles) == 1
     pid = int(pidfiles[0].read_text())
@@ -149,10 +149,3 @@ def test_the_cephx_key_is_not_on_the_export_daemons_argv_nor_in_the_agents_log(c
             assert key.encode() not in f.read_bytes(), f
     cloud.detach(vol)
 
-
-def _admin_key(ceph: CephForTests) -> str:
-    for line in ceph.cluster.admin_keyring.read_text().splitlines():
-        name, sep, value = line.strip().partition("=")
-        if sep and name.strip() == "key":
-            return value.strip()
-    raise AssertionError("no key in the admin keyring")

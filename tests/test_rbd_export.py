@@ -142,7 +142,7 @@ def test_the_cephx_key_is_on_no_argv_and_in_no_state_or_log_file(served: RbdBack
     served.connection_for(vol, HOST)
     exports = served.exports
     assert isinstance(exports, NbdExportDriver) and exports.pid is not None
-    key = _admin_key(ceph)
+    key = ceph.admin_key()
     assert key.encode() not in Path(f"/proc/{exports.pid}/cmdline").read_bytes()
     assert key.encode() not in Path(f"/proc/{exports.pid}/environ").read_bytes()
     for f in exports.state_dir.rglob("*"):
@@ -152,10 +152,3 @@ def test_the_cephx_key_is_on_no_argv_and_in_no_state_or_log_file(served: RbdBack
     assert oct(exports.state_dir.stat().st_mode & 0o777) == oct(0o700)
     served.remove_connection(vol, HOST.name)
 
-
-def _admin_key(ceph: CephForTests) -> str:
-    for line in ceph.cluster.admin_keyring.read_text().splitlines():
-        name, sep, value = line.strip().partition("=")
-        if sep and name.strip() == "key":
-            return value.strip()
-    raise AssertionError("no key in the admin keyring")
