@@ -20,13 +20,11 @@ import argparse
 import os
 import statistics
 import subprocess
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.control_plane import BENCH_LIMITS, VBS, Api, VbsUp, free_port, log, pct, table
+from bench.control_plane import BENCH_LIMITS, VBS, Api, VbsUp, concurrent_creates, free_port, log, pct, table
 from tests.postgres import PostgresForTests
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -143,22 +141,10 @@ def measure(install: Install, apis: list[Api], creates: int, threads: int, seque
         seq.append((time.perf_counter() - t) * 1000)
     apis[0].wait_none_creating(300)
 
-    lat: list[float] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        api = apis[i % len(apis)]
-        t = time.perf_counter()
-        api.post("/v1/volumes", {"size_gib": 1})
-        ms = (time.perf_counter() - t) * 1000
-        with lock:
-            lat.append(ms)
-
     ctl = install.controller_pids()
     cpu0 = cpu_seconds(ctl), cpu_seconds(pg_pids)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(creates)))
+    lat = concurrent_creates(apis, creates, threads)
     accepted = time.monotonic()
     available = apis[0].wait_none_creating(600)
     cpu1 = cpu_seconds(ctl), cpu_seconds(pg_pids)

@@ -323,20 +323,27 @@ def bench_create_sequential(api: Api, n: int) -> dict[str, Any]:
     }
 
 
-def bench_create_concurrent(api: Api, n: int, threads: int) -> dict[str, Any]:
+def concurrent_creates(apis: list[Api], n: int, threads: int) -> list[float]:
+    """``n`` creates of 1 GiB from ``threads`` clients, the i-th through ``apis[i % len]``: their API
+    latencies (ms)."""
     lat: list[float] = []
     lock = threading.Lock()
 
-    def one(_: int) -> None:
+    def one(i: int) -> None:
         t = time.perf_counter()
-        api.post("/v1/volumes", {"size_gib": 1})
+        apis[i % len(apis)].post("/v1/volumes", {"size_gib": 1})
         ms = (time.perf_counter() - t) * 1000
         with lock:
             lat.append(ms)
 
-    t0 = time.monotonic()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(n)))
+    return lat
+
+
+def bench_create_concurrent(api: Api, n: int, threads: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    lat = concurrent_creates([api], n, threads)
     t_accepted = time.monotonic()
     t_available = api.wait_none_creating(600)
     return {
