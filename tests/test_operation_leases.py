@@ -206,3 +206,21 @@ def test_a_controller_never_adopts_its_own_running_operation(db: Database) -> No
     finally:
         gate.set()
         a.stop()
+
+
+def test_the_fence_book_appends_and_compacts_without_forgetting(tmp_path: Path) -> None:
+    path = tmp_path / "fences.json"
+    book = fencing.FenceBook(path)
+    resources = [f"vol-{i:017x}" for i in range(50)]
+    for round_ in range(1, 60):  # 2,950 new highest fences: the log is compacted along the way
+        for r in resources:
+            book.admit(f"{r} {round_}")
+    assert len(path.read_text().splitlines()) < 2 * len(resources) + 1000 + 1
+    again = fencing.FenceBook(path)
+    for r in resources:
+        with pytest.raises(StaleFence):
+            again.admit(f"{r} 58")
+        again.admit(f"{r} 59")
+    with path.open("a") as f:
+        f.write("garbage line\n")
+    fencing.FenceBook(path).admit(f"{resources[0]} 59")  # unreadable lines are skipped

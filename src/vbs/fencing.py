@@ -12,7 +12,6 @@ its owner and fence as well (``vbs.controller.workflows.engine``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ _VALUE = re.compile(r"([a-z]{1,8}-[0-9a-f]{8,32}) ([0-9]{1,19})")
 # controller paused longer than this is also stopped by its conditional DB writes.
 KEEP_S = 7 * 86400
 KEEP_MAX = 200_000
+COMPACT_EVERY_S = 86400.0
 
 _current: ContextVar[tuple[str, int] | None] = ContextVar("vbs_fence", default=None)
 
@@ -65,19 +65,42 @@ def parse(value: str) -> tuple[str, int]:
 
 class FenceBook:
     """The highest fence an agent saw per resource; kept in ``path`` (0600) when one is given, so an
-    agent restart does not forget it."""
+    agent restart does not forget it.
+
+    The file is a log, one ``<resource> <fence> <time>`` line per new highest fence, appended and
+    fsynced (a call's cost does not grow with the number of resources); it is rewritten with only
+    the live entries once it holds more than twice as many lines as there are entries, once it holds
+    more than ``KEEP_MAX`` entries, and at least daily (entries older than ``KEEP_S`` go then)."""
 
     def __init__(self, path: Path | None = None) -> None:
         self._path = path
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[int, float]] = {}
+        self._lines = 0
+        self._compacted_at = time.time()
         if path is not None and path.exists():
             try:
-                raw = json.loads(path.read_text())
-                self._seen = {str(k): (int(v[0]), float(v[1])) for k, v in raw.items()}
-            except (OSError, ValueError, TypeError, IndexError) as exc:
+                self._load(path.read_text())
+            except (OSError, UnicodeDecodeError) as exc:
                 # Forgetting is safe only because the controllers' DB writes are fenced too.
                 log.warning("fence book %s unreadable (%s): starting empty", path, type(exc).__name__)
+
+    def _load(self, text: str) -> None:
+        bad = 0
+        for line in text.splitlines():
+            self._lines += 1
+            parts = line.split(" ")
+            try:
+                resource, fence = parse(f"{parts[0]} {parts[1]}")
+                at = float(parts[2])
+            except (InvalidParameter, IndexError, ValueError):
+                bad += 1
+                continue
+            seen = self._seen.get(resource)
+            if seen is None or fence >= seen[0]:
+                self._seen[resource] = (fence, max(at, seen[1]) if seen else at)
+        if bad:
+            log.warning("fence book %s: %d unreadable lines skipped", self._path, bad)
 
     def admit(self, header_value: str) -> None:
         """Accept a call carrying ``header_value`` or raise ``StaleFence`` (``InvalidParameter`` if
@@ -92,18 +115,34 @@ class FenceBook:
             changed = seen is None or fence > seen[0]
             self._seen[resource] = (fence, now)
             if changed:
-                self._save(now)
+                self._record(resource, fence, now)
 
-    def _save(self, now: float) -> None:
+    def _record(self, resource: str, fence: int, now: float) -> None:
         if self._path is None:
             return
-        if len(self._seen) > KEEP_MAX or any(t < now - KEEP_S for _f, t in self._seen.values()):
-            keep = sorted(self._seen.items(), key=lambda kv: kv[1][1], reverse=True)[:KEEP_MAX]
-            self._seen = {k: v for k, v in keep if v[1] >= now - KEEP_S}
+        if (self._lines >= 2 * len(self._seen) + 1000 or len(self._seen) > KEEP_MAX
+                or now - self._compacted_at > COMPACT_EVERY_S):
+            self._compact(now)
+            return
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, f"{resource} {fence} {now:.3f}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._lines += 1
+
+    def _compact(self, now: float) -> None:
+        """Rewrite the file with the entries seen within ``KEEP_S``, at most ``KEEP_MAX`` of them."""
+        assert self._path is not None
+        keep = sorted(self._seen.items(), key=lambda kv: kv[1][1], reverse=True)[:KEEP_MAX]
+        self._seen = {k: v for k, v in keep if v[1] >= now - KEEP_S}
         tmp = self._path.with_name(self._path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({k: [v[0], v[1]] for k, v in self._seen.items()}, f)
+            f.writelines(f"{k} {v[0]} {v[1]:.3f}\n" for k, v in self._seen.items())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._path)
+        self._lines = len(self._seen)
+        self._compacted_at = now
