@@ -458,19 +458,29 @@ def describe_operation(ctx: typer.Context, operation_id: str) -> None:
 # -- services --------------------------------------------------------------------------------------
 
 
+# Options every service command takes, declared once.
+ConfigOpt = Annotated[Path | None, typer.Option(help="vbs.toml")]
+HostOpt = Annotated[str | None, typer.Option(help="Address to listen on.")]
+PortOpt = Annotated[int | None, typer.Option(help="Port to listen on.")]
+NodeNameOpt = Annotated[str | None, typer.Option(help="This node's name, unique among nodes of its kind.")]
+ControllerUrlsOpt = Annotated[list[str] | None, typer.Option(
+    help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")]
+TlsCertOpt = Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")]
+TlsKeyOpt = Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")]
+TlsCaOpt = Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")]
+TokenFileOpt = Annotated[Path | None, typer.Option(help="File with this node's token (0600).")]
+LogJsonOpt = Annotated[bool, typer.Option("--log-json")]
+
+
 @app.command("controller")
 def controller(
-    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
-    host: Annotated[str | None, typer.Option()] = None,
-    port: Annotated[int | None, typer.Option()] = None,
+    config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None,
     data_dir: Annotated[Path | None, typer.Option()] = None,
     database_url: Annotated[str | None, typer.Option(
         help="postgresql+psycopg://… (default: SQLite in the data dir); a password belongs in the file.")] = None,
     database_url_file: Annotated[Path | None, typer.Option(help="A 0600 file holding the database URL.")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
+    tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     overcommit_ratio: Annotated[float | None, typer.Option(help="A pool promises up to capacity x this.")] = None,
     quota_volumes: Annotated[int | None, typer.Option(help="Volumes per tenant.")] = None,
     quota_gib: Annotated[int | None, typer.Option(help="GiB of volumes per tenant.")] = None,
@@ -479,7 +489,7 @@ def controller(
         help="This controller's id among several on one database (default: <hostname>-<port>).")] = None,
     advertise_url: Annotated[str | None, typer.Option(
         help="The URL others reach this controller at (vbs describe-controllers).")] = None,
-    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+    log_json: LogJsonOpt = False,
 ) -> None:
     """Run the controller (REST API, metadata DB, workflows)."""
     from vbs import config as cfgmod
@@ -499,12 +509,8 @@ def controller(
 
 @app.command("storage-agent")
 def storage_agent(
-    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
-    host: Annotated[str | None, typer.Option()] = None,
-    port: Annotated[int | None, typer.Option()] = None,
-    node_name: Annotated[str | None, typer.Option()] = None,
-    controller_url: Annotated[list[str] | None, typer.Option(
-        help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
+    config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None,
+    node_name: NodeNameOpt = None, controller_url: ControllerUrlsOpt = None,
     pool_path: Annotated[Path | None, typer.Option(help="The directory of the one pool 'default'.")] = None,
     pool: Annotated[list[str] | None, typer.Option(
         "--pool", help="NAME=PATH: a pool this node serves (repeat for several; replaces --pool-path).")] = None,
@@ -523,12 +529,8 @@ def storage_agent(
         help="rbd backend: the cluster's ceph.conf (it names the user's keyring).")] = None,
     ceph_user: Annotated[str | None, typer.Option(help="rbd backend: the cephx user (default: admin).")] = None,
     rbd_pool: Annotated[str | None, typer.Option(help="rbd backend: the Ceph pool (default: rbd).")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
-    agent_token_file: Annotated[Path | None, typer.Option(help="File with this node's token (0600).")] = None,
-    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+    tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
+    agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
     """Run a storage agent (backends and exports of one volume server)."""
     from vbs import config as cfgmod
@@ -549,22 +551,14 @@ def storage_agent(
 
 @app.command("host-agent")
 def host_agent(
-    config: Annotated[Path | None, typer.Option(help="vbs.toml")] = None,
-    host: Annotated[str | None, typer.Option()] = None,
-    port: Annotated[int | None, typer.Option()] = None,
-    node_name: Annotated[str | None, typer.Option()] = None,
-    controller_url: Annotated[list[str] | None, typer.Option(
-        help="A controller's URL; repeat it (or separate URLs by commas) for each controller.")] = None,
+    config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None,
+    node_name: NodeNameOpt = None, controller_url: ControllerUrlsOpt = None,
     vm_dir: Annotated[Path | None, typer.Option(help="Directory of <vm>.qmp sockets.")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="This agent's own state (0700; fences).")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="This service's certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Its private key (PEM, 0600).")] = None,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA that peers' certificates chain to.")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")] = False,
-    agent_token_file: Annotated[Path | None, typer.Option(help="File with this node's token (0600).")] = None,
-    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+    tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
+    agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
     """Run a host agent (hot-plug into the VMs of one hypervisor node)."""
     from vbs import config as cfgmod
@@ -603,7 +597,7 @@ def up(
     controllers: Annotated[int, typer.Option(
         help="Controllers (1-8), on --port and the ports after it; more than one needs PostgreSQL.")] = 1,
     storage_nodes: Annotated[int, typer.Option(help="Storage agents (1-16), each with its own pool.")] = 1,
-    log_json: Annotated[bool, typer.Option("--log-json")] = False,
+    log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
     or a small cluster of them (--controllers, --storage-nodes)."""

@@ -162,6 +162,8 @@ class Instance(Base):
 
 
 class Attachment(Base):
+    """A volume's attachment to a VM on a host; ``status`` moves as states.py's table allows."""
+
     __tablename__ = "attachments"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
