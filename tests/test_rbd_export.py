@@ -1,12 +1,14 @@
-"""RBD volumes served to hosts through the NBD export: qemu-storage-daemon opens the image itself.
+"""RBD volumes served to hosts through an export: qemu-storage-daemon (NBD) or tgtd's rbd backing
+store (iSCSI) opens the image itself, for hypervisors that cannot open RBD natively.
 
 The integration tests run the rbd backend on the session's real single-node Ceph with a real
-qemu-storage-daemon (stopped by PID at teardown) and read and write through the export with qemu-io.
-The unit tests check how an ``RbdSource`` is validated and that the iSCSI export refuses one.
+qemu-storage-daemon or tgtd (stopped by PID at teardown) and read and write through the export with
+qemu-io. The unit tests check how an ``RbdSource`` is validated.
 """
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import pytest
 
 from tests.ceph import CephForTests
 from tests.export_fixtures import MiB, drivers_of
+from tests.test_iscsi_export import qemu_io as iscsi_io
+from tests.test_iscsi_export import tgtd_driver
 from tests.test_nbd_export import qemu_io
 from vbs import ids
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound
@@ -21,7 +25,7 @@ from vbs.storage.backends.rbd import RbdBackend
 from vbs.storage.exports.base import FileSource, RbdSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.wire.connection import HostIdentity, NbdConnection
+from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection
 
 QSD = "qemu-storage-daemon"
 HOST = HostIdentity(name="hv-a", address="127.0.0.1")
@@ -52,12 +56,14 @@ def test_an_rbd_source_is_named_by_its_image_not_its_size() -> None:
 
 
 @pytest.mark.unit
-def test_the_iscsi_export_refuses_an_rbd_source(tmp_path: Path) -> None:
-    conf = tmp_path / "ceph.conf"
+def test_the_iscsi_export_refuses_a_ceph_conf_path_that_tgtd_would_split(tmp_path: Path) -> None:
+    odd = tmp_path / "a;b"
+    odd.mkdir()
+    conf = odd / "ceph.conf"
     conf.write_text("[global]\n")
     drv = IscsiExportDriver(tmp_path / "state", port=3260)
     src = RbdSource("rbd", "vol-0123456789abcdef0", conf, "admin", size_bytes=MiB)
-    with pytest.raises(InvalidParameter, match="files only"):
+    with pytest.raises(InvalidParameter, match="must not contain"):
         drv.ensure_export("vol-0123456789abcdef0", src, HOST)
     assert drv.pid is None  # refused before any daemon ran
 
@@ -152,3 +158,50 @@ def test_the_cephx_key_is_on_no_argv_and_in_no_state_or_log_file(served: RbdBack
     assert oct(exports.state_dir.stat().st_mode & 0o777) == oct(0o700)
     served.remove_connection(vol, HOST.name)
 
+
+
+# -- the iSCSI export of a real image (tgtd --bstype rbd) ---------------------------------------------
+
+
+@pytest.fixture
+def served_iscsi(ceph: CephForTests, tmp_path: Path) -> Iterator[tuple[RbdBackend, str]]:
+    pool = ceph.new_pool()
+    for make in drivers_of(tgtd_driver, tmp_path, "tgtd"):
+        backend = RbdBackend("default", ceph.conf_path, rbd_pool=pool, exports=make())
+        yield backend, pool
+        backend.close()
+
+
+def _iscsi(c: object, cmd: str) -> str:
+    assert isinstance(c, IscsiConnection)
+    rc, out = iscsi_io(c, cmd)
+    assert rc == 0, out
+    return out
+
+
+@pytest.mark.integration
+def test_a_volume_written_through_tgtds_rbd_store_is_in_its_image_and_grows_on_a_new_lun(
+        served_iscsi: tuple[RbdBackend, str], ceph: CephForTests, tmp_path: Path) -> None:
+    served, pool = served_iscsi
+    vol = ids.new_id("volume")
+    served.ensure_volume(vol, 16 * MiB)
+    c = served.connection_for(vol, HOST)
+    assert isinstance(c, IscsiConnection) and c.chap_secret is not None
+    _iscsi(c, "write -P 0x6b 3M 1M")
+    # The bytes are in the image itself: read back by Ceph's own tool, not through tgtd.
+    dump = tmp_path / "image.raw"
+    subprocess.run(["rbd", "-c", str(ceph.conf_path), "export", f"{pool}/{vol}", str(dump)], check=True,
+                   capture_output=True, timeout=120)
+    data = dump.read_bytes()
+    assert data[3 * MiB:4 * MiB] == b"\x6b" * MiB and data[:MiB] == b"\0" * MiB
+
+    served.resize_volume(vol, 32 * MiB)
+    grown = served.refresh_connection(vol, HOST.name)
+    assert isinstance(grown, IscsiConnection) and grown.lun != c.lun and grown.iqn == c.iqn
+    _iscsi(grown, "write -P 0x2c 31M 1M")  # beyond the old size
+    assert "Pattern verification failed" not in _iscsi(grown, "read -P 0x6b 3M 1M")
+    served.retire_connections(vol, HOST.name)
+    served.remove_connection(vol, HOST.name)
+    assert served.exports is not None and served.exports.list_exports() == []
+    served.remove_volume(vol)  # tgtd closed the image: no watcher keeps it
+    assert vol not in served.inventory().volumes

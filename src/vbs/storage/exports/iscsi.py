@@ -42,8 +42,8 @@ from vbs.processes import cmdline, environ_value, minimal_environment
 from vbs.qemu_tls import X509Files
 from vbs.runtime import socket_path
 from vbs.storage.exports import tgt_ipc
-from vbs.storage.exports.base import ExportSource, FileSource
-from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key
+from vbs.storage.exports.base import ExportSource, RbdSource
+from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key, source_size
 from vbs.stunnel import Tunnel, server_config
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
@@ -128,6 +128,22 @@ class _Export(ServedKey):
     grants: dict[str, _Grant] = Field(default_factory=dict)
     lun: int = LUN  # the newest LUN: a host that joins gets this one
     lun_sizes: dict[int, int] = Field(default_factory=dict)  # file size when tgtd made each LUN
+    # An RBD source's size as its backend last read it (tgtd's rbd backing store opens the image
+    # itself; there is no file to stat).
+    image_size: int = 0
+
+    def backing_store(self) -> list[str]:
+        """tgtadm's arguments for a LUN of this key: a file read and written directly, or an RBD
+        image that tgtd's rbd backing store (Debian's tgt-rbd) opens with librbd as the cephx
+        user, whose key it reads from the keyring the conf names."""
+        if self.rbd is None:
+            return ["--backing-store", self.path, "--bstype", "rdwr"]
+        return ["--backing-store", f"{self.rbd.pool}/{self.rbd.image}", "--bstype", "rbd",
+                "--bsopts", f"conf={self.rbd.conf};id={self.rbd.user}"]
+
+    def store_path(self) -> str:
+        """What ``tgtadm --op show`` reports as the LUN's backing store path."""
+        return self.path if self.rbd is None else f"{self.rbd.pool}/{self.rbd.image}"
 
     def wanted_luns(self) -> set[int]:
         return {n for g in self.grants.values() for n in (g.lun, *g.old_luns)} or {self.lun}
@@ -538,20 +554,16 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         for n in sorted(wanted):
             lun = live.luns.get(n)
             if lun is None:
-                argv = ["--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", str(n),
-                        "--backing-store", exp.path, "--bstype", "rdwr"]
-                if self.direct_io and self._direct_ok(exp.path):
+                argv = ["--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", str(n), *exp.backing_store()]
+                if exp.rbd is None and self.direct_io and self._direct_ok(exp.path):
                     argv += ["--bsoflags", "direct"]
-                try:
-                    size = os.stat(exp.path).st_size  # what tgtd reads as it opens the file just below
-                except OSError as exc:
-                    raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
+                size = self._store_size(exp)  # what tgtd reads as it opens the store just below
                 self._iscsi(f"create LUN {n} of {live.iqn}", *argv)
-                lun = live.luns[n] = _LiveLun(path=exp.path)
+                lun = live.luns[n] = _LiveLun(path=exp.store_path())
                 exp.lun_sizes[n] = size
                 sizes_changed = True
-            elif lun.path != exp.path:
-                raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.path}")
+            elif lun.path != exp.store_path():
+                raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.store_path()}")
             if lun.readonly != exp.read_only:
                 # tgtadm takes no --params at LUN creation: read-only is an update right after it.
                 self._iscsi(f"set readonly={int(exp.read_only)} on LUN {n} of {live.iqn}", "--mode",
@@ -598,6 +610,15 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         except _AdmError as exc:
             if not exc.says(_E_EXISTS):
                 raise
+
+    @staticmethod
+    def _store_size(exp: _Export) -> int:
+        if exp.rbd is not None:
+            return exp.image_size
+        try:
+            return os.stat(exp.path).st_size
+        except OSError as exc:
+            raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
 
     def _direct_ok(self, path: str) -> bool:
         """Whether the file system takes O_DIRECT (tmpfs does not; tgtd would then fail the LUN)."""
@@ -749,13 +770,11 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         return {key for iqn, live in self._show().items() if live.accounts and (key := self._key_of(iqn))}
 
     def _check_source(self, source: ExportSource) -> None:
-        if not isinstance(source, FileSource):
-            # tgtd can serve an image through its rbd backing store (--bstype rbd): not done yet.
-            raise InvalidParameter(f"the iscsi export serves files only, not {type(source).__name__} "
-                                   f"(use the nbd export for RBD volumes)")
-        if "," in str(source.path):
-            # tgtd passes the backing store as "path=…,bstype=…": a comma would split it.
-            raise InvalidParameter(f"source path must not contain a comma: {source.path}")
+        # tgtd passes the backing store as "path=…,bstype=…,bsopts=…": a comma would split it, and
+        # its rbd store splits bsopts on ";".
+        named = source.conf if isinstance(source, RbdSource) else source.path
+        if "," in str(named) or ";" in str(named):
+            raise InvalidParameter(f"a path tgtd is given must not contain ',' or ';': {str(named)[:200]}")
 
     def _ensure(self, item: _Export | None, key: str, source: ExportSource, host: HostIdentity, read_only: bool
                 ) -> Connection:
@@ -766,8 +785,9 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         A second host on the same key (multi-attach) joins the same target with its own ACL
         entry and account. All hosts of a key share its mode: the read-only flag is per LUN.
         """
-        assert isinstance(source, FileSource)  # _check_source refused anything else
-        exp = item or _Export(key=key, path=str(source.path), read_only=read_only)
+        exp = item or _Export(key=key, **ServedKey.fields_of(source), read_only=read_only)
+        if isinstance(source, RbdSource):
+            exp.image_size = source_size(key, source)
         if exp.read_only != read_only:
             raise IdempotentParameterMismatch(
                 f"{key} is already exported with read_only={exp.read_only} to "
@@ -860,6 +880,8 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
         now keeps serving until ``retire_exports``. Same target, ACL and CHAP account; the
         connection differs in its LUN only."""
         exp, grant = item, item.grants[host_name]
+        if exp.rbd is not None:
+            exp.image_size = size  # a LUN made from now on opens the grown image
         view = self._show()
         # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
         self._apply(exp, view)
