@@ -23,6 +23,32 @@ from vbs.testguest import TestGuest, build_guest
 MIB = 1 << 20
 
 
+def rbd_json(conf: Path, *args: str) -> Any:
+    """What ``rbd ARGS --format json`` answers (as client.admin of the cluster ``conf`` names)."""
+    proc = subprocess.run(["rbd", "--conf", str(conf), *args, "--format", "json"], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise AssertionError(f"rbd {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout or "null")
+
+
+def rbd_export_sha256(conf: Path, spec: str, mib: int) -> str:
+    """sha256 of the first ``mib`` MiB of the image ``pool/image[@snap]`` as ``rbd export`` reads it."""
+    proc = subprocess.Popen(["rbd", "--conf", str(conf), "export", spec, "-"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    digest, left = hashlib.sha256(), mib * MIB
+    try:
+        while left > 0 and (chunk := proc.stdout.read(min(left, MIB))):
+            digest.update(chunk)
+            left -= len(chunk)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    assert left == 0, f"rbd export of {spec} ended {left} bytes short"
+    return digest.hexdigest()
+
+
 @dataclass
 class RbdCloud:
     svc: Services
@@ -36,25 +62,10 @@ class RbdCloud:
 
     def rbd(self, *args: str) -> Any:
         """What the rbd tool answers in JSON."""
-        proc = subprocess.run(["rbd", "--conf", str(self.ceph.conf_path), *args, "--format", "json"],
-                              capture_output=True, text=True, timeout=60, check=True)
-        return json.loads(proc.stdout or "null")
+        return rbd_json(self.ceph.conf_path, *args)
 
     def export_sha256(self, image: str, mib: int) -> str:
-        """sha256 of the first ``mib`` MiB of ``image`` as ``rbd export`` reads it from the cluster."""
-        proc = subprocess.Popen(["rbd", "--conf", str(self.ceph.conf_path), "export", f"{self.pool}/{image}", "-"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert proc.stdout is not None
-        digest, left = hashlib.sha256(), mib * MIB
-        try:
-            while left > 0 and (chunk := proc.stdout.read(min(left, MIB))):
-                digest.update(chunk)
-                left -= len(chunk)
-        finally:
-            proc.kill()
-            proc.wait(60)
-        assert left == 0, f"rbd export of {image} ended {left} bytes short"
-        return digest.hexdigest()
+        return rbd_export_sha256(self.ceph.conf_path, f"{self.pool}/{image}", mib)
 
     def attach(self, volume_id: str, device: str) -> str:
         self.vbs.cli("attach-volume", volume_id, "--host", "host-1", "--vm", self.guest.name, "--device", device,

@@ -83,7 +83,7 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Services, free_port, reap_daemons, stop_process, wait_until
-from tests.world import WorldSpec, converge, qsd_pids, read_db, tgtd_pids, vm_view
+from tests.world import WorldSpec, converge, new_operation, qsd_pids, read_db, step_state, tgtd_pids, vm_view
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -521,23 +521,6 @@ def start_flow(c: Cluster, point: Point, prep: Prep, *, crashing: bool) -> None:
     assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
 
 
-def new_operation(c: Cluster, kind: str, known: set[str]) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        ops = [o for i, o in read_db(c.data_dir).operations.items() if i not in known and o["kind"] == kind]
-        return ops[-1] if ops else None
-
-    return wait_until(find, 30, what=f"a new {kind} operation")  # type: ignore[no-any-return]
-
-
-def step_state(c: Cluster, op_id: str, step: str) -> str | None:
-    import sqlite3
-
-    with sqlite3.connect(f"file:{c.data_dir / 'vbs.db'}?mode=ro", uri=True, timeout=10) as db:
-        row = db.execute("SELECT state FROM operation_steps WHERE operation_id = ? AND name = ?",
-                         (op_id, step)).fetchone()
-    return row[0] if row else None
-
-
 def wait_mid_copy(c: Cluster, point: Point, op: dict[str, Any]) -> None:
     """Until the copy of ``op``'s item has data in its .partial file and is not finished."""
     kind = "volumes" if point.flow.kind == "create-volume" else "snapshots"
@@ -635,7 +618,7 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
         moment = point.moment if point.component == "controller" else "started"
         c.restart_controller(VBS_CRASH_AT=f"{flow.kind}:{point.step}:{moment}")
         start_flow(c, point, prep, crashing=True)
-        op = new_operation(c, flow.kind, known)
+        op = new_operation(c.data_dir, flow.kind, known)
         c.wait_controller_killed()
         if point.component != "controller":
             c.kill(role)
@@ -646,7 +629,7 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
             c.restart(role)
     elif point.mid_copy:
         start_flow(c, point, prep, crashing=False)
-        op = new_operation(c, flow.kind, known)
+        op = new_operation(c.data_dir, flow.kind, known)
         wait_mid_copy(c, point, op)
         c.kill(role)
         t0 = time.monotonic()
@@ -656,11 +639,11 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
         os.kill(pid, signal.SIGSTOP)
         try:
             start_flow(c, point, prep, crashing=False)
-            op = new_operation(c, flow.kind, known)
-            wait_until(lambda: step_state(c, op["id"], point.step) in ("started", "done"), 60,
+            op = new_operation(c.data_dir, flow.kind, known)
+            wait_until(lambda: step_state(c.data_dir, op["id"], point.step) in ("started", "done"), 60,
                        what=f"step {point.step} started")
             time.sleep(INFLIGHT_GRACE_S)
-            state = step_state(c, op["id"], point.step)
+            state = step_state(c.data_dir, op["id"], point.step)
             assert state == "started", f"step {point.step} is {state} although {role} is frozen: it does not call it"
         finally:
             c.kill(role, pid if role == DAEMON else None)
