@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.ceph import CephForTests
 from tests.conftest import Services, wait_until
 from tests.rbd_cloud import MIB, rbd_export_sha256
-from tests.world import converge_rbd, new_operation, read_db, step_state
+from tests.world import converge_rbd, new_operation, read_db, send_request, step_state, storage_request
 
 pytestmark = pytest.mark.integration
 
@@ -66,17 +65,21 @@ class Flow:
     step: str  # its step that calls the storage agent
     tool: tuple[str, ...]  # the rbd subcommand of that call that changes the pool
     resume: str  # rollback | forward
+    request: str  # the storage workflow whose request starts it (tests.world.storage_request)
     needs_snapshot: bool = False
 
 
 FLOWS = {f.name: f for f in (
-    Flow("create-volume", "create-volume", "storage-create", ("create",), "rollback"),
-    Flow("create-volume-from-snapshot", "create-volume", "storage-create", ("clone",), "rollback", True),
-    Flow("create-snapshot", "create-snapshot", "storage-snapshot", ("snap", "create"), "rollback"),
-    Flow("delete-volume", "delete-volume", "storage-delete", ("rm",), "forward"),
-    Flow("delete-volume-with-snapshot", "delete-volume", "storage-delete", ("rename",), "forward", True),
-    Flow("delete-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", True),
-    Flow("delete-last-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", True),
+    Flow("create-volume", "create-volume", "storage-create", ("create",), "rollback", "create-volume"),
+    Flow("create-volume-from-snapshot", "create-volume", "storage-create", ("clone",), "rollback",
+         "create-volume-from-snapshot", True),
+    Flow("create-snapshot", "create-snapshot", "storage-snapshot", ("snap", "create"), "rollback", "create-snapshot"),
+    Flow("delete-volume", "delete-volume", "storage-delete", ("rm",), "forward", "delete-volume"),
+    Flow("delete-volume-with-snapshot", "delete-volume", "storage-delete", ("rename",), "forward", "delete-volume",
+         True),
+    Flow("delete-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", "delete-snapshot", True),
+    Flow("delete-last-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", "delete-snapshot",
+         True),
 )}
 MODES = ("inflight", "agent-frozen", "controller-done", "osd")
 CI_POINTS = {
@@ -184,23 +187,8 @@ def prepare(s: RbdServices, flow: Flow) -> Prep:
 
 def start_flow(s: RbdServices, flow: Flow, prep: Prep, *, crashing: bool) -> None:
     """Ask for the workflow. A controller that crashes at once may die before it answers: that is fine."""
-    requests: dict[str, tuple[str, str, dict[str, Any] | None]] = {
-        "create-volume": ("POST", "/v1/volumes", {"size_gib": 1}),
-        "create-volume-from-snapshot": ("POST", "/v1/volumes", {"snapshot_id": prep.snapshot_id}),
-        "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": prep.volume_id}),
-        "delete-volume": ("DELETE", f"/v1/volumes/{prep.volume_id}", None),
-        "delete-volume-with-snapshot": ("DELETE", f"/v1/volumes/{prep.volume_id}", None),
-        "delete-snapshot": ("DELETE", f"/v1/snapshots/{prep.snapshot_id}", None),
-        "delete-last-snapshot": ("DELETE", f"/v1/snapshots/{prep.snapshot_id}", None),
-    }
-    method, path, body = requests[flow.name]
-    try:
-        r = s.vbs.http.request(method, path, json=body)
-    except httpx.HTTPError:
-        if crashing:
-            return
-        raise
-    assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
+    method, path, body = storage_request(flow.request, prep.volume_id, prep.snapshot_id)
+    send_request(s.vbs.http, method, path, body, crashing=crashing)
 
 
 def _children(pid: int) -> list[int]:
@@ -244,15 +232,6 @@ def kill_agent_mid_call(s: RbdServices, flow: Flow, timeout: float = 60.0) -> No
     raise AssertionError(f"the storage agent never ran rbd {' '.join(flow.tool)}")
 
 
-def wait_controller_killed(s: RbdServices) -> None:
-    assert s.controller is not None
-    try:
-        s.controller.wait(60)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the controller did not reach its crash point within 60 s") from None
-    assert s.controller.returncode == -signal.SIGKILL, f"controller exited with {s.controller.returncode}"
-
-
 def check_outcome(s: RbdServices, flow: Flow, mode: str, prep: Prep, op: dict[str, Any]) -> str:
     """The workflow's own result, once the world agrees; returns the operation's final status."""
     db = read_db(s.data_dir)
@@ -288,13 +267,10 @@ def run_point(s: RbdServices, flow: Flow, mode: str, osd_down_s: float) -> tuple
     prep = prepare(s, flow)
     if mode in ("agent-frozen", "controller-done"):
         moment = "started" if mode == "agent-frozen" else "done"
-        assert s.controller is not None
-        s.controller.terminate()
-        s.controller.wait(30)
-        s.start_controller(VBS_CRASH_AT=f"{flow.kind}:{flow.step}:{moment}")
+        s.restart_controller(VBS_CRASH_AT=f"{flow.kind}:{flow.step}:{moment}")
         start_flow(s, flow, prep, crashing=True)
         op = new_operation(s.data_dir, flow.kind, prep.known)
-        wait_controller_killed(s)
+        s.wait_controller_killed()
         if mode == "agent-frozen":
             s.kill_agent()
         t0 = time.monotonic()

@@ -83,7 +83,18 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Services, free_port, reap_daemons, stop_process, wait_until
-from tests.world import WorldSpec, converge, new_operation, qsd_pids, read_db, step_state, tgtd_pids, vm_view
+from tests.world import (
+    WorldSpec,
+    converge,
+    new_operation,
+    qsd_pids,
+    read_db,
+    send_request,
+    step_state,
+    storage_request,
+    tgtd_pids,
+    vm_view,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -312,19 +323,6 @@ class Cluster(Services):
 
         wait_until(up, 60, what=f"{what} listening")
 
-    def restart_controller(self, **env: str) -> None:
-        assert self.controller is not None
-        stop_process(self.controller)
-        self.start_controller(**env)
-
-    def wait_controller_killed(self) -> None:
-        assert self.controller is not None
-        try:
-            self.controller.wait(60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the controller did not reach its crash point within 60 s") from None
-        assert self.controller.returncode == -signal.SIGKILL, f"controller exited with {self.controller.returncode}"
-
     def daemon_pid(self) -> int:
         pids = qsd_pids(self.state_dir) if self.protocol == "nbd" else tgtd_pids(self.iscsi_control)
         assert len(pids) == 1, f"expected one export daemon, found {pids}"
@@ -501,24 +499,14 @@ def start_flow(c: Cluster, point: Point, prep: Prep, *, crashing: bool) -> None:
     assert c.vm is not None
     name = point.flow_name
     requests: dict[str, tuple[str, str, dict[str, Any] | None]] = {
-        "create-volume": ("POST", "/v1/volumes", {"size_gib": 1}),
-        "create-volume-from-snapshot": ("POST", "/v1/volumes", {"snapshot_id": prep.snapshot_id}),
-        "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": prep.volume_id}),
-        "delete-volume": ("DELETE", f"/v1/volumes/{prep.volume_id}", None),
-        "delete-snapshot": ("DELETE", f"/v1/snapshots/{prep.snapshot_id}", None),
         "attach-volume": ("POST", f"/v1/volumes/{prep.volume_id}/attach",
                           {"host": c.host, "vm_id": c.vm.name, "device": next(c.devices)}),
         "detach-volume": ("POST", f"/v1/volumes/{prep.volume_id}/detach", {"force": True}),
         "modify-volume": ("POST", f"/v1/volumes/{prep.volume_id}/modify", {"size_gib": 2}),
     }
-    method, path, body = requests[name]
-    try:
-        r = c.vbs.http.request(method, path, json=body)
-    except httpx.HTTPError:
-        if crashing:
-            return
-        raise
-    assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
+    method, path, body = requests[name] if name in requests else storage_request(name, prep.volume_id,
+                                                                                  prep.snapshot_id)
+    send_request(c.vbs.http, method, path, body, crashing=crashing)
 
 
 def wait_mid_copy(c: Cluster, point: Point, op: dict[str, Any]) -> None:

@@ -98,6 +98,31 @@ def assert_world_agrees(svc: Services) -> None:
     assert not running, f"unfinished operations: {running}"
 
 
+def storage_request(flow: str, volume_id: str | None,
+                    snapshot_id: str | None) -> tuple[str, str, dict[str, Any] | None]:
+    """The REST request (method, path, body) that starts a storage workflow: ``create-volume``,
+    ``create-volume-from-snapshot``, ``create-snapshot``, ``delete-volume`` or ``delete-snapshot``."""
+    return {
+        "create-volume": ("POST", "/v1/volumes", {"size_gib": 1}),
+        "create-volume-from-snapshot": ("POST", "/v1/volumes", {"snapshot_id": snapshot_id}),
+        "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": volume_id}),
+        "delete-volume": ("DELETE", f"/v1/volumes/{volume_id}", None),
+        "delete-snapshot": ("DELETE", f"/v1/snapshots/{snapshot_id}", None),
+    }[flow]
+
+
+def send_request(http: httpx.Client, method: str, path: str, body: dict[str, Any] | None, *,
+                 crashing: bool) -> None:
+    """Ask for a workflow. A controller armed to crash (``crashing``) may die before it answers: that is fine."""
+    try:
+        r = http.request(method, path, json=body)
+    except httpx.HTTPError:
+        if crashing:
+            return
+        raise
+    assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
+
+
 def new_operation(data_dir: Path, kind: str, known: set[str]) -> dict[str, Any]:
     """The operation of ``kind`` that is not in ``known``, once the controller has recorded it."""
     def find() -> dict[str, Any] | None:
