@@ -612,7 +612,8 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
     else:
         out = []
 
-    out += ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    tunables = ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    out += tunables
     for protocol, tool in (("nbd", "fio"), ("iscsi", "qemu-img")):
         scored = []
         for v in VARIANTS:
@@ -636,6 +637,8 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
                 out.append(f"  - the default ({default[1].label}) is best or within {NOISE:.0%} of the best: keep it")
             else:
                 out.append(f"  - {best.label} beats the default by {best_g / default[0] - 1:.0%}: consider it")
+    if out[-len(tunables):] == tunables:  # nothing to compare (--backend rbd)
+        del out[-len(tunables):]
     return out + [""]
 
 
