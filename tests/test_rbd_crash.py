@@ -47,7 +47,15 @@ import pytest
 from tests.ceph import CephForTests
 from tests.conftest import Services, wait_until
 from tests.rbd_cloud import MIB, rbd_export_sha256
-from tests.world import converge_rbd, new_operation, read_db, send_request, step_state, storage_request
+from tests.world import (
+    converge_rbd,
+    new_operation,
+    rbd_disagreements,
+    read_db,
+    send_request,
+    step_state,
+    storage_request,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -216,8 +224,9 @@ def _runs(argv: list[str], tool: tuple[str, ...]) -> bool:
     return any(tuple(argv[i:i + n]) == tool for i in range(1, len(argv) - n + 1))
 
 
-def kill_agent_mid_call(s: RbdServices, flow: Flow, timeout: float = 60.0) -> None:
-    """SIGKILL the agent and its ``rbd`` child the moment that child runs ``flow.tool``."""
+def kill_agent_mid_call(s: RbdServices, flow: Flow, timeout: float = 60.0) -> bool:
+    """SIGKILL the agent and its ``rbd`` child the moment that child runs ``flow.tool``; whether the
+    tool was still at work when it was killed (not already exited and waiting to be reaped)."""
     assert s.agent is not None
     agent = s.agent.pid
     deadline = time.monotonic() + timeout
@@ -225,9 +234,10 @@ def kill_agent_mid_call(s: RbdServices, flow: Flow, timeout: float = 60.0) -> No
         for child in _children(agent):
             if _runs(_argv(child), flow.tool):
                 os.kill(agent, signal.SIGKILL)
+                working = bool(_argv(child))  # a zombie has no command line any more
                 os.kill(child, signal.SIGKILL)  # the tool dies with the agent's service
                 s.agent.wait(30)
-                return
+                return working
         time.sleep(0.001)
     raise AssertionError(f"the storage agent never ran rbd {' '.join(flow.tool)}")
 
@@ -280,7 +290,8 @@ def run_point(s: RbdServices, flow: Flow, mode: str, osd_down_s: float) -> tuple
             s.start_agent()
     elif mode == "inflight":
         start_flow(s, flow, prep, crashing=False)
-        kill_agent_mid_call(s, flow)
+        if not kill_agent_mid_call(s, flow):
+            print(f"{flow.name}: rbd {' '.join(flow.tool)} had finished when the agent was killed")
         op = new_operation(s.data_dir, flow.kind, prep.known)
         t0 = time.monotonic()
         time.sleep(AGENT_DOWN_S)
@@ -312,3 +323,29 @@ def test_rbd_crash_point(svc: RbdServices, flow: Flow, mode: str, request: pytes
 def test_the_ci_points_are_points_of_the_matrix() -> None:
     assert CI_POINTS <= {f"{f}-{m}" for f in FLOWS for m in MODES}
     assert {p.split("-")[-1] for p in CI_POINTS} >= {"inflight", "frozen", "done", "osd"}
+
+
+def test_the_rbd_world_check_finds_what_disagrees_with_the_db(svc: RbdServices) -> None:
+    """The oracle is not vacuous: each kind of drift it is meant to catch, made by hand, is reported."""
+    vol = svc.vbs.create_volume(size_gib=1)["volume_id"]
+    svc.vbs.wait_volume(vol, "available", timeout=120)
+    svc.converge()
+    conf, pool = str(svc.ceph.conf_path), svc.pool
+
+    def tool(*argv: str) -> None:
+        subprocess.run([argv[0], "--conf", conf, *argv[1:]], capture_output=True, check=True, timeout=120)
+
+    stray, stray_snap = "vol-0123456789abcdef0", "snap-0123456789abcdef0"
+    tool("rbd", "create", "--size", "1M", f"{pool}/{stray}")
+    tool("rbd", "snap", "create", f"{pool}/{vol}@{stray_snap}")
+    tool("rados", "-p", pool, "create", "rbd_id.vol-0fedcba9876543210")
+    tool("rbd", "resize", "--size", "2G", f"{pool}/{vol}")
+    found = "\n".join(rbd_disagreements(svc.data_dir, svc.vbs.http, svc.ceph.conf_path, pool))
+    assert f"orphan image {pool}/{stray}" in found, found
+    assert f"orphan snapshot {pool}/{vol}@{stray_snap}" in found, found
+    assert "rbd_id.vol-0fedcba9876543210 of an image rbd does not list" in found, found
+    assert f"image {pool}/{vol} has {2 << 30} bytes" in found, found
+    tool("rbd", "snap", "rm", f"{pool}/{vol}@{stray_snap}")
+    tool("rbd", "rm", f"{pool}/{vol}")
+    found = "\n".join(rbd_disagreements(svc.data_dir, svc.vbs.http, svc.ceph.conf_path, pool))
+    assert f"missing image {pool}/{vol}" in found, found
