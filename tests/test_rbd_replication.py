@@ -27,6 +27,7 @@ import pytest
 from tests.ceph import CephForTests
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
+from vbs.errors import InvalidParameter
 from vbs.testguest import pattern_sha256
 
 pytestmark = pytest.mark.integration
@@ -80,6 +81,11 @@ def _osds_up(cloud: RbdCloud) -> int:
 def test_writes_go_on_while_an_osd_is_killed_and_recovery_restores_the_second_copy(
         ceph3: CephForTests, tmp_path: Path) -> None:
     cluster = ceph3.cluster
+    for bad in (lambda: cluster.kill_osd(7), lambda: cluster.start_osd(0),  # no osd.7; osd.0 runs
+                lambda: cluster.create_pool("bad", 2, min_size=3), lambda: cluster.create_pool("bad", 4)):
+        with pytest.raises(InvalidParameter):
+            bad()
+    assert len(cluster.osd_ids()) == 3 and all(f"osd.{i}" in cluster.pids for i in cluster.osd_ids())
     pool = ceph3.new_pool(size=2, min_size=1)
     with running_rbd_cloud(ceph3, pool, tmp_path) as cloud:
         assert _json(cloud, "osd", "pool", "get", pool, "size")["size"] == 2
