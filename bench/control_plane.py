@@ -13,6 +13,7 @@ files) is removed at the end; processes are stopped by their PID, never by name.
 
     .venv/bin/python bench/control_plane.py            # the full run (several minutes)
     .venv/bin/python bench/control_plane.py --quick    # a short run
+    .venv/bin/python bench/control_plane.py --backend rbd   # snapshot/clone on RBD (bench/rbd_control.py)
 """
 
 from __future__ import annotations
@@ -847,8 +848,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--cluster", action="store_true",
                    help="only the cluster mode: creates through 1 and 2 controllers on PostgreSQL vs 1 on SQLite")
+    p.add_argument("--backend", choices=("file", "rbd"), default="file",
+                   help="rbd: only snapshot/clone on the rbd backend, on a Ceph this starts (bench/rbd_control.py)")
+    p.add_argument("--rbd-sizes", default="1,4,16", help="rbd: volume sizes in GiB (default 1,4,16)")
+    p.add_argument("--rbd-rounds", type=int, default=None, help="rbd: rounds per size (default 30; --quick 5)")
+    p.add_argument("--rbd-data-mib", type=int, default=256, help="rbd: MiB written over each volume (default 256)")
     args = p.parse_args(argv)
     quick = args.quick
+    args.rbd_sizes = [int(s) for s in args.rbd_sizes.split(",") if s.strip() and int(s) > 0]
+    args.rbd_rounds = args.rbd_rounds if args.rbd_rounds is not None else (5 if quick else 30)
     args.sizes = [int(s) for s in (args.sizes or ("1" if quick else "1,16")).split(",") if s.strip() and int(s) > 0]
     args.creates = args.creates if args.creates is not None else (100 if quick else 1000)
     args.create_wait = args.create_wait if args.create_wait is not None else (20 if quick else 50)
@@ -885,18 +893,20 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
 
     threading.Thread(target=sample_load, name="load-sampler", daemon=True).start()
-    if args.cluster:
-        from bench import cluster_mode
+    if args.backend == "rbd" or args.cluster:
+        # A mode of its own: its module runs it and reports it.
+        from bench import cluster_mode, rbd_control
 
+        name, mode = ("rbd", rbd_control) if args.backend == "rbd" else ("cluster", cluster_mode)
         with workdir(args.work_dir) as work:
-            cluster = cluster_mode.run(work, args)
+            figures = mode.run(work, args)
         sampling.set()
         if loads:
             info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
         print("\n".join(f"{k}: {v}" for k, v in info.items()))
-        print(cluster_mode.report(cluster))
+        print(rbd_control.report(figures, args) if name == "rbd" else cluster_mode.report(figures))
         if args.json:
-            args.json.write_text(json.dumps({"machine": info, "cluster": cluster}, indent=2, default=str))
+            args.json.write_text(json.dumps({"machine": info, name: figures}, indent=2, default=str))
         return 0
     with workdir(args.work_dir) as work:
         log(f"work dir {work} ({fs_type(work)}, {free_gib(work):.1f} GiB free)")

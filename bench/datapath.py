@@ -31,11 +31,19 @@ listening socket from outside (pidfd_getfd; accepted connections inherit it), wh
 server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
 sending reply"). tgtd sets it on its own connections.
 
-Each run starts with the file evicted from the page cache. Every daemon is stopped by its driver
-(by PID) in a ``finally``; only 127.0.0.1 is used.
+``--backend rbd``: the same file is imported into an RBD image of a single-node Ceph the benchmark
+starts (``vbs.ceph.EmbeddedCeph``, one OSD on a sparse file, pool size 1), and ``qemu-img bench``
+measures, in the same run, the local file, QEMU opening the image with its own librbd (``driver=rbd``,
+``cache=none``, as a VM with ``-blockdev driver=rbd`` would; client.admin's keyring from the conf: a
+benchmark's shortcut, never the product's) and the product's path, the storage agent's NBD export of
+the image (qemu-storage-daemon's librbd); it prints each ratio.
+
+Each run starts with the file evicted from the page cache (not the OSD's own cache). Every daemon
+is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
 
     .venv/bin/python bench/datapath.py            # one round (about 10 minutes)
     .venv/bin/python bench/datapath.py --quick    # 3 s per figure (about 4 minutes)
+    .venv/bin/python bench/datapath.py --backend rbd   # local file vs librbd vs NBD over RBD
 """
 
 from __future__ import annotations
@@ -64,10 +72,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
+from vbs.ceph import EmbeddedCeph  # noqa: E402
 from vbs.pki import CertificateAuthority  # noqa: E402
 from vbs.qemu_tls import X509Files, qemu_x509_dir  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
-from vbs.storage.exports.base import FileSource  # noqa: E402
+from vbs.storage.exports.base import FileSource, RbdSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
@@ -138,6 +147,7 @@ class Variant:
     nodelay: bool = False  # experimental: TCP_NODELAY forced on the daemon's sockets
     default: bool = False  # the drivers' defaults
     transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
+    backend: str = "file"  # what is served: the volume file, or an RBD image of it (--backend rbd)
 
 
 VARIANTS = (
@@ -169,7 +179,13 @@ VARIANTS = (
     Variant("iscsi-tgtdefaults", "iSCSI direct, tgt default segment lengths", "iscsi", "qemu-img",
             iscsi_tuning=()),
     Variant("iscsi-large", "iSCSI direct, 1 MiB segments", "iscsi", "qemu-img", iscsi_tuning=TGT_LARGE),
+    Variant("rbd-librbd-q", "RBD, QEMU's own librbd (driver=rbd, cache=none)", "rbd", "qemu-img", backend="rbd"),
+    Variant("rbd-nbd-q", "RBD over NBD (qemu-storage-daemon's librbd)", "nbd", "qemu-img",
+            {"aio": "native", "cache_direct": True}, backend="rbd"),
 )
+# --backend rbd: the local file, QEMU on librbd, and the product's path (NBD over the daemon's librbd).
+RBD_VARIANTS = ("local-qemu", "rbd-librbd-q", "rbd-nbd-q")
+RBD_POOL = "bench"
 
 
 @dataclass
@@ -344,8 +360,22 @@ def quiet_driver_logs() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], list[str], int | None]]:
-    """Serve ``volume`` as ``v`` says; yield (fio target args, qemu-img target args, daemon pid)."""
+def served(v: Variant, volume: Path, work: Path,
+           rbd: RbdSource | None = None) -> Iterator[tuple[list[str], list[str], int | None]]:
+    """Serve ``volume`` (or its copy in the RBD image ``rbd``) as ``v`` says; yield (fio target args,
+    qemu-img target args, daemon pid)."""
+    source: FileSource | RbdSource = FileSource(volume)
+    if v.backend == "rbd":
+        if rbd is None:
+            raise ValueError(f"{v.key} needs --backend rbd")
+        source = rbd
+    if v.protocol == "rbd":
+        # QEMU opens the image itself, as a VM started with -blockdev driver=rbd would: as client.admin,
+        # its key read from the keyring the conf names (a benchmark's shortcut, never the product's).
+        assert isinstance(source, RbdSource)
+        yield [], ["-t", "none", "--image-opts", f"driver=raw,file.driver=rbd,file.pool={source.pool},"
+                   f"file.image={source.image},file.conf={source.conf},file.user={source.user}"], None
+        return
     if v.protocol == "local":
         yield ([f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"],
                ["-f", "raw", "-t", "none", "-i", "native", str(volume)], None)
@@ -367,7 +397,7 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
         nbd = NbdExportDriver(state, "127.0.0.1", free_port(), **kw)
         try:
             nbd.start()
-            c = nbd.ensure_export(VOLUME_ID, FileSource(volume), HOST)
+            c = nbd.ensure_export(VOLUME_ID, source, HOST)
             assert isinstance(c, NbdConnection)
             if c.socket is not None:
                 opts = (f"driver=raw,file.driver=nbd,file.server.type=unix,file.server.path={c.socket},"
@@ -418,12 +448,12 @@ def served(v: Variant, volume: Path, work: Path) -> Iterator[tuple[list[str], li
             shutil.rmtree(state, ignore_errors=True)
 
 
-def measure(v: Variant, volume: Path, work: Path, runtime: float) -> dict[str, Any]:
+def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource | None = None) -> dict[str, Any]:
     """All workloads through one export of ``v``."""
     size = volume.stat().st_size
     figures: dict[str, Figure] = {}
     notes: list[str] = []
-    with quiet_driver_logs() as warnings, served(v, volume, work) as (fio_target, qemu_target, pid):
+    with quiet_driver_logs() as warnings, served(v, volume, work, rbd) as (fio_target, qemu_target, pid):
         if v.nodelay and pid is not None:
             try:
                 notes.append(f"TCP_NODELAY set on {force_nodelay(pid)} socket(s) of the daemon (its listener: "
@@ -523,8 +553,25 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     if notes:
         lines += ["Notes:", *notes, ""]
     lines += transports(figs)
+    lines += rbd_paths(figs)
     lines += verdicts(figs, baseline)
     return "\n".join(lines)
+
+
+def rbd_paths(figs: dict[str, dict[str, Figure]]) -> list[str]:
+    """What serving an RBD image over NBD costs against QEMU opening it with librbd, same run and tool."""
+    librbd, nbd, local = figs.get("rbd-librbd-q"), figs.get("rbd-nbd-q"), figs.get("local-qemu")
+    if librbd is None or nbd is None:
+        return []
+    rows = [["RBD over NBD / QEMU's librbd", *[fmt_ratio(ratio(nbd.get(w.key), librbd.get(w.key)))
+                                                for w in WORKLOADS]]]
+    if local is not None:
+        rows += [["QEMU's librbd / local file", *[fmt_ratio(ratio(librbd.get(w.key), local.get(w.key)))
+                                                  for w in WORKLOADS]],
+                 ["RBD over NBD / local file", *[fmt_ratio(ratio(nbd.get(w.key), local.get(w.key)))
+                                                 for w in WORKLOADS]]]
+    return ["## RBD: the NBD path vs QEMU's own librbd (qemu-img bench, same run)", "",
+            table(["ratio", *[w.key for w in WORKLOADS]], rows), ""]
 
 
 def transports(figs: dict[str, dict[str, Figure]]) -> list[str]:
@@ -560,9 +607,13 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
         rows.append([f"{v.label} [{v.tool}]",
                      f"{fmt_ratio(sr)} {'met' if sr is not None and sr >= TARGET_SEQ_READ else 'NOT met'}",
                      f"{fmt_ratio(rr)} {'met' if rr is not None and rr >= TARGET_RAND_READ else 'NOT met'}"])
-    out += [table(["path", f"seq read >= {TARGET_SEQ_READ}", f"rand read >= {TARGET_RAND_READ}"], rows), ""]
+    if rows:
+        out += [table(["path", f"seq read >= {TARGET_SEQ_READ}", f"rand read >= {TARGET_RAND_READ}"], rows), ""]
+    else:
+        out = []
 
-    out += ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    tunables = ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    out += tunables
     for protocol, tool in (("nbd", "fio"), ("iscsi", "qemu-img")):
         scored = []
         for v in VARIANTS:
@@ -586,6 +637,8 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
                 out.append(f"  - the default ({default[1].label}) is best or within {NOISE:.0%} of the best: keep it")
             else:
                 out.append(f"  - {best.label} beats the default by {best_g / default[0] - 1:.0%}: consider it")
+    if out[-len(tunables):] == tunables:  # nothing to compare (--backend rbd)
+        del out[-len(tunables):]
     return out + [""]
 
 
@@ -603,6 +656,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="where the file goes (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--list", action="store_true", help="list the variant keys and exit")
+    p.add_argument("--backend", choices=("file", "rbd"), default="file",
+                   help="rbd: the file copied into an RBD image of a Ceph this starts, read and written by QEMU's "
+                        f"librbd and over NBD, next to the local file ({', '.join(RBD_VARIANTS)})")
     args = p.parse_args(argv)
     if args.runtime is None:
         args.runtime = 3.0 if args.quick else 10.0
@@ -615,7 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in VARIANTS:
             print(f"{v.key:18} {v.tool:9} {v.label}")
         return 0
-    chosen = [v for v in VARIANTS if args.only is None or v.key in args.only.split(",")]
+    only = args.only.split(",") if args.only else (list(RBD_VARIANTS) if args.backend == "rbd" else None)
+    chosen = [v for v in VARIANTS if (v.key in only if only is not None else v.backend == "file")]
     need = {"fio", "qemu-img"} | ({"qemu-storage-daemon"} if any(v.protocol == "nbd" for v in chosen) else set()) | (
         {"tgtd", "tgtadm"} if any(v.protocol == "iscsi" for v in chosen) else set())
     missing = sorted(t for t in need if shutil.which(t) is None)
@@ -625,21 +682,34 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     work = Path(tempfile.mkdtemp(prefix="vbs-dp-", dir=args.work_dir))
     results: dict[str, dict[str, Any]] = {v.key: {"runs": [], "notes": []} for v in chosen}
+    rbd: RbdSource | None = None
     try:
-        volume = work / "volume.img"
-        log(f"writing {args.size_gib} GiB of random data to {volume}")
-        make_volume(volume, args.size_gib * GIB)
-        for rnd in range(args.rounds):
-            for v in chosen:
-                log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
-                try:
-                    res = measure(v, volume, work, args.runtime)
-                except Exception as exc:  # one broken variant must not lose the others' figures
-                    log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
-                    results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
-                    continue
-                results[v.key]["runs"].append(res)
-                results[v.key]["notes"] += [n for n in res["notes"] if n not in results[v.key]["notes"]]
+        with contextlib.ExitStack() as stack:
+            volume = work / "volume.img"
+            log(f"writing {args.size_gib} GiB of random data to {volume}")
+            make_volume(volume, args.size_gib * GIB)
+            if any(v.backend == "rbd" for v in chosen):
+                ceph = EmbeddedCeph(work / "cluster", osds=1, osd_size_gib=max(16, 3 * args.size_gib))
+                stack.callback(ceph.stop)
+                log("starting a single-node Ceph and importing the file into an RBD image")
+                ceph.start()
+                ceph.create_pool(RBD_POOL, 1)
+                run_tool(["rbd", "--conf", str(ceph.conf_path), "import", "--image-feature",
+                          "layering,exclusive-lock,object-map,fast-diff,deep-flatten", str(volume),
+                          f"{RBD_POOL}/{VOLUME_ID}"], timeout=1800)
+                rbd = RbdSource(pool=RBD_POOL, image=VOLUME_ID, conf=ceph.conf_path, user="admin")
+                info["ceph"] = "1 OSD (bluestore on a sparse file of the same disk), pool size 1"
+            for rnd in range(args.rounds):
+                for v in chosen:
+                    log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
+                    try:
+                        res = measure(v, volume, work, args.runtime, rbd)
+                    except Exception as exc:  # one broken variant must not lose the others' figures
+                        log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
+                        results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+                        continue
+                    results[v.key]["runs"].append(res)
+                    results[v.key]["notes"] += [n for n in res["notes"] if n not in results[v.key]["notes"]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = report(results, args, info)

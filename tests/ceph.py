@@ -16,9 +16,9 @@ from vbs.ceph import EmbeddedCeph
 
 
 class CephForTests:
-    def __init__(self) -> None:
+    def __init__(self, osds: int = 1) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="vbs-ceph-", dir="/tmp"))
-        self.cluster = EmbeddedCeph(self.dir)
+        self.cluster = EmbeddedCeph(self.dir, osds)
         self._names = itertools.count(1)
 
     @property
@@ -36,10 +36,10 @@ class CephForTests:
                 return value.strip()
         raise AssertionError("no key in the admin keyring")
 
-    def new_pool(self) -> str:
-        """A new, empty RBD pool: its name."""
+    def new_pool(self, size: int = 1, min_size: int = 1) -> str:
+        """A new, empty RBD pool of ``size`` replicas: its name."""
         name = f"t{next(self._names)}"
-        self.cluster.create_pool(name)
+        self.cluster.create_pool(name, size, min_size=min_size)
         return name
 
     def stop(self) -> None:

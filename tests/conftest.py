@@ -304,6 +304,21 @@ class Services:
             env={**self.env, **env}, stdout=self._log("controller"), stderr=subprocess.STDOUT)
         wait_until(lambda: self.vbs.http.get("/health").status_code == 200, 60, what="controller")
 
+    def restart_controller(self, **env: str) -> None:
+        """Stop the controller by its PID and start it again (``env``: e.g. ``VBS_CRASH_AT``)."""
+        assert self.controller is not None
+        stop_process(self.controller)
+        self.start_controller(**env)
+
+    def wait_controller_killed(self) -> None:
+        """Until the controller armed with ``VBS_CRASH_AT`` has SIGKILLed itself at its crash point."""
+        assert self.controller is not None
+        try:
+            self.controller.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the controller did not reach its crash point within 60 s") from None
+        assert self.controller.returncode == -signal.SIGKILL, f"controller exited with {self.controller.returncode}"
+
     def start_agent(self, *extra: str) -> None:
         """The storage agent (``extra``: more flags, e.g. another backend's)."""
         self.agent = subprocess.Popen(

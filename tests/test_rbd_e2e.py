@@ -7,19 +7,15 @@ qemu-storage-daemon opens the image and serves it over NBD. Every process is sto
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.ceph import CephForTests
-from tests.conftest import Services, Vbs, wait_until
-from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest, pattern_sha256
+from tests.conftest import wait_until
+from tests.rbd_cloud import RbdCloud, running_rbd_cloud
+from vbs.testguest import pattern_sha256
 
 pytestmark = pytest.mark.integration
 
@@ -27,68 +23,10 @@ MIB = 1 << 20
 SPAN_MIB = 8
 
 
-@dataclass
-class RbdCloud:
-    svc: Services
-    ceph: CephForTests
-    pool: str
-    guest: TestGuest
-
-    @property
-    def vbs(self) -> Vbs:
-        return self.svc.vbs
-
-    def rbd(self, *args: str) -> Any:
-        """What the rbd tool answers in JSON."""
-        proc = subprocess.run(["rbd", "--conf", str(self.ceph.conf_path), *args, "--format", "json"],
-                              capture_output=True, text=True, timeout=60, check=True)
-        return json.loads(proc.stdout or "null")
-
-    def attach(self, volume_id: str, device: str) -> str:
-        self.vbs.cli("attach-volume", volume_id, "--host", "host-1", "--vm", self.guest.name, "--device", device,
-                     "--wait")
-        return self.guest.wait_for_disk(virtio_serial(volume_id), 60)
-
-    def detach(self, volume_id: str) -> None:
-        assert self.vbs.cli("detach-volume", volume_id, "--wait")["state"] == "detached"
-        self.guest.wait_disk_gone(virtio_serial(volume_id), 60)
-
-    def snapshot(self, volume_id: str) -> str:
-        r = self.vbs.http.post("/v1/snapshots", json={"volume_id": volume_id})
-        assert r.status_code == 200, r.text
-        return str(self.vbs.wait_snapshot(r.json()["snapshot_id"], "completed", timeout=120)["snapshot_id"])
-
-    def assert_consistent(self) -> None:
-        """The reconciler's check (inventory, exports, disks against the DB) finds nothing."""
-        report = self.vbs.http.get("/v1/admin/check").json()
-        assert report["clean"], report["findings"]
-
-    def new_volume(self, **body: object) -> str:
-        vol = self.vbs.create_volume(**body)["volume_id"]
-        self.vbs.wait_volume(vol, "available", timeout=120)
-        return str(vol)
-
-
 @pytest.fixture
 def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
-    pool = ceph.new_pool()
-    svc = Services(tmp_path)
-    guest: TestGuest | None = None
-    try:
-        svc.start_controller()
-        svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
-                        "--ceph-user", "admin", "--rbd-pool", pool)
-        vm_dir = svc.start_host_agent("host-1")
-        guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vm_dir)
-        guest.start()
-        guest.wait_ready(120)
-        wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running"
-                               for i in svc.vbs.http.get("/v1/instances").json()["instances"]), 60, what="guest")
-        yield RbdCloud(svc, ceph, pool, guest)
-    finally:
-        if guest is not None:
-            guest.stop()
-        svc.stop()
+    with running_rbd_cloud(ceph, ceph.new_pool(), tmp_path) as c:
+        yield c
 
 
 def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(cloud: RbdCloud) -> None:

@@ -83,7 +83,18 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Services, free_port, reap_daemons, stop_process, wait_until
-from tests.world import WorldSpec, converge, qsd_pids, read_db, tgtd_pids, vm_view
+from tests.world import (
+    WorldSpec,
+    converge,
+    new_operation,
+    qsd_pids,
+    read_db,
+    send_request,
+    step_state,
+    storage_request,
+    tgtd_pids,
+    vm_view,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -312,19 +323,6 @@ class Cluster(Services):
 
         wait_until(up, 60, what=f"{what} listening")
 
-    def restart_controller(self, **env: str) -> None:
-        assert self.controller is not None
-        stop_process(self.controller)
-        self.start_controller(**env)
-
-    def wait_controller_killed(self) -> None:
-        assert self.controller is not None
-        try:
-            self.controller.wait(60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the controller did not reach its crash point within 60 s") from None
-        assert self.controller.returncode == -signal.SIGKILL, f"controller exited with {self.controller.returncode}"
-
     def daemon_pid(self) -> int:
         pids = qsd_pids(self.state_dir) if self.protocol == "nbd" else tgtd_pids(self.iscsi_control)
         assert len(pids) == 1, f"expected one export daemon, found {pids}"
@@ -501,41 +499,14 @@ def start_flow(c: Cluster, point: Point, prep: Prep, *, crashing: bool) -> None:
     assert c.vm is not None
     name = point.flow_name
     requests: dict[str, tuple[str, str, dict[str, Any] | None]] = {
-        "create-volume": ("POST", "/v1/volumes", {"size_gib": 1}),
-        "create-volume-from-snapshot": ("POST", "/v1/volumes", {"snapshot_id": prep.snapshot_id}),
-        "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": prep.volume_id}),
-        "delete-volume": ("DELETE", f"/v1/volumes/{prep.volume_id}", None),
-        "delete-snapshot": ("DELETE", f"/v1/snapshots/{prep.snapshot_id}", None),
         "attach-volume": ("POST", f"/v1/volumes/{prep.volume_id}/attach",
                           {"host": c.host, "vm_id": c.vm.name, "device": next(c.devices)}),
         "detach-volume": ("POST", f"/v1/volumes/{prep.volume_id}/detach", {"force": True}),
         "modify-volume": ("POST", f"/v1/volumes/{prep.volume_id}/modify", {"size_gib": 2}),
     }
-    method, path, body = requests[name]
-    try:
-        r = c.vbs.http.request(method, path, json=body)
-    except httpx.HTTPError:
-        if crashing:
-            return
-        raise
-    assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
-
-
-def new_operation(c: Cluster, kind: str, known: set[str]) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        ops = [o for i, o in read_db(c.data_dir).operations.items() if i not in known and o["kind"] == kind]
-        return ops[-1] if ops else None
-
-    return wait_until(find, 30, what=f"a new {kind} operation")  # type: ignore[no-any-return]
-
-
-def step_state(c: Cluster, op_id: str, step: str) -> str | None:
-    import sqlite3
-
-    with sqlite3.connect(f"file:{c.data_dir / 'vbs.db'}?mode=ro", uri=True, timeout=10) as db:
-        row = db.execute("SELECT state FROM operation_steps WHERE operation_id = ? AND name = ?",
-                         (op_id, step)).fetchone()
-    return row[0] if row else None
+    method, path, body = requests[name] if name in requests else storage_request(name, prep.volume_id,
+                                                                                  prep.snapshot_id)
+    send_request(c.vbs.http, method, path, body, crashing=crashing)
 
 
 def wait_mid_copy(c: Cluster, point: Point, op: dict[str, Any]) -> None:
@@ -635,7 +606,7 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
         moment = point.moment if point.component == "controller" else "started"
         c.restart_controller(VBS_CRASH_AT=f"{flow.kind}:{point.step}:{moment}")
         start_flow(c, point, prep, crashing=True)
-        op = new_operation(c, flow.kind, known)
+        op = new_operation(c.data_dir, flow.kind, known)
         c.wait_controller_killed()
         if point.component != "controller":
             c.kill(role)
@@ -646,7 +617,7 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
             c.restart(role)
     elif point.mid_copy:
         start_flow(c, point, prep, crashing=False)
-        op = new_operation(c, flow.kind, known)
+        op = new_operation(c.data_dir, flow.kind, known)
         wait_mid_copy(c, point, op)
         c.kill(role)
         t0 = time.monotonic()
@@ -656,11 +627,11 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
         os.kill(pid, signal.SIGSTOP)
         try:
             start_flow(c, point, prep, crashing=False)
-            op = new_operation(c, flow.kind, known)
-            wait_until(lambda: step_state(c, op["id"], point.step) in ("started", "done"), 60,
+            op = new_operation(c.data_dir, flow.kind, known)
+            wait_until(lambda: step_state(c.data_dir, op["id"], point.step) in ("started", "done"), 60,
                        what=f"step {point.step} started")
             time.sleep(INFLIGHT_GRACE_S)
-            state = step_state(c, op["id"], point.step)
+            state = step_state(c.data_dir, op["id"], point.step)
             assert state == "started", f"step {point.step} is {state} although {role} is frozen: it does not call it"
         finally:
             c.kill(role, pid if role == DAEMON else None)

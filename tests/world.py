@@ -98,6 +98,48 @@ def assert_world_agrees(svc: Services) -> None:
     assert not running, f"unfinished operations: {running}"
 
 
+def storage_request(flow: str, volume_id: str | None,
+                    snapshot_id: str | None) -> tuple[str, str, dict[str, Any] | None]:
+    """The REST request (method, path, body) that starts a storage workflow: ``create-volume``,
+    ``create-volume-from-snapshot``, ``create-snapshot``, ``delete-volume`` or ``delete-snapshot``."""
+    return {
+        "create-volume": ("POST", "/v1/volumes", {"size_gib": 1}),
+        "create-volume-from-snapshot": ("POST", "/v1/volumes", {"snapshot_id": snapshot_id}),
+        "create-snapshot": ("POST", "/v1/snapshots", {"volume_id": volume_id}),
+        "delete-volume": ("DELETE", f"/v1/volumes/{volume_id}", None),
+        "delete-snapshot": ("DELETE", f"/v1/snapshots/{snapshot_id}", None),
+    }[flow]
+
+
+def send_request(http: httpx.Client, method: str, path: str, body: dict[str, Any] | None, *,
+                 crashing: bool) -> None:
+    """Ask for a workflow. A controller armed to crash (``crashing``) may die before it answers: that is fine."""
+    try:
+        r = http.request(method, path, json=body)
+    except httpx.HTTPError:
+        if crashing:
+            return
+        raise
+    assert r.status_code == 200 or (crashing and r.status_code >= 500), f"{method} {path}: {r.status_code} {r.text}"
+
+
+def new_operation(data_dir: Path, kind: str, known: set[str]) -> dict[str, Any]:
+    """The operation of ``kind`` that is not in ``known``, once the controller has recorded it."""
+    def find() -> dict[str, Any] | None:
+        ops = [o for i, o in read_db(data_dir).operations.items() if i not in known and o["kind"] == kind]
+        return ops[-1] if ops else None
+
+    return wait_until(find, 30, what=f"a new {kind} operation")  # type: ignore[no-any-return]
+
+
+def step_state(data_dir: Path, op_id: str, step: str) -> str | None:
+    """The state of one step of an operation, as the DB records it."""
+    with sqlite3.connect(f"file:{data_dir / 'vbs.db'}?mode=ro", uri=True, timeout=10) as db:
+        row = db.execute("SELECT state FROM operation_steps WHERE operation_id = ? AND name = ?",
+                         (op_id, step)).fetchone()
+    return row[0] if row else None
+
+
 # -- the full check ---------------------------------------------------------------------------------
 
 
@@ -590,3 +632,84 @@ def converge(spec: WorldSpec, timeout: float = 60.0, interval: float = 0.25) -> 
             raise AssertionError(f"the world did not converge within {timeout:g}s:\n  " +
                                  "\n  ".join(verdict.problems))
         time.sleep(interval)
+
+
+# -- RBD: a Ceph pool's images, snapshots and trash against the DB ------------------------------------
+
+
+RETIRED = "vbs-retired-"
+
+
+def rbd_disagreements(data_dir: Path, controller: httpx.Client, conf: Path, pool: str) -> list[str]:
+    """Everything of an rbd-backend pool that disagrees with the DB, read from Ceph with its own tools.
+
+    * ``rbd ls``: exactly the image of each ``available``/``in-use`` volume, of its recorded size, and
+      ``vbs-retired-<volume>`` of each deleted volume that still has a completed snapshot; every image
+      listed opens (``rbd ls -l``), and no ``rbd_id.*`` object names an image the pool does not list
+      (the remnant of a create cut short);
+    * ``rbd snap ls`` of each image: exactly the completed snapshots of its volume;
+    * ``rbd trash ls``: only images of volumes the DB says are gone (deleted, or a create rolled back);
+    * the DB: nothing transitional (``_check_db``), and the controller's ``/v1/admin/check`` is clean.
+    """
+    from tests.rbd_cloud import rbd_json  # the rbd tool as the RBD tests run it
+
+    v = Verdict()
+    db = read_db(data_dir)
+    _check_db(db, v)
+    live = {i: r for i, r in db.volumes.items() if r["status"] in ("available", "in-use")}
+    completed = {i: r for i, r in db.snapshots.items() if r["status"] == "completed"}
+    image_of = {vol: vol if vol in live else RETIRED + vol for vol in {s["volume_id"] for s in completed.values()}}
+    want = set(live) | set(image_of.values())
+    names = set(rbd_json(conf, "ls", pool))
+    long = rbd_json(conf, "ls", "-l", pool)
+    sizes = {e["image"]: e["size"] for e in long if "snapshot" not in e}
+    for name in sorted(names - want):
+        row = db.volumes.get(name.removeprefix(RETIRED))
+        v.add(f"orphan image {pool}/{name} (volume row: {row['status'] if row else 'none'})")
+    for name in sorted(want - names):
+        v.add(f"missing image {pool}/{name}")
+    for name in sorted(names - set(sizes)):
+        v.add(f"image {pool}/{name} is listed but does not open")
+    for vol, row in live.items():
+        if vol in sizes and sizes[vol] != row["size_gib"] * GIB:
+            v.add(f"image {pool}/{vol} has {sizes[vol]} bytes, the DB says {row['size_gib']} GiB")
+    snaps: dict[str, str] = {}
+    for name in sorted(names & set(sizes)):
+        for s in rbd_json(conf, "snap", "ls", f"{pool}/{name}"):
+            snaps[s["name"]] = name
+    for snap in sorted(set(snaps) - set(completed)):
+        row = db.snapshots.get(snap)
+        v.add(f"orphan snapshot {pool}/{snaps[snap]}@{snap} (row: {row['status'] if row else 'none'})")
+    for snap, row in sorted(completed.items()):
+        if snaps.get(snap) != image_of[row["volume_id"]]:
+            v.add(f"completed snapshot {snap} is on {snaps.get(snap)!r}, not {image_of[row['volume_id']]}")
+    trash = rbd_json(conf, "trash", "ls", pool)
+    for entry in trash:
+        row = db.volumes.get(str(entry.get("name", "")).removeprefix(RETIRED))
+        if row is None or row["status"] not in ("deleted", "error"):
+            v.add(f"image {entry} in the trash of {pool} (volume row: {row['status'] if row else 'none'})")
+    proc = subprocess.run(["rados", "--conf", str(conf), "-p", pool, "ls"], capture_output=True, text=True,
+                          timeout=120, check=True)
+    for obj in sorted(o for o in proc.stdout.split() if o.startswith("rbd_id.")):
+        if obj.removeprefix("rbd_id.") not in names | {str(e.get("name")) for e in trash}:
+            v.add(f"object {pool}/{obj} of an image rbd does not list")
+    spec = WorldSpec(data_dir=data_dir, controller=controller, agent_url="", agent_token="", protocol="nbd",
+                     state_dir=data_dir)
+    _check_reconciler(spec, v)
+    return v.problems
+
+
+def converge_rbd(data_dir: Path, controller: httpx.Client, conf: Path, pool: str,
+                 timeout: float = 90.0) -> float:
+    """Wait until ``rbd_disagreements`` finds nothing; the seconds it took. Raises with the findings if never."""
+    start = time.monotonic()
+    problems = ["not checked"]
+    while time.monotonic() - start < timeout:
+        try:
+            problems = rbd_disagreements(data_dir, controller, conf, pool)
+        except (sqlite3.Error, OSError, AssertionError, httpx.HTTPError, subprocess.SubprocessError) as exc:
+            problems = [f"check failed: {exc!r}"]
+        if not problems:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"the RBD world did not converge within {timeout:g}s:\n  " + "\n  ".join(problems))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -220,7 +221,7 @@ log file =
                 self.ceph("osd", "set-require-min-compat-client", "mimic")
                 osd_ids = [self._prepare_osd() for _ in range(self.osds)]
             else:
-                osd_ids = sorted(int(p.name.rsplit("-", 1)[1]) for p in (self.root / "osd").glob("ceph-*"))
+                osd_ids = self.osd_ids()
             self._spawn(f"mgr.{_MGR_ID}", ["ceph-mgr", *conf, "-f", "-i", _MGR_ID])
             for osd_id in osd_ids:
                 self._spawn(f"osd.{osd_id}", ["ceph-osd", *conf, "-f", "-i", str(osd_id)])
@@ -249,14 +250,18 @@ log file =
                 raise DriverError(f"the Ceph cluster in {self.root} was not active+clean within {timeout:g}s")
             time.sleep(0.3)
 
-    def create_pool(self, name: str, size: int = 1, pg_num: int = 8) -> None:
-        """An RBD pool of ``size`` replicas (idempotent), ready once its PGs are active+clean."""
+    def create_pool(self, name: str, size: int = 1, pg_num: int = 8, *, min_size: int = 1) -> None:
+        """An RBD pool of ``size`` replicas (idempotent) that takes writes while ``min_size`` of them are
+        up, ready once its PGs are active+clean."""
         if not _POOL_NAME_RE.fullmatch(name):
             raise InvalidParameter(f"invalid Ceph pool name {name[:64]!r}")
         if not 1 <= size <= self.osds:
             raise InvalidParameter(f"a pool of size {size} needs as many OSDs (this cluster has {self.osds})")
+        if not 1 <= min_size <= size:
+            raise InvalidParameter(f"min_size must be 1-{size}, not {min_size}")
         self.ceph("osd", "pool", "create", name, str(pg_num), str(pg_num), "replicated")
         self.ceph("osd", "pool", "set", name, "size", str(size), "--yes-i-really-mean-it")
+        self.ceph("osd", "pool", "set", name, "min_size", str(min_size))
         self.ceph("osd", "pool", "application", "enable", name, "rbd")
         self.wait_clean()
         self._wait_pool_stats(name)
@@ -276,6 +281,31 @@ log file =
     @property
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self._procs.items()}
+
+    def osd_ids(self) -> list[int]:
+        """The ids of this cluster's OSDs (running or not)."""
+        return sorted(int(p.name.rsplit("-", 1)[1]) for p in (self.root / "osd").glob("ceph-*"))
+
+    def kill_osd(self, osd_id: int) -> int:
+        """SIGKILL ``osd.<osd_id>`` (a crash: no clean shutdown), wait until it is gone; its PID."""
+        proc = self._procs.pop(self._osd_name(osd_id), None)
+        if proc is None:
+            raise InvalidParameter(f"osd.{osd_id} is not running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(STOP_TIMEOUT_S)
+        return proc.pid
+
+    def start_osd(self, osd_id: int) -> None:
+        """Start ``osd.<osd_id>`` again (after ``kill_osd``); ``wait_clean()`` waits until it has rejoined."""
+        name = self._osd_name(osd_id)
+        if name in self._procs:
+            raise InvalidParameter(f"{name} is running")
+        self._spawn(name, ["ceph-osd", "--conf", str(self.conf_path), "-f", "-i", str(osd_id)])
+
+    def _osd_name(self, osd_id: int) -> str:
+        if isinstance(osd_id, bool) or not isinstance(osd_id, int) or osd_id not in self.osd_ids():
+            raise InvalidParameter(f"this cluster has no osd.{osd_id!r}")
+        return f"osd.{osd_id}"
 
     def stop(self) -> None:
         """Stop the OSDs, then the mgr, then the mon, each by its PID; wait until each is gone."""
