@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from vbs.wire.base import SnapshotId, VolumeId, Wire
-from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, Connection, HostIdentity
+from vbs.wire.connection import (
+    ADDRESS_RE,
+    HOST_NAME_RE,
+    MAX_MONITORS,
+    MONITOR_RE,
+    Connection,
+    HostIdentity,
+    ProtocolName,
+)
 
 __all__ = [
     "ItemState",
@@ -66,6 +74,10 @@ class PoolInfo(Wire):
     free_bytes: int = Field(ge=0)
     clone_method: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
     point_in_time: bool
+    # The Ceph monitors of an ``rbd`` pool's cluster: the only ones the controller lets a connection
+    # of this node send a host to. Empty for pools that hand out no native connections.
+    monitors: list[Annotated[str, Field(pattern=f"^(?:{MONITOR_RE.pattern})$")]] = Field(default_factory=list,
+                                                                               max_length=MAX_MONITORS)
 
 
 class PoolList(Wire):
@@ -101,6 +113,10 @@ class ConnectionRequest(Wire):
 
     host: HostIdentity
     read_only: bool = False
+    # What the host's hypervisor opens itself (its heartbeat's capabilities): a backend whose volumes
+    # it can open natively (``rbd``) answers such a connection instead of an export. Absent (older
+    # controllers): none.
+    protocols: list[ProtocolName] = Field(default_factory=list, max_length=8)
 
 
 class ConnectionAnswer(Wire):
