@@ -214,3 +214,13 @@ def test_rbd_connector_knows_its_node_and_grows_it_in_place() -> None:
     assert not rbd.qemu_node_opens({"drv": "rbd", "file": "json:" + json.dumps({**named, "user": "admin"})}, RBD)
     assert not rbd.qemu_node_opens({"drv": "nbd", "file": "json:" + json.dumps(named)}, RBD)
     assert rbd.qemu_node_sees_growth  # block_resize to the image's new size shows it to the guest
+
+
+def test_the_qemu_driver_lists_only_the_protocols_its_operator_names(tmp_path: Path) -> None:
+    # A QEMU without the rbd block driver (Debian's qemu-block-extra) must not be sent RBD images.
+    driver = QemuDriver(tmp_path, protocols=["nbd", "iscsi"])
+    assert driver.capabilities.protocols == ["iscsi", "nbd"] and driver.capabilities.online_resize
+    assert QemuDriver(tmp_path).capabilities.protocols == ["file", "iscsi", "nbd", "rbd"]
+    for bad in (["nbd", "ceph"], []):
+        with pytest.raises(InvalidParameter, match="protocols"):
+            QemuDriver(tmp_path, protocols=bad)

@@ -49,6 +49,12 @@ class RbdCloud:
                      "--wait")
         return self.guest.wait_for_disk(virtio_serial(volume_id), 60)
 
+    def exported_over_nbd(self, volume_id: str) -> bool:
+        """Whether the guest's disk of the volume is an NBD node (else QEMU opened the image itself)."""
+        nodes = self.guest.qmp("query-named-block-nodes", {"flat": True})
+        serial = virtio_serial(volume_id)
+        return any(serial in n["node-name"] and n["drv"] == "nbd" for n in nodes)
+
     def detach(self, volume_id: str) -> None:
         assert self.vbs.cli("detach-volume", volume_id, "--wait")["state"] == "detached"
         self.guest.wait_disk_gone(virtio_serial(volume_id), 60)
@@ -69,16 +75,21 @@ class RbdCloud:
         return str(vol)
 
 
-@pytest.fixture
-def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
+def rbd_cloud(ceph: CephForTests, tmp_path: Path, *, native: bool) -> Iterator[RbdCloud]:
+    """The cloud; ``native``: the host's QEMU opens RBD itself (else its driver lists no ``rbd``, and
+    volumes reach it through the storage agent's NBD export)."""
     pool = ceph.new_pool()
     svc = Services(tmp_path)
     guest: TestGuest | None = None
+    host_config = None
+    if not native:
+        host_config = tmp_path / "host.toml"
+        host_config.write_text('[host_agent.options.qemu]\nprotocols = ["nbd", "iscsi"]\n')
     try:
         svc.start_controller()
         svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
                         "--ceph-user", "admin", "--rbd-pool", pool)
-        vm_dir = svc.start_host_agent("host-1")
+        vm_dir = svc.start_host_agent("host-1", host_config)
         guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vm_dir)
         guest.start()
         guest.wait_ready(120)
@@ -91,10 +102,17 @@ def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
         svc.stop()
 
 
+@pytest.fixture
+def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
+    """Volumes served through the storage agent's export (tests/test_rbd_native.py: opened natively)."""
+    yield from rbd_cloud(ceph, tmp_path, native=False)
+
+
 def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(cloud: RbdCloud) -> None:
     vbs, guest = cloud.vbs, cloud.guest
     parent = cloud.new_volume(size_gib=1)
     dev = cloud.attach(parent, "vdb")
+    assert cloud.exported_over_nbd(parent)  # this host's QEMU lists no rbd: the export serves it
     guest.check(f"yes rbd-parent | head -c {SPAN_MIB * MIB} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null",
                 timeout=180)
     snap = cloud.snapshot(parent)  # while attached: an RBD snapshot is taken at one instant
