@@ -106,8 +106,9 @@ def test_caps_name_the_images_objects_and_only_read_its_parents() -> None:
     assert "allow rx pool=base object_prefix rbd_header.10cc" in caps
     assert "allow rx pool=base object_prefix rbd_directory" in caps  # a parent is opened by id
     assert not [c for c in caps if "rwx" in c and ("10bb" in c or "10cc" in c or "rbd_directory" in c)]
-    read_only = rbd_access.osd_caps(VOL, [image, parent], read_only=True)
-    assert "rwx" not in read_only and f"allow rx pool=rbd object_prefix rbd_id.{VOL}" in read_only
+    read_only = rbd_access.osd_caps(VOL, [image, parent], read_only=True).split(", ")
+    assert [c for c in read_only if "rwx" in c] == ["allow rwx pool=rbd object_prefix rbd_header.10aa"]
+    assert "allow rx pool=rbd object_prefix rbd_data.10aa." in read_only
     in_namespace = rbd_access.osd_caps(VOL, [ImageRef("rbd", "t1", "10aa")], read_only=False)
     assert "allow rwx pool=rbd namespace=t1 object_prefix rbd_data.10aa." in in_namespace
     with pytest.raises(DriverError):
@@ -152,3 +153,21 @@ def test_the_controller_refuses_monitors_the_storage_node_did_not_report() -> No
         agent._vouched(RbdConnection.model_validate(conn(monitors=["10.0.0.1:3300", "10.0.0.9:3300"])))
     with pytest.raises(DriverError):
         StorageAgent(None, "s", frozenset({"10.0.0.5"}))._vouched(good)  # type: ignore[arg-type]
+
+
+def test_the_sessions_of_a_removed_user_are_found_for_blocklisting() -> None:
+    entity = f"client.vbs.host-1.{VOL}"
+    sessions = [  # as Ceph 16's "ceph tell mon.a sessions --format json" answers (abridged)
+        {"name": "osd.0", "entity_name": "osd.0", "addrs": {"addrvec": [{"type": "v2", "addr": "127.0.0.1:6830",
+                                                                          "nonce": 30033}]}},
+        {"name": "client.?", "entity_name": entity, "addrs": {"addrvec": [{"type": "any", "addr": "127.0.0.1:0",
+                                                                           "nonce": 1977626476}]}},
+        {"name": "client.4161", "entity_name": entity, "addrs": {"addrvec": [
+            {"type": "any", "addr": "[fd00::2]:0", "nonce": 7}, {"type": "any", "addr": "1.2.3.4:0 x", "nonce": 1}]}},
+        {"name": "client.4162", "entity_name": "client.admin", "addrs": {"addrvec": [
+            {"type": "any", "addr": "127.0.0.1:0", "nonce": 5}]}},
+    ]
+    assert rbd_access.parse_sessions(json.dumps(sessions), entity) == ["127.0.0.1:0/1977626476", "[fd00::2]:0/7"]
+    assert rbd_access.parse_sessions("[]", entity) == []
+    dump = {"mons": [{"name": "a"}, {"name": "b c"}, {"name": "mon-2"}]}
+    assert rbd_access.parse_mon_names(json.dumps(dump)) == ["a", "mon-2"]

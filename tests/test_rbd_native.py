@@ -63,6 +63,13 @@ def native_connection(c: RbdCloud, volume_id: str, host: str = "host-1", read_on
     return conn
 
 
+def mon_sessions(c: RbdCloud) -> set[str]:
+    """The cephx entities connected to the (single) monitor now."""
+    proc = subprocess.run(["ceph", "--conf", str(c.ceph.conf_path), "tell", "mon.a", "sessions", "--format", "json"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return {str(session.get("entity_name")) for session in json.loads(proc.stdout)}
+
+
 def ceph_user_exists(c: RbdCloud, user: str) -> bool:
     proc = subprocess.run(["ceph", "--conf", str(c.ceph.conf_path), "auth", "get", f"client.{user}"],
                           capture_output=True, text=True, timeout=60)
@@ -71,11 +78,23 @@ def ceph_user_exists(c: RbdCloud, user: str) -> bool:
 
 def as_user(c: RbdCloud, conn: dict[str, Any], key_file: Path, tool: str,
             *args: str) -> subprocess.CompletedProcess[str]:
-    """``tool`` (rbd, rados) as the connection's cephx user, its key read from ``key_file``: only the
-    monitors it names, no ceph.conf, no admin keyring."""
-    argv = [tool, "--conf", "/dev/null", "--mon-host", ",".join(conn["monitors"]), "--id", conn["user"],
+    """``tool`` (rbd, rados) as the connection's cephx user, its key read from ``key_file``."""
+    return subprocess.run(user_argv(conn, key_file, tool, *args), capture_output=True, text=True, timeout=120)
+
+
+def user_argv(conn: dict[str, Any], key_file: Path, tool: str, *args: str) -> list[str]:
+    """Only the monitors the connection names, no ceph.conf, no admin keyring."""
+    return [tool, "--conf", "/dev/null", "--mon-host", ",".join(conn["monitors"]), "--id", conn["user"],
             "--keyfile", str(key_file), "--log-to-stderr=false", "--client-mount-timeout", "15", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def qemu_io(conn: dict[str, Any], key_file: Path, *, read_only: bool) -> list[str]:
+    """QEMU's own rbd driver (``qemu-io``, commands on stdin) as the connection's user, the key in a file."""
+    host, _, port = conn["monitors"][0].rpartition(":")
+    opts = (f"driver=rbd,pool={conn['pool']},image={conn['image']},user={conn['user']},key-secret=k,conf=/dev/null,"
+            f"server.0.host={host},server.0.port={port}")
+    return ["qemu-io", *(["-r"] if read_only else []), "--object", f"secret,id=k,format=base64,file={key_file}",
+            "--image-opts", opts]
 
 
 def key_file_of(conn: dict[str, Any], path: Path) -> Path:
@@ -175,14 +194,43 @@ def test_the_key_of_one_volume_reaches_its_image_only(cloud: RbdCloud, tmp_path:
         assert "Operation not permitted" in refused.stderr or "(1)" in refused.stderr, (args, refused.stderr)
     assert not (tmp_path / "b.img").exists() or (tmp_path / "b.img").stat().st_size == 0
 
-    # A read-only connection's key reads and cannot write.
+    # A read-only connection: QEMU opens B with its key and reads, and cannot write.
+    subprocess.run(["rbd", "--conf", str(c.ceph.conf_path), "bench", "--io-type", "write", "--io-total", "16M",
+                    f"{c.pool}/{b}"], capture_output=True, timeout=120, check=True)  # data to read back
     ro = native_connection(c, b, host="host-2", read_only=True)
     ro_key = key_file_of(ro, tmp_path / "b-ro.key")
-    done = as_user(c, ro, ro_key, "rbd", "export", f"{c.pool}/{b}", str(tmp_path / "b-ro.img"))
-    assert done.returncode == 0, done.stderr
-    refused = as_user(c, ro, ro_key, "rbd", "bench", "--io-type", "write", "--io-total", "4M", f"{c.pool}/{b}")
-    assert refused.returncode != 0
-    agent_call(c, "DELETE", f"/pools/default/volumes/{b}/connections/host-2")
+    done = subprocess.run(qemu_io(ro, ro_key, read_only=True), input="read 0 4096\nquit\n", capture_output=True,
+                          text=True, timeout=120)
+    assert "read 4096/4096 bytes at offset 0" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run(qemu_io(ro, ro_key, read_only=False), input="write 0 4096\nquit\n", capture_output=True,
+                          text=True, timeout=120)
+    assert "write failed: Operation not permitted" in done.stdout + done.stderr, done.stdout + done.stderr
+    refused = as_user(c, ro, ro_key, "rbd", "resize", "--allow-shrink", "--size", "512M", f"{c.pool}/{b}")
+    assert refused.returncode != 0 and c.rbd("info", f"{c.pool}/{b}")["size"] == GIB
+
+    # A client still connected when its connection goes (a forced detach of a host that did not
+    # answer) is cut off: blocklisted, not left to use its tickets until they expire.
+    output = tmp_path / "reader.out"
+    with output.open("w") as out:
+        reader = subprocess.Popen(qemu_io(ro, ro_key, read_only=True), stdin=subprocess.PIPE, stdout=out,
+                                  stderr=subprocess.STDOUT, text=True)
+    assert reader.stdin is not None
+    try:
+        reader.stdin.write("read 0 4096\n")
+        reader.stdin.flush()
+        wait_until(lambda: f"client.{ro['user']}" in mon_sessions(c), 60, what="the reader's session")
+        agent_call(c, "DELETE", f"/pools/default/volumes/{b}/connections/host-2")
+        reader.stdin.write("read 8388608 4096\nquit\n")  # another object: not in librbd's cache
+        reader.stdin.close()
+        reader.wait(timeout=120)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    text = output.read_text()
+    assert "read 4096/4096 bytes at offset 0" in text and "read failed" in text, text
+    assert "read 4096/4096 bytes at offset 8388608" not in text
+    assert b"blocklisted" in (c.svc.tmp / "agent.log").read_bytes()
     agent_call(c, "DELETE", f"/pools/default/volumes/{b}/connections/host-2")  # idempotent
     assert not ceph_user_exists(c, ro["user"])
     refused = as_user(c, ro, ro_key, "rbd", "export", f"{c.pool}/{b}", str(tmp_path / "b-ro-2.img"))

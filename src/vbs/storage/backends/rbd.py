@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 IMAGE_FEATURES = "layering,exclusive-lock,object-map,fast-diff,deep-flatten"
 RETIRED_PREFIX = "vbs-retired-"
 COMMAND_TIMEOUT_S = 60.0
+# How long a client still connected as a removed attachment user stays blocklisted: past the life of
+# any ticket it holds (auth service ticket ttl, 1 h by default), after which it cannot authenticate.
+BLOCKLIST_S = 7200
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
@@ -376,8 +379,25 @@ class RbdBackend:
         if self.exports is not None:
             self.exports.remove_export(volume_id, host_name)
         user = rbd_access.attachment_user(host_name, volume_id)
+        self._cut_sessions(user)
         self._tool("ceph", "auth", "rm", f"client.{user}")  # exits 0 when the user does not exist
         log.info("volume %s: cephx user client.%s removed", volume_id, user)
+
+    def _cut_sessions(self, user: str) -> None:
+        """Blocklist the clients still connected as ``user`` (a forced detach of a host that did not
+        answer: its QEMU may still have the image open). A removed user's connected clients keep
+        their tickets until they expire; a blocklisted client's OSD requests fail at once."""
+        entity = f"client.{user}"
+        for mon in rbd_access.parse_mon_names(self._tool("ceph", "mon", "dump", "--format", "json")):
+            try:
+                sessions = rbd_access.parse_sessions(
+                    self._tool("ceph", "tell", f"mon.{mon}", "sessions", "--format", "json"), entity)
+            except DriverError as exc:  # a monitor down: its clients hunt for another one
+                log.warning("pool %s: sessions of mon.%s not read: %s", self.name, mon, exc)
+                continue
+            for client in sessions:
+                self._tool("ceph", "osd", "blocklist", "add", client, str(BLOCKLIST_S))
+                log.warning("pool %s: %s was still connected as %s: blocklisted", self.name, client, entity)
 
     def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
         """After a grow: a native connection is the same one (QEMU's rbd node is told the new size);

@@ -8,7 +8,11 @@ that name the image's own RADOS objects by ``object_prefix`` (measured with Ceph
 - ``rbd_id.<name>`` (name to id), ``rbd_header.<id>`` (header, watch, exclusive lock, resize,
   snapshots), ``rbd_object_map.<id>`` (object map and its snapshots' maps), ``rbd_data.<id>.``
   (the data; the trailing dot keeps an image whose id merely starts with this one out): ``rwx``,
-  or ``rx`` for a read-only attachment;
+  or ``rx`` for a read-only attachment — except the header, ``rwx`` always: QEMU opens an rbd
+  image read-write also for a read-only node (so that it can be reopened read-write), and librbd's
+  read-write open watches the header, which is a write. Such a user reads the data and cannot
+  change a byte of it (a shrink, which trims data objects first, fails too), but could change the
+  header's metadata (grow the image);
 - ``rbd_info`` (``rx``): librbd reads the pool's metadata when it opens an image, and fails
   without it;
 - a clone's parents, each by id: header, object map and data, ``rx`` only; opening a parent by id
@@ -32,7 +36,7 @@ from vbs.wire.connection import HOST_NAME_RE, MAX_MONITORS, MONITOR_RE
 from vbs.wire.storage import ExportInfo
 
 __all__ = ["ImageRef", "attachment_user", "osd_caps", "MON_CAPS", "parse_image_ref", "parse_monitors",
-           "parse_key", "parse_caps", "parse_attachment_users", "MAX_CLONE_CHAIN"]
+           "parse_key", "parse_caps", "parse_attachment_users", "parse_mon_names", "parse_sessions", "MAX_CLONE_CHAIN"]
 
 MON_CAPS = "profile rbd"
 # Deeper chains than this are not followed (the backend keeps clone chains far shorter).
@@ -41,6 +45,7 @@ _IMAGE_ID_RE = re.compile(r"[0-9a-f]{4,64}")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,126}")
 _CEPH_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _USER_PREFIX = "vbs."
+_CLIENT_ADDR_RE = re.compile(r"(?:[0-9]{1,3}(?:\.[0-9]{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):[0-9]{1,5}/[0-9]{1,10}")
 
 
 @dataclass(frozen=True)
@@ -83,10 +88,11 @@ def osd_caps(name: str, chain: list[ImageRef], *, read_only: bool) -> str:
         raise InvalidParameter(f"invalid RBD image {name[:130]!r}")
     image = chain[0]
     perm = "rx" if read_only else "rwx"
-    grants = [_grant(perm, image.pool, image.namespace, f"rbd_id.{name}")]
-    grants += [_grant(perm, image.pool, image.namespace, f"{kind}.{image.id}")
-               for kind in ("rbd_header", "rbd_object_map")]
-    grants.append(_grant(perm, image.pool, image.namespace, f"rbd_data.{image.id}."))
+    grants = [_grant(perm, image.pool, image.namespace, f"rbd_id.{name}"),
+              # QEMU opens every rbd image read-write (librbd then watches the header, a write).
+              _grant("rwx", image.pool, image.namespace, f"rbd_header.{image.id}"),
+              _grant(perm, image.pool, image.namespace, f"rbd_object_map.{image.id}"),
+              _grant(perm, image.pool, image.namespace, f"rbd_data.{image.id}.")]
     places = {(image.pool, image.namespace)}
     for parent in chain[1:]:
         grants += [_grant("rx", parent.pool, parent.namespace, f"{kind}.{parent.id}")
@@ -146,6 +152,30 @@ def parse_attachment_users(text: str, pool: str) -> list[ExportInfo]:
         if (HOST_NAME_RE.match(host) and ids.is_valid("volume", volume) and isinstance(osd, str)
                 and f"pool={pool} object_prefix rbd_id.{volume}," in osd):
             found.append(ExportInfo(key=volume, host=host, protocol="rbd", target=entity))
+    return found
+
+
+def parse_mon_names(text: str) -> list[str]:
+    """``ceph mon dump --format json``: the monitors' names (``ceph tell mon.<name>``)."""
+    names = [m.get("name") for m in _json(text, "ceph mon dump").get("mons", []) if isinstance(m, dict)]
+    return [n for n in names if isinstance(n, str) and _CEPH_NAME_RE.fullmatch(n)]
+
+
+def parse_sessions(text: str, entity: str) -> list[str]:
+    """``ceph tell mon.X sessions --format json``: the client addresses (``addr/nonce``, what
+    ``ceph osd blocklist add`` takes) of ``entity``'s sessions on that monitor."""
+    try:
+        sessions = json.loads(text)
+    except ValueError:
+        raise DriverError("ceph tell mon sessions: an answer that is not JSON") from None
+    found: list[str] = []
+    for session in sessions if isinstance(sessions, list) else []:
+        if not isinstance(session, dict) or session.get("entity_name") != entity:
+            continue
+        for addr in session.get("addrs", {}).get("addrvec", []):
+            client = f"{addr.get('addr')}/{addr.get('nonce')}" if isinstance(addr, dict) else ""
+            if _CLIENT_ADDR_RE.fullmatch(client) and client not in found:
+                found.append(client)
     return found
 
 
