@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vbs import ids
+from vbs.config import RBD_POOL_RE
 from vbs.errors import DriverError, InvalidParameter
+from vbs.storage.exports.base import RBD_IMAGE_RE
 from vbs.wire.connection import HOST_NAME_RE, MAX_MONITORS, MONITOR_RE
 from vbs.wire.storage import ExportInfo
 
@@ -42,8 +44,7 @@ MON_CAPS = "profile rbd"
 # Deeper chains than this are not followed (the backend keeps clone chains far shorter).
 MAX_CLONE_CHAIN = 64
 _IMAGE_ID_RE = re.compile(r"[0-9a-f]{4,64}")
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,126}")
-_CEPH_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_CEPH_NAME_RE = re.compile(RBD_POOL_RE.strip("^$"))  # pools, namespaces, monitors: Ceph's names
 _USER_PREFIX = "vbs."
 _CLIENT_ADDR_RE = re.compile(r"(?:[0-9]{1,3}(?:\.[0-9]{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):[0-9]{1,5}/[0-9]{1,10}")
 
@@ -84,7 +85,7 @@ def _grant(perm: str, pool: str, namespace: str, prefix: str) -> str:
 
 def osd_caps(name: str, chain: list[ImageRef], *, read_only: bool) -> str:
     """The OSD caps of a user that opens the image ``name`` (``chain[0]``, then its parents)."""
-    if not chain or not _NAME_RE.fullmatch(name):
+    if not chain or not re.fullmatch(RBD_IMAGE_RE, name):
         raise InvalidParameter(f"invalid RBD image {name[:130]!r}")
     image = chain[0]
     perm = "rx" if read_only else "rwx"
@@ -138,10 +139,7 @@ def parse_monitors(text: str) -> list[str]:
 
 def parse_attachment_users(text: str, pool: str) -> list[ExportInfo]:
     """``ceph auth ls --format json``: the attachment users whose image is in ``pool``, one entry each."""
-    try:
-        dump = json.loads(text)
-    except ValueError:
-        raise DriverError("ceph auth ls: an answer that is not JSON") from None  # never the text: keys
+    dump = _loads(text, "ceph auth ls")
     found: list[ExportInfo] = []
     for entry in dump.get("auth_dump", []) if isinstance(dump, dict) else []:
         entity = entry.get("entity") if isinstance(entry, dict) else None
@@ -164,10 +162,7 @@ def parse_mon_names(text: str) -> list[str]:
 def parse_sessions(text: str, entity: str) -> list[str]:
     """``ceph tell mon.X sessions --format json``: the client addresses (``addr/nonce``, what
     ``ceph osd blocklist add`` takes) of ``entity``'s sessions on that monitor."""
-    try:
-        sessions = json.loads(text)
-    except ValueError:
-        raise DriverError("ceph tell mon sessions: an answer that is not JSON") from None
+    sessions = _loads(text, "ceph tell mon sessions")
     found: list[str] = []
     for session in sessions if isinstance(sessions, list) else []:
         if not isinstance(session, dict) or session.get("entity_name") != entity:
@@ -194,21 +189,23 @@ def parse_caps(text: str, user: str) -> dict[str, str]:
 
 
 def _entry(text: str, user: str) -> dict[str, Any]:
-    try:
-        entries = json.loads(text)
-    except ValueError:
-        raise DriverError("ceph auth: an answer that is not JSON") from None  # never the text: a key
+    entries = _loads(text, "ceph auth")
     for entry in entries if isinstance(entries, list) else []:
         if isinstance(entry, dict) and entry.get("entity") == f"client.{user}":
             return entry
     raise DriverError(f"ceph auth: no entry for client.{user}")
 
 
-def _json(text: str, what: str) -> dict[str, Any]:
+def _loads(text: str, what: str) -> Any:
+    """``text`` as JSON; a ``DriverError`` that never repeats it (``ceph auth`` answers hold keys)."""
     try:
-        answer = json.loads(text)
+        return json.loads(text)
     except ValueError:
         raise DriverError(f"{what}: an answer that is not JSON") from None
+
+
+def _json(text: str, what: str) -> dict[str, Any]:
+    answer = _loads(text, what)
     if not isinstance(answer, dict):
         raise DriverError(f"{what}: unexpected answer")
     return answer
