@@ -111,8 +111,11 @@ class StorageAgent:
 
     def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool,
                        protocols: Sequence[ProtocolName] = ()) -> Connection:
-        """``protocols``: what the host's hypervisor opens itself (its heartbeat's capabilities)."""
-        request = ConnectionRequest(host=host, read_only=read_only, protocols=list(protocols))
+        """``protocols``: what the host's hypervisor opens itself (its heartbeat's capabilities). A
+        native connection is asked only of a node that reported its Ceph monitors: one that did not
+        could not be vouched for (and may be older than the field)."""
+        native = list(protocols) if self._monitors else []
+        request = ConnectionRequest(host=host, read_only=read_only, protocols=native)
         answer = self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host.name}",
                                       ConnectionAnswer, request)
         return self._vouched(answer.connection)
