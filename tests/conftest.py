@@ -332,14 +332,15 @@ class Services:
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
 
-    def start_host_agent(self, name: str = "host-1") -> Path:
-        """A host agent whose VMs are QMP sockets in the returned directory."""
+    def start_host_agent(self, name: str = "host-1", config: Path | None = None) -> Path:
+        """A host agent whose VMs are QMP sockets in the returned directory (``config``: a vbs.toml)."""
         vm_dir = self.tmp / f"vms-{name}"
         vm_dir.mkdir(exist_ok=True)
+        env = {**self.node_env("host", name), **({"VBS_CONFIG": str(config)} if config else {})}
         self.host_agent = subprocess.Popen(
             [*VBS, "host-agent", "--node-name", name, "--port", str(free_port()), "--controller-url",
              self.vbs.endpoint, "--vm-dir", str(vm_dir)],
-            env=self.node_env("host", name), stdout=self._log(name), stderr=subprocess.STDOUT)
+            env=env, stdout=self._log(name), stderr=subprocess.STDOUT)
         wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
                                self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent")
         return vm_dir

@@ -72,6 +72,12 @@ class RbdCloud:
                      "--wait")
         return self.guest.wait_for_disk(virtio_serial(volume_id), 60)
 
+    def exported_over_nbd(self, volume_id: str) -> bool:
+        """Whether the guest's disk of the volume is an NBD node (else QEMU opened the image itself)."""
+        nodes = self.guest.qmp("query-named-block-nodes", {"flat": True})
+        serial = virtio_serial(volume_id)
+        return any(serial in n["node-name"] and n["drv"] == "nbd" for n in nodes)
+
     def detach(self, volume_id: str) -> None:
         assert self.vbs.cli("detach-volume", volume_id, "--wait")["state"] == "detached"
         self.guest.wait_disk_gone(virtio_serial(volume_id), 60)
@@ -93,15 +99,22 @@ class RbdCloud:
 
 
 @contextmanager
-def running_rbd_cloud(ceph: CephForTests, pool: str, tmp_path: Path) -> Iterator[RbdCloud]:
-    """The cloud on ``pool``, with the guest ``vm1`` running on ``host-1``."""
+def running_rbd_cloud(ceph: CephForTests, pool: str, tmp_path: Path, *, native: bool = False) -> Iterator[RbdCloud]:
+    """The cloud on ``pool``, with the guest ``vm1`` running on ``host-1``. ``native``: the host's QEMU
+    opens RBD itself; else its driver lists no ``rbd`` and volumes reach it through the storage
+    agent's NBD export."""
     svc = Services(tmp_path)
     guest: TestGuest | None = None
+    host_config = None
+    if not native:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        host_config = tmp_path / "host.toml"
+        host_config.write_text('[host_agent.options.qemu]\nprotocols = ["nbd", "iscsi"]\n')
     try:
         svc.start_controller()
         svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
                         "--ceph-user", "admin", "--rbd-pool", pool)
-        vm_dir = svc.start_host_agent("host-1")
+        vm_dir = svc.start_host_agent("host-1", host_config)
         guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vm_dir)
         guest.start()
         guest.wait_ready(120)

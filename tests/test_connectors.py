@@ -17,7 +17,7 @@ from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.host.hypervisors.qemu import QemuDriver, copy_ids, disk_ids
 from vbs.ids import virtio_serial
-from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection
+from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection, RbdConnection
 
 pytestmark = pytest.mark.unit
 
@@ -31,15 +31,18 @@ def vol(n: int) -> str:
 
 
 IDS = QemuIds(proto="vbs-x-proto", secret="vbs-x-sec", tls="vbs-x-tls")
+CEPHX_KEY = "AQBhmCNpAAAAABAAxm1mM9A7dYyDCYMxQk2x1w=="
+RBD = RbdConnection(monitors=["127.0.0.1:3300", "[::1]:3301"], pool="rbd", image=vol(1),
+                    user=f"vbs.host-1.{vol(1)}", key=SecretStr(CEPHX_KEY))
 
 
 def test_connectors_are_found_by_the_connections_protocol() -> None:
-    assert sorted(CONNECTORS) == ["file", "iscsi", "nbd"]
+    assert sorted(CONNECTORS) == ["file", "iscsi", "nbd", "rbd"]
     for conn in (NbdConnection(host="10.0.0.1", port=10809, export="v"),
                  IscsiConnection(host="10.0.0.1", port=3260, iqn="iqn.2024-01.org.vbs:v"),
-                 FileConnection(path="/srv/v.raw")):  # fmt: skip
+                 RBD, FileConnection(path="/srv/v.raw")):  # fmt: skip
         assert connector_for(conn).protocol == conn.protocol
-    assert QemuDriver.capabilities.protocols == ["file", "iscsi", "nbd"]
+    assert QemuDriver.capabilities.protocols == ["file", "iscsi", "nbd", "rbd"]
     assert QemuDriver.capabilities.point_in_time_copy and QemuDriver.capabilities.online_resize
     with pytest.raises(InvalidParameter, match="31"):
         QemuIds(proto="x" * 32, secret="s", tls="t")
@@ -173,3 +176,51 @@ def test_disk_and_copy_ids_fit_qemu_and_stay_apart() -> None:
         disk_ids("vol-with-dash")
 
 
+
+
+def test_rbd_connector_gives_the_key_to_qemu_in_a_file_that_exists_only_while_its_secret_is_made(
+        tmp_path: Path) -> None:
+    rbd = connector_for(RBD)
+    blockdev = rbd.qemu_blockdev(RBD, IDS)
+    assert blockdev.options == {
+        "driver": "rbd", "pool": "rbd", "image": vol(1), "user": f"vbs.host-1.{vol(1)}",
+        "server": [{"host": "127.0.0.1", "port": "3300"}, {"host": "::1", "port": "3301"}],
+        "key-secret": IDS.secret, "auth-client-required": ["cephx"]}
+    (secret,) = blockdev.objects
+    assert (secret.qom_type, secret.id, dict(secret.props)) == ("secret", IDS.secret, {"format": "base64"})
+    assert CEPHX_KEY not in repr(blockdev) and CEPHX_KEY not in str(blockdev) and CEPHX_KEY not in repr(RBD)
+    secrets = tmp_path / "secrets"
+    with secret.qmp_arguments(secrets) as args:
+        key_file = Path(args["file"])
+        assert args == {"qom-type": "secret", "id": IDS.secret, "format": "base64", "file": str(key_file)}
+        assert CEPHX_KEY not in json.dumps(args)  # what a QMP log line could show
+        assert key_file.read_text() == CEPHX_KEY
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+        assert key_file.parent.parent == secrets
+    assert not key_file.exists() and not key_file.parent.exists()
+    assert list(secrets.iterdir()) == []
+    in_namespace = RBD.model_copy(update={"namespace": "tenant-1"})
+    assert rbd.qemu_blockdev(in_namespace, IDS).options["namespace"] == "tenant-1"
+
+
+def test_rbd_connector_knows_its_node_and_grows_it_in_place() -> None:
+    rbd = connector_for(RBD)
+    # As QEMU 7.2 names an rbd node (measured): its options as json, the servers flattened.
+    named = {"driver": "rbd", "pool": "rbd", "image": vol(1), "server.0.host": "127.0.0.1",
+             "server.0.port": "3300", "user": f"vbs.host-1.{vol(1)}"}
+    assert rbd.qemu_node_opens({"drv": "rbd", "file": "json:" + json.dumps(named)}, RBD)
+    assert not rbd.qemu_node_opens({"drv": "rbd", "file": "json:" + json.dumps({**named, "image": vol(2)})}, RBD)
+    assert not rbd.qemu_node_opens({"drv": "rbd", "file": "json:" + json.dumps({**named, "user": "admin"})}, RBD)
+    assert not rbd.qemu_node_opens({"drv": "nbd", "file": "json:" + json.dumps(named)}, RBD)
+    assert rbd.qemu_node_sees_growth  # block_resize to the image's new size shows it to the guest
+
+
+def test_the_qemu_driver_lists_only_the_protocols_its_operator_names(tmp_path: Path) -> None:
+    # A QEMU without the rbd block driver (Debian's qemu-block-extra) must not be sent RBD images.
+    driver = QemuDriver(tmp_path, protocols=["nbd", "iscsi"])
+    assert driver.capabilities.protocols == ["iscsi", "nbd"] and driver.capabilities.online_resize
+    assert QemuDriver(tmp_path).capabilities.protocols == ["file", "iscsi", "nbd", "rbd"]
+    for bad in (["nbd", "ceph"], []):
+        with pytest.raises(InvalidParameter, match="protocols"):
+            QemuDriver(tmp_path, protocols=bad)

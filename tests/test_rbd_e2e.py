@@ -25,7 +25,8 @@ SPAN_MIB = 8
 
 @pytest.fixture
 def cloud(ceph: CephForTests, tmp_path: Path) -> Iterator[RbdCloud]:
-    with running_rbd_cloud(ceph, ceph.new_pool(), tmp_path) as c:
+    """Volumes served through the storage agent's export (tests/test_rbd_native.py: opened natively)."""
+    with running_rbd_cloud(ceph, ceph.new_pool(), tmp_path, native=False) as c:
         yield c
 
 
@@ -33,6 +34,7 @@ def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(
     vbs, guest = cloud.vbs, cloud.guest
     parent = cloud.new_volume(size_gib=1)
     dev = cloud.attach(parent, "vdb")
+    assert cloud.exported_over_nbd(parent)  # this host's QEMU lists no rbd: the export serves it
     guest.check(f"yes rbd-parent | head -c {SPAN_MIB * MIB} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null",
                 timeout=180)
     snap = cloud.snapshot(parent)  # while attached: an RBD snapshot is taken at one instant

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import ssl
 import threading
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
 
 from vbs.controller.db import Database, Node
+from vbs.controller.nodes import storage_info
 from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
-from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
 from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, QoS, ResizeDisk
 from vbs.wire.storage import (
     ConnectionAnswer,
@@ -43,12 +45,21 @@ class StorageAgent:
     address (what its authenticated heartbeats declare), so a compromised storage node cannot send
     hosts to another machine, and a raw path cannot even be expressed (``Connection`` has none)."""
 
-    def __init__(self, client: ApiClient, name: str = "", addresses: frozenset[str] = frozenset()) -> None:
+    def __init__(self, client: ApiClient, name: str = "", addresses: frozenset[str] = frozenset(),
+                 monitors: frozenset[str] = frozenset()) -> None:
         self._client = client
         self._name = name
         self._addresses = addresses
+        self._monitors = monitors  # the Ceph monitors its heartbeat reported for its pools
 
     def _vouched(self, connection: Connection) -> Connection:
+        if isinstance(connection, RbdConnection):
+            # A host opens what the connection names: only the monitors of this node's cluster.
+            unknown = [m for m in connection.monitors if m not in self._monitors]
+            if unknown:
+                raise DriverError(f"storage node {self._name} answered a connection to the Ceph monitor "
+                                  f"{unknown[0][:64]}, which its heartbeat does not report: refused")
+            return connection
         if connection.host is None:
             # A unix socket (NBD) is the same-machine path of an all-in-one install: only from a
             # storage node whose own address is loopback, and the wire model checked the path.
@@ -98,9 +109,15 @@ class StorageAgent:
 
     # -- how hosts reach volumes --------------------------------------------------------------------
 
-    def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool) -> Connection:
+    def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool,
+                       protocols: Sequence[ProtocolName] = ()) -> Connection:
+        """``protocols``: what the host's hypervisor opens itself (its heartbeat's capabilities). A
+        native connection is asked only of a node that reported its Ceph monitors: one that did not
+        could not be vouched for (and may be older than the field)."""
+        native = list(protocols) if self._monitors else []
+        request = ConnectionRequest(host=host, read_only=read_only, protocols=native)
         answer = self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host.name}",
-                                      ConnectionAnswer, ConnectionRequest(host=host, read_only=read_only))
+                                      ConnectionAnswer, request)
         return self._vouched(answer.connection)
 
     def remove_connection(self, pool: str, volume_id: str, host_name: str) -> None:
@@ -189,7 +206,10 @@ class AgentDirectory:
 
     def storage(self, name: str) -> StorageAgent:
         client, addresses = self._node(name, "storage")
-        return StorageAgent(client, name, addresses)
+        with self._db.read() as s:
+            node = s.get(Node, (name, "storage"))
+            pools = storage_info(node).pools if node is not None else []
+        return StorageAgent(client, name, addresses, frozenset(m for p in pools for m in p.monitors))
 
     def host(self, name: str) -> HostAgent:
         return HostAgent(self._client(name, "host"))

@@ -26,7 +26,7 @@ from vbs import ids
 from vbs.controller.cluster import SingletonLease
 from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_identity, is_alive
+from vbs.controller.nodes import host_identity, host_info, is_alive
 from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
@@ -223,7 +223,7 @@ class Reconciler:
             if repair and host_node is not None:
                 try:
                     agent.connection_for(volumes[att.volume_id].pool, att.volume_id, host_identity(host_node),
-                                         att.mode == "ro")
+                                         att.mode == "ro", host_info(host_node).capabilities.protocols)
                     finding.action = "repaired"
                 except VbsError as exc:
                     finding.action = f"failed: {exc.message}"

@@ -132,7 +132,8 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     @router.put("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
     def connection_for(body: ConnectionRequest, at: Reach = Depends(reach)) -> ConnectionAnswer:
         _same_host(body.host, at.host)
-        return ConnectionAnswer(connection=at.backend.connection_for(at.volume_id, body.host, read_only=body.read_only))
+        return ConnectionAnswer(connection=at.backend.connection_for(at.volume_id, body.host, read_only=body.read_only,
+                                                                     protocols=body.protocols))
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
     def remove_connection(at: Reach = Depends(reach)) -> Removed:
@@ -154,14 +155,20 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
 
     @router.get("/exports")
     def list_exports() -> ExportList:
-        return ExportList(exports=exports.list_exports())
+        """The export daemon's exports and the grants of native connections (RBD's cephx users)."""
+        native = [grant for backend in backends.values() for grant in backend.native_connections()]
+        return ExportList(exports=exports.list_exports() + native)
 
     @router.delete("/exports/{key}/hosts/{host_name}")
     def remove_export(key: str, host_name: str) -> Removed:
         """Remove an export the controller knows no reason for (whatever pool its data is in)."""
         if not (ids.is_valid("volume", key) or ids.is_valid("snapshot", key)):
             raise InvalidParameter(f"invalid export key {key[:40]!r}: expecting a volume or snapshot id")
-        exports.remove_export(key, _host_name(host_name))
+        host = _host_name(host_name)
+        exports.remove_export(key, host)
+        for backend in backends.values():
+            if any((g.key, g.host) == (key, host) for g in backend.native_connections()):
+                backend.remove_connection(key, host)
         return Removed()
 
     app.include_router(router)

@@ -11,20 +11,23 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_serializer, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
-from vbs.wire.base import Wire
+from vbs.wire.base import VolumeId, Wire
 
 __all__ = [
     "HostIdentity",
     "NbdConnection",
     "IscsiConnection",
     "FileConnection",
+    "RbdConnection",
     "Connection",
     "AnyConnection",
     "ProtocolName",
     "HOST_NAME_RE",
     "NBD_SOCKET_RE",
+    "MONITOR_RE",
+    "MAX_MONITORS",
 ]
 
 HOST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,62}$")
@@ -35,9 +38,17 @@ ADDRESS_RE = r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$"
 # host agent lets its hypervisor open on a controller's word.
 NBD_SOCKET_RE = re.compile(r"(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,254})+\.sock")
 NBD_SOCKET_MAX = 107
+# A Ceph monitor as a host opens it: an IPv4 address, a bracketed IPv6 address or a DNS name, and
+# a port. A monitor map holds a handful; more is not a cluster a host should be sent to.
+MONITOR_RE = re.compile(r"(?:[0-9]{1,3}(?:\.[0-9]{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]|[a-z0-9][a-z0-9.-]{0,252}):"
+                        r"(?:[1-9][0-9]{0,4})")
+MAX_MONITORS = 16
+_CEPH_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# A cephx key as Ceph prints it: base64 of a 28-byte secret (longer ones are refused too).
+_CEPHX_KEY_RE = re.compile(r"[A-Za-z0-9+/]{16,128}={0,2}")
 
 
-ProtocolName = Literal["nbd", "iscsi", "file"]
+ProtocolName = Literal["nbd", "iscsi", "file", "rbd"]
 
 
 class HostIdentity(Wire):
@@ -107,6 +118,46 @@ class IscsiConnection(Wire):
         return v.get_secret_value() if v is not None else None
 
 
+class RbdConnection(Wire):
+    """A Ceph RBD image the hypervisor opens itself (librbd), as the cephx ``user`` whose ``key``
+    this connection carries: a user made for this one attachment, whose caps reach that image only
+    (read-only ones for a read-only attachment). ``monitors``: where the host finds the cluster;
+    the controller forwards only monitors the storage node reported for its pools."""
+
+    # A refused key is not repeated in the error's text (which may reach a log).
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    protocol: Literal["rbd"] = "rbd"
+    monitors: list[str] = Field(min_length=1, max_length=MAX_MONITORS)
+    pool: str = Field(pattern=_CEPH_NAME_RE)
+    namespace: str | None = Field(default=None, pattern=_CEPH_NAME_RE)
+    image: VolumeId
+    user: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    key: SecretStr
+    read_only: bool = False
+
+    @field_validator("monitors")
+    @classmethod
+    def _monitors(cls, monitors: list[str]) -> list[str]:
+        for monitor in monitors:
+            if not MONITOR_RE.fullmatch(monitor) or not 1 <= int(monitor.rpartition(":")[2]) <= 65535:
+                raise ValueError(f"a monitor is address:port, not {monitor[:64]!r}")
+        if len(set(monitors)) != len(monitors):
+            raise ValueError("a monitor is named twice")
+        return monitors
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: SecretStr) -> SecretStr:
+        if not _CEPHX_KEY_RE.fullmatch(key.get_secret_value()):
+            raise ValueError("a cephx key is base64")  # the value itself is never repeated
+        return key
+
+    @field_serializer("key", when_used="json")
+    def _reveal(self, v: SecretStr) -> str:
+        return v.get_secret_value()
+
+
 class FileConnection(Wire):
     """A volume file the hypervisor opens directly: in-process only (driver tests, a local backend
     on the same machine). It is not a ``Connection``: no API accepts a raw path from the wire."""
@@ -116,6 +167,6 @@ class FileConnection(Wire):
 
 
 # What may cross the wire: network protocols only, to storage nodes the controller knows.
-Connection = Annotated[NbdConnection | IscsiConnection, Field(discriminator="protocol")]
+Connection = Annotated[NbdConnection | IscsiConnection | RbdConnection, Field(discriminator="protocol")]
 # What a hypervisor driver opens, in-process.
-AnyConnection = NbdConnection | IscsiConnection | FileConnection
+AnyConnection = NbdConnection | IscsiConnection | RbdConnection | FileConnection

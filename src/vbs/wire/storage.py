@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from vbs.wire.base import SnapshotId, VolumeId, Wire
-from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, Connection, HostIdentity
+from vbs.wire.connection import (
+    ADDRESS_RE,
+    HOST_NAME_RE,
+    MAX_MONITORS,
+    MONITOR_RE,
+    Connection,
+    HostIdentity,
+    ProtocolName,
+)
 
 __all__ = [
     "ItemState",
@@ -47,6 +55,14 @@ NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
 ItemState = Literal["ready", "copying", "stalled", "error", "absent"]
 
 
+def _without_empty(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """A new field left out while it is empty: a peer older than the field (which refuses unknown
+    fields) still understands everything else."""
+    if not data.get(key):
+        data.pop(key, None)
+    return data
+
+
 class ItemStatus(Wire):
     """Where a volume or snapshot stands on its storage node."""
 
@@ -66,6 +82,14 @@ class PoolInfo(Wire):
     free_bytes: int = Field(ge=0)
     clone_method: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
     point_in_time: bool
+    # The Ceph monitors of an ``rbd`` pool's cluster: the only ones the controller lets a connection
+    # of this node send a host to. Empty for pools that hand out no native connections.
+    monitors: list[Annotated[str, Field(pattern=f"^(?:{MONITOR_RE.pattern})$")]] = Field(default_factory=list,
+                                                                               max_length=MAX_MONITORS)
+
+    @model_serializer(mode="wrap")
+    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "monitors")
 
 
 class PoolList(Wire):
@@ -101,6 +125,14 @@ class ConnectionRequest(Wire):
 
     host: HostIdentity
     read_only: bool = False
+    # What the host's hypervisor opens itself (its heartbeat's capabilities): a backend whose volumes
+    # it can open natively (``rbd``) answers such a connection instead of an export. Absent (older
+    # controllers): none.
+    protocols: list[ProtocolName] = Field(default_factory=list, max_length=8)
+
+    @model_serializer(mode="wrap")
+    def _older_agents(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "protocols")
 
 
 class ConnectionAnswer(Wire):

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from vbs.controller.db import Attachment, Node, Volume
 from vbs.controller.db.locks import lock_rows
-from vbs.controller.nodes import host_identity
+from vbs.controller.nodes import host_identity, host_info
 from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
 from vbs.controller.transitions import transition, try_transition
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
@@ -55,8 +55,11 @@ def _connection(ctx: StepContext[AttachParams]) -> Connection:
     if node is None:
         raise NotFound(f"host {p.host} is not known", code="InvalidHost.NotFound")
     agent = storage_agent(ctx)
-    conn: Connection = waiting(lambda: agent.connection_for(p.pool, ctx.resource_id, host_identity(node), p.read_only),
-                               limit_s=ctx.services.cfg.give_up_after_s)
+    # What the host's hypervisor opens itself: a storage node that can be opened natively (Ceph RBD)
+    # answers that instead of an export.
+    protocols = host_info(node).capabilities.protocols
+    conn: Connection = waiting(lambda: agent.connection_for(p.pool, ctx.resource_id, host_identity(node), p.read_only,
+                                                            protocols), limit_s=ctx.services.cfg.give_up_after_s)
     ctx.memo["connection"] = conn
     return conn
 

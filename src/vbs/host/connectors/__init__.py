@@ -1,6 +1,6 @@
 """Host connectors: turn a volume's connection into what a hypervisor driver consumes.
 
-One module per protocol (``nbd``, ``iscsi``, ``file``) behind the small contract of ``base``
+One module per protocol (``nbd``, ``iscsi``, ``rbd``, ``file``) behind the small contract of ``base``
 (os-brick's idea, typed). A driver never looks at the connection's class; it asks::
 
     connector = connector_for(connection)
@@ -21,6 +21,7 @@ from vbs.host.connectors.base import HostConnector, KeyFile, QemuBlockdev, QemuI
 from vbs.host.connectors.file import FileConnector
 from vbs.host.connectors.iscsi import IscsiConnector
 from vbs.host.connectors.nbd import NbdConnector
+from vbs.host.connectors.rbd import RbdConnector
 from vbs.wire.connection import AnyConnection
 
 __all__ = [
@@ -33,7 +34,8 @@ __all__ = [
     "KeyFile",
 ]
 
-CONNECTORS: dict[str, HostConnector[Any]] = {c.protocol: c for c in (NbdConnector(), IscsiConnector(), FileConnector())}
+CONNECTORS: dict[str, HostConnector[Any]] = {c.protocol: c for c in (NbdConnector(), IscsiConnector(), RbdConnector(),
+                                                                            FileConnector())}
 
 
 def connector_for(connection: AnyConnection) -> HostConnector[Any]:

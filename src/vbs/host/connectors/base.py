@@ -72,7 +72,8 @@ class QemuObject:
 
     ``props`` hold nothing secret; ``secret_props`` are revealed only in the QMP arguments. With
     ``key_files``, the arguments also carry ``dir``: a fresh private directory holding those files,
-    which exists only while the object is being made (``qmp_arguments``). With ``host_x509``, ``dir``
+    which exists only while the object is being made (``qmp_arguments``); or, with ``key_file_arg``,
+    that property naming the one key file in it (a ``secret`` object's ``file``). With ``host_x509``, ``dir``
     is the host's own X.509 client credentials (``ca-cert.pem``, ``client-cert.pem``,
     ``client-key.pem``), which the hypervisor driver keeps.
     """
@@ -82,7 +83,12 @@ class QemuObject:
     props: Mapping[str, str | int | bool] = field(default_factory=dict)
     secret_props: Mapping[str, SecretStr] = field(default_factory=dict)
     key_files: tuple[KeyFile, ...] = ()
+    key_file_arg: str | None = None
     host_x509: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key_file_arg is not None and len(self.key_files) != 1:
+            raise InvalidParameter("key_file_arg names one key file")
 
     @contextmanager
     def qmp_arguments(self, secrets_dir: Path, x509_dir: Path | None = None) -> Iterator[dict[str, Any]]:
@@ -109,7 +115,10 @@ class QemuObject:
                 written.append(path)
                 with os.fdopen(fd, "w") as f:
                     f.write(key.content.get_secret_value())
-            yield {**args, "dir": str(key_dir)}
+            if self.key_file_arg is None:
+                yield {**args, "dir": str(key_dir)}
+            else:
+                yield {**args, self.key_file_arg: str(written[0])}
         finally:
             for path in written:
                 path.unlink(missing_ok=True)
@@ -130,8 +139,9 @@ class HostConnector(ABC, Generic[C]):
     """Turns one protocol's connection into what hypervisor drivers consume (one module per protocol)."""
 
     protocol: ClassVar[str]
-    # Whether an open QEMU node sees its volume grow (a local file does; an NBD or iSCSI node keeps
-    # the size its export had when it was opened, so an online resize opens a second node).
+    # Whether an open QEMU node takes its volume's new size in place, by ``block_resize`` to that
+    # size (a local file and an RBD image do; an NBD or iSCSI node keeps the size its export had
+    # when it was opened, so an online resize opens a second node).
     qemu_node_sees_growth: ClassVar[bool] = False
 
     @abstractmethod

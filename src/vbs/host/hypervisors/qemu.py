@@ -29,7 +29,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,7 +201,15 @@ class QemuDriver:
     )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
-                 x509: X509Files | None = None) -> None:
+                 x509: X509Files | None = None, protocols: Collection[str] | None = None) -> None:
+        if protocols is not None:
+            # Fewer than it has connectors for: a QEMU built without a block driver (rbd comes with
+            # Debian's qemu-block-extra), or an operator who wants volumes served through exports.
+            unknown = sorted(set(protocols) - set(CONNECTORS))
+            if unknown or not protocols:
+                raise InvalidParameter(f"protocols of the qemu driver: some of {', '.join(sorted(CONNECTORS))}, "
+                                       f"not {', '.join(unknown) or 'none'}")
+            self.capabilities = self.capabilities.model_copy(update={"protocols": sorted(set(protocols))})
         self.vm_dir = Path(vm_dir)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
@@ -219,10 +227,13 @@ class QemuDriver:
     def from_config(cls, cfg: HostAgentConfig) -> QemuDriver:
         options = dict(cfg.options.get("qemu", {}))
         secrets_dir = options.pop("secrets_dir", None)
+        protocols = options.pop("protocols", None)
+        if protocols is not None and not (isinstance(protocols, list) and all(isinstance(p, str) for p in protocols)):
+            raise InvalidParameter("protocols of the qemu driver is a list of protocol names")
         if options:
             raise InvalidParameter(f"unknown options of the qemu hypervisor driver: {', '.join(sorted(options))}")
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
-                   secrets_dir=Path(secrets_dir) if secrets_dir else None,
+                   secrets_dir=Path(secrets_dir) if secrets_dir else None, protocols=protocols,
                    x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
 
     # -- the HypervisorDriver contract -----------------------------------------------------------

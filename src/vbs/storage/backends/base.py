@@ -11,12 +11,13 @@ answers with its own connection and needs no export at all.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol, runtime_checkable
 
 from vbs.config import StorageAgentConfig
 from vbs.storage.exports.base import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity
-from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
+from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["Backend"]
 
@@ -78,9 +79,12 @@ class Backend(Protocol):
 
     # -- how hosts reach volumes ----------------------------------------------------------------------
 
-    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
-        """Let ``host`` reach the volume and say how. Raises ``RetryLater`` while it cannot be
-        given safely yet (a copy of the volume that a new writer would spoil is running)."""
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False,
+                       protocols: Collection[str] = ()) -> Connection:
+        """Let ``host`` reach the volume and say how. ``protocols``: what the host's hypervisor opens
+        itself; a backend whose volumes it can open natively answers that connection, others ignore
+        it. Raises ``RetryLater`` while it cannot be given safely yet (a copy of the volume that a
+        new writer would spoil is running)."""
         ...
 
     def remove_connection(self, volume_id: str, host_name: str) -> None:
@@ -93,6 +97,11 @@ class Backend(Protocol):
         ...
 
     def retire_connections(self, volume_id: str, host_name: str) -> None: ...
+
+    def native_connections(self) -> list[ExportInfo]:
+        """Hosts that reach this pool's volumes without an export (a native connection's grant),
+        listed with the exports for the reconciler; ``remove_connection`` withdraws one."""
+        ...
 
     def close(self) -> None:
         """Stop background copies; their partial files stay and read as ``stalled`` later."""

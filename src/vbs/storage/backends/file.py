@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +45,7 @@ from vbs.errors import (
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.wire.connection import Connection, HostIdentity
-from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
+from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["FileBackend", "FICLONE"]
 
@@ -292,7 +293,8 @@ class FileBackend:
 
     # -- how hosts reach volumes ----------------------------------------------------------------------
 
-    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False,
+                       protocols: Collection[str] = ()) -> Connection:
         final = self._final("volume", volume_id)
         exports = self._need_exports()
         with self._lock:
@@ -320,6 +322,9 @@ class FileBackend:
     def retire_connections(self, volume_id: str, host_name: str) -> None:
         ids.check("volume", volume_id)
         self._need_exports().retire_exports(volume_id, host_name)
+
+    def native_connections(self) -> list[ExportInfo]:
+        return []  # hosts reach files through exports only
 
     # -- internals (callers hold self._lock where the name says nothing else) ---------------------
 

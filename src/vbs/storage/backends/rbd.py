@@ -16,13 +16,16 @@ stays in the agent; ``--format json`` gives typed answers, and the cost (a proce
 environment, the cluster's ``ceph.conf`` and the cephx user name: the key is read by the tool from
 the keyring file the conf names and never appears on an argv or in a log.
 
-Hosts reach a volume through the agent's export driver, as with the ``file`` backend: the export
-daemon opens the image itself (``RbdSource``: qemu-storage-daemon's librbd, as the agent's cephx
-user, its key read from the keyring the conf names) and serves it over NBD. So the controller, host
-agents and hypervisor drivers see an NBD connection and need nothing of Ceph.
+Hosts reach a volume in one of two ways. A host whose hypervisor opens RBD itself (its
+capabilities list ``rbd``; the controller says so in the connection request) gets an
+``RbdConnection``: the cluster's monitors, the image, and a cephx user made for this one attachment
+whose caps reach that image's objects only (``rbd_access``); the user is removed with the
+connection. Any other host gets an export, as with the ``file`` backend: the export daemon opens the
+image itself (``RbdSource``: qemu-storage-daemon's librbd, as the agent's cephx user, its key read
+from the keyring the conf names) and serves it over NBD.
 
-Not here yet (issue 11, later parts): hypervisors that open RBD natively, per-tenant cephx keys,
-tgt's ``--bstype rbd`` for the iSCSI export, clone depth limits and flattening, the RBD trash.
+Not here yet (issue 11, later parts): tgt's ``--bstype rbd`` for the iSCSI export, clone depth
+limits and flattening, the RBD trash.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ import logging
 import re
 import subprocess
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.processes import minimal_environment
+from vbs.storage.backends import rbd_access
 from vbs.storage.exports.base import ExportDriver, RbdSource
-from vbs.wire.connection import Connection, HostIdentity
-from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
+from vbs.wire.connection import Connection, HostIdentity, RbdConnection
+from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats"]
 
@@ -50,6 +57,9 @@ log = logging.getLogger(__name__)
 IMAGE_FEATURES = "layering,exclusive-lock,object-map,fast-diff,deep-flatten"
 RETIRED_PREFIX = "vbs-retired-"
 COMMAND_TIMEOUT_S = 60.0
+# How long a client still connected as a removed attachment user stays blocklisted: past the life of
+# any ticket it holds (auth service ticket ttl, 1 h by default), after which it cannot authenticate.
+BLOCKLIST_S = 7200
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
@@ -126,6 +136,7 @@ class RbdBackend:
         self.exports = exports
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
+        self._monitor_list: list[str] | None = None
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
@@ -184,7 +195,7 @@ class RbdBackend:
     def pool_info(self) -> PoolInfo:
         capacity, free = parse_pool_stats(self._tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
-                        clone_method="rbd-clone", point_in_time=True)
+                        clone_method="rbd-clone", point_in_time=True, monitors=self._monitors())
 
     def inventory(self) -> PoolInventory:
         with self._lock:
@@ -352,22 +363,121 @@ class RbdBackend:
 
     # -- how hosts reach volumes ----------------------------------------------------------------------
 
-    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False) -> Connection:
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False,
+                       protocols: Collection[str] = ()) -> Connection:
+        """A host whose hypervisor opens RBD itself gets the image and a cephx key of its own for
+        this attachment (``rbd_access``); any other gets an export of the image."""
         ids.check("volume", volume_id)
+        if "rbd" in protocols:
+            return self._native(volume_id, host.name, read_only)
         return self._need_exports().ensure_export(volume_id, self._source(volume_id), host, read_only=read_only)
 
     def remove_connection(self, volume_id: str, host_name: str) -> None:
+        """Both kinds go (the backend does not remember which one the host got): the export, if
+        any, and the attachment's cephx user (absent is fine)."""
         ids.check("volume", volume_id)
-        self._need_exports().remove_export(volume_id, host_name)
+        if self.exports is not None:
+            self.exports.remove_export(volume_id, host_name)
+        user = rbd_access.attachment_user(host_name, volume_id)
+        self._cut_sessions(user)
+        self._tool("ceph", "auth", "rm", f"client.{user}")  # exits 0 when the user does not exist
+        log.info("volume %s: cephx user client.%s removed", volume_id, user)
+
+    def _cut_sessions(self, user: str) -> None:
+        """Blocklist the clients still connected as ``user`` (a forced detach of a host that did not
+        answer: its QEMU may still have the image open). A removed user's connected clients keep
+        their tickets until they expire; a blocklisted client's OSD requests fail at once."""
+        entity = f"client.{user}"
+        for mon in rbd_access.parse_mon_names(self._tool("ceph", "mon", "dump", "--format", "json")):
+            try:
+                sessions = rbd_access.parse_sessions(
+                    self._tool("ceph", "tell", f"mon.{mon}", "sessions", "--format", "json"), entity)
+            except DriverError as exc:  # a monitor down: its clients hunt for another one
+                log.warning("pool %s: sessions of mon.%s not read: %s", self.name, mon, exc)
+                continue
+            for client in sessions:
+                self._tool("ceph", "osd", "blocklist", "add", client, str(BLOCKLIST_S))
+                log.warning("pool %s: %s was still connected as %s: blocklisted", self.name, client, entity)
 
     def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
-        """After a grow: a connection of the image's new size (the one in use serves on)."""
+        """After a grow: a native connection is the same one (QEMU's rbd node is told the new size);
+        an export gets a connection of the image's new size (the one in use serves on)."""
         ids.check("volume", volume_id)
+        caps = self._attachment_caps(volume_id, host_name)
+        if caps is not None:
+            return self._native(volume_id, host_name, read_only="allow rwx" not in caps.get("osd", ""))
         return self._need_exports().refresh_export(volume_id, self._source(volume_id), host_name)
 
     def retire_connections(self, volume_id: str, host_name: str) -> None:
         ids.check("volume", volume_id)
-        self._need_exports().retire_exports(volume_id, host_name)
+        if self._attachment_caps(volume_id, host_name) is None:
+            self._need_exports().retire_exports(volume_id, host_name)
+
+    def native_connections(self) -> list[ExportInfo]:
+        """The attachments' cephx users of this pool's images, as the reconciler sees exports."""
+        answer = self._tool("ceph", "auth", "ls", "--format", "json")  # holds every key: never logged
+        return rbd_access.parse_attachment_users(answer, self.rbd_pool)
+
+    def _native(self, volume_id: str, host_name: str, read_only: bool) -> RbdConnection:
+        user = rbd_access.attachment_user(host_name, volume_id)
+        with self._lock:
+            chain = self._image_chain(volume_id)
+            caps = rbd_access.osd_caps(volume_id, chain, read_only=read_only)
+            key = self._cephx_key(user, caps)
+            monitors = self._monitors()
+        return RbdConnection(monitors=monitors, pool=self.rbd_pool, image=volume_id, user=user,
+                             key=SecretStr(key), read_only=read_only)
+
+    def _image_chain(self, volume_id: str) -> list[rbd_access.ImageRef]:
+        """The volume's image and its parents (a clone's), each found by id."""
+        try:
+            chain = [rbd_access.parse_image_ref(self._rbd("info", "--format", "json", self._spec(volume_id)),
+                                                self.rbd_pool)]
+        except _ToolError as exc:
+            if exc.errno == _ENOENT:
+                raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound") from None
+            raise
+        while (parent := chain[-1].parent) is not None:
+            if len(chain) > rbd_access.MAX_CLONE_CHAIN:
+                raise DriverError(f"pool {self.name}: volume {volume_id} has more than "
+                                  f"{rbd_access.MAX_CLONE_CHAIN} parents")
+            pool, namespace, image_id = parent
+            where = ["--pool", pool] + (["--namespace", namespace] if namespace else [])
+            chain.append(rbd_access.parse_image_ref(
+                self._rbd("info", "--format", "json", *where, "--image-id", image_id), pool, namespace))
+        return chain
+
+    def _cephx_key(self, user: str, osd_caps: str) -> str:
+        """The key of ``client.<user>`` with exactly these caps, made if it is absent (idempotent).
+        It comes on the tool's stdout, never an argv or a log."""
+        entity = f"client.{user}"
+        caps = ["mon", rbd_access.MON_CAPS, "osd", osd_caps]
+        try:
+            answer = self._tool("ceph", "auth", "get-or-create", entity, *caps, "--format", "json")
+        except _ToolError as exc:
+            if exc.errno != _EINVAL:
+                raise
+            # It exists with other caps (the image's parents changed, or its mode): set these.
+            self._tool("ceph", "auth", "caps", entity, *caps)
+            answer = self._tool("ceph", "auth", "get-or-create", entity, *caps, "--format", "json")
+        return rbd_access.parse_key(answer, user)
+
+    def _attachment_caps(self, volume_id: str, host_name: str) -> dict[str, str] | None:
+        """The caps of the host's cephx user of this volume, None if it has none (an export then)."""
+        user = rbd_access.attachment_user(host_name, volume_id)
+        try:
+            return rbd_access.parse_caps(self._tool("ceph", "auth", "get", f"client.{user}", "--format", "json"), user)
+        except _ToolError as exc:
+            if exc.errno == _ENOENT:
+                return None
+            raise
+
+    def _monitors(self) -> list[str]:
+        """The cluster's monitors as hosts reach them (read once: a monitor map rarely changes, and
+        the agent's heartbeat reports these)."""
+        if self._monitor_list is None:
+            self._monitor_list = rbd_access.parse_monitors(self._tool("ceph", "mon", "dump", "--format", "json"))
+        return self._monitor_list
 
     def _need_exports(self) -> ExportDriver:
         if self.exports is None:
