@@ -81,6 +81,29 @@ INSTANCE_COLUMNS: list[Column] = [
     ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
 ]
 
+TRASH_COLUMNS: list[Column] = [
+    ("Node", lambda t: f"{t['node']}/{t['pool']}"),
+    ("ImageId", lambda t: t["id"]),
+    ("Name", lambda t: t["name"]),
+    ("KeptFor", lambda t: t["kept_for"]),
+    ("Snapshots", lambda t: t["snapshots"]),
+    ("DeletedSnapshotsWithClones", lambda t: t["children"]),
+]
+
+CHAIN_COLUMNS: list[Column] = [
+    ("Node", lambda c: f"{c['node']}/{c['pool']}"),
+    ("VolumeId", lambda c: c["volume_id"]),
+    ("Depth", lambda c: c["depth"]),
+    ("Chain", lambda c: " <- ".join([c["volume_id"], *c["parents"]])),
+]
+
+FLATTEN_COLUMNS: list[Column] = [
+    ("Node", lambda f: f"{f['node']}/{f['pool']}"),
+    ("VolumeId", lambda f: f["volume_id"]),
+    ("State", lambda f: f["state"]),
+    ("Progress", lambda f: f"{f['progress']}%"),
+]
+
 FINDING_COLUMNS: list[Column] = [
     ("Kind", lambda f: f["kind"]),
     ("Node", lambda f: f["node"]),
