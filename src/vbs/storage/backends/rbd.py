@@ -187,7 +187,7 @@ class RbdBackend:
         self._lock = threading.Lock()
         self.flattener = Flattener(lambda volume: self._argv("rbd", "flatten", self._spec(volume)),
                                    max_running=max_flattens, stall_s=FLATTEN_STALL_S,
-                                   should_run=self._too_deep, done=lambda _volume, _ok: self._wake.set())
+                                   should_run=self._too_deep, done=self._flattened)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._maintenance_interval_s = maintenance_interval_s
@@ -348,6 +348,12 @@ class RbdBackend:
                 log.info("pool %s: %s (%s) purged from the trash", self.name, entry.name, entry.id)
                 del listing.trash[entry.name]
         return listing
+
+    def _flattened(self, volume_id: str, ok: bool) -> None:
+        """A flatten ended: a purge may now remove what only that clone kept (a failed one waits for
+        the next periodic pass, so a flatten that keeps failing does not spin)."""
+        if ok:
+            self._wake.set()
 
     def _too_deep(self, volume_id: str) -> bool:
         """Whether ``volume_id`` still needs a flatten (asked just before one starts)."""
