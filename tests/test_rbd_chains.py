@@ -66,6 +66,14 @@ def import_volume(ceph: CephForTests, backend: RbdBackend, where: Path, seed: st
     return vol, sha
 
 
+def snapshotted_volume(ceph: CephForTests, backend: RbdBackend, where: Path, seed: str) -> tuple[str, str, str]:
+    """``import_volume`` and a snapshot of it: the volume, its data's sha256 and the snapshot."""
+    vol, sha = import_volume(ceph, backend, where, seed)
+    snap = ids.new_id("snapshot")
+    backend.ensure_snapshot(snap, vol)
+    return vol, sha, snap
+
+
 def data_sha(ceph: CephForTests, spec: str, size: int = SIZE) -> str:
     proc = subprocess.run(["rbd", "--conf", str(ceph.conf_path), "export", "--no-progress", spec, "-"],
                           capture_output=True, timeout=120, check=True)
@@ -97,9 +105,8 @@ def make_backend(ceph: CephForTests) -> Iterator[Any]:
 def test_a_deleted_parent_waits_in_the_trash_for_its_last_clone(ceph: CephForTests, make_backend: Any,
                                                                 tmp_path: Path) -> None:
     b = make_backend()
-    vol, sha = import_volume(ceph, b, tmp_path, "parent")
-    snap, clone = ids.new_id("snapshot"), ids.new_id("volume")
-    b.ensure_snapshot(snap, vol)
+    vol, sha, snap = snapshotted_volume(ceph, b, tmp_path, "parent")
+    clone = ids.new_id("volume")
     b.ensure_volume(clone, SIZE, snap)
     b.remove_snapshot(snap)  # clone v2: Ceph keeps it in the image's trash namespace for the clone
     assert b.snapshot_status(snap).state == "absent"
@@ -119,9 +126,8 @@ def test_a_deleted_parent_waits_in_the_trash_for_its_last_clone(ceph: CephForTes
 def test_snapshots_of_a_trashed_volume_stay_listed_and_cloneable(ceph: CephForTests, make_backend: Any,
                                                                  tmp_path: Path) -> None:
     b = make_backend()
-    vol, sha = import_volume(ceph, b, tmp_path, "kept")
-    snap, clone = ids.new_id("snapshot"), ids.new_id("volume")
-    b.ensure_snapshot(snap, vol)
+    vol, sha, snap = snapshotted_volume(ceph, b, tmp_path, "kept")
+    clone = ids.new_id("volume")
     b.remove_volume(vol)  # EBS: its snapshot outlives it
     inv = b.inventory()
     assert inv.volumes == [] and inv.snapshots == [snap]
@@ -143,9 +149,8 @@ def test_images_retired_by_older_agents_are_taken_into_the_trash(ceph: CephForTe
                                                                  tmp_path: Path) -> None:
     b = make_backend()
     pool = b.rbd_pool
-    vol, sha = import_volume(ceph, b, tmp_path, "legacy")
-    snap, bare = ids.new_id("snapshot"), ids.new_id("volume")
-    b.ensure_snapshot(snap, vol)
+    vol, sha, snap = snapshotted_volume(ceph, b, tmp_path, "legacy")
+    bare = ids.new_id("volume")
     # What an agent before the trash did with a deleted volume that had snapshots (and a crash left).
     rbd(ceph, "rename", f"{pool}/{vol}", f"{pool}/vbs-retired-{vol}")
     rbd(ceph, "create", "--size", "1M", f"{pool}/vbs-retired-{bare}")
@@ -178,38 +183,61 @@ def chain_of_clones(b: RbdBackend, vol: str, length: int) -> list[str]:
     return made
 
 
-def test_a_chain_of_seven_clones_is_flattened_in_the_background_n_at_a_time(ceph: CephForTests, make_backend: Any,
-                                                                           tmp_path: Path) -> None:
-    b = make_backend(max_clone_depth=1, max_flattens=2)
+def test_clones_deeper_than_the_default_five_are_flattened_as_they_are_made(ceph: CephForTests, make_backend: Any,
+                                                                             tmp_path: Path) -> None:
+    b = make_backend()
+    assert b.max_clone_depth == 5
     vol, sha = import_volume(ceph, b, tmp_path, "chain")
     clones = chain_of_clones(b, vol, 7)
     assert b.flattener.wait_idle(600)
     listing = b._listing()
-    assert all(listing.depth(c) <= 1 for c in clones), {c: listing.chain(c) for c in clones}
-    assert 1 <= b.flattener.peak <= 2, "never more flattens at once than max_flattens"
-    assert b.flattener.completed and set(b.flattener.completed) <= set(clones[1:])
-    assert all(b.volume_status(c).progress == 100 for c in clones)
+    assert [listing.depth(c) for c in clones[:5]] == [1, 2, 3, 4, 5], "within the limit: left as clones"
+    assert listing.depth(clones[5]) == 0 and clones[5] in b.flattener.completed
+    assert listing.depth(clones[6]) <= 1  # a clone of the flattened sixth (or flattened too)
     for c in clones:
-        assert data_sha(ceph, f"{b.rbd_pool}/{c}") == sha, f"{c} lost data in its flatten"
-    assert b.inventory().chains == [] and b.inventory().flattens == []
+        assert data_sha(ceph, f"{b.rbd_pool}/{c}") == sha, f"{c} lost data"
+    assert b.volume_status(clones[5]).progress == 100 and b.inventory().flattens == []
 
 
-def test_an_agent_started_later_flattens_what_is_too_deep(ceph: CephForTests, make_backend: Any,
-                                                          tmp_path: Path) -> None:
+def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_two_at_a_time(
+        ceph: CephForTests, make_backend: Any, tmp_path: Path) -> None:
     first = make_backend(max_clone_depth=16)
     vol, sha = import_volume(ceph, first, tmp_path, "restart")
-    clones = chain_of_clones(first, vol, 4)
+    clones = chain_of_clones(first, vol, 7)
     chains = first.inventory().chains
-    assert sorted((c.volume_id, c.depth) for c in chains) == sorted(zip(clones[1:], (2, 3, 4), strict=True))
+    assert sorted((c.volume_id, c.depth) for c in chains) == sorted(zip(clones[1:], range(2, 8), strict=True))
     deepest = max(chains, key=lambda c: c.depth)
     assert deepest.volume_id == clones[-1] and deepest.parents[-1].startswith(f"{vol}@")
     first.close()
-    later = make_backend(max_clone_depth=2, max_flattens=1)  # its first pass runs at start
-    wait_until(lambda: all(later._listing().depth(c) <= 2 for c in clones), 600, what="the deep clones flattened")
+    # Its first pass at start finds six clones too deep and queues them at once: two run, four wait.
+    later = make_backend(max_clone_depth=1, max_flattens=2)
+    wait_until(lambda: all(later._listing().depth(c) <= 1 for c in clones), 600, what="the deep clones flattened")
     assert later.flattener.wait_idle(600)
-    assert later.flattener.peak == 1
+    assert 1 <= later.flattener.peak <= 2, "never more rbd flatten processes at once than max_flattens"
+    assert later.flattener.completed and set(later.flattener.completed) <= set(clones[1:])
     for c in clones:
-        assert data_sha(ceph, f"{later.rbd_pool}/{c}") == sha
+        assert data_sha(ceph, f"{later.rbd_pool}/{c}") == sha, f"{c} lost data in its flatten"
+    assert later.inventory().chains == []
+
+
+def test_a_flatten_frees_a_trashed_parent_and_the_purge_removes_it(ceph: CephForTests, make_backend: Any,
+                                                                  tmp_path: Path) -> None:
+    first = make_backend(max_clone_depth=16)
+    base, sha, sb = snapshotted_volume(ceph, first, tmp_path, "freed")
+    vol = ids.new_id("volume")
+    first.ensure_volume(vol, SIZE, sb)
+    s0, c1 = ids.new_id("snapshot"), ids.new_id("volume")
+    first.ensure_snapshot(s0, vol)
+    first.ensure_volume(c1, SIZE, s0)  # base@sb <- vol@s0 <- c1: two deep
+    first.remove_snapshot(s0)
+    first.remove_volume(vol)
+    assert [(t.name, t.kept_for) for t in first.inventory().trash] == [(vol, "children")]
+    first.close()
+    later = make_backend(max_clone_depth=1)  # flattens c1; Ceph then drops s0; the purge then vol
+    wait_until(lambda: trash_names(ceph, later.rbd_pool) == [], 600, what="the freed parent purged")
+    assert later._listing().depth(c1) == 0
+    assert data_sha(ceph, f"{later.rbd_pool}/{c1}") == sha
+    assert later.inventory().snapshots == [sb]  # base's own snapshot is untouched
 
 
 # -- through the controller -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
+from vbs.cli.main import _emit_pool_details
 from vbs.storage.backends.rbd_chains import Flattener
 
 pytestmark = pytest.mark.unit
@@ -88,3 +89,17 @@ def test_one_no_longer_needed_is_skipped_and_a_closed_flattener_starts_nothing(t
     f.close()
     f.submit(VOLS[1])
     assert f.report() == []
+
+
+def test_vbs_check_tables_show_the_trash_the_chains_and_a_flattens_percentage(capsys: pytest.CaptureFixture[str]
+                                                                              ) -> None:
+    vol, parent = VOLS[0], f"{VOLS[1]}@snap-0123456789abcdef0"
+    _emit_pool_details([{"node": "storage-1", "pool": "default",
+                         "trash": [{"id": "106ecf0aa77b", "name": VOLS[2], "snapshots": 0, "children": 1,
+                                    "kept_for": "children"}],
+                         "chains": [{"volume_id": vol, "depth": 2, "parents": [parent, f"{VOLS[2]}@x"]}],
+                         "flattens": [{"volume_id": VOLS[3], "state": "running", "progress": 37}]}], "table")
+    out = capsys.readouterr().out
+    assert "106ecf0aa77b" in out and "children" in out
+    assert f"{vol} <- {parent} <- {VOLS[2]}@x" in out
+    assert VOLS[3] in out and "37%" in out and "storage-1/default" in out

@@ -81,8 +81,11 @@ INSTANCE_COLUMNS: list[Column] = [
     ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
 ]
 
+# The node and pool a row of `vbs check`'s pool details belongs to.
+AT_POOL: Column = ("Node", lambda x: f"{x['node']}/{x['pool']}")
+
 TRASH_COLUMNS: list[Column] = [
-    ("Node", lambda t: f"{t['node']}/{t['pool']}"),
+    AT_POOL,
     ("ImageId", lambda t: t["id"]),
     ("Name", lambda t: t["name"]),
     ("KeptFor", lambda t: t["kept_for"]),
@@ -91,14 +94,14 @@ TRASH_COLUMNS: list[Column] = [
 ]
 
 CHAIN_COLUMNS: list[Column] = [
-    ("Node", lambda c: f"{c['node']}/{c['pool']}"),
+    AT_POOL,
     ("VolumeId", lambda c: c["volume_id"]),
     ("Depth", lambda c: c["depth"]),
     ("Chain", lambda c: " <- ".join([c["volume_id"], *c["parents"]])),
 ]
 
 FLATTEN_COLUMNS: list[Column] = [
-    ("Node", lambda f: f"{f['node']}/{f['pool']}"),
+    AT_POOL,
     ("VolumeId", lambda f: f["volume_id"]),
     ("State", lambda f: f["state"]),
     ("Progress", lambda f: f"{f['progress']}%"),

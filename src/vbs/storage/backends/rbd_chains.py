@@ -145,7 +145,8 @@ class Flattener:
 
     ``argv(volume)`` is the flatten's command line; ``should_run(volume)`` is asked just before one
     starts (a chain may have become short enough meanwhile); ``done(volume, ok)`` is told when one
-    ends. ``peak`` is the most that ever ran at once (what the tests check, not a timing).
+    ends. ``peak`` is the most ``rbd flatten`` processes that ever ran at once (what the tests
+    check, not a timing).
     """
 
     def __init__(self, argv: Callable[[str], list[str]], *, max_running: int, stall_s: float,
@@ -162,6 +163,7 @@ class Flattener:
         self._running: dict[str, _Job] = {}
         self._threads: dict[str, threading.Thread] = {}
         self.peak = 0
+        self._processes = 0
         self.completed: list[str] = []
         self._closed = False
 
@@ -222,7 +224,6 @@ class Flattener:
             volume = next(iter(self._queued))
             job = self._queued.pop(volume)
             self._running[volume] = job
-            self.peak = max(self.peak, len(self._running))
             thread = threading.Thread(target=self._run, args=(job,), name=f"flatten-{volume}", daemon=True)
             self._threads[volume] = thread
             thread.start()
@@ -251,6 +252,16 @@ class Flattener:
             proc = subprocess.Popen(self._argv(job.volume), env=minimal_environment(),  # noqa: S603
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             job.proc = proc
+            self._processes += 1
+            self.peak = max(self.peak, self._processes)
+        try:
+            return self._follow(job, proc)
+        finally:
+            with self._cond:
+                self._processes -= 1
+
+    def _follow(self, job: _Job, proc: subprocess.Popen[bytes]) -> bool:
+        """Read the flatten's progress until it ends: whether it completed."""
         assert proc.stderr is not None
         tail = b""
         while True:
