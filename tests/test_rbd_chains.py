@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,12 @@ import pytest
 
 from tests.ceph import CephForTests
 from tests.conftest import VBS, Services, wait_until
+from tests.export_fixtures import drivers_of
+from tests.test_rbd_export import HOST, QSD, _io
 from tests.test_security_bounds import ec2_client, ec2_code
 from vbs import ids
 from vbs.storage.backends.rbd import IMAGE_FEATURES, RbdBackend
+from vbs.storage.exports.nbd import NbdExportDriver
 
 pytestmark = pytest.mark.integration
 
@@ -238,6 +241,30 @@ def test_a_flatten_frees_a_trashed_parent_and_the_purge_removes_it(ceph: CephFor
     assert later._listing().depth(c1) == 0
     assert data_sha(ceph, f"{later.rbd_pool}/{c1}") == sha
     assert later.inventory().snapshots == [sb]  # base's own snapshot is untouched
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path) -> Iterator[Callable[..., NbdExportDriver]]:
+    yield from drivers_of(NbdExportDriver, tmp_path, QSD)
+
+
+def test_a_volume_being_flattened_stays_served_and_writable(ceph: CephForTests, make_backend: Any,
+                                                            make_driver: Callable[..., NbdExportDriver],
+                                                            tmp_path: Path) -> None:
+    served = make_backend(max_clone_depth=16, exports=make_driver())
+    vol, _ = import_volume(ceph, served, tmp_path, "served")
+    _, deep = chain_of_clones(served, vol, 2)
+    conn = served.connection_for(deep, HOST)  # the export daemon has the image open from here on
+    _io(conn, "write -P 0x5a 0 1M")
+    later = make_backend(max_clone_depth=1)  # another agent's flatten, while the daemon holds the image
+    wait_until(lambda: deep in later.flattener.completed, 600, what="the flatten of the served volume")
+    assert later._listing().depth(deep) == 0
+    assert "Pattern verification failed" not in _io(conn, "read -P 0x5a 0 1M")
+    _io(conn, "write -P 0x6b 1M 1M")  # still writable through the same export
+    served.remove_connection(deep, HOST.name)
+    expected = bytearray((tmp_path / "served.raw").read_bytes())
+    expected[:MIB], expected[MIB:2 * MIB] = b"\x5a" * MIB, b"\x6b" * MIB
+    assert data_sha(ceph, f"{served.rbd_pool}/{deep}") == hashlib.sha256(expected).hexdigest()
 
 
 # -- through the controller -------------------------------------------------------------------------
