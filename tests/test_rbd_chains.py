@@ -32,6 +32,7 @@ from tests.export_fixtures import drivers_of
 from tests.test_rbd_export import HOST, QSD, _io
 from tests.test_security_bounds import ec2_client, ec2_code
 from vbs import ids
+from vbs.errors import IncorrectState
 from vbs.storage.backends.rbd import IMAGE_FEATURES, RbdBackend
 from vbs.storage.exports.nbd import NbdExportDriver
 
@@ -265,6 +266,20 @@ def test_a_volume_being_flattened_stays_served_and_writable(ceph: CephForTests, 
     expected = bytearray((tmp_path / "served.raw").read_bytes())
     expected[:MIB], expected[MIB:2 * MIB] = b"\x5a" * MIB, b"\x6b" * MIB
     assert data_sha(ceph, f"{served.rbd_pool}/{deep}") == hashlib.sha256(expected).hexdigest()
+
+
+def test_a_volume_with_snapshots_that_a_host_has_open_is_not_trashed(ceph: CephForTests, make_backend: Any,
+                                                                     make_driver: Callable[..., NbdExportDriver],
+                                                                     tmp_path: Path) -> None:
+    served = make_backend(exports=make_driver())
+    vol, _, snap = snapshotted_volume(ceph, served, tmp_path, "open")
+    served.connection_for(vol, HOST)
+    with pytest.raises(IncorrectState):  # rbd trash mv would take it: the agent asks rbd status first
+        served.remove_volume(vol)
+    assert served.volume_status(vol).state == "ready" and trash_names(ceph, served.rbd_pool) == []
+    served.remove_connection(vol, HOST.name)
+    served.remove_volume(vol)
+    assert trash_names(ceph, served.rbd_pool) == [vol] and served.inventory().snapshots == [snap]
 
 
 # -- through the controller -------------------------------------------------------------------------

@@ -9,7 +9,14 @@ import pytest
 from vbs.ceph import pgs_all_clean
 from vbs.errors import DriverError
 from vbs.storage.backends.rbd import Listing, parse_listing, parse_pool_stats
-from vbs.storage.backends.rbd_chains import TrashEntry, parse_flatten_progress, parse_parent, parse_snaps, parse_trash
+from vbs.storage.backends.rbd_chains import (
+    TrashEntry,
+    parse_flatten_progress,
+    parse_parent,
+    parse_snaps,
+    parse_trash,
+    parse_watchers,
+)
 from vbs.wire.storage import MAX_CHAIN_DEPTH
 
 pytestmark = pytest.mark.unit
@@ -138,3 +145,11 @@ def test_flatten_progress_is_the_last_percentage_on_stderr() -> None:
     assert parse_flatten_progress(b"") is None
     assert parse_flatten_progress(b"\rImage flatten: 37% comp") is None
     assert parse_flatten_progress(b"\rImage flatten: 37% complete...\rImage flat") == 37
+
+
+def test_watchers_are_the_clients_that_have_an_image_open() -> None:
+    assert parse_watchers('{"watchers":[{"address":"127.0.0.1:0/29289245","client":4270,'
+                          '"cookie":94624386240016}]}') == 1
+    assert parse_watchers('{"watchers":[]}') == 0
+    with pytest.raises(DriverError):
+        parse_watchers("[]")

@@ -61,6 +61,7 @@ from vbs.storage.backends.rbd_chains import (
     parse_parent,
     parse_snaps,
     parse_trash,
+    parse_watchers,
     volume_of,
 )
 from vbs.storage.exports.base import ExportDriver, RbdSource
@@ -446,7 +447,10 @@ class RbdBackend:
                     raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
                 if exc.errno != _ENOTEMPTY:
                     raise
-                # Its snapshots outlive it (EBS), or clones read deleted ones: to the trash until none is left.
+                # Its snapshots outlive it (EBS), or clones read deleted ones: to the trash until none is
+                # left. `rbd trash mv` takes an image that a client has open, which `rbd rm` refuses: ask.
+                if parse_watchers(self._rbd("status", "--format", "json", self._spec(volume_id))):
+                    raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
                 self._rbd("trash", "mv", self._spec(volume_id))
                 log.info("pool %s: volume %s moved to the trash: snapshots of it remain", self.name, volume_id)
             self._purge()  # its parent may have been waiting for its last clone

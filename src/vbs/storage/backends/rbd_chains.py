@@ -31,7 +31,7 @@ from vbs.processes import minimal_environment, stop_child
 from vbs.wire.storage import FlattenProgress
 
 __all__ = ["RETIRED_PREFIX", "TrashEntry", "Snap", "parse_trash", "parse_snaps", "parse_parent",
-           "parse_flatten_progress", "volume_of", "Flattener"]
+           "parse_flatten_progress", "parse_watchers", "volume_of", "Flattener"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,15 @@ def parse_parent(info: dict[str, Any]) -> tuple[str, str, str | None] | None:
         return None
     trashed = parent.get("trash") is True and isinstance(image_id, str) and IMAGE_ID_RE.fullmatch(image_id)
     return image, snap, image_id if trashed else None
+
+
+def parse_watchers(text: str) -> int:
+    """``rbd status --format json``: how many clients have the image open (watch it)."""
+    answer = json.loads(text or "{}")
+    watchers = answer.get("watchers") if isinstance(answer, dict) else None
+    if not isinstance(watchers, list):
+        raise DriverError("rbd status: unexpected answer")
+    return len(watchers)
 
 
 def parse_flatten_progress(stderr: bytes) -> int | None:
