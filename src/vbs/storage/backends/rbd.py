@@ -475,15 +475,19 @@ class RbdBackend:
         ids.check("snapshot", snapshot_id)
         ids.check("volume", volume_id)
         with self._lock:
-            listing = self._listing()
-            found = listing.snapshots.get(snapshot_id)
-            if found is not None:
-                return _ready(found[1])
-            count = sum(1 for image, _ in listing.snapshots.values() if image == volume_id)
-            if count >= self.max_snapshots_per_volume:
+            # The volume's own snapshots (one image, not the whole pool: a volume may have 450).
+            have = self._snapshots_of(volume_id)
+            if have is None:  # a repeat after the volume was deleted finds its snapshot elsewhere
+                found = self._listing().snapshots.get(snapshot_id)
+                if found is not None:
+                    return _ready(found[1])
+                raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
+            if snapshot_id in have:
+                return _ready(have[snapshot_id])
+            if len(have) >= self.max_snapshots_per_volume:
                 raise VolumeSnapshotLimitExceeded(
-                    f"The volume '{volume_id}' has {count} snapshots, the most pool {self.name} allows; delete one "
-                    "first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
+                    f"The volume '{volume_id}' has {len(have)} snapshots, the most pool {self.name} allows; delete "
+                    "one first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
             try:
                 self._rbd("snap", "create", self._spec(volume_id, snapshot_id))
             except _ToolError as exc:
@@ -492,10 +496,20 @@ class RbdBackend:
                                    code="InvalidVolume.NotFound") from None
                 if exc.errno != _EEXIST:
                     raise
-            found = self._listing().snapshots.get(snapshot_id)
-            if found is None:
+            size = (self._snapshots_of(volume_id) or {}).get(snapshot_id)
+            if size is None:
                 raise DriverError(f"pool {self.name}: snapshot {snapshot_id} was made but is not listed")
-            return _ready(found[1])
+            return _ready(size)
+
+    def _snapshots_of(self, volume_id: str) -> dict[str, int] | None:
+        """The VBS snapshots of the volume's image and their sizes, or None if it has no image."""
+        try:
+            snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", self._spec(volume_id)))
+        except _ToolError as exc:
+            if exc.errno == _ENOENT:
+                return None
+            raise
+        return {s.name: s.size for s in snaps if not s.trashed and ids.is_valid("snapshot", s.name)}
 
     def snapshot_status(self, snapshot_id: str) -> ItemStatus:
         ids.check("snapshot", snapshot_id)
