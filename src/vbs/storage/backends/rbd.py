@@ -356,6 +356,14 @@ class RbdBackend:
         if ok:
             self._wake.set()
 
+    def _purge_after_removal(self) -> None:
+        """A purge after a removal, which has happened: a purge that fails (an image another client
+        trashed with a later expiry, a cluster that stops answering) is the next pass's to retry."""
+        try:
+            self._purge()
+        except VbsError as exc:
+            log.warning("pool %s: purge after a removal failed: %s", self.name, exc.message)
+
     def _too_deep(self, volume_id: str) -> bool:
         """Whether ``volume_id`` still needs a flatten (asked just before one starts)."""
         listing = self._listing()
@@ -453,7 +461,7 @@ class RbdBackend:
                     raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
                 self._rbd("trash", "mv", self._spec(volume_id))
                 log.info("pool %s: volume %s moved to the trash: snapshots of it remain", self.name, volume_id)
-            self._purge()  # its parent may have been waiting for its last clone
+            self._purge_after_removal()  # its parent may have been waiting for its last clone
 
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
         ids.check("volume", volume_id)
@@ -530,7 +538,7 @@ class RbdBackend:
             else:
                 self._remove_named_snapshot(found[0], snapshot_id)
             if entry is not None or found[0].startswith(RETIRED_PREFIX):
-                self._purge()
+                self._purge_after_removal()
 
     def _remove_named_snapshot(self, image: str, snapshot_id: str) -> None:
         spec = self._spec(image, snapshot_id)
