@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import select
 import subprocess
@@ -279,7 +280,7 @@ class Flattener:
                 log.warning("flatten of %s made no progress for %gs; stopped", job.volume, self._stall_s)
                 stop_child(proc, timeout=STOP_TIMEOUT_S, what="rbd flatten")
                 return False
-            chunk = proc.stderr.read1(4096)  # type: ignore[attr-defined]
+            chunk = os.read(proc.stderr.fileno(), 65536)  # unbuffered: nothing waits unseen behind select
             if not chunk:
                 break
             tail = (tail + chunk)[-512:]
