@@ -455,7 +455,7 @@ def test_remove_during_copy_cancels_it_and_leaves_nothing(pool: FileBackend, poo
     assert copy_threads() == []
     assert pool.snapshot_status(snap) == st("absent")
     assert leftovers(pool_dir) == [f"{vol}.raw"]
-    assert pool.inventory().model_dump() == {"volumes": [vol], "snapshots": []}
+    assert pool.inventory().model_dump(include={"volumes", "snapshots"}) == {"volumes": [vol], "snapshots": []}
     # The same copy run to the end: the remove must have stopped it, not waited for it.
     started = time.monotonic()
     wait_done(lambda: pool.ensure_snapshot(snap, vol))
@@ -478,7 +478,8 @@ def test_after_a_crash_a_stalled_clone_restarts_and_a_stalled_snapshot_is_an_err
         time.sleep(0.05)
         assert second.snapshot_status(snap).state == "stalled"  # a status never starts anything
         assert copy_threads() == []
-        assert second.inventory().model_dump() == {"volumes": sorted([vol, plain]), "snapshots": [snap]}
+        listed = second.inventory()
+        assert (listed.volumes, listed.snapshots) == (sorted([vol, plain]), [snap])
         assert second.volume_status(plain).state == "stalled"
 
         # A snapshot's copy is not restarted: the instant it stood for is lost.
@@ -571,7 +572,7 @@ def test_inventory_lists_ready_and_in_progress_items_only(pool: FileBackend, poo
     during = pool.inventory()
     wait_done(lambda: pool.snapshot_status(snap))
 
-    assert during.model_dump() == {"volumes": [vol], "snapshots": [snap]}
+    assert during.model_dump(include={"volumes", "snapshots"}) == {"volumes": [vol], "snapshots": [snap]}
     assert pool.inventory() == during
 
 

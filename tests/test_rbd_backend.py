@@ -108,7 +108,7 @@ def test_snapshots_and_clones_outlive_the_deleted_volume(backend: RbdBackend) ->
     backend.remove_volume(again)
     assert backend.inventory().volumes == []
     listing = backend._listing()
-    assert not listing.retired, "the deleted volume's image goes with its last clone"
+    assert not listing.retired and not listing.trash, "the deleted volume's image goes with its last clone"
 
 
 def test_capacity_comes_from_the_pool_stats(backend: RbdBackend) -> None:

@@ -59,14 +59,16 @@ def test_a_pattern_written_in_a_guest_is_read_back_from_a_clone_of_its_snapshot(
     cloud.detach(clone)
     cloud.assert_consistent()
 
-    # Ceph and the DB agree: the clone is the one volume, the snapshot lives on the retired parent.
+    # Ceph and the DB agree: the clone is the one volume, the snapshot lives on the parent in the RBD trash.
     live_volumes = {v["volume_id"] for v in vbs.all_volumes() if v["status"] != "deleted"}
     live_snaps = {s["snapshot_id"] for s in vbs.http.get("/v1/snapshots").json()["snapshots"]
                   if s["status"] != "deleted"}
     images = set(cloud.rbd("ls", cloud.pool))
-    assert live_volumes == {clone} == {i for i in images if i.startswith("vol-")}
-    assert images == {clone, f"vbs-retired-{parent}"}
-    rbd_snaps = {s["name"] for i in images for s in cloud.rbd("snap", "ls", f"{cloud.pool}/{i}")}
+    assert live_volumes == {clone} == images
+    [trashed] = cloud.rbd("trash", "ls", cloud.pool)
+    assert trashed["name"] == parent
+    rbd_snaps = {s["name"] for s in cloud.rbd("snap", "ls", "--pool", cloud.pool, "--image-id", trashed["id"])}
+    assert not cloud.rbd("snap", "ls", f"{cloud.pool}/{clone}")
     assert rbd_snaps == live_snaps == {snap}
 
 

@@ -105,7 +105,7 @@ def test_a_volume_written_through_its_nbd_export_is_in_its_image_and_its_clone(s
     served.remove_connection(vol, HOST.name)
     served.remove_connection(clone, HOST.name)
     assert served.exports is not None and served.exports.list_exports() == []
-    served.remove_volume(vol)  # no watcher left: the image goes (retired: its snapshot remains)
+    served.remove_volume(vol)  # no watcher left: the image goes (to the trash: its snapshot remains)
     assert served.inventory().volumes == [clone]
 
 

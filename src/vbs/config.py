@@ -162,6 +162,11 @@ class StorageAgentConfig(_AgentSection):
     ceph_conf: Path | None = None
     ceph_user: str = Field("admin", pattern=CEPH_USER_RE)
     rbd_pool: str = Field("rbd", pattern=RBD_POOL_RE)
+    # A volume cloned from a snapshot whose chain of clones would be deeper than this is flattened
+    # in the background, at most rbd_max_flattens at once; a volume has at most this many snapshots.
+    rbd_max_clone_depth: int = Field(5, ge=1, le=16)
+    rbd_max_flattens: int = Field(2, ge=1, le=16)
+    rbd_max_snapshots_per_volume: int = Field(450, ge=1, le=450)
 
     @field_validator("pools", mode="before")
     @classmethod

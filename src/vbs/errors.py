@@ -32,6 +32,7 @@ __all__ = [
     "AuthFailure",
     "UnauthorizedOperation",
     "LimitExceeded",
+    "VolumeSnapshotLimitExceeded",
     "from_body",
 ]
 
@@ -197,3 +198,9 @@ class LimitExceeded(VbsError):
 
     code = "LimitExceeded"
     status = 400
+
+
+class VolumeSnapshotLimitExceeded(LimitExceeded):
+    """One volume has as many snapshots as its pool allows (RBD: 450 an image); none was made."""
+
+    code = "VolumeSnapshotLimitExceeded"

@@ -413,8 +413,19 @@ def check(
               + ("everything agrees" if report["clean"] else f"{len(report['findings'])} finding(s)"))
         if report["findings"]:
             output.emit(report["findings"], c.fmt, output.FINDING_COLUMNS)
+        _emit_pool_details(report.get("pools", []), c.fmt)
     if not report["clean"] and not repair:
         raise typer.Exit(1)
+
+
+def _emit_pool_details(pools: list[dict[str, Any]], fmt: str) -> None:
+    """``vbs check``'s tables of what pools keep besides volumes: trash, clone chains, flattens."""
+    for key, columns, title in (("trash", output.TRASH_COLUMNS, "trash (images of deleted volumes)"),
+                                ("chains", output.CHAIN_COLUMNS, "clone chains deeper than 1"),
+                                ("flattens", output.FLATTEN_COLUMNS, "flattens")):
+        rows = [{"node": p["node"], "pool": p["pool"], **item} for p in pools for item in p[key]]
+        if rows:
+            output.emit(rows, fmt, columns, title=title)
 
 
 @app.command("create-key")
@@ -529,6 +540,12 @@ def storage_agent(
         help="rbd backend: the cluster's ceph.conf (it names the user's keyring).")] = None,
     ceph_user: Annotated[str | None, typer.Option(help="rbd backend: the cephx user (default: admin).")] = None,
     rbd_pool: Annotated[str | None, typer.Option(help="rbd backend: the Ceph pool (default: rbd).")] = None,
+    rbd_max_clone_depth: Annotated[int | None, typer.Option(
+        help="rbd backend: flatten clones deeper than this in the background (default: 5).")] = None,
+    rbd_max_flattens: Annotated[int | None, typer.Option(
+        help="rbd backend: at most this many flattens at once (default: 2).")] = None,
+    rbd_max_snapshots_per_volume: Annotated[int | None, typer.Option(
+        help="rbd backend: the most snapshots a volume may have (default and most: 450).")] = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -545,6 +562,8 @@ def storage_agent(
         "export": export, "nbd_port": nbd_port, "nbd_socket_dir": nbd_socket_dir,
         "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
         "ceph_conf": ceph_conf, "ceph_user": ceph_user, "rbd_pool": rbd_pool,
+        "rbd_max_clone_depth": rbd_max_clone_depth, "rbd_max_flattens": rbd_max_flattens,
+        "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 

@@ -81,6 +81,32 @@ INSTANCE_COLUMNS: list[Column] = [
     ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
 ]
 
+# The node and pool a row of `vbs check`'s pool details belongs to.
+AT_POOL: Column = ("Node", lambda x: f"{x['node']}/{x['pool']}")
+
+TRASH_COLUMNS: list[Column] = [
+    AT_POOL,
+    ("ImageId", lambda t: t["id"]),
+    ("Name", lambda t: t["name"]),
+    ("KeptFor", lambda t: t["kept_for"]),
+    ("Snapshots", lambda t: t["snapshots"]),
+    ("DeletedSnapshotsWithClones", lambda t: t["children"]),
+]
+
+CHAIN_COLUMNS: list[Column] = [
+    AT_POOL,
+    ("VolumeId", lambda c: c["volume_id"]),
+    ("Depth", lambda c: c["depth"]),
+    ("Chain", lambda c: " <- ".join([c["volume_id"], *c["parents"]])),
+]
+
+FLATTEN_COLUMNS: list[Column] = [
+    AT_POOL,
+    ("VolumeId", lambda f: f["volume_id"]),
+    ("State", lambda f: f["state"]),
+    ("Progress", lambda f: f"{f['progress']}%"),
+]
+
 FINDING_COLUMNS: list[Column] = [
     ("Kind", lambda f: f["kind"]),
     ("Node", lambda f: f["node"]),

@@ -5,6 +5,10 @@ making more keys buys no more room. The defaults are config keys (``quota_volume
 ``quota_snapshots``). Checks run inside the transaction that inserts the resource: on SQLite writes
 are serialised; on PostgreSQL each check first takes the tenant's advisory lock (``db.locks``), so two
 concurrent creates (or a create and a modify) of one tenant cannot both slip under a limit.
+
+A pool may also limit the snapshots of one volume (RBD: 450 an image): its agent reports the limit
+(``PoolInfo.max_snapshots_per_volume``) and the next snapshot is refused here, before anything is made.
+The volume's row is locked by then (the create touches it first), so two creates cannot both pass.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs.config import ControllerConfig
-from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_tenant
+from vbs.controller.nodes import storage_info
 from vbs.controller.states import SnapshotState, VolumeState
-from vbs.errors import LimitExceeded
+from vbs.errors import LimitExceeded, VolumeSnapshotLimitExceeded
 
 
 def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes: int, new_gib: int) -> None:
@@ -40,3 +45,18 @@ def check_snapshots(s: Session, cfg: ControllerConfig, tenant: str) -> None:
     if count + 1 > cfg.quota_snapshots:
         raise LimitExceeded(f"The maximum number of snapshots ({cfg.quota_snapshots}) has been reached.",
                             code="SnapshotLimitExceeded")
+
+
+def check_volume_snapshots(s: Session, vol: Volume) -> None:
+    """Refuse (``VolumeSnapshotLimitExceeded``) a snapshot of ``vol`` over its pool's limit per volume."""
+    node = s.get(Node, (vol.storage_node, "storage"))
+    pools = storage_info(node).pools if node is not None else []
+    limit = next((p.max_snapshots_per_volume for p in pools if p.name == vol.pool), None)
+    if limit is None:
+        return
+    count = s.scalar(select(func.count()).select_from(Snapshot)
+                     .where(Snapshot.volume_id == vol.id, Snapshot.status != SnapshotState.DELETED)) or 0
+    if count + 1 > limit:
+        raise VolumeSnapshotLimitExceeded(
+            f"The volume '{vol.id}' has {count} snapshots, the most its pool '{vol.pool}' allows ({limit}); "
+            "delete one of them first.", volume_id=vol.id, limit=limit)

@@ -9,7 +9,8 @@ a workflow never removes what the workflow is making.
 Repairs: a missing export of an attached volume is re-created; an orphan export is removed; an
 orphan pool file is removed; an orphan disk in a VM is force-unplugged; an available volume or a
 completed snapshot whose file vanished is marked ``error`` with the reason. Everything found is in
-the report, which ``vbs check`` prints.
+the report, which ``vbs check`` prints, with what pools keep that is not a finding: images of deleted
+volumes in the trash (and why), clone chains deeper than one and background flattens.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
 from vbs.errors import NotFound, VbsError
-from vbs.wire.storage import ExportInfo
+from vbs.wire.storage import ExportInfo, PoolInventory
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,30 @@ class Finding:
 
 
 @dataclass
+class PoolDetails:
+    """What a pool keeps besides volumes and snapshots (RBD): its trash, deep clone chains, flattens."""
+
+    node: str
+    pool: str
+    trash: list[dict[str, Any]]
+    chains: list[dict[str, Any]]
+    flattens: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, node: str, pool: str, items: PoolInventory) -> PoolDetails | None:
+        if not (items.trash or items.chains or items.flattens):
+            return None
+        return cls(node, pool, [t.model_dump() for t in items.trash], [c.model_dump() for c in items.chains],
+                   [f.model_dump() for f in items.flattens])
+
+
+@dataclass
 class Report:
     checked_at: str
     storage_nodes: int = 0
     hosts: int = 0
     findings: list[Finding] = field(default_factory=list)
+    pools: list[PoolDetails] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -62,7 +82,8 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         return {"checked_at": self.checked_at, "storage_nodes": self.storage_nodes, "hosts": self.hosts,
-                "clean": self.clean, "findings": [asdict(f) for f in self.findings]}
+                "clean": self.clean, "findings": [asdict(f) for f in self.findings],
+                "pools": [asdict(p) for p in self.pools]}
 
 
 class Reconciler:
@@ -148,6 +169,9 @@ class Reconciler:
                                                            Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
         for pool, items in inventory.pools.items():
+            details = PoolDetails.of(node.name, pool, items)
+            if details is not None:
+                report.pools.append(details)
             self._check_files(node.name, pool, "volume", items.volumes, volumes, busy, report, seen,
                               repair, ignore_grace)
             self._check_files(node.name, pool, "snapshot", items.snapshots, snaps, busy, report, seen,

@@ -35,6 +35,7 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
         if hit != 1:
             raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
+        quotas.check_volume_snapshots(s, vol)
         quotas.check_snapshots(s, svc.cfg, tenant)
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from vbs.wire.base import SnapshotId, VolumeId, Wire
 from vbs.wire.connection import (
@@ -23,6 +24,9 @@ __all__ = [
     "ItemStatus",
     "PoolInfo",
     "PoolInventory",
+    "TrashedImage",
+    "CloneChain",
+    "FlattenProgress",
     "Inventory",
     "EnsureVolume",
     "ResizeVolume",
@@ -51,15 +55,17 @@ NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
 
 # ready: usable; copying: a background copy runs; stalled: a partial copy with no job behind it
 # (the agent restarted) that the next ensure restarts; error: the last copy failed (the next ensure
-# retries, except for a point-in-time copy, whose instant is lost); absent: nothing there.
+# retries, except for a point-in-time copy, whose instant is lost); absent: nothing there. A ready
+# volume with a progress below 100 is usable while a background flatten (RBD) is that far.
 ItemState = Literal["ready", "copying", "stalled", "error", "absent"]
 
 
-def _without_empty(data: dict[str, Any], key: str) -> dict[str, Any]:
-    """A new field left out while it is empty: a peer older than the field (which refuses unknown
+def _without_empty(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """New fields left out while they are empty: a peer older than the fields (which refuses unknown
     fields) still understands everything else."""
-    if not data.get(key):
-        data.pop(key, None)
+    for key in keys:
+        if not data.get(key):
+            data.pop(key, None)
     return data
 
 
@@ -82,6 +88,8 @@ class PoolInfo(Wire):
     free_bytes: int = Field(ge=0)
     clone_method: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
     point_in_time: bool
+    # The most snapshots one volume of this pool may have (RBD: 450 by default); None: no limit (files).
+    max_snapshots_per_volume: int | None = Field(None, ge=1, le=100_000)
     # The Ceph monitors of an ``rbd`` pool's cluster: the only ones the controller lets a connection
     # of this node send a host to. Empty for pools that hand out no native connections.
     monitors: list[Annotated[str, Field(pattern=f"^(?:{MONITOR_RE.pattern})$")]] = Field(default_factory=list,
@@ -89,18 +97,64 @@ class PoolInfo(Wire):
 
     @model_serializer(mode="wrap")
     def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "monitors")
+        return _without_empty(handler(self), "monitors", "max_snapshots_per_volume")
 
 
 class PoolList(Wire):
     pools: list[PoolInfo] = Field(max_length=MAX_POOLS)
 
 
+MAX_POOL_DETAILS = 10_000
+MAX_CHAIN_DEPTH = 64
+_RBD_NAME = r"[A-Za-z0-9._-]{1,128}"
+
+
+class TrashedImage(Wire):
+    """The image of a deleted volume that a pool keeps (RBD: in Ceph's trash) and why:
+    ``snapshots``, VBS snapshots of it are live; ``children``, only deleted snapshots that clones
+    still read from; ``nothing``, the next purge removes it."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{1,64}$")
+    name: str = Field(pattern=f"^{_RBD_NAME}$")
+    snapshots: int = Field(ge=0)
+    children: int = Field(ge=0)
+    kept_for: Literal["snapshots", "children", "nothing"]
+
+
+class CloneChain(Wire):
+    """A volume cloned from a snapshot of a clone: its parents nearest first (``image@snapshot``;
+    a deleted snapshot that a clone still reads has a UUID for a name) and the chain's depth."""
+
+    volume_id: VolumeId
+    depth: int = Field(ge=1, le=MAX_CHAIN_DEPTH)
+    parents: list[str] = Field(max_length=MAX_CHAIN_DEPTH)
+
+    @field_validator("parents")
+    @classmethod
+    def _links(cls, v: list[str]) -> list[str]:
+        for link in v:
+            if not re.fullmatch(f"{_RBD_NAME}@{_RBD_NAME}", link):
+                raise ValueError("a parent is IMAGE@SNAPSHOT")
+        return v
+
+
+class FlattenProgress(Wire):
+    """A background flatten (copying what a clone reads from its parents into it): queued or running."""
+
+    volume_id: VolumeId
+    state: Literal["queued", "running"]
+    progress: int = Field(ge=0, le=100)
+
+
 class PoolInventory(Wire):
-    """Ids of the volumes and snapshots a pool holds, ready or in progress."""
+    """Ids of the volumes and snapshots a pool holds, ready or in progress; for RBD also its trash,
+    its clone chains deeper than one and its flattens."""
 
     volumes: list[str] = Field(default_factory=list)
     snapshots: list[str] = Field(default_factory=list)
+    trash: list[TrashedImage] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
+    chains: list[CloneChain] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
+    flattens: list[FlattenProgress] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
 
 
 class Inventory(Wire):

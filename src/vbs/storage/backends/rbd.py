@@ -4,8 +4,22 @@ A volume ``vol-…`` is the image ``<rbd_pool>/vol-…``; a snapshot ``snap-…`
 ``<rbd_pool>/vol-…@snap-…`` of the volume it was taken from (point in time by construction: RBD
 snapshots are taken at one instant also while clients write). A volume made from a snapshot is a
 clone of it (clone v2 where the cluster requires mimic clients or newer; else the snapshot is
-protected first, as clone v1 needs). A volume deleted while snapshots of it remain is renamed
-``vbs-retired-vol-…`` and removed with its last snapshot.
+protected first, as clone v1 needs).
+
+Deletion, as Cinder and ceph-csi learnt it: a volume whose image still has snapshots (EBS keeps
+snapshots after their volume is deleted; deleted snapshots that clones still read stay in the
+image's trash namespace) is moved to the RBD trash (``rbd trash mv``). Its snapshots stay listed and
+cloneable (the image is restored under ``vbs-retired-vol-…`` for the clone, then trashed again), and
+a purge pass removes it (``rbd trash rm`` by id) once it has no snapshot left: after every removal
+and every ``MAINTENANCE_INTERVAL_S``. Images renamed ``vbs-retired-vol-…`` by older agents (or left
+so by a crash during such a clone) are moved to the trash by the same pass.
+
+Clone chains: a volume made from a snapshot whose chain of clones would be deeper than
+``max_clone_depth`` is still a clone at once (usable, attachable), then flattened in the background
+(``rbd flatten``, ``max_flattens`` at once, its percentage in the volume's status). At start and in
+every pass the agent flattens what is still too deep, so an agent restart resumes them. A volume has
+at most ``max_snapshots_per_volume`` snapshots (450 by default; the pool reports it, the controller
+refuses the next one before anything is made, and so does the backend).
 
 Why the ``rbd`` and ``ceph`` command-line tools and not the python3-rbd bindings: a librbd or
 librados call can block for ever (a mon or OSD that does not answer; Cinder wraps every call in a
@@ -22,10 +36,7 @@ capabilities list ``rbd``; the controller says so in the connection request) get
 whose caps reach that image's objects only (``rbd_access``); the user is removed with the
 connection. Any other host gets an export, as with the ``file`` backend: the export daemon opens the
 image itself (``RbdSource``: qemu-storage-daemon's librbd, as the agent's cephx user, its key read
-from the keyring the conf names) and serves it over NBD.
-
-Not here yet (issue 11, later parts): tgt's ``--bstype rbd`` for the iSCSI export, clone depth
-limits and flattening, the RBD trash.
+from the keyring the conf names) and serves it over NBD (or tgtd's rbd store serves it over iSCSI).
 """
 
 from __future__ import annotations
@@ -38,28 +49,48 @@ import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr
 
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
-from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
+from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError, VolumeSnapshotLimitExceeded
 from vbs.processes import minimal_environment
 from vbs.storage.backends import rbd_access
+from vbs.storage.backends.rbd_chains import (
+    RETIRED_PREFIX,
+    Flattener,
+    TrashEntry,
+    parse_parent,
+    parse_snaps,
+    parse_trash,
+    parse_watchers,
+    volume_of,
+)
 from vbs.storage.exports.base import ExportDriver, RbdSource
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
-from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
+from vbs.wire.storage import (
+    MAX_CHAIN_DEPTH,
+    CloneChain,
+    ExportInfo,
+    ItemStatus,
+    PoolInfo,
+    PoolInventory,
+    TrashedImage,
+)
 
 __all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats"]
 
 log = logging.getLogger(__name__)
 
 IMAGE_FEATURES = "layering,exclusive-lock,object-map,fast-diff,deep-flatten"
-RETIRED_PREFIX = "vbs-retired-"
 COMMAND_TIMEOUT_S = 60.0
 # How long a client still connected as a removed attachment user stays blocklisted: past the life of
 # any ticket it holds (auth service ticket ttl, 1 h by default), after which it cannot authenticate.
 BLOCKLIST_S = 7200
+MAINTENANCE_INTERVAL_S = 300.0
+FLATTEN_STALL_S = 600.0
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
@@ -67,11 +98,34 @@ _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
 
 @dataclass
 class Listing:
-    """What ``rbd ls -l`` says of a pool: volume sizes, and each snapshot's image and size."""
+    """What ``rbd ls -l`` (and the trash) say of a pool: volume sizes, each snapshot's image and
+    size, the images renamed ``vbs-retired-…``, the trashed images by name, and who is whose clone."""
 
     volumes: dict[str, int] = field(default_factory=dict)
     snapshots: dict[str, tuple[str, int]] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)
+    trash: dict[str, TrashEntry] = field(default_factory=dict)
+    parents: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def chain(self, image: str) -> list[str]:
+        """The parents of ``image``, nearest first, as ``image@snapshot``."""
+        links: list[str] = []
+        while image in self.parents and len(links) < MAX_CHAIN_DEPTH:
+            image, snap = self.parents[image]
+            links.append(f"{image}@{snap}")
+        return links
+
+    def depth(self, image: str) -> int:
+        """How many clones deep ``image`` is (0: not a clone)."""
+        return len(self.chain(image))
+
+    def add_trashed(self, entry: TrashEntry) -> None:
+        self.trash[entry.name] = entry
+        if entry.parent is not None:
+            self.parents[entry.name] = entry.parent
+        for snap in entry.live_snapshots:
+            if ids.is_valid("snapshot", snap.name):
+                self.snapshots[snap.name] = (entry.name, snap.size)
 
 
 def parse_listing(text: str) -> Listing:
@@ -86,14 +140,17 @@ def parse_listing(text: str) -> Listing:
         image, size, snap = entry.get("image"), entry.get("size"), entry.get("snapshot")
         if not isinstance(image, str) or not isinstance(size, int):
             continue
-        volume = image.removeprefix(RETIRED_PREFIX)
-        if not ids.is_valid("volume", volume):
+        volume = volume_of(image)
+        if volume is None:
             continue
         if snap is None:
             if image == volume:
                 listing.volumes[volume] = size
             else:
                 listing.retired.add(image)
+            parent = parse_parent(entry)
+            if parent is not None:
+                listing.parents[image] = parent[:2]
         elif ids.is_valid("snapshot", snap):
             listing.snapshots[snap] = (image, size)
     return listing
@@ -121,11 +178,17 @@ class RbdBackend:
     """One VBS pool in the Ceph pool ``rbd_pool`` of the cluster ``ceph_conf`` describes."""
 
     def __init__(self, name: str, ceph_conf: Path, *, ceph_user: str = "admin", rbd_pool: str = "rbd",
-                 timeout_s: float = COMMAND_TIMEOUT_S, exports: ExportDriver | None = None) -> None:
+                 timeout_s: float = COMMAND_TIMEOUT_S, exports: ExportDriver | None = None,
+                 max_clone_depth: int = 5, max_flattens: int = 2, max_snapshots_per_volume: int = 450,
+                 maintenance_interval_s: float = MAINTENANCE_INTERVAL_S) -> None:
         if not re.fullmatch(CEPH_USER_RE, ceph_user):
             raise InvalidParameter(f"invalid Ceph user {ceph_user[:64]!r}")
         if not re.fullmatch(RBD_POOL_RE, rbd_pool):
             raise InvalidParameter(f"invalid RBD pool {rbd_pool[:64]!r}")
+        for what, value, top in (("max_clone_depth", max_clone_depth, 16), ("max_flattens", max_flattens, 16),
+                                 ("max_snapshots_per_volume", max_snapshots_per_volume, 450)):
+            if not 1 <= value <= top:
+                raise InvalidParameter(f"{what} must be 1-{top}, not {value}")
         if not ceph_conf.is_file():
             raise DriverError(f"pool {name}: the Ceph configuration {ceph_conf} is not a file")
         self.name = name
@@ -134,27 +197,40 @@ class RbdBackend:
         self.rbd_pool = rbd_pool
         self.timeout_s = timeout_s
         self.exports = exports
+        self.max_clone_depth = max_clone_depth
+        self.max_snapshots_per_volume = max_snapshots_per_volume
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
         self._monitor_list: list[str] | None = None
+        self.flattener = Flattener(lambda volume: self._argv("rbd", "flatten", self._spec(volume)),
+                                   max_running=max_flattens, stall_s=FLATTEN_STALL_S,
+                                   should_run=self._too_deep, done=self._flattened)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._maintenance_interval_s = maintenance_interval_s
+        self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
+        self._maintainer.start()
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
         if cfg.ceph_conf is None:
             raise InvalidParameter("the rbd backend needs ceph_conf (--ceph-conf)")
         return cls(cfg.pool_name, cfg.ceph_conf.resolve(), ceph_user=cfg.ceph_user, rbd_pool=cfg.rbd_pool,
-                   exports=exports)
+                   exports=exports, max_clone_depth=cfg.rbd_max_clone_depth, max_flattens=cfg.rbd_max_flattens,
+                   max_snapshots_per_volume=cfg.rbd_max_snapshots_per_volume)
 
     # -- the tools ----------------------------------------------------------------------------------
 
-    def _tool(self, tool: str, *args: str) -> str:
+    def _argv(self, tool: str, *args: str) -> list[str]:
         t = int(self.timeout_s)
-        argv = [tool, "--conf", str(self.ceph_conf), "--id", self.ceph_user,
+        return [tool, "--conf", str(self.ceph_conf), "--id", self.ceph_user,
                 "--rados-mon-op-timeout", str(t), "--rados-osd-op-timeout", str(t),
                 "--client-mount-timeout", str(t), *args]
+
+    def _tool(self, tool: str, *args: str) -> str:
         try:
-            proc = subprocess.run(argv, env=minimal_environment(), stdin=subprocess.DEVNULL,  # noqa: S603
-                                  capture_output=True, text=True, timeout=self.timeout_s + 5)
+            proc = subprocess.run(self._argv(tool, *args), env=minimal_environment(),  # noqa: S603
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout_s + 5)
         except subprocess.TimeoutExpired:
             raise DriverError(f"pool {self.name}: {tool} {args[0]} did not answer within {self.timeout_s:g}s") from None
         if proc.returncode != 0:
@@ -165,45 +241,149 @@ class RbdBackend:
     def _rbd(self, *args: str) -> str:
         return self._tool("rbd", *args)  # progress goes to stderr, which only an error shows
 
+    def _rbd_tolerant(self, *args: str, tolerate: tuple[int, ...]) -> None:
+        """An rbd call whose failure with one of the errnos ``tolerate`` means it needs doing no more."""
+        try:
+            self._rbd(*args)
+        except _ToolError as exc:
+            if exc.errno not in tolerate:
+                raise
+
     def _spec(self, image: str, snap: str | None = None) -> str:
         return f"{self.rbd_pool}/{image}" + (f"@{snap}" if snap else "")
 
-    def _listing(self) -> Listing:
-        return parse_listing(self._rbd("ls", "-l", "--format", "json", self.rbd_pool))
+    def _by_id(self, image_id: str) -> tuple[str, ...]:
+        """A trashed image, which has no name: its pool and id."""
+        return ("--pool", self.rbd_pool, "--image-id", image_id)
 
-    def _image_size(self, image: str) -> int | None:
-        info = self._image_info(image)
-        return None if info is None else info[0]
-
-    def _image_info(self, image: str) -> tuple[int, str | None] | None:
-        """The size of ``image`` and the image its parent snapshot is of (a clone), or None if it is absent."""
+    def _info(self, *image: str) -> dict[str, Any] | None:
+        """``rbd info`` of an image (a spec, or ``_by_id``), or None if it is absent."""
         try:
-            info = json.loads(self._rbd("info", "--format", "json", self._spec(image)))
+            info = json.loads(self._rbd("info", "--format", "json", *image))
         except _ToolError as exc:
             if exc.errno == _ENOENT:
                 return None
             raise
-        size = info.get("size") if isinstance(info, dict) else None
-        if not isinstance(size, int):
-            raise DriverError(f"pool {self.name}: rbd info {image}: no size")
-        parent = info.get("parent")
-        parent_image = parent.get("image") if isinstance(parent, dict) else None
-        return size, parent_image if isinstance(parent_image, str) else None
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int):
+            raise DriverError(f"pool {self.name}: rbd info {image[-1]}: no size")
+        return info
+
+    def _listing(self) -> Listing:
+        listing = parse_listing(self._rbd("ls", "-l", "--format", "json", self.rbd_pool))
+        for entry in parse_trash(self._rbd("trash", "ls", "--all", "--format", "json", self.rbd_pool)):
+            try:
+                entry.snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", *self._by_id(entry.id)))
+                info = self._info(*self._by_id(entry.id))
+            except _ToolError as exc:
+                if exc.errno != _ENOENT:
+                    raise
+                continue  # purged meanwhile
+            if info is None:
+                continue
+            entry.size = info["size"]
+            parent = parse_parent(info)
+            entry.parent = None if parent is None else parent[:2]
+            listing.add_trashed(entry)
+        return listing
+
+    def _image_size(self, image: str) -> int | None:
+        info = self._info(self._spec(image))
+        return None if info is None else int(info["size"])
+
+    def _status(self, volume_id: str, size: int) -> ItemStatus:
+        """Ready (usable); a progress below 100 while a background flatten of it is that far."""
+        progress = self.flattener.progress(volume_id)
+        return ItemStatus(state="ready", size_bytes=size, progress=100 if progress is None else progress)
 
     # -- pool -------------------------------------------------------------------------------------
 
     def pool_info(self) -> PoolInfo:
         capacity, free = parse_pool_stats(self._tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
-                        clone_method="rbd-clone", point_in_time=True, monitors=self._monitors())
+                        clone_method="rbd-clone", point_in_time=True, monitors=self._monitors(),
+                        max_snapshots_per_volume=self.max_snapshots_per_volume)
 
     def inventory(self) -> PoolInventory:
         with self._lock:
             listing = self._listing()
-        return PoolInventory(volumes=sorted(listing.volumes), snapshots=sorted(listing.snapshots))
+        trash = [TrashedImage(id=e.id, name=e.name, snapshots=len(e.live_snapshots),
+                              children=len(e.snaps) - len(e.live_snapshots), kept_for=e.kept_for)
+                 for e in sorted(listing.trash.values(), key=lambda e: e.name)]
+        chains = [CloneChain(volume_id=v, depth=len(links), parents=links)
+                  for v in sorted(listing.volumes) if len(links := listing.chain(v)) > 1]
+        return PoolInventory(volumes=sorted(listing.volumes), snapshots=sorted(listing.snapshots), trash=trash,
+                             chains=chains, flattens=self.flattener.report())
 
     def close(self) -> None:
-        """Nothing runs in the background."""
+        """Stop the maintenance pass and the flattens (what they copied stays; the next start resumes)."""
+        self._stop.set()
+        self._wake.set()
+        self.flattener.close()
+        if self._maintainer is not threading.current_thread():
+            self._maintainer.join(timeout=self.timeout_s + 10)
+
+    # -- the trash and the chains ---------------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """One pass: purge the trash (and images renamed ``vbs-retired-``), and flatten the clones
+        deeper than ``max_clone_depth``. Idempotent; run at start, after flattens and periodically."""
+        with self._lock:
+            listing = self._purge()
+        for volume in sorted(listing.volumes):
+            if listing.depth(volume) > self.max_clone_depth:
+                self.flattener.submit(volume)
+
+    def _maintain_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.maintain()
+            except VbsError as exc:
+                log.warning("pool %s: maintenance pass failed: %s", self.name, exc.message)
+            self._wake.wait(self._maintenance_interval_s)
+            self._wake.clear()
+
+    def _purge(self) -> Listing:
+        """Trash the images renamed ``vbs-retired-`` that have snapshots and remove those without,
+        then remove every trashed image of VBS that has no snapshot left. The caller holds the lock."""
+        listing = self._listing()
+        for image in sorted(listing.retired):
+            try:
+                snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", self._spec(image)))
+                if snaps:
+                    self._rbd("trash", "mv", self._spec(image))
+                    log.info("pool %s: %s moved to the trash (%d snapshots left)", self.name, image, len(snaps))
+                else:
+                    self._rbd("rm", self._spec(image))
+            except _ToolError as exc:
+                if exc.errno not in (_ENOENT, _EBUSY, _ENOTEMPTY):
+                    raise
+        if listing.retired:
+            listing = self._listing()
+        for entry in list(listing.trash.values()):
+            if entry.kept_for == "nothing":
+                self._rbd_tolerant("trash", "rm", f"{self.rbd_pool}/{entry.id}", tolerate=(_ENOENT, _ENOTEMPTY))
+                log.info("pool %s: %s (%s) purged from the trash", self.name, entry.name, entry.id)
+                del listing.trash[entry.name]
+        return listing
+
+    def _flattened(self, volume_id: str, ok: bool) -> None:
+        """A flatten ended: a purge may now remove what only that clone kept (a failed one waits for
+        the next periodic pass, so a flatten that keeps failing does not spin)."""
+        if ok:
+            self._wake.set()
+
+    def _purge_after_removal(self) -> None:
+        """A purge after a removal, which has happened: a purge that fails (an image another client
+        trashed with a later expiry, a cluster that stops answering) is the next pass's to retry."""
+        try:
+            self._purge()
+        except VbsError as exc:
+            log.warning("pool %s: purge after a removal failed: %s", self.name, exc.message)
+
+    def _too_deep(self, volume_id: str) -> bool:
+        """Whether ``volume_id`` still needs a flatten (asked just before one starts)."""
+        listing = self._listing()
+        return volume_id in listing.volumes and listing.depth(volume_id) > self.max_clone_depth
 
     # -- volumes ----------------------------------------------------------------------------------
 
@@ -223,22 +403,31 @@ class RbdBackend:
             if current < size_bytes:  # a clone of a smaller snapshot whose grow a crash interrupted
                 self._rbd("resize", "--size", f"{size_bytes}B", self._spec(volume_id))
                 current = size_bytes
-            return _ready(current)
+            return self._status(volume_id, current)
 
     def _create(self, volume_id: str, size_bytes: int) -> None:
-        try:
-            self._rbd("create", "--size", f"{size_bytes}B", "--image-feature", IMAGE_FEATURES, self._spec(volume_id))
-        except _ToolError as exc:
-            if exc.errno != _EEXIST:
-                raise
+        self._rbd_tolerant("create", "--size", f"{size_bytes}B", "--image-feature", IMAGE_FEATURES,
+                           self._spec(volume_id), tolerate=(_EEXIST,))
 
     def _clone(self, volume_id: str, snapshot_id: str, size_bytes: int) -> None:
-        found = self._listing().snapshots.get(snapshot_id)
+        listing = self._listing()
+        found = listing.snapshots.get(snapshot_id)
         if found is None:
             raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
         image, snap_size = found
         if size_bytes < snap_size:
             raise InvalidParameter(f"The size {size_bytes} is smaller than the snapshot {snapshot_id} ({snap_size})")
+        entry = listing.trash.get(image)
+        if entry is None:
+            self._clone_named(image, snapshot_id, volume_id)
+        else:
+            self._clone_trashed(entry, snapshot_id, volume_id)
+        if 1 + listing.depth(image) > self.max_clone_depth:
+            log.info("pool %s: %s is %d clones deep (limit %d): flattening it", self.name, volume_id,
+                     1 + listing.depth(image), self.max_clone_depth)
+            self.flattener.submit(volume_id)
+
+    def _clone_named(self, image: str, snapshot_id: str, volume_id: str) -> None:
         argv = ["clone", "--image-feature", IMAGE_FEATURES, self._spec(image, snapshot_id), self._spec(volume_id)]
         try:
             self._rbd(*argv)
@@ -251,22 +440,30 @@ class RbdBackend:
             self._rbd("snap", "protect", self._spec(image, snapshot_id))
             self._rbd(*argv)
 
+    def _clone_trashed(self, entry: TrashEntry, snapshot_id: str, volume_id: str) -> None:
+        """``rbd clone`` opens its parent by name: restore the trashed image under ``vbs-retired-…``
+        for the clone, then trash it again (a crash between leaves it named, and the purge trashes it)."""
+        named = RETIRED_PREFIX + (volume_of(entry.name) or entry.id)
+        self._rbd("trash", "restore", "--image", named, f"{self.rbd_pool}/{entry.id}")
+        try:
+            self._clone_named(named, snapshot_id, volume_id)
+        finally:
+            self._rbd_tolerant("trash", "mv", self._spec(named), tolerate=(_ENOENT,))
+
     def volume_status(self, volume_id: str) -> ItemStatus:
         ids.check("volume", volume_id)
         with self._lock:
             size = self._image_size(volume_id)
-        return ItemStatus(state="absent") if size is None else _ready(size)
+        return ItemStatus(state="absent") if size is None else self._status(volume_id, size)
 
     def remove_volume(self, volume_id: str) -> None:
         ids.check("volume", volume_id)
         with self._lock:
-            info = self._image_info(volume_id)
-            if info is None:
+            self.flattener.cancel(volume_id)  # a flatten holds the image open; what it copied goes with it
+            if self._image_size(volume_id) is None:
                 return
             try:
                 self._rbd("rm", self._spec(volume_id))
-                if info[1] is not None and info[1].startswith(RETIRED_PREFIX):
-                    self._remove_retired(info[1])  # its last clone went: the deleted parent may go too
             except _ToolError as exc:
                 if exc.errno == _ENOENT:
                     return
@@ -274,9 +471,13 @@ class RbdBackend:
                     raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
                 if exc.errno != _ENOTEMPTY:
                     raise
-                # Its snapshots outlive it (EBS): keep the image under a name no volume has.
-                self._rbd("rename", self._spec(volume_id), self._spec(RETIRED_PREFIX + volume_id))
-                log.info("volume %s retired: snapshots of it remain", volume_id)
+                # Its snapshots outlive it (EBS), or clones read deleted ones: to the trash until none is
+                # left. `rbd trash mv` takes an image that a client has open, which `rbd rm` refuses: ask.
+                if parse_watchers(self._rbd("status", "--format", "json", self._spec(volume_id))):
+                    raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
+                self._rbd("trash", "mv", self._spec(volume_id))
+                log.info("pool %s: volume %s moved to the trash: snapshots of it remain", self.name, volume_id)
+            self._purge_after_removal()  # its parent may have been waiting for its last clone
 
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
         ids.check("volume", volume_id)
@@ -290,7 +491,7 @@ class RbdBackend:
                                        f"size {current}; volumes can only grow")
             if size_bytes > current:
                 self._rbd("resize", "--size", f"{size_bytes}B", self._spec(volume_id))
-            return _ready(size_bytes)
+            return self._status(volume_id, size_bytes)
 
     # -- snapshots --------------------------------------------------------------------------------
 
@@ -298,9 +499,19 @@ class RbdBackend:
         ids.check("snapshot", snapshot_id)
         ids.check("volume", volume_id)
         with self._lock:
-            found = self._listing().snapshots.get(snapshot_id)
-            if found is not None:
-                return _ready(found[1])
+            # The volume's own snapshots (one image, not the whole pool: a volume may have 450).
+            have = self._snapshots_of(volume_id)
+            if have is None:  # a repeat after the volume was deleted finds its snapshot elsewhere
+                found = self._listing().snapshots.get(snapshot_id)
+                if found is not None:
+                    return _ready(found[1])
+                raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
+            if snapshot_id in have:
+                return _ready(have[snapshot_id])
+            if len(have) >= self.max_snapshots_per_volume:
+                raise VolumeSnapshotLimitExceeded(
+                    f"The volume '{volume_id}' has {len(have)} snapshots, the most pool {self.name} allows; delete "
+                    "one first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
             try:
                 self._rbd("snap", "create", self._spec(volume_id, snapshot_id))
             except _ToolError as exc:
@@ -309,10 +520,20 @@ class RbdBackend:
                                    code="InvalidVolume.NotFound") from None
                 if exc.errno != _EEXIST:
                     raise
-            found = self._listing().snapshots.get(snapshot_id)
-            if found is None:
+            size = (self._snapshots_of(volume_id) or {}).get(snapshot_id)
+            if size is None:
                 raise DriverError(f"pool {self.name}: snapshot {snapshot_id} was made but is not listed")
-            return _ready(found[1])
+            return _ready(size)
+
+    def _snapshots_of(self, volume_id: str) -> dict[str, int] | None:
+        """The VBS snapshots of the volume's image and their sizes, or None if it has no image."""
+        try:
+            snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", self._spec(volume_id)))
+        except _ToolError as exc:
+            if exc.errno == _ENOENT:
+                return None
+            raise
+        return {s.name: s.size for s in snaps if not s.trashed and ids.is_valid("snapshot", s.name)}
 
     def snapshot_status(self, snapshot_id: str) -> ItemStatus:
         ids.check("snapshot", snapshot_id)
@@ -323,37 +544,35 @@ class RbdBackend:
     def remove_snapshot(self, snapshot_id: str) -> None:
         ids.check("snapshot", snapshot_id)
         with self._lock:
-            found = self._listing().snapshots.get(snapshot_id)
+            listing = self._listing()
+            found = listing.snapshots.get(snapshot_id)
             if found is None:
                 return
-            image = found[0]
-            spec = self._spec(image, snapshot_id)
-            try:
-                self._rbd("snap", "rm", spec)
-            except _ToolError as exc:
-                if exc.errno == _ENOENT:
-                    return
-                if exc.errno != _EBUSY:
-                    raise
-                # A protected snapshot (clone v1): unprotecting fails while clones of it remain.
-                try:
-                    self._rbd("snap", "unprotect", spec)
-                except _ToolError as again:
-                    if again.errno == _EBUSY:
-                        raise IncorrectState(f"The snapshot '{snapshot_id}' has volumes cloned from it.") from None
-                    raise
-                self._rbd("snap", "rm", spec)
-            if image.startswith(RETIRED_PREFIX):
-                self._remove_retired(image)
+            entry = listing.trash.get(found[0])
+            if entry is not None:  # clone v2: with clones left, it goes to the image's trash namespace
+                self._rbd_tolerant("snap", "rm", *self._by_id(entry.id), "--snap", snapshot_id, tolerate=(_ENOENT,))
+            else:
+                self._remove_named_snapshot(found[0], snapshot_id)
+            if entry is not None or found[0].startswith(RETIRED_PREFIX):
+                self._purge_after_removal()
 
-    def _remove_retired(self, image: str) -> None:
-        """The image of a deleted volume, once no snapshot of it is left (clones of a snapshot in
-        Ceph's trash keep it until they go)."""
+    def _remove_named_snapshot(self, image: str, snapshot_id: str) -> None:
+        spec = self._spec(image, snapshot_id)
         try:
-            self._rbd("rm", self._spec(image))
+            self._rbd("snap", "rm", spec)
         except _ToolError as exc:
-            if exc.errno not in (_ENOENT, _ENOTEMPTY, _EBUSY):
+            if exc.errno == _ENOENT:
+                return
+            if exc.errno != _EBUSY:
                 raise
+            # A protected snapshot (clone v1): unprotecting fails while clones of it remain.
+            try:
+                self._rbd("snap", "unprotect", spec)
+            except _ToolError as again:
+                if again.errno == _EBUSY:
+                    raise IncorrectState(f"The snapshot '{snapshot_id}' has volumes cloned from it.") from None
+                raise
+            self._rbd("snap", "rm", spec)
 
     def snapshot_target(self, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
         raise DriverError(f"pool {self.name}: RBD snapshots are point in time; no hypervisor copy is needed")
