@@ -32,6 +32,7 @@ __all__ = [
     "ZONE_NAME_RE",
     "MAX_POOLS",
     "NODE_URL_RE",
+    "SHARED_ID_RE",
 ]
 
 MAX_VOLUME_BYTES = 64 << 40
@@ -39,6 +40,7 @@ POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 ZONE_NAME_RE = r"^[a-z0-9-]{1,32}$"
 MAX_POOLS = 64
 NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
+SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
 
 
 # ready: usable; copying: a background copy runs; stalled: a partial copy with no job behind it
@@ -66,6 +68,10 @@ class PoolInfo(Wire):
     free_bytes: int = Field(ge=0)
     clone_method: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
     point_in_time: bool
+    # Storage that several agents serve (a Ceph pool: ``ceph:<fsid>/<pool>``): every agent that
+    # reports the same id reaches the same volumes, and the scheduler counts the pool once. None: the
+    # pool is this agent's alone (files on its disks).
+    shared_id: str | None = Field(None, pattern=SHARED_ID_RE)
 
 
 class PoolList(Wire):

@@ -43,13 +43,14 @@ from vbs.storage.exports.base import ExportDriver, RbdSource
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats"]
+__all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats", "parse_fsid"]
 
 log = logging.getLogger(__name__)
 
 IMAGE_FEATURES = "layering,exclusive-lock,object-map,fast-diff,deep-flatten"
 RETIRED_PREFIX = "vbs-retired-"
 COMMAND_TIMEOUT_S = 60.0
+_FSID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
@@ -89,6 +90,15 @@ def parse_listing(text: str) -> Listing:
     return listing
 
 
+def parse_fsid(text: str) -> str:
+    """``ceph fsid --format json``: the cluster's fsid (a UUID)."""
+    answer = json.loads(text)
+    fsid = answer.get("fsid") if isinstance(answer, dict) else None
+    if not isinstance(fsid, str) or not re.fullmatch(_FSID_RE, fsid):
+        raise DriverError("ceph fsid: unexpected answer")
+    return fsid
+
+
 def parse_pool_stats(text: str, pool: str) -> tuple[int, int]:
     """``ceph df --format json``: the (capacity, free) bytes of ``pool``, after its replication."""
     answer = json.loads(text)
@@ -126,6 +136,7 @@ class RbdBackend:
         self.exports = exports
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
+        self._fsid: str | None = None
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
@@ -184,7 +195,14 @@ class RbdBackend:
     def pool_info(self) -> PoolInfo:
         capacity, free = parse_pool_stats(self._tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
-                        clone_method="rbd-clone", point_in_time=True)
+                        clone_method="rbd-clone", point_in_time=True,
+                        shared_id=f"ceph:{self._cluster_fsid()}/{self.rbd_pool}")
+
+    def _cluster_fsid(self) -> str:
+        """The cluster's fsid (asked once): agents on the same Ceph pool report the same shared id."""
+        if self._fsid is None:
+            self._fsid = parse_fsid(self._tool("ceph", "fsid", "--format", "json"))
+        return self._fsid
 
     def inventory(self) -> PoolInventory:
         with self._lock:
