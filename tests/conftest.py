@@ -171,13 +171,16 @@ class VbsUp:
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> Vbs:
+    def start(self, timeout: float = 90) -> Vbs:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         # XDG_CONFIG_HOME: vbs up records its endpoint's key there; keep that inside the test's tree.
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg"), **self.env}
         self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
                                       *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_until(lambda: b"VBS is up" in self.log_path.read_bytes() or self._died(), 90, what="vbs up")
+        # A restart appends to the same log: look at what this start wrote.
+        wait_until(lambda: b"VBS is up" in self.log_path.read_bytes()[offset:] or self._died(), timeout,
+                   what="vbs up")
         assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
         return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
 

@@ -413,3 +413,36 @@ def test_a_create_without_hints_has_the_digest_older_controllers_stored() -> Non
     before_hints = req.model_dump(exclude={"client_token", "availability_zone", "storage_node", "pool"})
     assert _digest(req) == hashlib.sha256(json.dumps(before_hints, sort_keys=True).encode()).hexdigest()
     assert _digest(CreateVolumeRequest(size_gib=1, pool="a")) != _digest(req)
+
+
+# -- storage several agents share (a Ceph pool) --------------------------------------------------------
+
+
+def shared_pool(name: str, capacity_gib: float, shared_id: str = "ceph:0c4e2f1a-0000-4000-8000-000000000001/vbs"
+                ) -> PoolInfo:
+    return pool(name, capacity_gib).model_copy(update={"backend": "rbd", "shared_id": shared_id})
+
+
+def test_a_pool_two_agents_serve_is_counted_once_and_its_volumes_spread_over_both(db: Database) -> None:
+    heartbeat(db, "s1", shared_pool("ceph", 10))
+    heartbeat(db, "s2", shared_pool("ceph", 10))
+    heartbeat(db, "s3", pool("files", 10))
+    for _ in range(20):
+        place(db)
+    got = promised(db)
+    # 10 GiB of Ceph and 10 GiB of files: half each, the Ceph half served by both agents in turn.
+    assert got[("s3", "files")] == 10
+    assert got[("s1", "ceph")] == 5 and got[("s2", "ceph")] == 5
+    # Full: 10 GiB promised by each storage, not 20 by the Ceph pool as two pools would have.
+    with pytest.raises(InsufficientCapacity):
+        place(db)
+
+
+def test_a_shared_pool_counts_the_volumes_of_a_dead_agent_too(db: Database) -> None:
+    heartbeat(db, "s1", shared_pool("ceph", 4))
+    heartbeat(db, "s2", shared_pool("ceph", 4))
+    for _ in range(4):
+        place(db)
+    silence(db, "s1")
+    with pytest.raises(InsufficientCapacity):
+        place(db)  # s2 alone is left, but what s1 serves lives in the same 4 GiB

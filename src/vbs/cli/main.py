@@ -8,6 +8,7 @@ table on a terminal and JSON otherwise (``--output``).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -386,6 +387,30 @@ def drain_storage_node(
         output.emit(found["snapshots"], c.fmt, output.RESIDENT_COLUMNS, title="snapshots")
 
 
+@app.command("migrate-volume")
+def migrate_volume(
+    ctx: typer.Context,
+    volume_id: str,
+    storage_node: Annotated[str, typer.Option(help="The storage node to serve the volume from.")],
+    pool: Annotated[str | None, typer.Option(help="Its pool (default: the one of the same shared storage).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the move is done.")] = False,
+) -> None:
+    """Serve a volume from another storage node (admin). Instant for storage the nodes share (a Ceph
+    pool): no data moves; volumes in pools of files cannot move yet."""
+    c: Context = ctx.obj
+    body: dict[str, Any] = {"storage_node": storage_node}
+    if pool is not None:
+        body["pool"] = pool
+    move = c.client.call("POST", f"/v1/volumes/{volume_id}/migrate", body)
+    op = c.client.call("GET", f"/v1/operations/{move['operation_id']}")
+    while wait and op["status"] in ("running", "rolling-back"):
+        time.sleep(0.1)
+        op = c.client.call("GET", f"/v1/operations/{move['operation_id']}")
+    output.emit({**move, "status": op["status"], "error": op["error"]}, "json")
+    if op["status"] in ("rolled-back", "failed"):
+        raise typer.Exit(1)
+
+
 @app.command("describe-availability-zones")
 def describe_availability_zones(ctx: typer.Context) -> None:
     """The zones of the storage nodes: available while one of their nodes is up."""
@@ -615,15 +640,33 @@ def up(
     = False,
     controllers: Annotated[int, typer.Option(
         help="Controllers (1-8), on --port and the ports after it; more than one needs PostgreSQL.")] = 1,
-    storage_nodes: Annotated[int, typer.Option(help="Storage agents (1-16), each with its own pool.")] = 1,
+    storage_nodes: Annotated[int, typer.Option(
+        help="Storage agents (1-16), each with its own pool (with --backend rbd: all on the one Ceph pool).")] = 1,
+    backend: Annotated[str, typer.Option(
+        help="file | rbd (Ceph: the data dir's own single-node cluster, or --ceph-conf's).")] = "file",
+    ceph_conf: Annotated[Path | None, typer.Option(help="rbd: an existing cluster's ceph.conf.")] = None,
+    ceph_user: Annotated[str, typer.Option(help="rbd: the cephx user (with --ceph-conf).")] = "admin",
+    rbd_pool: Annotated[str, typer.Option(help="rbd: the Ceph pool of the volumes.")] = "vbs",
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
     or a small cluster of them (--controllers, --storage-nodes)."""
     from vbs import drivers
-    from vbs.cli.up import Shape, run_embedded
+    from vbs.cli.up import RbdChoice, Shape, run_embedded
+    from vbs.config import CEPH_USER_RE, RBD_POOL_RE
 
     shape = Shape(controllers, storage_nodes)
+    if backend not in ("file", "rbd"):
+        raise typer.BadParameter("--backend must be file or rbd")
+    if backend == "file" and (ceph_conf is not None or ceph_user != "admin" or rbd_pool != "vbs"):
+        raise typer.BadParameter("--ceph-conf, --ceph-user and --rbd-pool go with --backend rbd")
+    if ceph_conf is None and ceph_user != "admin":
+        raise typer.BadParameter("--ceph-user goes with --ceph-conf (the data dir's own cluster uses admin)")
+    if not re.fullmatch(CEPH_USER_RE, ceph_user) or not re.fullmatch(RBD_POOL_RE, rbd_pool):
+        raise typer.BadParameter("invalid --ceph-user or --rbd-pool")
+    if ceph_conf is not None and not ceph_conf.is_file():
+        raise typer.BadParameter(f"--ceph-conf {ceph_conf} is not a file")
+    rbd = RbdChoice(ceph_conf.resolve() if ceph_conf else None, ceph_user, rbd_pool) if backend == "rbd" else None
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
@@ -636,7 +679,8 @@ def up(
         database_url = database_url_file.read_text().strip() or None
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
-                                  controller_env=controller_env, database_url=database_url, postgres=postgres))
+                                  controller_env=controller_env, database_url=database_url, postgres=postgres,
+                                  rbd=rbd))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 
 from vbs import credentials
+from vbs.ceph import CLUSTER_DIR as CEPH_DIR
+from vbs.ceph import EmbeddedCeph
 from vbs.errors import InvalidParameter, VbsError
 from vbs.fail_closed import harden
 from vbs.files import write_private
@@ -87,6 +89,34 @@ def embedded_postgres(data_dir: Path) -> EmbeddedPostgres:
     return cluster
 
 
+@dataclass(frozen=True)
+class RbdChoice:
+    """``vbs up --backend rbd``: the Ceph cluster the storage agents use (``conf`` None: the data
+    dir's own single-node cluster, started and stopped with the services), its cephx user and pool."""
+
+    conf: Path | None = None
+    user: str = "admin"
+    pool: str = "vbs"
+
+    def agent_flags(self) -> list[str]:
+        assert self.conf is not None
+        return ["--backend", "rbd", "--ceph-conf", str(self.conf), "--ceph-user", self.user, "--rbd-pool", self.pool]
+
+
+def embedded_ceph(data_dir: Path, pool: str) -> EmbeddedCeph:
+    """The data dir's own single-node Ceph (made the first time, restarted on its data after), with
+    ``pool``, every PG active+clean."""
+    cluster = EmbeddedCeph(data_dir)
+    print(f"vbs up: starting the single-node Ceph cluster in {cluster.root} ...", flush=True)
+    cluster.start()
+    try:
+        cluster.create_pool(pool)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
 def _check_metadata_home(data_dir: Path, database_url: str | None, postgres: bool) -> None:
     """A data dir keeps its metadata in one place: starting it on the other would show an empty install
     over a pool full of volumes."""
@@ -95,6 +125,13 @@ def _check_metadata_home(data_dir: Path, database_url: str | None, postgres: boo
                            "vbs up --postgres")
     if postgres and (data_dir / "vbs.db").exists():
         raise RuntimeError(f"{data_dir} keeps its metadata in SQLite (vbs.db): start it without --postgres")
+
+
+def _check_volume_home(data_dir: Path, rbd: RbdChoice | None) -> None:
+    """Volumes made in the data dir's own Ceph stay reachable only through it."""
+    if (rbd is None or rbd.conf is not None) and (data_dir / CEPH_DIR / "ceph.conf").exists():
+        raise RuntimeError(f"{data_dir} keeps its volumes in its own Ceph cluster: start it with --backend rbd "
+                           "(and no --ceph-conf)")
 
 
 def node_token_file(data_dir: Path, kind: str, name: str) -> Path:
@@ -213,7 +250,8 @@ class _Plan:
                       "--data-dir", str(self.data_dir), *db_flags, *self._tls(cert), *self._flags],
                      {**self.env, **extra_env})
 
-    def storage_agent(self, name: str, controllers: list[str], export: str, clone_method: str | None) -> Child:
+    def storage_agent(self, name: str, controllers: list[str], export: str, clone_method: str | None,
+                      rbd: RbdChoice | None = None) -> Child:
         port = free_port(self.host)
         dirs = storage_node_dirs(self.data_dir, name)
         argv = [*self._exe, "storage-agent", "--host", self.host, "--port", str(port),
@@ -226,6 +264,8 @@ class _Plan:
                 "--iscsi-control", str(port % 32768), *self._flags]
         if clone_method:
             argv += ["--clone-method", clone_method]
+        if rbd is not None:
+            argv += rbd.agent_flags()
         return Child("storage-agent", name, f"{self.scheme}://{self.host}:{port}", argv, self.env)
 
     def host_agent(self, controllers: list[str]) -> Child:
@@ -286,13 +326,15 @@ def _check_ports_free(host: str, ports: list[int]) -> None:
 def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = None, clone_method: str | None = None,
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
-                 postgres: bool = False) -> int:
+                 postgres: bool = False, rbd: RbdChoice | None = None) -> int:
     """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
     ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
     (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
     upgraded by ``vbs db upgrade`` beforehand), or with ``postgres`` a cluster of the data dir's own
-    that this process starts, upgrades, and stops last. Everything that would refuse is checked
-    before anything starts."""
+    that this process starts, upgrades, and stops last. Volumes: files in the data dir, or with
+    ``rbd`` Ceph RBD images (every storage agent serves the same Ceph pool): of the given cluster, or
+    of the data dir's own single-node one, started before the services and stopped after them.
+    Everything that would refuse is checked before anything starts."""
     shape = shape or Shape()
     database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
     try:
@@ -301,29 +343,46 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         data_dir = data_dir.resolve()
         harden(data_dir, *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
         _check_metadata_home(data_dir, database_url, postgres)
+        _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir) if postgres else None
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1
+    ceph: EmbeddedCeph | None = None
     try:
         if cluster is not None:
             database_url = cluster.url("vbs")
+        if rbd is not None and rbd.conf is None:
+            ceph = embedded_ceph(data_dir, rbd.pool)
+            rbd = RbdChoice(conf=ceph.conf_path, user="admin", pool=rbd.pool)
         return _run_services(data_dir, host, port, shape, clone_method=clone_method, export=export,
-                             log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url)
+                             log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
+                             rbd=rbd, ceph=ceph)
+    except (RuntimeError, VbsError) as exc:
+        print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
     finally:
+        if ceph is not None:
+            ceph.stop()  # OSDs first, the mon last
         if cluster is not None:
             cluster.stop()
 
 
-def write_services(path: Path, children: list[Child]) -> None:
-    """``up.json``: every service started so far, its role, name, PID and URL (0600, replaced whole)."""
-    services = [{"role": c.role, "name": c.name, "pid": c.proc.pid, "url": c.url}
-                for c in children if c.proc is not None]
-    write_private(path, json.dumps({"services": services}, indent=2) + "\n")
+def write_services(path: Path, children: list[Child], ceph: EmbeddedCeph | None = None) -> None:
+    """``up.json``: every service started so far, its role, name, PID and URL (0600, replaced whole),
+    and the data dir's own Ceph daemons with its ``ceph.conf``."""
+    services: list[dict[str, Any]] = [{"role": c.role, "name": c.name, "pid": c.proc.pid, "url": c.url}
+                                      for c in children if c.proc is not None]
+    found: dict[str, Any] = {"services": services}
+    if ceph is not None:
+        services += [{"role": "ceph", "name": name, "pid": pid, "url": None} for name, pid in ceph.pids.items()]
+        found["ceph_conf"] = str(ceph.conf_path)
+    write_private(path, json.dumps(found, indent=2) + "\n")
 
 
 def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_method: str | None, export: str,
-                  log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None) -> int:
+                  log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None,
+                  rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
     plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env())
@@ -337,7 +396,7 @@ def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_m
     endpoints = [c.url for c in controllers]
     for endpoint in endpoints:
         credentials.register_endpoint(endpoint, key)
-    storage_agents = [plan.storage_agent(name, endpoints, export, clone_method) for name in shape.storage_names]
+    storage_agents = [plan.storage_agent(name, endpoints, export, clone_method, rbd) for name in shape.storage_names]
     host_agent = plan.host_agent(endpoints)
     children = [*controllers, *storage_agents, host_agent]
     # After the plan: with --tls, it made the CA.
@@ -356,14 +415,14 @@ def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_m
     try:
         for controller in controllers:
             controller.start()
-        write_services(services_file, children)
+        write_services(services_file, children, ceph)
         for controller in controllers:
             _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", controllers)
         for agent in (*storage_agents, host_agent):
             agent.start()
-        write_services(services_file, children)
+        write_services(services_file, children, ceph)
         _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
-        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls), flush=True)
+        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd), flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:
@@ -373,7 +432,7 @@ def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_m
                           f"restarting", file=sys.stderr, flush=True)
                     time.sleep(RESTART_BACKOFF_S)
                     child.start()
-                    write_services(services_file, children)
+                    write_services(services_file, children, ceph)
         return 0
     except RuntimeError as exc:
         print(f"vbs up: {exc}", file=sys.stderr)
@@ -402,11 +461,13 @@ def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -
 
 
 def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
-            tls: bool) -> str:
+            tls: bool, rbd: RbdChoice | None = None) -> str:
     where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
              else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
     nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
     services = "" if len(endpoints) == 1 and len(storage_agents) == 1 else f", services in {services_file}"
     return (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
             f"credentials in {data_dir / 'credentials'}{services}"
-            + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "") + " (Ctrl-C stops)")
+            + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
+            + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
+            + " (Ctrl-C stops)")

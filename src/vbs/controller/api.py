@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller import attachments, modifications, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, moves, snapshots, tags, volumes
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
@@ -42,6 +42,8 @@ from vbs.controller.schemas import (
     InstanceList,
     KeyList,
     KeyOut,
+    MigrateVolumeRequest,
+    MigrationOut,
     ModificationList,
     ModificationOut,
     ModifyVolumeRequest,
@@ -222,6 +224,13 @@ def _node_routes(r: APIRouter) -> None:
         with svc.db.session() as s:
             return drain_storage_node(s, name, drained=not (body and body.undo),
                                       timeout_s=svc.cfg.heartbeat_timeout_s, default_zone=svc.cfg.availability_zone)
+
+    @r.post("/volumes/{volume_id}/migrate", response_model=MigrationOut, tags=["nodes"],
+            dependencies=[Depends(admin)])
+    def migrate_volume(volume_id: str, body: MigrateVolumeRequest, svc: Controller = Depends(services),
+                       who: Principal = Depends(caller)) -> MigrationOut:
+        """Serve the volume from another storage node of the same shared storage (admin; instant for Ceph)."""
+        return moves.migrate_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/availability-zones", response_model=ZoneList, tags=["nodes"])
     def zones(svc: Controller = Depends(services)) -> ZoneList:

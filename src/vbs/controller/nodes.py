@@ -126,7 +126,7 @@ def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetim
         name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down", drained=n.drained,
         availability_zone=zone_of(n, default_zone), last_heartbeat=n.last_heartbeat,
         pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
-                       clone_method=p.clone_method, point_in_time=p.point_in_time)
+                       clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
                for p in storage_info(n).pools],
     )
 
@@ -240,6 +240,24 @@ def _promised(session: Session, nodes: list[str]) -> dict[tuple[str, str], int]:
     return {(node, pool): int(total or 0) for node, pool, total in rows}
 
 
+def pool_key(node: str, pool: PoolInfo) -> str:
+    """What identifies a pool's storage: its shared id (a Ceph pool that several agents serve), else
+    the node and pool names (files on that node's disks)."""
+    return pool.shared_id or f"{node}/{pool.name}"
+
+
+def _promised_per_storage(session: Session, nodes: list[Node]) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    """What each pool's storage was promised, summed over every agent that serves it (a shared pool
+    counts once, whichever agent its volumes are recorded on), and each (node, pool) alone."""
+    promised = _promised(session, [n.name for n in nodes])
+    per_storage: dict[str, int] = {}
+    for n in nodes:
+        for p in storage_info(n).pools:
+            key = pool_key(n.name, p)
+            per_storage[key] = per_storage.get(key, 0) + promised.get((n.name, p.name), 0)
+    return per_storage, promised
+
+
 def _fits(capacity_bytes: int, provisioned: int, size_gib: int, overcommit: float) -> bool:
     return (provisioned + size_gib) * GIB <= capacity_bytes * overcommit
 
@@ -315,18 +333,21 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
     live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
             and (want.drained_ok or not n.drained)]
-    promised = _promised(session, [n.name for n in live])
-    best: tuple[float, str, str] | None = None
+    # A shared pool's promises include those of its volumes on every agent (live or not).
+    per_storage, promised = _promised_per_storage(session, nodes)
+    best: tuple[float, int, str, str] | None = None
     full = False
     for n in live:
         for p in storage_info(n).pools:
             if want.pool is not None and p.name != want.pool:
                 continue
-            provisioned = promised.get((n.name, p.name), 0)
+            provisioned = per_storage.get(pool_key(n.name, p), 0)
             if not _fits(p.capacity_bytes, provisioned, size_gib, overcommit):
                 full = True
                 continue
-            candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, n.name, p.name)
+            # The least full storage, then (among the agents of a shared pool) the one serving least.
+            candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, promised.get((n.name, p.name), 0),
+                         n.name, p.name)
             if best is None or candidate < best:
                 best = candidate
     if best is None:
@@ -335,14 +356,19 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
                                        f"the pools have promised all they may (capacity x overcommit ratio "
                                        f"{overcommit:g}).", status=400)
         raise InsufficientCapacity(f"There is not enough live capacity{want.where()} for a {size_gib} GiB volume.")
-    return best[1], best[2]
+    return best[2], best[3]
 
 
 def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overcommit: float) -> None:
     """Refuse growing a volume on ``node``/``pool`` by ``grow_gib`` past what the pool may promise."""
     n = session.scalars(select(Node).where(Node.kind == "storage", Node.name == node).with_for_update()).first()
     pools = {p.name: p for p in storage_info(n).pools} if n is not None else {}
-    if pool in pools and not _fits(pools[pool].capacity_bytes, provisioned_gib(session, node, pool), grow_gib,
-                                   overcommit):
+    if pool not in pools:
+        return
+    provisioned = provisioned_gib(session, node, pool)
+    if pools[pool].shared_id is not None:
+        nodes = list(session.scalars(select(Node).where(Node.kind == "storage")))
+        provisioned = _promised_per_storage(session, nodes)[0].get(pool_key(node, pools[pool]), provisioned)
+    if not _fits(pools[pool].capacity_bytes, provisioned, grow_gib, overcommit):
         raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
                                    f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)

@@ -27,7 +27,7 @@ from vbs import ids
 from vbs.controller.cluster import SingletonLease
 from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_identity, host_info, is_alive
+from vbs.controller.nodes import host_identity, host_info, is_alive, storage_info
 from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
@@ -86,6 +86,31 @@ class Report:
                 "pools": [asdict(p) for p in self.pools]}
 
 
+class _SharedPools:
+    """The pools several storage agents serve (same ``PoolInfo.shared_id``), as their heartbeats say."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], str] = {}
+        self._members: dict[str, set[tuple[str, str]]] = {}
+        self._checked: set[str] = set()
+
+    def add(self, node: Node) -> None:
+        for p in storage_info(node).pools:
+            if p.shared_id is not None:
+                self._ids[(node.name, p.name)] = p.shared_id
+                self._members.setdefault(p.shared_id, set()).add((node.name, p.name))
+
+    def members_of(self, node: str, pool: str) -> set[tuple[str, str]] | None:
+        shared_id = self._ids.get((node, pool))
+        return None if shared_id is None else self._members[shared_id]
+
+    def first_check(self, node: str, pool: str) -> bool:
+        shared_id = self._ids[(node, pool)]
+        first = shared_id not in self._checked
+        self._checked.add(shared_id)
+        return first
+
+
 class Reconciler:
     def __init__(self, svc: Services, *, grace_s: float, interval_s: float,
                  lease: SingletonLease | None = None) -> None:
@@ -125,10 +150,14 @@ class Reconciler:
             report = Report(checked_at=utcnow().isoformat())
             busy = self._busy_resources()
             seen: set[tuple[str, str, str]] = set()
+            shared = _SharedPools()
             with self.svc.db.session() as s:
                 # Hosts first: an orphan disk is unplugged before its export goes, as in a detach (a
                 # VM whose storage vanished first waits on its reconnect delay before it lets go).
                 nodes = sorted(s.scalars(select(Node)), key=lambda n: n.kind != "host")
+                for n in nodes:
+                    if n.kind == "storage":
+                        shared.add(n)
             now = utcnow()
             for node in nodes:
                 if not is_alive(node, self.svc.cfg.heartbeat_timeout_s, now):
@@ -136,7 +165,7 @@ class Reconciler:
                 try:
                     if node.kind == "storage":
                         report.storage_nodes += 1
-                        self._check_storage(node, busy, report, seen, repair, ignore_grace)
+                        self._check_storage(node, busy, report, seen, repair, ignore_grace, shared)
                     else:
                         report.hosts += 1
                         self._check_host(node, busy, report, seen, repair, ignore_grace)
@@ -158,7 +187,7 @@ class Reconciler:
     # -- storage nodes -----------------------------------------------------------------------------
 
     def _check_storage(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
-                       repair: bool, ignore_grace: bool) -> None:
+                       repair: bool, ignore_grace: bool, shared: _SharedPools) -> None:
         agent = self.svc.agents.storage(node.name)
         inventory = agent.inventory()
         exports = agent.list_exports()
@@ -170,17 +199,38 @@ class Reconciler:
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
         for pool, items in inventory.pools.items():
             details = PoolDetails.of(node.name, pool, items)
+            members = shared.members_of(node.name, pool)
+            if members is None:  # this node's own pool: its rows, those of this pool are owed
+                vols, snps = volumes, snaps
+            elif not shared.first_check(node.name, pool):
+                continue  # a pool several agents serve is checked once, by the first of them that answers
+            else:  # every row of the shared storage, whichever agent it is recorded on
+                vols, snps = self._rows_on(Volume, members), self._rows_on(Snapshot, members)
             if details is not None:
                 report.pools.append(details)
-            self._check_files(node.name, pool, "volume", items.volumes, volumes, busy, report, seen,
+            self._check_files(node.name, pool, "volume", items.volumes, vols, busy, report, seen,
                               repair, ignore_grace)
-            self._check_files(node.name, pool, "snapshot", items.snapshots, snaps, busy, report, seen,
+            self._check_files(node.name, pool, "snapshot", items.snapshots, snps, busy, report, seen,
                               repair, ignore_grace)
+        # Native RBD grants are the cluster's (cephx users), so every agent of a shared pool lists them
+        # all: those of volumes another agent of it serves are that agent's to check, not orphans here.
+        elsewhere = {(n, p) for pool in inventory.pools for (n, p) in shared.members_of(node.name, pool) or ()
+                     if n != node.name}
+        if elsewhere:
+            theirs = set(self._rows_on(Volume, elsewhere))
+            exports = [e for e in exports if not (e.protocol == "rbd" and e.key in theirs)]
         self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
+
+    def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Any]:
+        with self.svc.db.session() as s:
+            rows: list[Volume | Snapshot] = list(s.scalars(
+                select(table).where(table.storage_node.in_(sorted({n for n, _ in members})))))
+            return {r.id: r for r in rows if (r.storage_node, r.pool) in members}
 
     def _check_files(self, node: str, pool: str, kind: str, present: list[str], rows: dict[str, Any],
                      busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
                      ignore_grace: bool) -> None:
+        """``rows``: those recorded where ``present`` is (this node's; every agent's of a shared pool)."""
         agent = self.svc.agents.storage(node)
         live = LIVE_VOLUME if kind == "volume" else (SnapshotState.COMPLETED,)
         transitional = (VolumeState.CREATING, VolumeState.DELETING) if kind == "volume" else (
@@ -202,7 +252,8 @@ class Reconciler:
                 finding.action = "waiting"
         present_set = set(present)
         for item_id, row in rows.items():
-            if row.pool != pool or row.status not in live or item_id in present_set or item_id in busy:
+            if (row.storage_node == node and row.pool != pool) or row.status not in live or item_id in present_set \
+                    or item_id in busy:
                 continue
             finding = Finding("missing-file", node, item_id, f"{kind} is {row.status} but its file is gone")
             report.findings.append(finding)

@@ -180,6 +180,7 @@ class PoolOut(BaseModel):
     free_bytes: int
     clone_method: str
     point_in_time: bool
+    shared_id: str | None = None  # the same storage as other agents' pools with this id (Ceph)
 
 
 class ControllerOut(BaseModel):
@@ -213,6 +214,23 @@ class StorageNodeList(BaseModel):
 
 class DrainRequest(_Request):
     undo: bool = False
+
+
+class MigrateVolumeRequest(_Request):
+    """Serve the volume from ``storage_node`` (its pool ``pool``: by default the one of the same
+    shared storage)."""
+
+    storage_node: NodeName
+    pool: PoolName | None = None
+
+
+class MigrationOut(BaseModel):
+    volume_id: str
+    source_node: str
+    source_pool: str
+    target_node: str
+    target_pool: str
+    operation_id: str
 
 
 class ResidentOut(BaseModel):

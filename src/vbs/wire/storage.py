@@ -44,6 +44,7 @@ __all__ = [
     "ZONE_NAME_RE",
     "MAX_POOLS",
     "NODE_URL_RE",
+    "SHARED_ID_RE",
 ]
 
 MAX_VOLUME_BYTES = 64 << 40
@@ -51,6 +52,7 @@ POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 ZONE_NAME_RE = r"^[a-z0-9-]{1,32}$"
 MAX_POOLS = 64
 NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
+SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
 
 
 # ready: usable; copying: a background copy runs; stalled: a partial copy with no job behind it
@@ -88,6 +90,10 @@ class PoolInfo(Wire):
     free_bytes: int = Field(ge=0)
     clone_method: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
     point_in_time: bool
+    # Storage that several agents serve (a Ceph pool: ``ceph:<fsid>/<pool>``): every agent that
+    # reports the same id reaches the same volumes, and the scheduler counts the pool once. None: the
+    # pool is this agent's alone (files on its disks).
+    shared_id: str | None = Field(None, pattern=SHARED_ID_RE)
     # The most snapshots one volume of this pool may have (RBD: 450 by default); None: no limit (files).
     max_snapshots_per_volume: int | None = Field(None, ge=1, le=100_000)
     # The Ceph monitors of an ``rbd`` pool's cluster: the only ones the controller lets a connection
@@ -97,7 +103,7 @@ class PoolInfo(Wire):
 
     @model_serializer(mode="wrap")
     def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "monitors", "max_snapshots_per_volume")
+        return _without_empty(handler(self), "monitors", "max_snapshots_per_volume", "shared_id")
 
 
 class PoolList(Wire):

@@ -80,7 +80,7 @@ from vbs.wire.storage import (
     TrashedImage,
 )
 
-__all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats"]
+__all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats", "parse_fsid"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ COMMAND_TIMEOUT_S = 60.0
 BLOCKLIST_S = 7200
 MAINTENANCE_INTERVAL_S = 300.0
 FLATTEN_STALL_S = 600.0
+_FSID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 _SECTOR = 512
 # What the rbd tool exits with (the errno of the failed call).
 _ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
@@ -156,6 +157,15 @@ def parse_listing(text: str) -> Listing:
     return listing
 
 
+def parse_fsid(text: str) -> str:
+    """``ceph fsid --format json``: the cluster's fsid (a UUID)."""
+    answer = json.loads(text)
+    fsid = answer.get("fsid") if isinstance(answer, dict) else None
+    if not isinstance(fsid, str) or not re.fullmatch(_FSID_RE, fsid):
+        raise DriverError("ceph fsid: unexpected answer")
+    return fsid
+
+
 def parse_pool_stats(text: str, pool: str) -> tuple[int, int]:
     """``ceph df --format json``: the (capacity, free) bytes of ``pool``, after its replication."""
     answer = json.loads(text)
@@ -210,6 +220,7 @@ class RbdBackend:
         self._maintenance_interval_s = maintenance_interval_s
         self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
         self._maintainer.start()
+        self._fsid: str | None = None
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
@@ -301,7 +312,14 @@ class RbdBackend:
         capacity, free = parse_pool_stats(self._tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
                         clone_method="rbd-clone", point_in_time=True, monitors=self._monitors(),
-                        max_snapshots_per_volume=self.max_snapshots_per_volume)
+                        max_snapshots_per_volume=self.max_snapshots_per_volume,
+                        shared_id=f"ceph:{self._cluster_fsid()}/{self.rbd_pool}")
+
+    def _cluster_fsid(self) -> str:
+        """The cluster's fsid (asked once): agents on the same Ceph pool report the same shared id."""
+        if self._fsid is None:
+            self._fsid = parse_fsid(self._tool("ceph", "fsid", "--format", "json"))
+        return self._fsid
 
     def inventory(self) -> PoolInventory:
         with self._lock:
