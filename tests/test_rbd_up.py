@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import Vbs, VbsUp, wait_until
+from vbs.ids import virtio_serial
+from vbs.testguest import TestGuest, build_guest, pattern_sha256
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +134,42 @@ def test_a_volume_whose_agent_hangs_moves_to_the_other_in_an_instant_and_keeps_w
     report = wait_until(lambda: (r := vbs.http.get("/v1/admin/check").json())["clean"] and r, 60,
                         what="a clean check")
     assert report["clean"]
+
+
+def test_a_volume_a_guest_has_open_natively_moves_while_its_agent_hangs_and_detaches_through_the_new_one(
+        cloud: RbdUp) -> None:
+    vbs = cloud.vbs
+    assert vbs is not None
+    guest = TestGuest("vm1", cloud.data_dir.parent / "guests", build_guest(), cloud.data_dir / "vms")
+    guest.start()
+    try:
+        guest.wait_ready(120)
+        wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running" for i in
+                               vbs.http.get("/v1/instances").json()["instances"]), 60, what="the guest")
+        vol = vbs.cli("create-volume", "--size", "1", "--storage-node", "storage-1", "--wait")["volume_id"]
+        vbs.cli("attach-volume", vol, "--host", "host-1", "--vm", "vm1", "--wait")
+        dev = guest.wait_for_disk(virtio_serial(vol), 60)
+        nodes = guest.qmp("query-named-block-nodes", {"flat": True})
+        assert any(virtio_serial(vol) in n["node-name"] and n["drv"] == "rbd" for n in nodes)  # QEMU's own librbd
+        guest.check(f"yes moved | head -c {4 << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null", timeout=120)
+        stuck = cloud.pid_of("storage-1")
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            moved = vbs.cli("migrate-volume", vol, "--storage-node", "storage-2", "--wait")
+            assert moved["status"] == "succeeded", moved
+            # The guest never noticed: its disk is the cluster's, not the agent's.
+            assert guest.checksum(dev, 4) == pattern_sha256("moved", 4)
+            assert vbs.cli("detach-volume", vol, "--wait")["state"] == "detached"  # through storage-2
+            guest.wait_disk_gone(virtio_serial(vol), 60)
+            users = subprocess.run(["ceph", "-c", str(cloud.conf), "auth", "ls", "--format", "json"],
+                                   capture_output=True, text=True, timeout=60, check=True).stdout
+            assert vol not in users  # the attachment's cephx user went with the detach
+        finally:
+            os.kill(stuck, signal.SIGCONT)
+    finally:
+        guest.stop()
+    wait_until(lambda: all(n["state"] == "up" for n in vbs.cli("describe-storage-nodes")["storage_nodes"]), 60,
+               what="storage-1 back")
 
 
 def test_migrate_volume_refuses_what_it_cannot_do_and_changes_nothing(cloud: RbdUp) -> None:
