@@ -9,9 +9,11 @@ import pytest
 from tests.ceph import CephForTests
 from vbs import drivers, ids
 from vbs.config import StorageAgentConfig
-from vbs.errors import InvalidParameter, NotFound
+from vbs.errors import InvalidParameter, NotFound, VolumeSnapshotLimitExceeded
 from vbs.storage.backends.base import Backend
 from vbs.storage.backends.rbd import RbdBackend
+
+MiB = 1 << 20
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +128,20 @@ def test_ids_are_checked_before_any_tool_runs(backend: RbdBackend) -> None:
         backend.ensure_snapshot("snap-x@y", ids.new_id("volume"))
     with pytest.raises(InvalidParameter):
         RbdBackend("default", backend.ceph_conf, rbd_pool="rbd/../x")
+
+
+def test_the_backend_takes_back_a_snapshot_past_its_limit_and_a_repeat_answers_the_one_made(
+        ceph: CephForTests) -> None:
+    b = RbdBackend("default", ceph.conf_path, rbd_pool=ceph.new_pool(), max_snapshots_per_volume=2)
+    try:
+        vol = ids.new_id("volume")
+        b.ensure_volume(vol, 16 * MiB)
+        first, second, third = (ids.new_id("snapshot") for _ in range(3))
+        assert b.ensure_snapshot(first, vol).state == "ready"
+        assert b.ensure_snapshot(first, vol).size_bytes == 16 * MiB  # a repeat: the same snapshot
+        assert b.ensure_snapshot(second, vol).state == "ready"
+        with pytest.raises(VolumeSnapshotLimitExceeded):
+            b.ensure_snapshot(third, vol)
+        assert sorted(b.inventory().snapshots) == sorted([first, second])  # the third was taken back
+    finally:
+        b.close()

@@ -2,8 +2,8 @@
 of each storage workflow, restart it, and check that the pool converges on what the DB says.
 
 Workflows (``Flow``): create-volume, create-volume-from-snapshot (an RBD clone), create-snapshot,
-delete-volume, delete-volume-with-snapshot (the image is retired under ``vbs-retired-…``),
-delete-snapshot, and delete-last-snapshot (of a deleted volume: the retired image goes with it).
+delete-volume, delete-volume-with-snapshot (the image goes to the RBD trash), delete-snapshot, and
+delete-last-snapshot (of a deleted volume: its trashed image is purged with it).
 
 How each is interrupted (``mode``):
 
@@ -83,7 +83,7 @@ FLOWS = {f.name: f for f in (
          "create-volume-from-snapshot", True),
     Flow("create-snapshot", "create-snapshot", "storage-snapshot", ("snap", "create"), "rollback", "create-snapshot"),
     Flow("delete-volume", "delete-volume", "storage-delete", ("rm",), "forward", "delete-volume"),
-    Flow("delete-volume-with-snapshot", "delete-volume", "storage-delete", ("rename",), "forward", "delete-volume",
+    Flow("delete-volume-with-snapshot", "delete-volume", "storage-delete", ("trash", "mv"), "forward", "delete-volume",
          True),
     Flow("delete-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", "delete-snapshot", True),
     Flow("delete-last-snapshot", "delete-snapshot", "storage-delete", ("snap", "rm"), "forward", "delete-snapshot",

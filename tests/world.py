@@ -643,12 +643,12 @@ RETIRED = "vbs-retired-"
 def rbd_disagreements(data_dir: Path, controller: httpx.Client, conf: Path, pool: str) -> list[str]:
     """Everything of an rbd-backend pool that disagrees with the DB, read from Ceph with its own tools.
 
-    * ``rbd ls``: exactly the image of each ``available``/``in-use`` volume, of its recorded size, and
-      ``vbs-retired-<volume>`` of each deleted volume that still has a completed snapshot; every image
-      listed opens (``rbd ls -l``), and no ``rbd_id.*`` object names an image the pool does not list
-      (the remnant of a create cut short);
-    * ``rbd snap ls`` of each image: exactly the completed snapshots of its volume;
-    * ``rbd trash ls``: only images of volumes the DB says are gone (deleted, or a create rolled back);
+    * ``rbd ls``: exactly the image of each ``available``/``in-use`` volume, of its recorded size;
+      every image listed opens (``rbd ls -l``), and no ``rbd_id.*`` object names an image the pool
+      does not list (the remnant of a create cut short);
+    * ``rbd trash ls``: only images of volumes the DB says are gone (deleted, or a create rolled back),
+      among them each deleted volume that still has a completed snapshot (its image waits there);
+    * ``rbd snap ls`` of each image, listed or trashed: exactly the completed snapshots of its volume;
     * the DB: nothing transitional (``_check_db``), and the controller's ``/v1/admin/check`` is clean.
     """
     from tests.rbd_cloud import rbd_json  # the rbd tool as the RBD tests run it
@@ -658,8 +658,9 @@ def rbd_disagreements(data_dir: Path, controller: httpx.Client, conf: Path, pool
     _check_db(db, v)
     live = {i: r for i, r in db.volumes.items() if r["status"] in ("available", "in-use")}
     completed = {i: r for i, r in db.snapshots.items() if r["status"] == "completed"}
-    image_of = {vol: vol if vol in live else RETIRED + vol for vol in {s["volume_id"] for s in completed.values()}}
-    want = set(live) | set(image_of.values())
+    # Where each volume's snapshots must be: its image, or (deleted) its image in the trash.
+    image_of = {vol: vol if vol in live else f"trash:{vol}" for vol in {s["volume_id"] for s in completed.values()}}
+    want = set(live)
     names = set(rbd_json(conf, "ls", pool))
     long = rbd_json(conf, "ls", "-l", pool)
     sizes = {e["image"]: e["size"] for e in long if "snapshot" not in e}
@@ -677,13 +678,20 @@ def rbd_disagreements(data_dir: Path, controller: httpx.Client, conf: Path, pool
     for name in sorted(names & set(sizes)):
         for s in rbd_json(conf, "snap", "ls", f"{pool}/{name}"):
             snaps[s["name"]] = name
+    trash = rbd_json(conf, "trash", "ls", "--all", pool)
+    for entry in trash:
+        volume = str(entry.get("name", "")).removeprefix(RETIRED)
+        for s in rbd_json(conf, "snap", "ls", "--pool", pool, "--image-id", str(entry["id"])):
+            snaps[s["name"]] = f"trash:{volume}"
+    for vol in sorted(v for v, where in image_of.items() if where.startswith("trash:")):
+        if not any(str(e.get("name", "")).removeprefix(RETIRED) == vol for e in trash):
+            v.add(f"deleted volume {vol} has completed snapshots but no image in the trash of {pool}")
     for snap in sorted(set(snaps) - set(completed)):
         row = db.snapshots.get(snap)
         v.add(f"orphan snapshot {pool}/{snaps[snap]}@{snap} (row: {row['status'] if row else 'none'})")
     for snap, row in sorted(completed.items()):
         if snaps.get(snap) != image_of[row["volume_id"]]:
             v.add(f"completed snapshot {snap} is on {snaps.get(snap)!r}, not {image_of[row['volume_id']]}")
-    trash = rbd_json(conf, "trash", "ls", pool)
     for entry in trash:
         row = db.volumes.get(str(entry.get("name", "")).removeprefix(RETIRED))
         if row is None or row["status"] not in ("deleted", "error"):

@@ -516,29 +516,31 @@ class RbdBackend:
     def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus:
         ids.check("snapshot", snapshot_id)
         ids.check("volume", volume_id)
+        spec = self._spec(volume_id, snapshot_id)
         with self._lock:
-            # The volume's own snapshots (one image, not the whole pool: a volume may have 450).
-            have = self._snapshots_of(volume_id)
-            if have is None:  # a repeat after the volume was deleted finds its snapshot elsewhere
-                found = self._listing().snapshots.get(snapshot_id)
-                if found is not None:
-                    return _ready(found[1])
-                raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
-            if snapshot_id in have:
-                return _ready(have[snapshot_id])
-            if len(have) >= self.max_snapshots_per_volume:
-                raise VolumeSnapshotLimitExceeded(
-                    f"The volume '{volume_id}' has {len(have)} snapshots, the most pool {self.name} allows; delete "
-                    "one first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
+            # Two tool calls: make it (a repeat answers EEXIST), then list the volume's own snapshots
+            # (one image, not the pool) for its size and the count. The controller refuses a snapshot
+            # past the limit before it asks; one that got here anyway is taken back.
             try:
-                self._rbd("snap", "create", self._spec(volume_id, snapshot_id))
+                self._rbd("snap", "create", spec)
+                made = True
             except _ToolError as exc:
-                if exc.errno == _ENOENT:
+                if exc.errno == _ENOENT:  # no image: a repeat after the volume was deleted, or no volume
+                    found = self._listing().snapshots.get(snapshot_id)
+                    if found is not None:
+                        return _ready(found[1])
                     raise NotFound(f"The volume '{volume_id}' does not exist.",
                                    code="InvalidVolume.NotFound") from None
                 if exc.errno != _EEXIST:
                     raise
-            size = (self._snapshots_of(volume_id) or {}).get(snapshot_id)
+                made = False
+            have = self._snapshots_of(volume_id) or {}
+            if made and len(have) > self.max_snapshots_per_volume:
+                self._rbd_tolerant("snap", "rm", spec, tolerate=(_ENOENT,))
+                raise VolumeSnapshotLimitExceeded(
+                    f"The volume '{volume_id}' has {len(have) - 1} snapshots, the most pool {self.name} allows; "
+                    "delete one first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
+            size = have.get(snapshot_id)
             if size is None:
                 raise DriverError(f"pool {self.name}: snapshot {snapshot_id} was made but is not listed")
             return _ready(size)
