@@ -549,6 +549,10 @@ def storage_agent(
     serve(cfg)
 
 
+LibvirtUriOpt = Annotated[str | None, typer.Option(
+    help="libvirt hypervisor driver: the libvirt connection URI (default: qemu:///system).")]
+
+
 @app.command("host-agent")
 def host_agent(
     config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None,
@@ -557,6 +561,9 @@ def host_agent(
     state_dir: Annotated[Path | None, typer.Option(help="This agent's own state (0700; fences).")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
+    libvirt_uri: LibvirtUriOpt = None,
+    libvirt_persist: Annotated[bool, typer.Option(
+        "--libvirt-persist", help="libvirt: an attach also goes into a persistent domain's configuration.")] = False,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -570,6 +577,7 @@ def host_agent(
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
         "state_dir": state_dir,
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
+        "libvirt_uri": libvirt_uri, "libvirt_persist": libvirt_persist or None,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -597,6 +605,8 @@ def up(
     controllers: Annotated[int, typer.Option(
         help="Controllers (1-8), on --port and the ports after it; more than one needs PostgreSQL.")] = 1,
     storage_nodes: Annotated[int, typer.Option(help="Storage agents (1-16), each with its own pool.")] = 1,
+    hypervisor: Annotated[str, typer.Option(help="The host agent's hypervisor driver: qemu | libvirt.")] = "qemu",
+    libvirt_uri: LibvirtUriOpt = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -607,6 +617,9 @@ def up(
     shape = Shape(controllers, storage_nodes)
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
+    if hypervisor not in drivers.available("hypervisor"):
+        raise typer.BadParameter(f"--hypervisor must be one of {', '.join(drivers.available('hypervisor'))}")
+    host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()))
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
@@ -617,7 +630,8 @@ def up(
         database_url = database_url_file.read_text().strip() or None
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
-                                  controller_env=controller_env, database_url=database_url, postgres=postgres))
+                                  controller_env=controller_env, database_url=database_url, postgres=postgres,
+                                  host_agent_flags=host_agent_flags))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:
