@@ -430,8 +430,9 @@ class LibvirtDriver:
                     self._reported_down = True
                 raise DriverError(f"libvirt at {self.uri} is not reachable: {_message(exc)}") from exc
             try:
-                conn.setKeepAlive(5, 3)
-                conn.registerCloseCallback(self._on_close, None)
+                # A remote connection (libvirtd) only: in-process drivers have neither.
+                _unless_unsupported(lambda: conn.setKeepAlive(5, 3))
+                _unless_unsupported(lambda: conn.registerCloseCallback(self._on_close, None))
                 callbacks = [
                     conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._on_lifecycle, None),
                     conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
@@ -524,6 +525,14 @@ class LibvirtDriver:
                 self._conn = None
                 self._callbacks = []
         log.warning("libvirt at %s closed the connection (reason %d)", self.uri, reason)
+
+
+def _unless_unsupported(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() != libvirt.VIR_ERR_NO_SUPPORT:
+            raise
 
 
 def _present(value: T | None) -> T:
