@@ -7,6 +7,7 @@ of the test's own) and what the guest sees.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -14,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import libvirt
+import libvirt_qemu
 import pytest
 
 from tests.conftest import stop_process, wait_until
 from tests.libvirtd import URI, Libvirtd
-from vbs.errors import DeviceBusy, NotFound
+from vbs.errors import DeviceBusy, IncorrectState, NotFound
 from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias
 from vbs.testguest import build_guest
 from vbs.testguest.libvirt import LibvirtGuest, domain_xml
@@ -31,16 +33,6 @@ MIB = 1024 * 1024
 
 def vol(n: int) -> str:
     return f"vol{n:017x}"
-
-
-@pytest.fixture(scope="module")
-def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvirtd]:
-    daemon = Libvirtd(tmp_path_factory.mktemp("libvirtd"))
-    daemon.setup()
-    try:
-        yield daemon
-    finally:
-        daemon.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +182,13 @@ def test_a_guest_that_never_releases_the_disk_makes_detach_busy_and_persist_edit
 
         drv.detach("lv-bare", serial, force=True)
         assert live_disks(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE) == [], "gone from the config"
-        # libvirt cannot take the storage from a device the guest holds: it stays, reported so.
+        # The device stays until the guest lets go, but its NBD connection is closed.
         assert [(d.serial, d.connected) for d in drv.list_disks("lv-bare")] == [(serial, False)]
+        nodes = json.loads(libvirt_qemu.qemuMonitorCommand(
+            bare, json.dumps({"execute": "query-named-block-nodes", "arguments": {"flat": True}}), 0))["return"]
+        assert [n["drv"] for n in nodes if n["drv"] == "nbd"] == []
+        drv.detach("lv-bare", serial, force=True)  # again: nothing left to cut, success
+        with pytest.raises(IncorrectState, match="force-detached"):
+            drv.attach("lv-bare", serial, nbd)
     finally:
         drv.close()

@@ -61,8 +61,14 @@ class LibvirtGuest(TestGuest):
 
     def domain(self) -> libvirt.virDomain:
         """The domain, through a live connection (libvirtd may have restarted since the last call)."""
-        if self._conn is None or not self._conn.isAlive():
-            self._conn = libvirt.open(self.uri)
+        if self._conn is not None:
+            try:
+                return self._conn.lookupByName(self.name)
+            except libvirt.libvirtError:
+                if self._conn.isAlive():
+                    raise
+                self._conn.close()  # no event loop here: a closed connection shows only when used
+        self._conn = libvirt.open(self.uri)
         return self._conn.lookupByName(self.name)
 
     def start(self) -> LibvirtGuest:

@@ -14,9 +14,12 @@ never appears in the disk XML, and it is undefined when the disk goes.
 
 Detach is ``detachDeviceAlias`` and a wait for libvirt's ``DEVICE_REMOVED`` event (the guest
 acknowledged the unplug), its waiter registered before the request; no event within the timeout is
-``DeviceBusy``. libvirt cannot take the storage away from a device the guest holds (QEMU's driver
-swaps in a failing node; libvirt has no such call), so a forced detach returns once its grace is
-over and leaves the device to the guest: its I/O fails once the export it uses is removed.
+``DeviceBusy``. A forced detach of a disk the guest still holds does what the QEMU driver does, as
+libvirt has no call for it: through libvirt's QEMU monitor passthrough (which marks the domain
+tainted, "custom-monitor") it puts an always-failing node under the disk's format node
+(``libvirt-<index>-format``) and deletes libvirt's protocol node, which closes the NBD or iSCSI
+session; the device stays, its I/O failing, until the guest lets go (libvirt then removes it).
+Which disks were cut is known to this agent's process only (``connected=False`` in ``list_disks``).
 
 Limits (libvirt 9.0, measured here): online resize is not offered. ``blockResize`` cannot grow an
 NBD disk ("Cannot grow NBD nodes") and an iSCSI disk only grows when its LUN does in place, while
@@ -29,6 +32,7 @@ libvirt 9.0: a restarted export daemon is not waited for.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import re
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import libvirt
+import libvirt_qemu
 
 from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
@@ -186,7 +191,7 @@ class LibvirtDriver:
         self._vms: dict[str, VmInfo] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._removed: dict[tuple[str, str], threading.Event] = {}  # (domain UUID, alias) -> waiter
-        self._forced: set[tuple[str, str]] = set()  # (vm id, serial) force-detached, still held by the guest
+        self._forced: set[tuple[str, str]] = set()  # (vm id, serial) cut by a forced detach, held by the guest
         self._refresh: queue.Queue[str | None] = queue.Queue()
         self._closing = threading.Event()
         self._reported_down = False
@@ -339,10 +344,11 @@ class LibvirtDriver:
         if not force:
             raise DeviceBusy(f"guest of VM {vm_id} did not release disk {serial} within {timeout:g}s",
                              vm_id=vm_id, serial=serial)
+        _cut_io(dom, vm_id, serial)
         self._forced.add((vm_id, serial))
         self._drop_secret(conn, vm_id, serial)  # QEMU keeps its own copy while the device stays
-        log.warning("VM %s: forced detach of %s: the guest still holds the device; libvirt cannot take its "
-                    "storage away, its I/O fails once the export is removed", vm_id, serial)
+        log.warning("VM %s: forced detach of %s: the guest still holds the device, its I/O now fails and the "
+                    "storage connection is closed", vm_id, serial)
         return True
 
     def _flags(self, dom: libvirt.virDomain, *, config: bool) -> int:
@@ -525,6 +531,49 @@ class LibvirtDriver:
                 self._conn = None
                 self._callbacks = []
         log.warning("libvirt at %s closed the connection (reason %d)", self.uri, reason)
+
+
+def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | None = None) -> object:
+    """One QMP command through libvirt's monitor passthrough (forced detach only)."""
+    try:
+        reply = json.loads(libvirt_qemu.qemuMonitorCommand(
+            dom, json.dumps({"execute": command, "arguments": args or {}}), 0))
+    except libvirt.libvirtError as exc:
+        raise DriverError(f"QEMU monitor of the domain: {command}: {_message(exc)}") from exc
+    if "error" in reply:
+        raise DriverError(f"QEMU monitor of the domain: {command}: {reply['error'].get('desc', reply['error'])}")
+    return reply.get("return")
+
+
+def _cut_io(dom: libvirt.virDomain, vm_id: str, serial: str) -> None:
+    """Close the storage connection of a disk the guest holds (see the module docstring)."""
+    disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+    source = disk.find("source") if disk is not None else None
+    index = source.get("index") if source is not None else None
+    if index is None or not index.isdigit():
+        raise DriverError(f"VM {vm_id}: libvirt names no block nodes of disk {serial}; it cannot be cut off")
+    fmt, storage, dead = f"libvirt-{index}-format", f"libvirt-{index}-storage", f"vbs-{serial}-dead"
+    raw_nodes = _monitor(dom, "query-named-block-nodes", {"flat": True})
+    nodes = {n["node-name"]: n for n in raw_nodes} if isinstance(raw_nodes, list) else {}
+    if fmt not in nodes:
+        raise DriverError(f"VM {vm_id}: disk {serial} has no block node {fmt}")
+    if dead not in nodes:
+        _monitor(dom, "blockdev-add", {
+            "driver": "blkdebug", "node-name": dead,
+            "image": {"driver": "null-co", "size": int(nodes[fmt]["image"]["virtual-size"])},
+            "inject-error": [{"event": "read_aio", "errno": 5}, {"event": "write_aio", "errno": 5}]})
+    try:
+        _monitor(dom, "blockdev-reopen", {"options": [{"driver": "raw", "node-name": fmt, "file": dead,
+                                                       "read-only": bool(nodes[fmt].get("ro")),
+                                                       "discard": "unmap"}]})
+    except DriverError as exc:
+        if "Error flushing" not in exc.message:
+            raise
+        # The storage is unreachable already (export gone): every request on it fails by now.
+        log.warning("VM %s: the storage of %s is already unreachable: %s", vm_id, serial, exc.message)
+        return
+    if storage in nodes:
+        _monitor(dom, "blockdev-del", {"node-name": storage})
 
 
 def _unless_unsupported(call: Callable[[], object]) -> None:
