@@ -19,8 +19,10 @@ import httpx
 import libvirt
 import pytest
 
+from tests import test_attach_e2e as attach_e2e
 from tests.conftest import Vbs, VbsUp, node_token, wait_until
 from tests.libvirtd import URI, Libvirtd
+from tests.test_attach_e2e import detach_is_busy_until_forced
 from vbs.ids import virtio_serial
 from vbs.testguest import build_guest
 from vbs.testguest.libvirt import LibvirtGuest, domain_xml
@@ -28,32 +30,15 @@ from vbs.testguest.libvirt import LibvirtGuest, domain_xml
 pytestmark = pytest.mark.integration
 
 
-class Cloud:
+class Cloud(attach_e2e.Cloud):
+    """vbs up whose host agent drives libvirt, and two domains of the test guest on it."""
+
     def __init__(self, export: str, vbs: Vbs, up: VbsUp, vm1: LibvirtGuest, vm2: LibvirtGuest,
                  libvirtd: Libvirtd) -> None:
         self.export, self.vbs, self.up, self.vm1, self.vm2, self.libvirtd = export, vbs, up, vm1, vm2, libvirtd
 
-    def instance(self, vm: str) -> str:
-        def find() -> str | None:
-            for i in self.vbs.http.get("/v1/instances").json()["instances"]:
-                if i["host"] == "host-1" and i["vm_id"] == vm and i["state"] == "running":
-                    return str(i["instance_id"])
-            return None
-
-        return wait_until(find, 60, what=f"instance {vm}")  # type: ignore[no-any-return]
-
     def new_volume(self) -> str:
-        return str(self.vbs.cli("create-volume", "--size", "1", "--wait")["volume_id"])
-
-    def attachment_state(self, volume_id: str) -> str | None:
-        atts = self.vbs.volume(volume_id)["attachments"]
-        return atts[0]["state"] if atts else None
-
-    def exports(self) -> list[dict[str, str]]:
-        token = node_token(self.vbs.data_dir, "storage", "storage-1")
-        node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
-        r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
-        return r.json()["exports"]  # type: ignore[no-any-return]
+        return attach_e2e.new_volume(self)
 
     def host_disks(self, vm: str) -> list[dict[str, Any]]:
         """What the host agent (its libvirt driver) reports attached to ``vm``."""
@@ -83,15 +68,17 @@ def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
         vm2.wait_ready(120)
         yield Cloud(export, vbs, up, vm1, vm2, libvirtd)
     finally:
-        for vm in (vm1, vm2):
-            vm.stop()
-        up.stop()
+        try:
+            vm1.stop()
+            vm2.stop()
+        finally:
+            up.stop()  # whatever a VM's stop raised: vbs up's daemons outlive it otherwise
 
 
 def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:
     vol_id = cloud.new_volume()
     serial = virtio_serial(vol_id)
-    att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("lv-vm1"), "--wait")
+    att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("host-1", "lv-vm1"), "--wait")
     assert att["state"] == "attached"
     dev = cloud.vm1.wait_for_disk(serial, 30)
     written = cloud.vm1.write_pattern(dev, "through-libvirt", 8)
@@ -139,7 +126,7 @@ def bare_domain(cloud: Cloud) -> Iterator[str]:
     conn = libvirt.open(URI)
     dom = conn.createXML(domain_xml("lv-bare", None, None, 64), 0)
     try:
-        cloud.instance("lv-bare")
+        cloud.instance("host-1", "lv-bare")
         yield "lv-bare"
     finally:
         dom.destroy()
@@ -147,18 +134,7 @@ def bare_domain(cloud: Cloud) -> Iterator[str]:
 
 
 def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: Cloud, bare_domain: str) -> None:
-    vol_id = cloud.new_volume()
-    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", bare_domain, "--wait")
-    proc = cloud.vbs.cli("detach-volume", vol_id, "--wait", check=False)
-    assert proc.returncode == 1, proc.stdout
-    assert cloud.attachment_state(vol_id) == "busy"
-    assert cloud.vbs.volume(vol_id)["status"] == "in-use"
-    assert [e["key"] for e in cloud.exports()] == [vol_id], "the export stays while the guest holds it"
-
-    det = cloud.vbs.cli("detach-volume", vol_id, "--force", "--wait")
-    assert det["state"] == "detached"
-    assert cloud.vbs.volume(vol_id)["status"] == "available"
-    assert cloud.exports() == []
+    detach_is_busy_until_forced(cloud, bare_domain)
 
 
 def _chap_secrets(data_dir: Path) -> set[str]:
