@@ -367,8 +367,7 @@ def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tests.libvirtd import Libvirtd
 
     daemon = Libvirtd(tmp_path_factory.mktemp("libvirtd"))
-    daemon.setup()
     try:
-        yield daemon
+        yield daemon.setup()
     finally:
-        daemon.teardown()
+        daemon.teardown()  # also after a failed setup: it undoes exactly what was done

@@ -55,7 +55,7 @@ class Libvirtd:
         self.proc: subprocess.Popen[bytes] | None = None
         self._lock_fd: int | None = None
         self._made_dirs: list[Path] = []
-        self._etc_before: set[Path] = set()
+        self._etc_before: set[Path] | None = None  # None: setup did not get to change /etc/libvirt
         self._etc_existed = ETC.exists()
         self._qemu_conf_before: bytes | None = None
         self._made_user = self._made_group = False
@@ -126,19 +126,24 @@ class Libvirtd:
             self.stop()
             if QEMU_LOGS.is_dir():
                 shutil.copytree(QEMU_LOGS, self.workdir / "qemu-logs", dirs_exist_ok=True)
-            # libvirtd makes some of /etc/libvirt itself (secrets/, nwfilter/, qemu/…): those go too.
-            for path in sorted(set(ETC.iterdir()) - self._etc_before - {QEMU_CONF}):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            if self._qemu_conf_before is not None:
-                QEMU_CONF.write_bytes(self._qemu_conf_before)
-            else:
-                QEMU_CONF.unlink(missing_ok=True)
-            if not self._etc_existed:
-                shutil.rmtree(ETC, ignore_errors=True)
+            if self._etc_before is not None:
+                # libvirtd makes some of /etc/libvirt itself (secrets/, nwfilter/, qemu/…): those go too.
+                for path in sorted(set(ETC.iterdir()) - self._etc_before - {QEMU_CONF}):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if self._qemu_conf_before is not None:
+                    QEMU_CONF.write_bytes(self._qemu_conf_before)
+                else:
+                    QEMU_CONF.unlink(missing_ok=True)
+                if not self._etc_existed:
+                    shutil.rmtree(ETC, ignore_errors=True)
             for d in reversed(self._made_dirs):
                 shutil.rmtree(d, ignore_errors=True)
             if self._made_user:
+                gid = None if self._made_group else grp.getgrnam(USER).gr_gid
                 subprocess.run(["userdel", USER], check=False)
+                if gid is not None and not _exists("group", USER):
+                    # userdel takes the user's same-named group with it: that one was there before.
+                    subprocess.run(["groupadd", "--system", "-g", str(gid), USER], check=False)
             if self._made_group:
                 subprocess.run(["groupdel", USER], check=False)
             if self._lock_fd is not None:

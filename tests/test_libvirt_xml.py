@@ -148,3 +148,20 @@ def test_what_the_driver_cannot_do_it_declares_and_refuses(test_driver: LibvirtD
         test_driver.ensure_copy("test", SERIAL, "snap-0123456789abcdef0", conn)
     with pytest.raises(InvalidParameter):
         test_driver.attach("bad name;", SERIAL, conn)
+
+
+def test_the_libvirt_uri_is_checked_and_unknown_driver_options_refused(tmp_path: Path) -> None:
+    from vbs import config as cfgmod
+
+    for bad in ("qemu:///system; rm -rf /", "qemu:///system\nx", "$(id)://x/", "qemu:// /system"):
+        with pytest.raises(InvalidParameter):
+            cfgmod.load(cfgmod.HostAgentConfig, "host_agent", overrides={"libvirt_uri": bad}, environ={})
+    cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", environ={},
+                      overrides={"hypervisor": "libvirt", "libvirt_uri": "test:///default", "state_dir": tmp_path})
+    drv = LibvirtDriver.from_config(cfg)
+    try:
+        assert (drv.uri, drv.persist) == ("test:///default", False)
+    finally:
+        drv.close()
+    with pytest.raises(InvalidParameter, match="unknown options"):
+        LibvirtDriver.from_config(cfg.model_copy(update={"options": {"libvirt": {"nbd_tls": True}}}))

@@ -178,10 +178,9 @@ class LibvirtDriver:
     )
 
     def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
-                 x509: X509Files | None = None, timeout: float = 10.0) -> None:
+                 x509: X509Files | None = None) -> None:
         self.uri = uri
         self.persist = persist
-        self.timeout = timeout
         # iSCSI served through TLS: libvirt's QEMU dials this host's end of a tunnel to the portal.
         self.tunnels = IscsiTunnels((state_dir or Path("./var/host-state")) / "tunnels", x509)
         self._connecting = threading.Lock()
@@ -206,7 +205,7 @@ class LibvirtDriver:
             raise InvalidParameter(f"unknown options of the libvirt hypervisor driver: {', '.join(sorted(options))}")
         state = cfg.state_dir.resolve() if cfg.state_dir is not None else cfg.vm_dir.resolve() / ".vbs-secrets"
         return cls(cfg.libvirt_uri, persist=cfg.libvirt_persist, state_dir=state,
-                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), timeout=cfg.qmp_timeout_s)
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
