@@ -34,6 +34,9 @@ QEMU_LOGS = Path("/var/log/libvirt/qemu")
 QEMU_CONF_TEXT = 'stdio_handler = "file"\nuser = "root"\ngroup = "root"\n'
 LOCK = Path(tempfile.gettempdir()) / "vbs-tests-libvirtd.lock"
 USER = "libvirt-qemu"
+# Errors arrive as exceptions; libvirt's default handler would also print each one (a refused
+# connection while waiting for the daemon) to stderr.
+libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
 
 
 def _exists(kind: str, name: str) -> bool:
