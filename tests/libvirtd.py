@@ -3,10 +3,11 @@
 libvirtd running as root keeps its state in system paths (``/run/libvirt``, ``/var/lib/libvirt``,
 ``/etc/libvirt``…) and cannot be moved to a temp dir, so one runs at a time on the machine (a lock
 file) and only if none runs already. What it needs and is missing is made before it starts: those
-directories, a ``/etc/libvirt/qemu.conf`` (QEMU's output to files instead of virtlogd, QEMU as root)
-and the ``libvirt-qemu`` user and group it resolves at start-up; at the end exactly what was made is
-removed again (an existing qemu.conf is restored). libvirtd runs in the foreground as the test's
-child, its log in the test's dir, and is stopped by its PID.
+directories, a ``/etc/libvirt/qemu.conf`` (QEMU's output to files instead of virtlogd, QEMU as
+root, the NBD client certificate's directory in the test's dir) and the ``libvirt-qemu`` user and
+group it resolves at start-up; at the end exactly what was made is removed again (an existing
+qemu.conf is restored). libvirtd runs in the foreground as the test's child, its log in the test's
+dir, and is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ STATE_DIRS = [Path("/run/libvirt"), Path("/var/lib/libvirt"), Path("/var/log/lib
 ETC = Path("/etc/libvirt")
 QEMU_CONF = ETC / "qemu.conf"
 QEMU_LOGS = Path("/var/log/libvirt/qemu")
-QEMU_CONF_TEXT = 'stdio_handler = "file"\nuser = "root"\ngroup = "root"\n'
 LOCK = Path(tempfile.gettempdir()) / "vbs-tests-libvirtd.lock"
 USER = "libvirt-qemu"
 # Errors arrive as exceptions; libvirt's default handler would also print each one (a refused
@@ -55,6 +55,9 @@ class Libvirtd:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.log = workdir / "libvirtd.log"
+        # qemu.conf's nbd_tls_x509_cert_dir: where a libvirt driver with libvirt_nbd_tls_dir puts its
+        # host's client certificate for NBD over X.509.
+        self.nbd_tls_dir = workdir / "nbd-tls"
         self.proc: subprocess.Popen[bytes] | None = None
         self._lock_fd: int | None = None
         self._made_dirs: list[Path] = []
@@ -76,7 +79,9 @@ class Libvirtd:
         self._etc_before = set(ETC.iterdir())
         if QEMU_CONF.exists():
             self._qemu_conf_before = QEMU_CONF.read_bytes()
-        QEMU_CONF.write_text(QEMU_CONF_TEXT)
+        self.nbd_tls_dir.mkdir(mode=0o700, exist_ok=True)
+        QEMU_CONF.write_text(f'stdio_handler = "file"\nuser = "root"\ngroup = "root"\n'
+                             f'nbd_tls_x509_cert_dir = "{self.nbd_tls_dir}"\n')
         if not _exists("group", USER):
             subprocess.run(["groupadd", "--system", USER], check=True)
             self._made_group = True

@@ -8,6 +8,7 @@ of the test's own) and what the guest sees.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -18,10 +19,12 @@ import libvirt
 import libvirt_qemu
 import pytest
 
-from tests.conftest import stop_process, wait_until
+from tests.conftest import free_port, stop_process, wait_until
 from tests.libvirtd import URI, Libvirtd
 from vbs.errors import DeviceBusy, IncorrectState, NotFound
 from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias
+from vbs.pki import CertificateAuthority
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.testguest import build_guest
 from vbs.testguest.libvirt import LibvirtGuest, domain_xml
 from vbs.wire.connection import NbdConnection
@@ -190,5 +193,63 @@ def test_a_guest_that_never_releases_the_disk_makes_detach_busy_and_persist_edit
         drv.detach("lv-bare", serial, force=True)  # again: nothing left to cut, success
         with pytest.raises(IncorrectState, match="force-detached"):
             drv.attach("lv-bare", serial, nbd)
+    finally:
+        drv.close()
+
+
+@pytest.fixture
+def nbd_x509(tmp_path: Path) -> Iterator[tuple[NbdConnection, X509Files]]:
+    """qemu-nbd on a loopback port, X.509 only (it checks the client's certificate too): its
+    connection, and a host certificate from the same CA."""
+    ca = CertificateAuthority(tmp_path / "ca.pem", tmp_path / "ca-key.pem")
+    server = ca.issue("storage-1", ["127.0.0.1"], tmp_path / "server.pem", tmp_path / "server-key.pem")
+    host = ca.issue("host-1", ["127.0.0.1"], tmp_path / "host.pem", tmp_path / "host-key.pem")
+    creds = qemu_x509_dir(X509Files(server.cert, server.key, server.ca), tmp_path / "server-x509", "server")
+    image = tmp_path / "volume.raw"
+    with image.open("wb") as f:
+        f.truncate(16 * MIB)
+    port = free_port()
+    log = (tmp_path / "qemu-nbd.log").open("wb")
+    proc = subprocess.Popen(["qemu-nbd", "--format=raw", "--export-name=vol", "--bind=127.0.0.1", f"--port={port}",
+                             "--persistent", "--shared=4", "--object",
+                             f"tls-creds-x509,id=tls0,endpoint=server,dir={creds},verify-peer=on", "--tls-creds=tls0",
+                             str(image)], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        wait_until(lambda: _listening(port), 10, what="qemu-nbd to listen")
+        yield NbdConnection(host="127.0.0.1", port=port, export="vol", tls="x509"), \
+            X509Files(host.cert, host.key, host.ca)
+    finally:
+        stop_process(proc)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_nbd_over_x509_with_the_hosts_certificate_where_qemu_conf_says(
+        libvirtd: Libvirtd, guest: LibvirtGuest, nbd_x509: tuple[NbdConnection, X509Files], tmp_path: Path) -> None:
+    conn, host = nbd_x509
+    without = LibvirtDriver(URI, state_dir=tmp_path / "plain")
+    try:
+        with pytest.raises(IncorrectState, match="libvirt_nbd_tls_dir"):
+            without.attach(guest.name, vol(5), conn)
+    finally:
+        without.close()
+    drv = LibvirtDriver(URI, state_dir=tmp_path / "tls", x509=host, nbd_tls_dir=libvirtd.nbd_tls_dir)
+    serial = vol(5)
+    try:
+        assert sorted(p.name for p in libvirtd.nbd_tls_dir.iterdir()) == ["ca-cert.pem", "client-cert.pem",
+                                                                          "client-key.pem"]
+        disk = drv.attach(guest.name, serial, conn)
+        assert disk.size_bytes == 16 * MIB
+        source = live_disks(guest.domain(), serial)[0].find("source")
+        assert source is not None and source.get("tls") == "yes"
+        dev = guest.wait_for_disk(serial, 30)
+        written = guest.write_pattern(dev, "over-x509", 2)
+        assert guest.checksum(dev, 2) == written
+        drv.detach(guest.name, serial, timeout=30)
+        guest.wait_disk_gone(serial, 30)
     finally:
         drv.close()

@@ -165,3 +165,5 @@ def test_the_libvirt_uri_is_checked_and_unknown_driver_options_refused(tmp_path:
         drv.close()
     with pytest.raises(InvalidParameter, match="unknown options"):
         LibvirtDriver.from_config(cfg.model_copy(update={"options": {"libvirt": {"nbd_tls": True}}}))
+    with pytest.raises(InvalidParameter, match="tls_cert"):  # a TLS dir needs this host's certificate
+        LibvirtDriver.from_config(cfg.model_copy(update={"libvirt_nbd_tls_dir": tmp_path / "nbd-tls"}))

@@ -220,6 +220,10 @@ class HostAgentConfig(_AgentSection):
     # the domains' persistent configuration (so the disk is there again after a VM restart).
     libvirt_uri: str = Field("qemu:///system", pattern=LIBVIRT_URI_RE)
     libvirt_persist: bool = False
+    # NBD over X.509 through libvirt: the directory the libvirtd's qemu.conf names as
+    # nbd_tls_x509_cert_dir. The agent writes this host's client certificate there (tls_cert,
+    # tls_key, tls_ca); without it such exports are refused.
+    libvirt_nbd_tls_dir: Path | None = None
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

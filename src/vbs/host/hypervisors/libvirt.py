@@ -21,13 +21,16 @@ tainted, "custom-monitor") it puts an always-failing node under the disk's forma
 session; the device stays, its I/O failing, until the guest lets go (libvirt then removes it).
 Which disks were cut is known to this agent's process only (``connected=False`` in ``list_disks``).
 
-Limits (libvirt 9.0, measured here): online resize is not offered. ``blockResize`` cannot grow an
-NBD disk ("Cannot grow NBD nodes") and an iSCSI disk only grows when its LUN does in place, while
-VBS's exports give a grown volume a refreshed connection (a new LUN), to which libvirt cannot move
-an attached disk. NBD over X.509 TLS is refused: libvirt's ``tls='yes'`` takes the client
-certificate from qemu.conf's one ``nbd_tls_x509_cert_dir`` (a setting of the libvirtd, not of a
-disk), which this driver neither manages nor can check. NBD disks have no reconnect delay in
-libvirt 9.0: a restarted export daemon is not waited for.
+Limits (libvirt 9.0, QEMU 7.2): online resize is not offered. ``blockResize`` is QEMU's
+``block_resize``, which cannot grow an NBD node ("Cannot grow NBD nodes", see the qemu driver); an
+iSCSI disk grows only when its LUN does in place, while VBS's exports give a grown volume a
+refreshed connection (a new LUN), to which libvirt cannot move
+an attached disk. NBD over X.509 TLS: libvirt's ``tls='yes'`` takes the client certificate from
+qemu.conf's one ``nbd_tls_x509_cert_dir`` (a setting of the libvirtd, for all its domains: this
+host's own certificate belongs there). With ``nbd_tls_dir`` (that same directory) the driver writes
+this host's certificate, key and CA there as QEMU wants them and opens such exports; without it
+they are refused, saying so. libvirt knows no TLS-PSK. NBD disks have no reconnect delay in libvirt
+9.0: a restarted export daemon is not waited for.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter
 from vbs.host.connectors import connector_for
 from vbs.host.connectors.base import LibvirtSource
 from vbs.host.tunnels import IscsiTunnels
-from vbs.qemu_tls import X509Files
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
@@ -178,9 +181,16 @@ class LibvirtDriver:
     )
 
     def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
-                 x509: X509Files | None = None) -> None:
+                 x509: X509Files | None = None, nbd_tls_dir: Path | None = None) -> None:
         self.uri = uri
         self.persist = persist
+        if nbd_tls_dir is not None:
+            if x509 is None:
+                raise InvalidParameter("libvirt_nbd_tls_dir needs this host's certificate: set tls_cert, tls_key "
+                                       "and tls_ca of [host_agent]")
+            # Where the libvirtd's qemu.conf (nbd_tls_x509_cert_dir) has QEMU read its NBD client's.
+            qemu_x509_dir(x509, nbd_tls_dir, "client")
+        self.nbd_tls = nbd_tls_dir is not None
         # iSCSI served through TLS: libvirt's QEMU dials this host's end of a tunnel to the portal.
         self.tunnels = IscsiTunnels((state_dir or Path("./var/host-state")) / "tunnels", x509)
         self._connecting = threading.Lock()
@@ -205,7 +215,8 @@ class LibvirtDriver:
             raise InvalidParameter(f"unknown options of the libvirt hypervisor driver: {', '.join(sorted(options))}")
         state = cfg.state_dir.resolve() if cfg.state_dir is not None else cfg.vm_dir.resolve() / ".vbs-secrets"
         return cls(cfg.libvirt_uri, persist=cfg.libvirt_persist, state_dir=state,
-                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+                   nbd_tls_dir=cfg.libvirt_nbd_tls_dir.resolve() if cfg.libvirt_nbd_tls_dir else None)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -219,11 +230,11 @@ class LibvirtDriver:
         disk_alias(serial)
         dialled = self.tunnels.local(connection)
         source = connector_for(dialled).libvirt_source(dialled)
-        if source.tls:
+        if source.tls and not self.nbd_tls:
             raise IncorrectState(
-                "the libvirt driver does not open NBD over X.509 TLS: libvirt takes the client certificate "
-                "from the libvirtd's qemu.conf (nbd_tls_x509_cert_dir), which VBS does not manage; use iSCSI, "
-                "an NBD unix socket on the same machine, or the qemu hypervisor driver")
+                "this host's libvirt driver does not open NBD over X.509 TLS: libvirt takes the client "
+                "certificate from the libvirtd's qemu.conf (nbd_tls_x509_cert_dir); set libvirt_nbd_tls_dir of "
+                "[host_agent] to that directory (the agent writes this host's certificate there)")
         return _present(self._on_vm(
             vm_id, lambda conn, dom: self._attach(conn, dom, vm_id, serial, source, read_only, qos), need=True))
 
