@@ -202,6 +202,7 @@ class LibvirtDriver:
         self._removed: dict[tuple[str, str], threading.Event] = {}  # (domain UUID, alias) -> waiter
         self._forced: set[tuple[str, str]] = set()  # (vm id, serial) cut by a forced detach, held by the guest
         self._refresh: queue.Queue[str | None] = queue.Queue()
+        self._closed: queue.Queue[libvirt.virConnect] = queue.Queue()  # connections libvirt reported closed
         self._closing = threading.Event()
         self._reported_down = False
         _start_event_loop()
@@ -500,6 +501,8 @@ class LibvirtDriver:
                 name = None
             if self._closing.is_set():
                 return
+            while not self._closed.empty():
+                self._lost(self._closed.get())
             try:
                 conn = self._connection()
                 if name is not None:
@@ -535,12 +538,10 @@ class LibvirtDriver:
             waiter.set()
 
     def _on_close(self, conn: libvirt.virConnect, reason: int, _opaque: object) -> None:
-        # On libvirt's event thread: the watcher reconnects.
-        with self._guard:
-            if self._conn is conn:
-                self._conn = None
-                self._callbacks = []
+        # On libvirt's event thread: the watcher releases the connection and makes a new one.
         log.warning("libvirt at %s closed the connection (reason %d)", self.uri, reason)
+        self._closed.put(conn)
+        self._refresh.put(None)  # wake the watcher
 
 
 def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | None = None) -> object:
