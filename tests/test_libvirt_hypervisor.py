@@ -168,25 +168,34 @@ def bare(libvirtd: Libvirtd) -> Iterator[libvirt.virDomain]:
 
 
 def test_a_guest_that_never_releases_the_disk_makes_detach_busy_and_persist_edits_the_config(
-        libvirtd: Libvirtd, bare: libvirt.virDomain, nbd: NbdConnection, tmp_path: Path) -> None:
+        libvirtd: Libvirtd, driver: LibvirtDriver, bare: libvirt.virDomain, nbd: NbdConnection,
+        tmp_path: Path) -> None:
     drv = LibvirtDriver(URI, persist=True, state_dir=tmp_path)
-    serial = vol(4)
+    serial, live_only = vol(4), vol(6)
     try:
         wait_until(lambda: any(vm.vm_id == "lv-bare" for vm in drv.list_vms()), 30, what="the bare domain")
         drv.attach("lv-bare", serial, nbd)
         assert len(live_disks(bare, serial)) == 1
         assert len(live_disks(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE)) == 1, "--persist: in the config"
+        # A disk attached by an agent without --libvirt-persist gets into the config on a repeated attach.
+        driver.attach("lv-bare", live_only, nbd)
+        assert live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE) == []
+        drv.attach("lv-bare", live_only, nbd)
+        assert len(live_disks(bare, live_only)) == 1
+        assert len(live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE)) == 1
+        drv.detach("lv-bare", live_only, force=True)
+        assert live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE) == []
 
         started = time.monotonic()
         with pytest.raises(DeviceBusy):
             drv.detach("lv-bare", serial, timeout=3)
         assert time.monotonic() - started >= 3  # it waited for the guest, and the guest never answered
-        assert [d.serial for d in drv.list_disks("lv-bare")] == [serial]
+        assert [d.serial for d in drv.list_disks("lv-bare")] == [serial, live_only]  # the guest holds both
 
         drv.detach("lv-bare", serial, force=True)
         assert live_disks(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE) == [], "gone from the config"
         # The device stays until the guest lets go, but its NBD connection is closed.
-        assert [(d.serial, d.connected) for d in drv.list_disks("lv-bare")] == [(serial, False)]
+        assert [(d.serial, d.connected) for d in drv.list_disks("lv-bare")] == [(serial, False), (live_only, False)]
         nodes = json.loads(libvirt_qemu.qemuMonitorCommand(
             bare, json.dumps({"execute": "query-named-block-nodes", "arguments": {"flat": True}}), 0))["return"]
         assert [n["drv"] for n in nodes if n["drv"] == "nbd"] == []

@@ -305,11 +305,19 @@ class LibvirtDriver:
 
     def _attach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str,
                 source: LibvirtSource, read_only: bool, qos: QoS | None) -> DiskInfo:
-        if serial in _our_disks(ET.fromstring(dom.XMLDesc(0))):
+        live = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+        if live is not None:
             if (vm_id, serial) in self._forced:
                 raise IncorrectState(
                     f"disk {serial} of VM {vm_id} was force-detached and the guest has not released it yet; "
                     "detach it again once the guest lets go, or restart the VM")
+            if self._flags(dom, config=True) & libvirt.VIR_DOMAIN_AFFECT_CONFIG and not self._in_config(dom, serial):
+                # Attached live only (by an agent without --libvirt-persist, or before a crash): the
+                # configuration gets the same disk.
+                live_source = live.find("source")
+                if live_source is not None:
+                    live_source.attrib.pop("index", None)  # libvirt's runtime numbering of block nodes
+                dom.attachDeviceFlags(ET.tostring(live, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
             return self._disk(vm_id, dom, serial)
         self._forced.discard((vm_id, serial))
         secret = self._define_secret(conn, vm_id, serial, source) if source.auth is not None else None
