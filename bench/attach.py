@@ -22,6 +22,8 @@ by SIGINT, which stops its children and export daemons); only 127.0.0.1 is used.
 
     .venv/bin/python bench/attach.py              # 20 cycles per protocol (about 3 minutes)
     .venv/bin/python bench/attach.py --quick      # 5 cycles per protocol
+    .venv/bin/python bench/attach.py --hypervisor libvirt   # the guest as a libvirt domain (a libvirtd
+                                                  # started as the tests start theirs: tests/libvirtd.py)
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ for _p in (REPO / "src", REPO):
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
+from tests.libvirtd import Libvirtd  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
 from vbs.testguest import TestGuest, build_guest  # noqa: E402
+from vbs.testguest.libvirt import LibvirtGuest  # noqa: E402
 
 HOST, VM = "host-1", "vm1"
 TARGET_P50_S = 1.0
@@ -199,16 +203,19 @@ def nodelay_on_export_daemon(data_dir: Path) -> str:
     raise RuntimeError("no qemu-storage-daemon found for --exports nbd-nodelay")
 
 
-def run_protocol(export: str, cycles: int, work: Path) -> dict[str, Any]:
+def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu") -> dict[str, Any]:
     protocol, nodelay = export.removesuffix("-nodelay"), export.endswith("-nodelay")
     tmp = Path(tempfile.mkdtemp(prefix=f"attach-{export}-", dir=work))
     data_dir = tmp / "var"
-    up = VbsUp(data_dir, tmp / "up.log", extra=["--export", protocol])
+    up = VbsUp(data_dir, tmp / "up.log", extra=["--export", protocol, "--hypervisor", hypervisor])
     guest: TestGuest | None = None
     try:
         log(f"{export}: starting vbs up and the guest")
         vbs = up.start()
-        guest = TestGuest(VM, tmp / "guest", build_guest(), data_dir / "vms")
+        if hypervisor == "libvirt":
+            guest = LibvirtGuest(VM, tmp / "guest", build_guest())
+        else:
+            guest = TestGuest(VM, tmp / "guest", build_guest(), data_dir / "vms")
         guest.start()
         boot = guest.wait_ready(180)
         wait_instance(vbs)
@@ -231,7 +238,8 @@ def run_protocol(export: str, cycles: int, work: Path) -> dict[str, Any]:
             log(f"{export}: cycle {i + 1:2}/{cycles}: attach {a.guest * 1000:6.0f} ms (API {a.api * 1000:4.0f} ms), "
                 f"detach {d.guest * 1000:6.0f} ms (API {d.api * 1000:4.0f} ms)")
         add_step_times(data_dir / "vbs.db", volume_id, warm + done)
-        return {"export": export, "boot_s": boot, "warmup": warm, "cycles": done, "note": note}
+        label = export if hypervisor == "qemu" else f"{export} ({hypervisor})"
+        return {"export": label, "boot_s": boot, "warmup": warm, "cycles": done, "note": note}
     finally:
         if guest is not None:
             guest.stop()
@@ -319,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exports", default="nbd,iscsi",
                    help="protocols, comma-separated (default nbd,iscsi); nbd-nodelay: NBD with TCP_NODELAY "
                         "forced on the export daemon after the warm-up (experimental)")
+    p.add_argument("--hypervisor", choices=("qemu", "libvirt"), default="qemu",
+                   help="the host agent's driver (libvirt: a libvirtd is started for the run)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="temporary install (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the temporary install (logs, console) afterwards")
@@ -334,12 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     work = Path(tempfile.mkdtemp(prefix="vbs-attach-", dir=args.work_dir))
     failed = False
-    for export in args.exports.split(","):
-        try:
-            results.append(run_protocol(export, args.cycles, work))
-        except Exception as exc:  # one protocol failing must not lose the other's figures
-            failed = True
-            log(f"{export}: FAILED {type(exc).__name__}: {exc}")
+    libvirtd = Libvirtd(work / "libvirtd") if args.hypervisor == "libvirt" else None
+    try:
+        if libvirtd is not None:
+            libvirtd.setup()
+        for export in args.exports.split(","):
+            try:
+                results.append(run_protocol(export, args.cycles, work, args.hypervisor))
+            except Exception as exc:  # one protocol failing must not lose the other's figures
+                failed = True
+                log(f"{export}: FAILED {type(exc).__name__}: {exc}")
+    finally:
+        if libvirtd is not None:
+            libvirtd.teardown()
     if args.keep or failed:
         log(f"logs and console output kept in {work}")
     else:

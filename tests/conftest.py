@@ -378,3 +378,15 @@ def start_bare_vm(vm_dir: Path, name: str, log: Path) -> subprocess.Popen[bytes]
                              "-display", "none", "-qmp", f"unix:{vm_dir / (name + '.qmp')},server=on,wait=off",
                              "-qmp", f"unix:{private_qmp(vm_dir, name)},server=on,wait=off"],
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+
+
+@pytest.fixture(scope="module")
+def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real libvirtd for a module's tests (tests/libvirtd.py: one at a time on the machine)."""
+    from tests.libvirtd import Libvirtd
+
+    daemon = Libvirtd(tmp_path_factory.mktemp("libvirtd"))
+    try:
+        yield daemon.setup()
+    finally:
+        daemon.teardown()  # also after a failed setup: it undoes exactly what was done

@@ -206,8 +206,14 @@ def bare_vm(cloud: Cloud, tmp_path: Path) -> Iterator[str]:
 
 
 def test_a_guest_that_holds_the_disk_makes_detach_busy_and_force_ends_it(cloud: Cloud, bare_vm: str) -> None:
+    detach_is_busy_until_forced(cloud, bare_vm)
+
+
+def detach_is_busy_until_forced(cloud: Cloud, vm: str) -> None:
+    """Attach a volume to ``vm`` on host-1, a VM that never releases a disk: detach is ``busy`` and
+    keeps the export; ``--force`` ends the attachment and removes the export."""
     vol_id = new_volume(cloud)
-    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", bare_vm, "--wait")
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", vm, "--wait")
     proc = cloud.vbs.cli("detach-volume", vol_id, "--wait", check=False)
     assert proc.returncode == 1, proc.stdout
     assert cloud.attachment_state(vol_id) == "busy"

@@ -84,6 +84,8 @@ class ControllerConfig(_Service):
     operation_lease_s: float = Field(15.0, ge=1, le=600)
 
 
+# A libvirt connection URI (driver[+transport]://[user@][host[:port]]/path[?params]).
+LIBVIRT_URI_RE = r"^[a-z][a-z0-9]{0,15}(\+[a-z]{1,8})?://[A-Za-z0-9._@:\[\]-]{0,255}/[A-Za-z0-9._/=&?,:%-]{0,512}$"
 CEPH_USER_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 RBD_POOL_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
@@ -219,6 +221,14 @@ class HostAgentConfig(_AgentSection):
     heartbeat_interval_s: float = Field(2.0, gt=0)
     qmp_timeout_s: float = Field(10.0, gt=0)
     hypervisor: str = Field("qemu", pattern=DRIVER_NAME_RE)
+    # The libvirt hypervisor driver: the libvirtd it drives, and whether an attach also goes into
+    # the domains' persistent configuration (so the disk is there again after a VM restart).
+    libvirt_uri: str = Field("qemu:///system", pattern=LIBVIRT_URI_RE)
+    libvirt_persist: bool = False
+    # NBD over X.509 through libvirt: the directory the libvirtd's qemu.conf names as
+    # nbd_tls_x509_cert_dir. The agent writes this host's client certificate there (tls_cert,
+    # tls_key, tls_ca); without it such exports are refused.
+    libvirt_nbd_tls_dir: Path | None = None
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

@@ -593,6 +593,10 @@ def storage_agent(
     serve(cfg)
 
 
+LibvirtUriOpt = Annotated[str | None, typer.Option(
+    help="libvirt hypervisor driver: the libvirt connection URI (default: qemu:///system).")]
+
+
 @app.command("host-agent")
 def host_agent(
     config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None,
@@ -601,6 +605,9 @@ def host_agent(
     state_dir: Annotated[Path | None, typer.Option(help="This agent's own state (0700; fences).")] = None,
     address: Annotated[str | None, typer.Option(help="This node's address, for export ACLs.")] = None,
     hypervisor: Annotated[str | None, typer.Option(help="Hypervisor driver by name (default: qemu).")] = None,
+    libvirt_uri: LibvirtUriOpt = None,
+    libvirt_persist: Annotated[bool, typer.Option(
+        "--libvirt-persist", help="libvirt: an attach also goes into a persistent domain's configuration.")] = False,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -614,6 +621,7 @@ def host_agent(
         "host": host, "port": port, "node_name": node_name, "controller_url": controller_url, "vm_dir": vm_dir,
         "state_dir": state_dir,
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
+        "libvirt_uri": libvirt_uri, "libvirt_persist": libvirt_persist or None,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -647,6 +655,8 @@ def up(
     ceph_conf: Annotated[Path | None, typer.Option(help="rbd: an existing cluster's ceph.conf.")] = None,
     ceph_user: Annotated[str, typer.Option(help="rbd: the cephx user (with --ceph-conf).")] = "admin",
     rbd_pool: Annotated[str, typer.Option(help="rbd: the Ceph pool of the volumes.")] = "vbs",
+    hypervisor: Annotated[str, typer.Option(help="The host agent's hypervisor driver: qemu | libvirt.")] = "qemu",
+    libvirt_uri: LibvirtUriOpt = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -669,6 +679,9 @@ def up(
     rbd = RbdChoice(ceph_conf.resolve() if ceph_conf else None, ceph_user, rbd_pool) if backend == "rbd" else None
     if export not in drivers.available("export"):
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
+    if hypervisor not in drivers.available("hypervisor"):
+        raise typer.BadParameter(f"--hypervisor must be one of {', '.join(drivers.available('hypervisor'))}")
+    host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()))
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
@@ -680,7 +693,7 @@ def up(
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
                                   controller_env=controller_env, database_url=database_url, postgres=postgres,
-                                  rbd=rbd))
+                                  rbd=rbd, host_agent_flags=host_agent_flags))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

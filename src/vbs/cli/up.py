@@ -230,6 +230,7 @@ class _Plan:
     tls: bool
     log_json: bool
     env: dict[str, str]
+    host_agent_flags: tuple[str, ...] = ()  # its hypervisor driver and that driver's settings
 
     @property
     def _exe(self) -> list[str]:
@@ -276,7 +277,8 @@ class _Plan:
                       "--state-dir", str(self.data_dir / "host-state"),
                       "--node-name", HOST_NODE,
                       "--agent-token-file", str(node_token_file(self.data_dir, "host", HOST_NODE)),
-                      *self._tls(HOST_NODE), "--address", self.host, *self._flags], self.env)
+                      *self._tls(HOST_NODE), "--address", self.host, *self.host_agent_flags, *self._flags],
+                     self.env)
 
 
 def _controller_flags(urls: list[str]) -> list[str]:
@@ -326,7 +328,8 @@ def _check_ports_free(host: str, ports: list[int]) -> None:
 def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = None, clone_method: str | None = None,
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
-                 postgres: bool = False, rbd: RbdChoice | None = None) -> int:
+                 postgres: bool = False, rbd: RbdChoice | None = None,
+                 host_agent_flags: tuple[str, ...] = ()) -> int:
     """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
     ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
     (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
@@ -357,7 +360,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
             rbd = RbdChoice(conf=ceph.conf_path, user="admin", pool=rbd.pool)
         return _run_services(data_dir, host, port, shape, clone_method=clone_method, export=export,
                              log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
-                             rbd=rbd, ceph=ceph)
+                             rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags)
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1
@@ -382,10 +385,12 @@ def write_services(path: Path, children: list[Child], ceph: EmbeddedCeph | None 
 
 def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_method: str | None, export: str,
                   log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None,
-                  rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None) -> int:
+                  rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None,
+                  host_agent_flags: tuple[str, ...] = ()) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
-    plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env())
+    plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env(),
+                 host_agent_flags=host_agent_flags)
     db_flags: list[str] = []
     if database_url is not None:
         url_file = data_dir / DATABASE_URL_FILE

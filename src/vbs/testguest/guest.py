@@ -221,15 +221,19 @@ class TestGuest:
             line = f"VBS-CMD {cmd_id} {limit} {script}\n"
             if len(line) > _MAX_LINE:
                 raise InvalidParameter(f"command too long for the console ({len(line)} bytes)")
-            proc = self._proc
-            if proc is None or proc.stdin is None or not self.alive():
-                raise DriverError(f"test guest {self.name} is not running")
-            proc.stdin.write(line.encode())
-            proc.stdin.flush()
+            self._send(line.encode())
         # The guest kills the command at `limit`; allow a little for the answer to come back.
         self._wait(lambda: cmd_id in self._results, limit + 10.0, f"command {cmd_id}")
         with self._cond:
             return self._results.pop(cmd_id)
+
+    def _send(self, line: bytes) -> None:
+        """Write one line to the guest's console (QEMU's stdin here)."""
+        proc = self._proc
+        if proc is None or proc.stdin is None or not self.alive():
+            raise DriverError(f"test guest {self.name} is not running")
+        proc.stdin.write(line)
+        proc.stdin.flush()
 
     def run_background(self, cmd: str, timeout: float = 300.0) -> Future[tuple[int, str]]:
         """Start ``cmd`` in the guest and return at once: the future gets what ``run`` answers.

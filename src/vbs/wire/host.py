@@ -42,6 +42,8 @@ class VmInfo(Wire):
     vm_id: str = Field(pattern=VM_ID_RE.pattern)
     name: str = Field("", max_length=255)
     running: bool
+    # The hypervisor's own id of the VM, where it has one (a libvirt domain's UUID).
+    uuid: str | None = Field(None, pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
 class VmList(Wire):

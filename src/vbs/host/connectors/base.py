@@ -17,6 +17,7 @@ import json
 import os
 import re
 import tempfile
+import xml.etree.ElementTree as ET
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,10 +27,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import SecretStr
 
-from vbs.errors import InvalidParameter
+from vbs.errors import IncorrectState, InvalidParameter
 from vbs.wire.base import Wire
 
-__all__ = ["HostConnector", "QemuIds", "QemuObject", "QemuBlockdev", "KeyFile", "bracketed", "json_filename"]
+__all__ = ["HostConnector", "QemuIds", "QemuObject", "QemuBlockdev", "KeyFile", "bracketed", "json_filename",
+           "LibvirtSource", "LibvirtAuth"]
 
 C = TypeVar("C", bound=Wire)
 
@@ -152,6 +154,11 @@ class HostConnector(ABC, Generic[C]):
     def qemu_node_opens(self, node: Mapping[str, Any], connection: C) -> bool:
         """Whether ``node`` (an entry of ``query-named-block-nodes``) is open on ``connection``."""
 
+    def libvirt_source(self, connection: C) -> LibvirtSource:
+        """The ``<source>`` of a libvirt ``<disk type='network'>`` that opens ``connection``; a
+        protocol the libvirt driver cannot open says so."""
+        raise IncorrectState(f"the libvirt hypervisor driver cannot open {self.protocol} connections")
+
 
 def bracketed(host: str) -> str:
     """A host as it goes before ``:port`` (IPv6 literals in brackets)."""
@@ -168,3 +175,44 @@ def json_filename(node: Mapping[str, Any]) -> dict[str, Any] | None:
     except ValueError:
         return None
     return opts if isinstance(opts, dict) else None
+
+
+@dataclass(frozen=True)
+class LibvirtAuth:
+    """Credentials of a libvirt network disk: the user goes into ``<auth>``, the secret only into a
+    libvirt secret object (``usage``: its type, ``iscsi`` or ``ceph``) that ``<auth>`` names."""
+
+    username: str
+    secret: SecretStr
+    usage: str
+
+
+@dataclass(frozen=True)
+class LibvirtSource:
+    """What the libvirt driver puts in a ``<disk type='network'>``: the ``<source>`` attributes
+    (``protocol``, ``name``), its ``<host>`` elements, the iSCSI initiator name, and the auth whose
+    secret the driver keeps in a libvirt secret object. ``tls``: the source asks for TLS
+    (``tls='yes'``), which libvirt takes from its own configuration, not from the disk."""
+
+    protocol: str
+    name: str
+    hosts: tuple[Mapping[str, str], ...]
+    initiator_iqn: str | None = None
+    auth: LibvirtAuth | None = None
+    tls: bool = False
+
+    def element(self, secret_uuid: str | None = None) -> ET.Element:
+        """The ``<source>`` element; ``secret_uuid`` names the secret object holding ``auth``'s secret."""
+        source = ET.Element("source", {"protocol": self.protocol, "name": self.name})
+        if self.tls:
+            source.set("tls", "yes")
+        for host in self.hosts:
+            ET.SubElement(source, "host", dict(host))
+        if self.initiator_iqn is not None:
+            ET.SubElement(ET.SubElement(source, "initiator"), "iqn", {"name": self.initiator_iqn})
+        if self.auth is not None:
+            if secret_uuid is None:
+                raise InvalidParameter("this source needs a libvirt secret for its credentials")
+            auth = ET.SubElement(source, "auth", {"username": self.auth.username})
+            ET.SubElement(auth, "secret", {"type": self.auth.usage, "uuid": secret_uuid})
+        return source

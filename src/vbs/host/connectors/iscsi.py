@@ -6,7 +6,16 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from vbs.errors import InvalidParameter
-from vbs.host.connectors.base import HostConnector, QemuBlockdev, QemuIds, QemuObject, bracketed, json_filename
+from vbs.host.connectors.base import (
+    HostConnector,
+    LibvirtAuth,
+    LibvirtSource,
+    QemuBlockdev,
+    QemuIds,
+    QemuObject,
+    bracketed,
+    json_filename,
+)
 from vbs.wire.connection import IscsiConnection
 
 __all__ = ["IscsiConnector"]
@@ -45,6 +54,16 @@ class IscsiConnector(HostConnector[IscsiConnection]):
             str(connection.lun),
             connection.chap_user,
         )
+
+    def libvirt_source(self, connection: IscsiConnection) -> LibvirtSource:
+        auth = None
+        if connection.chap_user:
+            if connection.chap_secret is None:
+                raise InvalidParameter("iSCSI CHAP user given without a secret")
+            auth = LibvirtAuth(username=connection.chap_user, secret=connection.chap_secret, usage="iscsi")
+        return LibvirtSource(protocol="iscsi", name=f"{connection.iqn}/{connection.lun}",
+                             hosts=({"name": connection.host, "port": str(connection.port)},),
+                             initiator_iqn=connection.initiator_name, auth=auth)
 
 
 def _portal(connection: IscsiConnection) -> str:

@@ -8,8 +8,17 @@ from typing import Any, ClassVar
 
 from pydantic import SecretStr
 
-from vbs.errors import InvalidParameter
-from vbs.host.connectors.base import HostConnector, KeyFile, QemuBlockdev, QemuIds, QemuObject, bracketed, json_filename
+from vbs.errors import IncorrectState, InvalidParameter
+from vbs.host.connectors.base import (
+    HostConnector,
+    KeyFile,
+    LibvirtSource,
+    QemuBlockdev,
+    QemuIds,
+    QemuObject,
+    bracketed,
+    json_filename,
+)
 from vbs.wire.connection import NbdConnection
 
 __all__ = ["NbdConnector", "NBD_RECONNECT_DELAY_S"]
@@ -69,6 +78,15 @@ class NbdConnector(HostConnector[NbdConnection]):
                 connection.export,
             )
         return node.get("file") == _url(connection)
+
+    def libvirt_source(self, connection: NbdConnection) -> LibvirtSource:
+        if connection.tls == "psk":
+            raise IncorrectState("libvirt cannot open NBD over TLS-PSK (its NBD disks know X.509 only)")
+        if connection.socket is not None:
+            hosts: tuple[dict[str, str], ...] = ({"transport": "unix", "socket": connection.socket},)
+        else:
+            hosts = ({"name": str(connection.host), "port": str(connection.port)},)
+        return LibvirtSource(protocol="nbd", name=connection.export, hosts=hosts, tls=connection.tls == "x509")
 
 
 def _server(connection: NbdConnection) -> dict[str, str]:

@@ -1,0 +1,630 @@
+"""The libvirt hypervisor driver: VMs are the domains of one libvirt connection (``--libvirt-uri``).
+
+A VM is a domain, named by its domain name (its UUID is reported beside it). The driver keeps the
+list of domains from libvirt's lifecycle events (a libvirt event loop runs in a thread of its own),
+re-reading it whole only when it (re)connects; a libvirtd that restarts is reconnected to by itself.
+
+A disk is a ``<disk type='network'>`` whose ``<source>`` comes from the connection's host connector
+(``HostConnector.libvirt_source``), hot-plugged with ``attachDeviceFlags(…, LIVE)``: virtio, the
+volume's serial, and the user alias ``ua-<serial>`` by which every later call finds it. The alias is
+in libvirt's state of the domain, so a disk attached before a libvirtd restart is found again, and a
+repeated attach answers the disk that is there. Credentials (iSCSI CHAP) go into a libvirt secret
+object, ephemeral and private, its value set through the API; the disk names it by UUID. The secret
+never appears in the disk XML, and it is undefined when the disk goes.
+
+Detach is ``detachDeviceAlias`` and a wait for libvirt's ``DEVICE_REMOVED`` event (the guest
+acknowledged the unplug), its waiter registered before the request; no event within the timeout is
+``DeviceBusy``. A forced detach of a disk the guest still holds does what the QEMU driver does, as
+libvirt has no call for it: through libvirt's QEMU monitor passthrough (which marks the domain
+tainted, "custom-monitor") it puts an always-failing node under the disk's format node
+(``libvirt-<index>-format``) and deletes libvirt's protocol node, which closes the NBD or iSCSI
+session; the device stays, its I/O failing, until the guest lets go (libvirt then removes it).
+Which disks were cut is known to this agent's process only (``connected=False`` in ``list_disks``).
+
+Limits (libvirt 9.0, QEMU 7.2): online resize is not offered. ``blockResize`` is QEMU's
+``block_resize``, which cannot grow an NBD node ("Cannot grow NBD nodes", see the qemu driver); an
+iSCSI disk grows only when its LUN does in place, while VBS's exports give a grown volume a
+refreshed connection (a new LUN), to which libvirt cannot move
+an attached disk. NBD over X.509 TLS: libvirt's ``tls='yes'`` takes the client certificate from
+qemu.conf's one ``nbd_tls_x509_cert_dir`` (a setting of the libvirtd, for all its domains: this
+host's own certificate belongs there). With ``nbd_tls_dir`` (that same directory) the driver writes
+this host's certificate, key and CA there as QEMU wants them and opens such exports; without it
+they are refused, saying so. libvirt knows no TLS-PSK. NBD disks have no reconnect delay in libvirt
+9.0: a restarted export daemon is not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import libvirt
+import libvirt_qemu
+
+from vbs.config import HostAgentConfig
+from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
+from vbs.host.connectors import connector_for
+from vbs.host.connectors.base import LibvirtSource
+from vbs.host.tunnels import IscsiTunnels
+from vbs.qemu_tls import X509Files, qemu_x509_dir
+from vbs.wire.connection import AnyConnection
+from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.storage import ItemStatus
+
+__all__ = ["LibvirtDriver", "disk_alias", "disk_xml", "secret_uuid", "FORCE_GRACE_SECONDS"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MIB = 1024 * 1024
+ALIAS_PREFIX = "ua-"  # libvirt keeps user aliases only with this prefix
+_ALIAS_RE = re.compile(r"^ua-(vol[0-9a-f]{17})$")
+# How long a forced detach lets the guest release the disk before it gives up on it.
+FORCE_GRACE_SECONDS = 1.0
+# How often the watcher thread tries to reconnect to a libvirtd that went.
+RECONNECT_INTERVAL_S = 1.0
+# Secrets of VBS's disks have UUIDs derived from (domain name, serial): found again after a restart.
+_SECRET_NAMESPACE = uuid.UUID("0b6f4a52-52a3-4e0c-9a49-7d0c3d2f1a61")
+
+_event_loop_lock = threading.Lock()
+_event_loop_started = False
+
+
+def _start_event_loop() -> None:
+    """libvirt's default event loop, once per process, in a daemon thread: it delivers domain events
+    and keepalives of every connection opened after it."""
+    global _event_loop_started
+    with _event_loop_lock:
+        if _event_loop_started:
+            return
+        libvirt.virEventRegisterDefaultImpl()
+        # Errors arrive as exceptions; libvirt's default handler would also print them to stderr.
+        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+
+        def run() -> None:
+            while True:
+                if libvirt.virEventRunDefaultImpl() < 0:
+                    log.error("libvirt's event loop failed")
+
+        threading.Thread(target=run, name="vbs-libvirt-events", daemon=True).start()
+        _event_loop_started = True
+
+
+def disk_alias(serial: str) -> str:
+    if not isinstance(serial, str) or not SERIAL_RE.match(serial):
+        raise InvalidParameter(f"invalid disk serial {serial!r} (a volume id without its dash)")
+    return ALIAS_PREFIX + serial
+
+
+def secret_uuid(vm_id: str, serial: str) -> str:
+    """The UUID of the libvirt secret holding the credentials of disk ``serial`` of domain ``vm_id``."""
+    return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}"))
+
+
+def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool = False, qos: QoS | None = None,
+             secret: str | None = None) -> str:
+    """The ``<disk>`` that attaches ``source`` as virtio disk ``target`` with ``serial`` (xml.etree
+    escapes every value; each was validated by its wire model before)."""
+    disk = ET.Element("disk", {"type": "network", "device": "disk"})
+    ET.SubElement(disk, "driver", {"name": "qemu", "type": "raw", "discard": "unmap"})
+    disk.append(source.element(secret))
+    ET.SubElement(disk, "target", {"dev": target, "bus": "virtio"})
+    if qos is not None and (qos.iops is not None or qos.mbps is not None):
+        iotune = ET.SubElement(disk, "iotune")
+        if qos.iops is not None:
+            ET.SubElement(iotune, "total_iops_sec").text = str(qos.iops)
+        if qos.mbps is not None:
+            ET.SubElement(iotune, "total_bytes_sec").text = str(qos.mbps * MIB)
+    if read_only:
+        ET.SubElement(disk, "readonly")
+    ET.SubElement(disk, "serial").text = serial
+    ET.SubElement(disk, "alias", {"name": disk_alias(serial)})
+    return ET.tostring(disk, encoding="unicode")
+
+
+def _secret_xml(uuid_: str, vm_id: str, serial: str, usage: str) -> str:
+    secret = ET.Element("secret", {"ephemeral": "yes", "private": "yes"})
+    ET.SubElement(secret, "uuid").text = uuid_
+    ET.SubElement(secret, "description").text = f"VBS: credentials of disk {serial} of domain {vm_id}"
+    usage_el = ET.SubElement(secret, "usage", {"type": usage})
+    # The usage id must be unique among the libvirtd's secrets of that type.
+    ET.SubElement(usage_el, "target" if usage == "iscsi" else "name").text = f"vbs-{uuid_}"
+    return ET.tostring(secret, encoding="unicode")
+
+
+def _free_target(domain: ET.Element) -> str:
+    """The first virtio disk name (vdb, vdc… vdaa…) no disk of the domain uses."""
+    used = {t.get("dev") for t in domain.iterfind("devices/disk/target")}
+    for k in range(1, 26 * 27):
+        name = "vd" + (chr(ord("a") + k) if k < 26 else chr(ord("a") + k // 26 - 1) + chr(ord("a") + k % 26))
+        if name not in used:
+            return name
+    raise IncorrectState("the domain has no free virtio disk name left")
+
+
+def _our_disks(domain: ET.Element) -> dict[str, ET.Element]:
+    """The disks VBS attached, by serial: those with its user alias."""
+    found: dict[str, ET.Element] = {}
+    for disk in domain.iterfind("devices/disk"):
+        alias = disk.find("alias")
+        match = _ALIAS_RE.match(alias.get("name", "")) if alias is not None else None
+        if match is not None:
+            found[match.group(1)] = disk
+    return found
+
+
+def _no_domain(exc: libvirt.libvirtError) -> bool:
+    return bool(exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN)
+
+
+def _message(exc: libvirt.libvirtError) -> str:
+    return str(exc.get_error_message() or exc)
+
+
+class LibvirtDriver:
+    """Hot-plug volumes into the domains of the libvirt connection ``uri``.
+
+    Synchronous and thread-safe: calls on one domain are serialised. With ``persist``, an attach and
+    a detach also change the persistent configuration of a persistent domain.
+    """
+
+    capabilities = HypervisorCapabilities.model_validate(
+        {"protocols": ["iscsi", "nbd"], "online_resize": False, "qos": True, "point_in_time_copy": False}
+    )
+
+    def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
+                 x509: X509Files | None = None, nbd_tls_dir: Path | None = None) -> None:
+        self.uri = uri
+        self.persist = persist
+        if nbd_tls_dir is not None:
+            if x509 is None:
+                raise InvalidParameter("libvirt_nbd_tls_dir needs this host's certificate: set tls_cert, tls_key "
+                                       "and tls_ca of [host_agent]")
+            # Where the libvirtd's qemu.conf (nbd_tls_x509_cert_dir) has QEMU read its NBD client's.
+            qemu_x509_dir(x509, nbd_tls_dir, "client")
+        self.nbd_tls = nbd_tls_dir is not None
+        # iSCSI served through TLS: libvirt's QEMU dials this host's end of a tunnel to the portal.
+        self.tunnels = IscsiTunnels((state_dir or Path("./var/host-state")) / "tunnels", x509)
+        self._connecting = threading.Lock()
+        self._guard = threading.Lock()  # guards the fields below
+        self._conn: libvirt.virConnect | None = None
+        self._callbacks: list[int] = []
+        self._vms: dict[str, VmInfo] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._removed: dict[tuple[str, str], threading.Event] = {}  # (domain UUID, alias) -> waiter
+        self._forced: set[tuple[str, str]] = set()  # (vm id, serial) cut by a forced detach, held by the guest
+        self._refresh: queue.Queue[str | None] = queue.Queue()
+        self._closed: queue.Queue[libvirt.virConnect] = queue.Queue()  # connections libvirt reported closed
+        self._closing = threading.Event()
+        self._reported_down = False
+        _start_event_loop()
+        self._watcher = threading.Thread(target=self._watch, name="vbs-libvirt-watch", daemon=True)
+        self._watcher.start()
+
+    @classmethod
+    def from_config(cls, cfg: HostAgentConfig) -> LibvirtDriver:
+        options = dict(cfg.options.get("libvirt", {}))
+        if options:
+            raise InvalidParameter(f"unknown options of the libvirt hypervisor driver: {', '.join(sorted(options))}")
+        state = cfg.state_dir.resolve() if cfg.state_dir is not None else cfg.vm_dir.resolve() / ".vbs-secrets"
+        return cls(cfg.libvirt_uri, persist=cfg.libvirt_persist, state_dir=state,
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+                   nbd_tls_dir=cfg.libvirt_nbd_tls_dir.resolve() if cfg.libvirt_nbd_tls_dir else None)
+
+    # -- the HypervisorDriver contract -----------------------------------------------------------
+
+    def list_vms(self) -> list[VmInfo]:
+        self._connection()  # a libvirtd that is not there: the VMs are unknown, not none
+        with self._guard:
+            return sorted(self._vms.values(), key=lambda vm: vm.vm_id)
+
+    def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
+               qos: QoS | None = None) -> DiskInfo:
+        disk_alias(serial)
+        dialled = self.tunnels.local(connection)
+        source = connector_for(dialled).libvirt_source(dialled)
+        if source.tls and not self.nbd_tls:
+            raise IncorrectState(
+                "this host's libvirt driver does not open NBD over X.509 TLS: libvirt takes the client "
+                "certificate from the libvirtd's qemu.conf (nbd_tls_x509_cert_dir); set libvirt_nbd_tls_dir of "
+                "[host_agent] to that directory (the agent writes this host's certificate there)")
+        return _present(self._on_vm(
+            vm_id, lambda conn, dom: self._attach(conn, dom, vm_id, serial, source, read_only, qos), need=True))
+
+    def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
+        disk_alias(serial)
+        found = self._on_vm(vm_id, lambda conn, dom: self._detach(conn, dom, vm_id, serial, force, timeout),
+                            need=False)
+        if found is None:
+            log.info("VM %s is gone: disk %s went with it", vm_id, serial)
+            self._with_conn(lambda conn: self._drop_secret(conn, vm_id, serial))
+
+    def list_disks(self, vm_id: str) -> list[DiskInfo]:
+        return _present(self._on_vm(vm_id, lambda _conn, dom: self._disks(vm_id, dom), need=True))
+
+    def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
+        raise IncorrectState(
+            "the libvirt driver cannot show a guest a grown disk: libvirt cannot grow an NBD disk, nor move an "
+            "attached disk to its volume's refreshed export; detach and attach it again")
+
+    def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
+        raise IncorrectState("the libvirt driver does not make point-in-time copies of attached disks")
+
+    def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
+        return None  # it never makes one: there is nothing to remove
+
+    def close(self) -> None:
+        self._closing.set()
+        self._refresh.put(None)
+        self._watcher.join(10)
+        with self._guard:
+            conn, self._conn = self._conn, None
+            callbacks, self._callbacks = self._callbacks, []
+        if conn is not None:
+            self._release(conn, callbacks)
+        self.tunnels.close()
+
+    # -- calls on one domain ---------------------------------------------------------------------
+
+    def _vm_lock(self, vm_id: str) -> threading.Lock:
+        if not isinstance(vm_id, str) or not VM_ID_RE.match(vm_id):
+            raise InvalidParameter(f"invalid VM id {vm_id!r}")
+        with self._guard:
+            return self._locks.setdefault(vm_id, threading.Lock())
+
+    def _on_vm(self, vm_id: str, call: Callable[[libvirt.virConnect, libvirt.virDomain], T], *,
+               need: bool) -> T | None:
+        """Run ``call`` on the running domain ``vm_id``, serialised with this driver's other calls on
+        it. A domain that is not there or not running: ``NotFound`` if ``need``, else None."""
+
+        def on_domain(conn: libvirt.virConnect) -> T | None:
+            try:
+                dom = conn.lookupByName(vm_id)
+                active = dom.isActive()
+            except libvirt.libvirtError as exc:
+                if not _no_domain(exc):
+                    raise
+                active = False
+            if not active:
+                if need:
+                    raise NotFound(f"VM {vm_id} not found (no running libvirt domain of that name)",
+                                   code="InvalidInstanceID.NotFound", vm_id=vm_id)
+                return None
+            return call(conn, dom)
+
+        with self._vm_lock(vm_id):
+            return self._with_conn(on_domain)
+
+    def _attach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str,
+                source: LibvirtSource, read_only: bool, qos: QoS | None) -> DiskInfo:
+        live = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+        if live is not None:
+            if (vm_id, serial) in self._forced:
+                raise IncorrectState(
+                    f"disk {serial} of VM {vm_id} was force-detached and the guest has not released it yet; "
+                    "detach it again once the guest lets go, or restart the VM")
+            if self._flags(dom, config=True) & libvirt.VIR_DOMAIN_AFFECT_CONFIG and not self._in_config(dom, serial):
+                # Attached live only (by an agent without --libvirt-persist, or before a crash): the
+                # configuration gets the same disk.
+                live_source = live.find("source")
+                if live_source is not None:
+                    live_source.attrib.pop("index", None)  # libvirt's runtime numbering of block nodes
+                dom.attachDeviceFlags(ET.tostring(live, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
+            return self._disk(vm_id, dom, serial)
+        self._forced.discard((vm_id, serial))
+        secret = self._define_secret(conn, vm_id, serial, source) if source.auth is not None else None
+        xml = disk_xml(serial, _free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only, qos=qos,
+                       secret=secret)
+        try:
+            dom.attachDeviceFlags(xml, self._flags(dom, config=True))
+        except libvirt.libvirtError as exc:
+            self._drop_secret(conn, vm_id, serial)
+            raise DriverError(f"VM {vm_id}: attach of {serial} failed: {_message(exc)}") from exc
+        log.info("VM %s: disk %s attached", vm_id, serial)
+        return self._disk(vm_id, dom, serial)
+
+    def _detach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str, force: bool,
+                timeout: float) -> bool:
+        alias = disk_alias(serial)
+        if serial not in _our_disks(ET.fromstring(dom.XMLDesc(0))):
+            self._drop_secret(conn, vm_id, serial)
+            return True
+        key = (dom.UUIDString(), alias)
+        removed = threading.Event()
+        with self._guard:
+            self._removed[key] = removed  # before the request: its event may come at once
+        try:
+            try:
+                dom.detachDeviceAlias(alias, self._flags(dom, config=self._in_config(dom, serial)))
+            except libvirt.libvirtError as exc:
+                # A request the guest has not answered yet may be refused as a repeat; one that raced
+                # with the guest's answer finds the disk gone. Either way the domain says which.
+                log.info("VM %s: detach request of %s: %s", vm_id, serial, _message(exc))
+                if serial in _our_disks(ET.fromstring(dom.XMLDesc(0))) and "unplug" not in _message(exc):
+                    raise DriverError(f"VM {vm_id}: detach of {serial} failed: {_message(exc)}") from exc
+            wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
+            gone = removed.wait(wait) or serial not in _our_disks(ET.fromstring(dom.XMLDesc(0)))
+        finally:
+            with self._guard:
+                self._removed.pop(key, None)
+        if gone:
+            self._forced.discard((vm_id, serial))
+            self._drop_secret(conn, vm_id, serial)
+            log.info("VM %s: disk %s detached", vm_id, serial)
+            return True
+        if not force:
+            raise DeviceBusy(f"guest of VM {vm_id} did not release disk {serial} within {timeout:g}s",
+                             vm_id=vm_id, serial=serial)
+        _cut_io(dom, vm_id, serial)
+        self._forced.add((vm_id, serial))
+        self._drop_secret(conn, vm_id, serial)  # QEMU keeps its own copy while the device stays
+        log.warning("VM %s: forced detach of %s: the guest still holds the device, its I/O now fails and the "
+                    "storage connection is closed", vm_id, serial)
+        return True
+
+    def _flags(self, dom: libvirt.virDomain, *, config: bool) -> int:
+        flags = libvirt.VIR_DOMAIN_AFFECT_LIVE
+        if config and self.persist and dom.isPersistent():
+            flags |= libvirt.VIR_DOMAIN_AFFECT_CONFIG
+        return int(flags)
+
+    def _in_config(self, dom: libvirt.virDomain, serial: str) -> bool:
+        if not dom.isPersistent():
+            return False
+        return serial in _our_disks(ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)))
+
+    def _disks(self, vm_id: str, dom: libvirt.virDomain) -> list[DiskInfo]:
+        return [self._disk(vm_id, dom, serial) for serial in sorted(_our_disks(ET.fromstring(dom.XMLDesc(0))))]
+
+    def _disk(self, vm_id: str, dom: libvirt.virDomain, serial: str) -> DiskInfo:
+        disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+        if disk is None:
+            raise DriverError(f"VM {vm_id}: disk {serial} vanished")
+        target = disk.find("target")
+        size: int | None = None
+        if target is not None and target.get("dev"):
+            try:
+                size = int(dom.blockInfo(target.get("dev"))[0])
+            except libvirt.libvirtError as exc:
+                log.warning("VM %s: size of disk %s unknown: %s", vm_id, serial, _message(exc))
+        return DiskInfo(serial=serial, read_only=disk.find("readonly") is not None, size_bytes=size,
+                        connected=(vm_id, serial) not in self._forced)
+
+    # -- secrets ---------------------------------------------------------------------------------
+
+    def _define_secret(self, conn: libvirt.virConnect, vm_id: str, serial: str, source: LibvirtSource) -> str:
+        assert source.auth is not None
+        uuid_ = secret_uuid(vm_id, serial)
+        secret = conn.secretDefineXML(_secret_xml(uuid_, vm_id, serial, source.auth.usage), 0)
+        try:
+            secret.setValue(source.auth.secret.get_secret_value().encode(), 0)
+        except libvirt.libvirtError:
+            secret.undefine()
+            raise
+        return uuid_
+
+    @staticmethod
+    def _drop_secret(conn: libvirt.virConnect, vm_id: str, serial: str) -> None:
+        try:
+            conn.secretLookupByUUIDString(secret_uuid(vm_id, serial)).undefine()
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() != libvirt.VIR_ERR_NO_SECRET:
+                raise
+
+    # -- the connection, its events and the list of VMs -----------------------------------------
+
+    def _with_conn(self, call: Callable[[libvirt.virConnect], T]) -> T:
+        """Run ``call`` on the connection; one that turns out dead (libvirtd restarted) is replaced
+        and the call made once more (every call is idempotent)."""
+        for attempt in (1, 2):
+            conn = self._connection()
+            try:
+                return call(conn)
+            except libvirt.libvirtError as exc:
+                if attempt == 1 and not _alive(conn):
+                    self._lost(conn)
+                    continue
+                raise DriverError(f"libvirt: {_message(exc)}") from exc
+        raise AssertionError("unreachable")
+
+    def _connection(self) -> libvirt.virConnect:
+        with self._guard:
+            conn = self._conn
+        if conn is not None:
+            return conn
+        return self._connect()
+
+    def _connect(self) -> libvirt.virConnect:
+        with self._connecting:  # one open at a time; the guard is not held across libvirt calls
+            with self._guard:
+                if self._conn is not None:
+                    return self._conn
+            try:
+                conn = libvirt.open(self.uri)
+            except libvirt.libvirtError as exc:
+                if not self._reported_down:
+                    log.warning("libvirt at %s is not reachable: %s", self.uri, _message(exc))
+                    self._reported_down = True
+                raise DriverError(f"libvirt at {self.uri} is not reachable: {_message(exc)}") from exc
+            try:
+                # A remote connection (libvirtd) only: in-process drivers have neither.
+                _unless_unsupported(lambda: conn.setKeepAlive(5, 3))
+                _unless_unsupported(lambda: conn.registerCloseCallback(self._on_close, None))
+                callbacks = [
+                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._on_lifecycle, None),
+                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
+                                                self._on_device_removed, None),
+                ]
+                # Events from here on are queued for the watcher: none is lost between the two.
+                vms = {vm.vm_id: vm for vm in (_vm_info(d) for d in conn.listAllDomains(0)) if vm is not None}
+            except libvirt.libvirtError as exc:
+                conn.close()
+                raise DriverError(f"libvirt at {self.uri}: {_message(exc)}") from exc
+            with self._guard:
+                self._conn, self._callbacks, self._vms = conn, callbacks, vms
+            self._reported_down = False
+        log.info("connected to libvirt at %s: %d domains", self.uri, len(vms))
+        return conn
+
+    def _lost(self, conn: libvirt.virConnect) -> None:
+        """Forget a connection that closed; the watcher (or the next call) makes a new one."""
+        with self._guard:
+            if self._conn is not conn:
+                return
+            self._conn = None
+            callbacks, self._callbacks = self._callbacks, []
+        log.warning("the connection to libvirt at %s closed; reconnecting", self.uri)
+        self._release(conn, callbacks)
+
+    @staticmethod
+    def _release(conn: libvirt.virConnect, callbacks: list[int]) -> None:
+        for cb in callbacks:
+            try:
+                conn.domainEventDeregisterAny(cb)
+            except libvirt.libvirtError:
+                pass  # a dead connection has none left
+        try:
+            conn.unregisterCloseCallback()
+        except libvirt.libvirtError:
+            pass
+        try:
+            conn.close()
+        except libvirt.libvirtError:
+            pass
+
+    def _watch(self) -> None:
+        """Re-read the domains events name, and reconnect to a libvirtd that went."""
+        while not self._closing.is_set():
+            try:
+                name = self._refresh.get(timeout=RECONNECT_INTERVAL_S)
+            except queue.Empty:
+                name = None
+            if self._closing.is_set():
+                return
+            while not self._closed.empty():
+                self._lost(self._closed.get())
+            try:
+                conn = self._connection()
+                if name is not None:
+                    self._refresh_vm(conn, name)
+            except DriverError:
+                pass  # reported once by _connect; tried again in a second
+            except libvirt.libvirtError as exc:
+                log.warning("libvirt: reading domain %s: %s", name, _message(exc))
+
+    def _refresh_vm(self, conn: libvirt.virConnect, name: str) -> None:
+        try:
+            vm = _vm_info(conn.lookupByName(name))
+        except libvirt.libvirtError as exc:
+            if not _no_domain(exc):
+                raise
+            vm = None
+        with self._guard:
+            if vm is None:
+                self._vms.pop(name, None)
+            else:
+                self._vms[name] = vm
+
+    def _on_lifecycle(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, event: int, _detail: int,
+                      _opaque: object) -> None:
+        # On libvirt's event thread: no calls here, the watcher reads the domain.
+        self._refresh.put(dom.name())
+
+    def _on_device_removed(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, alias: str,
+                           _opaque: object) -> None:
+        with self._guard:
+            waiter = self._removed.get((dom.UUIDString(), alias))
+        if waiter is not None:
+            waiter.set()
+
+    def _on_close(self, conn: libvirt.virConnect, reason: int, _opaque: object) -> None:
+        # On libvirt's event thread: the watcher releases the connection and makes a new one.
+        log.warning("libvirt at %s closed the connection (reason %d)", self.uri, reason)
+        self._closed.put(conn)
+        self._refresh.put(None)  # wake the watcher
+
+
+def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | None = None) -> object:
+    """One QMP command through libvirt's monitor passthrough (forced detach only)."""
+    try:
+        reply = json.loads(libvirt_qemu.qemuMonitorCommand(
+            dom, json.dumps({"execute": command, "arguments": args or {}}), 0))
+    except libvirt.libvirtError as exc:
+        raise DriverError(f"QEMU monitor of the domain: {command}: {_message(exc)}") from exc
+    if "error" in reply:
+        raise DriverError(f"QEMU monitor of the domain: {command}: {reply['error'].get('desc', reply['error'])}")
+    return reply.get("return")
+
+
+def _cut_io(dom: libvirt.virDomain, vm_id: str, serial: str) -> None:
+    """Close the storage connection of a disk the guest holds (see the module docstring)."""
+    disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+    source = disk.find("source") if disk is not None else None
+    index = source.get("index") if source is not None else None
+    if index is None or not index.isdigit():
+        raise DriverError(f"VM {vm_id}: libvirt names no block nodes of disk {serial}; it cannot be cut off")
+    fmt, storage, dead = f"libvirt-{index}-format", f"libvirt-{index}-storage", f"vbs-{serial}-dead"
+    raw_nodes = _monitor(dom, "query-named-block-nodes", {"flat": True})
+    nodes = {n["node-name"]: n for n in raw_nodes} if isinstance(raw_nodes, list) else {}
+    if fmt not in nodes:
+        raise DriverError(f"VM {vm_id}: disk {serial} has no block node {fmt}")
+    if dead not in nodes:
+        _monitor(dom, "blockdev-add", {
+            "driver": "blkdebug", "node-name": dead,
+            "image": {"driver": "null-co", "size": int(nodes[fmt]["image"]["virtual-size"])},
+            "inject-error": [{"event": "read_aio", "errno": 5}, {"event": "write_aio", "errno": 5}]})
+    try:
+        _monitor(dom, "blockdev-reopen", {"options": [{"driver": "raw", "node-name": fmt, "file": dead,
+                                                       "read-only": bool(nodes[fmt].get("ro")),
+                                                       "discard": "unmap"}]})
+    except DriverError as exc:
+        if "Error flushing" not in exc.message:
+            raise
+        # The storage is unreachable already (export gone): every request on it fails by now.
+        log.warning("VM %s: the storage of %s is already unreachable: %s", vm_id, serial, exc.message)
+        return
+    if storage in nodes:
+        _monitor(dom, "blockdev-del", {"node-name": storage})
+
+
+def _unless_unsupported(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() != libvirt.VIR_ERR_NO_SUPPORT:
+            raise
+
+
+def _present(value: T | None) -> T:
+    assert value is not None  # a call with need=True raises NotFound instead
+    return value
+
+
+def _alive(conn: libvirt.virConnect) -> bool:
+    try:
+        return bool(conn.isAlive())
+    except libvirt.libvirtError:
+        return False
+
+
+def _vm_info(dom: libvirt.virDomain) -> VmInfo | None:
+    name = dom.name()
+    if not VM_ID_RE.match(name):
+        log.debug("libvirt domain %r: its name is not a VBS VM id; ignored", name)
+        return None
+    state = dom.state()[0]
+    title = ""
+    try:
+        title = dom.metadata(libvirt.VIR_DOMAIN_METADATA_TITLE, None) or ""
+    except libvirt.libvirtError:
+        pass  # no title
+    return VmInfo(vm_id=name, name=title[:255] or name, running=state == libvirt.VIR_DOMAIN_RUNNING,
+                  uuid=dom.UUIDString())

@@ -1,0 +1,204 @@
+"""Attach and detach for real through the libvirt driver: ``vbs up --hypervisor libvirt`` (NBD or
+iSCSI export), a libvirtd started by the test, the test guest as transient TCG domains.
+
+A guest writes a pattern on a hot-plugged volume, the volume moves to a second domain with its data;
+libvirtd restarts while a disk is attached and the disk is found again and detached; a domain
+with no OS (it never releases a disk) makes detach ``busy``; the iSCSI CHAP secret is in no argv,
+no domain XML, no log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import libvirt
+import pytest
+
+from tests import test_attach_e2e as attach_e2e
+from tests.conftest import Vbs, VbsUp, node_token, wait_until
+from tests.libvirtd import URI, Libvirtd
+from tests.test_attach_e2e import detach_is_busy_until_forced
+from vbs.ids import virtio_serial
+from vbs.testguest import build_guest
+from vbs.testguest.libvirt import LibvirtGuest, domain_xml
+
+pytestmark = pytest.mark.integration
+
+
+class Cloud(attach_e2e.Cloud):
+    """vbs up whose host agent drives libvirt, and two domains of the test guest on it."""
+
+    def __init__(self, export: str, vbs: Vbs, up: VbsUp, vm1: LibvirtGuest, vm2: LibvirtGuest,
+                 libvirtd: Libvirtd) -> None:
+        self.export, self.vbs, self.up, self.vm1, self.vm2, self.libvirtd = export, vbs, up, vm1, vm2, libvirtd
+
+    def new_volume(self) -> str:
+        return attach_e2e.new_volume(self)
+
+    def host_disks(self, vm: str) -> list[dict[str, Any]]:
+        """What the host agent (its libvirt driver) reports attached to ``vm``."""
+        host = {h["name"]: h for h in self.vbs.http.get("/v1/hosts").json()["hosts"]}["host-1"]
+        r = httpx.get(f"{host['url']}/v1/vms/{vm}/disks", timeout=30,
+                      headers={"authorization": f"Bearer {node_token(self.vbs.data_dir, 'host', 'host-1')}"})
+        assert r.status_code == 200, r.text
+        return r.json()["disks"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", params=["nbd", "iscsi"])
+def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
+    export = request.param
+    tmp = tmp_path_factory.mktemp(f"libvirt-{export}")
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export, "--hypervisor", "libvirt"],
+               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
+    vbs = up.start()
+    # Started after the host agent connected to libvirtd: they come to it as lifecycle events.
+    vm1 = LibvirtGuest("lv-vm1", tmp / "guests", image)
+    vm2 = LibvirtGuest("lv-vm2", tmp / "guests", image)
+    try:
+        vm1.start()
+        vm2.start()
+        vm1.wait_ready(120)
+        vm2.wait_ready(120)
+        yield Cloud(export, vbs, up, vm1, vm2, libvirtd)
+    finally:
+        try:
+            vm1.stop()
+            vm2.stop()
+        finally:
+            up.stop()  # whatever a VM's stop raised: vbs up's daemons outlive it otherwise
+
+
+def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:
+    vol_id = cloud.new_volume()
+    serial = virtio_serial(vol_id)
+    att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("host-1", "lv-vm1"), "--wait")
+    assert att["state"] == "attached"
+    dev = cloud.vm1.wait_for_disk(serial, 30)
+    written = cloud.vm1.write_pattern(dev, "through-libvirt", 8)
+
+    assert cloud.vbs.cli("detach-volume", vol_id, "--wait")["state"] == "detached"
+    cloud.vm1.wait_disk_gone(serial, 30)
+    assert cloud.exports() == []
+
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm2", "--wait")
+    dev2 = cloud.vm2.wait_for_disk(serial, 30)
+    assert cloud.vm2.checksum(dev2, 8) == written
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm2.wait_disk_gone(serial, 30)
+    assert cloud.vbs.volume(vol_id)["status"] == "available"
+
+
+def test_a_disk_attached_across_a_libvirtd_restart_is_found_again_and_detached(cloud: Cloud) -> None:
+    vol_id = cloud.new_volume()
+    serial = virtio_serial(vol_id)
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm1", "--wait")
+    dev = cloud.vm1.wait_for_disk(serial, 30)
+    written = cloud.vm1.write_pattern(dev, "across-restart", 4)
+
+    cloud.libvirtd.restart()
+    disks = wait_until(lambda: _or_none(lambda: cloud.host_disks("lv-vm1")), 60, what="the host agent reconnected")
+    assert [d["serial"] for d in disks] == [serial]
+    assert cloud.vm1.checksum(dev, 4) == written
+
+    assert cloud.vbs.cli("detach-volume", vol_id, "--wait")["state"] == "detached"
+    cloud.vm1.wait_disk_gone(serial, 30)
+    assert cloud.host_disks("lv-vm1") == []
+    assert cloud.exports() == []
+
+
+def _or_none(call: Any) -> Any:
+    try:
+        return call()
+    except AssertionError:
+        return None
+
+
+@pytest.fixture
+def bare_domain(cloud: Cloud) -> Iterator[str]:
+    """A domain with no OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
+    conn = libvirt.open(URI)
+    dom = conn.createXML(domain_xml("lv-bare", None, None, 64), 0)
+    try:
+        cloud.instance("host-1", "lv-bare")
+        yield "lv-bare"
+    finally:
+        dom.destroy()
+        conn.close()
+
+
+def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: Cloud, bare_domain: str) -> None:
+    detach_is_busy_until_forced(cloud, bare_domain)
+
+
+def _chap_secrets(data_dir: Path) -> set[str]:
+    """The CHAP secrets the storage agent granted (from its 0600 state files)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "secret" and isinstance(value, str):
+                    found.add(value)
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in (data_dir / "storage-state").rglob("*.json"):
+        try:
+            walk(json.loads(path.read_text()))
+        except ValueError:
+            continue
+    return found
+
+
+def _texts_that_must_not_hold_secrets(cloud: Cloud, dom: libvirt.virDomain) -> dict[str, bytes]:
+    texts = {"domain XML": dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE).encode(),
+             "inactive domain XML": dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE | libvirt.VIR_DOMAIN_XML_INACTIVE)
+             .encode()}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                texts[f"argv of {pid}"] = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+    logs = [cloud.up.log_path, cloud.libvirtd.log, *Path("/var/log/libvirt").rglob("*"),
+            *Path("/run/libvirt/qemu").rglob("*.xml"), *(cloud.vbs.data_dir / "logs").rglob("*")]
+    for path in logs:
+        if path.is_file():
+            texts[str(path)] = path.read_bytes()
+    return texts
+
+
+def test_credentials_go_through_libvirt_secret_objects_only(cloud: Cloud) -> None:
+    vol_id = cloud.new_volume()
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm1", "--wait")
+    cloud.vm1.wait_for_disk(virtio_serial(vol_id), 30)
+    conn = libvirt.open(URI)
+    try:
+        secrets = conn.listAllSecrets()
+        chap = _chap_secrets(cloud.vbs.data_dir)
+        if cloud.export == "iscsi":
+            assert chap, "the iSCSI export grants CHAP"
+            assert [s.usageType() for s in secrets] == [libvirt.VIR_SECRET_USAGE_TYPE_ISCSI]
+            with pytest.raises(libvirt.libvirtError):
+                secrets[0].value()  # private: libvirt does not give it back
+            disk_xml = cloud.vm1.domain().XMLDesc(0)
+            assert f"uuid=\"{secrets[0].UUIDString()}\"" in disk_xml.replace("'", '"')
+        else:
+            assert secrets == [] and chap == set(), "NBD over a unix socket has no credentials"
+        for where, text in _texts_that_must_not_hold_secrets(cloud, cloud.vm1.domain()).items():
+            for secret in chap:
+                assert secret.encode() not in text, f"a CHAP secret is in {where}"
+    finally:
+        cloud.vbs.cli("detach-volume", vol_id, "--wait")
+        cloud.vm1.wait_disk_gone(virtio_serial(vol_id), 30)
+        assert conn.listAllSecrets() == [], "the secret object goes with the disk"
+        conn.close()
