@@ -84,8 +84,12 @@ def served(ceph: CephForTests, make_driver: Callable[..., NbdExportDriver]) -> I
 
 
 def _io(c: object, cmd: str) -> str:
-    assert isinstance(c, NbdConnection)
-    rc, out = qemu_io(c, cmd)
+    """One qemu-io command through the connection's protocol; its output (it must succeed)."""
+    if isinstance(c, NbdConnection):
+        rc, out = qemu_io(c, cmd)
+    else:
+        assert isinstance(c, IscsiConnection)
+        rc, out = iscsi_io(c, cmd)
     assert rc == 0, out
     return out
 
@@ -164,19 +168,12 @@ def test_the_cephx_key_is_on_no_argv_and_in_no_state_or_log_file(served: RbdBack
 
 
 @pytest.fixture
-def served_iscsi(ceph: CephForTests, tmp_path: Path) -> Iterator[tuple[RbdBackend, str]]:
+def served_io(ceph: CephForTests, tmp_path: Path) -> Iterator[tuple[RbdBackend, str]]:
     pool = ceph.new_pool()
     for make in drivers_of(tgtd_driver, tmp_path, "tgtd"):
         backend = RbdBackend("default", ceph.conf_path, rbd_pool=pool, exports=make())
         yield backend, pool
         backend.close()
-
-
-def _iscsi(c: object, cmd: str) -> str:
-    assert isinstance(c, IscsiConnection)
-    rc, out = iscsi_io(c, cmd)
-    assert rc == 0, out
-    return out
 
 
 @pytest.mark.integration
@@ -187,7 +184,7 @@ def test_a_volume_written_through_tgtds_rbd_store_is_in_its_image_and_grows_on_a
     served.ensure_volume(vol, 16 * MiB)
     c = served.connection_for(vol, HOST)
     assert isinstance(c, IscsiConnection) and c.chap_secret is not None
-    _iscsi(c, "write -P 0x6b 3M 1M")
+    _io(c, "write -P 0x6b 3M 1M")
     # The bytes are in the image itself: read back by Ceph's own tool, not through tgtd.
     dump = tmp_path / "image.raw"
     subprocess.run(["rbd", "-c", str(ceph.conf_path), "export", f"{pool}/{vol}", str(dump)], check=True,
@@ -198,8 +195,8 @@ def test_a_volume_written_through_tgtds_rbd_store_is_in_its_image_and_grows_on_a
     served.resize_volume(vol, 32 * MiB)
     grown = served.refresh_connection(vol, HOST.name)
     assert isinstance(grown, IscsiConnection) and grown.lun != c.lun and grown.iqn == c.iqn
-    _iscsi(grown, "write -P 0x2c 31M 1M")  # beyond the old size
-    assert "Pattern verification failed" not in _iscsi(grown, "read -P 0x6b 3M 1M")
+    _io(grown, "write -P 0x2c 31M 1M")  # beyond the old size
+    assert "Pattern verification failed" not in _io(grown, "read -P 0x6b 3M 1M")
     served.retire_connections(vol, HOST.name)
     served.remove_connection(vol, HOST.name)
     assert served.exports is not None and served.exports.list_exports() == []
