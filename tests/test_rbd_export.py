@@ -168,7 +168,7 @@ def test_the_cephx_key_is_on_no_argv_and_in_no_state_or_log_file(served: RbdBack
 
 
 @pytest.fixture
-def served_io(ceph: CephForTests, tmp_path: Path) -> Iterator[tuple[RbdBackend, str]]:
+def served_iscsi(ceph: CephForTests, tmp_path: Path) -> Iterator[tuple[RbdBackend, str]]:
     pool = ceph.new_pool()
     for make in drivers_of(tgtd_driver, tmp_path, "tgtd"):
         backend = RbdBackend("default", ceph.conf_path, rbd_pool=pool, exports=make())

@@ -411,13 +411,14 @@ class RbdBackend:
             ids.check("snapshot", source_snapshot_id)
         _check_size(size_bytes)
         with self._lock:
-            current = self._image_size(volume_id)
-            if current is None:
-                if source_snapshot_id is None:
+            if source_snapshot_id is not None:
+                current = self._clone(volume_id, source_snapshot_id, size_bytes)
+            else:
+                size = self._image_size(volume_id)
+                if size is None:
                     self._create(volume_id, size_bytes)
-                else:
-                    self._clone(volume_id, source_snapshot_id, size_bytes)
-                current = self._image_size(volume_id) or 0
+                    size = self._image_size(volume_id)
+                current = size or 0
             if current < size_bytes:  # a clone of a smaller snapshot whose grow a crash interrupted
                 self._rbd("resize", "--size", f"{size_bytes}B", self._spec(volume_id))
                 current = size_bytes
@@ -427,8 +428,12 @@ class RbdBackend:
         self._rbd_tolerant("create", "--size", f"{size_bytes}B", "--image-feature", IMAGE_FEATURES,
                            self._spec(volume_id), tolerate=(_EEXIST,))
 
-    def _clone(self, volume_id: str, snapshot_id: str, size_bytes: int) -> None:
+    def _clone(self, volume_id: str, snapshot_id: str, size_bytes: int) -> int:
+        """Clone the snapshot as the volume unless the pool has it already; the volume's size now. The
+        pool's listing answers both (one ``ls -l``, one ``trash ls``): no ``info`` before or after."""
         listing = self._listing()
+        if volume_id in listing.volumes:  # a repeat
+            return listing.volumes[volume_id]
         found = listing.snapshots.get(snapshot_id)
         if found is None:
             raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
@@ -436,35 +441,37 @@ class RbdBackend:
         if size_bytes < snap_size:
             raise InvalidParameter(f"The size {size_bytes} is smaller than the snapshot {snapshot_id} ({snap_size})")
         entry = listing.trash.get(image)
-        if entry is None:
-            self._clone_named(image, snapshot_id, volume_id)
-        else:
-            self._clone_trashed(entry, snapshot_id, volume_id)
+        made = (self._clone_named(image, snapshot_id, volume_id) if entry is None
+                else self._clone_trashed(entry, snapshot_id, volume_id))
         if 1 + listing.depth(image) > self.max_clone_depth:
             log.info("pool %s: %s is %d clones deep (limit %d): flattening it", self.name, volume_id,
                      1 + listing.depth(image), self.max_clone_depth)
             self.flattener.submit(volume_id)
+        # A clone has its snapshot's size; one made meanwhile by a repeat (EEXIST) is asked.
+        return snap_size if made else (self._image_size(volume_id) or 0)
 
-    def _clone_named(self, image: str, snapshot_id: str, volume_id: str) -> None:
+    def _clone_named(self, image: str, snapshot_id: str, volume_id: str) -> bool:
+        """Whether this call made the clone (False: it existed)."""
         argv = ["clone", "--image-feature", IMAGE_FEATURES, self._spec(image, snapshot_id), self._spec(volume_id)]
         try:
             self._rbd(*argv)
         except _ToolError as exc:
             if exc.errno == _EEXIST:
-                return
+                return False
             if exc.errno != _EINVAL:
                 raise
             # Clone v1 (a cluster that still admits pre-mimic clients): the parent must be protected.
             self._rbd("snap", "protect", self._spec(image, snapshot_id))
             self._rbd(*argv)
+        return True
 
-    def _clone_trashed(self, entry: TrashEntry, snapshot_id: str, volume_id: str) -> None:
+    def _clone_trashed(self, entry: TrashEntry, snapshot_id: str, volume_id: str) -> bool:
         """``rbd clone`` opens its parent by name: restore the trashed image under ``vbs-retired-…``
         for the clone, then trash it again (a crash between leaves it named, and the purge trashes it)."""
         named = RETIRED_PREFIX + (volume_of(entry.name) or entry.id)
         self._rbd("trash", "restore", "--image", named, f"{self.rbd_pool}/{entry.id}")
         try:
-            self._clone_named(named, snapshot_id, volume_id)
+            return self._clone_named(named, snapshot_id, volume_id)
         finally:
             self._rbd_tolerant("trash", "mv", self._spec(named), tolerate=(_ENOENT,))
 
