@@ -761,8 +761,9 @@ def children(pid: int) -> list[int]:
 
 
 def runs(argv: list[str], tool: str, sub: tuple[str, ...]) -> bool:
-    """Whether ``argv`` is ``tool`` running the subcommand ``sub`` (its words in a row, options anywhere)."""
-    if not argv or Path(argv[0]).name != tool:
+    """Whether ``argv`` is ``tool`` running the subcommand ``sub`` (its words in a row, options anywhere);
+    ``tool`` may be a script its interpreter runs (``python3 /usr/bin/ceph ...``)."""
+    if not any(Path(a).name == tool for a in argv[:2]):
         return False
     n = len(sub)
     return any(tuple(argv[i:i + n]) == sub for i in range(1, len(argv) - n + 1))
