@@ -55,6 +55,8 @@ class RbdCloud:
     ceph: CephForTests
     pool: str
     guest: TestGuest
+    agent_args: tuple[str, ...] = ()
+    host_config: Path | None = None
 
     @property
     def vbs(self) -> Vbs:
@@ -92,6 +94,13 @@ class RbdCloud:
         report = self.vbs.http.get("/v1/admin/check").json()
         assert report["clean"], report["findings"]
 
+    def restart_agent(self) -> None:
+        """The storage agent again, as it ran (after the test killed it)."""
+        self.svc.start_agent(*self.agent_args)
+
+    def restart_host_agent(self) -> None:
+        self.svc.start_host_agent("host-1", self.host_config)
+
     def new_volume(self, **body: object) -> str:
         vol = self.vbs.create_volume(**body)["volume_id"]
         self.vbs.wait_volume(vol, "available", timeout=120)
@@ -99,11 +108,13 @@ class RbdCloud:
 
 
 @contextmanager
-def running_rbd_cloud(ceph: CephForTests, pool: str, tmp_path: Path, *, native: bool = False) -> Iterator[RbdCloud]:
+def running_rbd_cloud(ceph: CephForTests, pool: str, tmp_path: Path, *, native: bool = False,
+                      **env: str) -> Iterator[RbdCloud]:
     """The cloud on ``pool``, with the guest ``vm1`` running on ``host-1``. ``native``: the host's QEMU
     opens RBD itself; else its driver lists no ``rbd`` and volumes reach it through the storage
-    agent's NBD export."""
+    agent's NBD export. ``env``: more environment for every process (e.g. the controller's settings)."""
     svc = Services(tmp_path)
+    svc.env = {**svc.env, **env}
     guest: TestGuest | None = None
     host_config = None
     if not native:
@@ -112,15 +123,16 @@ def running_rbd_cloud(ceph: CephForTests, pool: str, tmp_path: Path, *, native: 
         host_config.write_text('[host_agent.options.qemu]\nprotocols = ["nbd", "iscsi"]\n')
     try:
         svc.start_controller()
-        svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
-                        "--ceph-user", "admin", "--rbd-pool", pool)
+        agent_args = ("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
+                      "--ceph-user", "admin", "--rbd-pool", pool)
+        svc.start_agent(*agent_args)
         vm_dir = svc.start_host_agent("host-1", host_config)
         guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vm_dir)
         guest.start()
         guest.wait_ready(120)
         wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running"
                                for i in svc.vbs.http.get("/v1/instances").json()["instances"]), 60, what="guest")
-        yield RbdCloud(svc, ceph, pool, guest)
+        yield RbdCloud(svc, ceph, pool, guest, agent_args, host_config)
     finally:
         if guest is not None:
             guest.stop()

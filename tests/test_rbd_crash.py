@@ -33,8 +33,6 @@ The default run keeps ``CI_POINTS``; the whole matrix is marked ``torture``.
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -49,6 +47,7 @@ from tests.conftest import Services, wait_until
 from tests.rbd_cloud import MIB, rbd_export_sha256
 from tests.world import (
     converge_rbd,
+    kill_mid_tool,
     new_operation,
     rbd_disagreements,
     read_db,
@@ -199,47 +198,11 @@ def start_flow(s: RbdServices, flow: Flow, prep: Prep, *, crashing: bool) -> Non
     send_request(s.vbs.http, method, path, body, crashing=crashing)
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _argv(pid: int) -> list[str]:
-    try:
-        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return []
-
-
-def _runs(argv: list[str], tool: tuple[str, ...]) -> bool:
-    """Whether ``argv`` is the rbd tool running the subcommand ``tool``."""
-    if not argv or Path(argv[0]).name != "rbd":
-        return False
-    n = len(tool)
-    return any(tuple(argv[i:i + n]) == tool for i in range(1, len(argv) - n + 1))
-
-
-def kill_agent_mid_call(s: RbdServices, flow: Flow, timeout: float = 60.0) -> bool:
+def kill_agent_mid_call(s: RbdServices, flow: Flow) -> bool:
     """SIGKILL the agent and its ``rbd`` child the moment that child runs ``flow.tool``; whether the
-    tool was still at work when it was killed (not already exited and waiting to be reaped)."""
+    tool was still at work when it was killed."""
     assert s.agent is not None
-    agent = s.agent.pid
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for child in _children(agent):
-            if _runs(_argv(child), flow.tool):
-                os.kill(agent, signal.SIGKILL)
-                working = bool(_argv(child))  # a zombie has no command line any more
-                os.kill(child, signal.SIGKILL)  # the tool dies with the agent's service
-                s.agent.wait(30)
-                return working
-        time.sleep(0.001)
-    raise AssertionError(f"the storage agent never ran rbd {' '.join(flow.tool)}")
+    return kill_mid_tool(s.agent, "rbd", flow.tool)
 
 
 def check_outcome(s: RbdServices, flow: Flow, mode: str, prep: Prep, op: dict[str, Any]) -> str:

@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -708,16 +710,79 @@ def rbd_disagreements(data_dir: Path, controller: httpx.Client, conf: Path, pool
 
 
 def converge_rbd(data_dir: Path, controller: httpx.Client, conf: Path, pool: str,
-                 timeout: float = 90.0) -> float:
-    """Wait until ``rbd_disagreements`` finds nothing; the seconds it took. Raises with the findings if never."""
+                 timeout: float = 90.0, also: Callable[[], list[str]] | None = None) -> float:
+    """Wait until ``rbd_disagreements`` (and ``also``, more checks of the caller's) finds nothing; the
+    seconds it took. Raises with the findings if never."""
     start = time.monotonic()
     problems = ["not checked"]
     while time.monotonic() - start < timeout:
         try:
             problems = rbd_disagreements(data_dir, controller, conf, pool)
+            if not problems and also is not None:
+                problems = also()
         except (sqlite3.Error, OSError, AssertionError, httpx.HTTPError, subprocess.SubprocessError) as exc:
             problems = [f"check failed: {exc!r}"]
         if not problems:
             return time.monotonic() - start
         time.sleep(0.5)
     raise AssertionError(f"the RBD world did not converge within {timeout:g}s:\n  " + "\n  ".join(problems))
+
+
+ATTACHMENT_USER_PREFIX = "client.vbs."
+
+
+def cephx_user_disagreements(data_dir: Path, conf: Path, pool: str) -> list[str]:
+    """The attachments' cephx users of ``pool`` (``ceph auth ls``: ``client.vbs.<host>.<volume>`` whose
+    OSD caps name the pool) against the DB: exactly one user per live attachment of a volume, none other."""
+    proc = subprocess.run(["ceph", "--conf", str(conf), "auth", "ls", "--format", "json"], capture_output=True,
+                          text=True, timeout=120, check=True)  # holds keys: read here, never printed
+    users: Counter[str] = Counter()
+    for entry in json.loads(proc.stdout)["auth_dump"]:
+        name = str(entry.get("entity", ""))
+        if name.startswith(ATTACHMENT_USER_PREFIX) and f"pool={pool}" in str(entry.get("caps", {}).get("osd", "")):
+            users[name] += 1
+    live = Counter(f"{ATTACHMENT_USER_PREFIX}{a['host']}.{a['volume_id']}"
+                   for a in read_db(data_dir).expected_attachments())
+    problems = [f"stray cephx user {u} (no live attachment)" for u in sorted(set(users) - set(live))]
+    problems += [f"live attachment without its cephx user {u}" for u in sorted(set(live) - set(users))]
+    problems += [f"{n} live attachments share the cephx user {u}" for u, n in sorted(live.items()) if n > 1]
+    return problems
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs of the children of every thread of ``pid``."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def runs(argv: list[str], tool: str, sub: tuple[str, ...]) -> bool:
+    """Whether ``argv`` is ``tool`` running the subcommand ``sub`` (its words in a row, options anywhere);
+    ``tool`` may be a script its interpreter runs (``python3 /usr/bin/ceph ...``)."""
+    if not any(Path(a).name == tool for a in argv[:2]):
+        return False
+    n = len(sub)
+    return any(tuple(argv[i:i + n]) == sub for i in range(1, len(argv) - n + 1))
+
+
+def kill_mid_tool(proc: subprocess.Popen[bytes], tool: str, sub: tuple[str, ...], timeout: float = 60.0) -> bool:
+    """SIGKILL ``proc`` and its child the moment that child runs ``tool sub``, as a service manager kills
+    a whole unit; whether the tool was still at work (not an exited child waiting to be reaped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children(proc.pid):
+            if runs(_argv(child), tool, sub):
+                os.kill(proc.pid, signal.SIGKILL)
+                working = bool(_argv(child))  # a zombie has no command line any more
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    working = False
+                proc.wait(30)
+                return working
+        time.sleep(0.001)
+    raise AssertionError(f"{proc.pid} never ran {tool} {' '.join(sub)}")
