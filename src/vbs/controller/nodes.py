@@ -365,10 +365,11 @@ def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overc
     pools = {p.name: p for p in storage_info(n).pools} if n is not None else {}
     if pool not in pools:
         return
-    provisioned = provisioned_gib(session, node, pool)
-    if pools[pool].shared_id is not None:
+    if pools[pool].shared_id is None:
+        provisioned = provisioned_gib(session, node, pool)
+    else:  # every agent's volumes of that storage
         nodes = list(session.scalars(select(Node).where(Node.kind == "storage")))
-        provisioned = _promised_per_storage(session, nodes)[0].get(pool_key(node, pools[pool]), provisioned)
+        provisioned = _promised_per_storage(session, nodes)[0].get(pool_key(node, pools[pool]), 0)
     if not _fits(pools[pool].capacity_bytes, provisioned, grow_gib, overcommit):
         raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
                                    f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)
