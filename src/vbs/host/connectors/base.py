@@ -13,13 +13,14 @@ only in the QMP arguments themselves (``QemuObject.qmp_arguments``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import tempfile
 import xml.etree.ElementTree as ET
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from vbs.errors import IncorrectState, InvalidParameter
 from vbs.wire.base import Wire
 
 __all__ = ["HostConnector", "QemuIds", "QemuObject", "QemuBlockdev", "KeyFile", "bracketed", "json_filename",
-           "LibvirtSource", "LibvirtAuth"]
+           "LibvirtSource", "LibvirtAuth", "open_in_qemu"]
 
 C = TypeVar("C", bound=Wire)
 
@@ -158,6 +159,19 @@ class HostConnector(ABC, Generic[C]):
         """The ``<source>`` of a libvirt ``<disk type='network'>`` that opens ``connection``; a
         protocol the libvirt driver cannot open says so."""
         raise IncorrectState(f"the libvirt hypervisor driver cannot open {self.protocol} connections")
+
+
+def open_in_qemu(execute: Callable[[str, dict[str, Any]], object], blockdev: QemuBlockdev, node_name: str, *,
+                 read_only: bool, secrets_dir: Path, x509_dir: Path | None,
+                 undo: list[Callable[[], object]]) -> None:
+    """Make ``blockdev``'s objects and its protocol node ``node_name`` through ``execute`` (a QMP
+    monitor's: a VM's, or a qemu-storage-daemon's), appending to ``undo`` what removes each."""
+    for obj in blockdev.objects:
+        with obj.qmp_arguments(secrets_dir, x509_dir) as args:
+            execute("object-add", args)
+        undo.append(functools.partial(execute, "object-del", {"id": obj.id}))
+    execute("blockdev-add", {**blockdev.options, "node-name": node_name, "read-only": read_only, "discard": "unmap"})
+    undo.append(lambda: execute("blockdev-del", {"node-name": node_name}))
 
 
 def bracketed(host: str) -> str:

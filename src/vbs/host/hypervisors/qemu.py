@@ -33,13 +33,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
+from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
@@ -449,14 +449,8 @@ class QemuDriver:
 
     def _open_connection(self, vm: _Vm, connection: AnyConnection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""
-        blockdev = connector_for(connection).qemu_blockdev(connection, ids)
-        for obj in blockdev.objects:
-            with obj.qmp_arguments(self.secrets_dir, self.x509_dir) as args:
-                vm.cmd("object-add", args)
-            undo.append(partial(vm.cmd, "object-del", {"id": obj.id}))
-        vm.cmd("blockdev-add", {**blockdev.options, "node-name": ids.proto, "read-only": read_only,
-                                "discard": "unmap"})
-        undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.proto}))
+        open_in_qemu(vm.cmd, connector_for(connection).qemu_blockdev(connection, ids), ids.proto,
+                     read_only=read_only, secrets_dir=self.secrets_dir, x509_dir=self.x509_dir, undo=undo)
 
     # -- resize ----------------------------------------------------------------------------------
 
