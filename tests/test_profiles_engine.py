@@ -12,6 +12,8 @@ import pytest
 from vbs.errors import InvalidParameter
 from vbs.profiles import CommandFailed, CommandSchema, ProfileError, ProfileSchema, load_profile
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = ProfileSchema(
     kind="hypervisor",
     commands={
@@ -51,7 +53,7 @@ def test_a_good_profile_renders_argv_lists_and_runs_them(tmp_path: Path) -> None
     prof = load_profile(SCHEMA, str(write(tmp_path, GOOD)))
     assert prof.options == {"connection": "path"}
     values = {"vm": "web-1", "path": "/run/vbs/disk", "target": "vdb", "serial": "vol0123456789abcdef0"}
-    argv = prof.render("attach", values)
+    [argv] = prof.render("attach", values)
     assert argv[3:] == ["--connect", "qemu:///system", "web-1", "/run/vbs/disk", "target=vdb"]
     # The command's output does not hold the serial: expect fails, and the output is in the message.
     with pytest.raises(CommandFailed) as err:

@@ -229,6 +229,10 @@ class HostAgentConfig(_AgentSection):
     # nbd_tls_x509_cert_dir. The agent writes this host's client certificate there (tls_cert,
     # tls_key, tls_ca); without it such exports are refused.
     libvirt_nbd_tls_dir: Path | None = None
+    # The command hypervisor driver: its profile (a name looked up in profile_dirs and then among
+    # the shipped ones, or a path to a TOML file).
+    profile: str | None = Field(None, max_length=4096)
+    profile_dirs: list[Path] = Field(default_factory=lambda: [Path("/etc/vbs/profiles")])
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

@@ -595,6 +595,12 @@ def storage_agent(
 
 LibvirtUriOpt = Annotated[str | None, typer.Option(
     help="libvirt hypervisor driver: the libvirt connection URI (default: qemu:///system).")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    help="command hypervisor driver: the profile, by name (virsh-path, virsh, xen, proxmox, qemu-monitor, or "
+         "one in --profile-dir) or as a path to a TOML file.")]
+ProfileDirOpt = Annotated[list[Path] | None, typer.Option(
+    "--profile-dir", help="command hypervisor driver: where profiles are looked up first (default: "
+                          "/etc/vbs/profiles); repeatable.")]
 
 
 @app.command("host-agent")
@@ -608,6 +614,7 @@ def host_agent(
     libvirt_uri: LibvirtUriOpt = None,
     libvirt_persist: Annotated[bool, typer.Option(
         "--libvirt-persist", help="libvirt: an attach also goes into a persistent domain's configuration.")] = False,
+    profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -622,6 +629,7 @@ def host_agent(
         "state_dir": state_dir,
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
         "libvirt_uri": libvirt_uri, "libvirt_persist": libvirt_persist or None,
+        "profile": profile, "profile_dirs": profile_dir or None,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -655,8 +663,10 @@ def up(
     ceph_conf: Annotated[Path | None, typer.Option(help="rbd: an existing cluster's ceph.conf.")] = None,
     ceph_user: Annotated[str, typer.Option(help="rbd: the cephx user (with --ceph-conf).")] = "admin",
     rbd_pool: Annotated[str, typer.Option(help="rbd: the Ceph pool of the volumes.")] = "vbs",
-    hypervisor: Annotated[str, typer.Option(help="The host agent's hypervisor driver: qemu | libvirt.")] = "qemu",
+    hypervisor: Annotated[str, typer.Option(
+        help="The host agent's hypervisor driver: qemu | libvirt | command.")] = "qemu",
     libvirt_uri: LibvirtUriOpt = None,
+    profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -681,7 +691,8 @@ def up(
         raise typer.BadParameter(f"--export must be one of {', '.join(drivers.available('export'))}")
     if hypervisor not in drivers.available("hypervisor"):
         raise typer.BadParameter(f"--hypervisor must be one of {', '.join(drivers.available('hypervisor'))}")
-    host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()))
+    host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()),
+                        *_profile_flags(hypervisor, profile, profile_dir or []))
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
@@ -694,6 +705,28 @@ def up(
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
                                   controller_env=controller_env, database_url=database_url, postgres=postgres,
                                   rbd=rbd, host_agent_flags=host_agent_flags))
+
+
+def _profile_flags(hypervisor: str, profile: str | None, dirs: list[Path]) -> tuple[str, ...]:
+    """The host agent's profile flags, the profile checked now: one that fails stops ``vbs up``
+    before anything starts, with the file, line and key or placeholder at fault."""
+    if hypervisor != "command":
+        if profile is not None or dirs:
+            raise typer.BadParameter("--profile and --profile-dir go with --hypervisor command")
+        return ()
+    if profile is None:
+        raise typer.BadParameter("--hypervisor command needs --profile NAME or PATH")
+    from vbs.errors import InvalidParameter
+    from vbs.host.hypervisors.command import HYPERVISOR_PROFILES
+    from vbs.profiles import DEFAULT_PROFILE_DIR, load_profile
+
+    resolved = [d.resolve() for d in dirs]
+    try:
+        load_profile(HYPERVISOR_PROFILES, profile, resolved or [DEFAULT_PROFILE_DIR])
+    except InvalidParameter as exc:
+        raise typer.BadParameter(exc.message) from exc
+    path = str(Path(profile).resolve()) if "/" in profile or profile.endswith(".toml") else profile
+    return ("--profile", path, *(flag for d in resolved for flag in ("--profile-dir", str(d))))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

@@ -103,10 +103,13 @@ class CommandSpec:
     timeout: float
     expect: str | None = None
     lines: re.Pattern[str] | None = None
+    # A second argv run once the first succeeded (a monitor that takes one command per call).
+    then: tuple[str, ...] | None = None
 
     @property
     def fields(self) -> frozenset[str]:
-        return frozenset(_fields_of(self.argv + ((self.expect,) if self.expect else ())))
+        """The placeholders and settings its templates name."""
+        return frozenset(_fields_of([*self.argv, *(self.then or ()), *((self.expect,) if self.expect else ())]))
 
 
 @dataclass(frozen=True)
@@ -144,29 +147,46 @@ class Profile:
     def has(self, command: str) -> bool:
         return command in self.commands
 
-    def render(self, command: str, values: Mapping[str, object]) -> list[str]:
-        """The argv of ``command`` with ``values`` (and the settings) put in. Every value used is
-        checked first; one that fails raises ``InvalidParameter`` and nothing runs."""
+    def render(self, command: str, values: Mapping[str, object]) -> list[list[str]]:
+        """The argv lists of ``command`` (its ``argv``, and ``then`` if it has one) with ``values``
+        (and the settings) put in. Every value is checked first, in every argv: one that fails
+        raises ``InvalidParameter`` and nothing runs."""
         spec = self._spec(command)
-        return [self._render_one(arg, values) for arg in spec.argv]
+        return [[self._render_one(arg, values) for arg in args] for args in (spec.argv, spec.then) if args]
 
     def run(self, command: str, values: Mapping[str, object], *, env: Mapping[str, str] | None = None) -> CommandOutput:
         """Run ``command``: a non-zero exit, a timeout, or an ``expect`` missing from the output
         raises ``CommandFailed`` with the tail of the output."""
-        spec = self._spec(command)
-        args = self.render(command, values)
-        expect = self._render_one(spec.expect, values) if spec.expect else None
-        what = f"profile {self.name}: {command} ({args[0]})"
-        try:
-            proc = argv.run(args, timeout=spec.timeout, check=False, env=minimal_environment(**(env or {})))
-        except DriverError as exc:
-            raise CommandFailed(f"{what}: {exc.message}") from exc
-        if proc.returncode != 0:
-            raise CommandFailed(f"{what} exited with {proc.returncode}: {_tail(proc.stdout, proc.stderr)}")
-        if expect is not None and expect not in proc.stdout:
+        out, expect, what = self._execute(command, values, env)
+        if expect is not None and expect not in out.stdout:
             raise CommandFailed(f"{what} succeeded but its output does not show {expect!r}: "
-                                f"{_tail(proc.stdout, proc.stderr)}")
-        return CommandOutput(proc.stdout, proc.stderr)
+                                f"{_tail(out.stdout, out.stderr)}")
+        return out
+
+    def probe(self, command: str, values: Mapping[str, object]) -> bool:
+        """Ask a yes-or-no question: exit status 0 with ``expect`` in the output (or no ``expect``)
+        is yes, exit status 0 without it is no; a failure to answer raises ``CommandFailed`` (never
+        taken for a no)."""
+        out, expect, _what = self._execute(command, values, None)
+        return expect is None or expect in out.stdout
+
+    def _execute(self, command: str, values: Mapping[str, object],
+                 env: Mapping[str, str] | None) -> tuple[CommandOutput, str | None, str]:
+        spec = self._spec(command)
+        argvs = self.render(command, values)
+        expect = self._render_one(spec.expect, values) if spec.expect else None
+        what = f"profile {self.name}: {command} ({argvs[0][0]})"
+        stdout, stderr = [], []
+        for args in argvs:
+            try:
+                proc = argv.run(args, timeout=spec.timeout, check=False, env=minimal_environment(**(env or {})))
+            except DriverError as exc:
+                raise CommandFailed(f"{what}: {exc.message}") from exc
+            stdout.append(proc.stdout)
+            stderr.append(proc.stderr)
+            if proc.returncode != 0:
+                raise CommandFailed(f"{what} exited with {proc.returncode}: {_tail(proc.stdout, proc.stderr)}")
+        return CommandOutput("".join(stdout), "".join(stderr)), expect, what
 
     def _spec(self, command: str) -> CommandSpec:
         spec = self.commands.get(command)
@@ -363,19 +383,27 @@ def _command(check: _Checker, name: str, body: object, schema: CommandSchema, de
 
     if not isinstance(body, dict):
         raise fail(f"[commands.{name}] must be a table", f"commands.{name}")
-    unknown = set(body) - {"argv", "timeout", "expect", "lines"}
+    unknown = set(body) - {"argv", "then", "timeout", "expect", "lines"}
     if unknown:
         key = sorted(unknown)[0]
-        raise fail(f"unknown key {key!r} in [commands.{name}] (expecting argv, timeout, expect, lines)",
-                         f"{key} ", f"{key}=")
-    args = body.get("argv")
-    if isinstance(args, str):
-        raise fail(f"[commands.{name}] argv must be a list of arguments, never a shell line", "argv")
-    if (not isinstance(args, list) or not args or len(args) > _MAX_ARGS
-            or not all(isinstance(a, str) and a and len(a) <= 1024 for a in args)):
-        raise fail(f"[commands.{name}] argv must be a non-empty list of at most {_MAX_ARGS} strings", "argv")
-    if not re.fullmatch(r"[A-Za-z0-9_./+-]+", args[0]) or "{" in args[0]:
-        raise fail(f"[commands.{name}] the program {args[0][:60]!r} must be a fixed name or path", args[0])
+        raise fail(f"unknown key {key!r} in [commands.{name}] (expecting argv, then, timeout, expect, lines)",
+                   f"{key} ", f"{key}=")
+
+    def argv_of(key: str) -> list[str]:
+        args = body[key]
+        if isinstance(args, str):
+            raise fail(f"[commands.{name}] {key} must be a list of arguments, never a shell line", key)
+        if (not isinstance(args, list) or not args or len(args) > _MAX_ARGS
+                or not all(isinstance(a, str) and a and len(a) <= 1024 for a in args)):
+            raise fail(f"[commands.{name}] {key} must be a non-empty list of at most {_MAX_ARGS} strings", key)
+        if not re.fullmatch(r"[A-Za-z0-9_./+-]+", args[0]) or "{" in args[0]:
+            raise fail(f"[commands.{name}] the program {args[0][:60]!r} must be a fixed name or path", args[0])
+        return args
+
+    if "argv" not in body:
+        raise fail(f"[commands.{name}] has no argv", f"[commands.{name}]")
+    args = argv_of("argv")
+    then = argv_of("then") if "then" in body else None
     expect = body.get("expect")
     if expect is not None and (not isinstance(expect, str) or not expect):
         raise fail(f"[commands.{name}] expect must be a non-empty string", "expect")
@@ -387,7 +415,7 @@ def _command(check: _Checker, name: str, body: object, schema: CommandSchema, de
         except re.error as exc:
             raise fail(f"[commands.{name}] lines is not a valid regular expression: {exc}", "lines") from exc
     timeout = _timeout(check, body.get("timeout", default_timeout), f"[commands.{name}] timeout")
-    templates = list(args) + ([expect] if expect else [])
+    templates = list(args) + (then or []) + ([expect] if expect else [])
     for template in templates:
         try:
             used = _fields_of([template])
@@ -401,4 +429,5 @@ def _command(check: _Checker, name: str, body: object, schema: CommandSchema, de
                 offered = ", ".join(sorted(schema.placeholders | set(settings)))
                 raise fail(f"[commands.{name}] unknown placeholder {{{field_name}}} (this command offers: "
                                  f"{offered})", "{" + field_name + "}")
-    return CommandSpec(name=name, argv=tuple(args), timeout=timeout, expect=expect, lines=pattern)
+    return CommandSpec(name=name, argv=tuple(args), timeout=timeout, expect=expect, lines=pattern,
+                       then=tuple(then) if then else None)

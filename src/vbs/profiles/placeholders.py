@@ -106,6 +106,7 @@ LIBRARY: dict[str, Placeholder] = {p.name: p for p in (
     Placeholder("nbd_host", "the NBD server's address", pattern=_HOST),
     Placeholder("nbd_port", "the NBD server's port", minimum=1, maximum=65535),
     Placeholder("nbd_export", "the NBD export name", pattern=_EXPORT),
+    Placeholder("nbd_socket", "the NBD server's unix socket (an export on this machine)", pattern=rf"{_PATH}\.sock"),
     Placeholder("iscsi_iqn", "the iSCSI target's IQN", pattern=_strip(IQN_RE)),
     Placeholder("iscsi_portal", "the iSCSI portal as host:port", pattern=rf"(?:{_HOST}):[0-9]{{1,5}}"),
     Placeholder("iscsi_lun", "the iSCSI LUN", minimum=0, maximum=255),

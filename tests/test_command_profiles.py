@@ -1,0 +1,99 @@
+"""Every shipped hypervisor profile: it loads, renders exactly the argv its documentation shows
+(golden files, one argument per line; ``VBS_UPDATE_GOLDEN=1`` rewrites them, and the diff is then
+reviewed like code), and refuses hostile values for every placeholder before anything runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from vbs.errors import InvalidParameter
+from vbs.host.hypervisors.command import HYPERVISOR_PROFILES
+from vbs.profiles import Profile, load_profile, shipped_profiles
+
+pytestmark = pytest.mark.unit
+
+GOLDEN = Path(__file__).parent / "golden" / "profiles"
+SHIPPED = shipped_profiles("hypervisor")
+
+# Sample parameters, as the driver would give them for a third disk on a VM.
+SAMPLE: dict[str, object] = {
+    "vm": "web-1", "serial": "vol0123456789abcdef0", "volume": "vol-0123456789abcdef0", "target": "vdc",
+    "index": 2, "access": "rw", "path": "/var/lib/vbs/host/local-paths/vol0123456789abcdef0/disk",
+    "nbd_host": "192.0.2.10", "nbd_port": 10809, "nbd_export": "vol-0123456789abcdef0",
+    "nbd_uri": "nbd://192.0.2.10:10809/vol-0123456789abcdef0",
+    "nbd_socket": "/run/vbs/storage/nbd.sock",
+}
+HOSTILE = ["a b", "a'b", 'a"b', "a;b", "$(reboot)", "`id`", "a,b", "a\nb", "../etc/passwd", "x/../y", "-oProxy",
+           "a|b", "a&b", "a>b", ""]
+
+
+def test_the_shipped_profiles_are_the_documented_ones() -> None:
+    assert SHIPPED == ["proxmox", "qemu-monitor", "virsh", "virsh-path", "xen"]
+
+
+def _sample_for(profile: Profile) -> dict[str, object]:
+    sample = dict(SAMPLE)
+    if profile.options["target_prefix"] == "xvd":
+        sample["target"] = "xvdc"
+    if profile.name == "proxmox":
+        sample["vm"] = "104"
+    return sample
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_command_renders_as_its_golden_file(name: str) -> None:
+    profile = load_profile(HYPERVISOR_PROFILES, name, [])
+    assert {"list_vms", "attach", "detach", "verify"} <= set(profile.commands), "every shipped profile has them all"
+    for command in sorted(profile.commands):
+        argvs = profile.render(command, _sample_for(profile))
+        text = "\n---\n".join("\n".join(argv) for argv in argvs) + "\n"
+        golden = GOLDEN / f"{name}-{command}.argv"
+        if os.environ.get("VBS_UPDATE_GOLDEN") == "1":
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(text)
+        assert golden.read_text() == text, f"{name} {command} renders differently from {golden}"
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_hostile_values_are_refused_for_every_placeholder_before_anything_runs(name: str, tmp_path: Path) -> None:
+    shipped = load_profile(HYPERVISOR_PROFILES, name, [])
+    # The same profile whose every program is a script that leaves a mark if it ever runs.
+    marker = tmp_path / "ran"
+    script = tmp_path / "tool"
+    script.write_text(f"#!{sys.executable}\nopen({str(marker)!r}, 'a').write('ran')\n")
+    script.chmod(0o700)
+    text = shipped.path.read_text()
+    for program in {spec.argv[0] for spec in shipped.commands.values()}:
+        text = text.replace(f'["{program}"', f'["{script}"').replace(f'= ["{program}",', f'= ["{script}",')
+    armed_path = tmp_path / f"{name}.toml"
+    armed_path.write_text(text)
+    armed = load_profile(HYPERVISOR_PROFILES, str(armed_path))
+    sample = _sample_for(armed)
+    for command, spec in armed.commands.items():
+        assert spec.argv[0] == str(script)
+        used = {f for f in spec.fields if f in sample}
+        for field in used:
+            for hostile in HOSTILE:
+                bad = dict(sample)
+                bad[field] = hostile  # a string where an integer belongs is refused too
+                if isinstance(sample[field], str) and str(sample[field]).startswith("/") and hostile:
+                    if hostile.startswith("-"):
+                        continue  # "/var/lib/-o" is a harmless path: a dash only matters first
+                    bad[field] = f"/var/lib/{hostile}"  # inside an absolute path, too
+                with pytest.raises(InvalidParameter, match="."):
+                    armed.run(command, bad)
+        armed.run(command, sample) if command != "verify" else armed.probe(command, sample)
+    assert marker.exists(), "the armed profile runs with good values"
+    marker.unlink()
+    assert not marker.exists()
+
+
+def test_integer_placeholders_are_bounded() -> None:
+    profile = load_profile(HYPERVISOR_PROFILES, "proxmox", [])
+    for bad in (-1, 256, True, "2"):
+        with pytest.raises(InvalidParameter):
+            profile.render("attach", {**_sample_for(profile), "index": bad})
