@@ -80,7 +80,11 @@ class Libvirtd:
         if QEMU_CONF.exists():
             self._qemu_conf_before = QEMU_CONF.read_bytes()
         self.nbd_tls_dir.mkdir(mode=0o700, exist_ok=True)
-        QEMU_CONF.write_text(f'stdio_handler = "file"\nuser = "root"\ngroup = "root"\n'
+        # namespaces = []: QEMU in the host's mount namespace. libvirt's default private namespace is
+        # a copy made at VM start that sees later mounts only where "/" is a shared mount (systemd
+        # makes it one; this machine's is private), and the command driver's local paths are FUSE
+        # mounts made after the VM started.
+        QEMU_CONF.write_text(f'stdio_handler = "file"\nuser = "root"\ngroup = "root"\nnamespaces = []\n'
                              f'nbd_tls_x509_cert_dir = "{self.nbd_tls_dir}"\n')
         if not _exists("group", USER):
             subprocess.run(["groupadd", "--system", USER], check=True)

@@ -445,8 +445,22 @@ def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_m
     finally:
         for child in reversed(children):
             child.stop()
+        _close_local_paths(data_dir / "host-state")
         services_file.unlink(missing_ok=True)
         api.close()
+
+
+def _close_local_paths(host_state: Path) -> None:
+    """The embedded install owns its host's local paths (the command driver's FUSE daemons), which
+    outlive a host agent on purpose: with the install stopped, they are stopped and unmounted too."""
+    root = host_state / "local-paths"
+    if not root.is_dir():
+        return
+    from vbs.host.connectors.local_path import LocalPaths
+
+    paths = LocalPaths(root, secrets_dir=host_state / "secrets")
+    paths.close_all()
+    paths.release()
 
 
 def _healthy(url: str, verify: ssl.SSLContext | bool) -> bool:

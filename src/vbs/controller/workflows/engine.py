@@ -467,7 +467,8 @@ class WorkflowEngine:
                     self._set_op(ctx, failing_since=None)
                     continue
             steps[pos] = "undone"
-            self._set_step(ctx, pos, "undone", succeeded=True)
+            # The error stays: why the step failed (a tool's own words) is what an operator reads.
+            self._set_step(ctx, pos, "undone", succeeded=True, keep_error=True)
         abandoned = [workflow.steps[p].name for p, state in steps.items() if state == "abandoned"]
         ending = (self._ending(ctx, OperationState.FAILED, f"{reason}; rolled back, but could not undo "
                                                               f"{', '.join(abandoned)} (left to reconciliation)")
@@ -495,15 +496,18 @@ class WorkflowEngine:
         self._update_op(s, ctx, updated_at=utcnow())
 
     def _set_step(self, ctx: StepContext[Any], pos: int, state: str, *, error: str | None = None,
-                  succeeded: bool = False) -> None:
+                  succeeded: bool = False, keep_error: bool = False) -> None:
         with self.db.session() as s:
             values: dict[str, Any] = {"params": ctx.params.model_dump(mode="json"), "updated_at": utcnow()}
             if succeeded:
                 values["failing_since"] = None  # the clock of give_up_after restarts at the next failure
             self._update_op(s, ctx, **values)
+            step_values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
+            if not keep_error:
+                step_values["error"] = error
             s.execute(update(OperationStep)
                       .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == pos)
-                      .values(state=state, error=error, updated_at=utcnow()))
+                      .values(**step_values))
 
     def _save_params(self, ctx: StepContext[Any]) -> None:
         self._set_op(ctx, params=ctx.params.model_dump(mode="json"))

@@ -137,6 +137,13 @@ class LocalPaths:
             shutil.rmtree(item.dir, ignore_errors=True)
             self._opened.pop(key, None)
 
+    def close_all(self) -> None:
+        """Close every key of the state directory: live daemons, and mounts a dead one left."""
+        if self.root.is_dir():
+            for entry in sorted(self.root.iterdir()):
+                if entry.is_dir() and re.fullmatch(LOCAL_PATH_KEY_RE, entry.name):
+                    self.close(entry.name)
+
     def opened(self) -> dict[str, Path]:
         """What is open now, also what an earlier agent opened (its daemons are adopted)."""
         found: dict[str, Path] = {}

@@ -1,0 +1,131 @@
+"""Attach and detach for real through the ``command`` hypervisor driver and the shipped ``virsh-path``
+profile: ``vbs up --hypervisor command --profile virsh-path`` (NBD or iSCSI with CHAP), a libvirtd
+started by the test, the test guest as transient TCG domains.
+
+The profile gives libvirt a local path made by the host's connector (a qemu-storage-daemon serving
+the export through FUSE): the guest sees the serial, writes a pattern, the volume moves to a second
+domain with its data; a domain with no OS never releases the disk and detach is ``busy`` until
+forced; a command that fails leaves its output in the operation's error; the iSCSI CHAP secret is
+in no argv and no domain XML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import libvirt
+import pytest
+
+from tests import test_libvirt_e2e as libvirt_e2e
+from tests.conftest import VbsUp
+from tests.libvirtd import URI, Libvirtd
+from tests.test_attach_e2e import detach_is_busy_until_forced
+from vbs.ids import virtio_serial
+from vbs.testguest import build_guest
+from vbs.testguest.libvirt import LibvirtGuest, domain_xml
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", params=["nbd", "iscsi"])
+def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
+    export = request.param
+    tmp = tmp_path_factory.mktemp(f"command-{export}")
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log",
+               extra=["--export", export, "--hypervisor", "command", "--profile", "virsh-path"],
+               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
+    vbs = up.start()
+    vm1 = LibvirtGuest("cmd-vm1", tmp / "guests", image)
+    vm2 = LibvirtGuest("cmd-vm2", tmp / "guests", image)
+    try:
+        vm1.start()
+        vm2.start()
+        vm1.wait_ready(120)
+        vm2.wait_ready(120)
+        yield libvirt_e2e.Cloud(export, vbs, up, vm1, vm2, libvirtd)
+    finally:
+        try:
+            vm1.stop()
+            vm2.stop()
+        finally:
+            up.stop()
+
+
+def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud: libvirt_e2e.Cloud) -> None:
+    vol_id = cloud.new_volume()
+    serial = virtio_serial(vol_id)
+    att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("host-1", "cmd-vm1"), "--wait")
+    assert att["state"] == "attached"
+    dev = cloud.vm1.wait_for_disk(serial, 30)
+    written = cloud.vm1.write_pattern(dev, "through-virsh", 8)
+    # libvirt was given a local path, not a network disk.
+    xml = cloud.vm1.domain().XMLDesc(0)
+    assert f"local-paths/{serial}/disk" in xml and "protocol=" not in xml.split(serial)[0].rsplit("<disk", 1)[1]
+    assert [d["serial"] for d in cloud.host_disks("cmd-vm1")] == [serial]
+
+    assert cloud.vbs.cli("detach-volume", vol_id, "--wait")["state"] == "detached"
+    cloud.vm1.wait_disk_gone(serial, 30)
+    assert cloud.exports() == []
+    assert not _local_paths(cloud), "the host's local path goes with the detach"
+
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "cmd-vm2", "--wait")
+    dev2 = cloud.vm2.wait_for_disk(serial, 30)
+    assert cloud.vm2.checksum(dev2, 8) == written
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm2.wait_disk_gone(serial, 30)
+    assert cloud.vbs.volume(vol_id)["status"] == "available"
+
+
+def _local_paths(cloud: libvirt_e2e.Cloud) -> list[Path]:
+    return [p for p in (cloud.vbs.data_dir).rglob("local-paths/*/disk")]
+
+
+@pytest.fixture
+def bare_domain(cloud: libvirt_e2e.Cloud) -> Iterator[str]:
+    """A domain with no OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
+    conn = libvirt.open(URI)
+    dom = conn.createXML(domain_xml("cmd-bare", None, None, 64), 0)
+    try:
+        cloud.instance("host-1", "cmd-bare")
+        yield "cmd-bare"
+    finally:
+        dom.destroy()
+        conn.close()
+
+
+def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: libvirt_e2e.Cloud, bare_domain: str) -> None:
+    detach_is_busy_until_forced(cloud, bare_domain)
+
+
+def test_a_failing_command_leaves_its_output_in_the_operation(cloud: libvirt_e2e.Cloud) -> None:
+    vol_id = cloud.new_volume()
+    # vdb..vdy are the driver's; a disk the guest already has at the target the driver picks makes
+    # virsh attach-disk fail with libvirt's own words.
+    conn = libvirt.open(URI)
+    try:
+        dom = conn.lookupByName("cmd-vm1")
+        blocker = cloud.vbs.data_dir / "blocker.img"
+        blocker.write_bytes(b"\0" * (1 << 20))
+        dom.attachDeviceFlags(f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+                              f"<source file='{blocker}'/><target dev='vdb' bus='virtio'/></disk>",
+                              libvirt.VIR_DOMAIN_AFFECT_LIVE)
+        r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"host": "host-1", "vm_id": "cmd-vm1"})
+        assert r.status_code == 200, r.text
+        cloud.vbs.wait_volume(vol_id, "available", timeout=60)
+        op = cloud.vbs.http.get(f"/v1/operations/{r.json()['operation_id']}").json()
+        assert op["status"] == "rolled-back", op
+        failed = [s for s in op["steps"] if s.get("error")]
+        assert [s["name"] for s in failed] == ["host-attach"], op
+        assert failed[0]["state"] == "undone"
+        for error in (failed[0]["error"], op["error"]):
+            assert "profile virsh-path: attach (virsh) exited with 1" in error, op
+            assert "target 'vdb' duplicated" in error, "libvirt's own words are kept"
+        assert cloud.vbs.volume(vol_id)["status"] == "available"
+        assert not _local_paths(cloud)
+        dom.detachDeviceFlags(f"<disk type='file' device='disk'><source file='{blocker}'/>"
+                              f"<target dev='vdb' bus='virtio'/></disk>", libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    finally:
+        conn.close()
