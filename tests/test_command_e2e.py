@@ -11,6 +11,8 @@ in no argv and no domain XML.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,9 +36,11 @@ def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
     export = request.param
     tmp = tmp_path_factory.mktemp(f"command-{export}")
     image = build_guest()
+    resolver = lab_resolver(tmp)
     up = VbsUp(tmp / "var", tmp / "up.log",
                extra=["--export", export, "--hypervisor", "command", "--profile", "virsh-path"],
-               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
+               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3",
+                    "VBS_CONTROLLER_RESOLVERS": json.dumps({"nova": "libvirt-metadata", "lab": f"command:{resolver}"})})
     vbs = up.start()
     vm1 = LibvirtGuest("cmd-vm1", tmp / "guests", image)
     vm2 = LibvirtGuest("cmd-vm2", tmp / "guests", image)
@@ -52,6 +56,24 @@ def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
             vm2.stop()
         finally:
             up.stop()
+
+
+def lab_resolver(tmp: Path) -> Path:
+    """A command resolver profile whose script maps the lab's ids: lab-1 is cmd-vm1 on host-1."""
+    script = tmp / "lab-lookup"
+    script.write_text(f"#!{sys.executable}\nimport sys\n"
+                      "print({'lab-1': 'host-1 cmd-vm1', 'lab-2': 'host-1 cmd-vm2'}.get(sys.argv[1], ''))\n")
+    script.chmod(0o700)
+    profile = tmp / "lab.toml"
+    profile.write_text(f"""[profile]
+kind = "resolver"
+[placeholders]
+id = "lab-[0-9]{{1,6}}"
+[commands.resolve]
+argv = ["{script}", "{{id}}"]
+lines = '^(?P<host>[a-z0-9.-]+) (?P<vm>[A-Za-z0-9._-]+)$'
+""")
+    return profile
 
 
 def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud: libvirt_e2e.Cloud) -> None:
@@ -71,7 +93,9 @@ def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud:
     assert cloud.exports() == []
     assert not _local_paths(cloud), "the host's local path goes with the detach"
 
-    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "cmd-vm2", "--wait")
+    # The second domain by the lab's own id, mapped by the command resolver's script.
+    att = cloud.vbs.cli("attach-volume", vol_id, "--instance", "lab:lab-2", "--wait")
+    assert att["vm_id"] == "cmd-vm2"
     dev2 = cloud.vm2.wait_for_disk(serial, 30)
     assert cloud.vm2.checksum(dev2, 8) == written
     cloud.vbs.cli("detach-volume", vol_id, "--wait")

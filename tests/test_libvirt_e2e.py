@@ -23,6 +23,7 @@ from tests import test_attach_e2e as attach_e2e
 from tests.conftest import Vbs, VbsUp, node_token, wait_until
 from tests.libvirtd import URI, Libvirtd
 from tests.test_attach_e2e import detach_is_busy_until_forced
+from tests.test_ec2_api import client as ec2_client
 from vbs.ids import virtio_serial
 from vbs.testguest import build_guest
 from vbs.testguest.libvirt import LibvirtGuest, domain_xml
@@ -202,3 +203,67 @@ def test_credentials_go_through_libvirt_secret_objects_only(cloud: Cloud) -> Non
         cloud.vm1.wait_disk_gone(virtio_serial(vol_id), 30)
         assert conn.listAllSecrets() == [], "the secret object goes with the disk"
         conn.close()
+
+
+NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
+NOVA_METADATA = ("<instance><package version='27.1.0'/><name>web-0</name><flavor name='m1.small'/>"
+                 "<owner><user uuid='u1'>demo</user><project uuid='p1'>demo</project></owner></instance>")
+
+
+def test_a_nova_instance_is_attached_to_by_its_cloud_id(cloud: Cloud) -> None:
+    """A domain carrying Nova's <metadata> (as Nova's libvirt driver writes it) is the Nova instance
+    of its UUID: `--instance nova:<uuid>` attaches to it through the REST API, the CLI and EC2."""
+    dom = cloud.vm2.domain()
+    nova_id = dom.UUIDString()
+    dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, NOVA_METADATA, "nova", NOVA_NS,
+                    libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    try:
+        def reported() -> Any:
+            insts = cloud.vbs.http.get("/v1/instances").json()["instances"]
+            found = [i for i in insts if i["vm_id"] == "lv-vm2" and i["cloud_ids"] == {"nova": nova_id}]
+            return found or None
+
+        [inst] = wait_until(reported, 30, what="the host agent reported the domain's Nova id")
+        vol_id = cloud.new_volume()
+        serial = virtio_serial(vol_id)
+        r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"instance_id": f"nova:{nova_id}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["instance_id"] == inst["instance_id"] and r.json()["vm_id"] == "lv-vm2"
+        dev = cloud.vm2.wait_for_disk(serial, 30)
+        assert cloud.vm2.write_pattern(dev, "by-nova-id", 1)
+        cloud.vbs.cli("detach-volume", vol_id, "--wait")
+        cloud.vm2.wait_disk_gone(serial, 30)
+
+        att = cloud.vbs.cli("attach-volume", vol_id, "--instance", f"nova:{nova_id}", "--wait")
+        assert att["state"] == "attached" and att["vm_id"] == "lv-vm2"
+        cloud.vm2.wait_for_disk(serial, 30)
+        cloud.vbs.cli("detach-volume", vol_id, "--wait")
+        cloud.vm2.wait_disk_gone(serial, 30)
+
+        # Unknown and malformed ids: 4xx with the reason, nothing attached.
+        for ref, status, code in [("nova:00000000-0000-4000-8000-000000000000", 404, "InvalidInstanceID.NotFound"),
+                                  ("nova:$(reboot)", 400, "InvalidInstanceID.Malformed"),
+                                  ("nova:../etc", 400, "InvalidInstanceID.Malformed"),
+                                  ("aws:i-0123", 400, "InvalidInstanceID.Malformed")]:
+            r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"instance_id": ref})
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+        assert cloud.vbs.volume(vol_id)["attachments"] == []
+
+        # EC2: DescribeInstances shows the cloud id; AttachVolume takes it.
+        ec2 = _ec2(cloud)
+        [res] = ec2.describe_instances(InstanceIds=[inst["instance_id"]])["Reservations"]
+        tags = {t["Key"]: t["Value"] for t in res["Instances"][0]["Tags"]}
+        assert tags["vbs:cloud-id:nova"] == nova_id
+        found = ec2.describe_instances(Filters=[{"Name": "tag:vbs:cloud-id:nova", "Values": [nova_id]}])
+        assert [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]] == [inst["instance_id"]]
+        ec2.attach_volume(VolumeId=vol_id, InstanceId=f"nova:{nova_id}", Device="/dev/vdb")
+        cloud.vm2.wait_for_disk(serial, 60)
+        cloud.vbs.cli("detach-volume", vol_id, "--wait")
+        cloud.vm2.wait_disk_gone(serial, 30)
+    finally:
+        dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, None, None, NOVA_NS, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+
+
+def _ec2(cloud: Cloud) -> Any:
+    key = cloud.vbs.key
+    return ec2_client(cloud.vbs.endpoint, key.access_key_id, key.secret_access_key)

@@ -8,6 +8,7 @@ never has to appear on a command line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -53,6 +54,10 @@ class ControllerConfig(_Service):
     deleted_retention_s: int = Field(3600, ge=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     workflow_threads: int = Field(16, ge=1, le=256)
+    # Instance-id resolvers: attach-volume --instance SCHEME:ID, each scheme mapped to a resolver
+    # plug-in ("DRIVER" or "DRIVER:ARGUMENT"; vbs.controller.resolvers).
+    resolvers: dict[str, str] = Field(default_factory=lambda: {"nova": "libvirt-metadata"}, max_length=32)
+    resolver_profile_dirs: list[Path] = Field(default_factory=lambda: [Path("/etc/vbs/profiles")])
     max_volume_gib: int = Field(16384, ge=1)
     overcommit_ratio: float = Field(4.0, gt=0, le=1000)
     retry_interval_s: float = Field(2.0, gt=0)
@@ -238,6 +243,16 @@ class HostAgentConfig(_AgentSection):
 SectionT = TypeVar("SectionT", bound=_Section)
 
 
+def _from_env(text: str) -> Any:
+    """An environment value: a table or list is written as JSON (``{"nova": "libvirt-metadata"}``)."""
+    if text.startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise InvalidParameter(f"invalid JSON in a VBS_ environment variable: {exc}") from exc
+    return text
+
+
 def load(
     model: type[SectionT],
     section: str,
@@ -261,7 +276,7 @@ def load(
         if key == "agent_token" and env.get("VBS_AGENT_TOKEN"):
             values[key] = env["VBS_AGENT_TOKEN"]
         if env.get(prefix + key.upper()) is not None:
-            values[key] = env[prefix + key.upper()]
+            values[key] = _from_env(env[prefix + key.upper()])
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return model.model_validate(values)

@@ -213,7 +213,9 @@ def attach_volume(
     volume_id: str,
     host: Annotated[str | None, typer.Option(help="Hypervisor node (with --vm).")] = None,
     vm: Annotated[str | None, typer.Option(help="VM id on that host (its QMP socket name).")] = None,
-    instance: Annotated[str | None, typer.Option(help="Instance id i-… (instead of --host/--vm).")] = None,
+    instance: Annotated[str | None, typer.Option(
+        help="Instance id i-…, or an external cloud's SCHEME:ID (nova:<uuid>) that a resolver maps "
+             "(instead of --host/--vm).")] = None,
     device: Annotated[str, typer.Option(help="Device name to record (the guest picks its own).")] = "vdb",
     read_only: Annotated[bool, typer.Option("--read-only")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until attached.")] = False,

@@ -28,6 +28,7 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.keys import KeyStore, MasterKey
 from vbs.controller.reconcile import Reconciler
+from vbs.controller.resolvers import Resolvers
 from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
@@ -147,7 +148,8 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     housekeeping_lease = SingletonLease(db, "housekeeping", owner, 3 * HOUSEKEEPING_INTERVAL_S)
     svc = Controller(cfg=cfg, db=db, agents=services.agents, engine=engine,
                      reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s,
-                                           lease=reconcile_lease))
+                                           lease=reconcile_lease),
+                     resolvers=Resolvers.from_config(cfg))
     scheme = "https" if tls is not None and tls.serves else "http"
     registry = ControllerRegistry(db, owner, cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}")
     stop = threading.Event()

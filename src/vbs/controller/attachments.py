@@ -6,6 +6,8 @@ its attachment row written in one transaction with the operation that carries it
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -14,6 +16,7 @@ from vbs.controller.db import Attachment, Instance, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_is_alive
+from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
 from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
@@ -59,6 +62,12 @@ def _out(a: Attachment) -> AttachmentOut:
 
 def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, tenant: str) -> AttachmentOut:
     ids.check("volume", volume_id)
+    if req.instance_id is not None and is_cloud_ref(req.instance_id):
+        # An external cloud's id: resolved first, outside any transaction (a command may take a while).
+        if req.host is not None or req.vm_id is not None:
+            raise InvalidParameter("Give either instance_id, or host and vm_id, not both.")
+        where = svc.resolvers.locate(svc.db, req.instance_id)
+        req = req.model_copy(update={"instance_id": None, "host": where.host, "vm_id": where.vm_id})
     device = req.device
     with svc.db.session() as s:
         # The volume first: another tenant's volume is not found, whatever the instance. Its row is
@@ -144,4 +153,12 @@ def describe_instances(svc: Controller, tenant: str) -> list[InstanceOut]:
             if a.instance_id in atts:
                 atts[a.instance_id].append(_out(a))
         return [InstanceOut(instance_id=i.id, host=i.host, vm_id=i.vm_id, name=i.name, state=i.state,
-                            volumes=atts[i.id]) for i in insts]
+                            volumes=atts[i.id], cloud_ids=_cloud_ids(i)) for i in insts]
+
+
+def _cloud_ids(inst: Instance) -> dict[str, str]:
+    try:
+        found = json.loads(inst.cloud_ids or "{}")
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}

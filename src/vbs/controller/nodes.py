@@ -6,6 +6,7 @@ through the typed views here, never as a loose dict.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -102,11 +103,14 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     for vm in hb.vms:
         inst = known.get(vm.vm_id)
         state = "running" if vm.running else "stopped"
+        cloud_ids = json.dumps(vm.cloud_ids, sort_keys=True)
         if inst is None:
             session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
-                                 state=state, first_seen=now, last_seen=now))
+                                 state=state, first_seen=now, last_seen=now, cloud_ids=cloud_ids))
         else:
             inst.state, inst.last_seen, inst.name = state, now, vm.name or vm.vm_id
+            if inst.cloud_ids != cloud_ids:
+                inst.cloud_ids = cloud_ids
     for vm_id, inst in known.items():
         if vm_id not in reported and inst.state != "gone":
             inst.state = "gone"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vbs.controller.reconcile import Reconciler
+from vbs.controller.resolvers import Resolvers
 from vbs.controller.services import Services
 from vbs.controller.workflows import WorkflowEngine
 
@@ -13,3 +14,4 @@ from vbs.controller.workflows import WorkflowEngine
 class Controller(Services):
     engine: WorkflowEngine
     reconciler: Reconciler
+    resolvers: Resolvers

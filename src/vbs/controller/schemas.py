@@ -263,10 +263,15 @@ class ZoneList(BaseModel):
 DEVICE_RE = r"^(/dev/)?(vd|xvd|sd)[b-z]{1,2}$"
 
 
-class AttachVolumeRequest(_Request):
-    """Either ``instance_id``, or ``host`` and ``vm_id`` together."""
+# VBS's own instance id, or SCHEME:ID of an external cloud (its resolver checks the ID strictly).
+INSTANCE_REF_RE = r"^i-[0-9a-f]{17}$|^[a-z][a-z0-9-]{0,31}:[^\x00-\x1f\x7f]{1,160}$"
 
-    instance_id: str | None = Field(None, max_length=32, pattern=r"^i-[0-9a-f]{17}$")
+
+class AttachVolumeRequest(_Request):
+    """Either ``instance_id`` (VBS's ``i-…``, or an external cloud's ``SCHEME:ID`` that a resolver
+    maps), or ``host`` and ``vm_id`` together."""
+
+    instance_id: str | None = Field(None, max_length=200, pattern=INSTANCE_REF_RE)
     host: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
     vm_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     device: str = Field("vdb", pattern=DEVICE_RE)
@@ -285,6 +290,8 @@ class InstanceOut(BaseModel):
     name: str
     state: str
     volumes: list[AttachmentOut]
+    # The ids external clouds give it ({"nova": "<uuid>"}): attach-volume --instance nova:<uuid>.
+    cloud_ids: dict[str, str] = {}
 
 
 class HostOut(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from vbs.wire.base import Wire
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
@@ -24,11 +24,16 @@ __all__ = [
     "HostHeartbeat",
     "SERIAL_RE",
     "VM_ID_RE",
+    "CLOUD_SCHEME_RE",
+    "CLOUD_ID_RE",
 ]
 
 # A disk's serial is its volume id without the dash (20 bytes: all a virtio-blk serial holds).
 SERIAL_RE = re.compile(r"^vol[0-9a-f]{17}$")
 VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# An external cloud's scheme ("nova") and one of its ids, as host agents report them.
+CLOUD_SCHEME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
+CLOUD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 class QoS(Wire):
@@ -44,6 +49,18 @@ class VmInfo(Wire):
     running: bool
     # The hypervisor's own id of the VM, where it has one (a libvirt domain's UUID).
     uuid: str | None = Field(None, pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    # The ids an external cloud gives the VM, by the cloud's scheme ("nova" → the Nova instance
+    # UUID), as the hypervisor knows them (a libvirt domain's <metadata>); instance-id resolvers
+    # look them up.
+    cloud_ids: dict[str, str] = Field(default_factory=dict, max_length=8)
+
+    @field_validator("cloud_ids")
+    @classmethod
+    def _cloud_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        for scheme, cloud_id in value.items():
+            if not CLOUD_SCHEME_RE.fullmatch(scheme) or not CLOUD_ID_RE.fullmatch(cloud_id):
+                raise ValueError(f"invalid cloud id {scheme[:40]!r}: {cloud_id[:140]!r}")
+        return value
 
 
 class VmList(Wire):

@@ -159,6 +159,9 @@ class Instance(Base):
     state: Mapped[str] = mapped_column(String(16))
     first_seen: Mapped[datetime]
     last_seen: Mapped[datetime]
+    # The ids external clouds give the VM, as its host agent reports them: a JSON object
+    # {"nova": "<uuid>"} (VmInfo.cloud_ids), which instance-id resolvers look up.
+    cloud_ids: Mapped[str] = mapped_column(String(2048), default="{}")
 
 
 class Attachment(Base):

@@ -19,6 +19,7 @@ from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
 from vbs.controller.keys import Principal
+from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
@@ -244,8 +245,8 @@ def describe_volume_status(svc: Controller, p: QueryParams, who: Principal) -> d
 
 def attach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
-    instance = p.str("InstanceId", required=True, max_len=64)
-    if not ids.is_valid("instance", instance):
+    instance = p.str("InstanceId", required=True, max_len=200)
+    if not ids.is_valid("instance", instance) and not is_cloud_ref(str(instance)):
         raise InvalidParameter(f"Invalid id: \"{str(instance)[:64]}\"", code="InvalidInstanceID.Malformed")
     device = p.str("Device", required=True, max_len=64)
     req = _model(AttachVolumeRequest, {"instance_id": instance, "device": device})
@@ -426,7 +427,9 @@ def describe_instances(svc: Controller, p: QueryParams, who: Principal) -> dict[
         if wanted and inst.instance_id not in wanted:
             continue
         state = {"running": (16, "running"), "stopped": (80, "stopped")}.get(inst.state, (48, "terminated"))
-        inst_tags = {"Name": inst.name, "vbs:host": inst.host, "vbs:vm-id": inst.vm_id}
+        # An external cloud's ids show as tags vbs:cloud-id:SCHEME (attach with InstanceId SCHEME:ID).
+        inst_tags = {"Name": inst.name, "vbs:host": inst.host, "vbs:vm-id": inst.vm_id,
+                     **{f"vbs:cloud-id:{scheme}": cloud_id for scheme, cloud_id in sorted(inst.cloud_ids.items())}}
         facts = {"instance-id": [inst.instance_id], "instance-state-name": [state[1]],
                  "instance-state-code": [str(state[0])], "availability-zone": [svc.cfg.availability_zone],
                  "private-dns-name": [inst.host], "tag-key": list(inst_tags), "tag-value": list(inst_tags.values()),

@@ -53,6 +53,7 @@ from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.connectors import connector_for
 from vbs.host.connectors.base import LibvirtSource
+from vbs.host.hypervisors.libvirt_metadata import cloud_ids
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
@@ -462,6 +463,9 @@ class LibvirtDriver:
                     conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._on_lifecycle, None),
                     conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
                                                 self._on_device_removed, None),
+                    # A cloud writing its ids into a domain's <metadata> (Nova does at define time).
+                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_METADATA_CHANGE,
+                                                self._on_metadata_change, None),
                 ]
                 # Events from here on are queued for the watcher: none is lost between the two.
                 vms = {vm.vm_id: vm for vm in (_vm_info(d) for d in conn.listAllDomains(0)) if vm is not None}
@@ -536,6 +540,10 @@ class LibvirtDriver:
     def _on_lifecycle(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, event: int, _detail: int,
                       _opaque: object) -> None:
         # On libvirt's event thread: no calls here, the watcher reads the domain.
+        self._refresh.put(dom.name())
+
+    def _on_metadata_change(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, _kind: int, _nsuri: str | None,
+                            _opaque: object) -> None:
         self._refresh.put(dom.name())
 
     def _on_device_removed(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, alias: str,
@@ -627,4 +635,4 @@ def _vm_info(dom: libvirt.virDomain) -> VmInfo | None:
     except libvirt.libvirtError:
         pass  # no title
     return VmInfo(vm_id=name, name=title[:255] or name, running=state == libvirt.VIR_DOMAIN_RUNNING,
-                  uuid=dom.UUIDString())
+                  uuid=dom.UUIDString(), cloud_ids=cloud_ids(dom))
