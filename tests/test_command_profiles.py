@@ -1,4 +1,4 @@
-"""Every shipped hypervisor profile: it loads, renders exactly the argv its documentation shows
+"""Every shipped profile (hypervisor and backend): it loads, renders exactly the argv its documentation shows
 (golden files, one argument per line; ``VBS_UPDATE_GOLDEN=1`` rewrites them, and the diff is then
 reviewed like code), and refuses hostile values for every placeholder before anything runs."""
 
@@ -12,12 +12,15 @@ import pytest
 
 from vbs.errors import InvalidParameter
 from vbs.host.hypervisors.command import HYPERVISOR_PROFILES
-from vbs.profiles import Profile, load_profile, shipped_profiles
+from vbs.profiles import Profile, ProfileSchema, load_profile, shipped_profiles
+from vbs.storage.backends.command import BACKEND_PROFILES
 
 pytestmark = pytest.mark.unit
 
 GOLDEN = Path(__file__).parent / "golden" / "profiles"
+SCHEMAS: dict[str, ProfileSchema] = {"hypervisor": HYPERVISOR_PROFILES, "backend": BACKEND_PROFILES}
 SHIPPED = shipped_profiles("hypervisor")
+ALL = [("hypervisor", n) for n in SHIPPED] + [("backend", n) for n in shipped_profiles("backend")]
 
 # Sample parameters, as the driver would give them for a third disk on a VM.
 SAMPLE: dict[str, object] = {
@@ -26,6 +29,10 @@ SAMPLE: dict[str, object] = {
     "nbd_host": "192.0.2.10", "nbd_port": 10809, "nbd_export": "vol-0123456789abcdef0",
     "nbd_uri": "nbd://192.0.2.10:10809/vol-0123456789abcdef0",
     "nbd_socket": "/run/vbs/storage/nbd.sock",
+    # a backend's
+    "snapshot": "snap-0fedcba9876543210", "source_snapshot": "snap-0fedcba9876543210",
+    "snapshot_path": "/var/lib/vbs/pool/snapshots/snap-0fedcba9876543210.qcow2", "pool_path": "/var/lib/vbs/pool",
+    "size_bytes": 10737418240, "size_mib": 10240, "format": "qcow2",
 }
 HOSTILE = ["a b", "a'b", 'a"b', "a;b", "$(reboot)", "`id`", "a,b", "a\nb", "../etc/passwd", "x/../y", "-oProxy",
            "a|b", "a&b", "a>b", ""]
@@ -33,45 +40,52 @@ HOSTILE = ["a b", "a'b", 'a"b', "a;b", "$(reboot)", "`id`", "a,b", "a\nb", "../e
 
 def test_the_shipped_profiles_are_the_documented_ones() -> None:
     assert SHIPPED == ["proxmox", "qemu-monitor", "virsh", "virsh-path", "xen"]
+    assert shipped_profiles("backend") == ["lvm", "qemu-img"]
 
 
 def _sample_for(profile: Profile) -> dict[str, object]:
     sample = dict(SAMPLE)
-    if profile.options["target_prefix"] == "xvd":
+    if profile.kind == "backend":
+        sample["path"] = "/var/lib/vbs/pool/volumes/vol-0123456789abcdef0.qcow2"
+    if profile.options.get("target_prefix") == "xvd":
         sample["target"] = "xvdc"
     if profile.name == "proxmox":
         sample["vm"] = "104"
     return sample
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_each_command_renders_as_its_golden_file(name: str) -> None:
-    profile = load_profile(HYPERVISOR_PROFILES, name, [])
-    assert {"list_vms", "attach", "detach", "verify"} <= set(profile.commands), "every shipped profile has them all"
+@pytest.mark.parametrize(("kind", "name"), ALL)
+def test_each_command_renders_as_its_golden_file(kind: str, name: str) -> None:
+    profile = load_profile(SCHEMAS[kind], name, [])
+    if kind == "hypervisor":
+        assert {"list_vms", "attach", "detach", "verify"} <= set(profile.commands), "every shipped one has them"
     for command in sorted(profile.commands):
         argvs = profile.render(command, _sample_for(profile))
         text = "\n---\n".join("\n".join(argv) for argv in argvs) + "\n"
-        golden = GOLDEN / f"{name}-{command}.argv"
+        golden = GOLDEN / f"{'' if kind == 'hypervisor' else 'backend-'}{name}-{command}.argv"
         if os.environ.get("VBS_UPDATE_GOLDEN") == "1":
             golden.parent.mkdir(parents=True, exist_ok=True)
             golden.write_text(text)
         assert golden.read_text() == text, f"{name} {command} renders differently from {golden}"
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_hostile_values_are_refused_for_every_placeholder_before_anything_runs(name: str, tmp_path: Path) -> None:
-    shipped = load_profile(HYPERVISOR_PROFILES, name, [])
+@pytest.mark.parametrize(("kind", "name"), ALL)
+def test_hostile_values_are_refused_for_every_placeholder_before_anything_runs(kind: str, name: str,
+                                                                              tmp_path: Path) -> None:
+    shipped = load_profile(SCHEMAS[kind], name, [])
     # The same profile whose every program is a script that leaves a mark if it ever runs.
     marker = tmp_path / "ran"
     script = tmp_path / "tool"
     script.write_text(f"#!{sys.executable}\nopen({str(marker)!r}, 'a').write('ran')\n")
     script.chmod(0o700)
     text = shipped.path.read_text()
-    for program in {spec.argv[0] for spec in shipped.commands.values()}:
+    programs = {spec.argv[0] for spec in shipped.commands.values()}
+    programs |= {spec.then[0] for spec in shipped.commands.values() if spec.then}
+    for program in programs:
         text = text.replace(f'["{program}"', f'["{script}"').replace(f'= ["{program}",', f'= ["{script}",')
     armed_path = tmp_path / f"{name}.toml"
     armed_path.write_text(text)
-    armed = load_profile(HYPERVISOR_PROFILES, str(armed_path))
+    armed = load_profile(SCHEMAS[kind], str(armed_path))
     sample = _sample_for(armed)
     for command, spec in armed.commands.items():
         assert spec.argv[0] == str(script)

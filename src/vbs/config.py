@@ -208,6 +208,11 @@ class StorageAgentConfig(_AgentSection):
         """This config as a backend of ``pool`` reads it: ``pool_name``/``pool_path`` name that pool."""
         return self.model_copy(update={"pool_name": pool.name, "pool_path": pool.path, "pools": []})
 
+    # The command backend: its profile (a name looked up in profile_dirs and then among the
+    # shipped ones, or a path to a TOML file).
+    profile: str | None = Field(None, max_length=4096)
+    profile_dirs: list[Path] = Field(default_factory=lambda: [Path("/etc/vbs/profiles")])
+
     @field_validator("nbd_tls", mode="before")
     @classmethod
     def _nbd_tls_of_old_configs(cls, v: Any) -> Any:

@@ -573,6 +573,12 @@ def storage_agent(
         help="rbd backend: at most this many flattens at once (default: 2).")] = None,
     rbd_max_snapshots_per_volume: Annotated[int | None, typer.Option(
         help="rbd backend: the most snapshots a volume may have (default and most: 450).")] = None,
+    backend_profile: Annotated[str | None, typer.Option(
+        help="command backend: the profile, by name (qemu-img, lvm, or one in --backend-profile-dir) or as a "
+             "path to a TOML file.")] = None,
+    backend_profile_dir: Annotated[list[Path] | None, typer.Option(
+        "--backend-profile-dir", help="command backend: where profiles are looked up first (default: "
+                                      "/etc/vbs/profiles); repeatable.")] = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -591,6 +597,7 @@ def storage_agent(
         "ceph_conf": ceph_conf, "ceph_user": ceph_user, "rbd_pool": rbd_pool,
         "rbd_max_clone_depth": rbd_max_clone_depth, "rbd_max_flattens": rbd_max_flattens,
         "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume,
+        "profile": backend_profile, "profile_dirs": backend_profile_dir or None,
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -661,7 +668,10 @@ def up(
     storage_nodes: Annotated[int, typer.Option(
         help="Storage agents (1-16), each with its own pool (with --backend rbd: all on the one Ceph pool).")] = 1,
     backend: Annotated[str, typer.Option(
-        help="file | rbd (Ceph: the data dir's own single-node cluster, or --ceph-conf's).")] = "file",
+        help="file | rbd (Ceph: the data dir's own single-node cluster, or --ceph-conf's) | command "
+             "(with --backend-profile).")] = "file",
+    backend_profile: Annotated[str | None, typer.Option(
+        help="command backend: the profile (qemu-img, or a path to a TOML file).")] = None,
     ceph_conf: Annotated[Path | None, typer.Option(help="rbd: an existing cluster's ceph.conf.")] = None,
     ceph_user: Annotated[str, typer.Option(help="rbd: the cephx user (with --ceph-conf).")] = "admin",
     rbd_pool: Annotated[str, typer.Option(help="rbd: the Ceph pool of the volumes.")] = "vbs",
@@ -678,8 +688,9 @@ def up(
     from vbs.config import CEPH_USER_RE, RBD_POOL_RE
 
     shape = Shape(controllers, storage_nodes)
-    if backend not in ("file", "rbd"):
-        raise typer.BadParameter("--backend must be file or rbd")
+    if backend not in ("file", "rbd", "command"):
+        raise typer.BadParameter("--backend must be file, rbd or command")
+    storage_flags = _backend_profile_flags(backend, backend_profile)
     if backend == "file" and (ceph_conf is not None or ceph_user != "admin" or rbd_pool != "vbs"):
         raise typer.BadParameter("--ceph-conf, --ceph-user and --rbd-pool go with --backend rbd")
     if ceph_conf is None and ceph_user != "admin":
@@ -706,7 +717,27 @@ def up(
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
                                   controller_env=controller_env, database_url=database_url, postgres=postgres,
-                                  rbd=rbd, host_agent_flags=host_agent_flags))
+                                  rbd=rbd, host_agent_flags=host_agent_flags, storage_flags=storage_flags))
+
+
+def _backend_profile_flags(backend: str, profile: str | None) -> tuple[str, ...]:
+    """The storage agents' flags of the command backend, its profile checked now."""
+    if backend != "command":
+        if profile is not None:
+            raise typer.BadParameter("--backend-profile goes with --backend command")
+        return ()
+    if profile is None:
+        raise typer.BadParameter("--backend command needs --backend-profile NAME or PATH")
+    from vbs.errors import InvalidParameter
+    from vbs.profiles import DEFAULT_PROFILE_DIR, load_profile
+    from vbs.storage.backends.command import BACKEND_PROFILES
+
+    try:
+        load_profile(BACKEND_PROFILES, profile, [DEFAULT_PROFILE_DIR])
+    except InvalidParameter as exc:
+        raise typer.BadParameter(exc.message) from exc
+    path = str(Path(profile).resolve()) if "/" in profile or profile.endswith(".toml") else profile
+    return ("--backend", "command", "--backend-profile", path)
 
 
 def _profile_flags(hypervisor: str, profile: str | None, dirs: list[Path]) -> tuple[str, ...]:

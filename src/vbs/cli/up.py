@@ -231,6 +231,7 @@ class _Plan:
     log_json: bool
     env: dict[str, str]
     host_agent_flags: tuple[str, ...] = ()  # its hypervisor driver and that driver's settings
+    storage_flags: tuple[str, ...] = ()  # the storage agents' backend when it is not file or rbd
 
     @property
     def _exe(self) -> list[str]:
@@ -267,6 +268,7 @@ class _Plan:
             argv += ["--clone-method", clone_method]
         if rbd is not None:
             argv += rbd.agent_flags()
+        argv += self.storage_flags
         return Child("storage-agent", name, f"{self.scheme}://{self.host}:{port}", argv, self.env)
 
     def host_agent(self, controllers: list[str]) -> Child:
@@ -329,7 +331,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
                  postgres: bool = False, rbd: RbdChoice | None = None,
-                 host_agent_flags: tuple[str, ...] = ()) -> int:
+                 host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
     """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
     ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
     (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
@@ -360,7 +362,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
             rbd = RbdChoice(conf=ceph.conf_path, user="admin", pool=rbd.pool)
         return _run_services(data_dir, host, port, shape, clone_method=clone_method, export=export,
                              log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
-                             rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags)
+                             rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags, storage_flags=storage_flags)
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1
@@ -386,11 +388,11 @@ def write_services(path: Path, children: list[Child], ceph: EmbeddedCeph | None 
 def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_method: str | None, export: str,
                   log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None,
                   rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None,
-                  host_agent_flags: tuple[str, ...] = ()) -> int:
+                  host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
     plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env(),
-                 host_agent_flags=host_agent_flags)
+                 host_agent_flags=host_agent_flags, storage_flags=storage_flags)
     db_flags: list[str] = []
     if database_url is not None:
         url_file = data_dir / DATABASE_URL_FILE

@@ -154,6 +154,14 @@ class Profile:
         spec = self._spec(command)
         return [[self._render_one(arg, values) for arg in args] for args in (spec.argv, spec.then) if args]
 
+    def fill(self, template: str, values: Mapping[str, object]) -> str:
+        """One template (a path pattern of the profile's options) with checked ``values`` put in."""
+        try:
+            _fields_of([template])
+        except ValueError as exc:
+            raise ProfileError(f"profile {self.path}: {exc} is not a placeholder") from exc
+        return self._render_one(template, values)
+
     def run(self, command: str, values: Mapping[str, object], *, env: Mapping[str, str] | None = None) -> CommandOutput:
         """Run ``command``: a non-zero exit, a timeout, or an ``expect`` missing from the output
         raises ``CommandFailed`` with the tail of the output."""

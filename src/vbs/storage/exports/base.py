@@ -27,9 +27,20 @@ __all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTi
 
 @dataclass(frozen=True)
 class FileSource:
-    """A raw file on this node (the ``file`` backend's volumes and snapshot targets)."""
+    """A file on this node: raw (the ``file`` backend's volumes and snapshot targets), or a qcow2
+    image (the ``command`` backend's ``qemu-img`` profile), which only a daemon that opens image
+    formats serves (NBD; not tgt). ``size_bytes``: a qcow2 image's virtual size as its backend just
+    read it (its file's size says nothing of it); a raw file's is its own size."""
 
     path: Path
+    format: str = "raw"
+    size_bytes: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.format not in ("raw", "qcow2"):
+            raise InvalidParameter(f"invalid image format {str(self.format)[:16]!r} (raw or qcow2)")
+        if self.format != "raw" and self.size_bytes is None:
+            raise InvalidParameter(f"a {self.format} source must say its virtual size")
 
 
 # An RBD image name as VBS makes them (vol-…, vbs-retired-vol-…): no "@" or "/" (a snapshot or a

@@ -255,6 +255,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
     protocol = "nbd"
+    formats = ("raw", "qcow2")
 
     def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809,
                  tls: TlsMode | bool = "off", aio: str = "native", cache_direct: bool = True, *,
@@ -509,7 +510,8 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         else:
             self._add_file_node(chain.file_node, served.path, read_only=chain.read_only, what=served.key)
         try:
-            self._q("blockdev-add", {"driver": "raw", "node-name": chain.raw_node, "file": chain.file_node,
+            # The format node: raw, or qcow2 for an image of the command backend's qemu-img profile.
+            self._q("blockdev-add", {"driver": served.format, "node-name": chain.raw_node, "file": chain.file_node,
                                      "read-only": chain.read_only, "discard": "unmap"})
         except QmpError:
             live.nodes[chain.file_node] = None

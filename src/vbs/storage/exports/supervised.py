@@ -82,10 +82,13 @@ def _missing(key: str, path: Path) -> NotFound:
     return NotFound(f"source file {path} of {key} does not exist", code=f"{kind}.NotFound")
 
 
-def source_file(key: str, source: ExportSource) -> Path:
-    """The file behind ``source``: an absolute path that exists."""
+def source_file(key: str, source: ExportSource, *, formats: tuple[str, ...] = ("raw",)) -> Path:
+    """The file behind ``source``: an absolute path that exists, in one of ``formats``."""
     if not isinstance(source, FileSource):
         raise InvalidParameter(f"this export driver serves files, not {type(source).__name__}")
+    if source.format not in formats:
+        raise InvalidParameter(f"this export driver serves {' and '.join(formats)} files, not {source.format} "
+                               f"({key}): serve that pool through NBD")
     path = Path(source.path)
     if not path.is_absolute():
         raise InvalidParameter(f"source path must be absolute: {path}")
@@ -101,14 +104,14 @@ def file_size(key: str, path: Path) -> int:
         raise _missing(key, path) from None
 
 
-def checked_source(key: str, source: ExportSource) -> ExportSource:
-    """``source`` if it can be served: a file that exists, or an image whose cluster configuration
-    is a file (the image itself is the daemon's to open)."""
+def checked_source(key: str, source: ExportSource, *, formats: tuple[str, ...] = ("raw",)) -> ExportSource:
+    """``source`` if it can be served: a file that exists (in one of ``formats``), or an image whose
+    cluster configuration is a file (the image itself is the daemon's to open)."""
     if isinstance(source, RbdSource):
         if not source.conf.is_file():
             raise InvalidParameter(f"the Ceph configuration {source.conf} of {key} is not a file")
         return source
-    return FileSource(source_file(key, source))
+    return FileSource(source_file(key, source, formats=formats), source.format, source.size_bytes)
 
 
 def source_size(key: str, source: ExportSource) -> int:
@@ -117,7 +120,9 @@ def source_size(key: str, source: ExportSource) -> int:
         if source.size_bytes is None:
             raise InvalidParameter(f"the RBD source of {key} must say its size")
         return source.size_bytes
-    return file_size(key, source_file(key, source))
+    if source.format != "raw" and source.size_bytes is not None:
+        return source.size_bytes
+    return file_size(key, source_file(key, source, formats=(source.format,)))
 
 
 # -- the driver skeleton --------------------------------------------------------------------------
@@ -141,19 +146,20 @@ class ServedKey(BaseModel):
 
     key: str
     path: str = ""
+    format: str = "raw"  # of the file at path
     rbd: ServedImage | None = None
 
     @staticmethod
     def fields_of(source: ExportSource) -> dict[str, Any]:
         """The fields that name ``source`` (a new item is ``Item(key=…, **ServedKey.fields_of(s))``)."""
         if isinstance(source, RbdSource):
-            return {"path": "", "rbd": ServedImage(pool=source.pool, image=source.image, conf=str(source.conf),
-                                                   user=source.user)}
-        return {"path": str(source.path), "rbd": None}
+            return {"path": "", "format": "raw", "rbd": ServedImage(pool=source.pool, image=source.image,
+                                                                    conf=str(source.conf), user=source.user)}
+        return {"path": str(source.path), "format": source.format, "rbd": None}
 
     def serves(self, source: ExportSource) -> bool:
         fields = self.fields_of(source)
-        return bool(self.path == fields["path"] and self.rbd == fields["rbd"])
+        return bool(self.path == fields["path"] and self.format == fields["format"] and self.rbd == fields["rbd"])
 
     def describe(self) -> str:
         if self.rbd is not None:
@@ -175,6 +181,8 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
     """
 
     protocol: str
+    # The file formats its daemon opens (tgt serves raw files only; QEMU's NBD server also qcow2).
+    formats: tuple[str, ...] = ("raw",)
 
     def __init__(self, state_dir: Path, state: DesiredState[ItemT], *, listen_host: str, port: int,
                  advertise_host: str | None) -> None:
@@ -279,7 +287,7 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
                       ) -> Connection:
         """Serve ``source`` under ``key`` to ``host`` only; idempotent (same names and secrets)."""
         check_key(key)
-        source = checked_source(key, source)
+        source = checked_source(key, source, formats=self.formats)
         self._check_source(source)
         with self._lock:
             self._up()
@@ -298,7 +306,7 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
         """A connection that reports the source's grown size; ``NotFound`` if there is no export."""
         check_key(key)
         _check_host(host_name)
-        source = checked_source(key, source)
+        source = checked_source(key, source, formats=self.formats)
         self._check_source(source)
         with self._lock:
             self._load()
