@@ -91,6 +91,10 @@ def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:
     cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm2", "--wait")
     dev2 = cloud.vm2.wait_for_disk(serial, 30)
     assert cloud.vm2.checksum(dev2, 8) == written
+    # An export's disk cannot grow under libvirt: refused with the reason, nothing changed.
+    r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/modify", json={"size_gib": 2})
+    assert r.status_code == 409 and "over an export, which its hypervisor cannot grow online" in r.text, r.text
+    assert cloud.vbs.volume(vol_id)["size_gib"] == 1
     cloud.vbs.cli("detach-volume", vol_id, "--wait")
     cloud.vm2.wait_disk_gone(serial, 30)
     assert cloud.vbs.volume(vol_id)["status"] == "available"

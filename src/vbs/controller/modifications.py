@@ -6,6 +6,8 @@ while it runs. Sizes only grow, as on EBS.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session, aliased
 
@@ -15,7 +17,7 @@ from vbs.controller import quotas
 from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import check_growth, host_info
+from vbs.controller.nodes import check_growth, host_info, storage_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.states import AttachmentState, VolumeState
@@ -91,9 +93,27 @@ def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment])
                              "detach it first.")
     for a in attached:
         node = s.get(Node, (a.host, "host"))
-        if node is None or not host_info(node).capabilities.online_resize:
+        caps = host_info(node).capabilities if node is not None else None
+        if caps is None or not caps.online_resize:
             raise IncorrectState(f"The volume '{volume_id}' is attached on host '{a.host}', whose hypervisor cannot "
                                  "grow a disk online; detach it first.")
+        if caps.online_resize_protocols is not None:
+            protocol = _protocol_of(s, volume_id, caps.protocols)
+            if protocol not in caps.online_resize_protocols:
+                raise IncorrectState(f"The volume '{volume_id}' is attached on host '{a.host}' over {protocol}, which "
+                                     "its hypervisor cannot grow online; detach it first.")
+
+
+def _protocol_of(s: Session, volume_id: str, host_protocols: Sequence[str]) -> str:
+    """How the host opens the volume: natively from an RBD pool when it opens rbd, else through the
+    storage node's export."""
+    vol = s.get(Volume, volume_id)
+    node = s.get(Node, (vol.storage_node, "storage")) if vol is not None else None
+    pools = {p.name: p for p in storage_info(node).pools} if node is not None else {}
+    pool = pools.get(vol.pool) if vol is not None else None
+    if pool is not None and pool.backend == "rbd" and "rbd" in host_protocols:
+        return "rbd"
+    return "an export"
 
 
 MODIFICATION_FILTERS = {

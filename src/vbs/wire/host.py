@@ -115,6 +115,9 @@ class HypervisorCapabilities(Wire):
 
     protocols: list[ProtocolName]
     online_resize: bool = False
+    # The connections it grows online, where not all (None: every protocol it opens). A libvirt
+    # disk on RBD grows in place (blockResize); one on an NBD or iSCSI export keeps its size.
+    online_resize_protocols: list[ProtocolName] | None = None
     qos: bool = False
     point_in_time_copy: bool = False
 

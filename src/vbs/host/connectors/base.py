@@ -199,6 +199,9 @@ class LibvirtAuth:
     username: str
     secret: SecretStr
     usage: str
+    # How ``secret`` is written: the bytes themselves (a CHAP password), or base64 of them (a
+    # cephx key, as keyrings hold it): libvirt keeps the bytes.
+    encoding: str = "raw"
 
 
 @dataclass(frozen=True)

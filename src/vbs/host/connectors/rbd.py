@@ -15,7 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from vbs.host.connectors.base import HostConnector, KeyFile, QemuBlockdev, QemuIds, QemuObject, json_filename
+from vbs.host.connectors.base import (
+    HostConnector,
+    KeyFile,
+    LibvirtAuth,
+    LibvirtSource,
+    QemuBlockdev,
+    QemuIds,
+    QemuObject,
+    json_filename,
+)
 from vbs.wire.connection import RbdConnection
 
 __all__ = ["RbdConnector"]
@@ -40,6 +49,15 @@ class RbdConnector(HostConnector[RbdConnection]):
         secret = QemuObject(qom_type="secret", id=ids.secret, props={"format": "base64"},
                             key_files=(KeyFile("key", connection.key),), key_file_arg="file")
         return QemuBlockdev(options=options, objects=(secret,))
+
+    def libvirt_source(self, connection: RbdConnection) -> LibvirtSource:
+        """``<source protocol='rbd' name='pool[/namespace]/image'>`` with the monitors as hosts;
+        the cephx key goes into a libvirt secret of usage ``ceph`` only."""
+        name = "/".join(p for p in (connection.pool, connection.namespace, connection.image) if p)
+        hosts = tuple({"name": s["host"], "port": s["port"]} for s in map(_server, connection.monitors))
+        return LibvirtSource(protocol="rbd", name=name, hosts=hosts,
+                             auth=LibvirtAuth(username=connection.user, secret=connection.key, usage="ceph",
+                                              encoding="base64"))
 
     def qemu_node_opens(self, node: Mapping[str, Any], connection: RbdConnection) -> bool:
         # QEMU names an rbd node opened from options json:{...} (its servers flattened).

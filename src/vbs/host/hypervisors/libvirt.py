@@ -35,6 +35,7 @@ they are refused, saying so. libvirt knows no TLS-PSK. NBD disks have no reconne
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import queue
@@ -178,7 +179,8 @@ class LibvirtDriver:
     """
 
     capabilities = HypervisorCapabilities.model_validate(
-        {"protocols": ["iscsi", "nbd"], "online_resize": False, "qos": True, "point_in_time_copy": False}
+        {"protocols": ["iscsi", "nbd", "rbd"], "online_resize": True, "online_resize_protocols": ["rbd"], "qos": True,
+         "point_in_time_copy": False}
     )
 
     def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
@@ -252,9 +254,28 @@ class LibvirtDriver:
         return _present(self._on_vm(vm_id, lambda _conn, dom: self._disks(vm_id, dom), need=True))
 
     def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
-        raise IncorrectState(
-            "the libvirt driver cannot show a guest a grown disk: libvirt cannot grow an NBD disk, nor move an "
-            "attached disk to its volume's refreshed export; detach and attach it again")
+        """``blockResize`` of a disk whose open node sees its volume grow (RBD: librbd reads the new
+        size); an NBD or iSCSI disk keeps the size its export had, and libvirt cannot move an attached
+        disk to a refreshed export (``online_resize_protocols`` says so to the controller)."""
+        if not connector_for(connection).qemu_node_sees_growth:
+            raise IncorrectState(
+                f"the libvirt driver cannot show a guest a grown {connection.protocol} disk: libvirt cannot move an "
+                "attached disk to its volume's refreshed export; detach and attach it again")
+        if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % 512:
+            raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
+
+        def grow(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
+            disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+            target = disk.find("target") if disk is not None else None
+            if target is None or not target.get("dev"):
+                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            try:
+                dom.blockResize(target.get("dev"), size_bytes, libvirt.VIR_DOMAIN_BLOCK_RESIZE_BYTES)
+            except libvirt.libvirtError as exc:
+                raise DriverError(f"VM {vm_id}: resize of {serial} failed: {_message(exc)}") from exc
+            return self._disk(vm_id, dom, serial)
+
+        return _present(self._on_vm(vm_id, grow, need=True))
 
     def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         raise IncorrectState("the libvirt driver does not make point-in-time copies of attached disks")
@@ -406,7 +427,9 @@ class LibvirtDriver:
         uuid_ = secret_uuid(vm_id, serial)
         secret = conn.secretDefineXML(_secret_xml(uuid_, vm_id, serial, source.auth.usage), 0)
         try:
-            secret.setValue(source.auth.secret.get_secret_value().encode(), 0)
+            value = source.auth.secret.get_secret_value()
+            secret.setValue(base64.b64decode(value, validate=True) if source.auth.encoding == "base64"
+                            else value.encode(), 0)
         except libvirt.libvirtError:
             secret.undefine()
             raise
