@@ -139,8 +139,10 @@ def test_domains_are_listed_by_name_with_their_uuid(test_driver: LibvirtDriver) 
 
 def test_what_the_driver_cannot_do_it_declares_and_refuses(test_driver: LibvirtDriver) -> None:
     caps = test_driver.capabilities
-    assert sorted(caps.protocols) == ["iscsi", "nbd"]
-    assert not caps.online_resize and not caps.point_in_time_copy and caps.qos
+    assert sorted(caps.protocols) == ["iscsi", "nbd", "rbd"]
+    # It grows RBD disks online (blockResize) and no other: an export's disk keeps its size.
+    assert caps.online_resize and caps.online_resize_protocols == ["rbd"]
+    assert not caps.point_in_time_copy and caps.qos
     conn = NbdConnection(socket="/run/x/nbd.sock", export="v")
     with pytest.raises(IncorrectState):
         test_driver.resize("test", SERIAL, conn, 1 << 30)
