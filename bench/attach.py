@@ -24,6 +24,9 @@ by SIGINT, which stops its children and export daemons); only 127.0.0.1 is used.
     .venv/bin/python bench/attach.py --quick      # 5 cycles per protocol
     .venv/bin/python bench/attach.py --hypervisor libvirt   # the guest as a libvirt domain (a libvirtd
                                                   # started as the tests start theirs: tests/libvirtd.py)
+    .venv/bin/python bench/attach.py --hypervisor qemu,libvirt,command --exports nbd
+        # QMP, the libvirt driver and the command driver's virsh-path profile (a FUSE local path per
+        # volume) in one run: the first is the baseline of the others' ratios
 """
 
 from __future__ import annotations
@@ -203,16 +206,21 @@ def nodelay_on_export_daemon(data_dir: Path) -> str:
     raise RuntimeError("no qemu-storage-daemon found for --exports nbd-nodelay")
 
 
+# What each --hypervisor runs: the host agent's flags.
+HYPERVISORS = {"qemu": ["--hypervisor", "qemu"], "libvirt": ["--hypervisor", "libvirt"],
+               "command": ["--hypervisor", "command", "--profile", "virsh-path"]}
+
+
 def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu") -> dict[str, Any]:
     protocol, nodelay = export.removesuffix("-nodelay"), export.endswith("-nodelay")
     tmp = Path(tempfile.mkdtemp(prefix=f"attach-{export}-", dir=work))
     data_dir = tmp / "var"
-    up = VbsUp(data_dir, tmp / "up.log", extra=["--export", protocol, "--hypervisor", hypervisor])
+    up = VbsUp(data_dir, tmp / "up.log", extra=["--export", protocol, *HYPERVISORS[hypervisor]])
     guest: TestGuest | None = None
     try:
         log(f"{export}: starting vbs up and the guest")
         vbs = up.start()
-        if hypervisor == "libvirt":
+        if hypervisor != "qemu":  # libvirt, or virsh through the command driver
             guest = LibvirtGuest(VM, tmp / "guest", build_guest())
         else:
             guest = TestGuest(VM, tmp / "guest", build_guest(), data_dir / "vms")
@@ -238,8 +246,9 @@ def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu")
             log(f"{export}: cycle {i + 1:2}/{cycles}: attach {a.guest * 1000:6.0f} ms (API {a.api * 1000:4.0f} ms), "
                 f"detach {d.guest * 1000:6.0f} ms (API {d.api * 1000:4.0f} ms)")
         add_step_times(data_dir / "vbs.db", volume_id, warm + done)
-        label = export if hypervisor == "qemu" else f"{export} ({hypervisor})"
-        return {"export": label, "boot_s": boot, "warmup": warm, "cycles": done, "note": note}
+        via = {"qemu": "", "command": " (virsh-path)"}.get(hypervisor, f" ({hypervisor})")
+        return {"export": f"{export}{via}", "protocol": export, "baseline": hypervisor == "qemu", "boot_s": boot,
+                "warmup": warm, "cycles": done, "note": note}
     finally:
         if guest is not None:
             guest.stop()
@@ -287,20 +296,28 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     lines = [f"# VBS attach / detach latency ({args.cycles} cycles per protocol, after 1 warm-up)", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), ""]
     rows = []
+
+    def p50_of(r: dict[str, Any], kind: str) -> float:
+        return pct([c.guest for c in r["cycles"] if c.kind == kind], 50)
+
     for r in results:
+        base = next((b for b in results if b.get("baseline") and b.get("protocol") == r.get("protocol")), None)
         for kind, rally in (("attach", RALLY_ATTACH_S), ("detach", RALLY_DETACH_S)):
             cs = [c for c in r["cycles"] if c.kind == kind]
             g = [c.guest for c in cs]
             mean = statistics.mean(g)
             p50 = pct(g, 50)
-            rows.append([r["export"], kind, f"{p50 * 1000:.0f}", f"{pct(g, 99) * 1000:.0f}", f"{mean * 1000:.0f}",
+            vs_qmp = f"{p50 / p50_of(base, kind):.2f}x" if base is not None else "–"
+            rows.append([r["export"], kind, f"{p50 * 1000:.0f}", vs_qmp, f"{pct(g, 99) * 1000:.0f}",
+                         f"{mean * 1000:.0f}",
                          f"{min(g) * 1000:.0f}–{max(g) * 1000:.0f}",
                          f"{pct([c.api for c in cs], 50) * 1000:.0f}",
                          f"{pct([c.settled for c in cs], 50) * 1000:.0f}",
                          f"{'met' if p50 < TARGET_P50_S else 'NOT met'}",
                          f"{rally:.1f} s / {mean:.2f} s = {rally / mean:.1f}x"])
     lines += ["## API call to the guest seeing (or releasing) the disk, ms", "",
-              table(["export", "op", "p50", "p99", "mean", "min–max", "API answer p50", "API settled p50",
+              table(["export", "op", "p50", "p50 / QMP's", "p99", "mean", "min–max", "API answer p50",
+                     "API settled p50",
                      f"p50 < {TARGET_P50_S:g} s", "Rally avg / VBS mean"], rows),
               "", "(API settled: the API reports the attachment attached / the volume available.)", ""]
     for r in results:
@@ -327,8 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exports", default="nbd,iscsi",
                    help="protocols, comma-separated (default nbd,iscsi); nbd-nodelay: NBD with TCP_NODELAY "
                         "forced on the export daemon after the warm-up (experimental)")
-    p.add_argument("--hypervisor", choices=("qemu", "libvirt"), default="qemu",
-                   help="the host agent's driver (libvirt: a libvirtd is started for the run)")
+    p.add_argument("--hypervisor", default="qemu",
+                   help="the host agent's drivers, comma-separated: qemu, libvirt, command (the virsh-path "
+                        "profile); libvirt and command start a libvirtd for the run")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="temporary install (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the temporary install (logs, console) afterwards")
@@ -344,16 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     work = Path(tempfile.mkdtemp(prefix="vbs-attach-", dir=args.work_dir))
     failed = False
-    libvirtd = Libvirtd(work / "libvirtd") if args.hypervisor == "libvirt" else None
+    hypervisors = args.hypervisor.split(",")
+    if not set(hypervisors) <= set(HYPERVISORS):
+        raise SystemExit(f"--hypervisor: some of {', '.join(HYPERVISORS)}")
+    libvirtd = Libvirtd(work / "libvirtd") if set(hypervisors) - {"qemu"} else None
+    runs = [(h, e) for h in hypervisors for e in args.exports.split(",")]
     try:
         if libvirtd is not None:
             libvirtd.setup()
-        for export in args.exports.split(","):
+        for hypervisor, export in runs:
             try:
-                results.append(run_protocol(export, args.cycles, work, args.hypervisor))
+                results.append(run_protocol(export, args.cycles, work, hypervisor))
             except Exception as exc:  # one protocol failing must not lose the other's figures
                 failed = True
-                log(f"{export}: FAILED {type(exc).__name__}: {exc}")
+                log(f"{export} ({hypervisor}): FAILED {type(exc).__name__}: {exc}")
     finally:
         if libvirtd is not None:
             libvirtd.teardown()
@@ -369,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": info, "cycles": args.cycles,
             "results": [{**r, "warmup": [vars(c) for c in r["warmup"]], "cycles": [vars(c) for c in r["cycles"]]}
                         for r in results]}, indent=1))
-    return 0 if len(results) == len(args.exports.split(",")) else 1
+    return 0 if len(results) == len(runs) else 1
 
 
 if __name__ == "__main__":
