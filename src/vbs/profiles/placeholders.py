@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass
 
 from vbs.errors import InvalidParameter
-from vbs.wire.connection import HOST_NAME_RE, IQN_RE
 
 __all__ = ["Placeholder", "LIBRARY", "check_floor", "FORBIDDEN"]
 
@@ -78,10 +77,6 @@ _HOST = r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9a-fA-F:.]{2,45}\]|[0-9.]{7,15}"
 _EXPORT = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
 
 
-def _strip(pattern: str) -> str:
-    return pattern.removeprefix("^").removesuffix("$")
-
-
 LIBRARY: dict[str, Placeholder] = {p.name: p for p in (
     Placeholder("vm", "the VM as the hypervisor names it (a domain name, a Xen domain, a Proxmox VMID)",
                 pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
@@ -95,7 +90,6 @@ LIBRARY: dict[str, Placeholder] = {p.name: p for p in (
     Placeholder("path", "a local path that opens the volume (made by a host connector, or a backend's file)",
                 pattern=_PATH),
     Placeholder("snapshot_path", "the local path of a snapshot", pattern=_PATH),
-    Placeholder("source_path", "the local path a new volume is copied or cloned from", pattern=_PATH),
     Placeholder("pool_path", "the backend's directory or volume group path", pattern=_PATH),
     Placeholder("access", "how the disk is opened: ro or rw", pattern=r"ro|rw"),
     Placeholder("size_bytes", "a size in bytes", minimum=0, maximum=64 << 40),
@@ -107,9 +101,5 @@ LIBRARY: dict[str, Placeholder] = {p.name: p for p in (
     Placeholder("nbd_port", "the NBD server's port", minimum=1, maximum=65535),
     Placeholder("nbd_export", "the NBD export name", pattern=_EXPORT),
     Placeholder("nbd_socket", "the NBD server's unix socket (an export on this machine)", pattern=rf"{_PATH}\.sock"),
-    Placeholder("iscsi_iqn", "the iSCSI target's IQN", pattern=_strip(IQN_RE)),
-    Placeholder("iscsi_portal", "the iSCSI portal as host:port", pattern=rf"(?:{_HOST}):[0-9]{{1,5}}"),
-    Placeholder("iscsi_lun", "the iSCSI LUN", minimum=0, maximum=255),
-    Placeholder("host", "a hypervisor node's name in VBS", pattern=_strip(HOST_NAME_RE.pattern)),
     Placeholder("format", "the image format", pattern=r"raw|qcow2"),
 )}

@@ -40,7 +40,7 @@ __all__ = ["CommandBackend", "BACKEND_PROFILES"]
 
 log = logging.getLogger(__name__)
 
-_VOL = frozenset({"volume", "path", "pool_path", "size_bytes", "size_mib", "format"})
+_VOL = frozenset({"volume", "path", "pool_path", "size_bytes", "size_mib", "size_gib", "format"})
 _SNAP = frozenset({"snapshot", "snapshot_path", "volume", "path", "pool_path", "format"})
 _TEMPLATE = r"[A-Za-z0-9_./{}-]{1,255}"
 
@@ -48,7 +48,7 @@ BACKEND_PROFILES = ProfileSchema(
     kind="backend",
     commands={
         "create": CommandSchema(_VOL, description="make an empty volume of size_bytes at path"),
-        "remove_volume": CommandSchema(_VOL - {"size_bytes", "size_mib"}, description="remove the volume"),
+        "remove_volume": CommandSchema(_VOL - {"size_bytes", "size_mib", "size_gib"}, description="remove the volume"),
         "snapshot": CommandSchema(_SNAP, description="copy the volume at path into snapshot_path"),
         "remove_snapshot": CommandSchema(_SNAP - {"volume", "path"}, description="remove the snapshot"),
         "clone": CommandSchema(_VOL | {"source_snapshot", "snapshot_path"},
@@ -291,6 +291,7 @@ class CommandBackend:
             values["snapshot_path"] = str(self._path("snapshot", str(given["snapshot"])))
         if "size_bytes" in given:
             values["size_mib"] = -(-int(str(given["size_bytes"])) // _MIB)
+            values["size_gib"] = -(-int(str(given["size_bytes"])) // (1024 * _MIB))
         return values
 
     def _make(self, path: Path, command: str, values: dict[str, object]) -> None:
