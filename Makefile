@@ -42,8 +42,9 @@ torture: setup
 bench: setup
 	$(BIN)/python bench/control_plane.py
 
+# make demo ARGS="--hypervisor libvirt" (or --export iscsi): see scripts/demo.py --help.
 demo: setup
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

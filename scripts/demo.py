@@ -36,6 +36,7 @@ from typing import Any
 
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest, default_cache_dir, pattern_sha256
+from vbs.testguest.libvirt import LibvirtGuest
 
 VBS = [sys.executable, "-m", "vbs"]
 HOST = "host-1"
@@ -85,10 +86,12 @@ def fill(template: str, **values: object) -> str:
 
 
 class Demo:
-    def __init__(self, workspace: Path, export: str) -> None:
+    def __init__(self, workspace: Path, export: str, hypervisor: str = "qemu") -> None:
         self.workspace = workspace
         self.data_dir = workspace
         self.export = export
+        self.hypervisor = hypervisor
+        self.libvirtd: Any = None  # a libvirtd this demo started (None: QEMU's own, or one already running)
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.up_log = workspace / "vbs-up.log"
@@ -242,11 +245,14 @@ class Demo:
         image = build_guest()
         self.time("guest image", time.monotonic() - t0)
 
-        print(f"$ vbs up --data-dir {self.data_dir} --port {self.port} --export {self.export}"
-              f"   {DIM}(in the background; log: {self.up_log}){RESET}", flush=True)
+        if self.hypervisor == "libvirt":
+            self.libvirtd = start_libvirtd(self.workspace / "libvirtd")
+        print(f"$ vbs up --data-dir {self.data_dir} --port {self.port} --export {self.export} "
+              f"--hypervisor {self.hypervisor}   {DIM}(in the background; log: {self.up_log}){RESET}", flush=True)
         with self.up_log.open("ab") as log:
             self.up = subprocess.Popen(  # noqa: S603 - argv list
-                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port), "--export", self.export],
+                [*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port), "--export", self.export,
+                 "--hypervisor", self.hypervisor],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                 preexec_fn=_own_session_and_follow_parent)  # noqa: PLW1509 - no threads yet
         deadline = time.monotonic() + 90
@@ -258,14 +264,18 @@ class Demo:
 
         vms_dir = self.data_dir / "vms"
         for name in ("vm1", "vm2"):
-            guest = TestGuest(name, self.guest_dir, image, vms_dir)
+            if self.hypervisor == "libvirt":
+                guest: TestGuest = LibvirtGuest(name, self.guest_dir, image)
+                print(f"booting test guest {name} as a transient libvirt domain (QEMU, TCG)", flush=True)
+            else:
+                guest = TestGuest(name, self.guest_dir, image, vms_dir)
+                print(f"booting test guest {name} under QEMU (TCG), QMP socket {guest.qmp_path}", flush=True)
             self.guests[name] = guest
-            print(f"booting test guest {name} under QEMU (TCG), QMP socket {guest.qmp_path}", flush=True)
             guest.start()
         for name, guest in self.guests.items():
             boot = guest.wait_ready(180)
             self.time("guest boot", boot)
-            self.outcome(f"{name} booted in {fmt_s(boot)} (pid {guest.pid})")
+            self.outcome(f"{name} booted in {fmt_s(boot)}" + (f" (pid {guest.pid})" if guest.pid else ""))
 
         nodes = self.vbs("describe-storage-nodes")["storage_nodes"]
         for n in nodes:
@@ -302,6 +312,9 @@ class Demo:
                 self.up.kill()
                 self.up.wait()
         reap_export_daemons(self.data_dir / "storage-state")
+        if self.libvirtd is not None:
+            self.libvirtd.teardown()
+            self.libvirtd = None
         return leftovers(self.workspace)
 
     # -- use case (a) -------------------------------------------------------------------------------
@@ -526,6 +539,27 @@ def print_log_tails(demo: Demo) -> None:
                 print(f"    {line}", file=sys.stderr)
 
 
+def start_libvirtd(workdir: Path) -> Any:
+    """A libvirtd for the demo: None if one answers already (it is used), else one started the way the
+    tests start theirs (system paths made and removed again, stopped by its PID: tests/libvirtd.py)."""
+    import libvirt
+
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+    try:
+        libvirt.open("qemu:///system").close()
+        print("using the libvirtd that runs already (qemu:///system)", flush=True)
+        return None
+    except libvirt.libvirtError:
+        pass
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from tests.libvirtd import Libvirtd
+
+    print(f"starting a libvirtd for the demo (its log: {workdir}/libvirtd.log)", flush=True)
+    return Libvirtd(workdir).setup()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -533,6 +567,9 @@ def main() -> int:
                         "instead of a temporary one")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, pool, DB)")
     parser.add_argument("--export", choices=("nbd", "iscsi"), default="nbd", help="how volumes reach the host")
+    parser.add_argument("--hypervisor", choices=("qemu", "libvirt"), default="qemu",
+                        help="the guests as QEMU processes (QMP) or as libvirt domains (a libvirtd already "
+                             "running is used, else the demo starts one for its run)")
     args = parser.parse_args()
 
     def _raise(signum: int, _frame: FrameType | None) -> None:
@@ -551,7 +588,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("note: not root; the export daemons and QEMU may need it", file=sys.stderr)
 
-    demo = Demo(workspace, args.export)
+    demo = Demo(workspace, args.export, args.hypervisor)
     t0 = time.monotonic()
     error: str | None = None
     interrupted = False

@@ -156,7 +156,7 @@ class Libvirtd:
                 if gid is not None and not _exists("group", USER):
                     # userdel takes the user's same-named group with it: that one was there before.
                     subprocess.run(["groupadd", "--system", "-g", str(gid), USER], check=False)
-            if self._made_group:
+            if self._made_group and _exists("group", USER):  # userdel may have taken it already
                 subprocess.run(["groupdel", USER], check=False)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
