@@ -153,3 +153,44 @@ def test_a_failing_command_leaves_its_output_in_the_operation(cloud: libvirt_e2e
                               f"<target dev='vdb' bus='virtio'/></disk>", libvirt.VIR_DOMAIN_AFFECT_LIVE)
     finally:
         conn.close()
+
+
+@pytest.fixture(scope="module")
+def virsh_cloud(libvirtd: Libvirtd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
+    """vbs up with the `virsh` profile: libvirt opens the NBD export itself (`vbs up` serves NBD on a unix
+    socket on this machine, plaintext), given to `virsh attach-disk --source-protocol nbd`."""
+    tmp = tmp_path_factory.mktemp("command-virsh")
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", "nbd", "--hypervisor", "command", "--profile", "virsh"],
+               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
+    vbs = up.start()
+    vm1 = LibvirtGuest("cmdn-vm1", tmp / "guests", image)
+    try:
+        vm1.start()
+        vm1.wait_ready(120)
+        yield libvirt_e2e.Cloud("nbd", vbs, up, vm1, vm1, libvirtd)
+    finally:
+        try:
+            vm1.stop()
+        finally:
+            up.stop()
+
+
+def test_the_virsh_profile_gives_libvirt_an_nbd_network_disk(virsh_cloud: libvirt_e2e.Cloud) -> None:
+    cloud = virsh_cloud
+    vol_id = cloud.new_volume()
+    serial = virtio_serial(vol_id)
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "cmdn-vm1", "--wait")
+    dev = cloud.vm1.wait_for_disk(serial, 30)
+    xml = cloud.vm1.domain().XMLDesc(0)
+    disk = xml[xml.rindex("<disk", 0, xml.index(serial)):xml.index("</disk>", xml.index(serial))]
+    assert "protocol='nbd'" in disk and "transport='unix'" in disk, disk
+    written = cloud.vm1.write_pattern(dev, "virsh-nbd", 4)
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm1.wait_disk_gone(serial, 30)
+    cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "cmdn-vm1", "--wait")
+    dev = cloud.vm1.wait_for_disk(serial, 30)
+    assert cloud.vm1.checksum(dev, 4) == written
+    cloud.vbs.cli("detach-volume", vol_id, "--wait")
+    cloud.vm1.wait_disk_gone(serial, 30)
+    assert cloud.exports() == []

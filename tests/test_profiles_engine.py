@@ -147,3 +147,16 @@ def test_children_get_no_secret_from_the_agents_environment(tmp_path: Path, monk
     out = prof.run("list_vms", {})
     assert "VBS_AGENT_TOKEN" not in out.stdout and "PATH" in out.stdout
     assert os.environ["VBS_AGENT_TOKEN"] == "s3cret"
+
+
+def test_argument_groups_are_given_only_with_their_value(tmp_path: Path) -> None:
+    group = '{ when = "serial", args = ["--serial", "{serial}"] }'
+    text = GOOD.replace('"target={target}"]', f'"target={{target}}", {group}]')
+    prof = load_profile(SCHEMA, str(write(tmp_path, text)))
+    values = {"vm": "web-1", "path": "/run/vbs/disk", "target": "vdb", "serial": "vol0123456789abcdef0"}
+    assert prof.render("attach", values)[0][-2:] == ["--serial", "vol0123456789abcdef0"]
+    del values["serial"]
+    assert prof.render("attach", values)[0][-1] == "target=vdb"
+    bad = GOOD.replace('"target={target}"]', '"target={target}", { when = "nosuch", args = ["x"] }]')
+    with pytest.raises(ProfileError, match="unknown placeholder 'nosuch'"):
+        load_profile(SCHEMA, str(write(tmp_path, bad)))

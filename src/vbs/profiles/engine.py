@@ -42,6 +42,7 @@ from vbs.processes import minimal_environment
 from vbs.profiles.placeholders import LIBRARY, Placeholder, check_floor
 
 __all__ = [
+    "ArgGroup",
     "CommandSchema",
     "ProfileSchema",
     "CommandSpec",
@@ -97,19 +98,37 @@ class ProfileSchema:
 
 
 @dataclass(frozen=True)
+class ArgGroup:
+    """Arguments given only when VBS has a value for ``when`` (``{ when = "nbd_socket", args = [...] }``
+    in an argv: a unix socket's flags, or a host and port's, in one profile)."""
+
+    when: str
+    args: tuple[str, ...]
+
+
+Arg = str | ArgGroup
+
+
+def _flat(args: Sequence[Arg]) -> list[str]:
+    return [t for a in args for t in ((a,) if isinstance(a, str) else a.args)]
+
+
+@dataclass(frozen=True)
 class CommandSpec:
     name: str
-    argv: tuple[str, ...]
+    argv: tuple[Arg, ...]
     timeout: float
     expect: str | None = None
     lines: re.Pattern[str] | None = None
     # A second argv run once the first succeeded (a monitor that takes one command per call).
-    then: tuple[str, ...] | None = None
+    then: tuple[Arg, ...] | None = None
 
     @property
     def fields(self) -> frozenset[str]:
         """The placeholders and settings its templates name."""
-        return frozenset(_fields_of([*self.argv, *(self.then or ()), *((self.expect,) if self.expect else ())]))
+        groups = [a.when for a in (*self.argv, *(self.then or ())) if isinstance(a, ArgGroup)]
+        return frozenset(_fields_of([*_flat(self.argv), *_flat(self.then or ()),
+                                     *((self.expect,) if self.expect else ())]) + groups)
 
 
 @dataclass(frozen=True)
@@ -152,7 +171,16 @@ class Profile:
         (and the settings) put in. Every value is checked first, in every argv: one that fails
         raises ``InvalidParameter`` and nothing runs."""
         spec = self._spec(command)
-        return [[self._render_one(arg, values) for arg in args] for args in (spec.argv, spec.then) if args]
+        return [self._render_args(args, values) for args in (spec.argv, spec.then) if args]
+
+    def _render_args(self, args: Sequence[Arg], values: Mapping[str, object]) -> list[str]:
+        out: list[str] = []
+        for arg in args:
+            if isinstance(arg, str):
+                out.append(self._render_one(arg, values))
+            elif values.get(arg.when) is not None:
+                out.extend(self._render_one(a, values) for a in arg.args)
+        return out
 
     def fill(self, template: str, values: Mapping[str, object]) -> str:
         """One template (a path pattern of the profile's options) with checked ``values`` put in."""
@@ -397,15 +425,33 @@ def _command(check: _Checker, name: str, body: object, schema: CommandSchema, de
         raise fail(f"unknown key {key!r} in [commands.{name}] (expecting argv, then, timeout, expect, lines)",
                    f"{key} ", f"{key}=")
 
-    def argv_of(key: str) -> list[str]:
-        args = body[key]
-        if isinstance(args, str):
+    def strings(items: object, key: str) -> list[str]:
+        if (not isinstance(items, list) or not items or len(items) > _MAX_ARGS
+                or not all(isinstance(a, str) and a and len(a) <= 1024 for a in items)):
+            raise fail(f"[commands.{name}] {key} must be a non-empty list of at most {_MAX_ARGS} strings "
+                       "(or { when = PLACEHOLDER, args = [...] } groups)", key)
+        return items
+
+    def argv_of(key: str) -> list[Arg]:
+        raw = body[key]
+        if isinstance(raw, str):
             raise fail(f"[commands.{name}] {key} must be a list of arguments, never a shell line", key)
-        if (not isinstance(args, list) or not args or len(args) > _MAX_ARGS
-                or not all(isinstance(a, str) and a and len(a) <= 1024 for a in args)):
-            raise fail(f"[commands.{name}] {key} must be a non-empty list of at most {_MAX_ARGS} strings", key)
-        if not re.fullmatch(r"[A-Za-z0-9_./+-]+", args[0]) or "{" in args[0]:
-            raise fail(f"[commands.{name}] the program {args[0][:60]!r} must be a fixed name or path", args[0])
+        if not isinstance(raw, list) or not raw or len(raw) > _MAX_ARGS:
+            raise fail(f"[commands.{name}] {key} must be a non-empty list of at most {_MAX_ARGS} arguments", key)
+        args: list[Arg] = []
+        for item in raw:
+            if isinstance(item, dict):
+                if set(item) != {"when", "args"} or not isinstance(item["when"], str):
+                    raise fail(f"[commands.{name}] a group of {key} is {{ when = PLACEHOLDER, args = [...] }}", "when")
+                if item["when"] not in placeholders or item["when"] not in schema.placeholders:
+                    raise fail(f"[commands.{name}] unknown placeholder {item['when']!r} in a group's when",
+                               str(item["when"]))
+                args.append(ArgGroup(item["when"], tuple(strings(item["args"], key))))
+            else:
+                args.extend(strings([item], key))
+        if not isinstance(args[0], str) or not re.fullmatch(r"[A-Za-z0-9_./+-]+", args[0]):
+            raise fail(f"[commands.{name}] the program {str(args[0])[:60]!r} must be a fixed name or path",
+                       str(args[0]))
         return args
 
     if "argv" not in body:
@@ -423,7 +469,7 @@ def _command(check: _Checker, name: str, body: object, schema: CommandSchema, de
         except re.error as exc:
             raise fail(f"[commands.{name}] lines is not a valid regular expression: {exc}", "lines") from exc
     timeout = _timeout(check, body.get("timeout", default_timeout), f"[commands.{name}] timeout")
-    templates = list(args) + (then or []) + ([expect] if expect else [])
+    templates = _flat(args) + _flat(then or []) + ([expect] if expect else [])
     for template in templates:
         try:
             used = _fields_of([template])
