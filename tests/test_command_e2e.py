@@ -12,7 +12,6 @@ in no argv and no domain XML.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,12 +19,11 @@ import libvirt
 import pytest
 
 from tests import test_libvirt_e2e as libvirt_e2e
-from tests.conftest import VbsUp
 from tests.libvirtd import URI, Libvirtd
 from tests.test_attach_e2e import detach_is_busy_until_forced
+from tests.test_resolvers import lab_profile
 from vbs.ids import virtio_serial
-from vbs.testguest import build_guest
-from vbs.testguest.libvirt import LibvirtGuest, domain_xml
+from vbs.testguest.libvirt import domain_xml
 
 pytestmark = pytest.mark.integration
 
@@ -33,47 +31,13 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
 def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
-    export = request.param
-    tmp = tmp_path_factory.mktemp(f"command-{export}")
-    image = build_guest()
-    resolver = lab_resolver(tmp)
-    up = VbsUp(tmp / "var", tmp / "up.log",
-               extra=["--export", export, "--hypervisor", "command", "--profile", "virsh-path"],
-               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3",
-                    "VBS_CONTROLLER_RESOLVERS": json.dumps({"nova": "libvirt-metadata", "lab": f"command:{resolver}"})})
-    vbs = up.start()
-    vm1 = LibvirtGuest("cmd-vm1", tmp / "guests", image)
-    vm2 = LibvirtGuest("cmd-vm2", tmp / "guests", image)
-    try:
-        vm1.start()
-        vm2.start()
-        vm1.wait_ready(120)
-        vm2.wait_ready(120)
-        yield libvirt_e2e.Cloud(export, vbs, up, vm1, vm2, libvirtd)
-    finally:
-        try:
-            vm1.stop()
-            vm2.stop()
-        finally:
-            up.stop()
-
-
-def lab_resolver(tmp: Path) -> Path:
-    """A command resolver profile whose script maps the lab's ids: lab-1 is cmd-vm1 on host-1."""
-    script = tmp / "lab-lookup"
-    script.write_text(f"#!{sys.executable}\nimport sys\n"
-                      "print({'lab-1': 'host-1 cmd-vm1', 'lab-2': 'host-1 cmd-vm2'}.get(sys.argv[1], ''))\n")
-    script.chmod(0o700)
-    profile = tmp / "lab.toml"
-    profile.write_text(f"""[profile]
-kind = "resolver"
-[placeholders]
-id = "lab-[0-9]{{1,6}}"
-[commands.resolve]
-argv = ["{script}", "{{id}}"]
-lines = '^(?P<host>[a-z0-9.-]+) (?P<vm>[A-Za-z0-9._-]+)$'
-""")
-    return profile
+    tmp = tmp_path_factory.mktemp(f"command-{request.param}")
+    resolver = lab_profile(tmp, {"lab-1": "host-1 cmd-vm1", "lab-2": "host-1 cmd-vm2"})
+    resolvers = json.dumps({"nova": "libvirt-metadata", "lab": f"command:{resolver}"})
+    with libvirt_e2e.libvirt_cloud(tmp, request.param, libvirtd, ("cmd-vm1", "cmd-vm2"),
+                                   ["--hypervisor", "command", "--profile", "virsh-path"],
+                                   {"VBS_CONTROLLER_RESOLVERS": resolvers}) as c:
+        yield c
 
 
 def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud: libvirt_e2e.Cloud) -> None:
@@ -159,21 +123,9 @@ def test_a_failing_command_leaves_its_output_in_the_operation(cloud: libvirt_e2e
 def virsh_cloud(libvirtd: Libvirtd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
     """vbs up with the `virsh` profile: libvirt opens the NBD export itself (`vbs up` serves NBD on a unix
     socket on this machine, plaintext), given to `virsh attach-disk --source-protocol nbd`."""
-    tmp = tmp_path_factory.mktemp("command-virsh")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", "nbd", "--hypervisor", "command", "--profile", "virsh"],
-               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
-    vbs = up.start()
-    vm1 = LibvirtGuest("cmdn-vm1", tmp / "guests", image)
-    try:
-        vm1.start()
-        vm1.wait_ready(120)
-        yield libvirt_e2e.Cloud("nbd", vbs, up, vm1, vm1, libvirtd)
-    finally:
-        try:
-            vm1.stop()
-        finally:
-            up.stop()
+    with libvirt_e2e.libvirt_cloud(tmp_path_factory.mktemp("command-virsh"), "nbd", libvirtd,
+                                   ("cmdn-vm1", "cmdn-vm1"), ["--hypervisor", "command", "--profile", "virsh"]) as c:
+        yield c
 
 
 def test_the_virsh_profile_gives_libvirt_an_nbd_network_disk(virsh_cloud: libvirt_e2e.Cloud) -> None:

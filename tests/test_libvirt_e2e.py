@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,30 +51,36 @@ class Cloud(attach_e2e.Cloud):
         return r.json()["disks"]  # type: ignore[no-any-return]
 
 
+@contextmanager
+def libvirt_cloud(tmp: Path, export: str, libvirtd: Libvirtd, vms: tuple[str, str], extra: list[str],
+                  env: dict[str, str] | None = None) -> Iterator[Cloud]:
+    """``vbs up --export EXPORT EXTRA`` and two transient domains of the test guest, stopped after."""
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export, *extra],
+               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3", **(env or {})})
+    vbs = up.start()
+    # Started after the host agent connected to libvirtd: they come to it as lifecycle events.
+    guests = [LibvirtGuest(name, tmp / "guests", image) for name in dict.fromkeys(vms)]
+    try:
+        for guest in guests:
+            guest.start()
+        for guest in guests:
+            guest.wait_ready(120)
+        yield Cloud(export, vbs, up, guests[0], guests[-1], libvirtd)
+    finally:
+        try:
+            for guest in guests:
+                guest.stop()
+        finally:
+            up.stop()  # whatever a VM's stop raised: vbs up's daemons outlive it otherwise
+
+
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
 def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
-    export = request.param
-    tmp = tmp_path_factory.mktemp(f"libvirt-{export}")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export, "--hypervisor", "libvirt"],
-               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"})
-    vbs = up.start()
-    # Started after the host agent connected to libvirtd: they come to it as lifecycle events.
-    vm1 = LibvirtGuest("lv-vm1", tmp / "guests", image)
-    vm2 = LibvirtGuest("lv-vm2", tmp / "guests", image)
-    try:
-        vm1.start()
-        vm2.start()
-        vm1.wait_ready(120)
-        vm2.wait_ready(120)
-        yield Cloud(export, vbs, up, vm1, vm2, libvirtd)
-    finally:
-        try:
-            vm1.stop()
-            vm2.stop()
-        finally:
-            up.stop()  # whatever a VM's stop raised: vbs up's daemons outlive it otherwise
+    tmp = tmp_path_factory.mktemp(f"libvirt-{request.param}")
+    with libvirt_cloud(tmp, request.param, libvirtd, ("lv-vm1", "lv-vm2"), ["--hypervisor", "libvirt"]) as c:
+        yield c
 
 
 def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:

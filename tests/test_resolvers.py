@@ -37,13 +37,16 @@ def db(tmp_path: Path) -> Database:
     return db
 
 
-def lab_profile(tmp_path: Path, *, lines: str = r'^(?P<host>[a-z0-9.-]+) (?P<vm>[A-Za-z0-9._-]+)$') -> Path:
-    """A resolver profile whose command is a script: lab-1 → hv-1 plain, anything else unknown."""
+def lab_profile(tmp_path: Path, answers: dict[str, str] | None = None, *,
+                lines: str = r'^(?P<host>[a-z0-9.-]+) (?P<vm>[A-Za-z0-9._-]+)$') -> Path:
+    """A resolver profile whose command is a script printing ``answers[id]`` (``HOST VM``) after a
+    header line, or nothing for an unknown id; every id it is run with is appended to ``ran``."""
+    answers = {"lab-1": "hv-1 plain"} if answers is None else answers
     script = tmp_path / "lab-lookup"
     script.write_text(f"#!{sys.executable}\nimport sys\n"
                       f"open({str(tmp_path / 'ran')!r}, 'a').write(sys.argv[1] + '\\n')\n"
                       "print('# lab inventory')\n"
-                      "print('hv-1 plain' if sys.argv[1] == 'lab-1' else '')\n")
+                      f"print({answers!r}.get(sys.argv[1], ''))\n")
     script.chmod(0o700)
     path = tmp_path / "lab.toml"
     path.write_text(f"""\
