@@ -23,7 +23,6 @@ from tests.libvirtd import URI, Libvirtd
 from tests.test_attach_e2e import detach_is_busy_until_forced
 from tests.test_resolvers import lab_profile
 from vbs.ids import virtio_serial
-from vbs.testguest.libvirt import domain_xml
 
 pytestmark = pytest.mark.integration
 
@@ -73,15 +72,8 @@ def _local_paths(cloud: libvirt_e2e.Cloud) -> list[Path]:
 
 @pytest.fixture
 def bare_domain(cloud: libvirt_e2e.Cloud) -> Iterator[str]:
-    """A domain with no OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
-    conn = libvirt.open(URI)
-    dom = conn.createXML(domain_xml("cmd-bare", None, None, 64), 0)
-    try:
-        cloud.instance("host-1", "cmd-bare")
-        yield "cmd-bare"
-    finally:
-        dom.destroy()
-        conn.close()
+    with libvirt_e2e.bare_domain_named(cloud, "cmd-bare") as name:
+        yield name
 
 
 def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: libvirt_e2e.Cloud, bare_domain: str) -> None:

@@ -132,17 +132,23 @@ def _or_none(call: Any) -> Any:
         return None
 
 
-@pytest.fixture
-def bare_domain(cloud: Cloud) -> Iterator[str]:
+@contextmanager
+def bare_domain_named(cloud: Cloud, name: str) -> Iterator[str]:
     """A domain with no OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
     conn = libvirt.open(URI)
-    dom = conn.createXML(domain_xml("lv-bare", None, None, 64), 0)
+    dom = conn.createXML(domain_xml(name, None, None, 64), 0)
     try:
-        cloud.instance("host-1", "lv-bare")
-        yield "lv-bare"
+        cloud.instance("host-1", name)
+        yield name
     finally:
         dom.destroy()
         conn.close()
+
+
+@pytest.fixture
+def bare_domain(cloud: Cloud) -> Iterator[str]:
+    with bare_domain_named(cloud, "lv-bare") as name:
+        yield name
 
 
 def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: Cloud, bare_domain: str) -> None:
