@@ -65,6 +65,18 @@ def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud:
     cloud.vm2.wait_disk_gone(serial, 30)
     assert cloud.vbs.volume(vol_id)["status"] == "available"
 
+    # Through the REST API: hostile ids are refused before the script runs, an unknown one is 404.
+    ran = cloud.vbs.data_dir.parent / "ran"  # lab_profile's script logs each id it is run with
+    # (A newline is a control character: the request schema's floor refuses it before any resolver.)
+    for ref, status, code in [*((f"lab:{h}", 400, "InvalidInstanceID.Malformed")
+                                for h in ["lab-1 x", "lab-1;id", "$(reboot)", "`id`", "../etc", "'a'"]),
+                              ("lab:lab-1\nx", 400, "InvalidParameterValue"),
+                              ("lab:lab-9", 404, "InvalidInstanceID.NotFound")]:
+        r = cloud.vbs.http.post(f"/v1/volumes/{vol_id}/attach", json={"instance_id": ref})
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    assert cloud.vbs.volume(vol_id)["attachments"] == []
+    assert ran.read_text() == "lab-2\nlab-9\n", "only well-formed ids reached the script"
+
 
 def _local_paths(cloud: libvirt_e2e.Cloud) -> list[Path]:
     return [p for p in (cloud.vbs.data_dir).rglob("local-paths/*/disk")]
