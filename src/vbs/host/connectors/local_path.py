@@ -16,6 +16,7 @@ opened again. Nothing secret is written to the state directory or put on an argv
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -38,6 +39,7 @@ from vbs.host.connectors.base import QemuIds, open_in_qemu
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpError, connect_until
+from vbs.runtime import socket_path
 from vbs.wire.connection import AnyConnection
 
 __all__ = ["LocalPaths", "LOCAL_PATH_KEY_RE"]
@@ -79,7 +81,8 @@ class _Opened:
     def __init__(self, root: Path, key: str) -> None:
         self.dir = root / key
         self.path = self.dir / "disk"
-        self.socket = self.dir / "qmp.sock"
+        # In the key's directory when the path fits a unix socket (107 bytes), else under /run/vbs.
+        self.socket = socket_path(self.dir, "qmp.sock")
         self.meta = self.dir / "opened.json"
         sock = str(self.socket)
         self.daemon = Daemon(DaemonSpec(
@@ -135,6 +138,10 @@ class LocalPaths:
                 self._stop(item)
             _unmount(item.path)
             shutil.rmtree(item.dir, ignore_errors=True)
+            if item.socket.parent != item.dir:
+                item.socket.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    item.socket.parent.rmdir()  # the /run/vbs fallback of a long state path
             self._opened.pop(key, None)
 
     def close_all(self) -> None:
