@@ -32,7 +32,8 @@ app.add_typer(db_app, name="db")
 
 
 class Context:
-    def __init__(self, endpoint: str, fmt: str, ca_bundle: str | None = None) -> None:
+    def __init__(self, endpoint: str, fmt: str, ca_bundle: str | None = None, *, paginate: bool = True) -> None:
+        self.paginate = paginate
         self.endpoint = endpoint
         self.fmt = fmt
         self.ca_bundle = ca_bundle
@@ -59,13 +60,24 @@ def _global(
     endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help=(
         "Controller URL, or several separated by commas (the next is tried when one fails)."))] =
         f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",
-    output_format: Annotated[str, typer.Option("--output", "-o", help="auto | table | json")] = "auto",
+    output_format: Annotated[str, typer.Option(
+        "--output", "-o", help="auto | table | json | yaml | text (auto: a table on a terminal, else JSON)")] = "auto",
     ca_bundle: Annotated[str | None, typer.Option(envvar="VBS_CA_BUNDLE",
                                                   help="CA certificate to verify an https endpoint with.")] = None,
+    query: Annotated[str | None, typer.Option(
+        help="A JMESPath expression applied to the answer before it is printed, as the AWS CLI's --query "
+             "(e.g. \"volumes[?status=='available'].volume_id\").")] = None,
+    no_paginate: Annotated[bool, typer.Option(
+        "--no-paginate", help="Describe commands: the first page only (and its next token), not every page.")]
+    = False,
 ) -> None:
-    if output_format not in ("auto", "table", "json"):
-        raise typer.BadParameter("--output must be auto, table or json")
-    ctx.obj = Context(endpoint, output_format, ca_bundle)
+    if output_format not in output.FORMATS:
+        raise typer.BadParameter(f"--output must be one of {', '.join(output.FORMATS)}")
+    try:
+        output.configure(output_format, query)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate)
 
 
 def _tags(values: list[str] | None) -> dict[str, str]:
@@ -81,6 +93,8 @@ def _tags(values: list[str] | None) -> dict[str, str]:
 def _pages(c: Context, path: str, collection: str, params: list[tuple[str, str]]) -> dict[str, Any]:
     """Every page of a describe, merged: the API answers at most 1,000 items a call."""
     body = c.client.call("GET", f"{path}?" + urlencode(params))
+    if not c.paginate:
+        return dict(body)  # --no-paginate: this page and its next token
     items = list(body[collection])
     while body.get("next_token"):
         body = c.client.call("GET", f"{path}?" + urlencode([*params, ("next_token", body["next_token"])]))
@@ -101,8 +115,8 @@ def _describe(c: Context, collection: str, id_param: str, resource_ids: list[str
         if next_token:
             params.append(("next_token", next_token))
         body = c.client.call("GET", f"/v1/{collection}?" + urlencode(params))
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
+    if output.is_machine(c.fmt):
+        output.emit(body, c.fmt)
         return
     output.emit(body[collection], c.fmt, columns)
     if body.get("next_token"):
@@ -111,10 +125,12 @@ def _describe(c: Context, collection: str, id_param: str, resource_ids: list[str
 
 def _describe_all(c: Context, collection: str, path: str, columns: list[output.Column]) -> None:
     body = _pages(c, path, collection, [("max_results", "1000")])
-    if output.resolve_format(c.fmt) == "json":
-        output.emit(body, "json")
+    if output.is_machine(c.fmt):
+        output.emit(body, c.fmt)
     else:
         output.emit(body[collection], c.fmt, columns)
+        if body.get("next_token"):
+            print(f"next token: {body['next_token']}")
 
 
 # -- volumes ---------------------------------------------------------------------------------------
@@ -377,7 +393,7 @@ def drain_storage_node(
     Prints the volumes and snapshots that still live on it."""
     c: Context = ctx.obj
     found = c.client.call("POST", f"/v1/storage-nodes/{quote(name, safe='')}/drain", {"undo": undo})
-    if output.resolve_format(c.fmt) == "json":
+    if output.is_machine(c.fmt):
         output.emit(found, "json")
         return
     node = found["storage_node"]
@@ -418,7 +434,7 @@ def describe_availability_zones(ctx: typer.Context) -> None:
     """The zones of the storage nodes: available while one of their nodes is up."""
     c: Context = ctx.obj
     body = c.client.call("GET", "/v1/availability-zones")
-    output.emit(body if output.resolve_format(c.fmt) == "json" else body["availability_zones"], c.fmt,
+    output.emit(body if output.is_machine(c.fmt) else body["availability_zones"], c.fmt,
                 output.ZONE_COLUMNS)
 
 
@@ -433,7 +449,7 @@ def check(
     c: Context = ctx.obj
     report = (c.client.call("POST", f"/v1/admin/reconcile?now={str(now).lower()}") if repair
               else c.client.call("GET", "/v1/admin/check"))
-    if output.resolve_format(c.fmt) == "json":
+    if output.is_machine(c.fmt):
         output.emit(report, "json")
     else:
         print(f"checked {report['storage_nodes']} storage node(s) and {report['hosts']} host(s): "
@@ -464,7 +480,7 @@ def create_key(
     """Make an access key (admin only); its secret is shown this once."""
     c: Context = ctx.obj
     key = c.client.call("POST", "/v1/keys", {"tenant": tenant, "role": role})
-    if output.resolve_format(c.fmt) == "json":
+    if output.is_machine(c.fmt):
         output.emit({"access_key_id": key["access_key_id"], "secret_access_key": key["secret_access_key"]}, "json")
     else:
         print(f"access key id:     {key['access_key_id']}\nsecret access key: {key['secret_access_key']}\n"
@@ -483,7 +499,7 @@ def describe_keys(ctx: typer.Context) -> None:
     """Access keys, their tenants and roles, never their secrets (admin only)."""
     c: Context = ctx.obj
     body = c.client.call("GET", "/v1/keys")
-    output.emit(body if output.resolve_format(c.fmt) == "json" else body["keys"], c.fmt, output.KEY_COLUMNS)
+    output.emit(body if output.is_machine(c.fmt) else body["keys"], c.fmt, output.KEY_COLUMNS)
 
 
 @app.command("describe-operation")
@@ -834,7 +850,7 @@ def rotate_keys(
 
 def _rotate_access_key(c: Context, access_key_id: str) -> None:
     key = c.client.call("POST", f"/v1/keys/{access_key_id}/rotate")
-    if output.resolve_format(c.fmt) == "json":
+    if output.is_machine(c.fmt):
         output.emit({"access_key_id": key["access_key_id"], "secret_access_key": key["secret_access_key"],
                      "replaces": access_key_id}, "json")
     else:
@@ -875,10 +891,53 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
         print(token)
 
 
+# Options of the whole CLI (its callback): with a value, and flags.
+_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query")
+_GLOBAL_FLAGS = ("--no-paginate",)
+# Commands that run a service: their options are their own (host-agent has a --profile of its own).
+_SERVICES = {"up", "controller", "storage-agent", "host-agent"}
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """Global options anywhere on the line, as the AWS CLI takes them: those after the command are
+    moved before it (``vbs describe-volumes --output json`` is ``vbs --output json describe-volumes``).
+    Nothing after ``--`` moves; a service command's line is left as it is."""
+    pos = 0
+    while pos < len(argv) and argv[pos].startswith("-"):  # globals already before the command
+        pos += 2 if argv[pos] in _GLOBAL_VALUED else 1
+    if pos >= len(argv) or argv[pos] in _SERVICES:
+        return argv
+    head, command, rest = argv[:pos], argv[pos], argv[pos + 1:]
+    moved: list[str] = []
+    kept: list[str] = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--":
+            kept += rest[i:]
+            break
+        name = arg.split("=", 1)[0]
+        if name in _GLOBAL_VALUED:
+            if "=" in arg:
+                moved.append(arg)
+                i += 1
+            else:
+                moved += rest[i:i + 2]
+                i += 2
+        elif arg in _GLOBAL_FLAGS:
+            moved.append(arg)
+            i += 1
+        else:
+            kept.append(arg)
+            i += 1
+    return [*head, *moved, command, *kept]
+
+
 def main() -> None:
     # A client that moves on to another endpoint says so on stderr (vbs.web logs it); the services
     # replace this with their own logging (vbs.logs).
     logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
+    sys.argv[1:] = hoist_global_options(sys.argv[1:])
     try:
         app()
     except VbsError as exc:

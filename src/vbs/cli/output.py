@@ -159,15 +159,47 @@ ZONE_COLUMNS: list[Column] = [
 ]
 
 
+FORMATS = ("auto", "table", "json", "yaml", "text")
+
+
+class _Settings:
+    """The invocation's --output and --query (one CLI process answers one command)."""
+
+    machine = "json"  # how whole answers print: json, yaml, text, or a generic table (--query on a terminal)
+    query: Any = None  # a compiled JMESPath expression
+
+
+_settings = _Settings()
+
+
+def configure(fmt: str, query: str | None) -> None:
+    """Set --output and --query; an invalid query raises ValueError with JMESPath's reason."""
+    import jmespath
+
+    resolved = resolve_format(fmt)
+    _settings.query = None
+    if query is not None:
+        try:
+            _settings.query = jmespath.compile(query)
+        except jmespath.exceptions.JMESPathError as exc:
+            raise ValueError(f"--query: {exc}") from exc
+    _settings.machine = resolved if resolved != "table" else ("table" if query is not None else "json")
+
+
 def resolve_format(fmt: str) -> str:
     if fmt == "auto":
         return "table" if sys.stdout.isatty() else "json"
     return fmt
 
 
+def is_machine(fmt: str) -> bool:
+    """Whether the whole answer is printed (json, yaml, text, or a --query result), not its table."""
+    return resolve_format(fmt) != "table" or _settings.query is not None
+
+
 def emit(data: Any, fmt: str, columns: list[Column] | None = None, *, title: str | None = None) -> None:
-    if resolve_format(fmt) == "json" or columns is None:
-        print(json.dumps(data, indent=2))
+    if is_machine(fmt) or columns is None:
+        _print_whole(_settings.query.search(data) if _settings.query is not None else data)
         return
     rows = data if isinstance(data, list) else [data]
     table = Table(title=title)
@@ -177,4 +209,68 @@ def emit(data: Any, fmt: str, columns: list[Column] | None = None, *, title: str
     for row in rows:
         table.add_row(*(str(get(row)) for _, get in columns))
     # Piped into a file or another program, lines need not fit a terminal.
+    Console(width=None if sys.stdout.isatty() else 250).print(table)
+
+
+def _print_whole(data: Any) -> None:
+    kind = _settings.machine
+    if kind == "yaml":
+        import yaml
+
+        print(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False), end="")
+    elif kind == "text":
+        for line in _text(data):
+            print(line)
+    elif kind == "table":
+        _generic_table(data)
+    else:
+        print(json.dumps(data, indent=2))
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    return str(value) if not isinstance(value, dict | list) else json.dumps(value)
+
+
+def _text(data: Any) -> list[str]:
+    """The AWS CLI's text form: a list of scalars on one line, tab-separated; a record's scalar
+    values on one line (in the API's field order), its lists below it."""
+    if isinstance(data, list):
+        if all(not isinstance(x, dict | list) for x in data):
+            return ["\t".join(_scalar(x) for x in data)] if data else []
+        return [line for x in data for line in _text(x)]
+    if isinstance(data, dict):
+        scalars = [_scalar(v) for v in data.values() if not isinstance(v, dict | list)]
+        lines = ["\t".join(scalars)] if scalars else []
+        for value in data.values():
+            if isinstance(value, dict | list):
+                lines += _text(value)
+        return lines
+    return [_scalar(data)]
+
+
+def _generic_table(data: Any) -> None:
+    """A --query result on a terminal: records as rows, a list as one column, a record as key/value."""
+    table = Table()
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        keys = list(dict.fromkeys(k for x in data for k in x))
+        for k in keys:
+            table.add_column(k, no_wrap=True)
+        for x in data:
+            table.add_row(*(_scalar(x.get(k, "")) for k in keys))
+    elif isinstance(data, list):
+        table.add_column("Value", no_wrap=True)
+        for x in data:
+            table.add_row(_scalar(x))
+    elif isinstance(data, dict):
+        table.add_column("Key", no_wrap=True)
+        table.add_column("Value")
+        for k, v in data.items():
+            table.add_row(str(k), _scalar(v))
+    else:
+        print(_scalar(data))
+        return
     Console(width=None if sys.stdout.isatty() else 250).print(table)

@@ -1,0 +1,99 @@
+"""The CLI's AWS habits: global options anywhere on the line, --output table|json|yaml|text,
+--query (JMESPath) and --no-paginate — the README's own quick-start line included."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import VBS, Vbs, running_vbs_up
+from vbs.cli import output
+from vbs.cli.main import hoist_global_options
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["describe-volumes", "--filter", "status=available", "--output", "json"],
+     ["--output", "json", "describe-volumes", "--filter", "status=available"]),
+    (["describe-volumes", "-o", "yaml", "--query", "volumes[0]", "--no-paginate"],
+     ["-o", "yaml", "--query", "volumes[0]", "--no-paginate", "describe-volumes"]),
+    (["--endpoint", "http://x", "describe-volumes", "--output=text"],
+     ["--endpoint", "http://x", "--output=text", "describe-volumes"]),
+    (["create-volume", "--comment", "x", "--", "--output"], ["create-volume", "--comment", "x", "--", "--output"]),
+    (["host-agent", "--profile", "virsh", "--output", "json"],
+     ["host-agent", "--profile", "virsh", "--output", "json"]),
+    ([], []),
+])
+def test_global_options_move_before_the_command(argv: list[str], expected: list[str]) -> None:
+    assert hoist_global_options(argv) == expected
+
+
+@pytest.mark.unit
+def test_text_and_yaml_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    body = {"volumes": [{"volume_id": "vol-1", "size_gib": 1, "tags": {"a": "b"}},
+                        {"volume_id": "vol-2", "size_gib": 2, "tags": {}}], "next_token": None}
+    output.configure("text", None)
+    output.emit(body, "text")
+    assert capsys.readouterr().out.splitlines() == ["None", "vol-1\t1", "b", "vol-2\t2"]
+    output.configure("text", "volumes[].volume_id")
+    output.emit(body, "text")
+    assert capsys.readouterr().out == "vol-1\tvol-2\n"
+    output.configure("yaml", "volumes[?size_gib > `1`]")
+    output.emit(body, "yaml")
+    assert yaml.safe_load(capsys.readouterr().out) == [body["volumes"][1]]
+    with pytest.raises(ValueError, match="--query"):
+        output.configure("json", "volumes[?")
+    output.configure("json", None)
+
+
+def run_cli(vbs: Vbs, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VBS_ENDPOINT": vbs.endpoint, "VBS_ACCESS_KEY_ID": vbs.key.access_key_id,
+           "VBS_SECRET_ACCESS_KEY": vbs.key.secret_access_key}
+    return subprocess.run([*VBS, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def vbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
+    with running_vbs_up(tmp_path_factory.mktemp("cli")) as v:
+        yield v
+
+
+@pytest.mark.integration
+def test_the_readme_line_and_friends_work_as_typed(vbs: Vbs, tmp_path: Path) -> None:
+    made = [vbs.cli("create-volume", "--size", "1", "--tag", "team=db", "--wait")["volume_id"] for _ in range(3)]
+    vbs.cli("create-volume", "--size", "1", "--tag", "team=web", "--wait")
+
+    r = run_cli(vbs, "describe-volumes", "--filter", "status=available", "--filter", "tag:team=db", "--output", "json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(v["volume_id"] for v in json.loads(r.stdout)["volumes"]) == sorted(made)
+
+    r = run_cli(vbs, "describe-volumes", "--filter", "tag:team=db", "--query", "volumes[].volume_id", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.loads(r.stdout)) == sorted(made)
+
+    r = run_cli(vbs, "describe-volumes", "--filter", "tag:team=db", "--output", "yaml")
+    doc: Any = yaml.safe_load(r.stdout)
+    assert sorted(v["volume_id"] for v in doc["volumes"]) == sorted(made)
+
+    r = run_cli(vbs, "describe-volumes", "--filter", "tag:team=db", "--output", "text", "--query",
+                "volumes[].[volume_id, status]")
+    assert sorted(r.stdout.splitlines()) == sorted(f"{v}\tavailable" for v in made)
+
+    # --no-paginate: the first page only, and its token.
+    r = run_cli(vbs, "describe-volumes", "--no-paginate", "--output", "json", "--filter", "tag:team=db")
+    assert len(json.loads(r.stdout)["volumes"]) == 3
+    r = run_cli(vbs, "describe-volumes", "--max-results", "5", "--output", "json")
+    body = json.loads(r.stdout)
+    assert len(body["volumes"]) == 4 and body.get("next_token") is None
+
+    bad = run_cli(vbs, "describe-volumes", "--query", "volumes[?", "--output", "json")
+    assert bad.returncode == 2 and "--query" in bad.stderr
+    bad = run_cli(vbs, "describe-volumes", "--output", "xml")
+    assert bad.returncode == 2 and "--output must be one of" in bad.stderr
