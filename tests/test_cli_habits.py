@@ -97,3 +97,39 @@ def test_the_readme_line_and_friends_work_as_typed(vbs: Vbs, tmp_path: Path) -> 
     assert bad.returncode == 2 and "--query" in bad.stderr
     bad = run_cli(vbs, "describe-volumes", "--output", "xml")
     assert bad.returncode == 2 and "--output must be one of" in bad.stderr
+
+
+def _volume(i: int) -> dict[str, Any]:
+    return {"volume_id": f"vol-0123456789abcdef{i}", "size_gib": 10, "status": "available", "progress": 100,
+            "snapshot_id": "snap-0123456789abcdef0", "storage_node": "storage-node-1", "pool": "default",
+            "availability_zone": "us-east-1a", "volume_status": "ok",
+            "attachments": [{"instance_id": "i-0123456789abcdef0", "vm_id": "vm1", "host": "host-1",
+                             "device": "vdb", "state": "attached"}],
+            "comment": "a volume with a long comment that takes room", "tags": {"team": "db", "env": "prod"},
+            "created_at": "2026-11-24T01:02:03.456Z"}
+
+
+@pytest.mark.unit
+def test_a_table_fits_the_terminal_without_cutting_an_id_or_a_status() -> None:
+    from rich.console import Console
+
+    output.configure("table", None)
+    console = Console(width=120, record=True, force_terminal=False)
+    output.print_table(console, [_volume(i) for i in range(3)], output.VOLUME_COLUMNS)
+    text = console.export_text()
+    assert all(len(line) <= 120 for line in text.splitlines())
+    assert "vol-0123456789abcdef1" in text and "available" in text and "availab…" not in text
+    assert "10 GiB" in text and "host-1" in text  # size and attachment come next
+    assert "hidden at this width" in text
+
+    output.configure("table", None, "volumeid,Status,Tags")
+    console = Console(width=120, record=True)
+    output.print_table(console, [_volume(1)], output.VOLUME_COLUMNS)
+    header = console.export_text().splitlines()[1]
+    assert [h.strip() for h in header.strip("┃ ").split("┃")] == ["VolumeId", "Status", "Tags"]
+    output.configure("table", None, "VolumeId,Nope")
+    from vbs.errors import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="no column Nope"):
+        output.print_table(console, [_volume(1)], output.VOLUME_COLUMNS)
+    output.configure("json", None)

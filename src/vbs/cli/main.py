@@ -70,11 +70,14 @@ def _global(
     no_paginate: Annotated[bool, typer.Option(
         "--no-paginate", help="Describe commands: the first page only (and its next token), not every page.")]
     = False,
+    columns: Annotated[str | None, typer.Option(
+        help="Tables: these columns, comma-separated (e.g. VolumeId,Status,Size,Tags); default: what fits the "
+             "terminal, most important first.")] = None,
 ) -> None:
     if output_format not in output.FORMATS:
         raise typer.BadParameter(f"--output must be one of {', '.join(output.FORMATS)}")
     try:
-        output.configure(output_format, query)
+        output.configure(output_format, query, columns)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate)
@@ -892,7 +895,7 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 
 
 # Options of the whole CLI (its callback): with a value, and flags.
-_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query")
+_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns")
 _GLOBAL_FLAGS = ("--no-paginate",)
 # Commands that run a service: their options are their own (host-agent has a --profile of its own).
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}

@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from vbs.errors import InvalidParameter
+
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
@@ -167,15 +169,17 @@ class _Settings:
 
     machine = "json"  # how whole answers print: json, yaml, text, or a generic table (--query on a terminal)
     query: Any = None  # a compiled JMESPath expression
+    columns: list[str] = []  # --columns: the table's columns, by name
 
 
 _settings = _Settings()
 
 
-def configure(fmt: str, query: str | None) -> None:
-    """Set --output and --query; an invalid query raises ValueError with JMESPath's reason."""
+def configure(fmt: str, query: str | None, columns: str | None = None) -> None:
+    """Set --output, --query and --columns; an invalid query raises ValueError with JMESPath's reason."""
     import jmespath
 
+    _settings.columns = [c.strip() for c in columns.split(",") if c.strip()] if columns else []
     resolved = resolve_format(fmt)
     _settings.query = None
     if query is not None:
@@ -202,14 +206,56 @@ def emit(data: Any, fmt: str, columns: list[Column] | None = None, *, title: str
         _print_whole(_settings.query.search(data) if _settings.query is not None else data)
         return
     rows = data if isinstance(data, list) else [data]
-    table = Table(title=title)
-    for i, (name, _) in enumerate(columns):
-        # Ids are what people copy from the table: never cut them.
-        table.add_column(name, no_wrap=i == 0, min_width=len(name))
-    for row in rows:
-        table.add_row(*(str(get(row)) for _, get in columns))
     # Piped into a file or another program, lines need not fit a terminal.
-    Console(width=None if sys.stdout.isatty() else 250).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 250)
+    print_table(console, rows, columns, title=title)
+
+
+# Never cut: what people copy (the first column, an id) and what they look for (a status).
+_UNCUT = {"Status", "State"}
+# Kept first when the terminal is narrow, after the id: then the rest in their order.
+_IMPORTANT = ("Status", "State", "Size", "Attachments", "Instance", "VolumeId", "Host", "VM")
+
+
+def choose_columns(columns: list[Column], names: list[str]) -> list[Column]:
+    """The columns ``--columns`` names (case-insensitive), in its order; an unknown one is an error."""
+    by_name = {name.lower(): (name, get) for name, get in columns}
+    unknown = [n for n in names if n.lower() not in by_name]
+    if unknown:
+        raise InvalidParameter(f"--columns: no column {', '.join(unknown)} (this table has: "
+                               f"{', '.join(name for name, _ in columns)})")
+    return [by_name[n.lower()] for n in names]
+
+
+def print_table(console: Console, rows: list[dict[str, Any]], columns: list[Column], *,
+                title: str | None = None) -> None:
+    """A table that fits the console: with ``--columns`` those columns; else, when the columns do not
+    fit, the least important ones are left out (never the id or the status, which are never cut)."""
+    if _settings.columns:
+        columns = choose_columns(columns, _settings.columns)
+    cells = [[str(get(row)) for _, get in columns] for row in rows]
+    widths = [max([len(name), *(len(r[i]) for r in cells)]) for i, (name, _) in enumerate(columns)]
+    keep = list(range(len(columns)))
+    if not _settings.columns:
+        rank = sorted(range(1, len(columns)), key=lambda i: (
+            _IMPORTANT.index(columns[i][0]) if columns[i][0] in _IMPORTANT else len(_IMPORTANT), i))
+        while len(keep) > 1 and sum(widths[i] + 3 for i in keep) + 1 > console.width:
+            droppable = [i for i in reversed(rank) if i in keep and columns[i][0] not in _UNCUT]
+            if not droppable:
+                break
+            keep.remove(droppable[0])
+    table = Table(title=title)
+    for i in keep:
+        name = columns[i][0]
+        uncut = i == 0 or name in _UNCUT
+        table.add_column(name, no_wrap=uncut, min_width=widths[i] if uncut else len(name))
+    for r in cells:
+        table.add_row(*(r[i] for i in keep))
+    console.print(table)
+    if len(keep) < len(columns):
+        left = ", ".join(columns[i][0] for i in range(len(columns)) if i not in keep)
+        console.print(f"(hidden at this width: {left}; --columns chooses)",
+                      style="dim")
 
 
 def _print_whole(data: Any) -> None:
