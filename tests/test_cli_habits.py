@@ -133,3 +133,29 @@ def test_a_table_fits_the_terminal_without_cutting_an_id_or_a_status() -> None:
     with pytest.raises(InvalidParameter, match="no column Nope"):
         output.print_table(console, [_volume(1)], output.VOLUME_COLUMNS)
     output.configure("json", None)
+
+
+@pytest.mark.integration
+def test_named_profiles_give_the_endpoint_and_the_key(vbs: Vbs, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / "vbs").mkdir(parents=True)
+    (home / "vbs" / "config").write_text(f"[default]\nendpoint = http://127.0.0.1:1\n\n"
+                                         f"[profile lab]\nendpoint = {vbs.endpoint}\n")
+    (home / "vbs" / "credentials").write_text(f"[lab]\naws_access_key_id = {vbs.key.access_key_id}\n"
+                                              f"aws_secret_access_key = {vbs.key.secret_access_key}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VBS_")}
+    env["XDG_CONFIG_HOME"] = str(home)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*VBS, *args], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    r = cli("describe-volumes", "--profile", "lab", "--output", "json")
+    assert r.returncode == 0, r.stderr
+    assert "volumes" in json.loads(r.stdout)
+    r = cli("describe-volumes", "--output", "json")  # the default profile's endpoint: nobody there
+    assert r.returncode == 1 and "127.0.0.1:1" in r.stderr, r.stderr
+    r = cli("--profile", "nope", "describe-volumes")
+    assert r.returncode == 1 and "no profile 'nope'" in r.stderr and "lab" in r.stderr, r.stderr
+    (home / "vbs" / "credentials").write_text("[other]\n")
+    r = cli("describe-volumes", "--profile", "lab")
+    assert r.returncode == 1 and "no access key for profile 'lab'" in r.stderr, r.stderr

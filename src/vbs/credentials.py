@@ -114,13 +114,21 @@ def register_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None 
     write_private(path, text.getvalue())
 
 
-def for_client(endpoints: Sequence[str], env: dict[str, str] | None = None) -> AccessKey | None:
+def for_client(endpoints: Sequence[str], env: dict[str, str] | None = None, *,
+               profile: str | None = None) -> AccessKey | None:
     """The key a client on this machine uses for ``endpoints`` (the controllers of one install), looked
-    for in the documented order; of the keys ``vbs up`` recorded, the first endpoint's that has one."""
+    for in the documented order; of the keys ``vbs up`` recorded, the first endpoint's that has one.
+    With a named ``profile`` (``--profile``), its section of the user's credentials file, or none."""
     env = dict(os.environ) if env is None else env
     key = from_env(env)
     if key is not None:
         return key
+    if profile is not None:
+        found = read(user_file(env), profile) if user_file(env).exists() else []
+        if not found:
+            raise InvalidParameter(f"no access key for profile {profile!r} in {user_file(env)} "
+                                   f"([{profile}] aws_access_key_id, aws_secret_access_key)")
+        return found[0]
     candidates: list[tuple[Path, str]] = []
     if env.get("VBS_CREDENTIALS_FILE"):
         candidates.append((Path(env["VBS_CREDENTIALS_FILE"]), "default"))

@@ -32,8 +32,10 @@ app.add_typer(db_app, name="db")
 
 
 class Context:
-    def __init__(self, endpoint: str, fmt: str, ca_bundle: str | None = None, *, paginate: bool = True) -> None:
+    def __init__(self, endpoint: str | None, fmt: str, ca_bundle: str | None = None, *, paginate: bool = True,
+                 profile: str | None = None) -> None:
         self.paginate = paginate
+        self.profile = profile
         self.endpoint = endpoint
         self.fmt = fmt
         self.ca_bundle = ca_bundle
@@ -43,10 +45,15 @@ class Context:
     def client(self) -> ApiClient:
         """The client of the endpoints (checked here: the service commands do not use them)."""
         if self._client is None:
-            urls = endpoints.parse(self.endpoint, what="--endpoint (VBS_ENDPOINT)")
-            key = credentials.for_client(urls)
+            from vbs.cli import profiles
+
+            # --endpoint and --ca-bundle (or their variables) first, then the named profile's.
+            named = profiles.load(self.profile or "default")
+            endpoint = self.endpoint or named.endpoint or f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
+            urls = endpoints.parse(endpoint, what="--endpoint (VBS_ENDPOINT)")
+            key = credentials.for_client(urls, profile=self.profile)
             self._client = ApiClient(urls, key.bearer if key else None, timeout=60,
-                                     verify=client_verify(self.ca_bundle))
+                                     verify=client_verify(self.ca_bundle or named.ca_bundle))
         return self._client
 
     @property
@@ -57,9 +64,12 @@ class Context:
 @app.callback()
 def _global(
     ctx: typer.Context,
-    endpoint: Annotated[str, typer.Option(envvar="VBS_ENDPOINT", help=(
-        "Controller URL, or several separated by commas (the next is tried when one fails)."))] =
-        f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",
+    endpoint: Annotated[str | None, typer.Option(envvar="VBS_ENDPOINT", help=(
+        "Controller URL, or several separated by commas (the next is tried when one fails); default: the "
+        f"profile's, else http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}."))] = None,
+    profile: Annotated[str | None, typer.Option(envvar="VBS_PROFILE", help=(
+        "A named profile of ~/.config/vbs/config (endpoint, ca_bundle) with its key in "
+        "~/.config/vbs/credentials, as the AWS CLI's."))] = None,
     output_format: Annotated[str, typer.Option(
         "--output", "-o", help="auto | table | json | yaml | text (auto: a table on a terminal, else JSON)")] = "auto",
     ca_bundle: Annotated[str | None, typer.Option(envvar="VBS_CA_BUNDLE",
@@ -80,7 +90,7 @@ def _global(
         output.configure(output_format, query, columns)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate)
+    ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate, profile=profile)
 
 
 def _tags(values: list[str] | None) -> dict[str, str]:
@@ -895,7 +905,7 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 
 
 # Options of the whole CLI (its callback): with a value, and flags.
-_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns")
+_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile")
 _GLOBAL_FLAGS = ("--no-paginate",)
 # Commands that run a service: their options are their own (host-agent has a --profile of its own).
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}
