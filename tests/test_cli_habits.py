@@ -159,3 +159,10 @@ def test_named_profiles_give_the_endpoint_and_the_key(vbs: Vbs, tmp_path: Path) 
     (home / "vbs" / "credentials").write_text("[other]\n")
     r = cli("describe-volumes", "--profile", "lab")
     assert r.returncode == 1 and "no access key for profile 'lab'" in r.stderr, r.stderr
+
+
+@pytest.mark.integration
+def test_shell_completion_is_offered() -> None:
+    r = subprocess.run([*VBS, "--show-completion"], env={**os.environ, "SHELL": "/bin/bash"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "_vbs_completion" in r.stdout and "complete " in r.stdout, r.stderr

@@ -26,7 +26,7 @@ from vbs.errors import InvalidParameter, VbsError
 from vbs.tls import client_verify
 from vbs.web import ApiClient
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help="VBS — the Virtual Block Store.")
 app.add_typer(db_app, name="db")
 
