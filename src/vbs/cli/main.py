@@ -952,7 +952,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
     try:
-        app()
+        app(prog_name="vbs")
     except VbsError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         sys.exit(1)
