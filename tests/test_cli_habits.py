@@ -166,3 +166,19 @@ def test_shell_completion_is_offered() -> None:
     r = subprocess.run([*VBS, "--show-completion"], env={**os.environ, "SHELL": "/bin/bash"}, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "_vbs_completion" in r.stdout and "complete " in r.stdout, r.stderr
+
+
+@pytest.mark.integration
+def test_every_error_is_one_line_with_its_code_and_a_hint(tmp_path: Path) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VBS_")}, "XDG_CONFIG_HOME": str(tmp_path)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*VBS, *args], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+    r = cli("create-volume", "--sise", "1")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: InvalidParameterValue: No such option: --sise") and \
+        "(see: vbs create-volume --help)" in r.stderr
+    r = cli("describe-volumes", "--endpoint", "http://127.0.0.1:1")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: AgentUnavailable:") and "(hint: is the controller running?" in r.stderr

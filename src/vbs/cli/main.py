@@ -951,8 +951,39 @@ def main() -> None:
     # replace this with their own logging (vbs.logs).
     logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
+    # Typer carries its own copy of click (typer==0.29 is pinned): its errors are these classes.
+    from typer._click import exceptions as click
+
     try:
-        app(prog_name="vbs")
+        code = app(prog_name="vbs", standalone_mode=False)
+    except click.NoArgsIsHelpError as exc:
+        print(exc.format_message())
+        sys.exit(0)
+    except click.UsageError as exc:
+        # One line, as every error of this CLI: what is wrong, and where the help is.
+        where = exc.ctx.command_path if exc.ctx is not None else "vbs"
+        message = " ".join(exc.format_message().split())
+        print(f"error: InvalidParameterValue: {message} (see: {where} --help)", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as exc:
+        print(f"error: {' '.join(exc.format_message().split())}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
     except VbsError as exc:
-        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        hint = _HINTS.get(exc.code) or _HINTS.get(exc.code.split(".")[-1], "")
+        print(f"error: {exc.code}: {exc.message}{f' (hint: {hint})' if hint else ''}", file=sys.stderr)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+# What to try next, by error code (the message says what is wrong).
+_HINTS = {
+    "NotFound": "the describe command of that kind lists what exists",
+    "AuthFailure": "check VBS_ACCESS_KEY_ID/VBS_SECRET_ACCESS_KEY, --profile, or the key vbs up printed",
+    "UnauthorizedOperation": "an admin key can; vbs create-key makes one",
+    "AgentUnavailable": "is the controller running? (vbs up starts one; --endpoint points elsewhere)",
+    "IncorrectState": "vbs describe-volumes shows its status and attachments",
+    "VolumeInUse": "detach it first: vbs detach-volume",
+}
