@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from vbs import drivers
-from vbs.config import ControllerConfig
+from vbs.config import DRIVER_NAME_RE, ControllerConfig
 from vbs.controller.db import Database
 from vbs.controller.resolvers.base import InstanceResolver, Location
 from vbs.errors import DriverError, InvalidParameter, NotFound
@@ -23,7 +23,7 @@ from vbs.errors import DriverError, InvalidParameter, NotFound
 __all__ = ["Resolvers", "InstanceResolver", "Location", "SCHEME_RE", "is_cloud_ref"]
 
 SCHEME_RE = r"[a-z][a-z0-9-]{0,31}"
-_SETTING_RE = r"(?P<driver>[a-z0-9][a-z0-9_-]{0,31})(?::(?P<arg>[A-Za-z0-9_./-]{1,255}))?"
+_SETTING_RE = rf"(?P<driver>{DRIVER_NAME_RE.strip('^$')})(?::(?P<arg>[A-Za-z0-9_./-]{{1,255}}))?"
 
 
 def is_cloud_ref(instance_id: str) -> bool:

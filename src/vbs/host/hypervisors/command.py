@@ -127,7 +127,7 @@ class CommandDriver:
                 raise IncorrectState(f"disk {serial} is attached to VM {known.vm} on this host, not {vm_id}")
             if known is not None and self._present(known):
                 return self._info(known)
-            if vm_id not in {vm.vm_id for vm in self.list_vms()}:
+            if not self._vm_running(vm_id):
                 raise NotFound(f"VM {vm_id} is not running on this host", code="InvalidInstanceID.NotFound")
             disk = known or self._new_disk(disks, vm_id, serial, read_only)
             values = self._values(disk)
@@ -235,7 +235,7 @@ class CommandDriver:
         if self.form == "path":
             self.paths.close(disk.serial)
         disks = self._load()
-        if disks.get(disk.serial) == disk or (disk.serial in disks and disks[disk.serial].vm == disk.vm):
+        if disk.serial in disks and disks[disk.serial].vm == disk.vm:
             del disks[disk.serial]
             self._save(disks)
 
