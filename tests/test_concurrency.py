@@ -438,7 +438,7 @@ def _summary(shared: Shared, samples: int, elapsed: float) -> str:
 def test_fifty_clients_at_once_leave_only_legal_outcomes(world: World) -> None:
     vbs = world.vbs
     volumes = [vbs.create_volume(size_gib=1)["volume_id"] for _ in range(5)]
-    multi = vbs.create_volume(size_gib=1, multi_attach=True)["volume_id"]
+    multi = vbs.create_volume(size_gib=4, volume_type="io2", iops=4000, multi_attach=True)["volume_id"]
     for v in [*volumes, multi]:
         vbs.wait_volume(v, "available")
     snapshots = []
@@ -553,7 +553,7 @@ def _attach(world: World, vol: str, vm: str) -> None:
 
 
 def test_multi_attach_detach_from_one_vm_keeps_the_other_vms_export(world: World) -> None:
-    vol = world.vbs.create_volume(size_gib=1, multi_attach=True)["volume_id"]
+    vol = world.vbs.create_volume(size_gib=4, volume_type="io2", iops=4000, multi_attach=True)["volume_id"]
     world.vbs.wait_volume(vol, "available")
     _attach(world, vol, "bare1")
     _attach(world, vol, "bare2")

@@ -135,7 +135,7 @@ _TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 @settings(max_examples=150, deadline=None)
 @given(ids=st.lists(_TEXT, max_size=30),
        filters=st.dictionaries(_TEXT.filter(bool), st.lists(_TEXT, min_size=1, max_size=5), max_size=6),
-       tags=st.dictionaries(_TEXT, _TEXT, max_size=10))
+       tags=st.dictionaries(_TEXT, _TEXT, min_size=1, max_size=10))
 def test_botocore_serialisation_round_trips_exactly(ids: list[str], filters: dict[str, list[str]],
                                                     tags: dict[str, str]) -> None:
     q = roundtrip("DescribeVolumes", {"VolumeIds": ids,
@@ -286,8 +286,12 @@ def test_tags_getters() -> None:
 
 def test_tag_specifications_getter() -> None:
     q = q_of(TagSpecification__1__ResourceType="volume", TagSpecification__1__Tag__1__Key="a",
-             TagSpecification__1__Tag__1__Value="1", TagSpecification__2__ResourceType="snapshot")
-    assert q.tag_specifications() == [("volume", {"a": "1"}), ("snapshot", {})]
+             TagSpecification__1__Tag__1__Value="1", TagSpecification__2__ResourceType="snapshot",
+             TagSpecification__2__Tag__1__Key="b")
+    assert q.tag_specifications() == [("volume", {"a": "1"}), ("snapshot", {"b": ""})]
+    # EC2 refuses a specification without tags (a client would believe it tagged something).
+    invalid(lambda: q_of(TagSpecification__1__ResourceType="volume").tag_specifications(),
+            "must have at least one tag")
     invalid(lambda: q_of(TagSpecification__1__Tags__1__Key="a").tag_specifications(), "Unexpected parameter")
     missing(lambda: q_of(TagSpecification__1__Tag__1__Value="a").tag_specifications(), "TagSpecification.1.Tag.1.Key")
     invalid(lambda: q_of(TagSpecification__1__Tag__1__Key="a", TagSpecification__1__Tag__2__Key="a")

@@ -270,7 +270,8 @@ def test_schemathesis_finds_no_5xx_and_rejected_requests_change_nothing(service:
             # Aim at a real resource too, so bodies are checked against a volume/snapshot that exists.
             params = {p.name for p in op.path_parameters}
             if "volume_id" in params:
-                vol = svc.new_volume(multi_attach=mode == GenerationMode.POSITIVE)
+                multi = {"size_gib": 4, "volume_type": "io2", "iops": 4000, "multi_attach": True}
+                vol = svc.new_volume(**(multi if mode == GenerationMode.POSITIVE else {}))
                 run(op, mode, f"{op.label} {mode.value} (real volume)", path_parameters={"volume_id": vol})
             if "snapshot_id" in params:
                 vol = svc.new_volume()

@@ -338,6 +338,44 @@ def create_snapshot(
         raise typer.Exit(1)
 
 
+@app.command("copy-snapshot")
+def copy_snapshot(
+    ctx: typer.Context,
+    snapshot_id: str,
+    comment: Annotated[str, typer.Option()] = "",
+    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")] = False,
+) -> None:
+    """Copy a snapshot (yours, or one shared with you) into a new snapshot of yours."""
+    c: Context = ctx.obj
+    snap = c.client.call("POST", "/v1/snapshot-copies", {"source_snapshot_id": snapshot_id, "comment": comment,
+                                                         "tags": _tags(tag)})
+    if wait:
+        snap = wait_for(c.client, f"/v1/snapshots/{snap['snapshot_id']}", busy={"pending"},
+                        label=f"snapshot {snap['snapshot_id']}", show=c.interactive)
+    output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)
+    if snap["status"] == "error":
+        raise typer.Exit(1)
+
+
+@app.command("share-snapshot")
+def share_snapshot(
+    ctx: typer.Context,
+    snapshot_id: str,
+    with_: Annotated[list[str] | None, typer.Option("--with", help="A tenant, or all; repeatable.")] = None,
+    revoke: Annotated[list[str] | None, typer.Option(help="A tenant (or all) to stop sharing with; repeatable.")]
+    = None,
+) -> None:
+    """Let other tenants make volumes from (and copy) a snapshot of yours; without options, show who may."""
+    c: Context = ctx.obj
+    path = f"/v1/snapshots/{snapshot_id}/permissions"
+    if with_ or revoke:
+        out = c.client.call("POST", path, {"add": with_ or [], "remove": revoke or []})
+    else:
+        out = c.client.call("GET", path)
+    output.emit(out, c.fmt, output.PERMISSION_COLUMNS)
+
+
 @app.command("delete-snapshot")
 def delete_snapshot(ctx: typer.Context, snapshot_id: str) -> None:
     """Delete a snapshot (volumes made from it stay)."""

@@ -43,6 +43,10 @@ VOLUME_COLUMNS: list[Column] = [
     ("Created", lambda v: v["created_at"][:19]),
 ]
 
+PERMISSION_COLUMNS: list[Column] = [
+    ("SnapshotId", lambda p: p["snapshot_id"]),
+    ("SharedWith", lambda p: ", ".join(p["create_volume_permission"]) or "(no one)"),
+]
 SNAPSHOT_COLUMNS: list[Column] = [
     ("SnapshotId", lambda s: s["snapshot_id"]),
     ("VolumeId", lambda s: s["volume_id"]),

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller import attachments, modifications, moves, snapshots, tags, volumes
+from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
@@ -30,6 +31,7 @@ from vbs.controller.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
     ControllerList,
+    CopySnapshotRequest,
     CreateKeyRequest,
     CreateSnapshotRequest,
     CreateTagsRequest,
@@ -50,6 +52,8 @@ from vbs.controller.schemas import (
     OperationOut,
     SnapshotList,
     SnapshotOut,
+    SnapshotPermissionsOut,
+    SnapshotPermissionsRequest,
     StepOut,
     StorageNodeList,
     VolumeList,
@@ -118,7 +122,8 @@ def _volume_routes(r: APIRouter) -> None:
     def describe_volumes(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
                          max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                          svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeList:
-        return volumes.describe_volumes(svc, who.tenant, volume_id, parse_filters(filter), max_results, next_token)
+        return volumes.describe_volumes(svc, who.tenant, volume_id, parse_filters(filter), max_results, next_token,
+                                        deleted_by_id=True)
 
     @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
     def get_volume(volume_id: str, svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeOut:
@@ -189,6 +194,27 @@ def _snapshot_routes(r: APIRouter) -> None:
     def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services),
                         who: Principal = Depends(caller)) -> SnapshotOut:
         return snapshots.delete_snapshot(svc, snapshot_id, who.tenant)
+
+    @r.post("/snapshot-copies", response_model=SnapshotOut, tags=["snapshots"])
+    def copy_snapshot(body: CopySnapshotRequest, svc: Controller = Depends(services),
+                      who: Principal = Depends(caller)) -> SnapshotOut:
+        return snapshots.copy_snapshot(svc, body, who.tenant)
+
+    @r.get("/snapshots/{snapshot_id}/permissions", response_model=SnapshotPermissionsOut, tags=["snapshots"])
+    def snapshot_permissions(snapshot_id: str, svc: Controller = Depends(services),
+                             who: Principal = Depends(caller)) -> SnapshotPermissionsOut:
+        with svc.db.read() as s:
+            sharing.owned_snapshot(s, snapshot_id, who.tenant)
+            return SnapshotPermissionsOut(snapshot_id=snapshot_id,
+                                          create_volume_permission=sharing.grantees(s, snapshot_id))
+
+    @r.post("/snapshots/{snapshot_id}/permissions", response_model=SnapshotPermissionsOut, tags=["snapshots"])
+    def modify_snapshot_permissions(snapshot_id: str, body: SnapshotPermissionsRequest,
+                                    svc: Controller = Depends(services),
+                                    who: Principal = Depends(caller)) -> SnapshotPermissionsOut:
+        with svc.db.session() as s:
+            granted = sharing.modify(s, snapshot_id, who.tenant, add=body.add, remove=body.remove)
+        return SnapshotPermissionsOut(snapshot_id=snapshot_id, create_volume_permission=granted)
 
 
 def _node_routes(r: APIRouter) -> None:

@@ -6,9 +6,10 @@ import base64
 import binascii
 import re
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Select, exists, false, select, true
+from sqlalchemy import ColumnElement, Select, and_, exists, false, or_, select, true
 
 from vbs.controller.db import Tag
 from vbs.errors import InvalidParameter
@@ -78,6 +79,52 @@ def constant(value: bool) -> Callable[[list[str]], ColumnElement[bool]]:
         if not wanted <= {"true", "false"}:
             raise InvalidParameter("Invalid filter value: expecting true or false.")
         return true() if str(value).lower() in wanted else false()
+
+    return clause
+
+
+# A time filter value: a UTC timestamp, cut anywhere after the year with a trailing "*" (EC2's wildcard).
+_TIME_RE = re.compile(r"(\d{4})(?:-(\d{2})(?:-(\d{2})(?:T(\d{2})(?::(\d{2})(?::(\d{2})(?:\.(\d{1,6}))?)?)?)?)?)?")
+
+
+def time_span(value: str) -> tuple[datetime, datetime]:
+    """The instants ``value`` names: ``2026-11-26T08:30:00.000Z`` (that millisecond), ``2026-11-26T08:30:00Z``
+    (that second), or a prefix ending in ``*`` (``2026-11-*``: that month)."""
+    wild = value.endswith("*")
+    text = value.rstrip("*").rstrip("-T:.")
+    text = text[:-1] if not wild and text.endswith("Z") else text
+    match = _TIME_RE.fullmatch(text)
+    if match is None or (not wild and match.group(6) is None):
+        raise ValueError(f"{value[:40]!r} is not a time: give 2026-11-26T08:30:00Z, or a prefix ending in * "
+                         "(2026-11-26T08:*)")
+    year = int(match.group(1))
+    month, day, hour, minute, second = (int(g) if g else None for g in match.groups()[1:6])
+    fraction = match.group(7)
+    try:
+        start = datetime(year, month or 1, day or 1, hour or 0, minute or 0, second or 0,
+                         int((fraction or "0").ljust(6, "0")), tzinfo=UTC)
+    except ValueError as exc:
+        raise ValueError(f"{value[:40]!r} is not a time: {exc}") from None
+    if fraction is not None:
+        return start, start + timedelta(microseconds=10 ** (6 - len(fraction)))
+    for unit, step in ((second, timedelta(seconds=1)), (minute, timedelta(minutes=1)), (hour, timedelta(hours=1)),
+                       (day, timedelta(days=1))):
+        if unit is not None:
+            return start, start + step
+    if month is not None:
+        return start, start.replace(year=year + month // 12, month=month % 12 + 1)
+    return start, start.replace(year=year + 1)
+
+
+def in_time_spans(column: Any) -> Callable[[list[str]], ColumnElement[bool]]:
+    """A filter on a time column: any of the values' spans (``time_span``)."""
+
+    def clause(values: list[str]) -> ColumnElement[bool]:
+        try:
+            spans = [time_span(v) for v in values]
+        except ValueError as exc:
+            raise InvalidParameter(f"Invalid filter value: {exc}") from exc
+        return or_(*(and_(column >= start, column < end) for start, end in spans))
 
     return clause
 

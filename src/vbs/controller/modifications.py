@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, aliased
 
 from vbs import ids
 from vbs.controller import filters as flt
-from vbs.controller import quotas
+from vbs.controller import quotas, volume_types
 from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
@@ -48,14 +48,19 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
             raise InvalidParameter(f"New size cannot be smaller than existing size ({vol.size_gib} GiB).")
         if size > svc.cfg.max_volume_gib:
             raise InvalidParameter(f"The size {size} GiB exceeds this service's limit of {svc.cfg.max_volume_gib} GiB.")
-        target = (size, req.volume_type or vol.volume_type,
-                  req.iops if req.iops is not None else vol.iops,
-                  req.throughput if req.throughput is not None else vol.throughput)
-        if target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput):
+        new_type = req.volume_type or vol.volume_type
+        iops, throughput = volume_types.retarget(new_type, vol.iops, vol.throughput, req.iops, req.throughput)
+        multi = req.multi_attach if req.multi_attach is not None else vol.multi_attach
+        volume_types.check(new_type, size, iops, throughput, multi)
+        target = (size, new_type, iops, throughput)
+        if target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput) and multi == vol.multi_attach:
             raise InvalidParameter("The modification changes nothing: give a larger size or another type, "
-                                   "iops or throughput.", code="InvalidParameterCombination")
+                                   "iops, throughput or multi-attach setting.", code="InvalidParameterCombination")
         attached = list(s.scalars(select(Attachment).where(Attachment.volume_id == volume_id,
                                                            Attachment.status != AttachmentState.DETACHED)))
+        if not multi and len({a.instance_id or a.vm_id for a in attached}) > 1:
+            raise IncorrectState(f"The volume '{volume_id}' is attached to several instances; detach all but one "
+                                 "before turning Multi-Attach off.")
         if size > vol.size_gib:
             _check_online_growth(s, volume_id, attached)
             check_growth(s, vol.storage_node, vol.pool, size - vol.size_gib, overcommit=svc.cfg.overcommit_ratio)
@@ -71,17 +76,22 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
         if hit != 1:
             raise IncorrectState(f"The volume '{volume_id}' is '{vol.status}'; it must be available or in-use.")
+        vol.multi_attach = multi  # a flag, in effect at once: the next attach checks it
+        only_flag = target == (vol.size_gib, vol.volume_type, vol.iops, vol.throughput)
         mod = VolumeModification(
-            id=ids.new_id("modification"), volume_id=volume_id, state="modifying",
+            id=ids.new_id("modification"), volume_id=volume_id, state="completed" if only_flag else "modifying",
             original_size_gib=vol.size_gib, target_size_gib=target[0], original_volume_type=vol.volume_type,
             target_volume_type=target[1], original_iops=vol.iops, target_iops=target[2],
-            original_throughput=vol.throughput, target_throughput=target[3], progress=0, start_time=utcnow())
+            original_throughput=vol.throughput, target_throughput=target[3], progress=100 if only_flag else 0,
+            start_time=utcnow(), end_time=utcnow() if only_flag else None)
         s.add(mod)
         s.flush()
+        out = _out(mod)
+        if only_flag:
+            return out
         op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
             modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
             grow=target[0] > vol.size_gib))
-        out = _out(mod)
     svc.engine.submit(op_id)
     return out
 

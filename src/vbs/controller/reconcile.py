@@ -31,6 +31,7 @@ from vbs.controller.nodes import host_identity, host_info, is_alive, storage_inf
 from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
+from vbs.controller.workflows.snapshots import scratch_ids
 from vbs.errors import NotFound, VbsError
 from vbs.wire.storage import ExportInfo, PoolInventory
 
@@ -177,7 +178,9 @@ class Reconciler:
 
     def _busy_resources(self) -> set[str]:
         with self.svc.db.session() as s:
-            return set(s.scalars(select(Operation.resource_id).where(Operation.status.in_(UNFINISHED_OPERATION))))
+            rows = s.execute(select(Operation.resource_id, Operation.params)
+                             .where(Operation.status.in_(UNFINISHED_OPERATION))).all()
+        return {rid for rid, _ in rows} | {x for _, params in rows for x in scratch_ids(params or {})}
 
     def _orphan_due(self, key: tuple[str, str, str], seen: set[tuple[str, str, str]], ignore_grace: bool) -> bool:
         seen.add(key)

@@ -83,6 +83,26 @@ class CreateSnapshotRequest(_Request):
     tags: Tags = Field(default_factory=dict)
 
 
+class CopySnapshotRequest(_Request):
+    source_snapshot_id: SnapshotId
+    comment: Comment = ""
+    tags: Tags = Field(default_factory=dict)
+
+
+Grantee = Annotated[str, Field(pattern=r"^(all|[a-z0-9][a-z0-9_-]{0,62})$")]
+
+
+class SnapshotPermissionsRequest(_Request):
+    """Tenants (or ``all``) to grant or revoke createVolumePermission."""
+    add: list[Grantee] = Field(default_factory=list, max_length=100)
+    remove: list[Grantee] = Field(default_factory=list, max_length=100)
+
+
+class SnapshotPermissionsOut(BaseModel):
+    snapshot_id: str
+    create_volume_permission: list[str]
+
+
 class CreateTagsRequest(_Request):
     resource_ids: list[str] = Field(min_length=1, max_length=1000)
     tags: Tags
@@ -143,6 +163,8 @@ class SnapshotOut(BaseModel):
     pool: str
     started_at: datetime
     tags: dict[str, str]
+    owner: str  # the tenant that owns it (another's, for a snapshot shared with the caller)
+    source_snapshot_id: str | None = None  # what a CopySnapshot copied
 
 
 class VolumeList(BaseModel):
@@ -320,6 +342,7 @@ class ModifyVolumeRequest(_Request):
     volume_type: VolumeType | None = None
     iops: int | None = Field(None, ge=100, le=256000)
     throughput: int | None = Field(None, ge=1, le=4000)
+    multi_attach: bool | None = None
 
 
 class ModificationOut(BaseModel):

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from sqlalchemy import exists, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from vbs import ids
 from vbs.controller import filters as flt
 from vbs.controller import quotas
+from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.runtime import Controller
-from vbs.controller.schemas import CreateSnapshotRequest, SnapshotList, SnapshotOut
+from vbs.controller.schemas import CopySnapshotRequest, CreateSnapshotRequest, SnapshotList, SnapshotOut
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
 from vbs.controller.volumes import live_volume
-from vbs.controller.workflows.snapshots import CreateSnapshotParams
+from vbs.controller.workflows.snapshots import CopySnapshotParams, CreateSnapshotParams
 from vbs.controller.workflows.storage import StorageParams
 from vbs.errors import IncorrectState, NotFound, SnapshotInUse
 
@@ -51,6 +52,37 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
     return out
 
 
+def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> SnapshotOut:
+    """A new snapshot of the tenant's with the data of ``req.source_snapshot_id`` (its own, or one shared with
+    it), made where the source lives; the source may not be deleted until the copy is completed."""
+    with svc.db.session() as s:
+        source = s.get(Snapshot, req.source_snapshot_id)
+        if source is None or source.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
+                or not sharing.usable(s, source, tenant):
+            raise snapshot_not_found(req.source_snapshot_id)
+        # Touching the source in this transaction makes a concurrent delete of it wait for us.
+        hit = s.execute(update(Snapshot).where(Snapshot.id == source.id, Snapshot.status == SnapshotState.COMPLETED)
+                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+        if hit != 1:
+            raise IncorrectState(f"The snapshot '{source.id}' is '{source.status}'; it must be completed.",
+                                 code="IncorrectState")
+        quotas.check_snapshots(s, svc.cfg, tenant)
+        now = utcnow()
+        snap = Snapshot(id=ids.new_id("snapshot"), volume_id=source.volume_id, volume_size_gib=source.volume_size_gib,
+                        comment=req.comment, storage_node=source.storage_node, pool=source.pool,
+                        status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
+                        source_snapshot_id=source.id)
+        s.add(snap)
+        s.flush()
+        set_tags(s, snap.id, req.tags)
+        op_id = svc.engine.begin(s, "copy-snapshot", snap.id, CopySnapshotParams(
+            node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
+            scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib))
+        out = _describe_many(s, [snap])[0]
+    svc.engine.submit(op_id)
+    return out
+
+
 def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
     ids.check("snapshot", snapshot_id)
     with svc.db.session() as s:
@@ -61,7 +93,13 @@ def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotO
         if s.scalar(select(copying)):
             raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied into a new volume; "
                                 "delete it when that volume is available.")
-        transition(s, Snapshot, snapshot_id, SnapshotState.DELETING, ~copying)
+        copy = aliased(Snapshot)
+        copied = exists().where(copy.source_snapshot_id == snapshot_id, copy.status == SnapshotState.PENDING)
+        if s.scalar(select(copied)):
+            raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied (CopySnapshot); "
+                                "delete it when the copy is completed.")
+        transition(s, Snapshot, snapshot_id, SnapshotState.DELETING, ~copying, ~copied)
+        sharing.forget(s, [snapshot_id])
         op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, StorageParams(node=snap.storage_node,
                                                                                    pool=snap.pool))
         s.refresh(snap)
@@ -78,17 +116,24 @@ SNAPSHOT_FILTERS = {
     "description": flt.in_values(Snapshot.comment),
     "progress": flt.in_values(Snapshot.progress, lambda v: flt.bounded_int(0, 100)(v.rstrip("%"))),
     "encrypted": flt.constant(False),
+    "start-time": flt.in_time_spans(Snapshot.started_at),
 }
 
 
 def describe_snapshots(svc: Controller, tenant: str, snapshot_ids: list[str], filters: dict[str, list[str]],
-                       max_results: int | None, next_token: str | None, *, hide_deleting: bool = False) -> SnapshotList:
+                       max_results: int | None, next_token: str | None, *, hide_deleting: bool = False,
+                       shared: bool = False, owners: set[str] | None = None) -> SnapshotList:
+    """A page of the tenant's snapshots; with ``shared`` (or when named by id), also those other tenants share
+    with it; with ``owners``, only those these tenants own."""
     for sid in snapshot_ids:
         ids.check("snapshot", sid)
     limit = flt.page_limit(max_results, snapshot_ids)
     hidden = [SnapshotState.DELETED, SnapshotState.DELETING] if hide_deleting else [SnapshotState.DELETED]
-    stmt = select(Snapshot).where(Snapshot.tenant == tenant, Snapshot.status.not_in(hidden),
+    scope = sharing.visible_to(tenant) if shared or snapshot_ids else Snapshot.tenant == tenant
+    stmt = select(Snapshot).where(scope, Snapshot.status.not_in(hidden),
                                   *flt.where_clauses(filters, Snapshot.id, SNAPSHOT_FILTERS))
+    if owners is not None:
+        stmt = stmt.where(Snapshot.tenant.in_(sorted(owners)))
     if snapshot_ids:
         stmt = stmt.where(Snapshot.id.in_(snapshot_ids))
     stmt = flt.paginate(stmt, Snapshot.id, limit, next_token)
@@ -112,6 +157,7 @@ def _describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
     return [
         SnapshotOut(snapshot_id=x.id, volume_id=x.volume_id, volume_size_gib=x.volume_size_gib, comment=x.comment,
                     status=x.status, status_reason=x.status_reason, progress=x.progress,
-                    storage_node=x.storage_node, pool=x.pool, started_at=x.started_at, tags=tags[x.id])
+                    storage_node=x.storage_node, pool=x.pool, started_at=x.started_at, tags=tags[x.id],
+                    owner=x.tenant, source_snapshot_id=x.source_snapshot_id)
         for x in snaps
     ]

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller import filters as flt
-from vbs.controller import quotas
+from vbs.controller import quotas, snapshot_sharing, volume_types
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
@@ -103,7 +103,8 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     if req.snapshot_id is not None:
         snap = s.get(Snapshot, req.snapshot_id)
-        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) or snap.tenant != tenant:
+        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
+                or not snapshot_sharing.usable(s, snap, tenant):
             raise NotFound(f"The snapshot '{req.snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
         # Touching the row inside this transaction makes a concurrent delete-snapshot wait for us.
         hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
@@ -125,6 +126,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
+    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
     # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              default_zone=cfg.availability_zone, want=want)
@@ -189,14 +191,21 @@ VOLUME_FILTERS = {
 
 
 def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filters: dict[str, list[str]],
-                     max_results: int | None, next_token: str | None) -> VolumeList:
+                     max_results: int | None, next_token: str | None, *,
+                     deleted_by_id: bool = False) -> VolumeList:
+    """A page of the tenant's volumes. A deleted volume is gone, as on EC2 (``deleting`` shows, then nothing),
+    except to a caller who asks for history with the filter ``status=deleted`` (kept for
+    ``deleted_retention_s``) and, with ``deleted_by_id``, to one who names it (the REST API: a client
+    waiting for a delete to finish sees ``deleted``)."""
     for vid in volume_ids:
         ids.check("volume", vid)
     limit = flt.page_limit(max_results, volume_ids)
     retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
     column_filters = {name: values for name, values in filters.items() if name != "availability-zone"}
-    stmt = select(Volume).where(Volume.tenant == tenant,
-                                or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention),
+    history = VolumeState.DELETED in filters.get("status", ()) or (deleted_by_id and bool(volume_ids))
+    shown = or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention) if history \
+        else Volume.status != VolumeState.DELETED
+    stmt = select(Volume).where(Volume.tenant == tenant, shown,
                                 *flt.where_clauses(column_filters, Volume.id, VOLUME_FILTERS))
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
@@ -224,7 +233,7 @@ def _in_zones(s: Session, zones: set[str], default_zone: str) -> ColumnElement[b
 
 
 def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
-    return describe_volumes(svc, tenant, [volume_id], {}, None, None).volumes[0]
+    return describe_volumes(svc, tenant, [volume_id], {}, None, None, deleted_by_id=True).volumes[0]
 
 
 def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
@@ -246,7 +255,8 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
     return [
         VolumeOut(
             volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,
-            volume_type=v.volume_type, iops=v.iops, throughput=v.throughput, multi_attach=v.multi_attach,
+            volume_type=v.volume_type, iops=volume_types.reported_iops(v.volume_type, v.size_gib, v.iops),
+            throughput=volume_types.reported_throughput(v.volume_type, v.throughput), multi_attach=v.multi_attach,
             placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
             storage_node=v.storage_node, pool=v.pool,
             availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,

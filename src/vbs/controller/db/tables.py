@@ -102,6 +102,18 @@ class Snapshot(Base):
                                         server_default=DEFAULT_TENANT)
     started_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    # CopySnapshot: the snapshot this one copies (which may not be deleted while the copy is pending).
+    source_snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
+
+
+class SnapshotPermission(Base):
+    """ModifySnapshotAttribute's createVolumePermission: a tenant (or ``all``) that may make volumes from a
+    snapshot, and copy it, though another tenant owns it."""
+
+    __tablename__ = "snapshot_permissions"
+
+    snapshot_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    grantee: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
 
 
 class AccessKeyRecord(Base):

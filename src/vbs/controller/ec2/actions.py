@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from vbs import ids
 from vbs.controller import attachments, modifications, nodes, snapshots, tags, volumes
+from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.filters import decode_token, encode_token
@@ -24,6 +25,7 @@ from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
+    CopySnapshotRequest,
     CreateSnapshotRequest,
     CreateVolumeRequest,
     DetachVolumeRequest,
@@ -37,7 +39,7 @@ from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
 from vbs.wire.storage import ZONE_NAME_RE
 
 Handler = Callable[[Controller, QueryParams, Principal], dict[str, Any]]
-ACCOUNT_ID = "000000000000"
+ACCOUNT_ID = sharing.DEFAULT_ACCOUNT_ID
 # Largest pages, as EC2 documents them; a describe without MaxResults answers one such page and a NextToken.
 VOLUMES_PAGE = 500
 SNAPSHOTS_PAGE = 1000
@@ -111,6 +113,13 @@ def _dry_run(p: QueryParams) -> None:
         raise DryRunOperation()
 
 
+def _refuse_encryption(p: QueryParams) -> None:
+    """Encryption is refused, not ignored: a client asking for it must not get plaintext it believes encrypted."""
+    if p.bool("Encrypted") or p.str("KmsKeyId", max_len=2048):
+        raise InvalidParameter("Encrypted volumes and snapshots are not supported by this VBS yet; leave Encrypted "
+                               "and KmsKeyId out.", code="UnsupportedOperation")
+
+
 def _tag_set(values: dict[str, str]) -> list[dict[str, str]]:
     return [{"key": k, "value": v} for k, v in sorted(values.items())]
 
@@ -143,7 +152,7 @@ def _volume(v: VolumeOut) -> dict[str, Any]:
 def _snapshot(s: SnapshotOut) -> dict[str, Any]:
     return {
         "snapshotId": s.snapshot_id, "volumeId": s.volume_id, "status": s.status, "startTime": s.started_at,
-        "progress": f"{s.progress}%", "ownerId": ACCOUNT_ID, "volumeSize": s.volume_size_gib,
+        "progress": f"{s.progress}%", "ownerId": sharing.owner_id(s.owner), "volumeSize": s.volume_size_gib,
         "description": s.comment, "encrypted": False, "storageTier": "standard",
         "stateMessage": s.status_reason, "tagSet": _tag_set(s.tags) if s.tags else None,
     }
@@ -166,6 +175,7 @@ def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
     }
     if data["size_gib"] is None and snap is None:
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
+    _refuse_encryption(p)
     req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
     return _volume(volumes.create_volume(svc, req, who.tenant))
@@ -279,7 +289,8 @@ def _modification(m: ModificationOut) -> dict[str, Any]:
 def modify_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     data = {"size_gib": p.int("Size"), "volume_type": p.str("VolumeType", max_len=16), "iops": p.int("Iops"),
-            "throughput": p.int("Throughput")}
+            "throughput": p.int("Throughput"),
+            "multi_attach": p.bool("MultiAttachEnabled") if "MultiAttachEnabled" in p else None}
     req = _model(ModifyVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
     return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req, who.tenant))}
@@ -325,12 +336,120 @@ def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[
     max_results = _page_size(p, snap_ids, "SnapshotIds", SNAPSHOTS_PAGE)
     token = p.str("NextToken", max_len=MAX_TOKEN)
     _dry_run(p)
-    if owners and not {"self", ACCOUNT_ID} & set(owners):
-        return {"snapshotSet": []}
+    # Owner: self, account ids (tenants); none: every snapshot the caller may use (its own and shared ones).
+    owner_tenants = {who.tenant if o == "self" else sharing.tenant_of(o) for o in owners
+                     if o not in ("amazon", "aws-marketplace")} if owners else None
     # A snapshot being deleted is already gone as far as EC2 clients are concerned.
     found = snapshots.describe_snapshots(svc, who.tenant, snap_ids, filters, max_results, token,
-                                        hide_deleting=True)
+                                        hide_deleting=True, shared=True, owners=owner_tenants)
     return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
+
+
+def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    source = _snapshot_id(p.str("SourceSnapshotId", max_len=64), "SourceSnapshotId")
+    p.str("SourceRegion", required=True, max_len=64)  # EC2 requires it; it must be this region
+    for name in ("SourceRegion", "DestinationRegion"):
+        value = p.str(name, max_len=64)
+        if value is not None and value != svc.cfg.region:
+            raise InvalidParameter(f"{name} {value[:64]!r}: this VBS copies snapshots within its region "
+                                   f"{svc.cfg.region!r} only.")
+    _refuse_encryption(p)
+    req = _model(CopySnapshotRequest, {"source_snapshot_id": source,
+                                       "comment": p.str("Description", max_len=255) or "",
+                                       "tags": _tags_for(p, "snapshot")})
+    _dry_run(p)
+    made = snapshots.copy_snapshot(svc, req, who.tenant)
+    return {"snapshotId": made.snapshot_id, "tagSet": _tag_set(made.tags) if made.tags else None}
+
+
+def _permission_attribute(p: QueryParams) -> str:
+    attribute = p.str("Attribute", required=True, max_len=64)
+    if attribute not in ("createVolumePermission", "productCodes"):
+        raise InvalidParameter(f"Value ({str(attribute)[:64]}) for parameter attribute is invalid. "
+                               "Valid values: createVolumePermission, productCodes.")
+    return str(attribute)
+
+
+def _grantee_item(grantee: str) -> dict[str, str]:
+    return {"group": "all"} if grantee == sharing.ALL else {"userId": sharing.owner_id(grantee)}
+
+
+def describe_snapshot_attribute(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
+    attribute = _permission_attribute(p)
+    _dry_run(p)
+    with svc.db.read() as s:
+        sharing.owned_snapshot(s, snap_id, who.tenant)
+        granted = sharing.grantees(s, snap_id)
+    if attribute == "productCodes":
+        return {"snapshotId": snap_id, "productCodes": []}
+    return {"snapshotId": snap_id, "createVolumePermission": [_grantee_item(g) for g in granted]}
+
+
+def _grantees(p: QueryParams, prefix: str) -> list[str]:
+    """``prefix.N.UserId`` / ``prefix.N.Group`` → tenant names and ``all``."""
+    out = []
+    for index in range(1, sharing.MAX_GRANTEES + 2):
+        user, group = p.str(f"{prefix}.{index}.UserId", max_len=64), p.str(f"{prefix}.{index}.Group", max_len=16)
+        if user is None and group is None:
+            continue
+        out.append(_grantee(user, group))
+    return out
+
+
+def _grantee(user: str | None, group: str | None) -> str:
+    if group is not None:
+        if group != "all":
+            raise InvalidParameter(f"Invalid group {group[:16]!r}: the only group is 'all'.")
+        return sharing.ALL
+    return sharing.tenant_of(str(user))
+
+
+def modify_snapshot_attribute(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
+    attribute = p.str("Attribute", max_len=64) or "createVolumePermission"
+    if attribute != "createVolumePermission":
+        raise InvalidParameter(f"The attribute {attribute[:64]!r} cannot be modified; only createVolumePermission.")
+    add, remove = _grantees(p, "CreateVolumePermission.Add"), _grantees(p, "CreateVolumePermission.Remove")
+    operation = p.str("OperationType", max_len=16)
+    listed = [_grantee(u, None) for u in p.list("UserId")] + [_grantee(None, g) for g in p.list("UserGroup")]
+    if listed:
+        if operation not in ("add", "remove"):
+            raise MissingParameter("The request must contain the parameter OperationType (add or remove) with "
+                                   "UserId or UserGroup.")
+        (add if operation == "add" else remove).extend(listed)
+    if not add and not remove:
+        raise MissingParameter("The request must contain the parameter CreateVolumePermission (Add or Remove), or "
+                               "UserId / UserGroup with OperationType.")
+    _dry_run(p)
+    with svc.db.session() as s:
+        sharing.modify(s, snap_id, who.tenant, add=add, remove=remove)
+    return {"return": True}
+
+
+def reset_snapshot_attribute(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
+    if _permission_attribute(p) != "createVolumePermission":
+        raise InvalidParameter("Only createVolumePermission can be reset.")
+    _dry_run(p)
+    with svc.db.session() as s:
+        sharing.modify(s, snap_id, who.tenant, add=[], remove=sharing.grantees(s, snap_id))
+    return {"return": True}
+
+
+def describe_volume_attribute(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    """EC2's defaults: autoEnableIO false (VBS never disables a volume's I/O, so it changes nothing), no product
+    codes."""
+    vol_id = _volume_id(p.str("VolumeId", max_len=64))
+    attribute = p.str("Attribute", required=True, max_len=32)
+    if attribute not in ("autoEnableIO", "productCodes"):
+        raise InvalidParameter(f"Value ({str(attribute)[:32]}) for parameter attribute is invalid. "
+                               "Valid values: autoEnableIO, productCodes.")
+    _dry_run(p)
+    volumes.describe_volumes(svc, who.tenant, [vol_id], {}, None, None)  # NotFound unless the caller's and live
+    if attribute == "productCodes":
+        return {"volumeId": vol_id, "productCodes": []}
+    return {"volumeId": vol_id, "autoEnableIO": {"value": False}}
 
 
 # -- tags ------------------------------------------------------------------------------------------
@@ -508,6 +627,11 @@ HANDLERS: dict[str, Handler] = {
     "CreateSnapshot": create_snapshot,
     "DeleteSnapshot": delete_snapshot,
     "DescribeSnapshots": describe_snapshots,
+    "CopySnapshot": copy_snapshot,
+    "DescribeSnapshotAttribute": describe_snapshot_attribute,
+    "ModifySnapshotAttribute": modify_snapshot_attribute,
+    "ResetSnapshotAttribute": reset_snapshot_attribute,
+    "DescribeVolumeAttribute": describe_volume_attribute,
     "CreateTags": create_tags,
     "DeleteTags": delete_tags,
     "DescribeTags": describe_tags,

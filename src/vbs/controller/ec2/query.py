@@ -238,7 +238,10 @@ class QueryParams:
         for index, sub in _grouped(self._params, "TagSpecification"):
             where = f"TagSpecification.{index}"
             _check_fields(sub, where, ("ResourceType",), lists=("Tag",))
-            out.append((sub.get("ResourceType"), _tag_dict(sub, "Tag", f"{where}.Tag")))
+            spec_tags = _tag_dict(sub, "Tag", f"{where}.Tag")
+            if not spec_tags:
+                raise _invalid(f"Tag specification must have at least one tag ({where} has none).")
+            out.append((sub.get("ResourceType"), spec_tags))
         return out
 
     def tags(self, prefix: builtins.str = "Tag") -> dict[builtins.str, builtins.str]:

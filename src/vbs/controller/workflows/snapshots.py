@@ -133,3 +133,49 @@ CREATE_SNAPSHOT = Workflow(
 )
 
 DELETE_SNAPSHOT = shared.deletion("delete-snapshot", Snapshot, remove_snapshot)
+
+
+class CopySnapshotParams(StorageParams):
+    source_snapshot_id: str
+    # The copy goes through a volume made from the source, which only this operation knows (the
+    # reconciler leaves it alone while the operation is unfinished: ``scratch_ids``).
+    scratch_volume_id: str
+    size_gib: int
+
+
+def _scratch_from_source(ctx: StepContext[CopySnapshotParams]) -> None:
+    p = ctx.params
+    agent = shared.storage_agent(ctx)
+    report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id),
+                       lambda progress: report(progress * 9 // 10), unreachable_s=shared.patience(ctx))
+
+
+def _remove_scratch(ctx: StepContext[CopySnapshotParams]) -> None:
+    shared.storage_agent(ctx).remove_volume(ctx.params.pool, ctx.params.scratch_volume_id)
+
+
+def _snapshot_scratch(ctx: StepContext[CopySnapshotParams]) -> None:
+    p = ctx.params
+    agent = shared.storage_agent(ctx)
+    shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.scratch_volume_id),
+                       lambda progress: None, unreachable_s=shared.patience(ctx))
+
+
+COPY_SNAPSHOT = Workflow(
+    kind="copy-snapshot",
+    params=CopySnapshotParams,
+    resume="rollback",
+    steps=(Step("scratch-volume", _scratch_from_source, undo=_remove_scratch),
+           Step("storage-snapshot", _snapshot_scratch, undo=remove_snapshot),
+           Step("remove-scratch", _remove_scratch),
+           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
+    on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot copy failed and was rolled back"),
+    finished=shared.has_left(Snapshot, SnapshotState.PENDING),
+)
+
+
+def scratch_ids(params: dict[str, Any]) -> list[str]:
+    """What an unfinished operation made on a storage node besides its own resource."""
+    scratch = params.get("scratch_volume_id")
+    return [scratch] if isinstance(scratch, str) else []

@@ -1,0 +1,37 @@
+"""snapshot sharing and copies: createVolumePermission between tenants, and CopySnapshot's source
+
+- snapshot_permissions (snapshot_id, grantee): a tenant, or "all", that may use another tenant's snapshot.
+- snapshots.source_snapshot_id (existing rows: NULL): the snapshot a CopySnapshot copies.
+
+Revision ID: 0008
+Revises: 0007
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0008"
+down_revision = "0007"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "snapshot_permissions",
+        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
+        sa.Column("grantee", sa.String(length=64), nullable=False),
+        sa.PrimaryKeyConstraint("snapshot_id", "grantee"),
+    )
+    op.create_index("ix_snapshot_permissions_grantee", "snapshot_permissions", ["grantee"])
+    with op.batch_alter_table("snapshots", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("source_snapshot_id", sa.String(length=32), nullable=True))
+        batch_op.create_index("ix_snapshots_source_snapshot_id", ["source_snapshot_id"])
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("snapshots", schema=None) as batch_op:
+        batch_op.drop_index("ix_snapshots_source_snapshot_id")
+        batch_op.drop_column("source_snapshot_id")
+    op.drop_index("ix_snapshot_permissions_grantee", table_name="snapshot_permissions")
+    op.drop_table("snapshot_permissions")
