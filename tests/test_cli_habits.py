@@ -161,6 +161,66 @@ def test_named_profiles_give_the_endpoint_and_the_key(vbs: Vbs, tmp_path: Path) 
     assert r.returncode == 1 and "no access key for profile 'lab'" in r.stderr, r.stderr
 
 
+def test_region_picks_the_profiles_endpoint_and_must_be_the_controllers(vbs: Vbs, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / "vbs").mkdir(parents=True)
+    (home / "vbs" / "config").write_text(f"[default]\nendpoint = http://127.0.0.1:1\nregion = us-east-1\n"
+                                         f"endpoint_us-east-1 = {vbs.endpoint}\n"
+                                         f"endpoint_eu-west-1 = {vbs.endpoint}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VBS_")}
+    env.update(XDG_CONFIG_HOME=str(home), VBS_ACCESS_KEY_ID=vbs.key.access_key_id,
+               VBS_SECRET_ACCESS_KEY=vbs.key.secret_access_key)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*VBS, *args], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    r = cli("describe-volumes", "--output", "json")  # the profile's region, and its endpoint for it
+    assert r.returncode == 0 and "volumes" in json.loads(r.stdout), r.stderr
+    r = cli("describe-volumes", "--region", "eu-west-1")  # an endpoint that serves another region
+    assert r.returncode == 1 and "RegionMismatch" in r.stderr and "serves region us-east-1" in r.stderr, r.stderr
+    r = cli("create-volume", "--size", "1", "--region", "eu-west-1")
+    assert r.returncode == 1 and "RegionMismatch" in r.stderr
+    r = cli("describe-volumes", "--region", "Not A Region")
+    assert r.returncode == 2 and "--region" in r.stderr, r.stderr
+
+
+def test_every_wait_shows_a_progress_bar_on_a_terminal(vbs: Vbs) -> None:
+    """On a terminal (a pty here), --wait draws a bar with the time spent; piped, it prints only the answer."""
+    import pty
+
+    env = {**os.environ, "VBS_ENDPOINT": vbs.endpoint, "VBS_ACCESS_KEY_ID": vbs.key.access_key_id,
+           "VBS_SECRET_ACCESS_KEY": vbs.key.secret_access_key, "COLUMNS": "120", "TERM": "xterm"}
+
+    def on_a_terminal(*args: str) -> str:
+        parent, child = pty.openpty()
+        proc = subprocess.Popen([*VBS, *args], env=env, stdin=child, stdout=child, stderr=child)
+        os.close(child)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(parent, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+        os.close(parent)
+        return out.decode(errors="replace")
+
+    made = on_a_terminal("create-volume", "--size", "1", "--wait")
+    vol = next(w for w in made.replace("│", " ").split() if w.startswith("vol-"))
+    assert "creating" in made and "100%" in made and "0:00:0" in made, made
+    modified = on_a_terminal("modify-volume", vol, "--size", "2", "--wait")
+    assert f"modifying {vol}" in modified and "100%" in modified, modified
+    snapped = on_a_terminal("create-snapshot", vol, "--wait")
+    assert "100%" in snapped and "snapshot snap-" in snapped, snapped
+    deleted = on_a_terminal("delete-volume", vol, "--wait")
+    assert f"deleting {vol}" in deleted, deleted
+    piped = run_cli(vbs, "create-volume", "--size", "1", "--wait")
+    assert piped.returncode == 0 and "%" not in piped.stderr and json.loads(piped.stdout)["status"] == "available"
+
+
 @pytest.mark.integration
 def test_shell_completion_is_offered() -> None:
     r = subprocess.run([*VBS, "--show-completion"], env={**os.environ, "SHELL": "/bin/bash"}, capture_output=True,

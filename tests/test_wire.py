@@ -50,7 +50,7 @@ class RaisingDriver:
         return [VmInfo(vm_id="vm1", name="one", running=True)]
 
     def attach(self, vm_id: str, serial: str, connection: Any, *, read_only: bool = False,
-               qos: QoS | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: Any = None) -> DiskInfo:
         self.attached.append((vm_id, serial, connection))
         return DiskInfo(serial=serial, read_only=read_only)
 

@@ -15,6 +15,7 @@ PREFIXES = {
     "instance": "i",
     "operation": "op",
     "modification": "mod",
+    "volume-key": "vk",
 }
 
 _HEX = 17

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import quote, urlencode
@@ -19,7 +18,7 @@ import typer
 
 from vbs import credentials, endpoints
 from vbs.cli import output
-from vbs.cli.client import wait_for
+from vbs.cli.client import step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.config import DEFAULT_CONTROLLER_PORT
 from vbs.errors import InvalidParameter, VbsError
@@ -33,9 +32,10 @@ app.add_typer(db_app, name="db")
 
 class Context:
     def __init__(self, endpoint: str | None, fmt: str, ca_bundle: str | None = None, *, paginate: bool = True,
-                 profile: str | None = None) -> None:
+                 profile: str | None = None, region: str | None = None) -> None:
         self.paginate = paginate
         self.profile = profile
+        self.region = region
         self.endpoint = endpoint
         self.fmt = fmt
         self.ca_bundle = ca_bundle
@@ -49,11 +49,18 @@ class Context:
 
             # --endpoint and --ca-bundle (or their variables) first, then the named profile's.
             named = profiles.load(self.profile or "default")
-            endpoint = self.endpoint or named.endpoint or f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
+            region = self.region or named.region
+            endpoint = self.endpoint or named.endpoint_for(region) or f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
             urls = endpoints.parse(endpoint, what="--endpoint (VBS_ENDPOINT)")
             key = credentials.for_client(urls, profile=self.profile)
-            self._client = ApiClient(urls, key.bearer if key else None, timeout=60,
-                                     verify=client_verify(self.ca_bundle or named.ca_bundle))
+            client = ApiClient(urls, key.bearer if key else None, timeout=60,
+                               verify=client_verify(self.ca_bundle or named.ca_bundle))
+            if region is not None:
+                served = client.call("GET", "/v1/region")["region"]
+                if served != region:
+                    raise InvalidParameter(f"{endpoint} serves region {served}, not {region}: give the endpoint of "
+                                           f"{region} (or endpoint_{region} in the profile)", code="RegionMismatch")
+            self._client = client
         return self._client
 
     @property
@@ -83,14 +90,19 @@ def _global(
     columns: Annotated[str | None, typer.Option(
         help="Tables: these columns, comma-separated (e.g. VolumeId,Status,Size,Tags); default: what fits the "
              "terminal, most important first.")] = None,
+    region: Annotated[str | None, typer.Option(envvar="VBS_REGION", help=(
+        "The region to act in: the profile's endpoint_<region> if it has one, and the controller must serve it "
+        "(default: the profile's region; no check without one)."))] = None,
 ) -> None:
+    if region is not None and not re.fullmatch(r"[a-z0-9-]{1,32}", region):
+        raise typer.BadParameter("--region must be 1-32 characters of a-z, 0-9 and -")
     if output_format not in output.FORMATS:
         raise typer.BadParameter(f"--output must be one of {', '.join(output.FORMATS)}")
     try:
         output.configure(output_format, query, columns)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate, profile=profile)
+    ctx.obj = Context(endpoint, output_format, ca_bundle, paginate=not no_paginate, profile=profile, region=region)
 
 
 def _tags(values: list[str] | None) -> dict[str, str]:
@@ -158,7 +170,11 @@ def create_volume(
     volume_type: Annotated[str, typer.Option("--type")] = "gp3",
     iops: Annotated[int | None, typer.Option()] = None,
     throughput: Annotated[int | None, typer.Option(help="MB/s")] = None,
-    multi_attach: Annotated[bool, typer.Option("--multi-attach")] = False,
+    multi_attach: Annotated[bool, typer.Option("--multi-attach", help="io1/io2 only.")] = False,
+    encrypted: Annotated[bool, typer.Option("--encrypted", help=(
+        "A LUKS container the hypervisor opens: the storage node and the network see only ciphertext."))] = False,
+    kms_key_id: Annotated[str | None, typer.Option(help="Recorded with an encrypted volume (default "
+                                                        "alias/aws/ebs).")] = None,
     placement: Annotated[str, typer.Option(help="shared | local")] = "shared",
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
     client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
@@ -173,8 +189,9 @@ def create_volume(
     and pool given."""
     c: Context = ctx.obj
     body: dict[str, Any] = {"comment": comment, "volume_type": volume_type, "multi_attach": multi_attach,
-                            "placement": placement, "tags": _tags(tag)}
+                            "placement": placement, "tags": _tags(tag), "encrypted": encrypted}
     for key, value in (("size_gib", size), ("snapshot_id", snapshot), ("iops", iops), ("throughput", throughput),
+                       ("kms_key_id", kms_key_id),
                        ("client_token", client_token), ("availability_zone", availability_zone),
                        ("storage_node", storage_node), ("pool", pool)):
         if value is not None:
@@ -227,10 +244,14 @@ def modify_volume(
     body = {k: v for k, v in (("size_gib", size), ("volume_type", volume_type), ("iops", iops),
                               ("throughput", throughput)) if v is not None}
     mod = c.client.call("POST", f"/v1/volumes/{volume_id}/modify", body)
-    while wait and mod["state"] in ("modifying", "optimizing"):
-        time.sleep(0.2)
+
+    def latest() -> dict[str, Any]:
         found = c.client.call("GET", f"/v1/volume-modifications?volume_id={volume_id}")["modifications"]
-        mod = next(m for m in found if m["modification_id"] == mod["modification_id"])
+        return next(m for m in found if m["modification_id"] == mod["modification_id"])
+
+    if wait:
+        mod = watch(latest, first=mod, done=lambda m: m["state"] not in ("modifying", "optimizing"),
+                    progress=lambda m: m["progress"], label=f"modifying {volume_id}", show=c.interactive)
     output.emit(mod, "json")
     if mod["state"] == "failed":
         raise typer.Exit(1)
@@ -285,18 +306,23 @@ def detach_volume(
 
 
 def _wait_attachment(c: Context, volume_id: str, started: dict[str, Any], busy_state: str) -> dict[str, Any]:
-    """Poll until the attachment leaves ``busy_state``; say why if its operation failed."""
-    while True:
+    """Wait until the attachment leaves ``busy_state``, with a bar of its operation's steps; say why if
+    its operation failed."""
+    op_id = started.get("operation_id")
+
+    def both() -> dict[str, Any]:
         vol = c.client.call("GET", f"/v1/volumes/{volume_id}")
         att = next((a for a in vol["attachments"] if a["attachment_id"] == started["attachment_id"]), None)
-        if att is None:
-            # Gone from the live attachments: detached, or an attach that rolled back.
-            att = {**started, "state": "detached"}
-        if att["state"] != busy_state:
-            break
-        time.sleep(0.1)
-    op_id = started.get("operation_id")
-    op = c.client.call("GET", f"/v1/operations/{op_id}") if op_id else None
+        # Gone from the live attachments: detached, or an attach that rolled back.
+        op = c.client.call("GET", f"/v1/operations/{op_id}") if op_id else None
+        return {"att": att if att is not None else {**started, "state": "detached"}, "op": op}
+
+    seen = watch(both, done=lambda x: x["att"]["state"] != busy_state,
+                 progress=lambda x: step_progress(x["op"]) if x["op"] else None,
+                 label=f"{busy_state} {volume_id}", show=c.interactive, interval=0.1)
+    att, op = seen["att"], seen["op"]
+    if op is not None and op["status"] in ("running", "rolling-back"):
+        op = c.client.call("GET", f"/v1/operations/{op_id}")
     if op is not None and op["status"] in ("rolled-back", "failed"):
         print(f"error: {started['volume_id']}: {op['kind']} {op['status']}: {op['error']}", file=sys.stderr)
         if busy_state == "attaching":
@@ -471,9 +497,9 @@ def migrate_volume(
     if pool is not None:
         body["pool"] = pool
     move = c.client.call("POST", f"/v1/volumes/{volume_id}/migrate", body)
-    op = c.client.call("GET", f"/v1/operations/{move['operation_id']}")
-    while wait and op["status"] in ("running", "rolling-back"):
-        time.sleep(0.1)
+    if wait:
+        op = wait_operation(c.client, move["operation_id"], label=f"moving {volume_id}", show=c.interactive)
+    else:
         op = c.client.call("GET", f"/v1/operations/{move['operation_id']}")
     output.emit({**move, "status": op["status"], "error": op["error"]}, "json")
     if op["status"] in ("rolled-back", "failed"):
@@ -877,8 +903,8 @@ def rotate_keys(
     ctx: typer.Context,
     node: Annotated[str | None, typer.Option(help="Rotate this node's token.")] = None,
     access_key: Annotated[str | None, typer.Option(help="Make a successor of this access key (admin).")] = None,
-    master_key: Annotated[bool, typer.Option("--master-key", help="Re-seal every access key's secret under a "
-                                                                  "new master key.")] = False,
+    master_key: Annotated[bool, typer.Option("--master-key", help="Re-seal every access key's secret and every "
+                                                                  "volume data key under a new master key.")] = False,
     kind: NodeKindOpt = "host",
     data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
     database_url: Annotated[str | None, typer.Option(help="The controller's database, if not in the data dir.")] = None,
@@ -922,7 +948,8 @@ def _rotate_master_key(data_dir: Path, database_url: str | None) -> None:
         count = MasterKey(cfg.master_key_file or cfg.data_dir / "master.key").rotate(db)
     finally:
         db.dispose()
-    print(f"{count} access key secrets re-sealed under a new master key; a running controller reads it at once")
+    print(f"{count} secrets (access keys, volume data keys) re-sealed under a new master key; a running controller "
+          "reads it at once")
 
 
 def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | None, revoke: bool) -> None:
@@ -943,7 +970,7 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 
 
 # Options of the whole CLI (its callback): with a value, and flags.
-_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile")
+_GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile", "--region")
 _GLOBAL_FLAGS = ("--no-paginate",)
 # Commands that run a service: their options are their own (host-agent has a --profile of its own).
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}

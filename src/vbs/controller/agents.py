@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from pydantic import SecretStr
 from sqlalchemy import select
 
 from vbs.controller.db import Database, Node
@@ -74,8 +75,9 @@ class StorageAgent:
 
     # -- volumes and snapshots -------------------------------------------------------------------
 
-    def ensure_volume(self, pool: str, volume_id: str, size_gib: int, source_snapshot_id: str | None) -> ItemStatus:
-        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id)
+    def ensure_volume(self, pool: str, volume_id: str, size_gib: int, source_snapshot_id: str | None, *,
+                      luks: SecretStr | None = None) -> ItemStatus:
+        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id, luks_passphrase=luks)
         return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus, body)
 
     def remove_volume(self, pool: str, volume_id: str) -> None:
@@ -149,9 +151,10 @@ class HostAgent:
         self._client = client
 
     def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool,
-               qos: QoS | None) -> DiskInfo:
+               qos: QoS | None, luks: SecretStr | None = None) -> DiskInfo:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
-                                    AttachDisk(connection=connection, read_only=read_only, qos=qos))
+                                    AttachDisk(connection=connection, read_only=read_only, qos=qos,
+                                               luks_passphrase=luks))
 
     def detach(self, vm_id: str, serial: str, *, force: bool, timeout: float) -> None:
         # The HTTP call outlives the guest's own deadline by a margin, so "busy" comes back as an answer.

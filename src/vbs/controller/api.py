@@ -258,6 +258,11 @@ def _node_routes(r: APIRouter) -> None:
         """Serve the volume from another storage node of the same shared storage (admin; instant for Ceph)."""
         return moves.migrate_volume(svc, volume_id, body, who.tenant)
 
+    @r.get("/region", tags=["nodes"])
+    def region(svc: Controller = Depends(services), who: Principal = Depends(caller)) -> dict[str, str]:
+        """The region this controller serves (the CLI's --region checks it)."""
+        return {"region": svc.cfg.region, "default_availability_zone": svc.cfg.availability_zone}
+
     @r.get("/availability-zones", response_model=ZoneList, tags=["nodes"])
     def zones(svc: Controller = Depends(services)) -> ZoneList:
         """The zones of the storage nodes; every key may list them (creating a volume may name one)."""

@@ -135,18 +135,19 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     keyring = NodeKeyring.for_data_dir(cfg.data_dir).ensure()
     owner = controller_id(cfg)
     db = open_database(cfg, owner)
-    key_store = KeyStore(db, MasterKey(cfg.master_key_file or cfg.data_dir / "master.key"), bootstrap)
+    master_key = MasterKey(cfg.master_key_file or cfg.data_dir / "master.key")
+    key_store = KeyStore(db, master_key, bootstrap)
     auth = Authenticator(key_store, cfg.region)
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.
     node_certs = tls is not None and tls.serves and tls.ca is not None
-    services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls))
+    services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls), master_key=master_key)
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s, owner=owner,
                             lease_s=cfg.operation_lease_s)
     # Singleton loops run on one controller at a time; another takes over once a lease lapses.
     reconcile_lease = SingletonLease(db, "reconciler", owner, max(3 * cfg.reconcile_interval_s, cfg.operation_lease_s))
     housekeeping_lease = SingletonLease(db, "housekeeping", owner, 3 * HOUSEKEEPING_INTERVAL_S)
-    svc = Controller(cfg=cfg, db=db, agents=services.agents, engine=engine,
+    svc = Controller(cfg=cfg, db=db, agents=services.agents, master_key=master_key, engine=engine,
                      reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s,
                                            lease=reconcile_lease),
                      resolvers=Resolvers.from_config(cfg))

@@ -12,10 +12,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Attachment, Instance, Volume
+from vbs.controller.db import Attachment, Instance, Node, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_is_alive
+from vbs.controller.nodes import host_info, host_is_alive
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
@@ -80,6 +80,11 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
                                  code="IncorrectInstanceState")
         if not host_is_alive(s, inst.host, svc.cfg.heartbeat_timeout_s):
             raise AgentUnavailable(f"The host agent of '{inst.host}' is not reporting; cannot attach there.")
+        if vol.key_id is not None:
+            host = s.get(Node, (inst.host, "host"))
+            if host is None or not host_info(host).capabilities.luks:
+                raise IncorrectState(f"The volume '{volume_id}' is encrypted and the hypervisor of host "
+                                     f"'{inst.host}' cannot open encrypted volumes (the qemu driver can).")
         live = list(s.scalars(select(Attachment).where(Attachment.volume_id == volume_id,
                                                        Attachment.status.in_(LIVE_ATTACHMENT))))
         if any(a.instance_id == inst.id for a in live):

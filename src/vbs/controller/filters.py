@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Select, and_, exists, false, or_, select, true
+from sqlalchemy import ColumnElement, Select, and_, exists, or_, select, true
 
 from vbs.controller.db import Tag
 from vbs.errors import InvalidParameter
@@ -71,18 +71,6 @@ def in_values(column: Any, cast: Callable[[str], Any] = str) -> Callable[[list[s
     return clause
 
 
-def constant(value: bool) -> Callable[[list[str]], ColumnElement[bool]]:
-    """A filter on a property every resource has the same way (e.g. ``encrypted=false``)."""
-
-    def clause(values: list[str]) -> ColumnElement[bool]:
-        wanted = {v.lower() for v in values}
-        if not wanted <= {"true", "false"}:
-            raise InvalidParameter("Invalid filter value: expecting true or false.")
-        return true() if str(value).lower() in wanted else false()
-
-    return clause
-
-
 # A time filter value: a UTC timestamp, cut anywhere after the year with a trailing "*" (EC2's wildcard).
 _TIME_RE = re.compile(r"(\d{4})(?:-(\d{2})(?:-(\d{2})(?:T(\d{2})(?::(\d{2})(?::(\d{2})(?:\.(\d{1,6}))?)?)?)?)?)?")
 
@@ -125,6 +113,20 @@ def in_time_spans(column: Any) -> Callable[[list[str]], ColumnElement[bool]]:
         except ValueError as exc:
             raise InvalidParameter(f"Invalid filter value: {exc}") from exc
         return or_(*(and_(column >= start, column < end) for start, end in spans))
+
+    return clause
+
+
+def flag(condition: ColumnElement[bool]) -> Callable[[list[str]], ColumnElement[bool]]:
+    """A true/false filter on ``condition`` (e.g. ``encrypted=true``)."""
+
+    def clause(values: list[str]) -> ColumnElement[bool]:
+        wanted = {v.lower() for v in values}
+        if not wanted <= {"true", "false"}:
+            raise InvalidParameter("Invalid filter value: expecting true or false.")
+        if wanted == {"true", "false"}:
+            return true()
+        return condition if "true" in wanted else ~condition
 
     return clause
 

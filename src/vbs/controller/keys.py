@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from vbs import credentials
-from vbs.controller.db import AccessKeyRecord, Database
+from vbs.controller.db import AccessKeyRecord, Database, VolumeKey
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.errors import InvalidParameter, NotFound
 from vbs.files import write_private
@@ -101,7 +101,8 @@ class MasterKey:
         return None
 
     def rotate(self, db: Database) -> int:
-        """Seal every made key's secret under a new master key; the number of secrets re-sealed.
+        """Seal every made access key's secret and every volume data key under a new master key; the number
+        of secrets re-sealed.
 
         The old keys stay in the file until every row opens with the new one (a key made by a
         running controller meanwhile included), so an interrupted rotation loses nothing: run it again.
@@ -114,14 +115,18 @@ class MasterKey:
         for _ in range(3):
             stale = 0
             with db.session() as s:
-                for row in s.scalars(select(AccessKeyRecord).with_for_update()):
-                    if _open(new, row.sealed_secret, row.id) is not None:
+                rows: list[AccessKeyRecord | VolumeKey] = [*s.scalars(select(AccessKeyRecord).with_for_update()),
+                                                           *s.scalars(select(VolumeKey).with_for_update())]
+                for row in rows:
+                    field = "sealed_secret" if isinstance(row, AccessKeyRecord) else "sealed_key"
+                    sealed = getattr(row, field)
+                    if _open(new, sealed, row.id) is not None:
                         continue
-                    secret = self.open(row.sealed_secret, row.id)
+                    secret = self.open(sealed, row.id)
                     if secret is None:
                         raise InvalidParameter(f"the secret of {row.id} opens with none of the master keys in "
                                                f"{self.path}; the old keys are kept")
-                    row.sealed_secret = _seal(new, secret, row.id)
+                    setattr(row, field, _seal(new, secret, row.id))
                     resealed.add(row.id)
                     stale += 1
             if stale == 0:

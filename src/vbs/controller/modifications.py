@@ -101,6 +101,10 @@ def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment])
     if any(a.mode == "ro" for a in attached):
         raise IncorrectState(f"The volume '{volume_id}' has a read-only attachment, which cannot grow online; "
                              "detach it first.")
+    vol = s.get(Volume, volume_id)
+    if vol is not None and vol.key_id is not None and attached:
+        raise IncorrectState(f"The volume '{volume_id}' is encrypted; it grows while detached only (detach it "
+                             "first).")
     for a in attached:
         node = s.get(Node, (a.host, "host"))
         caps = host_info(node).capabilities if node is not None else None

@@ -277,6 +277,7 @@ class Placement:
     node: str | None = None
     pool: str | None = None
     drained_ok: bool = False
+    encrypted: bool = False  # only pools that make encrypted volumes (PoolInfo.encryption)
 
     def includes(self, node: Node, default_zone: str) -> bool:
         """Whether ``node`` is the named node (if any) in the named zone (if any)."""
@@ -285,7 +286,8 @@ class Placement:
 
     def where(self) -> str:
         parts = [f"in zone {self.zone}" if self.zone else "", f"on storage node {self.node}" if self.node else "",
-                 f"in pool {self.pool}" if self.pool else ""]
+                 f"in pool {self.pool}" if self.pool else "",
+                 "in a pool that makes encrypted volumes" if self.encrypted else ""]
         return "".join(f" {p}" for p in parts if p)
 
 
@@ -343,7 +345,7 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     full = False
     for n in live:
         for p in storage_info(n).pools:
-            if want.pool is not None and p.name != want.pool:
+            if (want.pool is not None and p.name != want.pool) or (want.encrypted and not p.encryption):
                 continue
             provisioned = per_storage.get(pool_key(n.name, p), 0)
             if not _fits(p.capacity_bytes, provisioned, size_gib, overcommit):

@@ -56,6 +56,9 @@ NodeName = Annotated[str, Field(pattern=HOST_NAME_RE.pattern)]
 PoolName = Annotated[str, Field(pattern=POOL_NAME_RE)]
 
 
+KmsKeyId = Annotated[str, Field(min_length=1, max_length=2048, pattern=r"^[A-Za-z0-9:/_.+=@-]+$")]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -68,6 +71,9 @@ class CreateVolumeRequest(_Request):
     iops: int | None = Field(None, ge=100, le=256000)
     throughput: int | None = Field(None, ge=1, le=4000)
     multi_attach: bool = False
+    # A LUKS container hosts open (vbs.controller.encryption); kms_key_id is recorded as given.
+    encrypted: bool = False
+    kms_key_id: KmsKeyId | None = None
     placement: Literal["shared", "local"] = "shared"
     tags: Tags = Field(default_factory=dict)
     client_token: ClientToken | None = None
@@ -87,6 +93,9 @@ class CopySnapshotRequest(_Request):
     source_snapshot_id: SnapshotId
     comment: Comment = ""
     tags: Tags = Field(default_factory=dict)
+    # A copy keeps its source's encryption and key; encrypting or re-keying on copy is refused (not yet).
+    encrypted: bool = False
+    kms_key_id: KmsKeyId | None = None
 
 
 Grantee = Annotated[str, Field(pattern=r"^(all|[a-z0-9][a-z0-9_-]{0,62})$")]
@@ -136,6 +145,8 @@ class VolumeOut(BaseModel):
     iops: int | None
     throughput: int | None
     multi_attach: bool
+    encrypted: bool = False
+    kms_key_id: str | None = None
     placement: str
     status: str
     status_reason: str | None
@@ -164,6 +175,8 @@ class SnapshotOut(BaseModel):
     started_at: datetime
     tags: dict[str, str]
     owner: str  # the tenant that owns it (another's, for a snapshot shared with the caller)
+    encrypted: bool = False
+    kms_key_id: str | None = None
     source_snapshot_id: str | None = None  # what a CopySnapshot copied
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from vbs.config import ControllerConfig
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.db import Database
+from vbs.controller.keys import MasterKey
 
 
 @dataclass
@@ -14,3 +15,5 @@ class Services:
     cfg: ControllerConfig
     db: Database
     agents: AgentDirectory
+    # Seals access keys' secrets and volumes' data keys (vbs.controller.encryption).
+    master_key: MasterKey

@@ -6,8 +6,8 @@ from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session, aliased
 
 from vbs import ids
+from vbs.controller import encryption, quotas
 from vbs.controller import filters as flt
-from vbs.controller import quotas
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Snapshot, Volume
 from vbs.controller.db.tables import utcnow
@@ -19,7 +19,7 @@ from vbs.controller.transitions import transition
 from vbs.controller.volumes import live_volume
 from vbs.controller.workflows.snapshots import CopySnapshotParams, CreateSnapshotParams
 from vbs.controller.workflows.storage import StorageParams
-from vbs.errors import IncorrectState, NotFound, SnapshotInUse
+from vbs.errors import IncorrectState, InvalidParameter, NotFound, SnapshotInUse
 
 
 def snapshot_not_found(snapshot_id: str) -> NotFound:
@@ -41,7 +41,8 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,
                         comment=req.comment, storage_node=vol.storage_node, pool=vol.pool,
-                        status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant)
+                        status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
+                        key_id=vol.key_id)
         s.add(snap)
         s.flush()
         set_tags(s, snap.id, req.tags)
@@ -66,12 +67,13 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         if hit != 1:
             raise IncorrectState(f"The snapshot '{source.id}' is '{source.status}'; it must be completed.",
                                  code="IncorrectState")
+        _check_copy_encryption(s, source, req)
         quotas.check_snapshots(s, svc.cfg, tenant)
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=source.volume_id, volume_size_gib=source.volume_size_gib,
                         comment=req.comment, storage_node=source.storage_node, pool=source.pool,
                         status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
-                        source_snapshot_id=source.id)
+                        source_snapshot_id=source.id, key_id=source.key_id)
         s.add(snap)
         s.flush()
         set_tags(s, snap.id, req.tags)
@@ -81,6 +83,20 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         out = _describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
+
+
+def _check_copy_encryption(s: Session, source: Snapshot, req: CopySnapshotRequest) -> None:
+    """A copy is what its source is: encrypted under the same key, or not encrypted. Encrypting or re-keying
+    on the way is refused (not yet), never ignored."""
+    if source.key_id is None:
+        if req.encrypted or req.kms_key_id is not None:
+            raise InvalidParameter(f"Encrypting a copy of the unencrypted snapshot '{source.id}' is not supported "
+                                   "yet.", code="UnsupportedOperation")
+        return
+    kms = encryption.kms_key_ids(s, {source.key_id}).get(source.key_id)
+    if req.kms_key_id is not None and req.kms_key_id != kms:
+        raise InvalidParameter(f"The snapshot '{source.id}' is encrypted under {kms}; re-encrypting its copy under "
+                               f"{req.kms_key_id} is not supported yet.", code="UnsupportedOperation")
 
 
 def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
@@ -115,7 +131,7 @@ SNAPSHOT_FILTERS = {
     "volume-size": flt.in_values(Snapshot.volume_size_gib, flt.bounded_int()),
     "description": flt.in_values(Snapshot.comment),
     "progress": flt.in_values(Snapshot.progress, lambda v: flt.bounded_int(0, 100)(v.rstrip("%"))),
-    "encrypted": flt.constant(False),
+    "encrypted": flt.flag(Snapshot.key_id.is_not(None)),
     "start-time": flt.in_time_spans(Snapshot.started_at),
 }
 
@@ -154,10 +170,12 @@ def get_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
 
 def _describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
     tags = flt.tags_of(s, [x.id for x in snaps])
+    kms = encryption.kms_key_ids(s, {x.key_id for x in snaps if x.key_id is not None})
     return [
         SnapshotOut(snapshot_id=x.id, volume_id=x.volume_id, volume_size_gib=x.volume_size_gib, comment=x.comment,
                     status=x.status, status_reason=x.status_reason, progress=x.progress,
                     storage_node=x.storage_node, pool=x.pool, started_at=x.started_at, tags=tags[x.id],
-                    owner=x.tenant, source_snapshot_id=x.source_snapshot_id)
+                    owner=x.tenant, source_snapshot_id=x.source_snapshot_id, encrypted=x.key_id is not None,
+                    kms_key_id=kms.get(x.key_id) if x.key_id is not None else None)
         for x in snaps
     ]

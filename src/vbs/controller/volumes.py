@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from datetime import timedelta
 
 from sqlalchemy import ColumnElement, exists, false, or_, select, update
@@ -15,8 +16,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
+from vbs.controller import encryption, quotas, snapshot_sharing, volume_types
 from vbs.controller import filters as flt
-from vbs.controller import quotas, snapshot_sharing, volume_types
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
@@ -101,6 +102,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     cfg = svc.cfg
     size = req.size_gib
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
+    snap: Snapshot | None = None
     if req.snapshot_id is not None:
         snap = s.get(Snapshot, req.snapshot_id)
         if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
@@ -124,6 +126,9 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
     if size is None:
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    key_id = _volume_key(s, svc, req, snap)
+    # A new encrypted volume is formatted by its pool; a clone is a copy of its snapshot's container.
+    want = replace(want, encrypted=key_id is not None and req.snapshot_id is None)
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
     volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
@@ -136,14 +141,38 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
         volume_type=req.volume_type, iops=req.iops, throughput=req.throughput, multi_attach=req.multi_attach,
         placement=req.placement, storage_node=node, pool=pool, status=VolumeState.CREATING, progress=0, tenant=tenant,
-        client_token=req.client_token, request_digest=digest, created_at=now, updated_at=now,
+        client_token=req.client_token, request_digest=digest, created_at=now, updated_at=now, key_id=key_id,
     )
     s.add(volume)
     s.flush()
     set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
-        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id))
+        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id,
+        encrypted=key_id is not None and req.snapshot_id is None))
     return volume, op_id
+
+
+def _volume_key(s: Session, svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> str | None:
+    """The data key of the new volume: its snapshot's (a clone of an encrypted snapshot is encrypted, as on
+    EBS), a new one if asked for, else None."""
+    if snap is not None:
+        if snap.key_id is None:
+            if req.encrypted or req.kms_key_id is not None:
+                raise InvalidParameter(f"Encrypting a volume made from the unencrypted snapshot '{snap.id}' is not "
+                                       "supported yet.", code="UnsupportedOperation")
+            return None
+        kms = encryption.kms_key_ids(s, {snap.key_id}).get(snap.key_id)
+        if req.kms_key_id is not None and req.kms_key_id != kms:
+            raise InvalidParameter(f"The snapshot '{snap.id}' is encrypted under {kms}; re-encrypting a volume made "
+                                   f"from it under {req.kms_key_id} is not supported yet.",
+                                   code="UnsupportedOperation")
+        return snap.key_id
+    if req.kms_key_id is not None and not req.encrypted:
+        raise InvalidParameter("The parameter KmsKeyId requires the parameter Encrypted to be set.",
+                               code="InvalidParameterDependency")
+    if not req.encrypted:
+        return None
+    return encryption.new_key(s, svc.master_key, encryption.check_kms_key_id(req.kms_key_id))
 
 
 def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
@@ -175,8 +204,7 @@ VOLUME_FILTERS = {
     "volume-type": flt.in_values(Volume.volume_type),
     "multi-attach-enabled": flt.in_values(Volume.multi_attach, lambda v: {"true": True, "false": False}[v]),
     "storage-node": flt.in_values(Volume.storage_node),
-    # VBS volumes are not encrypted at rest (yet): the filter keeps all or nothing.
-    "encrypted": flt.constant(False),
+    "encrypted": flt.flag(Volume.key_id.is_not(None)),
     "attachment.delete-on-termination": lambda vals: exists().where(
         Attachment.volume_id == Volume.id, Attachment.status != AttachmentState.DETACHED) if "false" in vals
     else false(),
@@ -243,6 +271,7 @@ def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
 def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[VolumeOut]:
     vol_ids = [v.id for v in vols]
     tags = flt.tags_of(s, vol_ids)
+    kms = encryption.kms_key_ids(s, {v.key_id for v in vols if v.key_id is not None})
     nodes = node_health(s, {v.storage_node for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
                         default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
@@ -257,6 +286,7 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
             volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,
             volume_type=v.volume_type, iops=volume_types.reported_iops(v.volume_type, v.size_gib, v.iops),
             throughput=volume_types.reported_throughput(v.volume_type, v.throughput), multi_attach=v.multi_attach,
+            encrypted=v.key_id is not None, kms_key_id=kms.get(v.key_id) if v.key_id is not None else None,
             placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
             storage_node=v.storage_node, pool=v.pool,
             availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,

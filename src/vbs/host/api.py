@@ -57,7 +57,10 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
         able(f"open {body.connection.protocol} connections", body.connection.protocol in caps.protocols)
         if body.qos is not None:
             able("enforce QoS limits", caps.qos)
-        return driver.attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only, qos=body.qos)
+        if body.luks_passphrase is not None:
+            able("open encrypted (LUKS) volumes", caps.luks)
+        return driver.attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only, qos=body.qos,
+                             luks=body.luks_passphrase)
 
     @router.delete("/vms/{vm_id}/disks/{serial}")
     def detach(vm_id: str, serial: str, force: bool = False,

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.responses import Response
 
 from vbs import ids
-from vbs.errors import InvalidParameter, NotFound
-from vbs.storage.backends.base import Backend
+from vbs.errors import IncorrectState, InvalidParameter, NotFound
+from vbs.storage.backends.base import Backend, EncryptingBackend
 from vbs.storage.exports.base import ExportDriver
 from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
@@ -81,7 +81,13 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}")
     def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
-        return pool(pool_name).ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
+        backend = pool(pool_name)
+        if body.luks_passphrase is not None and body.source_snapshot_id is None:
+            if not isinstance(backend, EncryptingBackend):
+                raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
+            return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
+                                                   body.luks_passphrase)
+        return backend.ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
 
     @router.get("/pools/{pool_name}/volumes/{volume_id}")
     def volume_status(pool_name: str, volume_id: str) -> ItemStatus:

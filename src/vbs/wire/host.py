@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_serializer, field_validator
 
 from vbs.wire.base import Wire
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
@@ -88,6 +88,12 @@ class AttachDisk(Wire):
     connection: Connection
     read_only: bool = False
     qos: QoS | None = None
+    # An encrypted volume: the passphrase of its LUKS container (capabilities.luks).
+    luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+
+    @field_serializer("luks_passphrase", when_used="json")
+    def _reveal(self, v: SecretStr | None) -> str | None:
+        return v.get_secret_value() if v is not None else None
 
 
 class ResizeDisk(Wire):
@@ -120,6 +126,8 @@ class HypervisorCapabilities(Wire):
     online_resize_protocols: list[ProtocolName] | None = None
     qos: bool = False
     point_in_time_copy: bool = False
+    # It opens encrypted volumes (LUKS containers) itself with the passphrase an attach brings.
+    luks: bool = False
 
 
 class HostHeartbeat(Wire):

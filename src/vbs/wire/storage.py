@@ -6,7 +6,14 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 from vbs.wire.base import SnapshotId, VolumeId, Wire
 from vbs.wire.connection import (
@@ -94,6 +101,8 @@ class PoolInfo(Wire):
     # reports the same id reaches the same volumes, and the scheduler counts the pool once. None: the
     # pool is this agent's alone (files on its disks).
     shared_id: str | None = Field(None, pattern=SHARED_ID_RE)
+    # It makes encrypted volumes (LUKS containers hosts open): the backend has ``ensure_encrypted_volume``.
+    encryption: bool = False
     # The most snapshots one volume of this pool may have (RBD: 450 by default); None: no limit (files).
     max_snapshots_per_volume: int | None = Field(None, ge=1, le=100_000)
     # The Ceph monitors of an ``rbd`` pool's cluster: the only ones the controller lets a connection
@@ -170,6 +179,12 @@ class Inventory(Wire):
 class EnsureVolume(Wire):
     size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
     source_snapshot_id: SnapshotId | None = None
+    # An encrypted volume: the LUKS passphrase to format it with (a new, empty volume only).
+    luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+
+    @field_serializer("luks_passphrase", when_used="json")
+    def _reveal(self, v: SecretStr | None) -> str | None:
+        return v.get_secret_value() if v is not None else None
 
 
 class ResizeVolume(Wire):

@@ -16,6 +16,7 @@ from vbs.controller.db.tables import (
     SnapshotPermission,
     Tag,
     Volume,
+    VolumeKey,
     VolumeModification,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "Operation",
     "OperationStep",
     "VolumeModification",
+    "VolumeKey",
     "AccessKeyRecord",
     "ControllerRecord",
     "LeaseRecord",

@@ -84,6 +84,8 @@ class Volume(Base):
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     deleted_at: Mapped[datetime | None]
+    # Encrypted (a LUKS container): its data key (VolumeKey); None: not encrypted.
+    key_id: Mapped[str | None] = mapped_column(String(32))
 
 
 class Snapshot(Base):
@@ -104,6 +106,20 @@ class Snapshot(Base):
     updated_at: Mapped[datetime]
     # CopySnapshot: the snapshot this one copies (which may not be deleted while the copy is pending).
     source_snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    # Encrypted: the data key (VolumeKey) of the volume it was taken of.
+    key_id: Mapped[str | None] = mapped_column(String(32))
+
+
+class VolumeKey(Base):
+    """The data key of an encrypted volume, and of its snapshots and clones (a clone of a LUKS container
+    opens with the same passphrase), sealed with the controller's master key."""
+
+    __tablename__ = "volume_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    sealed_key: Mapped[str] = mapped_column(Text)
+    kms_key_id: Mapped[str] = mapped_column(String(2048))
+    created_at: Mapped[datetime]
 
 
 class SnapshotPermission(Base):

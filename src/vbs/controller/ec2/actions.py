@@ -113,13 +113,6 @@ def _dry_run(p: QueryParams) -> None:
         raise DryRunOperation()
 
 
-def _refuse_encryption(p: QueryParams) -> None:
-    """Encryption is refused, not ignored: a client asking for it must not get plaintext it believes encrypted."""
-    if p.bool("Encrypted") or p.str("KmsKeyId", max_len=2048):
-        raise InvalidParameter("Encrypted volumes and snapshots are not supported by this VBS yet; leave Encrypted "
-                               "and KmsKeyId out.", code="UnsupportedOperation")
-
-
 def _tag_set(values: dict[str, str]) -> list[dict[str, str]]:
     return [{"key": k, "value": v} for k, v in sorted(values.items())]
 
@@ -144,7 +137,8 @@ def _volume(v: VolumeOut) -> dict[str, Any]:
         "volumeId": v.volume_id, "size": v.size_gib, "snapshotId": v.snapshot_id or "",
         "availabilityZone": v.availability_zone, "status": v.status, "createTime": v.created_at,
         "attachmentSet": [_attachment(a) for a in v.attachments], "tagSet": _tag_set(v.tags) if v.tags else None,
-        "volumeType": v.volume_type, "iops": v.iops, "throughput": v.throughput, "encrypted": False,
+        "volumeType": v.volume_type, "iops": v.iops, "throughput": v.throughput, "encrypted": v.encrypted,
+        "kmsKeyId": v.kms_key_id,
         "multiAttachEnabled": v.multi_attach, "fastRestored": False,
     }
 
@@ -153,7 +147,7 @@ def _snapshot(s: SnapshotOut) -> dict[str, Any]:
     return {
         "snapshotId": s.snapshot_id, "volumeId": s.volume_id, "status": s.status, "startTime": s.started_at,
         "progress": f"{s.progress}%", "ownerId": sharing.owner_id(s.owner), "volumeSize": s.volume_size_gib,
-        "description": s.comment, "encrypted": False, "storageTier": "standard",
+        "description": s.comment, "encrypted": s.encrypted, "kmsKeyId": s.kms_key_id, "storageTier": "standard",
         "stateMessage": s.status_reason, "tagSet": _tag_set(s.tags) if s.tags else None,
     }
 
@@ -170,12 +164,12 @@ def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
         "size_gib": p.int("Size"), "snapshot_id": _snapshot_id(snap) if snap else None,
         "volume_type": p.str("VolumeType", max_len=16) or "gp2", "iops": p.int("Iops"),
         "throughput": p.int("Throughput"), "multi_attach": p.bool("MultiAttachEnabled"),
+        "encrypted": p.bool("Encrypted"), "kms_key_id": p.str("KmsKeyId", max_len=2048),
         "tags": _tags_for(p, "volume"), "client_token": p.str("ClientToken", max_len=64),
         "availability_zone": zone,
     }
     if data["size_gib"] is None and snap is None:
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
-    _refuse_encryption(p)
     req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
     return _volume(volumes.create_volume(svc, req, who.tenant))
@@ -353,10 +347,10 @@ def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
         if value is not None and value != svc.cfg.region:
             raise InvalidParameter(f"{name} {value[:64]!r}: this VBS copies snapshots within its region "
                                    f"{svc.cfg.region!r} only.")
-    _refuse_encryption(p)
     req = _model(CopySnapshotRequest, {"source_snapshot_id": source,
                                        "comment": p.str("Description", max_len=255) or "",
-                                       "tags": _tags_for(p, "snapshot")})
+                                       "tags": _tags_for(p, "snapshot"), "encrypted": p.bool("Encrypted"),
+                                       **({"kms_key_id": kms} if (kms := p.str("KmsKeyId", max_len=2048)) else {})})
     _dry_run(p)
     made = snapshots.copy_snapshot(svc, req, who.tenant)
     return {"snapshotId": made.snapshot_id, "tagSet": _tag_set(made.tags) if made.tags else None}

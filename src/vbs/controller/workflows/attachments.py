@@ -21,7 +21,7 @@ from vbs.controller.nodes import host_identity, host_info
 from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
 from vbs.controller.transitions import transition, try_transition
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
-from vbs.controller.workflows.storage import StorageParams, storage_agent, waiting
+from vbs.controller.workflows.storage import StorageParams, data_key, storage_agent, waiting
 from vbs.errors import DeviceBusy, NotFound
 from vbs.wire.connection import Connection
 from vbs.wire.host import QoS
@@ -86,7 +86,8 @@ def unexport_volume(ctx: StepContext[Any]) -> None:
 def plug_into_vm(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
     conn = ctx.memo.get("connection") or _connection(ctx)
-    ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, conn, read_only=p.read_only, qos=p.qos)
+    ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, conn, read_only=p.read_only, qos=p.qos,
+                                            luks=data_key(ctx, ctx.resource_id))
 
 
 def unplug_forcibly(ctx: StepContext[AttachParams]) -> None:

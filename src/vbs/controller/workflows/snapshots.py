@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller.db import Attachment, Node, Snapshot
+from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.nodes import host_identity, host_info
 from vbs.controller.states import AttachmentState, SnapshotState
 from vbs.controller.workflows import storage as shared
@@ -73,12 +73,17 @@ def _writer(ctx: StepContext[CreateSnapshotParams]) -> Attachment | None:
         live = list(s.scalars(select(Attachment).where(Attachment.volume_id == p.volume_id,
                                                        Attachment.status != AttachmentState.DETACHED)))
         hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
+        encrypted = s.scalar(select(Volume.key_id).where(Volume.id == p.volume_id)) is not None
     if len(live) > 1:
         raise IncorrectState(f"The volume '{p.volume_id}' is attached to {len(live)} VMs and its storage node cannot "
                              "copy it at one instant; a point-in-time snapshot of it needs a reflink pool or an "
                              "NBD-exporting storage node.")
     if not live or live[0].status != AttachmentState.ATTACHED:
         return None
+    if encrypted:
+        # A hypervisor copies what its guest sees: plaintext. Never a snapshot that is not encrypted.
+        raise IncorrectState(f"The volume '{p.volume_id}' is encrypted and its storage node cannot copy it at one "
+                             "instant; detach it to snapshot it.")
     host = hosts.get(live[0].host)
     if host is None or not host_info(host).capabilities.point_in_time_copy:
         raise IncorrectState(f"Neither the storage node of '{p.volume_id}' nor the hypervisor of host "

@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pydantic import SecretStr
 from sqlalchemy import select, update
 
+from vbs.controller import encryption
 from vbs.controller.agents import StorageAgent
 from vbs.controller.db import Snapshot, Volume
 from vbs.controller.db.tables import utcnow
@@ -37,6 +39,15 @@ class StorageParams(Params):
 
 def storage_agent(ctx: StepContext[Any]) -> StorageAgent:
     return ctx.services.agents.storage(ctx.params.node)
+
+
+def data_key(ctx: StepContext[Any], volume_id: str) -> SecretStr | None:
+    """The LUKS passphrase of an encrypted volume (None: not encrypted), opened now for one agent call."""
+    with ctx.services.db.read() as s:
+        vol = s.get(Volume, volume_id)
+        if vol is None or vol.key_id is None:
+            return None
+        return encryption.passphrase(s, ctx.services.master_key, vol.key_id)
 
 
 def patience(ctx: StepContext[Any]) -> float:

@@ -13,12 +13,16 @@ from vbs.controller.workflows.storage import StorageParams
 class CreateVolumeParams(StorageParams):
     size_gib: int
     snapshot_id: str | None = None
+    # A new encrypted volume: its pool formats it with the volume's data key (fetched at the step, never
+    # kept in these params).
+    encrypted: bool = False
 
 
 def create_on_storage(ctx: StepContext[CreateVolumeParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
-    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id),
+    luks = shared.data_key(ctx, ctx.resource_id) if p.encrypted else None
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id, luks=luks),
                        shared.progress_reporter(ctx, Volume, VolumeState.CREATING), unreachable_s=shared.patience(ctx))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from pydantic import SecretStr
+
 from vbs.config import HostAgentConfig
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
@@ -34,9 +36,10 @@ class HypervisorDriver(Protocol):
         ...
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
-               qos: QoS | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
         """Hot-plug ``connection`` into the running VM as a virtio disk; a disk already there with
-        this serial is answered as it is."""
+        this serial is answered as it is. ``luks``: the volume is a LUKS container this passphrase opens
+        (``capabilities.luks``; a driver without it raises ``IncorrectState``)."""
         ...
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:

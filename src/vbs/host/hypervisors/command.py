@@ -32,13 +32,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, IncorrectState, InvalidParameter, NotFound
 from vbs.files import write_private
 from vbs.host.connectors import CONNECTORS
 from vbs.host.connectors.local_path import LocalPaths
+from vbs.host.hypervisors.luks import refuse_luks
 from vbs.profiles import CommandSchema, Profile, ProfileSchema, load_profile
 from vbs.qemu_tls import X509Files
 from vbs.wire.connection import AnyConnection, NbdConnection
@@ -116,7 +117,8 @@ class CommandDriver:
         return [VmInfo(vm_id=name, name=name, running=True) for name in names]
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
-               qos: QoS | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
+        refuse_luks(luks, "the " + self.__class__.__name__.removesuffix("Driver").lower() + " driver")
         _check(vm_id, serial)
         if qos is not None and (qos.iops is not None or qos.mbps is not None):
             raise IncorrectState(f"the {self.profile.name} profile cannot limit a disk's I/O (no QoS)")

@@ -49,12 +49,14 @@ from typing import TypeVar
 
 import libvirt
 import libvirt_qemu
+from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.connectors import connector_for
 from vbs.host.connectors.base import LibvirtSource
 from vbs.host.hypervisors.libvirt_metadata import cloud_ids
+from vbs.host.hypervisors.luks import refuse_luks
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
@@ -230,7 +232,8 @@ class LibvirtDriver:
             return sorted(self._vms.values(), key=lambda vm: vm.vm_id)
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
-               qos: QoS | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
+        refuse_luks(luks, "the " + self.__class__.__name__.removesuffix("Driver").lower() + " driver")
         disk_alias(serial)
         dialled = self.tunnels.local(connection)
         source = connector_for(dialled).libvirt_source(dialled)

@@ -36,11 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import SecretStr
+
 from vbs.config import HostAgentConfig
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.host.hypervisors.luks import qemu_luks_node, qemu_secret
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
@@ -88,6 +91,7 @@ class DiskIds:
     secret2: str
     tls2: str
     copy_job_prefix: str  # every point-in-time copy job of this disk has an id starting so
+    luks_secret: str  # the passphrase of an encrypted volume's LUKS container (its format node is ``raw``)
 
     @property
     def generations(self) -> tuple[QemuIds, QemuIds]:
@@ -99,7 +103,7 @@ class DiskIds:
 
     @property
     def objects(self) -> tuple[str, ...]:
-        return (self.throttle_group, self.secret, self.tls, self.secret2, self.tls2)
+        return (self.throttle_group, self.secret, self.tls, self.secret2, self.tls2, self.luks_secret)
 
 
 def disk_ids(serial: str) -> DiskIds:
@@ -119,6 +123,7 @@ def disk_ids(serial: str) -> DiskIds:
         secret2=f"{p}-sec2",
         tls2=f"{p}-tls2",
         copy_job_prefix=f"{p}-copy-",
+        luks_secret=f"{p}-key",
     )
 
 
@@ -197,7 +202,8 @@ class QemuDriver:
     """
 
     capabilities = HypervisorCapabilities.model_validate(
-        {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True}
+        {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True,
+         "luks": True}
     )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
@@ -273,10 +279,11 @@ class QemuDriver:
         return sorted(probed + in_use, key=lambda vm: vm.vm_id)
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
-               qos: QoS | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
         ids = disk_ids(serial)
         connection = self._dialled(connection)
-        return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos))
+        return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos,
+                                                                  luks))
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         ids = disk_ids(serial)
@@ -409,7 +416,7 @@ class QemuDriver:
     # -- attach ----------------------------------------------------------------------------------
 
     def _attach(self, vm: _Vm, serial: str, ids: DiskIds, connection: AnyConnection, read_only: bool,
-                qos: QoS | None) -> DiskInfo:
+                qos: QoS | None, luks: SecretStr | None) -> DiskInfo:
         if ids.device in vm.devices():
             if ids.dead in vm.nodes():
                 raise IncorrectState(
@@ -423,15 +430,19 @@ class QemuDriver:
         self._end_copies(vm, serial, ids)
         _remove_nodes(vm, ids)
         with _undone_on_failure(vm, f"attach of {serial}") as undo:
-            top = self._build_chain(vm, connection, ids, read_only, qos, undo)
+            top = self._build_chain(vm, connection, ids, read_only, qos, luks, undo)
             vm.cmd("device_add", {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial})
         return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw))
 
     def _build_chain(self, vm: _Vm, connection: AnyConnection, ids: DiskIds, read_only: bool, qos: QoS | None,
-                     undo: Undo) -> str:
+                     luks: SecretStr | None, undo: Undo) -> str:
         gen = ids.generations[0]
         self._open_connection(vm, connection, gen, read_only, undo)
-        vm.cmd("blockdev-add", _raw_options(ids, gen.proto, read_only))
+        if luks is not None:
+            # The guest's plaintext exists only in this process: the export and the network carry ciphertext.
+            vm.cmd("object-add", qemu_secret(ids.luks_secret, luks))
+            undo.append(lambda: vm.cmd("object-del", {"id": ids.luks_secret}))
+        vm.cmd("blockdev-add", _format_options(ids, gen.proto, read_only, luks is not None))
         undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.raw}))
         if qos is None or (qos.iops is None and qos.mbps is None):
             return ids.raw
@@ -464,6 +475,8 @@ class QemuDriver:
             raise IncorrectState(f"disk {serial} of VM {vm_id} was force-detached; it cannot be resized")
         if ids.raw not in nodes:
             raise DriverError(f"VM {vm_id}: disk {serial} has no node {ids.raw}: not a disk VBS attached")
+        if _is_luks(nodes, ids):
+            raise IncorrectState(f"disk {serial} of VM {vm_id} is encrypted: it grows while detached only")
         if disk.read_only:
             # Measured: QEMU refuses block_resize on a read-only node ("Image is read-only"), and only
             # a truncate tells the device. The guest would never see the new size.
@@ -512,8 +525,9 @@ class QemuDriver:
         with _undone_on_failure(vm, f"resize of {serial}") as undo:
             self._open_connection(vm, connection, new, False, undo)
             # Every option of the raw node: blockdev-reopen resets the ones left out to defaults.
-            vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, new.proto, False)]})
-            undo.append(lambda: vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, old.proto, False)]}))
+            vm.cmd("blockdev-reopen", {"options": [_format_options(ids, new.proto, False, False)]})
+            undo.append(lambda: vm.cmd("blockdev-reopen", {"options": [_format_options(ids, old.proto, False,
+                                                                                        False)]}))
             # Exactly the size: more than the export has fails ("Cannot grow"), and is refused here.
             vm.cmd("block_resize", {"node-name": top, "size": size_bytes})
         # The guest is on the new connection: the old one goes (a failure here leaves a node that
@@ -561,6 +575,9 @@ class QemuDriver:
             raise NotFound(f"disk {serial} is not attached to VM {vm.vm_id}", code="InvalidAttachment.NotFound")
         if ids.dead in nodes:
             raise IncorrectState(f"disk {serial} of VM {vm.vm_id} was force-detached; it cannot be copied")
+        if _is_luks(nodes, ids):
+            # The copy would be of the plaintext the guest sees: an encrypted volume's snapshot is its node's.
+            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} is encrypted: its storage node snapshots it")
         vm.del_objects(cids.target.objects)  # leftovers of a crash before the target node was made
         with _undone_on_failure(vm, f"copy of {serial}") as undo:
             self._open_connection(vm, target, cids.target, False, undo)
@@ -703,7 +720,7 @@ def _cut_io(vm: _Vm, ids: DiskIds, qmp_timeout: float) -> None:
     # reopen drains in-flight requests, which wait up to the NBD reconnect delay if the export is gone.
     ro = bool(nodes[ids.raw].get("ro")) if ids.raw in nodes else False
     try:
-        vm.cmd("blockdev-reopen", {"options": [_raw_options(ids, ids.dead, ro)]},
+        vm.cmd("blockdev-reopen", {"options": [_format_options(ids, ids.dead, ro, _is_luks(nodes, ids))]},
                timeout=max(qmp_timeout, NBD_RECONNECT_DELAY_S + 5))
     except QmpCommandError as exc:
         if "Error flushing" in exc.desc:
@@ -722,9 +739,16 @@ def _cut_io(vm: _Vm, ids: DiskIds, qmp_timeout: float) -> None:
     vm.del_objects(obj for gen in ids.generations for obj in gen.objects)
 
 
-def _raw_options(ids: DiskIds, file: str, read_only: bool) -> dict[str, Any]:
-    """The raw node's options: attach adds it with these, every blockdev-reopen repeats them all."""
+def _format_options(ids: DiskIds, file: str, read_only: bool, luks: bool) -> dict[str, Any]:
+    """The format node's options (``raw``, or ``luks`` for an encrypted volume): attach adds it with these,
+    every blockdev-reopen repeats them all."""
+    if luks:
+        return qemu_luks_node(ids.raw, file, ids.luks_secret, read_only)
     return {"driver": "raw", "node-name": ids.raw, "file": file, "read-only": read_only, "discard": "unmap"}
+
+
+def _is_luks(nodes: dict[str, dict[str, Any]], ids: DiskIds) -> bool:
+    return ids.raw in nodes and nodes[ids.raw].get("drv") == "luks"
 
 
 def _remove_nodes(vm: _Vm, ids: DiskIds) -> None:

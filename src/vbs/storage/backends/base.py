@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Protocol, runtime_checkable
 
+from pydantic import SecretStr
+
 from vbs.config import StorageAgentConfig
 from vbs.storage.exports.base import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "EncryptingBackend"]
 
 
 @runtime_checkable
@@ -105,4 +107,13 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop background copies; their partial files stay and read as ``stalled`` later."""
+        ...
+
+
+@runtime_checkable
+class EncryptingBackend(Protocol):
+    """A backend that makes encrypted volumes (``PoolInfo.encryption``): LUKS containers that hosts open."""
+
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
+        """Create the empty volume as a LUKS container opened by ``passphrase``, or answer how far it got."""
         ...

@@ -30,6 +30,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
+from pydantic import SecretStr
+
 from vbs import ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import (
@@ -44,6 +46,7 @@ from vbs.errors import (
 )
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
+from vbs.storage.luks import format_luks
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
@@ -132,6 +135,7 @@ class FileBackend:
             free_bytes=st.f_bavail * st.f_frsize,
             clone_method=self.clone_method,
             point_in_time=self.clone_method == "reflink" or self._copier is not None,
+            encryption=True,
         )
 
     def inventory(self) -> PoolInventory:
@@ -174,6 +178,26 @@ class FileBackend:
                 self._create_sparse(final, size_bytes)
                 return _ready(final)
             return self._clone("volume", volume_id, final, "snapshot", source_snapshot_id, size_bytes)
+
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
+        """An empty volume that is a LUKS container opened by ``passphrase`` (hosts open it; this node never
+        sees its plaintext)."""
+        final = self._final("volume", volume_id)
+        _check_size(size_bytes)
+        with self._lock:
+            self._check_open()
+            status = self._status("volume", volume_id, final)
+            if status.state in ("ready", "copying"):
+                return status
+            partial = _partial(final)
+            partial.unlink(missing_ok=True)
+            try:
+                format_luks(partial, size_bytes, passphrase)
+                _publish(partial, final)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+            return _ready(final)
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         final = self._final("volume", volume_id)

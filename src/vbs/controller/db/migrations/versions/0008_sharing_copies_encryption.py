@@ -1,7 +1,9 @@
-"""snapshot sharing and copies: createVolumePermission between tenants, and CopySnapshot's source
+"""snapshot sharing, copies and encrypted volumes
 
 - snapshot_permissions (snapshot_id, grantee): a tenant, or "all", that may use another tenant's snapshot.
 - snapshots.source_snapshot_id (existing rows: NULL): the snapshot a CopySnapshot copies.
+- volume_keys (id, sealed_key, kms_key_id, created_at): the data keys of encrypted volumes, sealed with
+  the master key; volumes.key_id and snapshots.key_id (existing rows: NULL, not encrypted) name theirs.
 
 Revision ID: 0008
 Revises: 0007
@@ -24,14 +26,29 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("snapshot_id", "grantee"),
     )
     op.create_index("ix_snapshot_permissions_grantee", "snapshot_permissions", ["grantee"])
+    op.create_table(
+        "volume_keys",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("sealed_key", sa.Text(), nullable=False),
+        sa.Column("kms_key_id", sa.String(length=2048), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("id"),
+    )
     with op.batch_alter_table("snapshots", schema=None) as batch_op:
         batch_op.add_column(sa.Column("source_snapshot_id", sa.String(length=32), nullable=True))
         batch_op.create_index("ix_snapshots_source_snapshot_id", ["source_snapshot_id"])
+        batch_op.add_column(sa.Column("key_id", sa.String(length=32), nullable=True))
+    with op.batch_alter_table("volumes", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("key_id", sa.String(length=32), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("volumes", schema=None) as batch_op:
+        batch_op.drop_column("key_id")
     with op.batch_alter_table("snapshots", schema=None) as batch_op:
+        batch_op.drop_column("key_id")
         batch_op.drop_index("ix_snapshots_source_snapshot_id")
         batch_op.drop_column("source_snapshot_id")
+    op.drop_table("volume_keys")
     op.drop_index("ix_snapshot_permissions_grantee", table_name="snapshot_permissions")
     op.drop_table("snapshot_permissions")

@@ -1,0 +1,205 @@
+"""Encrypted volumes for real: a ``vbs up`` whose file pool makes LUKS containers and whose QEMU guest
+opens them. What the guest writes is found nowhere in the pool file; snapshots and their clones stay
+encrypted and readable; the key survives a master-key rotation; the EC2 API reports Encrypted and
+KmsKeyId and refuses what it cannot do; the data key is in no log, operation row or process argv."""
+
+from __future__ import annotations
+
+import base64
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from vbs.controller.keys import MasterKey
+from vbs.ids import virtio_serial
+from vbs.storage.luks import LUKS_MAGIC
+from vbs.testguest import TestGuest, build_guest
+
+GIB = 1 << 30
+MIB = 1 << 20
+SEED = "vbs-plaintext-that-must-not-leak"
+FAST = {"Delay": 0.2, "MaxAttempts": 300}
+
+
+class Env:
+    def __init__(self, vbs: Vbs, up: VbsUp, guest: TestGuest) -> None:
+        self.vbs, self.up, self.guest = vbs, up, guest
+        self.ec2 = boto3.client("ec2", endpoint_url=vbs.endpoint, region_name="us-east-1",
+                                aws_access_key_id=vbs.key.access_key_id,
+                                aws_secret_access_key=vbs.key.secret_access_key,
+                                config=Config(retries={"max_attempts": 1}))
+
+    def instance(self) -> str:
+        def find() -> str | None:
+            for i in self.vbs.http.get("/v1/instances").json()["instances"]:
+                if i["vm_id"] == "vm1" and i["state"] == "running":
+                    return str(i["instance_id"])
+            return None
+        return str(wait_until(find, 60, what="instance vm1"))
+
+    def attach(self, vol: str) -> str:
+        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.instance(), "device": "vdb"})
+        assert r.status_code == 200, r.text
+        wait_until(lambda: [a["state"] for a in self.vbs.volume(vol)["attachments"]] == ["attached"], 60,
+                   what=f"{vol} attached")
+        return self.guest.wait_for_disk(virtio_serial(vol), 30)
+
+    def detach(self, vol: str) -> None:
+        r = self.vbs.http.post(f"/v1/volumes/{vol}/detach", json={})
+        assert r.status_code == 200, r.text
+        self.vbs.wait_volume(vol, "available")
+        self.guest.wait_disk_gone(virtio_serial(vol), 30)
+
+    def pool_file(self, vol: str) -> Path:
+        return self.vbs.pool / "volumes" / f"{vol}.raw"
+
+    def passphrases(self) -> list[str]:
+        """Every data key, opened as the controller does (the test reads its data dir)."""
+        master = MasterKey(self.vbs.data_dir / "master.key")
+        with sqlite3.connect(self.vbs.data_dir / "vbs.db") as db:
+            rows = db.execute("SELECT id, sealed_key FROM volume_keys").fetchall()
+        opened = [master.open(sealed, key_id) for key_id, sealed in rows]
+        assert all(opened)
+        return [o for o in opened if o]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("encryption")
+    image = build_guest()
+    up = VbsUp(tmp / "var", tmp / "up.log")
+    guest = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
+    try:
+        guest.start()
+        vbs = up.start()
+        guest.wait_ready(120)
+        yield Env(vbs, up, guest)
+    finally:
+        guest.stop()
+        up.stop()
+
+
+def contains(path: Path, needle: bytes, limit: int = 64 * MIB) -> bool:
+    with open(path, "rb") as f:
+        data = f.read(limit)
+    return needle in data
+
+
+def test_the_guest_writes_plaintext_and_the_pool_holds_only_ciphertext(env: Env) -> None:
+    vbs = env.vbs
+    vol = vbs.create_volume(size_gib=1, encrypted=True)["volume_id"]
+    shown = vbs.wait_volume(vol, "available")
+    assert (shown["encrypted"], shown["kms_key_id"]) == (True, "alias/aws/ebs")
+    raw = env.pool_file(vol)
+    assert raw.stat().st_size == GIB and raw.read_bytes()[:len(LUKS_MAGIC)] == LUKS_MAGIC
+
+    dev = env.attach(vol)
+    size = env.guest.disk_size(virtio_serial(vol))
+    assert GIB - 64 * MIB < size < GIB, size  # the LUKS header comes out of the volume's size
+    written = env.guest.write_pattern(dev, SEED, 8)
+    assert env.guest.checksum(dev, 8) == written
+    env.detach(vol)
+    assert not contains(raw, SEED.encode()), "plaintext found in the pool file of an encrypted volume"
+
+    # A snapshot and the volume made from it are copies of the container: encrypted, same key, same data.
+    snap = vbs.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+    assert vbs.wait_snapshot(snap, "completed")["encrypted"] is True
+    clone = vbs.create_volume(snapshot_id=snap)["volume_id"]
+    assert vbs.wait_volume(clone, "available")["encrypted"] is True
+    assert not contains(env.pool_file(clone), SEED.encode())
+    dev = env.attach(clone)
+    assert env.guest.checksum(dev, 8) == written
+    env.detach(clone)
+
+    # A new master key: every data key re-sealed, the running controller still opens them.
+    before = set(env.passphrases())
+    r = subprocess.run([*VBS, "rotate-keys", "--master-key", "--data-dir", str(vbs.data_dir)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "re-sealed" in r.stdout, r.stderr
+    assert set(env.passphrases()) == before
+    dev = env.attach(vol)
+    assert env.guest.checksum(dev, 8) == written
+    env.detach(vol)
+
+
+def test_the_data_key_is_in_no_log_operation_row_or_argv(env: Env) -> None:
+    vol = env.vbs.create_volume(size_gib=1, encrypted=True)["volume_id"]
+    env.vbs.wait_volume(vol, "available")
+    env.attach(vol)
+    try:
+        keys = env.passphrases()
+        assert keys
+        argvs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argvs.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+            except OSError:
+                continue
+        with sqlite3.connect(env.vbs.data_dir / "vbs.db") as db:
+            operations = repr(db.execute("SELECT * FROM operations").fetchall()
+                              + db.execute("SELECT * FROM operation_steps").fetchall())
+        logs = env.up.log_path.read_text(errors="replace")
+        for key in keys:
+            for form in (key, base64.b64decode(key).hex()):
+                assert form not in logs and form not in operations
+                assert not any(form.encode() in a for a in argvs)
+    finally:
+        env.detach(vol)
+
+
+def ec2_code(call: Any, **params: Any) -> str:
+    with pytest.raises(ClientError) as info:
+        call(**params)
+    return str(info.value.response["Error"]["Code"])
+
+
+def test_ec2_reports_encryption_and_refuses_what_it_cannot_do(env: Env) -> None:
+    ec2 = env.ec2
+    vol = ec2.create_volume(AvailabilityZone="us-east-1a", Size=1, Encrypted=True, KmsKeyId="alias/team-db")
+    assert (vol["Encrypted"], vol["KmsKeyId"]) == (True, "alias/team-db")
+    plain = ec2.create_volume(AvailabilityZone="us-east-1a", Size=1)
+    ec2.get_waiter("volume_available").wait(VolumeIds=[vol["VolumeId"], plain["VolumeId"]], WaiterConfig=FAST)
+    encrypted_ids = {v["VolumeId"] for v in ec2.describe_volumes(
+        Filters=[{"Name": "encrypted", "Values": ["true"]}])["Volumes"]}
+    plain_ids = {v["VolumeId"] for v in ec2.describe_volumes(
+        Filters=[{"Name": "encrypted", "Values": ["false"]}])["Volumes"]}
+    assert vol["VolumeId"] in encrypted_ids and plain["VolumeId"] in plain_ids
+    assert not encrypted_ids & plain_ids
+
+    snap = ec2.create_snapshot(VolumeId=vol["VolumeId"])["SnapshotId"]
+    ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[snap], WaiterConfig=FAST)
+    shown = ec2.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]
+    assert (shown["Encrypted"], shown["KmsKeyId"]) == (True, "alias/team-db")
+    copy = ec2.copy_snapshot(SourceSnapshotId=snap, SourceRegion="us-east-1", Encrypted=True)["SnapshotId"]
+    ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[copy], WaiterConfig=FAST)
+    assert ec2.describe_snapshots(SnapshotIds=[copy])["Snapshots"][0]["Encrypted"] is True
+    restored = ec2.create_volume(AvailabilityZone="us-east-1a", SnapshotId=copy)
+    assert (restored["Encrypted"], restored["KmsKeyId"]) == (True, "alias/team-db")
+    assert snap in {s["SnapshotId"] for s in ec2.describe_snapshots(
+        OwnerIds=["self"], Filters=[{"Name": "encrypted", "Values": ["true"]}])["Snapshots"]}
+
+    plain_snap = ec2.create_snapshot(VolumeId=plain["VolumeId"])["SnapshotId"]
+    ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[plain_snap], WaiterConfig=FAST)
+    refused = [
+        (ec2.copy_snapshot, {"SourceSnapshotId": snap, "SourceRegion": "us-east-1", "KmsKeyId": "alias/other"},
+         "UnsupportedOperation"),
+        (ec2.copy_snapshot, {"SourceSnapshotId": plain_snap, "SourceRegion": "us-east-1", "Encrypted": True},
+         "UnsupportedOperation"),
+        (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "SnapshotId": plain_snap, "Encrypted": True},
+         "UnsupportedOperation"),
+        (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "Size": 1, "KmsKeyId": "alias/x"},
+         "InvalidParameterDependency"),
+        (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "Size": 1, "Encrypted": True, "KmsKeyId": "bad key"},
+         "InvalidParameterValue"),
+    ]
+    for call, params, code in refused:
+        assert ec2_code(call, **params) == code, params
