@@ -173,6 +173,10 @@ class OperationOut(BaseModel):
     steps: list[StepOut]
 
 
+class OperationList(BaseModel):
+    operations: list[OperationOut]
+
+
 class PoolOut(BaseModel):
     name: str
     backend: str
