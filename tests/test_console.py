@@ -34,6 +34,7 @@ from vbs.testguest import TestGuest, build_guest
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "src" / "vbs" / "controller" / "console" / "static"
 CHROMIUM = "/usr/bin/chromium"
+MiB = 1 << 20
 TIMEOUT_MS = 30_000
 
 
@@ -273,6 +274,10 @@ def test_create_a_volume_and_watch_its_operation_reach_available(cloud: Cloud, p
     assert "team=<img src=x onerror=alert(1)>" in row.text_content()
     assert page.locator("#volumes-body img").count() == 0
     assert "web-data" in row.text_content() and "2 GiB" in row.text_content()
+    # Size against used: nothing written yet (once the storage node's heartbeat has counted it).
+    expect(page.locator(f"#volumes-body tr[data-volume-id='{volume_id}'] td.c-used")).to_contain_text(
+        "0 B of 2.0 GiB (0 %)")
+    assert cloud.vbs.volume(volume_id)["used_bytes"] == 0
 
 
 @pytest.mark.integration
@@ -333,8 +338,15 @@ def test_attach_to_a_picked_instance_shows_on_the_volume_page_then_detach(cloud:
     vol = cloud.vbs.volume(volume_id)
     assert vol["status"] == "in-use"
     assert [(a["instance_id"], a["state"]) for a in vol["attachments"]] == [(cloud.instance_id, "attached")]
-    cloud.guest.wait_for_disk(virtio_serial(volume_id), 20)
+    dev = cloud.guest.wait_for_disk(virtio_serial(volume_id), 20)
     page.wait_for_selector("#vd-operations li.op.s-succeeded >> text=attach-volume")
+
+    # Size against used: what the guest writes shows up, through the storage node's heartbeat.
+    cloud.guest.write_pattern(dev, "console", 8)
+    used = wait_until(lambda: (u := cloud.vbs.volume(volume_id)["used_bytes"]) is not None and u >= 8 * MiB and u,
+                      30, what="the written bytes reported")
+    assert used < 64 * MiB
+    expect(page.locator("#vd-details dd .usage")).to_contain_text(" MiB of 1.0 GiB")
     screenshot = shot(page, "05-attached")
     if os.environ.get("VBS_DOCS_SCREENSHOT") == "1":
         shutil.copyfile(screenshot, ROOT / "docs" / "console.png")

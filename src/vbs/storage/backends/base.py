@@ -19,7 +19,7 @@ from vbs.storage.exports.base import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "ReportsUsage"]
 
 
 @runtime_checkable
@@ -106,3 +106,12 @@ class Backend(Protocol):
     def close(self) -> None:
         """Stop background copies; their partial files stay and read as ``stalled`` later."""
         ...
+
+
+@runtime_checkable
+class ReportsUsage(Protocol):
+    """A backend that can tell cheaply, at every heartbeat, the bytes each of its volumes holds (a file
+    pool: allocated blocks). Optional: a backend without it (RBD: ``rbd du`` reads every object map)
+    leaves its volumes' usage unknown."""
+
+    def volume_usage(self) -> dict[str, int]: ...

@@ -40,22 +40,35 @@ function when(iso) {
   return Number.isNaN(d.getTime()) ? String(iso) : d.toISOString().replace("T", " ").slice(0, 19) + "Z";
 }
 
-function gib(bytes) {
-  return `${(bytes / 2 ** 30).toFixed(bytes >= 10 * 2 ** 30 ? 0 : 1)} GiB`;
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+
+function size(bytes) {
+  let n = bytes;
+  let unit = 0;
+  while (n >= 1024 && unit < UNITS.length - 1) {
+    n /= 1024;
+    unit += 1;
+  }
+  return `${n.toFixed(n >= 10 || unit === 0 ? 0 : 1)} ${UNITS[unit]}`;
 }
 
 function meter(used, total) {
   const pct = total > 0 ? Math.min(100, Math.round((100 * used) / total)) : 0;
   const bar = el("span", { class: "meter", title: `${pct} %` }, el("span", { class: "fill" }));
-  bar.firstChild.style.width = `${pct}%`;
-  return el("span", { class: "usage" }, bar, ` ${gib(used)} of ${gib(total)} (${pct} %)`);
+  bar.firstChild.style.width = `${Math.max(pct, used > 0 ? 1 : 0)}%`;
+  return el("span", { class: "usage" }, bar, ` ${size(used)} of ${size(total)} (${pct} %)`);
 }
 
+let sayTimer = null;
+
+/** A line above the page; news fades after a while, an error stays until the next action. */
 function say(text, kind = "info") {
   const box = $("message");
   box.textContent = text;
   box.className = `message ${kind}`;
   box.hidden = !text;
+  clearTimeout(sayTimer);
+  if (text && kind === "info") sayTimer = setTimeout(() => { box.hidden = true; }, 8000);
 }
 
 // -- the API --------------------------------------------------------------------------------------
@@ -269,7 +282,8 @@ const VOLUME_COLUMNS = [
   { id: "created", label: "Created", value: (v) => when(v.created_at), on: true },
 ];
 
-/** Size against what the volume's storage holds for it, where the API reports it. */
+/** Size against what the volume's storage holds for it (as of its node's last heartbeat), where the
+ * API reports it: a file pool does, RBD does not. */
 function usedCell(v) {
   if (typeof v.used_bytes !== "number") return "";
   return meter(v.used_bytes, v.size_gib * 2 ** 30);
@@ -663,7 +677,7 @@ async function renderInfrastructure(current) {
     el("tr", { "data-storage-node": n.name },
       el("td", {}, n.name, n.drained ? " (drained)" : ""), el("td", {}, badge(n.state)), el("td", {}, n.availability_zone),
       el("td", {}, p ? p.name : "—"), el("td", {}, p ? `${p.backend} (${p.clone_method})` : ""),
-      el("td", {}, p ? gib(p.capacity_bytes) : ""),
+      el("td", {}, p ? size(p.capacity_bytes) : ""),
       el("td", { class: "c-used" }, p ? meter(p.capacity_bytes - p.free_bytes, p.capacity_bytes) : "")))));
   return false;
 }
