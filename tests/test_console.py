@@ -425,3 +425,32 @@ def test_hosts_instances_and_storage_nodes_with_their_capacity(cloud: Cloud, pag
     shown = int(re.search(r"\((\d+) %\)", str(row.text_content())).group(1))  # type: ignore[union-attr]
     assert abs(shown - used_pct) <= 1
     shot(page, "09-infrastructure")
+
+
+@pytest.mark.integration
+def test_a_user_key_sees_its_tenant_only_and_no_infrastructure(cloud: Cloud, page: Any) -> None:
+    theirs = cloud.new_volume(tags={"Name": "default-tenant"})
+    made = cloud.vbs.http.post("/v1/keys", json={"tenant": "console-user", "role": "user"})
+    assert made.status_code == 200, made.text
+    key = made.json()
+    bearer = {"authorization": f"Bearer {key['access_key_id']}:{key['secret_access_key']}"}
+    # Through the API: another tenant's volume has no operations for this key, and does not exist.
+    r = httpx.get(f"{cloud.vbs.endpoint}/v1/operations", params={"resource_id": theirs}, headers=bearer)
+    assert r.status_code == 200 and r.json() == {"operations": []}
+    assert httpx.get(f"{cloud.vbs.endpoint}/v1/volumes/{theirs}", headers=bearer).status_code == 404
+    mine = httpx.post(f"{cloud.vbs.endpoint}/v1/volumes", json={"size_gib": 1}, headers=bearer).json()["volume_id"]
+    wait_until(lambda: httpx.get(f"{cloud.vbs.endpoint}/v1/volumes/{mine}", headers=bearer).json()["status"]
+               == "available", 60, what="the user's volume available")
+
+    page.goto(f"{cloud.vbs.endpoint}/console/")
+    page.fill("#key-id", key["access_key_id"])
+    page.fill("#key-secret", key["secret_access_key"])
+    page.click("#sign-in-form button[type=submit]")
+    expect(page.locator("#who")).to_have_text(f"{key['access_key_id']} (user)")
+    page.wait_for_selector(f"#volumes-body tr[data-volume-id='{mine}']")
+    assert page.locator(f"#volumes-body tr[data-volume-id='{theirs}']").count() == 0
+    page.click("a[data-view=infrastructure]")
+    expect(page.locator("#infrastructure-note")).to_have_text("Hosts and storage nodes are shown to admin keys only.")
+    page.wait_for_selector(f"#instances-body tr[data-instance-id='{cloud.instance_id}']")
+    assert page.locator("#hosts-body tr").count() == 0 and page.locator("#storage-body tr").count() == 0
+    shot(page, "10-user-key")
