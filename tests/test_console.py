@@ -200,6 +200,7 @@ def test_the_console_files_are_served_without_a_key_with_a_strict_policy(cloud: 
     policy = r.headers["content-security-policy"]
     assert "script-src 'self'" in policy and "default-src 'none'" in policy and "unsafe-inline" not in policy
     assert r.headers["x-content-type-options"] == "nosniff"
+    assert httpx.head(f"{base}/console/").status_code == 200
     js = httpx.get(f"{base}/console/console.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert httpx.get(f"{base}/console/nothing.js").status_code == 404

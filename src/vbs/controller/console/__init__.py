@@ -55,15 +55,15 @@ def install(app: FastAPI) -> None:
         body, media_type = files[name]
         return Response(body, media_type=media_type, headers=SECURITY_HEADERS)
 
-    @app.get(PREFIX, include_in_schema=False)
+    @app.api_route(PREFIX, methods=["GET", "HEAD"], include_in_schema=False)
     def console_root() -> Response:
         # Relative asset URLs in the page resolve against /console/.
         return RedirectResponse(PREFIX + "/", status_code=308, headers=SECURITY_HEADERS)
 
-    @app.get(PREFIX + "/", include_in_schema=False)
+    @app.api_route(PREFIX + "/", methods=["GET", "HEAD"], include_in_schema=False)
     def console_page() -> Response:
         return serve("index.html")
 
-    @app.get(PREFIX + "/{name}", include_in_schema=False)
+    @app.api_route(PREFIX + "/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     def console_file(name: str) -> Response:
         return serve(name)

@@ -30,8 +30,9 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-function badge(state) {
-  return el("span", { class: `badge s-${String(state).replace(/[^a-z-]/g, "")}` }, state);
+/** ``state`` in a coloured pill; ``look`` names the colour where the word alone would mislead. */
+function badge(state, look = state) {
+  return el("span", { class: `badge s-${String(look).replace(/[^a-z-]/g, "")}` }, state);
 }
 
 function when(iso) {
@@ -658,7 +659,7 @@ async function renderInfrastructure(current) {
   if (!current()) return false;
   $("instances-body").replaceChildren(...instances.map((i) => el("tr", { "data-instance-id": i.instance_id },
     el("td", { class: "mono" }, i.instance_id), el("td", {}, i.name), el("td", {}, i.host), el("td", {}, i.vm_id),
-    el("td", {}, badge(i.state)), el("td", {}, i.volumes.map((a) => `${a.volume_id} (${a.device})`).join(", ")))));
+    el("td", {}, badge(i.state, i.state === "running" ? "up" : i.state)), el("td", {}, i.volumes.map((a) => `${a.volume_id} (${a.device})`).join(", ")))));
   const note = $("infrastructure-note");
   if (!session.admin) {
     $("hosts-body").replaceChildren();
