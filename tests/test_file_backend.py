@@ -631,3 +631,17 @@ def test_reflink_snapshot_of_a_16g_volume_is_instant_and_independent_on_xfs(xfs_
 def test_reflink_snapshot_and_clone_on_btrfs(btrfs_pool: FileBackend) -> None:
     assert btrfs_pool.pool_info().clone_method == "reflink"
     _check_reflink_snapshot_and_clone(btrfs_pool)
+
+
+def test_volume_usage_counts_the_bytes_written_not_the_size(pool: FileBackend) -> None:
+    empty, written = new_vol(), new_vol()
+    pool.ensure_volume(empty, 4 * GiB)
+    pool.ensure_volume(written, 4 * GiB)
+    fill(pool.volume_path(written), 64 * MiB, 3 * MiB)
+
+    usage = pool.volume_usage()
+
+    assert usage[empty] == 0
+    assert 3 * MiB <= usage[written] < 4 * MiB
+    pool.remove_volume(empty)
+    assert set(pool.volume_usage()) == {written}

@@ -16,7 +16,7 @@ from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
-from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_of, parse_filters
+from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_limit, page_of, parse_filters
 from vbs.controller.keys import KeyStore, Principal
 from vbs.controller.nodes import (
     availability_zones,
@@ -49,6 +49,7 @@ from vbs.controller.schemas import (
     ModificationList,
     ModificationOut,
     ModifyVolumeRequest,
+    OperationList,
     OperationOut,
     SnapshotList,
     SnapshotOut,
@@ -293,6 +294,12 @@ def _admin_routes(r: APIRouter) -> None:
         """Any operation to an admin; to a user, those on its tenant's volumes and snapshots (the CLI's --wait)."""
         return describe_operation(svc, operation_id, who)
 
+    @r.get("/operations", response_model=OperationList, tags=["operations"])
+    def list_operations(resource_id: str = Query(max_length=32), max_results: int | None = max_results_query(),
+                        svc: Controller = Depends(services), who: Principal = Depends(caller)) -> OperationList:
+        """The operations of one volume or snapshot, newest first (the web console's timeline)."""
+        return operations_of(svc, resource_id, who, max_results)
+
     @r.post("/keys", response_model=KeyOut, tags=["keys"], dependencies=[Depends(admin)])
     def create_key(body: CreateKeyRequest, request: Request) -> KeyOut:
         key = _key_store(request).create(body.tenant, body.role)
@@ -328,11 +335,29 @@ def describe_operation(svc: Controller, operation_id: str, who: Principal) -> Op
         op = s.get(Operation, operation_id)
         if op is None or not (who.is_admin or _owns(s, op.resource_id, who.tenant)):
             raise operation_not_found(operation_id)
-        steps = s.scalars(select(OperationStep).where(OperationStep.operation_id == op.id)
-                          .order_by(OperationStep.position)).all()
-        return OperationOut(operation_id=op.id, kind=op.kind, resource_id=op.resource_id, status=op.status,
-                            error=op.error, attempts=op.attempts, created_at=op.created_at, updated_at=op.updated_at,
-                            steps=[StepOut(name=st.name, state=st.state, error=st.error) for st in steps])
+        return _operation_out(s, op)
+
+
+def operations_of(svc: Controller, resource_id: str, who: Principal, max_results: int | None) -> OperationList:
+    """``resource_id``'s operations, newest first: any resource's to an admin, else its tenant's only
+    (another tenant's volume has none, as it does not exist for this caller)."""
+    kind = "volume" if resource_id.startswith("vol-") else "snapshot"
+    ids.check(kind, resource_id)
+    limit = page_limit(max_results, [])
+    with svc.db.read() as s:
+        if not (who.is_admin or _owns(s, resource_id, who.tenant)):
+            return OperationList(operations=[])
+        ops = s.scalars(select(Operation).where(Operation.resource_id == resource_id)
+                        .order_by(Operation.created_at.desc(), Operation.id).limit(limit)).all()
+        return OperationList(operations=[_operation_out(s, op) for op in ops])
+
+
+def _operation_out(s: Session, op: Operation) -> OperationOut:
+    steps = s.scalars(select(OperationStep).where(OperationStep.operation_id == op.id)
+                      .order_by(OperationStep.position)).all()
+    return OperationOut(operation_id=op.id, kind=op.kind, resource_id=op.resource_id, status=op.status,
+                        error=op.error, attempts=op.attempts, created_at=op.created_at, updated_at=op.updated_at,
+                        steps=[StepOut(name=st.name, state=st.state, error=st.error) for st in steps])
 
 
 def operation_not_found(operation_id: str) -> NotFound:

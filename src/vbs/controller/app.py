@@ -17,7 +17,7 @@ from sqlalchemy import delete, select
 
 from vbs import credentials, web
 from vbs.config import ControllerConfig
-from vbs.controller import edge
+from vbs.controller import console, edge
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
@@ -200,6 +200,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
     install_routes(app, auth, insecure=cfg.insecure)
     ec2_api.install(app, auth)
+    console.install(app)
     return app
 
 

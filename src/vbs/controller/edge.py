@@ -1,6 +1,7 @@
 """The controller's checks on a request's head, made before any of its body is read.
 
-- ``/health`` is open.
+- ``/health`` is open, and so are ``GET``/``HEAD`` of the web console's static files (``/console``:
+  a sign-in page must load before its user signs in; it holds no data, vbs.controller.console).
 - ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.node_credentials), unless the
   controller runs ``--insecure`` and the caller sends none; the node it names is left in the
   request's state (``request.state.node``) for the handler. A controller that serves HTTPS with a
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from starlette.responses import Response
 
 from vbs.controller.auth import Authenticator
+from vbs.controller.console import is_console_path
 from vbs.controller.ec2 import xml
 from vbs.errors import AuthFailure, VbsError
 from vbs.node_credentials import REFUSED, NodeKeyring
@@ -42,7 +44,7 @@ def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool,
              node_certs: bool) -> Callable[[Scope], Response | None]:
     def check(scope: Scope) -> Response | None:
         path = scope["path"]
-        if path == "/health":
+        if path == "/health" or (is_console_path(path) and scope.get("method") in ("GET", "HEAD")):
             return None
         authz = header(scope, b"authorization")
         try:

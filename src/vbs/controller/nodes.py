@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -41,6 +42,7 @@ class StorageNodeInfo(Wire):
     pools: list[PoolInfo] = []
     exports: list[ExportInfo] = []
     availability_zone: str | None = None
+    volume_usage: dict[str, int] = {}
 
 
 class HostNodeInfo(Wire):
@@ -88,7 +90,8 @@ def _record(session: Session, name: str, kind: str, url: str, address: str, star
 
 def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
     _record(session, hb.name, "storage", hb.url, hb.address, hb.started_at,
-            StorageNodeInfo(pools=hb.pools, exports=hb.exports, availability_zone=hb.availability_zone))
+            StorageNodeInfo(pools=hb.pools, exports=hb.exports, availability_zone=hb.availability_zone,
+                            volume_usage=hb.volume_usage))
 
 
 def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
@@ -188,6 +191,8 @@ class NodeHealth:
 
     zone: str
     alive: bool
+    # Bytes each of its volumes holds, as its last heartbeat reported (not every backend tells).
+    volume_usage: Mapping[str, int] = field(default_factory=dict)
 
 
 def node_health(session: Session, names: set[str], *, timeout_s: float, default_zone: str) -> dict[str, NodeHealth]:
@@ -195,7 +200,12 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
     if not names:
         return {}
     nodes = session.scalars(select(Node).where(Node.kind == "storage", Node.name.in_(sorted(names))))
-    return {n.name: NodeHealth(zone_of(n, default_zone), is_alive(n, timeout_s, now)) for n in nodes}
+    health = {}
+    for n in nodes:
+        info = storage_info(n)
+        health[n.name] = NodeHealth(info.availability_zone or default_zone, is_alive(n, timeout_s, now),
+                                    info.volume_usage)
+    return health
 
 
 VolumeStatusCheck = Literal["ok", "impaired", "insufficient-data"]

@@ -154,6 +154,9 @@ class VolumeOut(BaseModel):
     storage_node: str
     pool: str
     availability_zone: str
+    # Bytes the volume holds on its storage (a file pool's allocated blocks) as of the node's last
+    # heartbeat; None where the backend does not tell (RBD) or the node has not reported it yet.
+    used_bytes: int | None = None
     # EC2's volume status check (DescribeVolumeStatus): ok, impaired (its storage node stopped
     # heartbeating, or the volume is in error), insufficient-data (not serving I/O yet or any more).
     volume_status: Literal["ok", "impaired", "insufficient-data"]
@@ -206,6 +209,10 @@ class OperationOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     steps: list[StepOut]
+
+
+class OperationList(BaseModel):
+    operations: list[OperationOut]
 
 
 class PoolOut(BaseModel):

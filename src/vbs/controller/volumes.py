@@ -290,6 +290,7 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
             placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
             storage_node=v.storage_node, pool=v.pool,
             availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,
+            used_bytes=nodes[v.storage_node].volume_usage.get(v.id) if v.storage_node in nodes else None,
             volume_status=volume_status(v.status, nodes.get(v.storage_node)), created_at=v.created_at,
             tags=tags[v.id], attachments=atts[v.id],
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from datetime import UTC, datetime
@@ -12,10 +13,10 @@ from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.storage.api import create_app
-from vbs.storage.backends.base import Backend
+from vbs.storage.backends.base import Backend, ReportsUsage
 from vbs.storage.exports.base import ExportDriver
 from vbs.web import BoundedServer, serve_agent
-from vbs.wire.storage import StorageHeartbeat
+from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Back
     return exports, backends
 
 
+def volume_usage(backends: dict[str, Backend]) -> dict[str, int]:
+    """The bytes each volume holds, from the pools whose backend can tell; the first MAX_USAGE_REPORTED."""
+    used: dict[str, int] = {}
+    for backend in backends.values():
+        if isinstance(backend, ReportsUsage):
+            used.update(backend.volume_usage())
+    return dict(itertools.islice(sorted(used.items()), MAX_USAGE_REPORTED))
+
+
 def watch_daemon(exports: ExportDriver, stop: threading.Event) -> None:
     """Restart the export daemon if it dies, re-creating every export that should exist."""
     while not stop.wait(DAEMON_CHECK_INTERVAL_S):
@@ -69,7 +79,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     def report() -> StorageHeartbeat:
         return StorageHeartbeat(name=cfg.node_name, url=url, address=address, started_at=started_at,
                                 pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports(),
-                                availability_zone=cfg.availability_zone)
+                                availability_zone=cfg.availability_zone, volume_usage=volume_usage(backends))
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
         controllers = sec.controller(cfg.controller_url, label=f"storage agent {cfg.node_name}")

@@ -50,6 +50,7 @@ __all__ = [
     "POOL_NAME_RE",
     "ZONE_NAME_RE",
     "MAX_POOLS",
+    "MAX_USAGE_REPORTED",
     "NODE_URL_RE",
     "SHARED_ID_RE",
 ]
@@ -58,6 +59,8 @@ MAX_VOLUME_BYTES = 64 << 40
 POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 ZONE_NAME_RE = r"^[a-z0-9-]{1,32}$"
 MAX_POOLS = 64
+# Volumes whose used bytes one heartbeat reports (about 40 bytes each: well within a request body).
+MAX_USAGE_REPORTED = 10_000
 NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
 SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
 
@@ -253,3 +256,11 @@ class StorageHeartbeat(Wire):
     exports: list[ExportInfo] = Field(default_factory=list, max_length=100_000)
     # None (and agents older than zones): the controller's own zone.
     availability_zone: str | None = Field(None, pattern=ZONE_NAME_RE)
+    # The bytes each volume holds in its pool (a sparse file's allocated blocks), from backends that can
+    # tell cheaply: the console's size against used. Up to MAX_USAGE_REPORTED volumes.
+    volume_usage: dict[VolumeId, Annotated[int, Field(ge=0)]] = Field(default_factory=dict,
+                                                                      max_length=MAX_USAGE_REPORTED)
+
+    @model_serializer(mode="wrap")
+    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "volume_usage")

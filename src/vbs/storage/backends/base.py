@@ -21,7 +21,7 @@ from vbs.storage.exports.base import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage"]
 
 
 @runtime_checkable
@@ -117,3 +117,12 @@ class EncryptingBackend(Protocol):
     def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
         """Create the empty volume as a LUKS container opened by ``passphrase``, or answer how far it got."""
         ...
+
+
+@runtime_checkable
+class ReportsUsage(Protocol):
+    """A backend that can tell cheaply, at every heartbeat, the bytes each of its volumes holds (a file
+    pool: allocated blocks). Optional: a backend without it (RBD: ``rbd du`` reads every object map)
+    leaves its volumes' usage unknown."""
+
+    def volume_usage(self) -> dict[str, int]: ...

@@ -150,6 +150,22 @@ class FileBackend:
                 found[kind].update(item_id for (k, item_id), job in self._jobs.items() if k == kind and job.running)
         return PoolInventory(volumes=sorted(found["volume"]), snapshots=sorted(found["snapshot"]))
 
+    def volume_usage(self) -> dict[str, int]:
+        """Bytes allocated to each complete volume file (sparse: what was written, not the size)."""
+        used: dict[str, int] = {}
+        try:
+            with os.scandir(self.path / _DIRS["volume"]) as entries:
+                for entry in entries:
+                    volume_id = entry.name.removesuffix(".raw")
+                    if entry.name.endswith(".raw") and ids.is_valid("volume", volume_id):
+                        try:
+                            used[volume_id] = entry.stat(follow_symlinks=False).st_blocks * 512
+                        except FileNotFoundError:
+                            continue  # removed meanwhile
+        except OSError as exc:
+            log.warning("pool %s: cannot list volumes for their usage: %s", self.name, exc.strerror)
+        return used
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
