@@ -26,12 +26,15 @@ from vbs.controller.nodes import record_host_heartbeat, record_storage_heartbeat
 from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.qemu import disk_stats
 from vbs.host.metrics import volume_metrics
+from vbs.ids import virtio_serial
 from vbs.metrics import ScrapeCollector, install_metrics, new_registry
 from vbs.node_credentials import TokenSource
+from vbs.testguest import TestGuest, build_guest
 from vbs.web import PreAuth, agent_auth, install_error_handlers
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.storage import ExportInfo, PoolInfo, StorageHeartbeat
 
+MIB = 1 << 20
 GIB = 1 << 30
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -91,7 +94,7 @@ def _small_app(token: str | None) -> InProcess:
 
 @pytest.mark.unit
 def test_requests_are_counted_by_route_template_and_code_not_by_raw_path() -> None:
-    client = (_small_app(None))
+    client = _small_app(None)
     for thing in ("a", "b", "c"):
         assert client.get(f"/v1/things/{thing}").status_code == 200
     assert client.post("/v1/things/a").status_code == 405
@@ -108,7 +111,7 @@ def test_requests_are_counted_by_route_template_and_code_not_by_raw_path() -> No
 
 @pytest.mark.unit
 def test_an_agents_metrics_need_its_node_token_and_refusals_are_counted() -> None:
-    client = (_small_app("s3cret-token-for-tests"))
+    client = _small_app("s3cret-token-for-tests")
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"authorization": "Bearer wrong"}).status_code == 401
     answer = client.get("/metrics", headers={"authorization": "Bearer s3cret-token-for-tests"})
@@ -120,7 +123,7 @@ def test_an_agents_metrics_need_its_node_token_and_refusals_are_counted() -> Non
 
 @pytest.mark.unit
 def test_two_apps_in_one_process_keep_their_own_counts() -> None:
-    first, second = (_small_app(None)), (_small_app(None))
+    first, second = _small_app(None), _small_app(None)
     first.get("/v1/things/a")
     assert value(parse(second.get("/metrics").text), "vbs_api_requests_total", method="GET",
                  route="/v1/things/{thing_id}", code="200") == 0
@@ -372,3 +375,42 @@ def test_each_agent_serves_metrics_to_its_node_token_only(vbs: Vbs) -> None:
         else:
             assert value(samples, "vbs_host_attached_volumes") == 0
 
+
+
+def agent_metrics(vbs: Vbs, role: str, kind: str) -> Samples:
+    agent = _agents(vbs)[role]
+    token = node_token(vbs.data_dir, kind, agent["name"])
+    answer = httpx.get(f"{agent['url']}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return parse(answer.text)
+
+
+@pytest.mark.integration
+def test_a_guests_io_on_an_attached_volume_shows_in_the_host_agents_counters(vbs: Vbs, tmp_path: Path) -> None:
+    guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vbs.data_dir / "vms")
+    try:
+        guest.start()
+        guest.wait_ready(120)
+        before = scrape(vbs)
+        volume_id = vbs.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+        vbs.cli("attach-volume", volume_id, "--host", "host-1", "--vm", "vm1", "--wait")
+        dev = guest.wait_for_disk(virtio_serial(volume_id), 30)
+        on = {"volume_id": volume_id, "vm_id": "vm1"}
+        idle = agent_metrics(vbs, "host-agent", "host")
+        guest.write_pattern(dev, "metrics", 4)  # writes 4 MiB, then reads them back past the guest's cache
+        busy = agent_metrics(vbs, "host-agent", "host")
+        assert value(busy, "vbs_host_attached_volumes") == 1
+        for name, at_least in (("vbs_volume_written_bytes_total", 4 * MIB), ("vbs_volume_read_bytes_total", 4 * MIB),
+                               ("vbs_volume_write_operations_total", 1), ("vbs_volume_read_operations_total", 1)):
+            assert value(busy, name, **on) - value(idle, name, **on) >= at_least, name
+        write_time = "vbs_volume_write_time_seconds_total"
+        assert value(busy, write_time, **on) > value(idle, write_time, **on)
+        after = scrape(vbs)
+        assert (operations(after) - operations(before))[("attach-volume", "succeeded")] == 1
+        assert value(after, "vbs_attachments", state="attached") - value(before, "vbs_attachments",
+                                                                         state="attached") == 1
+        vbs.cli("detach-volume", volume_id, "--wait")
+        guest.wait_disk_gone(virtio_serial(volume_id), 30)
+        assert not matching(agent_metrics(vbs, "host-agent", "host"), "vbs_volume_written_bytes_total", **on)
+    finally:
+        guest.stop()
