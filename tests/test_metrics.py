@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -52,6 +53,40 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def matching(samples: Samples, name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float]:
     """The samples of ``name`` whose labels include ``labels``."""
     return {lab: v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= set(lab)}
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def documented() -> dict[str, set[str]]:
+    """The metrics docs/metrics.md lists, by section (``Every service``, ``Controller``, …)."""
+    sections: dict[str, set[str]] = {}
+    current = ""
+    for line in (DOCS / "metrics.md").read_text().splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+        elif line.startswith("| `vbs_"):
+            sections.setdefault(current, set()).add(line.split("`")[1])
+    return sections
+
+
+def served(text: str) -> set[str]:
+    """The metric names a /metrics answer declares (counters with their ``_total``)."""
+    return {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)}
+
+
+@pytest.mark.unit
+def test_the_dashboard_is_grafana_json_over_documented_metrics_only() -> None:
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    assert dashboard["title"] and dashboard["schemaVersion"] >= 30
+    names = set().union(*documented().values())
+    used: set[str] = set()
+    for panel in dashboard["panels"]:
+        assert {"id", "type", "title", "gridPos"} <= set(panel)
+        for target in panel.get("targets", []):
+            used |= {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"vbs_[a-z_]+", target["expr"])}
+    assert used and used <= names, used - names
+    assert len(used) >= 15
 
 
 # -- the shared plumbing ------------------------------------------------------------------------------
@@ -377,12 +412,16 @@ def test_each_agent_serves_metrics_to_its_node_token_only(vbs: Vbs) -> None:
 
 
 
-def agent_metrics(vbs: Vbs, role: str, kind: str) -> Samples:
+def agent_text(vbs: Vbs, role: str, kind: str) -> str:
     agent = _agents(vbs)[role]
     token = node_token(vbs.data_dir, kind, agent["name"])
     answer = httpx.get(f"{agent['url']}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=30)
     assert answer.status_code == 200, answer.text
-    return parse(answer.text)
+    return answer.text
+
+
+def agent_metrics(vbs: Vbs, role: str, kind: str) -> Samples:
+    return parse(agent_text(vbs, role, kind))
 
 
 @pytest.mark.integration
@@ -398,8 +437,10 @@ def test_a_guests_io_on_an_attached_volume_shows_in_the_host_agents_counters(vbs
         on = {"volume_id": volume_id, "vm_id": "vm1"}
         idle = agent_metrics(vbs, "host-agent", "host")
         guest.write_pattern(dev, "metrics", 4)  # writes 4 MiB, then reads them back past the guest's cache
+        busy_names = served(agent_text(vbs, "host-agent", "host"))
         busy = agent_metrics(vbs, "host-agent", "host")
         assert value(busy, "vbs_host_attached_volumes") == 1
+        assert documented()["Host agent"] <= busy_names, documented()["Host agent"] - busy_names
         for name, at_least in (("vbs_volume_written_bytes_total", 4 * MIB), ("vbs_volume_read_bytes_total", 4 * MIB),
                                ("vbs_volume_write_operations_total", 1), ("vbs_volume_read_operations_total", 1)):
             assert value(busy, name, **on) - value(idle, name, **on) >= at_least, name
@@ -414,3 +455,14 @@ def test_a_guests_io_on_an_attached_volume_shows_in_the_host_agents_counters(vbs
         assert not matching(agent_metrics(vbs, "host-agent", "host"), "vbs_volume_written_bytes_total", **on)
     finally:
         guest.stop()
+
+
+@pytest.mark.integration
+def test_every_documented_metric_is_served_by_its_service(vbs: Vbs) -> None:
+    docs = documented()
+    everywhere = docs["Every service"]
+    controller = served(vbs.http.get("/metrics").text)
+    assert everywhere | docs["Controller"] <= controller, (everywhere | docs["Controller"]) - controller
+    storage = served(agent_text(vbs, "storage-agent", "storage"))
+    assert everywhere | docs["Storage agent"] <= storage, (everywhere | docs["Storage agent"]) - storage
+    assert everywhere <= served(agent_text(vbs, "host-agent", "host"))
