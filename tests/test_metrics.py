@@ -14,16 +14,20 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Vbs, node_token, running_vbs_up, wait_until
 from vbs import ids
+from vbs.controller.auth import Authenticator
 from vbs.controller.db import Database, Volume
 from vbs.controller.db.tables import utcnow
+from vbs.controller.keys import KeyStore, MasterKey
 from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.nodes import record_host_heartbeat, record_storage_heartbeat
+from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
+from vbs.errors import DriverError, InvalidParameter, UnauthorizedOperation
 from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.qemu import disk_stats
 from vbs.host.metrics import volume_metrics
@@ -231,6 +235,59 @@ def test_operations_and_drift_are_counted_by_kind_and_outcome(db: Database) -> N
     assert value(samples, "vbs_reconciler_drift_repaired_total", kind="orphan-file") == 1
     assert value(samples, "vbs_reconciler_drift_repaired_total", kind="missing-export") == 1
     assert not matching(samples, "vbs_reconciler_drift_found_total", kind="unreachable")
+
+
+class Nothing(Params):
+    pass
+
+
+def _step(name: str, fails: bool = False) -> Step[Nothing]:
+    def do(_ctx: StepContext[Nothing]) -> None:
+        if fails:
+            raise DriverError(f"{name} failed")
+
+    return Step(name, do, lambda _ctx: None)
+
+
+@pytest.mark.unit
+def test_the_engine_counts_each_operation_once_when_it_ends(db: Database) -> None:
+    metrics = ControllerMetrics(db)
+    workflows = [Workflow("make", Nothing, "rollback", (_step("a"), _step("b"))),
+                 Workflow("break", Nothing, "rollback", (_step("a"), _step("b", fails=True)))]
+    engine = WorkflowEngine(db, workflows, None, on_end=metrics.operation_ended)  # type: ignore[arg-type]
+    for kind, resource in (("make", "vol-0123456789abcdef0"), ("make", "vol-0123456789abcdef1"),
+                           ("break", "vol-0123456789abcdef2")):
+        with db.session() as s:
+            op_id = engine.begin(s, kind, resource, Nothing())
+        engine.run_now(op_id)
+        engine.run_now(op_id)  # an ended operation is not run, nor counted, again
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert value(samples, "vbs_operations_total", kind="make", outcome="succeeded") == 2
+    assert value(samples, "vbs_operations_total", kind="break", outcome="rolled-back") == 1
+    assert value(samples, "vbs_operation_duration_seconds_count", kind="break", outcome="rolled-back") == 1
+    assert len(matching(samples, "vbs_operations_total")) == 2
+
+
+def _bearer_request(key: Any) -> Request:
+    header = f"Bearer {key.access_key_id}:{key.secret_access_key}".encode()
+    return Request({"type": "http", "method": "GET", "path": "/metrics", "headers": [(b"authorization", header)],
+                    "query_string": b""})
+
+
+@pytest.mark.unit
+def test_a_metrics_key_reads_metrics_only_and_a_user_key_does_not_read_them(db: Database, tmp_path: Path) -> None:
+    store = KeyStore(db, MasterKey(tmp_path / "master.key"), {})
+    auth = Authenticator(store, "us-east-1")
+    reader, user = store.create("monitoring", "metrics"), store.create("team", "user")
+    assert auth.check_metrics_reader(_bearer_request(reader), b"").role == "metrics"
+    with pytest.raises(UnauthorizedOperation, match="metrics key"):
+        auth.check(_bearer_request(reader), b"")
+    with pytest.raises(UnauthorizedOperation, match="admin or a metrics key"):
+        auth.check_metrics_reader(_bearer_request(user), b"")
+    assert auth.check(_bearer_request(user), b"").role == "user"
+    assert {k.role for k in store.list()} == {"metrics", "user"}
+    with pytest.raises(InvalidParameter):
+        store.create("team", "auditor")
 
 
 # -- the host agent's block statistics ----------------------------------------------------------------
