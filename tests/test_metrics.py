@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -481,37 +481,60 @@ def agent_metrics(vbs: Vbs, role: str, kind: str) -> Samples:
     return parse(agent_text(vbs, role, kind))
 
 
+class Guest(Protocol):
+    def wait_for_disk(self, serial: str, timeout: float = 10.0) -> str: ...
+
+    def write_pattern(self, dev: str, seed: str, mib: int) -> str: ...
+
+    def wait_disk_gone(self, serial: str, timeout: float = 10.0) -> None: ...
+
+
+def guest_io_is_counted(vbs: Vbs, guest: Guest, vm_id: str, attach: list[str]) -> None:
+    """Attach a new volume (``vbs attach-volume VOL ATTACH``), have the guest write and read 4 MiB on
+    it, and find that I/O in the host agent's counters of that volume; then detach it."""
+    before = scrape(vbs)
+    volume_id = vbs.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    vbs.cli("attach-volume", volume_id, *attach, "--wait")
+    dev = guest.wait_for_disk(virtio_serial(volume_id), 30)
+    on = {"volume_id": volume_id, "vm_id": vm_id}
+    idle = agent_metrics(vbs, "host-agent", "host")
+    guest.write_pattern(dev, "metrics", 4)  # writes 4 MiB, then reads them back past the guest's cache
+    busy_text = agent_text(vbs, "host-agent", "host")
+    busy = parse(busy_text)
+    assert value(busy, "vbs_host_attached_volumes") == 1
+    assert documented()["Host agent"] <= served(busy_text), documented()["Host agent"] - served(busy_text)
+    for name, at_least in (("vbs_volume_written_bytes_total", 4 * MIB), ("vbs_volume_read_bytes_total", 4 * MIB),
+                           ("vbs_volume_write_operations_total", 1), ("vbs_volume_read_operations_total", 1)):
+        assert value(busy, name, **on) - value(idle, name, **on) >= at_least, name
+    write_time = "vbs_volume_write_time_seconds_total"
+    assert value(busy, write_time, **on) > value(idle, write_time, **on)
+    after = scrape(vbs)
+    assert (operations(after) - operations(before))[("attach-volume", "succeeded")] == 1
+    assert value(after, "vbs_attachments", state="attached") - value(before, "vbs_attachments", state="attached") == 1
+    vbs.cli("detach-volume", volume_id, "--wait")
+    guest.wait_disk_gone(virtio_serial(volume_id), 30)
+    assert not matching(agent_metrics(vbs, "host-agent", "host"), "vbs_volume_written_bytes_total", **on)
+
+
 @pytest.mark.integration
-def test_a_guests_io_on_an_attached_volume_shows_in_the_host_agents_counters(vbs: Vbs, tmp_path: Path) -> None:
+def test_a_qemu_guests_io_on_an_attached_volume_shows_in_the_host_agents_counters(vbs: Vbs, tmp_path: Path) -> None:
     guest = TestGuest("vm1", tmp_path / "guests", build_guest(), vbs.data_dir / "vms")
     try:
         guest.start()
         guest.wait_ready(120)
-        before = scrape(vbs)
-        volume_id = vbs.cli("create-volume", "--size", "1", "--wait")["volume_id"]
-        vbs.cli("attach-volume", volume_id, "--host", "host-1", "--vm", "vm1", "--wait")
-        dev = guest.wait_for_disk(virtio_serial(volume_id), 30)
-        on = {"volume_id": volume_id, "vm_id": "vm1"}
-        idle = agent_metrics(vbs, "host-agent", "host")
-        guest.write_pattern(dev, "metrics", 4)  # writes 4 MiB, then reads them back past the guest's cache
-        busy_names = served(agent_text(vbs, "host-agent", "host"))
-        busy = agent_metrics(vbs, "host-agent", "host")
-        assert value(busy, "vbs_host_attached_volumes") == 1
-        assert documented()["Host agent"] <= busy_names, documented()["Host agent"] - busy_names
-        for name, at_least in (("vbs_volume_written_bytes_total", 4 * MIB), ("vbs_volume_read_bytes_total", 4 * MIB),
-                               ("vbs_volume_write_operations_total", 1), ("vbs_volume_read_operations_total", 1)):
-            assert value(busy, name, **on) - value(idle, name, **on) >= at_least, name
-        write_time = "vbs_volume_write_time_seconds_total"
-        assert value(busy, write_time, **on) > value(idle, write_time, **on)
-        after = scrape(vbs)
-        assert (operations(after) - operations(before))[("attach-volume", "succeeded")] == 1
-        assert value(after, "vbs_attachments", state="attached") - value(before, "vbs_attachments",
-                                                                         state="attached") == 1
-        vbs.cli("detach-volume", volume_id, "--wait")
-        guest.wait_disk_gone(virtio_serial(volume_id), 30)
-        assert not matching(agent_metrics(vbs, "host-agent", "host"), "vbs_volume_written_bytes_total", **on)
+        guest_io_is_counted(vbs, guest, "vm1", ["--host", "host-1", "--vm", "vm1"])
     finally:
         guest.stop()
+
+
+@pytest.mark.integration
+def test_a_libvirt_domains_io_on_an_attached_volume_shows_in_the_host_agents_counters(libvirtd: Any,
+                                                                                       tmp_path: Path) -> None:
+    from tests.test_libvirt_e2e import libvirt_cloud
+
+    with libvirt_cloud(tmp_path, "nbd", libvirtd, ("lv-metrics", "lv-metrics"), ["--hypervisor", "libvirt"]) as cloud:
+        instance = cloud.instance("host-1", "lv-metrics")
+        guest_io_is_counted(cloud.vbs, cloud.vm1, "lv-metrics", ["--instance", instance])
 
 
 @pytest.mark.integration

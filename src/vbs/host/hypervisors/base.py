@@ -12,15 +12,16 @@ and ``remove_copy`` then succeed (there is nothing left to undo), attach raises 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from vbs.config import HostAgentConfig
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "DiskStats", "BlockStatsSource"]
+__all__ = ["HypervisorDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -84,6 +85,13 @@ class DiskStats:
     read_time_ns: int
     write_time_ns: int
     flush_time_ns: int
+
+
+def counter(values: Mapping[str, Any], key: str) -> int:
+    """A cumulative counter from a hypervisor's answer: 0 where it is absent or not a count (QEMU and
+    libvirt leave out what a device does not track)."""
+    value = values.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 @runtime_checkable

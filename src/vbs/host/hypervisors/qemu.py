@@ -41,7 +41,7 @@ from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
-from vbs.host.hypervisors.base import DiskStats
+from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
@@ -667,16 +667,12 @@ def disk_stats(vm_id: str, blockstats: list[dict[str, Any]]) -> list[DiskStats]:
         stats = entry.get("stats")
         if match is None or not isinstance(stats, dict):
             continue
-
-        def count(key: str, of: dict[str, Any] = stats) -> int:
-            value = of.get(key, 0)
-            return value if isinstance(value, int) and value >= 0 else 0
-
-        found.append(DiskStats(vm_id=vm_id, serial=match.group(1), read_bytes=count("rd_bytes"),
-                               write_bytes=count("wr_bytes"), read_ops=count("rd_operations"),
-                               write_ops=count("wr_operations"), flush_ops=count("flush_operations"),
-                               read_time_ns=count("rd_total_time_ns"), write_time_ns=count("wr_total_time_ns"),
-                               flush_time_ns=count("flush_total_time_ns")))
+        found.append(DiskStats(vm_id=vm_id, serial=match.group(1), read_bytes=counter(stats, "rd_bytes"),
+                               write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
+                               write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
+                               read_time_ns=counter(stats, "rd_total_time_ns"),
+                               write_time_ns=counter(stats, "wr_total_time_ns"),
+                               flush_time_ns=counter(stats, "flush_total_time_ns")))
     return found
 
 
