@@ -18,7 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Vbs, node_token, running_vbs_up, wait_until
+from tests.conftest import UNIT_DATABASES, Vbs, fresh_database, node_token, running_vbs_up, wait_until
 from vbs import ids
 from vbs.controller.auth import Authenticator
 from vbs.controller.db import Database, Volume
@@ -173,14 +173,10 @@ def test_two_apps_in_one_process_keep_their_own_counts() -> None:
 # -- the controller's collectors ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    d = Database.for_data_dir(tmp_path)
-    d.migrate()
-    try:
-        yield d
-    finally:
-        d.dispose()
+@pytest.fixture(params=UNIT_DATABASES)
+def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
+    """The metadata DB, SQLite and (integration tier) PostgreSQL."""
+    return fresh_database(request.param, request, tmp_path)
 
 
 def _volume(node: str, pool: str, size_gib: int, status: str) -> Volume:
