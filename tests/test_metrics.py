@@ -330,11 +330,11 @@ def scrape(vbs: Vbs) -> Samples:
 
 
 def api_requests(samples: Samples) -> Counter[tuple[str, str, str]]:
-    """The public API's requests by (method, route, code); /metrics and the agents' calls left out."""
+    """The public APIs' requests (REST, EC2) by (method, route, code); /metrics and the agents' calls left out."""
     out: Counter[tuple[str, str, str]] = Counter()
     for (name, lab), v in samples.items():
         labels = dict(lab)
-        if name == "vbs_api_requests_total" and labels["route"].startswith("/v1/"):
+        if name == "vbs_api_requests_total" and labels["route"].startswith(("/v1/", "/?Action=")):
             out[(labels["method"], labels["route"], labels["code"])] = int(v)
     return out
 
@@ -374,6 +374,11 @@ def test_a_workload_moves_the_controllers_counters_by_exactly_what_it_did(vbs: V
     assert call("GET", "/v1/volumes/vol-00000000000000000", "/v1/volumes/{volume_id}").status_code == 404
     assert call("GET", "/v1/volumes/not-a-volume", "/v1/volumes/{volume_id}").status_code in (400, 404)
     assert call("DELETE", f"/v1/volumes/{small}-x", "/v1/volumes/{volume_id}").status_code in (400, 404)
+    # The EC2 Query API serves every action on one path: each action is a route of its own.
+    for action in ("DescribeVolumes", "DescribeVolumes", "DescribeSnapshots"):
+        ec2 = vbs.http.post("/", data={"Action": action, "Version": "2016-11-15"})
+        made[("POST", f"/?Action={action}", str(ec2.status_code))] += 1
+        assert ec2.status_code == 200, ec2.text
     after = ended(Counter({("create-volume", "succeeded"): 2, ("create-snapshot", "succeeded"): 1,
                           ("delete-volume", "succeeded"): 1}))
 

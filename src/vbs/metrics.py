@@ -21,9 +21,13 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
-__all__ = ["RequestMetrics", "install_metrics", "new_registry", "route_of", "ScrapeCollector", "METRICS_PATH"]
+__all__ = ["RequestMetrics", "install_metrics", "new_registry", "route_of", "ScrapeCollector", "METRICS_PATH",
+           "ROUTE_KEY"]
 
 METRICS_PATH = "/metrics"
+# A handler that serves several operations on one path (the EC2 Query API's ``POST /``) names the
+# one it served here, from a bounded set: it becomes the ``route`` label.
+ROUTE_KEY = "vbs.metrics_route"
 UNROUTED = "unrouted"
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
@@ -37,9 +41,12 @@ def new_registry() -> CollectorRegistry:
 
 
 def route_of(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> str:
-    """The path template of the route that served ``scope``: the one routing chose, else one of the
-    app's own routes that matches (a request refused on its head never reached routing), else
-    ``unrouted`` (refused before routing, or no route: 404)."""
+    """The path template of the route that served ``scope``: what its handler named (``ROUTE_KEY``),
+    else the route routing chose, else one of the app's own routes that matches (a request refused
+    on its head never reached routing), else ``unrouted`` (refused before routing, or no route: 404)."""
+    named = scope.get(ROUTE_KEY)
+    if isinstance(named, str):
+        return named
     routed = scope.get("route")
     path = getattr(routed, "path", None)
     if isinstance(path, str):
