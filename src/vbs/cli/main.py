@@ -552,7 +552,7 @@ def _emit_pool_details(pools: list[dict[str, Any]], fmt: str) -> None:
 def create_key(
     ctx: typer.Context,
     tenant: Annotated[str, typer.Option(help="The tenant whose volumes and snapshots the key sees.")],
-    role: Annotated[str, typer.Option(help="admin | user")] = "user",
+    role: Annotated[str, typer.Option(help="admin | user | metrics (reads /metrics only)")] = "user",
 ) -> None:
     """Make an access key (admin only); its secret is shown this once."""
     c: Context = ctx.obj

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from sqlalchemy import delete, select
 
 from vbs import credentials, web
@@ -27,6 +27,7 @@ from vbs.controller.db.session import redact
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.keys import KeyStore, MasterKey
+from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.reconcile import Reconciler
 from vbs.controller.resolvers import Resolvers
 from vbs.controller.runtime import Controller
@@ -40,6 +41,7 @@ from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, D
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.errors import InvalidParameter
 from vbs.fail_closed import check_start, harden
+from vbs.metrics import install_metrics
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import PreAuth, install_error_handlers
@@ -141,15 +143,16 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.
     node_certs = tls is not None and tls.serves and tls.ca is not None
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls), master_key=master_key)
+    metrics = ControllerMetrics(db)
     engine = WorkflowEngine(db, WORKFLOWS, services, threads=cfg.workflow_threads,
                             retry_interval=cfg.retry_interval_s, give_up_after=cfg.give_up_after_s, owner=owner,
-                            lease_s=cfg.operation_lease_s)
+                            lease_s=cfg.operation_lease_s, on_end=metrics.operation_ended)
     # Singleton loops run on one controller at a time; another takes over once a lease lapses.
     reconcile_lease = SingletonLease(db, "reconciler", owner, max(3 * cfg.reconcile_interval_s, cfg.operation_lease_s))
     housekeeping_lease = SingletonLease(db, "housekeeping", owner, 3 * HOUSEKEEPING_INTERVAL_S)
     svc = Controller(cfg=cfg, db=db, agents=services.agents, master_key=master_key, engine=engine,
                      reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s,
-                                           lease=reconcile_lease),
+                                           lease=reconcile_lease, on_findings=metrics.drift),
                      resolvers=Resolvers.from_config(cfg))
     scheme = "https" if tls is not None and tls.serves else "http"
     registry = ControllerRegistry(db, owner, cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}")
@@ -198,6 +201,11 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     app.state.keys = key_store
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
+
+    async def metrics_reader(request: Request) -> None:
+        auth.check_metrics_reader(request, await request.body())
+
+    install_metrics(app, metrics.registry, metrics_reader)
     install_routes(app, auth, insecure=cfg.insecure)
     ec2_api.install(app, auth)
     console.install(app)

@@ -41,8 +41,25 @@ class Authenticator:
         return found[1]
 
     def check(self, request: Request, body: bytes) -> Principal:
-        """Who sent ``request``, or AuthFailure. A bearer key the edge already checked on the request's
-        head (vbs.controller.edge) is not looked up twice."""
+        """Who sent ``request``, or AuthFailure; a ``metrics`` key is refused (UnauthorizedOperation): it
+        reads ``/metrics`` (``check_metrics_reader``) and nothing else."""
+        who = self.identify(request, body)
+        if who.reads_metrics_only:
+            raise UnauthorizedOperation("You are not authorized to perform this operation: a metrics key reads "
+                                        "/metrics only.")
+        return who
+
+    def check_metrics_reader(self, request: Request, body: bytes) -> Principal:
+        """Who sent ``request``, if its role may read ``/metrics`` (admin or metrics)."""
+        who = self.identify(request, body)
+        if not (who.is_admin or who.reads_metrics_only):
+            raise UnauthorizedOperation("You are not authorized to perform this operation: /metrics needs an admin "
+                                        "or a metrics key.")
+        return who
+
+    def identify(self, request: Request, body: bytes) -> Principal:
+        """Who sent ``request``, whatever its role, or AuthFailure. A bearer key the edge already checked
+        on the request's head (vbs.controller.edge) is not looked up twice."""
         checked: Principal | None = getattr(request.state, "caller", None)
         if checked is not None:
             return checked

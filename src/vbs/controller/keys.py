@@ -14,7 +14,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -27,9 +27,10 @@ from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.errors import InvalidParameter, NotFound
 from vbs.files import write_private
 
-__all__ = ["Role", "ROLES", "TENANT_RE", "Principal", "MasterKey", "KeyStore", "check_tenant"]
+__all__ = ["Role", "ROLES", "TENANT_RE", "Principal", "MasterKey", "KeyStore", "check_tenant", "as_role"]
 
-Role = Literal["admin", "user"]
+# ``metrics``: reads ``/metrics`` and nothing else (a monitoring system's key).
+Role = Literal["admin", "user", "metrics"]
 ROLES: tuple[str, ...] = get_args(Role)
 TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _NONCE = 12
@@ -53,6 +54,15 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
+
+    @property
+    def reads_metrics_only(self) -> bool:
+        return self.role == "metrics"
+
+
+def as_role(value: str) -> Role:
+    """A stored role as a ``Role`` (a row's role was checked against ``ROLES`` when it was made)."""
+    return cast(Role, value) if value in ROLES else "user"
 
 
 class MasterKey:
@@ -191,8 +201,7 @@ class KeyStore:
             if row is None or row.role not in ROLES:
                 return None
             opened = self.master.open(row.sealed_secret, key_id)
-            role: Role = "admin" if row.role == "admin" else "user"
-            return (opened, Principal(key_id, row.tenant, role)) if opened is not None else None
+            return (opened, Principal(key_id, row.tenant, as_role(row.role))) if opened is not None else None
 
     def secret_of(self, key_id: str) -> str | None:
         found = self.lookup(key_id)
@@ -201,7 +210,7 @@ class KeyStore:
     def create(self, tenant: str, role: str) -> credentials.AccessKey:
         check_tenant(tenant)
         if role not in ROLES:
-            raise InvalidParameter(f"Invalid role {role[:16]!r}: admin or user.")
+            raise InvalidParameter(f"Invalid role {role[:16]!r}: admin, user or metrics.")
         for _ in range(5):
             key = credentials.generate()
             if key.access_key_id in self.bootstrap:
@@ -237,5 +246,5 @@ class KeyStore:
         out = [KeyInfo(k, DEFAULT_TENANT, "admin", True) for k in sorted(self.bootstrap)]
         with self.db.read() as s:
             for row in s.scalars(select(AccessKeyRecord).order_by(AccessKeyRecord.id)):
-                out.append(KeyInfo(row.id, row.tenant, "admin" if row.role == "admin" else "user", False))
+                out.append(KeyInfo(row.id, row.tenant, as_role(row.role), False))
         return out

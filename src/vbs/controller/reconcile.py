@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,9 +115,12 @@ class _SharedPools:
 
 class Reconciler:
     def __init__(self, svc: Services, *, grace_s: float, interval_s: float,
-                 lease: SingletonLease | None = None) -> None:
+                 lease: SingletonLease | None = None,
+                 on_findings: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
+        """``on_findings`` hears of each pass's findings as (kind, action) pairs (the drift metrics)."""
         # With several controllers, the background passes run on the one that holds this lease.
         self._lease = lease
+        self._on_findings = on_findings
         self.svc = svc
         self.grace_s = grace_s
         self.interval_s = interval_s
@@ -174,7 +178,9 @@ class Reconciler:
                     report.findings.append(Finding("unreachable", node.name, node.name, exc.message))
             # Forget orphans that went away by themselves.
             self._first_seen = {k: v for k, v in self._first_seen.items() if k in seen}
-            return report
+        if self._on_findings is not None:
+            self._on_findings([(f.kind, f.action) for f in report.findings])
+        return report
 
     def _busy_resources(self) -> set[str]:
         with self.svc.db.session() as s:

@@ -390,7 +390,7 @@ class ModificationList(BaseModel):
 
 class CreateKeyRequest(_Request):
     tenant: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
-    role: Literal["admin", "user"] = "user"
+    role: Literal["admin", "user", "metrics"] = "user"
 
 
 class KeyOut(BaseModel):

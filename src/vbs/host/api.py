@@ -15,6 +15,8 @@ from starlette.responses import Response
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.base import HypervisorDriver
+from vbs.host.metrics import host_registry
+from vbs.metrics import install_metrics
 from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, AttachDisk, CopyDisk, DiskInfo, DiskList, ResizeDisk, VmList
 from vbs.wire.storage import ItemStatus, Removed
@@ -37,6 +39,8 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     app = FastAPI(title="VBS host agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
+    # Behind the node token, like the rest of the agent's API.
+    install_metrics(app, host_registry(driver))
     router = APIRouter(prefix="/v1")
     caps = driver.capabilities
 

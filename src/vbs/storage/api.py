@@ -14,8 +14,10 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
+from vbs.metrics import install_metrics
 from vbs.storage.backends.base import Backend, EncryptingBackend
 from vbs.storage.exports.base import ExportDriver
+from vbs.storage.metrics import storage_registry
 from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.storage import (
@@ -57,6 +59,8 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     app = FastAPI(title="VBS storage agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
+    # Behind the node token, like the rest of the agent's API.
+    install_metrics(app, storage_registry(backends, exports))
     router = APIRouter(prefix="/v1")
 
     def pool(name: str) -> Backend:

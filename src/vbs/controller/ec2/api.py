@@ -19,6 +19,7 @@ from vbs.controller.ec2.actions import HANDLERS
 from vbs.controller.ec2.query import MAX_BODY, QueryParams, parse_form
 from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter, VbsError
+from vbs.metrics import ROUTE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
             if handler is None:
                 raise InvalidParameter(f"The action {action} is not valid for this web service.",
                                        code="InvalidAction")
+            request.scope[ROUTE_KEY] = f"/?Action={action}"  # one of HANDLERS: a bounded label
             svc: Controller = request.app.state.services
             answer = await run_in_threadpool(handler, svc, params, who)
         except VbsError as exc:

@@ -102,6 +102,9 @@ class StepContext(Generic[P]):
     save: Callable[[], None] = lambda: None
     # The engine's open transaction while a closing step or an ending runs (see session()).
     tx: Session | None = field(default=None, repr=False)
+    # The workflow's kind and when the operation began (its metrics: vbs.controller.metrics).
+    kind: str = ""
+    started_at: datetime | None = None
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -187,8 +190,10 @@ def _message(exc: Exception) -> str:
 class WorkflowEngine:
     def __init__(self, db: Database, workflows: list[Workflow[Any]], services: Services, *, threads: int = 16,
                  retry_interval: float = 2.0, give_up_after: float = 600.0, owner: str = "controller",
-                 lease_s: float = 15.0) -> None:
+                 lease_s: float = 15.0, on_end: Callable[[str, str, datetime | None], None] | None = None) -> None:
+        """``on_end(kind, outcome, started_at)`` hears of every operation this engine ends."""
         self.db = db
+        self._on_end = on_end
         self.owner = owner
         self._lease = timedelta(seconds=lease_s)
         self.workflows: dict[str, Workflow[Any]] = {w.kind: w for w in workflows}
@@ -351,7 +356,8 @@ class WorkflowEngine:
             params = workflow.params.model_validate(op.params)
         except ValidationError as exc:
             raise DriverError(f"operation {op.id}: unreadable parameters ({exc.error_count()} problems)") from exc
-        ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services, fence=op.fence)
+        ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services, fence=op.fence,
+                                            kind=op.kind, started_at=op.created_at)
         ctx.save = lambda: self._save_params(ctx)
         ctx.guard = lambda s: self._guard(s, ctx)
         return ctx
@@ -519,6 +525,15 @@ class WorkflowEngine:
     def _finish(self, ctx: StepContext[Any], status: OperationState, error: str | None = None) -> None:
         with self.db.session() as s:
             self._update_op(s, ctx, **_ended(status, error))
+        self._ended(ctx, status)
+
+    def _ended(self, ctx: StepContext[Any], status: OperationState) -> None:
+        """Tell ``on_end`` of an ending, once its transaction committed."""
+        if self._on_end is not None:
+            try:
+                self._on_end(ctx.kind, str(status), ctx.started_at)
+            except Exception:
+                log.exception("recording the end of operation %s", ctx.operation_id)
 
     @contextmanager
     def _ending(self, ctx: StepContext[Any], status: OperationState, error: str | None = None, *,
@@ -543,6 +558,7 @@ class WorkflowEngine:
                           .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == step)
                           .values(state="done", error=None, updated_at=utcnow()))
             self._update_op(s, ctx, params=ctx.params.model_dump(mode="json"), **_ended(status, error))
+        self._ended(ctx, status)
 
     def _exhausted(self, ctx: StepContext[Any]) -> bool:
         """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""

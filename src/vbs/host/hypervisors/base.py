@@ -12,7 +12,9 @@ and ``remove_copy`` then succeed (there is nothing left to undo), attach raises 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import SecretStr
 
@@ -21,7 +23,7 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver"]
+__all__ = ["HypervisorDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -69,4 +71,36 @@ class HypervisorDriver(Protocol):
 
     def close(self) -> None:
         """Release connections to VMs (the VMs are not touched)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """A VBS disk's I/O since the hypervisor opened it (QEMU's ``query-blockstats``): cumulative."""
+
+    vm_id: str
+    serial: str
+    read_bytes: int
+    write_bytes: int
+    read_ops: int
+    write_ops: int
+    flush_ops: int
+    read_time_ns: int
+    write_time_ns: int
+    flush_time_ns: int
+
+
+def counter(values: Mapping[str, Any], key: str) -> int:
+    """A cumulative counter from a hypervisor's answer: 0 where it is absent or not a count (QEMU and
+    libvirt leave out what a device does not track)."""
+    value = values.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+@runtime_checkable
+class BlockStatsSource(Protocol):
+    """A hypervisor driver that can tell its VBS disks' I/O counters (the host agent's metrics)."""
+
+    def block_stats(self) -> list[DiskStats]:
+        """Every VBS disk of every VM it can ask now; a VM that is busy or does not answer is left out."""
         ...

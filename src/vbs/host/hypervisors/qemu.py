@@ -43,6 +43,7 @@ from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.luks import qemu_luks_node, qemu_secret
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
@@ -244,12 +245,14 @@ class QemuDriver:
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
+    def _vm_ids(self) -> list[str]:
+        """The VMs whose QMP sockets are in the VM directory."""
+        if not self.vm_dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.match(p.stem) and _is_socket(p))
+
     def list_vms(self) -> list[VmInfo]:
-        vm_ids = (
-            sorted(p.stem for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.match(p.stem) and _is_socket(p))
-            if self.vm_dir.is_dir()
-            else []
-        )
+        vm_ids = self._vm_ids()
         with self._guard:
             vanished = [(v, c) for v, c in self._clients.items() if v not in vm_ids]
         for vm_id, client in vanished:  # a call busy with one finds out for itself
@@ -294,6 +297,25 @@ class QemuDriver:
 
     def list_disks(self, vm_id: str) -> list[DiskInfo]:
         return self._on_present_vm(vm_id, _our_disks)
+
+    def block_stats(self) -> list[DiskStats]:
+        found: list[DiskStats] = []
+        limit = min(self.qmp_timeout, PROBE_TIMEOUT)
+        for vm_id in self._vm_ids():
+            lock = self._vm_lock(vm_id)
+            if not lock.acquire(blocking=False):
+                continue  # busy with an attach or a detach: left out of this scrape rather than waited for
+            client = self._client(vm_id)
+            try:
+                client.connect(timeout=limit)
+                found += disk_stats(vm_id, client.execute("query-blockstats", timeout=limit))
+            except QmpGone:
+                self._forget(vm_id, client)
+            except QmpError as exc:
+                log.warning("VM %s: block statistics: %s", vm_id, exc)
+            finally:
+                lock.release()
+        return found
 
     def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
         """Move the attached disk to ``connection`` (a refreshed export of its volume) and make the
@@ -651,6 +673,24 @@ def _wait_concluded(vm: _Vm, job_id: str, mark: int, limit: float) -> None:
         except QmpConnectionError:
             pass  # no news within a second: look again
         mark = vm.qmp.event_mark()
+
+
+def disk_stats(vm_id: str, blockstats: list[dict[str, Any]]) -> list[DiskStats]:
+    """The VBS disks' counters in a ``query-blockstats`` answer (devices with our ids)."""
+    found = []
+    for entry in blockstats:
+        parts = str(entry.get("qdev", "")).split("/")
+        match = _DEVICE_ID_RE.match(parts[3]) if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] else None
+        stats = entry.get("stats")
+        if match is None or not isinstance(stats, dict):
+            continue
+        found.append(DiskStats(vm_id=vm_id, serial=match.group(1), read_bytes=counter(stats, "rd_bytes"),
+                               write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
+                               write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
+                               read_time_ns=counter(stats, "rd_total_time_ns"),
+                               write_time_ns=counter(stats, "wr_total_time_ns"),
+                               flush_time_ns=counter(stats, "flush_total_time_ns")))
+    return found
 
 
 def _our_disks(vm: _Vm) -> list[DiskInfo]:
