@@ -21,7 +21,7 @@ from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
 from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
-from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, QoS, ResizeDisk
+from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, PauseAnswer, PauseVm, QoS, ResizeDisk
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -155,6 +155,13 @@ class HostAgent:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
                                     AttachDisk(connection=connection, read_only=read_only, qos=qos,
                                                luks_passphrase=luks))
+
+    def pause(self, vm_id: str, hold_s: int) -> bool:
+        """Pause the VM (the agent resumes it after ``hold_s`` at the latest); whether VBS paused it."""
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/pause", PauseAnswer, PauseVm(hold_s=hold_s)).paused_by_vbs
+
+    def resume(self, vm_id: str) -> None:
+        self._client.request("DELETE", f"/v1/vms/{vm_id}/pause", Removed)
 
     def detach(self, vm_id: str, serial: str, *, force: bool, timeout: float) -> None:
         # The HTTP call outlives the guest's own deadline by a margin, so "busy" comes back as an answer.

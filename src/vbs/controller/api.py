@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller import attachments, modifications, moves, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, moves, snapshot_sets, snapshots, tags, volumes
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
@@ -34,6 +34,7 @@ from vbs.controller.schemas import (
     CopySnapshotRequest,
     CreateKeyRequest,
     CreateSnapshotRequest,
+    CreateSnapshotSetRequest,
     CreateTagsRequest,
     CreateVolumeRequest,
     DeleteTagsRequest,
@@ -55,6 +56,7 @@ from vbs.controller.schemas import (
     SnapshotOut,
     SnapshotPermissionsOut,
     SnapshotPermissionsRequest,
+    SnapshotSetOut,
     StepOut,
     StorageNodeList,
     VolumeList,
@@ -195,6 +197,12 @@ def _snapshot_routes(r: APIRouter) -> None:
     def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services),
                         who: Principal = Depends(caller)) -> SnapshotOut:
         return snapshots.delete_snapshot(svc, snapshot_id, who.tenant)
+
+    @r.post("/snapshot-sets", response_model=SnapshotSetOut, tags=["snapshots"])
+    def create_snapshot_set(body: CreateSnapshotSetRequest, svc: Controller = Depends(services),
+                            who: Principal = Depends(caller)) -> SnapshotSetOut:
+        """Snapshots of every volume attached to an instance, taken at one instant (the VM pauses briefly)."""
+        return SnapshotSetOut(snapshots=snapshot_sets.create_snapshot_set(svc, body, who.tenant))
 
     @r.post("/snapshot-copies", response_model=SnapshotOut, tags=["snapshots"])
     def copy_snapshot(body: CopySnapshotRequest, svc: Controller = Depends(services),

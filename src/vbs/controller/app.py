@@ -37,6 +37,7 @@ from vbs.controller.workflows import Workflow, WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.moves import MIGRATE_VOLUME
+from vbs.controller.workflows.snapshot_sets import CREATE_SNAPSHOT_SET
 from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.errors import InvalidParameter
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 60.0
 
 WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
-                                  DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT]
+                                  DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET]
 
 
 def database_url(cfg: ControllerConfig) -> str | None:

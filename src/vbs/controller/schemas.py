@@ -89,6 +89,19 @@ class CreateSnapshotRequest(_Request):
     tags: Tags = Field(default_factory=dict)
 
 
+class CreateSnapshotSetRequest(_Request):
+    """Snapshots of the volumes attached to one instance, crash-consistent as a set (EC2 CreateSnapshots)."""
+    instance_id: Annotated[str, Field(pattern=r"^i-[0-9a-f]{17}$")]
+    comment: Comment = ""
+    tags: Tags = Field(default_factory=dict)
+    copy_tags_from_volume: bool = False
+    exclude_volume_ids: list[VolumeId] = Field(default_factory=list, max_length=100)
+
+
+class SnapshotSetOut(BaseModel):
+    snapshots: list[SnapshotOut]
+
+
 class CopySnapshotRequest(_Request):
     source_snapshot_id: SnapshotId
     comment: Comment = ""

@@ -48,7 +48,7 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
         set_tags(s, snap.id, req.tags)
         op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
             node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
-        out = _describe_many(s, [snap])[0]
+        out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
@@ -80,7 +80,7 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         op_id = svc.engine.begin(s, "copy-snapshot", snap.id, CopySnapshotParams(
             node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
             scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib))
-        out = _describe_many(s, [snap])[0]
+        out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
@@ -119,7 +119,7 @@ def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotO
         op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, StorageParams(node=snap.storage_node,
                                                                                    pool=snap.pool))
         s.refresh(snap)
-        out = _describe_many(s, [snap])[0]
+        out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
@@ -161,14 +161,14 @@ def describe_snapshots(svc: Controller, tenant: str, snapshot_ids: list[str], fi
                 raise NotFound(f"The snapshot(s) '{', '.join(missing)}' do not exist.",
                                code="InvalidSnapshot.NotFound")
         rows, token = flt.page(rows, limit, lambda x: x.id)
-        return SnapshotList(snapshots=_describe_many(s, rows), next_token=token)
+        return SnapshotList(snapshots=describe_many(s, rows), next_token=token)
 
 
 def get_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
     return describe_snapshots(svc, tenant, [snapshot_id], {}, None, None).snapshots[0]
 
 
-def _describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
+def describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
     tags = flt.tags_of(s, [x.id for x in snaps])
     kms = encryption.kms_key_ids(s, {x.key_id for x in snaps if x.key_id is not None})
     return [

@@ -16,9 +16,21 @@ from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.base import HypervisorDriver
 from vbs.host.metrics import host_registry
+from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
 from vbs.web import PreAuth, Scope, install_error_handlers
-from vbs.wire.host import SERIAL_RE, VM_ID_RE, AttachDisk, CopyDisk, DiskInfo, DiskList, ResizeDisk, VmList
+from vbs.wire.host import (
+    SERIAL_RE,
+    VM_ID_RE,
+    AttachDisk,
+    CopyDisk,
+    DiskInfo,
+    DiskList,
+    PauseAnswer,
+    PauseVm,
+    ResizeDisk,
+    VmList,
+)
 from vbs.wire.storage import ItemStatus, Removed
 
 
@@ -35,7 +47,7 @@ def _vm(vm_id: str) -> str:
 
 
 def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None],
-               node_name: str) -> FastAPI:
+               node_name: str, pauses: Pauses | None = None) -> FastAPI:
     app = FastAPI(title="VBS host agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
@@ -77,6 +89,19 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
         """Move the disk onto a refreshed connection of its (grown) volume and show the guest the new size."""
         able("resize a disk online", caps.online_resize)
         return driver.resize(_vm(vm_id), _serial(serial), body.connection, body.size_bytes)
+
+    @router.put("/vms/{vm_id}/pause")
+    def pause(vm_id: str, body: PauseVm) -> PauseAnswer:
+        """Pause the VM (its I/O drained) for at most ``hold_s``: one instant for every disk's snapshot."""
+        if pauses is None or not caps.pause:
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot pause a VM")
+        return PauseAnswer(paused_by_vbs=pauses.pause(_vm(vm_id), body.hold_s))
+
+    @router.delete("/vms/{vm_id}/pause")
+    def resume(vm_id: str) -> Removed:
+        if pauses is not None:
+            pauses.resume(_vm(vm_id))
+        return Removed()
 
     @router.get("/vms/{vm_id}/disks")
     def list_disks(vm_id: str) -> DiskList:

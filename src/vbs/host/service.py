@@ -11,7 +11,8 @@ from vbs.config import HostAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
-from vbs.host.hypervisors.base import HypervisorDriver
+from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
+from vbs.host.pauses import Pauses
 from vbs.web import BoundedServer, serve_agent
 from vbs.wire.host import HostHeartbeat, VmInfo
 
@@ -31,7 +32,10 @@ def serve(cfg: HostAgentConfig) -> None:
     sec = agent_security.prepare("host agent", cfg, *([state] if state else []),
                                  fence_file=state / "fences.json" if state else None)
     driver = build_driver(cfg)
-    app = create_app(driver, sec.auth, cfg.node_name)
+    pauses = Pauses(driver, state) if isinstance(driver, PausingDriver) and driver.capabilities.pause else None
+    if pauses is not None:
+        pauses.recover()
+    app = create_app(driver, sec.auth, cfg.node_name, pauses)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
 
@@ -52,4 +56,9 @@ def serve(cfg: HostAgentConfig) -> None:
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)
-    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=driver.close, tls=sec.tls)
+    def shutdown() -> None:
+        if pauses is not None:
+            pauses.close()
+        driver.close()
+
+    serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

@@ -96,6 +96,17 @@ class AttachDisk(Wire):
         return v.get_secret_value() if v is not None else None
 
 
+class PauseVm(Wire):
+    """Pause the VM; the agent resumes it by itself after ``hold_s`` if no one does first."""
+
+    hold_s: int = Field(ge=1, le=300, strict=True)
+
+
+class PauseAnswer(Wire):
+    # False: the VM was not running (paused by someone else): resuming it is not VBS's to do.
+    paused_by_vbs: bool
+
+
 class ResizeDisk(Wire):
     """Move the attached disk to ``connection`` (a refreshed export of its grown volume) and show the
     guest ``size_bytes``."""
@@ -128,6 +139,8 @@ class HypervisorCapabilities(Wire):
     point_in_time_copy: bool = False
     # It opens encrypted volumes (LUKS containers) itself with the passphrase an attach brings.
     luks: bool = False
+    # It pauses a VM (I/O drained) for a crash-consistent snapshot set of its disks (PauseVm).
+    pause: bool = False
 
 
 class HostHeartbeat(Wire):

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import attachments, modifications, nodes, snapshots, tags, volumes
+from vbs.controller import attachments, modifications, nodes, snapshot_sets, snapshots, tags, volumes
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.ec2.query import QueryParams
@@ -27,6 +27,7 @@ from vbs.controller.schemas import (
     AttachVolumeRequest,
     CopySnapshotRequest,
     CreateSnapshotRequest,
+    CreateSnapshotSetRequest,
     CreateVolumeRequest,
     DetachVolumeRequest,
     ModificationOut,
@@ -339,6 +340,30 @@ def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[
     return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
 
 
+def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    """A crash-consistent set of the instance's volumes. VBS volumes are never an instance's boot disk, so
+    ExcludeBootVolume changes nothing."""
+    instance = str(p.str("InstanceSpecification.InstanceId", required=True, max_len=64))
+    if not ids.is_valid("instance", instance):
+        raise InvalidParameter(f"Invalid id: \"{instance[:64]}\"", code="InvalidInstanceID.Malformed")
+    excluded = [_volume_id(v, "ExcludeDataVolumeId") for v in p.list("InstanceSpecification.ExcludeDataVolumeId")]
+    p.bool("InstanceSpecification.ExcludeBootVolume")
+    copy_tags = p.str("CopyTagsFromSource", max_len=16)
+    if copy_tags not in (None, "volume"):
+        raise InvalidParameter(f"Value ({copy_tags}) for parameter CopyTagsFromSource is invalid. Expected: volume.")
+    req = _model(CreateSnapshotSetRequest, {
+        "instance_id": instance, "comment": p.str("Description", max_len=255) or "",
+        "tags": _tags_for(p, "snapshot"), "copy_tags_from_volume": bool(copy_tags), "exclude_volume_ids": excluded})
+    _dry_run(p)
+    made = snapshot_sets.create_snapshot_set(svc, req, who.tenant)
+    return {"snapshotSet": [{
+        "snapshotId": x.snapshot_id, "volumeId": x.volume_id, "volumeSize": x.volume_size_gib,
+        "startTime": x.started_at, "progress": f"{x.progress}%", "state": x.status,
+        "ownerId": sharing.owner_id(x.owner), "description": x.comment, "encrypted": x.encrypted,
+        "tagSet": _tag_set(x.tags) if x.tags else None,
+    } for x in made]}
+
+
 def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     source = _snapshot_id(p.str("SourceSnapshotId", max_len=64), "SourceSnapshotId")
     p.str("SourceRegion", required=True, max_len=64)  # EC2 requires it; it must be this region
@@ -622,6 +647,7 @@ HANDLERS: dict[str, Handler] = {
     "DeleteSnapshot": delete_snapshot,
     "DescribeSnapshots": describe_snapshots,
     "CopySnapshot": copy_snapshot,
+    "CreateSnapshots": create_snapshots,
     "DescribeSnapshotAttribute": describe_snapshot_attribute,
     "ModifySnapshotAttribute": modify_snapshot_attribute,
     "ResetSnapshotAttribute": reset_snapshot_attribute,

@@ -23,7 +23,7 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "DiskStats", "BlockStatsSource", "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -103,4 +103,17 @@ class BlockStatsSource(Protocol):
 
     def block_stats(self) -> list[DiskStats]:
         """Every VBS disk of every VM it can ask now; a VM that is busy or does not answer is left out."""
+        ...
+
+
+@runtime_checkable
+class PausingDriver(Protocol):
+    """A driver that pauses VMs (``capabilities.pause``): crash-consistent snapshot sets of several disks."""
+
+    def pause(self, vm_id: str) -> bool:
+        """Pause the VM once its in-flight I/O is drained; whether this call paused it (False: not running)."""
+        ...
+
+    def resume(self, vm_id: str) -> None:
+        """Let it run again; a VM that is gone is success."""
         ...

@@ -204,7 +204,7 @@ class QemuDriver:
 
     capabilities = HypervisorCapabilities.model_validate(
         {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True,
-         "luks": True}
+         "luks": True, "pause": True}
     )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
@@ -287,6 +287,25 @@ class QemuDriver:
         connection = self._dialled(connection)
         return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos,
                                                                   luks))
+
+    def pause(self, vm_id: str) -> bool:
+        """Stop the VM's vCPUs (QMP ``stop``, which drains the in-flight I/O of every disk first); whether this
+        call paused it (False: it was not running)."""
+
+        def stop(vm: _Vm) -> bool:
+            if vm.cmd("query-status").get("status") != "running":
+                return False
+            vm.cmd("stop")
+            return True
+
+        return self._on_present_vm(vm_id, stop)
+
+    def resume(self, vm_id: str) -> None:
+        """Let the VM run again; a VM that is gone (or running) is left as it is."""
+        try:
+            self._on_vm(vm_id, lambda vm: vm.cmd("cont"))
+        except QmpGone:
+            log.info("VM %s is gone: nothing to resume", vm_id)
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         ids = disk_ids(serial)
