@@ -147,6 +147,25 @@ class Vbs:
         assert r.status_code == 200, r.text
         return r.json()  # type: ignore[no-any-return]
 
+    def ec2(self, key_id: str | None = None, secret: str | None = None) -> Any:
+        """A boto3 EC2 client of this install (its key, or the one given), without retries."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("ec2", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=key_id or self.key.access_key_id,
+                            aws_secret_access_key=secret or self.key.secret_access_key,
+                            config=Config(retries={"max_attempts": 1}))
+
+    def instance(self, vm_id: str, timeout: float = 60) -> str:
+        """The instance id of the running VM ``vm_id``, once a host agent reported it."""
+        def find() -> str | None:
+            for i in self.http.get("/v1/instances").json()["instances"]:
+                if i["vm_id"] == vm_id and i["state"] == "running":
+                    return str(i["instance_id"])
+            return None
+        return str(wait_until(find, timeout, what=f"instance {vm_id}"))
+
     def all_volumes(self) -> list[dict[str, Any]]:
         """Every volume this key sees, page after page (a describe answers at most 1,000)."""
         found: list[dict[str, Any]] = []
@@ -200,6 +219,23 @@ def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
     try:
         yield up.start()
     finally:
+        up.stop()
+
+
+@contextmanager
+def vbs_up_with_guest(tmp: Path, vm: str = "vm1") -> Iterator[tuple[Vbs, VbsUp, Any]]:
+    """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG)."""
+    from vbs.testguest import TestGuest, build_guest
+
+    up = VbsUp(tmp / "var", tmp / "up.log")
+    guest = TestGuest(vm, tmp / "guests", build_guest(), tmp / "var" / "vms")
+    try:
+        guest.start()  # boots while vbs up starts
+        vbs = up.start()
+        guest.wait_ready(120)
+        yield vbs, up, guest
+    finally:
+        guest.stop()
         up.stop()
 
 

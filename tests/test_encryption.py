@@ -13,16 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, vbs_up_with_guest, wait_until
 from vbs.controller.keys import MasterKey
 from vbs.ids import virtio_serial
-from vbs.storage.luks import LUKS_MAGIC
-from vbs.testguest import TestGuest, build_guest
+from vbs.storage.luks import LUKS_MAGIC, header_bytes
+from vbs.testguest import TestGuest
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -33,21 +31,11 @@ FAST = {"Delay": 0.2, "MaxAttempts": 300}
 class Env:
     def __init__(self, vbs: Vbs, up: VbsUp, guest: TestGuest) -> None:
         self.vbs, self.up, self.guest = vbs, up, guest
-        self.ec2 = boto3.client("ec2", endpoint_url=vbs.endpoint, region_name="us-east-1",
-                                aws_access_key_id=vbs.key.access_key_id,
-                                aws_secret_access_key=vbs.key.secret_access_key,
-                                config=Config(retries={"max_attempts": 1}))
-
-    def instance(self) -> str:
-        def find() -> str | None:
-            for i in self.vbs.http.get("/v1/instances").json()["instances"]:
-                if i["vm_id"] == "vm1" and i["state"] == "running":
-                    return str(i["instance_id"])
-            return None
-        return str(wait_until(find, 60, what="instance vm1"))
+        self.ec2 = vbs.ec2()
 
     def attach(self, vol: str) -> str:
-        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.instance(), "device": "vdb"})
+        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.vbs.instance("vm1"),
+                                                                  "device": "vdb"})
         assert r.status_code == 200, r.text
         wait_until(lambda: [a["state"] for a in self.vbs.volume(vol)["attachments"]] == ["attached"], 60,
                    what=f"{vol} attached")
@@ -74,18 +62,8 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("encryption")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log")
-    guest = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
-    try:
-        guest.start()
-        vbs = up.start()
-        guest.wait_ready(120)
+    with vbs_up_with_guest(tmp_path_factory.mktemp("encryption")) as (vbs, up, guest):
         yield Env(vbs, up, guest)
-    finally:
-        guest.stop()
-        up.stop()
 
 
 def contains(path: Path, needle: bytes, limit: int = 64 * MIB) -> bool:
@@ -100,11 +78,12 @@ def test_the_guest_writes_plaintext_and_the_pool_holds_only_ciphertext(env: Env)
     shown = vbs.wait_volume(vol, "available")
     assert (shown["encrypted"], shown["kms_key_id"]) == (True, "alias/aws/ebs")
     raw = env.pool_file(vol)
-    assert raw.stat().st_size == GIB and raw.read_bytes()[:len(LUKS_MAGIC)] == LUKS_MAGIC
+    with open(raw, "rb") as f:
+        assert f.read(len(LUKS_MAGIC)) == LUKS_MAGIC
+    assert raw.stat().st_size == GIB + header_bytes(raw)  # the payload is the size; the header comes on top
 
     dev = env.attach(vol)
-    size = env.guest.disk_size(virtio_serial(vol))
-    assert GIB - 64 * MIB < size < GIB, size  # the LUKS header comes out of the volume's size
+    assert env.guest.disk_size(virtio_serial(vol)) == GIB
     written = env.guest.write_pattern(dev, SEED, 8)
     assert env.guest.checksum(dev, 8) == written
     env.detach(vol)
@@ -120,6 +99,21 @@ def test_the_guest_writes_plaintext_and_the_pool_holds_only_ciphertext(env: Env)
     assert env.guest.checksum(dev, 8) == written
     env.detach(clone)
 
+    # Copied under another KMS key id: re-encrypted under a new data key, the same data.
+    r = vbs.http.post("/v1/snapshot-copies", json={"source_snapshot_id": snap, "encrypted": True,
+                                                    "kms_key_id": "alias/rekeyed"})
+    assert r.status_code == 200, r.text
+    rekeyed = vbs.wait_snapshot(r.json()["snapshot_id"], "completed", timeout=180)
+    assert (rekeyed["encrypted"], rekeyed["kms_key_id"]) == (True, "alias/rekeyed")
+    restored = vbs.create_volume(snapshot_id=rekeyed["snapshot_id"])["volume_id"]
+    assert vbs.wait_volume(restored, "available", timeout=180)["kms_key_id"] == "alias/rekeyed"
+    assert not contains(env.pool_file(restored), SEED.encode())
+    with open(env.pool_file(restored), "rb") as a, open(raw, "rb") as b:
+        assert a.read(MIB) != b.read(MIB), "a re-encrypted copy must not be the same ciphertext"
+    dev = env.attach(restored)
+    assert env.guest.checksum(dev, 8) == written
+    env.detach(restored)
+
     # A new master key: every data key re-sealed, the running controller still opens them.
     before = set(env.passphrases())
     r = subprocess.run([*VBS, "rotate-keys", "--master-key", "--data-dir", str(vbs.data_dir)], capture_output=True,
@@ -128,6 +122,25 @@ def test_the_guest_writes_plaintext_and_the_pool_holds_only_ciphertext(env: Env)
     assert set(env.passphrases()) == before
     dev = env.attach(vol)
     assert env.guest.checksum(dev, 8) == written
+    env.detach(vol)
+
+
+def test_a_plain_snapshot_becomes_an_encrypted_volume(env: Env) -> None:
+    vbs = env.vbs
+    plain = vbs.create_volume(size_gib=1)["volume_id"]
+    vbs.wait_volume(plain, "available")
+    dev = env.attach(plain)
+    written = env.guest.write_pattern(dev, "plain-then-encrypted", 4)
+    env.detach(plain)
+    snap = vbs.http.post("/v1/snapshots", json={"volume_id": plain}).json()["snapshot_id"]
+    assert vbs.wait_snapshot(snap, "completed")["encrypted"] is False
+    vol = vbs.create_volume(snapshot_id=snap, size_gib=2, encrypted=True)["volume_id"]
+    shown = vbs.wait_volume(vol, "available", timeout=180)
+    assert (shown["encrypted"], shown["size_gib"]) == (True, 2)
+    assert not contains(env.pool_file(vol), b"plain-then-encrypted")
+    dev = env.attach(vol)
+    assert env.guest.disk_size(virtio_serial(vol)) == 2 * GIB
+    assert env.guest.checksum(dev, 4) == written
     env.detach(vol)
 
 
@@ -179,7 +192,8 @@ def test_ec2_reports_encryption_and_refuses_what_it_cannot_do(env: Env) -> None:
     ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[snap], WaiterConfig=FAST)
     shown = ec2.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]
     assert (shown["Encrypted"], shown["KmsKeyId"]) == (True, "alias/team-db")
-    copy = ec2.copy_snapshot(SourceSnapshotId=snap, SourceRegion="us-east-1", Encrypted=True)["SnapshotId"]
+    copy = ec2.copy_snapshot(SourceSnapshotId=snap, SourceRegion="us-east-1", Encrypted=True,
+                             KmsKeyId="alias/team-db")["SnapshotId"]
     ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[copy], WaiterConfig=FAST)
     assert ec2.describe_snapshots(SnapshotIds=[copy])["Snapshots"][0]["Encrypted"] is True
     restored = ec2.create_volume(AvailabilityZone="us-east-1a", SnapshotId=copy)
@@ -189,13 +203,13 @@ def test_ec2_reports_encryption_and_refuses_what_it_cannot_do(env: Env) -> None:
 
     plain_snap = ec2.create_snapshot(VolumeId=plain["VolumeId"])["SnapshotId"]
     ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[plain_snap], WaiterConfig=FAST)
+    # The EBS way to encrypt what was not: copy it with Encrypted.
+    encrypted_copy = ec2.copy_snapshot(SourceSnapshotId=plain_snap, SourceRegion="us-east-1",
+                                       Encrypted=True)["SnapshotId"]
+    ec2.get_waiter("snapshot_completed").wait(SnapshotIds=[encrypted_copy], WaiterConfig=FAST)
+    shown = ec2.describe_snapshots(SnapshotIds=[encrypted_copy])["Snapshots"][0]
+    assert (shown["Encrypted"], shown["KmsKeyId"]) == (True, "alias/aws/ebs")
     refused = [
-        (ec2.copy_snapshot, {"SourceSnapshotId": snap, "SourceRegion": "us-east-1", "KmsKeyId": "alias/other"},
-         "UnsupportedOperation"),
-        (ec2.copy_snapshot, {"SourceSnapshotId": plain_snap, "SourceRegion": "us-east-1", "Encrypted": True},
-         "UnsupportedOperation"),
-        (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "SnapshotId": plain_snap, "Encrypted": True},
-         "UnsupportedOperation"),
         (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "Size": 1, "KmsKeyId": "alias/x"},
          "InvalidParameterDependency"),
         (ec2.create_volume, {"AvailabilityZone": "us-east-1a", "Size": 1, "Encrypted": True, "KmsKeyId": "bad key"},

@@ -11,15 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import httpx
 import pytest
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import Vbs, VbsUp, node_token, wait_until
+from tests.conftest import Vbs, node_token, vbs_up_with_guest, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.testguest import TestGuest
 
 BLOCK = 4096
 BLOCKS = 1500
@@ -29,18 +27,10 @@ FAST = {"Delay": 0.2, "MaxAttempts": 600}
 class Env:
     def __init__(self, vbs: Vbs, guest: TestGuest, tmp: Path) -> None:
         self.vbs, self.guest, self.tmp = vbs, guest, tmp
-        self.ec2 = boto3.client("ec2", endpoint_url=vbs.endpoint, region_name="us-east-1",
-                                aws_access_key_id=vbs.key.access_key_id,
-                                aws_secret_access_key=vbs.key.secret_access_key,
-                                config=Config(retries={"max_attempts": 1}))
+        self.ec2 = vbs.ec2()
 
     def instance(self) -> str:
-        def find() -> str | None:
-            for i in self.vbs.http.get("/v1/instances").json()["instances"]:
-                if i["vm_id"] == "vm1" and i["state"] == "running":
-                    return str(i["instance_id"])
-            return None
-        return str(wait_until(find, 60, what="instance vm1"))
+        return self.vbs.instance("vm1")
 
     def attached_volume(self, device: str) -> tuple[str, str]:
         vol = self.vbs.create_volume(size_gib=1)["volume_id"]
@@ -56,17 +46,8 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("snapshot-sets")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log")
-    guest = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
-    try:
-        guest.start()
-        vbs = up.start()
-        guest.wait_ready(120)
+    with vbs_up_with_guest(tmp) as (vbs, _up, guest):
         yield Env(vbs, guest, tmp)
-    finally:
-        guest.stop()
-        up.stop()
 
 
 def numbered_blocks(path: Path) -> set[int]:

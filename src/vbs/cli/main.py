@@ -355,12 +355,17 @@ def create_snapshot(
 ) -> None:
     """Snapshot a volume (crash-consistent; also of an in-use volume)."""
     c: Context = ctx.obj
-    snap = c.client.call("POST", "/v1/snapshots", {"volume_id": volume_id, "comment": comment, "tags": _tags(tag)})
+    _show_snapshots(c, [c.client.call("POST", "/v1/snapshots", {"volume_id": volume_id, "comment": comment,
+                                                                 "tags": _tags(tag)})], wait, one=True)
+
+
+def _show_snapshots(c: Context, snaps: list[dict[str, Any]], wait: bool, *, one: bool = False) -> None:
+    """Print new snapshots, once completed with ``wait`` (a progress bar each); exit 1 if one failed."""
     if wait:
-        snap = wait_for(c.client, f"/v1/snapshots/{snap['snapshot_id']}", busy={"pending"},
-                        label=f"snapshot {snap['snapshot_id']}", show=c.interactive)
-    output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)
-    if snap["status"] == "error":
+        snaps = [wait_for(c.client, f"/v1/snapshots/{s['snapshot_id']}", busy={"pending"},
+                          label=f"snapshot {s['snapshot_id']}", show=c.interactive) for s in snaps]
+    output.emit(snaps[0] if one else snaps, c.fmt, output.SNAPSHOT_COLUMNS)
+    if any(s["status"] == "error" for s in snaps):
         raise typer.Exit(1)
 
 
@@ -381,12 +386,7 @@ def create_snapshots(
     made = c.client.call("POST", "/v1/snapshot-sets", {"instance_id": instance_id, "comment": comment,
                                                        "tags": _tags(tag), "copy_tags_from_volume": copy_volume_tags,
                                                        "exclude_volume_ids": exclude or []})["snapshots"]
-    if wait:
-        made = [wait_for(c.client, f"/v1/snapshots/{s['snapshot_id']}", busy={"pending"},
-                         label=f"snapshot {s['snapshot_id']}", show=c.interactive) for s in made]
-    output.emit(made, c.fmt, output.SNAPSHOT_COLUMNS)
-    if any(s["status"] == "error" for s in made):
-        raise typer.Exit(1)
+    _show_snapshots(c, made, wait)
 
 
 @app.command("copy-snapshot")
@@ -395,18 +395,20 @@ def copy_snapshot(
     snapshot_id: str,
     comment: Annotated[str, typer.Option()] = "",
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    encrypted: Annotated[bool, typer.Option("--encrypted", help="Encrypt the copy (a copy of an encrypted "
+                                                                "snapshot is encrypted anyway).")] = False,
+    kms_key_id: Annotated[str | None, typer.Option(help="Another KMS key id: the copy is re-encrypted under a new "
+                                                        "data key.")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")] = False,
 ) -> None:
-    """Copy a snapshot (yours, or one shared with you) into a new snapshot of yours."""
+    """Copy a snapshot (yours, or one shared with you) into a new snapshot of yours; with --encrypted (or
+    another --kms-key-id) re-encrypted under a new key."""
     c: Context = ctx.obj
-    snap = c.client.call("POST", "/v1/snapshot-copies", {"source_snapshot_id": snapshot_id, "comment": comment,
-                                                         "tags": _tags(tag)})
-    if wait:
-        snap = wait_for(c.client, f"/v1/snapshots/{snap['snapshot_id']}", busy={"pending"},
-                        label=f"snapshot {snap['snapshot_id']}", show=c.interactive)
-    output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)
-    if snap["status"] == "error":
-        raise typer.Exit(1)
+    body: dict[str, Any] = {"source_snapshot_id": snapshot_id, "comment": comment, "tags": _tags(tag),
+                            "encrypted": encrypted}
+    if kms_key_id is not None:
+        body["kms_key_id"] = kms_key_id
+    _show_snapshots(c, [c.client.call("POST", "/v1/snapshot-copies", body)], wait, one=True)
 
 
 @app.command("share-snapshot")

@@ -76,8 +76,10 @@ class StorageAgent:
     # -- volumes and snapshots -------------------------------------------------------------------
 
     def ensure_volume(self, pool: str, volume_id: str, size_gib: int, source_snapshot_id: str | None, *,
-                      luks: SecretStr | None = None) -> ItemStatus:
-        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id, luks_passphrase=luks)
+                      luks: SecretStr | None = None, source_luks: SecretStr | None = None) -> ItemStatus:
+        """``luks``: make it encrypted (format it, or re-encrypt the snapshot, opened with ``source_luks``)."""
+        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id, luks_passphrase=luks,
+                            source_luks_passphrase=source_luks)
         return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus, body)
 
     def remove_volume(self, pool: str, volume_id: str) -> None:

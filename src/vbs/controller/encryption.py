@@ -56,6 +56,25 @@ def new_key(s: Session, master: MasterKey, kms_key_id: str) -> str:
     return key_id
 
 
+def key_for_copy(s: Session, master: MasterKey, source_key_id: str | None, *, encrypted: bool,
+                 kms_key_id: str | None) -> tuple[str | None, str | None]:
+    """The data key of a copy of something encrypted under ``source_key_id`` (or plain, or nothing: a new
+    volume) as asked, and the source's key where the copy must be re-encrypted: (key id, source key id).
+
+    A copy of an encrypted source is encrypted (``Encrypted`` may be left out, as on EBS) under the source's
+    key, unless another KMS key id is asked for; then, and for a plain source asked to be encrypted, a new
+    key, the data re-encrypted under it."""
+    if kms_key_id is not None and not encrypted and source_key_id is None:
+        raise InvalidParameter("The parameter KmsKeyId requires the parameter Encrypted to be set.",
+                               code="InvalidParameterDependency")
+    if source_key_id is None:
+        return (new_key(s, master, check_kms_key_id(kms_key_id)) if encrypted else None), None
+    kms = kms_key_ids(s, {source_key_id}).get(source_key_id)
+    if kms_key_id is None or kms_key_id == kms:
+        return source_key_id, None
+    return new_key(s, master, check_kms_key_id(kms_key_id)), source_key_id
+
+
 def passphrase(s: Session, master: MasterKey, key_id: str) -> SecretStr:
     """The passphrase of ``key_id``'s LUKS containers."""
     row = s.get(VolumeKey, key_id)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from vbs import ids
 from vbs.controller import filters as flt
-from vbs.controller import quotas
 from vbs.controller.attachments import instance_not_found
 from vbs.controller.db import Attachment, Instance, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
@@ -14,9 +12,8 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_info, host_is_alive, storage_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CreateSnapshotSetRequest, SnapshotOut
-from vbs.controller.snapshots import describe_many
-from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
-from vbs.controller.tags import set_tags
+from vbs.controller.snapshots import describe_many, new_snapshot_row
+from vbs.controller.states import AttachmentState, VolumeState
 from vbs.controller.workflows.snapshot_sets import SetMember, SnapshotSetParams
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
 
@@ -58,19 +55,8 @@ def create_snapshot_set(svc: Controller, req: CreateSnapshotSetRequest, tenant: 
         now = utcnow()
         snaps: list[Snapshot] = []
         for vol in vols:
-            quotas.check_volume_snapshots(s, vol)
-            quotas.check_snapshots(s, svc.cfg, tenant)
-            snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,
-                            comment=req.comment, storage_node=vol.storage_node, pool=vol.pool,
-                            status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
-                            key_id=vol.key_id)
-            s.add(snap)
-            s.flush()
-            tags = dict(req.tags)
-            if req.copy_tags_from_volume:
-                tags = {**flt.tags_of(s, [vol.id])[vol.id], **tags}
-            set_tags(s, snap.id, tags)
-            snaps.append(snap)
+            tags = {**flt.tags_of(s, [vol.id])[vol.id], **req.tags} if req.copy_tags_from_volume else req.tags
+            snaps.append(new_snapshot_row(s, svc, vol, req.comment, tags, tenant, now))
         op_id = svc.engine.begin(s, "create-snapshots", inst.id, SnapshotSetParams(
             host=inst.host, vm_id=inst.vm_id,
             members=[SetMember(snapshot_id=x.id, volume_id=x.volume_id, node=x.storage_node, pool=x.pool)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session, aliased
 
@@ -9,8 +11,9 @@ from vbs import ids
 from vbs.controller import encryption, quotas
 from vbs.controller import filters as flt
 from vbs.controller import snapshot_sharing as sharing
-from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
+from vbs.controller.nodes import storage_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CopySnapshotRequest, CreateSnapshotRequest, SnapshotList, SnapshotOut
 from vbs.controller.states import SnapshotState, VolumeState
@@ -19,7 +22,7 @@ from vbs.controller.transitions import transition
 from vbs.controller.volumes import live_volume
 from vbs.controller.workflows.snapshots import CopySnapshotParams, CreateSnapshotParams
 from vbs.controller.workflows.storage import StorageParams
-from vbs.errors import IncorrectState, InvalidParameter, NotFound, SnapshotInUse
+from vbs.errors import IncorrectState, NotFound, SnapshotInUse
 
 
 def snapshot_not_found(snapshot_id: str) -> NotFound:
@@ -36,21 +39,26 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
         if hit != 1:
             raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
-        quotas.check_volume_snapshots(s, vol)
-        quotas.check_snapshots(s, svc.cfg, tenant)
-        now = utcnow()
-        snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib,
-                        comment=req.comment, storage_node=vol.storage_node, pool=vol.pool,
-                        status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
-                        key_id=vol.key_id)
-        s.add(snap)
-        s.flush()
-        set_tags(s, snap.id, req.tags)
+        snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
         op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
             node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
+
+
+def new_snapshot_row(s: Session, svc: Controller, vol: Volume, comment: str, tags: dict[str, str], tenant: str,
+                     now: datetime) -> Snapshot:
+    """A pending snapshot of ``vol`` with its tags, within the tenant's and the pool's limits."""
+    quotas.check_volume_snapshots(s, vol)
+    quotas.check_snapshots(s, svc.cfg, tenant)
+    snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib, comment=comment,
+                    storage_node=vol.storage_node, pool=vol.pool, status=SnapshotState.PENDING, progress=0,
+                    started_at=now, updated_at=now, tenant=tenant, key_id=vol.key_id)
+    s.add(snap)
+    s.flush()
+    set_tags(s, snap.id, tags)
+    return snap
 
 
 def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> SnapshotOut:
@@ -67,36 +75,32 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         if hit != 1:
             raise IncorrectState(f"The snapshot '{source.id}' is '{source.status}'; it must be completed.",
                                  code="IncorrectState")
-        _check_copy_encryption(s, source, req)
+        key_id, source_key_id = encryption.key_for_copy(s, svc.master_key, source.key_id, encrypted=req.encrypted,
+                                                        kms_key_id=req.kms_key_id)
+        reencrypt = key_id != source.key_id
+        if reencrypt and not _pool_encrypts(s, source):
+            raise IncorrectState(f"The pool of the snapshot '{source.id}' cannot make encrypted copies.")
         quotas.check_snapshots(s, svc.cfg, tenant)
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=source.volume_id, volume_size_gib=source.volume_size_gib,
                         comment=req.comment, storage_node=source.storage_node, pool=source.pool,
                         status=SnapshotState.PENDING, progress=0, started_at=now, updated_at=now, tenant=tenant,
-                        source_snapshot_id=source.id, key_id=source.key_id)
+                        source_snapshot_id=source.id, key_id=key_id)
         s.add(snap)
         s.flush()
         set_tags(s, snap.id, req.tags)
         op_id = svc.engine.begin(s, "copy-snapshot", snap.id, CopySnapshotParams(
             node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
-            scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib))
+            scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib,
+            key_id=key_id if reencrypt else None, source_key_id=source_key_id))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
 
-def _check_copy_encryption(s: Session, source: Snapshot, req: CopySnapshotRequest) -> None:
-    """A copy is what its source is: encrypted under the same key, or not encrypted. Encrypting or re-keying
-    on the way is refused (not yet), never ignored."""
-    if source.key_id is None:
-        if req.encrypted or req.kms_key_id is not None:
-            raise InvalidParameter(f"Encrypting a copy of the unencrypted snapshot '{source.id}' is not supported "
-                                   "yet.", code="UnsupportedOperation")
-        return
-    kms = encryption.kms_key_ids(s, {source.key_id}).get(source.key_id)
-    if req.kms_key_id is not None and req.kms_key_id != kms:
-        raise InvalidParameter(f"The snapshot '{source.id}' is encrypted under {kms}; re-encrypting its copy under "
-                               f"{req.kms_key_id} is not supported yet.", code="UnsupportedOperation")
+def _pool_encrypts(s: Session, snap: Snapshot) -> bool:
+    node = s.get(Node, (snap.storage_node, "storage"))
+    return node is not None and any(p.name == snap.pool and p.encryption for p in storage_info(node).pools)
 
 
 def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:

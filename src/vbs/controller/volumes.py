@@ -126,9 +126,9 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
     if size is None:
         raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
-    key_id = _volume_key(s, svc, req, snap)
-    # A new encrypted volume is formatted by its pool; a clone is a copy of its snapshot's container.
-    want = replace(want, encrypted=key_id is not None and req.snapshot_id is None)
+    key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
+    # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
+    want = replace(want, encrypted=written_encrypted)
     if size > cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
     volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
@@ -147,32 +147,23 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     s.flush()
     set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
-        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id,
-        encrypted=key_id is not None and req.snapshot_id is None))
+        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=written_encrypted,
+        source_key_id=source_key_id))
     return volume, op_id
 
 
-def _volume_key(s: Session, svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> str | None:
-    """The data key of the new volume: its snapshot's (a clone of an encrypted snapshot is encrypted, as on
-    EBS), a new one if asked for, else None."""
-    if snap is not None:
-        if snap.key_id is None:
-            if req.encrypted or req.kms_key_id is not None:
-                raise InvalidParameter(f"Encrypting a volume made from the unencrypted snapshot '{snap.id}' is not "
-                                       "supported yet.", code="UnsupportedOperation")
-            return None
-        kms = encryption.kms_key_ids(s, {snap.key_id}).get(snap.key_id)
-        if req.kms_key_id is not None and req.kms_key_id != kms:
-            raise InvalidParameter(f"The snapshot '{snap.id}' is encrypted under {kms}; re-encrypting a volume made "
-                                   f"from it under {req.kms_key_id} is not supported yet.",
-                                   code="UnsupportedOperation")
-        return snap.key_id
-    if req.kms_key_id is not None and not req.encrypted:
-        raise InvalidParameter("The parameter KmsKeyId requires the parameter Encrypted to be set.",
-                               code="InvalidParameterDependency")
-    if not req.encrypted:
-        return None
-    return encryption.new_key(s, svc.master_key, encryption.check_kms_key_id(req.kms_key_id))
+def _volume_key(s: Session, svc: Controller, req: CreateVolumeRequest,
+                snap: Snapshot | None) -> tuple[str | None, bool, str | None]:
+    """(the new volume's data key, whether its pool writes it encrypted, the key its snapshot opens with
+    for that): a clone of an encrypted snapshot shares its key, as on EBS; asked for another KMS key, or
+    encryption of a plain snapshot, the pool re-encrypts the data under a new key as it copies it."""
+    if not req.encrypted and req.kms_key_id is None and (snap is None or snap.key_id is None):
+        return None, False, None  # the plain case, most of them
+    key_id, source_key_id = encryption.key_for_copy(s, svc.master_key, snap.key_id if snap else None,
+                                                    encrypted=req.encrypted, kms_key_id=req.kms_key_id)
+    if snap is None:
+        return key_id, key_id is not None, None
+    return key_id, key_id != snap.key_id, source_key_id
 
 
 def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:

@@ -86,11 +86,12 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     @router.put("/pools/{pool_name}/volumes/{volume_id}")
     def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
         backend = pool(pool_name)
-        if body.luks_passphrase is not None and body.source_snapshot_id is None:
+        if body.luks_passphrase is not None:
             if not isinstance(backend, EncryptingBackend):
                 raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
             return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
-                                                   body.luks_passphrase)
+                                                   body.luks_passphrase, body.source_snapshot_id,
+                                                   body.source_luks_passphrase)
         return backend.ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
 
     @router.get("/pools/{pool_name}/volumes/{volume_id}")

@@ -1,44 +1,86 @@
-"""Formatting a volume as a LUKS container (QEMU's ``luks`` format), for encrypted volumes.
+"""Encrypted volumes as LUKS containers (QEMU's ``luks`` format): formatting, re-encrypting, sizing.
 
-The passphrase (the volume's data key, from the controller) reaches ``qemu-img`` through a 0600 file
-in a private directory that is removed at once: never an argv, an environment or a log line. The
-container keeps the volume's size; its header (a few MiB) comes out of what the guest sees.
+The passphrases (data keys, from the controller) reach ``qemu-img`` through 0600 files in a private
+directory on a memory file system that is removed at once: never an argv, an environment or a log line.
+A container holds the volume's size as its payload — the guest sees exactly the size it asked for —
+plus the LUKS header in front (``header_bytes``), which the pool's file is that much longer for.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import SecretStr
 
 from vbs import argv
+from vbs.errors import DriverError
 from vbs.files import write_private
 from vbs.runtime import FALLBACK_ROOT
 
 LUKS_MAGIC = b"LUKS\xba\xbe"
 FORMAT_TIMEOUT_S = 120.0
-# A memory file system (/run): the passphrase file never reaches a disk.
+CONVERT_TIMEOUT_S = 6 * 3600.0
+# A memory file system (/run): the passphrase files never reach a disk.
 KEY_SCRATCH = FALLBACK_ROOT / "keys"
+_SECTOR = 512
 
 
-def format_luks(path: Path, size_bytes: int, passphrase: SecretStr, scratch: Path = KEY_SCRATCH) -> None:
-    """Make ``path`` (absent) a LUKS container of ``size_bytes`` opened by ``passphrase``."""
+@contextmanager
+def _key_files(*passphrases: SecretStr, scratch: Path = KEY_SCRATCH) -> Iterator[list[Path]]:
     scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
     key_dir = Path(tempfile.mkdtemp(prefix="luks-", dir=scratch))
     try:
-        key_file = key_dir / "key"
-        write_private(key_file, passphrase.get_secret_value())
-        argv.run(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key_file}",
-                  "-o", "key-secret=vbs-key", str(path), str(size_bytes)], timeout=FORMAT_TIMEOUT_S)
+        files = []
+        for n, passphrase in enumerate(passphrases):
+            files.append(key_dir / f"key{n}")
+            write_private(files[-1], passphrase.get_secret_value())
+        yield files
     finally:
         shutil.rmtree(key_dir, ignore_errors=True)
-    # qemu-img made the payload that large; the container keeps the volume's size instead.
-    os.truncate(path, size_bytes)
+
+
+def format_luks(path: Path, size_bytes: int, passphrase: SecretStr) -> None:
+    """Make ``path`` (absent) an empty LUKS container whose payload is ``size_bytes``."""
+    with _key_files(passphrase) as (key,):
+        argv.run(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key}",
+                  "-o", "key-secret=vbs-key", str(path), str(size_bytes)], timeout=FORMAT_TIMEOUT_S)
+
+
+def convert_to_luks(source: Path, target: Path, size_bytes: int, passphrase: SecretStr,
+                    source_passphrase: SecretStr | None) -> None:
+    """Write into ``target`` (absent) a LUKS container under ``passphrase`` holding what ``source`` holds (a
+    LUKS container under ``source_passphrase``, or plain data), its payload grown to ``size_bytes``. The
+    plaintext exists only inside this ``qemu-img`` process."""
+    keys = (passphrase,) if source_passphrase is None else (passphrase, source_passphrase)
+    with _key_files(*keys) as files:
+        objects = ["--object", f"secret,id=vbs-dst,file={files[0]}"]
+        if source_passphrase is None:
+            src = ["-f", "raw", str(source)]
+        else:
+            objects += ["--object", f"secret,id=vbs-src,file={files[1]}"]
+            src = ["--image-opts", f"driver=luks,key-secret=vbs-src,file.driver=file,file.filename={source}"]
+        argv.run(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
+                  str(target)], timeout=CONVERT_TIMEOUT_S)
+    payload = os.stat(target).st_size - header_bytes(target)
+    if size_bytes > payload:
+        os.truncate(target, size_bytes + header_bytes(target))
 
 
 def is_luks(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(len(LUKS_MAGIC)) == LUKS_MAGIC
+
+
+def header_bytes(path: Path) -> int:
+    """How far into ``path`` (a LUKS1 container, as QEMU writes) its payload starts."""
+    with open(path, "rb") as f:
+        head = f.read(108)
+    if head[:6] != LUKS_MAGIC or struct.unpack(">H", head[6:8])[0] != 1:
+        raise DriverError(f"{path.name} is not a LUKS1 container")
+    return int(struct.unpack(">I", head[104:108])[0]) * _SECTOR

@@ -182,10 +182,12 @@ class Inventory(Wire):
 class EnsureVolume(Wire):
     size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
     source_snapshot_id: SnapshotId | None = None
-    # An encrypted volume: the LUKS passphrase to format it with (a new, empty volume only).
+    # An encrypted volume: the LUKS passphrase to format it with, or to re-encrypt the snapshot under
+    # (which is plain, or a container under ``source_luks_passphrase``).
     luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+    source_luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
 
-    @field_serializer("luks_passphrase", when_used="json")
+    @field_serializer("luks_passphrase", "source_luks_passphrase", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
         return v.get_secret_value() if v is not None else None
 

@@ -146,13 +146,18 @@ class CopySnapshotParams(StorageParams):
     # reconciler leaves it alone while the operation is unfinished: ``scratch_ids``).
     scratch_volume_id: str
     size_gib: int
+    # Re-encrypted as it is copied: under this data key (the source opened with ``source_key_id``, or plain).
+    key_id: str | None = None
+    source_key_id: str | None = None
 
 
 def _scratch_from_source(ctx: StepContext[CopySnapshotParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
     report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
-    shared.until_ready(lambda: agent.ensure_volume(p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id),
+    luks, source_luks = shared.key_passphrase(ctx, p.key_id), shared.key_passphrase(ctx, p.source_key_id)
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id,
+                                                   luks=luks, source_luks=source_luks),
                        lambda progress: report(progress * 9 // 10), unreachable_s=shared.patience(ctx))
 
 

@@ -50,6 +50,14 @@ def data_key(ctx: StepContext[Any], volume_id: str) -> SecretStr | None:
         return encryption.passphrase(s, ctx.services.master_key, vol.key_id)
 
 
+def key_passphrase(ctx: StepContext[Any], key_id: str | None) -> SecretStr | None:
+    """The passphrase of data key ``key_id`` (None for None), opened now for one agent call."""
+    if key_id is None:
+        return None
+    with ctx.services.db.read() as s:
+        return encryption.passphrase(s, ctx.services.master_key, key_id)
+
+
 def patience(ctx: StepContext[Any]) -> float:
     """How long a step waits for an agent that does not answer: no longer than retries would last."""
     return min(UNREACHABLE_LIMIT_S, ctx.services.cfg.give_up_after_s)

@@ -58,7 +58,6 @@ from vbs.host.connectors import connector_for
 from vbs.host.connectors.base import LibvirtSource
 from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.libvirt_metadata import cloud_ids
-from vbs.host.hypervisors.luks import refuse_luks
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
@@ -115,13 +114,23 @@ def secret_uuid(vm_id: str, serial: str) -> str:
     return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}"))
 
 
+def luks_secret_uuid(vm_id: str, serial: str) -> str:
+    """The UUID of the libvirt secret holding the LUKS passphrase of an encrypted disk."""
+    return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}/luks"))
+
+
 def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool = False, qos: QoS | None = None,
-             secret: str | None = None) -> str:
+             secret: str | None = None, luks_secret: str | None = None) -> str:
     """The ``<disk>`` that attaches ``source`` as virtio disk ``target`` with ``serial`` (xml.etree
-    escapes every value; each was validated by its wire model before)."""
+    escapes every value; each was validated by its wire model before). ``luks_secret``: the volume is a
+    LUKS container, opened by QEMU with the passphrase in that libvirt secret."""
     disk = ET.Element("disk", {"type": "network", "device": "disk"})
     ET.SubElement(disk, "driver", {"name": "qemu", "type": "raw", "discard": "unmap"})
-    disk.append(source.element(secret))
+    source_el = source.element(secret)
+    if luks_secret is not None:
+        encryption = ET.SubElement(source_el, "encryption", {"format": "luks", "engine": "qemu"})
+        ET.SubElement(encryption, "secret", {"type": "passphrase", "uuid": luks_secret})
+    disk.append(source_el)
     ET.SubElement(disk, "target", {"dev": target, "bus": "virtio"})
     if qos is not None and (qos.iops is not None or qos.mbps is not None):
         iotune = ET.SubElement(disk, "iotune")
@@ -142,7 +151,7 @@ def _secret_xml(uuid_: str, vm_id: str, serial: str, usage: str) -> str:
     ET.SubElement(secret, "description").text = f"VBS: credentials of disk {serial} of domain {vm_id}"
     usage_el = ET.SubElement(secret, "usage", {"type": usage})
     # The usage id must be unique among the libvirtd's secrets of that type.
-    ET.SubElement(usage_el, "target" if usage == "iscsi" else "name").text = f"vbs-{uuid_}"
+    ET.SubElement(usage_el, {"iscsi": "target", "volume": "volume"}.get(usage, "name")).text = f"vbs-{uuid_}"
     return ET.tostring(secret, encoding="unicode")
 
 
@@ -211,7 +220,7 @@ class LibvirtDriver:
 
     capabilities = HypervisorCapabilities.model_validate(
         {"protocols": ["iscsi", "nbd", "rbd"], "online_resize": True, "online_resize_protocols": ["rbd"], "qos": True,
-         "point_in_time_copy": False}
+         "point_in_time_copy": False, "luks": True}
     )
 
     def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
@@ -262,7 +271,6 @@ class LibvirtDriver:
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
-        refuse_luks(luks, "the " + self.__class__.__name__.removesuffix("Driver").lower() + " driver")
         disk_alias(serial)
         dialled = self.tunnels.local(connection)
         source = connector_for(dialled).libvirt_source(dialled)
@@ -272,7 +280,7 @@ class LibvirtDriver:
                 "certificate from the libvirtd's qemu.conf (nbd_tls_x509_cert_dir); set libvirt_nbd_tls_dir of "
                 "[host_agent] to that directory (the agent writes this host's certificate there)")
         return _present(self._on_vm(
-            vm_id, lambda conn, dom: self._attach(conn, dom, vm_id, serial, source, read_only, qos), need=True))
+            vm_id, lambda conn, dom: self._attach(conn, dom, vm_id, serial, source, read_only, qos, luks), need=True))
 
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         disk_alias(serial)
@@ -374,7 +382,7 @@ class LibvirtDriver:
             return self._with_conn(on_domain)
 
     def _attach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str,
-                source: LibvirtSource, read_only: bool, qos: QoS | None) -> DiskInfo:
+                source: LibvirtSource, read_only: bool, qos: QoS | None, luks: SecretStr | None) -> DiskInfo:
         live = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
         if live is not None:
             if (vm_id, serial) in self._forced:
@@ -391,9 +399,10 @@ class LibvirtDriver:
             return self._disk(vm_id, dom, serial)
         self._forced.discard((vm_id, serial))
         secret = self._define_secret(conn, vm_id, serial, source) if source.auth is not None else None
-        xml = disk_xml(serial, _free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only, qos=qos,
-                       secret=secret)
         try:
+            luks_secret = self._define_luks_secret(conn, vm_id, serial, luks) if luks is not None else None
+            xml = disk_xml(serial, _free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only,
+                           qos=qos, secret=secret, luks_secret=luks_secret)
             dom.attachDeviceFlags(xml, self._flags(dom, config=True))
         except libvirt.libvirtError as exc:
             self._drop_secret(conn, vm_id, serial)
@@ -484,12 +493,25 @@ class LibvirtDriver:
         return uuid_
 
     @staticmethod
-    def _drop_secret(conn: libvirt.virConnect, vm_id: str, serial: str) -> None:
+    def _define_luks_secret(conn: libvirt.virConnect, vm_id: str, serial: str, luks: SecretStr) -> str:
+        """An ephemeral, private secret with the passphrase, set through the API (never in an XML)."""
+        uuid_ = luks_secret_uuid(vm_id, serial)
+        secret = conn.secretDefineXML(_secret_xml(uuid_, vm_id, serial, "volume"), 0)
         try:
-            conn.secretLookupByUUIDString(secret_uuid(vm_id, serial)).undefine()
-        except libvirt.libvirtError as exc:
-            if exc.get_error_code() != libvirt.VIR_ERR_NO_SECRET:
-                raise
+            secret.setValue(luks.get_secret_value().encode(), 0)
+        except libvirt.libvirtError:
+            secret.undefine()
+            raise
+        return uuid_
+
+    @staticmethod
+    def _drop_secret(conn: libvirt.virConnect, vm_id: str, serial: str) -> None:
+        for uuid_ in (secret_uuid(vm_id, serial), luks_secret_uuid(vm_id, serial)):
+            try:
+                conn.secretLookupByUUIDString(uuid_).undefine()
+            except libvirt.libvirtError as exc:
+                if exc.get_error_code() != libvirt.VIR_ERR_NO_SECRET:
+                    raise
 
     # -- the connection, its events and the list of VMs -----------------------------------------
 

@@ -114,8 +114,12 @@ class Backend(Protocol):
 class EncryptingBackend(Protocol):
     """A backend that makes encrypted volumes (``PoolInfo.encryption``): LUKS containers that hosts open."""
 
-    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
-        """Create the empty volume as a LUKS container opened by ``passphrase``, or answer how far it got."""
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr,
+                                source_snapshot_id: str | None = None,
+                                source_passphrase: SecretStr | None = None) -> ItemStatus:
+        """Create the volume as a LUKS container opened by ``passphrase`` — empty, or holding the snapshot's
+        data re-encrypted (the snapshot plain, or a container under ``source_passphrase``) — or answer how far
+        it got."""
         ...
 
 

@@ -46,7 +46,7 @@ from vbs.errors import (
 )
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
-from vbs.storage.luks import format_luks
+from vbs.storage.luks import convert_to_luks, format_luks, header_bytes, is_luks
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
@@ -179,7 +179,9 @@ class FileBackend:
 
     # -- volumes ----------------------------------------------------------------------------------
 
-    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None) -> ItemStatus:
+    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None,
+                      passphrase: SecretStr | None = None, source_passphrase: SecretStr | None = None) -> ItemStatus:
+        """Also ``EncryptingBackend.ensure_encrypted_volume`` when given a ``passphrase``."""
         final = self._final("volume", volume_id)
         if source_snapshot_id is not None:
             ids.check("snapshot", source_snapshot_id)
@@ -190,30 +192,56 @@ class FileBackend:
             if status.state in ("ready", "copying"):
                 return status
             self._jobs.pop(("volume", volume_id), None)  # error or stalled: forget it and start over
+            if passphrase is not None and source_snapshot_id is not None:
+                return self._convert(volume_id, final, source_snapshot_id, size_bytes, passphrase, source_passphrase)
+            if passphrase is not None:
+                return self._create_luks(final, size_bytes, passphrase)
             if source_snapshot_id is None:
                 self._create_sparse(final, size_bytes)
                 return _ready(final)
             return self._clone("volume", volume_id, final, "snapshot", source_snapshot_id, size_bytes)
 
-    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
-        """An empty volume that is a LUKS container opened by ``passphrase`` (hosts open it; this node never
-        sees its plaintext)."""
-        final = self._final("volume", volume_id)
-        _check_size(size_bytes)
-        with self._lock:
-            self._check_open()
-            status = self._status("volume", volume_id, final)
-            if status.state in ("ready", "copying"):
-                return status
-            partial = _partial(final)
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr,
+                                source_snapshot_id: str | None = None,
+                                source_passphrase: SecretStr | None = None) -> ItemStatus:
+        """A volume that is a LUKS container opened by ``passphrase``: empty (hosts open it; this node never
+        sees its plaintext), or re-encrypted from a snapshot (plain, or under ``source_passphrase``)."""
+        return self.ensure_volume(volume_id, size_bytes, source_snapshot_id, passphrase, source_passphrase)
+
+    def _convert(self, volume_id: str, final: Path, source_id: str, size_bytes: int, passphrase: SecretStr,
+                 source_passphrase: SecretStr | None) -> ItemStatus:
+        """Start re-encrypting snapshot ``source_id`` into ``final`` (a job: every block is written anew)."""
+        source = self._final("snapshot", source_id)
+        if not source.exists():
+            raise self._missing("snapshot", source_id)
+        if (source_passphrase is not None) != is_luks(source):
+            raise InvalidParameter(f"The snapshot {source_id} is {'' if is_luks(source) else 'not '}encrypted; "
+                                   "its key was " + ("not " if source_passphrase is None else "") + "given")
+        partial = _partial(final)
+        partial.unlink(missing_ok=True)
+
+        def work(_cancel: object, _progress: object) -> None:
+            convert_to_luks(source, partial, size_bytes, passphrase, source_passphrase)
+
+        job = Job(work, size_bytes=size_bytes, on_success=functools.partial(_publish, partial, final),
+                  on_failure=lambda: partial.unlink(missing_ok=True), name=f"vbs-encrypt-{volume_id}")
+        job.start()
+        self._jobs[("volume", volume_id)] = job
+        log.info("re-encrypting snapshot %s into volume %s", source_id, volume_id)
+        return ItemStatus(state="copying", size_bytes=size_bytes, progress=0)
+
+    @staticmethod
+    def _create_luks(final: Path, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
+        """A LUKS container of ``size_bytes`` at ``final``, through its partial (under the pool's lock)."""
+        partial = _partial(final)
+        partial.unlink(missing_ok=True)
+        try:
+            format_luks(partial, size_bytes, passphrase)
+            _publish(partial, final)
+        except BaseException:
             partial.unlink(missing_ok=True)
-            try:
-                format_luks(partial, size_bytes, passphrase)
-                _publish(partial, final)
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
-            return _ready(final)
+            raise
+        return _ready(final)
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         final = self._final("volume", volume_id)
@@ -233,6 +261,8 @@ class FileBackend:
                 raise self._missing("volume", volume_id) from None
             try:
                 current = os.fstat(fd).st_size
+                if is_luks(final):
+                    size_bytes += header_bytes(final)  # the payload grows to the size; the header stays in front
                 if size_bytes < current:
                     raise InvalidParameter(
                         f"Volume {volume_id}: the new size {size_bytes} is smaller than the current "
@@ -520,6 +550,9 @@ class FileBackend:
             raise self._missing(source_kind, source_id) from None
         try:
             source_size = os.fstat(src_fd).st_size
+            if size_bytes is not None and is_luks(self._final(source_kind, source_id)):
+                # A copy of a container: its payload is the size, the header comes on top.
+                size_bytes += header_bytes(self._final(source_kind, source_id))
             if size_bytes is not None and size_bytes < source_size:
                 raise InvalidParameter(
                     f"The size {size_bytes} is smaller than the snapshot {source_id} ({source_size})"
