@@ -360,14 +360,22 @@ class Services:
 
     def start_agent(self, *extra: str) -> None:
         """The storage agent (``extra``: more flags, e.g. another backend's)."""
-        self.agent = subprocess.Popen(
-            [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
-             "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
-             "--nbd-port", str(self.nbd_port), *extra],
-            env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
-        # A restarted agent's predecessor may still look "up": wait for this one to listen.
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,
-                   what="agent listening")
+        for _ in range(3):
+            self.agent = subprocess.Popen(
+                [*VBS, "storage-agent", "--port", str(self.agent_port), "--pool-path", str(self.data_dir / "pool"),
+                 "--controller-url", self.vbs.endpoint, "--state-dir", str(self.data_dir / "storage-state"),
+                 "--nbd-port", str(self.nbd_port), *extra],
+                env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
+            # A restarted agent's predecessor may still look "up": wait for this one to listen. A port that
+            # another test's daemon took since free_port() (parallel workers) answers /health too: the
+            # agent itself must still run, else it is started again on other ports.
+            wait_until(lambda agent=self.agent: agent.poll() is not None
+                       or httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,
+                       what="agent listening")
+            time.sleep(1.0)
+            if self.agent.poll() is None:
+                break
+            self.agent_port, self.nbd_port = free_port(), free_port()
         wait_until(lambda: any(n["state"] == "up" for n in
                                self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
 
