@@ -213,6 +213,18 @@ def test_ensure_volume_again_is_ready_and_keeps_the_existing_size(pool: FileBack
     assert digest(pool.volume_path(vol)) == before
 
 
+def test_a_plain_volume_whose_guest_wrote_a_luks_header_grows_by_its_size_alone(pool: FileBackend) -> None:
+    """Only the controller says a volume is a container: a guest's own LUKS header (cryptsetup in the guest,
+    or a hostile one claiming a 2 TiB payload offset) changes nothing the storage node does."""
+    vol = new_vol()
+    pool.ensure_volume(vol, GiB)
+    path = pool.volume_path(vol)
+    with open(path, "r+b") as f:
+        f.write(b"LUKS\xba\xbe" + (1).to_bytes(2, "big") + bytes(96) + (1 << 32 - 1).to_bytes(4, "big"))
+    assert pool.resize_volume(vol, 2 * GiB) == st("ready", 2 * GiB, 100)
+    assert path.stat().st_size == 2 * GiB
+
+
 def test_unknown_items_are_absent(pool: FileBackend) -> None:
     assert pool.volume_status(new_vol()) == st("absent")
     assert pool.snapshot_status(new_snap()) == st("absent")

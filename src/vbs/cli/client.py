@@ -45,7 +45,7 @@ def step_progress(operation: Body) -> int:
     steps = operation.get("steps") or []
     if not steps:
         return 0
-    return 100 * sum(1 for s in steps if s["state"] in ("done", "undone")) // len(steps)
+    return 100 * sum(1 for s in steps if s["state"] in ("done", "skipped")) // len(steps)
 
 
 def wait_operation(client: ApiClient, operation_id: str, *, label: str, show: bool) -> Body:

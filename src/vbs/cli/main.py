@@ -94,8 +94,11 @@ def _global(
         "The region to act in: the profile's endpoint_<region> if it has one, and the controller must serve it "
         "(default: the profile's region; no check without one)."))] = None,
 ) -> None:
-    if region is not None and not re.fullmatch(r"[a-z0-9-]{1,32}", region):
-        raise typer.BadParameter("--region must be 1-32 characters of a-z, 0-9 and -")
+    if region is not None:
+        from vbs.cli.profiles import REGION_RE
+
+        if not re.fullmatch(REGION_RE, region):
+            raise typer.BadParameter("--region must be 1-32 characters of a-z, 0-9 and -")
     if output_format not in output.FORMATS:
         raise typer.BadParameter(f"--output must be one of {', '.join(output.FORMATS)}")
     try:

@@ -76,10 +76,12 @@ class StorageAgent:
     # -- volumes and snapshots -------------------------------------------------------------------
 
     def ensure_volume(self, pool: str, volume_id: str, size_gib: int, source_snapshot_id: str | None, *,
-                      luks: SecretStr | None = None, source_luks: SecretStr | None = None) -> ItemStatus:
-        """``luks``: make it encrypted (format it, or re-encrypt the snapshot, opened with ``source_luks``)."""
-        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id, luks_passphrase=luks,
-                            source_luks_passphrase=source_luks)
+                      encrypted: bool = False, luks: SecretStr | None = None,
+                      source_luks: SecretStr | None = None) -> ItemStatus:
+        """``encrypted``: a LUKS container, written under ``luks`` (formatted, or the snapshot re-encrypted,
+        opened with ``source_luks``), or without it a clone of an encrypted snapshot."""
+        body = EnsureVolume(size_bytes=size_gib * GIB, source_snapshot_id=source_snapshot_id, encrypted=encrypted,
+                            luks_passphrase=luks, source_luks_passphrase=source_luks)
         return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus, body)
 
     def remove_volume(self, pool: str, volume_id: str) -> None:
@@ -88,9 +90,9 @@ class StorageAgent:
     def volume_status(self, pool: str, volume_id: str) -> ItemStatus:
         return self._client.request("GET", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus)
 
-    def resize_volume(self, pool: str, volume_id: str, size_gib: int) -> ItemStatus:
+    def resize_volume(self, pool: str, volume_id: str, size_gib: int, *, encrypted: bool = False) -> ItemStatus:
         return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/size", ItemStatus,
-                                    ResizeVolume(size_bytes=size_gib * GIB))
+                                    ResizeVolume(size_bytes=size_gib * GIB, encrypted=encrypted))
 
     def ensure_snapshot(self, pool: str, snapshot_id: str, volume_id: str) -> ItemStatus:
         return self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}", ItemStatus,

@@ -62,6 +62,9 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
             raise IncorrectState(f"The volume '{volume_id}' is attached to several instances; detach all but one "
                                  "before turning Multi-Attach off.")
         if size > vol.size_gib:
+            if vol.key_id is not None and attached:
+                raise IncorrectState(f"The volume '{volume_id}' is encrypted; it grows while detached only "
+                                     "(detach it first).")
             _check_online_growth(s, volume_id, attached)
             check_growth(s, vol.storage_node, vol.pool, size - vol.size_gib, overcommit=svc.cfg.overcommit_ratio)
             quotas.check_volumes(s, svc.cfg, tenant, new_volumes=0, new_gib=size - vol.size_gib)
@@ -91,7 +94,7 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
             return out
         op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
             modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
-            grow=target[0] > vol.size_gib))
+            grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None))
     svc.engine.submit(op_id)
     return out
 
@@ -101,10 +104,6 @@ def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment])
     if any(a.mode == "ro" for a in attached):
         raise IncorrectState(f"The volume '{volume_id}' has a read-only attachment, which cannot grow online; "
                              "detach it first.")
-    vol = s.get(Volume, volume_id)
-    if vol is not None and vol.key_id is not None and attached:
-        raise IncorrectState(f"The volume '{volume_id}' is encrypted; it grows while detached only (detach it "
-                             "first).")
     for a in attached:
         node = s.get(Node, (a.host, "host"))
         caps = host_info(node).capabilities if node is not None else None

@@ -17,14 +17,13 @@ from sqlalchemy import select
 from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import is_alive, storage_info
+from vbs.controller.nodes import is_alive, pool_of, storage_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import MigrateVolumeRequest, MigrationOut
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.controller.volumes import live_volume
 from vbs.controller.workflows.moves import MigrateParams
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.wire.storage import PoolInfo
 
 __all__ = ["migrate_volume"]
 
@@ -38,7 +37,7 @@ def migrate_volume(svc: Controller, volume_id: str, req: MigrateVolumeRequest, t
         if req.storage_node == vol.storage_node and req.pool in (None, vol.pool):
             raise InvalidParameter(f"The volume '{volume_id}' is already served by '{vol.storage_node}'.")
         source_node = s.get(Node, (vol.storage_node, "storage"))
-        source = _pool_of(source_node, vol.pool)
+        source = pool_of(source_node, vol.pool)
         if source is None or source.shared_id is None:
             raise InvalidParameter(f"The volume '{volume_id}' is in the pool '{vol.pool}' of '{vol.storage_node}', "
                                    "which only that node serves: moving its data to another node is not supported "
@@ -74,6 +73,3 @@ def migrate_volume(svc: Controller, volume_id: str, req: MigrateVolumeRequest, t
     svc.engine.submit(op_id)
     return out
 
-
-def _pool_of(node: Node | None, name: str) -> PoolInfo | None:
-    return None if node is None else next((p for p in storage_info(node).pools if p.name == name), None)

@@ -60,6 +60,11 @@ def storage_info(node: Node) -> StorageNodeInfo:
         return StorageNodeInfo()  # written by an older controller; the next heartbeat replaces it
 
 
+def pool_of(node: Node | None, name: str) -> PoolInfo | None:
+    """What storage node ``node`` last reported of its pool ``name``; None if either is unknown."""
+    return None if node is None else next((p for p in storage_info(node).pools if p.name == name), None)
+
+
 def zone_of(node: Node, default_zone: str) -> str:
     """The availability zone of a storage node: the one its agent reports, else the controller's."""
     return storage_info(node).availability_zone or default_zone

@@ -9,7 +9,7 @@ from vbs.controller.attachments import instance_not_found
 from vbs.controller.db import Attachment, Instance, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_info, host_is_alive, storage_info
+from vbs.controller.nodes import host_info, host_is_alive, pool_of
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CreateSnapshotSetRequest, SnapshotOut
 from vbs.controller.snapshots import describe_many, new_snapshot_row
@@ -47,8 +47,7 @@ def create_snapshot_set(svc: Controller, req: CreateSnapshotSetRequest, tenant: 
         if len(vols) > MAX_SET:
             raise InvalidParameter(f"A snapshot set holds at most {MAX_SET} volumes; exclude some.")
         for vol in vols:
-            node = s.get(Node, (vol.storage_node, "storage"))
-            pool = next((p for p in storage_info(node).pools if p.name == vol.pool), None) if node else None
+            pool = pool_of(s.get(Node, (vol.storage_node, "storage")), vol.pool)
             if pool is None or not pool.point_in_time:
                 raise IncorrectState(f"The pool of '{vol.id}' cannot snapshot it at one instant while it is "
                                      "attached; a snapshot set needs pools that can (reflink, or an NBD export).")

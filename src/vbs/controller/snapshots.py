@@ -13,7 +13,7 @@ from vbs.controller import filters as flt
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import storage_info
+from vbs.controller.nodes import pool_of
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CopySnapshotRequest, CreateSnapshotRequest, SnapshotList, SnapshotOut
 from vbs.controller.states import SnapshotState, VolumeState
@@ -78,7 +78,8 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         key_id, source_key_id = encryption.key_for_copy(s, svc.master_key, source.key_id, encrypted=req.encrypted,
                                                         kms_key_id=req.kms_key_id)
         reencrypt = key_id != source.key_id
-        if reencrypt and not _pool_encrypts(s, source):
+        pool = pool_of(s.get(Node, (source.storage_node, "storage")), source.pool)
+        if reencrypt and (pool is None or not pool.encryption):
             raise IncorrectState(f"The pool of the snapshot '{source.id}' cannot make encrypted copies.")
         quotas.check_snapshots(s, svc.cfg, tenant)
         now = utcnow()
@@ -92,15 +93,10 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         op_id = svc.engine.begin(s, "copy-snapshot", snap.id, CopySnapshotParams(
             node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
             scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib,
-            key_id=key_id if reencrypt else None, source_key_id=source_key_id))
+            encrypted=key_id is not None, key_id=key_id if reencrypt else None, source_key_id=source_key_id))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
-
-
-def _pool_encrypts(s: Session, snap: Snapshot) -> bool:
-    node = s.get(Node, (snap.storage_node, "storage"))
-    return node is not None and any(p.name == snap.pool and p.encryption for p in storage_info(node).pools)
 
 
 def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:

@@ -147,8 +147,8 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     s.flush()
     set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
-        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=written_encrypted,
-        source_key_id=source_key_id))
+        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
+        format_key=written_encrypted, source_key_id=source_key_id))
     return volume, op_id
 
 

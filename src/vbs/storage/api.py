@@ -86,7 +86,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     @router.put("/pools/{pool_name}/volumes/{volume_id}")
     def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
         backend = pool(pool_name)
-        if body.luks_passphrase is not None:
+        if body.encrypted or body.luks_passphrase is not None:
             if not isinstance(backend, EncryptingBackend):
                 raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
             return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
@@ -100,7 +100,12 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/size")
     def resize_volume(pool_name: str, volume_id: str, body: ResizeVolume) -> ItemStatus:
-        return pool(pool_name).resize_volume(ids.check("volume", volume_id), body.size_bytes)
+        backend = pool(pool_name)
+        if body.encrypted:
+            if not isinstance(backend, EncryptingBackend):
+                raise IncorrectState(f"pool {pool_name} holds no encrypted volumes")
+            return backend.resize_encrypted_volume(ids.check("volume", volume_id), body.size_bytes)
+        return backend.resize_volume(ids.check("volume", volume_id), body.size_bytes)
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}")
     def remove_volume(pool_name: str, volume_id: str) -> Removed:

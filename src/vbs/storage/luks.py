@@ -67,20 +67,16 @@ def convert_to_luks(source: Path, target: Path, size_bytes: int, passphrase: Sec
             src = ["--image-opts", f"driver=luks,key-secret=vbs-src,file.driver=file,file.filename={source}"]
         argv.run(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
                   str(target)], timeout=CONVERT_TIMEOUT_S)
-    payload = os.stat(target).st_size - header_bytes(target)
-    if size_bytes > payload:
-        os.truncate(target, size_bytes + header_bytes(target))
-
-
-def is_luks(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(LUKS_MAGIC)) == LUKS_MAGIC
+    header = header_bytes(target)
+    if size_bytes > os.stat(target).st_size - header:
+        os.truncate(target, size_bytes + header)
 
 
 def header_bytes(path: Path) -> int:
-    """How far into ``path`` (a LUKS1 container, as QEMU writes) its payload starts."""
+    """How far into ``path`` (a container VBS made: LUKS1, as QEMU writes them) its payload starts. Asked
+    only of what the controller says is a container: a guest may write a LUKS header on a plain volume."""
     with open(path, "rb") as f:
         head = f.read(108)
-    if head[:6] != LUKS_MAGIC or struct.unpack(">H", head[6:8])[0] != 1:
+    if len(head) < 108 or head[:len(LUKS_MAGIC)] != LUKS_MAGIC or struct.unpack(">H", head[6:8])[0] != 1:
         raise DriverError(f"{path.name} is not a LUKS1 container")
     return int(struct.unpack(">I", head[104:108])[0]) * _SECTOR

@@ -182,8 +182,11 @@ class Inventory(Wire):
 class EnsureVolume(Wire):
     size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
     source_snapshot_id: SnapshotId | None = None
-    # An encrypted volume: the LUKS passphrase to format it with, or to re-encrypt the snapshot under
-    # (which is plain, or a container under ``source_luks_passphrase``).
+    # The volume is a LUKS container (its size is the payload's; the header is on top). Said by the
+    # controller, never guessed from the data: a guest may write a LUKS header of its own.
+    encrypted: bool = False
+    # The LUKS passphrase to format it with, or to re-encrypt the snapshot under (which is plain, or a
+    # container under ``source_luks_passphrase``); absent for a clone of an encrypted snapshot.
     luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
     source_luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
 
@@ -194,6 +197,7 @@ class EnsureVolume(Wire):
 
 class ResizeVolume(Wire):
     size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
+    encrypted: bool = False  # a LUKS container: its payload grows to the size
 
 
 class EnsureSnapshot(Wire):

@@ -356,12 +356,8 @@ def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[st
         "tags": _tags_for(p, "snapshot"), "copy_tags_from_volume": bool(copy_tags), "exclude_volume_ids": excluded})
     _dry_run(p)
     made = snapshot_sets.create_snapshot_set(svc, req, who.tenant)
-    return {"snapshotSet": [{
-        "snapshotId": x.snapshot_id, "volumeId": x.volume_id, "volumeSize": x.volume_size_gib,
-        "startTime": x.started_at, "progress": f"{x.progress}%", "state": x.status,
-        "ownerId": sharing.owner_id(x.owner), "description": x.comment, "encrypted": x.encrypted,
-        "tagSet": _tag_set(x.tags) if x.tags else None,
-    } for x in made]}
+    # EC2's SnapshotInfo: a snapshot's fields, its status named state.
+    return {"snapshotSet": [{("state" if k == "status" else k): v for k, v in _snapshot(x).items()} for x in made]}
 
 
 def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -407,13 +403,7 @@ def describe_snapshot_attribute(svc: Controller, p: QueryParams, who: Principal)
 
 def _grantees(p: QueryParams, prefix: str) -> list[str]:
     """``prefix.N.UserId`` / ``prefix.N.Group`` → tenant names and ``all``."""
-    out = []
-    for index in range(1, sharing.MAX_GRANTEES + 2):
-        user, group = p.str(f"{prefix}.{index}.UserId", max_len=64), p.str(f"{prefix}.{index}.Group", max_len=16)
-        if user is None and group is None:
-            continue
-        out.append(_grantee(user, group))
-    return out
+    return [_grantee(r.get("UserId"), r.get("Group")) for r in p.records(prefix, ("UserId", "Group"))]
 
 
 def _grantee(user: str | None, group: str | None) -> str:

@@ -244,6 +244,17 @@ class QueryParams:
             out.append((sub.get("ResourceType"), spec_tags))
         return out
 
+    def records(self, prefix: builtins.str, fields: tuple[builtins.str, ...]) -> builtins.list[dict[builtins.str,
+                                                                                                     builtins.str]]:
+        """``prefix.N.FIELD`` entries, one {FIELD: value} per N in index order; any other field is refused."""
+        if self._params.get(prefix):
+            raise _invalid(f"The parameter {prefix} is a list: give it as {prefix}.1.{fields[0]}, ….")
+        out = []
+        for index, sub in _grouped(self._params, prefix):
+            _check_fields(sub, f"{prefix}.{index}", fields)
+            out.append(dict(sub))
+        return out
+
     def tags(self, prefix: builtins.str = "Tag") -> dict[builtins.str, builtins.str]:
         """``Tag.N.Key`` / ``Tag.N.Value`` → {key: value}; an absent Value is ""; a repeated key is refused."""
         return _tag_dict(self._params, prefix, prefix)

@@ -23,6 +23,7 @@ class ModifyParams(StorageParams):
     modification_id: str
     size_gib: int
     grow: bool
+    encrypted: bool = False  # a LUKS container: its payload grows
 
 
 def _set_modification(ctx: StepContext[ModifyParams], **values: object) -> None:
@@ -34,7 +35,7 @@ def _set_modification(ctx: StepContext[ModifyParams], **values: object) -> None:
 def grow_on_storage(ctx: StepContext[ModifyParams]) -> None:
     p = ctx.params
     if p.grow:
-        storage_agent(ctx).resize_volume(p.pool, ctx.resource_id, p.size_gib)
+        storage_agent(ctx).resize_volume(p.pool, ctx.resource_id, p.size_gib, encrypted=p.encrypted)
     _set_modification(ctx, progress=50)
 
 

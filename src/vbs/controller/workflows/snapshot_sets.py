@@ -15,10 +15,9 @@ from functools import partial
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from vbs.controller.db import Snapshot
-from vbs.controller.db.tables import utcnow
 from vbs.controller.states import SnapshotState
 from vbs.controller.transitions import transition
 from vbs.controller.workflows import storage as shared
@@ -69,14 +68,8 @@ def _remove_all(ctx: StepContext[SnapshotSetParams]) -> None:
 def _finish_copies(ctx: StepContext[SnapshotSetParams]) -> None:
     for m in ctx.params.members:
         agent = ctx.services.agents.storage(m.node)
-
-        def report(progress: int, snap: str = m.snapshot_id) -> None:
-            with ctx.services.db.session() as s:
-                s.execute(update(Snapshot).where(Snapshot.id == snap, Snapshot.status == SnapshotState.PENDING,
-                                                 Snapshot.progress < progress)
-                          .values(progress=progress, updated_at=utcnow()))
-
-        shared.until_ready(partial(agent.ensure_snapshot, m.pool, m.snapshot_id, m.volume_id), report,
+        shared.until_ready(partial(agent.ensure_snapshot, m.pool, m.snapshot_id, m.volume_id),
+                           shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING, m.snapshot_id),
                            unreachable_s=shared.patience(ctx))
 
 

@@ -146,7 +146,9 @@ class CopySnapshotParams(StorageParams):
     # reconciler leaves it alone while the operation is unfinished: ``scratch_ids``).
     scratch_volume_id: str
     size_gib: int
-    # Re-encrypted as it is copied: under this data key (the source opened with ``source_key_id``, or plain).
+    # The copy is a LUKS container; with ``key_id`` re-encrypted as it is copied, under that data key (the
+    # source opened with ``source_key_id``, or plain).
+    encrypted: bool = False
     key_id: str | None = None
     source_key_id: str | None = None
 
@@ -157,7 +159,7 @@ def _scratch_from_source(ctx: StepContext[CopySnapshotParams]) -> None:
     report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
     luks, source_luks = shared.key_passphrase(ctx, p.key_id), shared.key_passphrase(ctx, p.source_key_id)
     shared.until_ready(lambda: agent.ensure_volume(p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id,
-                                                   luks=luks, source_luks=source_luks),
+                                                   encrypted=p.encrypted, luks=luks, source_luks=source_luks),
                        lambda progress: report(progress * 9 // 10), unreachable_s=shared.patience(ctx))
 
 

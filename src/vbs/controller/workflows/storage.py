@@ -113,13 +113,15 @@ def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], N
 
 
 def progress_reporter(ctx: StepContext[Any], table: type[Volume] | type[Snapshot],
-                      while_in: str) -> Callable[[int], None]:
-    """Mirror a copy's progress into the resource row, while the row is still ``while_in``. Progress
-    never goes back, though its phases (a hypervisor's copy, then giving space back) count anew."""
+                      while_in: str, row_id: str | None = None) -> Callable[[int], None]:
+    """Mirror a copy's progress into the resource row (or the row ``row_id``: one of several an
+    operation makes), while the row is still ``while_in``. Progress never goes back, though its phases
+    (a hypervisor's copy, then giving space back) count anew."""
+    item = row_id or ctx.resource_id
 
     def report(progress: int) -> None:
         with ctx.services.db.session() as s:
-            s.execute(update(table).where(table.id == ctx.resource_id, table.status == while_in,
+            s.execute(update(table).where(table.id == item, table.status == while_in,
                                           table.progress < progress)
                       .values(progress=progress, updated_at=utcnow()))
 

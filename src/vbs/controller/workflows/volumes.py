@@ -13,20 +13,22 @@ from vbs.controller.workflows.storage import StorageParams
 class CreateVolumeParams(StorageParams):
     size_gib: int
     snapshot_id: str | None = None
-    # The pool writes it encrypted with the volume's data key (fetched at the step, never kept in these
-    # params): a new container, or the snapshot re-encrypted as it is copied (the snapshot opened with the
-    # data key ``source_key_id``, or plain).
+    # A LUKS container (its size is the payload's). With ``format_key`` the pool writes it under the volume's
+    # data key (fetched at the step, never kept in these params): a new container, or the snapshot
+    # re-encrypted as it is copied (opened with the data key ``source_key_id``, or plain); without, it is a
+    # clone of an encrypted snapshot.
     encrypted: bool = False
+    format_key: bool = False
     source_key_id: str | None = None
 
 
 def create_on_storage(ctx: StepContext[CreateVolumeParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
-    luks = shared.data_key(ctx, ctx.resource_id) if p.encrypted else None
+    luks = shared.data_key(ctx, ctx.resource_id) if p.format_key else None
     source_luks = shared.key_passphrase(ctx, p.source_key_id)
-    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id, luks=luks,
-                                                   source_luks=source_luks),
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id,
+                                                   encrypted=p.encrypted, luks=luks, source_luks=source_luks),
                        shared.progress_reporter(ctx, Volume, VolumeState.CREATING), unreachable_s=shared.patience(ctx))
 
 

@@ -118,7 +118,7 @@ class CommandDriver:
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
-        refuse_luks(luks, "the " + self.__class__.__name__.removesuffix("Driver").lower() + " driver")
+        refuse_luks(luks, f"the {self.profile.name} profile of the command driver")
         _check(vm_id, serial)
         if qos is not None and (qos.iops is not None or qos.mbps is not None):
             raise IncorrectState(f"the {self.profile.name} profile cannot limit a disk's I/O (no QoS)")

@@ -114,12 +114,17 @@ class Backend(Protocol):
 class EncryptingBackend(Protocol):
     """A backend that makes encrypted volumes (``PoolInfo.encryption``): LUKS containers that hosts open."""
 
-    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr,
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr | None,
                                 source_snapshot_id: str | None = None,
                                 source_passphrase: SecretStr | None = None) -> ItemStatus:
-        """Create the volume as a LUKS container opened by ``passphrase`` — empty, or holding the snapshot's
-        data re-encrypted (the snapshot plain, or a container under ``source_passphrase``) — or answer how far
+        """Create the volume as a LUKS container whose payload is ``size_bytes``: empty under ``passphrase``,
+        the snapshot's data re-encrypted under it (the snapshot plain, or a container under
+        ``source_passphrase``), or (no ``passphrase``) a clone of an encrypted snapshot; or answer how far
         it got."""
+        ...
+
+    def resize_encrypted_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
+        """Grow a container's payload to ``size_bytes``."""
         ...
 
 

@@ -46,7 +46,7 @@ from vbs.errors import (
 )
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
-from vbs.storage.luks import convert_to_luks, format_luks, header_bytes, is_luks
+from vbs.storage.luks import convert_to_luks, format_luks, header_bytes
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
@@ -179,9 +179,21 @@ class FileBackend:
 
     # -- volumes ----------------------------------------------------------------------------------
 
-    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None,
-                      passphrase: SecretStr | None = None, source_passphrase: SecretStr | None = None) -> ItemStatus:
-        """Also ``EncryptingBackend.ensure_encrypted_volume`` when given a ``passphrase``."""
+    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None) -> ItemStatus:
+        return self._ensure(volume_id, size_bytes, source_snapshot_id)
+
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr | None,
+                                source_snapshot_id: str | None = None,
+                                source_passphrase: SecretStr | None = None) -> ItemStatus:
+        """A volume that is a LUKS container: empty under ``passphrase`` (hosts open it; this node never sees
+        its plaintext), re-encrypted from a snapshot, or a clone of an encrypted snapshot."""
+        if passphrase is None and source_snapshot_id is None:
+            raise InvalidParameter(f"Volume {volume_id}: an encrypted volume needs a passphrase or a snapshot")
+        return self._ensure(volume_id, size_bytes, source_snapshot_id, container=True, passphrase=passphrase,
+                            source_passphrase=source_passphrase)
+
+    def _ensure(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None, *, container: bool = False,
+                passphrase: SecretStr | None = None, source_passphrase: SecretStr | None = None) -> ItemStatus:
         final = self._final("volume", volume_id)
         if source_snapshot_id is not None:
             ids.check("snapshot", source_snapshot_id)
@@ -199,14 +211,8 @@ class FileBackend:
             if source_snapshot_id is None:
                 self._create_sparse(final, size_bytes)
                 return _ready(final)
-            return self._clone("volume", volume_id, final, "snapshot", source_snapshot_id, size_bytes)
-
-    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr,
-                                source_snapshot_id: str | None = None,
-                                source_passphrase: SecretStr | None = None) -> ItemStatus:
-        """A volume that is a LUKS container opened by ``passphrase``: empty (hosts open it; this node never
-        sees its plaintext), or re-encrypted from a snapshot (plain, or under ``source_passphrase``)."""
-        return self.ensure_volume(volume_id, size_bytes, source_snapshot_id, passphrase, source_passphrase)
+            return self._clone("volume", volume_id, final, "snapshot", source_snapshot_id, size_bytes,
+                               container=container)
 
     def _convert(self, volume_id: str, final: Path, source_id: str, size_bytes: int, passphrase: SecretStr,
                  source_passphrase: SecretStr | None) -> ItemStatus:
@@ -214,9 +220,6 @@ class FileBackend:
         source = self._final("snapshot", source_id)
         if not source.exists():
             raise self._missing("snapshot", source_id)
-        if (source_passphrase is not None) != is_luks(source):
-            raise InvalidParameter(f"The snapshot {source_id} is {'' if is_luks(source) else 'not '}encrypted; "
-                                   "its key was " + ("not " if source_passphrase is None else "") + "given")
         partial = _partial(final)
         partial.unlink(missing_ok=True)
 
@@ -252,6 +255,12 @@ class FileBackend:
         self._remove("volume", volume_id)
 
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
+        return self._resize(volume_id, size_bytes, container=False)
+
+    def resize_encrypted_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
+        return self._resize(volume_id, size_bytes, container=True)
+
+    def _resize(self, volume_id: str, size_bytes: int, *, container: bool) -> ItemStatus:
         final = self._final("volume", volume_id)
         _check_size(size_bytes)
         with self._lock:
@@ -261,8 +270,8 @@ class FileBackend:
                 raise self._missing("volume", volume_id) from None
             try:
                 current = os.fstat(fd).st_size
-                if is_luks(final):
-                    size_bytes += header_bytes(final)  # the payload grows to the size; the header stays in front
+                if container:
+                    size_bytes += header_bytes(final)  # the payload grows to the size, its header in front
                 if size_bytes < current:
                     raise InvalidParameter(
                         f"Volume {volume_id}: the new size {size_bytes} is smaller than the current "
@@ -539,8 +548,11 @@ class FileBackend:
         source_kind: Kind,
         source_id: str,
         size_bytes: int | None,
+        *,
+        container: bool = False,
     ) -> ItemStatus:
-        """Make ``final`` a copy of the source item: a reflink at once, or a copy job started now."""
+        """Make ``final`` a copy of the source item: a reflink at once, or a copy job started now. A
+        ``container``'s size is its payload's (its LUKS header on top)."""
         partial = _partial(final)
         try:
             src_fd = os.open(self._final(source_kind, source_id), os.O_RDONLY | _OPEN)
@@ -550,8 +562,7 @@ class FileBackend:
             raise self._missing(source_kind, source_id) from None
         try:
             source_size = os.fstat(src_fd).st_size
-            if size_bytes is not None and is_luks(self._final(source_kind, source_id)):
-                # A copy of a container: its payload is the size, the header comes on top.
+            if size_bytes is not None and container:
                 size_bytes += header_bytes(self._final(source_kind, source_id))
             if size_bytes is not None and size_bytes < source_size:
                 raise InvalidParameter(
