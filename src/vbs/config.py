@@ -53,6 +53,11 @@ class ControllerConfig(_Service):
     database_url_file: Path | None = None
     deleted_retention_s: int = Field(3600, ge=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
+    # attach-volume warns when the host's measured RTT to the volume's storage node exceeds this.
+    rtt_warn_ms: float = Field(2.0, ge=0)
+    # A table of throughput and IOPS against RTT per protocol (bench/rtt.py --calibration-out): the
+    # advice's model uses it where it has one (vbs.controller.rtt_model).
+    rtt_calibration_file: Path | None = None
     workflow_threads: int = Field(16, ge=1, le=256)
     # Instance-id resolvers: attach-volume --instance SCHEME:ID, each scheme mapped to a resolver
     # plug-in ("DRIVER" or "DRIVER:ARGUMENT"; vbs.controller.resolvers).
@@ -229,6 +234,10 @@ class HostAgentConfig(_AgentSection):
     # Where the agent keeps what must outlive it (the highest fence seen per volume); None: in memory.
     state_dir: Path | None = None
     heartbeat_interval_s: float = Field(2.0, gt=0)
+    # RTT probes to each storage node (vbs.host.probes): how often (0: never) and how many bytes
+    # the throughput transfer takes (at most 4 MiB, what a storage agent serves).
+    probe_interval_s: float = Field(60.0, ge=0)
+    probe_bytes: int = Field(1 << 20, ge=64 << 10, le=4 << 20)
     qmp_timeout_s: float = Field(10.0, gt=0)
     hypervisor: str = Field("qemu", pattern=DRIVER_NAME_RE)
     # The libvirt hypervisor driver: the libvirtd it drives, and whether an attach also goes into

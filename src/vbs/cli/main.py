@@ -280,6 +280,8 @@ def attach_volume(
         if value is not None:
             body[key] = value
     att = c.client.call("POST", f"/v1/volumes/{volume_id}/attach", body)
+    for warning in att.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if wait:
         att = _wait_attachment(c, volume_id, att, "attaching")
     output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
@@ -334,9 +336,48 @@ def _wait_attachment(c: Context, volume_id: str, started: dict[str, Any], busy_s
 
 
 @app.command("describe-hosts")
-def describe_hosts(ctx: typer.Context) -> None:
-    """Hypervisor nodes and how many VMs each reports."""
-    _describe_all(ctx.obj, "hosts", "/v1/hosts", output.HOST_COLUMNS)
+def describe_hosts(
+    ctx: typer.Context,
+    probes: Annotated[bool, typer.Option("--probes", help="One row per host and storage node: the RTT and "
+                                         "throughput the host last measured.")] = False,
+) -> None:
+    """Hypervisor nodes, how many VMs each reports and their RTT to each storage node."""
+    c: Context = ctx.obj
+    if not probes:
+        _describe_all(c, "hosts", "/v1/hosts", output.HOST_COLUMNS)
+        return
+    hosts = _pages(c, "/v1/hosts", "hosts", [("max_results", "1000")])["hosts"]
+    rows = [{"host": h["name"], **p} for h in hosts for p in h.get("probes", [])]
+    output.emit(rows, c.fmt, output.PROBE_COLUMNS)
+
+
+@app.command("advise")
+def advise(
+    ctx: typer.Context,
+    volume_id: str,
+    instance: Annotated[str, typer.Option(help="The instance i-… that uses the volume.")],
+    io_gib: Annotated[float | None, typer.Option(help="GiB the job reads or writes (default: the volume's "
+                                                 "size).")] = None,
+    random_ios: Annotated[int, typer.Option(help="4 KiB random I/Os the job makes besides.")] = 0,
+    memory_mib: Annotated[int, typer.Option(help="The VM's memory (what moving it copies).")] = 1024,
+) -> None:
+    """Remote access vs moving the VM or the volume, costed from the hosts' measured RTT probes."""
+    c: Context = ctx.obj
+    params = {"instance": instance, "random_ios": str(random_ios), "memory_mib": str(memory_mib)}
+    if io_gib is not None:
+        params["io_gib"] = str(io_gib)
+    found = c.client.call("GET", f"/v1/volumes/{quote(volume_id, safe='')}/advice", params=params)
+    if output.is_machine(c.fmt):
+        output.emit(found, c.fmt)
+        return
+    m = found["model"]
+    window = "one RTT only" if m["window_mib"] is None else f"window {m['window_mib']:.3f} MiB"
+    print(f"model: {m['source']}, {m['protocol']}, link {m['link_mbps']:.1f} MiB/s, {window}; "
+          f"copy {m['copy_mbps']:.1f} MiB/s ({m['copy_source']})")
+    output.emit(found["options"], c.fmt, output.ADVICE_COLUMNS)
+    for note in found["notes"]:
+        print(f"note: {note}")
+    print(f"recommended: {found['recommended']}")
 
 
 @app.command("describe-instances")

@@ -75,7 +75,32 @@ HOST_COLUMNS: list[Column] = [
     ("Address", lambda h: h["address"]),
     ("URL", lambda h: h["url"]),
     ("VMs", lambda h: h["instances"]),
+    ("RTT to storage", lambda h: ", ".join(f"{p['storage_node']} {p['rtt_ms']:.2f} ms" for p in h.get("probes", []))),
     ("Last heartbeat", lambda h: h["last_heartbeat"][:19]),
+]
+
+# `vbs describe-hosts --probes`: one row per host and storage node it probed.
+PROBE_COLUMNS: list[Column] = [
+    ("Host", lambda p: p["host"]),
+    ("StorageNode", lambda p: p["storage_node"]),
+    ("RTT ms", lambda p: f"{p['rtt_ms']:.3f}"),
+    ("MiB/s", lambda p: f"{p['mbps']:.1f}"),
+    ("Probe bytes", lambda p: p["probe_bytes"]),
+    ("Measured", lambda p: p["measured_at"][:19]),
+]
+
+ADVICE_COLUMNS: list[Column] = [
+    ("Action", lambda o: o["action"]),
+    ("Host", lambda o: o["host"]),
+    ("StorageNode", lambda o: o["storage_node"]),
+    ("RTT ms", lambda o: f"{o['rtt_ms']:.3f}"),
+    ("MiB/s", lambda o: f"{o['mbps']:.1f}"),
+    ("IOPS", lambda o: f"{o['iops']:.0f}"),
+    ("Move s", lambda o: f"{o['move_s']:.2f}"),
+    ("I/O s", lambda o: f"{o['io_s']:.2f}"),
+    ("Total s", lambda o: f"{o['total_s']:.2f}"),
+    ("Pays from GiB", lambda o: "" if o["breakeven_io_gib"] is None else f"{o['breakeven_io_gib']:.2f}"),
+    ("Command", lambda o: o["command"] or ""),
 ]
 
 INSTANCE_COLUMNS: list[Column] = [

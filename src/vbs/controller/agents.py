@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 from sqlalchemy import select
 
+from vbs import probe_tickets
 from vbs.controller.db import Database, Node
 from vbs.controller.nodes import storage_info
 from vbs.errors import AgentUnavailable, DriverError
@@ -217,6 +218,10 @@ class AgentDirectory:
                     url, lambda: self._keyring.token_for_calls(kind, name), timeout=self._timeout,
                     verify=self._verify)
         return client, addresses
+
+    def probe_ticket(self, storage_node: str, host: str) -> str:
+        """A ticket that lets ``host`` probe ``storage_node`` for a while (vbs.probe_tickets)."""
+        return probe_tickets.mint(self._keyring.token_for_calls("storage", storage_node), storage_node, host)
 
     def storage(self, name: str) -> StorageAgent:
         client, addresses = self._node(name, "storage")

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller import attachments, modifications, moves, snapshot_sets, snapshots, tags, volumes
+from vbs.controller import advice, attachments, modifications, moves, snapshot_sets, snapshots, tags, volumes
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
@@ -23,11 +23,13 @@ from vbs.controller.nodes import (
     describe_hosts,
     describe_storage_nodes,
     drain_storage_node,
+    live_storage_nodes,
     record_host_heartbeat,
     record_storage_heartbeat,
 )
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import (
+    AdviceOut,
     AttachmentOut,
     AttachVolumeRequest,
     ControllerList,
@@ -69,6 +71,7 @@ from vbs.pki import PeerCertificate
 from vbs.wire.base import Ack
 from vbs.wire.connection import HOST_NAME_RE
 from vbs.wire.host import HostHeartbeat
+from vbs.wire.probes import MAX_PROBES, ProbeTarget, ProbeTargets
 from vbs.wire.storage import StorageHeartbeat
 
 
@@ -146,6 +149,16 @@ def _volume_routes(r: APIRouter) -> None:
     def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> AttachmentOut:
         return attachments.detach_volume(svc, volume_id, body, who.tenant)
+
+    @r.get("/volumes/{volume_id}/advice", response_model=AdviceOut, tags=["volumes"])
+    def volume_advice(volume_id: str, instance: str = Query(max_length=64),
+                      io_gib: float | None = Query(None, gt=0, le=1 << 20),
+                      random_ios: int = Query(0, ge=0, le=1 << 40),
+                      memory_mib: int = Query(1024, ge=1, le=1 << 24),
+                      svc: Controller = Depends(services), who: Principal = Depends(caller)) -> AdviceOut:
+        """Remote access vs moving the VM or the volume, costed from the hosts' RTT probes."""
+        return advice.advise(svc, volume_id, instance, who.tenant,
+                             advice.Workload(io_gib=io_gib, random_ios=random_ios, memory_mib=memory_mib))
 
     @r.post("/volumes/{volume_id}/modify", response_model=ModificationOut, tags=["volumes"])
     def modify_volume(volume_id: str, body: ModifyVolumeRequest, svc: Controller = Depends(services),
@@ -412,6 +425,20 @@ def internal_router(*, insecure: bool) -> APIRouter:
         with svc.db.session() as s:
             record_host_heartbeat(s, body)
         return Ack()
+
+    @r.get("/probe-targets")
+    def probe_targets(request: Request, svc: Controller = Depends(services)) -> ProbeTargets:
+        """The live storage nodes a host probes, each with a ticket its agent accepts (vbs.probe_tickets)."""
+        who: NodeIdentity | None = getattr(request.state, "node", None)
+        if who is None and not insecure:
+            raise AuthFailure(REFUSED)
+        if who is not None and who.kind != "host":
+            raise UnauthorizedOperation("only hosts probe storage nodes")
+        host = who.name if who is not None else "insecure-host"
+        with svc.db.read() as s:
+            nodes = [(n.name, n.url) for n in live_storage_nodes(s, svc.cfg.heartbeat_timeout_s)][:MAX_PROBES]
+        return ProbeTargets(targets=[ProbeTarget(storage_node=name, url=url, ticket=svc.agents.probe_ticket(name, host))
+                                     for name, url in nodes])
 
     if os.environ.get("VBS_TEST_HOOKS") == "1":
         r.include_router(test_hooks_router())

@@ -15,7 +15,7 @@ from vbs import ids
 from vbs.controller.db import Attachment, Instance, Node, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_info, host_is_alive
+from vbs.controller.nodes import host_info, host_is_alive, is_alive
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
@@ -111,9 +111,26 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
         op_id = svc.engine.begin(s, "attach-volume", volume_id, AttachParams(
             attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
             read_only=req.read_only, serial=ids.virtio_serial(volume_id), qos=qos))
-        out = _out(att).model_copy(update={"operation_id": op_id})
+        warnings = rtt_warnings(s, inst.host, vol.storage_node, svc.cfg.rtt_warn_ms, svc.cfg.heartbeat_timeout_s)
+        out = _out(att).model_copy(update={"operation_id": op_id, "warnings": warnings})
     svc.engine.submit(op_id)
     return out
+
+
+def rtt_warnings(s: Session, host: str, storage_node: str, warn_ms: float, timeout_s: float) -> list[str]:
+    """A warning when ``host`` measured a round trip to ``storage_node`` above ``warn_ms``, naming the live
+    host that measured the lowest one (where the VM would be nearer its data)."""
+    node = s.get(Node, (host, "host"))
+    measured = next((p for p in host_info(node).probes if p.storage_node == storage_node), None) if node else None
+    if measured is None or measured.rtt_ms <= warn_ms:
+        return []
+    now = utcnow()
+    others = sorted((p.rtt_ms, n.name) for n in s.scalars(select(Node).where(Node.kind == "host", Node.name != host))
+                    if is_alive(n, timeout_s, now) for p in host_info(n).probes if p.storage_node == storage_node)
+    nearer = (f"; host {others[0][1]} measured {others[0][0]:.2f} ms (`vbs advise` weighs moving the VM or the volume)"
+              if others and others[0][0] < measured.rtt_ms else "")
+    return [f"host {host} measured an RTT of {measured.rtt_ms:.2f} ms to storage node {storage_node}, above "
+            f"rtt_warn_ms {warn_ms:g} ms: remote I/O will be slower{nearer}"]
 
 
 def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, tenant: str) -> AttachmentOut:

@@ -28,6 +28,7 @@ from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, N
 from vbs.wire.base import Wire
 from vbs.wire.connection import HostIdentity
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
+from vbs.wire.probes import Probe
 from vbs.wire.storage import ExportInfo, PoolInfo, StorageHeartbeat
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class HostNodeInfo(Wire):
     initiator_name: str | None = None
     hypervisor: str = "unknown"
     capabilities: HypervisorCapabilities = HypervisorCapabilities(protocols=[])
+    probes: list[Probe] = []
 
 
 def storage_info(node: Node) -> StorageNodeInfo:
@@ -102,7 +104,8 @@ def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
 def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
     _record(session, hb.name, "host", hb.url, hb.address, hb.started_at,
-            HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities))
+            HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities,
+                         probes=hb.probes))
     if hb.vms is None:
         return
     now = utcnow()
@@ -240,8 +243,14 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
         hosts.append(HostOut(name=n.name, url=n.url, address=n.address,
                              state="up" if is_alive(n, timeout_s, now) else "down", last_heartbeat=n.last_heartbeat,
                              instances=counts.get(n.name, 0), hypervisor=info.hypervisor,
-                             capabilities=info.capabilities))
+                             capabilities=info.capabilities, probes=info.probes))
     return hosts
+
+
+def live_storage_nodes(session: Session, timeout_s: float) -> list[Node]:
+    now = utcnow()
+    return [n for n in session.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name))
+            if is_alive(n, timeout_s, now)]
 
 
 def provisioned_gib(session: Session, node: str, pool: str) -> int:

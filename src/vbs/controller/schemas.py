@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from vbs.wire.base import SnapshotId, VolumeId
 from vbs.wire.connection import HOST_NAME_RE
 from vbs.wire.host import HypervisorCapabilities
+from vbs.wire.probes import Probe
 from vbs.wire.storage import POOL_NAME_RE, ZONE_NAME_RE
 
 MAX_SIZE_GIB = 16384
@@ -147,6 +148,8 @@ class AttachmentOut(BaseModel):
     state_reason: str | None = None
     attach_time: datetime
     operation_id: str | None = None
+    # Said once, in the answer of attach-volume (a high measured RTT to the volume's storage node).
+    warnings: list[str] = []
 
 
 class VolumeOut(BaseModel):
@@ -358,6 +361,8 @@ class HostOut(BaseModel):
     instances: int
     hypervisor: str
     capabilities: HypervisorCapabilities
+    # The host's latest RTT probe of each storage node (vbs.host.probes).
+    probes: list[Probe] = []
 
 
 class HostList(BaseModel):
@@ -417,3 +422,54 @@ class KeyOut(BaseModel):
 
 class KeyList(BaseModel):
     keys: list[KeyOut]
+
+
+class AdviceOption(BaseModel):
+    """One way to run the workload: where the VM and the data would be, what the move costs, what the
+    I/O costs there (seconds, from the RTT model), and the command that does it."""
+
+    action: Literal["stay-remote", "migrate-instance", "migrate-volume"]
+    host: str
+    storage_node: str
+    rtt_ms: float
+    mbps: float
+    iops: float
+    move_s: float
+    io_s: float
+    total_s: float
+    # The I/O (GiB, at the asked mix) from which this move costs less than staying remote; None
+    # when it never does (no faster than staying) or for staying itself.
+    breakeven_io_gib: float | None = None
+    command: str | None = None
+
+
+class AdviceModelOut(BaseModel):
+    source: str
+    protocol: str
+    link_mbps: float
+    # Data in flight per round trip (MiB); None when the measurements span one RTT only.
+    window_mib: float | None
+    copy_mbps: float
+    copy_source: str
+
+
+class MeasuredProbe(BaseModel):
+    host: str
+    storage_node: str
+    rtt_ms: float
+    mbps: float
+    measured_at: datetime
+
+
+class AdviceOut(BaseModel):
+    volume_id: str
+    instance_id: str
+    io_gib: float
+    random_ios: int
+    memory_mib: int
+    model: AdviceModelOut
+    options: list[AdviceOption]
+    recommended: str
+    notes: list[str] = []
+    # The probes the answer was computed from (every live host's latest of each storage node).
+    measured: list[MeasuredProbe] = []

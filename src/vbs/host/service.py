@@ -13,6 +13,7 @@ from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
 from vbs.host.pauses import Pauses
+from vbs.host.probes import Prober
 from vbs.web import BoundedServer, serve_agent
 from vbs.wire.host import HostHeartbeat, VmInfo
 
@@ -38,6 +39,11 @@ def serve(cfg: HostAgentConfig) -> None:
     app = create_app(driver, sec.auth, cfg.node_name, pauses)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
+    prober: Prober | None = None
+    if cfg.probe_interval_s > 0:
+        prober = Prober(sec.controller(cfg.controller_url, label=f"host agent {cfg.node_name} probes"),
+                        interval_s=cfg.probe_interval_s, probe_bytes=cfg.probe_bytes,
+                        verify=sec.tls.client_context() if sec.tls is not None else True)
 
     def report() -> HostHeartbeat:
         vms: list[VmInfo] | None
@@ -48,15 +54,19 @@ def serve(cfg: HostAgentConfig) -> None:
             vms = None  # unknown this time: the controller keeps what it knew
         return HostHeartbeat(name=cfg.node_name, url=url, address=cfg.address, initiator_name=cfg.initiator_name,
                              hypervisor=cfg.hypervisor, capabilities=driver.capabilities, started_at=started_at,
-                             vms=vms)
+                             vms=vms, probes=prober.latest() if prober is not None else [])
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
         controllers = sec.controller(cfg.controller_url, label=f"host agent {cfg.node_name}")
+        if prober is not None:
+            prober.start()
         return Heartbeat(controllers, "/internal/v1/host-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
     log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)
     def shutdown() -> None:
+        if prober is not None:
+            prober.stop()
         if pauses is not None:
             pauses.close()
         driver.close()

@@ -15,6 +15,7 @@ from vbs.heartbeat import Heartbeat
 from vbs.storage.api import create_app
 from vbs.storage.backends.base import Backend, ReportsUsage
 from vbs.storage.exports.base import ExportDriver
+from vbs.storage.probe import install_probe, probe_auth
 from vbs.web import BoundedServer, serve_agent
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
 
@@ -70,7 +71,9 @@ def serve(cfg: StorageAgentConfig) -> None:
                                  fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
     exports.start()
-    app = create_app(backends, exports, sec.auth, cfg.node_name)
+    auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
+    app = create_app(backends, exports, auth, cfg.node_name)
+    install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
     # Where hosts reach this node's exports: the controller refuses connections to anywhere else.

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_serializer, field_validator
 
 from vbs.wire.base import Wire
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
+from vbs.wire.probes import MAX_PROBES, Probe
 from vbs.wire.storage import NODE_URL_RE
 
 __all__ = [
@@ -157,3 +158,5 @@ class HostHeartbeat(Wire):
     capabilities: HypervisorCapabilities
     started_at: datetime
     vms: list[VmInfo] | None = Field(None, max_length=4096)
+    # The latest RTT probe of each storage node (vbs.host.probes).
+    probes: list[Probe] = Field(default_factory=list, max_length=MAX_PROBES)
