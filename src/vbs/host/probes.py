@@ -92,7 +92,7 @@ class Prober:
             for target in targets:
                 try:
                     result = self.probe(target, client)
-                except (OSError, httpx.HTTPError) as exc:
+                except (OSError, httpx.HTTPError, ValueError) as exc:  # ValueError: an answer too short to time
                     log.warning("probing storage node %s failed: %s", target.storage_node, exc)
                     with self._lock:
                         self._results.pop(target.storage_node, None)

@@ -44,6 +44,6 @@ class Probe(Wire):
 
     storage_node: str = Field(pattern=HOST_NAME_RE.pattern)
     rtt_ms: float = Field(ge=0, le=60_000)
-    mbps: float = Field(ge=0, le=1_000_000)
+    mbps: float = Field(gt=0, le=1_000_000)
     probe_bytes: int = Field(ge=0, le=MAX_PROBE_BYTES)
     measured_at: datetime
