@@ -1,14 +1,23 @@
-"""The RTT model of placement advice and the probe tickets, on their own."""
+"""The RTT model of placement advice, the probe tickets and the attach warning, without daemons."""
 
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
 from vbs import probe_tickets
+from vbs.controller.attachments import rtt_warnings
+from vbs.controller.db import Database, Node
+from vbs.controller.db.tables import utcnow
+from vbs.controller.nodes import record_host_heartbeat
 from vbs.controller.rtt_model import Calibration, Point, fit, from_probes
 from vbs.errors import AuthFailure, InvalidParameter
+from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
+from vbs.wire.probes import Probe
 
 pytestmark = pytest.mark.unit
 
@@ -82,3 +91,34 @@ def test_a_probe_ticket_opens_one_node_for_one_host_for_a_while() -> None:
     for forged in (f"host-2:{expires}:{mac}", f"{host}:{int(expires) + 600}:{mac}", "", "x" * 300):
         with pytest.raises(AuthFailure):
             probe_tickets.verify(forged, token, "storage-1", now=1000.0)
+
+
+def _host(name: str, probes: dict[str, float]) -> HostHeartbeat:
+    now = datetime.now(UTC)
+    return HostHeartbeat(name=name, url="http://127.0.0.1:2", address="127.0.0.1", hypervisor="qemu", started_at=now,
+                         capabilities=HypervisorCapabilities(protocols=["nbd"]), vms=[],
+                         probes=[Probe(storage_node=n, rtt_ms=r, mbps=100.0, probe_bytes=1 << 20, measured_at=now)
+                                 for n, r in probes.items()])
+
+
+def test_the_attach_warning_names_the_host_nearest_the_volumes_node(tmp_path: Path) -> None:
+    db = Database.for_data_dir(tmp_path)
+    db.migrate()
+    try:
+        with db.session() as s:
+            record_host_heartbeat(s, _host("far", {"s1": 12.5, "s2": 0.3}))
+            record_host_heartbeat(s, _host("near", {"s1": 0.4}))
+            record_host_heartbeat(s, _host("nearer-but-silent", {"s1": 0.1}))
+            s.execute(update(Node).where(Node.name == "nearer-but-silent")
+                      .values(last_heartbeat=utcnow() - timedelta(seconds=120)))
+        with db.read() as s:
+            [warning] = rtt_warnings(s, "far", "s1", 2.0, 30)
+            assert "host far measured an RTT of 12.50 ms to storage node s1, above rtt_warn_ms 2 ms" in warning
+            assert "host near measured 0.40 ms" in warning
+            assert rtt_warnings(s, "far", "s2", 2.0, 30) == []      # below the threshold
+            assert rtt_warnings(s, "near", "s2", 2.0, 30) == []     # never measured: nothing to say
+            assert rtt_warnings(s, "far", "s1", 20.0, 30) == []
+            [alone] = rtt_warnings(s, "near", "s1", 0.0, 30)         # the nearest already: no other named
+            assert "(`vbs advise`" not in alone
+    finally:
+        db.dispose()

@@ -6,10 +6,12 @@ measurements. The probe endpoint refuses hosts without a ticket the controller s
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +19,7 @@ import pytest
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, stop_process, wait_until
 from vbs import probe_tickets
+from vbs.controller.rtt_model import Point, fit
 from vbs.testguest import TestGuest, build_guest
 
 pytestmark = pytest.mark.integration
@@ -25,8 +28,8 @@ PROBE_ENV = {"VBS_HOST_AGENT_PROBE_INTERVAL_S": "1", "VBS_HOST_AGENT_PROBE_BYTES
 
 
 class Site:
-    def __init__(self, vbs: Vbs, up: VbsUp, instance: str) -> None:
-        self.vbs, self.up, self.instance = vbs, up, instance
+    def __init__(self, vbs: Vbs, up: VbsUp, instance: str, calibration: Path) -> None:
+        self.vbs, self.up, self.instance, self.calibration = vbs, up, instance, calibration
 
     def hosts(self) -> dict[str, dict[str, Any]]:
         return {h["name"]: h for h in self.vbs.http.get("/v1/hosts").json()["hosts"]}
@@ -42,9 +45,12 @@ class Site:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     tmp = tmp_path_factory.mktemp("rtt")
-    # Any measured RTT is above 0 ms: every attach warns.
+    # Any measured RTT is above 0 ms: every attach warns. The calibration table is read at each
+    # advice, when it exists (one test writes it).
+    calibration = tmp / "rtt-calibration.json"
     up = VbsUp(tmp / "var", tmp / "up.log", extra=["--storage-nodes", "2"],
-               env={**PROBE_ENV, "VBS_CONTROLLER_RTT_WARN_MS": "0"})
+               env={**PROBE_ENV, "VBS_CONTROLLER_RTT_WARN_MS": "0",
+                    "VBS_CONTROLLER_RTT_CALIBRATION_FILE": str(calibration)})
     guest = TestGuest("vm1", tmp / "guests", build_guest(), tmp / "var" / "vms")
     host2: subprocess.Popen[bytes] | None = None
     try:
@@ -62,7 +68,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
                      if i["vm_id"] == "vm1" and i["state"] == "running"]
             return found[0] if found else None
 
-        site = Site(vbs, up, wait_until(instance, 60, what="instance vm1"))
+        site = Site(vbs, up, wait_until(instance, 60, what="instance vm1"), calibration)
         wait_until(lambda: all(len(site.hosts().get(h, {}).get("probes", [])) == 2 for h in ("host-1", "host-2")),
                    60, what="both hosts probed both storage nodes")
         yield site
@@ -146,6 +152,30 @@ def test_advise_costs_the_three_placements_from_the_probes(site: Site) -> None:
         assert math.isclose(o["io_s"], 8 * 1024 / o["mbps"], rel_tol=1e-3)
         assert math.isclose(o["total_s"], o["move_s"] + o["io_s"], rel_tol=1e-3, abs_tol=1e-3)
     assert advice["recommended"] == min(advice["options"], key=lambda o: o["total_s"])["action"]
+
+
+def test_advise_uses_the_benchs_calibration_table_where_the_controller_has_one(site: Site) -> None:
+    vol = site.vbs.cli("create-volume", "--size", "1", "--wait")
+    # What bench/rtt.py --calibration-out writes: NBD points at several RTTs (the export of vbs up).
+    points = [{"rtt_ms": r, "mbps": 1 / (1 / 900 + r / 1000 / 8), "iops": 1 / (5e-5 + r / 1000 / 16)}
+              for r in (0.0, 1.0, 4.0, 16.0, 50.0)]
+    site.calibration.write_text(json.dumps({"protocols": {"nbd": points}, "copy_mbps": 123.0}))
+    try:
+        advice = site.vbs.cli("advise", vol["volume_id"], "--instance", site.instance, "--random-ios", "1000")
+    finally:
+        site.calibration.unlink()
+    model = advice["model"]
+    assert (model["source"], model["protocol"], model["copy_mbps"]) == ("calibration nbd (5)", "nbd", 123.0)
+    assert math.isclose(model["link_mbps"], 900, rel_tol=1e-6) and math.isclose(model["window_mib"], 8, rel_tol=1e-6)
+    throughput = fit([Point(p["rtt_ms"], p["mbps"]) for p in points])
+    iops = fit([Point(p["rtt_ms"], p["iops"]) for p in points])
+    for o in advice["options"]:
+        assert math.isclose(o["mbps"], throughput.at(o["rtt_ms"]), rel_tol=1e-3)
+        assert math.isclose(o["iops"], iops.at(o["rtt_ms"]), rel_tol=1e-3)
+        assert math.isclose(o["io_s"], 1024 / o["mbps"] + 1000 / o["iops"], rel_tol=1e-2)
+    data = next(o for o in advice["options"] if o["action"] == "migrate-volume")
+    assert math.isclose(data["move_s"], 1024 / 123.0, rel_tol=1e-3)
+    assert site.vbs.cli("advise", vol["volume_id"], "--instance", site.instance)["model"]["source"] == "probes (4)"
 
 
 def test_advise_for_an_unknown_instance_or_a_bad_workload_is_refused(site: Site) -> None:
