@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import GIB, storage_info
+from vbs.controller.nodes import GIB, host_info, storage_info
 from vbs.controller.states import VolumeState
 from vbs.metrics import ScrapeCollector, new_registry
 
@@ -94,8 +94,16 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
                               labels=["node", "pool"])
     exports = GaugeMetricFamily("vbs_exports", "Exports each storage node reported in its last heartbeat, by protocol.",
                                 labels=["node", "protocol"])
+    rtt = GaugeMetricFamily("vbs_host_storage_rtt_seconds", "Each host's last measured round trip to each storage "
+                            "node (docs/placement.md).", labels=["host", "storage_node"])
+    probe_rate = GaugeMetricFamily("vbs_host_storage_probe_bytes_per_second", "Each host's last probe throughput "
+                                   "from each storage node.", labels=["host", "storage_node"])
     for node in sorted(nodes, key=lambda n: (n.kind, n.name)):
         age.add_metric([node.kind, node.name], max(0.0, (now - node.last_heartbeat).total_seconds()))
+        if node.kind == "host":
+            for probe in host_info(node).probes:
+                rtt.add_metric([node.name, probe.storage_node], probe.rtt_ms / 1000)
+                probe_rate.add_metric([node.name, probe.storage_node], probe.mbps * (1 << 20))
         if node.kind != "storage":
             continue
         info = storage_info(node)
@@ -105,4 +113,4 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
             given.add_metric([node.name, pool.name], provisioned.get((node.name, pool.name), 0))
         for protocol, count in sorted(Tally(e.protocol for e in info.exports).items()):
             exports.add_metric([node.name, protocol], count)
-    yield from (age, capacity, used, given, exports)
+    yield from (age, capacity, used, given, exports, rtt, probe_rate)
