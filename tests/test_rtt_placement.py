@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,28 @@ def test_the_probe_endpoint_needs_a_ticket_for_that_node(site: Site) -> None:
     targets = {t["storage_node"]: t for t in r.json()["targets"]}
     assert set(targets) == {"storage-1", "storage-2"}
     assert probe_tickets.verify(targets["storage-2"]["ticket"], token2, "storage-2") == "host-2"
+
+
+def test_hosts_probe_over_mutual_tls(tmp_path: Path) -> None:
+    """With ``vbs up --tls`` the host presents its certificate to the storage agent (which requires one
+    from the install's CA) and its ticket; the probes arrive as over plain HTTP."""
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", extra=["--tls"], env=PROBE_ENV)
+    try:
+        up.start()
+        ca = ssl.create_default_context(cafile=str(tmp_path / "var" / "ca.pem"))
+        vbs = Vbs(f"https://127.0.0.1:{up.port}", tmp_path / "var")
+        http = httpx.Client(base_url=vbs.endpoint, timeout=30, verify=ca,
+                            headers={"authorization": f"Bearer {vbs.key.bearer}"})
+
+        def probes() -> list[dict[str, Any]]:
+            return [p for h in http.get("/v1/hosts").json()["hosts"] for p in h["probes"]]
+
+        [probe] = wait_until(probes, 60, what="a probe over TLS")
+        assert probe["storage_node"] == "storage-1" and probe["rtt_ms"] > 0 and probe["mbps"] > 0
+        node_url = http.get("/v1/storage-nodes").json()["storage_nodes"][0]["url"]
+        assert node_url.startswith("https://")
+        # Without a client certificate the storage agent does not even answer, ticket or not.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{node_url}/probe", verify=ca, timeout=5)
+    finally:
+        up.stop()
