@@ -94,7 +94,9 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
             return out
         op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
             modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
-            grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None))
+            grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None,
+            limits=volume_types.enforced_limits(new_type, size, iops, throughput,
+                                                type_limits=svc.cfg.enforce_type_limits)))
     svc.engine.submit(op_id)
     return out
 

@@ -1,0 +1,201 @@
+"""Per-volume QoS: the limits computed for a volume, and a real qemu-storage-daemon throttling its NBD
+exports as a real NBD client (fio's ``nbd`` engine, libnbd) measures them.
+
+Rates are compared with the limit and with an unlimited export measured in the same test, never with
+absolute times; the tolerance is generous (the machine is shared) but far tighter than the gap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.export_fixtures import MiB, drivers_of, runs, wait_dead
+from vbs.controller import volume_types
+from vbs.storage.exports.base import FileSource, LimitEnforcer
+from vbs.storage.exports.nbd import NbdExportDriver
+from vbs.wire.connection import HostIdentity, NbdConnection
+from vbs.wire.qos import IOPS_SIZE, ExportLimits, QoS, throttle_limits
+from vbs.wire.storage import ConnectionAnswer, ConnectionRequest
+
+QSD = "qemu-storage-daemon"
+FIO = "/usr/bin/fio"
+HOST_A = HostIdentity(name="hv-a", address="127.0.0.1")
+HOST_B = HostIdentity(name="hv-b", address="127.0.0.1")
+VOL = "vol-0123456789abcdef0"
+VOL2 = "vol-0123456789abcdef1"
+
+
+# -- the limits a volume gets -------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_explicit_limits_are_enforced_whatever_the_operator_chose() -> None:
+    for type_limits in (False, True):
+        got = volume_types.enforced_limits("gp3", 100, 4000, 250, type_limits=type_limits)
+        assert got == ExportLimits(qos=QoS(iops=4000, mbps=250), volume_type="gp3")
+        assert volume_types.enforced_limits("io2", 100, 5000, None, type_limits=type_limits).qos == QoS(iops=5000)
+
+
+@pytest.mark.unit
+def test_type_baselines_only_where_the_operator_turns_them_on() -> None:
+    assert volume_types.enforced_limits("gp3", 100, None, None, type_limits=False) == ExportLimits(volume_type="gp3")
+    assert volume_types.enforced_limits("gp3", 100, None, None, type_limits=True).qos == QoS(iops=3000, mbps=125)
+    # A limit given is kept, the other one is the type's.
+    assert volume_types.enforced_limits("gp3", 100, 6000, None, type_limits=True).qos == QoS(iops=6000, mbps=125)
+    assert volume_types.enforced_limits("gp2", 100, None, None, type_limits=True).qos == QoS(iops=300)
+    assert volume_types.enforced_limits("gp2", 10, None, None, type_limits=True).qos == QoS(iops=100)
+    assert volume_types.enforced_limits("st1", 500, None, None, type_limits=True).qos is None
+
+
+@pytest.mark.unit
+def test_throttle_limits_count_large_io_as_several_operations() -> None:
+    assert throttle_limits(QoS(iops=3000, mbps=125)) == {"iops-total": 3000, "bps-total": 125 * MiB,
+                                                         "iops-size": IOPS_SIZE}
+    assert IOPS_SIZE == 256 * 1024
+    # QEMU refuses iops-size without an IOPS limit; every field is given so that zero clears one.
+    assert throttle_limits(QoS(mbps=10)) == {"iops-total": 0, "bps-total": 10 * MiB, "iops-size": 0}
+    assert throttle_limits(None) == {"iops-total": 0, "bps-total": 0, "iops-size": 0}
+
+
+@pytest.mark.unit
+def test_the_wire_leaves_limits_out_for_older_peers() -> None:
+    request = ConnectionRequest(host=HOST_A)
+    assert "limits" not in request.model_dump(mode="json")
+    answer = ConnectionAnswer(connection=NbdConnection(socket="/run/vbs/nbd.sock", export="x"))
+    assert "limits_enforced" not in answer.model_dump(mode="json")
+    with pytest.raises(ValueError):
+        ExportLimits(volume_type="GP3; rm")
+
+
+# -- a real daemon, a real NBD client -----------------------------------------------------------
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path) -> Iterator[Callable[..., NbdExportDriver]]:
+    yield from drivers_of(NbdExportDriver, tmp_path, QSD)
+
+
+def _volume(tmp_path: Path, name: str) -> Path:
+    """A 64 MiB volume full of data: QEMU's NBD server answers reads of a hole from the block status,
+    without reading (nor throttling) anything."""
+    path = tmp_path / name
+    path.write_bytes(b"\x5a" * (64 * MiB))
+    return path
+
+
+def _uri(conn: NbdConnection) -> str:
+    assert conn.socket is not None
+    return f"nbd+unix:///{conn.export}?socket={conn.socket}"
+
+
+def _fio(conn: NbdConnection, runtime: float, *, log_prefix: Path | None = None) -> float:
+    """Random 4 KiB reads at queue depth 8 through the export for ``runtime`` seconds: IOPS."""
+    argv = [FIO, "--name=qos", "--ioengine=nbd", f"--uri={_uri(conn)}", "--rw=randread", "--bs=4k",
+            "--iodepth=8", "--time_based", f"--runtime={runtime:g}", "--size=64m", "--output-format=json"]
+    if log_prefix is not None:
+        argv += [f"--write_iops_log={log_prefix}", "--log_avg_msec=500"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 60, check=True).stdout
+    return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"])
+
+
+def _socket_driver(make: Callable[..., NbdExportDriver], tmp_path: Path, **kw: object) -> NbdExportDriver:
+    drv = make(socket_dir=tmp_path / "sock", **kw)
+    drv.start()
+    return drv
+
+
+@pytest.mark.integration
+def test_a_limited_export_is_held_to_its_limit_and_an_unlimited_one_is_not(
+        make_driver: Callable[..., NbdExportDriver], tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path)
+    assert isinstance(drv, LimitEnforcer)
+    assert drv.set_limits(VOL, ExportLimits(qos=QoS(iops=100), volume_type="io2"))
+    limited = drv.ensure_export(VOL, FileSource(_volume(tmp_path, "a.img")), HOST_A)
+    free = drv.ensure_export(VOL2, FileSource(_volume(tmp_path, "b.img")), HOST_A)
+    assert isinstance(limited, NbdConnection) and isinstance(free, NbdConnection)
+    slow, fast = _fio(limited, 3), _fio(free, 3)
+    assert 70 <= slow <= 115, f"limited to 100 IOPS, measured {slow:.0f}"
+    assert fast > 4 * slow, f"unlimited {fast:.0f} IOPS against limited {slow:.0f}"
+
+
+@pytest.mark.integration
+def test_new_limits_apply_live_to_a_connected_client(make_driver: Callable[..., NbdExportDriver],
+                                                     tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path)
+    drv.set_limits(VOL, ExportLimits(qos=QoS(iops=100)))
+    conn = drv.ensure_export(VOL, FileSource(_volume(tmp_path, "a.img")), HOST_A)
+    assert isinstance(conn, NbdConnection)
+    before = drv.list_exports()
+    # One fio process, one NBD connection: the limit changes under it halfway through.
+    change = threading.Timer(3.0, lambda: drv.set_limits(VOL, ExportLimits(qos=QoS(iops=400))))
+    change.start()
+    try:
+        _fio(conn, 6, log_prefix=tmp_path / "rate")
+    finally:
+        change.join()
+    samples = [(int(line.split(",")[0]), int(line.split(",")[1]))
+               for line in (tmp_path / "rate_iops.1.log").read_text().splitlines() if line.strip()]
+    first = [v for t, v in samples if 500 < t <= 2800]
+    second = [v for t, v in samples if t >= 3800]
+    low, high = sum(first) / len(first), sum(second) / len(second)
+    assert low <= 120 and high >= 2.5 * low, f"{low:.0f} IOPS before the change, {high:.0f} after"
+    assert drv.list_exports() == before  # the same export: nothing was re-opened
+
+
+@pytest.mark.integration
+def test_every_host_of_a_volume_shares_its_one_limit(make_driver: Callable[..., NbdExportDriver],
+                                                      tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path)
+    drv.set_limits(VOL, ExportLimits(qos=QoS(iops=150), volume_type="io2"))
+    source = FileSource(_volume(tmp_path, "a.img"))
+    a, b = drv.ensure_export(VOL, source, HOST_A), drv.ensure_export(VOL, source, HOST_B)
+    assert isinstance(a, NbdConnection) and isinstance(b, NbdConnection)
+    rates: list[float] = []
+    other = threading.Thread(target=lambda: rates.append(_fio(b, 3)))
+    other.start()
+    rates.append(_fio(a, 3))
+    other.join()
+    assert sum(rates) <= 150 * 1.2, f"two hosts together did {rates} IOPS under one limit of 150"
+
+
+@pytest.mark.integration
+def test_volumes_of_a_type_share_the_nodes_fair_share_round_robin(make_driver: Callable[..., NbdExportDriver],
+                                                                   tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path, fair_share={"gp3": QoS(iops=200)})
+    conns = []
+    for key, name in ((VOL, "a.img"), (VOL2, "b.img")):
+        drv.set_limits(key, ExportLimits(volume_type="gp3"))  # no limit of its own
+        conn = drv.ensure_export(key, FileSource(_volume(tmp_path, name)), HOST_A)
+        assert isinstance(conn, NbdConnection)
+        conns.append(conn)
+    rates: list[float] = []
+    other = threading.Thread(target=lambda: rates.append(_fio(conns[1], 3)))
+    other.start()
+    rates.append(_fio(conns[0], 3))
+    other.join()
+    assert sum(rates) <= 200 * 1.2, f"{rates}: more than the type's 200 IOPS together"
+    assert min(rates) >= 0.6 * max(rates), f"{rates}: not shared evenly"
+
+
+@pytest.mark.integration
+def test_limits_survive_a_daemon_restart(make_driver: Callable[..., NbdExportDriver], tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path)
+    drv.set_limits(VOL, ExportLimits(qos=QoS(iops=100)))
+    conn = drv.ensure_export(VOL, FileSource(_volume(tmp_path, "a.img")), HOST_A)
+    assert isinstance(conn, NbdConnection)
+    pid = drv.pid
+    assert pid is not None and runs(pid, QSD)
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    drv.check()  # rebuilt from exports.json, limits included
+    assert drv.pid != pid
+    rate = _fio(conn, 2)
+    assert rate <= 115, f"{rate:.0f} IOPS after the restart, limit 100"
