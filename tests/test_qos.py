@@ -16,11 +16,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from tests.export_fixtures import MiB, drivers_of, runs, wait_dead
 from vbs.controller import volume_types
+from vbs.controller.workflows.attachments import AttachParams, host_qos
+from vbs.ids import virtio_serial
+from vbs.node_credentials import TokenSource
+from vbs.storage.api import create_app as create_storage_app
+from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import FileSource, LimitEnforcer
 from vbs.storage.exports.nbd import NbdExportDriver
+from vbs.web import agent_auth
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.qos import IOPS_SIZE, ExportLimits, QoS, throttle_limits
 from vbs.wire.storage import ConnectionAnswer, ConnectionRequest
@@ -199,3 +206,52 @@ def test_limits_survive_a_daemon_restart(make_driver: Callable[..., NbdExportDri
     assert drv.pid != pid
     rate = _fio(conn, 2)
     assert rate <= 115, f"{rate:.0f} IOPS after the restart, limit 100"
+
+
+# -- the controller's decision and the storage agent's API ---------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_hypervisor_gets_the_limits_only_where_the_storage_node_does_not_enforce_them() -> None:
+    conn = NbdConnection(socket="/run/vbs/nbd.sock", export="x")
+    limits = ExportLimits(qos=QoS(iops=500), volume_type="io2")
+    params = AttachParams(attachment_id="att-0123456789abcdef0", node="s1", pool="p1", host="h1", vm_id="vm1",
+                          serial=virtio_serial(VOL), limits=limits)
+    assert host_qos(params, ConnectionAnswer(connection=conn, limits_enforced=True)) is None
+    assert host_qos(params, ConnectionAnswer(connection=conn)) == QoS(iops=500)
+    # An operation begun before limits travelled with the connection: its hypervisor limits, as then.
+    older = params.model_copy(update={"limits": None, "qos": QoS(iops=300)})
+    assert host_qos(older, ConnectionAnswer(connection=conn, limits_enforced=True)) == QoS(iops=300)
+
+
+@pytest.mark.integration
+def test_the_storage_agent_enforces_what_a_connection_request_carries(
+        make_driver: Callable[..., NbdExportDriver], tmp_path: Path) -> None:
+    drv = _socket_driver(make_driver, tmp_path)
+    (tmp_path / "pool").mkdir()
+    backend = FileBackend("pool1", tmp_path / "pool", exports=drv, clone_method="copy")
+    backend.ensure_volume(VOL, 64 * MiB, None)
+    (tmp_path / "pool" / "volumes" / f"{VOL}.raw").write_bytes(b"\x5a" * (64 * MiB))
+    app = create_storage_app({"pool1": backend}, drv, agent_auth(TokenSource("t0ken"), insecure=False), "s1")
+    with TestClient(app, headers={"authorization": "Bearer t0ken"}) as http:
+        url = f"/v1/pools/pool1/volumes/{VOL}/connections/{HOST_A.name}"
+        limits = {"qos": {"iops": 100}, "volume_type": "io2"}
+        r = http.put(url, json={"host": HOST_A.model_dump(), "limits": limits})
+        assert r.status_code == 200, r.text
+        answer = ConnectionAnswer.model_validate(r.json())
+        assert answer.limits_enforced and isinstance(answer.connection, NbdConnection)
+        assert _fio(answer.connection, 2) <= 115
+        r = http.put(f"/v1/exports/{VOL}/limits", json={"qos": {"iops": 1000}, "volume_type": "io2"})
+        assert r.status_code == 200 and r.json() == {"enforced": True}, r.text
+        assert _fio(answer.connection, 2) > 300
+        # Not exported here: the hypervisors must limit it.
+        r = http.put(f"/v1/exports/{VOL2}/limits", json={"qos": {"iops": 1000}})
+        assert r.status_code == 200 and r.json() == {"enforced": False}, r.text
+        for path, body in ((f"/v1/exports/{VOL}/limits", {"qos": {"iops": 0}}),
+                           (f"/v1/exports/{VOL}/limits", {"qos": {"mbps": 10**9}}),
+                           (f"/v1/exports/{VOL}/limits", {"volume_type": "../x"}),
+                           (f"/v1/exports/{VOL}/limits", {"qos": {"iops": "100; rm"}}),
+                           ("/v1/exports/snap-0123456789abcdef0/limits", {}),
+                           (url, {"host": HOST_A.model_dump(), "limits": {"qos": {"iops": -1}}})):
+            r = http.put(path, json=body)
+            assert r.status_code == 400, (path, body, r.status_code, r.text)

@@ -77,7 +77,7 @@ def _connection(ctx: StepContext[AttachParams]) -> ConnectionAnswer:
     return answer
 
 
-def _host_qos(params: AttachParams, answer: ConnectionAnswer) -> QoS | None:
+def host_qos(params: AttachParams, answer: ConnectionAnswer) -> QoS | None:
     """The limits the hypervisor enforces: none where the storage node does (never twice)."""
     if params.limits is None:
         return params.qos
@@ -107,7 +107,7 @@ def plug_into_vm(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
     answer = ctx.memo.get("connection") or _connection(ctx)
     ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, answer.connection, read_only=p.read_only,
-                                            qos=_host_qos(p, answer), luks=data_key(ctx, ctx.resource_id))
+                                            qos=host_qos(p, answer), luks=data_key(ctx, ctx.resource_id))
 
 
 def unplug_forcibly(ctx: StepContext[AttachParams]) -> None:
