@@ -213,6 +213,7 @@ def _fair_group_id(volume_type: str) -> str:
     return f"vbsfair-{volume_type}"
 
 
+_MAX_PENDING_LIMITS = 4096  # limits set for keys whose export has not been asked for yet
 _CHAIN_PREFIXES = ("vbsp", "vbsq", "vbsr", "vbsf")  # a chain's nodes: the same hash after these
 
 
@@ -625,7 +626,11 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             self._up()
             served = self._desired.get(key)
             if served is None:
+                self._pending_limits.pop(key, None)
                 self._pending_limits[key] = limits
+                while len(self._pending_limits) > _MAX_PENDING_LIMITS:
+                    # Keys never exported after all (a native RBD connection): the oldest go.
+                    del self._pending_limits[next(iter(self._pending_limits))]
                 return True
             served.limits = limits
             self._save()
