@@ -255,3 +255,23 @@ def test_the_storage_agent_enforces_what_a_connection_request_carries(
                            (url, {"host": HOST_A.model_dump(), "limits": {"qos": {"iops": -1}}})):
             r = http.put(path, json=body)
             assert r.status_code == 400, (path, body, r.status_code, r.text)
+
+
+@pytest.mark.unit
+def test_a_modification_changes_the_data_paths_limits_only_where_they_change() -> None:
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from vbs.controller.modifications import _new_limits
+
+    def svc(type_limits: bool) -> Any:
+        return cast(Any, SimpleNamespace(cfg=SimpleNamespace(enforce_type_limits=type_limits)))
+
+    io2 = cast(Any, SimpleNamespace(volume_type="io2", size_gib=10, iops=1000, throughput=None))
+    assert _new_limits(svc(False), io2, (20, "io2", 1000, None)) is None  # a growth alone: nothing to change
+    assert _new_limits(svc(False), io2, (10, "io2", 2000, None)) == ExportLimits(qos=QoS(iops=2000), volume_type="io2")
+    gp2 = cast(Any, SimpleNamespace(volume_type="gp2", size_gib=100, iops=None, throughput=None))
+    assert _new_limits(svc(False), gp2, (200, "gp2", None, None)) is None
+    # gp2's baseline grows with its size, where the operator enforces the types' limits.
+    assert _new_limits(svc(True), gp2, (200, "gp2", None, None)) == ExportLimits(qos=QoS(iops=600), volume_type="gp2")
+    assert _new_limits(svc(False), gp2, (100, "gp3", None, None)) == ExportLimits(volume_type="gp3")

@@ -299,6 +299,8 @@ class QemuDriver:
             if disk is None:
                 raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
             if ids.throttle not in vm.nodes():
+                if qos is None or not qos.limits_anything():
+                    return disk  # unlimited already
                 raise IncorrectState(f"disk {serial} of VM {vm_id} was attached without limits; detach and "
                                      "attach it again to limit it")
             vm.cmd("qom-set", {"path": f"/objects/{ids.throttle_group}", "property": "limits",
