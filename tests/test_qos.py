@@ -275,3 +275,21 @@ def test_a_modification_changes_the_data_paths_limits_only_where_they_change() -
     # gp2's baseline grows with its size, where the operator enforces the types' limits.
     assert _new_limits(svc(True), gp2, (200, "gp2", None, None)) == ExportLimits(qos=QoS(iops=600), volume_type="gp2")
     assert _new_limits(svc(False), gp2, (100, "gp3", None, None)) == ExportLimits(volume_type="gp3")
+
+
+@pytest.mark.unit
+def test_the_operator_settings(tmp_path: Path) -> None:
+    from vbs.config import ControllerConfig, StorageAgentConfig, load
+    from vbs.errors import InvalidParameter
+
+    assert load(ControllerConfig, "controller", environ={}).enforce_type_limits is False
+    assert load(ControllerConfig, "controller", environ={"VBS_CONTROLLER_ENFORCE_TYPE_LIMITS": "true"}
+                ).enforce_type_limits is True
+    fair = {"gp3": {"iops": 20000, "mbps": 400}, "io2": {"iops": 50000}}
+    cfg = StorageAgentConfig(nbd_socket_dir=tmp_path / "sock", options={"nbd": {"fair_share": fair}})
+    drv = NbdExportDriver.from_config(cfg, tmp_path / "nbd")
+    assert drv.fair_share == {"gp3": QoS(iops=20000, mbps=400), "io2": QoS(iops=50000)}
+    for bad in ({"GP3!": {"iops": 1}}, {"gp3": {}}, {"gp3": {"iops": 0}}, {"gp3": {"iops": 1, "burst": 2}}):
+        with pytest.raises((InvalidParameter, ValueError)):
+            NbdExportDriver.from_config(StorageAgentConfig(nbd_socket_dir=tmp_path / "sock",
+                                                           options={"nbd": {"fair_share": bad}}), tmp_path / "nbd")
