@@ -28,6 +28,7 @@ from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.testguest import build_guest
 from vbs.testguest.libvirt import LibvirtGuest, domain_xml
 from vbs.wire.connection import NbdConnection
+from vbs.wire.host import QoS
 
 pytestmark = pytest.mark.integration
 
@@ -101,6 +102,27 @@ def test_a_disk_is_seen_by_the_guest_and_a_repeated_attach_adds_nothing(
     # The data is on the volume: a new attach reads it back.
     driver.attach(guest.name, serial, nbd)
     assert guest.checksum(guest.wait_for_disk(serial, 30), 4) == written
+    driver.detach(guest.name, serial, timeout=30)
+    guest.wait_disk_gone(serial, 30)
+
+
+def test_limits_are_iotune_and_change_live(driver: LibvirtDriver, guest: LibvirtGuest, nbd: NbdConnection) -> None:
+    serial = vol(5)
+    driver.attach(guest.name, serial, nbd, qos=QoS(iops=20))
+    dev = guest.wait_for_disk(serial, 30)
+    tune = live_disks(guest.domain(), serial)[0].find("iotune")
+    assert tune is not None and tune.findtext("total_iops_sec") == "20" and tune.findtext("size_iops_sec") == "262144"
+    write = f"dd if=/dev/zero of=/dev/{dev} bs=4k count=40 oflag=direct"
+    started = time.monotonic()
+    guest.check(write)
+    slow = time.monotonic() - started
+    assert driver.set_qos(guest.name, serial, QoS(iops=4000)).serial == serial
+    tune = live_disks(guest.domain(), serial)[0].find("iotune")
+    assert tune is not None and tune.findtext("total_iops_sec") == "4000"
+    started = time.monotonic()
+    guest.check(write)
+    assert slow > 2.5 * (time.monotonic() - started)
+    assert guest.disks()[serial] == dev  # the same disk: never detached
     driver.detach(guest.name, serial, timeout=30)
     guest.wait_disk_gone(serial, 30)
 

@@ -530,7 +530,7 @@ def test_the_controller_calls_over_http(
         storage, host = StorageAgent(storage_client, "storage-1", frozenset({"127.0.0.1"})), HostAgent(host_client)
         storage.ensure_volume("pool1", volume_id, 1, None)
         storage.resize_volume("pool1", volume_id, 1)
-        c1 = storage.connection_for("pool1", volume_id, HOST, read_only=False)
+        c1 = storage.connection_for("pool1", volume_id, HOST, read_only=False).connection
         # With QoS: the raw node that is reopened sits under a throttle node, which is resized.
         attached = host.attach("guest1", serial, c1, read_only=False, qos=QoS(iops=100_000))
         assert attached.serial == serial and disk_ids(serial).throttle in vbs_nodes(vm_dir)

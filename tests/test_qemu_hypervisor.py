@@ -543,6 +543,30 @@ def test_qos_puts_a_throttle_group_under_the_disk(driver: QemuDriver, guest: Tes
     assert vbs_objects(guest.test_qmp_path) == set()
 
 
+def test_qos_changes_live_without_a_detach(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
+    """ModifyVolume where the storage node does not limit the volume: the disk's own throttle group."""
+    serial = virtio_serial(vol(0x41))
+    ids = disk_ids(serial)
+    driver.attach("guest1", serial, FileConnection(path=str(volume)), qos=QoS(iops=20))
+    dev = guest.wait_for_disk(serial)
+    write = f"dd if=/dev/zero of=/dev/{dev} bs=4k count=40 oflag=direct"
+    _, slow = timed(lambda: guest.check(write))
+    assert driver.set_qos("guest1", serial, QoS(iops=4000)).serial == serial
+    limits = guest.qmp("qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"})
+    assert (limits["iops-total"], limits["iops-size"]) == (4000, 256 * 1024)
+    _, fast = timed(lambda: guest.check(write))
+    assert guest.disks()[serial] == dev and slow > 2.5 * fast, (slow, fast)
+    driver.detach("guest1", serial)
+    guest.wait_disk_gone(serial)
+    # A disk attached without limits has no throttle to change: said, not ignored.
+    plain = virtio_serial(vol(0x42))
+    driver.attach("guest1", plain, FileConnection(path=str(volume)))
+    with pytest.raises(IncorrectState):
+        driver.set_qos("guest1", plain, QoS(iops=100))
+    driver.detach("guest1", plain)
+    guest.wait_disk_gone(plain)
+
+
 def test_read_only_attach_is_read_only_in_the_guest(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
     volume.write_bytes(pattern_bytes("ro", 1) + bytes(15 * MIB))
     serial = virtio_serial(vol(0x50))

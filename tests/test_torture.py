@@ -147,8 +147,8 @@ FLOWS = [
     Flow("detach-volume", "detach-volume", ("host-detach", "storage-unexport", "mark-detached"), "forward",
          # host-detach reaches the daemon too: the VM flushes its disk through it as it cuts it off.
          _calls(host_detach=(HA, DAEMON), storage_unexport=(SA, DAEMON)), attach_flow=True),
-    Flow("modify-volume", "modify-volume", ("storage-grow", "guest-resize", "record"), "forward",
-         _calls(storage_grow=(SA,), guest_resize=(SA, DAEMON, HA)), attach_flow=True),
+    Flow("modify-volume", "modify-volume", ("storage-grow", "guest-resize", "limits", "record"), "forward",
+         _calls(storage_grow=(SA,), guest_resize=(SA, DAEMON, HA), limits=(SA, DAEMON)), attach_flow=True),
 ]
 FLOW = {f.name: f for f in FLOWS}
 COPY_FLOWS = {"create-volume-from-snapshot", "create-snapshot"}

@@ -92,6 +92,9 @@ class ControllerConfig(_Service):
     controller_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     advertise_url: str | None = Field(None, pattern=r"^https?://[A-Za-z0-9._:\[\]-]{1,200}/?$")
     operation_lease_s: float = Field(15.0, ge=1, le=600)
+    # Enforce a volume type's nominal limits (gp3: 3,000 IOPS and 125 MiB/s) where a volume has none of
+    # its own; limits a user gave are enforced always. Off: an unlimited volume is as fast as the node.
+    enforce_type_limits: bool = False
 
 
 # A libvirt connection URI (driver[+transport]://[user@][host[:port]]/path[?params]).

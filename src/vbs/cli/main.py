@@ -820,6 +820,9 @@ def up(
     quota_volumes: Annotated[int | None, typer.Option(help="Controller: volumes per tenant.")] = None,
     quota_gib: Annotated[int | None, typer.Option(help="Controller: GiB of volumes per tenant.")] = None,
     quota_snapshots: Annotated[int | None, typer.Option(help="Controller: snapshots per tenant.")] = None,
+    enforce_type_limits: Annotated[bool, typer.Option(
+        "--enforce-type-limits", help="Controller: throttle volumes without limits of their own to their type's "
+                                      "nominal ones (gp3: 3,000 IOPS, 125 MiB/s).")] = False,
     database_url: Annotated[str | None, typer.Option(
         help="Controller: metadata in this PostgreSQL (postgresql+psycopg://…), upgraded by `vbs db upgrade`.")]
     = None,
@@ -873,6 +876,8 @@ def up(
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
+    if enforce_type_limits:
+        controller_env["VBS_CONTROLLER_ENFORCE_TYPE_LIMITS"] = "true"
     if sum((database_url is not None, database_url_file is not None, postgres)) > 1:
         raise typer.BadParameter("give one of --database-url, --database-url-file and --postgres")
     warn_if_password_on_argv(database_url)

@@ -22,7 +22,8 @@ from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
 from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
-from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, PauseAnswer, PauseVm, QoS, ResizeDisk
+from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, DiskQoS, PauseAnswer, PauseVm, QoS, ResizeDisk
+from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -117,15 +118,17 @@ class StorageAgent:
     # -- how hosts reach volumes --------------------------------------------------------------------
 
     def connection_for(self, pool: str, volume_id: str, host: HostIdentity, read_only: bool,
-                       protocols: Sequence[ProtocolName] = ()) -> Connection:
+                       protocols: Sequence[ProtocolName] = (), *, limits: ExportLimits | None = None
+                       ) -> ConnectionAnswer:
         """``protocols``: what the host's hypervisor opens itself (its heartbeat's capabilities). A
         native connection is asked only of a node that reported its Ceph monitors: one that did not
-        could not be vouched for (and may be older than the field)."""
+        could not be vouched for (and may be older than the field). ``limits``: the volume's, which the
+        answer says whether the node enforces."""
         native = list(protocols) if self._monitors else []
-        request = ConnectionRequest(host=host, read_only=read_only, protocols=native)
+        request = ConnectionRequest(host=host, read_only=read_only, protocols=native, limits=limits)
         answer = self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host.name}",
                                       ConnectionAnswer, request)
-        return self._vouched(answer.connection)
+        return answer.model_copy(update={"connection": self._vouched(answer.connection)})
 
     def remove_connection(self, pool: str, volume_id: str, host_name: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}/connections/{host_name}", Removed)
@@ -141,6 +144,10 @@ class StorageAgent:
                              Removed)
 
     # -- the export daemon, for reconciliation ---------------------------------------------------------
+
+    def set_limits(self, volume_id: str, limits: ExportLimits) -> bool:
+        """Change the volume's limits live on its exports here; whether this node enforces them."""
+        return self._client.request("PUT", f"/v1/exports/{volume_id}/limits", LimitsAnswer, limits).enforced
 
     def list_exports(self) -> list[ExportInfo]:
         return self._client.request("GET", "/v1/exports", ExportList).exports
@@ -160,6 +167,10 @@ class HostAgent:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
                                     AttachDisk(connection=connection, read_only=read_only, qos=qos,
                                                luks_passphrase=luks))
+
+    def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
+        """Change the limits of an attached disk live (the hypervisor's throttle)."""
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/qos", DiskInfo, DiskQoS(qos=qos))
 
     def pause(self, vm_id: str, hold_s: int) -> bool:
         """Pause the VM (the agent resumes it after ``hold_s`` at the latest); whether VBS paused it."""

@@ -22,9 +22,8 @@ from vbs.controller.schemas import AttachmentOut, AttachVolumeRequest, DetachVol
 from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
 from vbs.controller.transitions import transition, try_transition
 from vbs.controller.volumes import live_volume
-from vbs.controller.workflows.attachments import AttachParams, DetachParams
+from vbs.controller.workflows.attachments import AttachParams, DetachParams, volume_limits
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, MissingParameter, NotFound, VolumeInUse
-from vbs.wire.host import QoS
 
 
 def instance_not_found(what: str) -> NotFound:
@@ -107,10 +106,9 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
                          status=AttachmentState.ATTACHING, created_at=now, updated_at=now)
         s.add(att)
         s.flush()
-        qos = QoS(iops=vol.iops, mbps=vol.throughput) if (vol.iops or vol.throughput) else None
         op_id = svc.engine.begin(s, "attach-volume", volume_id, AttachParams(
             attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
-            read_only=req.read_only, serial=ids.virtio_serial(volume_id), qos=qos))
+            read_only=req.read_only, serial=ids.virtio_serial(volume_id), limits=volume_limits(svc.cfg, vol)))
         warnings = rtt_warnings(s, inst.host, vol.storage_node, svc.cfg.rtt_warn_ms, svc.cfg.heartbeat_timeout_s)
         out = _out(att).model_copy(update={"operation_id": op_id, "warnings": warnings})
     svc.engine.submit(op_id)

@@ -24,6 +24,7 @@ from vbs.controller.states import AttachmentState, VolumeState
 from vbs.controller.volumes import live_volume
 from vbs.controller.workflows.modifications import ModifyParams
 from vbs.errors import IncorrectState, InvalidParameter
+from vbs.wire.qos import ExportLimits
 
 IN_PROGRESS = ("modifying", "optimizing")
 
@@ -94,9 +95,19 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
             return out
         op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
             modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
-            grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None))
+            grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None,
+            limits=_new_limits(svc, vol, target)))
     svc.engine.submit(op_id)
     return out
+
+
+def _new_limits(svc: Controller, vol: Volume, target: tuple[int, str, int | None, int | None]) -> ExportLimits | None:
+    """The limits the data path enforces after the modification; None where they stay as they are."""
+    type_limits = svc.cfg.enforce_type_limits
+    before = volume_types.enforced_limits(vol.volume_type, vol.size_gib, vol.iops, vol.throughput,
+                                          type_limits=type_limits)
+    after = volume_types.enforced_limits(target[1], target[0], target[2], target[3], type_limits=type_limits)
+    return after if after != before else None
 
 
 def _check_online_growth(s: Session, volume_id: str, attached: list[Attachment]) -> None:

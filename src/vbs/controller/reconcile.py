@@ -32,6 +32,7 @@ from vbs.controller.nodes import host_identity, host_info, is_alive, storage_inf
 from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
+from vbs.controller.workflows.attachments import volume_limits
 from vbs.controller.workflows.snapshots import scratch_ids
 from vbs.errors import NotFound, VbsError
 from vbs.wire.storage import ExportInfo, PoolInventory
@@ -306,8 +307,10 @@ class Reconciler:
             host_node = hosts.get(att.host)
             if repair and host_node is not None:
                 try:
-                    agent.connection_for(volumes[att.volume_id].pool, att.volume_id, host_identity(host_node),
-                                         att.mode == "ro", host_info(host_node).capabilities.protocols)
+                    vol = volumes[att.volume_id]
+                    agent.connection_for(vol.pool, att.volume_id, host_identity(host_node), att.mode == "ro",
+                                         host_info(host_node).capabilities.protocols,
+                                         limits=volume_limits(self.svc.cfg, vol))
                     finding.action = "repaired"
                 except VbsError as exc:
                     finding.action = f"failed: {exc.message}"

@@ -6,14 +6,17 @@ needs, ``InvalidParameterValue`` for a value out of the type's range.
 
 A volume row keeps only the limits a user gave (``iops``/``throughput`` None otherwise): those are
 enforced at the data path. A type's nominal figures — gp2's 3 IOPS per GiB, gp3's 3,000 IOPS and
-125 MiB/s — are what describe reports where none was given (``reported_iops``/``reported_throughput``).
+125 MiB/s — are what describe reports where none was given (``reported_iops``/``reported_throughput``),
+and are enforced only where the operator turns on ``enforce_type_limits`` (``enforced_limits``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from vbs.errors import InvalidParameter, MissingParameter
+from vbs.wire.qos import VOLUME_TYPE_RE, ExportLimits, QoS
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,15 @@ def retarget(new_type: str, iops: int | None, throughput: int | None,
     kept_throughput = throughput if spec is not None and spec.throughput is not None else None
     return (asked_iops if asked_iops is not None else kept_iops,
             asked_throughput if asked_throughput is not None else kept_throughput)
+
+
+def enforced_limits(volume_type: str, size_gib: int, iops: int | None, throughput: int | None, *,
+                    type_limits: bool) -> ExportLimits:
+    """What the data path enforces for a volume. Limits a user gave always; a type's nominal ones
+    (gp3's 3,000 IOPS and 125 MiB/s, gp2's 3 IOPS per GiB) only with ``type_limits`` (the operator's
+    ``enforce_type_limits``). The type goes along: it names a storage node's fair-dispatch group."""
+    if type_limits:
+        iops, throughput = reported_iops(volume_type, size_gib, iops), reported_throughput(volume_type, throughput)
+    qos = QoS(iops=iops, mbps=throughput)
+    return ExportLimits(qos=qos if qos.limits_anything() else None,
+                        volume_type=volume_type if re.fullmatch(VOLUME_TYPE_RE, volume_type) else None)

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.hypervisors.base import HypervisorDriver
+from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
@@ -26,6 +26,7 @@ from vbs.wire.host import (
     CopyDisk,
     DiskInfo,
     DiskList,
+    DiskQoS,
     PauseAnswer,
     PauseVm,
     ResizeDisk,
@@ -89,6 +90,13 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
         """Move the disk onto a refreshed connection of its (grown) volume and show the guest the new size."""
         able("resize a disk online", caps.online_resize)
         return driver.resize(_vm(vm_id), _serial(serial), body.connection, body.size_bytes)
+
+    @router.put("/vms/{vm_id}/disks/{serial}/qos")
+    def set_qos(vm_id: str, serial: str, body: DiskQoS) -> DiskInfo:
+        """New limits for an attached disk, live (ModifyVolume where the storage node cannot limit it)."""
+        if not isinstance(driver, LimitingDriver) or not caps.qos:
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot change a disk's limits")
+        return driver.set_qos(_vm(vm_id), _serial(serial), body.qos)
 
     @router.put("/vms/{vm_id}/pause")
     def pause(vm_id: str, body: PauseVm) -> PauseAnswer:

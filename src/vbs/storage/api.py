@@ -16,10 +16,11 @@ from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 from vbs.metrics import install_metrics
 from vbs.storage.backends.base import Backend, EncryptingBackend
-from vbs.storage.exports.base import ExportDriver
+from vbs.storage.exports.base import ExportDriver, LimitEnforcer
 from vbs.storage.metrics import storage_registry
 from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
+from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -145,11 +146,19 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     def reach(pool_name: str, volume_id: str, host_name: str) -> Reach:
         return Reach(pool(pool_name), ids.check("volume", volume_id), _host_name(host_name))
 
+    enforcer = exports if isinstance(exports, LimitEnforcer) else None
+
     @router.put("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
     def connection_for(body: ConnectionRequest, at: Reach = Depends(reach)) -> ConnectionAnswer:
+        """The host's connection, and whether this node's export daemon enforces the volume's limits
+        on it (set before the export is made: its first I/O is limited already)."""
         _same_host(body.host, at.host)
-        return ConnectionAnswer(connection=at.backend.connection_for(at.volume_id, body.host, read_only=body.read_only,
-                                                                     protocols=body.protocols))
+        enforced = False
+        if body.limits is not None and enforcer is not None:
+            enforced = enforcer.set_limits(at.volume_id, body.limits)
+        conn = at.backend.connection_for(at.volume_id, body.host, read_only=body.read_only, protocols=body.protocols)
+        # A native connection (RBD) does not pass through the daemon: the hypervisor limits it.
+        return ConnectionAnswer(connection=conn, limits_enforced=enforced and conn.protocol == exports.protocol)
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}/connections/{host_name}")
     def remove_connection(at: Reach = Depends(reach)) -> Removed:
@@ -174,6 +183,15 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         """The export daemon's exports and the grants of native connections (RBD's cephx users)."""
         native = [grant for backend in backends.values() for grant in backend.native_connections()]
         return ExportList(exports=exports.list_exports() + native)
+
+    @router.put("/exports/{key}/limits")
+    def set_limits(key: str, body: ExportLimits) -> LimitsAnswer:
+        """Change a volume's limits live on every export of it here. ``enforced`` False: nothing of it
+        is exported through this node's daemon (the hypervisors limit it), or not with a throttle."""
+        volume_id = ids.check("volume", key)
+        if enforcer is None or not exports.is_exported(volume_id):
+            return LimitsAnswer(enforced=False)
+        return LimitsAnswer(enforced=enforcer.set_limits(volume_id, body))
 
     @router.delete("/exports/{key}/hosts/{host_name}")
     def remove_export(key: str, host_name: str) -> Removed:

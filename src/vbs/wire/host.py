@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_serializer, field_validator
 from vbs.wire.base import Wire
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
 from vbs.wire.probes import MAX_PROBES, Probe
+from vbs.wire.qos import QoS
 from vbs.wire.storage import NODE_URL_RE
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "DiskInfo",
     "DiskList",
     "AttachDisk",
+    "DiskQoS",
     "ResizeDisk",
     "CopyDisk",
     "HypervisorCapabilities",
@@ -35,13 +37,6 @@ VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # An external cloud's scheme ("nova") and one of its ids, as host agents report them.
 CLOUD_SCHEME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 CLOUD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-
-class QoS(Wire):
-    """Per-disk limits; ``mbps`` is MiB/s, as EBS counts throughput."""
-
-    iops: int | None = Field(None, ge=1, le=1_000_000)
-    mbps: int | None = Field(None, ge=1, le=100_000)
 
 
 class VmInfo(Wire):
@@ -95,6 +90,12 @@ class AttachDisk(Wire):
     @field_serializer("luks_passphrase", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
         return v.get_secret_value() if v is not None else None
+
+
+class DiskQoS(Wire):
+    """An attached disk's new limits (None: unlimited), changed live."""
+
+    qos: QoS | None = None
 
 
 class PauseVm(Wire):

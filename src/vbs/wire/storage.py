@@ -25,6 +25,7 @@ from vbs.wire.connection import (
     HostIdentity,
     ProtocolName,
 )
+from vbs.wire.qos import ExportLimits
 
 __all__ = [
     "ItemState",
@@ -213,14 +214,23 @@ class ConnectionRequest(Wire):
     # it can open natively (``rbd``) answers such a connection instead of an export. Absent (older
     # controllers): none.
     protocols: list[ProtocolName] = Field(default_factory=list, max_length=8)
+    # The volume's limits, for a node whose export daemon enforces them (NBD); absent: unlimited.
+    limits: ExportLimits | None = None
 
     @model_serializer(mode="wrap")
     def _older_agents(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "protocols")
+        return _without_empty(handler(self), "protocols", "limits")
 
 
 class ConnectionAnswer(Wire):
     connection: Connection
+    # The storage node enforces ``limits`` on this connection (its export daemon throttles it); False:
+    # the hypervisor must (an iSCSI target, a native RBD connection, an older agent).
+    limits_enforced: bool = False
+
+    @model_serializer(mode="wrap")
+    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "limits_enforced")
 
 
 class SnapshotTargetRequest(Wire):

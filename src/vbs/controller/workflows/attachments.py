@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
+from vbs.config import ControllerConfig
+from vbs.controller import volume_types
 from vbs.controller.db import Attachment, Node, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.nodes import host_identity, host_info
@@ -23,8 +25,9 @@ from vbs.controller.transitions import transition, try_transition
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.storage import StorageParams, data_key, storage_agent, waiting
 from vbs.errors import DeviceBusy, NotFound
-from vbs.wire.connection import Connection
 from vbs.wire.host import QoS
+from vbs.wire.qos import ExportLimits
+from vbs.wire.storage import ConnectionAnswer
 
 
 class AttachParams(StorageParams):
@@ -33,7 +36,9 @@ class AttachParams(StorageParams):
     vm_id: str
     serial: str
     read_only: bool = False
-    qos: QoS | None = None
+    qos: QoS | None = None  # operations begun before ``limits``: the hypervisor's limits
+    # The volume's limits: the storage node enforces them where its export daemon can, else the hypervisor.
+    limits: ExportLimits | None = None
 
 
 class DetachParams(Params):
@@ -47,8 +52,15 @@ class DetachParams(Params):
     timeout: float = 10.0
 
 
-def _connection(ctx: StepContext[AttachParams]) -> Connection:
-    """The host's connection to the volume: made (or found again: it is idempotent) on the storage node."""
+def volume_limits(cfg: ControllerConfig, vol: Volume) -> ExportLimits:
+    """What the data path enforces for ``vol`` under the controller's ``enforce_type_limits``."""
+    return volume_types.enforced_limits(vol.volume_type, vol.size_gib, vol.iops, vol.throughput,
+                                        type_limits=cfg.enforce_type_limits)
+
+
+def _connection(ctx: StepContext[AttachParams]) -> ConnectionAnswer:
+    """The host's connection to the volume: made (or found again: it is idempotent) on the storage node,
+    and whether the node enforces the volume's limits on it."""
     p = ctx.params
     with ctx.services.db.read() as s:
         node = s.get(Node, (p.host, "host"))
@@ -58,10 +70,18 @@ def _connection(ctx: StepContext[AttachParams]) -> Connection:
     # What the host's hypervisor opens itself: a storage node that can be opened natively (Ceph RBD)
     # answers that instead of an export.
     protocols = host_info(node).capabilities.protocols
-    conn: Connection = waiting(lambda: agent.connection_for(p.pool, ctx.resource_id, host_identity(node), p.read_only,
-                                                            protocols), limit_s=ctx.services.cfg.give_up_after_s)
-    ctx.memo["connection"] = conn
-    return conn
+    answer: ConnectionAnswer = waiting(
+        lambda: agent.connection_for(p.pool, ctx.resource_id, host_identity(node), p.read_only, protocols,
+                                     limits=p.limits), limit_s=ctx.services.cfg.give_up_after_s)
+    ctx.memo["connection"] = answer
+    return answer
+
+
+def host_qos(params: AttachParams, answer: ConnectionAnswer) -> QoS | None:
+    """The limits the hypervisor enforces: none where the storage node does (never twice)."""
+    if params.limits is None:
+        return params.qos
+    return None if answer.limits_enforced else params.limits.qos
 
 
 def export_volume(ctx: StepContext[AttachParams]) -> None:
@@ -85,9 +105,9 @@ def unexport_volume(ctx: StepContext[Any]) -> None:
 
 def plug_into_vm(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
-    conn = ctx.memo.get("connection") or _connection(ctx)
-    ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, conn, read_only=p.read_only, qos=p.qos,
-                                            luks=data_key(ctx, ctx.resource_id))
+    answer = ctx.memo.get("connection") or _connection(ctx)
+    ctx.services.agents.host(p.host).attach(p.vm_id, p.serial, answer.connection, read_only=p.read_only,
+                                            qos=host_qos(p, answer), luks=data_key(ctx, ctx.resource_id))
 
 
 def unplug_forcibly(ctx: StepContext[AttachParams]) -> None:

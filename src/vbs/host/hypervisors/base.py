@@ -23,7 +23,7 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "PausingDriver", "DiskStats", "BlockStatsSource", "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -103,6 +103,16 @@ class BlockStatsSource(Protocol):
 
     def block_stats(self) -> list[DiskStats]:
         """Every VBS disk of every VM it can ask now; a VM that is busy or does not answer is left out."""
+        ...
+
+
+@runtime_checkable
+class LimitingDriver(Protocol):
+    """A driver that changes an attached disk's limits live (``capabilities.qos``): ModifyVolume's new
+    IOPS or throughput where the storage node does not enforce them."""
+
+    def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
+        """New limits (None: unlimited) for the disk, without detaching it."""
         ...
 
 

@@ -62,6 +62,7 @@ from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.qos import throttle_limits
 from vbs.wire.storage import ItemStatus
 
 __all__ = ["LibvirtDriver", "disk_alias", "disk_xml", "secret_uuid", "FORCE_GRACE_SECONDS"]
@@ -119,6 +120,13 @@ def luks_secret_uuid(vm_id: str, serial: str) -> str:
     return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}/luks"))
 
 
+def _iotune(qos: QoS | None) -> dict[str, int]:
+    """libvirt's names for QEMU's throttle limits (``vbs.wire.qos.throttle_limits``), zero: none."""
+    limits = throttle_limits(qos)
+    return {"total_iops_sec": limits["iops-total"], "total_bytes_sec": limits["bps-total"],
+            "size_iops_sec": limits["iops-size"]}
+
+
 def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool = False, qos: QoS | None = None,
              secret: str | None = None, luks_secret: str | None = None) -> str:
     """The ``<disk>`` that attaches ``source`` as virtio disk ``target`` with ``serial`` (xml.etree
@@ -134,10 +142,9 @@ def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool
     ET.SubElement(disk, "target", {"dev": target, "bus": "virtio"})
     if qos is not None and (qos.iops is not None or qos.mbps is not None):
         iotune = ET.SubElement(disk, "iotune")
-        if qos.iops is not None:
-            ET.SubElement(iotune, "total_iops_sec").text = str(qos.iops)
-        if qos.mbps is not None:
-            ET.SubElement(iotune, "total_bytes_sec").text = str(qos.mbps * MIB)
+        for name, value in _iotune(qos).items():
+            if value:
+                ET.SubElement(iotune, name).text = str(value)
     if read_only:
         ET.SubElement(disk, "readonly")
     ET.SubElement(disk, "serial").text = serial
@@ -332,6 +339,22 @@ class LibvirtDriver:
             return self._disk(vm_id, dom, serial)
 
         return _present(self._on_vm(vm_id, grow, need=True))
+
+    def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
+        """``setBlockIoTune`` on the live domain: new limits for the disk without detaching it."""
+
+        def tune(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
+            disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+            target = disk.find("target") if disk is not None else None
+            if target is None or not target.get("dev"):
+                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            try:
+                dom.setBlockIoTune(target.get("dev"), _iotune(qos), libvirt.VIR_DOMAIN_AFFECT_LIVE)
+            except libvirt.libvirtError as exc:
+                raise DriverError(f"VM {vm_id}: new limits for {serial} refused: {_message(exc)}") from exc
+            return self._disk(vm_id, dom, serial)
+
+        return _present(self._on_vm(vm_id, tune, need=True))
 
     def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         raise IncorrectState("the libvirt driver does not make point-in-time copies of attached disks")

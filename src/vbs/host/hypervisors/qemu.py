@@ -50,6 +50,7 @@ from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.qos import throttle_limits
 from vbs.wire.storage import ItemStatus
 
 __all__ = ["QemuDriver", "disk_ids", "DiskIds", "copy_ids", "CopyIds", "PROBE_TIMEOUT"]
@@ -288,6 +289,26 @@ class QemuDriver:
         return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos,
                                                                   luks))
 
+    def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
+        """New limits for the disk's throttle group, live (its queued I/O stays queued). A disk
+        attached without limits has no throttle node to change: ``IncorrectState`` (re-attach it)."""
+        ids = disk_ids(serial)
+
+        def change(vm: _Vm) -> DiskInfo:
+            disk = next((d for d in _our_disks(vm) if d.serial == serial), None)
+            if disk is None:
+                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            if ids.throttle not in vm.nodes():
+                if qos is None or not qos.limits_anything():
+                    return disk  # unlimited already
+                raise IncorrectState(f"disk {serial} of VM {vm_id} was attached without limits; detach and "
+                                     "attach it again to limit it")
+            vm.cmd("qom-set", {"path": f"/objects/{ids.throttle_group}", "property": "limits",
+                               "value": throttle_limits(qos)})
+            return disk
+
+        return self._on_present_vm(vm_id, change)
+
     def pause(self, vm_id: str) -> bool:
         """Stop the VM's vCPUs (QMP ``stop``, which drains the in-flight I/O of every disk first); whether this
         call paused it (False: it was not running)."""
@@ -485,14 +506,9 @@ class QemuDriver:
             undo.append(lambda: vm.cmd("object-del", {"id": ids.luks_secret}))
         vm.cmd("blockdev-add", _format_options(ids, gen.proto, read_only, luks is not None))
         undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.raw}))
-        if qos is None or (qos.iops is None and qos.mbps is None):
+        if qos is None or not qos.limits_anything():
             return ids.raw
-        limits: dict[str, int] = {}
-        if qos.iops is not None:
-            limits["iops-total"] = qos.iops
-        if qos.mbps is not None:
-            limits["bps-total"] = qos.mbps * MIB
-        vm.cmd("object-add", {"qom-type": "throttle-group", "id": ids.throttle_group, "limits": limits})
+        vm.cmd("object-add", {"qom-type": "throttle-group", "id": ids.throttle_group, "limits": throttle_limits(qos)})
         undo.append(lambda: vm.cmd("object-del", {"id": ids.throttle_group}))
         vm.cmd("blockdev-add", {"driver": "throttle", "node-name": ids.throttle, "throttle-group": ids.throttle_group,
                                 "file": ids.raw, "read-only": read_only})

@@ -20,9 +20,10 @@ from typing import Protocol, runtime_checkable
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import InvalidParameter
 from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.qos import ExportLimits
 from vbs.wire.storage import ExportInfo, ItemStatus
 
-__all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier"]
+__all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier", "LimitEnforcer"]
 
 
 @dataclass(frozen=True)
@@ -153,4 +154,16 @@ class PointInTimeCopier(Protocol):
 
     def remove_copy(self, copy_id: str) -> None:
         """Cancel and forget the copy (``target`` is the caller's to remove)."""
+        ...
+
+
+@runtime_checkable
+class LimitEnforcer(Protocol):
+    """An export driver whose daemon sits in the data path and throttles what it serves: every export
+    of a key shares one limit (QEMU throttle group), whatever host or how many hosts read it."""
+
+    def set_limits(self, key: str, limits: ExportLimits) -> bool:
+        """The limits of every export of ``key``, now and those made later, also after a daemon
+        restart; changed live under connected clients. Whether they are enforced (False: ``key`` is
+        served by exports made before the driver could throttle them)."""
         ...

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Iterable
@@ -91,6 +92,7 @@ from vbs.storage.exports.supervised import (
     source_size,
 )
 from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
+from vbs.wire.qos import VOLUME_TYPE_RE, ExportLimits, QoS, throttle_limits
 from vbs.wire.storage import ExportInfo, ItemStatus
 
 __all__ = ["NbdExportDriver", "TlsMode"]
@@ -111,13 +113,26 @@ _INTERRUPTED = "the copy was interrupted; its point in time is lost"
 
 
 class _Chain(BaseModel):
-    """One opening of the key's file in the daemon: a file node and a raw node on it."""
+    """One opening of the key's file in the daemon: a file node, a raw node on it, and above it the
+    throttle node of the key's own group, then (where the node shares out its volume type) the one of
+    the type's fair-dispatch group. Chains of state files older than QoS have no throttle node."""
 
     gen: int = Field(ge=0)
     read_only: bool
     size: int | None = None  # bytes the raw node had when the daemon last opened it (None: unknown)
     file_node: str
     raw_node: str
+    throttle_node: str | None = None
+    fair_node: str | None = None
+    fair_group: str | None = None
+
+    def top(self) -> str:
+        """The node exports go on."""
+        return self.fair_node or self.throttle_node or self.raw_node
+
+    def nodes(self) -> tuple[str, ...]:
+        """Its nodes, each before its child (the order they are deleted in)."""
+        return tuple(n for n in (self.fair_node, self.throttle_node, self.raw_node, self.file_node) if n)
 
 
 class _HostExport(BaseModel):
@@ -147,6 +162,7 @@ class _Served(ServedKey):
     chains: list[_Chain] = Field(default_factory=list)
     exports: list[_HostExport] = Field(default_factory=list)
     copies: list[_Copy] = Field(default_factory=list)
+    limits: ExportLimits | None = None  # what every export of the key may do together (None: unlimited)
 
     def chain(self, gen: int) -> _Chain | None:
         return next((c for c in self.chains if c.gen == gen), None)
@@ -182,9 +198,23 @@ def _hashed(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _new_chain(key: str, gen: int, read_only: bool) -> _Chain:
+def _new_chain(key: str, gen: int, read_only: bool, fair_group: str | None) -> _Chain:
     h = _hashed(f"{key}/{gen}")
-    return _Chain(gen=gen, read_only=read_only, file_node=f"vbsf{h}", raw_node=f"vbsr{h}")
+    return _Chain(gen=gen, read_only=read_only, file_node=f"vbsf{h}", raw_node=f"vbsr{h}", throttle_node=f"vbsq{h}",
+                  fair_node=f"vbsp{h}" if fair_group else None, fair_group=fair_group)
+
+
+def _group_id(key: str) -> str:
+    """The throttle group of one key: every export of it, on every chain, shares its limits."""
+    return f"vbsg{_hashed(key)}"
+
+
+def _fair_group_id(volume_type: str) -> str:
+    return f"vbsfair-{volume_type}"
+
+
+_MAX_PENDING_LIMITS = 4096  # limits set for keys whose export has not been asked for yet
+_CHAIN_PREFIXES = ("vbsp", "vbsq", "vbsr", "vbsf")  # a chain's nodes: the same hash after these
 
 
 def _copy_names(copy_id: str) -> tuple[str, str, str]:
@@ -241,6 +271,7 @@ class _Live:
     exports: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> query-block-exports entry
     nodes: dict[str, int | None] = field(default_factory=dict)  # node name -> virtual size
     jobs: dict[str, _Job] = field(default_factory=dict)  # our copy jobs by job id
+    groups: set[str] = field(default_factory=set)  # throttle groups (QOM objects) the daemon has
 
 
 def _fits(chain: _Chain, read_only: bool, size: int) -> bool:
@@ -260,10 +291,13 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809,
                  tls: TlsMode | bool = "off", aio: str = "native", cache_direct: bool = True, *,
                  advertise_host: str | None = None, qmp_timeout: float = 30.0, start_timeout: float = 15.0,
-                 copy_speed: int = 0, x509: X509Files | None = None, socket_dir: Path | None = None) -> None:
+                 copy_speed: int = 0, x509: X509Files | None = None, socket_dir: Path | None = None,
+                 fair_share: dict[str, QoS] | None = None) -> None:
         """``tls``: ``x509`` (needs ``x509``: this node's certificate, key and CA), ``psk``, or
         ``off`` (True and False are ``psk`` and ``off``). ``socket_dir``: listen on a unix socket
-        there instead of TCP (no TLS then: the directory's mode is the boundary)."""
+        there instead of TCP (no TLS then: the directory's mode is the boundary). ``fair_share``: per
+        volume type, the limits all of this node's volumes of that type share, dispatched round-robin
+        between them (QEMU's throttle groups); a type not named has no shared group."""
         if aio not in ("native", "threads", "io_uring"):
             raise InvalidParameter(f"aio must be native, threads or io_uring, not {aio!r}")
         if aio == "native" and not cache_direct:
@@ -292,6 +326,8 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
         self.qmp_timeout, self.start_timeout = qmp_timeout, start_timeout
         self.copy_speed = copy_speed
+        self.fair_share = _checked_fair_share(fair_share or {})
+        self._pending_limits: dict[str, ExportLimits] = {}  # set before the key's first export
         self.qmp_path = socket_path(state_dir, "qsd.qmp")
         self.tls_dir = state_dir / "tls"
         self.keys_path = self.tls_dir / "keys.psk"
@@ -321,7 +357,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
                         "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=tls, aio=opts.aio,
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
-                   socket_dir=cfg.nbd_socket_dir)
+                   socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
 
     def _daemon_spec(self) -> DaemonSpec:
         pid_path = self.state_dir / "qsd.pid"
@@ -423,7 +459,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         jobs = {j["id"]: _Job(status=j["status"], error=j.get("error"), done=int(j["current-progress"]),
                               total=int(j["total-progress"]))
                 for j in self._q("query-jobs") if str(j["id"]).startswith(_JOB_PREFIX)}
-        return _Live(exports=self._live_exports(), nodes=self._live_nodes(), jobs=jobs)
+        return _Live(exports=self._live_exports(), nodes=self._live_nodes(), jobs=jobs, groups=self._live_groups())
 
     def _restore(self, item: _Served, view: _Live) -> None:
         """Every chain an export uses and every export (older generations too: their host may not
@@ -443,6 +479,15 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
 
     def _live_exports(self) -> dict[str, dict[str, Any]]:
         return {e["id"]: e for e in self._q("query-block-exports")}
+
+    def _live_groups(self) -> set[str]:
+        try:
+            objects = self._q("qom-list", {"path": "/objects"})
+        except QmpCommandError as exc:
+            if exc.error_class != "DeviceNotFound":
+                raise
+            return set()  # QEMU makes /objects with the daemon's first object
+        return {str(o["name"]) for o in objects if str(o.get("type", "")) == "child<throttle-group>"}
 
     def _live_nodes(self) -> dict[str, int | None]:
         return {n["node-name"]: n.get("image", {}).get("virtual-size")
@@ -502,8 +547,26 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
     def _open_chain(self, served: _Served, chain: _Chain, live: _Live) -> bool:
         """Open ``chain`` unless the daemon has it; returns whether its size changed (save it: a
         refresh compares it with the file's)."""
-        if chain.raw_node in live.nodes:
+        if chain.top() in live.nodes:
             return False
+        # Leftovers of an interrupted attempt (a raw node that has a parent, a copy's filter, stays).
+        self._del_nodes(tuple(n for n in (chain.fair_node, chain.throttle_node) if n), live)
+        if chain.raw_node not in live.nodes:
+            self._open_format(served, chain, live)
+        try:
+            self._open_throttles(served, chain, live)
+        except QmpError:
+            live.nodes = self._live_nodes()
+            self._del_nodes(chain.nodes(), live)
+            raise
+        live.nodes = self._live_nodes()
+        # The chain serves the size its node had when it was opened, for good.
+        size = live.nodes.get(chain.raw_node)
+        changed, chain.size = size != chain.size, size
+        return changed
+
+    def _open_format(self, served: _Served, chain: _Chain, live: _Live) -> None:
+        """The chain's file (or RBD) node and its format node."""
         self._del_nodes((chain.file_node,), live)  # the leftover of an interrupted attempt
         if served.rbd is not None:
             self._add_rbd_node(chain.file_node, served.rbd, read_only=chain.read_only, what=served.key)
@@ -517,20 +580,74 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             live.nodes[chain.file_node] = None
             self._del_nodes((chain.file_node,), live)
             raise
-        live.nodes = self._live_nodes()
-        # The chain serves the size its node had when it was opened, for good.
-        size = live.nodes.get(chain.raw_node)
-        changed, chain.size = size != chain.size, size
-        return changed
+        live.nodes[chain.raw_node] = None
+
+    def _open_throttles(self, served: _Served, chain: _Chain, live: _Live) -> None:
+        """The key's throttle node on the raw node, the fair-dispatch one on it; their groups first.
+        A point-in-time copy's filter goes above them (below, QEMU 7.2 aborts when two stacked
+        filters are dropped): the copy reads through the volume's limits, as a hypervisor's would."""
+        if chain.throttle_node is None:
+            return
+        group = _group_id(served.key)
+        self._set_group(group, served.limits.qos if served.limits else None, live)
+        self._q("blockdev-add", {"driver": "throttle", "node-name": chain.throttle_node, "throttle-group": group,
+                                 "file": chain.raw_node, "read-only": chain.read_only})
+        live.nodes[chain.throttle_node] = None
+        if chain.fair_node is None or chain.fair_group is None:
+            return
+        fair_type = chain.fair_group.removeprefix(_fair_group_id(""))
+        self._set_group(chain.fair_group, self.fair_share.get(fair_type), live)
+        self._q("blockdev-add", {"driver": "throttle", "node-name": chain.fair_node, "throttle-group": chain.fair_group,
+                                 "file": chain.throttle_node, "read-only": chain.read_only})
+        live.nodes[chain.fair_node] = None
+
+    def _set_group(self, group: str, qos: QoS | None, live: _Live) -> None:
+        """Make the throttle group, or change its limits in place (members keep their queued I/O)."""
+        limits = throttle_limits(qos)
+        if group in live.groups:
+            self._q("qom-set", {"path": f"/objects/{group}", "property": "limits", "value": limits})
+            return
+        self._q("object-add", {"qom-type": "throttle-group", "id": group, "limits": limits})
+        live.groups.add(group)
+
+    def _fair_group(self, served: _Served) -> str | None:
+        volume_type = served.limits.volume_type if served.limits else None
+        return _fair_group_id(volume_type) if volume_type in self.fair_share else None
+
+    # -- limits (vbs.storage.exports.base.LimitEnforcer) ------------------------------------------------
+
+    def set_limits(self, key: str, limits: ExportLimits) -> bool:
+        """See ``LimitEnforcer``: recorded with the key (``exports.json``), applied to its group live.
+        A key not served yet keeps them until its first export. A chain's fair-dispatch group is the
+        one of the type the key had when the chain was opened (a type change moves it at its next
+        chain: after a resize or a re-attach)."""
+        check_key(key)
+        with self._lock:
+            self._up()
+            served = self._desired.get(key)
+            if served is None:
+                self._pending_limits.pop(key, None)
+                self._pending_limits[key] = limits
+                while len(self._pending_limits) > _MAX_PENDING_LIMITS:
+                    # Keys never exported after all (a native RBD connection): the oldest go.
+                    del self._pending_limits[next(iter(self._pending_limits))]
+                return True
+            served.limits = limits
+            self._save()
+            live = self._view()
+            if any(c.top() in live.nodes for c in served.chains):
+                self._set_group(_group_id(key), limits.qos, live)
+            log.info("limits of %s: %s", key, limits.qos.model_dump(exclude_none=True) if limits.qos else "none")
+            return all(c.throttle_node is not None for c in served.chains)
 
     def _top(self, served: _Served, chain: _Chain, live: _Live) -> str:
         """The node exports of ``chain`` go on: the filter of the oldest copy that runs on it (copy
-        filters stack below the first one), else the raw node."""
+        filters stack below the first one), else the chain's top node."""
         for copy in served.copies:
             filter_node = _copy_names(copy.id)[2]
             if copy.gen == chain.gen and filter_node in live.nodes:
                 return filter_node
-        return chain.raw_node
+        return chain.top()
 
     def _open_export(self, served: _Served, exp: _HostExport, live: _Live, *, replace: bool = False) -> bool:
         """Add ``exp`` (and its chain) unless the daemon has it; returns whether a chain size changed.
@@ -586,10 +703,10 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             if export_id in known or _key_host(export_id) != (key, host):
                 continue
             self._close_export(export_id, live)
-            raw = str(info.get("node-name", ""))
-            in_use = any(e.get("node-name") == raw for e in live.exports.values())
-            if raw.startswith("vbsr") and raw not in ours and not in_use:
-                self._del_nodes((raw, "vbsf" + raw[4:]), live)
+            top = str(info.get("node-name", ""))
+            in_use = any(e.get("node-name") == top for e in live.exports.values())
+            if top[:4] in _CHAIN_PREFIXES and "vbsr" + top[4:] not in ours and not in_use:
+                self._del_nodes(tuple(prefix + top[4:] for prefix in _CHAIN_PREFIXES), live)
 
     def _in_use(self, served: _Served, gen: int, live: _Live) -> bool:
         return any(e.gen == gen for e in served.exports) or any(
@@ -601,11 +718,15 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         changed = False
         for chain in list(served.chains):
             if not self._in_use(served, chain.gen, live):
-                self._del_nodes((chain.raw_node, chain.file_node), live)  # raw first: it holds the file node
+                self._del_nodes(chain.nodes(), live)  # parents first: each holds the next
                 served.chains.remove(chain)
                 changed = True
         if not (served.chains or served.exports or served.copies) and self._desired.get(served.key) is served:
             del self._desired[served.key]
+            group = _group_id(served.key)
+            if group in live.groups:
+                self._q("object-del", {"id": group})
+                live.groups.discard(group)
             changed = True
         return changed
 
@@ -674,7 +795,8 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
                 ) -> Connection:
         """A name of its own for the host, on the key's newest chain (a new chain if that one is
         stale or read-only for a writer)."""
-        served = item or _Served(key=key, **ServedKey.fields_of(source))
+        served = item or _Served(key=key, **ServedKey.fields_of(source), limits=self._pending_limits.get(key))
+        self._pending_limits.pop(key, None)
         cur = served.current(host.name)
         live = self._view()
         if cur is not None:
@@ -689,7 +811,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             if chain is not None and self._copying(served, live):
                 # A new chain would escape the copy-before-write filter of the running copy.
                 raise RetryLater(f"a point-in-time copy of {key} is running; a new chain of it must wait")
-            chain = _new_chain(key, served.next_gen(), read_only)
+            chain = _new_chain(key, served.next_gen(), read_only, self._fair_group(served))
         exp = self._add_export(served, host.name, chain, read_only, live)
         log.info("exported %s to %s as NBD export (tls=%s)", key, host.name, self.tls)
         return self._connection(exp)
@@ -749,7 +871,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             return self._connection(cur)
         newest = item.newest()
         if newest is None or not _fits(newest, cur.read_only, size):
-            newest = _new_chain(item.key, item.next_gen(), cur.read_only)
+            newest = _new_chain(item.key, item.next_gen(), cur.read_only, self._fair_group(item))
         exp = self._add_export(item, host_name, newest, cur.read_only, live)
         log.info("refreshed the NBD export of %s for %s: chain %d serves %d bytes",
                  item.key, host_name, exp.gen, newest.size or 0)
@@ -829,7 +951,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         chain = served.newest()
         if chain is None:
             # Opened writable: a host that attaches during the copy joins this chain, below the filter.
-            chain = _new_chain(served.key, served.next_gen(), False)
+            chain = _new_chain(served.key, served.next_gen(), False, self._fair_group(served))
         elif chain.size != size or any(not e.read_only and e.gen != chain.gen for e in served.exports):
             # Writes through another chain would not pass the copy's filter: wait until every
             # writer is on the newest one (a refresh retired, or an export older than this agent gone).
@@ -856,7 +978,7 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             self._del_nodes((target_node,), live)  # the leftover of an interrupted start
             self._add_file_node(target_node, str(target), read_only=False, what=copy_id)
             live.nodes[target_node] = size
-            backup: dict[str, Any] = {"job-id": job, "device": chain.raw_node, "target": target_node,
+            backup: dict[str, Any] = {"job-id": job, "device": chain.top(), "target": target_node,
                                       "sync": "full", "auto-dismiss": False, "filter-node-name": filter_node}
             if self.copy_speed:
                 backup["speed"] = self.copy_speed
@@ -966,4 +1088,15 @@ class _NbdOptions(BaseModel):
     aio: Literal["native", "threads", "io_uring"] = "native"
     cache_direct: bool = True
     copy_speed: int = Field(0, ge=0)
+    # [storage_agent.options.nbd.fair_share.gp3] iops = …, mbps = …: what this node's gp3 volumes share.
+    fair_share: dict[str, QoS] = Field(default_factory=dict, max_length=16)
+
+
+def _checked_fair_share(fair_share: dict[str, QoS]) -> dict[str, QoS]:
+    for volume_type, qos in fair_share.items():
+        if not re.fullmatch(VOLUME_TYPE_RE, volume_type):
+            raise InvalidParameter(f"fair_share: invalid volume type {volume_type[:20]!r}")
+        if not qos.limits_anything():
+            raise InvalidParameter(f"fair_share.{volume_type}: give iops, mbps or both")
+    return dict(fair_share)
 
