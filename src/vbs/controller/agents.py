@@ -21,7 +21,18 @@ from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
 from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
-from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, PauseAnswer, PauseVm, QoS, ResizeDisk
+from vbs.wire.host import (
+    AttachDisk,
+    CopyDisk,
+    DiskInfo,
+    DiskList,
+    MigrationInfo,
+    PauseAnswer,
+    PauseVm,
+    QoS,
+    ResizeDisk,
+    StartMigration,
+)
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -155,10 +166,23 @@ class HostAgent:
         self._client = client
 
     def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool,
-               qos: QoS | None, luks: SecretStr | None = None) -> DiskInfo:
+               qos: QoS | None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
                                     AttachDisk(connection=connection, read_only=read_only, qos=qos,
-                                               luks_passphrase=luks))
+                                               luks_passphrase=luks, pci_slot=pci_slot))
+
+    def migration_info(self, vm_id: str) -> MigrationInfo:
+        return self._client.request("GET", f"/v1/vms/{vm_id}/migration", MigrationInfo)
+
+    def listen_for_migration(self, vm_id: str) -> MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration/incoming", MigrationInfo)
+
+    def migrate(self, vm_id: str, uri: str) -> MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration", MigrationInfo, StartMigration(uri=uri))
+
+    def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
+        return self._client.request("DELETE", f"/v1/vms/{vm_id}/migration", MigrationInfo,
+                                    params={"resume": str(resume).lower()})
 
     def pause(self, vm_id: str, hold_s: int) -> bool:
         """Pause the VM (the agent resumes it after ``hold_s`` at the latest); whether VBS paused it."""

@@ -110,7 +110,8 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     reported = {vm.vm_id for vm in hb.vms}
     for vm in hb.vms:
         inst = known.get(vm.vm_id)
-        state = "running" if vm.running else "stopped"
+        # "incoming": the destination of a live migration, waiting for it (vbs.controller.live_migrations).
+        state = "running" if vm.running else "incoming" if vm.status == "inmigrate" else "stopped"
         cloud_ids = json.dumps(vm.cloud_ids, sort_keys=True)
         if inst is None:
             session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
