@@ -12,6 +12,8 @@ points are behind ``torture``).
 from __future__ import annotations
 
 import hashlib
+import json
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -186,3 +188,23 @@ def test_a_controller_killed_mid_migration_converges(services: Services, tmp_pat
             the_guest_lives_on_h2(setup)
         else:
             the_guest_stayed_on_h1(setup)
+
+
+@pytest.mark.torture
+def test_an_orchestrators_own_migration_is_followed(services: Services, tmp_path: Path) -> None:
+    """No `vbs migrate-instance`: VBS sees the destination VM waiting on h2 (heartbeat, then a reconcile
+    pass), prepares the volume there; the orchestrator migrates with QEMU's own commands; VBS then moves
+    the attachment and revokes h1."""
+    with migration_setup(services, tmp_path, VBS_CONTROLLER_RECONCILE_INTERVAL_S="2") as setup:
+        twin = setup.start_twin()
+        device = f"vbs-{ids.virtio_serial(setup.volume_id)}-dev"
+        wait_until(lambda: device in {c["name"] for c in twin.qmp("qom-list", {"path": "/machine/peripheral"})},
+                   60, what="VBS plugging the volume into the destination VM")
+        twin.qmp("migrate-incoming", {"uri": "tcp:127.0.0.1:0"})
+        port = twin.qmp("query-migrate")["socket-address"][0]["port"]
+        setup.source.qmp("migrate", {"uri": f"tcp:127.0.0.1:{port}"})
+        wait_until(lambda: setup.attachment_hosts() == ["h2"], 120, what="the attachment following to h2")
+        with sqlite3.connect(services.data_dir / "vbs.db") as db:
+            found = db.execute("SELECT status, params FROM operations WHERE kind = 'migrate-instance'").fetchall()
+        assert [(status, json.loads(params)["external"]) for status, params in found] == [("succeeded", True)]
+        the_guest_lives_on_h2(setup)
