@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.attachments import instance_not_found
-from vbs.controller.db import Attachment, Instance, Node, Volume
+from vbs.controller.db import Attachment, Instance, Node, Operation, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_info, is_alive
@@ -124,13 +124,19 @@ def start_external_migrations(svc: Controller, grace_s: float = EXTERNAL_GRACE_S
     issues the migrate itself, starts first)."""
     cutoff = utcnow() - timedelta(seconds=grace_s)
     with svc.db.read() as s:
-        incoming = list(s.execute(select(Instance.host, Instance.vm_id).where(Instance.state == INCOMING,
-                                                                              Instance.first_seen <= cutoff)))
+        incoming = list(s.execute(select(Instance.host, Instance.vm_id, Instance.first_seen).where(
+            Instance.state == INCOMING, Instance.first_seen <= cutoff)))
         candidates = []
-        for target_host, vm_id in incoming:
+        for target_host, vm_id, waiting_since in incoming:
             source = s.scalar(select(Instance).where(Instance.vm_id == vm_id, Instance.host != target_host,
                                                      Instance.state == "running"))
             if source is None:
+                continue
+            # A destination a migration already tried (and rolled back from) is not taken again: the
+            # orchestrator starts a new one to retry.
+            tried = s.scalar(select(Operation.id).where(Operation.kind == KIND, Operation.resource_id == source.id,
+                                                        Operation.created_at >= waiting_since))
+            if tried is not None:
                 continue
             attached = s.scalar(select(Attachment.id).where(Attachment.host == source.host,
                                                             Attachment.vm_id == vm_id,

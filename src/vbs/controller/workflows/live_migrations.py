@@ -196,9 +196,15 @@ def plug_into_target(ctx: StepContext[LiveMigrationParams]) -> None:
         raise IncorrectState(f"VM {p.vm_id} on {p.target_host} is {state.status}, not waiting for an incoming "
                              "migration: start the destination QEMU with -incoming defer")
     try:
-        slots = {d.serial: d.pci_slot for d in source.list_disks(p.vm_id)}
+        on_source = source.list_disks(p.vm_id)
     except NotFound:
-        slots = {}
+        on_source = []
+    # The destination must get exactly the source's devices, else QEMU refuses the stream at the end.
+    strays = sorted(d.serial for d in on_source if not d.connected or d.serial not in {x.serial for x in p.disks})
+    if strays:
+        raise IncorrectState(f"VM {p.vm_id} on {p.source_host} holds disks {', '.join(strays)} that VBS detached "
+                             "(its guest has not released them) or does not know: it cannot be migrated with them")
+    slots = {d.serial: d.pci_slot for d in on_source}
     for d in p.disks:
         conn = ctx.memo.get(d.serial)
         if conn is None:
