@@ -3,7 +3,7 @@
 Each host has its own driver and VM directory: the source VM runs, the destination (same VM id) waits
 with ``-incoming defer``. Disks land in the source's PCI slots, the destination listens on a port it
 tells, the source streams to it; a cancelled migration leaves the source running; repeated calls
-change nothing.
+change nothing; hosts with certificates accept a TLS stream only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import private_qmp, stop_process, wait_until
 from vbs.errors import IncorrectState
 from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.pki import CertificateAuthority
+from vbs.qemu_tls import X509Files
 from vbs.testguest.guest import qmp_execute
 from vbs.wire.connection import FileConnection
 from vbs.wire.host import StartMigration
@@ -105,3 +107,46 @@ def test_a_cancelled_migration_leaves_the_source_running(hosts: tuple[QemuDriver
     assert (stopped.status, stopped.state) == ("running", "cancelled")
     with pytest.raises(IncorrectState):
         source.listen_for_migration("vm1")  # a running VM is no destination
+
+
+@pytest.fixture
+def tls_hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
+    """``hosts`` with each driver holding its host's certificate from one CA (as `vbs up --tls` issues them)."""
+    ca = CertificateAuthority(tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "ca-key.pem")
+    procs = [start_vm(tmp_path / "h1" / "vms"), start_vm(tmp_path / "h2" / "vms", "-incoming", "defer")]
+    drivers = []
+    for name in ("h1", "h2"):
+        files = ca.issue(name, ["127.0.0.1"], tmp_path / name / "cert.pem", tmp_path / name / "key.pem")
+        drivers.append(QemuDriver(tmp_path / name / "vms", qmp_timeout=5.0, secrets_dir=tmp_path / name / "secrets",
+                                  x509=X509Files(files.cert, files.key, files.ca)))
+    volumes = tmp_path / "volumes"
+    volumes.mkdir()
+    for serial in SERIALS:
+        with (volumes / serial).open("wb") as fh:
+            fh.truncate(64 << 20)
+    try:
+        yield drivers[0], drivers[1], volumes
+    finally:
+        for driver in drivers:
+            driver.close()
+        for proc in procs:
+            stop_process(proc)
+
+
+def test_hosts_with_certificates_migrate_over_tls_only(tls_hosts: tuple[QemuDriver, QemuDriver, Path],
+                                                       tmp_path: Path) -> None:
+    source, target, volumes = tls_hosts
+    plug_both(source, target, volumes)
+    uri = target.listen_for_migration("vm1").uri
+    assert uri is not None
+    # A peer without a certificate is refused: the destination keeps waiting for the real source.
+    source_monitor = private_qmp(tmp_path / "h1" / "vms", "vm1")
+    qmp_execute(source_monitor, "migrate", {"uri": uri})
+    wait_until(lambda: qmp_execute(source_monitor, "query-migrate").get("status") == "failed", 30,
+               what="the plain-text stream failing")
+    assert target.migration_info("vm1").status == "inmigrate"
+    assert qmp_execute(source_monitor, "query-status")["status"] == "running"
+    # The host's own credentials: the guest moves.
+    source.migrate("vm1", StartMigration(uri=uri))
+    wait_until(lambda: target.migration_info("vm1").status == "running", 30, what="the TLS migration")
+    assert source.migration_info("vm1").status == "postmigrate"

@@ -237,6 +237,8 @@ class QemuDriver:
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
         # This host's certificate as QEMU's NBD client presents it to X.509 export servers.
         self.x509_dir = qemu_x509_dir(x509, self.secrets_dir / "x509", "client") if x509 else None
+        # The same certificate as a live migration's destination presents it (it serves both ways).
+        self.x509_server_dir = qemu_x509_dir(x509, self.secrets_dir / "x509-server", "server") if x509 else None
         # iSCSI served through TLS: QEMU dials this host's end of a tunnel to the storage portal.
         self.tunnels = IscsiTunnels(self.secrets_dir / "tunnels", x509)
         self._guard = threading.Lock()  # guards the three dicts below
@@ -308,10 +310,11 @@ class QemuDriver:
         return self._on_present_vm(vm_id, lambda vm: migration.migration_info(vm.cmd, vm_id))
 
     def listen_for_migration(self, vm_id: str) -> MigrationInfo:
-        return self._on_present_vm(vm_id, lambda vm: migration.listen(vm.cmd, vm_id, self.migration_address))
+        return self._on_present_vm(vm_id, lambda vm: migration.listen(vm.cmd, vm_id, self.migration_address,
+                                                                      self.x509_server_dir))
 
     def migrate(self, vm_id: str, target: StartMigration) -> MigrationInfo:
-        return self._on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target))
+        return self._on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target, self.x509_dir))
 
     def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
         return self._on_present_vm(vm_id, lambda vm: migration.cancel(vm.cmd, vm_id, resume=resume))

@@ -8,6 +8,11 @@ port), and ``send`` has the source stream to it. Every call answers the VM's sid
 (``MigrationInfo``), so repeating one after a crash changes nothing: a destination already listening
 is not asked again, a source already migrating (or migrated: ``postmigrate``) is not sent twice.
 
+Hosts with X.509 credentials (``tls_cert``/``tls_key``/``tls_ca``) migrate over TLS only: the
+destination takes the stream from a peer whose certificate chains to the CA (``verify-peer``), the
+source checks the destination's certificate against the address it dials. Without them the stream
+is plain TCP (an insecure install: anyone reaching the port first could feed the destination).
+
 ``cancel`` stops a source's migration that has not completed. A source whose migration completed
 is resumed only when asked (the controller asks when the destination did not take the guest over:
 it died). ``cont`` on a ``postmigrate`` source whose destination runs would run the guest twice.
@@ -17,13 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vbs.errors import IncorrectState
 from vbs.qmp import QmpCommandError
 from vbs.wire.host import MigrationInfo, StartMigration
 
-__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "ACTIVE_STATES"]
+__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "ACTIVE_STATES", "TLS_ID"]
 
 Command = Callable[..., Any]
 
@@ -31,6 +37,8 @@ Command = Callable[..., Any]
 ACTIVE_STATES = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling",
                            "postcopy-active", "postcopy-paused", "postcopy-recover"})
 _CANCEL_WAIT_S = 10.0
+# The tls-creds-x509 object a migrating VM's stream uses (server on a destination, client on a source).
+TLS_ID = "vbs-migration-tls"
 
 
 def pci_slot(devfn: int) -> str:
@@ -54,26 +62,41 @@ def migration_info(cmd: Command, vm_id: str) -> MigrationInfo:
                          error=str(found["error-desc"])[:2000] if found.get("error-desc") else None)
 
 
-def listen(cmd: Command, vm_id: str, address: str) -> MigrationInfo:
-    """Have a destination VM wait for the migration stream on an ephemeral port of ``address``."""
+def _use_tls(cmd: Command, x509_dir: Path | None, endpoint: str, hostname: str | None = None) -> None:
+    """Make the stream TLS with this host's credentials in ``x509_dir`` (None: plain TCP)."""
+    if x509_dir is None:
+        return
+    objects = {c["name"] for c in cmd("qom-list", {"path": "/objects"}) if c["type"].startswith("child<")}
+    if TLS_ID not in objects:
+        cmd("object-add", {"qom-type": "tls-creds-x509", "id": TLS_ID, "dir": str(x509_dir), "endpoint": endpoint,
+                           "verify-peer": True})
+    cmd("migrate-set-parameters", {"tls-creds": TLS_ID, **({"tls-hostname": hostname} if hostname else {})})
+
+
+def listen(cmd: Command, vm_id: str, address: str, x509_dir: Path | None = None) -> MigrationInfo:
+    """Have a destination VM wait for the migration stream on an ephemeral port of ``address`` (over TLS
+    with the server credentials in ``x509_dir``)."""
     info = migration_info(cmd, vm_id)
     if info.status != "inmigrate":
         raise IncorrectState(f"VM {vm_id} is {info.status}, not waiting for an incoming migration "
                              "(start its QEMU with -incoming defer)")
     if info.uri is None:
+        _use_tls(cmd, x509_dir, "server")
         host = f"[{address}]" if ":" in address else address
         cmd("migrate-incoming", {"uri": f"tcp:{host}:0"})
         info = migration_info(cmd, vm_id)
     return info
 
 
-def send(cmd: Command, vm_id: str, target: StartMigration) -> MigrationInfo:
-    """Start migrating the source VM to ``target`` unless it migrates (or migrated) already."""
+def send(cmd: Command, vm_id: str, target: StartMigration, x509_dir: Path | None = None) -> MigrationInfo:
+    """Start migrating the source VM to ``target`` unless it migrates (or migrated) already (over TLS
+    with the client credentials in ``x509_dir``, the destination's certificate checked for its address)."""
     info = migration_info(cmd, vm_id)
     if info.status == "postmigrate" or info.state in ACTIVE_STATES:
         return info
     if info.status not in ("running", "paused"):
         raise IncorrectState(f"VM {vm_id} is {info.status}: it cannot be migrated")
+    _use_tls(cmd, x509_dir, "client", target.uri.split(":", 1)[1].rsplit(":", 1)[0].strip("[]"))
     cmd("migrate", {"uri": target.uri})
     return migration_info(cmd, vm_id)
 
