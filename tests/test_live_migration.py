@@ -157,6 +157,12 @@ def test_the_volume_follows_the_live_migrated_instance(services: Services, tmp_p
         instance = next(i for i in services.vbs.http.get("/v1/instances").json()["instances"]
                         if i["instance_id"] == setup.instance_id)
         assert (instance["host"], instance["state"]) == ("h2", "running")
+        # The attachment is h2's now: a detach unplugs the disk from the guest there.
+        assert services.vbs.http.post(f"/v1/volumes/{setup.volume_id}/detach", json={}).status_code == 200
+        services.vbs.wait_volume(setup.volume_id, "available")
+        assert setup.twin is not None
+        setup.twin.wait_disk_gone(ids.virtio_serial(setup.volume_id), 30)
+        assert setup.exports() == set()
 
 
 CRASH_POINTS = [
