@@ -183,6 +183,9 @@ class MigrationInfo(Wire):
     transferred_bytes: int = Field(0, ge=0)
     remaining_bytes: int = Field(0, ge=0)
     total_bytes: int = Field(0, ge=0)
+    # Of a completed migration (the source's): how long it took, and how long the guest was stopped.
+    total_time_ms: int | None = Field(None, ge=0)
+    downtime_ms: int | None = Field(None, ge=0)
     error: str | None = Field(None, max_length=2000)
 
 

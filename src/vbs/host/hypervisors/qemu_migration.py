@@ -58,7 +58,8 @@ def migration_info(cmd: Command, vm_id: str) -> MigrationInfo:
             break
     return MigrationInfo(vm_id=vm_id, status=status, state=found.get("status"), uri=uri,
                          transferred_bytes=int(ram.get("transferred", 0)), remaining_bytes=int(ram.get("remaining", 0)),
-                         total_bytes=int(ram.get("total", 0)),
+                         total_bytes=int(ram.get("total", 0)), total_time_ms=_ms(found.get("total-time")),
+                         downtime_ms=_ms(found.get("downtime")),
                          error=str(found["error-desc"])[:2000] if found.get("error-desc") else None)
 
 
@@ -71,6 +72,10 @@ def _use_tls(cmd: Command, x509_dir: Path | None, endpoint: str, hostname: str |
         cmd("object-add", {"qom-type": "tls-creds-x509", "id": TLS_ID, "dir": str(x509_dir), "endpoint": endpoint,
                            "verify-peer": True})
     cmd("migrate-set-parameters", {"tls-creds": TLS_ID, **({"tls-hostname": hostname} if hostname else {})})
+
+
+def _ms(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def listen(cmd: Command, vm_id: str, address: str, x509_dir: Path | None = None) -> MigrationInfo:
