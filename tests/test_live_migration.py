@@ -214,3 +214,22 @@ def test_an_orchestrators_own_migration_is_followed(services: Services, tmp_path
             found = db.execute("SELECT status, params FROM operations WHERE kind = 'migrate-instance'").fetchall()
         assert [(status, json.loads(params)["external"]) for status, params in found] == [("succeeded", True)]
         the_guest_lives_on_h2(setup)
+
+
+@pytest.mark.torture
+def test_a_migration_whose_destination_dies_rolls_back(services: Services, tmp_path: Path) -> None:
+    """The orchestrator's destination QEMU dies while the guest streams: the source keeps running the
+    guest, h2's export is revoked and the attachment stays on h1."""
+    with migration_setup(services, tmp_path) as setup:
+        twin = setup.start_twin()
+        # Slow enough to be caught streaming: the guest's RAM at 1 MiB/s.
+        setup.source.qmp("migrate-set-parameters", {"max-bandwidth": 1 << 20})
+        op_id = services.vbs.http.post(f"/v1/instances/{setup.instance_id}/migrations",
+                                       json={"host": "h2"}).json()["operation_id"]
+        wait_until(lambda: setup.source.qmp("query-migrate").get("status") == "active", 60, what="streaming")
+        twin.stop()
+        final = wait_until(lambda: (op := operation(services, op_id))["status"] not in ("running", "rolling-back")
+                           and op, 120, what="the operation to end")
+        assert final["status"] == "rolled-back" and "did not complete" in final["error"], final
+        setup.source.qmp("migrate-set-parameters", {"max-bandwidth": 128 << 20})
+        the_guest_stayed_on_h1(setup)
