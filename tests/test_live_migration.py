@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Services, wait_until
+from tests.conftest import Services, stop_process, wait_until
 from vbs import ids
 from vbs.testguest import TestGuest, build_guest
 from vbs.testguest.guest import pattern_sha256
@@ -233,3 +233,30 @@ def test_a_migration_whose_destination_dies_rolls_back(services: Services, tmp_p
         assert final["status"] == "rolled-back" and "did not complete" in final["error"], final
         setup.source.qmp("migrate-set-parameters", {"max-bandwidth": 128 << 20})
         the_guest_stayed_on_h1(setup)
+
+
+@pytest.mark.torture
+def test_a_source_host_that_dies_after_the_switch_over_does_not_hold_the_attachment_back(
+        services: Services, tmp_path: Path) -> None:
+    """The controller dies as the guest starts on h2, and h1's agent dies too: on restart the operation
+    goes forward on h2's word alone, leaves the unplug on h1 out once it keeps failing, revokes h1's
+    export and records the attachment on h2."""
+    with migration_setup(services, tmp_path, VBS_CRASH_AT="migrate-instance:live-migrate:done") as setup:
+        setup.start_twin()
+        op_id = services.vbs.http.post(f"/v1/instances/{setup.instance_id}/migrations",
+                                       json={"host": "h2"}).json()["operation_id"]
+        services.wait_controller_killed()
+        stop_process(services.host_agents[0])  # h1's agent
+        services.start_controller(VBS_CONTROLLER_GIVE_UP_AFTER_S="6")
+        final = wait_until(lambda: (op := operation(services, op_id))["status"] not in ("running", "rolling-back")
+                           and op, 120, what="the operation to end")
+        assert final["status"] == "succeeded", final
+        assert [(s["name"], s["state"]) for s in final["steps"]][3:] == [
+            ("source-unplug", "skipped"), ("source-unexport", "done"), ("switch-host", "done")]
+        assert setup.attachment_hosts() == ["h2"]
+        assert setup.exports() == {(setup.volume_id, "h2")}
+        twin = setup.twin
+        assert twin is not None
+        twin.check("touch /tmp/stop")
+        wait_until(lambda: "done" in twin.check("cat /tmp/stopped 2>/dev/null || true"), 30, what="the writer")
+        assert twin.checksum(setup.dev, CHECKED_MIB) == setup.file_sha(CHECKED_MIB)

@@ -33,7 +33,7 @@ from vbs.controller.nodes import host_identity, host_info
 from vbs.controller.states import LIVE_ATTACHMENT
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.storage import data_key, waiting
-from vbs.errors import DriverError, IncorrectState, NotFound
+from vbs.errors import DriverError, IncorrectState, NotFound, VbsError
 from vbs.host.hypervisors.qemu_migration import ACTIVE_STATES
 from vbs.wire.host import MigrationInfo, QoS
 
@@ -131,8 +131,18 @@ def _target_has_disks(ctx: StepContext[LiveMigrationParams]) -> bool:
 
 
 def locate(ctx: StepContext[LiveMigrationParams]) -> GuestAt:
+    """``locate_guest`` from the agents. A source host that does not answer (it may be the reason for
+    the migration) is no obstacle once the destination runs the guest: QEMU starts an incoming VM only
+    when its migration completed."""
     p = ctx.params
-    source, target = _info(ctx, p.source_host), _info(ctx, p.target_host)
+    try:
+        source: MigrationInfo | None = _info(ctx, p.source_host)
+    except VbsError as exc:
+        target = _info(ctx, p.target_host)
+        if target is not None and target.status == "running" and _target_has_disks(ctx):
+            return GuestAt.TARGET
+        raise exc
+    target = _info(ctx, p.target_host)
     has_disks = target is not None and target.status != "inmigrate" and _target_has_disks(ctx)
     return locate_guest(source, target, has_disks)
 
@@ -310,8 +320,11 @@ MIGRATE_INSTANCE = Workflow(
     steps=(Step("target-export", export_to_target, undo=unexport_from_target),
            Step("target-plug", plug_into_target, undo=unplug_from_target),
            Step("live-migrate", live_migrate, undo=stop_migration),
-           Step("source-unplug", unplug_from_source),
-           Step("source-unexport", unexport_from_source),
+           # Past the point of no return the attachments must reach the target whatever the source's side
+           # does: a source host (or storage node) that keeps failing is left out, and the reconciler
+           # removes what it holds (its exports are orphans once the attachments say the target).
+           Step("source-unplug", unplug_from_source, skippable=lambda ctx: True),
+           Step("source-unexport", unexport_from_source, skippable=lambda ctx: True),
            Step("switch-host", switch_host, ends=True)),
     committed=guest_moved,
 )
