@@ -328,6 +328,7 @@ class Services:
         self.controller: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.host_agent: subprocess.Popen[bytes] | None = None
+        self.host_agents: list[subprocess.Popen[bytes]] = []  # every one started (host_agent: the last)
         self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir, self.key)
 
     def node_env(self, kind: str, name: str) -> dict[str, str]:
@@ -388,12 +389,13 @@ class Services:
             [*VBS, "host-agent", "--node-name", name, "--port", str(free_port()), "--controller-url",
              self.vbs.endpoint, "--vm-dir", str(vm_dir)],
             env=env, stdout=self._log(name), stderr=subprocess.STDOUT)
+        self.host_agents.append(self.host_agent)
         wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
                                self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent")
         return vm_dir
 
     def stop(self) -> None:
-        for proc in (self.host_agent, self.agent, self.controller):
+        for proc in (*self.host_agents, self.agent, self.controller):
             if proc is not None:
                 stop_process(proc)
         reap_daemons(self.data_dir / "storage-state")

@@ -283,8 +283,8 @@ def test_vms_are_discovered_by_their_sockets_and_stale_ones_skipped(driver: Qemu
     finally:
         stale.unlink()
         (vm_dir / "notes.txt.qmp").unlink()
-    assert VmInfo(vm_id="guest1", name="guest1", running=True) in vms
-    assert VmInfo(vm_id="bare", name="bare-vm", running=True) in vms
+    assert VmInfo(vm_id="guest1", name="guest1", running=True, status="running") in vms
+    assert VmInfo(vm_id="bare", name="bare-vm", running=True, status="running") in vms
     assert {vm.vm_id for vm in vms} == {"guest1", "bare"}
 
 
@@ -368,7 +368,7 @@ def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
     driver = QemuDriver(tmp_path / "vms", qmp_timeout=2.0)
     try:
         proc = own_vms("vm1")
-        assert driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True)]
+        assert driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True, status="running")]
         serial = virtio_serial(vol(0x08))
         os.kill(proc.pid, signal.SIGSTOP)  # the process and its socket are there; nothing answers
         try:
@@ -383,7 +383,7 @@ def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
                 assert not isinstance(raised.value, NotFound)
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        wait_until(lambda: driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True)], 20,
+        wait_until(lambda: driver.list_vms() == [VmInfo(vm_id="vm1", name="vm1", running=True, status="running")], 20,
                    what="the VM to answer again")
         driver.attach("vm1", serial, FileConnection(path=str(volume)))
         assert [d.serial for d in driver.list_disks("vm1")] == [serial]
@@ -406,7 +406,7 @@ def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
         assert not isinstance(raised.value, NotFound)
     finally:
         other.close()
-    assert VmInfo(vm_id="guest1", name="guest1", running=True) in driver.list_vms()
+    assert VmInfo(vm_id="guest1", name="guest1", running=True, status="running") in driver.list_vms()
 
 
 # -- attach and detach ------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def test_file_volume_is_hot_plugged_written_and_unplugged(
     hv: HypervisorDriver = driver  # the host agent sees only the contract
     serial = virtio_serial(vol(0x10))
     disk, attach_s = timed(lambda: hv.attach("guest1", serial, FileConnection(path=str(volume))))
-    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=16 * MIB)
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=16 * MIB, pci_slot=disk.pci_slot)
     dev = guest.wait_for_disk(serial, timeout=10)
     assert guest.disk_size(serial) == 16 * MIB
     assert hv.list_disks("guest1") == [disk]
@@ -631,7 +631,7 @@ def test_a_guest_that_never_releases_the_disk_is_busy_and_force_cuts_its_io(
 def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriver, bare_vm: str, volume: Path) -> None:
     serial = virtio_serial(vol(0x71))
     driver.attach(bare_vm, serial, FileConnection(path=str(volume)))
-    assert VmInfo(vm_id="bare", name="bare-vm", running=True) in driver.list_vms()
+    assert VmInfo(vm_id="bare", name="bare-vm", running=True, status="running") in driver.list_vms()
     errors: list[BaseException] = []
 
     def slow_detach() -> None:  # holds the bare VM for 4 s, waiting for a guest that never answers
@@ -646,7 +646,7 @@ def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriv
     vms, took = timed(driver.list_vms)
     worker.join()
     assert took < 2.0  # waiting for the detach would take over 3.5 s
-    assert VmInfo(vm_id="bare", name="bare-vm", running=True) in vms  # as last seen
+    assert VmInfo(vm_id="bare", name="bare-vm", running=True, status="running") in vms  # as last seen
     assert len(errors) == 1
     driver.detach(bare_vm, serial, force=True, timeout=0.5)
 
@@ -665,7 +665,7 @@ def test_a_grown_file_volume_with_qos_is_resized_in_place(driver: QemuDriver, gu
     with volume.open("r+b") as f:
         f.truncate(32 * MIB)
     disk = driver.resize("guest1", serial, conn, 32 * MIB)
-    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB)
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB, pci_slot=disk.pci_slot)
     wait_until(lambda: int(guest.check(f"cat /sys/block/{dev}/size")) * 512 == 32 * MIB, 10, 0.05, what="32 MiB")
     assert vbs_nodes(guest.test_qmp_path) == {ids.throttle, ids.raw, ids.proto}
     assert guest.checksum(dev, 2) == pattern_sha256("qos", 2)
@@ -689,7 +689,7 @@ def test_a_grown_nbd_volume_moves_to_its_refreshed_export(
         f.truncate(32 * MIB)
     new = nbd_server()  # what the storage node's refresh answers: an export that has the new size
     disk, took = timed(lambda: driver.resize("guest1", serial, new, 32 * MIB))
-    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB)
+    assert disk == DiskInfo(serial=serial, read_only=False, size_bytes=32 * MIB, pci_slot=disk.pci_slot)
     wait_until(lambda: int(guest.check(f"cat /sys/block/{dev}/size")) * 512 == 32 * MIB, 10, 0.05, what="32 MiB")
     assert vbs_nodes(guest.test_qmp_path) == {ids.raw, ids.proto2}
     assert connector_for(new).qemu_node_opens(node(guest.test_qmp_path, ids.proto2), new)

@@ -118,7 +118,7 @@ def test_user_key_is_refused_on_infrastructure_and_key_routes(vbs: Vbs) -> None:
     keys_before = ok(vbs.http.get("/v1/keys"))["keys"]
     for method, path in (("GET", "/v1/hosts"), ("GET", "/v1/storage-nodes"), ("GET", "/v1/admin/check"),
                          ("POST", "/v1/admin/reconcile?now=true"), ("POST", "/v1/storage-nodes/storage-1/drain"),
-                         ("GET", "/v1/keys"),
+                         ("GET", "/v1/keys"), ("POST", "/v1/instances/i-0123456789abcdef0/migrations"),
                          ("DELETE", f"/v1/keys/{vbs.key.access_key_id}")):
         r = user.http.request(method, path)
         assert r.status_code == 403, (path, r.text)

@@ -577,6 +577,28 @@ def migrate_volume(
         raise typer.Exit(1)
 
 
+@app.command("migrate-instance")
+def migrate_instance(
+    ctx: typer.Context,
+    instance_id: str,
+    host: Annotated[str, typer.Option(help="The host where the orchestrator started the destination VM "
+                                           "(same VM id, QEMU -incoming defer).")],
+    timeout: Annotated[float, typer.Option(help="Seconds the migration itself may take.")] = 600.0,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the guest runs on the new host.")] = False,
+) -> None:
+    """Live-migrate an instance to another host with its VBS disks (admin): each volume is exported to the
+    new host too, plugged into the waiting VM, QEMU migrates the guest, then the old host's access goes."""
+    c: Context = ctx.obj
+    move = c.client.call("POST", f"/v1/instances/{instance_id}/migrations", {"host": host, "timeout_s": timeout})
+    if wait:
+        op = wait_operation(c.client, move["operation_id"], label=f"migrating {instance_id}", show=c.interactive)
+    else:
+        op = c.client.call("GET", f"/v1/operations/{move['operation_id']}")
+    output.emit({**move, "status": op["status"], "error": op["error"]}, "json")
+    if op["status"] in ("rolled-back", "failed"):
+        raise typer.Exit(1)
+
+
 @app.command("describe-availability-zones")
 def describe_availability_zones(ctx: typer.Context) -> None:
     """The zones of the storage nodes: available while one of their nodes is up."""

@@ -22,7 +22,19 @@ from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
 from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
-from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, DiskQoS, PauseAnswer, PauseVm, QoS, ResizeDisk
+from vbs.wire.host import (
+    AttachDisk,
+    CopyDisk,
+    DiskInfo,
+    DiskList,
+    DiskQoS,
+    MigrationInfo,
+    PauseAnswer,
+    PauseVm,
+    QoS,
+    ResizeDisk,
+    StartMigration,
+)
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     ConnectionAnswer,
@@ -163,10 +175,23 @@ class HostAgent:
         self._client = client
 
     def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool,
-               qos: QoS | None, luks: SecretStr | None = None) -> DiskInfo:
+               qos: QoS | None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
                                     AttachDisk(connection=connection, read_only=read_only, qos=qos,
-                                               luks_passphrase=luks))
+                                               luks_passphrase=luks, pci_slot=pci_slot))
+
+    def migration_info(self, vm_id: str) -> MigrationInfo:
+        return self._client.request("GET", f"/v1/vms/{vm_id}/migration", MigrationInfo)
+
+    def listen_for_migration(self, vm_id: str) -> MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration/incoming", MigrationInfo)
+
+    def migrate(self, vm_id: str, uri: str) -> MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration", MigrationInfo, StartMigration(uri=uri))
+
+    def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
+        return self._client.request("DELETE", f"/v1/vms/{vm_id}/migration", MigrationInfo,
+                                    params={"resume": str(resume).lower()})
 
     def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
         """Change the limits of an attached disk live (the hypervisor's throttle)."""

@@ -11,7 +11,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller import advice, attachments, modifications, moves, snapshot_sets, snapshots, tags, volumes
+from vbs.controller import (
+    advice,
+    attachments,
+    live_migrations,
+    modifications,
+    moves,
+    snapshot_sets,
+    snapshots,
+    tags,
+    volumes,
+)
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
@@ -45,8 +55,10 @@ from vbs.controller.schemas import (
     DrainRequest,
     HostList,
     InstanceList,
+    InstanceMigrationOut,
     KeyList,
     KeyOut,
+    MigrateInstanceRequest,
     MigrateVolumeRequest,
     MigrationOut,
     ModificationList,
@@ -272,6 +284,14 @@ def _node_routes(r: APIRouter) -> None:
         with svc.db.session() as s:
             return drain_storage_node(s, name, drained=not (body and body.undo),
                                       timeout_s=svc.cfg.heartbeat_timeout_s, default_zone=svc.cfg.availability_zone)
+
+    @r.post("/instances/{instance_id}/migrations", response_model=InstanceMigrationOut, tags=["nodes"],
+            dependencies=[Depends(admin)])
+    def migrate_instance(instance_id: str, body: MigrateInstanceRequest,
+                         svc: Controller = Depends(services)) -> InstanceMigrationOut:
+        """Live-migrate the instance to another host, its VBS disks with it (admin; the orchestrator started
+        the destination VM there with -incoming defer)."""
+        return live_migrations.migrate_instance(svc, instance_id, body)
 
     @r.post("/volumes/{volume_id}/migrate", response_model=MigrationOut, tags=["nodes"],
             dependencies=[Depends(admin)])

@@ -27,6 +27,7 @@ from vbs.controller.db.session import redact
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.keys import KeyStore, MasterKey
+from vbs.controller.live_migrations import start_external_migrations
 from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.reconcile import Reconciler
 from vbs.controller.resolvers import Resolvers
@@ -35,6 +36,7 @@ from vbs.controller.services import Services
 from vbs.controller.states import VolumeState
 from vbs.controller.workflows import Workflow, WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
+from vbs.controller.workflows.live_migrations import MIGRATE_INSTANCE
 from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.moves import MIGRATE_VOLUME
 from vbs.controller.workflows.snapshot_sets import CREATE_SNAPSHOT_SET
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 60.0
 
 WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
-                                  DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET]
+                                  DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET,
+                                  MIGRATE_INSTANCE]
 
 
 def database_url(cfg: ControllerConfig) -> str | None:
@@ -155,6 +158,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                      reconciler=Reconciler(services, grace_s=cfg.orphan_grace_s, interval_s=cfg.reconcile_interval_s,
                                            lease=reconcile_lease, on_findings=metrics.drift),
                      resolvers=Resolvers.from_config(cfg))
+    svc.reconciler.follow_incoming = lambda: start_external_migrations(svc)
     scheme = "https" if tls is not None and tls.serves else "http"
     registry = ControllerRegistry(db, owner, cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}")
     stop = threading.Event()

@@ -12,18 +12,27 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Attachment, Instance, Node, Volume
+from vbs.controller.db import Attachment, Instance, Node, Operation, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_info, host_is_alive, is_alive
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
-from vbs.controller.states import LIVE_ATTACHMENT, AttachmentState, VolumeState
+from vbs.controller.states import LIVE_ATTACHMENT, UNFINISHED_OPERATION, AttachmentState, VolumeState
 from vbs.controller.transitions import transition, try_transition
 from vbs.controller.volumes import live_volume
 from vbs.controller.workflows.attachments import AttachParams, DetachParams, volume_limits
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, MissingParameter, NotFound, VolumeInUse
+
+
+def migration_in_progress(s: Session, instance_id: str) -> None:
+    """Refuse a change of the instance's attachments while its disks move with it (live migration)."""
+    op = s.scalar(select(Operation.id).where(Operation.kind == "migrate-instance", Operation.resource_id == instance_id,
+                                             Operation.status.in_(UNFINISHED_OPERATION)))
+    if op is not None:
+        raise IncorrectState(f"The instance '{instance_id}' is being live-migrated ({op}); try again when it is done.",
+                             code="IncorrectInstanceState")
 
 
 def instance_not_found(what: str) -> NotFound:
@@ -74,6 +83,7 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
         lock_rows(s, Volume, volume_id)
         vol = live_volume(s, volume_id, tenant)
         inst = _resolve_instance(s, req)
+        migration_in_progress(s, inst.id)
         if inst.state != "running":
             raise IncorrectState(f"The instance '{inst.id}' is {inst.state}, not running.",
                                  code="IncorrectInstanceState")
@@ -147,6 +157,8 @@ def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, ten
         if len(live) > 1:
             raise MissingParameter("The volume is attached to several instances: give instance_id.")
         att = live[0]
+        if att.instance_id is not None:
+            migration_in_progress(s, att.instance_id)
         if not try_transition(s, Attachment, att.id, AttachmentState.DETACHING, status_reason=None):
             raise IncorrectState(f"The attachment of '{volume_id}' is {att.status}; wait until it is attached.")
         op_id = svc.engine.begin(s, "detach-volume", volume_id, DetachParams(

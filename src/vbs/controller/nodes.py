@@ -113,12 +113,15 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     reported = {vm.vm_id for vm in hb.vms}
     for vm in hb.vms:
         inst = known.get(vm.vm_id)
-        state = "running" if vm.running else "stopped"
+        # "incoming": the destination of a live migration, waiting for it (vbs.controller.live_migrations).
+        state = "running" if vm.running else "incoming" if vm.status == "inmigrate" else "stopped"
         cloud_ids = json.dumps(vm.cloud_ids, sort_keys=True)
         if inst is None:
             session.add(Instance(id=ids.new_id("instance"), host=hb.name, vm_id=vm.vm_id, name=vm.name or vm.vm_id,
                                  state=state, first_seen=now, last_seen=now, cloud_ids=cloud_ids))
         else:
+            if state == "incoming" and inst.state != "incoming":
+                inst.first_seen = now  # a new destination VM on a known id: its wait starts now
             inst.state, inst.last_seen, inst.name = state, now, vm.name or vm.vm_id
             if inst.cloud_ids != cloud_ids:
                 inst.cloud_ids = cloud_ids

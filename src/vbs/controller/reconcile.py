@@ -33,6 +33,7 @@ from vbs.controller.services import Services
 from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState, SnapshotState, VolumeState
 from vbs.controller.transitions import try_transition
 from vbs.controller.workflows.attachments import volume_limits
+from vbs.controller.workflows.live_migrations import migrating_volume_ids
 from vbs.controller.workflows.snapshots import scratch_ids
 from vbs.errors import NotFound, VbsError
 from vbs.wire.storage import ExportInfo, PoolInventory
@@ -46,7 +47,9 @@ MAY_BE_EXPORTED = (AttachmentState.ATTACHING, AttachmentState.DETACHING, *MUST_B
 
 @dataclass
 class Finding:
-    kind: str  # orphan-file, missing-file, orphan-export, missing-export, orphan-disk, missing-disk, unreachable
+    # orphan-file, missing-file, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
+    # incoming-migration
+    kind: str
     node: str
     resource_id: str
     detail: str
@@ -129,6 +132,9 @@ class Reconciler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+        # Starts the live-migration workflow for instances whose VM an orchestrator is migrating to
+        # another host (vbs.controller.live_migrations, set by the app): (instance, target host) of each.
+        self.follow_incoming: Callable[[], list[tuple[str, str]]] | None = None
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -179,6 +185,10 @@ class Reconciler:
                     report.findings.append(Finding("unreachable", node.name, node.name, exc.message))
             # Forget orphans that went away by themselves.
             self._first_seen = {k: v for k, v in self._first_seen.items() if k in seen}
+            if repair and self.follow_incoming is not None:
+                for instance_id, target in self.follow_incoming():
+                    report.findings.append(Finding("incoming-migration", target, instance_id, "an orchestrator "
+                                                   "migrates the instance here: its VBS disks follow it", "started"))
         if self._on_findings is not None:
             self._on_findings([(f.kind, f.action) for f in report.findings])
         return report
@@ -187,7 +197,8 @@ class Reconciler:
         with self.svc.db.session() as s:
             rows = s.execute(select(Operation.resource_id, Operation.params)
                              .where(Operation.status.in_(UNFINISHED_OPERATION))).all()
-        return {rid for rid, _ in rows} | {x for _, params in rows for x in scratch_ids(params or {})}
+        return ({rid for rid, _ in rows} | {x for _, params in rows for x in scratch_ids(params or {})}
+                | {x for _, params in rows for x in migrating_volume_ids(params or {})})
 
     def _orphan_due(self, key: tuple[str, str, str], seen: set[tuple[str, str, str]], ignore_grace: bool) -> bool:
         seen.add(key)

@@ -291,6 +291,25 @@ class MigrationOut(BaseModel):
     operation_id: str
 
 
+class MigrateInstanceRequest(_Request):
+    """Live-migrate the instance to ``host``, where the orchestrator started its destination VM (same VM
+    id, QEMU ``-incoming defer``); its VBS disks follow it."""
+
+    host: NodeName
+    timeout_s: float = Field(600.0, ge=10, le=86400)
+
+
+class InstanceMigrationOut(BaseModel):
+    instance_id: str
+    vm_id: str
+    source_host: str
+    target_host: str
+    volume_ids: list[str]
+    # Whether an external orchestrator runs the migrate (detected by VBS) or VBS does.
+    external: bool
+    operation_id: str
+
+
 class ResidentOut(BaseModel):
     """A volume or snapshot that lives on a storage node (any tenant's: what an operator must move)."""
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver
+from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, MigratingDriver
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
@@ -27,9 +27,11 @@ from vbs.wire.host import (
     DiskInfo,
     DiskList,
     DiskQoS,
+    MigrationInfo,
     PauseAnswer,
     PauseVm,
     ResizeDisk,
+    StartMigration,
     VmList,
 )
 from vbs.wire.storage import ItemStatus, Removed
@@ -76,6 +78,9 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
             able("enforce QoS limits", caps.qos)
         if body.luks_passphrase is not None:
             able("open encrypted (LUKS) volumes", caps.luks)
+        if body.pci_slot is not None:
+            return migrating().attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only,
+                                      qos=body.qos, luks=body.luks_passphrase, pci_slot=body.pci_slot)
         return driver.attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only, qos=body.qos,
                              luks=body.luks_passphrase)
 
@@ -110,6 +115,29 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
         if pauses is not None:
             pauses.resume(_vm(vm_id))
         return Removed()
+
+    def migrating() -> MigratingDriver:
+        if not caps.live_migration or not isinstance(driver, MigratingDriver):
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot live-migrate a VM")
+        return driver
+
+    @router.get("/vms/{vm_id}/migration")
+    def migration_info(vm_id: str) -> MigrationInfo:
+        return migrating().migration_info(_vm(vm_id))
+
+    @router.put("/vms/{vm_id}/migration/incoming")
+    def listen_for_migration(vm_id: str) -> MigrationInfo:
+        """A destination VM (``inmigrate``) waits for the stream; the answer's ``uri`` says where."""
+        return migrating().listen_for_migration(_vm(vm_id))
+
+    @router.put("/vms/{vm_id}/migration")
+    def migrate(vm_id: str, body: StartMigration) -> MigrationInfo:
+        """Stream the source VM to a destination's ``uri``; answers its progress."""
+        return migrating().migrate(_vm(vm_id), body)
+
+    @router.delete("/vms/{vm_id}/migration")
+    def cancel_migration(vm_id: str, resume: bool = False) -> MigrationInfo:
+        return migrating().cancel_migration(_vm(vm_id), resume=resume)
 
     @router.get("/vms/{vm_id}/disks")
     def list_disks(vm_id: str) -> DiskList:

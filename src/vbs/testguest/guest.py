@@ -93,6 +93,7 @@ class TestGuest:
         self._ids = itertools.count(1)
         self._write_lock = threading.Lock()  # one command line at a time onto the console
         self._started_at = 0.0
+        self._incoming = False  # a live migration's destination (incoming_twin)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -114,6 +115,7 @@ class TestGuest:
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
             "-no-reboot",
+            *(["-incoming", "defer"] if self._incoming else []),
         ]  # fmt: skip
         stderr = (self.workdir / f"{self.name}.qemu.log").open("ab")
         self._started_at = time.monotonic()
@@ -126,6 +128,21 @@ class TestGuest:
         )
         self._reader.start()
         return self
+
+    def incoming_twin(self, qmp_dir: Path, workdir: Path) -> TestGuest:
+        """Start the destination of a live migration of this guest, as an orchestrator would: the same
+        VM (name, image, machine, memory) waiting with ``-incoming defer``, its monitors in ``qmp_dir``
+        (another host agent's VM directory) and its files in ``workdir``. Once the migration completes
+        the guest runs there and its console is the twin's: use the twin for commands from then on
+        (it knows the disks this guest reported; it sees no boot)."""
+        twin = TestGuest(self.name, workdir, self.image, qmp_dir, machine=self.machine, memory_mib=self.memory_mib)
+        twin._incoming = True
+        with self._cond:
+            twin._disks = dict(self._disks)
+            twin._ready, twin.boot_seconds = self._ready, self.boot_seconds
+        # Command ids the guest has not seen: a result still due from the source is never taken for one.
+        twin._ids = itertools.count(next(self._ids) + 1_000_000)
+        return twin.start()
 
     def qmp(self, command: str, args: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
         """One QMP command on this guest's test monitor, in a connection of its own (so that any

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
+from typing import Annotated
 
 from pydantic import Field, SecretStr, field_serializer, field_validator
 
@@ -25,6 +26,10 @@ __all__ = [
     "CopyDisk",
     "HypervisorCapabilities",
     "HostHeartbeat",
+    "VmStatus",
+    "MigrationInfo",
+    "StartMigration",
+    "PCI_SLOT_RE",
     "SERIAL_RE",
     "VM_ID_RE",
     "CLOUD_SCHEME_RE",
@@ -37,6 +42,12 @@ VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # An external cloud's scheme ("nova") and one of its ids, as host agents report them.
 CLOUD_SCHEME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 CLOUD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+# Where a disk's device sits on the VM's PCI bus, as QEMU's ``addr`` takes it ("slot.function", hex): a
+# live migration's destination must place each device exactly where the source has it.
+PCI_SLOT_RE = re.compile(r"^[0-9a-f]{2}\.[0-7]$")
+# A hypervisor's run state of a VM, lower case (QEMU's RunState: "running", "paused", "inmigrate",
+# "postmigrate", ...): what a live migration's steps read.
+VmStatus = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
 
 
 class VmInfo(Wire):
@@ -49,6 +60,9 @@ class VmInfo(Wire):
     # UUID), as the hypervisor knows them (a libvirt domain's <metadata>); instance-id resolvers
     # look them up.
     cloud_ids: dict[str, str] = Field(default_factory=dict, max_length=8)
+    # The hypervisor's run state where it tells one: "inmigrate" is a destination VM waiting for a
+    # live migration (started with ``-incoming``), "postmigrate" a source whose guest went elsewhere.
+    status: VmStatus | None = None
 
     @field_validator("cloud_ids")
     @classmethod
@@ -74,6 +88,8 @@ class DiskInfo(Wire):
     read_only: bool
     size_bytes: int | None = Field(None, ge=0)
     connected: bool = True
+    # Its device's PCI slot (drivers that place devices themselves): a live migration's destination copies it.
+    pci_slot: str | None = Field(None, pattern=PCI_SLOT_RE.pattern)
 
 
 class DiskList(Wire):
@@ -86,6 +102,8 @@ class AttachDisk(Wire):
     qos: QoS | None = None
     # An encrypted volume: the passphrase of its LUKS container (capabilities.luks).
     luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+    # Put the device in this PCI slot (the source's, for a live migration's destination); None: any free one.
+    pci_slot: str | None = Field(None, pattern=PCI_SLOT_RE.pattern)
 
     @field_serializer("luks_passphrase", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
@@ -143,6 +161,34 @@ class HypervisorCapabilities(Wire):
     luks: bool = False
     # It pauses a VM (I/O drained) for a crash-consistent snapshot set of its disks (PauseVm).
     pause: bool = False
+    # It live-migrates a VM to a destination VM waiting as "inmigrate" on another host (MigrationInfo).
+    live_migration: bool = False
+
+
+class StartMigration(Wire):
+    """Send the VM's running state to ``uri``: the destination host's incoming migration (``tcp:ADDR:PORT``)."""
+
+    uri: str = Field(pattern=r"^tcp:(\[[0-9a-fA-F:]{2,45}\]|[0-9.]{7,15}|[a-z0-9][a-z0-9.-]{0,252}):[0-9]{1,5}$")
+
+
+class MigrationInfo(Wire):
+    """A VM's side of a live migration: its run state and its migration's (QEMU's ``query-migrate``).
+
+    ``state``: None when no migration was started on it; else "setup", "active", "completed",
+    "failed", "cancelled"... ``uri``: where a destination listens (``tcp:ADDR:PORT``), once it does.
+    """
+
+    vm_id: str = Field(pattern=VM_ID_RE.pattern)
+    status: VmStatus
+    state: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{0,31}$")
+    uri: str | None = Field(None, max_length=300)
+    transferred_bytes: int = Field(0, ge=0)
+    remaining_bytes: int = Field(0, ge=0)
+    total_bytes: int = Field(0, ge=0)
+    # Of a completed migration (the source's): how long it took, and how long the guest was stopped.
+    total_time_ms: int | None = Field(None, ge=0)
+    downtime_ms: int | None = Field(None, ge=0)
+    error: str | None = Field(None, max_length=2000)
 
 
 class HostHeartbeat(Wire):

@@ -554,7 +554,9 @@ def describe_instances(svc: Controller, p: QueryParams, who: Principal) -> dict[
     for inst in found:
         if wanted and inst.instance_id not in wanted:
             continue
-        state = {"running": (16, "running"), "stopped": (80, "stopped")}.get(inst.state, (48, "terminated"))
+        # "incoming": a live migration's destination VM, waiting for it.
+        state = {"running": (16, "running"), "stopped": (80, "stopped"),
+                 "incoming": (0, "pending")}.get(inst.state, (48, "terminated"))
         # An external cloud's ids show as tags vbs:cloud-id:SCHEME (attach with InstanceId SCHEME:ID).
         inst_tags = {"Name": inst.name, "vbs:host": inst.host, "vbs:vm-id": inst.vm_id,
                      **{f"vbs:cloud-id:{scheme}": cloud_id for scheme, cloud_id in sorted(inst.cloud_ids.items())}}

@@ -79,9 +79,14 @@ def _connection(ctx: StepContext[AttachParams]) -> ConnectionAnswer:
 
 def host_qos(params: AttachParams, answer: ConnectionAnswer) -> QoS | None:
     """The limits the hypervisor enforces: none where the storage node does (never twice)."""
-    if params.limits is None:
-        return params.qos
-    return None if answer.limits_enforced else params.limits.qos
+    return hypervisor_limits(params.limits, params.qos, answer)
+
+
+def hypervisor_limits(limits: ExportLimits | None, qos: QoS | None, answer: ConnectionAnswer) -> QoS | None:
+    """``limits`` (else the older ``qos``) unless the storage node already enforces them on ``answer``."""
+    if limits is None:
+        return qos
+    return None if answer.limits_enforced else limits.qos
 
 
 def export_volume(ctx: StepContext[AttachParams]) -> None:

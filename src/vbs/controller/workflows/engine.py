@@ -145,6 +145,11 @@ class Workflow(Generic[P]):
     # Roll-back workflows: whether the resource already reached its final state (the last step, a
     # DB transition, ran but the controller died before recording it): then resuming finishes.
     finished: Callable[[StepContext[P]], bool] | None = None
+    # Roll-back workflows with a point of no return outside VBS (a live migration that completed: the
+    # guest runs at its destination): once this says it is passed, reading the world, not the steps,
+    # the operation goes forward instead, after a failure, on resume, and from a roll-back under way
+    # (an undo that would cross it must refuse, so the roll-back stops there and is retried).
+    committed: Callable[[StepContext[P]], bool] | None = None
 
     def __post_init__(self) -> None:
         if any(step.ends for step in self.steps[:-1]):
@@ -377,7 +382,14 @@ class WorkflowEngine:
 
     def _resume(self, workflow: Workflow[Any], ctx: StepContext[Any], op: Operation, steps: dict[int, str],
                 resuming: bool) -> None:
-        if op.status == OperationState.ROLLING_BACK:
+        if workflow.resume == "rollback" and (resuming or op.status == OperationState.ROLLING_BACK) \
+                and self._committed(workflow, ctx):
+            if op.status == OperationState.ROLLING_BACK:
+                log.warning("operation %s: past its point of no return; going forward instead of rolling back",
+                            ctx.operation_id)
+                self._set_op(ctx, status=OperationState.RUNNING, failing_since=None)
+            self._forward(workflow, ctx, steps)
+        elif op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
         elif resuming and workflow.resume == "rollback" and (
                 all(steps.get(pos) in ("done", "skipped") for pos in range(len(workflow.steps)))
@@ -416,7 +428,7 @@ class WorkflowEngine:
                             message)
                 if not hasattr(exc, "code"):
                     log.exception("unexpected error in step %s", step.name)
-                if workflow.resume == "rollback":
+                if workflow.resume == "rollback" and not self._committed(workflow, ctx):
                     # A call that never reached its agent changed nothing there: no undo is owed for it.
                     steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
                     self._set_step(ctx, pos, steps[pos], error=message)
@@ -482,6 +494,20 @@ class WorkflowEngine:
         with ending:
             if workflow.on_rollback is not None:
                 workflow.on_rollback(ctx, reason)
+
+    @staticmethod
+    def _committed(workflow: Workflow[Any], ctx: StepContext[Any]) -> bool:
+        """Whether a roll-back workflow is past its point of no return (then it goes forward); a
+        failure to tell counts as not (its undo steps refuse to cross that point themselves)."""
+        if workflow.committed is None:
+            return False
+        try:
+            return workflow.committed(ctx)
+        except Exception as exc:
+            _stop_if_fenced_off(exc)
+            log.warning("operation %s: could not tell whether it is past its point of no return: %s",
+                        ctx.operation_id, _message(exc))
+            return False
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

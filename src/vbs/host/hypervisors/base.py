@@ -20,10 +20,11 @@ from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
 from vbs.wire.connection import AnyConnection
-from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.host import DiskInfo, HypervisorCapabilities, MigrationInfo, QoS, StartMigration, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "DiskStats", "BlockStatsSource", "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "MigratingDriver", "DiskStats", "BlockStatsSource",
+           "counter"]
 
 
 @runtime_checkable
@@ -126,4 +127,30 @@ class PausingDriver(Protocol):
 
     def resume(self, vm_id: str) -> None:
         """Let it run again; a VM that is gone is success."""
+        ...
+
+
+@runtime_checkable
+class MigratingDriver(Protocol):
+    """A driver that live-migrates VMs (``capabilities.live_migration``): the destination is a VM the
+    orchestrator started waiting for the migration; VBS plugs the disks into it in the source's PCI
+    slots, then has the source stream its state. Every call answers the VM's side as it is now."""
+
+    def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
+               qos: QoS | None = None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
+        """``HypervisorDriver.attach``, the device placed in ``pci_slot`` where given."""
+        ...
+
+    def migration_info(self, vm_id: str) -> MigrationInfo: ...
+
+    def listen_for_migration(self, vm_id: str) -> MigrationInfo:
+        """Have the destination VM wait for the stream; its answer's ``uri`` says where."""
+        ...
+
+    def migrate(self, vm_id: str, target: StartMigration) -> MigrationInfo:
+        """Start streaming the source VM to ``target`` (not again if it migrates, or migrated, already)."""
+        ...
+
+    def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
+        """Stop a migration that has not completed; with ``resume``, run a migrated source again."""
         ...

@@ -43,13 +43,23 @@ from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.luks import qemu_luks_node, qemu_secret
 from vbs.host.tunnels import IscsiTunnels
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.connection import AnyConnection
-from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
+from vbs.wire.host import (
+    SERIAL_RE,
+    VM_ID_RE,
+    DiskInfo,
+    HypervisorCapabilities,
+    MigrationInfo,
+    QoS,
+    StartMigration,
+    VmInfo,
+)
 from vbs.wire.qos import throttle_limits
 from vbs.wire.storage import ItemStatus
 
@@ -58,6 +68,7 @@ __all__ = ["QemuDriver", "disk_ids", "DiskIds", "copy_ids", "CopyIds", "PROBE_TI
 log = logging.getLogger(__name__)
 
 _DEVICE_ID_RE = re.compile(r"^vbs-(vol[0-9a-f]{17})-dev$")
+_RUN_STATE_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 # A copy id (a snapshot id) without its dash becomes part of node names: at most 22 characters.
 _COPY_ID_RE = re.compile(r"^[A-Za-z0-9]{1,8}-?[A-Za-z0-9]{1,17}$")
 MIB = 1024 * 1024
@@ -205,11 +216,12 @@ class QemuDriver:
 
     capabilities = HypervisorCapabilities.model_validate(
         {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True,
-         "luks": True, "pause": True}
+         "luks": True, "pause": True, "live_migration": True}
     )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
-                 x509: X509Files | None = None, protocols: Collection[str] | None = None) -> None:
+                 x509: X509Files | None = None, protocols: Collection[str] | None = None,
+                 migration_address: str = "127.0.0.1") -> None:
         if protocols is not None:
             # Fewer than it has connectors for: a QEMU built without a block driver (rbd comes with
             # Debian's qemu-block-extra), or an operator who wants volumes served through exports.
@@ -219,11 +231,15 @@ class QemuDriver:
                                        f"not {', '.join(unknown) or 'none'}")
             self.capabilities = self.capabilities.model_copy(update={"protocols": sorted(set(protocols))})
         self.vm_dir = Path(vm_dir)
+        # Where a destination VM of this host listens for a live migration's stream.
+        self.migration_address = migration_address
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
         # This host's certificate as QEMU's NBD client presents it to X.509 export servers.
         self.x509_dir = qemu_x509_dir(x509, self.secrets_dir / "x509", "client") if x509 else None
+        # The same certificate as a live migration's destination presents it (it serves both ways).
+        self.x509_server_dir = qemu_x509_dir(x509, self.secrets_dir / "x509-server", "server") if x509 else None
         # iSCSI served through TLS: QEMU dials this host's end of a tunnel to the storage portal.
         self.tunnels = IscsiTunnels(self.secrets_dir / "tunnels", x509)
         self._guard = threading.Lock()  # guards the three dicts below
@@ -242,7 +258,7 @@ class QemuDriver:
             raise InvalidParameter(f"unknown options of the qemu hypervisor driver: {', '.join(sorted(options))}")
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
                    secrets_dir=Path(secrets_dir) if secrets_dir else None, protocols=protocols,
-                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), migration_address=cfg.address)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -283,11 +299,26 @@ class QemuDriver:
         return sorted(probed + in_use, key=lambda vm: vm.vm_id)
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
-               qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
+               qos: QoS | None = None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
         ids = disk_ids(serial)
         connection = self._dialled(connection)
         return self._on_present_vm(vm_id, lambda vm: self._attach(vm, serial, ids, connection, read_only, qos,
-                                                                  luks))
+                                                                  luks, pci_slot))
+
+    # -- live migration (see qemu_migration) -----------------------------------------------------
+
+    def migration_info(self, vm_id: str) -> MigrationInfo:
+        return self._on_present_vm(vm_id, lambda vm: migration.migration_info(vm.cmd, vm_id))
+
+    def listen_for_migration(self, vm_id: str) -> MigrationInfo:
+        return self._on_present_vm(vm_id, lambda vm: migration.listen(vm.cmd, vm_id, self.migration_address,
+                                                                      self.x509_server_dir))
+
+    def migrate(self, vm_id: str, target: StartMigration) -> MigrationInfo:
+        return self._on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target, self.x509_dir))
+
+    def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
+        return self._on_present_vm(vm_id, lambda vm: migration.cancel(vm.cmd, vm_id, resume=resume))
 
     def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
         """New limits for the disk's throttle group, live (its queued I/O stays queued). A disk
@@ -466,7 +497,8 @@ class QemuDriver:
             client.connect(timeout=limit)
             status = client.execute("query-status", timeout=limit)
             name = client.execute("query-name", timeout=limit).get("name") or vm_id
-            return VmInfo(vm_id=vm_id, name=name, running=bool(status.get("running")))
+            return VmInfo(vm_id=vm_id, name=name, running=bool(status.get("running")),
+                          status=_run_state(status.get("status")))
         except QmpGone:
             self._forget(vm_id, client)
             return None  # a stale socket left by a QEMU that is gone
@@ -478,7 +510,7 @@ class QemuDriver:
     # -- attach ----------------------------------------------------------------------------------
 
     def _attach(self, vm: _Vm, serial: str, ids: DiskIds, connection: AnyConnection, read_only: bool,
-                qos: QoS | None, luks: SecretStr | None) -> DiskInfo:
+                qos: QoS | None, luks: SecretStr | None, pci_slot: str | None) -> DiskInfo:
         if ids.device in vm.devices():
             if ids.dead in vm.nodes():
                 raise IncorrectState(
@@ -493,8 +525,10 @@ class QemuDriver:
         _remove_nodes(vm, ids)
         with _undone_on_failure(vm, f"attach of {serial}") as undo:
             top = self._build_chain(vm, connection, ids, read_only, qos, luks, undo)
-            vm.cmd("device_add", {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial})
-        return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw))
+            device = {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial}
+            vm.cmd("device_add", device if pci_slot is None else {**device, "addr": pci_slot})
+        return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw),
+                        pci_slot=_device_slot(vm, ids.device))
 
     def _build_chain(self, vm: _Vm, connection: AnyConnection, ids: DiskIds, read_only: bool, qos: QoS | None,
                      luks: SecretStr | None, undo: Undo) -> str:
@@ -748,8 +782,22 @@ def _our_disks(vm: _Vm) -> list[DiskInfo]:
         size = raw["image"].get("virtual-size") if raw is not None else None
         # A forced detach the guest has not acknowledged leaves the device on the always-failing node.
         disks.append(DiskInfo(serial=match.group(1), read_only=bool(node.get("ro")),
-                              size_bytes=int(size) if size is not None else None, connected=ids.dead not in nodes))
+                              size_bytes=int(size) if size is not None else None, connected=ids.dead not in nodes,
+                              pci_slot=_device_slot(vm, dev)))
     return disks
+
+
+def _device_slot(vm: _Vm, device: str) -> str | None:
+    """The PCI slot QEMU gave a device (its ``addr``), where it tells one."""
+    try:
+        devfn = vm.cmd("qom-get", {"path": f"/machine/peripheral/{device}", "property": "addr"})
+    except QmpCommandError:
+        return None
+    return migration.pci_slot(devfn) if isinstance(devfn, int) and 0 <= devfn < 256 else None
+
+
+def _run_state(status: object) -> str | None:
+    return status if isinstance(status, str) and _RUN_STATE_RE.match(status) else None
 
 
 def _unplug(vm: _Vm, device: str, wait: float) -> bool:

@@ -1,0 +1,125 @@
+"""Live migration with QEMU's own ``migrate``: what each side of one does, read from the VM's state.
+
+The destination is a QEMU the orchestrator started with ``-incoming defer`` (same machine, same VM id,
+its monitor in the destination agent's VM directory): ``query-status`` says ``inmigrate``. VBS plugs
+the disks into it first (in the source's PCI slots), then ``listen`` has it wait for the stream on an
+ephemeral port of the host's address (``migrate-incoming tcp:ADDR:0``; ``query-migrate`` tells the
+port), and ``send`` has the source stream to it. Every call answers the VM's side as it is now
+(``MigrationInfo``), so repeating one after a crash changes nothing: a destination already listening
+is not asked again, a source already migrating (or migrated: ``postmigrate``) is not sent twice.
+
+Hosts with X.509 credentials (``tls_cert``/``tls_key``/``tls_ca``) migrate over TLS only: the
+destination takes the stream from a peer whose certificate chains to the CA (``verify-peer``), the
+source checks the destination's certificate against the address it dials. Without them the stream
+is plain TCP (an insecure install: anyone reaching the port first could feed the destination).
+
+``cancel`` stops a source's migration that has not completed. A source whose migration completed
+is resumed only when asked (the controller asks when the destination did not take the guest over:
+it died). ``cont`` on a ``postmigrate`` source whose destination runs would run the guest twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vbs.errors import IncorrectState
+from vbs.qmp import QmpCommandError
+from vbs.wire.host import MigrationInfo, StartMigration
+
+__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "ACTIVE_STATES", "TLS_ID"]
+
+Command = Callable[..., Any]
+
+# query-migrate states of a migration under way (QEMU's MigrationStatus).
+ACTIVE_STATES = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling",
+                           "postcopy-active", "postcopy-paused", "postcopy-recover"})
+_CANCEL_WAIT_S = 10.0
+# The tls-creds-x509 object a migrating VM's stream uses (server on a destination, client on a source).
+TLS_ID = "vbs-migration-tls"
+
+
+def pci_slot(devfn: int) -> str:
+    """QEMU's ``addr`` of a device from its devfn as ``qom-get`` answers it ("02.0")."""
+    return f"{devfn >> 3:02x}.{devfn & 7:x}"
+
+
+def migration_info(cmd: Command, vm_id: str) -> MigrationInfo:
+    status = str(cmd("query-status").get("status", "unknown"))
+    found = cmd("query-migrate")
+    ram = found.get("ram") or {}
+    uri = None
+    for address in found.get("socket-address") or []:
+        if address.get("type") == "inet":
+            host = str(address["host"])
+            uri = f"tcp:{'[' + host + ']' if ':' in host else host}:{address['port']}"
+            break
+    return MigrationInfo(vm_id=vm_id, status=status, state=found.get("status"), uri=uri,
+                         transferred_bytes=int(ram.get("transferred", 0)), remaining_bytes=int(ram.get("remaining", 0)),
+                         total_bytes=int(ram.get("total", 0)), total_time_ms=_ms(found.get("total-time")),
+                         downtime_ms=_ms(found.get("downtime")),
+                         error=str(found["error-desc"])[:2000] if found.get("error-desc") else None)
+
+
+def _use_tls(cmd: Command, x509_dir: Path | None, endpoint: str, hostname: str | None = None) -> None:
+    """Make the stream TLS with this host's credentials in ``x509_dir`` (None: plain TCP)."""
+    if x509_dir is None:
+        return
+    objects = {c["name"] for c in cmd("qom-list", {"path": "/objects"}) if c["type"].startswith("child<")}
+    if TLS_ID not in objects:
+        cmd("object-add", {"qom-type": "tls-creds-x509", "id": TLS_ID, "dir": str(x509_dir), "endpoint": endpoint,
+                           "verify-peer": True})
+    cmd("migrate-set-parameters", {"tls-creds": TLS_ID, **({"tls-hostname": hostname} if hostname else {})})
+
+
+def _ms(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def listen(cmd: Command, vm_id: str, address: str, x509_dir: Path | None = None) -> MigrationInfo:
+    """Have a destination VM wait for the migration stream on an ephemeral port of ``address`` (over TLS
+    with the server credentials in ``x509_dir``)."""
+    info = migration_info(cmd, vm_id)
+    if info.status != "inmigrate":
+        raise IncorrectState(f"VM {vm_id} is {info.status}, not waiting for an incoming migration "
+                             "(start its QEMU with -incoming defer)")
+    if info.uri is None:
+        _use_tls(cmd, x509_dir, "server")
+        host = f"[{address}]" if ":" in address else address
+        cmd("migrate-incoming", {"uri": f"tcp:{host}:0"})
+        info = migration_info(cmd, vm_id)
+    return info
+
+
+def send(cmd: Command, vm_id: str, target: StartMigration, x509_dir: Path | None = None) -> MigrationInfo:
+    """Start migrating the source VM to ``target`` unless it migrates (or migrated) already (over TLS
+    with the client credentials in ``x509_dir``, the destination's certificate checked for its address)."""
+    info = migration_info(cmd, vm_id)
+    if info.status == "postmigrate" or info.state in ACTIVE_STATES:
+        return info
+    if info.status not in ("running", "paused"):
+        raise IncorrectState(f"VM {vm_id} is {info.status}: it cannot be migrated")
+    _use_tls(cmd, x509_dir, "client", target.uri.split(":", 1)[1].rsplit(":", 1)[0].strip("[]"))
+    cmd("migrate", {"uri": target.uri})
+    return migration_info(cmd, vm_id)
+
+
+def cancel(cmd: Command, vm_id: str, *, resume: bool) -> MigrationInfo:
+    """Stop the source's migration if it runs (the guest keeps running here); with ``resume``, run again a
+    source whose migration completed (only when its destination never took the guest over)."""
+    info = migration_info(cmd, vm_id)
+    if info.state in ACTIVE_STATES:
+        try:
+            cmd("migrate_cancel")
+        except QmpCommandError:
+            pass  # it ended meanwhile: what it ended as is read below
+        deadline = time.monotonic() + _CANCEL_WAIT_S
+        while info.state in ACTIVE_STATES and time.monotonic() < deadline:
+            time.sleep(0.1)
+            info = migration_info(cmd, vm_id)
+    if resume and info.status == "postmigrate":
+        cmd("cont")
+        info = migration_info(cmd, vm_id)
+    return info
