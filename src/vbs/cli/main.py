@@ -179,6 +179,10 @@ def create_volume(
     kms_key_id: Annotated[str | None, typer.Option(help="Recorded with an encrypted volume (default "
                                                         "alias/aws/ebs).")] = None,
     placement: Annotated[str, typer.Option(help="shared | local")] = "shared",
+    host: Annotated[str | None, typer.Option(
+        "--host", help="local: the hypervisor node whose local pool holds it (attachable there only).")] = None,
+    persistent: Annotated[bool, typer.Option(
+        "--persistent", help="local: kept at detach (otherwise removed, like an instance store).")] = False,
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
     client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
     availability_zone: Annotated[str | None, typer.Option(help="Place it in this zone.")] = None,
@@ -193,6 +197,8 @@ def create_volume(
     c: Context = ctx.obj
     body: dict[str, Any] = {"comment": comment, "volume_type": volume_type, "multi_attach": multi_attach,
                             "placement": placement, "tags": _tags(tag), "encrypted": encrypted}
+    if placement == "local" or host is not None or persistent:
+        body |= {"host": host, "persistent": persistent}
     for key, value in (("size_gib", size), ("snapshot_id", snapshot), ("iops", iops), ("throughput", throughput),
                        ("kms_key_id", kms_key_id),
                        ("client_token", client_token), ("availability_zone", availability_zone),
@@ -747,6 +753,10 @@ def host_agent(
     libvirt_persist: Annotated[bool, typer.Option(
         "--libvirt-persist", help="libvirt: an attach also goes into a persistent domain's configuration.")] = False,
     profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
+    local_pool: Annotated[list[str] | None, typer.Option(
+        help="A local pool NAME=PATH on this node's own disks (semi-shared storage; repeatable).")] = None,
+    local_backend: Annotated[str | None, typer.Option(help="Backend driver of the local pools (default: file).")]
+    = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -762,6 +772,7 @@ def host_agent(
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
         "libvirt_uri": libvirt_uri, "libvirt_persist": libvirt_persist or None,
         "profile": profile, "profile_dirs": profile_dir or None,
+        "local_pools": local_pool or None, "local_backend": local_backend,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 

@@ -51,6 +51,7 @@ class HostNodeInfo(Wire):
     initiator_name: str | None = None
     hypervisor: str = "unknown"
     capabilities: HypervisorCapabilities = HypervisorCapabilities(protocols=[])
+    local_pools: list[PoolInfo] = []
 
 
 def storage_info(node: Node) -> StorageNodeInfo:
@@ -102,7 +103,8 @@ def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
 def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
     _record(session, hb.name, "host", hb.url, hb.address, hb.started_at,
-            HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities))
+            HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities,
+                         local_pools=hb.local_pools))
     if hb.vms is None:
         return
     now = utcnow()
@@ -394,3 +396,31 @@ def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overc
     if not _fits(pools[pool].capacity_bytes, provisioned, grow_gib, overcommit):
         raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
                                    f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)
+
+
+def choose_local_pool(session: Session, host: str, size_gib: int, *, timeout_s: float, overcommit: float) -> str:
+    """The local pool of ``host`` a new local volume of ``size_gib`` goes to (semi-shared storage): the
+    least full one that can promise it, as ``choose_pool`` weighs shared pools. Refused with a 4xx when
+    the host is unknown or down, has no local pool, or none of its pools has room. The host's row is
+    locked: two creates cannot both take the last room."""
+    node = session.scalars(select(Node).where(Node.kind == "host", Node.name == host).with_for_update()
+                           .execution_options(populate_existing=True)).first()
+    if node is None:
+        raise InvalidParameter(f"The host '{host}' does not exist.")
+    if not is_alive(node, timeout_s, utcnow()):
+        raise IncorrectState(f"The host '{host}' is down: no heartbeat for more than {timeout_s:g} s.")
+    pools = host_info(node).local_pools
+    if not pools:
+        raise InvalidParameter(f"The host '{host}' has no local pool: local volumes need one (host agent "
+                               f"--local-pool NAME=PATH).")
+    promised = _promised(session, [host])
+    best: tuple[float, str] | None = None
+    for p in pools:
+        provisioned = promised.get((host, p.name), 0)
+        if _fits(p.capacity_bytes, provisioned, size_gib, overcommit):
+            candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, p.name)
+            best = candidate if best is None else min(best, candidate)
+    if best is None:
+        raise InsufficientCapacity(f"There is not enough room in the local pools of host '{host}' for a {size_gib} "
+                                   f"GiB volume (capacity x overcommit ratio {overcommit:g}).", status=400)
+    return best[1]

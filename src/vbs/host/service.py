@@ -12,6 +12,7 @@ from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
+from vbs.host.local_pools import LocalPools, build_local_pools
 from vbs.host.pauses import Pauses
 from vbs.web import BoundedServer, serve_agent
 from vbs.wire.host import HostHeartbeat, VmInfo
@@ -35,7 +36,8 @@ def serve(cfg: HostAgentConfig) -> None:
     pauses = Pauses(driver, state) if isinstance(driver, PausingDriver) and driver.capabilities.pause else None
     if pauses is not None:
         pauses.recover()
-    app = create_app(driver, sec.auth, cfg.node_name, pauses)
+    local = LocalPools(build_local_pools(cfg))
+    app = create_app(driver, sec.auth, cfg.node_name, pauses, local)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
 
@@ -48,17 +50,19 @@ def serve(cfg: HostAgentConfig) -> None:
             vms = None  # unknown this time: the controller keeps what it knew
         return HostHeartbeat(name=cfg.node_name, url=url, address=cfg.address, initiator_name=cfg.initiator_name,
                              hypervisor=cfg.hypervisor, capabilities=driver.capabilities, started_at=started_at,
-                             vms=vms)
+                             vms=vms, local_pools=[b.pool_info() for b in local.backends.values()])
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
         controllers = sec.controller(cfg.controller_url, label=f"host agent {cfg.node_name}")
         return Heartbeat(controllers, "/internal/v1/host-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
-    log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)
+    log.info("host agent %s serving on %s (hypervisor %s, local pools %s)", cfg.node_name, url, cfg.hypervisor,
+             ", ".join(local.backends) or "none")
     def shutdown() -> None:
         if pauses is not None:
             pauses.close()
         driver.close()
+        local.close()
 
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

@@ -8,8 +8,8 @@ from datetime import datetime
 from pydantic import Field, SecretStr, field_serializer, field_validator
 
 from vbs.wire.base import Wire
-from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
-from vbs.wire.storage import NODE_URL_RE
+from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, HostConnection, ProtocolName
+from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo
 
 __all__ = [
     "QoS",
@@ -20,6 +20,7 @@ __all__ = [
     "AttachDisk",
     "ResizeDisk",
     "CopyDisk",
+    "FillVolume",
     "HypervisorCapabilities",
     "HostHeartbeat",
     "SERIAL_RE",
@@ -85,7 +86,7 @@ class DiskList(Wire):
 
 
 class AttachDisk(Wire):
-    connection: Connection
+    connection: HostConnection
     read_only: bool = False
     qos: QoS | None = None
     # An encrypted volume: the passphrase of its LUKS container (capabilities.luks).
@@ -120,6 +121,13 @@ class CopyDisk(Wire):
     storage node made writable for this host)."""
 
     target: Connection
+
+
+class FillVolume(Wire):
+    """Fill a volume of the host's local pool from ``source`` (a shared snapshot's data, which the
+    storage node exports to this host read-only)."""
+
+    source: Connection
 
 
 class HypervisorCapabilities(Wire):
@@ -157,3 +165,5 @@ class HostHeartbeat(Wire):
     capabilities: HypervisorCapabilities
     started_at: datetime
     vms: list[VmInfo] | None = Field(None, max_length=4096)
+    # Its local pools (semi-shared storage): volumes on this node's own disks, attached with no network hop.
+    local_pools: list[PoolInfo] = Field(default_factory=list, max_length=MAX_POOLS)
