@@ -13,7 +13,7 @@ from tests.conftest import UNIT_DATABASES, fresh_database
 from tests.test_scheduler import create, heartbeat, pool
 from vbs.controller.db import Database, Node, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import host_info, record_host_heartbeat
+from vbs.controller.nodes import describe_hosts, host_info, record_host_heartbeat
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, MissingParameter
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.storage import PoolInfo
@@ -40,6 +40,8 @@ def test_a_hosts_local_pools_are_recorded_from_its_heartbeat(db: Database) -> No
         node = s.get(Node, ("host-1", "host"))
         assert node is not None
         assert [p.name for p in host_info(node).local_pools] == ["local"]
+        [shown] = describe_hosts(s, 30.0)
+        assert [(p.name, p.capacity_bytes) for p in shown.local_pools] == [("local", 10 << 30)]
 
 
 def test_a_local_volume_goes_to_its_hosts_local_pool(db: Database) -> None:

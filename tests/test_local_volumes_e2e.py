@@ -110,6 +110,10 @@ def test_a_persistent_local_volume_outlives_its_detach_and_its_idle_snapshot_is_
                         "--wait")
     kept_id = kept["volume_id"]
     assert kept["persistent"] is True
+    [host] = node.vbs.http.get("/v1/hosts").json()["hosts"]
+    assert [p["name"] for p in host["local_pools"]] == ["local"]
+    refused = node.vbs.cli("modify-volume", kept_id, "--size", "2", check=False)
+    assert refused.returncode != 0 and "local" in refused.stderr
     written = node.guest.write_pattern(node.attach(kept_id), "persistent", 4)
     node.detach(kept_id)
     assert node.vbs.volume(kept_id)["status"] == "available"

@@ -139,10 +139,13 @@ def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetim
     return StorageNodeOut(
         name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down", drained=n.drained,
         availability_zone=zone_of(n, default_zone), last_heartbeat=n.last_heartbeat,
-        pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
-                       clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
-               for p in storage_info(n).pools],
+        pools=[pool_out(p) for p in storage_info(n).pools],
     )
+
+
+def pool_out(p: PoolInfo) -> PoolOut:
+    return PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
+                   clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
 
 
 def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str) -> list[StorageNodeOut]:
@@ -242,7 +245,7 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
         hosts.append(HostOut(name=n.name, url=n.url, address=n.address,
                              state="up" if is_alive(n, timeout_s, now) else "down", last_heartbeat=n.last_heartbeat,
                              instances=counts.get(n.name, 0), hypervisor=info.hypervisor,
-                             capabilities=info.capabilities))
+                             capabilities=info.capabilities, local_pools=[pool_out(p) for p in info.local_pools]))
     return hosts
 
 

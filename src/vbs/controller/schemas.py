@@ -365,6 +365,8 @@ class HostOut(BaseModel):
     instances: int
     hypervisor: str
     capabilities: HypervisorCapabilities
+    # Semi-shared storage: the host's own pools, where local volumes go.
+    local_pools: list[PoolOut] = []
 
 
 class HostList(BaseModel):
