@@ -8,6 +8,7 @@ succeeds, so the controller may repeat any call after a crash. Every body and an
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Query
 from starlette.responses import Response
@@ -15,7 +16,7 @@ from starlette.responses import Response
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.host.local_pools import LocalPools
+from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
@@ -72,7 +73,7 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     def list_vms() -> VmList:
         return VmList(vms=driver.list_vms())
 
-    local_pools = local or LocalPools({})
+    local_pools = local or LocalPools({}, CopyCredentials(Path("/nonexistent")))
 
     def opened(connection: AnyConnection | LocalConnection) -> AnyConnection:
         """What the hypervisor opens: a local volume is its pool's own file on this host."""

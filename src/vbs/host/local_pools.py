@@ -8,17 +8,19 @@ volumes by pool and volume id (``LocalConnection``), resolved here to the pool's
 Data crosses between shared and local storage through the storage node's export path only: a local
 volume made from a snapshot is filled from an NBD export of that snapshot's data (``fill``), and a
 snapshot of a local volume is copied into an NBD export of a shared volume (``copy_out``), each by
-``qemu-img convert`` with its progress.
+``qemu-img convert`` with its progress, opening the export with the same host connector a VM's disk
+uses (NBD over TLS included).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import subprocess
 import threading
-from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -26,12 +28,14 @@ from typing import Any, Protocol, runtime_checkable
 from vbs import drivers
 from vbs.config import HostAgentConfig, StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, NotFound
+from vbs.host.connectors import connector_for
+from vbs.host.connectors.base import QemuIds
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportSource
-from vbs.wire.connection import Connection, HostIdentity, NbdConnection
+from vbs.wire.connection import Connection, FileConnection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo, ItemStatus
 
-__all__ = ["LocalPools", "NoExports", "build_local_pools"]
+__all__ = ["LocalPools", "NoExports", "CopyCredentials", "build_local_pools"]
 
 log = logging.getLogger(__name__)
 
@@ -103,26 +107,31 @@ def build_local_pools(cfg: HostAgentConfig) -> dict[str, Backend]:
     return pools
 
 
-def _opts(options: Mapping[str, str]) -> str:
-    """QEMU's ``key=value,…`` syntax; a comma inside a value is doubled."""
-    return ",".join(f"{k}={v.replace(',', ',,')}" for k, v in options.items())
+@dataclass(frozen=True)
+class CopyCredentials:
+    """Where a copy's key files exist while ``qemu-img`` starts (a private directory), and the host's
+    X.509 client credentials for NBD over TLS (None: such exports are refused)."""
+
+    secrets_dir: Path
+    x509_dir: Path | None = None
 
 
-def _nbd_opts(conn: Connection) -> dict[str, str]:
-    if not isinstance(conn, NbdConnection):
-        raise IncorrectState(f"a local pool copies over NBD only, not {conn.protocol}")
-    if conn.tls is not None:
-        raise IncorrectState("a local pool copies over plain NBD only (a loopback or trusted network) for now")
-    opts = {"driver": "raw", "file.driver": "nbd", "file.export": conn.export}
-    if conn.socket is not None:
-        opts |= {"file.server.type": "unix", "file.server.path": conn.socket}
-    else:
-        opts |= {"file.server.type": "inet", "file.server.host": str(conn.host), "file.server.port": str(conn.port)}
-    return opts
-
-
-def _file_opts(path: Path) -> dict[str, str]:
-    return {"driver": "raw", "file.driver": "file", "file.filename": str(path)}
+def _endpoint(conn: Connection | FileConnection, role: str, creds: CopyCredentials, keys: ExitStack
+              ) -> tuple[list[str], str]:
+    """The ``--object`` arguments and the ``json:`` image name ``qemu-img`` opens ``conn`` with: the
+    same host connector a VM's disk uses (NBD with TLS, iSCSI with CHAP…). Key files stay until ``keys``
+    closes; a secret that would have to go on the command line (an RBD key) is refused."""
+    if isinstance(conn, IscsiConnection) and conn.tls is not None:
+        raise IncorrectState("a local pool cannot copy over iSCSI through a TLS tunnel (yet)")
+    blockdev = connector_for(conn).qemu_blockdev(conn, QemuIds(proto=role, secret=f"{role}-secret",
+                                                               tls=f"{role}-tls"))
+    objects: list[str] = []
+    for obj in blockdev.objects:
+        if obj.secret_props:
+            raise IncorrectState(f"a local pool cannot copy over {conn.protocol}: its secret would be on a "
+                                 "command line")
+        objects += ["--object", json.dumps(keys.enter_context(obj.qmp_arguments(creds.secrets_dir, creds.x509_dir)))]
+    return objects, "json:" + json.dumps({"driver": "raw", "file": dict(blockdev.options)})
 
 
 @dataclass
@@ -142,11 +151,19 @@ class _Copy:
         return ItemStatus(state="ready", progress=100)
 
 
-def _start_convert(source: Mapping[str, str], target: Mapping[str, str]) -> _Copy:
-    # An argv, never a shell; -n: the target exists; --target-is-zero: it is new and empty (sparse).
-    argv = ["qemu-img", "convert", "-p", "-n", "--target-is-zero", "-W", "-m", "4", "--image-opts", _opts(source),
-            "--target-image-opts", _opts(target)]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start_convert(source: Connection | FileConnection, target: Connection | FileConnection,
+                   creds: CopyCredentials) -> _Copy:
+    keys = ExitStack()
+    try:
+        src_objects, src = _endpoint(source, "src", creds, keys)
+        dst_objects, dst = _endpoint(target, "dst", creds, keys)
+        # An argv, never a shell; -n: the target exists; --target-is-zero: it is new and empty (sparse).
+        argv = ["qemu-img", "convert", "-p", "-n", "--target-is-zero", "-W", "-m", "4", *src_objects, *dst_objects,
+                src, dst]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except BaseException:
+        keys.close()
+        raise
     copy = _Copy(proc)
 
     def follow() -> None:
@@ -160,6 +177,7 @@ def _start_convert(source: Mapping[str, str], target: Mapping[str, str]) -> _Cop
         err = proc.stderr.read()
         if proc.wait() != 0:
             copy.error = f"qemu-img convert failed: {err.decode(errors='replace').strip()[-400:]}"
+        keys.close()  # qemu-img read its key files when it started; they go now at the latest
         copy.done.set()
 
     threading.Thread(target=follow, name="local-copy", daemon=True).start()
@@ -169,8 +187,9 @@ def _start_convert(source: Mapping[str, str], target: Mapping[str, str]) -> _Cop
 class LocalPools:
     """The host's local pools, and the copies between them and shared storage (keyed by volume or snapshot id)."""
 
-    def __init__(self, backends: dict[str, Backend]) -> None:
+    def __init__(self, backends: dict[str, Backend], creds: CopyCredentials) -> None:
         self.backends = backends
+        self._creds = creds
         self._copies: dict[str, _Copy] = {}
         self._lock = threading.Lock()
 
@@ -187,13 +206,13 @@ class LocalPools:
 
     def fill(self, pool: str, volume_id: str, source: Connection) -> ItemStatus:
         """Copy ``source`` into the (new, empty) local volume; answers progress, ready when done. Idempotent."""
-        path = self.path_of(pool, volume_id)
-        return self._ensure(volume_id, lambda: _start_convert(_nbd_opts(source), _file_opts(path)))
+        target = FileConnection(path=str(self.path_of(pool, volume_id)))
+        return self._ensure(volume_id, lambda: _start_convert(source, target, self._creds))
 
     def copy_out(self, pool: str, volume_id: str, copy_id: str, target: Connection) -> ItemStatus:
         """Copy the local volume (not in use by a VM) into ``target`` (a new, empty shared volume)."""
-        path = self.path_of(pool, volume_id)
-        return self._ensure(copy_id, lambda: _start_convert(_file_opts(path), _nbd_opts(target)))
+        source = FileConnection(path=str(self.path_of(pool, volume_id)))
+        return self._ensure(copy_id, lambda: _start_convert(source, target, self._creds))
 
     def _ensure(self, key: str, start: Any) -> ItemStatus:
         with self._lock:
