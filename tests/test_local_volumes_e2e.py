@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Vbs, VbsUp
+from tests.conftest import Vbs, VbsUp, node_token
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
@@ -44,7 +44,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp = tmp_path_factory.mktemp("local-volumes")
     local_pool = tmp / "local-pool"
     local_pool.mkdir()
-    up = VbsUp(tmp / "var", tmp / "up.log", env={"VBS_HOST_AGENT_LOCAL_POOLS": f"local={local_pool}"})
+    up = VbsUp(tmp / "var", tmp / "up.log", env={"VBS_HOST_AGENT_LOCAL_POOLS": f"local={local_pool}",
+                                                 "VBS_TEST_HOOKS": "1"})
     guest = TestGuest("vm1", tmp / "guests", build_guest(), tmp / "var" / "vms")
     try:
         guest.start()
@@ -129,3 +130,44 @@ def test_a_persistent_local_volume_outlives_its_detach_and_its_idle_snapshot_is_
     node.vbs.cli("delete-volume", kept_id)
     node.vbs.wait_volume(kept_id, "deleted")
     assert not node.local_file(kept_id).exists()
+
+
+def fail_next(n: Node, kind: str, step: str, when: str) -> None:
+    r = n.vbs.http.post("/internal/v1/test/fail-step", json={"kind": kind, "step": step, "when": when},
+                        headers={"authorization": "Bearer " + node_token(n.vbs.data_dir, "storage", "storage-1")})
+    assert r.status_code == 200, r.text
+
+
+def shared_files(n: Node) -> set[str]:
+    return {p.name for p in (n.vbs.pool / "volumes").iterdir()}
+
+
+def test_failed_local_creates_and_snapshots_roll_back_everything_they_made(node: Node) -> None:
+    source = shared_volume(node)["volume_id"]
+    snap = node.vbs.cli("create-snapshot", source, "--wait")["snapshot_id"]
+    before = shared_files(node)
+
+    # The fill is done, the scratch volume still there: a failure removes both copies.
+    fail_next(node, "create-local-volume", "host-fill", "after")
+    vol = node.vbs.create_volume(placement="local", host="host-1", snapshot_id=snap)["volume_id"]
+    failed = node.vbs.wait_volume(vol, "error", timeout=60)
+    assert "rolled back" in failed["status_reason"]
+    assert not node.local_file(vol).exists()
+    assert shared_files(node) == before
+
+    # A snapshot of a local volume whose copy to shared storage is done: the scratch volume goes too.
+    kept = node.vbs.create_volume(size_gib=1, placement="local", host="host-1", persistent=True)["volume_id"]
+    node.vbs.wait_volume(kept, "available")
+    fail_next(node, "snapshot-local-volume", "storage-snapshot", "before")
+    r = node.vbs.http.post("/v1/snapshots", json={"volume_id": kept})
+    assert r.status_code == 200, r.text
+    errored = node.vbs.wait_snapshot(r.json()["snapshot_id"], "error", timeout=60)
+    assert "rolled back" in errored["status_reason"]
+    assert shared_files(node) == before
+    assert not (node.vbs.pool / "snapshots" / f"{errored['snapshot_id']}.raw").exists()
+
+    # More than the host's local pool may promise: refused at once, nothing made.
+    r = node.vbs.http.post("/v1/volumes", json={"size_gib": 16000, "placement": "local", "host": "host-1"})
+    assert r.status_code == 400 and "not enough room in the local pools" in r.text, r.text
+    node.vbs.cli("delete-volume", kept)
+    node.vbs.wait_volume(kept, "deleted")
