@@ -5,17 +5,24 @@ and the rules of a local create (a host, no zone/node/pool hints, no encryption)
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
 from tests.test_scheduler import create, heartbeat, pool
-from vbs.controller.db import Database, Node, Volume
-from vbs.controller.db.tables import utcnow
+from vbs import ids
+from vbs.config import ControllerConfig
+from vbs.controller.attachments import attach_volume, detach_volume
+from vbs.controller.db import Attachment, Database, Node, Volume
+from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.nodes import describe_hosts, host_info, record_host_heartbeat
+from vbs.controller.schemas import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
+from vbs.controller.volumes import create_volume
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, MissingParameter
-from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
+from vbs.wire.host import HostHeartbeat, HypervisorCapabilities, VmInfo
 from vbs.wire.storage import PoolInfo
 
 pytestmark = pytest.mark.unit
@@ -26,12 +33,12 @@ def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
     return fresh_database(request.param, request, tmp_path)
 
 
-def host_heartbeat(db: Database, name: str, *local_pools: PoolInfo) -> None:
+def host_heartbeat(db: Database, name: str, *local_pools: PoolInfo, vm: str | None = None) -> None:
     with db.session() as s:
         record_host_heartbeat(s, HostHeartbeat(
             name=name, url="http://127.0.0.1:2", address="127.0.0.1", hypervisor="qemu",
-            capabilities=HypervisorCapabilities(protocols=["file", "nbd"]), started_at=utcnow(), vms=[],
-            local_pools=list(local_pools)))
+            capabilities=HypervisorCapabilities(protocols=["file", "nbd"]), started_at=utcnow(),
+            vms=[VmInfo(vm_id=vm, running=True)] if vm else [], local_pools=list(local_pools)))
 
 
 def test_a_hosts_local_pools_are_recorded_from_its_heartbeat(db: Database) -> None:
@@ -101,3 +108,42 @@ def test_local_volumes_do_not_count_against_shared_pools(db: Database) -> None:
     create(db, size_gib=8, placement="local", host="host-1")
     shared = create(db, size_gib=8)  # 2 GiB x overcommit 4: all of it is still the shared pool's
     assert (shared.storage_node, shared.placement) == ("storage-1", "shared")
+
+
+class KindsEngine:
+    """Records which workflow each operation would run, and its parameters; runs nothing."""
+
+    def __init__(self) -> None:
+        self.began: list[tuple[str, Any]] = []
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+        self.began.append((kind, params))
+        return ids.new_id("operation")
+
+    def submit(self, op_id: str, *, resuming: bool = False) -> None:
+        pass
+
+
+def test_a_local_volume_attaches_to_its_own_hosts_vms_only_and_its_detach_knows_it_is_not_persistent(
+        db: Database) -> None:
+    host_heartbeat(db, "host-1", pool("local", 10), vm="vm1")
+    host_heartbeat(db, "host-2", pool("local", 10), vm="vm2")
+    engine = KindsEngine()
+    svc = SimpleNamespace(cfg=ControllerConfig(heartbeat_timeout_s=30.0), db=db, engine=engine)
+    vol = create_volume(svc, CreateVolumeRequest(size_gib=1, placement="local", host="host-1"),
+                        DEFAULT_TENANT).volume_id
+    with db.session() as s:
+        s.execute(update(Volume).where(Volume.id == vol).values(status="available"))
+    with pytest.raises(InvalidParameter, match="local to host 'host-1'") as err:
+        attach_volume(svc, vol, AttachVolumeRequest(host="host-2", vm_id="vm2"), DEFAULT_TENANT)
+    assert err.value.status == 400
+    attach_volume(svc, vol, AttachVolumeRequest(host="host-1", vm_id="vm1"), DEFAULT_TENANT)
+    with db.session() as s:
+        s.execute(update(Attachment).where(Attachment.volume_id == vol).values(status="attached"))
+    detach_volume(svc, vol, DetachVolumeRequest(), DEFAULT_TENANT)
+    kinds = [kind for kind, _ in engine.began]
+    assert kinds == ["create-local-volume", "attach-local-volume", "detach-local-volume"]
+    created, attached, detached = (params for _, params in engine.began)
+    assert (created.host, created.pool, created.snapshot_id) == ("host-1", "local", None)
+    assert (attached.node, attached.pool, attached.host) == ("host-1", "local", "host-1")
+    assert detached.persistent is False
