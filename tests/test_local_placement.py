@@ -147,3 +147,11 @@ def test_a_local_volume_attaches_to_its_own_hosts_vms_only_and_its_detach_knows_
     assert (created.host, created.pool, created.snapshot_id) == ("host-1", "local", None)
     assert (attached.node, attached.pool, attached.host) == ("host-1", "local", "host-1")
     assert detached.persistent is False
+
+
+def test_a_heartbeat_without_local_pools_is_what_older_controllers_read() -> None:
+    hb = HostHeartbeat(name="host-1", url="http://127.0.0.1:2", address="127.0.0.1", hypervisor="qemu",
+                       capabilities=HypervisorCapabilities(protocols=["nbd"]), started_at=utcnow())
+    assert "local_pools" not in hb.model_dump(mode="json")
+    with_pool = hb.model_copy(update={"local_pools": [pool("local", 1)]})
+    assert HostHeartbeat.model_validate(with_pool.model_dump(mode="json")).local_pools == [pool("local", 1)]

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
+from typing import Any
 
-from pydantic import Field, SecretStr, field_serializer, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 from vbs.wire.base import Wire
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, HostConnection, ProtocolName
-from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo
+from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo, _without_empty  # one rule for new fields
 
 __all__ = [
     "QoS",
@@ -167,3 +175,7 @@ class HostHeartbeat(Wire):
     vms: list[VmInfo] | None = Field(None, max_length=4096)
     # Its local pools (semi-shared storage): volumes on this node's own disks, attached with no network hop.
     local_pools: list[PoolInfo] = Field(default_factory=list, max_length=MAX_POOLS)
+
+    @model_serializer(mode="wrap")
+    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "local_pools")
