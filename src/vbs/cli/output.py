@@ -34,7 +34,8 @@ VOLUME_COLUMNS: list[Column] = [
     ("Status", lambda v: v["status"]),
     ("Progress", _progress),
     ("Snapshot", lambda v: v["snapshot_id"] or ""),
-    ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"),
+    ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"
+     + (" (local" + (", persistent)" if v.get("persistent") else ")") if v.get("placement") == "local" else "")),
     ("Zone", lambda v: v.get("availability_zone", "")),
     ("Check", lambda v: v.get("volume_status", "")),
     ("Attachments", _attachments),
