@@ -105,15 +105,10 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     if req.placement == "local":
         return _insert_local_volume(svc, s, req, digest, tenant)
     cfg = svc.cfg
-    size = req.size_gib
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     snap: Snapshot | None = None
     if req.snapshot_id is not None:
         snap = _usable_snapshot(s, req.snapshot_id, tenant)
-        size = size if size is not None else snap.volume_size_gib
-        if size < snap.volume_size_gib:
-            raise InvalidParameter(
-                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
         for asked, there, what in ((req.storage_node, snap.storage_node, "storage node"),
                                    (req.pool, snap.pool, "pool")):
             if asked is not None and asked != there:
@@ -121,14 +116,10 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
                                        f"{what} {there}, not {asked}.")
         # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
         want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
-    if size is None:
-        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    size = _checked_size(svc, req, snap)
     key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
     # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
     want = replace(want, encrypted=written_encrypted)
-    if size > cfg.max_volume_gib:
-        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
-    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
     # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              default_zone=cfg.availability_zone, want=want)
@@ -147,6 +138,24 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
         format_key=written_encrypted, source_key_id=source_key_id))
     return volume, op_id
+
+
+def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> int:
+    """The new volume's size: as asked, or its snapshot's; at least the snapshot's, within the service's
+    limit and the volume type's rules."""
+    size = req.size_gib
+    if snap is not None:
+        size = size if size is not None else snap.volume_size_gib
+        if size < snap.volume_size_gib:
+            raise InvalidParameter(
+                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
+    if size is None:
+        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    if size > svc.cfg.max_volume_gib:
+        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of "
+                               f"{svc.cfg.max_volume_gib} GiB.")
+    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
+    return size
 
 
 def _usable_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
@@ -174,20 +183,10 @@ def _insert_local_volume(svc: Controller, s: Session, req: CreateVolumeRequest, 
         raise InvalidParameter("A local volume is neither encrypted nor multi-attach.")
     if req.storage_node is not None or req.pool is not None or req.availability_zone is not None:
         raise InvalidParameter("A local volume is placed by host, not by zone, storage node or pool.")
-    size = req.size_gib
     snap = _usable_snapshot(s, req.snapshot_id, tenant) if req.snapshot_id is not None else None
-    if snap is not None:
-        if snap.key_id is not None:
-            raise InvalidParameter(f"The snapshot '{snap.id}' is encrypted; a local volume cannot be made from it.")
-        size = size if size is not None else snap.volume_size_gib
-        if size < snap.volume_size_gib:
-            raise InvalidParameter(
-                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
-    if size is None:
-        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
-    if size > cfg.max_volume_gib:
-        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
-    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
+    if snap is not None and snap.key_id is not None:
+        raise InvalidParameter(f"The snapshot '{snap.id}' is encrypted; a local volume cannot be made from it.")
+    size = _checked_size(svc, req, snap)
     pool = choose_local_pool(s, req.host, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio)
     quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
     now = utcnow()

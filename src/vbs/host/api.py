@@ -73,6 +73,7 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     def list_vms() -> VmList:
         return VmList(vms=driver.list_vms())
 
+    # No local pool: every local call answers that the pool does not exist, before any copy could start.
     local_pools = local or LocalPools({}, CopyCredentials(Path("/nonexistent")))
 
     def opened(connection: AnyConnection | LocalConnection) -> AnyConnection:

@@ -230,10 +230,6 @@ class LocalPools:
             copy.proc.kill()
             copy.done.wait(30)
 
-    def remove_volume(self, pool: str, volume_id: str) -> None:
-        self.remove_copy(volume_id)
-        self.pool(pool).remove_volume(volume_id)
-
     def close(self) -> None:
         with self._lock:
             keys = list(self._copies)
