@@ -5,6 +5,7 @@ with qemu-img opening the export through the same host connector a VM's disk use
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,3 +91,36 @@ def test_a_local_pool_serves_no_export_and_knows_only_its_own_pools(local: Local
         local.pool("local").connection_for(LOCAL, HOST)
     with pytest.raises(NotFound, match="no local pool named"):
         local.path_of("other", LOCAL)
+
+
+def test_a_fill_reports_its_progress_as_qemu_img_copies(local: LocalPools, tmp_path: Path) -> None:
+    """A storage node whose export is throttled to 8 MB/s: a 24 MiB fill takes seconds, its progress climbs."""
+    shared = tmp_path / "slow.raw"
+    shared.write_bytes(os.urandom(24 * MiB))
+    sock = tmp_path / "slow.sock"
+    qsd = subprocess.Popen(
+        ["qemu-storage-daemon", "--object", "throttle-group,id=tg,x-bps-total=8000000",
+         "--blockdev", f"driver=file,node-name=f0,filename={shared}",
+         "--blockdev", "driver=throttle,node-name=t0,throttle-group=tg,file=f0",
+         "--nbd-server", f"addr.type=unix,addr.path={sock}",
+         "--export", f"type=nbd,id=e0,node-name=t0,name={SHARED}"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert qsd.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        local.pool("local").ensure_volume(LOCAL, 24 * MiB)
+        source = NbdConnection(socket=str(sock), export=SHARED)
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while (status := local.fill("local", LOCAL, source)).state == "copying":
+            seen.append(status.progress)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert status.state == "ready", status.error
+        assert seen == sorted(seen) and any(0 < p < 100 for p in seen), seen
+        assert local.path_of("local", LOCAL).read_bytes() == shared.read_bytes()
+    finally:
+        qsd.terminate()
+        qsd.wait(10)
