@@ -76,6 +76,8 @@ HOST_COLUMNS: list[Column] = [
     ("Address", lambda h: h["address"]),
     ("URL", lambda h: h["url"]),
     ("VMs", lambda h: h["instances"]),
+    ("Local pools", lambda h: ", ".join(f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f}"
+                                        " GiB free" for p in h.get("local_pools", []))),
     ("Last heartbeat", lambda h: h["last_heartbeat"][:19]),
 ]
 
