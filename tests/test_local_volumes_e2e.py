@@ -44,8 +44,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp = tmp_path_factory.mktemp("local-volumes")
     local_pool = tmp / "local-pool"
     local_pool.mkdir()
-    up = VbsUp(tmp / "var", tmp / "up.log", env={"VBS_HOST_AGENT_LOCAL_POOLS": f"local={local_pool}",
-                                                 "VBS_TEST_HOOKS": "1"})
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--local-pool", f"local={local_pool}"],
+               env={"VBS_TEST_HOOKS": "1"})
     guest = TestGuest("vm1", tmp / "guests", build_guest(), tmp / "var" / "vms")
     try:
         guest.start()

@@ -813,6 +813,8 @@ def up(
         help="The host agent's hypervisor driver: qemu | libvirt | command.")] = "qemu",
     libvirt_uri: LibvirtUriOpt = None,
     profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
+    local_pool: Annotated[list[str] | None, typer.Option(
+        help="The host's local pool NAME=PATH, for local volumes (semi-shared storage; repeatable).")] = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -839,7 +841,8 @@ def up(
     if hypervisor not in drivers.available("hypervisor"):
         raise typer.BadParameter(f"--hypervisor must be one of {', '.join(drivers.available('hypervisor'))}")
     host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()),
-                        *_profile_flags(hypervisor, profile, profile_dir or []))
+                        *_profile_flags(hypervisor, profile, profile_dir or []),
+                        *_local_pool_flags(local_pool or []))
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
@@ -1013,6 +1016,20 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 # Options of the whole CLI (its callback): with a value, and flags.
 _GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile", "--region")
 _GLOBAL_FLAGS = ("--no-paginate",)
+def _local_pool_flags(specs: list[str]) -> tuple[str, ...]:
+    """``vbs up --local-pool`` as its host agent takes it (each NAME=PATH checked here first)."""
+    from vbs.config import PoolConfig
+
+    flags: list[str] = []
+    for spec in specs:
+        try:
+            pool = PoolConfig.parse(spec)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        flags += ["--local-pool", f"{pool.name}={pool.path.resolve()}"]
+    return tuple(flags)
+
+
 # Commands that run a service: their options are their own (host-agent has a --profile of its own).
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}
 
