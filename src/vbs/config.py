@@ -146,6 +146,15 @@ class PoolConfig(_Section):
         return cls(name=name, path=Path(path))
 
 
+def pools_as_text(v: Any) -> Any:
+    """Pools given as "NAME=PATH" strings (a list, or one string separated by commas) as PoolConfigs."""
+    if isinstance(v, str):
+        v = [item for item in v.split(",") if item.strip()]
+    if isinstance(v, list):
+        return [PoolConfig.parse(item.strip()) if isinstance(item, str) else item for item in v]
+    return v
+
+
 class StorageAgentConfig(_AgentSection):
     port: int = Field(8771, ge=1, le=65535)
     node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
@@ -186,11 +195,7 @@ class StorageAgentConfig(_AgentSection):
     @field_validator("pools", mode="before")
     @classmethod
     def _pools_as_text(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [item for item in v.split(",") if item.strip()]
-        if isinstance(v, list):
-            return [PoolConfig.parse(item.strip()) if isinstance(item, str) else item for item in v]
-        return v
+        return pools_as_text(v)
 
     @model_validator(mode="after")
     def _pools_are_distinct(self) -> StorageAgentConfig:
@@ -255,6 +260,21 @@ class HostAgentConfig(_AgentSection):
     # the shipped ones, or a path to a TOML file).
     profile: str | None = Field(None, max_length=4096)
     profile_dirs: list[Path] = Field(default_factory=lambda: [Path("/etc/vbs/profiles")])
+    # Semi-shared storage: local pools on this node's own disks ("NAME=PATH", --local-pool, repeatable,
+    # or VBS_HOST_AGENT_LOCAL_POOLS), made by the storage agents' backend drivers (local_backend).
+    local_pools: list[PoolConfig] = Field(default_factory=list, max_length=MAX_POOLS)
+    local_backend: str = Field("file", pattern=DRIVER_NAME_RE)
+
+    @field_validator("local_pools", mode="before")
+    @classmethod
+    def _local_pools_as_text(cls, v: Any) -> Any:
+        return pools_as_text(v)
+
+    @model_validator(mode="after")
+    def _local_pools_are_distinct(self) -> HostAgentConfig:
+        if len({p.name for p in self.local_pools}) != len(self.local_pools):
+            raise ValueError("a local pool name is given twice; each local pool of a host needs its own")
+        return self
 
 
 SectionT = TypeVar("SectionT", bound=_Section)

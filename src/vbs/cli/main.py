@@ -179,6 +179,10 @@ def create_volume(
     kms_key_id: Annotated[str | None, typer.Option(help="Recorded with an encrypted volume (default "
                                                         "alias/aws/ebs).")] = None,
     placement: Annotated[str, typer.Option(help="shared | local")] = "shared",
+    host: Annotated[str | None, typer.Option(
+        "--host", help="local: the hypervisor node whose local pool holds it (attachable there only).")] = None,
+    persistent: Annotated[bool, typer.Option(
+        "--persistent", help="local: kept at detach (otherwise removed, like an instance store).")] = False,
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
     client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
     availability_zone: Annotated[str | None, typer.Option(help="Place it in this zone.")] = None,
@@ -193,6 +197,8 @@ def create_volume(
     c: Context = ctx.obj
     body: dict[str, Any] = {"comment": comment, "volume_type": volume_type, "multi_attach": multi_attach,
                             "placement": placement, "tags": _tags(tag), "encrypted": encrypted}
+    if placement == "local" or host is not None or persistent:
+        body |= {"host": host, "persistent": persistent}
     for key, value in (("size_gib", size), ("snapshot_id", snapshot), ("iops", iops), ("throughput", throughput),
                        ("kms_key_id", kms_key_id),
                        ("client_token", client_token), ("availability_zone", availability_zone),
@@ -810,6 +816,10 @@ def host_agent(
     libvirt_persist: Annotated[bool, typer.Option(
         "--libvirt-persist", help="libvirt: an attach also goes into a persistent domain's configuration.")] = False,
     profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
+    local_pool: Annotated[list[str] | None, typer.Option(
+        help="A local pool NAME=PATH on this node's own disks (semi-shared storage; repeatable).")] = None,
+    local_backend: Annotated[str | None, typer.Option(help="Backend driver of the local pools (default: file).")]
+    = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -825,6 +835,7 @@ def host_agent(
         "address": address, "hypervisor": hypervisor, "agent_token_file": agent_token_file,
         "libvirt_uri": libvirt_uri, "libvirt_persist": libvirt_persist or None,
         "profile": profile, "profile_dirs": profile_dir or None,
+        "local_pools": local_pool or None, "local_backend": local_backend,
         **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -868,6 +879,8 @@ def up(
         help="The host agent's hypervisor driver: qemu | libvirt | command.")] = "qemu",
     libvirt_uri: LibvirtUriOpt = None,
     profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
+    local_pool: Annotated[list[str] | None, typer.Option(
+        help="The host's local pool NAME=PATH, for local volumes (semi-shared storage; repeatable).")] = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -894,7 +907,8 @@ def up(
     if hypervisor not in drivers.available("hypervisor"):
         raise typer.BadParameter(f"--hypervisor must be one of {', '.join(drivers.available('hypervisor'))}")
     host_agent_flags = ("--hypervisor", hypervisor, *(("--libvirt-uri", libvirt_uri) if libvirt_uri else ()),
-                        *_profile_flags(hypervisor, profile, profile_dir or []))
+                        *_profile_flags(hypervisor, profile, profile_dir or []),
+                        *_local_pool_flags(local_pool or []))
     limits = {"overcommit_ratio": overcommit_ratio, "quota_volumes": quota_volumes, "quota_gib": quota_gib,
               "quota_snapshots": quota_snapshots}
     controller_env = {f"VBS_CONTROLLER_{k.upper()}": str(v) for k, v in limits.items() if v is not None}
@@ -1070,6 +1084,20 @@ def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | No
 # Options of the whole CLI (its callback): with a value, and flags.
 _GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile", "--region")
 _GLOBAL_FLAGS = ("--no-paginate",)
+def _local_pool_flags(specs: list[str]) -> tuple[str, ...]:
+    """``vbs up --local-pool`` as its host agent takes it (each NAME=PATH checked here first)."""
+    from vbs.config import PoolConfig
+
+    flags: list[str] = []
+    for spec in specs:
+        try:
+            pool = PoolConfig.parse(spec)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        flags += ["--local-pool", f"{pool.name}={pool.path.resolve()}"]
+    return tuple(flags)
+
+
 # Commands that run a service: their options are their own (host-agent has a --profile of its own).
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}
 

@@ -34,7 +34,8 @@ VOLUME_COLUMNS: list[Column] = [
     ("Status", lambda v: v["status"]),
     ("Progress", _progress),
     ("Snapshot", lambda v: v["snapshot_id"] or ""),
-    ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"),
+    ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"
+     + (" (local" + (", persistent)" if v.get("persistent") else ")") if v.get("placement") == "local" else "")),
     ("Zone", lambda v: v.get("availability_zone", "")),
     ("Check", lambda v: v.get("volume_status", "")),
     ("Attachments", _attachments),
@@ -76,6 +77,8 @@ HOST_COLUMNS: list[Column] = [
     ("URL", lambda h: h["url"]),
     ("VMs", lambda h: h["instances"]),
     ("RTT to storage", lambda h: ", ".join(f"{p['storage_node']} {p['rtt_ms']:.2f} ms" for p in h.get("probes", []))),
+    ("Local pools", lambda h: ", ".join(f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f}"
+                                        " GiB free" for p in h.get("local_pools", []))),
     ("Last heartbeat", lambda h: h["last_heartbeat"][:19]),
 ]
 

@@ -21,13 +21,14 @@ from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
-from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
+from vbs.wire.connection import Connection, HostIdentity, LocalConnection, ProtocolName, RbdConnection
 from vbs.wire.host import (
     AttachDisk,
     CopyDisk,
     DiskInfo,
     DiskList,
     DiskQoS,
+    FillVolume,
     MigrationInfo,
     PauseAnswer,
     PauseVm,
@@ -174,7 +175,7 @@ class HostAgent:
     def __init__(self, client: ApiClient) -> None:
         self._client = client
 
-    def attach(self, vm_id: str, serial: str, connection: Connection, *, read_only: bool,
+    def attach(self, vm_id: str, serial: str, connection: Connection | LocalConnection, *, read_only: bool,
                qos: QoS | None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
                                     AttachDisk(connection=connection, read_only=read_only, qos=qos,
@@ -222,6 +223,30 @@ class HostAgent:
 
     def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", Removed)
+
+    # -- local pools (semi-shared storage) --------------------------------------------------------------
+
+    def ensure_local_volume(self, pool: str, volume_id: str, size_gib: int) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/local-pools/{pool}/volumes/{volume_id}", ItemStatus,
+                                    EnsureVolume(size_bytes=size_gib * GIB))
+
+    def remove_local_volume(self, pool: str, volume_id: str) -> None:
+        self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/fill", Removed)
+        self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}", Removed)
+
+    def fill_local_volume(self, pool: str, volume_id: str, source: Connection) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/local-pools/{pool}/volumes/{volume_id}/fill", ItemStatus,
+                                    FillVolume(source=source))
+
+    def forget_fill(self, pool: str, volume_id: str) -> None:
+        self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/fill", Removed)
+
+    def copy_local_volume(self, pool: str, volume_id: str, copy_id: str, target: Connection) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/local-pools/{pool}/volumes/{volume_id}/copies/{copy_id}",
+                                    ItemStatus, CopyDisk(target=target))
+
+    def forget_local_copy(self, pool: str, volume_id: str, copy_id: str) -> None:
+        self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/copies/{copy_id}", Removed)
 
 
 class AgentDirectory:

@@ -37,6 +37,7 @@ from vbs.controller.states import VolumeState
 from vbs.controller.workflows import Workflow, WorkflowEngine
 from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.live_migrations import MIGRATE_INSTANCE
+from vbs.controller.workflows.local import LOCAL_WORKFLOWS
 from vbs.controller.workflows.modifications import MODIFY_VOLUME
 from vbs.controller.workflows.moves import MIGRATE_VOLUME
 from vbs.controller.workflows.snapshot_sets import CREATE_SNAPSHOT_SET
@@ -55,7 +56,7 @@ HOUSEKEEPING_INTERVAL_S = 60.0
 
 WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
                                   DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET,
-                                  MIGRATE_INSTANCE]
+                                  MIGRATE_INSTANCE, *LOCAL_WORKFLOWS]
 
 
 def database_url(cfg: ControllerConfig) -> str | None:

@@ -106,6 +106,9 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
         if taken:
             raise InvalidParameter(f"The device name '{device}' is already in use on that instance.",
                                    code="InvalidParameterValue")
+        if vol.placement == "local" and inst.host != vol.host:
+            raise InvalidParameter(f"The volume '{volume_id}' is local to host '{vol.host}': it attaches to that "
+                                   f"host's instances only, not to one on '{inst.host}'.")
         if vol.status == VolumeState.IN_USE and not vol.multi_attach:
             raise VolumeInUse(f"The volume '{volume_id}' is attached already and is not multi-attach.")
         sources = [VolumeState.AVAILABLE, VolumeState.IN_USE] if vol.multi_attach else [VolumeState.AVAILABLE]
@@ -116,7 +119,8 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
                          status=AttachmentState.ATTACHING, created_at=now, updated_at=now)
         s.add(att)
         s.flush()
-        op_id = svc.engine.begin(s, "attach-volume", volume_id, AttachParams(
+        op_id = svc.engine.begin(s, "attach-local-volume" if vol.placement == "local" else "attach-volume",
+                                 volume_id, AttachParams(
             attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
             read_only=req.read_only, serial=ids.virtio_serial(volume_id), limits=volume_limits(svc.cfg, vol)))
         warnings = rtt_warnings(s, inst.host, vol.storage_node, svc.cfg.rtt_warn_ms, svc.cfg.heartbeat_timeout_s)
@@ -161,9 +165,14 @@ def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, ten
             migration_in_progress(s, att.instance_id)
         if not try_transition(s, Attachment, att.id, AttachmentState.DETACHING, status_reason=None):
             raise IncorrectState(f"The attachment of '{volume_id}' is {att.status}; wait until it is attached.")
-        op_id = svc.engine.begin(s, "detach-volume", volume_id, DetachParams(
-            attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=att.host, vm_id=att.vm_id,
-            serial=ids.virtio_serial(volume_id), force=req.force, timeout=svc.cfg.detach_timeout_s))
+        detach = DetachParams(attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=att.host,
+                              vm_id=att.vm_id, serial=ids.virtio_serial(volume_id), force=req.force,
+                              timeout=svc.cfg.detach_timeout_s)
+        if vol.placement == "local":
+            op_id = svc.engine.begin(s, "detach-local-volume", volume_id,
+                                     detach.model_copy(update={"persistent": vol.persistent}))
+        else:
+            op_id = svc.engine.begin(s, "detach-volume", volume_id, detach)
         s.refresh(att)
         out = _out(att).model_copy(update={"operation_id": op_id})
     svc.engine.submit(op_id)

@@ -81,6 +81,9 @@ def _begin(svc: Controller, instance_id: str, target_host: str, *, external: boo
         for a in atts:
             vol = s.get(Volume, a.volume_id)
             assert vol is not None
+            if vol.placement == "local":
+                raise IncorrectState(f"The volume '{vol.id}' is local to '{vol.storage_node}' and cannot "
+                                     "follow the instance to another host: detach it (or snapshot it) first.")
             if vol.key_id is not None and not host_info(_host(s, target_host)).capabilities.luks:
                 raise IncorrectState(f"The volume '{vol.id}' is encrypted and the hypervisor of '{target_host}' "
                                      "cannot open encrypted volumes.")

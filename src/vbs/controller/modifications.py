@@ -44,6 +44,9 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
         # they are once every earlier change of it committed.
         lock_rows(s, Volume, volume_id)
         vol = live_volume(s, volume_id, tenant)
+        if vol.placement == "local":
+            raise IncorrectState(f"The volume '{volume_id}' is local to host '{vol.host}'; local volumes are not "
+                                 "modified (snapshot it and make a new one).")
         size = req.size_gib if req.size_gib is not None else vol.size_gib
         if size < vol.size_gib:
             raise InvalidParameter(f"New size cannot be smaller than existing size ({vol.size_gib} GiB).")

@@ -53,6 +53,7 @@ class HostNodeInfo(Wire):
     hypervisor: str = "unknown"
     capabilities: HypervisorCapabilities = HypervisorCapabilities(protocols=[])
     probes: list[Probe] = []
+    local_pools: list[PoolInfo] = []
 
 
 def storage_info(node: Node) -> StorageNodeInfo:
@@ -105,7 +106,7 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
     _record(session, hb.name, "host", hb.url, hb.address, hb.started_at,
             HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities,
-                         probes=hb.probes))
+                         probes=hb.probes, local_pools=hb.local_pools))
     if hb.vms is None:
         return
     now = utcnow()
@@ -143,10 +144,13 @@ def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetim
     return StorageNodeOut(
         name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down", drained=n.drained,
         availability_zone=zone_of(n, default_zone), last_heartbeat=n.last_heartbeat,
-        pools=[PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
-                       clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
-               for p in storage_info(n).pools],
+        pools=[pool_out(p) for p in storage_info(n).pools],
     )
+
+
+def pool_out(p: PoolInfo) -> PoolOut:
+    return PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
+                   clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
 
 
 def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str) -> list[StorageNodeOut]:
@@ -246,7 +250,8 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
         hosts.append(HostOut(name=n.name, url=n.url, address=n.address,
                              state="up" if is_alive(n, timeout_s, now) else "down", last_heartbeat=n.last_heartbeat,
                              instances=counts.get(n.name, 0), hypervisor=info.hypervisor,
-                             capabilities=info.capabilities, probes=info.probes))
+                             capabilities=info.capabilities, probes=info.probes,
+                             local_pools=[pool_out(p) for p in info.local_pools]))
     return hosts
 
 
@@ -406,3 +411,31 @@ def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overc
     if not _fits(pools[pool].capacity_bytes, provisioned, grow_gib, overcommit):
         raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
                                    f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)
+
+
+def choose_local_pool(session: Session, host: str, size_gib: int, *, timeout_s: float, overcommit: float) -> str:
+    """The local pool of ``host`` a new local volume of ``size_gib`` goes to (semi-shared storage): the
+    least full one that can promise it, as ``choose_pool`` weighs shared pools. Refused with a 4xx when
+    the host is unknown or down, has no local pool, or none of its pools has room. The host's row is
+    locked: two creates cannot both take the last room."""
+    node = session.scalars(select(Node).where(Node.kind == "host", Node.name == host).with_for_update()
+                           .execution_options(populate_existing=True)).first()
+    if node is None:
+        raise InvalidParameter(f"The host '{host}' does not exist.")
+    if not is_alive(node, timeout_s, utcnow()):
+        raise IncorrectState(f"The host '{host}' is down: no heartbeat for more than {timeout_s:g} s.")
+    pools = host_info(node).local_pools
+    if not pools:
+        raise InvalidParameter(f"The host '{host}' has no local pool: local volumes need one (host agent "
+                               f"--local-pool NAME=PATH).")
+    promised = _promised(session, [host])
+    best: tuple[float, str] | None = None
+    for p in pools:
+        provisioned = promised.get((host, p.name), 0)
+        if _fits(p.capacity_bytes, provisioned, size_gib, overcommit):
+            candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, p.name)
+            best = candidate if best is None else min(best, candidate)
+    if best is None:
+        raise InsufficientCapacity(f"There is not enough room in the local pools of host '{host}' for a {size_gib} "
+                                   f"GiB volume (capacity x overcommit ratio {overcommit:g}).", status=400)
+    return best[1]

@@ -213,7 +213,8 @@ class Reconciler:
         inventory = agent.inventory()
         exports = agent.list_exports()
         with self.svc.db.session() as s:
-            volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name))}
+            volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name,
+                                                                       Volume.placement != "local"))}
             snaps = {x.id: x for x in s.scalars(select(Snapshot).where(Snapshot.storage_node == node.name))}
             atts = list(s.scalars(select(Attachment).where(Attachment.volume_id.in_(list(volumes)),
                                                            Attachment.status.in_(MAY_BE_EXPORTED))))

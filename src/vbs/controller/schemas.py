@@ -76,6 +76,9 @@ class CreateVolumeRequest(_Request):
     encrypted: bool = False
     kms_key_id: KmsKeyId | None = None
     placement: Literal["shared", "local"] = "shared"
+    # placement local: the host whose local pool holds it, and whether it outlives its detach.
+    host: NodeName | None = None
+    persistent: bool = False
     tags: Tags = Field(default_factory=dict)
     client_token: ClientToken | None = None
     # Where it may go (the scheduler picks within): a zone, a storage node, a pool of that name.
@@ -164,6 +167,10 @@ class VolumeOut(BaseModel):
     encrypted: bool = False
     kms_key_id: str | None = None
     placement: str
+    # placement local: the host whose local pool holds it (storage_node names it too), and whether it
+    # outlives its detach (a non-persistent one is removed at detach, like an instance store).
+    host: str | None = None
+    persistent: bool = False
     status: str
     status_reason: str | None
     progress: int
@@ -382,6 +389,8 @@ class HostOut(BaseModel):
     capabilities: HypervisorCapabilities
     # The host's latest RTT probe of each storage node (vbs.host.probes).
     probes: list[Probe] = []
+    # Semi-shared storage: the host's own pools, where local volumes go.
+    local_pools: list[PoolOut] = []
 
 
 class HostList(BaseModel):

@@ -13,13 +13,14 @@ from vbs.controller import filters as flt
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import pool_of
+from vbs.controller.nodes import choose_pool, pool_of
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import CopySnapshotRequest, CreateSnapshotRequest, SnapshotList, SnapshotOut
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
 from vbs.controller.volumes import live_volume
+from vbs.controller.workflows.local import SnapshotLocalParams
 from vbs.controller.workflows.snapshots import CopySnapshotParams, CreateSnapshotParams
 from vbs.controller.workflows.storage import StorageParams
 from vbs.errors import IncorrectState, NotFound, SnapshotInUse
@@ -39,21 +40,40 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
         if hit != 1:
             raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
-        snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
-        op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
-            node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
+        if vol.placement == "local":
+            op_id, snap = _snapshot_local_volume(svc, s, vol, req, tenant)
+        else:
+            snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
+            op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
+                node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
 
 
+def _snapshot_local_volume(svc: Controller, s: Session, vol: Volume, req: CreateSnapshotRequest,
+                           tenant: str) -> tuple[str, Snapshot]:
+    """A snapshot of a local volume lands on shared storage (a pool the scheduler picks): the host copies
+    the volume back there (``workflows.local``)."""
+    cfg = svc.cfg
+    node, pool = choose_pool(s, vol.size_gib, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
+                             default_zone=cfg.availability_zone)
+    snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow(), where=(node, pool))
+    op_id = svc.engine.begin(s, "snapshot-local-volume", snap.id, SnapshotLocalParams(
+        node=node, pool=pool, volume_id=vol.id, host=vol.host or vol.storage_node, local_pool=vol.pool,
+        size_gib=vol.size_gib, scratch_volume_id=ids.new_id("volume")))
+    return op_id, snap
+
+
 def new_snapshot_row(s: Session, svc: Controller, vol: Volume, comment: str, tags: dict[str, str], tenant: str,
-                     now: datetime) -> Snapshot:
-    """A pending snapshot of ``vol`` with its tags, within the tenant's and the pool's limits."""
+                     now: datetime, where: tuple[str, str] | None = None) -> Snapshot:
+    """A pending snapshot of ``vol`` with its tags, within the tenant's and the pool's limits; on the
+    volume's storage node and pool, or ``where`` (node, pool)."""
     quotas.check_volume_snapshots(s, vol)
     quotas.check_snapshots(s, svc.cfg, tenant)
+    node, pool = where or (vol.storage_node, vol.pool)
     snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib, comment=comment,
-                    storage_node=vol.storage_node, pool=vol.pool, status=SnapshotState.PENDING, progress=0,
+                    storage_node=node, pool=pool, status=SnapshotState.PENDING, progress=0,
                     started_at=now, updated_at=now, tenant=tenant, key_id=vol.key_id)
     s.add(snap)
     s.flush()

@@ -21,12 +21,13 @@ from vbs.controller import filters as flt
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import Placement, choose_pool, node_health, volume_status, zone_of
+from vbs.controller.nodes import Placement, choose_local_pool, choose_pool, node_health, volume_status, zone_of
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
+from vbs.controller.workflows.local import CreateLocalVolumeParams
 from vbs.controller.workflows.storage import StorageParams
 from vbs.controller.workflows.volumes import CreateVolumeParams
 from vbs.errors import (
@@ -54,7 +55,7 @@ def live_volume(s: Session, volume_id: str, tenant: str) -> Volume:
 
 # Fields newer than some stored digests: left out when not given, so that a request retried with its
 # client token across an upgrade still matches the digest an older controller stored.
-_DIGEST_OPTIONAL = ("availability_zone", "storage_node", "pool")
+_DIGEST_OPTIONAL = ("availability_zone", "storage_node", "pool", "host")
 
 
 def _digest(req: CreateVolumeRequest) -> str:
@@ -62,12 +63,14 @@ def _digest(req: CreateVolumeRequest) -> str:
     for key in _DIGEST_OPTIONAL:
         if body[key] is None:
             del body[key]
+    if not body["persistent"]:
+        del body["persistent"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> VolumeOut:
-    if req.placement != "shared":
-        raise InvalidParameter("placement 'local' is not supported yet; use 'shared'.")
+    if req.placement == "shared" and (req.host is not None or req.persistent):
+        raise InvalidParameter("host and persistent are for placement 'local' (a volume in a host's local pool).")
     digest = _digest(req)
     try:
         with svc.db.session() as s:
@@ -99,24 +102,13 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
 
 def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
                    tenant: str) -> tuple[Volume, str]:
+    if req.placement == "local":
+        return _insert_local_volume(svc, s, req, digest, tenant)
     cfg = svc.cfg
-    size = req.size_gib
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     snap: Snapshot | None = None
     if req.snapshot_id is not None:
-        snap = s.get(Snapshot, req.snapshot_id)
-        if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
-                or not snapshot_sharing.usable(s, snap, tenant):
-            raise NotFound(f"The snapshot '{req.snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
-        # Touching the row inside this transaction makes a concurrent delete-snapshot wait for us.
-        hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
-                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
-        if hit != 1:
-            raise IncorrectState(f"The snapshot '{snap.id}' is '{snap.status}'; it must be completed.")
-        size = size if size is not None else snap.volume_size_gib
-        if size < snap.volume_size_gib:
-            raise InvalidParameter(
-                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
+        snap = _usable_snapshot(s, req.snapshot_id, tenant)
         for asked, there, what in ((req.storage_node, snap.storage_node, "storage node"),
                                    (req.pool, snap.pool, "pool")):
             if asked is not None and asked != there:
@@ -124,14 +116,10 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
                                        f"{what} {there}, not {asked}.")
         # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
         want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
-    if size is None:
-        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    size = _checked_size(svc, req, snap)
     key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
     # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
     want = replace(want, encrypted=written_encrypted)
-    if size > cfg.max_volume_gib:
-        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of {cfg.max_volume_gib} GiB.")
-    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
     # choose_pool locks the storage node rows: the quota count after it cannot race another create.
     node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              default_zone=cfg.availability_zone, want=want)
@@ -149,6 +137,73 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
         format_key=written_encrypted, source_key_id=source_key_id))
+    return volume, op_id
+
+
+def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> int:
+    """The new volume's size: as asked, or its snapshot's; at least the snapshot's, within the service's
+    limit and the volume type's rules."""
+    size = req.size_gib
+    if snap is not None:
+        size = size if size is not None else snap.volume_size_gib
+        if size < snap.volume_size_gib:
+            raise InvalidParameter(
+                f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
+    if size is None:
+        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+    if size > svc.cfg.max_volume_gib:
+        raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of "
+                               f"{svc.cfg.max_volume_gib} GiB.")
+    volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
+    return size
+
+
+def _usable_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
+    """The completed snapshot a new volume is made from, touched in this transaction so that a concurrent
+    delete-snapshot waits for it."""
+    snap = s.get(Snapshot, snapshot_id)
+    if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
+            or not snapshot_sharing.usable(s, snap, tenant):
+        raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
+    hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
+                    .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+    if hit != 1:
+        raise IncorrectState(f"The snapshot '{snap.id}' is '{snap.status}'; it must be completed.")
+    return snap
+
+
+def _insert_local_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
+                         tenant: str) -> tuple[Volume, str]:
+    """A volume in the local pool of ``req.host`` (semi-shared storage): its storage node is that host."""
+    cfg = svc.cfg
+    if req.host is None:
+        raise MissingParameter("A local volume needs the parameter host: the hypervisor node whose local pool "
+                               "holds it.")
+    if req.encrypted or req.kms_key_id is not None or req.multi_attach:
+        raise InvalidParameter("A local volume is neither encrypted nor multi-attach.")
+    if req.storage_node is not None or req.pool is not None or req.availability_zone is not None:
+        raise InvalidParameter("A local volume is placed by host, not by zone, storage node or pool.")
+    snap = _usable_snapshot(s, req.snapshot_id, tenant) if req.snapshot_id is not None else None
+    if snap is not None and snap.key_id is not None:
+        raise InvalidParameter(f"The snapshot '{snap.id}' is encrypted; a local volume cannot be made from it.")
+    size = _checked_size(svc, req, snap)
+    pool = choose_local_pool(s, req.host, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio)
+    quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
+    now = utcnow()
+    volume = Volume(
+        id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
+        volume_type=req.volume_type, iops=req.iops, throughput=req.throughput, multi_attach=False,
+        placement="local", storage_node=req.host, pool=pool, host=req.host, persistent=req.persistent,
+        status=VolumeState.CREATING, progress=0, tenant=tenant, client_token=req.client_token, request_digest=digest,
+        created_at=now, updated_at=now,
+    )
+    s.add(volume)
+    s.flush()
+    set_tags(s, volume.id, req.tags)
+    op_id = svc.engine.begin(s, "create-local-volume", volume.id, CreateLocalVolumeParams(
+        host=req.host, pool=pool, size_gib=size, snapshot_id=req.snapshot_id,
+        snapshot_node=snap.storage_node if snap else None, snapshot_pool=snap.pool if snap else None,
+        scratch_volume_id=ids.new_id("volume") if snap else None))
     return volume, op_id
 
 
@@ -180,7 +235,8 @@ def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
         live_attachment = exists().where(Attachment.volume_id == volume_id,
                                          Attachment.status != AttachmentState.DETACHED)
         transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment)
-        op_id = svc.engine.begin(s, "delete-volume", volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
+        op_id = svc.engine.begin(s, "delete-local-volume" if vol.placement == "local" else "delete-volume",
+                                 volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
         s.refresh(vol)
         out = _describe_one(svc, s, vol)
     svc.engine.submit(op_id)
@@ -278,7 +334,8 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
             volume_type=v.volume_type, iops=volume_types.reported_iops(v.volume_type, v.size_gib, v.iops),
             throughput=volume_types.reported_throughput(v.volume_type, v.throughput), multi_attach=v.multi_attach,
             encrypted=v.key_id is not None, kms_key_id=kms.get(v.key_id) if v.key_id is not None else None,
-            placement=v.placement, status=v.status, status_reason=v.status_reason, progress=v.progress,
+            placement=v.placement, host=v.host, persistent=v.persistent, status=v.status,
+            status_reason=v.status_reason, progress=v.progress,
             storage_node=v.storage_node, pool=v.pool,
             availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,
             used_bytes=nodes[v.storage_node].volume_usage.get(v.id) if v.storage_node in nodes else None,

@@ -8,6 +8,7 @@ succeeds, so the controller may repeat any call after a crash. Every body and an
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Query
 from starlette.responses import Response
@@ -15,10 +16,13 @@ from starlette.responses import Response
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, MigratingDriver
+from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
+from vbs.storage.api import add_volume_routes
 from vbs.web import PreAuth, Scope, install_error_handlers
+from vbs.wire.connection import AnyConnection, FileConnection, LocalConnection
 from vbs.wire.host import (
     SERIAL_RE,
     VM_ID_RE,
@@ -27,6 +31,7 @@ from vbs.wire.host import (
     DiskInfo,
     DiskList,
     DiskQoS,
+    FillVolume,
     MigrationInfo,
     PauseAnswer,
     PauseVm,
@@ -34,7 +39,7 @@ from vbs.wire.host import (
     StartMigration,
     VmList,
 )
-from vbs.wire.storage import ItemStatus, Removed
+from vbs.wire.storage import ItemStatus, PoolList, Removed
 
 
 def _serial(serial: str) -> str:
@@ -50,7 +55,7 @@ def _vm(vm_id: str) -> str:
 
 
 def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None],
-               node_name: str, pauses: Pauses | None = None) -> FastAPI:
+               node_name: str, pauses: Pauses | None = None, local: LocalPools | None = None) -> FastAPI:
     app = FastAPI(title="VBS host agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
@@ -71,17 +76,27 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     def list_vms() -> VmList:
         return VmList(vms=driver.list_vms())
 
+    # No local pool: every local call answers that the pool does not exist, before any copy could start.
+    local_pools = local or LocalPools({}, CopyCredentials(Path("/nonexistent")))
+
+    def opened(connection: AnyConnection | LocalConnection) -> AnyConnection:
+        """What the hypervisor opens: a local volume is its pool's own file on this host."""
+        if not isinstance(connection, LocalConnection):
+            return connection
+        return FileConnection(path=str(local_pools.path_of(connection.pool, connection.volume_id)))
+
     @router.put("/vms/{vm_id}/disks/{serial}")
     def attach(vm_id: str, serial: str, body: AttachDisk) -> DiskInfo:
-        able(f"open {body.connection.protocol} connections", body.connection.protocol in caps.protocols)
+        connection = opened(body.connection)
+        able(f"open {body.connection.protocol} connections", connection.protocol in caps.protocols)
         if body.qos is not None:
             able("enforce QoS limits", caps.qos)
         if body.luks_passphrase is not None:
             able("open encrypted (LUKS) volumes", caps.luks)
         if body.pci_slot is not None:
-            return migrating().attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only,
+            return migrating().attach(_vm(vm_id), _serial(serial), connection, read_only=body.read_only,
                                       qos=body.qos, luks=body.luks_passphrase, pci_slot=body.pci_slot)
-        return driver.attach(_vm(vm_id), _serial(serial), body.connection, read_only=body.read_only, qos=body.qos,
+        return driver.attach(_vm(vm_id), _serial(serial), connection, read_only=body.read_only, qos=body.qos,
                              luks=body.luks_passphrase)
 
     @router.delete("/vms/{vm_id}/disks/{serial}")
@@ -152,6 +167,35 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     @router.delete("/vms/{vm_id}/disks/{serial}/copies/{copy_id}")
     def remove_copy(vm_id: str, serial: str, copy_id: str) -> Removed:
         driver.remove_copy(_vm(vm_id), _serial(serial), ids.check("snapshot", copy_id))
+        return Removed()
+
+    # -- local pools (semi-shared storage) ------------------------------------------------------------
+
+    @router.get("/local-pools")
+    def list_local_pools() -> PoolList:
+        return PoolList(pools=[b.pool_info() for b in local_pools.backends.values()])
+
+    add_volume_routes(router, local_pools.pool, prefix="/local-pools")
+
+    @router.put("/local-pools/{pool_name}/volumes/{volume_id}/fill")
+    def fill_volume(pool_name: str, volume_id: str, body: FillVolume) -> ItemStatus:
+        """Fill the new local volume from a shared snapshot's export; answers progress, ready when done."""
+        return local_pools.fill(pool_name, ids.check("volume", volume_id), body.source)
+
+    @router.delete("/local-pools/{pool_name}/volumes/{volume_id}/fill")
+    def forget_fill(pool_name: str, volume_id: str) -> Removed:
+        local_pools.remove_copy(ids.check("volume", volume_id))
+        return Removed()
+
+    @router.put("/local-pools/{pool_name}/volumes/{volume_id}/copies/{copy_id}")
+    def copy_out(pool_name: str, volume_id: str, copy_id: str, body: CopyDisk) -> ItemStatus:
+        """Copy the local volume (attached to no VM) into a shared volume's export, for a snapshot."""
+        return local_pools.copy_out(pool_name, ids.check("volume", volume_id), ids.check("snapshot", copy_id),
+                                    body.target)
+
+    @router.delete("/local-pools/{pool_name}/volumes/{volume_id}/copies/{copy_id}")
+    def forget_copy_out(pool_name: str, volume_id: str, copy_id: str) -> Removed:
+        local_pools.remove_copy(ids.check("snapshot", copy_id))
         return Removed()
 
     app.include_router(router)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from vbs import agent_security, drivers
@@ -12,8 +13,10 @@ from vbs.errors import DriverError, VbsError
 from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
+from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools
 from vbs.host.pauses import Pauses
 from vbs.host.probes import Prober
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.web import BoundedServer, serve_agent
 from vbs.wire.host import HostHeartbeat, VmInfo
 
@@ -28,6 +31,13 @@ def build_driver(cfg: HostAgentConfig) -> HypervisorDriver:
     return driver
 
 
+def copy_credentials(cfg: HostAgentConfig, state: Path | None) -> CopyCredentials:
+    """Where the local pools' copies keep key files for a moment, and the host's X.509 client credentials."""
+    secrets = (state or cfg.vm_dir.resolve()) / ".vbs-local-copies"
+    x509 = X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    return CopyCredentials(secrets, qemu_x509_dir(x509, secrets / "x509", "client") if x509 else None)
+
+
 def serve(cfg: HostAgentConfig) -> None:
     state = cfg.state_dir.resolve() if cfg.state_dir is not None else None
     sec = agent_security.prepare("host agent", cfg, *([state] if state else []),
@@ -36,7 +46,8 @@ def serve(cfg: HostAgentConfig) -> None:
     pauses = Pauses(driver, state) if isinstance(driver, PausingDriver) and driver.capabilities.pause else None
     if pauses is not None:
         pauses.recover()
-    app = create_app(driver, sec.auth, cfg.node_name, pauses)
+    local = LocalPools(build_local_pools(cfg), copy_credentials(cfg, state))
+    app = create_app(driver, sec.auth, cfg.node_name, pauses, local)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
     prober: Prober | None = None
@@ -54,7 +65,8 @@ def serve(cfg: HostAgentConfig) -> None:
             vms = None  # unknown this time: the controller keeps what it knew
         return HostHeartbeat(name=cfg.node_name, url=url, address=cfg.address, initiator_name=cfg.initiator_name,
                              hypervisor=cfg.hypervisor, capabilities=driver.capabilities, started_at=started_at,
-                             vms=vms, probes=prober.latest() if prober is not None else [])
+                             vms=vms, probes=prober.latest() if prober is not None else [],
+                             local_pools=[b.pool_info() for b in local.backends.values()])
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
         controllers = sec.controller(cfg.controller_url, label=f"host agent {cfg.node_name}")
@@ -63,12 +75,14 @@ def serve(cfg: HostAgentConfig) -> None:
         return Heartbeat(controllers, "/internal/v1/host-heartbeat", report,
                          interval=cfg.heartbeat_interval_s, ready=lambda: server.started)
 
-    log.info("host agent %s serving on %s (hypervisor %s)", cfg.node_name, url, cfg.hypervisor)
+    log.info("host agent %s serving on %s (hypervisor %s, local pools %s)", cfg.node_name, url, cfg.hypervisor,
+             ", ".join(local.backends) or "none")
     def shutdown() -> None:
         if prober is not None:
             prober.stop()
         if pauses is not None:
             pauses.close()
         driver.close()
+        local.close()
 
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

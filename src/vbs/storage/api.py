@@ -55,6 +55,40 @@ def _same_host(host: HostIdentity, host_name: str) -> None:
         raise InvalidParameter("the host in the path and in the body differ")
 
 
+def add_volume_routes(router: APIRouter, pool: Callable[[str], Backend], prefix: str = "/pools") -> None:
+    """The volume calls of a pool's backend (ensure, status, resize, remove), under ``prefix``: a
+    storage node's pools, and a host's local pools (semi-shared storage) with the same code."""
+
+    @router.put(prefix + "/{pool_name}/volumes/{volume_id}")
+    def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
+        backend = pool(pool_name)
+        if body.encrypted or body.luks_passphrase is not None:
+            if not isinstance(backend, EncryptingBackend):
+                raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
+            return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
+                                                   body.luks_passphrase, body.source_snapshot_id,
+                                                   body.source_luks_passphrase)
+        return backend.ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
+
+    @router.get(prefix + "/{pool_name}/volumes/{volume_id}")
+    def volume_status(pool_name: str, volume_id: str) -> ItemStatus:
+        return pool(pool_name).volume_status(ids.check("volume", volume_id))
+
+    @router.put(prefix + "/{pool_name}/volumes/{volume_id}/size")
+    def resize_volume(pool_name: str, volume_id: str, body: ResizeVolume) -> ItemStatus:
+        backend = pool(pool_name)
+        if body.encrypted:
+            if not isinstance(backend, EncryptingBackend):
+                raise IncorrectState(f"pool {pool_name} holds no encrypted volumes")
+            return backend.resize_encrypted_volume(ids.check("volume", volume_id), body.size_bytes)
+        return backend.resize_volume(ids.check("volume", volume_id), body.size_bytes)
+
+    @router.delete(prefix + "/{pool_name}/volumes/{volume_id}")
+    def remove_volume(pool_name: str, volume_id: str) -> Removed:
+        pool(pool_name).remove_volume(ids.check("volume", volume_id))
+        return Removed()
+
+
 def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callable[[Scope], Response | None],
                node_name: str) -> FastAPI:
     app = FastAPI(title="VBS storage agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
@@ -82,36 +116,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     def inventory() -> Inventory:
         return Inventory(pools={name: b.inventory() for name, b in backends.items()})
 
-    # -- volumes -------------------------------------------------------------------------------------
-
-    @router.put("/pools/{pool_name}/volumes/{volume_id}")
-    def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
-        backend = pool(pool_name)
-        if body.encrypted or body.luks_passphrase is not None:
-            if not isinstance(backend, EncryptingBackend):
-                raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
-            return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
-                                                   body.luks_passphrase, body.source_snapshot_id,
-                                                   body.source_luks_passphrase)
-        return backend.ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
-
-    @router.get("/pools/{pool_name}/volumes/{volume_id}")
-    def volume_status(pool_name: str, volume_id: str) -> ItemStatus:
-        return pool(pool_name).volume_status(ids.check("volume", volume_id))
-
-    @router.put("/pools/{pool_name}/volumes/{volume_id}/size")
-    def resize_volume(pool_name: str, volume_id: str, body: ResizeVolume) -> ItemStatus:
-        backend = pool(pool_name)
-        if body.encrypted:
-            if not isinstance(backend, EncryptingBackend):
-                raise IncorrectState(f"pool {pool_name} holds no encrypted volumes")
-            return backend.resize_encrypted_volume(ids.check("volume", volume_id), body.size_bytes)
-        return backend.resize_volume(ids.check("volume", volume_id), body.size_bytes)
-
-    @router.delete("/pools/{pool_name}/volumes/{volume_id}")
-    def remove_volume(pool_name: str, volume_id: str) -> Removed:
-        pool(pool_name).remove_volume(ids.check("volume", volume_id))
-        return Removed()
+    add_volume_routes(router, pool)
 
     # -- snapshots -----------------------------------------------------------------------------------
 

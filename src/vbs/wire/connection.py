@@ -21,15 +21,19 @@ __all__ = [
     "IscsiConnection",
     "FileConnection",
     "RbdConnection",
+    "LocalConnection",
     "Connection",
+    "HostConnection",
     "AnyConnection",
     "ProtocolName",
     "HOST_NAME_RE",
     "NBD_SOCKET_RE",
     "MONITOR_RE",
     "MAX_MONITORS",
+    "POOL_NAME_RE",
 ]
 
+POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 HOST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,62}$")
 IQN_RE = r"^iqn\.\d{4}-\d{2}\.[a-z0-9.-]+(:[A-Za-z0-9.:_-]+)?$"
 ADDRESS_RE = r"^[0-9a-fA-F.:]{2,45}$|^[a-z0-9][a-z0-9.-]{0,252}$"
@@ -166,7 +170,20 @@ class FileConnection(Wire):
     path: str = Field(pattern=r"^/[^\x00]{1,4000}$")
 
 
+class LocalConnection(Wire):
+    """A volume of one of the host's own local pools (semi-shared storage), named by pool and volume
+    id: the host agent resolves it to its own file, so no raw path crosses the wire, and it opens on
+    that host only (there is no network hop)."""
+
+    protocol: Literal["local"] = "local"
+    pool: str = Field(pattern=POOL_NAME_RE)
+    volume_id: VolumeId
+
+
 # What may cross the wire: network protocols only, to storage nodes the controller knows.
 Connection = Annotated[NbdConnection | IscsiConnection | RbdConnection, Field(discriminator="protocol")]
+# What a host agent is asked to attach: those, or a volume of its own local pool.
+HostConnection = Annotated[NbdConnection | IscsiConnection | RbdConnection | LocalConnection,
+                           Field(discriminator="protocol")]
 # What a hypervisor driver opens, in-process.
 AnyConnection = NbdConnection | IscsiConnection | RbdConnection | FileConnection

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_serializer, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 from vbs.wire.base import Wire
-from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, ProtocolName
+from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, HostConnection, ProtocolName
 from vbs.wire.probes import MAX_PROBES, Probe
 from vbs.wire.qos import QoS
-from vbs.wire.storage import NODE_URL_RE
+from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo, _without_empty  # one rule for new fields
 
 __all__ = [
     "QoS",
@@ -24,6 +31,7 @@ __all__ = [
     "DiskQoS",
     "ResizeDisk",
     "CopyDisk",
+    "FillVolume",
     "HypervisorCapabilities",
     "HostHeartbeat",
     "VmStatus",
@@ -97,7 +105,7 @@ class DiskList(Wire):
 
 
 class AttachDisk(Wire):
-    connection: Connection
+    connection: HostConnection
     read_only: bool = False
     qos: QoS | None = None
     # An encrypted volume: the passphrase of its LUKS container (capabilities.luks).
@@ -140,6 +148,13 @@ class CopyDisk(Wire):
     storage node made writable for this host)."""
 
     target: Connection
+
+
+class FillVolume(Wire):
+    """Fill a volume of the host's local pool from ``source`` (a shared snapshot's data, which the
+    storage node exports to this host read-only)."""
+
+    source: Connection
 
 
 class HypervisorCapabilities(Wire):
@@ -207,3 +222,9 @@ class HostHeartbeat(Wire):
     vms: list[VmInfo] | None = Field(None, max_length=4096)
     # The latest RTT probe of each storage node (vbs.host.probes).
     probes: list[Probe] = Field(default_factory=list, max_length=MAX_PROBES)
+    # Its local pools (semi-shared storage): volumes on this node's own disks, attached with no network hop.
+    local_pools: list[PoolInfo] = Field(default_factory=list, max_length=MAX_POOLS)
+
+    @model_serializer(mode="wrap")
+    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_empty(handler(self), "local_pools")

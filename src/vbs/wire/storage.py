@@ -21,6 +21,7 @@ from vbs.wire.connection import (
     HOST_NAME_RE,
     MAX_MONITORS,
     MONITOR_RE,
+    POOL_NAME_RE,
     Connection,
     HostIdentity,
     ProtocolName,
@@ -57,7 +58,6 @@ __all__ = [
 ]
 
 MAX_VOLUME_BYTES = 64 << 40
-POOL_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 ZONE_NAME_RE = r"^[a-z0-9-]{1,32}$"
 MAX_POOLS = 64
 # Volumes whose used bytes one heartbeat reports (about 40 bytes each: well within a request body).

@@ -86,6 +86,9 @@ class Volume(Base):
     deleted_at: Mapped[datetime | None]
     # Encrypted (a LUKS container): its data key (VolumeKey); None: not encrypted.
     key_id: Mapped[str | None] = mapped_column(String(32))
+    # Placement "local": the host whose local pool holds it; whether it outlives its detach.
+    host: Mapped[str | None] = mapped_column(String(64))
+    persistent: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Snapshot(Base):

@@ -168,6 +168,9 @@ def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
         "encrypted": p.bool("Encrypted"), "kms_key_id": p.str("KmsKeyId", max_len=2048),
         "tags": _tags_for(p, "volume"), "client_token": p.str("ClientToken", max_len=64),
         "availability_zone": zone,
+        # VBS's own (semi-shared storage; no EC2 counterpart): a volume in a host's local pool.
+        "placement": p.str("Placement", max_len=16), "host": p.str("Host", max_len=64),
+        "persistent": p.bool("Persistent"),
     }
     if data["size_gib"] is None and snap is None:
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")

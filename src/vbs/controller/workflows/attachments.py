@@ -50,6 +50,8 @@ class DetachParams(Params):
     serial: str
     force: bool = False
     timeout: float = 10.0
+    # A local volume (semi-shared storage) that outlives its detach; a non-persistent one is removed.
+    persistent: bool = False
 
 
 def volume_limits(cfg: ControllerConfig, vol: Volume) -> ExportLimits:
