@@ -20,8 +20,18 @@ from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
-from vbs.wire.connection import Connection, HostIdentity, ProtocolName, RbdConnection
-from vbs.wire.host import AttachDisk, CopyDisk, DiskInfo, DiskList, PauseAnswer, PauseVm, QoS, ResizeDisk
+from vbs.wire.connection import Connection, HostIdentity, NbdConnection, ProtocolName, RbdConnection
+from vbs.wire.host import (
+    AttachDisk,
+    CopyDisk,
+    DiskInfo,
+    DiskList,
+    MirrorDisk,
+    PauseAnswer,
+    PauseVm,
+    QoS,
+    ResizeDisk,
+)
 from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
@@ -31,6 +41,7 @@ from vbs.wire.storage import (
     ExportList,
     Inventory,
     ItemStatus,
+    PullVolume,
     Removed,
     ResizeVolume,
     SnapshotTargetRequest,
@@ -86,6 +97,12 @@ class StorageAgent:
 
     def remove_volume(self, pool: str, volume_id: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}", Removed)
+
+    def pull_volume(self, pool: str, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
+        """Copy the volume (``size_bytes`` in its pool: an encrypted one's header included) onto this node
+        from ``source``, another node's export of it, already vouched for."""
+        return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/pull", ItemStatus,
+                                    PullVolume(size_bytes=size_bytes, source=source))
 
     def volume_status(self, pool: str, volume_id: str) -> ItemStatus:
         return self._client.request("GET", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus)
@@ -185,6 +202,13 @@ class HostAgent:
 
     def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", Removed)
+
+    def ensure_mirror(self, vm_id: str, serial: str, target: Connection, *, pivot: bool) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/mirror", ItemStatus,
+                                    MirrorDisk(target=target, pivot=pivot))
+
+    def remove_mirror(self, vm_id: str, serial: str) -> None:
+        self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/mirror", Removed)
 
 
 class AgentDirectory:

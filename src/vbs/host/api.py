@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.hypervisors.base import HypervisorDriver
+from vbs.host.hypervisors.base import HypervisorDriver, MirroringDriver
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.metrics import install_metrics
@@ -26,6 +26,7 @@ from vbs.wire.host import (
     CopyDisk,
     DiskInfo,
     DiskList,
+    MirrorDisk,
     PauseAnswer,
     PauseVm,
     ResizeDisk,
@@ -116,6 +117,22 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     @router.delete("/vms/{vm_id}/disks/{serial}/copies/{copy_id}")
     def remove_copy(vm_id: str, serial: str, copy_id: str) -> Removed:
         driver.remove_copy(_vm(vm_id), _serial(serial), ids.check("snapshot", copy_id))
+        return Removed()
+
+    def mirroring() -> MirroringDriver:
+        if not caps.mirror or not isinstance(driver, MirroringDriver):
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot move a disk to another storage node")
+        return driver
+
+    @router.put("/vms/{vm_id}/disks/{serial}/mirror")
+    def ensure_mirror(vm_id: str, serial: str, body: MirrorDisk) -> ItemStatus:
+        """Mirror the disk onto another export while the guest runs; with ``pivot``, switch it there."""
+        able(f"open {body.target.protocol} connections", body.target.protocol in caps.protocols)
+        return mirroring().ensure_mirror(_vm(vm_id), _serial(serial), body.target, pivot=body.pivot)
+
+    @router.delete("/vms/{vm_id}/disks/{serial}/mirror")
+    def remove_mirror(vm_id: str, serial: str) -> Removed:
+        mirroring().remove_mirror(_vm(vm_id), _serial(serial))
         return Removed()
 
     app.include_router(router)

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 from vbs.metrics import install_metrics
-from vbs.storage.backends.base import Backend, EncryptingBackend
+from vbs.storage.backends.base import Backend, EncryptingBackend, PullingBackend
 from vbs.storage.exports.base import ExportDriver
 from vbs.storage.metrics import storage_registry
 from vbs.web import PreAuth, Scope, install_error_handlers
@@ -29,6 +29,7 @@ from vbs.wire.storage import (
     Inventory,
     ItemStatus,
     PoolList,
+    PullVolume,
     Removed,
     ResizeVolume,
     SnapshotTargetRequest,
@@ -106,6 +107,14 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
                 raise IncorrectState(f"pool {pool_name} holds no encrypted volumes")
             return backend.resize_encrypted_volume(ids.check("volume", volume_id), body.size_bytes)
         return backend.resize_volume(ids.check("volume", volume_id), body.size_bytes)
+
+    @router.put("/pools/{pool_name}/volumes/{volume_id}/pull")
+    def pull_volume(pool_name: str, volume_id: str, body: PullVolume) -> ItemStatus:
+        """Copy the volume here from another storage node's export of it (it moves here); answers progress."""
+        backend = pool(pool_name)
+        if not isinstance(backend, PullingBackend):
+            raise IncorrectState(f"pool {pool_name} cannot take a volume from another storage node")
+        return backend.pull_volume(ids.check("volume", volume_id), body.size_bytes, body.source)
 
     @router.delete("/pools/{pool_name}/volumes/{volume_id}")
     def remove_volume(pool_name: str, volume_id: str) -> Removed:

@@ -12,6 +12,7 @@ from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, Pr
 from vbs.wire.storage import NODE_URL_RE
 
 __all__ = [
+    "MirrorDisk",
     "QoS",
     "VmInfo",
     "VmList",
@@ -122,6 +123,14 @@ class CopyDisk(Wire):
     target: Connection
 
 
+class MirrorDisk(Wire):
+    """Mirror the disk, while its guest runs on, onto ``target`` (the volume's new export on another
+    storage node); ``pivot``: once the copy is in step, switch the guest's disk onto the target."""
+
+    target: Connection
+    pivot: bool = False
+
+
 class HypervisorCapabilities(Wire):
     """What a host's hypervisor driver can do: workflows ask these instead of assuming QEMU.
 
@@ -141,6 +150,9 @@ class HypervisorCapabilities(Wire):
     luks: bool = False
     # It pauses a VM (I/O drained) for a crash-consistent snapshot set of its disks (PauseVm).
     pause: bool = False
+    # It mirrors an attached disk onto another export and switches the guest onto it (MirrorDisk):
+    # a volume in use moves to another storage node.
+    mirror: bool = False
 
 
 class HostHeartbeat(Wire):

@@ -145,10 +145,27 @@ class Workflow(Generic[P]):
     # Roll-back workflows: whether the resource already reached its final state (the last step, a
     # DB transition, ran but the controller died before recording it): then resuming finishes.
     finished: Callable[[StepContext[P]], bool] | None = None
+    # Roll-back workflows with a point of no return (a live migration's pivot): once this step has
+    # started, the operation rolls forward instead (a failure is retried, a restart carries on).
+    forward_from: str | None = None
 
     def __post_init__(self) -> None:
         if any(step.ends for step in self.steps[:-1]):
             raise ValueError(f"{self.kind}: only the last step may end the operation")
+        if self.forward_from is not None and self.forward_from not in (step.name for step in self.steps):
+            raise ValueError(f"{self.kind}: forward_from names no step")
+
+    def rolls_back_at(self, pos: int) -> bool:
+        """Whether a failure at step ``pos`` (or a restart there) rolls the operation back."""
+        if self.resume != "rollback":
+            return False
+        names = [step.name for step in self.steps]
+        return self.forward_from is None or pos < names.index(self.forward_from)
+
+    def rolls_back_after(self, steps: dict[int, str]) -> bool:
+        """Whether a restart that found ``steps`` (position: state) rolls the operation back."""
+        reached = [pos for pos, state in steps.items() if state in ("started", "done", "skipped")]
+        return self.rolls_back_at(max(reached, default=0))
 
     @property
     def exclusive(self) -> bool:
@@ -379,13 +396,13 @@ class WorkflowEngine:
                 resuming: bool) -> None:
         if op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
-        elif resuming and workflow.resume == "rollback" and (
+        elif resuming and workflow.rolls_back_after(steps) and (
                 all(steps.get(pos) in ("done", "skipped") for pos in range(len(workflow.steps)))
                 or (workflow.finished is not None and workflow.finished(ctx))):
             # Everything was done; only the operation's own record was missing. Undoing it now would
             # destroy a finished volume or attachment.
             self._finish(ctx, OperationState.SUCCEEDED)
-        elif resuming and workflow.resume == "rollback":
+        elif resuming and workflow.rolls_back_after(steps):
             reason = "interrupted by a controller restart"
             self._set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
@@ -416,7 +433,7 @@ class WorkflowEngine:
                             message)
                 if not hasattr(exc, "code"):
                     log.exception("unexpected error in step %s", step.name)
-                if workflow.resume == "rollback":
+                if workflow.rolls_back_at(pos):
                     # A call that never reached its agent changed nothing there: no undo is owed for it.
                     steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
                     self._set_step(ctx, pos, steps[pos], error=message)

@@ -23,7 +23,7 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "PausingDriver", "DiskStats", "BlockStatsSource", "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "MirroringDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -116,4 +116,19 @@ class PausingDriver(Protocol):
 
     def resume(self, vm_id: str) -> None:
         """Let it run again; a VM that is gone is success."""
+        ...
+
+
+@runtime_checkable
+class MirroringDriver(Protocol):
+    """A driver that moves an attached disk onto another export while its guest runs (``capabilities.mirror``)."""
+
+    def ensure_mirror(self, vm_id: str, serial: str, target: AnyConnection, *, pivot: bool) -> ItemStatus:
+        """Start (or report) the mirror of the disk onto ``target``: ``copying`` with progress, ``ready``
+        once in step. With ``pivot``, a ready mirror is completed: the disk reads and writes ``target``
+        from then on, its old connection is closed, and the answer is ``ready`` (also when repeated)."""
+        ...
+
+    def remove_mirror(self, vm_id: str, serial: str) -> None:
+        """Cancel a mirror that has not pivoted and close its target; nothing there is success."""
         ...
