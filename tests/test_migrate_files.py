@@ -1,6 +1,6 @@
 """``vbs migrate-volume`` between storage nodes whose pools are their own files, with real parts: a
 controller, two storage agents (their own pools, NBD export daemons), a QEMU host agent and one booted
-test guest (TCG). An available volume is pulled by the new node; an attached one is mirrored by the
+test guest (TCG); NBD over TLS-PSK throughout. An available volume is pulled by the new node; an attached one is mirrored by the
 guest's QEMU while the guest writes, and switched with no pause it could see. The controller is
 killed at steps of both workflows (``VBS_CRASH_AT``) and everything converges once it restarts:
 rolled back before the switch (the volume where it was, untouched, nothing left on the new node),
@@ -47,6 +47,8 @@ class Cluster:
 
     def __init__(self, tmp: Path) -> None:
         self.svc = Services(tmp)
+        # Every NBD session authenticated: the hosts' and the storage nodes' pulling from each other.
+        self.svc.env["VBS_STORAGE_AGENT_NBD_TLS"] = "psk"
         self.tmp = tmp
         self.pool2 = self.svc.data_dir / "pool-2"
         self.pool2.mkdir()
@@ -224,6 +226,9 @@ def test_an_available_volume_is_copied_to_the_other_node_and_keeps_its_id(cluste
     assert c.file_of(vol, target).stat().st_size == 1 << 30
     assert not c.file_of(vol, node).exists(), "the old copy is deleted"
     assert exports_of(c, vol, node) == [], "the export the new node pulled through is gone"
+    for state in ("storage-state", "storage-state-2"):
+        pid = int((c.svc.data_dir / state / "nbd" / "qsd.pid").read_text())
+        assert b"tls-creds-psk" in Path(f"/proc/{pid}/cmdline").read_bytes(), "NBD sessions are authenticated"
     # The moved volume serves a guest from its new node.
     dev = attach(c, vol)
     assert guest_sha(c, dev) == before
@@ -327,3 +332,4 @@ def test_a_live_move_interrupted_at_any_step_converges_and_the_guest_keeps_its_d
     assert moved["status"] == "in-use" and [a["state"] for a in moved["attachments"]] == ["attached"]
     detach(c, vol)
     c.svc.vbs.http.delete(f"/v1/volumes/{vol}")
+

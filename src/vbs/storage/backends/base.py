@@ -144,5 +144,6 @@ class PullingBackend(Protocol):
 
     def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
         """Copy what ``source`` serves into the volume (made here of ``size_bytes``): ``copying`` with
-        progress, then ``ready``; an ``error`` or a stalled copy (the agent restarted) starts over."""
+        progress, then ``ready``; a failed copy answers ``error`` once (the next call starts over), a
+        stalled one (the agent restarted) starts over."""
         ...

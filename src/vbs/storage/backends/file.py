@@ -301,9 +301,10 @@ class FileBackend:
         with self._lock:
             self._check_open()
             status = self._status("volume", volume_id, final)
-            if status.state in ("ready", "copying"):
+            if status.state == "error":
+                del self._jobs[("volume", volume_id)]  # said once; the next call starts over
+            if status.state in ("ready", "copying", "error"):
                 return status
-            self._jobs.pop(("volume", volume_id), None)  # error or stalled: start over
             self._create_sparse(final, size_bytes, publish=False, at=_partial(final))
             secrets_dir = self.path / _PULL_SECRETS
             secrets_dir.mkdir(mode=0o700, exist_ok=True)
