@@ -1,11 +1,11 @@
 """``vbs migrate-volume`` between storage nodes whose pools are their own files, with real parts: a
-controller, two storage agents (their own pools, NBD export daemons), a QEMU host agent and one booted
-test guest (TCG); NBD over TLS-PSK throughout. An available volume is pulled by the new node; an attached one is mirrored by the
-guest's QEMU while the guest writes, and switched with no pause it could see. The controller is
-killed at steps of both workflows (``VBS_CRASH_AT``) and everything converges once it restarts:
-rolled back before the switch (the volume where it was, untouched, nothing left on the new node),
-rolled forward from it (the volume on the new node, nothing left on the old one). The whole matrix of
-steps runs under ``make torture``.
+controller, two storage agents (their own pools, NBD export daemons over TLS-PSK), a QEMU host agent
+and one booted test guest (TCG). An available volume is pulled by the new node; an attached one is
+mirrored by the guest's QEMU while the guest writes, and switched with no pause it could see. The
+controller is killed at steps of both workflows (``VBS_CRASH_AT``) and everything converges once it
+restarts: rolled back before the switch (the volume where it was, untouched, nothing left on the new
+node), rolled forward from it (the volume on the new node, nothing left on the old one). The whole
+matrix of steps runs under ``make torture``.
 """
 
 from __future__ import annotations
