@@ -135,6 +135,12 @@ def _done(ctx: StepContext[MigrateParams]) -> None:
     """The closing record: the row already names the new node (``switch``)."""
 
 
+def _leftover(_ctx: StepContext[MigrateParams]) -> bool:
+    """What the old node keeps once it stops answering is the reconciler's: no row names it there any
+    more (an orphan file, an export without an attachment), so it goes when the node is back."""
+    return True
+
+
 # -- an available volume between pools of files: the new node pulls it ---------------------------------
 
 
@@ -182,8 +188,8 @@ MIGRATE_VOLUME_COPY = Workflow(
     steps=(Step("export-to-target", _open_for_target, undo=_close_for_target),
            Step("copy", _pull, undo=_remove_new_copy),
            Step("switch", _switch_files),
-           Step("unexport", _close_for_target),
-           Step("remove-old-copy", _remove_old_copy),
+           Step("unexport", _close_for_target, skippable=_leftover),
+           Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
            Step("finish", _done, ends=True)),
     forward_from="switch",
 )
@@ -265,8 +271,8 @@ MIGRATE_VOLUME_MIRROR = Workflow(
            Step("mirror", _start_mirror, undo=_cancel_mirror),
            Step("pivot", _pivot),
            Step("switch", _switch_files),
-           Step("remove-old-export", _unexport_from("node", "pool")),
-           Step("remove-old-copy", _remove_old_copy),
+           Step("remove-old-export", _unexport_from("node", "pool"), skippable=_leftover),
+           Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
            Step("finish", _done, ends=True)),
     forward_from="pivot",
 )
