@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import private_qmp, start_bare_vm, stop_process, wait_until
+from vbs.errors import IncorrectState
 from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
 from vbs.testguest.guest import qmp_execute
 from vbs.wire.connection import FileConnection
+from vbs.wire.host import QoS
 
 MIB = 1024 * 1024
 SERIAL = "vol0123456789abcdef0"
@@ -87,5 +89,36 @@ def test_a_cancelled_mirror_leaves_the_disk_on_its_old_node(vm: tuple[QemuDriver
     assert proto_file(monitor) == source.path
     assert qmp_execute(monitor, "query-jobs") == []
     driver.remove_mirror("vm1", SERIAL)  # nothing there: success
+    with pytest.raises(IncorrectState, match="no mirror to complete"):
+        driver.ensure_mirror("vm1", SERIAL, target, pivot=True)  # never a switch onto a copy not in step
     ids = disk_ids(SERIAL)
     assert ids.mirror_job.endswith("-mirror") and len(ids.mirror_job) <= 31
+
+
+def test_a_disk_moves_twice_and_under_a_qos_throttle_then_grows_on_its_newest_node(
+        vm: tuple[QemuDriver, Path], tmp_path: Path) -> None:
+    """The format node alternates between its two names at each move (QEMU replaces the whole chain
+    under the device, or under the throttle), and what works on a disk works after: a move back, an
+    online resize."""
+    driver, monitor = vm
+    first = volume_file(tmp_path / "a.raw", os.urandom(2 * MIB))
+    driver.attach("vm1", SERIAL, first, qos=QoS(iops=100_000))
+    for name in ("b.raw", "c.raw"):
+        target = volume_file(tmp_path / name)
+        deadline = time.monotonic() + 30
+        while driver.ensure_mirror("vm1", SERIAL, target, pivot=False).state != "ready":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert driver.ensure_mirror("vm1", SERIAL, target, pivot=True).state == "ready"
+        assert proto_file(monitor) == target.path
+        assert digest(tmp_path / name) == digest(tmp_path / "a.raw")
+    nodes = {n["node-name"]: n for n in qmp_execute(monitor, "query-named-block-nodes", {"flat": True})}
+    formats = [n for n in nodes if n in (f"vbs-{SERIAL}-raw", f"vbs-{SERIAL}-raw2")]
+    assert formats == [f"vbs-{SERIAL}-raw"] or formats == [f"vbs-{SERIAL}-raw2"], formats
+    assert f"vbs-{SERIAL}-thr" in nodes, "the QoS throttle stays on top"
+    grown = tmp_path / "c.raw"
+    with grown.open("r+b") as f:
+        f.truncate(16 * MIB)
+    disk = driver.resize("vm1", SERIAL, FileConnection(path=str(grown)), 16 * MIB)
+    assert disk.size_bytes == 16 * MIB
+    assert [d.serial for d in driver.list_disks("vm1")] == [SERIAL]
