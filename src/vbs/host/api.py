@@ -132,8 +132,10 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
 
     @router.delete("/vms/{vm_id}/disks/{serial}/mirror")
     def remove_mirror(vm_id: str, serial: str) -> Removed:
-        mirroring().remove_mirror(_vm(vm_id), _serial(serial))
-        return Removed()
+        vm, disk = _vm(vm_id), _serial(serial)
+        if caps.mirror and isinstance(driver, MirroringDriver):
+            driver.remove_mirror(vm, disk)
+        return Removed()  # a driver that cannot mirror has none to remove
 
     app.include_router(router)
     return app
