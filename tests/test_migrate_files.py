@@ -270,6 +270,43 @@ def test_an_attached_volume_moves_while_the_guest_writes_with_every_write_kept(c
     c.svc.vbs.http.delete(f"/v1/volumes/{vol}")
 
 
+def test_a_mirror_cancelled_behind_the_controllers_back_ends_the_move_with_the_volume_untouched(
+        cluster: Cluster) -> None:
+    """The move holds just before its switch while the mirror is cancelled in QEMU: the host says the
+    disk never switched, so the operation ends ``failed`` at once (no retries for minutes) and the
+    volume, recorded where it was, is what the guest reads and writes."""
+    c = cluster
+    assert c.guest is not None
+    c.svc.restart_controller(VBS_TEST_HOOKS="1")
+    hook = {"kind": "migrate-volume-mirror", "step": "pivot"}
+    internal = {"authorization": f"Bearer {c.svc.agent_token}"}
+    try:
+        vol, node, _data_sha = volume_with_data(c)
+        dev = attach(c, vol)
+        written = c.guest.write_pattern(dev, "kept", 1)
+        assert c.svc.vbs.http.post("/internal/v1/test/hold-step", json=hook, headers=internal).status_code == 200
+        move = migrate(c, vol, c.other(node))
+        wait_until(lambda: c.svc.vbs.http.post("/internal/v1/test/held-step", json=hook,
+                                               headers=internal).json()["held"], 120, what="the move at its switch")
+        job = f"vbs-{virtio_serial(vol)}-mirror"
+        qmp_execute(c.guest.test_qmp_path, "job-cancel", {"id": job})
+        wait_until(lambda: all(j["status"] == "concluded" for j in qmp_execute(c.guest.test_qmp_path, "query-jobs")
+                               if j["id"] == job), 30, what="the mirror cancelled")
+        c.svc.vbs.http.post("/internal/v1/test/release-step", json=hook, headers=internal)
+        op = operation(c, move["operation_id"], timeout=60)
+        assert op["status"] == "failed" and "no mirror to complete" in op["error"], op
+        assert c.svc.vbs.volume(vol)["storage_node"] == node
+        assert c.guest.checksum(dev, 1) == written
+        after = c.guest.write_pattern(dev, "after", 1)
+        with open(c.file_of(vol, node), "rb") as f:
+            assert hashlib.sha256(f.read(MIB)).hexdigest() == after
+        assert len(protocol_nodes(c, vol)) == 1
+        detach(c, vol)
+        c.svc.vbs.http.delete(f"/v1/volumes/{vol}")
+    finally:
+        c.svc.restart_controller()
+
+
 # -- the controller killed at each step -------------------------------------------------------------------
 
 

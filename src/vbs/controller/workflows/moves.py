@@ -36,7 +36,7 @@ from vbs.controller.states import UNFINISHED_OPERATION, AttachmentState
 from vbs.controller.workflows import storage as shared
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
 from vbs.controller.workflows.storage import StorageParams
-from vbs.errors import IncorrectState, NotFound
+from vbs.errors import IncorrectState, MirrorLost, NotFound
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 
 __all__ = ["MIGRATE_VOLUME", "MIGRATE_VOLUME_COPY", "MIGRATE_VOLUME_MIRROR", "MIGRATION_KINDS", "MigrateParams",
@@ -275,6 +275,9 @@ MIGRATE_VOLUME_MIRROR = Workflow(
            Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
            Step("finish", _done, ends=True)),
     forward_from="pivot",
+    # The host says the disk never switched (its mirror was cancelled, its VM restarted): the volume's
+    # data is where its row says; the new copy and its export are orphans the reconciler removes.
+    gives_up=lambda _ctx, exc: isinstance(exc, MirrorLost),
 )
 
 

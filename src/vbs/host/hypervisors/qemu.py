@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
-from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
+from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, MirrorLost, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
@@ -706,7 +706,8 @@ class QemuDriver:
             # QEMU mirrors from the disk's root node only: what it reads there is the guest's plaintext.
             raise IncorrectState(f"disk {serial} of VM {vm.vm_id} is encrypted: it moves while detached only")
         if pivot:
-            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} has no mirror to complete (was the VM restarted?)")
+            raise MirrorLost(f"disk {serial} of VM {vm.vm_id} has no mirror to complete (cancelled, or the VM "
+                             "restarted): it is still on its old storage")
         if any(j["status"] != "concluded" for j in _copy_jobs(vm, ids).values()):
             raise IncorrectState(f"a point-in-time copy of disk {serial} of VM {vm.vm_id} is running; move it once "
                                  "the snapshot is complete")
