@@ -34,10 +34,12 @@ test: setup lint
 test-fast: venv
 	$(BIN)/pytest -q -m 'unit and not integration'
 
-# Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset).
+# Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset), and
+# every test marked torture elsewhere (RBD crashes, moves of volumes and of instances).
 .PHONY: torture
 torture: setup
 	$(BIN)/pytest -q -m 'torture or not torture' tests/test_torture.py
+	$(BIN)/pytest -q -m torture --ignore tests/test_torture.py tests
 
 bench: setup
 	$(BIN)/python bench/control_plane.py

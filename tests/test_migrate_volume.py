@@ -13,12 +13,13 @@ from sqlalchemy import select, update
 from tests.conftest import UNIT_DATABASES, fresh_database
 from tests.test_scheduler import controller, heartbeat, place, pool, shared_pool, silence
 from vbs import ids
-from vbs.controller.db import Database, Node, Snapshot, Volume
+from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.moves import migrate_volume
-from vbs.controller.nodes import StorageNodeInfo, storage_info
+from vbs.controller.nodes import StorageNodeInfo, record_host_heartbeat, storage_info
 from vbs.controller.schemas import MigrateVolumeRequest
-from vbs.errors import IncorrectState, InvalidParameter, NotFound
+from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound
+from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.storage import ExportInfo
 
 pytestmark = pytest.mark.unit
@@ -71,12 +72,61 @@ def test_a_volume_of_a_shared_pool_may_move_to_another_agent_of_it_and_only_ther
     assert (begun[0][2].node, begun[0][2].target_node) == ("s1", "s2")
 
 
-def test_a_volume_in_a_pool_of_files_cannot_move(db: Database) -> None:
+def test_an_available_volume_of_files_is_copied_into_a_pool_of_the_target_with_room(db: Database) -> None:
+    heartbeat(db, "s1", pool("files", 10))
+    heartbeat(db, "s2", pool("tiny", 0.5), pool("files", 10))
+    place(db)
+    vol = volume_on(db, "s1")  # equal pools: the first by name takes the volume
+    with pytest.raises(InsufficientCapacity, match="no room"):
+        move(db, vol, "s2", "tiny")
+    with pytest.raises(InvalidParameter, match="no pool of its own named 'nope'"):
+        move(db, vol, "s2", "nope")
+    out, begun = move(db, vol, "s2")
+    assert (out.target_node, out.target_pool) == ("s2", "files")
+    kind, resource, params = begun[0]
+    assert (kind, resource, params.size_gib, params.host) == ("migrate-volume-copy", vol, 1, None)
+
+
+def attach(db: Database, vol: str, host: str, *, status: str = "attached", mirror: bool = True) -> None:
+    with db.session() as s:
+        record_host_heartbeat(s, HostHeartbeat(
+            name=host, url="http://127.0.0.1:2", address="127.0.0.1", started_at=utcnow(), vms=[], hypervisor="qemu",
+            capabilities=HypervisorCapabilities(protocols=["nbd"], mirror=mirror)))
+        s.add(Attachment(id=ids.new_id("attachment"), volume_id=vol, host=host, vm_id="vm1", device="/dev/vdb",
+                         mode="rw", status=status, created_at=utcnow(), updated_at=utcnow()))
+        s.execute(update(Volume).where(Volume.id == vol).values(status="in-use"))
+
+
+def test_an_attached_volume_of_files_is_mirrored_by_its_one_vms_hypervisor(db: Database) -> None:
     heartbeat(db, "s1", pool("files", 10))
     heartbeat(db, "s2", pool("files", 10))
     place(db)
-    with pytest.raises(InvalidParameter, match="only that node serves"):
-        move(db, volume_on(db, "s1"), "s2")  # equal pools: the first by name takes the volume
+    vol = volume_on(db, "s1")
+    attach(db, vol, "host-1")
+    out, begun = move(db, vol, "s2")
+    kind, _resource, params = begun[0]
+    assert (kind, params.host, params.vm_id, out.target_pool) == ("migrate-volume-mirror", "host-1", "vm1", "files")
+
+
+@pytest.mark.parametrize(("case", "refusal"), [
+    ("no-mirror", "cannot move an attached disk"),
+    ("two-vms", "attached to 2 VMs"),
+    ("attaching", "is 'attaching'"),
+    ("encrypted", "is encrypted"),
+])
+def test_an_attached_volume_that_cannot_be_mirrored_is_refused(db: Database, case: str, refusal: str) -> None:
+    heartbeat(db, "s1", pool("files", 10))
+    heartbeat(db, "s2", pool("files", 10))
+    place(db)
+    vol = volume_on(db, "s1")
+    attach(db, vol, "host-1", mirror=case != "no-mirror", status="attaching" if case == "attaching" else "attached")
+    if case == "two-vms":
+        attach(db, vol, "host-2")
+    if case == "encrypted":
+        with db.session() as s:
+            s.execute(update(Volume).where(Volume.id == vol).values(key_id="key-0123456789abcdef0"))
+    with pytest.raises(IncorrectState, match=refusal):
+        move(db, vol, "s2")
 
 
 def test_a_down_or_drained_target_an_export_of_the_old_agent_or_a_pending_snapshot_refuse(db: Database) -> None:

@@ -132,3 +132,12 @@ def test_wire_models_refuse_what_they_do_not_know_and_hide_secrets() -> None:
                            chap_user="u", chap_secret=SecretStr("very-secret-chap"))
     assert "very-secret-chap" not in repr(conn) and "very-secret-chap" not in str(conn.model_dump())
     assert conn.model_dump(mode="json")["chap_secret"] == "very-secret-chap"  # only for the wire
+
+
+def test_a_host_whose_driver_cannot_mirror_says_so(host_agent: tuple[HostAgent, RaisingDriver]) -> None:
+    """A driver without ``capabilities.mirror`` (libvirt, command) refuses to move a disk, with the reason."""
+    agent, _ = host_agent
+    conn = NbdConnection(host="127.0.0.1", port=10809, export="vol-0123456789abcdef0-x")
+    with pytest.raises(IncorrectState, match="cannot move a disk to another storage node"):
+        agent.ensure_mirror("vm1", SERIAL, conn, pivot=False)
+    agent.remove_mirror("vm1", SERIAL)  # it has none to remove: success, as every removal of nothing

@@ -424,3 +424,58 @@ def test_a_closing_step_that_fails_leaves_neither_its_writes_nor_an_ended_operat
 def test_only_the_last_step_may_end_an_operation() -> None:
     with pytest.raises(ValueError, match="only the last step"):
         Workflow("w", Seen, "forward", (Step("a", lambda ctx: None, ends=True), Step("b", lambda ctx: None)))
+
+
+# -- a point of no return (forward_from): roll back before it, forward from it ----------------------------
+
+
+def test_a_failure_before_the_point_of_no_return_rolls_back(db: Database) -> None:
+    rec = Recorder()
+    rec.fail = {"b"}
+    engine = WorkflowEngine(db, [rec.workflow("w", "rollback", ["a", "b", "pivot", "c"], forward_from="pivot")],
+                            None)
+    op_id = start_op(engine, db, "w")
+    engine.run_now(op_id)
+    assert rec.calls == ["do:a", "do:b", "undo:b", "undo:a"]
+    assert op_status(db, op_id) == "rolled-back"
+
+
+def test_a_failure_from_the_point_of_no_return_is_retried_not_undone(db: Database) -> None:
+    rec = Recorder()
+    rec.fail = {"c"}
+    engine = WorkflowEngine(db, [rec.workflow("w", "rollback", ["a", "pivot", "c"], forward_from="pivot")], None,
+                            retry_interval=0.05)
+    op_id = start_op(engine, db, "w")
+    engine.run_now(op_id)
+    assert rec.calls == ["do:a", "do:pivot", "do:c"]
+    assert op_status(db, op_id) == "running", "waiting for its retry, nothing undone"
+    rec.fail = set()
+    engine.start()
+    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="the retry")
+    engine.stop()
+    assert "undo:pivot" not in rec.calls and rec.calls[-1] == "do:c"
+
+
+@pytest.mark.parametrize(("states", "outcome", "calls"), [
+    ({0: "done", 1: "started"}, "rolled-back", ["undo:b", "undo:a"]),
+    ({0: "done", 1: "done", 2: "started"}, "succeeded", ["do:pivot", "do:c"]),
+    ({0: "done", 1: "done", 2: "done"}, "succeeded", ["do:c"]),
+])
+def test_a_restart_rolls_back_before_the_point_of_no_return_and_forward_from_it(
+        db: Database, states: dict[int, str], outcome: str, calls: list[str]) -> None:
+    rec = Recorder()
+    wf = rec.workflow("w", "rollback", ["a", "b", "pivot", "c"], forward_from="pivot")
+    op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
+    with db.session() as s:
+        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
+            st.state = states.get(st.position, "pending")
+    restarted = WorkflowEngine(db, [wf], None)
+    restarted.start()
+    wait_until(lambda: op_status(db, op_id) == outcome, 10, what=outcome)
+    restarted.stop()
+    assert rec.calls == calls
+
+
+def test_a_point_of_no_return_must_name_a_step() -> None:
+    with pytest.raises(ValueError, match="forward_from names no step"):
+        Recorder().workflow("w", "rollback", ["a"], forward_from="nope")

@@ -21,6 +21,7 @@ __all__ = [
     "SnapshotInUse",
     "DeviceBusy",
     "PointInTimeUnavailable",
+    "MirrorLost",
     "IdempotentParameterMismatch",
     "InsufficientCapacity",
     "DriverError",
@@ -130,6 +131,13 @@ class PointInTimeUnavailable(IncorrectState):
     control has it open); the hypervisor that writes to it may."""
 
     code = "PointInTimeUnavailable"
+
+
+class MirrorLost(IncorrectState):
+    """A disk was to be switched onto its mirror, but it has none and is not on the target: it never
+    switched (the mirror was cancelled, the VM restarted), so its old storage is still its data."""
+
+    code = "MirrorLost"
 
 
 class IdempotentParameterMismatch(VbsError):

@@ -564,11 +564,13 @@ def migrate_volume(
     ctx: typer.Context,
     volume_id: str,
     storage_node: Annotated[str, typer.Option(help="The storage node to serve the volume from.")],
-    pool: Annotated[str | None, typer.Option(help="Its pool (default: the one of the same shared storage).")] = None,
+    pool: Annotated[str | None, typer.Option(help="Its pool (default: the one of the same shared storage, "
+                                                  "else the first of its own with room).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the move is done.")] = False,
 ) -> None:
-    """Serve a volume from another storage node (admin). Instant for storage the nodes share (a Ceph
-    pool): no data moves; volumes in pools of files cannot move yet."""
+    """Serve a volume from another storage node (admin); it keeps its id. Instant for storage the nodes
+    share (a Ceph pool); a volume in a pool of files is copied: pulled by the new node if available,
+    mirrored by its VM's hypervisor while the guest runs if attached (progress in describe-volumes)."""
     c: Context = ctx.obj
     body: dict[str, Any] = {"storage_node": storage_node}
     if pool is not None:

@@ -21,7 +21,7 @@ from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
 from vbs.web import ApiClient, is_loopback
-from vbs.wire.connection import Connection, HostIdentity, LocalConnection, ProtocolName, RbdConnection
+from vbs.wire.connection import Connection, HostIdentity, LocalConnection, NbdConnection, ProtocolName, RbdConnection
 from vbs.wire.host import (
     AttachDisk,
     CopyDisk,
@@ -30,6 +30,7 @@ from vbs.wire.host import (
     DiskQoS,
     FillVolume,
     MigrationInfo,
+    MirrorDisk,
     PauseAnswer,
     PauseVm,
     QoS,
@@ -46,6 +47,7 @@ from vbs.wire.storage import (
     ExportList,
     Inventory,
     ItemStatus,
+    PullVolume,
     Removed,
     ResizeVolume,
     SnapshotTargetRequest,
@@ -101,6 +103,12 @@ class StorageAgent:
 
     def remove_volume(self, pool: str, volume_id: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/volumes/{volume_id}", Removed)
+
+    def pull_volume(self, pool: str, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
+        """Copy the volume (``size_bytes`` in its pool: an encrypted one's header included) onto this node
+        from ``source``, another node's export of it, already vouched for."""
+        return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/pull", ItemStatus,
+                                    PullVolume(size_bytes=size_bytes, source=source))
 
     def volume_status(self, pool: str, volume_id: str) -> ItemStatus:
         return self._client.request("GET", f"/v1/pools/{pool}/volumes/{volume_id}", ItemStatus)
@@ -247,6 +255,13 @@ class HostAgent:
 
     def forget_local_copy(self, pool: str, volume_id: str, copy_id: str) -> None:
         self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/copies/{copy_id}", Removed)
+
+    def ensure_mirror(self, vm_id: str, serial: str, target: Connection, *, pivot: bool) -> ItemStatus:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/mirror", ItemStatus,
+                                    MirrorDisk(target=target, pivot=pivot))
+
+    def remove_mirror(self, vm_id: str, serial: str) -> None:
+        self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/mirror", Removed)
 
 
 class AgentDirectory:

@@ -39,7 +39,7 @@ from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
 from vbs.controller.workflows.live_migrations import MIGRATE_INSTANCE
 from vbs.controller.workflows.local import LOCAL_WORKFLOWS
 from vbs.controller.workflows.modifications import MODIFY_VOLUME
-from vbs.controller.workflows.moves import MIGRATE_VOLUME
+from vbs.controller.workflows.moves import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
 from vbs.controller.workflows.snapshot_sets import CREATE_SNAPSHOT_SET
 from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, DELETE_SNAPSHOT
 from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
@@ -56,7 +56,7 @@ HOUSEKEEPING_INTERVAL_S = 60.0
 
 WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
                                   DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET,
-                                  MIGRATE_INSTANCE, *LOCAL_WORKFLOWS]
+                                  MIGRATE_INSTANCE, *LOCAL_WORKFLOWS, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR]
 
 
 def database_url(cfg: ControllerConfig) -> str | None:

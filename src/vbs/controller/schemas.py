@@ -155,6 +155,17 @@ class AttachmentOut(BaseModel):
     warnings: list[str] = []
 
 
+class MigrationProgressOut(BaseModel):
+    """A move of the volume to another storage node under way (``vbs migrate-volume``): how far its copy is."""
+
+    operation_id: str
+    kind: str
+    target_node: str
+    target_pool: str
+    progress: int
+    state: str
+
+
 class VolumeOut(BaseModel):
     volume_id: str
     size_gib: int
@@ -186,6 +197,7 @@ class VolumeOut(BaseModel):
     created_at: datetime
     tags: dict[str, str]
     attachments: list[AttachmentOut]
+    migration: MigrationProgressOut | None = None
 
 
 class SnapshotOut(BaseModel):

@@ -102,7 +102,7 @@ UNFINISHED_OPERATION = frozenset({OperationState.RUNNING, OperationState.ROLLING
 # during a delete, is IncorrectState by construction. The table is in docs/operations.md.
 EXCLUSIVE_KINDS = frozenset({
     "create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume", "migrate-volume",
-    "delete-snapshot", "migrate-instance",
+    "delete-snapshot", "migrate-instance", "migrate-volume-copy", "migrate-volume-mirror",
 })
 
 

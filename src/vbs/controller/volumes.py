@@ -23,11 +23,12 @@ from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import Placement, choose_local_pool, choose_pool, node_health, volume_status, zone_of
 from vbs.controller.runtime import Controller
-from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, VolumeList, VolumeOut
+from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, MigrationProgressOut, VolumeList, VolumeOut
 from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.tags import set_tags
 from vbs.controller.transitions import transition
 from vbs.controller.workflows.local import CreateLocalVolumeParams
+from vbs.controller.workflows.moves import migration_progress
 from vbs.controller.workflows.storage import StorageParams
 from vbs.controller.workflows.volumes import CreateVolumeParams
 from vbs.errors import (
@@ -322,6 +323,9 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
     nodes = node_health(s, {v.storage_node for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
                         default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
+    migrations = {vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,
+                                            target_pool=p.target_pool, progress=p.progress, state=state)
+                  for vid, (op_id, kind, state, p) in migration_progress(s, vol_ids).items()}
     if vol_ids:
         for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(vol_ids),
                                                     Attachment.status != AttachmentState.DETACHED)):
@@ -340,7 +344,7 @@ def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[Volu
             availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,
             used_bytes=nodes[v.storage_node].volume_usage.get(v.id) if v.storage_node in nodes else None,
             volume_status=volume_status(v.status, nodes.get(v.storage_node)), created_at=v.created_at,
-            tags=tags[v.id], attachments=atts[v.id],
+            tags=tags[v.id], attachments=atts[v.id], migration=migrations.get(v.id),
         )
         for v in vols
     ]

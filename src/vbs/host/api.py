@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, MigratingDriver
+from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, MigratingDriver, MirroringDriver
 from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
@@ -33,6 +33,7 @@ from vbs.wire.host import (
     DiskQoS,
     FillVolume,
     MigrationInfo,
+    MirrorDisk,
     PauseAnswer,
     PauseVm,
     ResizeDisk,
@@ -197,6 +198,24 @@ def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None
     def forget_copy_out(pool_name: str, volume_id: str, copy_id: str) -> Removed:
         local_pools.remove_copy(ids.check("snapshot", copy_id))
         return Removed()
+
+    def mirroring() -> MirroringDriver:
+        if not caps.mirror or not isinstance(driver, MirroringDriver):
+            raise IncorrectState(f"the hypervisor driver of {node_name} cannot move a disk to another storage node")
+        return driver
+
+    @router.put("/vms/{vm_id}/disks/{serial}/mirror")
+    def ensure_mirror(vm_id: str, serial: str, body: MirrorDisk) -> ItemStatus:
+        """Mirror the disk onto another export while the guest runs; with ``pivot``, switch it there."""
+        able(f"open {body.target.protocol} connections", body.target.protocol in caps.protocols)
+        return mirroring().ensure_mirror(_vm(vm_id), _serial(serial), body.target, pivot=body.pivot)
+
+    @router.delete("/vms/{vm_id}/disks/{serial}/mirror")
+    def remove_mirror(vm_id: str, serial: str) -> Removed:
+        vm, disk = _vm(vm_id), _serial(serial)
+        if caps.mirror and isinstance(driver, MirroringDriver):
+            driver.remove_mirror(vm, disk)
+        return Removed()  # a driver that cannot mirror has none to remove
 
     app.include_router(router)
     return app

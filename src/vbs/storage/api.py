@@ -15,7 +15,7 @@ from starlette.responses import Response
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 from vbs.metrics import install_metrics
-from vbs.storage.backends.base import Backend, EncryptingBackend
+from vbs.storage.backends.base import Backend, EncryptingBackend, PullingBackend
 from vbs.storage.exports.base import ExportDriver, LimitEnforcer
 from vbs.storage.metrics import storage_registry
 from vbs.web import PreAuth, Scope, install_error_handlers
@@ -30,6 +30,7 @@ from vbs.wire.storage import (
     Inventory,
     ItemStatus,
     PoolList,
+    PullVolume,
     Removed,
     ResizeVolume,
     SnapshotTargetRequest,
@@ -117,6 +118,14 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         return Inventory(pools={name: b.inventory() for name, b in backends.items()})
 
     add_volume_routes(router, pool)
+
+    @router.put("/pools/{pool_name}/volumes/{volume_id}/pull")
+    def pull_volume(pool_name: str, volume_id: str, body: PullVolume) -> ItemStatus:
+        """Copy the volume here from another storage node's export of it (it moves here); answers progress."""
+        backend = pool(pool_name)
+        if not isinstance(backend, PullingBackend):
+            raise IncorrectState(f"pool {pool_name} cannot take a volume from another storage node")
+        return backend.pull_volume(ids.check("volume", volume_id), body.size_bytes, body.source)
 
     # -- snapshots -----------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from vbs.wire.qos import QoS
 from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo, _without_empty  # one rule for new fields
 
 __all__ = [
+    "MirrorDisk",
     "QoS",
     "VmInfo",
     "VmList",
@@ -157,6 +158,14 @@ class FillVolume(Wire):
     source: Connection
 
 
+class MirrorDisk(Wire):
+    """Mirror the disk, while its guest runs on, onto ``target`` (the volume's new export on another
+    storage node); ``pivot``: once the copy is in step, switch the guest's disk onto the target."""
+
+    target: Connection
+    pivot: bool = False
+
+
 class HypervisorCapabilities(Wire):
     """What a host's hypervisor driver can do: workflows ask these instead of assuming QEMU.
 
@@ -178,6 +187,9 @@ class HypervisorCapabilities(Wire):
     pause: bool = False
     # It live-migrates a VM to a destination VM waiting as "inmigrate" on another host (MigrationInfo).
     live_migration: bool = False
+    # It mirrors an attached disk onto another export and switches the guest onto it (MirrorDisk):
+    # a volume in use moves to another storage node.
+    mirror: bool = False
 
 
 class StartMigration(Wire):

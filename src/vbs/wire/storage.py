@@ -24,6 +24,7 @@ from vbs.wire.connection import (
     POOL_NAME_RE,
     Connection,
     HostIdentity,
+    NbdConnection,
     ProtocolName,
 )
 from vbs.wire.qos import ExportLimits
@@ -42,6 +43,7 @@ __all__ = [
     "EnsureSnapshot",
     "ConnectionRequest",
     "ConnectionAnswer",
+    "PullVolume",
     "SnapshotTargetRequest",
     "ExportInfo",
     "ExportList",
@@ -220,6 +222,14 @@ class ConnectionRequest(Wire):
     @model_serializer(mode="wrap")
     def _older_agents(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return _without_empty(handler(self), "protocols", "limits")
+
+
+class PullVolume(Wire):
+    """Make the volume (``size_bytes``) a copy of what ``source`` serves: another storage node's
+    export of it to this node (the volume moves here)."""
+
+    size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
+    source: NbdConnection
 
 
 class ConnectionAnswer(Wire):

@@ -150,10 +150,27 @@ class Workflow(Generic[P]):
     # the operation goes forward instead, after a failure, on resume, and from a roll-back under way
     # (an undo that would cross it must refuse, so the roll-back stops there and is retried).
     committed: Callable[[StepContext[P]], bool] | None = None
+    # Roll-back workflows with a point of no return (a live migration's pivot): once this step has
+    # started, the operation rolls forward instead (a failure is retried, a restart carries on).
+    forward_from: str | None = None
 
     def __post_init__(self) -> None:
         if any(step.ends for step in self.steps[:-1]):
             raise ValueError(f"{self.kind}: only the last step may end the operation")
+        if self.forward_from is not None and self.forward_from not in (step.name for step in self.steps):
+            raise ValueError(f"{self.kind}: forward_from names no step")
+
+    def rolls_back_at(self, pos: int) -> bool:
+        """Whether a failure at step ``pos`` (or a restart there) rolls the operation back."""
+        if self.resume != "rollback":
+            return False
+        names = [step.name for step in self.steps]
+        return self.forward_from is None or pos < names.index(self.forward_from)
+
+    def rolls_back_after(self, steps: dict[int, str]) -> bool:
+        """Whether a restart that found ``steps`` (position: state) rolls the operation back."""
+        reached = [pos for pos, state in steps.items() if state in ("started", "done", "skipped")]
+        return self.rolls_back_at(max(reached, default=0))
 
     @property
     def exclusive(self) -> bool:
@@ -391,13 +408,13 @@ class WorkflowEngine:
             self._forward(workflow, ctx, steps)
         elif op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
-        elif resuming and workflow.resume == "rollback" and (
+        elif resuming and workflow.rolls_back_after(steps) and (
                 all(steps.get(pos) in ("done", "skipped") for pos in range(len(workflow.steps)))
                 or (workflow.finished is not None and workflow.finished(ctx))):
             # Everything was done; only the operation's own record was missing. Undoing it now would
             # destroy a finished volume or attachment.
             self._finish(ctx, OperationState.SUCCEEDED)
-        elif resuming and workflow.resume == "rollback":
+        elif resuming and workflow.rolls_back_after(steps):
             reason = "interrupted by a controller restart"
             self._set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
@@ -428,7 +445,7 @@ class WorkflowEngine:
                             message)
                 if not hasattr(exc, "code"):
                     log.exception("unexpected error in step %s", step.name)
-                if workflow.resume == "rollback" and not self._committed(workflow, ctx):
+                if workflow.rolls_back_at(pos) and not self._committed(workflow, ctx):
                     # A call that never reached its agent changed nothing there: no undo is owed for it.
                     steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
                     self._set_step(ctx, pos, steps[pos], error=message)

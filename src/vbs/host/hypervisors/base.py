@@ -23,8 +23,8 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, MigrationInfo, QoS, StartMigration, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "MigratingDriver", "DiskStats", "BlockStatsSource",
-           "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "MigratingDriver", "MirroringDriver", "DiskStats",
+           "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -153,4 +153,19 @@ class MigratingDriver(Protocol):
 
     def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
         """Stop a migration that has not completed; with ``resume``, run a migrated source again."""
+        ...
+
+
+@runtime_checkable
+class MirroringDriver(Protocol):
+    """A driver that moves an attached disk onto another export while its guest runs (``capabilities.mirror``)."""
+
+    def ensure_mirror(self, vm_id: str, serial: str, target: AnyConnection, *, pivot: bool) -> ItemStatus:
+        """Start (or report) the mirror of the disk onto ``target``: ``copying`` with progress, ``ready``
+        once in step. With ``pivot``, a ready mirror is completed: the disk reads and writes ``target``
+        from then on, its old connection is closed, and the answer is ``ready`` (also when repeated)."""
+        ...
+
+    def remove_mirror(self, vm_id: str, serial: str) -> None:
+        """Cancel a mirror that has not pivoted and close its target; nothing there is success."""
         ...

@@ -32,14 +32,14 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
-from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
+from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, MirrorLost, NotFound, VbsError
 from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
@@ -89,12 +89,15 @@ class DiskIds:
     """QEMU ids of one disk. Node names are limited to 31 characters: 4 + 20 + 7 fits.
 
     The connection has two generations of ids that alternate at each online resize: ``proto``,
-    ``secret`` and ``tls`` (what attach uses), and the same with a ``2`` suffix.
+    ``secret`` and ``tls`` (what attach uses), and the same with a ``2`` suffix. The format node has
+    two names that alternate at each move to another storage node (a mirror replaces the whole chain
+    under the device): ``raw`` is the one in use once ``settled`` resolved it, ``raw2`` the other.
     """
 
     device: str
     proto: str
     raw: str
+    raw2: str
     throttle: str
     dead: str  # the always-failing node a forced detach puts under the raw node
     throttle_group: str
@@ -105,6 +108,7 @@ class DiskIds:
     tls2: str
     copy_job_prefix: str  # every point-in-time copy job of this disk has an id starting so
     luks_secret: str  # the passphrase of an encrypted volume's LUKS container (its format node is ``raw``)
+    mirror_job: str  # the job that moves the disk onto another storage node's export
 
     @property
     def generations(self) -> tuple[QemuIds, QemuIds]:
@@ -112,7 +116,7 @@ class DiskIds:
 
     @property
     def nodes_top_down(self) -> tuple[str, ...]:
-        return (self.throttle, self.raw, self.dead, self.proto, self.proto2)
+        return (self.throttle, self.raw, self.raw2, self.dead, self.proto, self.proto2)
 
     @property
     def objects(self) -> tuple[str, ...]:
@@ -127,6 +131,7 @@ def disk_ids(serial: str) -> DiskIds:
         device=f"{p}-dev",
         proto=f"{p}-proto",
         raw=f"{p}-raw",
+        raw2=f"{p}-raw2",
         throttle=f"{p}-thr",
         dead=f"{p}-dead",
         throttle_group=f"{p}-tg",
@@ -137,6 +142,7 @@ def disk_ids(serial: str) -> DiskIds:
         tls2=f"{p}-tls2",
         copy_job_prefix=f"{p}-copy-",
         luks_secret=f"{p}-key",
+        mirror_job=f"{p}-mirror",
     )
 
 
@@ -216,7 +222,7 @@ class QemuDriver:
 
     capabilities = HypervisorCapabilities.model_validate(
         {"protocols": sorted(CONNECTORS), "online_resize": True, "qos": True, "point_in_time_copy": True,
-         "luks": True, "pause": True, "live_migration": True}
+         "luks": True, "pause": True, "live_migration": True, "mirror": True}
     )
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
@@ -413,6 +419,20 @@ class QemuDriver:
         except QmpGone:
             log.info("VM %s is gone: copy %s of %s went with it", vm_id, copy_id, serial)
 
+    def ensure_mirror(self, vm_id: str, serial: str, target: AnyConnection, *, pivot: bool) -> ItemStatus:
+        """Mirror the disk onto ``target``, then with ``pivot`` switch its protocol node there (see
+        ``MirroringDriver``). Not an encrypted disk: QEMU would copy the plaintext its guest sees."""
+        ids = disk_ids(serial)
+        target = self._dialled(target)
+        return self._on_present_vm(vm_id, lambda vm: self._ensure_mirror(vm, serial, ids, target, pivot))
+
+    def remove_mirror(self, vm_id: str, serial: str) -> None:
+        ids = disk_ids(serial)
+        try:
+            self._on_vm(vm_id, lambda vm: self._end_mirror(vm, serial, ids))
+        except QmpGone:
+            log.info("VM %s is gone: the mirror of %s went with it", vm_id, serial)
+
     def close(self) -> None:
         with self._guard:
             clients, self._clients = list(self._clients.values()), {}
@@ -522,6 +542,7 @@ class QemuDriver:
                     return disk
         # Nodes without a device: a crashed attach or detach. Start from a clean slate.
         self._end_copies(vm, serial, ids)
+        self._end_mirror(vm, serial, ids)
         _remove_nodes(vm, ids)
         with _undone_on_failure(vm, f"attach of {serial}") as undo:
             top = self._build_chain(vm, connection, ids, read_only, qos, luks, undo)
@@ -558,6 +579,7 @@ class QemuDriver:
 
     def _resize(self, vm: _Vm, serial: str, ids: DiskIds, connection: AnyConnection, size_bytes: int) -> DiskInfo:
         vm_id = vm.vm_id
+        ids = _settled(vm, ids)
         disk = next((d for d in _our_disks(vm) if d.serial == serial), None)
         if disk is None:
             raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
@@ -583,23 +605,9 @@ class QemuDriver:
         if size_bytes < current:
             raise InvalidParameter(f"disk {serial} of VM {vm_id} has {current} bytes; it cannot shrink to {size_bytes}")
 
-        # Which generation the raw node reads from. Two protocol nodes exist only after an
-        # interrupted resize; blockdev-del refuses the one in use, so trying both keeps that one.
-        present = [g for g in ids.generations if g.proto in nodes]
-        interrupted = len(present) == 2
-        if interrupted:
-            for gen in present:
-                try:
-                    vm.cmd("blockdev-del", {"node-name": gen.proto})
-                except QmpCommandError as exc:
-                    log.debug("VM %s: %s is in use: %s", vm_id, gen.proto, exc.desc)
-            nodes = vm.nodes()
-            vm.del_objects(obj for g in present if g.proto not in nodes for obj in g.objects)
-            present = [g for g in ids.generations if g.proto in nodes]
-        if len(present) != 1:
-            raise DriverError(f"VM {vm_id}: disk {serial} has {len(present)} protocol nodes, expected one")
-        old = present[0]
-        new = ids.generations[1] if old == ids.generations[0] else ids.generations[0]
+        old, interrupted = _current_generation(vm, serial, ids)
+        nodes = vm.nodes()
+        new = _other_generation(ids, old)
 
         connector = connector_for(connection)
         if connector.qemu_node_opens(nodes[old.proto], connection):
@@ -635,6 +643,8 @@ class QemuDriver:
 
     def _detach(self, vm: _Vm, serial: str, ids: DiskIds, force: bool, timeout: float) -> None:
         self._end_copies(vm, serial, ids)
+        self._end_mirror(vm, serial, ids)
+        ids = _settled(vm, ids)
         if ids.device in vm.devices():
             wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
             if not _unplug(vm, ids.device, wait):
@@ -654,6 +664,7 @@ class QemuDriver:
     # -- point-in-time copies --------------------------------------------------------------------
 
     def _ensure_copy(self, vm: _Vm, serial: str, ids: DiskIds, cids: CopyIds, target: AnyConnection) -> ItemStatus:
+        ids = _settled(vm, ids)
         job = vm.jobs().get(cids.job)
         if job is not None:
             return self._copy_status(vm, cids, job)
@@ -666,6 +677,9 @@ class QemuDriver:
             raise NotFound(f"disk {serial} is not attached to VM {vm.vm_id}", code="InvalidAttachment.NotFound")
         if ids.dead in nodes:
             raise IncorrectState(f"disk {serial} of VM {vm.vm_id} was force-detached; it cannot be copied")
+        if ids.mirror_job in vm.jobs():
+            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} is moving to another storage node; snapshot it "
+                                 "once it is there")
         if _is_luks(nodes, ids):
             # The copy would be of the plaintext the guest sees: an encrypted volume's snapshot is its node's.
             raise IncorrectState(f"disk {serial} of VM {vm.vm_id} is encrypted: its storage node snapshots it")
@@ -722,6 +736,94 @@ class QemuDriver:
                 log.warning("VM %s: point-in-time copy %s of disk %s cancelled by its detach; that snapshot fails",
                             vm.vm_id, key, serial)
 
+    # -- mirrors onto another storage node -----------------------------------------------------------
+
+    def _ensure_mirror(self, vm: _Vm, serial: str, ids: DiskIds, target: AnyConnection, pivot: bool) -> ItemStatus:
+        job = vm.jobs().get(ids.mirror_job)
+        if job is not None:
+            return self._mirror_status(vm, serial, ids, target, job, pivot)
+        ids = _settled(vm, ids)
+        nodes = vm.nodes()
+        if ids.device not in vm.devices() or ids.raw not in nodes:
+            raise NotFound(f"disk {serial} is not attached to VM {vm.vm_id}", code="InvalidAttachment.NotFound")
+        if ids.dead in nodes:
+            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} was force-detached; it cannot be moved")
+        current, _ = _current_generation(vm, serial, ids)
+        nodes = vm.nodes()
+        if connector_for(target).qemu_node_opens(nodes[current.proto], target):
+            return ItemStatus(state="ready", progress=100)  # switched already (its job dismissed)
+        if _is_luks(nodes, ids):
+            # QEMU mirrors from the disk's root node only: what it reads there is the guest's plaintext.
+            raise IncorrectState(f"disk {serial} of VM {vm.vm_id} is encrypted: it moves while detached only")
+        if pivot:
+            raise MirrorLost(f"disk {serial} of VM {vm.vm_id} has no mirror to complete (cancelled, or the VM "
+                             "restarted): it is still on its old storage")
+        if any(j["status"] != "concluded" for j in _copy_jobs(vm, ids).values()):
+            raise IncorrectState(f"a point-in-time copy of disk {serial} of VM {vm.vm_id} is running; move it once "
+                                 "the snapshot is complete")
+        new, new_raw = _other_generation(ids, current), ids.raw2
+        vm.del_objects(new.objects)  # leftovers of a crash before its node was made
+        read_only = bool(nodes[ids.raw].get("ro"))
+        with _undone_on_failure(vm, f"mirror of {serial}") as undo:
+            self._open_connection(vm, target, new, read_only, undo)
+            vm.cmd("blockdev-add", {**_format_options(ids, new.proto, read_only, False), "node-name": new_raw})
+            undo.append(lambda: vm.cmd("blockdev-del", {"node-name": new_raw}))
+            # QEMU mirrors from a root node only, and replaces a node only by one that shows the same
+            # data: the whole chain below the device (or below the QoS throttle, which counts the
+            # copy's reads too) moves, the format node under its other name.
+            args: dict[str, Any] = {"job-id": ids.mirror_job, "target": new_raw, "sync": "full",
+                                    "auto-dismiss": False}
+            if ids.throttle in nodes:
+                args.update({"device": ids.throttle, "replaces": ids.raw})
+            else:
+                args["device"] = ids.raw
+            vm.cmd("blockdev-mirror", args)
+        log.info("VM %s: mirror of disk %s onto %s started", vm.vm_id, serial, new.proto)
+        job = vm.jobs().get(ids.mirror_job)
+        return self._mirror_status(vm, serial, ids, target, job, pivot) if job else ItemStatus(state="copying")
+
+    def _mirror_status(self, vm: _Vm, serial: str, ids: DiskIds, target: AnyConnection, job: dict[str, Any],
+                       pivot: bool) -> ItemStatus:
+        total = int(job.get("total-progress") or 0)
+        done = int(job.get("current-progress") or 0)
+        if job["status"] == "ready" and pivot:
+            mark = vm.qmp.event_mark()
+            vm.cmd("job-complete", {"id": ids.mirror_job})
+            _wait_concluded(vm, ids.mirror_job, mark, self.qmp_timeout + NBD_RECONNECT_DELAY_S)
+            job = vm.jobs().get(ids.mirror_job) or {"status": "concluded"}
+        if job["status"] == "concluded":
+            vm.cmd("job-dismiss", {"id": ids.mirror_job})
+            ids = _settled(vm, ids)  # closes the chain not in use
+            current, _ = _current_generation(vm, serial, ids)
+            if connector_for(target).qemu_node_opens(vm.nodes()[current.proto], target):
+                log.info("VM %s: disk %s switched onto its new export", vm.vm_id, serial)
+                return ItemStatus(state="ready", size_bytes=total, progress=100)
+            return ItemStatus(state="error", size_bytes=total,
+                              error=f"the mirror ended without switching: {job.get('error') or 'cancelled'}"[:2000])
+        if job["status"] == "ready":
+            return ItemStatus(state="ready", size_bytes=total, progress=100)
+        if job["status"] == "aborting":
+            return ItemStatus(state="error", size_bytes=total, error="the mirror is being cancelled")
+        return ItemStatus(state="copying", size_bytes=total, progress=min(99, done * 100 // total) if total else 0)
+
+    def _end_mirror(self, vm: _Vm, serial: str, ids: DiskIds) -> None:
+        """Cancel a mirror that has not switched (one in step ends without switching) and close its
+        target, whichever chain the disk does not use; nothing there is success."""
+        job = vm.jobs().get(ids.mirror_job)
+        if job is not None:
+            if job["status"] != "concluded":
+                mark = vm.qmp.event_mark()
+                try:
+                    vm.cmd("job-cancel", {"id": ids.mirror_job})
+                except QmpCommandError as exc:  # it concluded meanwhile
+                    log.debug("VM %s: job-cancel %s: %s", vm.vm_id, ids.mirror_job, exc.desc)
+                _wait_concluded(vm, ids.mirror_job, mark, self.qmp_timeout + NBD_RECONNECT_DELAY_S)
+            vm.cmd("job-dismiss", {"id": ids.mirror_job})
+            log.warning("VM %s: mirror of disk %s cancelled", vm.vm_id, serial)
+        ids = _settled(vm, ids)
+        nodes = vm.nodes()
+        if ids.raw in nodes and all(g.proto in nodes for g in ids.generations):
+            _current_generation(vm, serial, ids)
 
 def _copy_jobs(vm: _Vm, ids: DiskIds) -> dict[str, dict[str, Any]]:
     return {job_id: job for job_id, job in vm.jobs().items() if job_id.startswith(ids.copy_job_prefix)}
@@ -777,7 +879,7 @@ def _our_disks(vm: _Vm) -> list[DiskInfo]:
             continue
         # The raw node, not the device's top node: a copy's filter may sit on top of it.
         ids = disk_ids(match.group(1))
-        raw = nodes.get(ids.raw)
+        raw = nodes.get(ids.raw) or nodes.get(ids.raw2)
         node = raw if raw is not None else inserted[dev]
         size = raw["image"].get("virtual-size") if raw is not None else None
         # A forced detach the guest has not acknowledged leaves the device on the always-failing node.
@@ -860,6 +962,51 @@ def _cut_io(vm: _Vm, ids: DiskIds, qmp_timeout: float) -> None:
     # After a resize the connection may be either generation.
     vm.del_nodes(gen.proto for gen in ids.generations)
     vm.del_objects(obj for gen in ids.generations for obj in gen.objects)
+
+
+def _current_generation(vm: _Vm, serial: str, ids: DiskIds) -> tuple[QemuIds, bool]:
+    """The generation of protocol node the raw node reads from, and whether a second one was left
+    (an interrupted resize or mirror): blockdev-del refuses the one in use, so trying both keeps it."""
+    nodes = vm.nodes()
+    present = [g for g in ids.generations if g.proto in nodes]
+    interrupted = len(present) == 2
+    if interrupted:
+        for gen in present:
+            try:
+                vm.cmd("blockdev-del", {"node-name": gen.proto})
+            except QmpCommandError as exc:
+                log.debug("VM %s: %s is in use: %s", vm.vm_id, gen.proto, exc.desc)
+        nodes = vm.nodes()
+        vm.del_objects(obj for g in present if g.proto not in nodes for obj in g.objects)
+        present = [g for g in ids.generations if g.proto in nodes]
+    if len(present) != 1:
+        raise DriverError(f"VM {vm.vm_id}: disk {serial} has {len(present)} protocol nodes, expected one")
+    return present[0], interrupted
+
+
+def _settled(vm: _Vm, ids: DiskIds) -> DiskIds:
+    """``ids`` with ``raw`` naming the format node the disk uses. Both exist only while a mirror runs
+    (then the original is in use) or after one that switched or stopped (then the one not in use is
+    deleted here: blockdev-del refuses the other)."""
+    nodes = vm.nodes()
+    if ids.raw2 not in nodes:
+        return ids
+    swapped = replace(ids, raw=ids.raw2, raw2=ids.raw)
+    if ids.raw not in nodes:
+        return swapped
+    if ids.mirror_job in vm.jobs():
+        return ids
+    for name in (ids.raw2, ids.raw):
+        try:
+            vm.cmd("blockdev-del", {"node-name": name})
+            return ids if name == ids.raw2 else swapped
+        except QmpCommandError as exc:
+            log.debug("VM %s: %s is in use: %s", vm.vm_id, name, exc.desc)
+    raise DriverError(f"VM {vm.vm_id}: both format nodes of {ids.device} are in use")
+
+
+def _other_generation(ids: DiskIds, gen: QemuIds) -> QemuIds:
+    return ids.generations[1] if gen == ids.generations[0] else ids.generations[0]
 
 
 def _format_options(ids: DiskIds, file: str, read_only: bool, luks: bool) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from pydantic import SecretStr
 
 from vbs.config import StorageAgentConfig
 from vbs.storage.exports.base import ExportDriver
-from vbs.wire.connection import Connection, HostIdentity
+from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend", "ReportsUsage"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend"]
 
 
 @runtime_checkable
@@ -135,3 +135,15 @@ class ReportsUsage(Protocol):
     leaves its volumes' usage unknown."""
 
     def volume_usage(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class PullingBackend(Protocol):
+    """A backend whose volumes are its node's own (files): one moves here by being pulled from the
+    export of the node it leaves."""
+
+    def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
+        """Copy what ``source`` serves into the volume (made here of ``size_bytes``): ``copying`` with
+        progress, then ``ready``; a failed copy answers ``error`` once (the next call starts over), a
+        stalled one (the agent restarted) starts over."""
+        ...

@@ -44,10 +44,12 @@ from vbs.errors import (
     RetryLater,
     VbsError,
 )
+from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.luks import convert_to_luks, format_luks, header_bytes
-from vbs.wire.connection import Connection, HostIdentity
+from vbs.storage.pull import pull
+from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["FileBackend", "FICLONE"]
@@ -66,6 +68,7 @@ _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
 # A cancelled copy stops after its current chunk; this only guards against a hung device.
 _STOP_TIMEOUT = 120.0
 _PROBE_PREFIX = ".vbs-reflink-probe-"
+_PULL_SECRETS = ".vbs-pull"  # the key files and client certificate of pulls from other nodes (0700)
 _SECTOR = 512
 _DIRS: dict[Kind, str] = {"volume": "volumes", "snapshot": "snapshots"}
 _NOT_FOUND_CODES: dict[Kind, str] = {
@@ -91,6 +94,7 @@ class FileBackend:
         exports: ExportDriver | None = None,
         clone_method: CloneMethod | None = None,
         copy_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        x509: X509Files | None = None,
     ) -> None:
         self.name = name
         self.path = Path(path)
@@ -104,6 +108,8 @@ class FileBackend:
         except OSError as exc:
             raise DriverError(f"pool {name}: cannot prepare {self.path}: {exc.strerror}") from exc
         self._chunk_bytes = copy_chunk_bytes
+        # This node's certificate, as the client of another node's export it pulls a volume from.
+        self._x509 = x509
         self._lock = threading.Lock()
         # Only caller threads touch these (under the lock); job threads only touch files, so waiting
         # for a cancelled job while holding the lock cannot deadlock.
@@ -122,7 +128,8 @@ class FileBackend:
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> FileBackend:
-        return cls(cfg.pool_name, cfg.pool_path.resolve(), exports=exports, clone_method=cfg.clone_method)
+        return cls(cfg.pool_name, cfg.pool_path.resolve(), exports=exports, clone_method=cfg.clone_method,
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
 
     # -- pool -------------------------------------------------------------------------------------
 
@@ -285,6 +292,32 @@ class FileBackend:
             finally:
                 os.close(fd)
             return _ready(final)
+
+    def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
+        """Make the volume a copy of what ``source`` (another node's export of it) serves: a job that
+        answers ``copying`` with progress, then ``ready``; see ``vbs.storage.pull``."""
+        final = self._final("volume", volume_id)
+        _check_size(size_bytes)
+        with self._lock:
+            self._check_open()
+            status = self._status("volume", volume_id, final)
+            if status.state == "error":
+                del self._jobs[("volume", volume_id)]  # said once; the next call starts over
+            if status.state in ("ready", "copying", "error"):
+                return status
+            self._create_sparse(final, size_bytes, publish=False, at=_partial(final))
+            secrets_dir = self.path / _PULL_SECRETS
+            secrets_dir.mkdir(mode=0o700, exist_ok=True)
+            x509_dir = qemu_x509_dir(self._x509, secrets_dir / "x509", "client") if self._x509 else None
+            work = functools.partial(pull, source, _partial(final), size_bytes, secrets_dir=secrets_dir,
+                                     x509_dir=x509_dir)
+            job = Job(lambda cancel, progress: work(cancel=cancel, progress=progress), size_bytes=size_bytes,
+                      on_success=functools.partial(_publish, _partial(final), final),
+                      on_failure=lambda: _partial(final).unlink(missing_ok=True), name=f"vbs-pull-{volume_id}")
+            job.start()
+            self._jobs[("volume", volume_id)] = job
+            log.info("pulling volume %s from %s", volume_id, source.host or source.socket)
+            return ItemStatus(state="copying", size_bytes=size_bytes, progress=0)
 
     def volume_path(self, volume_id: str) -> Path:
         """Where the raw data of a ready volume is (this backend's own; tools and tests use it)."""
@@ -524,9 +557,10 @@ class FileBackend:
             return IncorrectState(f"The {kind} '{item_id}' is not ready yet.")
         return NotFound(f"The {kind} '{item_id}' does not exist.", code=_NOT_FOUND_CODES[kind])
 
-    def _create_sparse(self, final: Path, size_bytes: int, *, publish: bool = True) -> None:
-        """A sparse file of ``size_bytes`` at ``final`` (through its partial when ``publish``)."""
-        path = _partial(final) if publish else final
+    def _create_sparse(self, final: Path, size_bytes: int, *, publish: bool = True, at: Path | None = None) -> None:
+        """A sparse file of ``size_bytes`` at ``final`` (through its partial when ``publish``; at ``at``
+        instead when given, not published)."""
+        path = at if at is not None else _partial(final) if publish else final
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN, 0o600)
             try:
