@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Services, free_port, reap_daemons, stop_process, wait_until
+from tests.numbered_blocks import NumberedBlocks
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 from vbs.testguest.guest import qmp_execute
@@ -35,7 +35,9 @@ WRITES = 300
 SLOTS = 1024  # blocks 0..WRITES-1 land at distinct 4 KiB slots of the first 4 MiB
 STRIDE = 7
 PREFILL_MIB = 16  # data the copy must carry besides the guest's writes, after the slots
-MARK = re.compile(rb"VBS-BLOCK-(\d{8})\n")
+BLOCKS = NumberedBlocks(writes=WRITES, slots=SLOTS, stride=STRIDE, block=BLOCK)
+writer_script = BLOCKS.writer_script
+blocks_in = BLOCKS.blocks_in
 
 COPY_STEPS = ["export-to-target", "copy", "switch", "unexport", "remove-old-copy", "finish"]
 MIRROR_STEPS = ["target-volume", "export-to-host", "mirror", "pivot", "switch", "remove-old-export",
@@ -159,24 +161,6 @@ def protocol_nodes(c: Cluster, vol: str) -> list[dict[str, Any]]:
     return [n for n in nodes if n["node-name"].startswith(f"vbs-{virtio_serial(vol)}-proto")]
 
 
-def writer_script(dev: str) -> str:
-    """Write blocks 0..WRITES-1 in order, each durable before the next starts."""
-    return (f"i=0; while [ $i -lt {WRITES} ]; do "
-            f"s=$(( i * {STRIDE} % {SLOTS} )); "
-            "printf 'VBS-BLOCK-%08d\\n' $i > /run/blk; "
-            f"dd if=/run/blk of=/dev/{dev} bs={BLOCK} seek=$s conv=sync,notrunc,fsync oflag=direct 2>/dev/null "
-            "|| exit 1; i=$((i+1)); done; echo wrote $i")
-
-
-def blocks_in(path: Path) -> set[int]:
-    found = set()
-    with open(path, "rb") as f:
-        for i in range(WRITES):
-            f.seek(i * STRIDE % SLOTS * BLOCK)
-            m = MARK.match(f.read(20))
-            if m and int(m.group(1)) == i:
-                found.add(i)
-    return found
 
 
 def attach(c: Cluster, vol: str) -> str:

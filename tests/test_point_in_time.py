@@ -13,13 +13,12 @@ the guest's own QEMU takes it into a snapshot target the storage node exports to
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import Vbs, VbsUp, wait_until
+from tests.numbered_blocks import NumberedBlocks
 from vbs.ids import virtio_serial
 from vbs.testguest import TestGuest, build_guest
 
@@ -31,32 +30,12 @@ SLOTS = 1 << 15  # 128 MiB of 4 KiB slots at the start of the volume
 STRIDE = 7919  # a prime: block i goes to slot i * STRIDE % SLOTS, a different slot for every i
 WRITES = 600
 PREFILL_MIB = 512  # data the copy must move while the guest writes
-MARK = re.compile(rb"VBS-BLOCK-(\d{8})\n")
+BLOCKS = NumberedBlocks(writes=WRITES, slots=SLOTS, stride=STRIDE, block=BLOCK)
+writer_script = BLOCKS.writer_script
+blocks_in = BLOCKS.blocks_in
 
 
-def slot(i: int) -> int:
-    return i * STRIDE % SLOTS
 
-
-def writer_script(dev: str) -> str:
-    """Write blocks 0..WRITES-1 in order, each durable before the next starts."""
-    return (f"i=0; while [ $i -lt {WRITES} ]; do "
-            f"s=$(( i * {STRIDE} % {SLOTS} )); "
-            "printf 'VBS-BLOCK-%08d\\n' $i > /run/blk; "
-            f"dd if=/run/blk of=/dev/{dev} bs={BLOCK} seek=$s conv=sync,notrunc,fsync oflag=direct 2>/dev/null "
-            "|| exit 1; i=$((i+1)); done; echo wrote $i")
-
-
-def blocks_in(path: Path) -> set[int]:
-    """The numbered blocks a volume or snapshot file holds, each at its own slot."""
-    found = set()
-    with open(path, "rb") as f:
-        for i in range(WRITES):
-            f.seek(slot(i) * BLOCK)
-            m = MARK.match(f.read(20))
-            if m and int(m.group(1)) == i:
-                found.add(i)
-    return found
 
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])

@@ -9,7 +9,7 @@ change nothing; hosts with certificates accept a TLS stream only.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -38,12 +38,9 @@ def start_vm(vm_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
     return proc
 
 
-@pytest.fixture
-def hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
-    """(h1's driver with the running VM, h2's with the waiting one, a directory of volume files)."""
-    procs = [start_vm(tmp_path / "h1" / "vms"), start_vm(tmp_path / "h2" / "vms", "-incoming", "defer")]
-    drivers = (QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0),
-               QemuDriver(tmp_path / "h2" / "vms", qmp_timeout=5.0))
+def _with_volumes(tmp_path: Path, procs: list[subprocess.Popen[bytes]],
+                  drivers: Sequence[QemuDriver]) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
+    """Yield (h1's driver, h2's, a directory with a 64 MiB file per serial); close and stop all after."""
     volumes = tmp_path / "volumes"
     volumes.mkdir()
     for serial in SERIALS:
@@ -56,6 +53,15 @@ def hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
             driver.close()
         for proc in procs:
             stop_process(proc)
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
+    """(h1's driver with the running VM, h2's with the waiting one, a directory of volume files)."""
+    procs = [start_vm(tmp_path / "h1" / "vms"), start_vm(tmp_path / "h2" / "vms", "-incoming", "defer")]
+    drivers = (QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0),
+               QemuDriver(tmp_path / "h2" / "vms", qmp_timeout=5.0))
+    yield from _with_volumes(tmp_path, procs, drivers)
 
 
 def plug_both(source: QemuDriver, target: QemuDriver, volumes: Path) -> None:
@@ -119,18 +125,7 @@ def tls_hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
         files = ca.issue(name, ["127.0.0.1"], tmp_path / name / "cert.pem", tmp_path / name / "key.pem")
         drivers.append(QemuDriver(tmp_path / name / "vms", qmp_timeout=5.0, secrets_dir=tmp_path / name / "secrets",
                                   x509=X509Files(files.cert, files.key, files.ca)))
-    volumes = tmp_path / "volumes"
-    volumes.mkdir()
-    for serial in SERIALS:
-        with (volumes / serial).open("wb") as fh:
-            fh.truncate(64 << 20)
-    try:
-        yield drivers[0], drivers[1], volumes
-    finally:
-        for driver in drivers:
-            driver.close()
-        for proc in procs:
-            stop_process(proc)
+    yield from _with_volumes(tmp_path, procs, drivers)
 
 
 def test_hosts_with_certificates_migrate_over_tls_only(tls_hosts: tuple[QemuDriver, QemuDriver, Path],

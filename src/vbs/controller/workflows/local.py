@@ -28,7 +28,7 @@ from vbs.controller.transitions import transition
 from vbs.controller.workflows import attachments as att
 from vbs.controller.workflows import storage as shared
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
-from vbs.controller.workflows.snapshots import remove_snapshot
+from vbs.controller.workflows.snapshots import remove_snapshot, snapshot_scratch
 from vbs.controller.workflows.storage import StorageParams
 from vbs.errors import NotFound
 from vbs.wire.connection import HostIdentity, LocalConnection
@@ -244,20 +244,13 @@ def _cancel_copy_to_shared(ctx: StepContext[SnapshotLocalParams]) -> None:
     shared.storage_agent(ctx).remove_connection(p.pool, p.scratch_volume_id, p.host)
 
 
-def _snapshot_scratch(ctx: StepContext[SnapshotLocalParams]) -> None:
-    p = ctx.params
-    agent = shared.storage_agent(ctx)
-    shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.scratch_volume_id),
-                       lambda progress: None, unreachable_s=shared.patience(ctx))
-
-
 SNAPSHOT_LOCAL_VOLUME = Workflow(
     kind="snapshot-local-volume",
     params=SnapshotLocalParams,
     resume="rollback",
     steps=(Step("scratch-volume", _scratch_target, undo=_remove_scratch_target),
            Step("host-copy", _copy_to_shared, undo=_cancel_copy_to_shared),
-           Step("storage-snapshot", _snapshot_scratch, undo=remove_snapshot),
+           Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
            Step("remove-scratch", _remove_scratch_target),
            Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
     on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot failed and was rolled back"),

@@ -167,7 +167,9 @@ def _remove_scratch(ctx: StepContext[CopySnapshotParams]) -> None:
     shared.storage_agent(ctx).remove_volume(ctx.params.pool, ctx.params.scratch_volume_id)
 
 
-def _snapshot_scratch(ctx: StepContext[CopySnapshotParams]) -> None:
+def snapshot_scratch(ctx: StepContext[Any]) -> None:
+    """The storage node snapshots the operation's scratch volume (``params.pool``/``scratch_volume_id``) as
+    the operation's snapshot: the copy's data, fixed."""
     p = ctx.params
     agent = shared.storage_agent(ctx)
     shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.scratch_volume_id),
@@ -179,7 +181,7 @@ COPY_SNAPSHOT = Workflow(
     params=CopySnapshotParams,
     resume="rollback",
     steps=(Step("scratch-volume", _scratch_from_source, undo=_remove_scratch),
-           Step("storage-snapshot", _snapshot_scratch, undo=remove_snapshot),
+           Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
            Step("remove-scratch", _remove_scratch),
            Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
     on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot copy failed and was rolled back"),
