@@ -26,7 +26,7 @@ its clients got, and the CPU time its export daemon used, from /proc), and the r
 aggregate to the better extreme (k = 0 or k = 8) measured in the same run. MiB/s = 2^20 bytes/s,
 EBS's unit and VBS's ``mbps``.
 
-    .venv/bin/python bench/semishared.py --quick       # 4 s per point (about 3 minutes)
+    .venv/bin/python bench/semishared.py --quick       # 4 s per point (about 1.5 minutes)
     .venv/bin/python bench/semishared.py --runtime 20 --mibps 50
 
 Every daemon is stopped by its PID in a ``finally`` (the storage node's by its driver); only
