@@ -27,8 +27,9 @@ lint: venv
 	$(BIN)/mypy
 
 # Two workers, a test module each at a time: most tests wait on daemons and guests, not on a CPU.
+# PYTEST_ARGS: extra pytest options, e.g. make test PYTEST_ARGS=--durations=50 to see what the time goes to.
 test: setup lint
-	$(BIN)/pytest -q -n 2 --dist loadfile
+	$(BIN)/pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The unit tier: no root, no daemons, no guests; what a developer runs on every change.
 test-fast: venv
