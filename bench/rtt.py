@@ -89,7 +89,8 @@ class DelayProxy:
     """A TCP proxy on 127.0.0.1 that delays each direction by ``rtt_ms / 2``, in a thread of its own.
 
     ``rtt_ms`` may change between connections (``set_rtt``); 0 forwards at once (its own ceiling).
-    ``window``: the bytes each direction holds in flight at most (a TCP window over the delayed link).
+    ``window``: the bytes each direction holds in flight at most (a TCP window over the delayed link:
+    a chunk's room comes back a full RTT after it arrived, as the ack of its delivery would).
     """
 
     def __init__(self, target_port: int, rtt_ms: float = 0.0, window: int = PROXY_BUFFER) -> None:
@@ -160,20 +161,25 @@ class DelayProxy:
         room.set()
         held = 0
 
+        def release(size: int) -> None:
+            nonlocal held
+            held -= size
+            if held < self.window:
+                room.set()
+
         async def pump_in() -> None:
             nonlocal held
             while True:
-                data = await reader.read(CHUNK)
+                while held >= self.window:
+                    room.clear()
+                    await room.wait()
+                data = await reader.read(min(CHUNK, self.window - held))
                 queue.put_nowait((loop.time() + delay, data))
                 if not data:
                     return
                 held += len(data)
-                if held > self.window:
-                    room.clear()
-                    await room.wait()
 
         async def pump_out() -> None:
-            nonlocal held
             while True:
                 due, data = await queue.get()
                 wait = due - loop.time()
@@ -185,9 +191,8 @@ class DelayProxy:
                     return
                 writer.write(data)
                 await writer.drain()
-                held -= len(data)
-                if held <= self.window:
-                    room.set()
+                # The window opens again when the receiver's ack would arrive: one more RTT/2.
+                loop.call_later(delay, release, len(data))
 
         await asyncio.gather(pump_in(), pump_out())
 
