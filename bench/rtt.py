@@ -19,18 +19,25 @@ clients (``qemu-img bench``, the code a VM's disk runs through):
   and a **CPU-bound** job (read 16 MiB of it, then hash it over and over: about ``--cpu-seconds``
   of this process's CPU time, so that other tenants of the machine do not add their share).
 
-Computed from those measurements (nothing here migrates a VM or a volume):
+Measured at each RTT, both moves of the paper's experiment, through the proxy with VBS's own code
+(bench/rtt_moves.py):
 
-- each job after moving the VM to the data (migrate-instance) = the VM's memory (``--memory-mib``)
-  sent at the measured sequential NBD throughput at that RTT (a stand-in for the migration stream)
-  + the job measured at 0 ms, direct;
-- each job after moving the data to the VM (migrate-volume) = the whole volume copied over the
-  link, i.e. one pass of the I/O-bound job measured at that RTT, + the job measured at 0 ms, direct;
-- the crossovers: the RTT (linear between measured points) from which each move beats staying.
+- **migrate-volume**: the new node's ``FileBackend.pull_volume`` (``qemu-img convert`` from the NBD
+  export, ``vbs.storage.pull``) pulls the volume through the proxy, until the copy is ready (and then
+  compared with the source, off the clock);
+- **migrate-instance**: QEMU's live migration (``QemuDriver.listen_for_migration`` / ``migrate``) of a
+  bare VM of ``--memory-mib`` MiB whose RAM maps a file of random data (no zero page to skip), to a
+  twin waiting with ``-incoming defer``, the stream through a proxy of its own, until the destination
+  runs; the bytes sent are QEMU's (``query-migrate``).
+
+Each job after a move = the move, measured + the job measured local (direct, 0 ms): after either
+move the VM and its data are on one side. The crossovers: the RTT from which each move beats staying
+(where least-squares lines through the rows cross). ``--computed`` skips the moves and computes them
+as earlier versions did (the memory at the measured NBD sequential rate; one whole-volume read).
 
 ``--calibration-out FILE`` writes the NBD and iSCSI points (measured RTT, MiB/s, IOPS) and the copy
 throughput for the controller's advice model (``rtt_calibration_file``). Every daemon is stopped by
-its driver in a ``finally``; only 127.0.0.1 is used. MiB = 2^20 bytes.
+its driver, each VM by its PID, in a ``finally``; only 127.0.0.1 is used. MiB = 2^20 bytes.
 
     .venv/bin/python bench/rtt.py --quick                     # 64 MiB volume, 128 MiB VM, 1 s per figure
     .venv/bin/python bench/rtt.py --rtts 0,1,2,4,8,16,50 --calibration-out var/rtt-calibration.json
@@ -60,12 +67,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import datapath  # noqa: E402
+import rtt_moves  # noqa: E402
 from datapath import MIB, Figure, Workload, log, make_volume, qemu_bench, qemu_convert, run_tool  # noqa: E402
+from rtt_moves import Move  # noqa: E402
+from vbs.wire.connection import NbdConnection  # noqa: E402
 
 SEQ = Workload("seq read 1M qd8", "read", MIB, 8)
 RAND = Workload("rand read 4k qd32", "randread", 4096, 32)
 CHUNK = 1 << 20
-# What one direction of a proxied connection may hold in flight (the "link's" buffer).
+# What one direction of a proxied connection may hold in flight by default (the "link's" window): the
+# proxy ends TCP on each side, so the sender's own window never sees the RTT; this one does.
 PROXY_BUFFER = 64 << 20
 VARIANT = {"nbd": "nbd-native-q", "iscsi": "iscsi-direct"}
 CPU_JOB_MIB = 16
@@ -78,11 +89,14 @@ class DelayProxy:
     """A TCP proxy on 127.0.0.1 that delays each direction by ``rtt_ms / 2``, in a thread of its own.
 
     ``rtt_ms`` may change between connections (``set_rtt``); 0 forwards at once (its own ceiling).
+    ``window``: the bytes each direction holds in flight at most (a TCP window over the delayed link:
+    a chunk's room comes back a full RTT after it arrived, as the ack of its delivery would).
     """
 
-    def __init__(self, target_port: int, rtt_ms: float = 0.0) -> None:
+    def __init__(self, target_port: int, rtt_ms: float = 0.0, window: int = PROXY_BUFFER) -> None:
         self.target_port = target_port
         self.rtt_ms = rtt_ms
+        self.window = window
         self.port = 0
         self._loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
         self._ready = threading.Event()
@@ -147,20 +161,25 @@ class DelayProxy:
         room.set()
         held = 0
 
+        def release(size: int) -> None:
+            nonlocal held
+            held -= size
+            if held < self.window:
+                room.set()
+
         async def pump_in() -> None:
             nonlocal held
             while True:
-                data = await reader.read(CHUNK)
+                while held >= self.window:
+                    room.clear()
+                    await room.wait()
+                data = await reader.read(min(CHUNK, self.window - held))
                 queue.put_nowait((loop.time() + delay, data))
                 if not data:
                     return
                 held += len(data)
-                if held > PROXY_BUFFER:
-                    room.clear()
-                    await room.wait()
 
         async def pump_out() -> None:
-            nonlocal held
             while True:
                 due, data = await queue.get()
                 wait = due - loop.time()
@@ -172,9 +191,8 @@ class DelayProxy:
                     return
                 writer.write(data)
                 await writer.drain()
-                held -= len(data)
-                if held <= PROXY_BUFFER:
-                    room.set()
+                # The window opens again when the receiver's ack would arrive: one more RTT/2.
+                loop.call_later(delay, release, len(data))
 
         await asyncio.gather(pump_in(), pump_out())
 
@@ -282,12 +300,52 @@ class Point:
     io_job_s: float | None = None
     copy_s: float | None = None  # one pass: the volume copied over this link
     cpu_job_s: float | None = None
+    moved_volume: Move | None = None  # migrate-volume: FileBackend.pull_volume through the proxy
+    moved_instance: Move | None = None  # migrate-instance: QEMU live migration through the proxy
+
+
+_EXPORT = re.compile(r"file\.export=([^,]+)")
+
+
+def nbd_export(target: list[str], port: int) -> NbdConnection:
+    """The plain-TCP NBD export ``target`` (qemu-img arguments) opens, dialled at ``port`` instead."""
+    found = _EXPORT.search(target[target.index("--image-opts") + 1])
+    assert found is not None, target
+    return NbdConnection(host="127.0.0.1", port=port, export=found.group(1))
+
+
+@contextlib.contextmanager
+def moving_memory(memory_mib: int, work: Path) -> Iterator[Path]:
+    """The file of random data a migrated VM's RAM maps (see rtt_moves.migrate_instance)."""
+    memory = work / "vm-memory.raw"
+    make_volume(memory, memory_mib * MIB)
+    try:
+        yield memory
+    finally:
+        memory.unlink(missing_ok=True)
+
+
+def measure_moves(p: Point, export: NbdConnection, volume: Path, memory: Path, memory_mib: int, work: Path,
+                  window: int) -> None:
+    """Both moves at ``p``'s RTT: the pull through the export's proxy, the migration through one of its own."""
+    p.moved_volume = rtt_moves.migrate_volume(export, volume, work)
+    with contextlib.ExitStack() as stack:
+
+        def link(port: int) -> int:
+            return stack.enter_context(DelayProxy(port, p.nominal_ms, window)).port  # closed after the VMs stop
+
+        p.moved_instance = rtt_moves.migrate_instance(memory, memory_mib, work, link)
+    v, m = p.moved_volume, p.moved_instance
+    log(f"        moves: volume pulled in {v.seconds:.2f} s; VM migrated in {m.seconds:.2f} s "
+        f"({m.bytes_sent / MIB:.0f} MiB sent, QEMU {m.qemu_ms} ms, downtime {m.downtime_ms} ms)")
 
 
 def measure_protocol(protocol: str, volume: Path, work: Path, rtts: list[float], runtime: float,
-                     rounds: int, passes: int) -> tuple[Point, list[Point]]:
+                     rounds: int, passes: int, memory: Path | None = None, memory_mib: int = 0,
+                     window: int = PROXY_BUFFER) -> tuple[Point, list[Point]]:
     """The direct connection, then the proxy at each RTT; the jobs for NBD only (qemu-img convert
-    takes --image-opts, which the iSCSI URL form does not need)."""
+    takes --image-opts, which the iSCSI URL form does not need), and with ``memory`` (the migrated
+    VM's RAM) both moves at each RTT."""
     size = volume.stat().st_size
     variant = next(v for v in datapath.VARIANTS if v.key == VARIANT[protocol])
     jobs = protocol == "nbd"
@@ -308,33 +366,47 @@ def measure_protocol(protocol: str, volume: Path, work: Path, rtts: list[float],
     with datapath.served(variant, volume, work) as (_fio, target, _pid):
         direct = one(target, -1, 0.0)
         points = []
-        with DelayProxy(daemon_port(target)) as proxy, echo_server() as echo, DelayProxy(echo) as echo_proxy:
+        with (DelayProxy(daemon_port(target), window=window) as proxy, echo_server() as echo,
+              DelayProxy(echo) as echo_proxy):
             for rtt in rtts:
                 proxy.set_rtt(rtt)
                 echo_proxy.set_rtt(rtt)
                 points.append(one(via(target, proxy.port), rtt, measured_rtt_ms(echo_proxy.port)))
+                if jobs and memory is not None:
+                    measure_moves(points[-1], nbd_export(target, proxy.port), volume, memory, memory_mib, work,
+                                  window)
     return direct, points
 
 
 # -- the paper's experiment: placement crossovers ---------------------------------------------------
 
 
+def move_seconds(p: Point, memory_mib: int, size_mib: float) -> tuple[float, float, str]:
+    """(moving the VM, moving the volume) at ``p``'s RTT: measured when the moves ran, else computed
+    (the memory at the measured NBD sequential rate; one whole-volume read at that RTT)."""
+    if p.moved_instance is not None and p.moved_volume is not None:
+        return p.moved_instance.seconds, p.moved_volume.seconds, "measured"
+    assert p.seq is not None
+    seq_mib_s = p.seq.mbps * 1e6 / MIB
+    return memory_mib / seq_mib_s, p.copy_s or size_mib / seq_mib_s, "computed"
+
+
 def placements(direct: Point, points: list[Point], memory_mib: int, size_mib: float) -> dict[str, Any]:
-    """For each job and RTT: remote (measured), after migrate-instance and after migrate-volume (computed)."""
+    """For each job and RTT: remote (measured), after migrate-instance and after migrate-volume (the move,
+    see ``move_seconds``, + the job measured local, direct)."""
     out: dict[str, Any] = {}
     for job in ("io_job_s", "cpu_job_s"):
         local = getattr(direct, job)
         rows = []
         for p in points:
             remote = getattr(p, job)
-            assert p.seq is not None and remote is not None and local is not None
-            seq_mib_s = p.seq.mbps * 1e6 / MIB
-            move_vm = memory_mib / seq_mib_s + local
-            move_data = (p.copy_s or size_mib / seq_mib_s) + local
+            assert remote is not None and local is not None
+            vm_s, data_s, how = move_seconds(p, memory_mib, size_mib)
+            move_vm, move_data = vm_s + local, data_s + local
             best = min((remote, "stay-remote"), (move_vm, "migrate-instance"), (move_data, "migrate-volume"))[1]
             rows.append({"nominal_ms": p.nominal_ms, "rtt_ms": round(p.rtt_ms, 3), "remote_s": round(remote, 3),
                          "migrate_instance_s": round(move_vm, 3), "migrate_volume_s": round(move_data, 3),
-                         "best": best})
+                         "best": best, "moves": how})
         out[job] = {"local_s": local, "rows": rows,
                     "crossover_ms": {k: crossover(rows, k) for k in ("migrate_instance_s", "migrate_volume_s")}}
     return out
@@ -368,11 +440,12 @@ def crossover(rows: list[dict[str, Any]], move: str) -> float | None:
 def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any], args: argparse.Namespace,
            ceiling: dict[str, float]) -> str:
     lines = [f"# Remote block access against RTT ({args.size_mib} MiB volume, {args.runtime:g} s per figure, "
-             f"MiB/s = 2^20 bytes/s)", ""]
-    lines += ["## The delay proxy's own ceiling (0 ms) against a direct connection", "",
-              datapath.table(["protocol", "seq read (proxy / direct)", "4k IOPS (proxy / direct)"],
-                             [[k, f"{ceiling[k + '_seq']:.2f}", f"{ceiling[k + '_rand']:.2f}"]
-                              for k in results]), ""]
+             f"{args.window_mib} MiB in flight per direction at most, MiB/s = 2^20 bytes/s)", ""]
+    if ceiling:  # measured only when 0 ms is one of the RTTs
+        lines += ["## The delay proxy's own ceiling (0 ms) against a direct connection", "",
+                  datapath.table(["protocol", "seq read (proxy / direct)", "4k IOPS (proxy / direct)"],
+                                 [[k, f"{ceiling[k + '_seq']:.2f}", f"{ceiling[k + '_rand']:.2f}"]
+                                  for k in results if k + "_seq" in ceiling]), ""]
     for protocol, (direct, points) in results.items():
         assert direct.seq is not None and direct.rand is not None
         rows = [["direct", "0", f"{direct.seq.mbps * 1e6 / MIB:.1f}", "1.00", f"{direct.rand.iops:.0f}", "1.00"]]
@@ -384,20 +457,44 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
         lines += [f"## {protocol.upper()} (qemu-img bench through the proxy)", "",
                   datapath.table(["RTT ms (nominal)", "measured", "seq read 1M qd8 MiB/s", "/direct",
                                   "rand read 4k qd32 IOPS", "/direct"], rows), ""]
+    nbd_points = results["nbd"][1] if "nbd" in results else []
+    moved = [p for p in nbd_points if p.moved_volume is not None and p.moved_instance is not None]
+    how = "measured" if moved else "computed"
+    if moved:
+        rows = []
+        for p in moved:
+            v, m = p.moved_volume, p.moved_instance
+            assert v is not None and m is not None
+            rows.append([f"{p.nominal_ms:g}", f"{p.rtt_ms:.2f}", f"{v.seconds:.2f}",
+                         f"{v.bytes_sent / MIB / v.seconds:.1f}", f"{m.seconds:.2f}", f"{m.bytes_sent / MIB:.1f}",
+                         f"{m.bytes_sent / MIB / m.seconds:.1f}",
+                         f"{m.qemu_ms}", f"{m.downtime_ms}"])
+        lines += [f"## The moves, measured through the proxy ({args.size_mib} MiB volume, {args.memory_mib} MiB VM)",
+                  "", datapath.table(["RTT ms", "measured", "migrate-volume s (pull)", "MiB/s",
+                                      "migrate-instance s (to running)", "MiB sent", "MiB/s", "QEMU total ms",
+                                      "downtime ms"], rows), ""]
     for job, title in (("io_job_s", f"I/O-bound job: read the whole volume {args.passes} times"),
                        ("cpu_job_s", f"CPU-bound job: read {CPU_JOB_MIB} MiB, hash ~{args.cpu_seconds:g} s")):
         j = paper[job]
         rows = [[f"{r['nominal_ms']:g}", f"{r['rtt_ms']:.2f}", f"{r['remote_s']:.2f}", f"{r['migrate_instance_s']:.2f}",
                  f"{r['migrate_volume_s']:.2f}", r["best"]] for r in j["rows"]]
+        top = max(float(r["rtt_ms"]) for r in j["rows"])
         cross = ", ".join(f"{k.removesuffix('_s').replace('_', '-')} from "
-                          + ("never (in range)" if v is None else f"{v:g} ms") for k, v in j["crossover_ms"].items())
+                          + ("never" if v is None else f"{v:g} ms" + (" (beyond the measured RTTs)" if v > top else ""))
+                          for k, v in j["crossover_ms"].items())
         lines += [f"## {title} (local, direct: {j['local_s']:.2f} s)", "",
-                  datapath.table(["RTT ms", "measured", "remote s (measured)", "migrate-instance s (computed)",
-                                  "migrate-volume s (computed)", "best"], rows), "",
+                  datapath.table(["RTT ms", "measured", "remote s (measured)", f"migrate-instance s ({how} + local)",
+                                  f"migrate-volume s ({how} + local)", "best"], rows), "",
                   f"Crossovers (where least-squares lines through the rows cross): {cross}.", ""]
-    lines += [f"migrate-instance = {args.memory_mib} MiB of memory at the measured NBD sequential rate + the job "
-              "local; migrate-volume = one whole-volume read measured at that RTT (the copy) + the job local. "
-              "Remote and local job times are measured; the moves' times are computed.", ""]
+    if moved:
+        lines += [f"migrate-instance = a QEMU live migration of a bare VM whose {args.memory_mib} MiB of RAM hold "
+                  "random data, through the proxy, until the destination runs + the job local; migrate-volume = "
+                  "FileBackend.pull_volume of the volume from its NBD export through the proxy, until ready + "
+                  "the job local. The moves, the remote jobs and the local (direct) jobs are all measured.", ""]
+    else:
+        lines += [f"migrate-instance = {args.memory_mib} MiB of memory at the measured NBD sequential rate + the job "
+                  "local; migrate-volume = one whole-volume read measured at that RTT (the copy) + the job local. "
+                  "Remote and local job times are measured; the moves' times are computed (--computed).", ""]
     return "\n".join(lines)
 
 
@@ -427,6 +524,10 @@ def main() -> None:
     ap.add_argument("--memory-mib", type=int, default=512, help="the VM's memory (what migrate-instance sends)")
     ap.add_argument("--passes", type=int, default=4, help="how many times the I/O-bound job reads the volume")
     ap.add_argument("--cpu-seconds", type=float, default=2.0, help="the CPU-bound job's hashing")
+    ap.add_argument("--window-mib", type=int, default=PROXY_BUFFER // MIB,
+                    help="bytes in flight per direction through the proxy (a TCP window over the delayed link)")
+    ap.add_argument("--computed", action="store_true",
+                    help="compute the moves' times from the measured rates instead of moving (no VM started)")
     ap.add_argument("--quick", action="store_true", help="64 MiB volume, 1 s per figure, 1 s of CPU")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--calibration-out", type=Path)
@@ -435,7 +536,7 @@ def main() -> None:
         args.size_mib, args.runtime, args.cpu_seconds, args.memory_mib = 64, 1.0, 1.0, 128
     rtts = [float(x) for x in args.rtts.split(",")]
     protocols = [p for p in args.protocols.split(",") if p]
-    for tool in ("qemu-img", "qemu-storage-daemon", "tgtd"):
+    for tool in ("qemu-img", "qemu-storage-daemon", "tgtd", "qemu-system-x86_64"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is missing")
     work = Path(tempfile.mkdtemp(prefix="vbs-rtt-"))
@@ -444,9 +545,12 @@ def main() -> None:
         make_volume(volume, args.size_mib * MIB)
         rounds = cpu_rounds(volume.read_bytes()[:CPU_JOB_MIB * MIB], args.cpu_seconds)
         results: dict[str, tuple[Point, list[Point]]] = {}
-        for protocol in protocols:
-            log(f"{protocol}: direct, then through the proxy at {rtts} ms")
-            results[protocol] = measure_protocol(protocol, volume, work, rtts, args.runtime, rounds, args.passes)
+        with contextlib.ExitStack() as stack:
+            memory = None if args.computed else stack.enter_context(moving_memory(args.memory_mib, work))
+            for protocol in protocols:
+                log(f"{protocol}: direct, then through the proxy at {rtts} ms")
+                results[protocol] = measure_protocol(protocol, volume, work, rtts, args.runtime, rounds, args.passes,
+                                                     memory, args.memory_mib, args.window_mib * MIB)
         ceiling = {}
         for protocol, (direct, points) in results.items():
             zero = next((p for p in points if p.nominal_ms == 0), None)
@@ -456,7 +560,10 @@ def main() -> None:
         paper = placements(*results["nbd"], args.memory_mib, args.size_mib) if "nbd" in results else {}
         print(report(results, paper, args, ceiling))
         if args.json_out:
-            args.json_out.write_text(json.dumps({"paper": paper, "ceiling": ceiling, "calibration":
+            moves = [{"nominal_ms": p.nominal_ms, "rtt_ms": round(p.rtt_ms, 3),
+                      "migrate_volume": vars(p.moved_volume), "migrate_instance": vars(p.moved_instance)}
+                     for p in results.get("nbd", (None, []))[1] if p.moved_volume and p.moved_instance]
+            args.json_out.write_text(json.dumps({"paper": paper, "moves": moves, "ceiling": ceiling, "calibration":
                                                  calibration(results, args.size_mib)}, indent=1))
         if args.calibration_out:
             args.calibration_out.parent.mkdir(parents=True, exist_ok=True)
