@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import private_qmp, stop_process, wait_until
-from vbs.errors import IncorrectState
+from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.pki import CertificateAuthority
 from vbs.qemu_tls import X509Files
@@ -145,3 +145,20 @@ def test_hosts_with_certificates_migrate_over_tls_only(tls_hosts: tuple[QemuDriv
     source.migrate("vm1", StartMigration(uri=uri))
     wait_until(lambda: target.migration_info("vm1").status == "running", 30, what="the TLS migration")
     assert source.migration_info("vm1").status == "postmigrate"
+
+
+def test_the_operator_sets_the_streams_cap_and_a_bad_one_is_refused(
+        hosts: tuple[QemuDriver, QemuDriver, Path], tmp_path: Path) -> None:
+    """QEMU caps a migration at 128 MiB/s unless told otherwise; ``migration_mibps`` tells it."""
+    _, target, _ = hosts
+    source = QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0, migration_mibps=2048)
+    try:
+        source.migrate("vm1", StartMigration(uri=target.listen_for_migration("vm1").uri or ""))
+        params = qmp_execute(private_qmp(tmp_path / "h1" / "vms", "vm1"), "query-migrate-parameters")
+        assert params["max-bandwidth"] == 2048 << 20
+        wait_until(lambda: source.migration_info("vm1").state == "completed", 30, what="the migration")
+    finally:
+        source.close()
+    for bad in (0, -1, True, "fast", (1 << 20) + 1):
+        with pytest.raises(InvalidParameter, match="migration_mibps"):
+            QemuDriver(tmp_path / "h1" / "vms", migration_mibps=bad)  # type: ignore[arg-type]

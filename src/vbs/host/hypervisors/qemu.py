@@ -227,7 +227,7 @@ class QemuDriver:
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
                  x509: X509Files | None = None, protocols: Collection[str] | None = None,
-                 migration_address: str = "127.0.0.1") -> None:
+                 migration_address: str = "127.0.0.1", migration_mibps: int | None = None) -> None:
         if protocols is not None:
             # Fewer than it has connectors for: a QEMU built without a block driver (rbd comes with
             # Debian's qemu-block-extra), or an operator who wants volumes served through exports.
@@ -239,6 +239,8 @@ class QemuDriver:
         self.vm_dir = Path(vm_dir)
         # Where a destination VM of this host listens for a live migration's stream.
         self.migration_address = migration_address
+        # The live migration stream's cap in MiB/s (None: QEMU's own default, 128 MiB/s).
+        self.migration_mibps = migration.checked_mibps(migration_mibps)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
@@ -258,13 +260,15 @@ class QemuDriver:
         options = dict(cfg.options.get("qemu", {}))
         secrets_dir = options.pop("secrets_dir", None)
         protocols = options.pop("protocols", None)
+        migration_mibps = options.pop("migration_mibps", None)
         if protocols is not None and not (isinstance(protocols, list) and all(isinstance(p, str) for p in protocols)):
             raise InvalidParameter("protocols of the qemu driver is a list of protocol names")
         if options:
             raise InvalidParameter(f"unknown options of the qemu hypervisor driver: {', '.join(sorted(options))}")
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
                    secrets_dir=Path(secrets_dir) if secrets_dir else None, protocols=protocols,
-                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), migration_address=cfg.address)
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), migration_address=cfg.address,
+                   migration_mibps=migration_mibps)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -321,7 +325,8 @@ class QemuDriver:
                                                                       self.x509_server_dir))
 
     def migrate(self, vm_id: str, target: StartMigration) -> MigrationInfo:
-        return self._on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target, self.x509_dir))
+        return self._on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target, self.x509_dir,
+                                                                               self.migration_mibps))
 
     def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
         return self._on_present_vm(vm_id, lambda vm: migration.cancel(vm.cmd, vm_id, resume=resume))

@@ -25,11 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vbs.errors import IncorrectState
+from vbs.errors import IncorrectState, InvalidParameter
 from vbs.qmp import QmpCommandError
 from vbs.wire.host import MigrationInfo, StartMigration
 
-__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "ACTIVE_STATES", "TLS_ID"]
+MIB = 1024 * 1024
+
+__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "checked_mibps", "ACTIVE_STATES", "TLS_ID",
+           "MAX_MIGRATION_MIBPS"]
 
 Command = Callable[..., Any]
 
@@ -93,15 +96,31 @@ def listen(cmd: Command, vm_id: str, address: str, x509_dir: Path | None = None)
     return info
 
 
-def send(cmd: Command, vm_id: str, target: StartMigration, x509_dir: Path | None = None) -> MigrationInfo:
+MAX_MIGRATION_MIBPS = 1 << 20  # 1 TiB/s: no link is faster; QEMU takes bytes/s as a 64-bit count
+
+
+def checked_mibps(mibps: object) -> int | None:
+    """The ``migration_mibps`` option: None (QEMU's default cap, 128 MiB/s) or 1..MAX_MIGRATION_MIBPS."""
+    if mibps is None:
+        return None
+    if isinstance(mibps, bool) or not isinstance(mibps, int) or not 1 <= mibps <= MAX_MIGRATION_MIBPS:
+        raise InvalidParameter(f"migration_mibps of the qemu driver: an integer from 1 to {MAX_MIGRATION_MIBPS}")
+    return mibps
+
+
+def send(cmd: Command, vm_id: str, target: StartMigration, x509_dir: Path | None = None,
+         mibps: int | None = None) -> MigrationInfo:
     """Start migrating the source VM to ``target`` unless it migrates (or migrated) already (over TLS
-    with the client credentials in ``x509_dir``, the destination's certificate checked for its address)."""
+    with the client credentials in ``x509_dir``, the destination's certificate checked for its address),
+    the stream capped at ``mibps`` where given (else QEMU's default, 128 MiB/s)."""
     info = migration_info(cmd, vm_id)
     if info.status == "postmigrate" or info.state in ACTIVE_STATES:
         return info
     if info.status not in ("running", "paused"):
         raise IncorrectState(f"VM {vm_id} is {info.status}: it cannot be migrated")
     _use_tls(cmd, x509_dir, "client", target.uri.split(":", 1)[1].rsplit(":", 1)[0].strip("[]"))
+    if mibps is not None:
+        cmd("migrate-set-parameters", {"max-bandwidth": mibps * MIB})
     cmd("migrate", {"uri": target.uri})
     return migration_info(cmd, vm_id)
 
