@@ -395,7 +395,9 @@ class Services:
         return vm_dir
 
     def stop(self) -> None:
-        for proc in (*self.host_agents, self.agent, self.controller):
+        # host_agent too: a subclass that starts its own (tests/test_torture.py) sets only that one.
+        host_agents = [*self.host_agents, *([self.host_agent] if self.host_agent not in self.host_agents else [])]
+        for proc in (*host_agents, self.agent, self.controller):
             if proc is not None:
                 stop_process(proc)
         reap_daemons(self.data_dir / "storage-state")
