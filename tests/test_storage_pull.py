@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,13 +86,18 @@ def test_a_node_pulls_over_x509_with_its_own_certificate_and_only_that_node_gets
     assert target.pull_volume(VOL, SIZE, conn).state == "ready"
 
 
+def psk_export_to_storage_2(make_driver: Callable[..., NbdExportDriver], path: Path) -> Any:
+    """The old node's read-only TLS-PSK export of VOL to the node ``storage-2``."""
+    drv = make_driver(listen_host="127.0.0.1", tls="psk")
+    drv.start()
+    return drv.ensure_export(VOL, FileSource(path), HostIdentity(name="storage-2", address="127.0.0.1"),
+                             read_only=True)
+
+
 def test_a_node_pulls_over_tls_psk_with_the_key_its_connection_carries(
         make_driver: Callable[..., NbdExportDriver], source: tuple[Path, bytes], tmp_path: Path) -> None:
     path, _data = source
-    drv = make_driver(listen_host="127.0.0.1", tls="psk")
-    drv.start()
-    conn = drv.ensure_export(VOL, FileSource(path), HostIdentity(name="storage-2", address="127.0.0.1"),
-                             read_only=True)
+    conn = psk_export_to_storage_2(make_driver, path)
     assert isinstance(conn, NbdConnection) and conn.tls == "psk"
     target = pool(tmp_path, "target")
     assert pulled(target, conn).state == "ready"
@@ -102,10 +108,7 @@ def test_a_node_pulls_over_tls_psk_with_the_key_its_connection_carries(
 def test_a_pull_removed_midway_stops_and_leaves_nothing(
         make_driver: Callable[..., NbdExportDriver], source: tuple[Path, bytes], tmp_path: Path) -> None:
     path, _data = source
-    drv = make_driver(listen_host="127.0.0.1", tls="psk")
-    drv.start()
-    conn = drv.ensure_export(VOL, FileSource(path), HostIdentity(name="storage-2", address="127.0.0.1"),
-                             read_only=True)
+    conn = psk_export_to_storage_2(make_driver, path)
     assert isinstance(conn, NbdConnection)
     target = pool(tmp_path, "target")
     target.pull_volume(VOL, SIZE, conn)
