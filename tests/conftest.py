@@ -241,6 +241,34 @@ def vbs_up_with_guest(tmp: Path, vm: str = "vm1") -> Iterator[tuple[Vbs, VbsUp, 
 
 # The metadata databases a module runs on when it asks for both:
 #   pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
+# Combinations of a parametrized test that the default run (make test) leaves to make torture, to stay
+# within its time budget. Each has a sibling in the default run that takes the same path with the other
+# transport or database: every victim of the kill matrix is killed once (nbd or iscsi), every test on
+# PostgreSQL keeps its sqlite twin and the chains and moves keep their nbd half.
+TORTURE_ONLY = frozenset({
+    "tests/test_data_integrity.py::test_checksums_survive_a_killed_service_while_the_guest_writes[nbd-storage-agent]",
+    "tests/test_data_integrity.py::test_checksums_survive_a_killed_service_while_the_guest_writes[nbd-host-agent]",
+    "tests/test_data_integrity.py::test_checksums_survive_a_killed_service_while_the_guest_writes[iscsi-export-daemon]",
+    "tests/test_data_integrity.py::test_checksums_survive_a_killed_service_while_the_guest_writes[iscsi-controller]",
+    "tests/test_data_integrity.py::test_snapshot_clone_chains_preserve_every_link_and_clones_are_independent[iscsi]",
+    "tests/test_data_integrity.py::test_a_volume_moved_between_guests_keeps_its_data_both_ways[iscsi]",
+    "tests/test_concurrency.py::test_fifty_clients_at_once_leave_only_legal_outcomes[postgresql]",
+    "tests/test_concurrency.py::test_forced_detach_finishes_when_the_export_is_already_gone[postgresql]",
+    "tests/test_concurrency.py::test_forced_detach_finishes_when_the_export_is_already_gone[postgresql-2]",
+    "tests/test_ec2_api.py::test_the_aws_cli_drives_every_action[postgresql]",
+    "tests/test_command_e2e.py::test_a_guest_that_never_releases_the_disk_makes_detach_busy[iscsi]",
+    "tests/test_api_snapshots.py::test_deleting_a_snapshot_that_a_creating_volume_copies_is_refused[postgresql]",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the TORTURE_ONLY combinations before ``-m 'not torture'`` deselects by marker."""
+    for item in items:
+        if item.nodeid in TORTURE_ONLY:
+            item.add_marker(pytest.mark.torture)
+
+
 DATABASES = ("sqlite", "postgresql")
 # The same for tests of the unit tier: the PostgreSQL half needs root and a daemon, so it is integration.
 UNIT_DATABASES = ("sqlite", pytest.param("postgresql", marks=pytest.mark.integration))
