@@ -3,10 +3,10 @@
 Backend level: a deleted volume goes to the RBD trash while snapshots of it or clones of its deleted
 snapshots remain, its data still read through the clone, and it is purged with the last of them;
 snapshots of a trashed volume stay listed and cloneable; images renamed ``vbs-retired-`` by older
-agents are taken into the trash; a chain of seven clones is flattened in the background, never
-more than ``max_flattens`` at once (the flattener's own count), data intact; an agent started later
-flattens what is too deep. The data is a pattern file written with ``rbd import`` and read back with
-``rbd export``.
+agents are taken into the trash; a chain of seven clones is flattened in the background, deepest
+first (never an image a clone still reads from), never more than ``max_flattens`` at once (the
+flattener's own count), data intact; an agent started later flattens what is too deep. The data
+is a pattern file written with ``rbd import`` and read back with ``rbd export``.
 
 Through the controller (REST and EC2): the snapshot over the pool's per-volume limit is refused
 with ``VolumeSnapshotLimitExceeded`` before anything is made (a limit of 3 configured on the agent:
@@ -193,17 +193,22 @@ def test_clones_deeper_than_the_default_five_are_flattened_as_they_are_made(ceph
     assert b.max_clone_depth == 5
     vol, sha = import_volume(ceph, b, tmp_path, "chain")
     clones = chain_of_clones(b, vol, 7)
+    # The sixth's flatten stops when the seventh is cloned from it (unless it ended before): the seventh
+    # is flattened, then the next pass flattens the sixth, which no clone reads from any more.
+    wait_until(lambda: b._listing().depth(clones[5]) == 0, 600, what="the sixth clone flattened")
     assert b.flattener.wait_idle(600)
     listing = b._listing()
     assert [listing.depth(c) for c in clones[:5]] == [1, 2, 3, 4, 5], "within the limit: left as clones"
-    assert listing.depth(clones[5]) == 0 and clones[5] in b.flattener.completed
-    assert listing.depth(clones[6]) <= 1  # a clone of the flattened sixth (or flattened too)
+    assert clones[5] in b.flattener.completed
+    assert listing.depth(clones[6]) <= 1  # flattened, or a clone of the sixth flattened before it was made
+    if listing.depth(clones[6]) == 0:
+        assert b.flattener.completed.index(clones[6]) < b.flattener.completed.index(clones[5]), "deepest first"
     for c in clones:
         assert data_sha(ceph, f"{b.rbd_pool}/{c}") == sha, f"{c} lost data"
     assert b.volume_status(clones[5]).progress == 100 and b.inventory().flattens == []
 
 
-def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_two_at_a_time(
+def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_deepest_first(
         ceph: CephForTests, make_backend: Any, tmp_path: Path) -> None:
     first = make_backend(max_clone_depth=16)
     vol, sha = import_volume(ceph, first, tmp_path, "restart")
@@ -213,12 +218,14 @@ def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_two_at_a
     deepest = max(chains, key=lambda c: c.depth)
     assert deepest.volume_id == clones[-1] and deepest.parents[-1].startswith(f"{vol}@")
     first.close()
-    # Its first pass at start finds six clones too deep and queues them at once: two run, four wait.
+    # Six clones are too deep, but each of the first five has a clone reading from its snapshot: the
+    # deepest is flattened first, then each pass frees the next one up (no flatten runs under a reader).
     later = make_backend(max_clone_depth=1, max_flattens=2)
     wait_until(lambda: all(later._listing().depth(c) <= 1 for c in clones), 600, what="the deep clones flattened")
     assert later.flattener.wait_idle(600)
     assert 1 <= later.flattener.peak <= 2, "never more rbd flatten processes at once than max_flattens"
     assert later.flattener.completed and set(later.flattener.completed) <= set(clones[1:])
+    assert later.flattener.completed[0] == clones[-1], "the deepest first"
     for c in clones:
         assert data_sha(ceph, f"{later.rbd_pool}/{c}") == sha, f"{c} lost data in its flatten"
     assert later.inventory().chains == []

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 CHILD = r"""
 import os, sys, time
 volume, where = sys.argv[1], sys.argv[2]
+open(os.path.join(where, volume + ".started"), "w").close()
 sys.stderr.write("\rImage flatten: 40% complete..."); sys.stderr.flush()
 while not os.path.exists(os.path.join(where, volume + ".go")):
     time.sleep(0.02)
@@ -34,9 +35,15 @@ class Steps:
     def __init__(self, where: Path, max_running: int, skip: frozenset[str] = frozenset()) -> None:
         self.where = where
         self.ended: list[tuple[str, bool]] = []
+        self.prepared: list[str] = []
         self.flattener = Flattener(lambda v: [sys.executable, "-c", CHILD, v, str(where)], max_running=max_running,
                                    stall_s=60, should_run=lambda v: v not in skip,
-                                   done=lambda v, ok: self.ended.append((v, ok)))
+                                   done=lambda v, ok: self.ended.append((v, ok)), prepare=self.prepare)
+
+    def prepare(self, volume: str) -> None:
+        """What the backend's object-map rebuild stands for: it runs before the child exists."""
+        assert not (self.where / f"{volume}.started").exists(), "prepare runs before the flatten"
+        self.prepared.append(volume)
 
     def finish(self, volume: str, rc: int = 0) -> None:
         (self.where / f"{volume}.go").write_text(str(rc))
@@ -65,6 +72,7 @@ def test_at_most_n_run_at_once_and_the_rest_wait_in_order(tmp_path: Path) -> Non
     assert f.peak == 2
     assert sorted(steps.ended) == sorted((v, v != VOLS[4]) for v in VOLS)
     assert sorted(f.completed) == sorted(VOLS[:4])  # the one whose child failed is retried by the next scan
+    assert sorted(steps.prepared) == sorted(VOLS)
 
 
 def test_a_cancel_stops_the_child_and_a_queued_one_never_starts(tmp_path: Path) -> None:
@@ -85,7 +93,7 @@ def test_one_no_longer_needed_is_skipped_and_a_closed_flattener_starts_nothing(t
     f = steps.flattener
     f.submit(VOLS[0])
     assert f.wait_idle(30)
-    assert steps.ended == [(VOLS[0], False)] and f.completed == []
+    assert steps.ended == [(VOLS[0], False)] and f.completed == [] and steps.prepared == []
     f.close()
     f.submit(VOLS[1])
     assert f.report() == []

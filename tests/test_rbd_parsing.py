@@ -38,6 +38,7 @@ def test_listing_splits_volumes_snapshots_and_retired_images() -> None:
     assert listing.volumes == {VOL: 1 << 30, VOL2: 2 << 30}
     assert listing.snapshots == {SNAP: (VOL, 1 << 30)}
     assert listing.retired == {f"vbs-retired-{VOL2}"}
+    assert listing.has_clones(VOL) and not listing.has_clones(VOL2), "a clone reads from a snapshot of VOL"
 
 
 def test_an_empty_pool_lists_nothing() -> None:
@@ -132,6 +133,8 @@ def test_a_listing_knows_the_chains_through_the_trash() -> None:
     assert listing.chain(VOL) == [f"vbs-retired-{VOL}@snap-0123456789abcdef1", f"vol-0123456789abcdef2@{SNAP}"]
     assert listing.depth(VOL) == 2
     assert listing.depth("vol-0123456789abcdef2") == 0
+    assert listing.has_clones(f"vbs-retired-{VOL}") and listing.has_clones("vol-0123456789abcdef2")
+    assert not listing.has_clones(VOL2)
 
 
 def test_a_chain_that_loops_is_cut_at_the_deepest_chain_reported() -> None:

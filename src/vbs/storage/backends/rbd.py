@@ -120,6 +120,10 @@ class Listing:
         """How many clones deep ``image`` is (0: not a clone)."""
         return len(self.chain(image))
 
+    def has_clones(self, image: str) -> bool:
+        """Whether a clone (live or trashed) reads from a snapshot of ``image``."""
+        return any(parent == image for parent, _ in self.parents.values())
+
     def add_trashed(self, entry: TrashEntry) -> None:
         self.trash[entry.name] = entry
         if entry.parent is not None:
@@ -214,7 +218,8 @@ class RbdBackend:
         self._monitor_list: list[str] | None = None
         self.flattener = Flattener(lambda volume: self._argv("rbd", "flatten", self._spec(volume)),
                                    max_running=max_flattens, stall_s=FLATTEN_STALL_S,
-                                   should_run=self._too_deep, done=self._flattened)
+                                   should_run=self._too_deep, done=self._flattened,
+                                   prepare=self._rebuild_object_map)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._maintenance_interval_s = maintenance_interval_s
@@ -238,19 +243,20 @@ class RbdBackend:
                 "--rados-mon-op-timeout", str(t), "--rados-osd-op-timeout", str(t),
                 "--client-mount-timeout", str(t), *args]
 
-    def _tool(self, tool: str, *args: str) -> str:
+    def _tool(self, tool: str, *args: str, timeout_s: float | None = None) -> str:
+        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             proc = subprocess.run(self._argv(tool, *args), env=minimal_environment(),  # noqa: S603
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout_s + 5)
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=limit + 5)
         except subprocess.TimeoutExpired:
-            raise DriverError(f"pool {self.name}: {tool} {args[0]} did not answer within {self.timeout_s:g}s") from None
+            raise DriverError(f"pool {self.name}: {tool} {args[0]} did not answer within {limit:g}s") from None
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [""])[-1][:500]
             raise _ToolError(f"pool {self.name}: {tool} {args[0]} failed: {last}", proc.returncode)
         return proc.stdout
 
-    def _rbd(self, *args: str) -> str:
-        return self._tool("rbd", *args)  # progress goes to stderr, which only an error shows
+    def _rbd(self, *args: str, timeout_s: float | None = None) -> str:
+        return self._tool("rbd", *args, timeout_s=timeout_s)  # progress goes to stderr, which only an error shows
 
     def _rbd_tolerant(self, *args: str, tolerate: tuple[int, ...]) -> None:
         """An rbd call whose failure with one of the errnos ``tolerate`` means it needs doing no more."""
@@ -399,9 +405,18 @@ class RbdBackend:
             log.warning("pool %s: purge after a removal failed: %s", self.name, exc.message)
 
     def _too_deep(self, volume_id: str) -> bool:
-        """Whether ``volume_id`` still needs a flatten (asked just before one starts)."""
+        """Whether ``volume_id`` needs a flatten now (asked just before one starts): deeper than the
+        limit, and no clone reads from a snapshot of it. A clone below it is deeper still and is
+        flattened first; then this one. Ceph 16 lets a flatten cut a snapshot from its parents while
+        a clone of that snapshot is open or being flattened by another client, whose cached view of
+        the snapshot then reads holes as zeros; no flatten of VBS runs under a clone's reader."""
         listing = self._listing()
-        return volume_id in listing.volumes and listing.depth(volume_id) > self.max_clone_depth
+        return (volume_id in listing.volumes and listing.depth(volume_id) > self.max_clone_depth
+                and not listing.has_clones(volume_id))
+
+    def _rebuild_object_map(self, volume_id: str) -> None:
+        """Before a flatten: make the image's object map say what exists (see rbd_chains)."""
+        self._rbd("object-map", "rebuild", self._spec(volume_id), timeout_s=FLATTEN_STALL_S)
 
     # -- volumes ----------------------------------------------------------------------------------
 
@@ -441,8 +456,12 @@ class RbdBackend:
         if size_bytes < snap_size:
             raise InvalidParameter(f"The size {size_bytes} is smaller than the snapshot {snapshot_id} ({snap_size})")
         entry = listing.trash.get(image)
+        # A flatten of the parent image stops before its snapshot gains a clone, and again after (one
+        # that started meanwhile): see _too_deep. The next pass resumes it once no clone reads from it.
+        self.flattener.cancel(image)
         made = (self._clone_named(image, snapshot_id, volume_id) if entry is None
                 else self._clone_trashed(entry, snapshot_id, volume_id))
+        self.flattener.cancel(image)
         if 1 + listing.depth(image) > self.max_clone_depth:
             log.info("pool %s: %s is %d clones deep (limit %d): flattening it", self.name, volume_id,
                      1 + listing.depth(image), self.max_clone_depth)

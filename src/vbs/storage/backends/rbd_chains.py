@@ -10,7 +10,10 @@ A flatten (``rbd flatten``) copies every block a clone still reads from its pare
 itself, cutting it from the chain. It runs as a child process whose stderr says how far it is
 (``\\rImage flatten: 37% complete...``); at most ``max_running`` run at once, the rest wait in
 order. An interrupted flatten (agent stop, volume deleted) keeps what it copied: the next one
-resumes.
+resumes, after ``prepare`` (the backend rebuilds the image's object map: librbd marks an object as
+existing before its copy-up writes it, and a flatten that finds an object marked skips its copy-up,
+so a flatten killed between the two would otherwise leave a hole that reads as zeros once the
+parent is cut).
 """
 
 from __future__ import annotations
@@ -154,19 +157,21 @@ class Flattener:
     """Background ``rbd flatten`` of volumes, at most ``max_running`` at once, queued in order.
 
     ``argv(volume)`` is the flatten's command line; ``should_run(volume)`` is asked just before one
-    starts (a chain may have become short enough meanwhile); ``done(volume, ok)`` is told when one
-    ends. ``peak`` is the most ``rbd flatten`` processes that ever ran at once (what the tests
-    check, not a timing).
+    starts (a chain may have become short enough meanwhile); ``prepare(volume)``, if given, runs after
+    it and before the flatten; ``done(volume, ok)`` is told when one ends. ``peak`` is the most
+    ``rbd flatten`` processes that ever ran at once (what the tests check, not a timing).
     """
 
     def __init__(self, argv: Callable[[str], list[str]], *, max_running: int, stall_s: float,
-                 should_run: Callable[[str], bool], done: Callable[[str, bool], None]) -> None:
+                 should_run: Callable[[str], bool], done: Callable[[str, bool], None],
+                 prepare: Callable[[str], None] | None = None) -> None:
         if max_running < 1:
             raise DriverError("max_running must be at least 1")
         self._argv = argv
         self.max_running = max_running
         self._stall_s = stall_s
         self._should_run = should_run
+        self._prepare = prepare
         self._done = done
         self._cond = threading.Condition()
         self._queued: dict[str, _Job] = {}
@@ -242,7 +247,10 @@ class Flattener:
     def _run(self, job: _Job) -> None:
         ok = False
         try:
-            ok = self._should_run(job.volume) and not job.cancelled and self._flatten(job)
+            if self._should_run(job.volume) and not job.cancelled:
+                if self._prepare is not None:
+                    self._prepare(job.volume)
+                ok = self._flatten(job)
         except Exception:  # noqa: BLE001 - a failed flatten is retried by the next scan; the agent goes on
             log.exception("flatten of %s failed", job.volume)
         finally:
