@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DATA_DIR ?= ./var
 PORT ?= 8770
 
-.PHONY: setup deb venv run test test-fast lint demo bench clean
+.PHONY: setup deb venv run test test-fast lint demo bench bench-quick clean
 
 setup: deb venv
 
@@ -42,8 +42,13 @@ torture: setup
 	$(BIN)/pytest -q -m 'torture or not torture' tests/test_torture.py
 	$(BIN)/pytest -q -m torture --ignore tests/test_torture.py tests
 
+# Every benchmark, one after the other (bench/run_all.py --list); figures and logs under var/bench.
+# make bench-quick: the short set. make bench BENCH_ARGS="--only datapath,rtt": some of them.
 bench: setup
-	$(BIN)/python bench/control_plane.py
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+bench-quick: setup
+	$(BIN)/python bench/run_all.py --quick $(BENCH_ARGS)
 
 # make demo ARGS="--hypervisor libvirt" (or --export iscsi): see scripts/demo.py --help.
 demo: setup

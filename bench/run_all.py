@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Every benchmark of VBS in one run: ``make bench`` (the whole set) or ``make bench-quick``.
+
+Each benchmark runs as its own child process, one after the other (never two at once: each measures
+its baseline in the same run, and two would share the CPU). Their output goes to the terminal and to
+``<log-dir>/<name>.log``; the run starts with what the figures depend on (UTC date, commit, load
+average, CPUs, kernel) and ends with a table of what each took and whether it ran to the end.
+
+    .venv/bin/python bench/run_all.py --quick              # every bench in its short mode
+    .venv/bin/python bench/run_all.py --only datapath,rtt  # some of them, in their full mode
+    .venv/bin/python bench/run_all.py --list
+
+Needs root, like the benchmarks it runs (loop devices, tgtd, Ceph, page-cache drops). Exits non-zero
+if any benchmark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+
+
+# In the order they run: the control plane first (its figures suffer most from a warm machine).
+BENCHES = (
+    Bench("control_plane", "control_plane.py", (), ("--quick",)),
+    Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
+    Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
+    Bench("datapath", "datapath.py", (), ("--quick",)),
+    Bench("attach", "attach.py", (), ("--quick",)),
+    Bench("fairness", "fairness.py", (), ("--quick",)),
+    Bench("semishared", "semishared.py", (), ("--quick",)),
+    Bench("migrate", "migrate.py", (), ("--mib", "64")),
+    Bench("rtt", "rtt.py", (), ("--quick",)),
+)
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def header(quick: bool) -> str:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "\n".join([
+        f"# VBS benchmarks ({'quick' if quick else 'full'} set)",
+        f"date:    {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"commit:  {git_commit()}",
+        f"load:    {load} (1, 5, 15 min)",
+        f"cpus:    {os.cpu_count()}",
+        f"kernel:  {platform.release()}",
+    ])
+
+
+def run_one(bench: Bench, quick: bool, log_dir: Path) -> tuple[int, float]:
+    argv = [sys.executable, str(ROOT / "bench" / bench.script), *(bench.quick if quick else bench.full)]
+    print(f"\n## {bench.name}: {' '.join(argv[1:])}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    started = time.monotonic()
+    with (log_dir / f"{bench.name}.log").open("w") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        rc = proc.wait()
+    return rc, time.monotonic() - started
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="every bench in its short mode")
+    ap.add_argument("--only", default=None, help="comma-separated names (see --list)")
+    ap.add_argument("--log-dir", type=Path, default=ROOT / "var" / "bench", help="one log per bench")
+    ap.add_argument("--list", action="store_true", help="list the benches and exit")
+    args = ap.parse_args()
+    if args.list:
+        for b in BENCHES:
+            print(f"{b.name:18} bench/{b.script} {' '.join(b.full)}  (quick: {' '.join(b.quick)})")
+        return 0
+    chosen = list(BENCHES)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(names) - {b.name for b in BENCHES})
+        if unknown:
+            ap.error(f"unknown bench(es): {', '.join(unknown)} (see --list)")
+        chosen = [b for b in BENCHES if b.name in names]
+    args.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    print(header(args.quick), flush=True)
+    results = [(b, *run_one(b, args.quick, args.log_dir)) for b in chosen]
+    print(f"\n## Summary (logs in {args.log_dir})")
+    print(f"{'bench':18} {'exit':>4} {'minutes':>8}")
+    for b, rc, took in results:
+        print(f"{b.name:18} {rc:>4} {took / 60:>8.1f}")
+    print(f"total {sum(t for _, _, t in results) / 60:.1f} min; load now {os.getloadavg()[0]:.2f}")
+    return 1 if any(rc != 0 for _, rc, _ in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
