@@ -43,6 +43,7 @@ BENCHES = (
     Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
     Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
     Bench("datapath", "datapath.py", (), ("--quick",)),
+    Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
     Bench("fairness", "fairness.py", (), ("--quick",)),
     Bench("semishared", "semishared.py", (), ("--quick",)),
