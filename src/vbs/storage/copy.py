@@ -2,6 +2,9 @@
 
 Used where a backend cannot clone in O(1): only the data extents (SEEK_DATA/SEEK_HOLE) are copied,
 with copy_file_range so the kernel moves the bytes, in chunks so progress and cancel stay responsive.
+Each chunk's writeback is started as soon as it is copied (write-behind) and the source's pages
+behind it are dropped, so the disk writes while the next chunk is read and one fdatasync at the end
+has little left to do; on ext4 this took the copy from about cp's speed to 1.3-1.9x (docs/benchmarks.md).
 ``sparsify`` gives back what a copy made by someone else allocated for nothing (a QEMU backup job
 allocates zero ranges; an iSCSI target writes zeros as data).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -26,7 +30,9 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
 ]
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+# Small enough that writeback starts early and runs alongside the reads (8 MiB measured best of
+# 4-256 MiB), large enough that one call per chunk costs nothing.
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 
 # copy_file_range refuses some pairs of files (other filesystem types, FUSE, old kernels): fall back
 # to reading and writing ourselves.
@@ -36,6 +42,7 @@ _PUNCH_BLOCK = 64 * 1024  # zero blocks smaller than this are left: not worth an
 _SCAN_BYTES = 4 * 1024 * 1024
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+_SYNC_FILE_RANGE_WRITE = 0x02  # start writeback of dirty pages of the range, do not wait
 
 ProgressCallback = Callable[[int, int], None]
 JobState = Literal["pending", "running", "done", "failed", "cancelled"]
@@ -77,6 +84,33 @@ def _copy_range_rw(src_fd: int, dst_fd: int, count: int, offset: int) -> int:
     return written
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages in the range now (a hint: errors ignored,
+    the final fdatasync reports any that matter)."""
+    _libc().sync_file_range(fd, ctypes.c_long(offset), ctypes.c_long(length), _SYNC_FILE_RANGE_WRITE)
+
+
+def _drop_behind(fd: int, offset: int, length: int) -> None:
+    """Drop the source's pages already copied: a copy reads each byte once, and the page cache is
+    better left to the volumes hosts use."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # only a hint
+
+
+def _advise_sequential(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
+    except OSError:
+        pass  # only a hint
+
+
 def sparse_copy(
     src_fd: int,
     dst_fd: int,
@@ -90,7 +124,8 @@ def sparse_copy(
 
     ``dst_fd`` is sized to ``max(size of src, size_bytes)`` first, so whatever is not copied stays a
     hole. ``progress(done, total)`` is called after every chunk, ``total`` being the data bytes of the
-    source. Raises ``CopyCancelled`` when ``cancel`` is set (checked between chunks).
+    source. Raises ``CopyCancelled`` when ``cancel`` is set (checked between chunks). The data is on
+    disk when this returns (one fdatasync at the end; none per chunk).
     """
     src_size = os.fstat(src_fd).st_size
     os.ftruncate(dst_fd, max(src_size, size_bytes or 0))
@@ -100,6 +135,7 @@ def sparse_copy(
     total = sum(end - start for start, end in ranges)
     done = 0
     use_cfr = True
+    _advise_sequential(src_fd)
     if progress is not None:
         progress(done, total)
     for start, end in ranges:
@@ -120,20 +156,21 @@ def sparse_copy(
                 copied = _copy_range_rw(src_fd, dst_fd, count, offset)
             if copied == 0:
                 # The source shrank under us: nothing more to read anywhere past this point.
-                os.fsync(dst_fd)
+                os.fdatasync(dst_fd)
                 return done
+            _start_writeback(dst_fd, offset, copied)
+            _drop_behind(src_fd, offset, copied)
             offset += copied
             done += copied
             if progress is not None:
                 progress(done, total)
-    os.fsync(dst_fd)
+    os.fdatasync(dst_fd)
     return done
 
 
 def _punch(fd: int, offset: int, length: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
     mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
-    if libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+    if _libc().fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
 
