@@ -42,6 +42,7 @@ BENCHES = (
     Bench("control_plane", "control_plane.py", (), ("--quick",)),
     Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
     Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
+    Bench("copy_fallback", "copy_fallback.py", (), ("--quick",)),
     Bench("datapath", "datapath.py", (), ("--quick",)),
     Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
