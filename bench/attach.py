@@ -17,6 +17,11 @@ against the wall clock of the API call. The guest scans ``/sys/block`` every 0.1
 sees the disk" includes up to 0.1 s of polling. Compared with OpenStack's published Rally averages
 (4.0 s per attach, 3.7 s per detach).
 
+While the guest takes the disk, the client waits for the operation to end as a client of the API
+would, alternating cycle by cycle: ``poll-50ms`` (GET the operation every 50 ms, the baseline) or
+``long-poll`` (``GET /v1/operations/{id}?wait=30``, answered when it ends); the report gives both
+the client's figure and the guest's under each, with their ratio.
+
 Every process is stopped by its PID in a ``finally`` (the guest by ``TestGuest.stop``, ``vbs up``
 by SIGINT, which stops its children and export daemons); only 127.0.0.1 is used.
 
@@ -40,6 +45,7 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -66,6 +72,9 @@ TARGET_P50_S = 1.0
 RALLY_ATTACH_S = 4.0  # OpenStack Rally, published averages (Cinder + Nova, KVM)
 RALLY_DETACH_S = 3.7
 POLL_S = 0.01
+CLIENT_POLL_S = 0.05  # the baseline client's polling interval
+LONG_POLL_S = 30
+WAITS = ("poll-50ms", "long-poll")
 ATTACH_STEPS = ("storage-export", "host-attach", "mark-attached")
 DETACH_STEPS = ("host-detach", "storage-unexport", "mark-detached")
 
@@ -85,6 +94,35 @@ class Cycle:
     settled: float  # the API reports the attachment attached / the volume available
     steps: dict[str, float] = field(default_factory=dict)  # step name -> finished at (from the DB)
     created: float | None = None  # the operation row was written (from the DB)
+    waited: str = "poll-50ms"  # how the client waited for the operation's end (WAITS)
+    client_done: float | None = None  # the client held the operation's end (succeeded)
+
+
+class OperationWatch:
+    """A client waiting in a thread for an operation to end, the ``waited`` way; when it saw the end."""
+
+    def __init__(self, vbs: Vbs, operation_id: str, waited: str, t0: float) -> None:
+        self.seen: float | None = None
+        self.status = ""
+        self._thread = threading.Thread(target=self._run, args=(vbs, operation_id, waited, t0), daemon=True)
+        self._thread.start()
+
+    def _run(self, vbs: Vbs, operation_id: str, waited: str, t0: float) -> None:
+        params = {"wait": LONG_POLL_S} if waited == "long-poll" else {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            op = vbs.http.get(f"/v1/operations/{operation_id}", params=params, timeout=LONG_POLL_S + 30).json()
+            if op["status"] not in ("running", "rolling-back"):
+                self.seen, self.status = time.perf_counter() - t0, op["status"]
+                return
+            if waited != "long-poll":
+                time.sleep(CLIENT_POLL_S)
+
+    def result(self) -> float:
+        self._thread.join(150)
+        if self.seen is None or self.status != "succeeded":
+            raise RuntimeError(f"operation ended {self.status or 'never'}")
+        return self.seen
 
 
 def pct(values: list[float], p: float) -> float:
@@ -173,16 +211,18 @@ def attachment_state(vbs: Vbs, volume_id: str) -> str | None:
     return atts[0]["state"] if atts else None
 
 
-def attach_once(vbs: Vbs, guest: TestGuest, volume_id: str, serial: str) -> Cycle:
+def attach_once(vbs: Vbs, guest: TestGuest, volume_id: str, serial: str, waited: str = WAITS[0]) -> Cycle:
     wall, t0 = time.time(), time.perf_counter()
     r = vbs.http.post(f"/v1/volumes/{volume_id}/attach", json={"host": HOST, "vm_id": VM})
     api = time.perf_counter() - t0
     if r.status_code != 200:
         raise RuntimeError(f"attach: {r.status_code} {r.text[:300]}")
+    watch = OperationWatch(vbs, r.json()["operation_id"], waited, t0)
     guest.wait_for_disk(serial, 60)
     seen = time.perf_counter() - t0
+    client_done = watch.result()
     wait_for(lambda: attachment_state(vbs, volume_id) == "attached", 60, "attachment attached")
-    return Cycle("attach", wall, api, seen, time.perf_counter() - t0)
+    return Cycle("attach", wall, api, seen, time.perf_counter() - t0, waited=waited, client_done=client_done)
 
 
 def detach_once(vbs: Vbs, guest: TestGuest, volume_id: str, serial: str) -> Cycle:
@@ -240,10 +280,12 @@ def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu")
             log(f"{export}: {note}")
         done: list[Cycle] = []
         for i in range(cycles):
-            a = attach_once(vbs, guest, volume_id, serial)
+            a = attach_once(vbs, guest, volume_id, serial, WAITS[i % 2])
             d = detach_once(vbs, guest, volume_id, serial)
             done += [a, d]
-            log(f"{export}: cycle {i + 1:2}/{cycles}: attach {a.guest * 1000:6.0f} ms (API {a.api * 1000:4.0f} ms), "
+            log(f"{export}: cycle {i + 1:2}/{cycles}: attach {a.guest * 1000:6.0f} ms (API {a.api * 1000:4.0f} ms, "
+                f"client saw it end {(a.client_done or 0) * 1000:4.0f} ms by {a.waited}, "
+                f"load {os.getloadavg()[0]:.1f}), "
                 f"detach {d.guest * 1000:6.0f} ms (API {d.api * 1000:4.0f} ms)")
         add_step_times(data_dir / "vbs.db", volume_id, warm + done)
         via = {"qemu": "", "command": " (virsh-path)"}.get(hypervisor, f" ({hypervisor})")
@@ -320,6 +362,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
                      "API settled p50",
                      f"p50 < {TARGET_P50_S:g} s", "Rally avg / VBS mean"], rows),
               "", "(API settled: the API reports the attachment attached / the volume available.)", ""]
+    lines += by_wait(results)
     for r in results:
         lines += [f"## Where the time goes: {r['export']} (medians, ms)", ""]
         rows = []
@@ -334,6 +377,24 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
                      f"detach {w[1].guest * 1000:.0f} ms; guest boot {r['boot_s']:.1f} s.")
         lines.append("")
     return "\n".join(lines)
+
+
+def by_wait(results: list[dict[str, Any]]) -> list[str]:
+    """Attach p50s under each way the client waited: the client seeing the end, and the guest the disk."""
+    rows = []
+    for r in results:
+        p50: dict[str, tuple[float, float]] = {}
+        for waited in WAITS:
+            cs = [c for c in r["cycles"] if c.kind == "attach" and c.waited == waited and c.client_done is not None]
+            if cs:
+                p50[waited] = (pct([c.client_done for c in cs], 50), pct([c.guest for c in cs], 50))
+                rows.append([r["export"], waited, str(len(cs)), ms(p50[waited][0]), ms(p50[waited][1])])
+        if len(p50) == len(WAITS):
+            (poll_client, poll_guest), (long_client, long_guest) = (p50[w] for w in WAITS)
+            rows.append([r["export"], "poll ÷ long-poll", "", f"{poll_client / long_client:.2f}x",
+                         f"{poll_guest / long_guest:.2f}x"])
+    return ["## Attach: how the client waited for the operation's end (p50, ms from the call)", "",
+            table(["export", "client waited by", "cycles", "client saw it succeed", "guest saw the disk"], rows), ""]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ files) is removed at the end; processes are stopped by their PID, never by name.
     .venv/bin/python bench/control_plane.py            # the full run (several minutes)
     .venv/bin/python bench/control_plane.py --quick    # a short run
     .venv/bin/python bench/control_plane.py --backend rbd   # snapshot/clone on RBD (bench/rbd_control.py)
+    .venv/bin/python bench/control_plane.py --completion --quick  # snapshot seen completed: long-poll vs polling
 """
 
 from __future__ import annotations
@@ -852,11 +853,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rbd: only snapshot/clone on the rbd backend, on a Ceph this starts (bench/rbd_control.py)")
     p.add_argument("--rbd-sizes", default="1,4,16", help="rbd: volume sizes in GiB (default 1,4,16)")
     p.add_argument("--rbd-rounds", type=int, default=None, help="rbd: rounds per size (default 30; --quick 5)")
+    p.add_argument("--completion", action="store_true",
+                   help="only: a 16 GiB reflink snapshot seen completed, long-poll vs 50 ms polling "
+                        "(bench/completion_mode.py)")
+    p.add_argument("--completion-rounds", type=int, default=None, help="completion: rounds per mode "
+                                                                       "(default 30; --quick 10)")
     p.add_argument("--rbd-data-mib", type=int, default=256, help="rbd: MiB written over each volume (default 256)")
     args = p.parse_args(argv)
     quick = args.quick
     args.rbd_sizes = [int(s) for s in args.rbd_sizes.split(",") if s.strip() and int(s) > 0]
     args.rbd_rounds = args.rbd_rounds if args.rbd_rounds is not None else (5 if quick else 30)
+    args.completion_rounds = args.completion_rounds if args.completion_rounds is not None else (10 if quick else 30)
     args.sizes = [int(s) for s in (args.sizes or ("1" if quick else "1,16")).split(",") if s.strip() and int(s) > 0]
     args.creates = args.creates if args.creates is not None else (100 if quick else 1000)
     args.create_wait = args.create_wait if args.create_wait is not None else (20 if quick else 50)
@@ -893,6 +900,19 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
 
     threading.Thread(target=sample_load, name="load-sampler", daemon=True).start()
+    if args.completion:
+        from bench import completion_mode
+
+        with workdir(args.work_dir) as work:
+            completion = completion_mode.run(work, args)
+        sampling.set()
+        if loads:
+            info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+        print("\n".join(f"{k}: {v}" for k, v in info.items()))
+        print(completion_mode.report(completion))
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "completion": completion}, indent=2, default=str))
+        return 0
     if args.backend == "rbd" or args.cluster:
         # A mode of its own: its module runs it and reports it.
         from bench import cluster_mode, rbd_control

@@ -18,7 +18,7 @@ import typer
 
 from vbs import credentials, endpoints
 from vbs.cli import output
-from vbs.cli.client import step_progress, wait_for, wait_operation, watch
+from vbs.cli.client import LongPoll, step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.config import DEFAULT_CONTROLLER_PORT
 from vbs.errors import InvalidParameter, VbsError
@@ -320,12 +320,15 @@ def _wait_attachment(c: Context, volume_id: str, started: dict[str, Any], busy_s
     """Wait until the attachment leaves ``busy_state``, with a bar of its operation's steps; say why if
     its operation failed."""
     op_id = started.get("operation_id")
+    # The attachment settles in the transaction that ends its operation: wait on the operation (a
+    # long-poll), then read the volume.
+    operation = LongPoll(c.client, f"/v1/operations/{op_id}", show=c.interactive) if op_id else None
 
     def both() -> dict[str, Any]:
+        op = operation() if operation is not None else None
         vol = c.client.call("GET", f"/v1/volumes/{volume_id}")
         att = next((a for a in vol["attachments"] if a["attachment_id"] == started["attachment_id"]), None)
         # Gone from the live attachments: detached, or an attach that rolled back.
-        op = c.client.call("GET", f"/v1/operations/{op_id}") if op_id else None
         return {"att": att if att is not None else {**started, "state": "detached"}, "op": op}
 
     seen = watch(both, done=lambda x: x["att"]["state"] != busy_state,

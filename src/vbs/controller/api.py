@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +26,7 @@ from vbs.controller import (
 from vbs.controller import snapshot_sharing as sharing
 from vbs.controller.auth import Authenticator, require_admin
 from vbs.controller.cluster import describe_controllers
+from vbs.controller.completion import MAX_WAIT_S, SNAPSHOT_BUSY, VOLUME_BUSY, long_poll, recheck_interval
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.filters import DEFAULT_PAGE, MAX_RESULTS, page_limit, page_of, parse_filters
 from vbs.controller.keys import KeyStore, Principal
@@ -77,6 +79,7 @@ from vbs.controller.schemas import (
     VolumeOut,
     ZoneList,
 )
+from vbs.controller.states import UNFINISHED_OPERATION
 from vbs.errors import AuthFailure, NotFound, UnauthorizedOperation
 from vbs.node_credentials import REFUSED, NodeIdentity
 from vbs.pki import PeerCertificate
@@ -85,6 +88,8 @@ from vbs.wire.connection import HOST_NAME_RE
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.probes import MAX_PROBES, ProbeTarget, ProbeTargets
 from vbs.wire.storage import StorageHeartbeat
+
+T = TypeVar("T")
 
 
 def services(request: Request) -> Controller:
@@ -99,6 +104,17 @@ def max_results_query() -> Any:
 
 def next_token_query() -> Any:
     return Query(default=None, max_length=160)
+
+
+def wait_query() -> Any:
+    return Query(default=0, ge=0, le=MAX_WAIT_S,
+                 description=f"0-{MAX_WAIT_S}: seconds to wait until the answer is settled (a long-poll)")
+
+
+async def settled_read(svc: Controller, key: str, read: Callable[[], T], settled: Callable[[T], bool],
+                       wait_s: int) -> T:
+    """``read()`` at once, or once ``settled`` within ``wait_s`` seconds (``vbs.controller.completion``)."""
+    return await long_poll(svc.engine.ends, key, read, settled, wait_s, recheck_interval(svc.db.dialect))
 
 
 def ids_query() -> Any:
@@ -144,8 +160,11 @@ def _volume_routes(r: APIRouter) -> None:
                                         deleted_by_id=True)
 
     @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
-    def get_volume(volume_id: str, svc: Controller = Depends(services), who: Principal = Depends(caller)) -> VolumeOut:
-        return volumes.get_volume(svc, volume_id, who.tenant)
+    async def get_volume(volume_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
+                         who: Principal = Depends(caller)) -> VolumeOut:
+        """With ``wait``: answers once the volume is no longer creating or deleting (the CLI's --wait)."""
+        return await settled_read(svc, volume_id, lambda: volumes.get_volume(svc, volume_id, who.tenant),
+                                  lambda v: v.status not in VOLUME_BUSY, wait)
 
     @r.delete("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
     def delete_volume(volume_id: str, svc: Controller = Depends(services),
@@ -214,9 +233,11 @@ def _snapshot_routes(r: APIRouter) -> None:
                                             next_token)
 
     @r.get("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
-    def get_snapshot(snapshot_id: str, svc: Controller = Depends(services),
-                     who: Principal = Depends(caller)) -> SnapshotOut:
-        return snapshots.get_snapshot(svc, snapshot_id, who.tenant)
+    async def get_snapshot(snapshot_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
+                           who: Principal = Depends(caller)) -> SnapshotOut:
+        """With ``wait``: answers once the snapshot is no longer pending or deleting (the CLI's --wait)."""
+        return await settled_read(svc, snapshot_id, lambda: snapshots.get_snapshot(svc, snapshot_id, who.tenant),
+                                  lambda x: x.status not in SNAPSHOT_BUSY, wait)
 
     @r.delete("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
     def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services),
@@ -330,10 +351,12 @@ def _admin_routes(r: APIRouter) -> None:
         return svc.reconciler.run(repair=True, ignore_grace=now).as_dict()
 
     @r.get("/operations/{operation_id}", response_model=OperationOut, tags=["operations"])
-    def get_operation(operation_id: str, svc: Controller = Depends(services),
-                      who: Principal = Depends(caller)) -> OperationOut:
-        """Any operation to an admin; to a user, those on its tenant's volumes and snapshots (the CLI's --wait)."""
-        return describe_operation(svc, operation_id, who)
+    async def get_operation(operation_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
+                            who: Principal = Depends(caller)) -> OperationOut:
+        """Any operation to an admin; to a user, those on its tenant's volumes and snapshots. With ``wait``:
+        answers once the operation ended, or after ``wait`` seconds with its current state (the CLI's --wait)."""
+        return await settled_read(svc, operation_id, lambda: describe_operation(svc, operation_id, who),
+                                  lambda op: op.status not in UNFINISHED_OPERATION, wait)
 
     @r.get("/operations", response_model=OperationList, tags=["operations"])
     def list_operations(resource_id: str = Query(max_length=32), max_results: int | None = max_results_query(),

@@ -54,6 +54,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import fencing, ids
+from vbs.controller.completion import OperationEnds
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.db.tables import utcnow
 from vbs.controller.services import Services
@@ -216,6 +217,8 @@ class WorkflowEngine:
         """``on_end(kind, outcome, started_at)`` hears of every operation this engine ends."""
         self.db = db
         self._on_end = on_end
+        # Wakes the API requests that wait for an operation or its resource (GET ...?wait=N).
+        self.ends = OperationEnds()
         self.owner = owner
         self._lease = timedelta(seconds=lease_s)
         self.workflows: dict[str, Workflow[Any]] = {w.kind: w for w in workflows}
@@ -571,7 +574,8 @@ class WorkflowEngine:
         self._ended(ctx, status)
 
     def _ended(self, ctx: StepContext[Any], status: OperationState) -> None:
-        """Tell ``on_end`` of an ending, once its transaction committed."""
+        """Tell the waiters and ``on_end`` of an ending, once its transaction committed."""
+        self.ends.signal(ctx.operation_id, ctx.resource_id)
         if self._on_end is not None:
             try:
                 self._on_end(ctx.kind, str(status), ctx.started_at)
