@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from tests.conftest import VBS, free_port
-from vbs.cli.main import app, app_for
+from vbs.cli.main import app, app_for, command_name
 from vbs.tls import client_verify
 
 # What the services run on: a client command has no use for any of it.
@@ -60,8 +60,8 @@ def test_a_client_command_loads_no_server_side_module() -> None:
 
 
 def command_names(typer_app: typer.Typer) -> list[str]:
-    return [c.name or typer.main.get_command_name(c.callback.__name__) for c in typer_app.registered_commands
-            if c.callback is not None] + [g.name for g in typer_app.registered_groups if g.name]
+    return [command_name(c) for c in typer_app.registered_commands] + [
+        g.name for g in typer_app.registered_groups if g.name]
 
 
 @pytest.mark.unit

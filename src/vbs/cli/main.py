@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import quote, urlencode
 
 import typer
+from typer.models import CommandInfo
 
 from vbs.cli import output
 from vbs.cli.client import step_progress, wait_for, wait_operation, watch
@@ -1137,6 +1138,11 @@ def _only_global_options(head: list[str]) -> bool:
     return True
 
 
+def command_name(command: CommandInfo) -> str:
+    """What a command is called on the line: its given name, else Typer's from its function's."""
+    return command.name or typer.main.get_command_name(getattr(command.callback, "__name__", ""))
+
+
 def app_for(argv: list[str]) -> typer.Typer:
     """The app that runs ``argv``: the global options and the one command the line names, or the whole
     app where it names none, a misspelt one, or asks before it for something else (``vbs --help
@@ -1145,8 +1151,7 @@ def app_for(argv: list[str]) -> typer.Typer:
     pos = _command_index(argv)
     if pos >= len(argv) or not _only_global_options(argv[:pos]):
         return app
-    commands = [c for c in app.registered_commands
-                if (c.name or typer.main.get_command_name(c.callback.__name__ if c.callback else "")) == argv[pos]]
+    commands = [c for c in app.registered_commands if command_name(c) == argv[pos]]
     groups = [g for g in app.registered_groups if g.name == argv[pos]]
     if not commands and not groups:
         return app
