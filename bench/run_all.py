@@ -39,6 +39,7 @@ class Bench:
 
 # In the order they run: the control plane first (its figures suffer most from a warm machine).
 BENCHES = (
+    Bench("cli_startup", "cli_startup.py", (), ("--quick",)),
     Bench("control_plane", "control_plane.py", (), ("--quick",)),
     Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
     Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
@@ -46,10 +47,12 @@ BENCHES = (
     Bench("datapath", "datapath.py", (), ("--quick",)),
     Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
+    Bench("completion", "control_plane.py", ("--completion",), ("--completion", "--quick")),
     Bench("fairness", "fairness.py", (), ("--quick",)),
     Bench("semishared", "semishared.py", (), ("--quick",)),
     Bench("migrate", "migrate.py", (), ("--mib", "64")),
     Bench("rtt", "rtt.py", (), ("--quick",)),
+    Bench("bonnie", "bonnie.py", (), ("--quick",)),
 )
 
 

@@ -8,6 +8,9 @@
         guest.wait_ready()
         dev = guest.wait_for_disk("vol0123456789abcdef0")
         print(guest.write_pattern(dev, "seed", 4))
+
+``build_guest(bench=True)`` is the bench flavour: the same guest with Debian's bonnie++ and ext2
+(``bench_image``), which ``vbs.testguest.bonnie`` drives (bench/bonnie.py, the paper's experiment).
 """
 
 from vbs.testguest.build import GuestImage, build_guest, default_cache_dir

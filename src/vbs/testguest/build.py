@@ -2,6 +2,8 @@
 
 Only Debian's package tools are needed (``apt-get download``, ``dpkg -x``); nothing is installed on the
 host. The result is cached, keyed by the kernel and busybox package versions and the init script.
+``build_guest(bench=True)`` builds the "bench" flavour beside it: the same guest plus bonnie++ and
+ext2 (``bench_image``); the default guest stays small and quick to boot.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from vbs import argv
 from vbs.errors import DriverError
+from vbs.testguest.bench_image import BONNIE_PACKAGE, bench_files
 
 __all__ = ["GuestImage", "build_guest", "default_cache_dir", "MODULES"]
 
@@ -38,6 +41,7 @@ BUSYBOX_PACKAGE = "busybox-static"
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 _XZ_MAGIC = b"\xfd7zXZ\x00"
 _APT_TIMEOUT = 600.0
+_BENCH_SUFFIX = "-bench"
 
 
 @dataclass(frozen=True)
@@ -53,23 +57,29 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "vbs" / "testguest"
 
 
-def build_guest(cache_dir: Path | None = None) -> GuestImage:
-    """Return the cached guest image, building it first if this kernel/busybox/init has none yet."""
+def build_guest(cache_dir: Path | None = None, bench: bool = False) -> GuestImage:
+    """Return the cached guest image, building it first if this kernel/busybox/init has none yet.
+    ``bench``: the flavour with bonnie++ and ext2 (a bigger initramfs, for bench/bonnie.py)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     init_text = INIT_SCRIPT.read_bytes()
+    flavour = _BENCH_SUFFIX if bench else ""
     try:
-        kernel_pkg, kernel_ver, busybox_ver = _current_packages()
+        kernel_pkg, kernel_ver, busybox_ver, bonnie_ver = _current_packages(bench)
     except DriverError:
         # No package lists (offline, no apt-get update): any guest built before still does the job.
-        cached = sorted((p for p in cache.glob("linux-image-*") if _image_in(p)), key=lambda p: p.stat().st_mtime)
+        built = (p for p in cache.glob("linux-image-*") if _image_in(p) and bench == p.name.endswith(_BENCH_SUFFIX))
+        cached = sorted(built, key=lambda p: p.stat().st_mtime)
         if cached:
             log.warning("apt-cache unusable; using the cached test guest %s", cached[-1])
             image = _image_in(cached[-1])
             assert image is not None
             return image
         raise
-    digest = hashlib.sha256(b"\0".join([busybox_ver.encode(), init_text, " ".join(MODULES).encode()]))
-    target = cache / f"{kernel_pkg}_{_safe(kernel_ver)}-{digest.hexdigest()[:12]}"
+    parts = [busybox_ver.encode(), init_text, " ".join(MODULES).encode()]
+    if bench:
+        parts += [bonnie_ver.encode(), Path(__file__).with_name("bench_image.py").read_bytes()]
+    digest = hashlib.sha256(b"\0".join(parts))
+    target = cache / f"{kernel_pkg}_{_safe(kernel_ver)}-{digest.hexdigest()[:12]}{flavour}"
     image = _image_in(target)
     if image is not None:
         return image
@@ -79,7 +89,7 @@ def build_guest(cache_dir: Path | None = None) -> GuestImage:
         work = Path(tmp)
         out = work / "out"
         out.mkdir()
-        _build_into(work, out, kernel_pkg, init_text)
+        _build_into(work, out, kernel_pkg, init_text, bench)
         try:
             out.rename(target)
         except OSError:
@@ -104,11 +114,11 @@ def _safe(version: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", version)
 
 
-def _current_packages() -> tuple[str, str, str]:
-    """(kernel image package, its version, busybox-static version), in one apt-cache call."""
-    proc = argv.run(
-        ["apt-cache", "show", "--no-all-versions", KERNEL_META_PACKAGE, BUSYBOX_PACKAGE], timeout=60, check=False
-    )
+def _current_packages(bench: bool) -> tuple[str, str, str, str]:
+    """(kernel image package, its version, busybox-static version, bonnie++ version or "" unless
+    ``bench``), in one apt-cache call."""
+    packages = [KERNEL_META_PACKAGE, BUSYBOX_PACKAGE, *([BONNIE_PACKAGE] if bench else [])]
+    proc = argv.run(["apt-cache", "show", "--no-all-versions", *packages], timeout=60, check=False)
     fields: dict[str, dict[str, str]] = {}
     for stanza in proc.stdout.split("\n\n"):
         entry = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" "))
@@ -119,7 +129,10 @@ def _current_packages() -> tuple[str, str, str]:
     pin = re.search(r"(linux-image-[0-9][A-Za-z0-9.+-]*-amd64) \(= ([^)]+)\)", (meta or {}).get("Depends", ""))
     if pin is None or busybox is None or "Version" not in busybox:
         raise DriverError(f"apt-cache knows no {KERNEL_META_PACKAGE} / {BUSYBOX_PACKAGE}; run 'apt-get update' first")
-    return pin.group(1), pin.group(2), busybox["Version"]
+    bonnie = fields.get(BONNIE_PACKAGE, {}).get("Version", "")
+    if bench and not bonnie:
+        raise DriverError(f"apt-cache knows no {BONNIE_PACKAGE}; run 'apt-get update' first")
+    return pin.group(1), pin.group(2), busybox["Version"], bonnie
 
 
 def _download_and_extract(package: str, work: Path) -> Path:
@@ -136,7 +149,7 @@ def _download_and_extract(package: str, work: Path) -> Path:
     return root
 
 
-def _build_into(work: Path, out: Path, kernel_pkg: str, init_text: bytes) -> None:
+def _build_into(work: Path, out: Path, kernel_pkg: str, init_text: bytes, bench: bool) -> None:
     kernel_root = _download_and_extract(kernel_pkg, work)
     busybox_root = _download_and_extract(BUSYBOX_PACKAGE, work)
     vmlinuz = sorted((kernel_root / "boot").glob("vmlinuz-*"))
@@ -150,7 +163,10 @@ def _build_into(work: Path, out: Path, kernel_pkg: str, init_text: bytes) -> Non
     modules_dir = kernel_root / "lib" / "modules" / kernel_release / "kernel"
     modules = {name: _module_bytes(modules_dir, name) for name in MODULES}
     applets = argv.run([str(busybox), "--list"], timeout=30).stdout.split()
-    (out / "initrd.img").write_bytes(_initramfs(busybox.read_bytes(), applets, modules, init_text))
+    extra: dict[str, bytes] = {}
+    if bench:
+        extra = bench_files(_download_and_extract(BONNIE_PACKAGE, work), kernel_root, kernel_release)
+    (out / "initrd.img").write_bytes(_initramfs(busybox.read_bytes(), applets, modules, init_text, extra))
 
 
 def _write_kernel(vmlinuz: Path, out: Path) -> None:
@@ -179,9 +195,15 @@ def _module_bytes(modules_dir: Path, name: str) -> bytes:
     raise DriverError(f"kernel module {name} not found under {modules_dir}")
 
 
-def _initramfs(busybox: bytes, applets: list[str], modules: dict[str, bytes], init: bytes) -> bytes:
+def _initramfs(
+    busybox: bytes, applets: list[str], modules: dict[str, bytes], init: bytes, extra: dict[str, bytes]
+) -> bytes:
+    """The newc archive; ``extra`` maps more regular files' paths (no leading /) to their contents."""
     cpio = _NewcWriter()
-    for d in ("bin", "dev", "proc", "sys", "run", "tmp", "lib", "lib/modules"):
+    dirs = {"bin", "dev", "proc", "sys", "run", "tmp", "lib", "lib/modules"}
+    dirs |= {str(parent) for path in extra for parent in Path(path).parents if str(parent) != "."}
+    # Parents before children: the kernel's unpacker does not create missing directories.
+    for d in sorted(dirs, key=lambda d: (d.count("/"), d)):
         cpio.add(d, stat.S_IFDIR | 0o755)
     # The kernel opens /dev/console for init before our devtmpfs mount exists.
     cpio.add("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1))
@@ -191,6 +213,8 @@ def _initramfs(busybox: bytes, applets: list[str], modules: dict[str, bytes], in
             cpio.add(f"bin/{applet}", stat.S_IFLNK | 0o777, b"busybox")
     for name, data in modules.items():
         cpio.add(f"lib/modules/{name}.ko", stat.S_IFREG | 0o644, data)
+    for path, data in sorted(extra.items()):
+        cpio.add(path, stat.S_IFREG | 0o755, data)
     cpio.add("init", stat.S_IFREG | 0o755, init)
     return cpio.finish()
 
