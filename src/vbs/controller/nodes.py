@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Instance, Node, Snapshot, Volume
+from vbs.controller.db.documents import ParsedDocuments
 from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
@@ -56,11 +57,28 @@ class HostNodeInfo(Wire):
     local_pools: list[PoolInfo] = []
 
 
-def storage_info(node: Node) -> StorageNodeInfo:
+def _parse_storage_info(info: Any) -> StorageNodeInfo:
     try:
-        return StorageNodeInfo.model_validate(node.info)
+        return StorageNodeInfo.model_validate(info)
     except ValidationError:
         return StorageNodeInfo()  # written by an older controller; the next heartbeat replaces it
+
+
+# A storage node with many volumes reports the usage of each: its record is validated once per heartbeat
+# (the database layer hands back the same decoded document until the next one), not at every read. Its
+# JSON is large enough for that from about this many volumes (some 35 characters each).
+MANY_VOLUMES = 2000
+
+
+def _many_volumes(info: Any) -> bool:
+    return isinstance(info, dict) and len(info.get("volume_usage", ())) >= MANY_VOLUMES
+
+
+_storage_infos = ParsedDocuments(_parse_storage_info, _many_volumes)
+
+
+def storage_info(node: Node) -> StorageNodeInfo:
+    return _storage_infos.view(node.info)
 
 
 def pool_of(node: Node | None, name: str) -> PoolInfo | None:
