@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -56,7 +55,6 @@ from bench.control_plane import (  # noqa: E402
     Api,
     VbsUp,
     bench_snapshot,
-    drop_caches,
     free_gib,
     git_revision,
     log,
@@ -447,6 +445,16 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def guarded(part: str, run: Callable[[], list[dict[str, Any]]], res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One curve; a failure is reported and the other curves still run."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - the figures of the other parts are worth keeping
+        log(f"{part}: FAILED {type(exc).__name__}: {exc}")
+        res.setdefault("failed", []).append(f"{part}: {type(exc).__name__}: {exc}")
+        return []
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 
@@ -486,33 +494,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    random.seed()
     info = machine()
     info["git"] = git_revision()
     res: dict[str, Any] = {"machine": info}
     loads: list[float] = [load()]
     t0 = time.monotonic()
     with workdir(args.work_dir) as work:
-        if "volumes" in args.parts:
-            res["volumes"] = run_levels(work / "levels", args)
-            loads.append(load())
-        if "attach" in args.parts:
-            res["attach"] = run_attach(work, args)
-            loads.append(load())
-        if "snapshots" in args.parts:
-            drop_caches()
-            res["snapshots_copy"] = run_snapshots(work, args, reflink=False)
-            loads.append(load())
-            if os.geteuid() == 0:
-                from tests.loopfs import loop_filesystem
-
-                image = max(args.sizes) + 8
-                with loop_filesystem(work, "xfs", size_mib=image * 1024) as mnt:
-                    res["snapshots_reflink"] = run_snapshots(mnt, args, reflink=True)
+        for part, run in (("volumes", lambda: run_levels(work / "levels", args)),
+                          ("attach", lambda: run_attach(work, args)),
+                          ("snapshots", lambda: run_snapshots(work, args, reflink=False))):
+            if part in args.parts:
+                res[part if part != "snapshots" else "snapshots_copy"] = guarded(part, run, res)
                 loads.append(load())
+        if "snapshots" in args.parts and os.geteuid() == 0:
+            from tests.loopfs import loop_filesystem
+
+            with loop_filesystem(work, "xfs", size_mib=(max(args.sizes) + 8) * 1024) as mnt:
+                res["snapshots_reflink"] = guarded(
+                    "snapshots (reflink)", lambda: run_snapshots(mnt, args, reflink=True), res)
+            loads.append(load())
     info["load"] = f"{min(loads):.1f}-{max(loads):.1f}"
     info["run"] = f"{(time.monotonic() - t0) / 60:.1f} min"
     print(report(res))
+    for failure in res.get("failed", []):
+        print(f"FAILED: {failure}")
     if plot(res, args.plot):
         print(f"\nplot: {args.plot}")
     if args.json:
