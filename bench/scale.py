@@ -250,7 +250,7 @@ def tenant_of(db_path: Path, volume_id: str) -> str:
 
 
 def run_attach(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from bench.attach import VM, attach_once, detach_once, wait_instance
+    from bench.attach import HOST, VM, attach_once, attachment_state, detach_once, wait_for, wait_instance
     from tests.conftest import VbsUp as TestVbsUp
 
     from vbs.ids import virtio_serial
@@ -270,10 +270,15 @@ def run_attach(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         vbs.wait_volume(probe, "available")
         resident: list[str] = []
         for n in args.disks:
-            while len(resident) < n:
+            while len(resident) < n:  # the probe takes vdb (the default device), these vdc, vdd, ...
                 vid = vbs.create_volume(size_gib=1)["volume_id"]
                 vbs.wait_volume(vid, "available")
-                attach_once(vbs, guest, vid, virtio_serial(vid))
+                device = "vd" + chr(ord("c") + len(resident))
+                r = vbs.http.post(f"/v1/volumes/{vid}/attach", json={"host": HOST, "vm_id": VM, "device": device})
+                if r.status_code != 200:
+                    raise RuntimeError(f"attach {vid} as {device}: {r.status_code} {r.text[:300]}")
+                guest.wait_for_disk(virtio_serial(vid), 120)
+                wait_for(lambda v=vid: attachment_state(vbs, v) == "attached", 60, "attachment attached")
                 resident.append(vid)
             serial = virtio_serial(probe)
             attach_once(vbs, guest, probe, serial)  # warm-up at this level

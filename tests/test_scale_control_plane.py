@@ -97,3 +97,28 @@ def test_the_sums_of_a_create_read_only_indexes(db: Database) -> None:
     plan = query_plan(db, placement)
     assert "COVERING INDEX ix_volumes_pool_usage" in plan
     assert "TEMP B-TREE" not in plan
+
+
+def node_row(db: Database) -> tuple[datetime, str]:
+    with db.read() as s:
+        node = s.get(Node, ("storage-1", "storage"))
+        assert node is not None
+        return node.last_heartbeat, node.url
+
+
+def test_a_heartbeat_that_reports_nothing_new_moves_only_the_time_and_a_changed_one_replaces_the_record(
+        db: Database) -> None:
+    usage = {ids.new_id("volume"): 4096 * i for i in range(MANY_VOLUMES * 2)}
+    with db.session() as s:
+        record_storage_heartbeat(s, heartbeat(usage))
+    before, record = node_row(db)[0], read_storage_node(db)
+    with db.session() as s:
+        record_storage_heartbeat(s, heartbeat(usage).model_copy(update={"url": "http://127.0.0.1:9001"}))
+    after, url = node_row(db)
+    assert after > before and url == "http://127.0.0.1:9001"
+    assert read_storage_node(db) is record  # the record itself was not rewritten
+
+    changed = {**usage, next(iter(usage)): 1 << 30}
+    with db.session() as s:
+        record_storage_heartbeat(s, heartbeat(changed))
+    assert read_storage_node(db).volume_usage == changed  # type: ignore[attr-defined]

@@ -158,12 +158,15 @@ class Reconciler:
     # -- one pass ----------------------------------------------------------------------------------
 
     def run(self, *, repair: bool, ignore_grace: bool = False) -> Report:
+        # What a pass reads (nodes, busy resources, every row of a storage node) it reads in read-only
+        # transactions: on SQLite a writing one would hold the write lock while thousands of rows load,
+        # and every create, attach and heartbeat would wait for it. Repairs write in their own.
         with self._lock:
             report = Report(checked_at=utcnow().isoformat())
             busy = self._busy_resources()
             seen: set[tuple[str, str, str]] = set()
             shared = _SharedPools()
-            with self.svc.db.session() as s:
+            with self.svc.db.read() as s:
                 # Hosts first: an orphan disk is unplugged before its export goes, as in a detach (a
                 # VM whose storage vanished first waits on its reconnect delay before it lets go).
                 nodes = sorted(s.scalars(select(Node)), key=lambda n: n.kind != "host")
@@ -194,7 +197,7 @@ class Reconciler:
         return report
 
     def _busy_resources(self) -> set[str]:
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             rows = s.execute(select(Operation.resource_id, Operation.params)
                              .where(Operation.status.in_(UNFINISHED_OPERATION))).all()
         return ({rid for rid, _ in rows} | {x for _, params in rows for x in scratch_ids(params or {})}
@@ -212,7 +215,7 @@ class Reconciler:
         agent = self.svc.agents.storage(node.name)
         inventory = agent.inventory()
         exports = agent.list_exports()
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name,
                                                                        Volume.placement != "local"))}
             snaps = {x.id: x for x in s.scalars(select(Snapshot).where(Snapshot.storage_node == node.name))}
@@ -244,7 +247,7 @@ class Reconciler:
         self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
 
     def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Any]:
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             rows: list[Volume | Snapshot] = list(s.scalars(
                 select(table).where(table.storage_node.in_(sorted({n for n, _ in members})))))
             return {r.id: r for r in rows if (r.storage_node, r.pool) in members}
@@ -332,7 +335,7 @@ class Reconciler:
     def _check_host(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
                     repair: bool, ignore_grace: bool) -> None:
         agent = self.svc.agents.host(node.name)
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             vms = list(s.scalars(select(Instance).where(Instance.host == node.name, Instance.state == "running")))
             atts = list(s.scalars(select(Attachment).where(Attachment.host == node.name,
                                                            Attachment.status.in_(MAY_BE_EXPORTED))))
