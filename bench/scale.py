@@ -11,7 +11,7 @@ Five curves, each from one ``vbs up`` (SQLite, file backend) this script starts 
 3. snapshot time vs volume size on the copy path (the root ext4) and on reflink (xfs on a loop
    device): each volume is filled with non-zero data over its whole size before it is snapshotted
    (``bench/control_plane.py``'s snapshot round; page cache dropped before each copy), and the copy
-   slope is fitted in MB/s.
+   slope is fitted in MiB/s.
 
 How the DB is filled: the first ``--api-volumes`` volumes go through the REST API (8 client threads,
 the real create workflow, files made by the storage agent); the rest are written straight into the
@@ -336,7 +336,7 @@ def run_snapshots(work: Path, args: argparse.Namespace, *, reflink: bool) -> lis
 
 
 def slope_mb_s(points: list[dict[str, Any]]) -> float | None:
-    """Throughput of the copy, from a least-squares line through (size, seconds): MB/s."""
+    """Throughput of the copy, from a least-squares line through (size, seconds): MiB/s."""
     if len(points) < 2:
         return None
     fit = statistics.linear_regression([p["size_gib"] * 1024 for p in points], [p["snapshot_s"] for p in points])
@@ -391,7 +391,8 @@ def report(res: dict[str, Any]) -> str:
         lines += [f"## Snapshot of a volume full of data: {label} ({pts[0]['clone_method']})", "",
                   table(["GiB", "snapshot s", "create-from-snapshot s", "data written MB/s", "data verified",
                          "load"], rows), "",
-                  f"Least-squares slope: {slope:.0f} MB/s" if slope else "Slope: flat (or one point)", ""]
+                  f"Least-squares slope: {slope:.0f} MiB/s of volume copied" if slope
+                  else "Slope: flat (or one point)", ""]
     return "\n".join(lines)
 
 
@@ -409,12 +410,14 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     x = [r["volumes"] for r in vols]
 
     def curve(ax: Any, ys: list[tuple[str, str]], title: str, ylabel: str, targets: list[float]) -> None:
+        ax.set_title(title)
+        if not vols:
+            return
         for key, name in ys:
             ax.plot(x, [r[key] for r in vols], marker="o", label=name)
         for t in targets:
             ax.axhline(t, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
-        ax.set_title(title)
         ax.set_xlabel("volumes in the DB")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
@@ -485,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="on the root ext4 (default /var/tmp)")
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png", help="the PNG (docs/scale.png)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None,
+                   help="measure nothing: report and plot these runs' figures (--json), merged in order")
     args = p.parse_args(argv)
     q = args.quick
     args.levels = args.levels or ([1000, 10000] if q else [1000, 10000, 100000])
@@ -497,8 +502,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replot(args: argparse.Namespace) -> int:
+    """The report and plot of earlier runs (``--json``), the later file's curves replacing the earlier's."""
+    res: dict[str, Any] = {}
+    for path in args.from_json:
+        figures = json.loads(path.read_text())
+        machine_info = {**res.get("machine", {}), **figures.pop("machine", {})}
+        res.update({k: v for k, v in figures.items() if v})
+        res["machine"] = machine_info
+    print(report(res))
+    if plot(res, args.plot):
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return replot(args)
     info = machine()
     info["git"] = git_revision()
     res: dict[str, Any] = {"machine": info}

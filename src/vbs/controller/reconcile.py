@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -216,11 +216,14 @@ class Reconciler:
         inventory = agent.inventory()
         exports = agent.list_exports()
         with self.svc.db.read() as s:
-            volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name,
-                                                                       Volume.placement != "local"))}
-            snaps = {x.id: x for x in s.scalars(select(Snapshot).where(Snapshot.storage_node == node.name))}
-            atts = list(s.scalars(select(Attachment).where(Attachment.volume_id.in_(list(volumes)),
-                                                           Attachment.status.in_(MAY_BE_EXPORTED))))
+            # The columns the checks read, as plain rows: a node may hold 100,000 volumes.
+            on_node = (Volume.storage_node == node.name, Volume.placement != "local")
+            volumes = {v.id: v for v in s.execute(select(Volume.id, Volume.status, Volume.storage_node, Volume.pool)
+                                                  .where(*on_node))}
+            snaps = {x.id: x for x in s.execute(select(Snapshot.id, Snapshot.status, Snapshot.storage_node,
+                                                       Snapshot.pool).where(Snapshot.storage_node == node.name))}
+            atts = list(s.scalars(select(Attachment).join(Volume, Volume.id == Attachment.volume_id)
+                                  .where(*on_node, Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
         for pool, items in inventory.pools.items():
             details = PoolDetails.of(node.name, pool, items)
@@ -245,6 +248,13 @@ class Reconciler:
             theirs = set(self._rows_on(Volume, elsewhere))
             exports = [e for e in exports if not (e.protocol == "rbd" and e.key in theirs)]
         self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
+
+    def _volume(self, volume_id: str) -> Volume:
+        with self.svc.db.read() as s:
+            vol = s.get(Volume, volume_id)
+        if vol is None:
+            raise NotFound(f"The volume '{volume_id}' does not exist.")
+        return vol
 
     def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Any]:
         with self.svc.db.read() as s:
@@ -295,7 +305,7 @@ class Reconciler:
             return try_transition(s, Snapshot, item_id, SnapshotState.ERROR, from_states=[SnapshotState.COMPLETED],
                                   status_reason=reason)
 
-    def _check_exports(self, node: str, exports: list[ExportInfo], volumes: dict[str, Volume],
+    def _check_exports(self, node: str, exports: list[ExportInfo], volumes: Mapping[str, Any],
                        atts: list[Attachment], hosts: dict[str, Node], busy: set[str], report: Report,
                        seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
         agent = self.svc.agents.storage(node)
@@ -322,7 +332,7 @@ class Reconciler:
             host_node = hosts.get(att.host)
             if repair and host_node is not None:
                 try:
-                    vol = volumes[att.volume_id]
+                    vol = self._volume(att.volume_id)
                     agent.connection_for(vol.pool, att.volume_id, host_identity(host_node), att.mode == "ro",
                                          host_info(host_node).capabilities.protocols,
                                          limits=volume_limits(self.svc.cfg, vol))

@@ -18,8 +18,9 @@ from typing import Any, Generic, TypeVar
 
 # Below this many characters decoding is cheaper than hashing the text for the cache.
 LARGE_DOCUMENT_CHARS = 64 * 1024
-# A few per storage node: its current heartbeat and the one before it, in flight.
-CACHED_DOCUMENTS = 64
+# Enough for the current heartbeat of a few storage nodes (and one in flight); each large document is
+# megabytes of text and more once decoded, so the controller's memory bounds this, not the hit rate.
+CACHED_DOCUMENTS = 8
 
 T = TypeVar("T")
 
