@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -247,7 +247,7 @@ class Reconciler:
         if elsewhere:
             theirs = set(self._rows_on(Volume, elsewhere))
             exports = [e for e in exports if not (e.protocol == "rbd" and e.key in theirs)]
-        self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
+        self._check_exports(node.name, exports, atts, hosts, busy, report, seen, repair, ignore_grace)
 
     def _volume(self, volume_id: str) -> Volume:
         with self.svc.db.read() as s:
@@ -305,9 +305,9 @@ class Reconciler:
             return try_transition(s, Snapshot, item_id, SnapshotState.ERROR, from_states=[SnapshotState.COMPLETED],
                                   status_reason=reason)
 
-    def _check_exports(self, node: str, exports: list[ExportInfo], volumes: Mapping[str, Any],
-                       atts: list[Attachment], hosts: dict[str, Node], busy: set[str], report: Report,
-                       seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
+    def _check_exports(self, node: str, exports: list[ExportInfo], atts: list[Attachment], hosts: dict[str, Node],
+                       busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
+                       ignore_grace: bool) -> None:
         agent = self.svc.agents.storage(node)
         have = {(e.key, e.host) for e in exports}
         may = {(a.volume_id, a.host) for a in atts}
