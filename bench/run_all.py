@@ -41,6 +41,7 @@ class Bench:
 BENCHES = (
     Bench("cli_startup", "cli_startup.py", (), ("--quick",)),
     Bench("control_plane", "control_plane.py", (), ("--quick",)),
+    Bench("scale", "scale.py", (), ("--quick",)),
     Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
     Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
     Bench("copy_fallback", "copy_fallback.py", (), ("--quick",)),

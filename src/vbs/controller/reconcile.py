@@ -158,12 +158,15 @@ class Reconciler:
     # -- one pass ----------------------------------------------------------------------------------
 
     def run(self, *, repair: bool, ignore_grace: bool = False) -> Report:
+        # What a pass reads (nodes, busy resources, every row of a storage node) it reads in read-only
+        # transactions: on SQLite a writing one would hold the write lock while thousands of rows load,
+        # and every create, attach and heartbeat would wait for it. Repairs write in their own.
         with self._lock:
             report = Report(checked_at=utcnow().isoformat())
             busy = self._busy_resources()
             seen: set[tuple[str, str, str]] = set()
             shared = _SharedPools()
-            with self.svc.db.session() as s:
+            with self.svc.db.read() as s:
                 # Hosts first: an orphan disk is unplugged before its export goes, as in a detach (a
                 # VM whose storage vanished first waits on its reconnect delay before it lets go).
                 nodes = sorted(s.scalars(select(Node)), key=lambda n: n.kind != "host")
@@ -194,7 +197,7 @@ class Reconciler:
         return report
 
     def _busy_resources(self) -> set[str]:
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             rows = s.execute(select(Operation.resource_id, Operation.params)
                              .where(Operation.status.in_(UNFINISHED_OPERATION))).all()
         return ({rid for rid, _ in rows} | {x for _, params in rows for x in scratch_ids(params or {})}
@@ -212,12 +215,15 @@ class Reconciler:
         agent = self.svc.agents.storage(node.name)
         inventory = agent.inventory()
         exports = agent.list_exports()
-        with self.svc.db.session() as s:
-            volumes = {v.id: v for v in s.scalars(select(Volume).where(Volume.storage_node == node.name,
-                                                                       Volume.placement != "local"))}
-            snaps = {x.id: x for x in s.scalars(select(Snapshot).where(Snapshot.storage_node == node.name))}
-            atts = list(s.scalars(select(Attachment).where(Attachment.volume_id.in_(list(volumes)),
-                                                           Attachment.status.in_(MAY_BE_EXPORTED))))
+        with self.svc.db.read() as s:
+            # The columns the checks read, as plain rows: a node may hold 100,000 volumes.
+            on_node = (Volume.storage_node == node.name, Volume.placement != "local")
+            volumes = {v.id: v for v in s.execute(select(Volume.id, Volume.status, Volume.storage_node, Volume.pool)
+                                                  .where(*on_node))}
+            snaps = {x.id: x for x in s.execute(select(Snapshot.id, Snapshot.status, Snapshot.storage_node,
+                                                       Snapshot.pool).where(Snapshot.storage_node == node.name))}
+            atts = list(s.scalars(select(Attachment).join(Volume, Volume.id == Attachment.volume_id)
+                                  .where(*on_node, Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
         for pool, items in inventory.pools.items():
             details = PoolDetails.of(node.name, pool, items)
@@ -241,10 +247,17 @@ class Reconciler:
         if elsewhere:
             theirs = set(self._rows_on(Volume, elsewhere))
             exports = [e for e in exports if not (e.protocol == "rbd" and e.key in theirs)]
-        self._check_exports(node.name, exports, volumes, atts, hosts, busy, report, seen, repair, ignore_grace)
+        self._check_exports(node.name, exports, atts, hosts, busy, report, seen, repair, ignore_grace)
+
+    def _volume(self, volume_id: str) -> Volume:
+        with self.svc.db.read() as s:
+            vol = s.get(Volume, volume_id)
+        if vol is None:
+            raise NotFound(f"The volume '{volume_id}' does not exist.")
+        return vol
 
     def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Any]:
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             rows: list[Volume | Snapshot] = list(s.scalars(
                 select(table).where(table.storage_node.in_(sorted({n for n, _ in members})))))
             return {r.id: r for r in rows if (r.storage_node, r.pool) in members}
@@ -292,9 +305,9 @@ class Reconciler:
             return try_transition(s, Snapshot, item_id, SnapshotState.ERROR, from_states=[SnapshotState.COMPLETED],
                                   status_reason=reason)
 
-    def _check_exports(self, node: str, exports: list[ExportInfo], volumes: dict[str, Volume],
-                       atts: list[Attachment], hosts: dict[str, Node], busy: set[str], report: Report,
-                       seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
+    def _check_exports(self, node: str, exports: list[ExportInfo], atts: list[Attachment], hosts: dict[str, Node],
+                       busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
+                       ignore_grace: bool) -> None:
         agent = self.svc.agents.storage(node)
         have = {(e.key, e.host) for e in exports}
         may = {(a.volume_id, a.host) for a in atts}
@@ -319,7 +332,7 @@ class Reconciler:
             host_node = hosts.get(att.host)
             if repair and host_node is not None:
                 try:
-                    vol = volumes[att.volume_id]
+                    vol = self._volume(att.volume_id)
                     agent.connection_for(vol.pool, att.volume_id, host_identity(host_node), att.mode == "ro",
                                          host_info(host_node).capabilities.protocols,
                                          limits=volume_limits(self.svc.cfg, vol))
@@ -332,7 +345,7 @@ class Reconciler:
     def _check_host(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
                     repair: bool, ignore_grace: bool) -> None:
         agent = self.svc.agents.host(node.name)
-        with self.svc.db.session() as s:
+        with self.svc.db.read() as s:
             vms = list(s.scalars(select(Instance).where(Instance.host == node.name, Instance.state == "running")))
             atts = list(s.scalars(select(Attachment).where(Attachment.host == node.name,
                                                            Attachment.status.in_(MAY_BE_EXPORTED))))

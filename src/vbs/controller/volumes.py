@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import ColumnElement, exists, false, or_, select, update
+from sqlalchemy import ColumnElement, Row, exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -281,15 +283,17 @@ def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filter
     history = VolumeState.DELETED in filters.get("status", ()) or (deleted_by_id and bool(volume_ids))
     shown = or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention) if history \
         else Volume.status != VolumeState.DELETED
-    stmt = select(Volume).where(Volume.tenant == tenant, shown,
-                                *flt.where_clauses(column_filters, Volume.id, VOLUME_FILTERS))
+    # Plain rows, not ORM objects: a page is read once and described, and 1,000 tracked objects cost
+    # more to load and to read than the rows themselves.
+    stmt = select(*Volume.__table__.columns).where(Volume.tenant == tenant, shown,
+                                                   *flt.where_clauses(column_filters, Volume.id, VOLUME_FILTERS))
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
     stmt = flt.paginate(stmt, Volume.id, limit, next_token)
     with svc.db.read() as s:
         if "availability-zone" in filters:
             stmt = stmt.where(_in_zones(s, set(filters["availability-zone"]), svc.cfg.availability_zone))
-        rows = list(s.scalars(stmt))
+        rows: list[VolumeFields] = list(s.execute(stmt))
         if volume_ids:
             missing = sorted(set(volume_ids) - {v.id for v in rows})
             if missing and not filters:
@@ -316,7 +320,11 @@ def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
     return _describe_many(svc, s, [vol])[0]
 
 
-def _describe_many(svc: Controller, s: Session, vols: list[Volume]) -> list[VolumeOut]:
+# A volume as described: its ORM object, or a row of its table's columns (describe_volumes).
+VolumeFields = Volume | Row[Any]
+
+
+def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields]) -> list[VolumeOut]:
     vol_ids = [v.id for v in vols]
     tags = flt.tags_of(s, vol_ids)
     kms = encryption.kms_key_ids(s, {v.key_id for v in vols if v.key_id is not None})

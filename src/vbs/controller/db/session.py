@@ -38,6 +38,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from vbs.controller.db.documents import decode_json
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, RetryLater
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class Database:
             if parsed.database and parsed.database != ":memory:":
                 self.sqlite_path = Path(parsed.database).resolve()
             self.engine = create_engine(
-                url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=20, max_overflow=20
+                url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=20, max_overflow=20,
+                json_deserializer=decode_json,
             )
             _sqlite_pragmas(self.engine)
         else:

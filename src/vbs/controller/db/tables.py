@@ -62,6 +62,13 @@ class Base(DeclarativeBase):
 
 class Volume(Base):
     __tablename__ = "volumes"
+    # Keyset pages of a tenant's volumes, and the sums each create makes (quota, placement) from the
+    # index alone (migration 0010_scale_indexes).
+    __table_args__ = (
+        Index("ix_volumes_tenant_id", "tenant", "id"),
+        Index("ix_volumes_tenant_usage", "tenant", "status", "size_gib"),
+        Index("ix_volumes_pool_usage", "storage_node", "pool", "status", "size_gib"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     size_gib: Mapped[int] = mapped_column(Integer)
