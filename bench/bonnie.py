@@ -52,6 +52,7 @@ for _p in (REPO / "src", REPO):
         sys.path.insert(0, str(_p))
 
 from bench.attach import HOST, VM, log, wait_instance  # noqa: E402
+from bench.datapath import evict as drop_host_cache  # noqa: E402
 from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
@@ -141,15 +142,6 @@ class CacheSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             self.peak = max(self.peak, self.cgroup.file_cache())
-
-
-def drop_host_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 # -- disks -------------------------------------------------------------------------------------------

@@ -883,6 +883,20 @@ def workdir(parent: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+
+def finish_mode(args: argparse.Namespace, info: dict[str, Any], loads: list[float], sampling: threading.Event,
+                name: str, figures: Any, report: str) -> int:
+    """The end of a mode run by its own module: the machine (with the load seen), its report, the json."""
+    sampling.set()
+    if loads:
+        info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+    print("\n".join(f"{k}: {v}" for k, v in info.items()))
+    print(report)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, name: figures}, indent=2, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     info = machine()
@@ -905,14 +919,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with workdir(args.work_dir) as work:
             completion = completion_mode.run(work, args)
-        sampling.set()
-        if loads:
-            info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
-        print("\n".join(f"{k}: {v}" for k, v in info.items()))
-        print(completion_mode.report(completion))
-        if args.json:
-            args.json.write_text(json.dumps({"machine": info, "completion": completion}, indent=2, default=str))
-        return 0
+        return finish_mode(args, info, loads, sampling, "completion", completion, completion_mode.report(completion))
     if args.backend == "rbd" or args.cluster:
         # A mode of its own: its module runs it and reports it.
         from bench import cluster_mode, rbd_control
@@ -920,14 +927,8 @@ def main(argv: list[str] | None = None) -> int:
         name, mode = ("rbd", rbd_control) if args.backend == "rbd" else ("cluster", cluster_mode)
         with workdir(args.work_dir) as work:
             figures = mode.run(work, args)
-        sampling.set()
-        if loads:
-            info["load"] = f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
-        print("\n".join(f"{k}: {v}" for k, v in info.items()))
-        print(rbd_control.report(figures, args) if name == "rbd" else cluster_mode.report(figures))
-        if args.json:
-            args.json.write_text(json.dumps({"machine": info, name: figures}, indent=2, default=str))
-        return 0
+        report = rbd_control.report(figures, args) if name == "rbd" else cluster_mode.report(figures)
+        return finish_mode(args, info, loads, sampling, name, figures, report)
     with workdir(args.work_dir) as work:
         log(f"work dir {work} ({fs_type(work)}, {free_gib(work):.1f} GiB free)")
         if not args.skip_ext4:
