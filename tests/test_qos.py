@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -103,14 +105,22 @@ def _uri(conn: NbdConnection) -> str:
     return f"nbd+unix:///{conn.export}?socket={conn.socket}"
 
 
-def _fio(conn: NbdConnection, runtime: float, *, log_prefix: Path | None = None) -> float:
-    """Random 4 KiB reads at queue depth 8 through the export for ``runtime`` seconds: IOPS."""
+def _fio_job(conn: NbdConnection, runtime: float, *, log_prefix: Path | None = None) -> tuple[dict[str, Any], float]:
+    """Random 4 KiB reads at queue depth 8 through the export for ``runtime`` seconds: fio's job and
+    when it started (epoch ms: its report's time less the job's runtime; its logs count from there)."""
     argv = [FIO, "--name=qos", "--ioengine=nbd", f"--uri={_uri(conn)}", "--rw=randread", "--bs=4k",
             "--iodepth=8", "--time_based", f"--runtime={runtime:g}", "--size=64m", "--output-format=json"]
     if log_prefix is not None:
         argv += [f"--write_iops_log={log_prefix}", "--log_avg_msec=500"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 60, check=True).stdout
-    return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"])
+    report = json.loads(out[out.index("{"):])
+    job = report["jobs"][0]
+    return job, float(report["timestamp_ms"]) - float(job["job_runtime"])
+
+
+def _fio(conn: NbdConnection, runtime: float) -> float:
+    """IOPS of ``_fio_job``."""
+    return float(_fio_job(conn, runtime)[0]["read"]["iops"])
 
 
 def _socket_driver(make: Callable[..., NbdExportDriver], tmp_path: Path, **kw: object) -> NbdExportDriver:
@@ -141,17 +151,27 @@ def test_new_limits_apply_live_to_a_connected_client(make_driver: Callable[..., 
     conn = drv.ensure_export(VOL, FileSource(_volume(tmp_path, "a.img")), HOST_A)
     assert isinstance(conn, NbdConnection)
     before = drv.list_exports()
-    # One fio process, one NBD connection: the limit changes under it halfway through.
-    change = threading.Timer(3.0, lambda: drv.set_limits(VOL, ExportLimits(qos=QoS(iops=400))))
-    change.start()
+    # One fio process, one NBD connection: the limit changes under it. The samples are split where the
+    # change happened in fio's own clock (a loaded machine can start fio late, so not at a fixed offset).
+    changed: list[float] = []
+
+    def change() -> None:
+        before_ms = time.time() * 1000
+        drv.set_limits(VOL, ExportLimits(qos=QoS(iops=400)))
+        changed.extend((before_ms, time.time() * 1000))
+
+    timer = threading.Timer(4.0, change)
+    timer.start()
     try:
-        _fio(conn, 6, log_prefix=tmp_path / "rate")
+        _, started_ms = _fio_job(conn, 8, log_prefix=tmp_path / "rate")
     finally:
-        change.join()
+        timer.join()
     samples = [(int(line.split(",")[0]), int(line.split(",")[1]))
                for line in (tmp_path / "rate_iops.1.log").read_text().splitlines() if line.strip()]
-    first = [v for t, v in samples if 500 < t <= 2800]
-    second = [v for t, v in samples if t >= 3800]
+    change_from, change_to = (t - started_ms for t in changed)
+    first = [v for t, v in samples if 500 < t <= change_from - 200]
+    second = [v for t, v in samples if t >= change_to + 800]
+    assert first and len(second) >= 2, f"fio's samples {samples} do not straddle the change ({change_from:.0f} ms)"
     low, high = sum(first) / len(first), sum(second) / len(second)
     assert low <= 120 and high >= 2.5 * low, f"{low:.0f} IOPS before the change, {high:.0f} after"
     assert drv.list_exports() == before  # the same export: nothing was re-opened
