@@ -174,13 +174,13 @@ def test_images_retired_by_older_agents_are_taken_into_the_trash(ceph: CephForTe
 # -- clone chains ----------------------------------------------------------------------------------
 
 
-def chain_of_clones(b: RbdBackend, vol: str, length: int) -> list[str]:
+def chain_of_clones(b: RbdBackend, vol: str, length: int, size: int = SIZE) -> list[str]:
     """``length`` volumes, each a clone of a snapshot of the one before (``vol`` first)."""
     made, parent = [], vol
     for _ in range(length):
         snap, clone = ids.new_id("snapshot"), ids.new_id("volume")
         b.ensure_snapshot(snap, parent)
-        status = b.ensure_volume(clone, SIZE, snap)
+        status = b.ensure_volume(clone, size, snap)
         assert status.state == "ready", "a clone is usable at once, flattened or not"
         made.append(clone)
         parent = clone
@@ -207,6 +207,30 @@ def test_clones_deeper_than_the_default_five_are_flattened_as_they_are_made(ceph
     for c in clones:
         assert data_sha(ceph, f"{b.rbd_pool}/{c}") == sha, f"{c} lost data"
     assert b.volume_status(clones[5]).progress == 100 and b.inventory().flattens == []
+
+
+def test_a_flatten_stopped_half_way_and_run_again_keeps_every_byte(ceph: CephForTests, make_backend: Any,
+                                                                    tmp_path: Path) -> None:
+    """librbd marks an object in the object map before its copy-up writes it, and a flatten skips the
+    marked ones: a flatten stopped between the two, run again with the map on, left holes of zeros.
+    The backend runs each flatten with the map off and switches it on again after."""
+    b = make_backend(max_clone_depth=1)
+    size = 512 * MIB  # 128 objects: long enough to stop the flatten half-way
+    vol = ids.new_id("volume")
+    path, sha = pattern_file(tmp_path, "halfway", size)
+    rbd(ceph, "import", "--no-progress", "--image-feature", IMAGE_FEATURES, str(path), f"{b.rbd_pool}/{vol}")
+    path.unlink()
+    clones = chain_of_clones(b, vol, 2, size)  # the second is one clone too deep: its flatten starts at once
+    deep = clones[-1]
+    wait_until(lambda: (b.flattener.progress(deep) or 0) >= 10, 120, what="the flatten under way")
+    b.flattener.cancel(deep)
+    assert b._listing().depth(deep) == 2, "stopped half-way, still a clone"
+    assert "object-map" in rbd_json(ceph, "info", f"{b.rbd_pool}/{deep}")["features"], "the map is back on"
+    b.maintain()  # what the next pass does: flatten it again
+    assert b.flattener.wait_idle(300) and b.flattener.completed == [deep]
+    assert b._listing().depth(deep) == 0
+    assert {"object-map", "fast-diff"} <= set(rbd_json(ceph, "info", f"{b.rbd_pool}/{deep}")["features"])
+    assert data_sha(ceph, f"{b.rbd_pool}/{deep}", size) == sha, "no hole where the first flatten stopped"
 
 
 def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_deepest_first(

@@ -32,18 +32,29 @@ VOLS = [f"vol-0123456789abcdef{i}" for i in range(5)]
 
 
 class Steps:
-    def __init__(self, where: Path, max_running: int, skip: frozenset[str] = frozenset()) -> None:
+    def __init__(self, where: Path, max_running: int, skip: frozenset[str] = frozenset(),
+                 failing_prepare: frozenset[str] = frozenset()) -> None:
         self.where = where
         self.ended: list[tuple[str, bool]] = []
         self.prepared: list[str] = []
+        self.restored: list[str] = []
+        self.failing_prepare = failing_prepare
         self.flattener = Flattener(lambda v: [sys.executable, "-c", CHILD, v, str(where)], max_running=max_running,
                                    stall_s=60, should_run=lambda v: v not in skip,
-                                   done=lambda v, ok: self.ended.append((v, ok)), prepare=self.prepare)
+                                   done=lambda v, ok: self.ended.append((v, ok)), prepare=self.prepare,
+                                   finish=self.restore)
 
     def prepare(self, volume: str) -> None:
-        """What the backend's object-map rebuild stands for: it runs before the child exists."""
+        """What the backend's object map switched off stands for: it runs before the child exists."""
         assert not (self.where / f"{volume}.started").exists(), "prepare runs before the flatten"
         self.prepared.append(volume)
+        if volume in self.failing_prepare:
+            raise OSError("prepare failed half-way")
+
+    def restore(self, volume: str) -> None:
+        """The object map switched on again: after the flatten, however it ended."""
+        assert volume in self.prepared, "finish only after prepare"
+        self.restored.append(volume)
 
     def finish(self, volume: str, rc: int = 0) -> None:
         (self.where / f"{volume}.go").write_text(str(rc))
@@ -72,7 +83,7 @@ def test_at_most_n_run_at_once_and_the_rest_wait_in_order(tmp_path: Path) -> Non
     assert f.peak == 2
     assert sorted(steps.ended) == sorted((v, v != VOLS[4]) for v in VOLS)
     assert sorted(f.completed) == sorted(VOLS[:4])  # the one whose child failed is retried by the next scan
-    assert sorted(steps.prepared) == sorted(VOLS)
+    assert sorted(steps.prepared) == sorted(VOLS) == sorted(steps.restored)
 
 
 def test_a_cancel_stops_the_child_and_a_queued_one_never_starts(tmp_path: Path) -> None:
@@ -86,6 +97,16 @@ def test_a_cancel_stops_the_child_and_a_queued_one_never_starts(tmp_path: Path) 
     assert f.wait_idle(30)
     assert steps.ended == [] and f.completed == []  # a cancelled flatten reports nothing
     assert f.report() == []
+    assert steps.restored == [VOLS[0]], "a stopped flatten is followed by finish; one never started is not"
+
+
+def test_finish_follows_a_prepare_that_failed_and_the_flatten_does_not_run(tmp_path: Path) -> None:
+    steps = Steps(tmp_path, max_running=1, failing_prepare=frozenset({VOLS[0]}))
+    f = steps.flattener
+    f.submit(VOLS[0])
+    assert f.wait_idle(30)
+    assert steps.ended == [(VOLS[0], False)] and f.completed == []
+    assert steps.restored == [VOLS[0]] and not (tmp_path / f"{VOLS[0]}.started").exists()
 
 
 def test_one_no_longer_needed_is_skipped_and_a_closed_flattener_starts_nothing(tmp_path: Path) -> None:
@@ -93,7 +114,7 @@ def test_one_no_longer_needed_is_skipped_and_a_closed_flattener_starts_nothing(t
     f = steps.flattener
     f.submit(VOLS[0])
     assert f.wait_idle(30)
-    assert steps.ended == [(VOLS[0], False)] and f.completed == [] and steps.prepared == []
+    assert steps.ended == [(VOLS[0], False)] and f.completed == [] and steps.prepared == steps.restored == []
     f.close()
     f.submit(VOLS[1])
     assert f.report() == []

@@ -10,10 +10,10 @@ A flatten (``rbd flatten``) copies every block a clone still reads from its pare
 itself, cutting it from the chain. It runs as a child process whose stderr says how far it is
 (``\\rImage flatten: 37% complete...``); at most ``max_running`` run at once, the rest wait in
 order. An interrupted flatten (agent stop, volume deleted) keeps what it copied: the next one
-resumes, after ``prepare`` (the backend rebuilds the image's object map: librbd marks an object as
-existing before its copy-up writes it, and a flatten that finds an object marked skips its copy-up,
-so a flatten killed between the two would otherwise leave a hole that reads as zeros once the
-parent is cut).
+resumes. ``prepare`` runs before each flatten and ``finish`` after it, whatever its end: the backend
+switches the image's object map off and on again around it (librbd marks an object as existing
+before its copy-up writes it, and a flatten skips the objects the map marks, so after an interrupted
+copy-up a flatten with the map on would leave a hole that reads as zeros once the parent is cut).
 """
 
 from __future__ import annotations
@@ -158,13 +158,15 @@ class Flattener:
 
     ``argv(volume)`` is the flatten's command line; ``should_run(volume)`` is asked just before one
     starts (a chain may have become short enough meanwhile); ``prepare(volume)``, if given, runs after
-    it and before the flatten; ``done(volume, ok)`` is told when one ends. ``peak`` is the most
+    it and before the flatten, and ``finish(volume)`` after the flatten however it ended (also when
+    ``prepare`` failed half-way); ``done(volume, ok)`` is told when one ends. ``peak`` is the most
     ``rbd flatten`` processes that ever ran at once (what the tests check, not a timing).
     """
 
     def __init__(self, argv: Callable[[str], list[str]], *, max_running: int, stall_s: float,
                  should_run: Callable[[str], bool], done: Callable[[str, bool], None],
-                 prepare: Callable[[str], None] | None = None) -> None:
+                 prepare: Callable[[str], None] | None = None,
+                 finish: Callable[[str], None] | None = None) -> None:
         if max_running < 1:
             raise DriverError("max_running must be at least 1")
         self._argv = argv
@@ -172,6 +174,7 @@ class Flattener:
         self._stall_s = stall_s
         self._should_run = should_run
         self._prepare = prepare
+        self._finish = finish
         self._done = done
         self._cond = threading.Condition()
         self._queued: dict[str, _Job] = {}
@@ -212,6 +215,7 @@ class Flattener:
                 return
             job.cancelled = True
             proc = job.proc
+            log.info("flatten of %s: cancelling", volume)
         if proc is not None:
             stop_child(proc, timeout=STOP_TIMEOUT_S, what="rbd flatten")
         if thread is not None and thread is not threading.current_thread():
@@ -248,9 +252,12 @@ class Flattener:
         ok = False
         try:
             if self._should_run(job.volume) and not job.cancelled:
-                if self._prepare is not None:
-                    self._prepare(job.volume)
-                ok = self._flatten(job)
+                try:
+                    if self._prepare is not None:
+                        self._prepare(job.volume)
+                    ok = self._flatten(job)
+                finally:
+                    self._finished(job.volume)
         except Exception:  # noqa: BLE001 - a failed flatten is retried by the next scan; the agent goes on
             log.exception("flatten of %s failed", job.volume)
         finally:
@@ -263,6 +270,15 @@ class Flattener:
             if not job.cancelled:
                 self._done(job.volume, ok)
 
+    def _finished(self, volume: str) -> None:
+        """``finish``; its failure is logged and does not undo a flatten that completed."""
+        if self._finish is None:
+            return
+        try:
+            self._finish(volume)
+        except Exception:  # noqa: BLE001 - logged; the flatten's own outcome stands
+            log.exception("after the flatten of %s", volume)
+
     def _flatten(self, job: _Job) -> bool:
         with self._cond:
             if job.cancelled:
@@ -270,6 +286,7 @@ class Flattener:
             proc = subprocess.Popen(self._argv(job.volume), env=minimal_environment(),  # noqa: S603
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             job.proc = proc
+            log.info("flatten of %s started", job.volume)
             self._processes += 1
             self.peak = max(self.peak, self._processes)
         try:
@@ -297,6 +314,7 @@ class Flattener:
                 with self._cond:
                     job.progress = min(pct, 99)
         rc = proc.wait()
+        log.info("flatten of %s ended (exit %d%s)", job.volume, rc, ", cancelled" if job.cancelled else "")
         if rc != 0 and not job.cancelled:
             last = (tail.decode(errors="replace").replace("\r", "\n").strip().splitlines() or [""])[-1][:300]
             log.warning("flatten of %s failed (%d): %s", job.volume, rc, last)
