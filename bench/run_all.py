@@ -39,6 +39,7 @@ class Bench:
 
 # In the order they run: the control plane first (its figures suffer most from a warm machine).
 BENCHES = (
+    Bench("cli_startup", "cli_startup.py", (), ("--quick",)),
     Bench("control_plane", "control_plane.py", (), ("--quick",)),
     Bench("scale", "scale.py", (), ("--quick",)),
     Bench("control_plane_rbd", "control_plane.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),

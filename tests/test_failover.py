@@ -177,7 +177,7 @@ def test_one_url_behaves_as_before(servers: Servers) -> None:
 
 
 def test_a_switch_is_logged_once_until_a_call_succeeds(servers: Servers, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="vbs.web")
+    caplog.set_level(logging.INFO, logger="vbs.api_client")
     servers.fails(A, httpx.ConnectError)
     servers.fails(B, httpx.ConnectError)
     api = ApiClient([A, B], None, transport=httpx.MockTransport(servers), label="storage agent storage-2")

@@ -18,10 +18,10 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vbs import endpoints
+from vbs.endpoints import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # still vbs.config's too
 from vbs.errors import InvalidParameter
 from vbs.wire.storage import MAX_POOLS, POOL_NAME_RE, ZONE_NAME_RE
 
-DEFAULT_CONTROLLER_PORT = 8770
 DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 
 

@@ -2,7 +2,7 @@
 
 One value may name several URLs (``"http://a:8770,http://b:8770"``, or a list in TOML, or a
 repeated flag); ``parse`` validates each one and the whole list, and ``is_idempotent`` says which
-requests ``vbs.web.ApiClient`` may repeat at another URL once they were sent.
+requests ``vbs.api_client.ApiClient`` may repeat at another URL once they were sent.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Any
 
 from vbs.errors import InvalidParameter
 
-__all__ = ["MAX_URLS", "parse", "is_idempotent"]
+__all__ = ["MAX_URLS", "parse", "is_idempotent", "DEFAULT_CONTROLLER_PORT"]
 
+# Here, not in vbs.config (pydantic): the CLI names it in its help and default endpoint.
+DEFAULT_CONTROLLER_PORT = 8770
 MAX_URLS = 16
 MAX_URL_LENGTH = 512
 _URL_RE = re.compile(

@@ -57,10 +57,16 @@ class TlsFiles:
         return ctx
 
 
-def client_verify(ca_bundle: str | None) -> ssl.SSLContext | bool:
-    """For the CLI: verify against ``ca_bundle`` when given, else the system's trust store."""
+def client_verify(ca_bundle: str | None, *, https: bool = True) -> ssl.SSLContext | bool:
+    """For the CLI: verify against ``ca_bundle`` when given, else the system's trust store.
+
+    A client whose URLs are all plain http (``https=False``) makes no TLS connection: it gets a
+    context that verifies but trusts no CA (any TLS connection would fail), because loading the
+    trust store costs every command tens of milliseconds."""
     if ca_bundle:
         if not Path(ca_bundle).is_file():
             raise InvalidParameter(f"CA bundle {ca_bundle} does not exist")
         return ssl.create_default_context(cafile=ca_bundle)
+    if not https:
+        return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     return True

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
-
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING, Any
 
 from vbs.errors import VbsError
-from vbs.web import ApiClient
+
+if TYPE_CHECKING:
+    from vbs.api_client import ApiClient
 
 Body = dict[str, Any]
 
@@ -58,6 +58,8 @@ def watch(fetch: Callable[[], Body], *, done: Callable[[Body], bool], progress: 
     answered = time.monotonic()
     if done(body) and not show:
         return body
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
     # Work that finished already still shows its (full) bar: every --wait on a terminal looks the same.
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                   disable=not show, transient=False) as bar:

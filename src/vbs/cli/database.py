@@ -17,7 +17,8 @@ import typer
 if TYPE_CHECKING:
     from vbs.controller.db import Database
 
-db_app = typer.Typer(no_args_is_help=True, help="The metadata database: its schema revision and upgrades.")
+db_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,  # plain help, as vbs.cli.main's
+                     help="The metadata database: its schema revision and upgrades.")
 
 ConfigOpt = Annotated[Path | None, typer.Option(help="vbs.toml (its [controller] section).")]
 DataDirOpt = Annotated[Path | None, typer.Option(help="The controller's data dir (SQLite: <dir>/vbs.db).")]

@@ -5,28 +5,37 @@ Client commands talk to a controller (``--endpoint`` or ``VBS_ENDPOINT``, defaul
 table on a terminal and JSON otherwise (``--output``).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: Typer reads every command's signature, and string
+# annotations would be evaluated again on each run (twice per command), most of a --help's time.
+import copy
+import inspect
 import logging
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import quote, urlencode
 
 import typer
+from typer.models import CommandInfo
 
-from vbs import credentials, endpoints
 from vbs.cli import output
 from vbs.cli.client import LongPoll, step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
-from vbs.config import DEFAULT_CONTROLLER_PORT
+from vbs.endpoints import DEFAULT_CONTROLLER_PORT
 from vbs.errors import InvalidParameter, VbsError
-from vbs.tls import client_verify
-from vbs.web import ApiClient
 
+# Start-up is paid on every command: this module imports only what every command needs (typer, the
+# client plumbing's light parts); httpx and the rest load where a command uses them, and the services'
+# modules (FastAPI, SQLAlchemy, QMP, libvirt, ...) only in the commands that run a service
+# (tests/test_cli_startup.py checks it).
+if TYPE_CHECKING:
+    from vbs.api_client import ApiClient
+
+# Help in click's plain layout (rich_markup_mode=None): Typer's Rich panels cost more than the rest
+# of ``vbs --help`` together (importing Rich, Markdown and Pygments, then rendering).
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
-                  help="VBS — the Virtual Block Store.")
+                  rich_markup_mode=None, help="VBS — the Virtual Block Store.")
 app.add_typer(db_app, name="db")
 
 
@@ -42,10 +51,13 @@ class Context:
         self._client: ApiClient | None = None
 
     @property
-    def client(self) -> ApiClient:
+    def client(self) -> "ApiClient":
         """The client of the endpoints (checked here: the service commands do not use them)."""
         if self._client is None:
+            from vbs import credentials, endpoints
+            from vbs.api_client import ApiClient
             from vbs.cli import profiles
+            from vbs.tls import client_verify
 
             # --endpoint and --ca-bundle (or their variables) first, then the named profile's.
             named = profiles.load(self.profile or "default")
@@ -53,8 +65,9 @@ class Context:
             endpoint = self.endpoint or named.endpoint_for(region) or f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}"
             urls = endpoints.parse(endpoint, what="--endpoint (VBS_ENDPOINT)")
             key = credentials.for_client(urls, profile=self.profile)
+            https = not all(url.startswith("http://") for url in urls)
             client = ApiClient(urls, key.bearer if key else None, timeout=60,
-                               verify=client_verify(self.ca_bundle or named.ca_bundle))
+                               verify=client_verify(self.ca_bundle or named.ca_bundle, https=https))
             if region is not None:
                 served = client.call("GET", "/v1/region")["region"]
                 if served != region:
@@ -1107,13 +1120,54 @@ def _local_pool_flags(specs: list[str]) -> tuple[str, ...]:
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}
 
 
+def _command_index(argv: list[str]) -> int:
+    """Where the command is: after the options before it (``len(argv)`` when there is none)."""
+    pos = 0
+    while pos < len(argv) and argv[pos].startswith("-"):
+        pos += 2 if argv[pos] in _GLOBAL_VALUED else 1
+    return pos
+
+
+def _only_global_options(head: list[str]) -> bool:
+    i = 0
+    while i < len(head):
+        name, sep, _ = head[i].partition("=")
+        if name in _GLOBAL_VALUED:
+            i += 1 if sep else 2
+        elif head[i] in _GLOBAL_FLAGS:
+            i += 1
+        else:
+            return False
+    return True
+
+
+def command_name(command: CommandInfo) -> str:
+    """What a command is called on the line: its given name, else Typer's from its function's."""
+    return command.name or typer.main.get_command_name(getattr(command.callback, "__name__", ""))
+
+
+def app_for(argv: list[str]) -> typer.Typer:
+    """The app that runs ``argv``: the global options and the one command the line names, or the whole
+    app where it names none, a misspelt one, or asks before it for something else (``vbs --help
+    describe-volumes``). Typer builds the click form of every command it holds from its signature,
+    on every run: one command costs a fraction of all of them."""
+    pos = _command_index(argv)
+    if pos >= len(argv) or not _only_global_options(argv[:pos]):
+        return app
+    commands = [c for c in app.registered_commands if command_name(c) == argv[pos]]
+    groups = [g for g in app.registered_groups if g.name == argv[pos]]
+    if not commands and not groups:
+        return app
+    one = copy.copy(app)
+    one.registered_commands, one.registered_groups = commands, groups
+    return one
+
+
 def hoist_global_options(argv: list[str]) -> list[str]:
     """Global options anywhere on the line, as the AWS CLI takes them: those after the command are
     moved before it (``vbs describe-volumes --output json`` is ``vbs --output json describe-volumes``).
     Nothing after ``--`` moves; a service command's line is left as it is."""
-    pos = 0
-    while pos < len(argv) and argv[pos].startswith("-"):  # globals already before the command
-        pos += 2 if argv[pos] in _GLOBAL_VALUED else 1
+    pos = _command_index(argv)
     if pos >= len(argv) or argv[pos] in _SERVICES:
         return argv
     head, command, rest = argv[:pos], argv[pos], argv[pos + 1:]
@@ -1142,8 +1196,25 @@ def hoist_global_options(argv: list[str]) -> list[str]:
     return [*head, *moved, command, *kept]
 
 
+def _summarise_commands(*apps: typer.Typer) -> None:
+    """Each command's line in a group's help: the first paragraph of its help, in full (click's own
+    summary stops at about 45 characters)."""
+    def first_paragraph(text: object) -> str | None:  # a help text, or Typer's placeholder of none
+        if not isinstance(text, str):
+            return None
+        return " ".join(text.partition("\n\n")[0].split()) or None
+
+    for each in apps:
+        for command in each.registered_commands:
+            if command.short_help is None and command.callback is not None:
+                command.short_help = first_paragraph(command.help or inspect.getdoc(command.callback))
+        for group in each.registered_groups:
+            if not isinstance(group.short_help, str) and group.typer_instance is not None:
+                group.short_help = first_paragraph(group.typer_instance.info.help)
+
+
 def main() -> None:
-    # A client that moves on to another endpoint says so on stderr (vbs.web logs it); the services
+    # A client that moves on to another endpoint says so on stderr (vbs.api_client logs it); the services
     # replace this with their own logging (vbs.logs).
     logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
@@ -1151,7 +1222,8 @@ def main() -> None:
     from typer._click import exceptions as click
 
     try:
-        code = app(prog_name="vbs", standalone_mode=False)
+        _summarise_commands(app, db_app)
+        code = app_for(sys.argv[1:])(prog_name="vbs", standalone_mode=False)
     except click.NoArgsIsHelpError as exc:
         print(exc.format_message())
         sys.exit(0)

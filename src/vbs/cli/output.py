@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from vbs.errors import InvalidParameter
+
+# Rich loads when a table is drawn: JSON, YAML and text answers (scripts) do without it.
+if TYPE_CHECKING:
+    from rich.console import Console
 
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
@@ -209,12 +210,12 @@ _settings = _Settings()
 
 def configure(fmt: str, query: str | None, columns: str | None = None) -> None:
     """Set --output, --query and --columns; an invalid query raises ValueError with JMESPath's reason."""
-    import jmespath
-
     _settings.columns = [c.strip() for c in columns.split(",") if c.strip()] if columns else []
     resolved = resolve_format(fmt)
     _settings.query = None
     if query is not None:
+        import jmespath
+
         try:
             _settings.query = jmespath.compile(query)
         except jmespath.exceptions.JMESPathError as exc:
@@ -237,6 +238,8 @@ def emit(data: Any, fmt: str, columns: list[Column] | None = None, *, title: str
     if is_machine(fmt) or columns is None:
         _print_whole(_settings.query.search(data) if _settings.query is not None else data)
         return
+    from rich.console import Console
+
     rows = data if isinstance(data, list) else [data]
     # Piped into a file or another program, lines need not fit a terminal.
     console = Console(width=None if sys.stdout.isatty() else 250)
@@ -263,6 +266,8 @@ def print_table(console: Console, rows: list[dict[str, Any]], columns: list[Colu
                 title: str | None = None) -> None:
     """A table that fits the console: with ``--columns`` those columns; else, when the columns do not
     fit, the least important ones are left out (never the id or the status, which are never cut)."""
+    from rich.table import Table
+
     if _settings.columns:
         columns = choose_columns(columns, _settings.columns)
     cells = [[str(get(row)) for _, get in columns] for row in rows]
@@ -332,6 +337,9 @@ def _text(data: Any) -> list[str]:
 
 def _generic_table(data: Any) -> None:
     """A --query result on a terminal: records as rows, a list as one column, a record as key/value."""
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table()
     if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
         keys = list(dict.fromkeys(k for x in data for k in x))
