@@ -927,8 +927,8 @@ def main(argv: list[str] | None = None) -> int:
         name, mode = ("rbd", rbd_control) if args.backend == "rbd" else ("cluster", cluster_mode)
         with workdir(args.work_dir) as work:
             figures = mode.run(work, args)
-        report = rbd_control.report(figures, args) if name == "rbd" else cluster_mode.report(figures)
-        return finish_mode(args, info, loads, sampling, name, figures, report)
+        summary = rbd_control.report(figures, args) if name == "rbd" else cluster_mode.report(figures)
+        return finish_mode(args, info, loads, sampling, name, figures, summary)
     with workdir(args.work_dir) as work:
         log(f"work dir {work} ({fs_type(work)}, {free_gib(work):.1f} GiB free)")
         if not args.skip_ext4:
