@@ -30,7 +30,7 @@ Every process is stopped by its PID in a ``finally`` (the guest by ``TestGuest.s
 SIGINT); the cgroup is removed; only 127.0.0.1 is used. Run as root (cgroup, tgtd).
 
     .venv/bin/python bench/bonnie.py            # 128 MiB guest, 256 MiB file, -n 16, 3 rounds
-    .venv/bin/python bench/bonnie.py --quick    # 16 MiB file (-r 8), -n 1, no per-char tests, one round
+    .venv/bin/python bench/bonnie.py --quick    # 96 MiB file (-r 48), -n 4, no per-char tests, one round
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def report(results: list[DiskFigures], size: BonnieSize, guest_ram: int, cache_m
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a 16 MiB file (-r 8), -n 1, no per-char tests, one round")
+    ap.add_argument("--quick", action="store_true", help="a 96 MiB file (-r 48), -n 4, no per-char tests, one round")
     ap.add_argument("--guest-ram", type=int, default=128, help="MiB of guest RAM (bonnie++ -r; the file is twice)")
     ap.add_argument("--host-cache", type=int, default=None, help="MiB of host cache for local-image (default: "
                     "the guest's RAM, so that the file is twice each)")
@@ -265,7 +265,7 @@ def main() -> int:
     args = ap.parse_args()
     guest_ram = 128 if args.quick else args.guest_ram
     if args.quick:
-        size, rounds = BonnieSize(file_mib=16, ram_mib=8, files_k=1, per_char=False), 1
+        size, rounds = BonnieSize(file_mib=96, ram_mib=48, files_k=4, per_char=False), 1
     else:
         size, rounds = BonnieSize(file_mib=2 * guest_ram, ram_mib=guest_ram, files_k=args.files), args.rounds
     cache_mib = args.host_cache if args.host_cache is not None else size.ram_mib
