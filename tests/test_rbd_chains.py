@@ -233,6 +233,57 @@ def test_a_flatten_stopped_half_way_and_run_again_keeps_every_byte(ceph: CephFor
     assert data_sha(ceph, f"{b.rbd_pool}/{deep}", size) == sha, "no hole where the first flatten stopped"
 
 
+class QemuIo:
+    """An image held open by QEMU's own rbd driver (what a guest uses), written through qemu-io's
+    prompt: after its first write it holds the image's exclusive lock."""
+
+    def __init__(self, ceph: CephForTests, pool: str, image: str) -> None:
+        opts = f"driver=raw,file.driver=rbd,file.pool={pool},file.image={image},file.conf={ceph.conf_path}"
+        self.proc = subprocess.Popen(["qemu-io", "--image-opts", opts], stdin=subprocess.PIPE,  # noqa: S603
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def write(self, byte: int, offset: int, length: int) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"write -P 0x{byte:02x} {offset} {length}\n")
+        self.proc.stdin.flush()
+        while "wrote" not in (line := self.proc.stdout.readline()):
+            assert line, "qemu-io ended"
+            assert "error" not in line.lower() and "failed" not in line.lower(), line
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+
+
+def test_a_clone_open_and_written_in_qemu_is_flattened_with_every_byte(ceph: CephForTests, make_backend: Any,
+                                                                       tmp_path: Path) -> None:
+    """The object map's switch needs the image's exclusive lock, which the writer holds: librbd hands
+    it over on request and takes it back at the next write. Nothing written or inherited is lost."""
+    b = make_backend(max_clone_depth=5)
+    size = 64 * MIB
+    vol = ids.new_id("volume")
+    path, _ = pattern_file(tmp_path, "open", size)
+    expected = bytearray(path.read_bytes())
+    rbd(ceph, "import", "--no-progress", "--image-feature", IMAGE_FEATURES, str(path), f"{b.rbd_pool}/{vol}")
+    deep = chain_of_clones(b, vol, 2, size)[-1]
+    writer = QemuIo(ceph, b.rbd_pool, deep)
+    try:
+        writer.write(0xA1, 5 * MIB, 64 << 10)  # takes the lock
+        b.max_clone_depth = 1
+        b.maintain()
+        assert b.flattener.wait_idle(300) and b.flattener.completed == [deep], "flattened while open"
+        writer.write(0xB2, 40 * MIB, 64 << 10)  # after the flatten: the lock back, the map on again
+    finally:
+        writer.close()
+    expected[5 * MIB:5 * MIB + (64 << 10)] = b"\xa1" * (64 << 10)
+    expected[40 * MIB:40 * MIB + (64 << 10)] = b"\xb2" * (64 << 10)
+    assert b._listing().depth(deep) == 0
+    assert {"object-map", "fast-diff"} <= set(rbd_json(ceph, "info", f"{b.rbd_pool}/{deep}")["features"])
+    assert data_sha(ceph, f"{b.rbd_pool}/{deep}", size) == hashlib.sha256(expected).hexdigest()
+
+
 def test_a_chain_of_seven_clones_is_flattened_by_an_agent_started_later_deepest_first(
         ceph: CephForTests, make_backend: Any, tmp_path: Path) -> None:
     first = make_backend(max_clone_depth=16)
