@@ -323,7 +323,9 @@ def test_filters_and_columns_narrow_the_table(cloud: Cloud, page: Any) -> None:
 def test_attach_to_a_picked_instance_shows_on_the_volume_page_then_detach(cloud: Cloud, page: Any) -> None:
     # A clone of a snapshot, so that the page also has a lineage to show (the README's screenshot).
     parent = cloud.new_volume(tags={"Name": "db-primary"})
-    snap = cloud.vbs.http.post("/v1/snapshots", json={"volume_id": parent, "comment": "nightly"}).json()
+    answer = cloud.vbs.http.post("/v1/snapshots", json={"volume_id": parent, "comment": "nightly"})
+    assert answer.status_code == 200, answer.text
+    snap = answer.json()
     cloud.vbs.wait_snapshot(snap["snapshot_id"], "completed")
     volume_id = cloud.new_volume(snapshot_id=snap["snapshot_id"], tags={"Name": "db-replica", "team": "data"})
     sign_in(page, cloud.vbs)
