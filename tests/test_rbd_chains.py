@@ -61,12 +61,14 @@ def pattern_file(where: Path, seed: str, size: int = SIZE) -> tuple[Path, str]:
     return path, hashlib.sha256(data).hexdigest()
 
 
-def import_volume(ceph: CephForTests, backend: RbdBackend, where: Path, seed: str) -> tuple[str, str]:
-    """A volume whose image ``rbd import`` wrote from a pattern file: its id and the data's sha256."""
+def import_volume(ceph: CephForTests, backend: RbdBackend, where: Path, seed: str,
+                  size: int = SIZE) -> tuple[str, str]:
+    """A volume whose image ``rbd import`` wrote from a pattern file (``where/<seed>.raw``, kept): its
+    id and the data's sha256."""
     vol = ids.new_id("volume")
-    path, sha = pattern_file(where, seed)
+    path, sha = pattern_file(where, seed, size)
     rbd(ceph, "import", "--no-progress", "--image-feature", IMAGE_FEATURES, str(path), f"{backend.rbd_pool}/{vol}")
-    assert backend.ensure_volume(vol, SIZE).state == "ready"
+    assert backend.ensure_volume(vol, size).state == "ready"
     return vol, sha
 
 
@@ -216,10 +218,8 @@ def test_a_flatten_stopped_half_way_and_run_again_keeps_every_byte(ceph: CephFor
     The backend runs each flatten with the map off and switches it on again after."""
     b = make_backend(max_clone_depth=1)
     size = 512 * MIB  # 128 objects: long enough to stop the flatten half-way
-    vol = ids.new_id("volume")
-    path, sha = pattern_file(tmp_path, "halfway", size)
-    rbd(ceph, "import", "--no-progress", "--image-feature", IMAGE_FEATURES, str(path), f"{b.rbd_pool}/{vol}")
-    path.unlink()
+    vol, sha = import_volume(ceph, b, tmp_path, "halfway", size)
+    (tmp_path / "halfway.raw").unlink()
     clones = chain_of_clones(b, vol, 2, size)  # the second is one clone too deep: its flatten starts at once
     deep = clones[-1]
     wait_until(lambda: (b.flattener.progress(deep) or 0) >= 10, 120, what="the flatten under way")
@@ -263,10 +263,8 @@ def test_a_clone_open_and_written_in_qemu_is_flattened_with_every_byte(ceph: Cep
     it over on request and takes it back at the next write. Nothing written or inherited is lost."""
     b = make_backend(max_clone_depth=5)
     size = 64 * MIB
-    vol = ids.new_id("volume")
-    path, _ = pattern_file(tmp_path, "open", size)
-    expected = bytearray(path.read_bytes())
-    rbd(ceph, "import", "--no-progress", "--image-feature", IMAGE_FEATURES, str(path), f"{b.rbd_pool}/{vol}")
+    vol, _ = import_volume(ceph, b, tmp_path, "open", size)
+    expected = bytearray((tmp_path / "open.raw").read_bytes())
     deep = chain_of_clones(b, vol, 2, size)[-1]
     writer = QemuIo(ceph, b.rbd_pool, deep)
     try:

@@ -424,7 +424,8 @@ class RbdBackend:
 
     def _object_map_on(self, volume_id: str) -> None:
         """After a flatten (completed, stopped or failed): the object map back on (Ceph builds it
-        anew from the objects). A crash in between leaves it off; the next flatten turns it on."""
+        anew from the objects). A crash in between leaves it off until a later flatten of the image,
+        if one is still needed (a flatten that had completed needs none: its map stays off)."""
         features = self._features(volume_id)
         if features and "object-map" not in features:
             self._rbd("feature", "enable", self._spec(volume_id), "object-map,fast-diff", timeout_s=FLATTEN_STALL_S)
