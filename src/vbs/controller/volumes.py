@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, exists, false, or_, select, update
+from pydantic_core import to_json
+from sqlalchemy import ColumnElement, exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -268,9 +269,33 @@ VOLUME_FILTERS = {
 }
 
 
+@dataclass(frozen=True)
+class VolumePage:
+    """A page of volumes as plain dicts, VolumeOut's fields in its order: the REST API encodes them as
+    they are (``json()``), without making and validating a model per volume (a fifth of a page of
+    1,000); the EC2 API and single reads take models (``models()``)."""
+
+    volumes: list[dict[str, Any]]
+    next_token: str | None
+
+    def models(self) -> VolumeList:
+        return VolumeList(volumes=[VolumeOut.model_validate(v) for v in self.volumes], next_token=self.next_token)
+
+    def json(self) -> bytes:
+        """What ``models().model_dump_json()`` would give (a test holds them equal), at a fraction of its cost."""
+        return to_json({"volumes": self.volumes, "next_token": self.next_token})
+
+
 def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filters: dict[str, list[str]],
                      max_results: int | None, next_token: str | None, *,
                      deleted_by_id: bool = False) -> VolumeList:
+    """A page of the tenant's volumes (``volume_page``) as models."""
+    return volume_page(svc, tenant, volume_ids, filters, max_results, next_token,
+                       deleted_by_id=deleted_by_id).models()
+
+
+def volume_page(svc: Controller, tenant: str, volume_ids: list[str], filters: dict[str, list[str]],
+                max_results: int | None, next_token: str | None, *, deleted_by_id: bool = False) -> VolumePage:
     """A page of the tenant's volumes. A deleted volume is gone, as on EC2 (``deleting`` shows, then nothing),
     except to a caller who asks for history with the filter ``status=deleted`` (kept for
     ``deleted_retention_s``) and, with ``deleted_by_id``, to one who names it (the REST API: a client
@@ -293,13 +318,13 @@ def describe_volumes(svc: Controller, tenant: str, volume_ids: list[str], filter
     with svc.db.read() as s:
         if "availability-zone" in filters:
             stmt = stmt.where(_in_zones(s, set(filters["availability-zone"]), svc.cfg.availability_zone))
-        rows: list[VolumeFields] = list(s.execute(stmt))
+        rows: list[VolumeFields] = [row._mapping for row in s.execute(stmt)]
         if volume_ids:
-            missing = sorted(set(volume_ids) - {v.id for v in rows})
+            missing = sorted(set(volume_ids) - {v["id"] for v in rows})
             if missing and not filters:
                 raise NotFound(f"The volume(s) '{', '.join(missing)}' do not exist.", code="InvalidVolume.NotFound")
-        rows, token = flt.page(rows, limit, lambda v: v.id)
-        return VolumeList(volumes=_describe_many(svc, s, rows), next_token=token)
+        rows, token = flt.page(rows, limit, lambda v: str(v["id"]))
+        return VolumePage(_describe_many(svc, s, rows), token)
 
 
 def _in_zones(s: Session, zones: set[str], default_zone: str) -> ColumnElement[bool]:
@@ -316,19 +341,24 @@ def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
     return describe_volumes(svc, tenant, [volume_id], {}, None, None, deleted_by_id=True).volumes[0]
 
 
+_COLUMNS = tuple(c.key for c in Volume.__table__.columns)
+
+
 def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
-    return _describe_many(svc, s, [vol])[0]
+    return VolumeOut.model_validate(_describe_many(svc, s, [{key: getattr(vol, key) for key in _COLUMNS}])[0])
 
 
-# A volume as described: its ORM object, or a row of its table's columns (describe_volumes).
-VolumeFields = Volume | Row[Any]
+# A volume as described: its table's columns by name. Read through a mapping: a Row's attributes cost
+# about 0.4 µs each (SQLAlchemy 2.1), ten times a mapping's, and a page of 1,000 reads 25,000.
+VolumeFields = Mapping[Any, Any]  # a RowMapping, or a dict of the columns
 
 
-def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields]) -> list[VolumeOut]:
-    vol_ids = [v.id for v in vols]
+def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields]) -> list[dict[str, Any]]:
+    """VolumeOut's fields of each of ``vols``, in its order (``VolumePage``)."""
+    vol_ids = [v["id"] for v in vols]
     tags = flt.tags_of(s, vol_ids)
-    kms = encryption.kms_key_ids(s, {v.key_id for v in vols if v.key_id is not None})
-    nodes = node_health(s, {v.storage_node for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
+    kms = encryption.kms_key_ids(s, {v["key_id"] for v in vols if v["key_id"] is not None})
+    nodes = node_health(s, {v["storage_node"] for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
                         default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
     migrations = {vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,
@@ -340,19 +370,22 @@ def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields]) ->
             atts[a.volume_id].append(AttachmentOut(
                 attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host, vm_id=a.vm_id,
                 device=a.device, mode=a.mode, state=a.status, state_reason=a.status_reason, attach_time=a.created_at))
-    return [
-        VolumeOut(
-            volume_id=v.id, size_gib=v.size_gib, comment=v.comment, snapshot_id=v.snapshot_id,
-            volume_type=v.volume_type, iops=volume_types.reported_iops(v.volume_type, v.size_gib, v.iops),
-            throughput=volume_types.reported_throughput(v.volume_type, v.throughput), multi_attach=v.multi_attach,
-            encrypted=v.key_id is not None, kms_key_id=kms.get(v.key_id) if v.key_id is not None else None,
-            placement=v.placement, host=v.host, persistent=v.persistent, status=v.status,
-            status_reason=v.status_reason, progress=v.progress,
-            storage_node=v.storage_node, pool=v.pool,
-            availability_zone=nodes[v.storage_node].zone if v.storage_node in nodes else svc.cfg.availability_zone,
-            used_bytes=nodes[v.storage_node].volume_usage.get(v.id) if v.storage_node in nodes else None,
-            volume_status=volume_status(v.status, nodes.get(v.storage_node)), created_at=v.created_at,
-            tags=tags[v.id], attachments=atts[v.id], migration=migrations.get(v.id),
-        )
-        for v in vols
-    ]
+    out = []
+    for v in vols:
+        vid, node_name, key_id, status = v["id"], v["storage_node"], v["key_id"], v["status"]
+        node = nodes.get(node_name)
+        out.append({
+            "volume_id": vid, "size_gib": v["size_gib"], "comment": v["comment"], "snapshot_id": v["snapshot_id"],
+            "volume_type": v["volume_type"],
+            "iops": volume_types.reported_iops(v["volume_type"], v["size_gib"], v["iops"]),
+            "throughput": volume_types.reported_throughput(v["volume_type"], v["throughput"]),
+            "multi_attach": v["multi_attach"], "encrypted": key_id is not None,
+            "kms_key_id": kms.get(key_id) if key_id is not None else None,
+            "placement": v["placement"], "host": v["host"], "persistent": v["persistent"], "status": str(status),
+            "status_reason": v["status_reason"], "progress": v["progress"], "storage_node": node_name,
+            "pool": v["pool"], "availability_zone": node.zone if node is not None else svc.cfg.availability_zone,
+            "used_bytes": node.volume_usage.get(vid) if node is not None else None,
+            "volume_status": volume_status(status, node), "created_at": v["created_at"],
+            "tags": tags[vid], "attachments": atts[vid], "migration": migrations.get(vid),
+        })
+    return out
