@@ -18,6 +18,7 @@ from sqlalchemy import delete, select
 from vbs import credentials, web
 from vbs.config import ControllerConfig
 from vbs.controller import console, edge
+from vbs.controller.after_answer import AfterAnswer
 from vbs.controller.agents import AgentDirectory
 from vbs.controller.api import install_routes
 from vbs.controller.auth import Authenticator
@@ -207,6 +208,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     app.state.keys = key_store
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
+    app.add_middleware(AfterAnswer)  # the workflows a request begins start once it is answered
 
     async def metrics_reader(request: Request) -> None:
         auth.check_metrics_reader(request, await request.body())

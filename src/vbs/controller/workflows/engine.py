@@ -2,7 +2,8 @@
 
 A step is recorded ``started`` before its agent call and ``done`` after it, each in its own commit.
 The last step of a workflow is a DB-only record (``Step(..., ends=True)``): it runs in the
-transaction that ends the operation, and so do the endings (``on_rollback``, ``on_give_up``,
+transaction that ends the operation (and is not recorded ``started`` first: a crash before that
+commit finds it pending, which resumes the same way), and so do the endings (``on_rollback``, ``on_give_up``,
 ``gives_up``), so nobody sees a resource in its final state while its operation still runs (a
 delete right after a create found the volume ``available`` and was refused as busy).
 On failure the engine undoes the started and done steps in reverse and lets the workflow restore
@@ -54,6 +55,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import fencing, ids
+from vbs.controller.after_answer import after_answer
 from vbs.controller.completion import OperationEnds
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.db.tables import utcnow
@@ -278,8 +280,9 @@ class WorkflowEngine:
         return op_id
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        """Run an operation in the background (after the transaction that began it committed)."""
-        self._pool.submit(self._run_guarded, op_id, resuming)
+        """Run an operation in the background (after the transaction that began it committed); begun by
+        an API request, it starts once the request's answer is sent (``vbs.controller.after_answer``)."""
+        after_answer(lambda: self._pool.submit(self._run_guarded, op_id, resuming))
 
     def run_now(self, op_id: str) -> None:
         """Run an operation in the caller's thread (for callers that wait for the outcome)."""
@@ -428,7 +431,11 @@ class WorkflowEngine:
         for pos, step in enumerate(workflow.steps):
             if steps.get(pos) in ("done", "skipped"):
                 continue
-            self._set_step(ctx, pos, "started")
+            if not (step.ends and workflow.rolls_back_at(pos) == workflow.rolls_back_at(max(pos - 1, 0))):
+                # A closing step writes only in the transaction that ends the operation, so a crash
+                # before that commit finds it pending or started alike: its own "started" commit (a
+                # fifth of a create's) is left out, unless reaching it is what decides the direction.
+                self._set_step(ctx, pos, "started")
             self._maybe_crash(workflow.kind, step.name, "started")
             try:
                 self._maybe_hold(workflow.kind, step.name)
