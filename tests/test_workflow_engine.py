@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from tests.conftest import UNIT_DATABASES, fresh_database, wait_until
 from vbs.controller.db import Database, Operation, OperationStep
@@ -405,6 +405,33 @@ def test_a_closing_step_commits_with_the_end_of_its_operation(db: Database) -> N
     assert seen == [("during", "running")]  # the marker was not visible yet, nor the end
     assert op_status(db, op_id) == "succeeded"
     assert step_states(db, op_id) == ["done", "done", "done"]  # a, mark, and the marker row
+
+
+def test_the_step_before_a_closing_step_is_recorded_done_with_the_end_in_two_commits_in_all(db: Database) -> None:
+    """A create's shape (one agent step, one closing step): "a" started, then one transaction that records
+    "a" and the closing step done and ends the operation. Seen from another connection during the closing
+    step, "a" is still "started": a crash there resumes as from any started step."""
+    during: list[list[str]] = []
+    commits: list[int] = []
+
+    def closing(ctx: StepContext) -> None:
+        mine = len(commits)
+        during.append(step_states(db, ctx.operation_id))
+        del commits[mine:]  # this look's own transaction is not the engine's
+
+    rec = Recorder()
+    wf = Workflow("w", Seen, "rollback", (rec.step("a"), Step("mark", closing, ends=True)))
+    engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
+    op_id = start_op(engine, db, "w")
+    listen = (db.engine, "commit", lambda conn: commits.append(1))
+    event.listen(*listen)
+    try:
+        engine.run_now(op_id)
+    finally:
+        event.remove(*listen)
+    assert during == [["started", "pending"]]
+    assert step_states(db, op_id) == ["done", "done"] and op_status(db, op_id) == "succeeded"
+    assert len(commits) == 3, "the read that loads the operation, 'a' started, the ending"
 
 
 def test_a_closing_step_that_fails_leaves_neither_its_writes_nor_an_ended_operation(db: Database) -> None:

@@ -2,10 +2,12 @@
 
 A step is recorded ``started`` before its agent call and ``done`` after it, each in its own commit.
 The last step of a workflow is a DB-only record (``Step(..., ends=True)``): it runs in the
-transaction that ends the operation (and is not recorded ``started`` first: a crash before that
-commit finds it pending, which resumes the same way), and so do the endings (``on_rollback``, ``on_give_up``,
+transaction that ends the operation, and so do the endings (``on_rollback``, ``on_give_up``,
 ``gives_up``), so nobody sees a resource in its final state while its operation still runs (a
-delete right after a create found the volume ``available`` and was refused as busy).
+delete right after a create found the volume ``available`` and was refused as busy). That
+transaction also records the closing step and the step before it done, with no commit of their own
+for "started" or "done": a crash before it finds the step before ``started``, not ``done``, and a
+roll-back undoes it all the same while a roll-forward repeats its (idempotent) call.
 On failure the engine undoes the started and done steps in reverse and lets the workflow restore
 its resource. When the controller starts it resumes every unfinished operation: workflows that
 ``resume="rollback"`` (create, attach) undo what they did, those that ``resume="forward"`` (delete,
@@ -428,6 +430,8 @@ class WorkflowEngine:
             self._forward(workflow, ctx, steps)
 
     def _forward(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str]) -> None:
+        # Steps done whose record waits for the closing step's transaction (see below).
+        unrecorded: list[int] = []
         for pos, step in enumerate(workflow.steps):
             if steps.get(pos) in ("done", "skipped"):
                 continue
@@ -441,7 +445,7 @@ class WorkflowEngine:
                 self._maybe_hold(workflow.kind, step.name)
                 self._maybe_fail(workflow.kind, step.name, "before")
                 if step.ends:
-                    with self._ending(ctx, OperationState.SUCCEEDED, step=pos):
+                    with self._ending(ctx, OperationState.SUCCEEDED, done=(*unrecorded, pos)):
                         step.do(ctx)
                         self._maybe_fail(workflow.kind, step.name, "after")
                     self._maybe_crash(workflow.kind, step.name, "done")
@@ -484,7 +488,14 @@ class WorkflowEngine:
                         workflow.on_give_up(ctx, reason)
                 return
             steps[pos] = "done"
-            self._set_step(ctx, pos, "done", succeeded=True)
+            if pos + 1 < len(workflow.steps) and workflow.steps[pos + 1].ends:
+                # The step before a closing step is recorded done in the transaction that ends the
+                # operation: one commit fewer per create, snapshot or attach. A restart before that
+                # commit finds it started instead of done, which resumes the same way (roll-back
+                # undoes both; roll-forward repeats the call, and agent calls are idempotent).
+                unrecorded.append(pos)
+            else:
+                self._set_step(ctx, pos, "done", succeeded=True)
             self._maybe_crash(workflow.kind, step.name, "done")
         self._finish(ctx, OperationState.SUCCEEDED)
 
@@ -591,10 +602,10 @@ class WorkflowEngine:
 
     @contextmanager
     def _ending(self, ctx: StepContext[Any], status: OperationState, error: str | None = None, *,
-                step: int | None = None) -> Iterator[_Ending]:
-        """One transaction for what the block writes through ``ctx.session()``, the closing step
-        ``step`` (if any) recorded done and the operation ended ``status`` — unless the block sets
-        ``cancelled`` (then only its own writes commit)."""
+                done: tuple[int, ...] = ()) -> Iterator[_Ending]:
+        """One transaction for what the block writes through ``ctx.session()``, the steps at the
+        positions ``done`` recorded done (the closing step, and the one before it) and the operation
+        ended ``status`` — unless the block sets ``cancelled`` (then only its own writes commit)."""
         ending = _Ending()
         with self.db.session() as s:
             ctx.tx = s
@@ -607,9 +618,9 @@ class WorkflowEngine:
             if ending.cancelled:
                 self._guard(s, ctx)
                 return
-            if step is not None:
+            if done:
                 s.execute(update(OperationStep)
-                          .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position == step)
+                          .where(OperationStep.operation_id == ctx.operation_id, OperationStep.position.in_(done))
                           .values(state="done", error=None, updated_at=utcnow()))
             self._update_op(s, ctx, params=ctx.params.model_dump(mode="json"), **_ended(status, error))
         self._ended(ctx, status)
