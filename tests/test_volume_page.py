@@ -102,6 +102,15 @@ def test_a_paged_walk_gives_every_volume_once_with_its_token(db: Database) -> No
     heartbeat(db, "s1", None)
     svc = controller(db)
     made = {create_volume(svc, CreateVolumeRequest(size_gib=1), DEFAULT_TENANT).volume_id for _ in range(12)}
+    # Tags and an attachment on every volume: a page looks them up by its own query of ids, which reads
+    # one row past the page; nothing of that row may show on the page.
+    now = utcnow()
+    with db.session() as s:
+        for vid in made:
+            set_tags(s, vid, {"Name": vid})
+            s.add(Attachment(id=ids.new_id("attachment"), volume_id=vid, instance_id=None, host="h1", vm_id=vid,
+                             device="/dev/vdb", mode="rw", status="attached", status_reason=None, created_at=now,
+                             updated_at=now))
     seen: list[str] = []
     token = None
     while True:
@@ -110,6 +119,9 @@ def test_a_paged_walk_gives_every_volume_once_with_its_token(db: Database) -> No
         assert body["next_token"] == page.next_token
         assert body == json.loads(page.models().model_dump_json())
         seen += [v["volume_id"] for v in body["volumes"]]
+        for v in body["volumes"]:
+            assert v["tags"] == {"Name": v["volume_id"]}
+            assert [a["vm_id"] for a in v["attachments"]] == [v["volume_id"]]
         token = page.next_token
         if token is None:
             break

@@ -198,10 +198,18 @@ def bounded_int(low: int = 0, high: int = INT_MAX) -> Callable[[str], int]:
     return cast
 
 
-def tags_of(session: Any, resource_ids: list[str]) -> dict[str, dict[str, str]]:
+def tags_of(session: Any, resource_ids: list[str], *, within: Select[Any] | None = None) -> dict[str, dict[str, str]]:
+    """The tags of each of ``resource_ids``. ``within``: a query of ids that holds them all (a page's own
+    query), looked up in the database instead of a list of ids that SQLAlchemy expands into one bound
+    parameter each (about 1 ms a thousand); tags of ids it gives beyond ``resource_ids`` are left out."""
     out: dict[str, dict[str, str]] = {rid: {} for rid in resource_ids}
-    for chunk_start in range(0, len(resource_ids), 500):
-        chunk = resource_ids[chunk_start:chunk_start + 500]
-        for t in session.scalars(select(Tag).where(Tag.resource_id.in_(chunk))):
-            out[t.resource_id][t.key] = t.value
+    if within is not None:
+        queries = [select(Tag).where(Tag.resource_id.in_(within))] if resource_ids else []
+    else:
+        queries = [select(Tag).where(Tag.resource_id.in_(resource_ids[start:start + 500]))
+                   for start in range(0, len(resource_ids), 500)]
+    for query in queries:
+        for t in session.scalars(query):
+            if t.resource_id in out:
+                out[t.resource_id][t.key] = t.value
     return out

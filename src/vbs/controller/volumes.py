@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from pydantic_core import to_json
-from sqlalchemy import ColumnElement, exists, false, or_, select, update
+from sqlalchemy import ColumnElement, Select, exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -324,7 +324,8 @@ def volume_page(svc: Controller, tenant: str, volume_ids: list[str], filters: di
             if missing and not filters:
                 raise NotFound(f"The volume(s) '{', '.join(missing)}' do not exist.", code="InvalidVolume.NotFound")
         rows, token = flt.page(rows, limit, lambda v: str(v["id"]))
-        return VolumePage(_describe_many(svc, s, rows), token)
+        # The page's tags, attachments and migrations are looked up by the page's own query of ids.
+        return VolumePage(_describe_many(svc, s, rows, within=stmt.with_only_columns(Volume.id)), token)
 
 
 def _in_zones(s: Session, zones: set[str], default_zone: str) -> ColumnElement[bool]:
@@ -353,20 +354,24 @@ def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
 VolumeFields = Mapping[Any, Any]  # a RowMapping, or a dict of the columns
 
 
-def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields]) -> list[dict[str, Any]]:
-    """VolumeOut's fields of each of ``vols``, in its order (``VolumePage``)."""
+def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields], *,
+                   within: Select[Any] | None = None) -> list[dict[str, Any]]:
+    """VolumeOut's fields of each of ``vols``, in its order (``VolumePage``); ``within``: a query of
+    ids that holds theirs (``filters.tags_of``)."""
     vol_ids = [v["id"] for v in vols]
-    tags = flt.tags_of(s, vol_ids)
+    tags = flt.tags_of(s, vol_ids, within=within)
     kms = encryption.kms_key_ids(s, {v["key_id"] for v in vols if v["key_id"] is not None})
     nodes = node_health(s, {v["storage_node"] for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
                         default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
     migrations = {vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,
                                             target_pool=p.target_pool, progress=p.progress, state=state)
-                  for vid, (op_id, kind, state, p) in migration_progress(s, vol_ids).items()}
+                  for vid, (op_id, kind, state, p) in migration_progress(s, vol_ids, within=within).items()}
     if vol_ids:
-        for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(vol_ids),
+        for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(within if within is not None else vol_ids),
                                                     Attachment.status != AttachmentState.DETACHED)):
+            if a.volume_id not in atts:
+                continue
             atts[a.volume_id].append(AttachmentOut(
                 attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host, vm_id=a.vm_id,
                 device=a.device, mode=a.mode, state=a.status, state_reason=a.status_reason, attach_time=a.created_at))

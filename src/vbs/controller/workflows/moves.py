@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session
 
 from vbs import ids
@@ -289,14 +289,18 @@ MIGRATE_VOLUME_MIRROR = Workflow(
 )
 
 
-def migration_progress(session: Session, volume_ids: list[str]) -> dict[str, tuple[str, str, str, MigrateParams]]:
+def migration_progress(session: Session, volume_ids: list[str], *,
+                       within: Select[Any] | None = None) -> dict[str, tuple[str, str, str, MigrateParams]]:
     """The unfinished migration of each of ``volume_ids`` that has one: its operation's id, kind and
-    state, and its parameters."""
+    state, and its parameters (``within``: as in ``filters.tags_of``)."""
     if not volume_ids:
         return {}
     found: dict[str, tuple[str, str, str, MigrateParams]] = {}
-    for op in session.scalars(select(Operation).where(Operation.resource_id.in_(volume_ids),
+    wanted = set(volume_ids)
+    for op in session.scalars(select(Operation).where(Operation.resource_id.in_(within if within is not None
+                                                                                 else volume_ids),
                                                       Operation.kind.in_(MIGRATION_KINDS),
                                                       Operation.status.in_(UNFINISHED_OPERATION))):
-        found[op.resource_id] = (op.id, op.kind, op.status, MigrateParams.model_validate(op.params))
+        if op.resource_id in wanted:
+            found[op.resource_id] = (op.id, op.kind, op.status, MigrateParams.model_validate(op.params))
     return found
