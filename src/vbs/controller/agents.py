@@ -284,7 +284,9 @@ class AgentDirectory:
             row = s.execute(select(Node.url, Node.address).where(Node.name == name, Node.kind == kind)).first()
         if row is None:
             raise AgentUnavailable(f"{kind} node {name!r} has never reported to this controller")
-        url, address = row
+        return self._client_at(name, kind, *row)
+
+    def _client_at(self, name: str, kind: str, url: str, address: str | None) -> tuple[ApiClient, frozenset[str]]:
         addresses = frozenset(a for a in (address, urlsplit(url).hostname) if a)
         with self._lock:
             client = self._clients.get((url, kind, name))
@@ -300,10 +302,12 @@ class AgentDirectory:
         return probe_tickets.mint(self._keyring.token_for_calls("storage", storage_node), storage_node, host)
 
     def storage(self, name: str) -> StorageAgent:
-        client, addresses = self._node(name, "storage")
-        with self._db.read() as s:
+        with self._db.read() as s:  # one read for the address and the pools (every storage step asks)
             node = s.get(Node, (name, "storage"))
-            pools = storage_info(node).pools if node is not None else []
+            if node is None:
+                raise AgentUnavailable(f"storage node {name!r} has never reported to this controller")
+            url, address, pools = node.url, node.address, storage_info(node).pools
+        client, addresses = self._client_at(name, "storage", url, address)
         return StorageAgent(client, name, addresses, frozenset(m for p in pools for m in p.monitors))
 
     def host(self, name: str) -> HostAgent:
