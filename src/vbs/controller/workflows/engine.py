@@ -257,16 +257,30 @@ class WorkflowEngine:
         now = utcnow()
         lease_until = self.db.clock(session) + self._lease
         fence = self.db.next_fence(session)
+
+        def operation() -> Operation:
+            return Operation(id=op_id, kind=kind, resource_id=resource_id, status=OperationState.RUNNING,
+                             exclusive=workflow.exclusive, params=params.model_dump(mode="json"), attempts=0,
+                             created_at=now, updated_at=now, owner=self.owner, lease_until=lease_until, fence=fence)
+
+        if workflow.exclusive:
+            self._insert_exclusive(session, operation, resource_id)
+        else:
+            session.add(operation())  # no unique index can refuse it: no savepoint (two more statements)
+        for pos, step in enumerate(workflow.steps):
+            session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
+                                      updated_at=now))
+        return op_id
+
+    @staticmethod
+    def _insert_exclusive(session: Session, operation: Callable[[], Operation], resource_id: str) -> None:
+        """Insert an exclusive operation, or ``IncorrectState`` while its resource has another one."""
         for _attempt in range(EXCLUSIVE_ATTEMPTS):
             try:
                 with session.begin_nested():
-                    session.add(Operation(id=op_id, kind=kind, resource_id=resource_id,
-                                          status=OperationState.RUNNING, exclusive=workflow.exclusive,
-                                          params=params.model_dump(mode="json"), attempts=0, created_at=now,
-                                          updated_at=now, owner=self.owner, lease_until=lease_until,
-                                          fence=fence))
+                    session.add(operation())
                     session.flush()
-                break
+                return
             except IntegrityError:
                 other = session.scalar(select(Operation).where(
                     Operation.resource_id == resource_id, Operation.exclusive.is_(True),
@@ -277,12 +291,7 @@ class WorkflowEngine:
                 # PostgreSQL: the operation that held the slot ended between our insert and this look-up
                 # (at READ COMMITTED each statement sees the latest commits). The slot is free: try again.
                 log.info("operation slot of %s freed meanwhile; retrying", resource_id)
-        else:
-            raise IncorrectState(f"'{resource_id}' is being changed by another operation; try again.")
-        for pos, step in enumerate(workflow.steps):
-            session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
-                                      updated_at=now))
-        return op_id
+        raise IncorrectState(f"'{resource_id}' is being changed by another operation; try again.")
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:
         """Run an operation in the background (after the transaction that began it committed); begun by
