@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
+from vbs.asgi import HttpMiddleware
+
 __all__ = ["RequestMetrics", "install_metrics", "new_registry", "route_of", "ScrapeCollector", "METRICS_PATH",
            "ROUTE_KEY"]
 
@@ -75,20 +77,17 @@ class RequestCounters:
                                  ["method", "route"], registry=registry)
 
 
-class RequestMetrics:
+class RequestMetrics(HttpMiddleware):
     """ASGI middleware: ``vbs_api_requests_total{method,route,code}`` and
     ``vbs_api_request_duration_seconds{method,route}``, for every request, refused ones included
     (it sits outside the authentication checks)."""
 
     def __init__(self, app: Any, counters: RequestCounters, routes: Callable[[], Iterable[BaseRoute]]) -> None:
-        self.app = app
+        super().__init__(app)
         self.routes = routes
         self.counters = counters
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Any, receive: Any, send: Any) -> None:
         started = time.perf_counter()
         status = 500  # an exception that escapes the app is answered 500 by the server
 

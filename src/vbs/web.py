@@ -26,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vbs import fencing
 from vbs.api_client import ApiClient as ApiClient
+from vbs.asgi import HttpMiddleware
 from vbs.errors import (
     AuthFailure,
     InvalidParameter,
@@ -103,7 +104,7 @@ class _BodyTooSlow(BaseException):
     pass
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     """Bound every request body in size and time, however it is sent (Content-Length or chunked).
 
     A body over ``MAX_BODY_BYTES`` is refused with 413 as soon as that much has arrived; a client
@@ -111,13 +112,7 @@ class BodyLimit:
     ``BODY_TOTAL_TIMEOUT_S`` (a byte at a time), gets 408. Nothing reads more than that.
     """
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Any, receive: Any, send: Any) -> None:
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             await _send_refusal(scope, send, _too_large())
@@ -228,7 +223,7 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-class PreAuth:
+class PreAuth(HttpMiddleware):
     """Refuse a request on its head alone, before any of its body is read (an unauthenticated client
     cannot make a server wait for a body), and bound requests in progress per client address.
 
@@ -236,14 +231,11 @@ class PreAuth:
     """
 
     def __init__(self, app: Any, check: Callable[[Scope], Response | None]) -> None:
-        self.app = app
+        super().__init__(app)
         self.check = check
         self._in_flight: dict[str, int] = {}
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Any, receive: Any, send: Any) -> None:
         refused = self.check(scope)
         if refused is not None:
             await refused(scope, receive, send)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from vbs.asgi import HttpMiddleware
+
 log = logging.getLogger(__name__)
 
 # The request's list of work to start; None outside a request. A handler in a worker thread sees the
@@ -35,17 +37,11 @@ def after_answer(work: Callable[[], object]) -> None:
         pending.append(work)
 
 
-class AfterAnswer:
+class AfterAnswer(HttpMiddleware):
     """ASGI middleware: what a request's handler left with ``after_answer`` runs once the app has
     returned, whether it answered, failed or lost its client."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Any, receive: Any, send: Any) -> None:
         pending: list[Callable[[], object]] = []
         token = _pending.set(pending)
         try:
