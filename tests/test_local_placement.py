@@ -116,7 +116,7 @@ class KindsEngine:
     def __init__(self) -> None:
         self.began: list[tuple[str, Any]] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         self.began.append((kind, params))
         return ids.new_id("operation")
 

@@ -34,7 +34,7 @@ class BeginRecorder:
     def __init__(self) -> None:
         self.begun: list[tuple[str, str, Any]] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         self.begun.append((kind, resource_id, params))
         return ids.new_id("operation")
 

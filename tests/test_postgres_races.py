@@ -54,7 +54,7 @@ class PausingEngine(WorkflowEngine):
         self.holding = threading.Event()
         self.go = threading.Event()
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         op_id = super().begin(session, kind, resource_id, params)
         session.flush()
         if self.pause:

@@ -99,7 +99,7 @@ def promised(db: Database) -> Counter[tuple[str, str]]:
 class RecordingEngine:
     """Records that an operation began; runs nothing (placement is all these tests look at)."""
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         return ids.new_id("operation")
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:

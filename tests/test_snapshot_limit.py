@@ -38,7 +38,7 @@ class NoEngine:
     def __init__(self) -> None:
         self.begun: list[str] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         self.begun.append(resource_id)
         return ids.new_id("operation")
 

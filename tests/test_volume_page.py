@@ -31,7 +31,7 @@ GIB = 1 << 30
 
 
 class RecordingEngine:
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any) -> str:
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
         return ids.new_id("operation")
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:

@@ -141,7 +141,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
-        format_key=written_encrypted, source_key_id=source_key_id))
+        format_key=written_encrypted, source_key_id=source_key_id), new_resource=True)
     return volume, op_id
 
 
@@ -208,7 +208,7 @@ def _insert_local_volume(svc: Controller, s: Session, req: CreateVolumeRequest, 
     op_id = svc.engine.begin(s, "create-local-volume", volume.id, CreateLocalVolumeParams(
         host=req.host, pool=pool, size_gib=size, snapshot_id=req.snapshot_id,
         snapshot_node=snap.storage_node if snap else None, snapshot_pool=snap.pool if snap else None,
-        scratch_volume_id=ids.new_id("volume") if snap else None))
+        scratch_volume_id=ids.new_id("volume") if snap else None), new_resource=True)
     return volume, op_id
 
 

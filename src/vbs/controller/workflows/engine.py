@@ -244,11 +244,13 @@ class WorkflowEngine:
 
     # -- starting operations -------------------------------------------------------------------
 
-    def begin(self, session: Session, kind: str, resource_id: str, params: Params) -> str:
+    def begin(self, session: Session, kind: str, resource_id: str, params: Params, *,
+              new_resource: bool = False) -> str:
         """Record a new operation inside the caller's transaction (atomic with the resource row).
 
         An exclusive kind (see ``states.EXCLUSIVE_KINDS``) on a resource that has an unfinished
-        exclusive operation is refused by the DB's unique index: ``IncorrectState``.
+        exclusive operation is refused by the DB's unique index: ``IncorrectState``. ``new_resource``:
+        the caller's transaction made the resource (a create), so no other operation can hold it.
         """
         workflow = self.workflows[kind]
         if not isinstance(params, workflow.params):
@@ -263,10 +265,10 @@ class WorkflowEngine:
                              exclusive=workflow.exclusive, params=params.model_dump(mode="json"), attempts=0,
                              created_at=now, updated_at=now, owner=self.owner, lease_until=lease_until, fence=fence)
 
-        if workflow.exclusive:
+        if workflow.exclusive and not new_resource:
             self._insert_exclusive(session, operation, resource_id)
         else:
-            session.add(operation())  # no unique index can refuse it: no savepoint (two more statements)
+            session.add(operation())  # nothing can refuse it: no savepoint (two more statements)
         for pos, step in enumerate(workflow.steps):
             session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
                                       updated_at=now))
