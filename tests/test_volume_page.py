@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
+from tests.test_scheduler import RecordingEngine
 from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume
@@ -28,14 +29,6 @@ from vbs.wire.storage import PoolInfo, StorageHeartbeat
 pytestmark = pytest.mark.unit
 
 GIB = 1 << 30
-
-
-class RecordingEngine:
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
-        return ids.new_id("operation")
-
-    def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        pass
 
 
 @pytest.fixture(params=UNIT_DATABASES)

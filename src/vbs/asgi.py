@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 
-class HttpMiddleware:
+class HttpMiddleware(ABC):
     def __init__(self, app: Any) -> None:
         self.app = app
 
@@ -16,6 +17,6 @@ class HttpMiddleware:
             return
         await self.http(scope, receive, send)
 
+    @abstractmethod
     async def http(self, scope: Any, receive: Any, send: Any) -> None:
         """Handle one HTTP request (``self.app`` is the rest of the stack)."""
-        raise NotImplementedError

@@ -89,7 +89,7 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
                             "The client token was already used with different parameters.")
                     return _describe_one(svc, s, existing)
             volume, op_id = _insert_volume(svc, s, req, digest, tenant)
-            out = _describe_new(svc, s, volume, req.tags)
+            out = _describe_one(svc, s, volume, new_tags=req.tags)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
@@ -346,15 +346,12 @@ def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
 _COLUMNS = tuple(c.key for c in Volume.__table__.columns)
 
 
-def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
-    return VolumeOut.model_validate(_describe_many(svc, s, [{key: getattr(vol, key) for key in _COLUMNS}])[0])
-
-
-def _describe_new(svc: Controller, s: Session, vol: Volume, tags: dict[str, str]) -> VolumeOut:
-    """A volume this transaction just inserted with ``tags``: it has no attachment or migration yet, so
-    only its node is read (the answer of every create)."""
-    return VolumeOut.model_validate(_describe_many(svc, s, [{key: getattr(vol, key) for key in _COLUMNS}],
-                                                   new_tags={vol.id: dict(tags)})[0])
+def _describe_one(svc: Controller, s: Session, vol: Volume, *, new_tags: dict[str, str] | None = None) -> VolumeOut:
+    """``vol`` described; ``new_tags``: this transaction just inserted it with these tags, so it has no
+    attachment or migration yet and only its node is read (the answer of every create)."""
+    fields = {key: getattr(vol, key) for key in _COLUMNS}
+    return VolumeOut.model_validate(_describe_many(svc, s, [fields], new_tags=None if new_tags is None
+                                                   else {vol.id: dict(new_tags)})[0])
 
 
 # A volume as described: its table's columns by name. Read through a mapping: a Row's attributes cost
@@ -368,16 +365,17 @@ def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields], *,
     """VolumeOut's fields of each of ``vols``, in its order (``VolumePage``); ``within``: a query of
     ids that holds theirs (``filters.tags_of``); ``new_tags``: they were just inserted, with these tags."""
     vol_ids = [v["id"] for v in vols]
+    fresh = new_tags is not None  # no attachment or migration to look up
     tags = new_tags if new_tags is not None else flt.tags_of(s, vol_ids, within=within)
     kms = encryption.kms_key_ids(s, {v["key_id"] for v in vols if v["key_id"] is not None})
     nodes = node_health(s, {v["storage_node"] for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
                         default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
-    migrations = {vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,
-                                            target_pool=p.target_pool, progress=p.progress, state=state)
-                  for vid, (op_id, kind, state, p) in migration_progress(s, vol_ids, within=within).items()} \
-        if new_tags is None else {}
-    if vol_ids and new_tags is None:
+    migrations = {} if fresh else {
+        vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,
+                                  target_pool=p.target_pool, progress=p.progress, state=state)
+        for vid, (op_id, kind, state, p) in migration_progress(s, vol_ids, within=within).items()}
+    if vol_ids and not fresh:
         for a in s.scalars(select(Attachment).where(Attachment.volume_id.in_(within if within is not None else vol_ids),
                                                     Attachment.status != AttachmentState.DETACHED)):
             if a.volume_id not in atts:
