@@ -195,7 +195,9 @@ def test_two_controllers_on_postgresql_keep_serving_when_one_is_killed(tmp_path:
                 # Refused, or reset/timed out when a heartbeat was in flight as controller-1 died. An
                 # agent whose heartbeat once took too long on a loaded machine moved on before the kill
                 # and says nothing new: either way its last switch is to controller-2.
-                wait_until(partial(switched_to, up.log_path, agent, url2), 30, what=f"{agent} on controller-2")
+                said = [line for line in up.log_path.read_text().splitlines() if f"{agent}:" in line]
+                wait_until(partial(switched_to, up.log_path, agent, url2), 30,
+                           what=f"{agent} on controller-2; it said before: {said}")
             auth = {"authorization": f"Bearer {vbs.key.bearer}"}
 
             def beating_since_the_kill() -> bool:
