@@ -14,7 +14,7 @@ from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.controller.workflows.live_migrations import GuestAt, locate_guest, migrating_volume_ids
 from vbs.errors import DriverError, IncorrectState
-from vbs.host.hypervisors.qemu_migration import pci_slot
+from vbs.host.hypervisors.qemu_slots import slot_of
 from vbs.wire.host import PCI_SLOT_RE, MigrationInfo, StartMigration
 
 pytestmark = pytest.mark.unit
@@ -65,9 +65,13 @@ def test_the_reconciler_leaves_the_volumes_of_a_migration_alone() -> None:
 
 def test_pci_slots_and_migration_uris_are_checked() -> None:
     # qom-get answers a device's devfn; device_add takes "slot.function" in hex (an int is misread).
-    assert pci_slot(16) == "02.0"
-    assert pci_slot(0xB1) == "16.1"
+    assert slot_of(16) == "02.0"
+    assert slot_of(0xB1) == "16.1"
     assert PCI_SLOT_RE.match("02.0") and not PCI_SLOT_RE.match("16") and not PCI_SLOT_RE.match("02.8")
+    # In a PCIe port: the port's id first (a QEMU id: a letter, then letters, digits, "_.-").
+    assert PCI_SLOT_RE.match("rp1/00.0") and PCI_SLOT_RE.match("pci.3/00.0")
+    for bad in ("/00.0", "1rp/00.0", "rp 1/00.0", "rp1/00.0/00.0", "rp1;x/00.0", "rp1/"):
+        assert not PCI_SLOT_RE.match(bad), bad
     with pytest.raises(ValueError):
         StartMigration(uri="tcp:127.0.0.1:4444; rm -rf /")
     with pytest.raises(ValueError):

@@ -65,6 +65,14 @@ def guest(vm_dir: Path) -> Iterator[TestGuest]:
 
 
 @pytest.fixture(scope="module")
+def q35_guest(vm_dir: Path) -> Iterator[TestGuest]:
+    """A PCI Express machine: its root bus takes no hot-plugged device, its two root ports do."""
+    with TestGuest("q35guest", vm_dir.parent, build_guest(), vm_dir, machine="q35", root_ports=2) as g:
+        g.wait_ready(60)
+        yield g
+
+
+@pytest.fixture(scope="module")
 def bare_vm(vm_dir: Path) -> Iterator[str]:
     """A VM with firmware only: nothing in it will ever acknowledge an unplug."""
     log = (vm_dir.parent / "bare.log").open("wb")
@@ -431,6 +439,47 @@ def test_file_volume_is_hot_plugged_written_and_unplugged(
     assert vbs_nodes(guest.test_qmp_path) == set()
     assert volume.read_bytes()[: 4 * MIB] == pattern_bytes("file-vol", 4)
     print(f"file attach {attach_s:.3f}s, detach (guest released) {detach_s:.3f}s")
+
+
+def test_a_q35_machine_takes_disks_in_its_empty_root_ports_and_refuses_one_more(
+    driver: QemuDriver, q35_guest: TestGuest, tmp_path: Path
+) -> None:
+    vm, guest = "q35guest", q35_guest
+    files = {n: empty_file(tmp_path / f"v{n}.raw", 8 * MIB) for n in (1, 2, 3)}
+    serials = {n: virtio_serial(vol(0x70 + n)) for n in files}
+
+    def attach(n: int, slot: str | None = None) -> DiskInfo:
+        return driver.attach(vm, serials[n], FileConnection(path=str(files[n])), pci_slot=slot)
+
+    one, two = attach(1), attach(2)
+    assert (one.pci_slot, two.pci_slot) == ("rp1/00.0", "rp2/00.0")
+    for n in (1, 2):
+        dev = guest.wait_for_disk(serials[n])
+        assert guest.write_pattern(dev, f"q35-{n}", 2) == pattern_sha256(f"q35-{n}", 2)
+    assert sorted(driver.list_disks(vm), key=lambda d: d.serial) == sorted([one, two], key=lambda d: d.serial)
+
+    # Both ports taken and the root bus takes nothing: refused with the reason, nothing left behind.
+    before = vbs_nodes(guest.test_qmp_path), vbs_objects(guest.test_qmp_path)
+    with pytest.raises(IncorrectState, match="no free slot for another disk.*pcie-root-port"):
+        attach(3)
+    assert (vbs_nodes(guest.test_qmp_path), vbs_objects(guest.test_qmp_path)) == before
+    assert set(guest.disks()) == {serials[1], serials[2]}
+
+    # A detach frees its port for the next disk; a given slot (a migration's) is taken as it is.
+    driver.detach(vm, serials[1])
+    guest.wait_disk_gone(serials[1])
+    assert attach(3).pci_slot == "rp1/00.0"
+    dev = guest.wait_for_disk(serials[3])
+    assert guest.write_pattern(dev, "q35-3", 1) == pattern_sha256("q35-3", 1)
+    driver.detach(vm, serials[2])
+    guest.wait_disk_gone(serials[2])
+    assert attach(1, "rp2/00.0").pci_slot == "rp2/00.0"
+    assert guest.checksum(guest.wait_for_disk(serials[1]), 2) == pattern_sha256("q35-1", 2)
+    for n in (1, 3):
+        driver.detach(vm, serials[n])
+        guest.wait_disk_gone(serials[n])
+    assert vbs_nodes(guest.test_qmp_path) == set()
+    assert files[2].read_bytes()[: 2 * MIB] == pattern_bytes("q35-2", 2)
 
 
 def test_attach_and_detach_are_idempotent(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.integration
 SERIALS = ("vol0123456789abcdef0", "vol0123456789abcdef1")
 
 
-def start_vm(vm_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start_vm(vm_dir: Path, *extra: str, machine: str = "pc") -> subprocess.Popen[bytes]:
     vm_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-m", "64", "-nodefaults",
+    proc = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", machine, "-m", "64", "-nodefaults",
                              "-display", "none", "-qmp", f"unix:{vm_dir / 'vm1.qmp'},server=on,wait=off",
                              "-qmp", f"unix:{private_qmp(vm_dir, 'vm1')},server=on,wait=off", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,6 +99,29 @@ def test_the_destination_takes_the_guest_with_its_disks_in_the_same_slots(
     assert not any(n.endswith("-proto") for n in nodes), nodes
     # A migrated source is not resumed by a cancel that does not ask for it.
     assert source.cancel_migration("vm1", resume=False).status == "postmigrate"
+
+
+def test_on_q35_the_disks_land_in_the_root_ports_the_source_has_them_in(tmp_path: Path) -> None:
+    ports = [arg for n in (1, 2, 3) for arg in ("-device", f"pcie-root-port,id=rp{n},chassis={n}")]
+    procs = [start_vm(tmp_path / "h1" / "vms", *ports, machine="q35"),
+             start_vm(tmp_path / "h2" / "vms", *ports, "-incoming", "defer", machine="q35")]
+    drivers = (QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0),
+               QemuDriver(tmp_path / "h2" / "vms", qmp_timeout=5.0))
+    with contextmanager(_with_volumes)(tmp_path, procs, drivers) as (source, target, volumes):
+        # Ports a fresh VM would not pick first, as after other hot-plugs and unplugs.
+        for serial, slot in zip(SERIALS, ("rp3/00.0", "rp2/00.0"), strict=True):
+            source.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slot)
+        slots = {d.serial: d.pci_slot for d in source.list_disks("vm1")}
+        assert slots == {SERIALS[0]: "rp3/00.0", SERIALS[1]: "rp2/00.0"}
+        for serial in SERIALS:
+            target.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slots[serial])
+        assert {d.serial: d.pci_slot for d in target.list_disks("vm1")} == slots
+        uri = target.listen_for_migration("vm1").uri
+        assert uri is not None
+        source.migrate("vm1", StartMigration(uri=uri))
+        wait_until(lambda: source.migration_info("vm1").state == "completed", 30, what="the migration")
+        wait_until(lambda: target.migration_info("vm1").status == "running", 10, what="the destination running")
+        assert {d.serial: d.pci_slot for d in target.list_disks("vm1")} == slots
 
 
 def test_a_cancelled_migration_leaves_the_source_running(hosts: tuple[QemuDriver, QemuDriver, Path],

@@ -38,6 +38,7 @@ _SEED_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # The guest reads a command as one canonical tty line, which holds at most 4095 bytes.
 _MAX_LINE = 4000
 MIB = 1024 * 1024
+MAX_ROOT_PORTS = 32
 
 
 def qmp_execute(socket: Path, command: str, args: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
@@ -71,6 +72,7 @@ class TestGuest:
         qmp_dir: Path,
         machine: str = "pc",
         memory_mib: int = 256,
+        root_ports: int = 0,
     ) -> None:
         if not _NAME_RE.match(name):
             raise InvalidParameter(f"invalid guest name {name!r}")
@@ -82,6 +84,10 @@ class TestGuest:
         self.console_log = self.workdir / f"{name}.console.log"
         self.machine = machine
         self.memory_mib = memory_mib
+        # Empty PCIe root ports rp1, rp2, ... (a q35 machine hot-plugs disks only into those).
+        if not 0 <= root_ports <= MAX_ROOT_PORTS:
+            raise InvalidParameter(f"root_ports is 0-{MAX_ROOT_PORTS}, not {root_ports}")
+        self.root_ports = root_ports
         self.boot_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
@@ -115,6 +121,8 @@ class TestGuest:
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
             "-no-reboot",
+            *(arg for n in range(1, self.root_ports + 1)
+              for arg in ("-device", f"pcie-root-port,id=rp{n},chassis={n}")),
             *(["-incoming", "defer"] if self._incoming else []),
         ]  # fmt: skip
         stderr = (self.workdir / f"{self.name}.qemu.log").open("ab")
@@ -135,7 +143,8 @@ class TestGuest:
         (another host agent's VM directory) and its files in ``workdir``. Once the migration completes
         the guest runs there and its console is the twin's: use the twin for commands from then on
         (it knows the disks this guest reported; it sees no boot)."""
-        twin = TestGuest(self.name, workdir, self.image, qmp_dir, machine=self.machine, memory_mib=self.memory_mib)
+        twin = TestGuest(self.name, workdir, self.image, qmp_dir, machine=self.machine, memory_mib=self.memory_mib,
+                         root_ports=self.root_ports)
         twin._incoming = True
         with self._cond:
             twin._disks = dict(self._disks)

@@ -51,9 +51,10 @@ VM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # An external cloud's scheme ("nova") and one of its ids, as host agents report them.
 CLOUD_SCHEME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 CLOUD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-# Where a disk's device sits on the VM's PCI bus, as QEMU's ``addr`` takes it ("slot.function", hex): a
-# live migration's destination must place each device exactly where the source has it.
-PCI_SLOT_RE = re.compile(r"^[0-9a-f]{2}\.[0-7]$")
+# Where a disk's device sits on the VM's PCI bus, as QEMU's ``addr`` takes it ("slot.function", hex),
+# after the id of the PCIe port it is plugged into, if any ("rp1/00.0"): a live migration's
+# destination must place each device exactly where the source has it.
+PCI_SLOT_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_.-]{0,62}/)?[0-9a-f]{2}\.[0-7]$")
 # A hypervisor's run state of a VM, lower case (QEMU's RunState: "running", "paused", "inmigrate",
 # "postmigrate", ...): what a live migration's steps read.
 VmStatus = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]

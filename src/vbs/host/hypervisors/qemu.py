@@ -44,6 +44,7 @@ from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.host.connectors.base import open_in_qemu
 from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.host.hypervisors import qemu_migration as migration
+from vbs.host.hypervisors import qemu_slots as slots
 from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.luks import qemu_luks_node, qemu_secret
 from vbs.host.tunnels import IscsiTunnels
@@ -552,9 +553,9 @@ class QemuDriver:
         with _undone_on_failure(vm, f"attach of {serial}") as undo:
             top = self._build_chain(vm, connection, ids, read_only, qos, luks, undo)
             device = {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial}
-            vm.cmd("device_add", device if pci_slot is None else {**device, "addr": pci_slot})
+            vm.cmd("device_add", {**device, **slots.placement(vm.cmd, vm.vm_id, pci_slot)})
         return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw),
-                        pci_slot=_device_slot(vm, ids.device))
+                        pci_slot=slots.device_slot(vm.cmd, ids.device))
 
     def _build_chain(self, vm: _Vm, connection: AnyConnection, ids: DiskIds, read_only: bool, qos: QoS | None,
                      luks: SecretStr | None, undo: Undo) -> str:
@@ -890,17 +891,8 @@ def _our_disks(vm: _Vm) -> list[DiskInfo]:
         # A forced detach the guest has not acknowledged leaves the device on the always-failing node.
         disks.append(DiskInfo(serial=match.group(1), read_only=bool(node.get("ro")),
                               size_bytes=int(size) if size is not None else None, connected=ids.dead not in nodes,
-                              pci_slot=_device_slot(vm, dev)))
+                              pci_slot=slots.device_slot(vm.cmd, dev)))
     return disks
-
-
-def _device_slot(vm: _Vm, device: str) -> str | None:
-    """The PCI slot QEMU gave a device (its ``addr``), where it tells one."""
-    try:
-        devfn = vm.cmd("qom-get", {"path": f"/machine/peripheral/{device}", "property": "addr"})
-    except QmpCommandError:
-        return None
-    return migration.pci_slot(devfn) if isinstance(devfn, int) and 0 <= devfn < 256 else None
 
 
 def _run_state(status: object) -> str | None:

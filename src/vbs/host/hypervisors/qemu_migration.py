@@ -31,7 +31,7 @@ from vbs.wire.host import MigrationInfo, StartMigration
 
 MIB = 1024 * 1024
 
-__all__ = ["migration_info", "listen", "send", "cancel", "pci_slot", "checked_mibps", "ACTIVE_STATES", "TLS_ID",
+__all__ = ["migration_info", "listen", "send", "cancel", "checked_mibps", "ACTIVE_STATES", "TLS_ID",
            "MAX_MIGRATION_MIBPS"]
 
 Command = Callable[..., Any]
@@ -42,11 +42,6 @@ ACTIVE_STATES = frozenset({"setup", "active", "pre-switchover", "device", "wait-
 _CANCEL_WAIT_S = 10.0
 # The tls-creds-x509 object a migrating VM's stream uses (server on a destination, client on a source).
 TLS_ID = "vbs-migration-tls"
-
-
-def pci_slot(devfn: int) -> str:
-    """QEMU's ``addr`` of a device from its devfn as ``qom-get`` answers it ("02.0")."""
-    return f"{devfn >> 3:02x}.{devfn & 7:x}"
 
 
 def migration_info(cmd: Command, vm_id: str) -> MigrationInfo:

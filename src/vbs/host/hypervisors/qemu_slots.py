@@ -1,0 +1,98 @@
+"""Where the QEMU driver hot-plugs a disk's device, and where a device sits.
+
+A ``pc`` (i440fx) machine's root bus takes hot-plugged PCI devices: a disk goes there and QEMU picks
+the slot. A PCI Express machine's root bus (``q35``'s ``pcie.0``) takes none: a hot-plugged device
+goes into an empty PCIe root port (or a switch's downstream port), one device per port, so such a VM
+must be started with spare ports, as libvirt does (``-device pcie-root-port,id=rp1,chassis=1`` on a
+QEMU command line). A port is used only if it has an id: ``device_add`` names the port's bus by it.
+When the VM has an empty port, the disk goes there, whatever the machine.
+
+The slot a device sits in is ``02.0`` on a root bus and ``rp1/00.0`` in a port (the port's id, then
+the address on its bus): a live migration's destination puts each disk at the source's slot.
+
+Under TCG the port is also the faster way in (measured, see docs/benchmarks.md): a guest of a ``pc``
+machine evaluates the ACPI ``_PRT`` method of QEMU's i440fx host bridge, a 128-entry AML loop, to
+route the new device's legacy interrupt, 140-290 ms under TCG, before its driver probes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from vbs.errors import IncorrectState, InvalidParameter
+from vbs.qmp import QmpCommandError
+
+__all__ = ["HOTPLUG_PORT_TYPES", "SLOT_RE", "device_slot", "free_ports", "placement", "slot_of"]
+
+Command = Callable[..., Any]
+
+# QEMU's PCIe ports that take one hot-plugged device each.
+HOTPLUG_PORT_TYPES = frozenset({"pcie-root-port", "ioh3420", "xio3130-downstream"})
+# "slot.function" on the root bus, or "<port id>/slot.function" in a port (QEMU's id syntax).
+SLOT_RE = re.compile(r"(?:(?P<bus>[A-Za-z][A-Za-z0-9_.-]{0,62})/)?(?P<addr>[0-9a-f]{2}\.[0-7])")
+# Machines whose root bus is PCI Express, so takes no hot-plugged device.
+_PCIE_MACHINE_RE = re.compile(r"(?:pc-)?q35\b.*|virt\b.*")
+_PERIPHERAL = "/machine/peripheral/"
+
+
+def placement(cmd: Command, vm_id: str, pci_slot: str | None) -> dict[str, str]:
+    """The ``bus``/``addr`` arguments of ``device_add`` for a new disk: ``pci_slot`` where given, else
+    the first empty port, else the root bus (where the machine's root bus takes hot-plugged devices)."""
+    if pci_slot is not None:
+        found = SLOT_RE.fullmatch(pci_slot)
+        if found is None:
+            raise InvalidParameter(f"invalid PCI slot {pci_slot!r}: expected 02.0 or <port id>/00.0")
+        return {"addr": found["addr"], **({"bus": found["bus"]} if found["bus"] else {})}
+    port = next(free_ports(cmd), None)
+    if port is not None:
+        return {"bus": port}
+    machine = str(cmd("qom-get", {"path": "/machine", "property": "type"}))
+    if _PCIE_MACHINE_RE.match(machine.removesuffix("-machine")):
+        raise IncorrectState(
+            f"VM {vm_id} has no free slot for another disk: its machine ({machine}) hot-plugs PCI devices "
+            "only into PCIe root ports, and none with an id is empty; start it with spare ones "
+            "(-device pcie-root-port,id=rp1,chassis=1 ...)", code="IncorrectInstanceState")
+    return {}
+
+
+def free_ports(cmd: Command) -> Iterator[str]:
+    """Ids of the VM's empty hot-plug ports, in bus order."""
+    for bus in cmd("query-pci"):
+        yield from _empty_ports(cmd, bus.get("devices") or [])
+
+
+def _empty_ports(cmd: Command, devices: list[dict[str, Any]]) -> Iterator[str]:
+    for dev in devices:
+        bridge = dev.get("pci_bridge")
+        if not isinstance(bridge, dict):
+            continue
+        behind = bridge.get("devices") or []
+        port = dev.get("qdev_id")
+        if not behind and isinstance(port, str) and port:
+            kind = cmd("qom-get", {"path": _PERIPHERAL + port, "property": "type"})
+            if kind in HOTPLUG_PORT_TYPES:
+                yield port
+        yield from _empty_ports(cmd, behind)
+
+
+def slot_of(devfn: int) -> str:
+    """QEMU's ``addr`` of a device from its devfn as ``qom-get`` answers it ("02.0")."""
+    return f"{devfn >> 3:02x}.{devfn & 7:x}"
+
+
+def device_slot(cmd: Command, device: str) -> str | None:
+    """The slot of the device with id ``device`` ("02.0" or "rp1/00.0"), where QEMU tells one."""
+    try:
+        devfn = cmd("qom-get", {"path": _PERIPHERAL + device, "property": "addr"})
+        bus = cmd("qom-get", {"path": _PERIPHERAL + device, "property": "parent_bus"})
+    except QmpCommandError:
+        return None
+    if not isinstance(devfn, int) or not 0 <= devfn < 256:
+        return None
+    # A port's bus is a child of the port: /machine/peripheral/<port id>/<bus name>.
+    parts = bus.split("/") if isinstance(bus, str) else []
+    port = parts[3] if len(parts) == 5 and bus.startswith(_PERIPHERAL) else None
+    slot = slot_of(devfn)
+    return f"{port}/{slot}" if port is not None and SLOT_RE.fullmatch(f"{port}/{slot}") else slot
