@@ -223,12 +223,13 @@ def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
 
 
 @contextmanager
-def vbs_up_with_guest(tmp: Path, vm: str = "vm1") -> Iterator[tuple[Vbs, VbsUp, Any]]:
-    """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG)."""
+def vbs_up_with_guest(tmp: Path, vm: str = "vm1", **machine: Any) -> Iterator[tuple[Vbs, VbsUp, Any]]:
+    """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG);
+    ``machine``: TestGuest's machine options (``machine="q35", root_ports=1``)."""
     from vbs.testguest import TestGuest, build_guest
 
     up = VbsUp(tmp / "var", tmp / "up.log")
-    guest = TestGuest(vm, tmp / "guests", build_guest(), tmp / "var" / "vms")
+    guest = TestGuest(vm, tmp / "guests", build_guest(), tmp / "var" / "vms", **machine)
     try:
         guest.start()  # boots while vbs up starts
         vbs = up.start()
