@@ -14,12 +14,12 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Instance, Node, Snapshot, Volume
+from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.documents import ParsedDocuments
 from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
@@ -292,17 +292,15 @@ def live_storage_nodes(session: Session, timeout_s: float) -> list[Node]:
 
 def provisioned_gib(session: Session, node: str, pool: str) -> int:
     """What the volumes on ``node``/``pool`` were promised (GiB), deleted ones excepted."""
-    total = session.scalar(select(func.coalesce(func.sum(Volume.size_gib), 0)).where(
-        Volume.storage_node == node, Volume.pool == pool, Volume.status != VolumeState.DELETED))
-    return int(total or 0)
+    return _promised(session, [node]).get((node, pool), 0)
 
 
 def _promised(session: Session, nodes: list[str]) -> dict[tuple[str, str], int]:
-    """``provisioned_gib`` of every pool of these nodes, in one query."""
-    rows = session.execute(select(Volume.storage_node, Volume.pool, func.sum(Volume.size_gib)).where(
-        Volume.storage_node.in_(nodes), Volume.status != VolumeState.DELETED).group_by(Volume.storage_node,
-                                                                                      Volume.pool))
-    return {(node, pool): int(total or 0) for node, pool, total in rows}
+    """``provisioned_gib`` of every pool of these nodes, in one query: the rows the database keeps
+    (``VolumeUsage``), not a sum over the pools' volumes."""
+    rows = session.execute(select(VolumeUsage.owner, VolumeUsage.pool, VolumeUsage.gib).where(
+        VolumeUsage.scope == "pool", VolumeUsage.owner.in_(nodes)))
+    return {(node, pool): int(gib) for node, pool, gib in rows}
 
 
 def pool_key(node: str, pool: PoolInfo) -> str:

@@ -17,24 +17,31 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs.config import ControllerConfig
-from vbs.controller.db import Node, Snapshot, Volume
+from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.locks import lock_tenant
 from vbs.controller.nodes import storage_info
-from vbs.controller.states import SnapshotState, VolumeState
+from vbs.controller.states import SnapshotState
 from vbs.errors import LimitExceeded, VolumeSnapshotLimitExceeded
 
 
 def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes: int, new_gib: int) -> None:
     """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB."""
     lock_tenant(s, tenant)
-    count, gib = s.execute(select(func.count(), func.coalesce(func.sum(Volume.size_gib), 0))
-                           .where(Volume.tenant == tenant, Volume.status != VolumeState.DELETED)).one()
+    count, gib = tenant_usage(s, tenant)
     if count + new_volumes > cfg.quota_volumes:
         raise LimitExceeded(f"The maximum number of volumes ({cfg.quota_volumes}) has been reached.",
                             code="VolumeLimitExceeded")
     if gib + new_gib > cfg.quota_gib:
         raise LimitExceeded(f"This request would take the volumes' total size to {gib + new_gib} GiB, above the "
                             f"limit of {cfg.quota_gib} GiB.", code="VolumeLimitExceeded")
+
+
+def tenant_usage(s: Session, tenant: str) -> tuple[int, int]:
+    """(volumes, GiB) that ``tenant`` holds, deleted volumes excepted: one row the database keeps
+    (``VolumeUsage``), not a sum over the tenant's volumes."""
+    row = s.execute(select(VolumeUsage.volumes, VolumeUsage.gib).where(
+        VolumeUsage.scope == "tenant", VolumeUsage.owner == tenant, VolumeUsage.pool == "")).one_or_none()
+    return (int(row.volumes), int(row.gib)) if row is not None else (0, 0)
 
 
 def check_snapshots(s: Session, cfg: ControllerConfig, tenant: str) -> None:

@@ -18,6 +18,7 @@ from vbs.controller.db.tables import (
     Volume,
     VolumeKey,
     VolumeModification,
+    VolumeUsage,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "OperationStep",
     "VolumeModification",
     "VolumeKey",
+    "VolumeUsage",
     "AccessKeyRecord",
     "ControllerRecord",
     "LeaseRecord",

@@ -60,6 +60,20 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
 
 
+class VolumeUsage(Base):
+    """What a tenant (scope "tenant", pool "") or a storage node's pool (scope "pool") holds: its volumes
+    that are not deleted and their GiB. Kept by triggers on ``volumes`` (migration 0011_volume_usage),
+    in the transaction that changes a volume: never written by the code."""
+
+    __tablename__ = "volume_usage"
+
+    scope: Mapped[str] = mapped_column(String(8), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(64), primary_key=True)
+    volumes: Mapped[int] = mapped_column(BigInteger)
+    gib: Mapped[int] = mapped_column(BigInteger)
+
+
 class Volume(Base):
     __tablename__ = "volumes"
     # Keyset pages of a tenant's volumes, and the sums each create makes (quota, placement) from the
