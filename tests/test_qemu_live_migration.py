@@ -65,13 +65,13 @@ def hosts(tmp_path: Path) -> Iterator[tuple[QemuDriver, QemuDriver, Path]]:
     yield from _with_volumes(tmp_path, procs, drivers)
 
 
-def plug_both(source: QemuDriver, target: QemuDriver, volumes: Path) -> None:
+def plug_both(source: QemuDriver, target: QemuDriver, volumes: Path, at: tuple[str, str] = ("05.0", "03.0")) -> None:
     """The disks in slots of the source that a fresh VM would not pick (as after other hot-plugs and
     unplugs), and the destination's in the slots the source reports."""
-    for serial, slot in zip(SERIALS, ("05.0", "03.0"), strict=True):
+    for serial, slot in zip(SERIALS, at, strict=True):
         source.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slot)
     slots = {d.serial: d.pci_slot for d in source.list_disks("vm1")}
-    assert slots == {SERIALS[0]: "05.0", SERIALS[1]: "03.0"}
+    assert slots == dict(zip(SERIALS, at, strict=True))
     for serial in SERIALS:
         target.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slots[serial])
     assert {d.serial: d.pci_slot for d in target.list_disks("vm1")} == slots
@@ -108,14 +108,8 @@ def test_on_q35_the_disks_land_in_the_root_ports_the_source_has_them_in(tmp_path
     drivers = (QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0),
                QemuDriver(tmp_path / "h2" / "vms", qmp_timeout=5.0))
     with contextmanager(_with_volumes)(tmp_path, procs, drivers) as (source, target, volumes):
-        # Ports a fresh VM would not pick first, as after other hot-plugs and unplugs.
-        for serial, slot in zip(SERIALS, ("rp3/00.0", "rp2/00.0"), strict=True):
-            source.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slot)
+        plug_both(source, target, volumes, at=("rp3/00.0", "rp2/00.0"))
         slots = {d.serial: d.pci_slot for d in source.list_disks("vm1")}
-        assert slots == {SERIALS[0]: "rp3/00.0", SERIALS[1]: "rp2/00.0"}
-        for serial in SERIALS:
-            target.attach("vm1", serial, FileConnection(path=str(volumes / serial)), pci_slot=slots[serial])
-        assert {d.serial: d.pci_slot for d in target.list_disks("vm1")} == slots
         uri = target.listen_for_migration("vm1").uri
         assert uri is not None
         source.migrate("vm1", StartMigration(uri=uri))
