@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ from bench.control_plane import (  # noqa: E402
 from vbs import ids  # noqa: E402
 from vbs.controller.db import Database, Volume  # noqa: E402
 from vbs.controller.db.tables import utcnow  # noqa: E402
+from vbs.testguest.guest import MAX_ROOT_PORTS  # noqa: E402
 
 GIB = 1 << 30
 PAGE = 1000
@@ -249,23 +251,27 @@ def tenant_of(db_path: Path, volume_id: str) -> str:
 # -- attach with N disks in the VM --------------------------------------------------------------------
 
 
-def run_attach(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_attach(work: Path, args: argparse.Namespace, machine_type: str) -> list[dict[str, Any]]:
+    """Attach and detach latency of one more volume with N disks already in the guest, a ``pc`` or a
+    ``q35`` guest (the latter with a PCIe root port for each of those disks and the probe)."""
     from bench.attach import HOST, VM, attach_once, attachment_state, detach_once, wait_for, wait_instance
     from tests.conftest import VbsUp as TestVbsUp
 
     from vbs.ids import virtio_serial
     from vbs.testguest import TestGuest, build_guest
 
-    data_dir = work / "attach-var"
-    up = TestVbsUp(data_dir, work / "attach-up.log", extra=["--export", "nbd", *BENCH_LIMITS])
-    guest = TestGuest(VM, work / "guest", build_guest(), data_dir / "vms")
+    data_dir = work / f"attach-{machine_type}-var"
+    up = TestVbsUp(data_dir, work / f"attach-{machine_type}-up.log", extra=["--export", "nbd", *BENCH_LIMITS])
+    ports = max(args.disks) + 1 if machine_type == "q35" else 0
+    guest = TestGuest(VM, work / f"guest-{machine_type}", build_guest(), data_dir / "vms", machine=machine_type,
+                      root_ports=ports)
     out: list[dict[str, Any]] = []
     try:
         vbs = up.start()
         guest.start()
         boot = guest.wait_ready(180)
         wait_instance(vbs)
-        log(f"attach: guest up in {boot:.1f} s")
+        log(f"attach ({machine_type}): guest up in {boot:.1f} s")
         probe = vbs.create_volume(size_gib=1)["volume_id"]
         vbs.wait_volume(probe, "available")
         resident: list[str] = []
@@ -287,9 +293,10 @@ def run_attach(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             for _ in range(args.attach_rounds):
                 att.append(attach_once(vbs, guest, probe, serial).guest * 1000)
                 det.append(detach_once(vbs, guest, probe, serial).guest * 1000)
-            rec = {"disks": n, "attach_p50_ms": statistics.median(att), "attach_max_ms": max(att),
-                   "detach_p50_ms": statistics.median(det), "rounds": len(att), "load": load()}
-            log(f"attach: {n} disks in the VM: attach p50 {rec['attach_p50_ms']:.0f} ms, detach p50 "
+            rec = {"machine": machine_type, "disks": n, "attach_p50_ms": statistics.median(att),
+                   "attach_max_ms": max(att), "detach_p50_ms": statistics.median(det), "rounds": len(att),
+                   "load": load()}
+            log(f"attach ({machine_type}): {n} disks in the VM: attach p50 {rec['attach_p50_ms']:.0f} ms, detach p50 "
                 f"{rec['detach_p50_ms']:.0f} ms (load {rec['load']:.1f})")
             out.append(rec)
     finally:
@@ -376,11 +383,11 @@ def report(res: dict[str, Any]) -> str:
                          verdict(r["rss_mib"] <= TARGET_RSS_MIB)])
         lines += [table(["volumes", "target", "verdict"], rows), ""]
     if res.get("attach"):
-        rows = [[str(r["disks"]), f"{r['attach_p50_ms']:.0f}", f"{r['attach_max_ms']:.0f}", f"{r['detach_p50_ms']:.0f}",
-                 str(r["rounds"]), f"{r['load']:.1f}"] for r in res["attach"]]
+        rows = [[r.get("machine", "pc"), str(r["disks"]), f"{r['attach_p50_ms']:.0f}", f"{r['attach_max_ms']:.0f}",
+                 f"{r['detach_p50_ms']:.0f}", str(r["rounds"]), f"{r['load']:.1f}"] for r in res["attach"]]
         lines += ["## Attach with N disks already in the VM (QEMU TCG, NBD; API call to the guest seeing it)", "",
-                  table(["disks in the VM", "attach p50 ms", "attach max ms", "detach p50 ms", "rounds", "load"],
-                        rows), ""]
+                  table(["guest", "disks in the VM", "attach p50 ms", "attach max ms", "detach p50 ms", "rounds",
+                         "load"], rows), ""]
     for label in ("copy", "reflink"):
         pts = res.get(f"snapshots_{label}") or []
         if not pts:
@@ -428,10 +435,14 @@ def plot(res: dict[str, Any], path: Path) -> bool:
           [TARGET_PAGE_P50_MS, TARGET_PAGE_P99_MS])
     curve(axes[0][2], [("rss_mib", "controller RSS")], "controller memory", "MiB", [TARGET_RSS_MIB])
     curve(axes[1][2], [("reconcile_ms", "one pass")], "reconciliation (volumes per storage node)", "ms", [])
-    att = res.get("attach") or []
     ax = axes[1][0]
-    ax.plot([r["disks"] for r in att], [r["attach_p50_ms"] for r in att], marker="o", label="attach p50")
-    ax.plot([r["disks"] for r in att], [r["detach_p50_ms"] for r in att], marker="s", label="detach p50")
+    for machine_type in ("pc", "q35"):
+        att = [r for r in res.get("attach") or [] if r.get("machine", "pc") == machine_type]
+        if att:
+            ax.plot([r["disks"] for r in att], [r["attach_p50_ms"] for r in att], marker="o",
+                    label=f"attach p50 ({machine_type})")
+            ax.plot([r["disks"] for r in att], [r["detach_p50_ms"] for r in att], marker="s",
+                    label=f"detach p50 ({machine_type})")
     ax.set_title("attach with N disks already in the VM (TCG)")
     ax.set_xlabel("disks in the VM")
     ax.set_ylabel("ms")
@@ -483,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reconcile-rounds", type=int, default=3, help="reconciliation passes a level (3)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds after filling, before timing (5)")
     p.add_argument("--disks", type=ints, default=None, help="disks already in the VM (default 1,5,20)")
+    p.add_argument("--attach-machines", type=lambda t: t.split(","), default=["pc", "q35"],
+                   help="the guest's machine types for the attach curve (default pc,q35)")
     p.add_argument("--attach-rounds", type=int, default=None, help="attaches a level (default 5; --quick 3)")
     p.add_argument("--sizes", type=ints, default=None, help="snapshot sizes GiB (default 1,4,16,64; quick 1,2,4)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="on the root ext4 (default /var/tmp)")
@@ -499,6 +512,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.attach_rounds = args.attach_rounds or (3 if q else 5)
     args.sizes = args.sizes or ([1, 2, 4] if q else [1, 4, 16, 64])
     args.parts = set(args.parts.split(","))
+    if not set(args.attach_machines) <= {"pc", "q35"}:
+        p.error("--attach-machines: some of pc, q35")
+    if "q35" in args.attach_machines and max(args.disks) + 1 > MAX_ROOT_PORTS:
+        p.error(f"--disks: a q35 guest takes at most {MAX_ROOT_PORTS - 1} disks besides the probe")
     return args
 
 
@@ -527,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with workdir(args.work_dir) as work:
         for part, run in (("volumes", lambda: run_levels(work / "levels", args)),
-                          ("attach", lambda: run_attach(work, args)),
+                          ("attach", lambda: [rec for m in args.attach_machines
+                                              for rec in guarded(f"attach ({m})", partial(run_attach, work, args, m),
+                                                                 res)]),
                           ("snapshots", lambda: run_snapshots(work, args, reflink=False))):
             if part in args.parts:
                 res[part if part != "snapshots" else "snapshots_copy"] = guarded(part, run, res)
