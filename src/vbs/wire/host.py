@@ -54,7 +54,7 @@ CLOUD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # Where a disk's device sits on the VM's PCI bus, as QEMU's ``addr`` takes it ("slot.function", hex),
 # after the id of the PCIe port it is plugged into, if any ("rp1/00.0"): a live migration's
 # destination must place each device exactly where the source has it.
-PCI_SLOT_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_.-]{0,62}/)?[0-9a-f]{2}\.[0-7]$")
+PCI_SLOT_RE = re.compile(r"^(?:(?P<bus>[A-Za-z][A-Za-z0-9_.-]{0,62})/)?(?P<addr>[0-9a-f]{2}\.[0-7])$")
 # A hypervisor's run state of a VM, lower case (QEMU's RunState: "running", "paused", "inmigrate",
 # "postmigrate", ...): what a live migration's steps read.
 VmStatus = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]

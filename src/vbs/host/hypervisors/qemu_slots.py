@@ -23,15 +23,14 @@ from typing import Any
 
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.qmp import QmpCommandError
+from vbs.wire.host import PCI_SLOT_RE
 
-__all__ = ["HOTPLUG_PORT_TYPES", "SLOT_RE", "device_slot", "free_ports", "placement", "slot_of"]
+__all__ = ["HOTPLUG_PORT_TYPES", "device_slot", "free_ports", "placement", "slot_of"]
 
 Command = Callable[..., Any]
 
 # QEMU's PCIe ports that take one hot-plugged device each.
 HOTPLUG_PORT_TYPES = frozenset({"pcie-root-port", "ioh3420", "xio3130-downstream"})
-# "slot.function" on the root bus, or "<port id>/slot.function" in a port (QEMU's id syntax).
-SLOT_RE = re.compile(r"(?:(?P<bus>[A-Za-z][A-Za-z0-9_.-]{0,62})/)?(?P<addr>[0-9a-f]{2}\.[0-7])")
 # Machines whose root bus is PCI Express, so takes no hot-plugged device.
 _PCIE_MACHINE_RE = re.compile(r"(?:pc-)?q35\b.*|virt\b.*")
 _PERIPHERAL = "/machine/peripheral/"
@@ -41,7 +40,7 @@ def placement(cmd: Command, vm_id: str, pci_slot: str | None) -> dict[str, str]:
     """The ``bus``/``addr`` arguments of ``device_add`` for a new disk: ``pci_slot`` where given, else
     the first empty port, else the root bus (where the machine's root bus takes hot-plugged devices)."""
     if pci_slot is not None:
-        found = SLOT_RE.fullmatch(pci_slot)
+        found = PCI_SLOT_RE.fullmatch(pci_slot)
         if found is None:
             raise InvalidParameter(f"invalid PCI slot {pci_slot!r}: expected 02.0 or <port id>/00.0")
         return {"addr": found["addr"], **({"bus": found["bus"]} if found["bus"] else {})}
@@ -95,4 +94,4 @@ def device_slot(cmd: Command, device: str) -> str | None:
     parts = bus.split("/") if isinstance(bus, str) else []
     port = parts[3] if len(parts) == 5 and bus.startswith(_PERIPHERAL) else None
     slot = slot_of(devfn)
-    return f"{port}/{slot}" if port is not None and SLOT_RE.fullmatch(f"{port}/{slot}") else slot
+    return f"{port}/{slot}" if port is not None and PCI_SLOT_RE.fullmatch(f"{port}/{slot}") else slot
