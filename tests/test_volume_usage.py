@@ -146,6 +146,49 @@ def test_concurrent_creates_and_deletes_on_postgresql_are_all_counted(kind: str,
     assert_kept(db)
 
 
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_opposite_moves_between_two_pools_do_not_deadlock_on_postgresql(kind: str, tmp_path: Path,
+                                                                        request: pytest.FixtureRequest) -> None:
+    """Two tenants' volumes cross between two pools at the same moment, again and again: each move
+    decrements its old pool's row and increments its new one's. Locked in the order of the change
+    (old, then new), the two transactions would wait for each other (PostgreSQL breaks the deadlock
+    by failing one: a 503 to its caller); locked in key order they only queue."""
+    db = fresh_database(kind, request, tmp_path)
+    a, b = ("storage-1", "default"), ("storage-2", "default")
+    rng = random.Random(5)
+    first, second = new_volume(rng, "available"), new_volume(rng, "available")
+    (first.tenant, first.storage_node, first.pool), (second.tenant, second.storage_node, second.pool) = \
+        ("team-a", *a), ("team-b", *b)
+    with db.session() as s:
+        s.add_all([first, second])
+    rounds = 150
+    start = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+
+    def mover(volume_id: str, here: tuple[str, str], there: tuple[str, str]) -> None:
+        try:
+            for _ in range(rounds):
+                start.wait()
+                with db.session() as s:
+                    s.execute(update(Volume).where(Volume.id == volume_id)
+                              .values(storage_node=there[0], pool=there[1]))
+                here, there = there, here
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=mover, args=(first.id, a, b)),
+               threading.Thread(target=mover, args=(second.id, b, a))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert [str(e) for e in errors] == []
+    assert_kept(db)
+
+
 def test_the_migration_counts_the_volumes_a_database_already_holds(tmp_path: Path) -> None:
     db = Database(f"sqlite:///{tmp_path / 'old.db'}")
     try:
