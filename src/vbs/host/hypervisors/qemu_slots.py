@@ -82,7 +82,11 @@ def slot_of(devfn: int) -> str:
 
 
 def device_slot(cmd: Command, device: str) -> str | None:
-    """The slot of the device with id ``device`` ("02.0" or "rp1/00.0"), where QEMU tells one."""
+    """The slot of the device with id ``device`` ("02.0" or "rp1/00.0"), where QEMU tells one.
+
+    Read from the QOM tree, not from one ``query-pci`` for all disks: ``query-pci`` walks the buses by
+    the numbers the guest gave the bridges, so it lists nothing behind a port before the guest
+    enumerated it (a live migration's incoming VM, a guest still booting)."""
     try:
         devfn = cmd("qom-get", {"path": _PERIPHERAL + device, "property": "addr"})
         bus = cmd("qom-get", {"path": _PERIPHERAL + device, "property": "parent_bus"})
