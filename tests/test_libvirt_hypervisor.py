@@ -296,3 +296,33 @@ def test_nbd_over_x509_with_the_hosts_certificate_where_qemu_conf_says(
         guest.wait_disk_gone(serial, 30)
     finally:
         drv.close()
+
+
+def test_on_q35_disks_go_into_spare_root_ports_and_one_more_is_refused_with_the_reason(
+        driver: LibvirtDriver, nbd: NbdConnection, tmp_path: Path) -> None:
+    """A q35 domain hot-plugs PCI devices only into empty PCIe root ports: libvirt picks one for each
+    disk; with none left the attach is refused (409, the reason and the remedy) and leaves nothing."""
+    g = LibvirtGuest("lv-q35", tmp_path / "q35", build_guest(), machine="q35", root_ports=2).start()
+    try:
+        g.wait_ready(120)
+        driver.attach(g.name, vol(11), nbd)
+        written = g.write_pattern(g.wait_for_disk(vol(11), 30), "q35", 2)
+        driver.attach(g.name, vol(12), nbd, read_only=True)
+        g.wait_for_disk(vol(12), 30)
+        with pytest.raises(IncorrectState, match="no free slot for another disk.*pcie-root-port") as err:
+            driver.attach(g.name, vol(13), nbd, read_only=True)
+        assert err.value.status == 409
+        assert live_disks(g.domain(), vol(13)) == []
+        assert sorted(d.serial for d in driver.list_disks(g.name)) == [vol(11), vol(12)]
+
+        # A port freed by a detach takes the next disk; it reads what the first one wrote.
+        driver.detach(g.name, vol(12), timeout=30)
+        g.wait_disk_gone(vol(12), 30)
+        driver.detach(g.name, vol(11), timeout=30)
+        g.wait_disk_gone(vol(11), 30)
+        driver.attach(g.name, vol(13), nbd, read_only=True)
+        assert g.checksum(g.wait_for_disk(vol(13), 30), 2) == written
+        driver.detach(g.name, vol(13), timeout=30)
+        g.wait_disk_gone(vol(13), 30)
+    finally:
+        g.stop()

@@ -23,14 +23,16 @@ from vbs.testguest.guest import TestGuest
 __all__ = ["LibvirtGuest", "domain_xml"]
 
 
-def domain_xml(name: str, image: GuestImage | None, console: Path | None, memory_mib: int = 256) -> str:
-    """A transient domain booting ``image`` (None: no OS) with its console on the unix socket ``console``."""
+def domain_xml(name: str, image: GuestImage | None, console: Path | None, memory_mib: int = 256, *,
+               machine: str = "pc", root_ports: int = 0) -> str:
+    """A transient domain booting ``image`` (None: no OS) with its console on the unix socket ``console``;
+    ``root_ports`` empty PCIe root ports (where a ``q35`` machine takes hot-plugged disks)."""
     dom = ET.Element("domain", {"type": "qemu"})
     ET.SubElement(dom, "name").text = name
     ET.SubElement(dom, "memory", {"unit": "MiB"}).text = str(memory_mib)
     ET.SubElement(dom, "vcpu").text = "1"
     os_el = ET.SubElement(dom, "os")
-    ET.SubElement(os_el, "type", {"arch": "x86_64", "machine": "pc"}).text = "hvm"
+    ET.SubElement(os_el, "type", {"arch": "x86_64", "machine": machine}).text = "hvm"
     if image is not None:
         ET.SubElement(os_el, "kernel").text = str(image.kernel)
         ET.SubElement(os_el, "initrd").text = str(image.initrd)
@@ -39,6 +41,14 @@ def domain_xml(name: str, image: GuestImage | None, console: Path | None, memory
     ET.SubElement(ET.SubElement(dom, "features"), "acpi")
     ET.SubElement(dom, "on_reboot").text = "destroy"
     devices = ET.SubElement(dom, "devices")
+    if root_ports:
+        # Index 0 is the root bus; the ports come after it (libvirt numbers them and picks their slots).
+        # libvirt would put its default USB controller and balloon into ports too: none, so they stay empty.
+        ET.SubElement(devices, "controller", {"type": "pci", "index": "0", "model": "pcie-root"})
+        ET.SubElement(devices, "controller", {"type": "usb", "model": "none"})
+        ET.SubElement(devices, "memballoon", {"model": "none"})
+    for _ in range(root_ports):
+        ET.SubElement(devices, "controller", {"type": "pci", "model": "pcie-root-port"})
     if console is not None:
         serial = ET.SubElement(devices, "serial", {"type": "unix"})
         ET.SubElement(serial, "source", {"mode": "bind", "path": str(console)})
@@ -50,8 +60,8 @@ class LibvirtGuest(TestGuest):
     """``TestGuest`` run by libvirt at ``uri``: commands and disk reports over the console socket."""
 
     def __init__(self, name: str, workdir: Path, image: GuestImage, uri: str = "qemu:///system", *,
-                 memory_mib: int = 256, bare: bool = False) -> None:
-        super().__init__(name, workdir, image, workdir, memory_mib=memory_mib)
+                 memory_mib: int = 256, bare: bool = False, machine: str = "pc", root_ports: int = 0) -> None:
+        super().__init__(name, workdir, image, workdir, memory_mib=memory_mib, machine=machine, root_ports=root_ports)
         self.uri = uri
         self.bare = bare
         self.console_socket = self.workdir / f"{name}.console.sock"
@@ -77,7 +87,7 @@ class LibvirtGuest(TestGuest):
         self._conn = libvirt.open(self.uri)
         self._started_at = time.monotonic()
         xml = domain_xml(self.name, None if self.bare else self.image, None if self.bare else self.console_socket,
-                         self.memory_mib)
+                         self.memory_mib, machine=self.machine, root_ports=self.root_ports)
         self._dom = self._conn.createXML(xml, 0)
         if self.bare:
             return self

@@ -210,6 +210,11 @@ def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
     return found
 
 
+# libvirt's message when a domain has no free PCI address for a hot-plugged device (an internal
+# error by its code, so the message is what tells it).
+_NO_SLOT = "No more available PCI slots"
+
+
 def _no_domain(exc: libvirt.libvirtError) -> bool:
     return bool(exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN)
 
@@ -429,6 +434,11 @@ class LibvirtDriver:
             dom.attachDeviceFlags(xml, self._flags(dom, config=True))
         except libvirt.libvirtError as exc:
             self._drop_secret(conn, vm_id, serial)
+            if _NO_SLOT in _message(exc):
+                raise IncorrectState(
+                    f"VM {vm_id} has no free slot for another disk: libvirt found no free PCI slot (a q35 domain "
+                    "hot-plugs disks only into empty PCIe root ports; define spare ones: <controller type='pci' "
+                    "model='pcie-root-port'/>)", code="IncorrectInstanceState") from exc
             raise DriverError(f"VM {vm_id}: attach of {serial} failed: {_message(exc)}") from exc
         log.info("VM %s: disk %s attached", vm_id, serial)
         return self._disk(vm_id, dom, serial)
