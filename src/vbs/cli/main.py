@@ -19,7 +19,7 @@ from urllib.parse import quote, urlencode
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import output
+from vbs.cli import output, params
 from vbs.cli.client import LongPoll, step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.endpoints import DEFAULT_CONTROLLER_PORT
@@ -31,6 +31,8 @@ from vbs.errors import InvalidParameter, VbsError
 # (tests/test_cli_startup.py checks it).
 if TYPE_CHECKING:
     from vbs.api_client import ApiClient
+
+params.install()  # plain-text values without Pydantic (vbs.cli.params)
 
 # Help in click's plain layout (rich_markup_mode=None): Typer's Rich panels cost more than the rest
 # of ``vbs --help`` together (importing Rich, Markdown and Pygments, then rendering).
