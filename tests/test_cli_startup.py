@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from tests.conftest import VBS, free_port
-from vbs.cli.main import app, app_for, command_name
+from vbs.cli.main import _listed, app, app_for, command_name
 from vbs.tls import client_verify
 
 # What the services run on: a client command has no use for any of it.
@@ -98,10 +98,28 @@ def test_a_line_that_names_a_command_builds_that_command_alone_and_the_same() ->
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("argv", [[], ["--help"], ["--help", "describe-volumes"], ["describe-volumz"],
-                                  ["--output", "json"], ["--install-completion"], ["--bogus", "describe-volumes"]])
-def test_a_line_without_one_known_command_gets_the_whole_app(argv: list[str]) -> None:
-    # Its help lists every command; click suggests the nearest to a misspelt one.
+@pytest.mark.parametrize("argv", [[], ["--help"], ["--help", "describe-volumes"], ["--output", "json"],
+                                  ["--install-completion"]])
+def test_a_line_that_runs_no_command_gets_every_command_by_name_and_help_only(
+        argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("_VBS_COMPLETE", raising=False)
+    listed = app_for(argv)
+    assert command_names(listed) == command_names(app)
+    assert all(c.callback is _listed for c in listed.registered_commands)  # no parameter to read
+    built, whole = typer.main.get_command(listed), typer.main.get_command(app)
+    assert isinstance(built, typer.core.TyperGroup) and isinstance(whole, typer.core.TyperGroup)
+    assert [p.opts for p in built.params] == [p.opts for p in whole.params]
+    for name, command in whole.commands.items():
+        assert built.commands[name].get_short_help_str(300) == command.get_short_help_str(300), name
+    # Shell completion completes a command's options: it needs the real commands.
+    monkeypatch.setenv("_VBS_COMPLETE", "complete_bash")
+    assert app_for(argv) is app
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv", [["describe-volumz"], ["--bogus", "describe-volumes"]])
+def test_a_misspelt_command_or_an_unknown_option_before_it_gets_the_whole_app(argv: list[str]) -> None:
+    # click suggests the nearest command, or names the options there are.
     assert app_for(argv) is app
 
 

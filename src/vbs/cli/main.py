@@ -10,6 +10,7 @@ table on a terminal and JSON otherwise (``--output``).
 import copy
 import inspect
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -1154,6 +1155,8 @@ def app_for(argv: list[str]) -> typer.Typer:
     describe-volumes``). Typer builds the click form of every command it holds from its signature,
     on every run: one command costs a fraction of all of them."""
     pos = _command_index(argv)
+    if (pos >= len(argv) or "--help" in argv[:pos]) and not any(k.endswith("_COMPLETE") for k in os.environ):
+        return _listing()  # no command runs: the root help, a usage error, or the global options alone
     if pos >= len(argv) or not _only_global_options(argv[:pos]):
         return app
     commands = [c for c in app.registered_commands if command_name(c) == argv[pos]]
@@ -1163,6 +1166,25 @@ def app_for(argv: list[str]) -> typer.Typer:
     one = copy.copy(app)
     one.registered_commands, one.registered_groups = commands, groups
     return one
+
+
+def _listing() -> typer.Typer:
+    """The app with every command as its name and help only, for a line that runs none of them: the
+    root help lists them all, and their parameters (most of the cost of building a command) are not
+    read. Shell completion (``_VBS_COMPLETE``) completes a command's options: it gets the whole app."""
+    listed = copy.copy(app)
+    listed.registered_commands = []
+    for command in app.registered_commands:
+        stub = copy.copy(command)
+        stub.name = command_name(command)
+        stub.help = command.help or inspect.getdoc(command.callback)
+        stub.callback = _listed
+        listed.registered_commands.append(stub)
+    return listed
+
+
+def _listed() -> None:
+    raise AssertionError("a command of the listing ran")  # app_for gives the listing to lines that run none
 
 
 def hoist_global_options(argv: list[str]) -> list[str]:
