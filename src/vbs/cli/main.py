@@ -20,7 +20,7 @@ from urllib.parse import quote, urlencode
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import output, params
+from vbs.cli import output
 from vbs.cli.client import LongPoll, step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
 from vbs.endpoints import DEFAULT_CONTROLLER_PORT
@@ -33,7 +33,18 @@ from vbs.errors import InvalidParameter, VbsError
 if TYPE_CHECKING:
     from vbs.api_client import ApiClient
 
-params.install()  # plain-text values without Pydantic (vbs.cli.params)
+
+def _light_params() -> None:
+    """Plain-text values without Pydantic (vbs.cli.params), on the Typer it was written for; any other
+    Typer reads them its own way."""
+    try:
+        from vbs.cli import params
+    except (ImportError, AttributeError):
+        return
+    params.install()
+
+
+_light_params()
 
 # Help in click's plain layout (rich_markup_mode=None): Typer's Rich panels cost more than the rest
 # of ``vbs --help`` together (importing Rich, Markdown and Pygments, then rendering).

@@ -82,5 +82,7 @@ def runtime_param(descriptor: TypeDescriptor) -> RuntimeParam:
 
 
 def install() -> None:
-    """Make Typer build runtime parameters with ``runtime_param`` (idempotent)."""
-    typer.core.build_runtime_param = runtime_param  # type: ignore[attr-defined]
+    """Make Typer build runtime parameters with ``runtime_param`` (idempotent; nothing where Typer
+    has no such builder)."""
+    if hasattr(typer.core, "build_runtime_param"):
+        typer.core.build_runtime_param = runtime_param
