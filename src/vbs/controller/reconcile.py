@@ -48,8 +48,8 @@ MAY_BE_EXPORTED = (AttachmentState.ATTACHING, AttachmentState.DETACHING, *MUST_B
 
 class Held(NamedTuple):
     """Where a volume or snapshot row says it is, and its state: what a pass compares with a pool's
-    files. A plain tuple, read by index: a node may hold 100,000 rows, and a SQLAlchemy ``Row``'s
-    attributes cost ten times a tuple's."""
+    files. A named tuple: a node may hold 100,000 rows, and a SQLAlchemy ``Row``'s attributes cost
+    about ten times a named tuple's."""
 
     status: str
     storage_node: str
