@@ -124,6 +124,13 @@ def test_a_misspelt_command_or_an_unknown_option_before_it_gets_the_whole_app(ar
 
 
 @pytest.mark.unit
+def test_help_as_the_value_of_an_option_is_no_request_for_help() -> None:
+    one = app_for(["--query", "--help", "describe-volumes"])
+    assert command_names(one) == ["describe-volumes"]
+    assert one.registered_commands[0].callback is not _listed  # the real command, which then runs
+
+
+@pytest.mark.unit
 def test_a_plain_http_client_loads_no_trust_store_and_still_refuses_tls() -> None:
     ctx = client_verify(None, https=False)
     assert isinstance(ctx, ssl.SSLContext)

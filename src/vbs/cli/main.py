@@ -1166,7 +1166,7 @@ def app_for(argv: list[str]) -> typer.Typer:
     describe-volumes``). Typer builds the click form of every command it holds from its signature,
     on every run: one command costs a fraction of all of them."""
     pos = _command_index(argv)
-    if (pos >= len(argv) or "--help" in argv[:pos]) and not any(k.endswith("_COMPLETE") for k in os.environ):
+    if (pos >= len(argv) or _asks_help(argv[:pos])) and not any(k.endswith("_COMPLETE") for k in os.environ):
         return _listing()  # no command runs: the root help, a usage error, or the global options alone
     if pos >= len(argv) or not _only_global_options(argv[:pos]):
         return app
@@ -1177,6 +1177,16 @@ def app_for(argv: list[str]) -> typer.Typer:
     one = copy.copy(app)
     one.registered_commands, one.registered_groups = commands, groups
     return one
+
+
+def _asks_help(head: list[str]) -> bool:
+    """``--help`` is one of the options before the command (not the value of one: ``--query --help``)."""
+    i = 0
+    while i < len(head):
+        if head[i] == "--help":
+            return True
+        i += 2 if head[i] in _GLOBAL_VALUED else 1
+    return False
 
 
 def _listing() -> typer.Typer:
