@@ -25,6 +25,7 @@ from tests.ceph import CephForTests
 from tests.loopfs import loop_filesystem
 from tests.postgres import PostgresForTests
 from vbs import credentials
+from vbs.api_client import CONNECTION_LIMITS
 from vbs.controller.db import Database
 from vbs.credentials import AccessKey
 from vbs.node_credentials import NodeKeyring
@@ -107,7 +108,8 @@ class Vbs:
         self.endpoint = endpoint
         self.data_dir = data_dir
         self.key = key or credentials.read(data_dir / "credentials", "default")[0]
-        self.http = httpx.Client(base_url=endpoint, timeout=30,
+        # The product's client limits: an idle connection is not reused as the server closes it.
+        self.http = httpx.Client(base_url=endpoint, timeout=30, limits=CONNECTION_LIMITS,
                                  headers={"authorization": f"Bearer {self.key.bearer}"})
 
     @property

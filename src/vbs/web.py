@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vbs import fencing
+from vbs.api_client import SERVER_KEEP_ALIVE_S
 from vbs.api_client import ApiClient as ApiClient
 from vbs.asgi import HttpMiddleware
 from vbs.errors import (
@@ -328,7 +329,9 @@ class BoundedServer(uvicorn.Server):
 def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, *,
                    require_client_cert: bool = False) -> BoundedServer:
     ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
-    return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=5,
+    # Longer than the clients keep an idle connection for reuse (vbs.api_client.KEEPALIVE_EXPIRY_S).
+    return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
                                         limit_concurrency=MAX_CONCURRENCY, http=PeerCertProtocol, **ssl_kwargs))
 
 
