@@ -33,8 +33,6 @@ M = TypeVar("M", bound="BaseModel")
 
 log = logging.getLogger(__name__)
 
-
-
 # VBS's servers close a keep-alive connection after SERVER_KEEP_ALIVE_S idle (vbs.web). A client that
 # reused one idle for as long (httpx's default expiry is also 5 s) could send a request just as the
 # server closed it, and get no answer at all ("Server disconnected without sending a response"): a
@@ -42,6 +40,7 @@ log = logging.getLogger(__name__)
 SERVER_KEEP_ALIVE_S = 5
 KEEPALIVE_EXPIRY_S = 2.0
 CONNECTION_LIMITS = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
 
 class ApiClient:
     """A JSON client for VBS APIs (agents, controller, CLI); errors come back as their VbsError class.

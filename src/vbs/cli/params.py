@@ -46,8 +46,9 @@ def _text(value: Any) -> str:
 
 
 def _plain(descriptor: TypeDescriptor) -> str | None:
-    """"text" or "texts" where the parameter is a plain ``str`` or ``list[str]`` (no parser, no file)."""
-    if descriptor.file_annotation is not None or descriptor.parameter_info.parser is not None:
+    """"text" or "texts" where the parameter is a plain ``str`` or ``list[str]`` without a parser (a
+    file parameter never gets here: ``runtime_param`` leaves it to Typer)."""
+    if descriptor.parameter_info.parser is not None:
         return None
     annotation: Any = descriptor.annotation
     if annotation is str:

@@ -47,8 +47,8 @@ def domain_xml(name: str, image: GuestImage | None, console: Path | None, memory
         ET.SubElement(devices, "controller", {"type": "pci", "index": "0", "model": "pcie-root"})
         ET.SubElement(devices, "controller", {"type": "usb", "model": "none"})
         ET.SubElement(devices, "memballoon", {"model": "none"})
-    for _ in range(root_ports):
-        ET.SubElement(devices, "controller", {"type": "pci", "model": "pcie-root-port"})
+        for _ in range(root_ports):
+            ET.SubElement(devices, "controller", {"type": "pci", "model": "pcie-root-port"})
     if console is not None:
         serial = ET.SubElement(devices, "serial", {"type": "unix"})
         ET.SubElement(serial, "source", {"mode": "bind", "path": str(console)})
