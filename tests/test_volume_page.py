@@ -21,9 +21,9 @@ from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.nodes import record_storage_heartbeat
-from vbs.controller.schemas import CreateVolumeRequest, VolumeList
+from vbs.controller.schemas import CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.controller.tags import set_tags
-from vbs.controller.volumes import create_volume, get_volume, volume_page
+from vbs.controller.volumes import create_volume, create_volume_json, get_volume, volume_page
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 
 pytestmark = pytest.mark.unit
@@ -119,3 +119,17 @@ def test_a_paged_walk_gives_every_volume_once_with_its_token(db: Database) -> No
         if token is None:
             break
     assert sorted(seen) == sorted(made)
+
+
+def test_a_create_answer_encoded_from_dicts_is_what_the_model_gives(db: Database) -> None:
+    """The REST API answers a create with ``create_volume_json``: the bytes its model would give, for a
+    plain, a typed and tagged, and a repeated (client token) create."""
+    heartbeat(db, "s1", "zone-b")
+    svc = controller(db)
+    for body in ({"size_gib": 1}, {"size_gib": 8, "volume_type": "io1", "iops": 400, "tags": {"Name": "ü \""},
+                                   "comment": "c"},
+                 {"size_gib": 2, "client_token": "tok-1"}, {"size_gib": 2, "client_token": "tok-1"}):
+        answer = create_volume_json(svc, CreateVolumeRequest(**body), DEFAULT_TENANT)
+        model = VolumeOut.model_validate_json(answer)
+        assert answer == model.model_dump_json().encode()
+        assert model == get_volume(svc, model.volume_id, DEFAULT_TENANT)

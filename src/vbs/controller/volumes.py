@@ -73,6 +73,16 @@ def _digest(req: CreateVolumeRequest) -> str:
 
 
 def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> VolumeOut:
+    return VolumeOut.model_validate(create_volume_fields(svc, req, tenant))
+
+
+def create_volume_json(svc: Controller, req: CreateVolumeRequest, tenant: str) -> bytes:
+    """The REST API's answer to a create, encoded from the fields as a page is (``VolumePage.json``):
+    no model made, validated, dumped and validated again on the way out."""
+    return to_json(create_volume_fields(svc, req, tenant))
+
+
+def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str) -> dict[str, Any]:
     if req.placement == "shared" and (req.host is not None or req.persistent):
         raise InvalidParameter("host and persistent are for placement 'local' (a volume in a host's local pool).")
     digest = _digest(req)
@@ -87,9 +97,9 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
                     if existing.request_digest != digest:
                         raise IdempotentParameterMismatch(
                             "The client token was already used with different parameters.")
-                    return _describe_one(svc, s, existing)
+                    return _describe_fields(svc, s, existing)
             volume, op_id = _insert_volume(svc, s, req, digest, tenant)
-            out = _describe_one(svc, s, volume, new_tags=req.tags)
+            out = _describe_fields(svc, s, volume, new_tags=req.tags)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
@@ -99,7 +109,7 @@ def create_volume(svc: Controller, req: CreateVolumeRequest, tenant: str) -> Vol
             if existing.request_digest != digest or existing.tenant != tenant:
                 raise IdempotentParameterMismatch(
                     "The client token was already used with different parameters.") from None
-            return _describe_one(svc, s, existing)
+            return _describe_fields(svc, s, existing)
     svc.engine.submit(op_id)
     return out
 
@@ -346,12 +356,16 @@ def get_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
 _COLUMNS = tuple(c.key for c in Volume.__table__.columns)
 
 
-def _describe_one(svc: Controller, s: Session, vol: Volume, *, new_tags: dict[str, str] | None = None) -> VolumeOut:
-    """``vol`` described; ``new_tags``: this transaction just inserted it with these tags, so it has no
-    attachment or migration yet and only its node is read (the answer of every create)."""
+def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
+    return VolumeOut.model_validate(_describe_fields(svc, s, vol))
+
+
+def _describe_fields(svc: Controller, s: Session, vol: Volume, *,
+                     new_tags: dict[str, str] | None = None) -> dict[str, Any]:
+    """VolumeOut's fields of ``vol``; ``new_tags``: this transaction just inserted it with these tags, so it
+    has no attachment or migration yet and only its node is read (the answer of every create)."""
     fields = {key: getattr(vol, key) for key in _COLUMNS}
-    return VolumeOut.model_validate(_describe_many(svc, s, [fields], new_tags=None if new_tags is None
-                                                   else {vol.id: dict(new_tags)})[0])
+    return _describe_many(svc, s, [fields], new_tags=None if new_tags is None else {vol.id: dict(new_tags)})[0]
 
 
 # A volume as described: its table's columns by name. Read through a mapping: a Row's attributes cost
