@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from pydantic import SecretStr
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 
 from vbs import probe_tickets
 from vbs.controller.db import Database, Node
-from vbs.controller.nodes import storage_info
+from vbs.controller.nodes import storage_info_document
 from vbs.errors import AgentUnavailable, DriverError
 from vbs.node_credentials import NodeKeyring
 from vbs.tls import TlsFiles
@@ -264,6 +264,11 @@ class HostAgent:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/mirror", Removed)
 
 
+# A storage node's address and reported pools, as a plain row (every storage step of a workflow asks).
+_STORAGE_QUERY = select(Node.url, Node.address, Node.info).where(Node.name == bindparam("name"),
+                                                                  Node.kind == "storage")
+
+
 class AgentDirectory:
     """Finds the agent of a node from its last heartbeat; clients are reused per URL."""
 
@@ -303,10 +308,11 @@ class AgentDirectory:
 
     def storage(self, name: str) -> StorageAgent:
         with self._db.read() as s:  # one read for the address and the pools (every storage step asks)
-            node = s.get(Node, (name, "storage"))
-            if node is None:
-                raise AgentUnavailable(f"storage node {name!r} has never reported to this controller")
-            url, address, pools = node.url, node.address, storage_info(node).pools
+            row = s.connection().execute(_STORAGE_QUERY, {"name": name}).first()
+        if row is None:
+            raise AgentUnavailable(f"storage node {name!r} has never reported to this controller")
+        url, address, info = row
+        pools = storage_info_document(info).pools
         client, addresses = self._client_at(name, "storage", url, address)
         return StorageAgent(client, name, addresses, frozenset(m for p in pools for m in p.monitors))
 

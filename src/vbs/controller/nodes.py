@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -78,7 +78,12 @@ _storage_infos = ParsedDocuments(_parse_storage_info, _many_volumes)
 
 
 def storage_info(node: Node) -> StorageNodeInfo:
-    return _storage_infos.view(node.info)
+    return storage_info_document(node.info)
+
+
+def storage_info_document(info: Any) -> StorageNodeInfo:
+    """``storage_info`` of a node's ``info`` column read without its row."""
+    return _storage_infos.view(info)
 
 
 def pool_of(node: Node | None, name: str) -> PoolInfo | None:
@@ -243,13 +248,18 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
     now = utcnow()
     if not names:
         return {}
-    nodes = session.scalars(select(Node).where(Node.kind == "storage", Node.name.in_(sorted(names))))
+    # Three columns as plain rows, not Node objects: every describe and every create's answer asks.
+    rows = session.connection().execute(_HEALTH_QUERY, {"names": sorted(names)})
+    oldest = now - timedelta(seconds=timeout_s)
     health = {}
-    for n in nodes:
-        info = storage_info(n)
-        health[n.name] = NodeHealth(info.availability_zone or default_zone, is_alive(n, timeout_s, now),
-                                    info.volume_usage)
+    for name, info_doc, last_heartbeat in rows:
+        info = storage_info_document(info_doc)
+        health[name] = NodeHealth(info.availability_zone or default_zone, last_heartbeat >= oldest, info.volume_usage)
     return health
+
+
+_HEALTH_QUERY = select(Node.name, Node.info, Node.last_heartbeat).where(
+    Node.kind == "storage", Node.name.in_(bindparam("names", expanding=True)))
 
 
 VolumeStatusCheck = Literal["ok", "impaired", "insufficient-data"]
@@ -298,9 +308,13 @@ def provisioned_gib(session: Session, node: str, pool: str) -> int:
 def _promised(session: Session, nodes: list[str]) -> dict[tuple[str, str], int]:
     """``provisioned_gib`` of every pool of these nodes, in one query: the rows the database keeps
     (``VolumeUsage``), not a sum over the pools' volumes."""
-    rows = session.execute(select(VolumeUsage.owner, VolumeUsage.pool, VolumeUsage.gib).where(
-        VolumeUsage.scope == "pool", VolumeUsage.owner.in_(nodes)))
+    session.flush()  # volumes this transaction holds count (the ORM's autoflush; a plain row query has none)
+    rows = session.connection().execute(_PROMISED_QUERY, {"nodes": nodes})
     return {(node, pool): int(gib) for node, pool, gib in rows}
+
+
+_PROMISED_QUERY = select(VolumeUsage.owner, VolumeUsage.pool, VolumeUsage.gib).where(
+    VolumeUsage.scope == "pool", VolumeUsage.owner.in_(bindparam("nodes", expanding=True)))
 
 
 def pool_key(node: str, pool: PoolInfo) -> str:

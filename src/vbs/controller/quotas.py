@@ -13,7 +13,7 @@ The volume's row is locked by then (the create touches it first), so two creates
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from vbs.config import ControllerConfig
@@ -39,9 +39,13 @@ def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes
 def tenant_usage(s: Session, tenant: str) -> tuple[int, int]:
     """(volumes, GiB) that ``tenant`` holds, deleted volumes excepted: one row the database keeps
     (``VolumeUsage``), not a sum over the tenant's volumes."""
-    row = s.execute(select(VolumeUsage.volumes, VolumeUsage.gib).where(
-        VolumeUsage.scope == "tenant", VolumeUsage.owner == tenant, VolumeUsage.pool == "")).one_or_none()
+    s.flush()  # volumes this transaction holds count (the ORM's autoflush; a plain row query has none)
+    row = s.connection().execute(_TENANT_USAGE, {"tenant": tenant}).one_or_none()
     return (int(row.volumes), int(row.gib)) if row is not None else (0, 0)
+
+
+_TENANT_USAGE = select(VolumeUsage.volumes, VolumeUsage.gib).where(
+    VolumeUsage.scope == "tenant", VolumeUsage.owner == bindparam("tenant"), VolumeUsage.pool == "")
 
 
 def check_snapshots(s: Session, cfg: ControllerConfig, tenant: str) -> None:

@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sqlalchemy import Table, Update, and_, bindparam, delete, or_, select, update
@@ -242,6 +242,25 @@ def _steps_update(columns: frozenset[str], several: bool) -> Update:
             .values({name: bindparam(f"v_{name}") for name in sorted(columns)}))
 
 
+class OperationRecord(NamedTuple):
+    """What a run reads of its operation's row."""
+
+    id: str
+    kind: str
+    resource_id: str
+    status: str
+    error: str | None
+    params: dict[str, Any]
+    fence: int
+    owner: str | None
+    created_at: datetime
+
+
+_RUN_QUERY = select(*(_OPERATIONS.c[name] for name in OperationRecord._fields)).where(
+    _OPERATIONS.c.id == bindparam("op_id"))
+_STEPS_QUERY = select(_STEPS.c.position, _STEPS.c.state).where(_STEPS.c.operation_id == bindparam("op_id"))
+
+
 def _bound(values: dict[str, Any], **where: Any) -> dict[str, Any]:
     return {**{f"w_{k}": v for k, v in where.items()}, **{f"v_{k}": v for k, v in values.items()}}
 
@@ -424,7 +443,7 @@ class WorkflowEngine:
             with self._lock:
                 self._inflight.discard(op_id)
 
-    def _context(self, workflow: Workflow[Any], op: Operation) -> StepContext[Any]:
+    def _context(self, workflow: Workflow[Any], op: OperationRecord) -> StepContext[Any]:
         try:
             params = workflow.params.model_validate(op.params)
         except ValidationError as exc:
@@ -436,19 +455,23 @@ class WorkflowEngine:
         return ctx
 
     def _run(self, op_id: str, resuming: bool) -> None:
-        with self.db.session() as s:
-            op = s.get(Operation, op_id)
-            if op is None or op.status not in UNFINISHED_OPERATION or op.owner != self.owner:
+        # A read (the run's writes are fenced: one that meets another owner or fence raises LeaseLost),
+        # of the columns a run needs, as plain rows.
+        with self.db.read() as s:
+            c = s.connection()
+            found = c.execute(_RUN_QUERY, {"op_id": op_id}).first()
+            if found is None:
                 return
-            steps = {st.position: st.state for st in s.scalars(
-                select(OperationStep).where(OperationStep.operation_id == op_id))}
-            s.expunge(op)
+            op = OperationRecord(*found)
+            if op.status not in UNFINISHED_OPERATION or op.owner != self.owner:
+                return
+            steps: dict[int, str] = {pos: state for pos, state in c.execute(_STEPS_QUERY, {"op_id": op_id})}
         workflow = self.workflows[op.kind]
         ctx = self._context(workflow, op)
         with fencing.fenced(op.resource_id, op.fence):
             self._resume(workflow, ctx, op, steps, resuming)
 
-    def _resume(self, workflow: Workflow[Any], ctx: StepContext[Any], op: Operation, steps: dict[int, str],
+    def _resume(self, workflow: Workflow[Any], ctx: StepContext[Any], op: OperationRecord, steps: dict[int, str],
                 resuming: bool) -> None:
         if workflow.resume == "rollback" and (resuming or op.status == OperationState.ROLLING_BACK) \
                 and self._committed(workflow, ctx):
