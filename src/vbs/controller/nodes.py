@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol
 
 from pydantic import ValidationError
 from sqlalchemy import bindparam, select, update
@@ -77,7 +77,27 @@ def _many_volumes(info: Any) -> bool:
 _storage_infos = ParsedDocuments(_parse_storage_info, _many_volumes)
 
 
-def storage_info(node: Node) -> StorageNodeInfo:
+class StorageNodeRecord(Protocol):
+    """What placement and health read of a storage node: a ``Node``, or a plain row (``StorageNodeRow``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def info(self) -> Any: ...
+    @property
+    def last_heartbeat(self) -> datetime: ...
+    @property
+    def drained(self) -> bool: ...
+
+
+class StorageNodeRow(NamedTuple):
+    name: str
+    info: Any
+    last_heartbeat: datetime
+    drained: bool
+
+
+def storage_info(node: StorageNodeRecord) -> StorageNodeInfo:
     return storage_info_document(node.info)
 
 
@@ -91,7 +111,7 @@ def pool_of(node: Node | None, name: str) -> PoolInfo | None:
     return None if node is None else next((p for p in storage_info(node).pools if p.name == name), None)
 
 
-def zone_of(node: Node, default_zone: str) -> str:
+def zone_of(node: StorageNodeRecord, default_zone: str) -> str:
     """The availability zone of a storage node: the one its agent reports, else the controller's."""
     return storage_info(node).availability_zone or default_zone
 
@@ -165,7 +185,7 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
             inst.state = "gone"
 
 
-def is_alive(node: Node, timeout_s: float, now: datetime) -> bool:
+def is_alive(node: StorageNodeRecord, timeout_s: float, now: datetime) -> bool:
     return node.last_heartbeat >= now - timedelta(seconds=timeout_s)
 
 
@@ -323,7 +343,8 @@ def pool_key(node: str, pool: PoolInfo) -> str:
     return pool.shared_id or f"{node}/{pool.name}"
 
 
-def _promised_per_storage(session: Session, nodes: list[Node]) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+def _promised_per_storage(session: Session, nodes: Sequence[StorageNodeRecord]
+                          ) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What each pool's storage was promised, summed over every agent that serves it (a shared pool
     counts once, whichever agent its volumes are recorded on), and each (node, pool) alone."""
     promised = _promised(session, [n.name for n in nodes])
@@ -352,7 +373,7 @@ class Placement:
     drained_ok: bool = False
     encrypted: bool = False  # only pools that make encrypted volumes (PoolInfo.encryption)
 
-    def includes(self, node: Node, default_zone: str) -> bool:
+    def includes(self, node: StorageNodeRecord, default_zone: str) -> bool:
         """Whether ``node`` is the named node (if any) in the named zone (if any)."""
         return (self.node is None or node.name == self.node) and (
             self.zone is None or zone_of(node, default_zone) == self.zone)
@@ -364,7 +385,8 @@ class Placement:
         return "".join(f" {p}" for p in parts if p)
 
 
-def _check_hints(nodes: list[Node], want: Placement, *, timeout_s: float, default_zone: str, now: datetime) -> None:
+def _check_hints(nodes: Sequence[StorageNodeRecord], want: Placement, *, timeout_s: float, default_zone: str,
+                 now: datetime) -> None:
     """Refuse a zone, node or pool that cannot take the volume whatever the room: unknown (400), or a
     named node that is down or drained (409). Room itself is the scheduler's question."""
     if want.zone is not None and not any(zone_of(n, default_zone) == want.zone for n in nodes):
@@ -407,8 +429,9 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     """
     want = want or Placement()
     now = utcnow()
-    nodes = list(session.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name).with_for_update()
-                                 .execution_options(populate_existing=True)))
+    # Plain rows, read now (a drain that committed is seen) and locked.
+    session.flush()
+    nodes = [StorageNodeRow(*row) for row in session.connection().execute(_PLACEMENT_QUERY)]
     _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
     live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
             and (want.drained_ok or not n.drained)]
@@ -436,6 +459,10 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
                                        f"{overcommit:g}).", status=400)
         raise InsufficientCapacity(f"There is not enough live capacity{want.where()} for a {size_gib} GiB volume.")
     return best[2], best[3]
+
+
+_PLACEMENT_QUERY = (select(Node.name, Node.info, Node.last_heartbeat, Node.drained).where(Node.kind == "storage")
+                    .order_by(Node.name).with_for_update())
 
 
 def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overcommit: float) -> None:

@@ -53,7 +53,7 @@ from functools import cache
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlalchemy import Table, Update, and_, bindparam, delete, or_, select, update
+from sqlalchemy import Table, Update, and_, bindparam, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -308,18 +308,19 @@ class WorkflowEngine:
         lease_until = self.db.clock(session) + self._lease
         fence = self.db.next_fence(session)
 
-        def operation() -> Operation:
-            return Operation(id=op_id, kind=kind, resource_id=resource_id, status=OperationState.RUNNING,
-                             exclusive=workflow.exclusive, params=params.model_dump(mode="json"), attempts=0,
-                             created_at=now, updated_at=now, owner=self.owner, lease_until=lease_until, fence=fence)
-
+        row = {"id": op_id, "kind": kind, "resource_id": resource_id, "status": str(OperationState.RUNNING),
+               "exclusive": workflow.exclusive, "params": params.model_dump(mode="json"), "attempts": 0,
+               "created_at": now, "updated_at": now, "owner": self.owner, "lease_until": lease_until, "fence": fence}
         if workflow.exclusive and not new_resource:
-            self._insert_exclusive(session, operation, resource_id)
+            self._insert_exclusive(session, lambda: Operation(**row), resource_id)
         else:
-            session.add(operation())  # nothing can refuse it: no savepoint (two more statements)
-        for pos, step in enumerate(workflow.steps):
-            session.add(OperationStep(operation_id=op_id, position=pos, name=step.name, state="pending",
-                                      updated_at=now))
+            # Nothing can refuse it: no savepoint (two more statements), and a plain INSERT, after what
+            # the transaction holds (resource rows are written before operation rows, as everywhere).
+            session.flush()
+            session.connection().execute(insert(_OPERATIONS), row)
+        session.connection().execute(insert(_STEPS), [
+            {"operation_id": op_id, "position": pos, "name": step.name, "state": "pending", "error": None,
+             "updated_at": now} for pos, step in enumerate(workflow.steps)])
         return op_id
 
     @staticmethod
