@@ -190,6 +190,8 @@ def reconcile_passes(api: Api, rounds: int) -> tuple[list[float], int]:
         report = api.get("/v1/admin/check")
         lat.append((time.perf_counter() - t) * 1000)
         findings = len(report["findings"])
+    if findings:  # what they are, in the log (a pass that met creates in flight, or a real mismatch)
+        log(f"  findings of the last pass: {json.dumps(report['findings'])[:2000]}")
     return lat, findings
 
 
