@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import Select, select
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 LIVE_VOLUME = (VolumeState.AVAILABLE, VolumeState.IN_USE)
 MUST_BE_EXPORTED = (AttachmentState.ATTACHED, AttachmentState.BUSY)
 MAY_BE_EXPORTED = (AttachmentState.ATTACHING, AttachmentState.DETACHING, *MUST_BE_EXPORTED)
+# A volume or snapshot row changed less than this before its pool was listed is not judged missing yet.
+SETTLE_MARGIN_S = 5.0
 
 
 class Held(NamedTuple):
@@ -54,6 +57,7 @@ class Held(NamedTuple):
     status: str
     storage_node: str
     pool: str
+    updated_at: datetime
 
 
 @dataclass
@@ -224,14 +228,16 @@ class Reconciler:
     def _check_storage(self, node: Node, busy: set[str], report: Report, seen: set[tuple[str, str, str]],
                        repair: bool, ignore_grace: bool, shared: _SharedPools) -> None:
         agent = self.svc.agents.storage(node.name)
+        listed_at = utcnow()
         inventory = agent.inventory()
         exports = agent.list_exports()
         with self.svc.db.read() as s:
             # The columns the checks read, as plain rows: a node may hold 100,000 volumes.
             on_node = (Volume.storage_node == node.name, Volume.placement != "local")
-            volumes = _held(s, select(Volume.id, Volume.status, Volume.storage_node, Volume.pool).where(*on_node))
-            snaps = _held(s, select(Snapshot.id, Snapshot.status, Snapshot.storage_node, Snapshot.pool)
-                          .where(Snapshot.storage_node == node.name))
+            volumes = _held(s, select(Volume.id, Volume.status, Volume.storage_node, Volume.pool, Volume.updated_at)
+                            .where(*on_node))
+            snaps = _held(s, select(Snapshot.id, Snapshot.status, Snapshot.storage_node, Snapshot.pool,
+                                    Snapshot.updated_at).where(Snapshot.storage_node == node.name))
             atts = list(s.scalars(select(Attachment).join(Volume, Volume.id == Attachment.volume_id)
                                   .where(*on_node, Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
@@ -247,9 +253,9 @@ class Reconciler:
             if details is not None:
                 report.pools.append(details)
             self._check_files(node.name, pool, "volume", items.volumes, vols, busy, report, seen,
-                              repair, ignore_grace)
+                              repair, ignore_grace, listed_at)
             self._check_files(node.name, pool, "snapshot", items.snapshots, snps, busy, report, seen,
-                              repair, ignore_grace)
+                              repair, ignore_grace, listed_at)
         # Native RBD grants are the cluster's (cephx users), so every agent of a shared pool lists them
         # all: those of volumes another agent of it serves are that agent's to check, not orphans here.
         elsewhere = {(n, p) for pool in inventory.pools for (n, p) in shared.members_of(node.name, pool) or ()
@@ -268,14 +274,15 @@ class Reconciler:
 
     def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Held]:
         with self.svc.db.read() as s:
-            rows = _held(s, select(table.id, table.status, table.storage_node, table.pool)
+            rows = _held(s, select(table.id, table.status, table.storage_node, table.pool, table.updated_at)
                          .where(table.storage_node.in_(sorted({n for n, _ in members}))))
         return {i: r for i, r in rows.items() if (r.storage_node, r.pool) in members}
 
     def _check_files(self, node: str, pool: str, kind: str, present: list[str], rows: dict[str, Held],
                      busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
-                     ignore_grace: bool) -> None:
-        """``rows``: those recorded where ``present`` is (this node's; every agent's of a shared pool)."""
+                     ignore_grace: bool, listed_at: datetime) -> None:
+        """``rows``: those recorded where ``present`` is (this node's; every agent's of a shared pool),
+        read after the agent listed ``present`` (asked at ``listed_at``)."""
         agent = self.svc.agents.storage(node)
         live = frozenset(LIVE_VOLUME if kind == "volume" else (SnapshotState.COMPLETED,))
         # A file is expected where its row is live or on its way in or out.
@@ -297,9 +304,14 @@ class Reconciler:
             elif repair:
                 finding.action = "waiting"
         present_set = set(present)
+        # A row that changed since shortly before the listing may be a create (or a clone, a snapshot)
+        # that ended after the agent listed its pool: its file is there, only not in this listing. It
+        # is judged by a later pass. (A pass over 100,000 files takes about a second: creates finish
+        # meanwhile, and were marked lost before.) The margin covers the clocks of other controllers.
+        settled_before = listed_at - timedelta(seconds=SETTLE_MARGIN_S)
         for item_id, row in rows.items():
             if item_id in present_set or row.status not in live or (row.storage_node == node and row.pool != pool) \
-                    or item_id in busy:
+                    or item_id in busy or row.updated_at > settled_before:
                 continue
             finding = Finding("missing-file", node, item_id, f"{kind} is {row.status} but its file is gone")
             report.findings.append(finding)
@@ -392,7 +404,8 @@ class Reconciler:
                                                    f"attached to VM {vm.vm_id} per the DB, not in the VM"))
 
 
-def _held(s: Session, query: Select[str, str, str, str]) -> dict[str, Held]:
-    """The rows of ``query`` (id, status, storage_node, pool) by id, read through the session's
+def _held(s: Session, query: Select[str, str, str, str, datetime]) -> dict[str, Held]:
+    """The rows of ``query`` (id, status, storage_node, pool, updated_at) by id, read through the session's
     connection: plain columns need none of the ORM's loading, which costs more than the read itself."""
-    return {item_id: Held(status, node, pool) for item_id, status, node, pool in s.connection().execute(query).all()}
+    return {item_id: Held(status, node, pool, updated_at)
+            for item_id, status, node, pool, updated_at in s.connection().execute(query).all()}
