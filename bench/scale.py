@@ -39,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -146,6 +147,32 @@ def creates(api: Api, n: int) -> list[float]:
     return [time_ms(lambda: api.post("/v1/volumes", {"size_gib": 1})) for _ in range(n)]
 
 
+def creates_during_passes(api: Api, endpoint: str, headers: dict[str, str], n: int) -> tuple[list[float], int]:
+    """``n`` sequential creates while another client runs read-only reconciliation passes back to
+    back: what a create meets when the controller's periodic pass falls among them. Returns their
+    latencies and how many passes ran meanwhile."""
+    stop = threading.Event()
+    passes = 0
+
+    def checking() -> None:
+        nonlocal passes
+        other = Api(endpoint, headers)
+        try:
+            while not stop.is_set():
+                other.get("/v1/admin/check")
+                passes += 1
+        finally:
+            other.close()
+
+    worker = threading.Thread(target=checking, name="passes", daemon=True)
+    worker.start()
+    try:
+        return creates(api, n), passes
+    finally:
+        stop.set()
+        worker.join()
+
+
 def describe_pages(api: Api, pages: int) -> list[float]:
     """Latency of ``pages`` full pages of 1,000: walks from the first page on, with the next tokens
     the API hands out, until enough were timed (keyset pages: a deep page costs what the first does)."""
@@ -222,10 +249,13 @@ def run_levels(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             c = creates(api, args.creates)
             d = describe_pages(api, args.pages)
             r, findings = reconcile_passes(api, args.reconcile_rounds)
+            during, passes = creates_during_passes(api, up.endpoint, up.headers(), max(args.creates // 2, 20))
             rec.update({
                 "create_p50_ms": pct(c, 50), "create_p99_ms": pct(c, 99), "create_max_ms": max(c), "creates": len(c),
                 "page_p50_ms": pct(d, 50), "page_p99_ms": pct(d, 99), "pages": len(d),
                 "reconcile_ms": statistics.median(r), "reconcile_rounds": len(r), "findings": findings,
+                "pass_create_p50_ms": pct(during, 50), "pass_create_p99_ms": pct(during, 99),
+                "pass_create_max_ms": max(during), "pass_creates": len(during), "passes_during": passes,
                 "rss_mib": rss_mib(pid), "load_after": load(),
             })
             log(f"volumes: {rec['volumes']}: create p50 {rec['create_p50_ms']:.1f} / p99 {rec['create_p99_ms']:.1f} "
@@ -355,6 +385,13 @@ def slope_mb_s(points: list[dict[str, Any]]) -> float | None:
 # -- report and plot -------------------------------------------------------------------------------
 
 
+def during_passes(r: dict[str, Any]) -> str:
+    if "pass_create_p50_ms" not in r:  # figures of a run before this was measured
+        return "-"
+    return (f"{r['pass_create_p50_ms']:.1f}/{r['pass_create_p99_ms']:.1f}/{r['pass_create_max_ms']:.0f} "
+            f"({r['passes_during']} passes)")
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -364,11 +401,13 @@ def report(res: dict[str, Any]) -> str:
     if res.get("volumes"):
         rows = [[f"{r['volumes']:,}", f"{r['create_p50_ms']:.1f}", f"{r['create_p99_ms']:.1f}",
                  f"{r['page_p50_ms']:.1f}", f"{r['page_p99_ms']:.1f}", f"{r['reconcile_ms']:.0f}",
-                 str(r["findings"]), f"{r['rss_mib']:.0f}", f"{r['load_before']:.1f}/{r['load_after']:.1f}"]
+                 str(r["findings"]), during_passes(r), f"{r['rss_mib']:.0f}",
+                 f"{r['load_before']:.1f}/{r['load_after']:.1f}"]
                 for r in res["volumes"]]
         lines += ["## Volumes in the DB (one storage node, one pool)", "",
                   table(["volumes", "create p50 ms", "create p99 ms", "page p50 ms", "page p99 ms",
-                         "reconcile pass ms", "findings", "controller RSS MiB", "load before/after"], rows), "",
+                         "reconcile pass ms", "findings", "create p50/p99/max ms during passes",
+                         "controller RSS MiB", "load before/after"], rows), "",
                   f"({res['volumes'][0]['creates']} sequential creates and {res['volumes'][0]['pages']} pages of "
                   f"{PAGE} a level; reconcile: median of {res['volumes'][0]['reconcile_rounds']} passes.)", ""]
         rows = []
