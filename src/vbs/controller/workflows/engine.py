@@ -71,8 +71,7 @@ __all__ = ["Params", "StepContext", "Step", "Workflow", "WorkflowEngine"]
 log = logging.getLogger(__name__)
 
 MAX_RETRY_DELAY_S = 60.0
-# The engine's UPDATEs of operation and step rows: no object of the session is read after them, so
-# SQLAlchemy need not find and refresh the matching ones (a fifth of each bookkeeping transaction).
+# The tables the engine's own bookkeeping reads and writes with Core statements (see _op_update).
 _OPERATIONS = cast(Table, Operation.__table__)
 _STEPS = cast(Table, OperationStep.__table__)
 HOLD_LIMIT_S = 300.0  # a held step goes on by itself after this, so a forgotten hold cannot wedge anything
