@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage
+from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.documents import ParsedDocuments
 from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
@@ -269,7 +269,7 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
     if not names:
         return {}
     # Three columns as plain rows, not Node objects: every describe and every create's answer asks.
-    rows = session.connection().execute(_HEALTH_QUERY, {"names": sorted(names)})
+    rows = plain.execute(session, _HEALTH_QUERY, {"names": sorted(names)})
     oldest = now - timedelta(seconds=timeout_s)
     health = {}
     for name, info_doc, last_heartbeat in rows:
@@ -328,8 +328,7 @@ def provisioned_gib(session: Session, node: str, pool: str) -> int:
 def _promised(session: Session, nodes: list[str]) -> dict[tuple[str, str], int]:
     """``provisioned_gib`` of every pool of these nodes, in one query: the rows the database keeps
     (``VolumeUsage``), not a sum over the pools' volumes."""
-    session.flush()  # volumes this transaction holds count (the ORM's autoflush; a plain row query has none)
-    rows = session.connection().execute(_PROMISED_QUERY, {"nodes": nodes})
+    rows = plain.execute(session, _PROMISED_QUERY, {"nodes": nodes})  # volumes this transaction holds count
     return {(node, pool): int(gib) for node, pool, gib in rows}
 
 
@@ -430,8 +429,7 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
     want = want or Placement()
     now = utcnow()
     # Plain rows, read now (a drain that committed is seen) and locked.
-    session.flush()
-    nodes = [StorageNodeRow(*row) for row in session.connection().execute(_PLACEMENT_QUERY)]
+    nodes = [StorageNodeRow(*row) for row in plain.execute(session, _PLACEMENT_QUERY)]
     _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
     live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
             and (want.drained_ok or not n.drained)]

@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from vbs.config import ControllerConfig
-from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage
+from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.locks import lock_tenant
 from vbs.controller.nodes import storage_info
 from vbs.controller.states import SnapshotState
@@ -39,8 +39,7 @@ def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes
 def tenant_usage(s: Session, tenant: str) -> tuple[int, int]:
     """(volumes, GiB) that ``tenant`` holds, deleted volumes excepted: one row the database keeps
     (``VolumeUsage``), not a sum over the tenant's volumes."""
-    s.flush()  # volumes this transaction holds count (the ORM's autoflush; a plain row query has none)
-    row = s.connection().execute(_TENANT_USAGE, {"tenant": tenant}).one_or_none()
+    row = plain.execute(s, _TENANT_USAGE, {"tenant": tenant}).one_or_none()  # this transaction's volumes count
     return (int(row.volumes), int(row.gib)) if row is not None else (0, 0)
 
 

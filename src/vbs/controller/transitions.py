@@ -13,9 +13,10 @@ from enum import StrEnum
 from functools import cache
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Table, Update, bindparam, select, update
+from sqlalchemy import ColumnElement, Table, Update, bindparam, select
 from sqlalchemy.orm import Session
 
+from vbs.controller.db import plain
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import Attachment, Snapshot, Volume, utcnow
 from vbs.controller.states import (
@@ -67,25 +68,21 @@ def try_transition(session: Session, table: Stateful, resource_id: str, to_state
     create-snapshot, create-volume from a snapshot) change this row in their transaction."""
     allowed = _allowed(table, to_state, from_states)
     values = {"status": str(to_state), "updated_at": utcnow(), **values}
+    stmt = _plain_update(table, frozenset(values))
     if conditions:
         lock_rows(session, table, resource_id)
-        stmt = (update(table).where(table.id == resource_id, table.status.in_(allowed), *conditions).values(**values)
-                .execution_options(synchronize_session=False))
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
-    # The common case (a workflow's closing step, most API changes): a Core statement built once, with
-    # bound parameters. It does not autoflush as the ORM's does: what the transaction holds goes first.
-    session.flush()
-    result = session.execute(_plain_update(table, frozenset(values)),
-                             {"w_id": resource_id, "w_from": allowed, **{f"v_{k}": v for k, v in values.items()}})
-    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+        stmt = stmt.where(*conditions)
+    result = plain.execute(session, stmt, plain.bound(values, id=resource_id, states=allowed))
+    return bool(result.rowcount == 1)
 
 
 @cache
 def _plain_update(table: Stateful, columns: frozenset[str]) -> Update:
-    """UPDATE ``table`` SET ``columns`` WHERE id = ``w_id`` AND status IN ``w_from`` (parameters ``v_<column>``)."""
+    """UPDATE ``table`` SET ``columns`` WHERE id = ``w_id`` AND status IN ``w_states``: built once (the
+    common case, a workflow's closing step or an API change, adds no condition to it)."""
     core = cast(Table, table.__table__)
-    return (update(core).where(core.c.id == bindparam("w_id"), core.c.status.in_(bindparam("w_from", expanding=True)))
-            .values({name: bindparam(f"v_{name}") for name in sorted(columns)}))
+    return plain.update_of(core, columns, core.c.id == bindparam("w_id"),
+                           core.c.status.in_(bindparam("w_states", expanding=True)))
 
 
 def transition(session: Session, table: Stateful, resource_id: str, to_state: str,

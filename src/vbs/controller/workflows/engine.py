@@ -60,7 +60,7 @@ from sqlalchemy.orm import Session
 from vbs import fencing, ids
 from vbs.controller.after_answer import after_answer
 from vbs.controller.completion import OperationEnds
-from vbs.controller.db import Database, Operation, OperationStep
+from vbs.controller.db import Database, Operation, OperationStep, plain
 from vbs.controller.db.tables import utcnow
 from vbs.controller.services import Services
 from vbs.controller.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
@@ -218,17 +218,15 @@ def _message(exc: Exception) -> str:
     return str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
 
 
-# The engine's own writes, made for every step of every operation, are Core statements built once per
-# set of columns, with bound parameters: neither a statement built per write nor the ORM's bulk path
+# The engine's own writes, made for every step of every operation, are plain statements built once per
+# set of columns (vbs.controller.db.plain): neither a statement built per write nor the ORM's bulk path
 # (together about a fifth of a create's workflow CPU before).
 @cache
 def _op_update(columns: frozenset[str]) -> Update:
-    """UPDATE operations SET ``columns`` WHERE it is still the run's (id, owner, fence): parameters
-    ``w_id``, ``w_owner``, ``w_fence`` and ``v_<column>``."""
+    """UPDATE operations SET ``columns`` WHERE it is still the run's (id, owner, fence)."""
     c = _OPERATIONS.c
-    return (update(_OPERATIONS)
-            .where(c.id == bindparam("w_id"), c.owner == bindparam("w_owner"), c.fence == bindparam("w_fence"))
-            .values({name: bindparam(f"v_{name}") for name in sorted(columns)}))
+    return plain.update_of(_OPERATIONS, columns, c.id == bindparam("w_id"), c.owner == bindparam("w_owner"),
+                           c.fence == bindparam("w_fence"))
 
 
 @cache
@@ -237,8 +235,7 @@ def _steps_update(columns: frozenset[str], several: bool) -> Update:
     (``several``: position IN the list ``w_pos``)."""
     c = _STEPS.c
     position = c.position.in_(bindparam("w_pos", expanding=True)) if several else c.position == bindparam("w_pos")
-    return (update(_STEPS).where(c.operation_id == bindparam("w_id"), position)
-            .values({name: bindparam(f"v_{name}") for name in sorted(columns)}))
+    return plain.update_of(_STEPS, columns, c.operation_id == bindparam("w_id"), position)
 
 
 class OperationRecord(NamedTuple):
@@ -258,10 +255,6 @@ class OperationRecord(NamedTuple):
 _RUN_QUERY = select(*(_OPERATIONS.c[name] for name in OperationRecord._fields)).where(
     _OPERATIONS.c.id == bindparam("op_id"))
 _STEPS_QUERY = select(_STEPS.c.position, _STEPS.c.state).where(_STEPS.c.operation_id == bindparam("op_id"))
-
-
-def _bound(values: dict[str, Any], **where: Any) -> dict[str, Any]:
-    return {**{f"w_{k}": v for k, v in where.items()}, **{f"v_{k}": v for k, v in values.items()}}
 
 
 class WorkflowEngine:
@@ -315,9 +308,8 @@ class WorkflowEngine:
         else:
             # Nothing can refuse it: no savepoint (two more statements), and a plain INSERT, after what
             # the transaction holds (resource rows are written before operation rows, as everywhere).
-            session.flush()
-            session.connection().execute(insert(_OPERATIONS), row)
-        session.connection().execute(insert(_STEPS), [
+            plain.execute(session, insert(_OPERATIONS), row)
+        plain.execute(session, insert(_STEPS), [
             {"operation_id": op_id, "position": pos, "name": step.name, "state": "pending", "error": None,
              "updated_at": now} for pos, step in enumerate(workflow.steps)])
         return op_id
@@ -617,11 +609,10 @@ class WorkflowEngine:
 
     def _update_op(self, s: Session, ctx: StepContext[Any], **values: Any) -> None:
         """Write the operation row if it is still ours with the same fence, or raise ``LeaseLost`` if
-        another controller took it over. What the transaction's ORM objects hold is flushed first (a Core
-        statement does not autoflush): resource rows are written, and locked, before the operation's."""
-        s.flush()
-        result = s.execute(_op_update(frozenset(values)),
-                           _bound(values, id=ctx.operation_id, owner=self.owner, fence=ctx.fence))
+        another controller took it over. What the transaction's ORM objects hold is flushed first
+        (``plain.execute``): resource rows are written, and locked, before the operation's."""
+        result = plain.execute(s, _op_update(frozenset(values)),
+                               plain.bound(values, id=ctx.operation_id, owner=self.owner, fence=ctx.fence))
         if getattr(result, "rowcount", 0) != 1:
             raise LeaseLost(f"operation {ctx.operation_id} is no longer this controller's ({self.owner}, "
                             f"fence {ctx.fence})")
@@ -641,8 +632,8 @@ class WorkflowEngine:
             step_values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
             if not keep_error:
                 step_values["error"] = error
-            s.execute(_steps_update(frozenset(step_values), False),
-                      _bound(step_values, id=ctx.operation_id, pos=pos))
+            plain.execute(s, _steps_update(frozenset(step_values), False),
+                          plain.bound(step_values, id=ctx.operation_id, pos=pos))
 
     def _save_params(self, ctx: StepContext[Any]) -> None:
         self._set_op(ctx, params=ctx.params.model_dump(mode="json"))
@@ -684,10 +675,9 @@ class WorkflowEngine:
                 self._guard(s, ctx)
                 return
             if done:
-                s.flush()  # the block's ORM writes first (see _update_op)
-                step_values = {"state": "done", "error": None, "updated_at": utcnow()}
-                s.execute(_steps_update(frozenset(step_values), True),
-                          _bound(step_values, id=ctx.operation_id, pos=list(done)))
+                step_values = {"state": "done", "error": None, "updated_at": utcnow()}  # after the block's writes
+                plain.execute(s, _steps_update(frozenset(step_values), True),
+                              plain.bound(step_values, id=ctx.operation_id, pos=list(done)))
             self._update_op(s, ctx, params=ctx.params.model_dump(mode="json"), **_ended(status, error))
         self._ended(ctx, status)
 
