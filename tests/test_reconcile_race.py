@@ -1,6 +1,7 @@
 """Unit tests of a reconciliation pass against a fake storage agent: a volume that became available
 after the agent listed its pool (a create that ended during a long pass) is not marked lost; one
-that was available well before the listing and has no file is."""
+that was available well before the listing and has no file is; which files are orphans and which
+rows are missing their file, by state and by pool."""
 
 from __future__ import annotations
 
@@ -53,10 +54,10 @@ def reconciler(db: Database, agent: ListingAgent) -> Reconciler:
     return Reconciler(svc, grace_s=60.0, interval_s=3600.0)
 
 
-def available(db: Database, volume_id: str, *, ago_s: float) -> None:
+def available(db: Database, volume_id: str, *, ago_s: float, state: str = "available", pool: str = "p") -> None:
     with db.session() as s:
         s.execute(update(Volume).where(Volume.id == volume_id)
-                  .values(status="available", progress=100, updated_at=utcnow() - timedelta(seconds=ago_s)))
+                  .values(status=state, progress=100, pool=pool, updated_at=utcnow() - timedelta(seconds=ago_s)))
 
 
 def status(db: Database, volume_id: str) -> str:
@@ -93,3 +94,30 @@ def test_a_volume_settled_before_the_listing_without_its_file_is_marked_lost(db:
     report = reconciler(db, ListingAgent([])).run(repair=True)
     assert [(f.kind, f.resource_id, f.action) for f in report.findings] == [("missing-file", lost, "repaired")]
     assert status(db, lost) == "error" and status(db, recent) == "available"
+
+
+def test_orphans_and_missing_files_are_judged_by_state_and_pool(db: Database) -> None:
+    heartbeat(db, "s1", None)
+    svc = controller(db)
+    made = [create_volume(svc, CreateVolumeRequest(size_gib=1), DEFAULT_TENANT).volume_id for _ in range(6)]
+    creating, failed, in_use, other_pool, deleted, kept = made
+    old = SETTLE_MARGIN_S + 5
+    available(db, failed, ago_s=old, state="error")
+    available(db, in_use, ago_s=old, state="in-use")
+    available(db, other_pool, ago_s=old, pool="q")  # recorded in pool q, which this listing is not
+    available(db, deleted, ago_s=old, state="deleted")
+    available(db, kept, ago_s=old)
+    unknown = "vol-" + "0" * 17
+    # Pool p holds the creating volume's file (expected), the failed and deleted ones' (orphans), one
+    # that has no row (an orphan) and the kept one's; the in-use volume's file is gone.
+    agent = ListingAgent([creating, failed, deleted, unknown, kept])
+    report = reconciler(db, agent).run(repair=True)
+    found = sorted((f.kind, f.resource_id, f.action) for f in report.findings)
+    assert found == sorted([("orphan-file", failed, "waiting"), ("orphan-file", deleted, "waiting"),
+                            ("orphan-file", unknown, "waiting"), ("missing-file", in_use, "reported")])
+    details = {f.resource_id: f.detail for f in report.findings}
+    assert details[failed] == "volume file in pool p with row error"
+    assert details[unknown] == "volume file in pool p with no row"
+    assert details[in_use] == "volume is in-use but its file is gone"
+    # An in-use volume is reported, not marked: its VM may still hold the data open.
+    assert status(db, in_use) == "in-use" and status(db, other_pool) == "available"

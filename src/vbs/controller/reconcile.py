@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import ColumnElement, and_, select
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.cluster import SingletonLease
-from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume
+from vbs.controller.db import Attachment, Instance, Node, Operation, Snapshot, Volume, plain
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import host_identity, host_info, is_alive, storage_info
 from vbs.controller.services import Services
@@ -49,15 +49,48 @@ MAY_BE_EXPORTED = (AttachmentState.ATTACHING, AttachmentState.DETACHING, *MUST_B
 SETTLE_MARGIN_S = 5.0
 
 
-class Held(NamedTuple):
-    """Where a volume or snapshot row says it is, and its state: what a pass compares with a pool's
-    files. A named tuple: a node may hold 100,000 rows, and a SQLAlchemy ``Row``'s attributes cost
-    about ten times a named tuple's."""
+# What a pass reads of each volume or snapshot row, as plain driver rows (a node may hold 100,000:
+# SQLAlchemy's rows and its datetime processing cost more than the read itself): the id, where the row
+# says the file is, its state, whether a file is expected for it (live, or on its way in or out) and
+# whether it is owed (live, and unchanged since shortly before the pool was listed).
+_ID, _NODE, _POOL, _STATUS, _EXPECTED, _OWED = range(6)
 
-    status: str
-    storage_node: str
-    pool: str
-    updated_at: datetime
+
+def _states(kind: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The states whose file must be there (live) and those whose file may be (expected) for ``kind``."""
+    live: frozenset[str]
+    if kind == "volume":
+        live = frozenset(LIVE_VOLUME)
+        return live, live | {VolumeState.CREATING, VolumeState.DELETING}
+    live = frozenset((SnapshotState.COMPLETED,))
+    return live, live | {SnapshotState.PENDING, SnapshotState.DELETING}
+
+
+class Held:
+    """The volume (or snapshot) rows a pass compares with the files pools list, as sets of ids."""
+
+    def __init__(self, rows: list[tuple[Any, ...]]) -> None:
+        self.rows = rows
+        self.expected = {r[_ID] for r in rows if r[_EXPECTED]}
+
+    @classmethod
+    def read(cls, s: Session, table: type[Volume] | type[Snapshot], *where: ColumnElement[bool],
+             settled_before: datetime) -> Held:
+        live, expected = _states("volume" if table is Volume else "snapshot")
+        query = select(table.id, table.storage_node, table.pool, table.status, table.status.in_(sorted(expected)),
+                       and_(table.status.in_(sorted(live)), table.updated_at <= settled_before)).where(*where)
+        return cls(plain.driver_rows(s, query))
+
+    def ids(self) -> set[str]:
+        return {r[_ID] for r in self.rows}
+
+    def owed_in(self, node: str, pool: str) -> set[str]:
+        """The ids whose file ``pool`` of ``node`` must hold: rows recorded there, and, of a pool several
+        agents serve, those recorded on the other agents."""
+        return {r[_ID] for r in self.rows if r[_OWED] and (r[_POOL] == pool or r[_NODE] != node)}
+
+    def status_of(self) -> dict[str, str]:
+        return {r[_ID]: r[_STATUS] for r in self.rows}
 
 
 @dataclass
@@ -231,13 +264,15 @@ class Reconciler:
         listed_at = utcnow()
         inventory = agent.inventory()
         exports = agent.list_exports()
+        # A row that changed since shortly before the listing may be a create (or a clone, a snapshot)
+        # that ended after the agent listed its pool: its file is there, only not in this listing. It
+        # is judged by a later pass. (A pass over 100,000 files takes a good part of a second: creates
+        # finish meanwhile, and were marked lost before.) The margin covers the clocks of other controllers.
+        settled_before = listed_at - timedelta(seconds=SETTLE_MARGIN_S)
         with self.svc.db.read() as s:
-            # The columns the checks read, as plain rows: a node may hold 100,000 volumes.
             on_node = (Volume.storage_node == node.name, Volume.placement != "local")
-            volumes = _held(s, select(Volume.id, Volume.status, Volume.storage_node, Volume.pool, Volume.updated_at)
-                            .where(*on_node))
-            snaps = _held(s, select(Snapshot.id, Snapshot.status, Snapshot.storage_node, Snapshot.pool,
-                                    Snapshot.updated_at).where(Snapshot.storage_node == node.name))
+            volumes = Held.read(s, Volume, *on_node, settled_before=settled_before)
+            snaps = Held.read(s, Snapshot, Snapshot.storage_node == node.name, settled_before=settled_before)
             atts = list(s.scalars(select(Attachment).join(Volume, Volume.id == Attachment.volume_id)
                                   .where(*on_node, Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
@@ -249,19 +284,20 @@ class Reconciler:
             elif not shared.first_check(node.name, pool):
                 continue  # a pool several agents serve is checked once, by the first of them that answers
             else:  # every row of the shared storage, whichever agent it is recorded on
-                vols, snps = self._rows_on(Volume, members), self._rows_on(Snapshot, members)
+                vols = self._rows_on(Volume, members, settled_before)
+                snps = self._rows_on(Snapshot, members, settled_before)
             if details is not None:
                 report.pools.append(details)
             self._check_files(node.name, pool, "volume", items.volumes, vols, busy, report, seen,
-                              repair, ignore_grace, listed_at)
+                              repair, ignore_grace)
             self._check_files(node.name, pool, "snapshot", items.snapshots, snps, busy, report, seen,
-                              repair, ignore_grace, listed_at)
+                              repair, ignore_grace)
         # Native RBD grants are the cluster's (cephx users), so every agent of a shared pool lists them
         # all: those of volumes another agent of it serves are that agent's to check, not orphans here.
         elsewhere = {(n, p) for pool in inventory.pools for (n, p) in shared.members_of(node.name, pool) or ()
                      if n != node.name}
         if elsewhere:
-            theirs = set(self._rows_on(Volume, elsewhere))
+            theirs = self._rows_on(Volume, elsewhere, settled_before).ids()
             exports = [e for e in exports if not (e.protocol == "rbd" and e.key in theirs)]
         self._check_exports(node.name, exports, atts, hosts, busy, report, seen, repair, ignore_grace)
 
@@ -272,28 +308,25 @@ class Reconciler:
             raise NotFound(f"The volume '{volume_id}' does not exist.")
         return vol
 
-    def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]]) -> dict[str, Held]:
+    def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]],
+                 settled_before: datetime) -> Held:
         with self.svc.db.read() as s:
-            rows = _held(s, select(table.id, table.status, table.storage_node, table.pool, table.updated_at)
-                         .where(table.storage_node.in_(sorted({n for n, _ in members}))))
-        return {i: r for i, r in rows.items() if (r.storage_node, r.pool) in members}
+            held = Held.read(s, table, table.storage_node.in_(sorted({n for n, _ in members})),
+                             settled_before=settled_before)
+        return Held([r for r in held.rows if (r[_NODE], r[_POOL]) in members])
 
-    def _check_files(self, node: str, pool: str, kind: str, present: list[str], rows: dict[str, Held],
-                     busy: set[str], report: Report, seen: set[tuple[str, str, str]], repair: bool,
-                     ignore_grace: bool, listed_at: datetime) -> None:
-        """``rows``: those recorded where ``present`` is (this node's; every agent's of a shared pool),
-        read after the agent listed ``present`` (asked at ``listed_at``)."""
+    def _check_files(self, node: str, pool: str, kind: str, present: list[str], held: Held, busy: set[str],
+                     report: Report, seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
+        """``held``: the rows recorded where ``present`` is (this node's; every agent's of a shared pool),
+        read after the agent listed ``present``. Set differences: a pass compares 100,000 ids."""
         agent = self.svc.agents.storage(node)
-        live = frozenset(LIVE_VOLUME if kind == "volume" else (SnapshotState.COMPLETED,))
-        # A file is expected where its row is live or on its way in or out.
-        expected = live | (frozenset((VolumeState.CREATING, VolumeState.DELETING)) if kind == "volume" else
-                           frozenset((SnapshotState.PENDING, SnapshotState.DELETING)))
-        for item_id in present:
-            row = rows.get(item_id)
-            if (row is not None and row.status in expected) or item_id in busy:
-                continue
-            finding = Finding("orphan-file", node, item_id,
-                              f"{kind} file in pool {pool} with {'no row' if row is None else 'row ' + row.status}")
+        present_set = set(present)
+        orphans = present_set - held.expected - busy
+        status = held.status_of() if orphans else {}
+        for item_id in sorted(orphans):
+            row_status = status.get(item_id)
+            finding = Finding("orphan-file", node, item_id, f"{kind} file in pool {pool} with "
+                              f"{'no row' if row_status is None else 'row ' + row_status}")
             report.findings.append(finding)
             if repair and self._orphan_due(("file", node, item_id), seen, ignore_grace):
                 try:
@@ -303,17 +336,10 @@ class Reconciler:
                     finding.action = f"failed: {exc.message}"
             elif repair:
                 finding.action = "waiting"
-        present_set = set(present)
-        # A row that changed since shortly before the listing may be a create (or a clone, a snapshot)
-        # that ended after the agent listed its pool: its file is there, only not in this listing. It
-        # is judged by a later pass. (A pass over 100,000 files takes about a second: creates finish
-        # meanwhile, and were marked lost before.) The margin covers the clocks of other controllers.
-        settled_before = listed_at - timedelta(seconds=SETTLE_MARGIN_S)
-        for item_id, row in rows.items():
-            if item_id in present_set or row.status not in live or (row.storage_node == node and row.pool != pool) \
-                    or item_id in busy or row.updated_at > settled_before:
-                continue
-            finding = Finding("missing-file", node, item_id, f"{kind} is {row.status} but its file is gone")
+        missing = held.owed_in(node, pool) - present_set - busy
+        status = held.status_of() if missing else status
+        for item_id in sorted(missing):
+            finding = Finding("missing-file", node, item_id, f"{kind} is {status[item_id]} but its file is gone")
             report.findings.append(finding)
             if repair:
                 finding.action = "repaired" if self._mark_lost(kind, item_id) else "reported"
@@ -403,9 +429,3 @@ class Reconciler:
                     report.findings.append(Finding("missing-disk", node.name, att.volume_id,
                                                    f"attached to VM {vm.vm_id} per the DB, not in the VM"))
 
-
-def _held(s: Session, query: Select[str, str, str, str, datetime]) -> dict[str, Held]:
-    """The rows of ``query`` (id, status, storage_node, pool, updated_at) by id, read through the session's
-    connection: plain columns need none of the ORM's loading, which costs more than the read itself."""
-    return {item_id: Held(status, node, pool, updated_at)
-            for item_id, status, node, pool, updated_at in s.connection().execute(query).all()}
