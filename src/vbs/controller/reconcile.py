@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, select
@@ -56,14 +57,13 @@ SETTLE_MARGIN_S = 5.0
 _ID, _NODE, _POOL, _STATUS, _EXPECTED, _OWED = range(6)
 
 
-def _states(kind: str) -> tuple[frozenset[str], frozenset[str]]:
-    """The states whose file must be there (live) and those whose file may be (expected) for ``kind``."""
-    live: frozenset[str]
-    if kind == "volume":
-        live = frozenset(LIVE_VOLUME)
-        return live, live | {VolumeState.CREATING, VolumeState.DELETING}
-    live = frozenset((SnapshotState.COMPLETED,))
-    return live, live | {SnapshotState.PENDING, SnapshotState.DELETING}
+# Of each kind of row, the states whose file must be there (live) and those whose file may be (expected:
+# live, or on its way in or out).
+_FILE_STATES: dict[type[Volume] | type[Snapshot], tuple[list[str], list[str]]] = {
+    Volume: (sorted(LIVE_VOLUME), sorted({*LIVE_VOLUME, VolumeState.CREATING, VolumeState.DELETING})),
+    Snapshot: ([SnapshotState.COMPLETED],
+               sorted({SnapshotState.COMPLETED, SnapshotState.PENDING, SnapshotState.DELETING})),
+}
 
 
 class Held:
@@ -76,9 +76,9 @@ class Held:
     @classmethod
     def read(cls, s: Session, table: type[Volume] | type[Snapshot], *where: ColumnElement[bool],
              settled_before: datetime) -> Held:
-        live, expected = _states("volume" if table is Volume else "snapshot")
-        query = select(table.id, table.storage_node, table.pool, table.status, table.status.in_(sorted(expected)),
-                       and_(table.status.in_(sorted(live)), table.updated_at <= settled_before)).where(*where)
+        live, expected = _FILE_STATES[table]
+        query = select(table.id, table.storage_node, table.pool, table.status, table.status.in_(expected),
+                       and_(table.status.in_(live), table.updated_at <= settled_before)).where(*where)
         return cls(plain.driver_rows(s, query))
 
     def ids(self) -> set[str]:
@@ -89,7 +89,9 @@ class Held:
         agents serve, those recorded on the other agents."""
         return {r[_ID] for r in self.rows if r[_OWED] and (r[_POOL] == pool or r[_NODE] != node)}
 
+    @cached_property
     def status_of(self) -> dict[str, str]:
+        """Each row's state by id: read only for what a pass reports, once at most."""
         return {r[_ID]: r[_STATUS] for r in self.rows}
 
 
@@ -322,9 +324,8 @@ class Reconciler:
         agent = self.svc.agents.storage(node)
         present_set = set(present)
         orphans = present_set - held.expected - busy
-        status = held.status_of() if orphans else {}
         for item_id in sorted(orphans):
-            row_status = status.get(item_id)
+            row_status = held.status_of.get(item_id)
             finding = Finding("orphan-file", node, item_id, f"{kind} file in pool {pool} with "
                               f"{'no row' if row_status is None else 'row ' + row_status}")
             report.findings.append(finding)
@@ -336,10 +337,9 @@ class Reconciler:
                     finding.action = f"failed: {exc.message}"
             elif repair:
                 finding.action = "waiting"
-        missing = held.owed_in(node, pool) - present_set - busy
-        status = held.status_of() if missing else status
-        for item_id in sorted(missing):
-            finding = Finding("missing-file", node, item_id, f"{kind} is {status[item_id]} but its file is gone")
+        for item_id in sorted(held.owed_in(node, pool) - present_set - busy):
+            finding = Finding("missing-file", node, item_id,
+                              f"{kind} is {held.status_of[item_id]} but its file is gone")
             report.findings.append(finding)
             if repair:
                 finding.action = "repaired" if self._mark_lost(kind, item_id) else "reported"
