@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -280,6 +281,7 @@ def main() -> int:
     ups: list[VbsUp] = []
     guest = TestGuest(VM, tmp / "guest", image, tmp / "nbd" / "var" / "vms", memory_mib=guest_ram)
     results: list[DiskFigures] = []
+    finished = False
     try:
         guest.start()
         assert guest.pid is not None
@@ -327,11 +329,16 @@ def main() -> int:
             volume_id = attach_volume(vbs, guest)
             results.append(bench_disk(guest, virtio_serial(volume_id), "vbs-iscsi", size, rounds))
             detach_volume(vbs, guest, volume_id)
+        finished = True
     finally:
         guest.stop()
         for u in ups:
             u.stop()
         cgroup.remove()
+        if finished and args.work is None:
+            shutil.rmtree(tmp)  # its disk images: GiBs of a full run
+        else:
+            log(f"work dir {tmp} kept (logs of the installs in */up.log)")
     print(report(results, size, guest_ram, cache_mib))
     print("\nbonnie++ fields per round (KiB/s and /s):")
     for r in results:

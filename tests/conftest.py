@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,11 @@ class Vbs:
             params["next_token"] = body["next_token"]
 
 
+# The ``vbs up`` installs running now: a failing test's report ends with what their logs said last.
+RUNNING_UPS: list[VbsUp] = []
+LOG_TAIL_LINES = 40
+
+
 class VbsUp:
     """``vbs up`` as a child process, started and stopped by the test."""
 
@@ -199,6 +204,8 @@ class VbsUp:
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg"), **self.env}
         self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
                                       *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
+        if self not in RUNNING_UPS:
+            RUNNING_UPS.append(self)
         # A restart appends to the same log: look at what this start wrote.
         wait_until(lambda: b"VBS is up" in self.log_path.read_bytes()[offset:] or self._died(), timeout,
                    what="vbs up")
@@ -209,9 +216,22 @@ class VbsUp:
         return self.proc is not None and self.proc.poll() is not None
 
     def stop(self) -> None:
+        if self in RUNNING_UPS:
+            RUNNING_UPS.remove(self)
         if self.proc is not None:
             stop_process(self.proc, signal.SIGINT)
         reap_daemons(self.data_dir / "storage-state")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the log, and before them its last warnings and errors: the lines
+        that say why a workflow failed are rarely the very last ones."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(no log: {exc})"
+        tail = text[-lines:]
+        alarms = [line for line in text[:-lines] if " WARNING " in line or " ERROR " in line][-lines:]
+        return "\n".join([*alarms, "[...]", *tail] if alarms else tail)
 
 
 @contextmanager
@@ -270,6 +290,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid in TORTURE_ONLY:
             item.add_marker(pytest.mark.torture)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """A failing test's report gets the tail of every running ``vbs up`` log (CI keeps the output only)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for up in RUNNING_UPS:
+            report.sections.append((f"vbs up log {up.log_path} (tail)", up.log_tail()))
 
 
 DATABASES = ("sqlite", "postgresql")

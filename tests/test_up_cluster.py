@@ -58,7 +58,8 @@ def healthy(url: str) -> bool:
 
 def last_switch(log: Path, agent: str) -> str | None:
     """The URL ``agent`` last said it switched to (None: it never did)."""
-    switches = re.findall(rf"{re.escape(agent)}: \S+ failed \([^)]*\): switching to (\S+)", log.read_text())
+    # The reason may nest parentheses: "failed (unreachable (RemoteProtocolError)): switching to URL".
+    switches = re.findall(rf"{re.escape(agent)}: \S+ failed \([^\n]*?\): switching to (\S+)", log.read_text())
     return switches[-1] if switches else None
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vbs.errors import DriverError, InvalidParameter
+from vbs.ports import PortPicker
 from vbs.processes import minimal_environment, stop_child
 
 __all__ = ["EmbeddedCeph", "CLUSTER_DIR", "pgs_all_clean"]
@@ -49,12 +49,6 @@ def pgs_all_clean(status: dict[str, Any], osds: int) -> bool:
     clean = sum(int(s.get("count", 0)) for s in pgmap.get("pgs_by_state", [])
                 if s.get("state_name") == "active+clean")
     return isinstance(total, int) and total >= 0 and clean == total
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedCeph:
@@ -162,9 +156,8 @@ log file =
 
     def _bootstrap_mon(self) -> None:
         fsid = str(uuid.uuid4())
-        v2_port, v1_port = _free_port(), _free_port()
-        while v1_port == v2_port:
-            v1_port = _free_port()
+        ports = PortPicker()
+        v2_port, v1_port = ports(), ports()
         self._write_conf(fsid, v2_port, v1_port)
         conf = ["--conf", str(self.conf_path)]
         mon_keyring = self.root / "mon.keyring"

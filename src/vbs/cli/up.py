@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,18 +35,13 @@ from vbs.fail_closed import harden
 from vbs.files import write_private
 from vbs.node_credentials import NodeKeyring
 from vbs.pki import CertificateAuthority
+from vbs.ports import PortPicker
 from vbs.postgres import CLUSTER_DIR, EmbeddedPostgres
 from vbs.web import ApiClient
 
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = 1.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 STORAGE_NODE = "storage-1"
@@ -70,12 +65,12 @@ def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
             if (k in KEPT_ENV or k.startswith(KEPT_ENV_PREFIXES)) and k != DATABASE_URL_ENV}
 
 
-def embedded_postgres(data_dir: Path) -> EmbeddedPostgres:
+def embedded_postgres(data_dir: Path, avoid: Iterable[int] = ()) -> EmbeddedPostgres:
     """``vbs up --postgres``: the data dir's own PostgreSQL cluster, started, with database ``vbs`` at
     this VBS's schema (what ``vbs db upgrade`` does)."""
     from vbs.controller.db import Database
 
-    cluster = EmbeddedPostgres(data_dir, port=free_port())
+    cluster = EmbeddedPostgres(data_dir, port=PortPicker(taken=avoid)())  # not a controller's, bound later
     cluster.start()
     try:
         db = Database(cluster.create_database("vbs"))
@@ -230,6 +225,8 @@ class _Plan:
     tls: bool
     log_json: bool
     env: dict[str, str]
+    # The agents' ports, none of them a controller's: those are planned and bound only later.
+    ports: PortPicker
     host_agent_flags: tuple[str, ...] = ()  # its hypervisor driver and that driver's settings
     storage_flags: tuple[str, ...] = ()  # the storage agents' backend when it is not file or rbd
 
@@ -254,13 +251,13 @@ class _Plan:
 
     def storage_agent(self, name: str, controllers: list[str], export: str, clone_method: str | None,
                       rbd: RbdChoice | None = None) -> Child:
-        port = free_port(self.host)
+        port = self.ports()
         dirs = storage_node_dirs(self.data_dir, name)
         argv = [*self._exe, "storage-agent", "--host", self.host, "--port", str(port),
                 *_controller_flags(controllers), "--node-name", name,
                 "--agent-token-file", str(node_token_file(self.data_dir, "storage", name)), *self._tls(name),
                 "--pool-path", str(dirs.pool), "--state-dir", str(dirs.state),
-                "--export", export, "--nbd-port", str(free_port(self.host)), "--iscsi-port", str(free_port(self.host)),
+                "--export", export, "--nbd-port", str(self.ports()), "--iscsi-port", str(self.ports()),
                 # NBD to the host agent on this same machine: a unix socket in a 0700 directory.
                 "--nbd-socket-dir", str(dirs.nbd),
                 "--iscsi-control", str(port % 32768), *self._flags]
@@ -272,7 +269,7 @@ class _Plan:
         return Child("storage-agent", name, f"{self.scheme}://{self.host}:{port}", argv, self.env)
 
     def host_agent(self, controllers: list[str]) -> Child:
-        port = free_port(self.host)
+        port = self.ports()
         return Child("host-agent", HOST_NODE, f"{self.scheme}://{self.host}:{port}",
                      [*self._exe, "host-agent", "--host", self.host, "--port", str(port),
                       *_controller_flags(controllers), "--vm-dir", str(self.data_dir / "vms"),
@@ -344,12 +341,13 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
     database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
     try:
         _check_shape(shape, postgres=postgres, database_url=database_url)
-        _check_ports_free(host, [port + k for k in range(shape.controllers)])
+        controller_ports = [port + k for k in range(shape.controllers)]
+        _check_ports_free(host, controller_ports)
         data_dir = data_dir.resolve()
         harden(data_dir, *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
-        cluster = embedded_postgres(data_dir) if postgres else None
+        cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1
@@ -391,15 +389,17 @@ def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_m
                   host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
+    controller_ports = [port + k for k in range(shape.controllers)]
     plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env(),
-                 host_agent_flags=host_agent_flags, storage_flags=storage_flags)
+                 host_agent_flags=host_agent_flags, storage_flags=storage_flags,
+                 ports=PortPicker(host, taken=controller_ports))
     db_flags: list[str] = []
     if database_url is not None:
         url_file = data_dir / DATABASE_URL_FILE
         write_private(url_file, database_url + "\n")
         db_flags = ["--database-url-file", str(url_file)]
-    controllers = [plan.controller(k, port + k - 1, db_flags, controller_env or {})
-                   for k in range(1, shape.controllers + 1)]
+    controllers = [plan.controller(k, controller_port, db_flags, controller_env or {})
+                   for k, controller_port in enumerate(controller_ports, start=1)]
     endpoints = [c.url for c in controllers]
     for endpoint in endpoints:
         credentials.register_endpoint(endpoint, key)

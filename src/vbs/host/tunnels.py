@@ -10,22 +10,16 @@ reconnect); its config names only files (see ``vbs.stunnel``).
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 from pathlib import Path
 
 from vbs.errors import InvalidParameter
+from vbs.ports import free_port
 from vbs.qemu_tls import X509Files
 from vbs.stunnel import Tunnel, accept_port, client_config
 from vbs.wire.connection import AnyConnection, IscsiConnection
 
 __all__ = ["IscsiTunnels"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class IscsiTunnels:
@@ -50,7 +44,7 @@ class IscsiTunnels:
         conf = self.directory / f"iscsi-{name}.conf"
         with self._lock:
             tunnel = self._tunnels.setdefault(portal, Tunnel(conf))
-            port = accept_port(conf) or _free_port()
+            port = accept_port(conf) or free_port()
             tunnel.ensure(client_config(port, portal, self.x509), ("127.0.0.1", port))
         return connection.model_copy(update={"host": "127.0.0.1", "port": port, "tls": None})
 

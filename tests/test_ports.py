@@ -1,0 +1,42 @@
+"""Ports a process plans for daemons it starts later: never one handed out before, never a taken one."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from vbs import ports
+from vbs.ports import PortPicker
+
+pytestmark = pytest.mark.unit
+
+
+def kernel_answers(monkeypatch: pytest.MonkeyPatch, answers: list[int]) -> None:
+    """What ``bind(0)`` returns, in order: the kernel may hand a port it gave before out again, as soon
+    as nobody holds it."""
+    it: Iterator[int] = iter(answers)
+    monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": next(it))
+
+
+def test_a_port_planned_for_a_later_daemon_is_not_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel_answers(monkeypatch, [40001, 40001, 40002, 40001, 40002, 40003])
+    pick = PortPicker(taken=[40001])  # e.g. a controller's port, bound only once it starts
+    assert [pick(), pick()] == [40002, 40003]
+    assert pick.taken == {40001, 40002, 40003}
+
+
+def test_a_picker_that_finds_nothing_new_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": 40001)
+    with pytest.raises(RuntimeError, match="no free port on 127.0.0.1"):
+        PortPicker(taken=[40001])()
+
+
+def test_a_picked_port_can_be_bound() -> None:
+    pick = PortPicker()
+    first, second = pick(), pick()
+    assert first != second
+    for port in (first, second):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
