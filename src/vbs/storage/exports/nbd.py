@@ -501,10 +501,11 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             attempts.append((False, "threads"))  # a filesystem without O_DIRECT (tmpfs)
         return attempts
 
-    def _add_file_node(self, node: str, path: str, *, read_only: bool, what: str) -> None:
-        """A file node in the configured mode, or the first fallback the file system takes."""
+    def _add_file_node(self, node: str, path: str, *, read_only: bool, what: str, buffered: bool = False) -> None:
+        """A file node in the configured mode, or the first fallback the file system takes; ``buffered``:
+        through the page cache whatever the mode (``cache.direct`` off, ``aio=threads``)."""
         err: QmpCommandError | None = None
-        for direct, aio in self._file_attempts():
+        for direct, aio in [(False, "threads")] if buffered else self._file_attempts():
             try:
                 self._q("blockdev-add", {
                     "driver": "file", "node-name": node, "filename": path, "cache": {"direct": direct},
@@ -976,7 +977,11 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         with self._desired_first(undo):  # recorded before the job starts: a daemon restart is then an error
             self._open_chain(served, chain, live)
             self._del_nodes((target_node,), live)  # the leftover of an interrupted start
-            self._add_file_node(target_node, str(target), read_only=False, what=copy_id)
+            # Written through the page cache: the job writes one 64 KiB cluster at a time, and each
+            # O_DIRECT write waits for the disk (a 1 GiB copy: 530-570 MB/s direct, 680-830 buffered).
+            # The backend's finishing pass fsyncs the file before it is published, and QEMU flushes
+            # the node as it closes it.
+            self._add_file_node(target_node, str(target), read_only=False, what=copy_id, buffered=True)
             live.nodes[target_node] = size
             backup: dict[str, Any] = {"job-id": job, "device": chain.top(), "target": target_node,
                                       "sync": "full", "auto-dismiss": False, "filter-node-name": filter_node}
