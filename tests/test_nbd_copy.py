@@ -18,7 +18,7 @@ import pytest
 
 from tests import test_nbd_export as nbd
 from tests.export_fixtures import MiB, free_port, wait_dead
-from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
 from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.wire.connection import HostIdentity, NbdConnection
@@ -248,3 +248,36 @@ def test_bad_copy_requests_are_refused(make_driver: Make, volume: Path, target: 
     drv.remove_copy(SNAP)
     drv.remove_export(VOL, host.name)
     assert node_names(drv) == set()
+
+
+def test_a_copy_is_flushed_to_the_disk_before_it_is_ready(make_driver: Make, volume: Path, target: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon writes the target through the page cache: the driver fsyncs it before it says ready,
+    and a flush that fails is an error of that call, asked again by the next one (never a ready copy
+    whose data may still be only in memory)."""
+    from vbs.storage.exports import nbd as nbd_driver
+
+    flushed: list[str] = []
+    failing = [True]
+
+    def fsync_path(path: str) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError(5, "Input/output error")
+        flushed.append(path)
+
+    monkeypatch.setattr(nbd_driver, "fsync_path", fsync_path)
+    drv = make_driver()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            st = drv.ensure_copy(SNAP, VOL, FileSource(volume), target)
+        except DriverError as exc:
+            assert "cannot flush" in exc.message and not flushed
+            continue
+        if st.state != "copying":
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+    assert st.state == "ready" and flushed == [str(target)] and not failing[0]
+    assert target.read_bytes() == volume.read_bytes()

@@ -1,4 +1,5 @@
-"""Writing small private files (secrets, desired state) so that no reader ever sees half of one."""
+"""Writing small private files (secrets, desired state) so that no reader ever sees half of one; making
+what another process wrote durable."""
 
 from __future__ import annotations
 
@@ -19,3 +20,12 @@ def write_private(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush the pages written to ``path`` (by this process or another: they are the inode's) to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -74,7 +74,7 @@ from vbs.config import StorageAgentConfig
 from vbs.daemons import DaemonSpec, argv0_is
 from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
-from vbs.files import write_private
+from vbs.files import fsync_path, write_private
 from vbs.processes import minimal_environment
 from vbs.qemu_tls import X509Files, qemu_x509_dir
 from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
@@ -999,7 +999,10 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             job = live.jobs.get(_copy_names(copy.id)[0])
             if job is not None and job.status != "concluded":
                 return ItemStatus(state="copying", size_bytes=copy.size, progress=job.percent())
-            copy.outcome = "ready" if job is not None and not job.error else "error"
+            succeeded = job is not None and not job.error
+            if succeeded:
+                self._flush_target(copy)  # before the outcome: a failed flush is asked again next time
+            copy.outcome = "ready" if succeeded else "error"
             copy.error = (job.error or None) if job is not None else _INTERRUPTED
             self._save()  # the outcome first: the job that tells it goes next
             log.info("copy %s of %s: %s%s", copy.id, served.key, copy.outcome, f" ({copy.error})" if copy.error else "")
@@ -1008,6 +1011,14 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
             self._save()
         return ItemStatus(state=copy.outcome, size_bytes=copy.size, progress=100 if copy.outcome == "ready" else 0,
                           error=copy.error)
+
+    @staticmethod
+    def _flush_target(copy: _Copy) -> None:
+        """The target was written through the page cache: durable before the copy is called ready."""
+        try:
+            fsync_path(copy.target)
+        except OSError as exc:
+            raise DriverError(f"copy {copy.id}: cannot flush {copy.target}: {exc.strerror}") from exc
 
     def _end_copy(self, copy_id: str, live: _Live) -> None:
         """Cancel the copy's job if it runs, dismiss it and close its target node."""
