@@ -517,7 +517,8 @@ def calibration(results: dict[str, tuple[Point, list[Point]]], size_mib: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rtts", default="0,1,2,4,8,16,50", help="RTTs in ms, comma-separated")
+    ap.add_argument("--rtts", default=None,
+                    help="RTTs in ms, comma-separated (default 0,1,2,4,8,16,50; --quick 0,4,16)")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--runtime", type=float, default=3.0, help="seconds per qemu-img bench figure")
     ap.add_argument("--protocols", default="nbd,iscsi")
@@ -528,13 +529,13 @@ def main() -> None:
                     help="bytes in flight per direction through the proxy (a TCP window over the delayed link)")
     ap.add_argument("--computed", action="store_true",
                     help="compute the moves' times from the measured rates instead of moving (no VM started)")
-    ap.add_argument("--quick", action="store_true", help="64 MiB volume, 1 s per figure, 1 s of CPU")
+    ap.add_argument("--quick", action="store_true", help="64 MiB volume, 1 s per figure, 1 s of CPU, RTTs 0, 4, 16 ms")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--calibration-out", type=Path)
     args = ap.parse_args()
     if args.quick:
         args.size_mib, args.runtime, args.cpu_seconds, args.memory_mib = 64, 1.0, 1.0, 128
-    rtts = [float(x) for x in args.rtts.split(",")]
+    rtts = [float(x) for x in (args.rtts or ("0,4,16" if args.quick else "0,1,2,4,8,16,50")).split(",")]
     protocols = [p for p in args.protocols.split(",") if p]
     for tool in ("qemu-img", "qemu-storage-daemon", "tgtd", "qemu-system-x86_64"):
         if shutil.which(tool) is None:

@@ -23,7 +23,7 @@ a create counts and sums them (quota and placement), the heartbeat lists and sta
 reconciliation pass compares both; only the create workflows' own operation rows are missing for
 them (describe does not read those, beyond an indexed lookup by volume id).
 
-    .venv/bin/python bench/scale.py --quick     # 1k and 10k volumes, 1/5 disks, snapshots of 1-4 GiB
+    .venv/bin/python bench/scale.py --quick     # 1k and 10k volumes, 1/5 disks, snapshots of 1 and 2 GiB
     .venv/bin/python bench/scale.py             # 1k, 10k and 100k; 1/5/20 disks; 1-64 GiB
     .venv/bin/python bench/scale.py --parts volumes --levels 1000,20000   # one curve only
 
@@ -538,7 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attach-machines", type=lambda t: t.split(","), default=["pc", "q35"],
                    help="the guest's machine types for the attach curve (default pc,q35)")
     p.add_argument("--attach-rounds", type=int, default=None, help="attaches a level (default 5; --quick 3)")
-    p.add_argument("--sizes", type=ints, default=None, help="snapshot sizes GiB (default 1,4,16,64; quick 1,2,4)")
+    p.add_argument("--sizes", type=ints, default=None, help="snapshot sizes GiB (default 1,4,16,64; quick 1,2)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="on the root ext4 (default /var/tmp)")
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png", help="the PNG (docs/scale.png)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
@@ -551,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pages = args.pages or (10 if q else 30)
     args.disks = args.disks or ([1, 5] if q else [1, 5, 20])
     args.attach_rounds = args.attach_rounds or (3 if q else 5)
-    args.sizes = args.sizes or ([1, 2, 4] if q else [1, 4, 16, 64])
+    args.sizes = args.sizes or ([1, 2] if q else [1, 4, 16, 64])
     args.parts = set(args.parts.split(","))
     if not set(args.attach_machines) <= {"pc", "q35"}:
         p.error("--attach-machines: some of pc, q35")

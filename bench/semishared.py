@@ -26,7 +26,7 @@ its clients got, and the CPU time its export daemon used, from /proc), and the r
 aggregate to the better extreme (k = 0 or k = 8) measured in the same run. MiB/s = 2^20 bytes/s,
 EBS's unit and VBS's ``mbps``.
 
-    .venv/bin/python bench/semishared.py --quick       # 4 s per point (about 1.5 minutes)
+    .venv/bin/python bench/semishared.py --quick       # 4 s per point, k = 0, 2, 4, 8 (about 40 s)
     .venv/bin/python bench/semishared.py --runtime 20 --mibps 50
 
 Every daemon is stopped by its PID in a ``finally`` (the storage node's by its driver); only
@@ -279,16 +279,17 @@ def render(points: list[Point], runtime: int, args: argparse.Namespace) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runtime", type=int, default=10, help="seconds per point")
-    ap.add_argument("--quick", action="store_true", help="4 s per point, 64 MiB volumes")
+    ap.add_argument("--quick", action="store_true", help="4 s per point, 64 MiB volumes, k = 0, 2, 4, 8")
     ap.add_argument("--mibps", type=int, default=40, help="each emulated disk's throughput limit, MiB/s")
     ap.add_argument("--iops", type=int, default=1000, help="each emulated disk's IOPS limit")
     ap.add_argument("--size-mib", type=int, default=128, help="each volume's size")
-    ap.add_argument("--ks", default="", help="the k to measure besides 0 and 8 (default: all), e.g. 2,4")
+    ap.add_argument("--ks", default="", help="the k to measure besides 0 and 8 (default: all; --quick 2,4), e.g. 2,4")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     runtime, size_mib = (4, 64) if args.quick else (args.runtime, args.size_mib)
     try:
-        chosen = {int(k) for k in args.ks.split(",") if k.strip()} if args.ks else set(range(CLIENTS + 1))
+        ks_given = args.ks or ("2,4" if args.quick else "")
+        chosen = {int(k) for k in ks_given.split(",") if k.strip()} if ks_given else set(range(CLIENTS + 1))
     except ValueError:
         ap.error("--ks: numbers from 0 to 8, comma-separated")
     if not chosen <= set(range(CLIENTS + 1)):
