@@ -977,8 +977,8 @@ class NbdExportDriver(SupervisedExportDriver[_Served, _Live]):
         with self._desired_first(undo):  # recorded before the job starts: a daemon restart is then an error
             self._open_chain(served, chain, live)
             self._del_nodes((target_node,), live)  # the leftover of an interrupted start
-            # Written through the page cache: the job writes one 64 KiB cluster at a time, and each
-            # O_DIRECT write waits for the disk (a 1 GiB copy: 530-570 MB/s direct, 680-830 buffered).
+            # Written through the page cache: the job writes chunks of at most 1 MiB, and each O_DIRECT
+            # write waits for the disk (a 1 GiB copy: 530-570 MB/s direct, 680-830 buffered).
             # The backend's finishing pass fsyncs the file before it is published, and QEMU flushes
             # the node as it closes it.
             self._add_file_node(target_node, str(target), read_only=False, what=copy_id, buffered=True)
