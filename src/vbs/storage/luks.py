@@ -8,6 +8,7 @@ plus the LUKS header in front (``header_bytes``), which the pool's file is that 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import struct
@@ -23,9 +24,17 @@ from vbs.errors import DriverError
 from vbs.files import write_private
 from vbs.runtime import FALLBACK_ROOT
 
+log = logging.getLogger(__name__)
+
 LUKS_MAGIC = b"LUKS\xba\xbe"
 FORMAT_TIMEOUT_S = 120.0
 CONVERT_TIMEOUT_S = 6 * 3600.0
+# Before it writes a LUKS header, QEMU times 2^15 PBKDF2 iterations on the thread's CPU clock to choose
+# the key slot's count. Where that clock advances in ticks (a VM's kernel), the run can read 0 ms and
+# qemu-img gives up: "Unable to get accurate CPU usage" (8 tries in 20 on the test machines). No header
+# was written then (the file it made is removed), and another try costs milliseconds.
+_CALIBRATION_FAILED = "Unable to get accurate CPU usage"
+CALIBRATION_TRIES = 20
 # A memory file system (/run): the passphrase files never reach a disk.
 KEY_SCRATCH = FALLBACK_ROOT / "keys"
 _SECTOR = 512
@@ -45,11 +54,26 @@ def _key_files(*passphrases: SecretStr, scratch: Path = KEY_SCRATCH) -> Iterator
         shutil.rmtree(key_dir, ignore_errors=True)
 
 
+def _writing_luks(args: list[str], target: Path, timeout: float) -> None:
+    """Run ``qemu-img`` that writes a new LUKS container at ``target``, again while its calibration of the
+    key derivation fails (see ``_CALIBRATION_FAILED``); any other failure is the caller's."""
+    for attempt in range(1, CALIBRATION_TRIES + 1):
+        try:
+            argv.run(args, timeout=timeout)
+            return
+        except DriverError as exc:
+            if _CALIBRATION_FAILED not in exc.message or attempt == CALIBRATION_TRIES:
+                raise
+            target.unlink(missing_ok=True)
+            log.info("qemu-img could not time the key derivation (try %d of %d): trying again", attempt,
+                     CALIBRATION_TRIES)
+
+
 def format_luks(path: Path, size_bytes: int, passphrase: SecretStr) -> None:
     """Make ``path`` (absent) an empty LUKS container whose payload is ``size_bytes``."""
     with _key_files(passphrase) as (key,):
-        argv.run(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key}",
-                  "-o", "key-secret=vbs-key", str(path), str(size_bytes)], timeout=FORMAT_TIMEOUT_S)
+        _writing_luks(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key}",
+                       "-o", "key-secret=vbs-key", str(path), str(size_bytes)], path, FORMAT_TIMEOUT_S)
 
 
 def convert_to_luks(source: Path, target: Path, size_bytes: int, passphrase: SecretStr,
@@ -65,8 +89,8 @@ def convert_to_luks(source: Path, target: Path, size_bytes: int, passphrase: Sec
         else:
             objects += ["--object", f"secret,id=vbs-src,file={files[1]}"]
             src = ["--image-opts", f"driver=luks,key-secret=vbs-src,file.driver=file,file.filename={source}"]
-        argv.run(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
-                  str(target)], timeout=CONVERT_TIMEOUT_S)
+        _writing_luks(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
+                       str(target)], target, CONVERT_TIMEOUT_S)
     header = header_bytes(target)
     if size_bytes > os.stat(target).st_size - header:
         os.truncate(target, size_bytes + header)
