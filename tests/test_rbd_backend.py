@@ -31,8 +31,11 @@ def test_the_rbd_driver_is_registered_and_built_from_the_agent_config(ceph: Ceph
     cls = drivers.load("backend", "rbd")
     cfg = StorageAgentConfig(backend="rbd", ceph_conf=ceph.conf_path, ceph_user="admin", rbd_pool=ceph.new_pool())
     backend = cls.from_config(cfg, None)
-    assert isinstance(backend, Backend)
-    assert backend.inventory().volumes == []
+    try:
+        assert isinstance(backend, Backend)
+        assert backend.inventory().volumes == []
+    finally:
+        backend.close()  # its maintenance thread, which would outlive the session's cluster
 
 
 def test_ensure_volume_creates_an_image_once(backend: RbdBackend) -> None:
