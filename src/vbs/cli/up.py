@@ -358,7 +358,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         if rbd is not None and rbd.conf is None:
             ceph = embedded_ceph(data_dir, rbd.pool)
             rbd = RbdChoice(conf=ceph.conf_path, user="admin", pool=rbd.pool)
-        return _run_services(data_dir, host, port, shape, clone_method=clone_method, export=export,
+        return _run_services(data_dir, host, controller_ports, shape, clone_method=clone_method, export=export,
                              log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
                              rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags, storage_flags=storage_flags)
     except (RuntimeError, VbsError) as exc:
@@ -383,13 +383,13 @@ def write_services(path: Path, children: list[Child], ceph: EmbeddedCeph | None 
     write_private(path, json.dumps(found, indent=2) + "\n")
 
 
-def _run_services(data_dir: Path, host: str, port: int, shape: Shape, *, clone_method: str | None, export: str,
-                  log_json: bool, tls: bool, controller_env: dict[str, str] | None, database_url: str | None,
+def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape: Shape, *,
+                  clone_method: str | None, export: str, log_json: bool, tls: bool,
+                  controller_env: dict[str, str] | None, database_url: str | None,
                   rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None,
                   host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
-    controller_ports = [port + k for k in range(shape.controllers)]
     plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env(),
                  host_agent_flags=host_agent_flags, storage_flags=storage_flags,
                  ports=PortPicker(host, taken=controller_ports))
