@@ -28,7 +28,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.loopfs import loop_filesystem  # noqa: E402
+
+from vbs.ports import free_port  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -75,12 +76,6 @@ def log(msg: str) -> None:
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], p: float) -> float:

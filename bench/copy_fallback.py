@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vbs import ids  # noqa: E402
+from vbs.files import fsync_path  # noqa: E402
 from vbs.qmp import QmpClient, connect_until  # noqa: E402
 from vbs.storage.backends.file import FileBackend  # noqa: E402
 from vbs.storage.copy import sparse_copy  # noqa: E402
@@ -75,14 +76,6 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_source(path: Path, size: int, sparse: bool) -> None:

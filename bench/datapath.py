@@ -63,7 +63,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -80,6 +79,7 @@ if str(REPO / "src") not in sys.path:
 
 from vbs.ceph import EmbeddedCeph  # noqa: E402
 from vbs.pki import CertificateAuthority  # noqa: E402
+from vbs.ports import free_port  # noqa: E402
 from vbs.qemu_tls import X509Files, qemu_x509_dir  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
 from vbs.storage.exports.base import FileSource, RbdSource  # noqa: E402
@@ -213,12 +213,6 @@ class Figure:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_volume(path: Path, size: int) -> None:

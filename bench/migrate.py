@@ -27,7 +27,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.ports import free_port
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.copy import sparse_copy
 from vbs.storage.exports.base import FileSource
@@ -45,12 +45,6 @@ MIB = 1024 * 1024
 SIZE = 1 << 30
 VOL = "vol-0123456789abcdef0"
 SERIAL = "vol0123456789abcdef0"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def drop_caches() -> bool:

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ if str(REPO / "src") not in sys.path:
 
 from vbs.config import HostAgentConfig, PoolConfig  # noqa: E402
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools  # noqa: E402
+from vbs.ports import free_port  # noqa: E402
 from vbs.storage.backends.file import FileBackend  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.wire.connection import HostIdentity, NbdConnection  # noqa: E402
@@ -69,12 +69,6 @@ HOST = HostIdentity(name="bench-host", address="127.0.0.1")
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -29,6 +29,7 @@ from vbs.api_client import CONNECTION_LIMITS
 from vbs.controller.db import Database
 from vbs.credentials import AccessKey
 from vbs.node_credentials import NodeKeyring
+from vbs.ports import free_port
 
 VBS = [sys.executable, "-m", "vbs"]
 
@@ -36,12 +37,6 @@ VBS = [sys.executable, "-m", "vbs"]
 def node_token(data_dir: Path, kind: str, name: str) -> str:
     """The token of node ``name`` of the install whose controller keeps ``data_dir``."""
     return NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_ports(n: int) -> int:
