@@ -116,7 +116,11 @@ class KindsEngine:
     def __init__(self) -> None:
         self.began: list[tuple[str, Any]] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
+    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
+        return None
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+              stamp: Any = None) -> str:
         self.began.append((kind, params))
         return ids.new_id("operation")
 

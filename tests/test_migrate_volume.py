@@ -34,7 +34,11 @@ class BeginRecorder:
     def __init__(self) -> None:
         self.begun: list[tuple[str, str, Any]] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
+    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
+        return None
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+              stamp: Any = None) -> str:
         self.begun.append((kind, resource_id, params))
         return ids.new_id("operation")
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 
 from tests.conftest import wait_until
 from tests.postgres import PostgresForTests
@@ -54,8 +54,9 @@ class PausingEngine(WorkflowEngine):
         self.holding = threading.Event()
         self.go = threading.Event()
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
-        op_id = super().begin(session, kind, resource_id, params)
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+              stamp: Any = None) -> str:
+        op_id = super().begin(session, kind, resource_id, params, new_resource=new_resource, stamp=stamp)
         session.flush()
         if self.pause:
             self.holding.set()
@@ -286,6 +287,32 @@ def test_two_creates_cannot_both_take_a_pools_last_room(db: Database) -> None:
     first, second = race(db, create, create)
     assert not isinstance(first, Exception), first
     assert isinstance(second, VbsError) and second.code == "InsufficientVolumeCapacity", second
+
+
+def test_a_create_does_little_while_it_holds_the_locks_every_create_waits_on(db: Database) -> None:
+    """From the moment a create locks the storage node rows (placement) to its commit, every other
+    create of the service waits, on every controller. The operation's time and fence are read before
+    that (one statement), and the answer's node health comes from the rows placement read: inside
+    the locks only the checks and the inserts run."""
+    add_storage_node(db)
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(" ".join(statement.split()))
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        out = create_volume(controller(db, PausingEngine(db, pause=False)), CreateVolumeRequest(size_gib=1),
+                            DEFAULT_TENANT)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)
+    assert out.storage_node == "storage-1" and out.availability_zone and out.volume_status == "insufficient-data"
+    locked = next(i for i, st in enumerate(statements) if st.endswith("FOR UPDATE"))
+    before, inside = statements[:locked], statements[locked:]
+    assert any("clock_timestamp()" in st and "nextval" in st for st in before), before
+    assert not any("clock_timestamp()" in st or "nextval" in st for st in inside), inside
+    # The lock, the pools' promises, the tenant's lock and usage, then the volume, operation and step rows.
+    assert len(inside) <= 7, "\n".join(inside)
 
 
 def test_two_attaches_to_one_vm_cannot_both_take_its_device(db: Database) -> None:

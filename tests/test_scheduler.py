@@ -99,7 +99,11 @@ def promised(db: Database) -> Counter[tuple[str, str]]:
 class RecordingEngine:
     """Records that an operation began; runs nothing (placement is all these tests look at)."""
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
+    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
+        return None
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+              stamp: Any = None) -> str:
         return ids.new_id("operation")
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:

@@ -38,7 +38,11 @@ class NoEngine:
     def __init__(self) -> None:
         self.begun: list[str] = []
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False) -> str:
+    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
+        return None
+
+    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+              stamp: Any = None) -> str:
         self.begun.append(resource_id)
         return ids.new_id("operation")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol
@@ -268,11 +268,17 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
     now = utcnow()
     if not names:
         return {}
-    # Three columns as plain rows, not Node objects: every describe and every create's answer asks.
+    # Three columns as plain rows, not Node objects: every describe asks.
     rows = plain.execute(session, _HEALTH_QUERY, {"names": sorted(names)})
+    return health_of(rows, now=now, timeout_s=timeout_s, default_zone=default_zone)
+
+
+def health_of(rows: Iterable[tuple[str, Any, datetime] | StorageNodeRow], *, now: datetime, timeout_s: float,
+              default_zone: str) -> dict[str, NodeHealth]:
+    """``node_health`` of storage node rows already read (a create's answer: the rows placement locked)."""
     oldest = now - timedelta(seconds=timeout_s)
     health = {}
-    for name, info_doc, last_heartbeat in rows:
+    for name, info_doc, last_heartbeat, *_ in rows:
         info = storage_info_document(info_doc)
         health[name] = NodeHealth(info.availability_zone or default_zone, last_heartbeat >= oldest, info.volume_usage)
     return health
@@ -415,7 +421,16 @@ def _check_hints(nodes: Sequence[StorageNodeRecord], want: Placement, *, timeout
 
 def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
                 want: Placement | None = None) -> tuple[str, str]:
-    """The (node, pool) a new volume of ``size_gib`` goes to: water-filling by capacity.
+    """The (node, pool) a new volume of ``size_gib`` goes to (``choose_pool_row``)."""
+    row, pool = choose_pool_row(session, size_gib, timeout_s=timeout_s, overcommit=overcommit,
+                                default_zone=default_zone, want=want)
+    return row.name, pool
+
+
+def choose_pool_row(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
+                    want: Placement | None = None) -> tuple[StorageNodeRow, str]:
+    """The storage node (its row as read and locked here) and pool a new volume of ``size_gib`` goes
+    to: water-filling by capacity.
 
     Among the pools of live, undrained nodes (within ``want``) that can promise ``size_gib`` more —
     what their volumes were promised, this one included, stays within capacity × ``overcommit`` — the
@@ -456,7 +471,7 @@ def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit
                                        f"the pools have promised all they may (capacity x overcommit ratio "
                                        f"{overcommit:g}).", status=400)
         raise InsufficientCapacity(f"There is not enough live capacity{want.where()} for a {size_gib} GiB volume.")
-    return best[2], best[3]
+    return next(n for n in live if n.name == best[2]), best[3]
 
 
 _PLACEMENT_QUERY = (select(Node.name, Node.info, Node.last_heartbeat, Node.drained).where(Node.kind == "storage")

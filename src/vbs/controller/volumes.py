@@ -24,7 +24,16 @@ from vbs.controller import filters as flt
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import Placement, choose_local_pool, choose_pool, node_health, volume_status, zone_of
+from vbs.controller.nodes import (
+    NodeHealth,
+    Placement,
+    choose_local_pool,
+    choose_pool_row,
+    health_of,
+    node_health,
+    volume_status,
+    zone_of,
+)
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import AttachmentOut, CreateVolumeRequest, MigrationProgressOut, VolumeList, VolumeOut
 from vbs.controller.states import AttachmentState, SnapshotState, VolumeState
@@ -98,8 +107,8 @@ def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str)
                         raise IdempotentParameterMismatch(
                             "The client token was already used with different parameters.")
                     return _describe_fields(svc, s, existing)
-            volume, op_id = _insert_volume(svc, s, req, digest, tenant)
-            out = _describe_fields(svc, s, volume, new_tags=req.tags)
+            volume, op_id, health = _insert_volume(svc, s, req, digest, tenant)
+            out = _describe_fields(svc, s, volume, new_tags=req.tags, health=health)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
@@ -115,10 +124,16 @@ def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str)
 
 
 def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
-                   tenant: str) -> tuple[Volume, str]:
+                   tenant: str) -> tuple[Volume, str, dict[str, NodeHealth] | None]:
+    """The new volume, its create operation, and the health of its storage node as placement read it
+    (None: ask the database)."""
     if req.placement == "local":
-        return _insert_local_volume(svc, s, req, digest, tenant)
+        return (*_insert_local_volume(svc, s, req, digest, tenant), None)
     cfg = svc.cfg
+    # Taken before the storage node rows and the tenant are locked below: those locks are held until
+    # commit and every create of the service waits on them (PostgreSQL), so the less this transaction
+    # does while it holds them, the more creates several controllers complete.
+    stamp = svc.engine.stamp(s)
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     snap: Snapshot | None = None
     if req.snapshot_id is not None:
@@ -134,9 +149,10 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
     # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
     want = replace(want, encrypted=written_encrypted)
-    # choose_pool locks the storage node rows: the quota count after it cannot race another create.
-    node, pool = choose_pool(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
-                             default_zone=cfg.availability_zone, want=want)
+    # choose_pool_row locks the storage node rows: the quota count after it cannot race another create.
+    row, pool = choose_pool_row(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
+                                default_zone=cfg.availability_zone, want=want)
+    node = row.name
     quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
     now = utcnow()
     volume = Volume(
@@ -151,8 +167,9 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
         set_tags(s, volume.id, req.tags)
     op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
-        format_key=written_encrypted, source_key_id=source_key_id), new_resource=True)
-    return volume, op_id
+        format_key=written_encrypted, source_key_id=source_key_id), new_resource=True, stamp=stamp)
+    health = health_of([row], now=now, timeout_s=cfg.heartbeat_timeout_s, default_zone=cfg.availability_zone)
+    return volume, op_id, health
 
 
 def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> int:
@@ -360,12 +377,14 @@ def _describe_one(svc: Controller, s: Session, vol: Volume) -> VolumeOut:
     return VolumeOut.model_validate(_describe_fields(svc, s, vol))
 
 
-def _describe_fields(svc: Controller, s: Session, vol: Volume, *,
-                     new_tags: dict[str, str] | None = None) -> dict[str, Any]:
+def _describe_fields(svc: Controller, s: Session, vol: Volume, *, new_tags: dict[str, str] | None = None,
+                     health: dict[str, NodeHealth] | None = None) -> dict[str, Any]:
     """VolumeOut's fields of ``vol``; ``new_tags``: this transaction just inserted it with these tags, so it
-    has no attachment or migration yet and only its node is read (the answer of every create)."""
+    has no attachment or migration yet and only its node is read (the answer of every create), unless
+    ``health`` holds that node's."""
     fields = {key: getattr(vol, key) for key in _COLUMNS}
-    return _describe_many(svc, s, [fields], new_tags=None if new_tags is None else {vol.id: dict(new_tags)})[0]
+    return _describe_many(svc, s, [fields], new_tags=None if new_tags is None else {vol.id: dict(new_tags)},
+                          health=health)[0]
 
 
 # A volume as described: its table's columns by name. Read through a mapping: a Row's attributes cost
@@ -375,15 +394,18 @@ VolumeFields = Mapping[Any, Any]  # a RowMapping, or a dict of the columns
 
 def _describe_many(svc: Controller, s: Session, vols: Sequence[VolumeFields], *,
                    within: Select[Any] | None = None,
-                   new_tags: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
+                   new_tags: dict[str, dict[str, str]] | None = None,
+                   health: dict[str, NodeHealth] | None = None) -> list[dict[str, Any]]:
     """VolumeOut's fields of each of ``vols``, in its order (``VolumePage``); ``within``: a query of
-    ids that holds theirs (``filters.tags_of``); ``new_tags``: they were just inserted, with these tags."""
+    ids that holds theirs (``filters.tags_of``); ``new_tags``: they were just inserted, with these tags;
+    ``health``: their storage nodes' (``node_health``), already read."""
     vol_ids = [v["id"] for v in vols]
     fresh = new_tags is not None  # no attachment or migration to look up
     tags = new_tags if new_tags is not None else flt.tags_of(s, vol_ids, within=within)
     kms = encryption.kms_key_ids(s, {v["key_id"] for v in vols if v["key_id"] is not None})
-    nodes = node_health(s, {v["storage_node"] for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
-                        default_zone=svc.cfg.availability_zone)
+    nodes = health if health is not None else node_health(
+        s, {v["storage_node"] for v in vols}, timeout_s=svc.cfg.heartbeat_timeout_s,
+        default_zone=svc.cfg.availability_zone)
     atts: dict[str, list[AttachmentOut]] = {vid: [] for vid in vol_ids}
     migrations = {} if fresh else {
         vid: MigrationProgressOut(operation_id=op_id, kind=kind, target_node=p.target_node,

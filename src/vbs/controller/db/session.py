@@ -255,6 +255,15 @@ class Database:
             value = session.execute(text("SELECT nextval('vbs_fence')")).scalar_one()
         return int(value)
 
+    def clock_and_fence(self, session: Session) -> tuple[datetime, int]:
+        """``clock()`` and ``next_fence()`` in one statement on PostgreSQL (one round trip, not two):
+        what every new operation needs."""
+        if self._sqlite:
+            return self.clock(session), self.next_fence(session)
+        now, value = session.execute(text("SELECT clock_timestamp(), nextval('vbs_fence')")).one()
+        assert isinstance(now, datetime)
+        return now.astimezone(UTC), int(value)
+
     def _release(self) -> None:
         if self._claim_connection is not None:
             connection, self._claim_connection = self._claim_connection, None

@@ -238,6 +238,13 @@ def _steps_update(columns: frozenset[str], several: bool) -> Update:
     return plain.update_of(_STEPS, columns, c.operation_id == bindparam("w_id"), position)
 
 
+class OperationStamp(NamedTuple):
+    """The database's time and a fence, taken for an operation before it is recorded (``stamp``)."""
+
+    now: datetime
+    fence: int
+
+
 class OperationRecord(NamedTuple):
     """What a run reads of its operation's row."""
 
@@ -284,21 +291,32 @@ class WorkflowEngine:
 
     # -- starting operations -------------------------------------------------------------------
 
+    def stamp(self, session: Session) -> OperationStamp:
+        """The database's time and a fence for an operation that ``begin`` records later in this
+        transaction. A create takes it before the locks it then holds until commit (the storage node
+        rows, the tenant's quota): on PostgreSQL that is one round trip fewer inside them, and every
+        other create of the service waits on them."""
+        return OperationStamp(*self.db.clock_and_fence(session))
+
     def begin(self, session: Session, kind: str, resource_id: str, params: Params, *,
-              new_resource: bool = False) -> str:
+              new_resource: bool = False, stamp: OperationStamp | None = None) -> str:
         """Record a new operation inside the caller's transaction (atomic with the resource row).
 
         An exclusive kind (see ``states.EXCLUSIVE_KINDS``) on a resource that has an unfinished
         exclusive operation is refused by the DB's unique index: ``IncorrectState``. ``new_resource``:
         the caller's transaction made the resource (a create), so no other operation can hold it.
+        ``stamp``: taken earlier in this transaction (``stamp()``); only for a new resource, which no
+        older fence can concern.
         """
         workflow = self.workflows[kind]
         if not isinstance(params, workflow.params):
             raise TypeError(f"{kind} takes {workflow.params.__name__}, not {type(params).__name__}")
+        if stamp is not None and not new_resource:
+            raise ValueError("an operation on an existing resource takes its fence when it is recorded")
         op_id = ids.new_id("operation")
         now = utcnow()
-        lease_until = self.db.clock(session) + self._lease
-        fence = self.db.next_fence(session)
+        db_now, fence = stamp if stamp is not None else self.db.clock_and_fence(session)
+        lease_until = db_now + self._lease
 
         row = {"id": op_id, "kind": kind, "resource_id": resource_id, "status": str(OperationState.RUNNING),
                "exclusive": workflow.exclusive, "params": params.model_dump(mode="json"), "attempts": 0,
