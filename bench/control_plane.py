@@ -609,7 +609,9 @@ def run_pool(label: str, root: Path, args: argparse.Namespace, *, copy_path: boo
     up = VbsUp(data_dir, root / "vbs-up.log")
     api: Api | None = None
     try:
-        log(f"{label}: starting vbs up in {data_dir} (fs {res['fs']})")
+        synced = time.monotonic()
+        os.sync()  # the pool before's copies are not written back while this one's creates fsync
+        log(f"{label}: starting vbs up in {data_dir} (fs {res['fs']}; sync took {time.monotonic() - synced:.1f} s)")
         up.start()
         api = Api(up.endpoint, up.headers())
         res["clone_method"] = api.clone_method()

@@ -82,7 +82,12 @@ def header(quick: bool) -> str:
 
 def run_one(bench: Bench, quick: bool, log_dir: Path) -> tuple[int, float]:
     argv = [sys.executable, str(ROOT / "bench" / bench.script), *(bench.quick if quick else bench.full)]
-    print(f"\n## {bench.name}: {' '.join(argv[1:])}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    # The bench before may leave GiBs of dirty pages (its copies, its volumes' data): written back while
+    # this one measures, they would slow every fsync of its creates. Out first, and said how long it took.
+    synced = time.monotonic()
+    os.sync()
+    print(f"\n## {bench.name}: {' '.join(argv[1:])}  (load {os.getloadavg()[0]:.2f}, "
+          f"sync {time.monotonic() - synced:.1f} s)", flush=True)
     started = time.monotonic()
     with (log_dir / f"{bench.name}.log").open("w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
