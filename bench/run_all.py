@@ -46,6 +46,7 @@ BENCHES = (
     Bench("cluster", "control_plane.py", ("--cluster",), ("--cluster", "--quick")),
     Bench("copy_fallback", "copy_fallback.py", (), ("--quick",)),
     Bench("datapath", "datapath.py", (), ("--quick",)),
+    Bench("datapath_rbd", "datapath.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick")),
     Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
     Bench("completion", "control_plane.py", ("--completion",), ("--completion", "--quick")),
