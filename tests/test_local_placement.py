@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
+from tests.recording_engine import RecordingEngine
 from tests.test_scheduler import create, heartbeat, pool
-from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.attachments import attach_volume, detach_volume
 from vbs.controller.db import Attachment, Database, Node, Volume
@@ -110,29 +109,12 @@ def test_local_volumes_do_not_count_against_shared_pools(db: Database) -> None:
     assert (shared.storage_node, shared.placement) == ("storage-1", "shared")
 
 
-class KindsEngine:
-    """Records which workflow each operation would run, and its parameters; runs nothing."""
-
-    def __init__(self) -> None:
-        self.began: list[tuple[str, Any]] = []
-
-    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
-        return None
-
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
-              stamp: Any = None) -> str:
-        self.began.append((kind, params))
-        return ids.new_id("operation")
-
-    def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        pass
-
 
 def test_a_local_volume_attaches_to_its_own_hosts_vms_only_and_its_detach_knows_it_is_not_persistent(
         db: Database) -> None:
     host_heartbeat(db, "host-1", pool("local", 10), vm="vm1")
     host_heartbeat(db, "host-2", pool("local", 10), vm="vm2")
-    engine = KindsEngine()
+    engine = RecordingEngine()
     svc = SimpleNamespace(cfg=ControllerConfig(heartbeat_timeout_s=30.0), db=db, engine=engine)
     vol = create_volume(svc, CreateVolumeRequest(size_gib=1, placement="local", host="host-1"),
                         DEFAULT_TENANT).volume_id
@@ -145,9 +127,9 @@ def test_a_local_volume_attaches_to_its_own_hosts_vms_only_and_its_detach_knows_
     with db.session() as s:
         s.execute(update(Attachment).where(Attachment.volume_id == vol).values(status="attached"))
     detach_volume(svc, vol, DetachVolumeRequest(), DEFAULT_TENANT)
-    kinds = [kind for kind, _ in engine.began]
+    kinds = [kind for kind, _, _ in engine.begun]
     assert kinds == ["create-local-volume", "attach-local-volume", "detach-local-volume"]
-    created, attached, detached = (params for _, params in engine.began)
+    created, attached, detached = (params for _, _, params in engine.begun)
     assert (created.host, created.pool, created.snapshot_id) == ("host-1", "local", None)
     assert (attached.node, attached.pool, attached.host) == ("host-1", "local", "host-1")
     assert detached.persistent is False

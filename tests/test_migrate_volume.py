@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
+from tests.recording_engine import RecordingEngine
 from tests.test_scheduler import controller, heartbeat, place, pool, shared_pool, silence
 from vbs import ids
 from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
@@ -30,25 +31,10 @@ def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
     return fresh_database(request.param, request, tmp_path)
 
 
-class BeginRecorder:
-    def __init__(self) -> None:
-        self.begun: list[tuple[str, str, Any]] = []
-
-    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
-        return None
-
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
-              stamp: Any = None) -> str:
-        self.begun.append((kind, resource_id, params))
-        return ids.new_id("operation")
-
-    def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        pass
-
 
 def move(db: Database, volume_id: str, node: str, pool_name: str | None = None) -> Any:
     svc = controller(db)
-    svc.engine = BeginRecorder()
+    svc.engine = RecordingEngine()
     out = migrate_volume(svc, volume_id, MigrateVolumeRequest(storage_node=node, pool=pool_name), DEFAULT_TENANT)
     return out, svc.engine.begun
 

@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
+from tests.recording_engine import RecordingEngine
 from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig, load
 from vbs.controller.db import Database, Node, Snapshot, Volume
@@ -95,19 +96,6 @@ def promised(db: Database) -> Counter[tuple[str, str]]:
             found[(v.storage_node, v.pool)] += v.size_gib
         return found
 
-
-class RecordingEngine:
-    """Records that an operation began; runs nothing (placement is all these tests look at)."""
-
-    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
-        return None
-
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
-              stamp: Any = None) -> str:
-        return ids.new_id("operation")
-
-    def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        pass
 
 
 def controller(db: Database, **cfg: Any) -> Any:

@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
+from tests.recording_engine import RecordingEngine
 from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig
 from vbs.controller.db import Database, Node, Snapshot, Volume
@@ -31,23 +32,6 @@ pytestmark = pytest.mark.unit
 GIB = 1 << 30
 RBD_DEFAULT = StorageAgentConfig().rbd_max_snapshots_per_volume
 
-
-class NoEngine:
-    """Records that an operation would begin; runs nothing."""
-
-    def __init__(self) -> None:
-        self.begun: list[str] = []
-
-    def stamp(self, session: Any) -> None:  # the real engine's time and fence, taken before the locks
-        return None
-
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
-              stamp: Any = None) -> str:
-        self.begun.append(resource_id)
-        return ids.new_id("operation")
-
-    def submit(self, op_id: str, *, resuming: bool = False) -> None:
-        pass
 
 
 @pytest.fixture
@@ -78,7 +62,7 @@ def add_world(db: Database, limit: int | None, snapshots: int) -> str:
 
 
 def snapshot(db: Database, vol: str) -> Any:
-    ctl = SimpleNamespace(cfg=ControllerConfig(quota_snapshots=100_000), db=db, engine=NoEngine())
+    ctl = SimpleNamespace(cfg=ControllerConfig(quota_snapshots=100_000), db=db, engine=RecordingEngine())
     return create_snapshot(ctl, CreateSnapshotRequest(volume_id=vol), DEFAULT_TENANT)  # type: ignore[arg-type]
 
 
