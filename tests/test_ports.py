@@ -40,3 +40,30 @@ def test_a_picked_port_can_be_bound() -> None:
     for port in (first, second):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_a_free_port_is_outside_the_range_outgoing_connections_draw_from() -> None:
+    """A client connecting anywhere between the pick and the daemon's bind cannot hold the port."""
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    picked = {ports.free_port() for _ in range(20)}
+    assert all(not low <= port <= high for port in picked), (picked, low, high)
+    assert len(picked) > 1
+
+
+def test_a_port_already_bound_is_not_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        busy = held.getsockname()[1]
+        rolls = iter([busy, busy, busy + 1 if busy < 65535 else busy - 1])
+        monkeypatch.setattr(ports, "_ephemeral_floor", lambda: 65536)
+        monkeypatch.setattr(ports.random, "randrange", lambda lo, hi: next(rolls))
+        assert ports.free_port() != busy
+
+
+def test_without_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "_ephemeral_floor", lambda: 10500)
+    port = ports.free_port()
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert low <= port <= high
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
