@@ -3,8 +3,8 @@
 On SQLite a writing transaction holds the whole database, so these interleavings cannot happen
 there. On PostgreSQL each statement sees what was committed when it started: a check of other rows
 that runs while a competing transaction is still open sees the world before it. Each test lets one
-API call (the "holder") make all its writes and stop just before its commit (inside
-``engine.begin``, the last thing an API call does in its transaction), starts the competing call
+API call (the "holder") make all its writes and stop just before its commit (its transaction began
+an operation), starts the competing call
 (the "waiter"), waits until PostgreSQL shows the waiter blocked on a lock (or finished: then nothing
 serialised it), lets the holder commit, and checks that the outcome is one that a serial order of
 the two could give.
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, text
+from sqlalchemy import event, func, select, text
 
 from tests.conftest import wait_until
 from tests.postgres import PostgresForTests
@@ -28,10 +28,16 @@ from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.app import WORKFLOWS
 from vbs.controller.attachments import attach_volume
-from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume
+from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.nodes import StorageNodeInfo
-from vbs.controller.schemas import AttachVolumeRequest, CreateSnapshotRequest, CreateVolumeRequest
+from vbs.controller.modifications import modify_volume
+from vbs.controller.nodes import StorageNodeInfo, drain_storage_node
+from vbs.controller.schemas import (
+    AttachVolumeRequest,
+    CreateSnapshotRequest,
+    CreateVolumeRequest,
+    ModifyVolumeRequest,
+)
 from vbs.controller.snapshots import create_snapshot, delete_snapshot
 from vbs.controller.volumes import create_volume, delete_volume
 from vbs.controller.workflows import StepContext, WorkflowEngine
@@ -46,7 +52,7 @@ GIB = 1 << 30
 
 class PausingEngine(WorkflowEngine):
     """Records operations like the real engine but runs none; with ``pause``, the transaction that
-    begins an operation stops there (all its writes made, not committed) until ``go``."""
+    begins an operation stops just before its commit (all its writes made) until ``go``."""
 
     def __init__(self, db: Database, *, pause: bool) -> None:
         super().__init__(db, WORKFLOWS, None, threads=1)  # type: ignore[arg-type]
@@ -57,11 +63,14 @@ class PausingEngine(WorkflowEngine):
     def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
               stamp: Any = None) -> str:
         op_id = super().begin(session, kind, resource_id, params, new_resource=new_resource, stamp=stamp)
-        session.flush()
         if self.pause:
-            self.holding.set()
-            assert self.go.wait(30), "the test never let the holder commit"
+            event.listen(session, "before_commit", self._hold, once=True)
         return op_id
+
+    def _hold(self, session: Any) -> None:
+        session.flush()
+        self.holding.set()
+        assert self.go.wait(30), "the test never let the holder commit"
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:
         pass
@@ -116,9 +125,10 @@ def race(db: Database, holder: Callable[[PausingEngine], Any], waiter: Callable[
 # -- the world the calls act on ------------------------------------------------------------------------
 
 
-def add_storage_node(db: Database, name: str = "storage-1") -> None:
+def add_storage_node(db: Database, name: str = "storage-1", shared_id: str | None = None) -> None:
     info = StorageNodeInfo(pools=[PoolInfo(name="default", backend="file", capacity_bytes=100 * GIB,
-                                           free_bytes=100 * GIB, clone_method="copy", point_in_time=True)])
+                                           free_bytes=100 * GIB, clone_method="copy", point_in_time=True,
+                                           shared_id=shared_id)])
     with db.session() as s:
         s.add(Node(name=name, kind="storage", url="http://127.0.0.1:1", address="127.0.0.1",
                    info=info.model_dump(mode="json"), started_at=utcnow(), last_heartbeat=utcnow()))
@@ -289,11 +299,26 @@ def test_two_creates_cannot_both_take_a_pools_last_room(db: Database) -> None:
     assert isinstance(second, VbsError) and second.code == "InsufficientVolumeCapacity", second
 
 
+def test_two_creates_through_two_agents_of_a_shared_pool_cannot_both_take_its_last_room(db: Database) -> None:
+    """Each agent records its volumes on its own usage row, and two tenants' creates share no other
+    row: the storage's own lock serialises them."""
+    add_storage_node(db, "storage-1", shared_id="ceph:rbd")
+    add_storage_node(db, "storage-2", shared_id="ceph:rbd")
+
+    def create_on(node: str, tenant: str) -> Callable[[PausingEngine], Any]:
+        return lambda engine: create_volume(controller(db, engine, overcommit_ratio=1.0),
+                                            CreateVolumeRequest(size_gib=60, storage_node=node), tenant)
+
+    first, second = race(db, create_on("storage-1", DEFAULT_TENANT), create_on("storage-2", "tenant-b"))
+    assert not isinstance(first, Exception), first
+    assert isinstance(second, VbsError) and second.code == "InsufficientVolumeCapacity", second
+
+
 def test_a_create_does_little_while_it_holds_the_locks_every_create_waits_on(db: Database) -> None:
-    """From the moment a create locks the storage node rows (placement) to its commit, every other
-    create of the service waits, on every controller. The operation's time and fence are read before
-    that (one statement), and the answer's node health comes from the rows placement read: inside
-    the locks only the checks and the inserts run."""
+    """Creates meet at the usage rows their insert updates (their tenant's, their pool's), from that
+    insert to their commit, on every controller. Placement, the operation's time and fence and the
+    answer's node health are read and the operation's rows written before: after the insert only the
+    check of those rows runs."""
     add_storage_node(db)
     statements: list[str] = []
 
@@ -307,12 +332,137 @@ def test_a_create_does_little_while_it_holds_the_locks_every_create_waits_on(db:
     finally:
         event.remove(db.engine, "before_cursor_execute", record)
     assert out.storage_node == "storage-1" and out.availability_zone and out.volume_status == "insufficient-data"
-    locked = next(i for i, st in enumerate(statements) if st.endswith("FOR UPDATE"))
+    assert not any(st.endswith("FOR UPDATE") for st in statements), "a create locked rows other creates read"
+    locked = next(i for i, st in enumerate(statements) if st.startswith("INSERT INTO volumes "))
     before, inside = statements[:locked], statements[locked:]
     assert any("clock_timestamp()" in st and "nextval" in st for st in before), before
-    assert not any("clock_timestamp()" in st or "nextval" in st for st in inside), inside
-    # The lock, the pools' promises, the tenant's lock and usage, then the volume, operation and step rows.
-    assert len(inside) <= 7, "\n".join(inside)
+    assert any("pg_advisory_xact_lock_shared" in st for st in before), before
+    assert not any("clock_timestamp()" in st or "nextval" in st or "advisory" in st for st in inside), inside
+    # The volume and the check of the usage rows it updated (the operation's rows come before).
+    assert len(inside) <= 2, "\n".join(inside)
+
+
+def test_creates_on_other_nodes_for_other_tenants_do_not_wait_for_each_other(db: Database) -> None:
+    """A create that has made all its writes holds nothing another tenant's create on another node
+    needs: that one commits first. (Placement used to lock every storage node row until commit.)"""
+    add_storage_node(db, "storage-1")
+    add_storage_node(db, "storage-2")
+    holder = PausingEngine(db, pause=True)
+    results: dict[str, Any] = {}
+
+    def run(name: str, engine: PausingEngine, tenant: str, node: str) -> None:
+        try:
+            results[name] = create_volume(controller(db, engine), CreateVolumeRequest(size_gib=1, storage_node=node),
+                                          tenant)
+        except VbsError as exc:
+            results[name] = exc
+
+    first = threading.Thread(target=run, args=("holder", holder, DEFAULT_TENANT, "storage-1"))
+    first.start()
+    try:
+        assert holder.holding.wait(30), results
+        second = threading.Thread(target=run, args=("other", PausingEngine(db, pause=False), "tenant-b",
+                                                     "storage-2"))
+        second.start()
+        second.join(20)
+        assert not second.is_alive(), "the other tenant's create waited for the first one's commit"
+        assert results["other"].storage_node == "storage-2", results
+    finally:
+        holder.go.set()
+        first.join(30)
+    assert results["holder"].storage_node == "storage-1", results
+    assert status(db, Volume, results["holder"].volume_id) == status(db, Volume, results["other"].volume_id)
+
+
+def test_two_creates_of_one_tenant_cannot_both_take_its_last_place(db: Database) -> None:
+    """The quota is checked after the insert, on the tenant's usage row that insert locked."""
+    add_storage_node(db)
+
+    def create(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine, quota_volumes=1), CreateVolumeRequest(size_gib=1),
+                             DEFAULT_TENANT)
+
+    first, second = race(db, create, create)
+    assert not isinstance(first, Exception), first
+    assert isinstance(second, LimitExceeded) and second.code == "VolumeLimitExceeded", second
+    with db.read() as s:
+        assert s.scalars(select(Volume.id)).all() == [first.volume_id]
+
+
+def test_a_growth_waits_for_a_create_in_flight_and_counts_its_gib(db: Database) -> None:
+    """A growth takes placement and the tenant exclusively, a create holds them shared until it
+    commits: the growth then sees the create's GiB (quota 10 GiB: 1 held, a 6 GiB create, a growth
+    of 4)."""
+    add_storage_node(db)
+    vol = add_volume(db)
+
+    def create(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine, quota_gib=10), CreateVolumeRequest(size_gib=6), DEFAULT_TENANT)
+
+    def grow(engine: PausingEngine) -> Any:
+        return modify_volume(controller(db, engine, quota_gib=10), vol, ModifyVolumeRequest(size_gib=5),
+                             DEFAULT_TENANT)
+
+    made, grown = race(db, create, grow)
+    assert not isinstance(made, Exception), made
+    assert isinstance(grown, LimitExceeded) and grown.code == "VolumeLimitExceeded", grown
+    with db.read() as s:
+        total = s.scalar(select(func.sum(Volume.size_gib)))
+        usage = s.scalar(select(VolumeUsage.gib).where(VolumeUsage.scope == "tenant",
+                                                       VolumeUsage.owner == DEFAULT_TENANT))
+    assert total == usage == 7, (total, usage)
+
+
+def drain_held_open(db: Database, name: str, go: threading.Event, holding: threading.Event) -> threading.Thread:
+    """A drain of ``name`` that has made its change and waits for ``go`` to commit."""
+    def run() -> None:
+        with db.session() as s:
+            drain_storage_node(s, name, drained=True, timeout_s=60, default_zone="zone-a")
+            holding.set()
+            assert go.wait(30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_drain_waits_for_the_creates_in_flight_and_the_creates_after_it_see_it(db: Database) -> None:
+    add_storage_node(db, "storage-1")
+
+    def create(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine), CreateVolumeRequest(size_gib=1), DEFAULT_TENANT)
+
+    def drain(_engine: PausingEngine) -> Any:
+        with db.session() as s:
+            return drain_storage_node(s, "storage-1", drained=True, timeout_s=60, default_zone="zone-a")
+
+    made, drained = race(db, create, drain)
+    assert not isinstance(made, Exception) and not isinstance(drained, Exception), (made, drained)
+    assert made.volume_id in {r.id for r in drained.volumes}, "the drain missed a create that committed first"
+
+    with db.session() as s:
+        drain_storage_node(s, "storage-1", drained=False, timeout_s=60, default_zone="zone-a")
+    go, holding = threading.Event(), threading.Event()
+    thread = drain_held_open(db, "storage-1", go, holding)
+    results: dict[str, Any] = {}
+
+    def late_create() -> None:
+        try:
+            results["create"] = create(PausingEngine(db, pause=False))
+        except VbsError as exc:
+            results["create"] = exc
+
+    try:
+        assert holding.wait(30)
+        waiter = threading.Thread(target=late_create)
+        waiter.start()
+        wait_until(lambda: waiting_for_a_lock(db) > 0, 30, what="the create waiting for the drain")
+    finally:
+        go.set()
+        thread.join(30)
+    waiter.join(30)
+    assert isinstance(results["create"], VbsError) and results["create"].code == "InsufficientVolumeCapacity", \
+        results
 
 
 def test_two_attaches_to_one_vm_cannot_both_take_its_device(db: Database) -> None:

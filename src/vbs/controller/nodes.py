@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.documents import ParsedDocuments
-from vbs.controller.db.locks import on_postgresql
+from vbs.controller.db.locks import lock_placement, on_postgresql
 from vbs.controller.db.tables import utcnow
 from vbs.controller.schemas import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
 from vbs.controller.states import SnapshotState, VolumeState
@@ -216,6 +216,7 @@ def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str
 def drain_storage_node(session: Session, name: str, *, drained: bool, timeout_s: float,
                        default_zone: str) -> DrainOut:
     """Mark the node drained (no new volumes) or not, and say what still lives on it."""
+    lock_placement(session)  # the creates in flight commit first; those after it see the mark
     hit = session.execute(update(Node).where(Node.kind == "storage", Node.name == name)
                           .values(drained=drained)).rowcount  # type: ignore[attr-defined]
     if hit != 1:
@@ -275,7 +276,7 @@ def node_health(session: Session, names: set[str], *, timeout_s: float, default_
 
 def health_of(rows: Iterable[tuple[str, Any, datetime] | StorageNodeRow], *, now: datetime, timeout_s: float,
               default_zone: str) -> dict[str, NodeHealth]:
-    """``node_health`` of storage node rows already read (a create's answer: the rows placement locked)."""
+    """``node_health`` of storage node rows already read (a create's answer: the rows placement read)."""
     oldest = now - timedelta(seconds=timeout_s)
     health = {}
     for name, info_doc, last_heartbeat, *_ in rows:
@@ -421,30 +422,51 @@ def _check_hints(nodes: Sequence[StorageNodeRecord], want: Placement, *, timeout
 
 def choose_pool(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
                 want: Placement | None = None) -> tuple[str, str]:
-    """The (node, pool) a new volume of ``size_gib`` goes to (``choose_pool_row``)."""
-    row, pool = choose_pool_row(session, size_gib, timeout_s=timeout_s, overcommit=overcommit,
-                                default_zone=default_zone, want=want)
-    return row.name, pool
+    """The (node, pool) a new volume of ``size_gib`` goes to (``choose_placement``, holding placement
+    exclusively)."""
+    chosen = choose_placement(session, size_gib, timeout_s=timeout_s, overcommit=overcommit,
+                              default_zone=default_zone, want=want)
+    return chosen.row.name, chosen.pool.name
 
 
-def choose_pool_row(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
-                    want: Placement | None = None) -> tuple[StorageNodeRow, str]:
-    """The storage node (its row as read and locked here) and pool a new volume of ``size_gib`` goes
-    to: water-filling by capacity.
+@dataclass(frozen=True)
+class Chosen:
+    """Where placement puts a new volume: the storage node (its row as placement read it), the pool,
+    and every (node, pool) whose volumes count toward that pool's storage (one, or every agent of a
+    shared pool)."""
+
+    row: StorageNodeRow
+    pool: PoolInfo
+    storage: tuple[tuple[str, str], ...]
+
+    def still_has_room(self, promised: Mapping[tuple[str, str], int], overcommit: float) -> bool:
+        """Whether the storage keeps within capacity x ``overcommit`` with ``promised`` (read after the new
+        volume's insert: it is counted)."""
+        return _fits(self.pool.capacity_bytes, sum(promised.get(key, 0) for key in self.storage), 0, overcommit)
+
+
+def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
+                     want: Placement | None = None, shared: bool = False) -> Chosen:
+    """The storage node and pool a new volume of ``size_gib`` goes to: water-filling by capacity.
 
     Among the pools of live, undrained nodes (within ``want``) that can promise ``size_gib`` more —
     what their volumes were promised, this one included, stays within capacity × ``overcommit`` — the
     one that would be the least full relative to its capacity afterwards, ties by name. N creates
     thus spread in proportion to capacity, deterministically, and every pool fills up at once.
 
-    Call it in the transaction that inserts the volume: the storage node rows are locked, in name
-    order (SQLite serialises writers anyway), so two creates cannot both take the last room, and a
-    drain that committed is seen.
+    Call it in the transaction that inserts the volume. By default it holds placement exclusively
+    and locks the storage node rows (in name order; SQLite serialises writers anyway): nothing can
+    take the room it found, and a drain that committed is seen. ``shared``: the caller holds
+    placement shared (``locks.lock_for_create``) and the rows are only read, so concurrent creates
+    may pick the same room; the caller checks it is still there after its insert
+    (``Chosen.still_has_room``) and, if not, tries again exclusively.
     """
     want = want or Placement()
     now = utcnow()
-    # Plain rows, read now (a drain that committed is seen) and locked.
-    nodes = [StorageNodeRow(*row) for row in plain.execute(session, _PLACEMENT_QUERY)]
+    if not shared:
+        lock_placement(session)
+    # Plain rows, read now (a drain that committed is seen).
+    nodes = [StorageNodeRow(*row) for row in plain.execute(session, _PLACEMENT_READ if shared else _PLACEMENT_LOCK)]
     _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
     live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
             and (want.drained_ok or not n.drained)]
@@ -471,15 +493,21 @@ def choose_pool_row(session: Session, size_gib: int, *, timeout_s: float, overco
                                        f"the pools have promised all they may (capacity x overcommit ratio "
                                        f"{overcommit:g}).", status=400)
         raise InsufficientCapacity(f"There is not enough live capacity{want.where()} for a {size_gib} GiB volume.")
-    return next(n for n in live if n.name == best[2]), best[3]
+    row = next(n for n in live if n.name == best[2])
+    pool = next(p for p in storage_info(row).pools if p.name == best[3])
+    key = pool_key(row.name, pool)
+    storage = tuple((n.name, p.name) for n in nodes for p in storage_info(n).pools if pool_key(n.name, p) == key)
+    return Chosen(row, pool, storage)
 
 
-_PLACEMENT_QUERY = (select(Node.name, Node.info, Node.last_heartbeat, Node.drained).where(Node.kind == "storage")
-                    .order_by(Node.name).with_for_update())
+_PLACEMENT_READ = (select(Node.name, Node.info, Node.last_heartbeat, Node.drained).where(Node.kind == "storage")
+                   .order_by(Node.name))
+_PLACEMENT_LOCK = _PLACEMENT_READ.with_for_update()
 
 
 def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overcommit: float) -> None:
     """Refuse growing a volume on ``node``/``pool`` by ``grow_gib`` past what the pool may promise."""
+    lock_placement(session)  # no create takes the room meanwhile
     n = session.scalars(select(Node).where(Node.kind == "storage", Node.name == node).with_for_update()).first()
     pools = {p.name: p for p in storage_info(n).pools} if n is not None else {}
     if pool not in pools:

@@ -4,7 +4,10 @@ Limits are per tenant, not per key: resources belong to a tenant and all of its 
 making more keys buys no more room. The defaults are config keys (``quota_volumes``, ``quota_gib``,
 ``quota_snapshots``). Checks run inside the transaction that inserts the resource: on SQLite writes
 are serialised; on PostgreSQL each check first takes the tenant's advisory lock (``db.locks``), so two
-concurrent creates (or a create and a modify) of one tenant cannot both slip under a limit.
+concurrent creates (or a create and a modify) of one tenant cannot both slip under a limit. A create
+of a network volume checks after its insert instead, under the usage row that insert locked
+(``volumes._insert_volume``), and takes the tenant's lock shared, so that the checks which take it
+exclusively (a growth, a local volume) still see it whole.
 
 A pool may also limit the snapshots of one volume (RBD: 450 an image): its agent reports the limit
 (``PoolInfo.max_snapshots_per_volume``) and the next snapshot is refused here, before anything is made.
@@ -28,11 +31,16 @@ def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes
     """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB."""
     lock_tenant(s, tenant)
     count, gib = tenant_usage(s, tenant)
-    if count + new_volumes > cfg.quota_volumes:
+    refuse_over_volume_quota(cfg, count + new_volumes, gib + new_gib)
+
+
+def refuse_over_volume_quota(cfg: ControllerConfig, volumes: int, gib: int) -> None:
+    """``VolumeLimitExceeded`` if a tenant would hold ``volumes`` volumes of ``gib`` GiB in all, over its limits."""
+    if volumes > cfg.quota_volumes:
         raise LimitExceeded(f"The maximum number of volumes ({cfg.quota_volumes}) has been reached.",
                             code="VolumeLimitExceeded")
-    if gib + new_gib > cfg.quota_gib:
-        raise LimitExceeded(f"This request would take the volumes' total size to {gib + new_gib} GiB, above the "
+    if gib > cfg.quota_gib:
+        raise LimitExceeded(f"This request would take the volumes' total size to {gib} GiB, above the "
                             f"limit of {cfg.quota_gib} GiB.", code="VolumeLimitExceeded")
 
 

@@ -14,21 +14,23 @@ from datetime import timedelta
 from typing import Any
 
 from pydantic_core import to_json
-from sqlalchemy import ColumnElement, Select, exists, false, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, bindparam, exists, false, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
+from vbs.config import ControllerConfig
 from vbs.controller import encryption, quotas, snapshot_sharing, volume_types
 from vbs.controller import filters as flt
-from vbs.controller.db import Attachment, Node, Snapshot, Volume
-from vbs.controller.db.locks import lock_rows
+from vbs.controller.db import Attachment, Node, Snapshot, Volume, VolumeUsage, plain
+from vbs.controller.db.locks import lock_for_create, lock_rows, lock_storage, lock_tenant
 from vbs.controller.db.tables import utcnow
 from vbs.controller.nodes import (
+    Chosen,
     NodeHealth,
     Placement,
     choose_local_pool,
-    choose_pool_row,
+    choose_placement,
     health_of,
     node_health,
     volume_status,
@@ -46,6 +48,7 @@ from vbs.controller.workflows.volumes import CreateVolumeParams
 from vbs.errors import (
     IdempotentParameterMismatch,
     IncorrectState,
+    InsufficientCapacity,
     InvalidParameter,
     MissingParameter,
     NotFound,
@@ -96,19 +99,11 @@ def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str)
         raise InvalidParameter("host and persistent are for placement 'local' (a volume in a host's local pool).")
     digest = _digest(req)
     try:
-        with svc.db.session() as s:
-            if req.client_token is not None:
-                existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
-                if existing is not None:
-                    if existing.tenant != tenant:
-                        raise IdempotentParameterMismatch(
-                            "The client token was already used with different parameters.")
-                    if existing.request_digest != digest:
-                        raise IdempotentParameterMismatch(
-                            "The client token was already used with different parameters.")
-                    return _describe_fields(svc, s, existing)
-            volume, op_id, health = _insert_volume(svc, s, req, digest, tenant)
-            out = _describe_fields(svc, s, volume, new_tags=req.tags, health=health)
+        try:
+            out, op_id = _create_in_one_transaction(svc, req, digest, tenant, exclusive=False)
+        except _RoomTaken:
+            # Creates that committed meanwhile took the room placement found: place again, alone.
+            out, op_id = _create_in_one_transaction(svc, req, digest, tenant, exclusive=True)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
@@ -119,20 +114,47 @@ def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str)
                 raise IdempotentParameterMismatch(
                     "The client token was already used with different parameters.") from None
             return _describe_fields(svc, s, existing)
-    svc.engine.submit(op_id)
+    if op_id is not None:
+        svc.engine.submit(op_id)
     return out
 
 
+def _create_in_one_transaction(svc: Controller, req: CreateVolumeRequest, digest: str, tenant: str, *,
+                               exclusive: bool) -> tuple[dict[str, Any], str | None]:
+    """The new volume's fields and its create operation, committed (or the volume of the request's
+    client token, and no operation)."""
+    with svc.db.session() as s:
+        if req.client_token is not None:
+            existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
+            if existing is not None:
+                if existing.tenant != tenant or existing.request_digest != digest:
+                    raise IdempotentParameterMismatch("The client token was already used with different parameters.")
+                return _describe_fields(svc, s, existing), None
+        volume, op_id, health = _insert_volume(svc, s, req, digest, tenant, exclusive=exclusive)
+        return _describe_fields(svc, s, volume, new_tags=req.tags, health=health), op_id
+
+
+class _RoomTaken(Exception):
+    """Creates that committed while this one ran took the room its placement had found."""
+
+
 def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
-                   tenant: str) -> tuple[Volume, str, dict[str, NodeHealth] | None]:
+                   tenant: str, *, exclusive: bool = False) -> tuple[Volume, str, dict[str, NodeHealth] | None]:
     """The new volume, its create operation, and the health of its storage node as placement read it
-    (None: ask the database)."""
+    (None: ask the database).
+
+    On PostgreSQL, creates do not wait for each other until their inserts (``db.locks``): placement
+    reads the nodes and their promises holding placement and the tenant shared, then the insert
+    updates (and locks until commit) the tenant's and the pool's usage rows, and the quota and the
+    pool's room are checked on those rows, which now hold every create committed before and this
+    one. A pool that filled up meanwhile raises ``_RoomTaken``: the caller tries again ``exclusive``,
+    holding placement alone, as every create did before.
+    """
     if req.placement == "local":
         return (*_insert_local_volume(svc, s, req, digest, tenant), None)
     cfg = svc.cfg
-    # Taken before the storage node rows and the tenant are locked below: those locks are held until
-    # commit and every create of the service waits on them (PostgreSQL), so the less this transaction
-    # does while it holds them, the more creates several controllers complete.
+    # Read before the locks below; the fewer statements a create makes between its insert and its
+    # commit, the more creates complete at once (several controllers on PostgreSQL).
     stamp = svc.engine.stamp(s)
     want = Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool)
     snap: Snapshot | None = None
@@ -149,27 +171,62 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
     # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
     want = replace(want, encrypted=written_encrypted)
-    # choose_pool_row locks the storage node rows: the quota count after it cannot race another create.
-    row, pool = choose_pool_row(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
-                                default_zone=cfg.availability_zone, want=want)
-    node = row.name
-    quotas.check_volumes(s, cfg, tenant, new_volumes=1, new_gib=size)
+    if not exclusive:
+        lock_for_create(s, tenant)
+    chosen = choose_placement(s, size, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
+                              default_zone=cfg.availability_zone, want=want, shared=not exclusive)
+    if exclusive:
+        lock_tenant(s, tenant, shared=True)
+    if chosen.pool.shared_id is not None:  # its agents' creates update different usage rows
+        lock_storage(s, chosen.pool.shared_id)
+    node, pool = chosen.row.name, chosen.pool.name
     now = utcnow()
+    volume_id = ids.new_id("volume")
+    # The operation's rows first: no other transaction waits on them, and the volume's insert below
+    # starts what other creates of its tenant or pool wait for until this one commits.
+    op_id = svc.engine.begin(s, "create-volume", volume_id, CreateVolumeParams(
+        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
+        format_key=written_encrypted, source_key_id=source_key_id), new_resource=True, stamp=stamp)
+    health = health_of([chosen.row], now=now, timeout_s=cfg.heartbeat_timeout_s, default_zone=cfg.availability_zone)
     volume = Volume(
-        id=ids.new_id("volume"), size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
+        id=volume_id, size_gib=size, comment=req.comment, snapshot_id=req.snapshot_id,
         volume_type=req.volume_type, iops=req.iops, throughput=req.throughput, multi_attach=req.multi_attach,
         placement=req.placement, storage_node=node, pool=pool, status=VolumeState.CREATING, progress=0, tenant=tenant,
         client_token=req.client_token, request_digest=digest, created_at=now, updated_at=now, key_id=key_id,
     )
     s.add(volume)
-    s.flush()
+    s.flush()  # the usage rows of its tenant and pool are now this transaction's until it commits
+    _check_after_insert(s, cfg, tenant, chosen, exclusive=exclusive)
     if req.tags:
         set_tags(s, volume.id, req.tags)
-    op_id = svc.engine.begin(s, "create-volume", volume.id, CreateVolumeParams(
-        node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
-        format_key=written_encrypted, source_key_id=source_key_id), new_resource=True, stamp=stamp)
-    health = health_of([row], now=now, timeout_s=cfg.heartbeat_timeout_s, default_zone=cfg.availability_zone)
     return volume, op_id, health
+
+
+def _check_after_insert(s: Session, cfg: ControllerConfig, tenant: str, chosen: Chosen, *, exclusive: bool) -> None:
+    """The tenant's quota and the pool's room, read in one statement from the usage rows the volume's
+    insert locked: they count every create committed before and this one."""
+    volumes = gib = 0
+    promised: dict[tuple[str, str], int] = {}
+    for scope, owner, pool, count, size in plain.execute(s, _USAGE_AFTER_INSERT, {
+            "tenant": tenant, "nodes": sorted({node for node, _ in chosen.storage})}):
+        if scope == "tenant":
+            volumes, gib = int(count), int(size)
+        else:
+            promised[(owner, pool)] = int(size)
+    quotas.refuse_over_volume_quota(cfg, volumes, gib)
+    if not chosen.still_has_room(promised, cfg.overcommit_ratio):
+        if not exclusive:
+            raise _RoomTaken
+        raise InsufficientCapacity(f"The pool {chosen.pool.name} on {chosen.row.name} has promised all it may "
+                                   f"(capacity x overcommit ratio {cfg.overcommit_ratio:g}).", status=400)
+
+
+_USAGE_AFTER_INSERT = select(VolumeUsage.scope, VolumeUsage.owner, VolumeUsage.pool, VolumeUsage.volumes,
+                             VolumeUsage.gib).where(or_(
+                                 and_(VolumeUsage.scope == "tenant", VolumeUsage.owner == bindparam("tenant"),
+                                      VolumeUsage.pool == ""),
+                                 and_(VolumeUsage.scope == "pool",
+                                      VolumeUsage.owner.in_(bindparam("nodes", expanding=True)))))
 
 
 def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | None) -> int:

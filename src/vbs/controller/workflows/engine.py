@@ -324,8 +324,9 @@ class WorkflowEngine:
         if workflow.exclusive and not new_resource:
             self._insert_exclusive(session, lambda: Operation(**row), resource_id)
         else:
-            # Nothing can refuse it: no savepoint (two more statements), and a plain INSERT, after what
-            # the transaction holds (resource rows are written before operation rows, as everywhere).
+            # Nothing can refuse it: no savepoint (two more statements), and a plain INSERT. No other
+            # transaction waits on these rows, so a create writes them before its resource's row (whose
+            # insert other creates wait on until it commits: ``volumes._insert_volume``).
             plain.execute(session, insert(_OPERATIONS), row)
         plain.execute(session, insert(_STEPS), [
             {"operation_id": op_id, "position": pos, "name": step.name, "state": "pending", "error": None,
