@@ -413,6 +413,30 @@ def test_a_growth_waits_for_a_create_in_flight_and_counts_its_gib(db: Database) 
     assert total == usage == 7, (total, usage)
 
 
+def test_a_create_that_waits_for_a_growth_counts_the_gib_it_was_promised(db: Database) -> None:
+    """The other order: the growth commits first, and its volume grows only when its workflow records
+    it. The create still counts those GiB, in its tenant's quota and in its pool's room."""
+    add_storage_node(db)
+    vol = add_volume(db)
+
+    def grow(engine: PausingEngine) -> Any:
+        return modify_volume(controller(db, engine, quota_gib=10), vol, ModifyVolumeRequest(size_gib=5),
+                             DEFAULT_TENANT)
+
+    def create(engine: PausingEngine) -> Any:
+        return create_volume(controller(db, engine, quota_gib=10), CreateVolumeRequest(size_gib=6), DEFAULT_TENANT)
+
+    grown, made = race(db, grow, create)
+    assert not isinstance(grown, Exception), grown
+    assert isinstance(made, LimitExceeded) and made.code == "VolumeLimitExceeded", made
+    # The pool's room (100 GiB, overcommit 1): 1 held and 4 growing leave 95.
+    too_big = controller(db, PausingEngine(db, pause=False), overcommit_ratio=1.0)
+    with pytest.raises(VbsError) as refused:
+        create_volume(too_big, CreateVolumeRequest(size_gib=96), DEFAULT_TENANT)
+    assert refused.value.code == "InsufficientVolumeCapacity"
+    assert create_volume(too_big, CreateVolumeRequest(size_gib=95), DEFAULT_TENANT).size_gib == 95
+
+
 def drain_held_open(db: Database, name: str, go: threading.Event, holding: threading.Event) -> threading.Thread:
     """A drain of ``name`` that has made its change and waits for ``go`` to commit."""
     def run() -> None:

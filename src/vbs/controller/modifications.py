@@ -17,6 +17,7 @@ from vbs.controller import quotas, volume_types
 from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.tables import utcnow
+from vbs.controller.growth import GROWING_STATES
 from vbs.controller.nodes import check_growth, host_info, storage_info
 from vbs.controller.runtime import Controller
 from vbs.controller.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
@@ -26,7 +27,7 @@ from vbs.controller.workflows.modifications import ModifyParams
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.wire.qos import ExportLimits
 
-IN_PROGRESS = ("modifying", "optimizing")
+IN_PROGRESS = GROWING_STATES
 
 
 def _out(m: VolumeModification) -> ModificationOut:

@@ -23,6 +23,7 @@ from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage, pla
 from vbs.controller.db.documents import ParsedDocuments
 from vbs.controller.db.locks import lock_placement, on_postgresql
 from vbs.controller.db.tables import utcnow
+from vbs.controller.growth import Growing, growing
 from vbs.controller.schemas import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
 from vbs.controller.states import SnapshotState, VolumeState
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound
@@ -349,11 +350,14 @@ def pool_key(node: str, pool: PoolInfo) -> str:
     return pool.shared_id or f"{node}/{pool.name}"
 
 
-def _promised_per_storage(session: Session, nodes: Sequence[StorageNodeRecord]
+def _promised_per_storage(session: Session, nodes: Sequence[StorageNodeRecord], grows: Growing | None = None
                           ) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What each pool's storage was promised, summed over every agent that serves it (a shared pool
-    counts once, whichever agent its volumes are recorded on), and each (node, pool) alone."""
+    counts once, whichever agent its volumes are recorded on), and each (node, pool) alone; with
+    ``grows``, growths in progress count too."""
     promised = _promised(session, [n.name for n in nodes])
+    for pair, gib in (grows.pools.items() if grows is not None else ()):
+        promised[pair] = promised.get(pair, 0) + gib
     per_storage: dict[str, int] = {}
     for n in nodes:
         for p in storage_info(n).pools:
@@ -438,11 +442,13 @@ class Chosen:
     row: StorageNodeRow
     pool: PoolInfo
     storage: tuple[tuple[str, str], ...]
+    growing: Growing  # as placement read it, under its locks (``growth``)
 
     def still_has_room(self, promised: Mapping[tuple[str, str], int], overcommit: float) -> bool:
         """Whether the storage keeps within capacity x ``overcommit`` with ``promised`` (read after the new
-        volume's insert: it is counted)."""
-        return _fits(self.pool.capacity_bytes, sum(promised.get(key, 0) for key in self.storage), 0, overcommit)
+        volume's insert: it is counted) and the growths in progress."""
+        total = sum(promised.get(key, 0) + self.growing.pools.get(key, 0) for key in self.storage)
+        return _fits(self.pool.capacity_bytes, total, 0, overcommit)
 
 
 def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overcommit: float, default_zone: str,
@@ -470,8 +476,10 @@ def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overc
     _check_hints(nodes, want, timeout_s=timeout_s, default_zone=default_zone, now=now)
     live = [n for n in nodes if want.includes(n, default_zone) and is_alive(n, timeout_s, now)
             and (want.drained_ok or not n.drained)]
-    # A shared pool's promises include those of its volumes on every agent (live or not).
-    per_storage, promised = _promised_per_storage(session, nodes)
+    # A shared pool's promises include those of its volumes on every agent (live or not), and growths
+    # in progress.
+    grows = growing(session)
+    per_storage, promised = _promised_per_storage(session, nodes, grows)
     best: tuple[float, int, str, str] | None = None
     full = False
     for n in live:
@@ -497,7 +505,7 @@ def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overc
     pool = next(p for p in storage_info(row).pools if p.name == best[3])
     key = pool_key(row.name, pool)
     storage = tuple((n.name, p.name) for n in nodes for p in storage_info(n).pools if pool_key(n.name, p) == key)
-    return Chosen(row, pool, storage)
+    return Chosen(row, pool, storage, grows)
 
 
 _PLACEMENT_READ = (select(Node.name, Node.info, Node.last_heartbeat, Node.drained).where(Node.kind == "storage")
@@ -512,11 +520,12 @@ def check_growth(session: Session, node: str, pool: str, grow_gib: int, *, overc
     pools = {p.name: p for p in storage_info(n).pools} if n is not None else {}
     if pool not in pools:
         return
+    grows = growing(session)  # other volumes' growths in progress
     if pools[pool].shared_id is None:
-        provisioned = provisioned_gib(session, node, pool)
+        provisioned = provisioned_gib(session, node, pool) + grows.pools.get((node, pool), 0)
     else:  # every agent's volumes of that storage
         nodes = list(session.scalars(select(Node).where(Node.kind == "storage")))
-        provisioned = _promised_per_storage(session, nodes)[0].get(pool_key(node, pools[pool]), 0)
+        provisioned = _promised_per_storage(session, nodes, grows)[0].get(pool_key(node, pools[pool]), 0)
     if not _fits(pools[pool].capacity_bytes, provisioned, grow_gib, overcommit):
         raise InsufficientCapacity(f"The pool {pool} on {node} has promised all it may (capacity x overcommit ratio "
                                    f"{overcommit:g}); the volume cannot grow by {grow_gib} GiB there.", status=400)

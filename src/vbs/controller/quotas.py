@@ -22,15 +22,18 @@ from sqlalchemy.orm import Session
 from vbs.config import ControllerConfig
 from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.locks import lock_tenant
+from vbs.controller.growth import growing
 from vbs.controller.nodes import storage_info
 from vbs.controller.states import SnapshotState
 from vbs.errors import LimitExceeded, VolumeSnapshotLimitExceeded
 
 
 def check_volumes(s: Session, cfg: ControllerConfig, tenant: str, *, new_volumes: int, new_gib: int) -> None:
-    """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB."""
+    """Refuse (``VolumeLimitExceeded``) what would take ``tenant`` over its volume count or GiB (growths
+    in progress count: ``growth``)."""
     lock_tenant(s, tenant)
     count, gib = tenant_usage(s, tenant)
+    gib += growing(s).tenants.get(tenant, 0)
     refuse_over_volume_quota(cfg, count + new_volumes, gib + new_gib)
 
 

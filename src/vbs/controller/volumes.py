@@ -213,7 +213,7 @@ def _check_after_insert(s: Session, cfg: ControllerConfig, tenant: str, chosen: 
             volumes, gib = int(count), int(size)
         else:
             promised[(owner, pool)] = int(size)
-    quotas.refuse_over_volume_quota(cfg, volumes, gib)
+    quotas.refuse_over_volume_quota(cfg, volumes, gib + chosen.growing.tenants.get(tenant, 0))
     if not chosen.still_has_room(promised, cfg.overcommit_ratio):
         if not exclusive:
             raise _RoomTaken
