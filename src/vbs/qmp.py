@@ -254,7 +254,12 @@ def connect_until(socket_path: Path, deadline: float, *, alive: Callable[[], boo
     client = QmpClient(socket_path, name=name, timeout=timeout)
     while True:
         try:
-            client.execute("query-version", timeout=max(0.5, deadline - time.monotonic()))
+            # The greeting of a daemon that just started may take longer than a connect's usual bound
+            # on a loaded machine (a storage agent's qemu-storage-daemon once took over 5 s while Ceph
+            # and a guest started beside it): the deadline bounds it.
+            left = max(0.5, deadline - time.monotonic())
+            client.connect(timeout=left)
+            client.execute("query-version", timeout=left)
             return client
         except QmpGone:
             pass
