@@ -286,15 +286,19 @@ def test_two_snapshots_of_one_tenant_cannot_both_take_its_last_place(db: Databas
         assert len(s.scalars(select(Snapshot.id)).all()) == 1
 
 
-def test_two_creates_cannot_both_take_a_pools_last_room(db: Database) -> None:
-    """Overcommit 1: the pool promises its 100 GiB once; two 60 GiB creates race for it."""
+def two_creates(db: Database, size_gib: int, **cfg: Any) -> tuple[Any, Any]:
+    """Two creates of one tenant on one storage node, raced: what the holder and the waiter got."""
     add_storage_node(db)
 
     def create(engine: PausingEngine) -> Any:
-        return create_volume(controller(db, engine, overcommit_ratio=1.0), CreateVolumeRequest(size_gib=60),
-                             DEFAULT_TENANT)
+        return create_volume(controller(db, engine, **cfg), CreateVolumeRequest(size_gib=size_gib), DEFAULT_TENANT)
 
-    first, second = race(db, create, create)
+    return race(db, create, create)
+
+
+def test_two_creates_cannot_both_take_a_pools_last_room(db: Database) -> None:
+    """Overcommit 1: the pool promises its 100 GiB once; two 60 GiB creates race for it."""
+    first, second = two_creates(db, 60, overcommit_ratio=1.0)
     assert not isinstance(first, Exception), first
     assert isinstance(second, VbsError) and second.code == "InsufficientVolumeCapacity", second
 
@@ -376,13 +380,7 @@ def test_creates_on_other_nodes_for_other_tenants_do_not_wait_for_each_other(db:
 
 def test_two_creates_of_one_tenant_cannot_both_take_its_last_place(db: Database) -> None:
     """The quota is checked after the insert, on the tenant's usage row that insert locked."""
-    add_storage_node(db)
-
-    def create(engine: PausingEngine) -> Any:
-        return create_volume(controller(db, engine, quota_volumes=1), CreateVolumeRequest(size_gib=1),
-                             DEFAULT_TENANT)
-
-    first, second = race(db, create, create)
+    first, second = two_creates(db, 1, quota_volumes=1)
     assert not isinstance(first, Exception), first
     assert isinstance(second, LimitExceeded) and second.code == "VolumeLimitExceeded", second
     with db.read() as s:
