@@ -18,7 +18,7 @@ import libvirt
 
 from vbs.errors import DriverError
 from vbs.testguest.build import GuestImage
-from vbs.testguest.guest import TestGuest
+from vbs.testguest.guest import KERNEL_CMDLINE, TestGuest
 
 __all__ = ["LibvirtGuest", "domain_xml"]
 
@@ -36,7 +36,7 @@ def domain_xml(name: str, image: GuestImage | None, console: Path | None, memory
     if image is not None:
         ET.SubElement(os_el, "kernel").text = str(image.kernel)
         ET.SubElement(os_el, "initrd").text = str(image.initrd)
-        ET.SubElement(os_el, "cmdline").text = "console=ttyS0 quiet panic=-1"
+        ET.SubElement(os_el, "cmdline").text = KERNEL_CMDLINE
     # ACPI: without it the PCI bus of machine "pc" takes no hot-plugged device.
     ET.SubElement(ET.SubElement(dom, "features"), "acpi")
     ET.SubElement(dom, "on_reboot").text = "destroy"
