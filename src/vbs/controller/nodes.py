@@ -350,13 +350,13 @@ def pool_key(node: str, pool: PoolInfo) -> str:
     return pool.shared_id or f"{node}/{pool.name}"
 
 
-def _promised_per_storage(session: Session, nodes: Sequence[StorageNodeRecord], grows: Growing | None = None
+def _promised_per_storage(session: Session, nodes: Sequence[StorageNodeRecord], grows: Growing
                           ) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What each pool's storage was promised, summed over every agent that serves it (a shared pool
-    counts once, whichever agent its volumes are recorded on), and each (node, pool) alone; with
-    ``grows``, growths in progress count too."""
+    counts once, whichever agent its volumes are recorded on), and each (node, pool) alone, growths
+    in progress (``grows``) included."""
     promised = _promised(session, [n.name for n in nodes])
-    for pair, gib in (grows.pools.items() if grows is not None else ()):
+    for pair, gib in grows.pools.items():
         promised[pair] = promised.get(pair, 0) + gib
     per_storage: dict[str, int] = {}
     for n in nodes:

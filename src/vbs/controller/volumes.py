@@ -107,13 +107,10 @@ def create_volume_fields(svc: Controller, req: CreateVolumeRequest, tenant: str)
     except IntegrityError:
         # Another request with the same client token won the race: answer with its volume.
         with svc.db.session() as s:
-            existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
-            if existing is None:
+            answer = _volume_of_client_token(svc, s, req, digest, tenant)
+            if answer is None:
                 raise
-            if existing.request_digest != digest or existing.tenant != tenant:
-                raise IdempotentParameterMismatch(
-                    "The client token was already used with different parameters.") from None
-            return _describe_fields(svc, s, existing)
+            return answer
     if op_id is not None:
         svc.engine.submit(op_id)
     return out
@@ -124,14 +121,23 @@ def _create_in_one_transaction(svc: Controller, req: CreateVolumeRequest, digest
     """The new volume's fields and its create operation, committed (or the volume of the request's
     client token, and no operation)."""
     with svc.db.session() as s:
-        if req.client_token is not None:
-            existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
-            if existing is not None:
-                if existing.tenant != tenant or existing.request_digest != digest:
-                    raise IdempotentParameterMismatch("The client token was already used with different parameters.")
-                return _describe_fields(svc, s, existing), None
+        answer = _volume_of_client_token(svc, s, req, digest, tenant) if req.client_token is not None else None
+        if answer is not None:
+            return answer, None
         volume, op_id, health = _insert_volume(svc, s, req, digest, tenant, exclusive=exclusive)
         return _describe_fields(svc, s, volume, new_tags=req.tags, health=health), op_id
+
+
+def _volume_of_client_token(svc: Controller, s: Session, req: CreateVolumeRequest, digest: str,
+                            tenant: str) -> dict[str, Any] | None:
+    """The fields of the volume an earlier request with this one's client token made (None: none did);
+    ``IdempotentParameterMismatch`` if that request was another tenant's or asked for something else."""
+    existing = s.scalar(select(Volume).where(Volume.client_token == req.client_token))
+    if existing is None:
+        return None
+    if existing.tenant != tenant or existing.request_digest != digest:
+        raise IdempotentParameterMismatch("The client token was already used with different parameters.")
+    return _describe_fields(svc, s, existing)
 
 
 class _RoomTaken(Exception):
