@@ -43,7 +43,8 @@ torture: setup
 	$(BIN)/pytest -q -m torture --ignore tests/test_torture.py tests
 
 # Every benchmark, one after the other (bench/run_all.py --list); figures and logs under var/bench.
-# make bench-quick: the short set. make bench BENCH_ARGS="--only datapath,rtt": some of them.
+# make bench-quick: the five-minute set (each performance target once). make bench BENCH_ARGS="--only
+# datapath,rtt": some of them.
 bench: setup
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 

@@ -460,8 +460,9 @@ def served(v: Variant, volume: Path, work: Path,
             shutil.rmtree(state, ignore_errors=True)
 
 
-def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource | None = None) -> dict[str, Any]:
-    """All workloads through one export of ``v``."""
+def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource | None = None,
+            workloads: tuple[Workload, ...] = WORKLOADS) -> dict[str, Any]:
+    """Each of ``workloads`` through one export of ``v``."""
     size = volume.stat().st_size
     figures: dict[str, Figure] = {}
     notes: list[str] = []
@@ -472,7 +473,7 @@ def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource
                              "every connection inherits it)")
             except OSError as exc:
                 notes.append(f"TCP_NODELAY not set: {exc}")
-        for w in WORKLOADS:
+        for w in workloads:
             evict(volume)
             load = loadavg()
             try:
@@ -527,7 +528,7 @@ def fmt_ratio(r: float | None) -> str:
 
 def geomean(values: list[float]) -> float | None:
     vals = [v for v in values if v and v > 0]
-    if len(vals) != len(WORKLOADS):
+    if not vals or len(vals) != len(values):
         return None
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
@@ -538,6 +539,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     lines.append("")
     figs = {k: combine(r["runs"]) for k, r in results.items()}
+    shown: tuple[Workload, ...] = args.workloads
     baseline = {"fio": figs.get("local-fio", {}), "qemu-img": figs.get("local-qemu", {})}
     baseline["convert"] = {}
     for tool, title in (("fio", "fio (NBD through libnbd) vs local fio libaio direct"),
@@ -548,7 +550,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
             if v.tool != tool or v.key not in figs:
                 continue
             row = [v.label + (" *" if v.default else "")]
-            for w in WORKLOADS:
+            for w in shown:
                 f = figs[v.key].get(w.key)
                 if f is None:
                     row.append("n/a" if v.tool == "convert" and w.random else "failed")
@@ -560,34 +562,34 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
                 row.append(cell)
             rows.append(row)
         if rows:
-            lines += [f"## {title}", "", table(["variant", *[w.key for w in WORKLOADS]], rows),
+            lines += [f"## {title}", "", table(["variant", *[w.key for w in shown]], rows),
                       "", "(ratio to the local file, same tool, in brackets; * = driver default)", ""]
     notes = [f"- {v.key}: {n}" for v in VARIANTS if v.key in results for n in results[v.key]["notes"]]
     if notes:
         lines += ["Notes:", *notes, ""]
-    lines += transports(figs)
-    lines += rbd_paths(figs)
-    lines += verdicts(figs, baseline)
+    lines += transports(figs, shown)
+    lines += rbd_paths(figs, shown)
+    lines += verdicts(figs, baseline, shown)
     return "\n".join(lines)
 
 
-def rbd_paths(figs: dict[str, dict[str, Figure]]) -> list[str]:
+def rbd_paths(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
     """What serving an RBD image over NBD costs against QEMU opening it with librbd, same run and tool."""
     librbd, nbd, local = figs.get("rbd-librbd-q"), figs.get("rbd-nbd-q"), figs.get("local-qemu")
     if librbd is None or nbd is None:
         return []
     rows = [["RBD over NBD / QEMU's librbd", *[fmt_ratio(ratio(nbd.get(w.key), librbd.get(w.key)))
-                                                for w in WORKLOADS]]]
+                                                for w in shown]]]
     if local is not None:
         rows += [["QEMU's librbd / local file", *[fmt_ratio(ratio(librbd.get(w.key), local.get(w.key)))
-                                                  for w in WORKLOADS]],
+                                                  for w in shown]],
                  ["RBD over NBD / local file", *[fmt_ratio(ratio(nbd.get(w.key), local.get(w.key)))
-                                                 for w in WORKLOADS]]]
+                                                 for w in shown]]]
     return ["## RBD: the NBD path vs QEMU's own librbd (qemu-img bench, same run)", "",
-            table(["ratio", *[w.key for w in WORKLOADS]], rows), ""]
+            table(["ratio", *[w.key for w in shown]], rows), ""]
 
 
-def transports(figs: dict[str, dict[str, Figure]]) -> list[str]:
+def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
     """What each NBD transport costs against plain TCP measured in the same run."""
     rows = []
     for base_key, keys in (("nbd-native", ("nbd-unix",)), ("nbd-native-q", ("nbd-unix-q",)),
@@ -600,11 +602,11 @@ def transports(figs: dict[str, dict[str, Figure]]) -> list[str]:
                 continue
             v = next(x for x in VARIANTS if x.key == key)
             rows.append([f"{v.label} [{v.tool}]",
-                         *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in WORKLOADS]])
+                         *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in shown]])
     if not rows:
         return []
     return ["## NBD transports vs plain TCP (same run, same tool)", "",
-            table(["transport", *[w.key for w in WORKLOADS]], rows), ""]
+            table(["transport", *[w.key for w in shown]], rows), ""]
 
 
 def target_rows(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[list[str]]:
@@ -628,7 +630,8 @@ def target_rows(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str
     return rows
 
 
-def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[str]:
+def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]],
+             shown: tuple[Workload, ...]) -> list[str]:
     out: list[str] = []
     rows = target_rows(figs, baseline)
     if rows:
@@ -636,7 +639,7 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
                 table(["path", SEQ_READ, RAND_READ, "load (max)"], rows),
                 "", "(* = driver default; [qemu-img] is QEMU's own client, the one a VM's disk runs on)", ""]
 
-    tunables = ["## Best tunables (geometric mean of the four ratios; experimental variants excluded)", ""]
+    tunables = [f"## Best tunables (geometric mean of the {len(shown)} ratios; experimental variants excluded)", ""]
     out += tunables
     for protocol, tool in (("nbd", "fio"), ("nbd", "qemu-img"), ("iscsi", "qemu-img")):
         scored = []
@@ -644,7 +647,7 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
             if (v.protocol != protocol or v.tool != tool or v.nodelay or v.key not in figs or v.transport != "tcp"
                     or v.backend != "file" or v.connections != 1):
                 continue
-            g = geomean([ratio(figs[v.key].get(w.key), baseline[tool].get(w.key)) or 0 for w in WORKLOADS])
+            g = geomean([ratio(figs[v.key].get(w.key), baseline[tool].get(w.key)) or 0 for w in shown])
             if g is not None:
                 scored.append((g, v))
         if not scored:
@@ -653,7 +656,7 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
         best_g, best = scored[0]
         default = next(((g, v) for g, v in scored if v.default), None)
         out.append(f"- {protocol} [{tool}]: " + ", ".join(f"{v.label} {g:.2f}" for g, v in scored))
-        for w in WORKLOADS:
+        for w in shown:
             per = [(ratio(figs[v.key].get(w.key), baseline[tool].get(w.key)) or 0, v) for _, v in scored]
             top = max(per, key=lambda t: t[0])
             out.append(f"  - best for {w.key}: {top[1].label} ({top[0]:.2f})")
@@ -678,6 +681,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=None, help="seconds per figure (default 10, --quick 3)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole matrix; figures are medians (default 1)")
     p.add_argument("--size-gib", type=int, default=2, help="volume file size (default 2)")
+    p.add_argument("--reads-only", action="store_true",
+                   help="only the two reads the targets are judged on (1 MiB sequential, 4 KiB random)")
     p.add_argument("--only", default=None, help="comma-separated variant keys (default: all)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="where the file goes (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
@@ -688,6 +693,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.runtime is None:
         args.runtime = 3.0 if args.quick else 10.0
+    args.workloads = tuple(w for w in WORKLOADS if not (args.reads_only and w.write))
     return args
 
 
@@ -730,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 for v in chosen:
                     log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
                     try:
-                        res = measure(v, volume, work, args.runtime, rbd)
+                        res = measure(v, volume, work, args.runtime, rbd, args.workloads)
                     except Exception as exc:  # one broken variant must not lose the others' figures
                         log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
                         results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
