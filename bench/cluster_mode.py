@@ -38,10 +38,10 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of these processes and their live descendants."""
+def cpu_seconds(pids: list[int], descendants: bool = True) -> float:
+    """utime + stime of these processes (and their live descendants)."""
     total = 0.0
-    for pid in _with_descendants(pids):
+    for pid in _with_descendants(pids) if descendants else set(pids):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -124,6 +124,12 @@ class Install:
     def controller_pids(self) -> list[int]:
         return _controller_pids(self.up) + [p.pid for p in self.extra]
 
+    def other_pids(self) -> list[int]:
+        """vbs up's processes but its controller: itself, the agents and their daemons."""
+        assert self.up.proc is not None
+        ctl = set(_controller_pids(self.up))
+        return sorted(_with_descendants([self.up.proc.pid]) - ctl)
+
     def stop(self) -> None:
         for proc in self.extra:
             proc.terminate()
@@ -148,12 +154,18 @@ def measure(install: Install, apis: list[Api], creates: int, threads: int, seque
     apis[0].wait_none_creating(300)
 
     ctl = install.controller_pids()
-    cpu0 = cpu_seconds(ctl), cpu_seconds(pg_pids), machine_busy_seconds()
+    rest = install.other_pids()
+
+    def cpu() -> tuple[float, ...]:
+        return (cpu_seconds(ctl), cpu_seconds(pg_pids), machine_busy_seconds(), time.process_time(),
+                cpu_seconds(rest, descendants=False))
+
+    cpu0 = cpu()
     t0 = time.monotonic()
     lat = concurrent_creates(apis, creates, threads)
     accepted = time.monotonic()
     available = apis[0].wait_none_creating(600)
-    cpu1 = cpu_seconds(ctl), cpu_seconds(pg_pids), machine_busy_seconds()
+    cpu1 = cpu()
     wall = available - t0
     return {
         "label": install.label, "controllers": len(apis), "creates": creates, "threads": threads,
@@ -161,7 +173,7 @@ def measure(install: Install, apis: list[Api], creates: int, threads: int, seque
         "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "mean_ms": statistics.fmean(lat),
         "accepted_per_s": creates / (accepted - t0), "available_per_s": creates / wall,
         "controller_cpu_s": cpu1[0] - cpu0[0], "postgres_cpu_s": cpu1[1] - cpu0[1], "wall_s": wall,
-        "machine_cpu_s": cpu1[2] - cpu0[2],
+        "machine_cpu_s": cpu1[2] - cpu0[2], "client_cpu_s": cpu1[3] - cpu0[3], "agents_cpu_s": cpu1[4] - cpu0[4],
     }
 
 
@@ -210,6 +222,10 @@ def report(results: list[dict[str, Any]]) -> str:
                    + ", ".join(f"{label} {cores:.2f}" for label, cores in busy)
                    + "; the whole machine (the storage agent, the clients and the rest too): "
                    + ", ".join(f"{r['label']} {r['machine_cpu_s'] / r['wall_s']:.2f}" for r in (base, two)))
+        out.append("Of which the benchmark's own client threads: "
+                   + ", ".join(f"{r['label']} {r['client_cpu_s'] / r['wall_s']:.2f}" for r in (base, two))
+                   + "; vbs up's agents and daemons: "
+                   + ", ".join(f"{r['label']} {r['agents_cpu_s'] / r['wall_s']:.2f}" for r in (base, two)))
     for r in results:
         ok = r["seq_p50_ms"] <= TARGET_CREATE_P50_MS
         out.append(f"{r['label']}: create p50 (one client) {r['seq_p50_ms']:.1f} ms "

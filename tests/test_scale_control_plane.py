@@ -63,6 +63,18 @@ def test_a_big_storage_node_record_is_decoded_once_per_heartbeat_and_reads_as_th
     assert newest.volume_usage == grown  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def test_a_storage_node_record_is_shared_from_a_few_dozen_volumes_on(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Even a node of a thousand volumes is read twice per create: the record is validated once per
+    heartbeat from MANY_VOLUMES on, and its JSON is long enough there for the decoded-text cache, on
+    either database."""
+    db = fresh_database(kind, request, tmp_path)
+    with db.session() as s:
+        record_storage_heartbeat(s, heartbeat({ids.new_id("volume"): 4096 * i for i in range(MANY_VOLUMES)}))
+    assert read_storage_node(db) is read_storage_node(db)
+
+
 def test_a_small_storage_node_record_reads_as_the_newest_heartbeat_too(db: Database) -> None:
     for used in (0, 4096, 8192):
         with db.session() as s:

@@ -68,7 +68,7 @@ def _parse_storage_info(info: Any) -> StorageNodeInfo:
 # A storage node with many volumes reports the usage of each: its record is validated once per heartbeat
 # (the database layer hands back the same decoded document until the next one), not at every read. Its
 # JSON is large enough for that from about this many volumes (some 35 characters each).
-MANY_VOLUMES = 2000
+MANY_VOLUMES = 25
 
 
 def _many_volumes(info: Any) -> bool:

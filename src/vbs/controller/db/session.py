@@ -169,7 +169,8 @@ class Database:
             _sqlite_pragmas(self.engine)
         else:
             self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, connect_args={
-                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"})
+                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+                json_deserializer=decode_json)  # psycopg hands it the bytes of each JSON value
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
                                            expire_on_commit=False)
