@@ -235,28 +235,17 @@ class VbsUp:
 
 
 class Api:
-    """The REST calls the benchmark makes; one httpx client per thread."""
+    """The REST calls the benchmark makes: one httpx client, shared by the benchmark's threads (a client
+    each would load the CA bundle again in every new thread, and the concurrent runs start new ones)."""
 
     def __init__(self, endpoint: str, headers: dict[str, str] | None = None) -> None:
         self.endpoint = endpoint
         self.headers = headers or {}
-        self._local = threading.local()
-        self._clients: list[httpx.Client] = []
-        self._lock = threading.Lock()
-
-    @property
-    def http(self) -> httpx.Client:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = httpx.Client(base_url=self.endpoint, timeout=120, headers=self.headers)
-            self._local.client = client
-            with self._lock:
-                self._clients.append(client)
-        return client
+        self.http = httpx.Client(base_url=self.endpoint, timeout=120, headers=self.headers,
+                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
     def close(self) -> None:
-        for c in self._clients:
-            c.close()
+        self.http.close()
 
     def _json(self, resp: httpx.Response) -> Any:
         if resp.status_code >= 400:
