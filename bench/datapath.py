@@ -49,6 +49,7 @@ is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
     .venv/bin/python bench/datapath.py            # one round (about 10 minutes)
     .venv/bin/python bench/datapath.py --quick    # the defaults only, 3 s per figure (about 2 minutes)
     .venv/bin/python bench/datapath.py --quick --only ...   # chosen variants, 3 s per figure (--list)
+    .venv/bin/python bench/datapath.py --quick --reads-only  # the two reads the targets judge (under a minute)
     .venv/bin/python bench/datapath.py --backend rbd   # local file vs librbd vs NBD over RBD
 """
 
