@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Instance, Node, Snapshot, Volume, VolumeUsage, plain
-from vbs.controller.db.documents import ParsedDocuments
+from vbs.controller.db.documents import LARGE_DOCUMENT_CHARS, ParsedDocuments
 from vbs.controller.db.locks import lock_placement, on_postgresql
 from vbs.controller.db.tables import utcnow
 from vbs.controller.growth import Growing, growing
@@ -66,9 +66,10 @@ def _parse_storage_info(info: Any) -> StorageNodeInfo:
 
 
 # A storage node with many volumes reports the usage of each: its record is validated once per heartbeat
-# (the database layer hands back the same decoded document until the next one), not at every read. Its
-# JSON is large enough for that from about this many volumes (some 35 characters each).
-MANY_VOLUMES = 25
+# (the database layer hands back the same decoded document until the next one), not at every read. The
+# database layer shares documents from LARGE_DOCUMENT_CHARS on: a record's usage alone reaches that
+# from about this many volumes (some 35 characters each).
+MANY_VOLUMES = LARGE_DOCUMENT_CHARS // 35
 
 
 def _many_volumes(info: Any) -> bool:
