@@ -14,18 +14,25 @@ Two probes, each next to a baseline measured in the same run (the machine may be
   export. Each figure is one ``qemu-img bench`` run with a fixed request count on a fresh daemon, because
   QEMU 7.2's daemon aborts when a client of an export in an iothread disconnects; the probe reports
   whether the daemon survived the client's disconnect (the day it does, the option is worth adding
-  to the driver).
+  to the driver). Each of those daemons is measured twice, each time fresh: through QEMU's client and
+  through fio's ``nbd`` engine (libnbd), next to fio on the local file.
+
+``--daemon PATH`` runs the hand-started daemons from another qemu-storage-daemon binary (a newer
+QEMU, say, unpacked beside the system's), so that the iothread can be re-measured there; the queue
+depth probe always runs the driver's own daemon.
 
 Every daemon is stopped by its PID (or QMP ``quit``) in a ``finally``; only 127.0.0.1 is used.
 
     .venv/bin/python bench/nbd_limits.py --quick    # 1 round, 1 GiB, about 1 minute
     .venv/bin/python bench/nbd_limits.py --rounds 3
+    .venv/bin/python bench/nbd_limits.py --quick --daemon /opt/qemu-10/usr/bin/qemu-storage-daemon
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -43,7 +50,9 @@ from datapath import (  # noqa: E402
     GIB,
     HOST,
     VOLUME_ID,
+    Workload,
     evict,
+    fio,
     free_port,
     loadavg,
     log,
@@ -59,6 +68,8 @@ from vbs.wire.connection import NbdConnection  # noqa: E402
 
 DEPTHS = (8, 16, 32, 64)
 EXPORT = "probe"
+RAND_READ = Workload("rand read 4k qd32", "randread", BLOCK, 32)
+TOOLS = ("QEMU's client", "fio")
 
 
 def rand_read_iops(target: list[str], size: int, depth: int, count: int) -> float:
@@ -93,14 +104,14 @@ def driver_export(volume: Path, work: Path) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def hand_daemon(volume: Path, work: Path, iothread: bool,
-                throttle: bool) -> Iterator[tuple[subprocess.Popen[bytes], list[str]]]:
+def hand_daemon(volume: Path, work: Path, iothread: bool, throttle: bool,
+                daemon: str) -> Iterator[tuple[subprocess.Popen[bytes], list[str], list[str]]]:
     """A qemu-storage-daemon serving ``volume`` as the driver does (file cache.direct aio=native, raw,
     TCP_NODELAY), with the driver's throttle node (a group without limits) on the raw node or not, the
-    export in an iothread or not."""
+    export in an iothread or not. Yields the process, ``qemu-img`` target arguments and fio's."""
     state = Path(tempfile.mkdtemp(prefix="qsd-", dir=work))
     qmp_path, port = state / "qmp.sock", free_port()
-    argv = ["qemu-storage-daemon", "--chardev", f"socket,path={qmp_path},server=on,wait=off,id=m",
+    argv = [daemon, "--chardev", f"socket,path={qmp_path},server=on,wait=off,id=m",
             "--monitor", "chardev=m", "--nbd-server", f"addr.type=inet,addr.host=127.0.0.1,addr.port={port}"]
     if iothread:
         argv += ["--object", "iothread,id=io0"]
@@ -122,7 +133,7 @@ def hand_daemon(volume: Path, work: Path, iothread: bool,
             export["iothread"] = "io0"
         qmp.execute("block-export-add", export)
         force_nodelay(proc.pid)
-        yield proc, nbd_target("127.0.0.1", port, EXPORT)
+        yield proc, nbd_target("127.0.0.1", port, EXPORT), ["--ioengine=nbd", f"--uri=nbd://127.0.0.1:{port}/{EXPORT}"]
     finally:
         if qmp is not None:
             with contextlib.suppress(Exception):
@@ -160,23 +171,55 @@ def depth_probe(volume: Path, work: Path, runtime: float) -> dict[str, dict[int,
 DAEMONS = (("main loop", False, False), ("main loop, throttle node", False, True), ("iothread", True, False))
 
 
-def daemon_probe(volume: Path, work: Path, runtime: float) -> tuple[dict[str, float], dict[str, bool]]:
-    """IOPS at queue depth 32 and whether the daemon outlived its client, for each of ``DAEMONS``."""
+Probe = tuple[dict[tuple[str, str], float], dict[str, bool], dict[str, float]]
+
+
+def daemon_probe(volume: Path, work: Path, runtime: float, daemon: str) -> Probe:
+    """IOPS at queue depth 32 through each tool for each of ``DAEMONS`` (a fresh daemon per figure),
+    whether every daemon outlived its client, and the local file's IOPS through each tool."""
     size = volume.stat().st_size
-    iops: dict[str, float] = {}
+    iops: dict[tuple[str, str], float] = {}
     survived: dict[str, bool] = {}
+    evict(volume)
+    local = {TOOLS[0]: rand_read_iops(local_target(volume), size, 32, calibrated_count(local_target(volume), size,
+                                                                                       32, runtime))}
+    evict(volume)
+    local[TOOLS[1]] = fio(local_fio_target(volume), RAND_READ, runtime).iops
     count = 0
     for name, iothread, throttle in DAEMONS:
-        with hand_daemon(volume, work, iothread, throttle) as (proc, target):
-            evict(volume)
-            if not count:  # calibrated once, on the main-loop daemon (its client may disconnect safely)
-                count = calibrated_count(target, size, 32, runtime)
-            iops[name] = rand_read_iops(target, size, 32, count)
-            time.sleep(0.5)  # the disconnect is handled asynchronously
-            survived[name] = proc.poll() is None
-            log(f"  daemon {name:24} {iops[name]:9.0f} IOPS, daemon {'alive' if survived[name] else 'ABORTED'} "
-                f"after the client left  (load {loadavg()})")
-    return iops, survived
+        for tool in TOOLS:
+            with hand_daemon(volume, work, iothread, throttle, daemon) as (proc, target, fio_target):
+                evict(volume)
+                try:
+                    if tool == "fio":
+                        iops[name, tool] = fio(fio_target, RAND_READ, runtime).iops
+                    else:
+                        if not count:  # calibrated once, on the main-loop daemon (its client may leave safely)
+                            count = calibrated_count(target, size, 32, runtime)
+                        iops[name, tool] = rand_read_iops(target, size, 32, count)
+                except RuntimeError as e:
+                    # fio's nbd engine connects once to learn the size, then again for the job: a daemon
+                    # that aborts when a client leaves is gone before the job starts. Nothing to measure.
+                    time.sleep(0.5)
+                    if proc.poll() is None:
+                        raise
+                    log(f"  daemon {name:24} {tool:13} no figure: {str(e)[:160]}")
+                    iops[name, tool] = math.nan
+                time.sleep(0.5)  # the disconnect is handled asynchronously
+                alive = proc.poll() is None
+                survived[name] = survived.get(name, True) and alive
+                log(f"  daemon {name:24} {tool:13} {iops[name, tool]:9.0f} IOPS "
+                    f"({iops[name, tool] / local[tool]:.2f} of local), daemon {'alive' if alive else 'ABORTED'} "
+                    f"after the client left  (load {loadavg()})")
+    return iops, survived, local
+
+
+def local_fio_target(volume: Path) -> list[str]:
+    return [f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"]
+
+
+def daemon_version(daemon: str) -> str:
+    return run_tool([daemon, "--version"], timeout=30).splitlines()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,17 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime", type=float, default=None, help="seconds per figure (default 5, --quick 2)")
     p.add_argument("--size-gib", type=int, default=None, help="volume file size (default 2, --quick 1)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"))
+    p.add_argument("--daemon", default="qemu-storage-daemon",
+                   help="the qemu-storage-daemon binary of the hand-started daemons (default: the one on PATH)")
     args = p.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
     runtime = args.runtime or (2.0 if args.quick else 5.0)
     size_gib = args.size_gib or (1 if args.quick else 2)
-    missing = [t for t in ("qemu-img", "qemu-storage-daemon") if shutil.which(t) is None]
+    missing = [t for t in ("qemu-img", "qemu-storage-daemon", "fio", args.daemon) if shutil.which(t) is None]
     if missing:
         print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="vbs-nbdlim-", dir=args.work_dir))
     depths: list[dict[str, dict[int, float]]] = []
-    threads: list[tuple[dict[str, float], dict[str, bool]]] = []
+    threads: list[Probe] = []
     loads: list[str] = []
     try:
         volume = work / "volume.img"
@@ -206,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {rnd + 1}/{rounds}")
             loads.append(loadavg())
             depths.append(depth_probe(volume, work, runtime))
-            threads.append(daemon_probe(volume, work, runtime))
+            threads.append(daemon_probe(volume, work, runtime, args.daemon))
             loads.append(loadavg())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -218,12 +263,20 @@ def main(argv: list[str] | None = None) -> int:
         local = statistics.median(r["local"][depth] for r in depths)
         nbd = statistics.median(r["nbd"][depth] for r in depths)
         print(f"| {depth} | {local:.0f} | {nbd:.0f} | {nbd / local:.2f} |")
-    print("\n## qemu-storage-daemon started by hand (queue depth 32, one connection per fresh daemon)\n")
-    print("| export on | IOPS per round | daemon outlived its client |\n|---|---|---|")
-    for name, _, _ in DAEMONS:
-        per = " / ".join(f"{t[0][name]:.0f}" for t in threads)
-        alive = all(t[1][name] for t in threads)
-        print(f"| {name} | {per} | {'yes' if alive else 'NO: aborted when the client disconnected'} |")
+    print(f"\n## qemu-storage-daemon started by hand: {daemon_version(args.daemon)} "
+          "(queue depth 32, one connection per fresh daemon)\n")
+    print("| export on | tool | IOPS per round | of local (same tool and round; median) | daemon outlived its "
+          "client |\n|---|---|---|---|---|")
+    for tool in TOOLS:
+        local_per = " / ".join(f"{t[2][tool]:.0f}" for t in threads)
+        print(f"| (local file) | {tool} | {local_per} | 1 | |")
+        for name, _, _ in DAEMONS:
+            per = " / ".join("none" if math.isnan(t[0][name, tool]) else f"{t[0][name, tool]:.0f}" for t in threads)
+            ratios = [t[0][name, tool] / t[2][tool] for t in threads if not math.isnan(t[0][name, tool])]
+            ratio = f"{statistics.median(ratios):.2f}" if ratios else "none"
+            alive = all(t[1][name] for t in threads)
+            print(f"| {name} | {tool} | {per} | {ratio} | "
+                  f"{'yes' if alive else 'NO: aborted when the client disconnected'} |")
     return 0
 
 
