@@ -285,6 +285,11 @@ def run_tool(argv: list[str], timeout: float) -> str:
     return proc.stdout
 
 
+def local_fio_target(volume: Path) -> list[str]:
+    """fio's arguments for the local file itself, the baseline of every fio figure."""
+    return [f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"]
+
+
 def fio(target: list[str], w: Workload, runtime: float, connections: int = 1) -> Figure:
     """``connections`` jobs of ``w.qd / connections`` requests in flight each (the nbd engine opens
     one connection per job), reported together."""
@@ -390,7 +395,7 @@ def served(v: Variant, volume: Path, work: Path,
                    f"file.image={source.image},file.conf={source.conf},file.user={source.user}"], None
         return
     if v.protocol == "local":
-        yield ([f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"],
+        yield (local_fio_target(volume),
                ["-f", "raw", "-t", "none", "-i", "native", str(volume)], None)
         return
     state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))

@@ -55,6 +55,7 @@ from datapath import (  # noqa: E402
     fio,
     free_port,
     loadavg,
+    local_fio_target,
     log,
     make_volume,
     run_tool,
@@ -181,8 +182,8 @@ def daemon_probe(volume: Path, work: Path, runtime: float, daemon: str) -> Probe
     iops: dict[tuple[str, str], float] = {}
     survived: dict[str, bool] = {}
     evict(volume)
-    local = {TOOLS[0]: rand_read_iops(local_target(volume), size, 32, calibrated_count(local_target(volume), size,
-                                                                                       32, runtime))}
+    local_qemu = local_target(volume)
+    local = {TOOLS[0]: rand_read_iops(local_qemu, size, 32, calibrated_count(local_qemu, size, 32, runtime))}
     evict(volume)
     local[TOOLS[1]] = fio(local_fio_target(volume), RAND_READ, runtime).iops
     count = 0
@@ -190,6 +191,7 @@ def daemon_probe(volume: Path, work: Path, runtime: float, daemon: str) -> Probe
         for tool in TOOLS:
             with hand_daemon(volume, work, iothread, throttle, daemon) as (proc, target, fio_target):
                 evict(volume)
+                failed: RuntimeError | None = None
                 try:
                     if tool == "fio":
                         iops[name, tool] = fio(fio_target, RAND_READ, runtime).iops
@@ -198,24 +200,20 @@ def daemon_probe(volume: Path, work: Path, runtime: float, daemon: str) -> Probe
                             count = calibrated_count(target, size, 32, runtime)
                         iops[name, tool] = rand_read_iops(target, size, 32, count)
                 except RuntimeError as e:
-                    # fio's nbd engine connects once to learn the size, then again for the job: a daemon
-                    # that aborts when a client leaves is gone before the job starts. Nothing to measure.
-                    time.sleep(0.5)
-                    if proc.poll() is None:
-                        raise
-                    log(f"  daemon {name:24} {tool:13} no figure: {str(e)[:160]}")
-                    iops[name, tool] = math.nan
+                    failed, iops[name, tool] = e, math.nan
                 time.sleep(0.5)  # the disconnect is handled asynchronously
                 alive = proc.poll() is None
+                if failed is not None:
+                    # fio's nbd engine connects once to learn the size, then again for the job: a daemon
+                    # that aborts when a client leaves is gone before the job starts. Nothing to measure.
+                    if alive:
+                        raise failed
+                    log(f"  daemon {name:24} {tool:13} no figure: {str(failed)[:160]}")
                 survived[name] = survived.get(name, True) and alive
                 log(f"  daemon {name:24} {tool:13} {iops[name, tool]:9.0f} IOPS "
                     f"({iops[name, tool] / local[tool]:.2f} of local), daemon {'alive' if alive else 'ABORTED'} "
                     f"after the client left  (load {loadavg()})")
     return iops, survived, local
-
-
-def local_fio_target(volume: Path) -> list[str]:
-    return [f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"]
 
 
 def daemon_version(daemon: str) -> str:
