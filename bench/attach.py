@@ -65,9 +65,9 @@ from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 from tests.libvirtd import Libvirtd  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
+from vbs.rigs.testguest import TestGuest, build_guest  # noqa: E402
+from vbs.rigs.testguest.libvirt import LibvirtGuest  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
-from vbs.testguest import TestGuest, build_guest  # noqa: E402
-from vbs.testguest.libvirt import LibvirtGuest  # noqa: E402
 
 HOST, VM = "host-1", "vm1"
 TARGET_P50_S = 1.0

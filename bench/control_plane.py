@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 
 from tests.loopfs import loop_filesystem  # noqa: E402
 
-from vbs.ports import free_port  # noqa: E402
+from vbs.net.ports import free_port  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20

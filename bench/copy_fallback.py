@@ -42,11 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vbs import ids  # noqa: E402
-from vbs.files import fsync_path  # noqa: E402
-from vbs.qmp import QmpClient, connect_until  # noqa: E402
+from vbs.qemu.qmp import QmpClient, connect_until  # noqa: E402
 from vbs.storage.backends.file import FileBackend  # noqa: E402
 from vbs.storage.copy import sparse_copy  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
+from vbs.system.files import fsync_path  # noqa: E402
 from vbs.wire.connection import HostIdentity  # noqa: E402
 
 MIB = 1 << 20

@@ -37,7 +37,7 @@ server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pe
 sending reply"). tgtd sets it on its own connections.
 
 ``--backend rbd``: the same file is imported into an RBD image of a single-node Ceph the benchmark
-starts (``vbs.ceph.EmbeddedCeph``, one OSD on a sparse file, pool size 1), and ``qemu-img bench``
+starts (``vbs.rigs.ceph.EmbeddedCeph``, one OSD on a sparse file, pool size 1), and ``qemu-img bench``
 measures, in the same run, the local file, QEMU opening the image with its own librbd (``driver=rbd``,
 ``cache=none``, as a VM with ``-blockdev driver=rbd`` would; client.admin's keyring from the conf: a
 benchmark's shortcut, never the product's) and the product's path, the storage agent's NBD export of
@@ -78,15 +78,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
-from vbs.ceph import EmbeddedCeph  # noqa: E402
-from vbs.pki import CertificateAuthority  # noqa: E402
-from vbs.ports import free_port  # noqa: E402
-from vbs.qemu_tls import X509Files, qemu_x509_dir  # noqa: E402
+from vbs.net.ports import free_port  # noqa: E402
+from vbs.qemu.tls import X509Files, qemu_x509_dir  # noqa: E402
+from vbs.rigs.ceph import EmbeddedCeph  # noqa: E402
 from vbs.storage.exports import iscsi as iscsi_mod  # noqa: E402
 from vbs.storage.exports.base import FileSource, RbdSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
+from vbs.trust.pki import CertificateAuthority  # noqa: E402
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
 
 MIB = 1 << 20

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.ports import free_port
+from vbs.net.ports import free_port
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.copy import sparse_copy
 from vbs.storage.exports.base import FileSource

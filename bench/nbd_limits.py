@@ -61,7 +61,7 @@ from datapath import (  # noqa: E402
     run_tool,
     stride_blocks,
 )
-from vbs.qmp import QmpClient, connect_until  # noqa: E402
+from vbs.qemu.qmp import QmpClient, connect_until  # noqa: E402
 from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402

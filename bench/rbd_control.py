@@ -1,6 +1,6 @@
 """``bench/control_plane.py --backend rbd``: snapshot and create-from-snapshot on the rbd backend.
 
-It starts its own single-node Ceph (``vbs.ceph.EmbeddedCeph``, one OSD on a sparse file, a pool of
+It starts its own single-node Ceph (``vbs.rigs.ceph.EmbeddedCeph``, one OSD on a sparse file, a pool of
 size 1) in the work dir, a controller and a storage agent ``--backend rbd`` as processes (the tests'
 ``Services``), and for each size (default 1, 4 and 16 GiB) makes one volume, writes
 ``--rbd-data-mib`` MiB of data spread over it (``rbd bench --io-type write --io-pattern rand``, 4 MiB
@@ -29,7 +29,7 @@ from typing import Any
 from bench.control_plane import Api, log, pct, server_ms, table
 from tests.conftest import Services
 
-from vbs.ceph import EmbeddedCeph
+from vbs.rigs.ceph import EmbeddedCeph
 
 TARGET_MS = 200.0
 POOL = "vbs"

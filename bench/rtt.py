@@ -499,7 +499,7 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
 
 
 def calibration(results: dict[str, tuple[Point, list[Point]]], size_mib: int) -> dict[str, Any]:
-    """What the controller's advice model reads (vbs.controller.rtt_model.Calibration)."""
+    """What the controller's advice model reads (vbs.controller.placement.rtt_model.Calibration)."""
     protos: dict[str, list[dict[str, float]]] = {}
     for protocol, (direct, points) in results.items():
         rows = []

@@ -69,7 +69,7 @@ from bench.control_plane import (  # noqa: E402
 from vbs import ids  # noqa: E402
 from vbs.controller.db import Database, Volume  # noqa: E402
 from vbs.controller.db.tables import utcnow  # noqa: E402
-from vbs.testguest.guest import MAX_ROOT_PORTS  # noqa: E402
+from vbs.rigs.testguest.guest import MAX_ROOT_PORTS  # noqa: E402
 
 GIB = 1 << 30
 PAGE = 1000
@@ -290,7 +290,7 @@ def run_attach(work: Path, args: argparse.Namespace, machine_type: str) -> list[
     from tests.conftest import VbsUp as TestVbsUp
 
     from vbs.ids import virtio_serial
-    from vbs.testguest import TestGuest, build_guest
+    from vbs.rigs.testguest import TestGuest, build_guest
 
     data_dir = work / f"attach-{machine_type}-var"
     up = TestVbsUp(data_dir, work / f"attach-{machine_type}-up.log", extra=["--export", "nbd", *BENCH_LIMITS])

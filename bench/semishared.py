@@ -54,7 +54,7 @@ if str(REPO / "src") not in sys.path:
 
 from vbs.config import HostAgentConfig, PoolConfig  # noqa: E402
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools  # noqa: E402
-from vbs.ports import free_port  # noqa: E402
+from vbs.net.ports import free_port  # noqa: E402
 from vbs.storage.backends.file import FileBackend  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.wire.connection import HostIdentity, NbdConnection  # noqa: E402

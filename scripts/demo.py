@@ -35,8 +35,8 @@ from types import FrameType
 from typing import Any
 
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest, default_cache_dir, pattern_sha256
-from vbs.testguest.libvirt import LibvirtGuest
+from vbs.rigs.testguest import TestGuest, build_guest, default_cache_dir, pattern_sha256
+from vbs.rigs.testguest.libvirt import LibvirtGuest
 
 VBS = [sys.executable, "-m", "vbs"]
 HOST = "host-1"

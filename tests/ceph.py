@@ -1,6 +1,6 @@
 """A real single-node Ceph cluster for the tests (Debian's Ceph 16), one per test session and xdist worker.
 
-It is ``vbs.ceph.EmbeddedCeph`` in a fresh 0700 directory under /tmp: a mon on free loopback ports, a
+It is ``vbs.rigs.ceph.EmbeddedCeph`` in a fresh 0700 directory under /tmp: a mon on free loopback ports, a
 mgr and one bluestore OSD on a sparse file. Each test gets a Ceph pool of its own. At the end the
 daemons are stopped by their PIDs (the OSD before the mon) and the test checks that every PID is gone.
 """
@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vbs.ceph import EmbeddedCeph
+from vbs.rigs.ceph import EmbeddedCeph
 
 
 class CephForTests:

@@ -24,12 +24,12 @@ import pytest
 from tests.ceph import CephForTests
 from tests.loopfs import loop_filesystem
 from tests.postgres import PostgresForTests
-from vbs import credentials
-from vbs.api_client import CONNECTION_LIMITS
 from vbs.controller.db import Database
-from vbs.credentials import AccessKey
-from vbs.node_credentials import NodeKeyring
-from vbs.ports import free_port
+from vbs.net.api_client import CONNECTION_LIMITS
+from vbs.net.ports import free_port
+from vbs.trust import credentials
+from vbs.trust.credentials import AccessKey
+from vbs.trust.node_credentials import NodeKeyring
 
 VBS = [sys.executable, "-m", "vbs"]
 
@@ -243,7 +243,7 @@ def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
 def vbs_up_with_guest(tmp: Path, vm: str = "vm1", **machine: Any) -> Iterator[tuple[Vbs, VbsUp, Any]]:
     """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG);
     ``machine``: TestGuest's machine options (``machine="q35", root_ports=1``)."""
-    from vbs.testguest import TestGuest, build_guest
+    from vbs.rigs.testguest import TestGuest, build_guest
 
     up = VbsUp(tmp / "var", tmp / "up.log")
     guest = TestGuest(vm, tmp / "guests", build_guest(), tmp / "var" / "vms", **machine)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from vbs import argv
+from vbs.system import argv
 
 __all__ = ["loop_filesystem"]
 

@@ -1,6 +1,6 @@
 """A real PostgreSQL 15 cluster for the tests (Debian's), one per test session and xdist worker.
 
-It is ``vbs.postgres.EmbeddedPostgres`` in a fresh directory under /tmp (the cluster's own directory
+It is ``vbs.rigs.postgres.EmbeddedPostgres`` in a fresh directory under /tmp (the cluster's own directory
 owned by ``postgres``), on its unix socket only, with a port number no other cluster here uses.
 Each install a test starts gets a database of its own. At the end the postmaster is stopped by its
 PID (SIGINT, ``pg_ctl stop -m fast``) and the test checks that the PID is gone.
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vbs.postgres import EmbeddedPostgres
+from vbs.rigs.postgres import EmbeddedPostgres
 
 VBS = [sys.executable, "-m", "vbs"]
 

@@ -18,7 +18,7 @@ from typing import Any
 from tests.ceph import CephForTests
 from tests.conftest import Services, Vbs, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 MIB = 1 << 20
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from vbs.controller.after_answer import AfterAnswer, after_answer
+from vbs.controller.rest.after_answer import AfterAnswer, after_answer
 
 pytestmark = pytest.mark.unit
 

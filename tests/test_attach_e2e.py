@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, private_qmp, stop_process, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 
 class Cloud:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Services, private_qmp, start_bare_vm, stop_process, wait_until
-from vbs.testguest.guest import qmp_execute
+from vbs.rigs.testguest.guest import qmp_execute
 
 
 @pytest.fixture

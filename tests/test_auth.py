@@ -11,7 +11,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from tests.conftest import VBS, Vbs
-from vbs import credentials
+from vbs.trust import credentials
 
 
 def test_requests_without_or_with_wrong_credentials_are_refused(vbs_up: Vbs) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vbs.errors import DriverError
-from vbs.testguest.bench_image import fs_modules
+from vbs.rigs.testguest.bench_image import fs_modules
 
 pytestmark = pytest.mark.unit
 

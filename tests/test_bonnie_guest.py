@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import Vbs, VbsUp
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
-from vbs.testguest.bonnie import PAPER_COLUMNS, BonnieSize, mount_ext2, run_bonnie, unmount
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieSize, mount_ext2, run_bonnie, unmount
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vbs.errors import DriverError, InvalidParameter
-from vbs.testguest.bonnie import PAPER_COLUMNS, BonnieSize, parse_csv
+from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieSize, parse_csv
 
 pytestmark = pytest.mark.unit
 

@@ -16,12 +16,12 @@ import typer
 
 from tests.conftest import VBS, free_port
 from vbs.cli.main import _listed, app, app_for, command_name
-from vbs.tls import client_verify
+from vbs.trust.tls import client_verify
 
 # What the services run on: a client command has no use for any of it.
 SERVER_SIDE = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "qemu", "libvirt",
-               "prometheus_client", "cryptography", "vbs.controller", "vbs.storage", "vbs.host", "vbs.web",
-               "vbs.config", "vbs.pki")
+               "prometheus_client", "cryptography", "vbs.controller", "vbs.storage", "vbs.host", "vbs.net.web",
+               "vbs.config", "vbs.trust.pki")
 # What only some commands need: a table (rich), --query (jmespath), YAML, the HTTP client.
 ON_DEMAND = ("rich", "pygments", "markdown_it", "jmespath", "yaml", "httpx", "pydantic")
 
@@ -53,7 +53,7 @@ def test_a_client_command_loads_no_server_side_module() -> None:
             f"sys.argv = ['vbs', '-o', 'json', 'describe-volumes', '--endpoint', 'http://127.0.0.1:{free_port()}']\n"
             "main()\n")
     modules = loaded_modules(code, {"VBS_ACCESS_KEY_ID": "AKIDEXAMPLE", "VBS_SECRET_ACCESS_KEY": "secret"})
-    assert {"httpx", "vbs.api_client"} <= modules  # the request was made
+    assert {"httpx", "vbs.net.api_client"} <= modules  # the request was made
     assert among(modules, SERVER_SIDE) == []
     # httpx's own command line (rich, pygments) stays out; a JSON answer draws no table; its options are
     # text and an absent integer, which Typer would read through Pydantic (vbs.cli.params).

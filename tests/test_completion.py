@@ -1,4 +1,4 @@
-"""The long-poll's plumbing (``vbs.controller.completion``): an ending signalled from a worker thread
+"""The long-poll's plumbing (``vbs.controller.rest.completion``): an ending signalled from a worker thread
 wakes the waiter of that operation or resource, a settled read answers at once, and a wait that runs
 out answers what it reads then. The daemons' side is in tests/test_long_poll.py."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from vbs.controller.completion import OperationEnds, long_poll
+from vbs.controller.rest.completion import OperationEnds, long_poll
 
 pytestmark = pytest.mark.unit
 

@@ -56,7 +56,7 @@ from tests.conftest import (
     wait_until,
 )
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.parametrize("metadata_db", (*DATABASES, "postgresql-2"), indirect=True, scope="module")]

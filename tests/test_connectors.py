@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
+from vbs.connectors import CONNECTORS, QemuIds, connector_for
+from vbs.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.errors import InvalidParameter
-from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
-from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.host.hypervisors.qemu import QemuDriver, copy_ids, disk_ids
 from vbs.ids import virtio_serial
 from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection, RbdConnection

@@ -27,9 +27,10 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.conftest import Vbs, VbsUp, node_token, wait_until
-from vbs.controller import console, edge
+from vbs.controller import console
+from vbs.controller.rest import edge
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "src" / "vbs" / "controller" / "console" / "static"

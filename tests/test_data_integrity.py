@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, stop_process, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest, pattern_bytes
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes
 
 pytestmark = pytest.mark.integration
 

@@ -33,7 +33,7 @@ from botocore.exceptions import ClientError
 from tests.conftest import DATABASES, Vbs, VbsUp, database_flags, wait_until
 from vbs.errors import VbsError
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 REGION = "us-east-1"
 ZONE = "us-east-1a"

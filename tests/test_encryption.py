@@ -17,10 +17,10 @@ import pytest
 from botocore.exceptions import ClientError
 
 from tests.conftest import VBS, Vbs, VbsUp, vbs_up_with_guest, wait_until
-from vbs.controller.keys import MasterKey
+from vbs.controller.auth.keys import MasterKey
 from vbs.ids import virtio_serial
+from vbs.rigs.testguest import TestGuest
 from vbs.storage.luks import LUKS_MAGIC, header_bytes
-from vbs.testguest import TestGuest
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -1,6 +1,6 @@
 """Several endpoints and when a client may move on to the next one (unit tier).
 
-``vbs.web.ApiClient`` with a list of URLs: a connection error moves any request on (nothing was
+``vbs.net.web.ApiClient`` with a list of URLs: a connection error moves any request on (nothing was
 sent); a request that was sent and then lost, or answered 5xx, moves on only when it may be
 repeated (GET, PUT, DELETE, a POST with a client token, or a caller that says so). Shown with
 httpx's MockTransport for each kind of failure, and with real sockets on loopback: a port where
@@ -27,9 +27,9 @@ import pytest
 from tests.conftest import VBS, free_port
 from vbs import config
 from vbs.cli.up import Shape
-from vbs.endpoints import MAX_URLS, is_idempotent, parse
 from vbs.errors import AgentUnavailable, AgentUnreachable, InvalidParameter
-from vbs.web import ApiClient
+from vbs.net.endpoints import MAX_URLS, is_idempotent, parse
+from vbs.net.web import ApiClient
 
 pytestmark = pytest.mark.unit
 
@@ -177,7 +177,7 @@ def test_one_url_behaves_as_before(servers: Servers) -> None:
 
 
 def test_a_switch_is_logged_once_until_a_call_succeeds(servers: Servers, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="vbs.api_client")
+    caplog.set_level(logging.INFO, logger="vbs.net.api_client")
     servers.fails(A, httpx.ConnectError)
     servers.fails(B, httpx.ConnectError)
     api = ApiClient([A, B], None, transport=httpx.MockTransport(servers), label="storage agent storage-2")

@@ -19,15 +19,15 @@ from tests.conftest import wait_until
 from tests.export_fixtures import MiB, drivers_of, read_at
 from tests.test_iscsi_export import tgtd_driver
 from tests.test_nbd_access import Netns, netns  # noqa: F401 - the fixture
-from vbs.argv import run
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
-from vbs.pki import CertificateAuthority
-from vbs.qemu_tls import X509Files
+from vbs.net.stunnel import client_config
+from vbs.qemu.tls import X509Files
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
-from vbs.stunnel import client_config
-from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.system.argv import run
+from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, IscsiConnection
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ import pytest
 from fastapi import FastAPI, Request
 
 from tests.conftest import free_port, wait_until
-from vbs.api_client import KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S, ApiClient
-from vbs.web import bounded_server
+from vbs.net.api_client import KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S, ApiClient
+from vbs.net.web import bounded_server
 
 pytestmark = pytest.mark.unit
 

@@ -26,8 +26,8 @@ from tests.libvirtd import URI, Libvirtd
 from tests.test_attach_e2e import detach_is_busy_until_forced
 from tests.test_ec2_api import client as ec2_client
 from vbs.ids import virtio_serial
-from vbs.testguest import build_guest
-from vbs.testguest.libvirt import LibvirtGuest, domain_xml
+from vbs.rigs.testguest import build_guest
+from vbs.rigs.testguest.libvirt import LibvirtGuest, domain_xml
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,10 @@ from tests.conftest import free_port, stop_process, wait_until
 from tests.libvirtd import URI, Libvirtd
 from vbs.errors import DeviceBusy, IncorrectState, NotFound
 from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias
-from vbs.pki import CertificateAuthority
-from vbs.qemu_tls import X509Files, qemu_x509_dir
-from vbs.testguest import build_guest
-from vbs.testguest.libvirt import LibvirtGuest, domain_xml
+from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.rigs.testguest import build_guest
+from vbs.rigs.testguest.libvirt import LibvirtGuest, domain_xml
+from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import NbdConnection
 from vbs.wire.host import DiskInfo, QoS
 

@@ -20,8 +20,8 @@ from tests.libvirtd import URI, Libvirtd
 from tests.rbd_cloud import rbd_export_sha256
 from tests.test_online_resize import guest_size
 from vbs.ids import virtio_serial
-from vbs.testguest import build_guest
-from vbs.testguest.libvirt import LibvirtGuest
+from vbs.rigs.testguest import build_guest
+from vbs.rigs.testguest.libvirt import LibvirtGuest
 
 pytestmark = pytest.mark.integration
 

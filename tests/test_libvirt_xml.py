@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
+from vbs.connectors import connector_for
+from vbs.connectors.base import LibvirtAuth, LibvirtSource
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.connectors import connector_for
-from vbs.host.connectors.base import LibvirtAuth, LibvirtSource
 from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias, disk_xml, secret_uuid
 from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection
 from vbs.wire.host import QoS

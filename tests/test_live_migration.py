@@ -25,8 +25,8 @@ import pytest
 
 from tests.conftest import Services, stop_process, wait_until
 from vbs import ids
-from vbs.testguest import TestGuest, build_guest
-from vbs.testguest.guest import pattern_sha256
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest.guest import pattern_sha256
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from tests.conftest import fresh_database, wait_until
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
-from vbs.controller.workflows.live_migrations import GuestAt, locate_guest, migrating_volume_ids
+from vbs.controller.workflows.migrate_instance import GuestAt, locate_guest, migrating_volume_ids
 from vbs.errors import DriverError, IncorrectState
 from vbs.host.hypervisors.qemu_slots import slot_of
 from vbs.wire.host import PCI_SLOT_RE, MigrationInfo, StartMigration

@@ -14,12 +14,12 @@ from tests.conftest import UNIT_DATABASES, fresh_database
 from tests.recording_engine import RecordingEngine
 from tests.test_scheduler import create, heartbeat, pool
 from vbs.config import ControllerConfig
-from vbs.controller.attachments import attach_volume, detach_volume
 from vbs.controller.db import Attachment, Database, Node, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.nodes import describe_hosts, host_info, record_host_heartbeat
-from vbs.controller.schemas import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
-from vbs.controller.volumes import create_volume
+from vbs.controller.fleet.nodes import describe_hosts, host_info, record_host_heartbeat
+from vbs.controller.requests.attachments import attach_volume, detach_volume
+from vbs.controller.requests.volumes import create_volume
+from vbs.controller.rest.schemas import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, MissingParameter
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities, VmInfo
 from vbs.wire.storage import PoolInfo

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 HOOK = {"kind": "create-snapshot", "step": "storage-snapshot"}
 LONG_WAIT_S = 30
-OUTLASTS_IDLE_S = 12  # > vbs.web.IDLE_CONNECTION_TIMEOUT_S
+OUTLASTS_IDLE_S = 12  # > vbs.net.web.IDLE_CONNECTION_TIMEOUT_S
 
 
 @dataclass

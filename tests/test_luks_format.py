@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from vbs import argv
 from vbs.errors import DriverError
 from vbs.storage import luks
+from vbs.system import argv
 
 MiB = 1 << 20
 KEY = SecretStr("a passphrase for tests")

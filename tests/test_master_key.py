@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vbs.controller.auth.keys import KeyStore, MasterKey
 from vbs.controller.db import AccessKeyRecord, Database
-from vbs.controller.keys import KeyStore, MasterKey
 
 pytestmark = pytest.mark.unit
 

@@ -20,22 +20,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import UNIT_DATABASES, Vbs, fresh_database, node_token, running_vbs_up, wait_until
 from vbs import ids
-from vbs.controller.auth import Authenticator
+from vbs.controller.auth.authenticator import Authenticator
+from vbs.controller.auth.keys import KeyStore, MasterKey
 from vbs.controller.db import Database, Volume
 from vbs.controller.db.tables import utcnow
-from vbs.controller.keys import KeyStore, MasterKey
+from vbs.controller.fleet.nodes import record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.metrics import ControllerMetrics
-from vbs.controller.nodes import record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.errors import DriverError, InvalidParameter, UnauthorizedOperation
 from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.qemu import disk_stats
 from vbs.host.metrics import volume_metrics
 from vbs.ids import virtio_serial
-from vbs.metrics import ScrapeCollector, install_metrics, new_registry
-from vbs.node_credentials import TokenSource
-from vbs.testguest import TestGuest, build_guest
-from vbs.web import PreAuth, agent_auth, install_error_handlers
+from vbs.net.metrics import ScrapeCollector, install_metrics, new_registry
+from vbs.net.web import PreAuth, agent_auth, install_error_handlers
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.trust.node_credentials import TokenSource
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.storage import ExportInfo, PoolInfo, StorageHeartbeat
 

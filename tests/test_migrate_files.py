@@ -24,8 +24,8 @@ import pytest
 from tests.conftest import VBS, Services, free_port, reap_daemons, stop_process, wait_until
 from tests.numbered_blocks import NumberedBlocks
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
-from vbs.testguest.guest import qmp_execute
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest.guest import qmp_execute
 
 pytestmark = pytest.mark.integration
 

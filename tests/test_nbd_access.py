@@ -26,17 +26,17 @@ import pytest
 from tests import export_fixtures
 from tests.conftest import VbsUp, wait_until
 from tests.export_fixtures import MiB, drivers_of, read_at, write_at
-from vbs.argv import run
 from vbs.config import StorageAgentConfig
+from vbs.connectors import connector_for
 from vbs.errors import InvalidParameter
-from vbs.host.connectors import connector_for
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
-from vbs.pki import CertificateAuthority
-from vbs.qemu_tls import X509Files, qemu_x509_dir
+from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.system.argv import run
+from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, NbdConnection
 
 pytestmark = pytest.mark.integration

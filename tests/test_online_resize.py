@@ -22,21 +22,21 @@ import pytest
 import uvicorn
 
 from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
-from vbs.argv import run
-from vbs.controller.agents import HostAgent, StorageAgent
+from vbs.controller.fleet.agents import HostAgent, StorageAgent
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.api import create_app as create_host_app
 from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
 from vbs.ids import virtio_serial
-from vbs.node_credentials import TokenSource
+from vbs.net.web import ApiClient, agent_auth
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.rigs.testguest.guest import qmp_execute
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import ExportDriver, FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
-from vbs.testguest.guest import qmp_execute
-from vbs.web import ApiClient, agent_auth
+from vbs.system.argv import run
+from vbs.trust.node_credentials import TokenSource
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection, NbdConnection
 from vbs.wire.host import QoS
 

@@ -15,12 +15,12 @@ import pytest
 from sqlalchemy import select
 
 from tests.conftest import UNIT_DATABASES, fresh_database, wait_until
-from vbs import fencing
 from vbs.controller.cluster import SingletonLease
 from vbs.controller.db import Database, Operation, OperationStep
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.errors import InvalidParameter, LeaseLost, StaleFence
-from vbs.web import ApiClient
+from vbs.net.web import ApiClient
+from vbs.trust import fencing
 
 pytestmark = pytest.mark.unit
 

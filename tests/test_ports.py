@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vbs import ports
-from vbs.ports import PortPicker
+from vbs.net import ports
+from vbs.net.ports import PortPicker
 
 pytestmark = pytest.mark.unit
 

@@ -27,21 +27,21 @@ from tests.postgres import PostgresForTests
 from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.app import WORKFLOWS
-from vbs.controller.attachments import attach_volume
 from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.modifications import modify_volume
-from vbs.controller.nodes import StorageNodeInfo, drain_storage_node
-from vbs.controller.schemas import (
+from vbs.controller.fleet.nodes import StorageNodeInfo, drain_storage_node
+from vbs.controller.requests.attachments import attach_volume
+from vbs.controller.requests.modify_volume import modify_volume
+from vbs.controller.requests.snapshots import create_snapshot, delete_snapshot
+from vbs.controller.requests.volumes import create_volume, delete_volume
+from vbs.controller.rest.schemas import (
     AttachVolumeRequest,
     CreateSnapshotRequest,
     CreateVolumeRequest,
     ModifyVolumeRequest,
 )
-from vbs.controller.snapshots import create_snapshot, delete_snapshot
-from vbs.controller.volumes import create_volume, delete_volume
 from vbs.controller.workflows import StepContext, WorkflowEngine
-from vbs.controller.workflows.attachments import DetachParams, mark_detached
+from vbs.controller.workflows.attach_detach import DetachParams, mark_detached
 from vbs.errors import IncorrectState, InvalidParameter, LimitExceeded, SnapshotInUse, VbsError
 from vbs.wire.storage import PoolInfo
 
@@ -215,9 +215,9 @@ def test_an_attach_that_waits_for_the_last_detach_finds_the_volume_free(db: Data
     def finish_detach(engine: PausingEngine) -> None:
         # mark_detached's own transaction, held open after its writes as the engine holds the others.
         from vbs.controller.db.locks import lock_rows
-        from vbs.controller.states import AttachmentState
-        from vbs.controller.transitions import transition
-        from vbs.controller.workflows.attachments import release_volume_if_free
+        from vbs.controller.db.states import AttachmentState
+        from vbs.controller.db.transitions import transition
+        from vbs.controller.workflows.attach_detach import release_volume_if_free
 
         with db.session() as s:
             lock_rows(s, Volume, vol)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import vbs_up_with_guest
 from vbs.ids import virtio_serial
-from vbs.testguest import pattern_sha256
+from vbs.rigs.testguest import pattern_sha256
 
 pytestmark = pytest.mark.integration
 

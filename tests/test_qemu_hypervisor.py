@@ -24,14 +24,14 @@ import pytest
 from pydantic import SecretStr
 
 from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
-from vbs.argv import run
+from vbs.connectors import connector_for
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.connectors import connector_for
 from vbs.host.hypervisors.base import HypervisorDriver
 from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
-from vbs.testguest.guest import qmp_execute
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.rigs.testguest.guest import qmp_execute
+from vbs.system.argv import run
 from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection
 from vbs.wire.host import DiskInfo, QoS, VmInfo
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import Vbs, VbsUp, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ import pytest
 from tests.conftest import private_qmp, stop_process, wait_until
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.pki import CertificateAuthority
-from vbs.qemu_tls import X509Files
-from vbs.testguest.guest import qmp_execute
+from vbs.qemu.tls import X509Files
+from vbs.rigs.testguest.guest import qmp_execute
+from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import FileConnection
 from vbs.wire.host import StartMigration
 

@@ -11,7 +11,7 @@ import pytest
 
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu_slots import device_slot, free_ports, placement
-from vbs.qmp import QmpCommandError
+from vbs.qemu.qmp import QmpCommandError
 
 pytestmark = pytest.mark.unit
 

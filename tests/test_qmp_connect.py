@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vbs.qmp import QmpClient, QmpConnectionError, connect_until
+from vbs.qemu.qmp import QmpClient, QmpConnectionError, connect_until
 
 pytestmark = pytest.mark.integration  # waits out a 5 s greeting
 

@@ -21,15 +21,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.export_fixtures import MiB, drivers_of, runs, wait_dead
-from vbs.controller import volume_types
-from vbs.controller.workflows.attachments import AttachParams, host_qos
+from vbs.controller.placement import volume_types
+from vbs.controller.workflows.attach_detach import AttachParams, host_qos
 from vbs.ids import virtio_serial
-from vbs.node_credentials import TokenSource
+from vbs.net.web import agent_auth
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import FileSource, LimitEnforcer
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.web import agent_auth
+from vbs.trust.node_credentials import TokenSource
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.qos import IOPS_SIZE, ExportLimits, QoS, throttle_limits
 from vbs.wire.storage import ConnectionAnswer, ConnectionRequest
@@ -282,7 +282,7 @@ def test_a_modification_changes_the_data_paths_limits_only_where_they_change() -
     from types import SimpleNamespace
     from typing import Any, cast
 
-    from vbs.controller.modifications import _new_limits
+    from vbs.controller.requests.modify_volume import _new_limits
 
     def svc(type_limits: bool) -> Any:
         return cast(Any, SimpleNamespace(cfg=SimpleNamespace(enforce_type_limits=type_limits)))

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import Vbs, vbs_up_with_guest, wait_until
 from vbs.host.hypervisors.qemu import disk_ids
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest
+from vbs.rigs.testguest import TestGuest
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from vbs.controller.agents import StorageAgent
+from vbs.controller.fleet.agents import StorageAgent
 from vbs.errors import DriverError, InvalidParameter
 from vbs.storage.backends import rbd_access
 from vbs.storage.backends.rbd_access import ImageRef

@@ -15,7 +15,7 @@ import pytest
 from tests.ceph import CephForTests
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
-from vbs.testguest import pattern_sha256
+from vbs.rigs.testguest import pattern_sha256
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
 from tests.test_rbd_e2e import SPAN_MIB
 from vbs.ids import virtio_serial
-from vbs.testguest import pattern_sha256
+from vbs.rigs.testguest import pattern_sha256
 
 pytestmark = pytest.mark.integration
 

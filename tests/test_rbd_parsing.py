@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vbs.ceph import pgs_all_clean
 from vbs.errors import DriverError
+from vbs.rigs.ceph import pgs_all_clean
 from vbs.storage.backends.rbd import Listing, parse_listing, parse_pool_stats
 from vbs.storage.backends.rbd_chains import (
     TrashEntry,

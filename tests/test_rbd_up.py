@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import Vbs, VbsUp, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest, build_guest, pattern_sha256
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_sha256
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,9 @@ from tests.conftest import UNIT_DATABASES, fresh_database
 from tests.test_volume_page import controller, heartbeat
 from vbs.controller.db import Database, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.reconcile import SETTLE_MARGIN_S, Reconciler
-from vbs.controller.schemas import CreateVolumeRequest
-from vbs.controller.volumes import create_volume
+from vbs.controller.fleet.reconcile import SETTLE_MARGIN_S, Reconciler
+from vbs.controller.requests.volumes import create_volume
+from vbs.controller.rest.schemas import CreateVolumeRequest
 from vbs.wire.storage import Inventory, PoolInventory
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ import pytest
 
 from vbs.config import ControllerConfig
 from vbs.controller.db import Database
-from vbs.controller.nodes import record_host_heartbeat
+from vbs.controller.fleet.nodes import record_host_heartbeat
 from vbs.controller.resolvers import Location, Resolvers
 from vbs.errors import InvalidParameter, NotFound
 from vbs.profiles import ProfileError

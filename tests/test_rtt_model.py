@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from vbs import probe_tickets
-from vbs.controller.attachments import rtt_warnings
 from vbs.controller.db import Database, Node
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import record_host_heartbeat
-from vbs.controller.rtt_model import Calibration, Point, fit, from_probes
+from vbs.controller.fleet.nodes import record_host_heartbeat
+from vbs.controller.placement.rtt_model import Calibration, Point, fit, from_probes
+from vbs.controller.requests.attachments import rtt_warnings
 from vbs.errors import AuthFailure, InvalidParameter
+from vbs.trust import probe_tickets
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.probes import Probe
 

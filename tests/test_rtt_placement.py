@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, stop_process, wait_until
-from vbs import probe_tickets
-from vbs.controller.rtt_model import Point, fit
-from vbs.testguest import TestGuest, build_guest
+from vbs.controller.placement.rtt_model import Point, fit
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.trust import probe_tickets
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from sqlalchemy.sql import Select
 from tests.conftest import fresh_database
 from vbs import ids
 from vbs.controller.db import Database, Node, Volume
-from vbs.controller.nodes import MANY_VOLUMES, record_storage_heartbeat, storage_info
-from vbs.controller.states import VolumeState
+from vbs.controller.db.states import VolumeState
+from vbs.controller.fleet.nodes import MANY_VOLUMES, record_storage_heartbeat, storage_info
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 
 pytestmark = pytest.mark.unit

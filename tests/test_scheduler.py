@@ -24,7 +24,7 @@ from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig, load
 from vbs.controller.db import Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.nodes import (
+from vbs.controller.fleet.nodes import (
     NodeHealth,
     Placement,
     availability_zones,
@@ -34,8 +34,8 @@ from vbs.controller.nodes import (
     volume_status,
     zone_id,
 )
-from vbs.controller.schemas import CreateVolumeRequest
-from vbs.controller.volumes import _digest, create_volume, describe_volumes
+from vbs.controller.requests.volumes import _digest, create_volume, describe_volumes
+from vbs.controller.rest.schemas import CreateVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound, VbsError
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Services, free_port, node_token, stop_process, wait_until
-from vbs.node_credentials import NodeKeyring
+from vbs.trust.node_credentials import NodeKeyring
 
 pytestmark = pytest.mark.integration
 

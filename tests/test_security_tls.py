@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port
-from vbs.pki import CertificateAuthority, peer_certificate
+from vbs.trust.pki import CertificateAuthority, peer_certificate
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from tests.conftest import Vbs, node_token, running_vbs_up
-from vbs.credentials import AccessKey
 from vbs.errors import InvalidParameter
+from vbs.trust.credentials import AccessKey
 
 NEWLINE_VOLUME = "vol-0123456789abcdef0\n"
 NEWLINE_SNAPSHOT = "snap-0123456789abcdef0\n"

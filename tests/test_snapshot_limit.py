@@ -21,9 +21,9 @@ from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig
 from vbs.controller.db import Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.nodes import StorageNodeInfo
-from vbs.controller.schemas import CreateSnapshotRequest
-from vbs.controller.snapshots import create_snapshot
+from vbs.controller.fleet.nodes import StorageNodeInfo
+from vbs.controller.requests.snapshots import create_snapshot
+from vbs.controller.rest.schemas import CreateSnapshotRequest
 from vbs.errors import VolumeSnapshotLimitExceeded
 from vbs.wire.storage import CloneChain, PoolInfo, TrashedImage
 

@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 
 from tests.conftest import Vbs, node_token, vbs_up_with_guest, wait_until
 from vbs.ids import virtio_serial
-from vbs.testguest import TestGuest
+from vbs.rigs.testguest import TestGuest
 
 BLOCK = 4096
 BLOCKS = 1500

@@ -12,11 +12,8 @@ from pydantic import ValidationError
 
 from tests.conftest import UNIT_DATABASES, fresh_database
 from vbs import ids
-from vbs.controller import filters
 from vbs.controller.db import Attachment, Base, Database, Snapshot, Volume
-from vbs.controller.db.tables import utcnow
-from vbs.controller.schemas import CreateSnapshotRequest, CreateVolumeRequest
-from vbs.controller.states import (
+from vbs.controller.db.states import (
     ATTACHMENT_TRANSITIONS,
     SNAPSHOT_TRANSITIONS,
     VOLUME_TRANSITIONS,
@@ -25,7 +22,10 @@ from vbs.controller.states import (
     VolumeState,
     sources,
 )
-from vbs.controller.transitions import transition, try_transition
+from vbs.controller.db.tables import utcnow
+from vbs.controller.db.transitions import transition, try_transition
+from vbs.controller.requests import filters
+from vbs.controller.rest.schemas import CreateSnapshotRequest, CreateVolumeRequest
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 
 pytestmark = pytest.mark.unit

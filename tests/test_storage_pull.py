@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from tests.export_fixtures import drivers_of
-from vbs.pki import CertificateAuthority
-from vbs.qemu_tls import X509Files
+from vbs.qemu.tls import X509Files
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import QSD, NbdExportDriver
+from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.storage import ItemStatus
 

@@ -14,9 +14,9 @@ import pytest
 
 from tests.conftest import wait_until
 from vbs.ids import virtio_serial
-from vbs.qmp import QmpClient, QmpCommandError
-from vbs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
-from vbs.testguest.build import MODULES
+from vbs.qemu.qmp import QmpClient, QmpCommandError
+from vbs.rigs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.rigs.testguest.build import MODULES
 
 VOL = "vol-0123456789abcdef0"
 SERIAL = virtio_serial(VOL)

@@ -25,8 +25,8 @@ import pytest
 from tests.conftest import VBS, Vbs, VbsUp, free_port, wait_until
 from tests.postgres import PostgresForTests
 from vbs.ids import virtio_serial
-from vbs.processes import cmdline, pid_alive
-from vbs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.system.processes import cmdline, pid_alive
 
 pytestmark = pytest.mark.integration
 

@@ -20,10 +20,10 @@ from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.nodes import record_storage_heartbeat
-from vbs.controller.schemas import CreateVolumeRequest, VolumeList, VolumeOut
-from vbs.controller.tags import set_tags
-from vbs.controller.volumes import create_volume, create_volume_json, get_volume, volume_page
+from vbs.controller.fleet.nodes import record_storage_heartbeat
+from vbs.controller.requests.tags import set_tags
+from vbs.controller.requests.volumes import create_volume, create_volume_json, get_volume, volume_page
+from vbs.controller.rest.schemas import CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""EBS volume-type rules (vbs.controller.volume_types) and EC2's time filter values, without a service."""
+"""EBS volume-type rules (vbs.controller.placement.volume_types) and EC2's time filter values, without a service."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from vbs.controller import volume_types as vt
-from vbs.controller.filters import time_span
+from vbs.controller.placement import volume_types as vt
+from vbs.controller.requests.filters import time_span
 from vbs.errors import InvalidParameter, MissingParameter
 
 pytestmark = pytest.mark.unit

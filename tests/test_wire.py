@@ -17,11 +17,11 @@ import uvicorn
 from pydantic import SecretStr, ValidationError
 
 from tests.conftest import free_port
-from vbs.controller.agents import HostAgent
+from vbs.controller.fleet.agents import HostAgent
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, NotFound, VbsError, from_body
 from vbs.host.api import create_app
-from vbs.node_credentials import TokenSource
-from vbs.web import ApiClient, agent_auth
+from vbs.net.web import ApiClient, agent_auth
+from vbs.trust.node_credentials import TokenSource
 from vbs.wire.connection import IscsiConnection, NbdConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import EnsureVolume, ItemStatus

@@ -56,7 +56,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import Services, wait_until
-from vbs.qmp import QmpClient
+from vbs.qemu.qmp import QmpClient
 from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
 
 GIB = 1 << 30

@@ -17,9 +17,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vbs import endpoints
-from vbs.endpoints import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # still vbs.config's too
 from vbs.errors import InvalidParameter
+from vbs.net import endpoints
+from vbs.net.endpoints import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # still vbs.config's too
 from vbs.wire.storage import MAX_POOLS, POOL_NAME_RE, ZONE_NAME_RE
 
 DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -56,7 +56,7 @@ class ControllerConfig(_Service):
     # attach-volume warns when the host's measured RTT to the volume's storage node exceeds this.
     rtt_warn_ms: float = Field(2.0, ge=0)
     # A table of throughput and IOPS against RTT per protocol (bench/rtt.py --calibration-out): the
-    # advice's model uses it where it has one (vbs.controller.rtt_model).
+    # advice's model uses it where it has one (vbs.controller.placement.rtt_model).
     rtt_calibration_file: Path | None = None
     workflow_threads: int = Field(16, ge=1, le=256)
     # Instance-id resolvers: attach-volume --instance SCHEME:ID, each scheme mapped to a resolver
@@ -109,7 +109,7 @@ class _AgentSection(_Service):
 
     host: str = "127.0.0.1"
     # The install's controllers: one URL, a TOML list, or (env, flag) URLs separated by commas. The
-    # agent reports to one at a time and moves on to the next when it fails (vbs.web.ApiClient).
+    # agent reports to one at a time and moves on to the next when it fails (vbs.net.web.ApiClient).
     controller_url: tuple[str, ...] = (f"http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}",)
     advertise_url: str | None = None
     # This node's own credential (``vbs node-token`` on the controller's machine prints it): from

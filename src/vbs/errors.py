@@ -2,7 +2,7 @@
 
 Every error carries the EBS/EC2 error code and the HTTP status the API edge answers with. Code below
 the API raises these; the REST and agent edges map them to responses in exactly one place
-(``vbs.web``). Errors keep their class across the wire: the body names the class and its fields,
+(``vbs.net.web``). Errors keep their class across the wire: the body names the class and its fields,
 and ``from_body`` on the caller's side makes the same exception again (``DeviceBusy`` raised in a
 host agent arrives as ``DeviceBusy`` in the controller).
 """

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vbs.errors import VbsError
 
 if TYPE_CHECKING:
-    from vbs.api_client import ApiClient
+    from vbs.net.api_client import ApiClient
 
 Body = dict[str, Any]
 

@@ -41,7 +41,7 @@ def _database(config: Path | None, data_dir: Path | None, database_url: str | No
               database_url_file: Path | None) -> Database:
     from vbs import config as cfgmod
     from vbs.controller.app import database_for
-    from vbs.fail_closed import harden
+    from vbs.trust.fail_closed import harden
 
     warn_if_password_on_argv(database_url)
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller", config_file=config, overrides={

@@ -23,15 +23,15 @@ from typer.models import CommandInfo
 from vbs.cli import output
 from vbs.cli.client import LongPoll, step_progress, wait_for, wait_operation, watch
 from vbs.cli.database import db_app, warn_if_password_on_argv
-from vbs.endpoints import DEFAULT_CONTROLLER_PORT
 from vbs.errors import InvalidParameter, VbsError
+from vbs.net.endpoints import DEFAULT_CONTROLLER_PORT
 
 # Start-up is paid on every command: this module imports only what every command needs (typer, the
 # client plumbing's light parts); httpx and the rest load where a command uses them, and the services'
 # modules (FastAPI, SQLAlchemy, QMP, libvirt, ...) only in the commands that run a service
 # (tests/test_cli_startup.py checks it).
 if TYPE_CHECKING:
-    from vbs.api_client import ApiClient
+    from vbs.net.api_client import ApiClient
 
 
 def _light_params() -> None:
@@ -68,10 +68,11 @@ class Context:
     def client(self) -> "ApiClient":
         """The client of the endpoints (checked here: the service commands do not use them)."""
         if self._client is None:
-            from vbs import credentials, endpoints
-            from vbs.api_client import ApiClient
             from vbs.cli import profiles
-            from vbs.tls import client_verify
+            from vbs.net import endpoints
+            from vbs.net.api_client import ApiClient
+            from vbs.trust import credentials
+            from vbs.trust.tls import client_verify
 
             # --endpoint and --ca-bundle (or their variables) first, then the named profile's.
             named = profiles.load(self.profile or "default")
@@ -755,8 +756,8 @@ def controller(
 ) -> None:
     """Run the controller (REST API, metadata DB, workflows)."""
     from vbs import config as cfgmod
-    from vbs import logs
     from vbs.controller.app import serve
+    from vbs.system import logs
 
     logs.setup("controller", json_lines=log_json)
     warn_if_password_on_argv(database_url)
@@ -808,8 +809,8 @@ def storage_agent(
 ) -> None:
     """Run a storage agent (backends and exports of one volume server)."""
     from vbs import config as cfgmod
-    from vbs import logs
     from vbs.storage.service import serve
+    from vbs.system import logs
 
     logs.setup("storage-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=config, overrides={
@@ -857,8 +858,8 @@ def host_agent(
 ) -> None:
     """Run a host agent (hot-plug into the VMs of one hypervisor node)."""
     from vbs import config as cfgmod
-    from vbs import logs
     from vbs.host.service import serve
+    from vbs.system import logs
 
     logs.setup("host-agent", json_lines=log_json)
     cfg = cfgmod.load(cfgmod.HostAgentConfig, "host_agent", config_file=config, overrides={
@@ -1013,7 +1014,7 @@ def node_token(
     data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
 ) -> None:
     """Print a node's token (run where the controller's data dir is); give it to that agent only."""
-    from vbs.node_credentials import NodeKeyring
+    from vbs.trust.node_credentials import NodeKeyring
 
     print(NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name))
 
@@ -1028,8 +1029,8 @@ def issue_cert(
 ) -> None:
     """Issue a node's certificate from the install's CA (run where the CA is; made on first use). The node
     serves with it, presents it to the controller, and may report only the addresses it names."""
-    from vbs.fail_closed import harden
-    from vbs.pki import CertificateAuthority
+    from vbs.trust.fail_closed import harden
+    from vbs.trust.pki import CertificateAuthority
 
     harden(data_dir)
     ca = CertificateAuthority.in_data_dir(data_dir)
@@ -1083,7 +1084,7 @@ def _rotate_access_key(c: Context, access_key_id: str) -> None:
 def _rotate_master_key(data_dir: Path, database_url: str | None) -> None:
     from vbs import config as cfgmod
     from vbs.controller.app import database_for
-    from vbs.controller.keys import MasterKey
+    from vbs.controller.auth.keys import MasterKey
 
     cfg = cfgmod.load(cfgmod.ControllerConfig, "controller",
                       overrides={"data_dir": data_dir, "database_url": database_url})
@@ -1097,8 +1098,8 @@ def _rotate_master_key(data_dir: Path, database_url: str | None) -> None:
 
 
 def _rotate_node_token(node: str, kind: str, data_dir: Path, write_to: Path | None, revoke: bool) -> None:
-    from vbs.files import write_private
-    from vbs.node_credentials import NodeKeyring
+    from vbs.system.files import write_private
+    from vbs.trust.node_credentials import NodeKeyring
 
     keyring = NodeKeyring.for_data_dir(data_dir).ensure()
     if revoke:
@@ -1259,8 +1260,8 @@ def _summarise_commands(*apps: typer.Typer) -> None:
 
 
 def main() -> None:
-    # A client that moves on to another endpoint says so on stderr (vbs.api_client logs it); the services
-    # replace this with their own logging (vbs.logs).
+    # A client that moves on to another endpoint says so on stderr (vbs.net.api_client logs it); the services
+    # replace this with their own logging (vbs.system.logs).
     logging.basicConfig(level=logging.WARNING, format="vbs: %(message)s")
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
     # Typer carries its own copy of click (typer==0.29 is pinned): its errors are these classes.

@@ -27,17 +27,17 @@ from typing import Any
 
 import httpx
 
-from vbs import credentials
-from vbs.ceph import CLUSTER_DIR as CEPH_DIR
-from vbs.ceph import EmbeddedCeph
 from vbs.errors import InvalidParameter, VbsError
-from vbs.fail_closed import harden
-from vbs.files import write_private
-from vbs.node_credentials import NodeKeyring
-from vbs.pki import CertificateAuthority
-from vbs.ports import PortPicker
-from vbs.postgres import CLUSTER_DIR, EmbeddedPostgres
-from vbs.web import ApiClient
+from vbs.net.ports import PortPicker
+from vbs.net.web import ApiClient
+from vbs.rigs.ceph import CLUSTER_DIR as CEPH_DIR
+from vbs.rigs.ceph import EmbeddedCeph
+from vbs.rigs.postgres import CLUSTER_DIR, EmbeddedPostgres
+from vbs.system.files import write_private
+from vbs.trust import credentials
+from vbs.trust.fail_closed import harden
+from vbs.trust.node_credentials import NodeKeyring
+from vbs.trust.pki import CertificateAuthority
 
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
@@ -458,7 +458,7 @@ def _close_local_paths(host_state: Path) -> None:
     root = host_state / "local-paths"
     if not root.is_dir():
         return
-    from vbs.host.connectors.local_path import LocalPaths
+    from vbs.connectors.local_path import LocalPaths
 
     paths = LocalPaths(root, secrets_dir=host_state / "secrets")
     paths.close_all()

@@ -16,41 +16,43 @@ from typing import Any
 from fastapi import FastAPI, Request
 from sqlalchemy import delete, select
 
-from vbs import credentials, web
 from vbs.config import ControllerConfig
-from vbs.controller import console, edge
-from vbs.controller.after_answer import AfterAnswer
-from vbs.controller.agents import AgentDirectory
-from vbs.controller.api import install_routes
-from vbs.controller.auth import Authenticator
+from vbs.controller import console
+from vbs.controller.auth.authenticator import Authenticator
+from vbs.controller.auth.keys import KeyStore, MasterKey
 from vbs.controller.cluster import ControllerRegistry, SingletonLease
 from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.session import redact
+from vbs.controller.db.states import VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.ec2 import api as ec2_api
-from vbs.controller.keys import KeyStore, MasterKey
-from vbs.controller.live_migrations import start_external_migrations
+from vbs.controller.fleet.agents import AgentDirectory
+from vbs.controller.fleet.reconcile import Reconciler
 from vbs.controller.metrics import ControllerMetrics
-from vbs.controller.reconcile import Reconciler
+from vbs.controller.requests.migrate_instance import start_external_migrations
 from vbs.controller.resolvers import Resolvers
+from vbs.controller.rest import edge
+from vbs.controller.rest.after_answer import AfterAnswer
+from vbs.controller.rest.routes import install_routes
 from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
-from vbs.controller.states import VolumeState
 from vbs.controller.workflows import Workflow, WorkflowEngine
-from vbs.controller.workflows.attachments import ATTACH_VOLUME, DETACH_VOLUME
-from vbs.controller.workflows.live_migrations import MIGRATE_INSTANCE
-from vbs.controller.workflows.local import LOCAL_WORKFLOWS
-from vbs.controller.workflows.modifications import MODIFY_VOLUME
-from vbs.controller.workflows.moves import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
-from vbs.controller.workflows.snapshot_sets import CREATE_SNAPSHOT_SET
+from vbs.controller.workflows.attach_detach import ATTACH_VOLUME, DETACH_VOLUME
+from vbs.controller.workflows.create_delete_volume import CREATE_VOLUME, DELETE_VOLUME
+from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET
+from vbs.controller.workflows.local_volumes import LOCAL_WORKFLOWS
+from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
+from vbs.controller.workflows.migrate_volume import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
+from vbs.controller.workflows.modify_volume import MODIFY_VOLUME
 from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, DELETE_SNAPSHOT
-from vbs.controller.workflows.volumes import CREATE_VOLUME, DELETE_VOLUME
 from vbs.errors import InvalidParameter
-from vbs.fail_closed import check_start, harden
-from vbs.metrics import install_metrics
-from vbs.node_credentials import NodeKeyring
-from vbs.tls import TlsFiles
-from vbs.web import PreAuth, install_error_handlers
+from vbs.net import web
+from vbs.net.metrics import install_metrics
+from vbs.net.web import PreAuth, install_error_handlers
+from vbs.trust import credentials
+from vbs.trust.fail_closed import check_start, harden
+from vbs.trust.node_credentials import NodeKeyring
+from vbs.trust.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

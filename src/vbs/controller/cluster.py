@@ -15,8 +15,8 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from vbs.controller.db import ControllerRecord, Database, LeaseRecord, Operation
-from vbs.controller.schemas import ControllerOut
-from vbs.controller.states import UNFINISHED_OPERATION
+from vbs.controller.db.states import UNFINISHED_OPERATION
+from vbs.controller.rest.schemas import ControllerOut
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
+from vbs.controller.db.states import VolumeState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.nodes import GIB, host_info, storage_info
-from vbs.controller.states import VolumeState
-from vbs.metrics import ScrapeCollector, new_registry
+from vbs.controller.fleet.nodes import GIB, host_info, storage_info
+from vbs.net.metrics import ScrapeCollector, new_registry
 
 __all__ = ["ControllerMetrics", "OPERATION_BUCKETS_S"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vbs.controller.reconcile import Reconciler
+from vbs.controller.fleet.reconcile import Reconciler
 from vbs.controller.resolvers import Resolvers
 from vbs.controller.services import Services
 from vbs.controller.workflows import WorkflowEngine

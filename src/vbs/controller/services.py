@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vbs.config import ControllerConfig
-from vbs.controller.agents import AgentDirectory
+from vbs.controller.auth.keys import MasterKey
 from vbs.controller.db import Database
-from vbs.controller.keys import MasterKey
+from vbs.controller.fleet.agents import AgentDirectory
 
 
 @dataclass
@@ -15,5 +15,5 @@ class Services:
     cfg: ControllerConfig
     db: Database
     agents: AgentDirectory
-    # Seals access keys' secrets and volumes' data keys (vbs.controller.encryption).
+    # Seals access keys' secrets and volumes' data keys (vbs.controller.auth.encryption).
     master_key: MasterKey

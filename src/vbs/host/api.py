@@ -19,9 +19,9 @@ from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, Migratin
 from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
-from vbs.metrics import install_metrics
+from vbs.net.metrics import install_metrics
+from vbs.net.web import PreAuth, Scope, install_error_handlers
 from vbs.storage.api import add_volume_routes
-from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import AnyConnection, FileConnection, LocalConnection
 from vbs.wire.host import (
     SERIAL_RE,

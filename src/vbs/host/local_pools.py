@@ -27,9 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from vbs import drivers
 from vbs.config import HostAgentConfig, StorageAgentConfig
+from vbs.connectors import connector_for
+from vbs.connectors.base import QemuIds
 from vbs.errors import DriverError, IncorrectState, NotFound
-from vbs.host.connectors import connector_for
-from vbs.host.connectors.base import QemuIds
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportSource
 from vbs.wire.connection import Connection, FileConnection, HostIdentity, IscsiConnection

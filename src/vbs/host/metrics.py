@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from vbs import ids
 from vbs.host.hypervisors.base import BlockStatsSource, DiskStats, HypervisorDriver
-from vbs.metrics import ScrapeCollector, new_registry
+from vbs.net.metrics import ScrapeCollector, new_registry
 
 __all__ = ["host_registry", "VOLUME_COUNTERS"]
 

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 from vbs.errors import VbsError
-from vbs.files import write_private
 from vbs.host.hypervisors.base import PausingDriver
+from vbs.system.files import write_private
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from vbs.errors import VbsError
-from vbs.web import ApiClient
+from vbs.net.web import ApiClient
 from vbs.wire.probes import MAX_PROBES, PROBE_PATH, PROBE_TICKET_HEADER, Probe, ProbeTarget, ProbeTargets
 
 log = logging.getLogger(__name__)

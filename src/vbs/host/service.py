@@ -7,17 +7,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vbs import agent_security, drivers
+from vbs import drivers
 from vbs.config import HostAgentConfig
 from vbs.errors import DriverError, VbsError
-from vbs.heartbeat import Heartbeat
 from vbs.host.api import create_app
 from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools
 from vbs.host.pauses import Pauses
 from vbs.host.probes import Prober
-from vbs.qemu_tls import X509Files, qemu_x509_dir
-from vbs.web import BoundedServer, serve_agent
+from vbs.net.heartbeat import Heartbeat
+from vbs.net.web import BoundedServer, serve_agent
+from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.trust import agent_security
 from vbs.wire.host import HostHeartbeat, VmInfo
 
 log = logging.getLogger(__name__)

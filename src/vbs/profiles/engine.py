@@ -36,10 +36,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from vbs import argv
 from vbs.errors import DriverError, InvalidParameter
-from vbs.processes import minimal_environment
 from vbs.profiles.placeholders import LIBRARY, Placeholder, check_floor
+from vbs.system import argv
+from vbs.system.processes import minimal_environment
 
 __all__ = [
     "ArgGroup",

@@ -14,11 +14,11 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
-from vbs.metrics import install_metrics
+from vbs.net.metrics import install_metrics
+from vbs.net.web import PreAuth, Scope, install_error_handlers
 from vbs.storage.backends.base import Backend, EncryptingBackend, PullingBackend
 from vbs.storage.exports.base import ExportDriver, LimitEnforcer
 from vbs.storage.metrics import storage_registry
-from vbs.web import PreAuth, Scope, install_error_handlers
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from vbs import argv
 from vbs.errors import DriverError
-from vbs.files import write_private
-from vbs.runtime import FALLBACK_ROOT
+from vbs.system import argv
+from vbs.system.files import write_private
+from vbs.system.socket_paths import FALLBACK_ROOT
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vbs.errors import VbsError
-from vbs.metrics import ScrapeCollector, new_registry
+from vbs.net.metrics import ScrapeCollector, new_registry
 from vbs.storage.backends.base import Backend
 from vbs.storage.exports.base import ExportDriver
 

@@ -2,7 +2,7 @@
 
 ``GET /probe?bytes=N`` answers N bytes (at most ``MAX_PROBE_BYTES``) from one buffer made at start:
 it costs a memory copy, no disk. It is outside the node-token API: a host presents a probe ticket
-(``vbs.probe_tickets``) the controller signed with this node's token, and the ticket opens nothing
+(``vbs.trust.probe_tickets``) the controller signed with this node's token, and the ticket opens nothing
 else. Without a token the agent, run ``--insecure``, lets every probe through, as it does every call.
 """
 
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from fastapi import FastAPI, Query
 from starlette.responses import Response
 
-from vbs import probe_tickets
 from vbs.errors import AuthFailure
-from vbs.node_credentials import TokenSource
-from vbs.web import Scope, header, refusal
+from vbs.net.web import Scope, header, refusal
+from vbs.trust import probe_tickets
+from vbs.trust.node_credentials import TokenSource
 from vbs.wire.probes import MAX_PROBE_BYTES, PROBE_PATH, PROBE_TICKET_HEADER
 
 _PAYLOAD = bytes(MAX_PROBE_BYTES)

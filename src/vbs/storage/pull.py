@@ -17,9 +17,9 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
+from vbs.connectors.base import QemuIds
+from vbs.connectors.nbd import NbdConnector
 from vbs.errors import DriverError
-from vbs.host.connectors.base import QemuIds
-from vbs.host.connectors.nbd import NbdConnector
 from vbs.storage.copy import CopyCancelled, ProgressCallback
 from vbs.wire.connection import NbdConnection
 

@@ -8,15 +8,16 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from vbs import agent_security, drivers
+from vbs import drivers
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, VbsError
-from vbs.heartbeat import Heartbeat
+from vbs.net.heartbeat import Heartbeat
+from vbs.net.web import BoundedServer, serve_agent
 from vbs.storage.api import create_app
 from vbs.storage.backends.base import Backend, ReportsUsage
 from vbs.storage.exports.base import ExportDriver
 from vbs.storage.probe import install_probe, probe_auth
-from vbs.web import BoundedServer, serve_agent
+from vbs.trust import agent_security
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
 
 log = logging.getLogger(__name__)

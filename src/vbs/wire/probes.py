@@ -2,7 +2,7 @@
 
 A host probes each storage node it is told of (``ProbeTargets``, from the controller) against the
 node's agent (``GET /probe``), authenticated by a short-lived ticket the controller signs with that
-storage node's own token (``vbs.probe_tickets``), and reports the results in its heartbeat.
+storage node's own token (``vbs.trust.probe_tickets``), and reports the results in its heartbeat.
 """
 
 from __future__ import annotations

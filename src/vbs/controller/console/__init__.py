@@ -3,7 +3,7 @@
 The files are public, as a sign-in page must be; everything the console shows comes from the REST API
 ``/v1``, called by the browser with the access key the user typed (kept in ``sessionStorage``). The
 edge lets ``GET``/``HEAD`` of ``/console`` through without credentials and nothing else
-(vbs.controller.edge), and every answer here carries a strict Content-Security-Policy: scripts and
+(vbs.controller.rest.edge), and every answer here carries a strict Content-Security-Policy: scripts and
 styles from this origin only, no inline script, no frames, API calls to this origin only.
 """
 

@@ -2,7 +2,7 @@
 
 State columns are never used as locks: every change of ``status`` goes through a conditional
 ``UPDATE … WHERE id = ? AND status IN (…)`` whose allowed states come from ``states.py``
-(see ``vbs.controller.transitions``).
+(see ``vbs.controller.db.transitions``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class AccessKeyRecord(Base):
     """An access key made by ``vbs create-key``: its tenant, its role and its secret, sealed.
 
     SigV4 needs the secret itself (not a hash), so it is kept encrypted with the controller's
-    master key (``vbs.controller.keys``); the row alone reveals nothing usable.
+    master key (``vbs.controller.auth.keys``); the row alone reveals nothing usable.
     """
 
     __tablename__ = "access_keys"

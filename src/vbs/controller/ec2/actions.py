@@ -14,15 +14,18 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from vbs import ids
-from vbs.controller import attachments, modifications, nodes, snapshot_sets, snapshots, tags, volumes
-from vbs.controller import snapshot_sharing as sharing
+from vbs.controller.auth.keys import Principal
 from vbs.controller.db import Snapshot, Tag, Volume
+from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.ec2.query import QueryParams
-from vbs.controller.filters import decode_token, encode_token
-from vbs.controller.keys import Principal
+from vbs.controller.fleet import nodes
+from vbs.controller.requests import attachments, snapshots, tags, volumes
+from vbs.controller.requests import create_snapshots as snapshot_sets
+from vbs.controller.requests import modify_volume as modifications
+from vbs.controller.requests import snapshot_permissions as sharing
+from vbs.controller.requests.filters import decode_token, encode_token
 from vbs.controller.resolvers import is_cloud_ref
-from vbs.controller.runtime import Controller
-from vbs.controller.schemas import (
+from vbs.controller.rest.schemas import (
     AttachmentOut,
     AttachVolumeRequest,
     CopySnapshotRequest,
@@ -35,7 +38,7 @@ from vbs.controller.schemas import (
     SnapshotOut,
     VolumeOut,
 )
-from vbs.controller.states import SnapshotState, VolumeState
+from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
 from vbs.wire.storage import ZONE_NAME_RE
 
@@ -482,7 +485,7 @@ def create_tags(svc: Controller, p: QueryParams, who: Principal) -> dict[str, An
     new_tags = p.tags()
     if not new_tags:
         raise MissingParameter("The request must contain the parameter Tag.")
-    from vbs.controller.schemas import CreateTagsRequest
+    from vbs.controller.rest.schemas import CreateTagsRequest
 
     req = _model(CreateTagsRequest, {"resource_ids": rids, "tags": new_tags})
     _dry_run(p)

@@ -13,13 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from vbs.controller.auth import Authenticator
+from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.ec2 import xml
 from vbs.controller.ec2.actions import HANDLERS
 from vbs.controller.ec2.query import MAX_BODY, QueryParams, parse_form
 from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter, VbsError
-from vbs.metrics import ROUTE_KEY
+from vbs.net.metrics import ROUTE_KEY
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ operations whose lease expired (their controller died or hangs), each with a new
 claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` so two survivors never adopt the same one. Every
 write for an operation is conditional on owner and fence (``LeaseLost`` when another controller took
 it: the run stops at once, writing nothing), and every agent call carries the fence
-(``vbs.fencing``), so a controller paused past its lease cannot undo the new owner's work.
+(``vbs.trust.fencing``), so a controller paused past its lease cannot undo the new owner's work.
 
 Test hooks: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
 point, to prove recovery; ``inject_failure(kind, step, when)`` makes one step fail before or after
@@ -57,14 +57,15 @@ from sqlalchemy import Table, Update, and_, bindparam, delete, insert, or_, sele
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from vbs import fencing, ids
-from vbs.controller.after_answer import after_answer
-from vbs.controller.completion import OperationEnds
+from vbs import ids
 from vbs.controller.db import Database, Operation, OperationStep, plain
+from vbs.controller.db.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
 from vbs.controller.db.tables import utcnow
+from vbs.controller.rest.after_answer import after_answer
+from vbs.controller.rest.completion import OperationEnds
 from vbs.controller.services import Services
-from vbs.controller.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
 from vbs.errors import AgentUnreachable, DriverError, IncorrectState, LeaseLost, StaleFence
+from vbs.trust import fencing
 
 __all__ = ["Params", "StepContext", "Step", "Workflow", "WorkflowEngine"]
 
@@ -356,7 +357,7 @@ class WorkflowEngine:
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:
         """Run an operation in the background (after the transaction that began it committed); begun by
-        an API request, it starts once the request's answer is sent (``vbs.controller.after_answer``)."""
+        an API request, it starts once the request's answer is sent (``vbs.controller.rest.after_answer``)."""
         after_answer(lambda: self._pool.submit(self._run_guarded, op_id, resuming))
 
     def run_now(self, op_id: str) -> None:

@@ -18,11 +18,11 @@ from sqlalchemy import select
 
 from vbs import ids
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
-from vbs.controller.nodes import host_identity, host_info
-from vbs.controller.states import AttachmentState, SnapshotState
-from vbs.controller.workflows import storage as shared
+from vbs.controller.db.states import AttachmentState, SnapshotState
+from vbs.controller.fleet.nodes import host_identity, host_info
+from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
-from vbs.controller.workflows.storage import StorageParams
+from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
 
 # How long a snapshot waits for its volume's attachment to settle (being attached or detached)

@@ -35,13 +35,13 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr
 
 from vbs.config import HostAgentConfig
+from vbs.connectors import CONNECTORS
+from vbs.connectors.local_path import LocalPaths
 from vbs.errors import DeviceBusy, IncorrectState, InvalidParameter, NotFound
-from vbs.files import write_private
-from vbs.host.connectors import CONNECTORS
-from vbs.host.connectors.local_path import LocalPaths
 from vbs.host.hypervisors.luks import refuse_luks
 from vbs.profiles import CommandSchema, Profile, ProfileSchema, load_profile
-from vbs.qemu_tls import X509Files
+from vbs.qemu.tls import X509Files
+from vbs.system.files import write_private
 from vbs.wire.connection import AnyConnection, NbdConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus

@@ -53,13 +53,13 @@ import libvirt_qemu
 from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
+from vbs.connectors import connector_for
+from vbs.connectors.base import LibvirtSource
+from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.connectors import connector_for
-from vbs.host.connectors.base import LibvirtSource
 from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.libvirt_metadata import cloud_ids
-from vbs.host.tunnels import IscsiTunnels
-from vbs.qemu_tls import X509Files, qemu_x509_dir
+from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.qos import throttle_limits

@@ -3,7 +3,7 @@
 A disk is a chain of block nodes (protocol -> raw -> optional throttle) under a virtio-blk-pci device,
 all ids derived from the virtio serial, so attach, detach and crash cleanup read the VM's own state.
 The protocol node and the objects it needs come from the connection's host connector
-(``vbs.host.connectors``). The driver keeps one persistent QMP connection per VM (``vbs.qmp``):
+(``vbs.connectors``). The driver keeps one persistent QMP connection per VM (``vbs.qemu.qmp``):
 QEMU serves one client per monitor, so tests talk to a second monitor of their own.
 
 Online resize (measured on QEMU 7.2): the NBD and iSCSI block drivers cannot grow a node (their
@@ -39,17 +39,17 @@ from typing import Any, TypeVar
 from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
+from vbs.connectors import CONNECTORS, QemuIds, connector_for
+from vbs.connectors.base import open_in_qemu
+from vbs.connectors.nbd import NBD_RECONNECT_DELAY_S
+from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, MirrorLost, NotFound, VbsError
-from vbs.host.connectors import CONNECTORS, QemuIds, connector_for
-from vbs.host.connectors.base import open_in_qemu
-from vbs.host.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors import qemu_slots as slots
 from vbs.host.hypervisors.base import DiskStats, counter
 from vbs.host.hypervisors.luks import qemu_luks_node, qemu_secret
-from vbs.host.tunnels import IscsiTunnels
-from vbs.qemu_tls import X509Files, qemu_x509_dir
-from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
+from vbs.qemu.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, QmpGone
+from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import (
     SERIAL_RE,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.qmp import QmpCommandError
+from vbs.qemu.qmp import QmpCommandError
 from vbs.wire.host import MigrationInfo, StartMigration
 
 MIB = 1024 * 1024

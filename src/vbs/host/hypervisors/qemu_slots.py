@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.qmp import QmpCommandError
+from vbs.qemu.qmp import QmpCommandError
 from vbs.wire.host import PCI_SLOT_RE
 
 __all__ = ["HOTPLUG_PORT_TYPES", "device_slot", "free_ports", "placement", "slot_of"]

@@ -44,7 +44,7 @@ from vbs.errors import (
     RetryLater,
     VbsError,
 )
-from vbs.qemu_tls import X509Files, qemu_x509_dir
+from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.luks import convert_to_luks, format_luks, header_bytes

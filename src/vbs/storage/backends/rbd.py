@@ -56,7 +56,6 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError, VolumeSnapshotLimitExceeded
-from vbs.processes import minimal_environment
 from vbs.storage.backends import rbd_access
 from vbs.storage.backends.rbd_chains import (
     RETIRED_PREFIX,
@@ -69,6 +68,7 @@ from vbs.storage.backends.rbd_chains import (
     volume_of,
 )
 from vbs.storage.exports.base import ExportDriver, RbdSource
+from vbs.system.processes import minimal_environment
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
     MAX_CHAIN_DEPTH,

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from vbs import ids
 from vbs.errors import DriverError
-from vbs.processes import minimal_environment, stop_child
+from vbs.system.processes import minimal_environment, stop_child
 from vbs.wire.storage import FlattenProgress
 
 __all__ = ["RETIRED_PREFIX", "TrashEntry", "Snap", "parse_trash", "parse_snaps", "parse_parent",

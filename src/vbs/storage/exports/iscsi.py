@@ -33,18 +33,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from vbs.argv import run
 from vbs.config import StorageAgentConfig
-from vbs.daemons import DaemonSpec, argv0_is
-from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter
-from vbs.processes import cmdline, environ_value, minimal_environment
-from vbs.qemu_tls import X509Files
-from vbs.runtime import socket_path
+from vbs.net.stunnel import Tunnel, server_config
+from vbs.qemu.tls import X509Files
 from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.base import ExportSource, RbdSource
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, check_key, source_size
-from vbs.stunnel import Tunnel, server_config
+from vbs.system.argv import run
+from vbs.system.daemons import DaemonSpec, argv0_is
+from vbs.system.desired_state import DesiredState
+from vbs.system.processes import cmdline, environ_value, minimal_environment
+from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
 
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 # made by sending tgtadm's request on tgtd's management socket directly (tgt_ipc); no secret is on
 # any command line. tgtd and tgtadm run with a minimal environment. Secrets are never logged.
 # Off loopback (``tunnel``): tgtd listens on 127.0.0.1 behind a stunnel on the export address that
-# admits only certificates of hosts with an export here (vbs.stunnel); the ACL then holds
+# admits only certificates of hosts with an export here (vbs.net.stunnel); the ACL then holds
 # 127.0.0.1, where stunnel connects from.
 
 TGTD = "tgtd"

@@ -71,14 +71,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from vbs import ids
 from vbs.config import StorageAgentConfig
-from vbs.daemons import DaemonSpec, argv0_is
-from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
-from vbs.files import fsync_path, write_private
-from vbs.processes import minimal_environment
-from vbs.qemu_tls import X509Files, qemu_x509_dir
-from vbs.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
-from vbs.runtime import socket_path
+from vbs.qemu.qmp import QmpClient, QmpCommandError, QmpConnectionError, QmpError, connect_until
+from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.storage.exports.base import ExportSource, FileSource
 from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.supervised import (
@@ -91,6 +86,11 @@ from vbs.storage.exports.supervised import (
     source_file,
     source_size,
 )
+from vbs.system.daemons import DaemonSpec, argv0_is
+from vbs.system.desired_state import DesiredState
+from vbs.system.files import fsync_path, write_private
+from vbs.system.processes import minimal_environment
+from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
 from vbs.wire.qos import VOLUME_TYPE_RE, ExportLimits, QoS, throttle_limits
 from vbs.wire.storage import ExportInfo, ItemStatus

@@ -20,10 +20,10 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from vbs import ids
-from vbs.daemons import Daemon, DaemonSpec
-from vbs.desired_state import DesiredState
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.storage.exports.base import ExportSource, FileSource, RbdSource
+from vbs.system.daemons import Daemon, DaemonSpec
+from vbs.system.desired_state import DesiredState
 from vbs.wire.connection import HOST_NAME_RE, Connection, HostIdentity
 from vbs.wire.storage import ExportInfo
 

@@ -1,0 +1,256 @@
+"""Local paths for hypervisors that open only a file or a device (``xl`` ``phy:``, ``qm set``, a
+``virsh attach-disk`` of a file): a volume's connection opened on the host and shown as a file.
+
+Each opened volume gets its own qemu-storage-daemon on the host. The daemon opens the connection
+exactly as a QEMU guest would — the same host connectors, so NBD over TLS (X.509 or PSK), iSCSI with
+CHAP and RBD with cephx all work, and their secrets reach the daemon only through QMP and key files
+that exist for a moment — and serves it through a FUSE export on a regular file: the path the
+hypervisor gets. TLS to the storage node terminates here, on the host, as it does in a QEMU guest.
+(``nbdfuse`` would do for plain NBD, but not for iSCSI, RBD or TLS-PSK; one mechanism serves all.)
+
+The daemons outlive the host agent (their own session, a pidfile each): a restarted agent finds
+what is open in its state directory and adopts the daemons by PID. A daemon that died leaves a
+FUSE mount nobody serves ("Transport endpoint is not connected"); it is detached before the path is
+opened again. Nothing secret is written to the state directory or put on an argv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vbs.connectors import connector_for
+from vbs.connectors.base import QemuIds, open_in_qemu
+from vbs.connectors.tunnels import IscsiTunnels
+from vbs.errors import DriverError, InvalidParameter
+from vbs.qemu.qmp import QmpClient, QmpError, connect_until
+from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
+from vbs.system.files import write_private
+from vbs.system.socket_paths import socket_path
+from vbs.wire.connection import AnyConnection
+
+__all__ = ["LocalPaths", "LOCAL_PATH_KEY_RE"]
+
+log = logging.getLogger(__name__)
+
+LOCAL_PATH_KEY_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_DAEMON = "qemu-storage-daemon"
+_MNT_DETACH = 2
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _mounted(path: Path) -> bool:
+    target = str(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            # Field 5 is the mount point, with spaces and such escaped as \\040.
+            return any(line.split()[4].encode().decode("unicode_escape") == target for line in f)
+    except OSError:
+        return False
+
+
+def _unmount(path: Path) -> None:
+    """Detach a FUSE mount at ``path`` (one whose daemon died, or that a clean exit left)."""
+    while _mounted(path):
+        if _libc().umount2(os.fsencode(str(path)), _MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOENT):
+                return
+            raise DriverError(f"cannot unmount {path}: {os.strerror(err)}")
+
+
+class _Opened:
+    """One key's directory: its daemon's socket, pidfile and log, the path and what it opens."""
+
+    def __init__(self, root: Path, key: str) -> None:
+        self.dir = root / key
+        self.path = self.dir / "disk"
+        # In the key's directory when the path fits a unix socket (107 bytes), else under /run/vbs.
+        self.socket = socket_path(self.dir, "qmp.sock")
+        self.meta = self.dir / "opened.json"
+        sock = str(self.socket)
+        self.daemon = Daemon(DaemonSpec(
+            name=f"{_DAEMON} for {key}",
+            argv=(_DAEMON, "--chardev", f"socket,id=vbs-mon,path={sock},server=on,wait=off",
+                  "--monitor", "chardev=vbs-mon"),
+            pid_path=self.dir / "pid", log_path=self.dir / "daemon.log",
+            owns=lambda pid: argv0_is(pid, _DAEMON, mentions=f"path={sock},"),
+            stale_files=(self.socket,)))
+
+    def fingerprint(self) -> str | None:
+        try:
+            return str(json.loads(self.meta.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+class LocalPaths:
+    """Volumes opened as local files, one qemu-storage-daemon each, keyed by the caller's ``key``."""
+
+    def __init__(self, state_dir: Path, *, secrets_dir: Path, x509: X509Files | None = None,
+                 timeout: float = 30.0) -> None:
+        self.root = Path(state_dir)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+        self.secrets_dir = Path(secrets_dir)
+        self.x509_dir = qemu_x509_dir(x509, self.secrets_dir / "x509", "client") if x509 else None
+        self.tunnels = IscsiTunnels(self.secrets_dir / "tunnels", x509)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._opened: dict[str, _Opened] = {}
+
+    def open(self, key: str, connection: AnyConnection, *, read_only: bool = False) -> Path:
+        """The path that opens ``connection``. Idempotent: the same key and connection answer the
+        same path from the running daemon; a key open on another connection (or mode) is closed and
+        opened again on this one — the caller asks for a key only while nothing uses its path."""
+        item = self._item(key)
+        fingerprint = _fingerprint(connection, read_only)
+        with self._lock:
+            if item.daemon.running() or item.daemon.adopt(same_config=True):
+                if item.fingerprint() == fingerprint and _mounted(item.path):
+                    return item.path
+                log.info("local path %s: opened on another connection; opening it again", key)
+                self._stop(item)
+            self._start(item, connection, read_only, fingerprint)
+            return item.path
+
+    def close(self, key: str) -> None:
+        """Stop serving ``key``'s path (whatever still reads it gets errors); absent is success."""
+        item = self._item(key)
+        with self._lock:
+            if item.daemon.running() or item.daemon.adopt(same_config=False):
+                self._stop(item)
+            _unmount(item.path)
+            shutil.rmtree(item.dir, ignore_errors=True)
+            if item.socket.parent != item.dir:
+                item.socket.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    item.socket.parent.rmdir()  # the /run/vbs fallback of a long state path
+            self._opened.pop(key, None)
+
+    def close_all(self) -> None:
+        """Close every key of the state directory: live daemons, and mounts a dead one left."""
+        if self.root.is_dir():
+            for entry in sorted(self.root.iterdir()):
+                if entry.is_dir() and re.fullmatch(LOCAL_PATH_KEY_RE, entry.name):
+                    self.close(entry.name)
+
+    def opened(self) -> dict[str, Path]:
+        """What is open now, also what an earlier agent opened (its daemons are adopted)."""
+        found: dict[str, Path] = {}
+        if not self.root.is_dir():
+            return found
+        with self._lock:
+            for entry in sorted(self.root.iterdir()):
+                if not re.fullmatch(LOCAL_PATH_KEY_RE, entry.name) or not entry.is_dir():
+                    continue
+                item = self._item(entry.name)
+                if (item.daemon.running() or item.daemon.adopt(same_config=True)) and _mounted(item.path):
+                    found[entry.name] = item.path
+        return found
+
+    def size_of(self, key: str) -> int | None:
+        item = self._item(key)
+        try:
+            return item.path.stat().st_size if _mounted(item.path) else None
+        except OSError:
+            return None
+
+    def release(self) -> None:
+        """Let go of the daemons without stopping them (the agent stops; the next one adopts them)."""
+        with self._lock:
+            for item in self._opened.values():
+                item.daemon.forget()
+            self._opened.clear()
+        self.tunnels.close()
+
+    # -- inside ------------------------------------------------------------------------------------
+
+    def _item(self, key: str) -> _Opened:
+        if not isinstance(key, str) or not re.fullmatch(LOCAL_PATH_KEY_RE, key):
+            raise InvalidParameter(f"invalid local path key {str(key)[:70]!r}")
+        item = self._opened.get(key)
+        if item is None:
+            item = self._opened.setdefault(key, _Opened(self.root, key))
+        return item
+
+    def _start(self, item: _Opened, connection: AnyConnection, read_only: bool, fingerprint: str) -> None:
+        _unmount(item.path)
+        item.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        item.meta.unlink(missing_ok=True)
+        client: list[QmpClient] = []
+
+        def ready(deadline: float) -> None:
+            try:
+                client.append(connect_until(item.socket, deadline, alive=item.daemon.running,
+                                            name="vbs-local-path", timeout=self.timeout))
+            except QmpError as exc:
+                raise DriverError(exc.message) from exc
+
+        item.daemon.spawn(ready)
+        qmp = client[0]
+        try:
+            self._export(qmp, item, self.tunnels.local(connection), read_only)
+            write_private(item.meta, json.dumps({"fingerprint": fingerprint, "read_only": read_only}) + "\n")
+        except BaseException:
+            qmp.close()
+            self._stop(item)
+            raise
+        qmp.close()
+
+    def _export(self, qmp: QmpClient, item: _Opened, connection: AnyConnection, read_only: bool) -> None:
+        def execute(command: str, args: dict[str, Any]) -> object:
+            return qmp.execute(command, args)
+
+        ids = QemuIds(proto="vbs-proto", secret="vbs-secret", tls="vbs-tls")
+        blockdev = connector_for(connection).qemu_blockdev(connection, ids)
+        undo: list[Any] = []
+        open_in_qemu(execute, blockdev, ids.proto, read_only=read_only, secrets_dir=self.secrets_dir,
+                     x509_dir=self.x509_dir, undo=undo)
+        fd = os.open(item.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+        execute("block-export-add", {"type": "fuse", "id": "vbs-path", "node-name": ids.proto,
+                                     "mountpoint": str(item.path), "writable": not read_only,
+                                     "allow-other": "on"})
+        deadline = time.monotonic() + self.timeout
+        while not _mounted(item.path):
+            if time.monotonic() >= deadline:
+                raise DriverError(f"the FUSE export at {item.path} did not appear")
+            time.sleep(0.01)
+
+    def _stop(self, item: _Opened) -> None:
+        def ask() -> bool:
+            with QmpClient(item.socket, name="vbs-local-path", timeout=self.timeout) as qmp:
+                try:
+                    qmp.execute("block-export-del", {"id": "vbs-path"})
+                except QmpError:
+                    pass  # not exported (a start that failed half-way): quit anyway
+                qmp.execute("quit")
+            return True
+
+        item.daemon.stop(ask, grace=self.timeout)
+        _unmount(item.path)
+        item.meta.unlink(missing_ok=True)
+
+
+def _fingerprint(connection: AnyConnection, read_only: bool) -> str:
+    """What identifies a connection without holding its secrets: a digest of its JSON form (a
+    one-way hash of fields that include a key, so the key cannot be read back from it)."""
+    text = connection.model_dump_json() + ("ro" if read_only else "rw")
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,205 @@
+"""Attach and detach as the API offers them, and describing hosts and instances.
+
+A volume is reserved (``available`` → ``in-use``, or a second attachment where multi-attach) and
+its attachment row written in one transaction with the operation that carries it out.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from vbs import ids
+from vbs.controller.db import Attachment, Instance, Node, Operation, Volume
+from vbs.controller.db.locks import lock_rows
+from vbs.controller.db.states import LIVE_ATTACHMENT, UNFINISHED_OPERATION, AttachmentState, VolumeState
+from vbs.controller.db.tables import utcnow
+from vbs.controller.db.transitions import transition, try_transition
+from vbs.controller.fleet.nodes import host_info, host_is_alive, is_alive
+from vbs.controller.requests.volumes import live_volume
+from vbs.controller.resolvers import is_cloud_ref
+from vbs.controller.rest.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
+from vbs.controller.runtime import Controller
+from vbs.controller.workflows.attach_detach import AttachParams, DetachParams, volume_limits
+from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, MissingParameter, NotFound, VolumeInUse
+
+
+def migration_in_progress(s: Session, instance_id: str) -> None:
+    """Refuse a change of the instance's attachments while its disks move with it (live migration)."""
+    op = s.scalar(select(Operation.id).where(Operation.kind == "migrate-instance", Operation.resource_id == instance_id,
+                                             Operation.status.in_(UNFINISHED_OPERATION)))
+    if op is not None:
+        raise IncorrectState(f"The instance '{instance_id}' is being live-migrated ({op}); try again when it is done.",
+                             code="IncorrectInstanceState")
+
+
+def instance_not_found(what: str) -> NotFound:
+    return NotFound(f"The instance {what} does not exist.", code="InvalidInstanceID.NotFound")
+
+
+def _resolve_instance(s: Session, req: AttachVolumeRequest) -> Instance:
+    """The instance to attach to, its row locked: two attaches to one VM check its devices in turn."""
+    inst = _find_instance(s, req)
+    lock_rows(s, Instance, inst.id)
+    return inst
+
+
+def _find_instance(s: Session, req: AttachVolumeRequest) -> Instance:
+    if req.instance_id is not None:
+        if req.host is not None or req.vm_id is not None:
+            raise InvalidParameter("Give either instance_id, or host and vm_id, not both.")
+        inst = s.get(Instance, req.instance_id)
+        if inst is None:
+            raise instance_not_found(f"'{req.instance_id}'")
+        return inst
+    if req.host is None or req.vm_id is None:
+        raise MissingParameter("The request must contain instance_id, or host and vm_id.")
+    inst = s.scalar(select(Instance).where(Instance.host == req.host, Instance.vm_id == req.vm_id))
+    if inst is None:
+        raise instance_not_found(f"'{req.vm_id}' on host '{req.host}'")
+    return inst
+
+
+def _out(a: Attachment) -> AttachmentOut:
+    return AttachmentOut(attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host,
+                         vm_id=a.vm_id, device=a.device, mode=a.mode, state=a.status, state_reason=a.status_reason,
+                         attach_time=a.created_at)
+
+
+def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, tenant: str) -> AttachmentOut:
+    ids.check("volume", volume_id)
+    if req.instance_id is not None and is_cloud_ref(req.instance_id):
+        # An external cloud's id: resolved first, outside any transaction (a command may take a while).
+        if req.host is not None or req.vm_id is not None:
+            raise InvalidParameter("Give either instance_id, or host and vm_id, not both.")
+        where = svc.resolvers.locate(svc.db, req.instance_id)
+        req = req.model_copy(update={"instance_id": None, "host": where.host, "vm_id": where.vm_id})
+    device = req.device
+    with svc.db.session() as s:
+        # The volume first: another tenant's volume is not found, whatever the instance. Its row is
+        # locked (db.locks' order), so a detach or delete of it that is ending is seen ended.
+        lock_rows(s, Volume, volume_id)
+        vol = live_volume(s, volume_id, tenant)
+        inst = _resolve_instance(s, req)
+        migration_in_progress(s, inst.id)
+        if inst.state != "running":
+            raise IncorrectState(f"The instance '{inst.id}' is {inst.state}, not running.",
+                                 code="IncorrectInstanceState")
+        if not host_is_alive(s, inst.host, svc.cfg.heartbeat_timeout_s):
+            raise AgentUnavailable(f"The host agent of '{inst.host}' is not reporting; cannot attach there.")
+        if vol.key_id is not None:
+            host = s.get(Node, (inst.host, "host"))
+            if host is None or not host_info(host).capabilities.luks:
+                raise IncorrectState(f"The volume '{volume_id}' is encrypted and the hypervisor of host "
+                                     f"'{inst.host}' cannot open encrypted volumes (the qemu driver can).")
+        live = list(s.scalars(select(Attachment).where(Attachment.volume_id == volume_id,
+                                                       Attachment.status.in_(LIVE_ATTACHMENT))))
+        if any(a.instance_id == inst.id for a in live):
+            raise VolumeInUse(f"The volume '{volume_id}' is already attached to '{inst.id}'.")
+        if any(a.host == inst.host and a.vm_id == inst.vm_id for a in live):
+            raise VolumeInUse(f"The volume '{volume_id}' is already attached to that VM.")
+        taken = s.scalar(select(func.count()).select_from(Attachment).where(
+            Attachment.host == inst.host, Attachment.vm_id == inst.vm_id, Attachment.device == device,
+            Attachment.status.in_(LIVE_ATTACHMENT)))
+        if taken:
+            raise InvalidParameter(f"The device name '{device}' is already in use on that instance.",
+                                   code="InvalidParameterValue")
+        if vol.placement == "local" and inst.host != vol.host:
+            raise InvalidParameter(f"The volume '{volume_id}' is local to host '{vol.host}': it attaches to that "
+                                   f"host's instances only, not to one on '{inst.host}'.")
+        if vol.status == VolumeState.IN_USE and not vol.multi_attach:
+            raise VolumeInUse(f"The volume '{volume_id}' is attached already and is not multi-attach.")
+        sources = [VolumeState.AVAILABLE, VolumeState.IN_USE] if vol.multi_attach else [VolumeState.AVAILABLE]
+        transition(s, Volume, volume_id, VolumeState.IN_USE, from_states=sources)
+        now = utcnow()
+        att = Attachment(id=ids.new_id("attachment"), volume_id=volume_id, instance_id=inst.id, host=inst.host,
+                         vm_id=inst.vm_id, device=device, mode="ro" if req.read_only else "rw",
+                         status=AttachmentState.ATTACHING, created_at=now, updated_at=now)
+        s.add(att)
+        s.flush()
+        op_id = svc.engine.begin(s, "attach-local-volume" if vol.placement == "local" else "attach-volume",
+                                 volume_id, AttachParams(
+            attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
+            read_only=req.read_only, serial=ids.virtio_serial(volume_id), limits=volume_limits(svc.cfg, vol)))
+        warnings = rtt_warnings(s, inst.host, vol.storage_node, svc.cfg.rtt_warn_ms, svc.cfg.heartbeat_timeout_s)
+        out = _out(att).model_copy(update={"operation_id": op_id, "warnings": warnings})
+    svc.engine.submit(op_id)
+    return out
+
+
+def rtt_warnings(s: Session, host: str, storage_node: str, warn_ms: float, timeout_s: float) -> list[str]:
+    """A warning when ``host`` measured a round trip to ``storage_node`` above ``warn_ms``, naming the live
+    host that measured the lowest one (where the VM would be nearer its data)."""
+    node = s.get(Node, (host, "host"))
+    measured = next((p for p in host_info(node).probes if p.storage_node == storage_node), None) if node else None
+    if measured is None or measured.rtt_ms <= warn_ms:
+        return []
+    now = utcnow()
+    others = sorted((p.rtt_ms, n.name) for n in s.scalars(select(Node).where(Node.kind == "host", Node.name != host))
+                    if is_alive(n, timeout_s, now) for p in host_info(n).probes if p.storage_node == storage_node)
+    nearer = (f"; host {others[0][1]} measured {others[0][0]:.2f} ms (`vbs advise` weighs moving the VM or the volume)"
+              if others and others[0][0] < measured.rtt_ms else "")
+    return [f"host {host} measured an RTT of {measured.rtt_ms:.2f} ms to storage node {storage_node}, above "
+            f"rtt_warn_ms {warn_ms:g} ms: remote I/O will be slower{nearer}"]
+
+
+def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, tenant: str) -> AttachmentOut:
+    with svc.db.session() as s:
+        lock_rows(s, Volume, ids.check("volume", volume_id))
+        vol = live_volume(s, volume_id, tenant)
+        stmt = select(Attachment).where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
+        if req.instance_id is not None:
+            stmt = stmt.where(Attachment.instance_id == req.instance_id)
+        live = list(s.scalars(stmt))
+        if not live:
+            # EC2's wording: Terraform looks for the state in this message.
+            raise IncorrectState(f"Volume '{volume_id}' is in the '{vol.status}' state"
+                                 + (f" and not attached to '{req.instance_id}'." if req.instance_id else "."),
+                                 code="IncorrectState")
+        if len(live) > 1:
+            raise MissingParameter("The volume is attached to several instances: give instance_id.")
+        att = live[0]
+        if att.instance_id is not None:
+            migration_in_progress(s, att.instance_id)
+        if not try_transition(s, Attachment, att.id, AttachmentState.DETACHING, status_reason=None):
+            raise IncorrectState(f"The attachment of '{volume_id}' is {att.status}; wait until it is attached.")
+        detach = DetachParams(attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=att.host,
+                              vm_id=att.vm_id, serial=ids.virtio_serial(volume_id), force=req.force,
+                              timeout=svc.cfg.detach_timeout_s)
+        if vol.placement == "local":
+            op_id = svc.engine.begin(s, "detach-local-volume", volume_id,
+                                     detach.model_copy(update={"persistent": vol.persistent}))
+        else:
+            op_id = svc.engine.begin(s, "detach-volume", volume_id, detach)
+        s.refresh(att)
+        out = _out(att).model_copy(update={"operation_id": op_id})
+    svc.engine.submit(op_id)
+    return out
+
+
+def describe_instances(svc: Controller, tenant: str) -> list[InstanceOut]:
+    """The VMs host agents report, each with the attachments of ``tenant``'s volumes only.
+
+    Every key may list instances (attaching needs an instance id); another tenant's volumes on them stay hidden.
+    """
+    with svc.db.read() as s:
+        insts = list(s.scalars(select(Instance).where(Instance.state != "gone").order_by(Instance.host,
+                                                                                         Instance.vm_id)))
+        atts: dict[str, list[AttachmentOut]] = {i.id: [] for i in insts}
+        owned = select(Volume.id).where(Volume.tenant == tenant)
+        for a in s.scalars(select(Attachment).where(Attachment.status.in_(LIVE_ATTACHMENT),
+                                                    Attachment.volume_id.in_(owned))):
+            if a.instance_id in atts:
+                atts[a.instance_id].append(_out(a))
+        return [InstanceOut(instance_id=i.id, host=i.host, vm_id=i.vm_id, name=i.name, state=i.state,
+                            volumes=atts[i.id], cloud_ids=_cloud_ids(i)) for i in insts]
+
+
+def _cloud_ids(inst: Instance) -> dict[str, str]:
+    try:
+        found = json.loads(inst.cloud_ids or "{}")
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}

@@ -1,0 +1,74 @@
+"""The controller's checks on a request's head, made before any of its body is read.
+
+- ``/health`` is open, and so are ``GET``/``HEAD`` of the web console's static files (``/console``:
+  a sign-in page must load before its user signs in; it holds no data, vbs.controller.console).
+- ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.trust.node_credentials), unless the
+  controller runs ``--insecure`` and the caller sends none; the node it names is left in the
+  request's state (``request.state.node``) for the handler. A controller that serves HTTPS with a
+  CA also needs the node's client certificate (CN = the token's node name: mutual TLS, two factors
+  a thief must both hold); the certificate goes in ``request.state.node_cert``, whose names bound
+  the address the node may report.
+- The public APIs need credentials: a bearer key is checked in full here (and accepted over plain
+  HTTP from loopback only: it is the secret itself); a SigV4 signature covers the body's hash, so it
+  is verified once the (bounded) body has arrived, but a request without any is refused at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from starlette.responses import Response
+
+from vbs.controller.auth.authenticator import Authenticator
+from vbs.controller.console import is_console_path
+from vbs.controller.ec2 import xml
+from vbs.errors import AuthFailure, VbsError
+from vbs.net.web import Scope, header, is_loopback, peer_of, refusal
+from vbs.trust.node_credentials import REFUSED, NodeKeyring
+
+XML_TYPE = "text/xml;charset=UTF-8"
+NO_CREDENTIALS = "The request carries no credentials (a bearer key or an AWS Signature Version 4)."
+BEARER_OFF_LOOPBACK = ("bearer credentials are accepted over plain HTTP from loopback only: use HTTPS, "
+                       "or sign the request (SigV4)")
+
+
+def _refuse(scope: Scope, exc: VbsError) -> Response:
+    if scope["path"] == "/":  # the EC2 Query API answers in its own envelope
+        return Response(xml.error(exc.code, exc.message, str(uuid.uuid4())), status_code=exc.status,
+                        media_type=XML_TYPE, headers={"connection": "close"})
+    return refusal(exc)
+
+
+def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool,
+             node_certs: bool) -> Callable[[Scope], Response | None]:
+    def check(scope: Scope) -> Response | None:
+        path = scope["path"]
+        if path == "/health" or (is_console_path(path) and scope.get("method") in ("GET", "HEAD")):
+            return None
+        authz = header(scope, b"authorization")
+        try:
+            if path.startswith("/internal/"):
+                if not authz and insecure:
+                    return None
+                token = authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else ""
+                node = keyring.verify(token)
+                peer = peer_of(scope)
+                if node_certs and (peer is None or peer.common_name != node.name):
+                    raise AuthFailure(REFUSED)
+                scope.setdefault("state", {}).update(node=node, node_cert=peer)
+                return None
+            if authz.startswith("Bearer "):
+                client = (scope.get("client") or (None, 0))[0]
+                if scope.get("scheme") != "https" and not is_loopback(client):
+                    raise AuthFailure(BEARER_OFF_LOOPBACK)
+                # The handler's own check finds the caller here instead of looking the key up again.
+                scope.setdefault("state", {})["caller"] = auth.check_bearer(authz[len("Bearer "):].strip())
+                return None
+            if authz.startswith("AWS4-HMAC-SHA256 ") or b"X-Amz-Signature=" in scope.get("query_string", b""):
+                return None
+            raise AuthFailure(NO_CREDENTIALS)
+        except AuthFailure as exc:
+            return _refuse(scope, exc)
+
+    return check

@@ -1,0 +1,50 @@
+"""Volume workflows: create (rolls back if interrupted) and delete (rolls forward)."""
+
+from __future__ import annotations
+
+from vbs.controller.db import Volume
+from vbs.controller.db.states import VolumeState
+from vbs.controller.db.tables import utcnow
+from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.steps import StorageParams
+
+
+class CreateVolumeParams(StorageParams):
+    size_gib: int
+    snapshot_id: str | None = None
+    # A LUKS container (its size is the payload's). With ``format_key`` the pool writes it under the volume's
+    # data key (fetched at the step, never kept in these params): a new container, or the snapshot
+    # re-encrypted as it is copied (opened with the data key ``source_key_id``, or plain); without, it is a
+    # clone of an encrypted snapshot.
+    encrypted: bool = False
+    format_key: bool = False
+    source_key_id: str | None = None
+
+
+def create_on_storage(ctx: StepContext[CreateVolumeParams]) -> None:
+    p = ctx.params
+    agent = shared.storage_agent(ctx)
+    luks = shared.data_key(ctx, ctx.resource_id) if p.format_key else None
+    source_luks = shared.key_passphrase(ctx, p.source_key_id)
+    shared.until_ready(lambda: agent.ensure_volume(p.pool, ctx.resource_id, p.size_gib, p.snapshot_id,
+                                                   encrypted=p.encrypted, luks=luks, source_luks=source_luks),
+                       shared.progress_reporter(ctx, Volume, VolumeState.CREATING), unreachable_s=shared.patience(ctx))
+
+
+def remove_from_storage(ctx: StepContext[StorageParams]) -> None:
+    shared.storage_agent(ctx).remove_volume(ctx.params.pool, ctx.resource_id)
+
+
+CREATE_VOLUME = Workflow(
+    kind="create-volume",
+    params=CreateVolumeParams,
+    resume="rollback",
+    steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
+           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None),
+                ends=True)),
+    on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
+    finished=shared.has_left(Volume, VolumeState.CREATING),
+)
+
+DELETE_VOLUME = shared.deletion("delete-volume", Volume, remove_from_storage, deleted_at=utcnow)

@@ -1,0 +1,58 @@
+"""Agents' heartbeat: report what this node has to the controller at once, then every few seconds.
+
+The controller learns of an agent (its URL, pools, VMs, exports, capabilities) only from this
+report, so the first one is sent as soon as the agent's API listens; a failing controller is
+retried every second. With several controllers the report goes to the current one and, when that
+fails, to the next (``vbs.net.web.ApiClient`` moves on and says so once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from vbs.errors import VbsError
+from vbs.net.web import ApiClient
+from vbs.wire.base import Ack, Wire
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(self, controller: ApiClient, path: str, report: Callable[[], Wire], *,
+                 interval: float, ready: Callable[[], bool] = lambda: True) -> None:
+        self._controller = controller
+        self._path = path
+        self._report = report
+        self._interval = interval
+        self._ready = ready
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        # A report says what is, not what to do: sent twice, or to another controller, it changes nothing.
+        self._controller.request("POST", self._path, Ack, self._report(), timeout=5, idempotent=True)
+
+    def _loop(self) -> None:
+        while not self._ready() and not self._stop.wait(0.02):
+            pass
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self.beat()
+                if failing:
+                    log.info("heartbeat: controller reachable again")
+                failing = False
+            except VbsError as exc:
+                if not failing:
+                    log.warning("heartbeat failed: %s", exc.message)
+                failing = True
+            self._stop.wait(1.0 if failing else self._interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
