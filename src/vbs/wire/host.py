@@ -199,6 +199,12 @@ class StartMigration(Wire):
     uri: str = Field(pattern=r"^tcp:(\[[0-9a-fA-F:]{2,45}\]|[0-9.]{7,15}|[a-z0-9][a-z0-9.-]{0,252}):[0-9]{1,5}$")
 
 
+# ``MigrationInfo.state`` of a migration under way (QEMU's MigrationStatus): what the host agent waits out
+# and the controller's migrate-instance workflow reads as "in flight".
+MIGRATION_ACTIVE_STATES = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling",
+                                     "postcopy-active", "postcopy-paused", "postcopy-recover"})
+
+
 class MigrationInfo(Wire):
     """A VM's side of a live migration: its run state and its migration's (QEMU's ``query-migrate``).
 

@@ -35,8 +35,7 @@ from vbs.controller.workflows.attach_detach import hypervisor_limits
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.steps import data_key, waiting
 from vbs.errors import DriverError, IncorrectState, NotFound, VbsError
-from vbs.host.hypervisors.qemu_migration import ACTIVE_STATES
-from vbs.wire.host import MigrationInfo, QoS
+from vbs.wire.host import MIGRATION_ACTIVE_STATES, MigrationInfo, QoS
 from vbs.wire.qos import ExportLimits
 from vbs.wire.storage import ConnectionAnswer
 
@@ -95,7 +94,7 @@ def locate_guest(source: MigrationInfo | None, target: MigrationInfo | None, tar
     if source is not None and source.status != "postmigrate":
         # Still the source's (a migration that failed, was cancelled, or never started; or one that
         # completed and whose source someone ran again), unless one is streaming or switching over.
-        return GuestAt.IN_FLIGHT if source.state in ACTIVE_STATES else GuestAt.SOURCE
+        return GuestAt.IN_FLIGHT if source.state in MIGRATION_ACTIVE_STATES else GuestAt.SOURCE
     if target is not None and target.status != "inmigrate" and target_has_disks:
         return GuestAt.TARGET
     if source is None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.qemu.qmp import QmpCommandError
-from vbs.wire.host import MigrationInfo, StartMigration
+from vbs.wire.host import MIGRATION_ACTIVE_STATES, MigrationInfo, StartMigration
 
 MIB = 1024 * 1024
 
@@ -36,9 +36,7 @@ __all__ = ["migration_info", "listen", "send", "cancel", "checked_mibps", "ACTIV
 
 Command = Callable[..., Any]
 
-# query-migrate states of a migration under way (QEMU's MigrationStatus).
-ACTIVE_STATES = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling",
-                           "postcopy-active", "postcopy-paused", "postcopy-recover"})
+ACTIVE_STATES = MIGRATION_ACTIVE_STATES
 _CANCEL_WAIT_S = 10.0
 # The tls-creds-x509 object a migrating VM's stream uses (server on a destination, client on a source).
 TLS_ID = "vbs-migration-tls"
