@@ -17,9 +17,9 @@ class RecordingEngine:
     def stamp(self, session: Any) -> None:  # the real engine reads the database's time and a fence here
         return None
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+    def begin(self, session: Any, workflow: Any, resource_id: str, params: Any, *, new_resource: bool = False,
               stamp: Any = None) -> str:
-        self.begun.append((kind, resource_id, params))
+        self.begun.append((workflow.kind, resource_id, params))
         return ids.new_id("operation")
 
     def submit(self, op_id: str, *, resuming: bool = False) -> None:

@@ -122,7 +122,7 @@ def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
 
 def begin(engine: WorkflowEngine, db: Database) -> str:
     with db.session() as s:
-        return engine.begin(s, "move", INSTANCE, Moving())
+        return engine.begin(s, engine.workflows["move"], INSTANCE, Moving())
 
 
 def status(db: Database, op_id: str) -> str:

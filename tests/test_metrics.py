@@ -254,7 +254,7 @@ def test_the_engine_counts_each_operation_once_when_it_ends(db: Database) -> Non
     for kind, resource in (("make", "vol-0123456789abcdef0"), ("make", "vol-0123456789abcdef1"),
                            ("break", "vol-0123456789abcdef2")):
         with db.session() as s:
-            op_id = engine.begin(s, kind, resource, Nothing())
+            op_id = engine.begin(s, engine.workflows[kind], resource, Nothing())
         engine.run_now(op_id)
         engine.run_now(op_id)  # an ended operation is not run, nor counted, again
     samples = parse(generate_latest(metrics.registry).decode())

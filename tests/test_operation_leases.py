@@ -71,7 +71,7 @@ def test_an_expired_operation_is_adopted_with_a_higher_fence_and_its_old_owner_i
     b = WorkflowEngine(db, [make("b")], None, owner="b", lease_s=1)  # type: ignore[arg-type]
     try:
         with db.session() as s:
-            op_id = a.begin(s, "w", VOLUME, Noted())
+            op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())
         first = operation(db, op_id)
         assert first.owner == "a" and first.fence > 0 and first.lease_until is not None
         a.submit(op_id)
@@ -103,7 +103,7 @@ def test_renewal_keeps_an_operation_from_being_adopted(db: Database) -> None:
                        None, owner="b", lease_s=1)  # type: ignore[arg-type]
     try:
         with db.session() as s:
-            op_id = a.begin(s, "w", VOLUME, Noted())
+            op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())
         a.submit(op_id)
         for _ in range(4):
             time.sleep(0.4)
@@ -122,7 +122,7 @@ def test_a_write_by_a_controller_that_lost_the_operation_raises_lease_lost(db: D
     a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("s", lambda c: None),))], None,  # type: ignore[arg-type]
                        owner="a", lease_s=1)
     with db.session() as s:
-        op_id = a.begin(s, "w", VOLUME, Noted())
+        op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())
     op = operation(db, op_id)
     ctx = a._context(a.workflows["w"], op)
     with db.session() as s:
@@ -196,7 +196,7 @@ def test_a_controller_never_adopts_its_own_running_operation(db: Database) -> No
                        None, owner="a", lease_s=1)  # type: ignore[arg-type]
     try:
         with db.session() as s:
-            op_id = a.begin(s, "w", VOLUME, Noted())
+            op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())
         a.submit(op_id)
         time.sleep(1.3)
         assert a.adopt() == []

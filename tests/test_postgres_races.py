@@ -26,7 +26,6 @@ from tests.conftest import wait_until
 from tests.postgres import PostgresForTests
 from vbs import ids
 from vbs.config import ControllerConfig
-from vbs.controller.app import WORKFLOWS
 from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.fleet.nodes import StorageNodeInfo, drain_storage_node
@@ -42,6 +41,7 @@ from vbs.controller.rest.schemas import (
 )
 from vbs.controller.workflows import StepContext, WorkflowEngine
 from vbs.controller.workflows.attach_detach import DetachParams, mark_detached
+from vbs.controller.workflows.registry import WORKFLOWS
 from vbs.errors import IncorrectState, InvalidParameter, LimitExceeded, SnapshotInUse, VbsError
 from vbs.wire.storage import PoolInfo
 
@@ -60,9 +60,9 @@ class PausingEngine(WorkflowEngine):
         self.holding = threading.Event()
         self.go = threading.Event()
 
-    def begin(self, session: Any, kind: str, resource_id: str, params: Any, *, new_resource: bool = False,
+    def begin(self, session: Any, workflow: Any, resource_id: str, params: Any, *, new_resource: bool = False,
               stamp: Any = None) -> str:
-        op_id = super().begin(session, kind, resource_id, params, new_resource=new_resource, stamp=stamp)
+        op_id = super().begin(session, workflow, resource_id, params, new_resource=new_resource, stamp=stamp)
         if self.pause:
             event.listen(session, "before_commit", self._hold, once=True)
         return op_id

@@ -58,7 +58,7 @@ def db(tmp_path: Path, request: pytest.FixtureRequest) -> Database:
 
 def start_op(engine: WorkflowEngine, db: Database, kind: str, resource: str = VOLUME) -> str:
     with db.session() as s:
-        op_id = engine.begin(s, kind, resource, Seen())
+        op_id = engine.begin(s, engine.workflows[kind], resource, Seen())
     return op_id
 
 
@@ -182,7 +182,7 @@ def test_begin_is_part_of_the_callers_transaction(db: Database) -> None:
     rec = Recorder()
     engine = WorkflowEngine(db, [rec.workflow("w", "rollback", ["a"])], None)
     with pytest.raises(RuntimeError), db.session() as s:
-        engine.begin(s, "w", VOLUME, Seen())
+        engine.begin(s, engine.workflows["w"], VOLUME, Seen())
         raise RuntimeError("the caller's transaction fails")
     with db.session() as s:
         assert s.scalars(select(Operation)).all() == []
@@ -290,8 +290,8 @@ def test_an_undo_that_keeps_failing_is_abandoned_and_the_rest_is_undone(db: Data
 
 def test_one_unfinished_exclusive_operation_per_resource(db: Database) -> None:
     rec = Recorder()
-    engine = WorkflowEngine(db, [rec.workflow("delete-volume", "forward", ["a"]),  # type: ignore[arg-type]
-                                 rec.workflow("modify-volume", "forward", ["a"]),
+    engine = WorkflowEngine(db, [rec.workflow("delete-volume", "forward", ["a"], exclusive=True),  # type: ignore[arg-type]
+                                 rec.workflow("modify-volume", "forward", ["a"], exclusive=True),
                                  rec.workflow("create-snapshot", "rollback", ["a"])], None)
     first = start_op(engine, db, "modify-volume")
     with pytest.raises(IncorrectState, match=f"modify-volume in progress \\({first}\\)"):
@@ -340,9 +340,9 @@ def test_params_are_typed_and_the_memo_is_never_persisted(db: Database) -> None:
     wf = Workflow("attach-volume", Attach, "rollback", (Step("export", export), Step("plug", plug)))
     engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
     with db.session() as s:
-        op_id = engine.begin(s, "attach-volume", VOLUME, Attach(host="host-1"))
+        op_id = engine.begin(s, wf, VOLUME, Attach(host="host-1"))
         with pytest.raises(TypeError):
-            engine.begin(s, "attach-volume", VOLUME, Seen())
+            engine.begin(s, wf, VOLUME, Seen())  # type: ignore[arg-type]
     engine.run_now(op_id)
     assert seen == ["host-1:chap-secret-s3cr3t"]
     with db.session() as s:
@@ -354,12 +354,12 @@ def test_params_are_typed_and_the_memo_is_never_persisted(db: Database) -> None:
 def test_a_held_step_waits_until_released(db: Database) -> None:
     rec = Recorder()
     engine = WorkflowEngine(db, [rec.workflow("w", "forward", ["a", "b"])], None)
-    engine.hold("w", "b")
+    engine.faults.hold("w", "b")
     op_id = start_op(engine, db, "w")
     engine.submit(op_id)
-    wait_until(lambda: engine.held("w", "b"), 10, what="hold reached")
+    wait_until(lambda: engine.faults.held("w", "b"), 10, what="hold reached")
     assert rec.calls == ["do:a"] and op_status(db, op_id) == "running"
-    engine.release("w", "b")
+    engine.faults.release("w", "b")
     wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="released")
     engine.stop()
     assert rec.calls == ["do:a", "do:b"]
@@ -440,7 +440,7 @@ def test_a_closing_step_that_fails_leaves_neither_its_writes_nor_an_ended_operat
     wf = Workflow("w", Seen, "rollback", (rec.step("a"), Step("mark", _record_in_ending(db, seen), ends=True)),
                   on_rollback=lambda ctx, reason: rec.rolled_back.append(reason))
     engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
-    engine.inject_failure("w", "mark", "after")
+    engine.faults.inject_failure("w", "mark", "after")
     op_id = start_op(engine, db, "w")
     engine.run_now(op_id)
     assert op_status(db, op_id) == "rolled-back"

@@ -11,7 +11,6 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
 
 from fastapi import FastAPI, Request
 from sqlalchemy import delete, select
@@ -36,15 +35,8 @@ from vbs.controller.rest.after_answer import AfterAnswer
 from vbs.controller.rest.routes import install_routes
 from vbs.controller.runtime import Controller
 from vbs.controller.services import Services
-from vbs.controller.workflows import Workflow, WorkflowEngine
-from vbs.controller.workflows.attach_detach import ATTACH_VOLUME, DETACH_VOLUME
-from vbs.controller.workflows.create_delete_volume import CREATE_VOLUME, DELETE_VOLUME
-from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET
-from vbs.controller.workflows.local_volumes import LOCAL_WORKFLOWS
-from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
-from vbs.controller.workflows.migrate_volume import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
-from vbs.controller.workflows.modify_volume import MODIFY_VOLUME
-from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, DELETE_SNAPSHOT
+from vbs.controller.workflows import WorkflowEngine
+from vbs.controller.workflows.registry import WORKFLOWS
 from vbs.errors import InvalidParameter
 from vbs.net import web
 from vbs.net.metrics import install_metrics
@@ -58,11 +50,6 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL_S = 60.0
 SWITCH_INTERVAL_S = 0.0005  # see serve()
-
-WORKFLOWS: list[Workflow[Any]] = [CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME,
-                                  DETACH_VOLUME, MODIFY_VOLUME, MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET,
-                                  MIGRATE_INSTANCE, *LOCAL_WORKFLOWS, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR]
-
 
 def database_url(cfg: ControllerConfig) -> str | None:
     """The configured database URL (``database_url``, or the first line of ``database_url_file``), or None

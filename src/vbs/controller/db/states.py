@@ -1,7 +1,6 @@
-"""EBS states of each resource, the transitions allowed between them, and which operations may
-overlap on one resource (README "Concepts", docs/operations.md). These tables govern:
-``transitions.transition`` refuses any change they do not allow, and the operations table's unique
-index enforces ``EXCLUSIVE_KINDS``.
+"""EBS states of each resource and the transitions allowed between them (README "Concepts",
+docs/operations.md): ``transitions.transition`` refuses any change they do not allow. Which operations
+may overlap on one resource is each workflow's ``exclusive`` (``vbs.controller.workflows.registry``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ __all__ = [
     "ATTACHMENT_TRANSITIONS",
     "LIVE_ATTACHMENT",
     "UNFINISHED_OPERATION",
-    "EXCLUSIVE_KINDS",
     "sources",
 ]
 
@@ -93,18 +91,6 @@ LIVE_ATTACHMENT = frozenset({AttachmentState.ATTACHING, AttachmentState.ATTACHED
                              AttachmentState.BUSY})
 
 UNFINISHED_OPERATION = frozenset({OperationState.RUNNING, OperationState.ROLLING_BACK})
-
-# Which operations may overlap on one resource (EBS's rules): a snapshot may be taken while its
-# volume attaches, detaches or is modified (create-snapshot works on the snapshot's own id);
-# delete, attach, detach, modify and migrate of a volume exclude each other and themselves, and a
-# snapshot is deleted alone. One unfinished exclusive operation per resource: the DB's partial
-# unique index on operations(resource_id) enforces it, so a delete during a modify, or an attach
-# during a delete, is IncorrectState by construction. The table is in docs/operations.md.
-EXCLUSIVE_KINDS = frozenset({
-    "create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume", "migrate-volume",
-    "delete-snapshot", "migrate-instance", "migrate-volume-copy", "migrate-volume-mirror",
-})
-
 
 S = TypeVar("S", bound=StrEnum)
 

@@ -241,7 +241,7 @@ class Operation(Base):
     """One multi-step workflow; its steps are recorded before and after each agent call.
 
     ``params`` is the workflow's typed parameters (never a secret). ``exclusive`` operations
-    (``states.EXCLUSIVE_KINDS``) are one at a time per resource while unfinished: a partial unique
+    (``Workflow.exclusive``) are one at a time per resource while unfinished: a partial unique
     index says so, on SQLite and PostgreSQL alike.
     """
 

@@ -22,13 +22,22 @@ from vbs.controller.requests.volumes import live_volume
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.rest.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.attach_detach import AttachParams, DetachParams, volume_limits
+from vbs.controller.workflows.attach_detach import (
+    ATTACH_VOLUME,
+    DETACH_VOLUME,
+    AttachParams,
+    DetachParams,
+    volume_limits,
+)
+from vbs.controller.workflows.local_volumes import ATTACH_LOCAL_VOLUME, DETACH_LOCAL_VOLUME
+from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, MissingParameter, NotFound, VolumeInUse
 
 
 def migration_in_progress(s: Session, instance_id: str) -> None:
     """Refuse a change of the instance's attachments while its disks move with it (live migration)."""
-    op = s.scalar(select(Operation.id).where(Operation.kind == "migrate-instance", Operation.resource_id == instance_id,
+    op = s.scalar(select(Operation.id).where(Operation.kind == MIGRATE_INSTANCE.kind,
+                                             Operation.resource_id == instance_id,
                                              Operation.status.in_(UNFINISHED_OPERATION)))
     if op is not None:
         raise IncorrectState(f"The instance '{instance_id}' is being live-migrated ({op}); try again when it is done.",
@@ -119,7 +128,7 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
                          status=AttachmentState.ATTACHING, created_at=now, updated_at=now)
         s.add(att)
         s.flush()
-        op_id = svc.engine.begin(s, "attach-local-volume" if vol.placement == "local" else "attach-volume",
+        op_id = svc.engine.begin(s, ATTACH_LOCAL_VOLUME if vol.placement == "local" else ATTACH_VOLUME,
                                  volume_id, AttachParams(
             attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
             read_only=req.read_only, serial=ids.virtio_serial(volume_id), limits=volume_limits(svc.cfg, vol)))
@@ -169,10 +178,10 @@ def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, ten
                               vm_id=att.vm_id, serial=ids.virtio_serial(volume_id), force=req.force,
                               timeout=svc.cfg.detach_timeout_s)
         if vol.placement == "local":
-            op_id = svc.engine.begin(s, "detach-local-volume", volume_id,
+            op_id = svc.engine.begin(s, DETACH_LOCAL_VOLUME, volume_id,
                                      detach.model_copy(update={"persistent": vol.persistent}))
         else:
-            op_id = svc.engine.begin(s, "detach-volume", volume_id, detach)
+            op_id = svc.engine.begin(s, DETACH_VOLUME, volume_id, detach)
         s.refresh(att)
         out = _out(att).model_copy(update={"operation_id": op_id})
     svc.engine.submit(op_id)

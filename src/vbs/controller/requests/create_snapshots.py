@@ -14,7 +14,7 @@ from vbs.controller.requests.attachments import instance_not_found
 from vbs.controller.requests.snapshots import describe_many, new_snapshot_row
 from vbs.controller.rest.schemas import CreateSnapshotSetRequest, SnapshotOut
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.create_snapshots import SetMember, SnapshotSetParams
+from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET, SetMember, SnapshotSetParams
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
 
 MAX_SET = 40
@@ -56,7 +56,7 @@ def create_snapshot_set(svc: Controller, req: CreateSnapshotSetRequest, tenant: 
         for vol in vols:
             tags = {**flt.tags_of(s, [vol.id])[vol.id], **req.tags} if req.copy_tags_from_volume else req.tags
             snaps.append(new_snapshot_row(s, svc, vol, req.comment, tags, tenant, now))
-        op_id = svc.engine.begin(s, "create-snapshots", inst.id, SnapshotSetParams(
+        op_id = svc.engine.begin(s, CREATE_SNAPSHOT_SET, inst.id, SnapshotSetParams(
             host=inst.host, vm_id=inst.vm_id,
             members=[SetMember(snapshot_id=x.id, volume_id=x.volume_id, node=x.storage_node, pool=x.pool)
                      for x in snaps]))

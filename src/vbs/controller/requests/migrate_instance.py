@@ -31,14 +31,13 @@ from vbs.controller.requests.attachments import instance_not_found
 from vbs.controller.rest.schemas import InstanceMigrationOut, MigrateInstanceRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.attach_detach import volume_limits
-from vbs.controller.workflows.migrate_instance import LiveMigrationParams, MigratingDisk
+from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE, LiveMigrationParams, MigratingDisk
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, VbsError
 
 __all__ = ["migrate_instance", "start_external_migrations", "INCOMING"]
 
 log = logging.getLogger(__name__)
 
-KIND = "migrate-instance"
 # An instance whose VM waits for a live migration (QEMU ``inmigrate``): the destination of one.
 INCOMING = "incoming"
 # How long a destination VM waits before VBS takes its migration for an orchestrator's: a `vbs
@@ -92,7 +91,7 @@ def _begin(svc: Controller, instance_id: str, target_host: str, *, external: boo
                                        limits=volume_limits(svc.cfg, vol)))
         params = LiveMigrationParams(vm_id=inst.vm_id, source_host=inst.host, target_host=target_host, disks=disks,
                                      external=external, timeout_s=timeout_s)
-        op_id = svc.engine.begin(s, KIND, instance_id, params)
+        op_id = svc.engine.begin(s, MIGRATE_INSTANCE, instance_id, params)
         return InstanceMigrationOut(instance_id=instance_id, vm_id=inst.vm_id, source_host=inst.host,
                                     target_host=target_host, volume_ids=[d.volume_id for d in disks],
                                     external=external, operation_id=op_id)
@@ -136,7 +135,8 @@ def start_external_migrations(svc: Controller, grace_s: float = EXTERNAL_GRACE_S
                 continue
             # A destination a migration already tried (and rolled back from) is not taken again: the
             # orchestrator starts a new one to retry.
-            tried = s.scalar(select(Operation.id).where(Operation.kind == KIND, Operation.resource_id == source.id,
+            tried = s.scalar(select(Operation.id).where(Operation.kind == MIGRATE_INSTANCE.kind,
+                                                        Operation.resource_id == source.id,
                                                         Operation.created_at >= waiting_since))
             if tried is not None:
                 continue

@@ -28,7 +28,13 @@ from vbs.controller.fleet.nodes import GIB, host_info, is_alive, pool_of, storag
 from vbs.controller.requests.volumes import live_volume
 from vbs.controller.rest.schemas import MigrateVolumeRequest, MigrationOut
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.migrate_volume import MigrateParams, MigrationKind
+from vbs.controller.workflows import Workflow
+from vbs.controller.workflows.migrate_volume import (
+    MIGRATE_VOLUME,
+    MIGRATE_VOLUME_COPY,
+    MIGRATE_VOLUME_MIRROR,
+    MigrateParams,
+)
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter
 from vbs.wire.storage import PoolInfo
 
@@ -66,18 +72,18 @@ def migrate_volume(svc: Controller, volume_id: str, req: MigrateVolumeRequest, t
         shared = _same_storage(source, target_node, req)
         params = MigrateParams(node=vol.storage_node, pool=vol.pool, target_node=target_node.name,
                                target_pool="", size_gib=vol.size_gib)
-        kind: MigrationKind
+        workflow: Workflow[MigrateParams]
         if shared is not None:
             _not_exported(source_node, vol)
-            kind, params.target_pool = "migrate-volume", shared.name
+            workflow, params.target_pool = MIGRATE_VOLUME, shared.name
         else:
             params.target_pool = _own_pool(target_node, req, vol).name
             if vol.status == VolumeState.AVAILABLE:
-                kind = "migrate-volume-copy"
+                workflow = MIGRATE_VOLUME_COPY
             else:
-                kind = "migrate-volume-mirror"
+                workflow = MIGRATE_VOLUME_MIRROR
                 params.host, params.vm_id = _mirroring_vm(s, vol)
-        op_id = svc.engine.begin(s, kind, volume_id, params)
+        op_id = svc.engine.begin(s, workflow, volume_id, params)
         out = MigrationOut(volume_id=volume_id, source_node=vol.storage_node, source_pool=vol.pool,
                            target_node=target_node.name, target_pool=params.target_pool, operation_id=op_id)
     svc.engine.submit(op_id)

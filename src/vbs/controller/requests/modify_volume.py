@@ -23,7 +23,7 @@ from vbs.controller.requests import filters as flt
 from vbs.controller.requests.volumes import live_volume
 from vbs.controller.rest.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.modify_volume import ModifyParams
+from vbs.controller.workflows.modify_volume import MODIFY_VOLUME, ModifyParams
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.wire.qos import ExportLimits
 
@@ -97,7 +97,7 @@ def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, ten
         out = _out(mod)
         if only_flag:
             return out
-        op_id = svc.engine.begin(s, "modify-volume", volume_id, ModifyParams(
+        op_id = svc.engine.begin(s, MODIFY_VOLUME, volume_id, ModifyParams(
             modification_id=mod.id, node=vol.storage_node, pool=vol.pool, size_gib=target[0],
             grow=target[0] > vol.size_gib, encrypted=vol.key_id is not None,
             limits=_new_limits(svc, vol, target)))

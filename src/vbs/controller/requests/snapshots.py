@@ -21,8 +21,14 @@ from vbs.controller.requests.tags import set_tags
 from vbs.controller.requests.volumes import live_volume
 from vbs.controller.rest.schemas import CopySnapshotRequest, CreateSnapshotRequest, SnapshotList, SnapshotOut
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.local_volumes import SnapshotLocalParams
-from vbs.controller.workflows.snapshots import CopySnapshotParams, CreateSnapshotParams
+from vbs.controller.workflows.local_volumes import SNAPSHOT_LOCAL_VOLUME, SnapshotLocalParams
+from vbs.controller.workflows.snapshots import (
+    COPY_SNAPSHOT,
+    CREATE_SNAPSHOT,
+    DELETE_SNAPSHOT,
+    CopySnapshotParams,
+    CreateSnapshotParams,
+)
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, NotFound, SnapshotInUse
 
@@ -45,7 +51,7 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
             op_id, snap = _snapshot_local_volume(svc, s, vol, req, tenant)
         else:
             snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
-            op_id = svc.engine.begin(s, "create-snapshot", snap.id, CreateSnapshotParams(
+            op_id = svc.engine.begin(s, CREATE_SNAPSHOT, snap.id, CreateSnapshotParams(
                 node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
@@ -60,7 +66,7 @@ def _snapshot_local_volume(svc: Controller, s: Session, vol: Volume, req: Create
     node, pool = choose_pool(s, vol.size_gib, timeout_s=cfg.heartbeat_timeout_s, overcommit=cfg.overcommit_ratio,
                              default_zone=cfg.availability_zone)
     snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow(), where=(node, pool))
-    op_id = svc.engine.begin(s, "snapshot-local-volume", snap.id, SnapshotLocalParams(
+    op_id = svc.engine.begin(s, SNAPSHOT_LOCAL_VOLUME, snap.id, SnapshotLocalParams(
         node=node, pool=pool, volume_id=vol.id, host=vol.host or vol.storage_node, local_pool=vol.pool,
         size_gib=vol.size_gib, scratch_volume_id=ids.new_id("volume")))
     return op_id, snap
@@ -111,7 +117,7 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         s.add(snap)
         s.flush()
         set_tags(s, snap.id, req.tags)
-        op_id = svc.engine.begin(s, "copy-snapshot", snap.id, CopySnapshotParams(
+        op_id = svc.engine.begin(s, COPY_SNAPSHOT, snap.id, CopySnapshotParams(
             node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
             scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib,
             encrypted=key_id is not None, key_id=key_id if reencrypt else None, source_key_id=source_key_id))
@@ -137,7 +143,7 @@ def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotO
                                 "delete it when the copy is completed.")
         transition(s, Snapshot, snapshot_id, SnapshotState.DELETING, ~copying, ~copied)
         sharing.forget(s, [snapshot_id])
-        op_id = svc.engine.begin(s, "delete-snapshot", snapshot_id, StorageParams(node=snap.storage_node,
+        op_id = svc.engine.begin(s, DELETE_SNAPSHOT, snapshot_id, StorageParams(node=snap.storage_node,
                                                                                    pool=snap.pool))
         s.refresh(snap)
         out = describe_many(s, [snap])[0]

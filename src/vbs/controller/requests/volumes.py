@@ -43,8 +43,8 @@ from vbs.controller.requests import snapshot_permissions as snapshot_sharing
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.rest.schemas import AttachmentOut, CreateVolumeRequest, MigrationProgressOut, VolumeList, VolumeOut
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.create_delete_volume import CreateVolumeParams
-from vbs.controller.workflows.local_volumes import CreateLocalVolumeParams
+from vbs.controller.workflows.create_delete_volume import CREATE_VOLUME, DELETE_VOLUME, CreateVolumeParams
+from vbs.controller.workflows.local_volumes import CREATE_LOCAL_VOLUME, DELETE_LOCAL_VOLUME, CreateLocalVolumeParams
 from vbs.controller.workflows.migrate_volume import migration_progress
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import (
@@ -192,7 +192,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     volume_id = ids.new_id("volume")
     # The operation's rows first: no other transaction waits on them, and the volume's insert below
     # starts what other creates of its tenant or pool wait for until this one commits.
-    op_id = svc.engine.begin(s, "create-volume", volume_id, CreateVolumeParams(
+    op_id = svc.engine.begin(s, CREATE_VOLUME, volume_id, CreateVolumeParams(
         node=node, pool=pool, size_gib=size, snapshot_id=req.snapshot_id, encrypted=key_id is not None,
         format_key=written_encrypted, source_key_id=source_key_id), new_resource=True, stamp=stamp)
     health = health_of([chosen.row], now=now, timeout_s=cfg.heartbeat_timeout_s, default_zone=cfg.availability_zone)
@@ -297,7 +297,7 @@ def _insert_local_volume(svc: Controller, s: Session, req: CreateVolumeRequest, 
     s.add(volume)
     s.flush()
     set_tags(s, volume.id, req.tags)
-    op_id = svc.engine.begin(s, "create-local-volume", volume.id, CreateLocalVolumeParams(
+    op_id = svc.engine.begin(s, CREATE_LOCAL_VOLUME, volume.id, CreateLocalVolumeParams(
         host=req.host, pool=pool, size_gib=size, snapshot_id=req.snapshot_id,
         snapshot_node=snap.storage_node if snap else None, snapshot_pool=snap.pool if snap else None,
         scratch_volume_id=ids.new_id("volume") if snap else None), new_resource=True)
@@ -332,7 +332,7 @@ def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
         live_attachment = exists().where(Attachment.volume_id == volume_id,
                                          Attachment.status != AttachmentState.DETACHED)
         transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment)
-        op_id = svc.engine.begin(s, "delete-local-volume" if vol.placement == "local" else "delete-volume",
+        op_id = svc.engine.begin(s, DELETE_LOCAL_VOLUME if vol.placement == "local" else DELETE_VOLUME,
                                  volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
         s.refresh(vol)
         out = _describe_one(svc, s, vol)

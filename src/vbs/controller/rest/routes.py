@@ -501,21 +501,21 @@ def test_hooks_router() -> APIRouter:
 
     @r.post("/fail-step")
     def fail_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
-        svc.engine.inject_failure(body.kind, body.step, body.when)
+        svc.engine.faults.inject_failure(body.kind, body.step, body.when)
         return {"status": "armed"}
 
     @r.post("/hold-step")
     def hold_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
-        svc.engine.hold(body.kind, body.step)
+        svc.engine.faults.hold(body.kind, body.step)
         return {"status": "armed"}
 
     @r.post("/held-step")
     def held_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, bool]:
-        return {"held": svc.engine.held(body.kind, body.step)}
+        return {"held": svc.engine.faults.held(body.kind, body.step)}
 
     @r.post("/release-step")
     def release_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
-        svc.engine.release(body.kind, body.step)
+        svc.engine.faults.release(body.kind, body.step)
         return {"status": "released"}
 
     return r

@@ -174,6 +174,7 @@ def is_attached(ctx: StepContext[AttachParams]) -> bool:
 
 ATTACH_VOLUME = Workflow(
     kind="attach-volume",
+    exclusive=True,
     params=AttachParams,
     resume="rollback",
     steps=(Step("storage-export", export_volume, undo=unexport_volume),
@@ -185,6 +186,7 @@ ATTACH_VOLUME = Workflow(
 
 DETACH_VOLUME = Workflow(
     kind="detach-volume",
+    exclusive=True,
     params=DetachParams,
     resume="forward",
     # A forced detach whose host never answers goes on without it: removing the export cuts the

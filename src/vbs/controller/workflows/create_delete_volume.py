@@ -38,6 +38,7 @@ def remove_from_storage(ctx: StepContext[StorageParams]) -> None:
 
 CREATE_VOLUME = Workflow(
     kind="create-volume",
+    exclusive=True,
     params=CreateVolumeParams,
     resume="rollback",
     steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
@@ -47,4 +48,5 @@ CREATE_VOLUME = Workflow(
     finished=shared.has_left(Volume, VolumeState.CREATING),
 )
 
-DELETE_VOLUME = shared.deletion("delete-volume", Volume, remove_from_storage, deleted_at=utcnow)
+DELETE_VOLUME = shared.deletion("delete-volume", Volume, remove_from_storage, exclusive=True,
+                                deleted_at=utcnow)

@@ -22,48 +22,40 @@ Each workflow has a typed ``Params`` model, stored in the operation row. Params 
 secret: what a step learns that is secret (a connection) stays in ``StepContext.memo``, in memory
 only, and a later step that needs it after a restart asks the agent again.
 
-Several controllers share one database (DESIGN §11). Each operation has an ``owner`` (a controller
-id), a ``lease_until`` (by the DB's clock) and a ``fence`` (from one DB counter). The controller that
-begins an operation owns it; its lease loop renews the leases of everything it owns and adopts the
-operations whose lease expired (their controller died or hangs), each with a new, higher fence,
-claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` so two survivors never adopt the same one. Every
-write for an operation is conditional on owner and fence (``LeaseLost`` when another controller took
-it: the run stops at once, writing nothing), and every agent call carries the fence
-(``vbs.trust.fencing``), so a controller paused past its lease cannot undo the new owner's work.
-
-Test hooks: ``VBS_CRASH_AT=<kind>:<step>:<started|done>`` makes the process SIGKILL itself at that
-point, to prove recovery; ``inject_failure(kind, step, when)`` makes one step fail before or after
-its call, to prove rollback; ``hold(kind, step)`` stops the next run of a step before its call
-until ``release``, so a test can remove its target meanwhile. The last two are reachable over the
-internal API only when the controller runs with ``VBS_TEST_HOOKS=1``.
+Several controllers share one database: each operation has an ``owner``, a ``lease_until`` and a
+``fence``; ``leases.py`` renews and adopts them. Every write for an operation is conditional on owner
+and fence (``LeaseLost`` when another controller took it: the run stops at once, writing nothing), and
+every agent call carries the fence (``vbs.trust.fencing``), so a controller paused past its lease
+cannot undo the new owner's work. Crash points, injected failures and holds for tests: ``faults.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
-from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, cast
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlalchemy import Table, Update, and_, bindparam, delete, insert, or_, select, update
+from pydantic import ValidationError
+from sqlalchemy import Table, Update, bindparam, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Database, Operation, OperationStep, plain
-from vbs.controller.db.states import EXCLUSIVE_KINDS, UNFINISHED_OPERATION, OperationState
+from vbs.controller.db.states import UNFINISHED_OPERATION, OperationState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.rest.after_answer import after_answer
 from vbs.controller.rest.completion import OperationEnds
 from vbs.controller.services import Services
+from vbs.controller.workflows.definition import P, Params, Step, StepContext, Workflow
+from vbs.controller.workflows.faults import FaultHooks
+from vbs.controller.workflows.leases import OperationLeases
 from vbs.errors import AgentUnreachable, DriverError, IncorrectState, LeaseLost, StaleFence
 from vbs.trust import fencing
 
@@ -75,122 +67,7 @@ MAX_RETRY_DELAY_S = 60.0
 # The tables the engine's own bookkeeping reads and writes with Core statements (see _op_update).
 _OPERATIONS = cast(Table, Operation.__table__)
 _STEPS = cast(Table, OperationStep.__table__)
-HOLD_LIMIT_S = 300.0  # a held step goes on by itself after this, so a forgotten hold cannot wedge anything
 EXCLUSIVE_ATTEMPTS = 5  # inserts of an exclusive operation whose slot another one was just leaving
-
-
-class Params(BaseModel):
-    """A workflow's parameters, persisted in its operation row (never a secret).
-
-    Keys an older controller wrote and this one no longer has are ignored when a row is read.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-
-P = TypeVar("P", bound=Params)
-
-
-@dataclass
-class StepContext(Generic[P]):
-    """What a step sees: its operation, the workflow's parameters (persisted) and the services.
-
-    ``memo`` holds what earlier steps of this run learned and must not be persisted (a connection
-    with its secrets); it is empty after a restart. ``save()`` persists ``params`` at once (steps
-    record there what an undo must know before they act).
-    """
-
-    operation_id: str
-    resource_id: str
-    params: P
-    services: Services
-    memo: dict[str, Any] = field(default_factory=dict)
-    # This run's fencing token, and the check that this controller still owns the operation (run
-    # last in every transaction a step writes in: the lock order is resource rows, then operation).
-    fence: int = 0
-    guard: Callable[[Session], None] = lambda _s: None
-    save: Callable[[], None] = lambda: None
-    # The engine's open transaction while a closing step or an ending runs (see session()).
-    tx: Session | None = field(default=None, repr=False)
-    # The workflow's kind and when the operation began (its metrics: vbs.controller.metrics).
-    kind: str = ""
-    started_at: datetime | None = None
-
-    @contextmanager
-    def session(self) -> Iterator[Session]:
-        """The transaction a step writes in: the one that ends the operation while a closing step
-        or an ending runs, else a transaction of its own."""
-        if self.tx is not None:
-            yield self.tx
-            return
-        with self.services.db.session() as s:
-            yield s
-            self.guard(s)  # last, so that the operation row is locked after the resource rows
-
-
-@dataclass(frozen=True)
-class Step(Generic[P]):
-    name: str
-    do: Callable[[StepContext[P]], None]
-    undo: Callable[[StepContext[P]], None] | None = None
-    # A roll-forward step that may be left out once its retries are exhausted (a forced detach
-    # whose host never answers: removing the export cuts the VM off all the same).
-    skippable: Callable[[StepContext[P]], bool] | None = None
-    # A DB-only last step, run in the transaction that ends the operation (writes via ctx.session()).
-    ends: bool = False
-
-
-@dataclass(frozen=True)
-class Workflow(Generic[P]):
-    kind: str
-    params: type[P]
-    resume: Literal["rollback", "forward"]
-    steps: tuple[Step[P], ...]
-    # Roll-back workflows: put the resource back once every step is undone (or abandoned).
-    on_rollback: Callable[[StepContext[P], str], None] | None = None
-    # A failure this accepts as final ends the operation at once (no retry).
-    gives_up: Callable[[StepContext[P], Exception], bool] | None = None
-    # Roll-forward workflows: retries are exhausted; leave the resource in a stable state.
-    on_give_up: Callable[[StepContext[P], str], None] | None = None
-    # Roll-back workflows: whether the resource already reached its final state (the last step, a
-    # DB transition, ran but the controller died before recording it): then resuming finishes.
-    finished: Callable[[StepContext[P]], bool] | None = None
-    # Roll-back workflows with a point of no return outside VBS (a live migration that completed: the
-    # guest runs at its destination): once this says it is passed, reading the world, not the steps,
-    # the operation goes forward instead, after a failure, on resume, and from a roll-back under way
-    # (an undo that would cross it must refuse, so the roll-back stops there and is retried).
-    committed: Callable[[StepContext[P]], bool] | None = None
-    # Roll-back workflows with a point of no return (a live migration's pivot): once this step has
-    # started, the operation rolls forward instead (a failure is retried, a restart carries on).
-    forward_from: str | None = None
-
-    def __post_init__(self) -> None:
-        if any(step.ends for step in self.steps[:-1]):
-            raise ValueError(f"{self.kind}: only the last step may end the operation")
-        if self.forward_from is not None and self.forward_from not in (step.name for step in self.steps):
-            raise ValueError(f"{self.kind}: forward_from names no step")
-
-    def rolls_back_at(self, pos: int) -> bool:
-        """Whether a failure at step ``pos`` (or a restart there) rolls the operation back."""
-        if self.resume != "rollback":
-            return False
-        names = [step.name for step in self.steps]
-        return self.forward_from is None or pos < names.index(self.forward_from)
-
-    def rolls_back_after(self, steps: dict[int, str]) -> bool:
-        """Whether a restart that found ``steps`` (position: state) rolls the operation back."""
-        reached = [pos for pos, state in steps.items() if state in ("started", "done", "skipped")]
-        return self.rolls_back_at(max(reached, default=0))
-
-    @property
-    def exclusive(self) -> bool:
-        return self.kind in EXCLUSIVE_KINDS
-
-
-def _crash_point() -> tuple[str, str, str] | None:
-    spec = os.environ.get("VBS_CRASH_AT", "")
-    parts = spec.split(":")
-    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
 
 
 @dataclass
@@ -266,7 +143,7 @@ _STEPS_QUERY = select(_STEPS.c.position, _STEPS.c.state).where(_STEPS.c.operatio
 
 
 class WorkflowEngine:
-    def __init__(self, db: Database, workflows: list[Workflow[Any]], services: Services, *, threads: int = 16,
+    def __init__(self, db: Database, workflows: Iterable[Workflow[Any]], services: Services, *, threads: int = 16,
                  retry_interval: float = 2.0, give_up_after: float = 600.0, owner: str = "controller",
                  lease_s: float = 15.0, on_end: Callable[[str, str, datetime | None], None] | None = None) -> None:
         """``on_end(kind, outcome, started_at)`` hears of every operation this engine ends."""
@@ -281,14 +158,13 @@ class WorkflowEngine:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="workflow")
         self._inflight: set[str] = set()
         self._lock = threading.Lock()
-        self._crash_at = _crash_point()
-        self._fail_at: set[tuple[str, str, str]] = set()
-        self._holds: dict[tuple[str, str], tuple[threading.Event, threading.Event]] = {}
+        # Crash points, injected failures and holds (tests: vbs.controller.workflows.faults).
+        self.faults = FaultHooks()
         self._retry_interval = retry_interval
         self._give_up_after = timedelta(seconds=give_up_after)
         self._stop = threading.Event()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="workflow-retry", daemon=True)
-        self._lease_thread = threading.Thread(target=self._lease_loop, name="workflow-leases", daemon=True)
+        self.leases = OperationLeases(db, owner, self._lease, resume=lambda op_id: self.submit(op_id, resuming=True))
 
     # -- starting operations -------------------------------------------------------------------
 
@@ -299,17 +175,19 @@ class WorkflowEngine:
         other create of the service waits on them."""
         return OperationStamp(*self.db.clock_and_fence(session))
 
-    def begin(self, session: Session, kind: str, resource_id: str, params: Params, *,
+    def begin(self, session: Session, workflow: Workflow[P], resource_id: str, params: P, *,
               new_resource: bool = False, stamp: OperationStamp | None = None) -> str:
-        """Record a new operation inside the caller's transaction (atomic with the resource row).
+        """Record a new operation of ``workflow`` inside the caller's transaction (atomic with the resource
+        row).
 
-        An exclusive kind (see ``states.EXCLUSIVE_KINDS``) on a resource that has an unfinished
-        exclusive operation is refused by the DB's unique index: ``IncorrectState``. ``new_resource``:
-        the caller's transaction made the resource (a create), so no other operation can hold it.
-        ``stamp``: taken earlier in this transaction (``stamp()``); only for a new resource, which no
-        older fence can concern.
+        An exclusive workflow on a resource that has an unfinished exclusive operation is refused by the
+        DB's unique index: ``IncorrectState``. ``new_resource``: the caller's transaction made the
+        resource (a create), so no other operation can hold it. ``stamp``: taken earlier in this
+        transaction (``stamp()``); only for a new resource, which no older fence can concern.
         """
-        workflow = self.workflows[kind]
+        kind = workflow.kind
+        if self.workflows.get(kind) is not workflow:
+            raise ValueError(f"{kind} is not a workflow this engine runs")
         if not isinstance(params, workflow.params):
             raise TypeError(f"{kind} takes {workflow.params.__name__}, not {type(params).__name__}")
         if stamp is not None and not new_resource:
@@ -370,59 +248,20 @@ class WorkflowEngine:
         those whose lease expired), then renew leases, adopt more as leases expire, and retry."""
         self.adopt(everything=self.db.dialect == "sqlite", own=True)
         self._retry_thread.start()
-        self._lease_thread.start()
+        self.leases.start(self._stop)
 
     def adopt(self, *, everything: bool = False, own: bool = False, limit: int = 100) -> list[str]:
-        """Take over unfinished operations whose lease expired (or that have no owner), each with a new
-        fence, and resume them. Rows another controller is adopting at this moment are skipped."""
-        with self.db.session() as s:
-            now = self.db.clock(s)
-            query = select(Operation).where(Operation.status.in_(UNFINISHED_OPERATION))
-            if not everything:
-                # Never this controller's own operations (a run of one may be under way here: its lease
-                # is renewed, not adopted), except at start, when no run of this process exists yet.
-                expired = or_(Operation.lease_until.is_(None), Operation.lease_until < now)
-                orphaned = [Operation.owner.is_(None), and_(Operation.owner != self.owner, expired)]
-                if own:
-                    orphaned.append(Operation.owner == self.owner)
-                query = query.where(or_(*orphaned))
-            ops = s.scalars(query.order_by(Operation.created_at).limit(limit)
-                            .with_for_update(skip_locked=True)).all()
-            adopted = []
-            for op in ops:
-                if op.owner not in (None, self.owner):
-                    log.warning("adopting operation %s (%s of %s) from controller %s, whose lease expired",
-                                op.id, op.kind, op.resource_id, op.owner)
-                op.owner, op.fence, op.lease_until = self.owner, self.db.next_fence(s), now + self._lease
-                op.next_attempt_at = None
-                adopted.append(op.id)
-        for op_id in adopted:
-            log.info("resuming operation %s", op_id)
-            self.submit(op_id, resuming=True)
-        return adopted
+        """Take over unfinished operations whose lease expired (or that have no owner) and resume them
+        (``OperationLeases.adopt``)."""
+        return self.leases.adopt(everything=everything, own=own, limit=limit)
 
     def renew(self) -> int:
         """Extend the lease of every unfinished operation this controller owns."""
-        with self.db.session() as s:
-            until = self.db.clock(s) + self._lease
-            result = s.execute(update(Operation).where(Operation.owner == self.owner,
-                                                       Operation.status.in_(UNFINISHED_OPERATION))
-                               .values(lease_until=until))
-        return int(getattr(result, "rowcount", 0) or 0)
-
-    def _lease_loop(self) -> None:
-        while not self._stop.wait(self._lease.total_seconds() / 3):
-            try:
-                self.renew()
-                self.adopt()
-            except Exception:
-                log.exception("workflow lease loop")
+        return self.leases.renew()
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            for _reached, release in self._holds.values():
-                release.set()
+        self.faults.release_all()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def purge(self, retention_s: float) -> int:
@@ -518,18 +357,17 @@ class WorkflowEngine:
                 # before that commit finds it pending or started alike: its own "started" commit (a
                 # fifth of a create's) is left out, unless reaching it is what decides the direction.
                 self._set_step(ctx, pos, "started")
-            self._maybe_crash(workflow.kind, step.name, "started")
+            self.faults.maybe_crash(workflow.kind, step.name, "started")
             try:
-                self._maybe_hold(workflow.kind, step.name)
-                self._maybe_fail(workflow.kind, step.name, "before")
+                self.faults.before_call(workflow.kind, step.name)
                 if step.ends:
                     with self._ending(ctx, OperationState.SUCCEEDED, done=(*unrecorded, pos)):
                         step.do(ctx)
-                        self._maybe_fail(workflow.kind, step.name, "after")
-                    self._maybe_crash(workflow.kind, step.name, "done")
+                        self.faults.maybe_fail(workflow.kind, step.name, "after")
+                    self.faults.maybe_crash(workflow.kind, step.name, "done")
                     return
                 step.do(ctx)
-                self._maybe_fail(workflow.kind, step.name, "after")
+                self.faults.maybe_fail(workflow.kind, step.name, "after")
             except Exception as exc:
                 _stop_if_fenced_off(exc)
                 message = _message(exc)
@@ -574,7 +412,7 @@ class WorkflowEngine:
                 unrecorded.append(pos)
             else:
                 self._set_step(ctx, pos, "done", succeeded=True)
-            self._maybe_crash(workflow.kind, step.name, "done")
+            self.faults.maybe_crash(workflow.kind, step.name, "done")
         self._finish(ctx, OperationState.SUCCEEDED)
 
     def _rollback(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str], reason: str) -> None:
@@ -742,49 +580,3 @@ class WorkflowEngine:
                     self.submit(op_id)
             except Exception:
                 log.exception("workflow retry loop")
-
-    # -- test hooks ------------------------------------------------------------------------------
-
-    def inject_failure(self, kind: str, step: str, when: Literal["before", "after"]) -> None:
-        """Make the next run of ``step`` in ``kind`` fail (test hook)."""
-        with self._lock:
-            self._fail_at.add((kind, step, when))
-
-    def hold(self, kind: str, step: str) -> None:
-        """Stop the next run of ``step`` in ``kind`` before its call, until ``release`` (test hook)."""
-        with self._lock:
-            self._holds[(kind, step)] = (threading.Event(), threading.Event())
-
-    def held(self, kind: str, step: str) -> bool:
-        """Whether a run has reached the hold of ``step`` and waits there."""
-        with self._lock:
-            hold = self._holds.get((kind, step))
-        return hold is not None and hold[0].is_set()
-
-    def release(self, kind: str, step: str) -> None:
-        with self._lock:
-            hold = self._holds.pop((kind, step), None)
-        if hold is not None:
-            hold[1].set()
-
-    def _maybe_hold(self, kind: str, step: str) -> None:
-        with self._lock:
-            hold = self._holds.get((kind, step))
-        if hold is None:
-            return
-        reached, release = hold
-        reached.set()
-        release.wait(HOLD_LIMIT_S)
-
-    def _maybe_fail(self, kind: str, step: str, when: str) -> None:
-        with self._lock:
-            if (kind, step, when) not in self._fail_at:
-                return
-            self._fail_at.discard((kind, step, when))
-        raise DriverError(f"injected failure {when} step {step}")
-
-    def _maybe_crash(self, kind: str, step: str, moment: str) -> None:
-        if self._crash_at == (kind, step, moment):
-            log.warning("VBS_CRASH_AT reached (%s:%s:%s): killing the controller", kind, step, moment)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)

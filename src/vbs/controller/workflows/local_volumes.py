@@ -141,7 +141,8 @@ def _remove_local(ctx: StepContext[StorageParams]) -> None:
     _host(ctx, ctx.params.node).remove_local_volume(ctx.params.pool, ctx.resource_id)
 
 
-DELETE_LOCAL_VOLUME = shared.deletion("delete-local-volume", Volume, _remove_local, deleted_at=utcnow)
+DELETE_LOCAL_VOLUME = shared.deletion("delete-local-volume", Volume, _remove_local, exclusive=False,
+                                      deleted_at=utcnow)
 
 
 # -- attach and detach -------------------------------------------------------------------------------------

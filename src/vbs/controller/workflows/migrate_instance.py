@@ -320,6 +320,7 @@ def switch_host(ctx: StepContext[LiveMigrationParams]) -> None:
 
 MIGRATE_INSTANCE = Workflow(
     kind="migrate-instance",
+    exclusive=True,
     params=LiveMigrationParams,
     resume="rollback",
     steps=(Step("target-export", export_to_target, undo=unexport_from_target),

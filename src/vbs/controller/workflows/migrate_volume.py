@@ -23,7 +23,7 @@ copy) that does not read from its volume, and its row keeps its node.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session
@@ -43,8 +43,6 @@ from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 __all__ = ["MIGRATE_VOLUME", "MIGRATE_VOLUME_COPY", "MIGRATE_VOLUME_MIRROR", "MIGRATION_KINDS", "MigrateParams",
            "migration_progress"]
 
-MigrationKind = Literal["migrate-volume", "migrate-volume-copy", "migrate-volume-mirror"]
-MIGRATION_KINDS: tuple[MigrationKind, ...] = ("migrate-volume", "migrate-volume-copy", "migrate-volume-mirror")
 
 
 class MigrateParams(StorageParams):
@@ -96,6 +94,7 @@ def finished(ctx: StepContext[MigrateParams]) -> bool:
 
 MIGRATE_VOLUME = Workflow(
     kind="migrate-volume",
+    exclusive=True,
     params=MigrateParams,
     resume="rollback",
     steps=(Step("check-target", seen_by_target), Step("switch", switch, ends=True)),
@@ -186,6 +185,7 @@ def _pull(ctx: StepContext[MigrateParams]) -> None:
 
 MIGRATE_VOLUME_COPY = Workflow(
     kind="migrate-volume-copy",
+    exclusive=True,
     params=MigrateParams,
     resume="rollback",
     steps=(Step("export-to-target", _open_for_target, undo=_close_for_target),
@@ -272,6 +272,7 @@ def _cancel_mirror(ctx: StepContext[MigrateParams]) -> None:
 
 MIGRATE_VOLUME_MIRROR = Workflow(
     kind="migrate-volume-mirror",
+    exclusive=True,
     params=MigrateParams,
     resume="rollback",
     steps=(Step("target-volume", _empty_target, undo=_remove_new_copy),
@@ -287,6 +288,9 @@ MIGRATE_VOLUME_MIRROR = Workflow(
     # data is where its row says; the new copy and its export are orphans the reconciler removes.
     gives_up=lambda _ctx, exc: isinstance(exc, MirrorLost),
 )
+
+# The kinds of every migrate-volume workflow: what a describe reads as "this volume is moving".
+MIGRATION_KINDS = (MIGRATE_VOLUME.kind, MIGRATE_VOLUME_COPY.kind, MIGRATE_VOLUME_MIRROR.kind)
 
 
 def migration_progress(session: Session, volume_ids: list[str], *,

@@ -116,6 +116,7 @@ def failed(ctx: StepContext[ModifyParams], reason: str) -> None:
 
 MODIFY_VOLUME = Workflow(
     kind="modify-volume",
+    exclusive=True,
     params=ModifyParams,
     resume="forward",
     steps=(Step("storage-grow", grow_on_storage), Step("guest-resize", resize_in_guests),

@@ -137,7 +137,7 @@ CREATE_SNAPSHOT = Workflow(
     finished=shared.has_left(Snapshot, SnapshotState.PENDING),
 )
 
-DELETE_SNAPSHOT = shared.deletion("delete-snapshot", Snapshot, remove_snapshot)
+DELETE_SNAPSHOT = shared.deletion("delete-snapshot", Snapshot, remove_snapshot, exclusive=True)
 
 
 class CopySnapshotParams(StorageParams):

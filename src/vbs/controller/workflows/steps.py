@@ -160,12 +160,13 @@ def has_left(table: type[Volume] | type[Snapshot], state: str) -> Callable[[Step
     return check
 
 
-def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[StepContext[Any]], None],
-             **deleted_values: Any) -> Workflow[StorageParams]:
+def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[StepContext[Any]], None], *,
+             exclusive: bool, **deleted_values: Any) -> Workflow[StorageParams]:
     """Delete a volume or snapshot (rolls forward): from its storage node, then from the DB. A node
     that stays unreachable leaves it ``error``, which may be deleted again."""
     return Workflow(
         kind=kind,
+        exclusive=exclusive,
         params=StorageParams,
         resume="forward",
         steps=(Step("storage-delete", remove),
