@@ -16,9 +16,11 @@ from tests.test_scheduler import create, heartbeat, pool
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.fleet.nodes import describe_hosts, host_info, record_host_heartbeat
-from vbs.controller.requests.attachments import attach_volume, detach_volume
-from vbs.controller.requests.volumes import create_volume
+from vbs.controller.fleet.describe_nodes import describe_hosts
+from vbs.controller.fleet.nodes import host_info, record_host_heartbeat
+from vbs.controller.requests.attach_volume import attach_volume
+from vbs.controller.requests.create_volume import create_volume
+from vbs.controller.requests.detach_volume import detach_volume
 from vbs.controller.rest.schemas import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, MissingParameter
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities, VmInfo

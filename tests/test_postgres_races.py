@@ -28,11 +28,14 @@ from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume, VolumeUsage
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.fleet.nodes import StorageNodeInfo, drain_storage_node
-from vbs.controller.requests.attachments import attach_volume
+from vbs.controller.fleet.describe_nodes import drain_storage_node
+from vbs.controller.fleet.nodes import StorageNodeInfo
+from vbs.controller.requests.attach_volume import attach_volume
+from vbs.controller.requests.create_snapshot import create_snapshot
+from vbs.controller.requests.create_volume import create_volume
+from vbs.controller.requests.delete_snapshot import delete_snapshot
+from vbs.controller.requests.delete_volume import delete_volume
 from vbs.controller.requests.modify_volume import modify_volume
-from vbs.controller.requests.snapshots import create_snapshot, delete_snapshot
-from vbs.controller.requests.volumes import create_volume, delete_volume
 from vbs.controller.rest.schemas import (
     AttachVolumeRequest,
     CreateSnapshotRequest,
@@ -40,7 +43,7 @@ from vbs.controller.rest.schemas import (
     ModifyVolumeRequest,
 )
 from vbs.controller.workflows import StepContext, WorkflowEngine
-from vbs.controller.workflows.attach_detach import DetachParams, mark_detached
+from vbs.controller.workflows.detach_volume import DetachParams, mark_detached
 from vbs.controller.workflows.registry import WORKFLOWS
 from vbs.errors import IncorrectState, InvalidParameter, LimitExceeded, SnapshotInUse, VbsError
 from vbs.wire.storage import PoolInfo
@@ -217,7 +220,7 @@ def test_an_attach_that_waits_for_the_last_detach_finds_the_volume_free(db: Data
         from vbs.controller.db.locks import lock_rows
         from vbs.controller.db.states import AttachmentState
         from vbs.controller.db.transitions import transition
-        from vbs.controller.workflows.attach_detach import release_volume_if_free
+        from vbs.controller.workflows.attach_volume import release_volume_if_free
 
         with db.session() as s:
             lock_rows(s, Volume, vol)

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from tests.export_fixtures import MiB, drivers_of, runs, wait_dead
 from vbs.controller.placement import volume_types
-from vbs.controller.workflows.attach_detach import AttachParams, host_qos
+from vbs.controller.workflows.attach_volume import AttachParams, host_qos
 from vbs.ids import virtio_serial
 from vbs.net.web import agent_auth
 from vbs.storage.api import create_app as create_storage_app

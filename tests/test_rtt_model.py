@@ -13,7 +13,7 @@ from vbs.controller.db import Database, Node
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import record_host_heartbeat
 from vbs.controller.placement.rtt_model import Calibration, Point, fit, from_probes
-from vbs.controller.requests.attachments import rtt_warnings
+from vbs.controller.requests.attach_volume import rtt_warnings
 from vbs.errors import AuthFailure, InvalidParameter
 from vbs.trust import probe_tickets
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities

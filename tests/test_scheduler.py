@@ -24,17 +24,17 @@ from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig, load
 from vbs.controller.db import Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
-from vbs.controller.fleet.nodes import (
+from vbs.controller.fleet.describe_nodes import (
     NodeHealth,
-    Placement,
     availability_zones,
-    choose_pool,
     drain_storage_node,
-    record_storage_heartbeat,
     volume_status,
     zone_id,
 )
-from vbs.controller.requests.volumes import _digest, create_volume, describe_volumes
+from vbs.controller.fleet.nodes import record_storage_heartbeat
+from vbs.controller.placement.scheduler import Placement, choose_pool
+from vbs.controller.requests.create_volume import _digest, create_volume
+from vbs.controller.requests.describe_volumes import describe_volumes
 from vbs.controller.rest.schemas import CreateVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound, VbsError
 from vbs.wire.storage import PoolInfo, StorageHeartbeat

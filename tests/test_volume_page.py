@@ -21,8 +21,9 @@ from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.fleet.nodes import record_storage_heartbeat
+from vbs.controller.requests.create_volume import create_volume, create_volume_json
+from vbs.controller.requests.describe_volumes import get_volume, volume_page
 from vbs.controller.requests.tags import set_tags
-from vbs.controller.requests.volumes import create_volume, create_volume_json, get_volume, volume_page
 from vbs.controller.rest.schemas import CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 

@@ -18,8 +18,8 @@ from vbs import ids
 from vbs.controller.db import Database, Volume, VolumeUsage
 from vbs.controller.db.session import alembic_config
 from vbs.controller.db.tables import utcnow
-from vbs.controller.fleet.nodes import provisioned_gib
 from vbs.controller.placement.quotas import tenant_usage
+from vbs.controller.placement.scheduler import provisioned_gib
 
 pytestmark = pytest.mark.unit
 

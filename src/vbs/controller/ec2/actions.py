@@ -18,11 +18,21 @@ from vbs.controller.auth.keys import Principal
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.ec2.query import QueryParams
-from vbs.controller.fleet import nodes
-from vbs.controller.requests import attachments, snapshots, tags, volumes
+from vbs.controller.fleet import describe_nodes
+from vbs.controller.requests import attach_volume as attach_volume_req
+from vbs.controller.requests import copy_snapshot as copy_snapshot_req
+from vbs.controller.requests import create_snapshot as create_snapshot_req
 from vbs.controller.requests import create_snapshots as snapshot_sets
+from vbs.controller.requests import create_volume as create_volume_req
+from vbs.controller.requests import delete_snapshot as delete_snapshot_req
+from vbs.controller.requests import delete_volume as delete_volume_req
+from vbs.controller.requests import describe_instances as describe_instances_req
+from vbs.controller.requests import describe_snapshots as describe_snapshots_req
+from vbs.controller.requests import describe_volumes as describe_volumes_req
+from vbs.controller.requests import detach_volume as detach_volume_req
 from vbs.controller.requests import modify_volume as modifications
 from vbs.controller.requests import snapshot_permissions as sharing
+from vbs.controller.requests import tags
 from vbs.controller.requests.filters import decode_token, encode_token
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.rest.schemas import (
@@ -179,13 +189,13 @@ def create_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
         raise MissingParameter("The request must contain the parameter Size or SnapshotId.")
     req = _model(CreateVolumeRequest, {k: v for k, v in data.items() if v is not None})
     _dry_run(p)
-    return _volume(volumes.create_volume(svc, req, who.tenant))
+    return _volume(create_volume_req.create_volume(svc, req, who.tenant))
 
 
 def delete_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     vol_id = _volume_id(p.str("VolumeId", max_len=64))
     _dry_run(p)
-    volumes.delete_volume(svc, vol_id, who.tenant)
+    delete_volume_req.delete_volume(svc, vol_id, who.tenant)
     return {"return": True}
 
 
@@ -205,7 +215,7 @@ def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[st
         if name not in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} \
                 and not name.startswith("tag:"):
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
-    found = volumes.describe_volumes(svc, who.tenant, vol_ids, filters, max_results, token)
+    found = describe_volumes_req.describe_volumes(svc, who.tenant, vol_ids, filters, max_results, token)
     return {"volumeSet": [_volume(v) for v in found.volumes], "nextToken": found.next_token}
 
 
@@ -231,7 +241,7 @@ def describe_volume_status(svc: Controller, p: QueryParams, who: Principal) -> d
         if name not in VOLUME_STATUS_FILTERS:
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
     by_zone = {"availability-zone": filters["availability-zone"]} if "availability-zone" in filters else {}
-    found = volumes.describe_volumes(svc, who.tenant, vol_ids, by_zone, max_results, token)
+    found = describe_volumes_req.describe_volumes(svc, who.tenant, vol_ids, by_zone, max_results, token)
     statuses = []
     for v in found.volumes:
         if v.status == VolumeState.DELETED:
@@ -262,7 +272,7 @@ def attach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
     device = p.str("Device", required=True, max_len=64)
     req = _model(AttachVolumeRequest, {"instance_id": instance, "device": device})
     _dry_run(p)
-    return _attachment(attachments.attach_volume(svc, vol_id, req, who.tenant))
+    return _attachment(attach_volume_req.attach_volume(svc, vol_id, req, who.tenant))
 
 
 def detach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -273,7 +283,7 @@ def detach_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
         data["instance_id"] = instance
     req = _model(DetachVolumeRequest, data)
     _dry_run(p)
-    return _attachment(attachments.detach_volume(svc, vol_id, req, who.tenant))
+    return _attachment(detach_volume_req.detach_volume(svc, vol_id, req, who.tenant))
 
 
 def _modification(m: ModificationOut) -> dict[str, Any]:
@@ -318,13 +328,13 @@ def create_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str
     req = _model(CreateSnapshotRequest, {"volume_id": vol_id, "comment": p.str("Description", max_len=255) or "",
                                          "tags": _tags_for(p, "snapshot")})
     _dry_run(p)
-    return _snapshot(snapshots.create_snapshot(svc, req, who.tenant))
+    return _snapshot(create_snapshot_req.create_snapshot(svc, req, who.tenant))
 
 
 def delete_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_id = _snapshot_id(p.str("SnapshotId", max_len=64))
     _dry_run(p)
-    snapshots.delete_snapshot(svc, snap_id, who.tenant)
+    delete_snapshot_req.delete_snapshot(svc, snap_id, who.tenant)
     return {"return": True}
 
 
@@ -341,7 +351,7 @@ def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[
     owner_tenants = {who.tenant if o == "self" else sharing.tenant_of(o) for o in owners
                      if o not in ("amazon", "aws-marketplace")} if owners else None
     # A snapshot being deleted is already gone as far as EC2 clients are concerned.
-    found = snapshots.describe_snapshots(svc, who.tenant, snap_ids, filters, max_results, token,
+    found = describe_snapshots_req.describe_snapshots(svc, who.tenant, snap_ids, filters, max_results, token,
                                         hide_deleting=True, shared=True, owners=owner_tenants)
     return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
 
@@ -379,7 +389,7 @@ def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
                                        "tags": _tags_for(p, "snapshot"), "encrypted": p.bool("Encrypted"),
                                        **({"kms_key_id": kms} if (kms := p.str("KmsKeyId", max_len=2048)) else {})})
     _dry_run(p)
-    made = snapshots.copy_snapshot(svc, req, who.tenant)
+    made = copy_snapshot_req.copy_snapshot(svc, req, who.tenant)
     return {"snapshotId": made.snapshot_id, "tagSet": _tag_set(made.tags) if made.tags else None}
 
 
@@ -461,7 +471,8 @@ def describe_volume_attribute(svc: Controller, p: QueryParams, who: Principal) -
         raise InvalidParameter(f"Value ({str(attribute)[:32]}) for parameter attribute is invalid. "
                                "Valid values: autoEnableIO, productCodes.")
     _dry_run(p)
-    volumes.describe_volumes(svc, who.tenant, [vol_id], {}, None, None)  # NotFound unless the caller's and live
+    # NotFound unless the caller's and live
+    describe_volumes_req.describe_volumes(svc, who.tenant, [vol_id], {}, None, None)
     if attribute == "productCodes":
         return {"volumeId": vol_id, "productCodes": []}
     return {"volumeId": vol_id, "autoEnableIO": {"value": False}}
@@ -551,7 +562,7 @@ def describe_instances(svc: Controller, p: QueryParams, who: Principal) -> dict[
     wanted = set(p.list("InstanceId"))
     filters = p.filters()
     _dry_run(p)
-    found = attachments.describe_instances(svc, who.tenant)
+    found = describe_instances_req.describe_instances(svc, who.tenant)
     known = {i.instance_id for i in found}
     missing = sorted(wanted - known)
     if missing:
@@ -613,7 +624,8 @@ def describe_availability_zones(svc: Controller, p: QueryParams, who: Principal)
     filters = p.filters()
     _dry_run(p)
     with svc.db.read() as s:
-        zones = nodes.availability_zones(s, svc.cfg.heartbeat_timeout_s, svc.cfg.availability_zone, svc.cfg.region)
+        zones = describe_nodes.availability_zones(s, svc.cfg.heartbeat_timeout_s, svc.cfg.availability_zone,
+                                                  svc.cfg.region)
     unknown = [n for n in names if n not in {z.zone_name for z in zones}] + [
         i for i in zone_ids if i not in {z.zone_id for z in zones}]
     if unknown:

@@ -35,9 +35,9 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.db.transitions import try_transition
 from vbs.controller.fleet.nodes import host_identity, host_info, is_alive, storage_info
 from vbs.controller.services import Services
-from vbs.controller.workflows.attach_detach import volume_limits
+from vbs.controller.workflows.attach_volume import volume_limits
+from vbs.controller.workflows.copy_snapshot import scratch_ids
 from vbs.controller.workflows.migrate_instance import migrating_volume_ids
-from vbs.controller.workflows.snapshots import scratch_ids
 from vbs.errors import NotFound, VbsError
 from vbs.wire.storage import ExportInfo, PoolInventory
 

@@ -23,8 +23,8 @@ from vbs.controller.db import Instance, Node, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_info, is_alive, live_storage_nodes, storage_info
 from vbs.controller.placement.rtt_model import Calibration, RemoteModel, from_probes, load_calibration
-from vbs.controller.requests.attachments import instance_not_found
-from vbs.controller.requests.volumes import live_volume
+from vbs.controller.requests.attach_volume import instance_not_found
+from vbs.controller.requests.describe_volumes import live_volume
 from vbs.controller.rest.schemas import AdviceModelOut, AdviceOption, AdviceOut, MeasuredProbe
 from vbs.controller.runtime import Controller
 from vbs.errors import IncorrectState

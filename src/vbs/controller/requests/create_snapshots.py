@@ -10,8 +10,9 @@ from vbs.controller.db.states import AttachmentState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_info, host_is_alive, pool_of
 from vbs.controller.requests import filters as flt
-from vbs.controller.requests.attachments import instance_not_found
-from vbs.controller.requests.snapshots import describe_many, new_snapshot_row
+from vbs.controller.requests.attach_volume import instance_not_found
+from vbs.controller.requests.create_snapshot import new_snapshot_row
+from vbs.controller.requests.describe_snapshots import describe_many
 from vbs.controller.rest.schemas import CreateSnapshotSetRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET, SetMember, SnapshotSetParams

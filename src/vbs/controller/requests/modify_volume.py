@@ -16,11 +16,12 @@ from vbs.controller.db import Attachment, Node, Volume, VolumeModification
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import AttachmentState, VolumeState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.fleet.nodes import check_growth, host_info, storage_info
+from vbs.controller.fleet.nodes import host_info, storage_info
 from vbs.controller.placement import quotas, volume_types
 from vbs.controller.placement.growth import GROWING_STATES
+from vbs.controller.placement.scheduler import check_growth
 from vbs.controller.requests import filters as flt
-from vbs.controller.requests.volumes import live_volume
+from vbs.controller.requests.describe_volumes import live_volume
 from vbs.controller.rest.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.modify_volume import MODIFY_VOLUME, ModifyParams

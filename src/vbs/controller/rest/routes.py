@@ -17,22 +17,30 @@ from vbs.controller.auth.keys import KeyStore, Principal
 from vbs.controller.cluster import describe_controllers
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.db.states import UNFINISHED_OPERATION
-from vbs.controller.fleet.nodes import (
+from vbs.controller.fleet.describe_nodes import (
     availability_zones,
     describe_hosts,
     describe_storage_nodes,
     drain_storage_node,
-    live_storage_nodes,
-    record_host_heartbeat,
-    record_storage_heartbeat,
 )
+from vbs.controller.fleet.nodes import live_storage_nodes, record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.placement import advice
-from vbs.controller.requests import attachments, snapshots, tags, volumes
+from vbs.controller.requests import attach_volume as attach_volume_req
+from vbs.controller.requests import copy_snapshot as copy_snapshot_req
+from vbs.controller.requests import create_snapshot as create_snapshot_req
 from vbs.controller.requests import create_snapshots as snapshot_sets
+from vbs.controller.requests import create_volume as create_volume_req
+from vbs.controller.requests import delete_snapshot as delete_snapshot_req
+from vbs.controller.requests import delete_volume as delete_volume_req
+from vbs.controller.requests import describe_instances as describe_instances_req
+from vbs.controller.requests import describe_snapshots as describe_snapshots_req
+from vbs.controller.requests import describe_volumes as describe_volumes_req
+from vbs.controller.requests import detach_volume as detach_volume_req
 from vbs.controller.requests import migrate_instance as live_migrations
 from vbs.controller.requests import migrate_volume as moves
 from vbs.controller.requests import modify_volume as modifications
 from vbs.controller.requests import snapshot_permissions as sharing
+from vbs.controller.requests import tags
 from vbs.controller.requests.filters import DEFAULT_PAGE, MAX_RESULTS, page_limit, page_of, parse_filters
 from vbs.controller.rest.completion import MAX_WAIT_S, SNAPSHOT_BUSY, VOLUME_BUSY, long_poll, recheck_interval
 from vbs.controller.rest.schemas import (
@@ -147,38 +155,38 @@ def _volume_routes(r: APIRouter) -> None:
     @r.post("/volumes", response_model=VolumeOut, tags=["volumes"])
     def create_volume(body: CreateVolumeRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> Response:
-        return Response(volumes.create_volume_json(svc, body, who.tenant), media_type="application/json")
+        return Response(create_volume_req.create_volume_json(svc, body, who.tenant), media_type="application/json")
 
     @r.get("/volumes", response_model=VolumeList, tags=["volumes"])
     def describe_volumes(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
                          max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                          svc: Controller = Depends(services), who: Principal = Depends(caller)) -> Response:
-        # Encoded from plain dicts (volumes.VolumePage): no model per volume, no second validation.
-        page = volumes.volume_page(svc, who.tenant, volume_id, parse_filters(filter), max_results, next_token,
-                                   deleted_by_id=True)
+        # Encoded from plain dicts (describe_volumes_req.VolumePage): no model per volume, no second validation.
+        page = describe_volumes_req.volume_page(svc, who.tenant, volume_id, parse_filters(filter), max_results,
+                                                next_token, deleted_by_id=True)
         return Response(page.json(), media_type="application/json")
 
     @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
     async def get_volume(volume_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
                          who: Principal = Depends(caller)) -> VolumeOut:
         """With ``wait``: answers once the volume is no longer creating or deleting (the CLI's --wait)."""
-        return await settled_read(svc, volume_id, lambda: volumes.get_volume(svc, volume_id, who.tenant),
+        return await settled_read(svc, volume_id, lambda: describe_volumes_req.get_volume(svc, volume_id, who.tenant),
                                   lambda v: v.status not in VOLUME_BUSY, wait)
 
     @r.delete("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
     def delete_volume(volume_id: str, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> VolumeOut:
-        return volumes.delete_volume(svc, volume_id, who.tenant)
+        return delete_volume_req.delete_volume(svc, volume_id, who.tenant)
 
     @r.post("/volumes/{volume_id}/attach", response_model=AttachmentOut, tags=["volumes"])
     def attach_volume(volume_id: str, body: AttachVolumeRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> AttachmentOut:
-        return attachments.attach_volume(svc, volume_id, body, who.tenant)
+        return attach_volume_req.attach_volume(svc, volume_id, body, who.tenant)
 
     @r.post("/volumes/{volume_id}/detach", response_model=AttachmentOut, tags=["volumes"])
     def detach_volume(volume_id: str, body: DetachVolumeRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> AttachmentOut:
-        return attachments.detach_volume(svc, volume_id, body, who.tenant)
+        return detach_volume_req.detach_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/volumes/{volume_id}/advice", response_model=AdviceOut, tags=["volumes"])
     def volume_advice(volume_id: str, instance: str = Query(max_length=64),
@@ -222,26 +230,27 @@ def _snapshot_routes(r: APIRouter) -> None:
     @r.post("/snapshots", response_model=SnapshotOut, tags=["snapshots"])
     def create_snapshot(body: CreateSnapshotRequest, svc: Controller = Depends(services),
                         who: Principal = Depends(caller)) -> SnapshotOut:
-        return snapshots.create_snapshot(svc, body, who.tenant)
+        return create_snapshot_req.create_snapshot(svc, body, who.tenant)
 
     @r.get("/snapshots", response_model=SnapshotList, tags=["snapshots"])
     def describe_snapshots(snapshot_id: list[str] = ids_query(), filter: list[str] = filters_query(),
                            max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                            svc: Controller = Depends(services), who: Principal = Depends(caller)) -> SnapshotList:
-        return snapshots.describe_snapshots(svc, who.tenant, snapshot_id, parse_filters(filter), max_results,
-                                            next_token)
+        return describe_snapshots_req.describe_snapshots(svc, who.tenant, snapshot_id, parse_filters(filter),
+                                                         max_results, next_token)
 
     @r.get("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
     async def get_snapshot(snapshot_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
                            who: Principal = Depends(caller)) -> SnapshotOut:
         """With ``wait``: answers once the snapshot is no longer pending or deleting (the CLI's --wait)."""
-        return await settled_read(svc, snapshot_id, lambda: snapshots.get_snapshot(svc, snapshot_id, who.tenant),
+        return await settled_read(svc, snapshot_id,
+                                  lambda: describe_snapshots_req.get_snapshot(svc, snapshot_id, who.tenant),
                                   lambda x: x.status not in SNAPSHOT_BUSY, wait)
 
     @r.delete("/snapshots/{snapshot_id}", response_model=SnapshotOut, tags=["snapshots"])
     def delete_snapshot(snapshot_id: str, svc: Controller = Depends(services),
                         who: Principal = Depends(caller)) -> SnapshotOut:
-        return snapshots.delete_snapshot(svc, snapshot_id, who.tenant)
+        return delete_snapshot_req.delete_snapshot(svc, snapshot_id, who.tenant)
 
     @r.post("/snapshot-sets", response_model=SnapshotSetOut, tags=["snapshots"])
     def create_snapshot_set(body: CreateSnapshotSetRequest, svc: Controller = Depends(services),
@@ -252,7 +261,7 @@ def _snapshot_routes(r: APIRouter) -> None:
     @r.post("/snapshot-copies", response_model=SnapshotOut, tags=["snapshots"])
     def copy_snapshot(body: CopySnapshotRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> SnapshotOut:
-        return snapshots.copy_snapshot(svc, body, who.tenant)
+        return copy_snapshot_req.copy_snapshot(svc, body, who.tenant)
 
     @r.get("/snapshots/{snapshot_id}/permissions", response_model=SnapshotPermissionsOut, tags=["snapshots"])
     def snapshot_permissions(snapshot_id: str, svc: Controller = Depends(services),
@@ -276,7 +285,7 @@ def _node_routes(r: APIRouter) -> None:
     def instances(max_results: int | None = max_results_query(), next_token: str | None = next_token_query(),
                   svc: Controller = Depends(services), who: Principal = Depends(caller)) -> InstanceList:
         """Every key may list instances (attaching needs an instance id); only its tenant's attachments show."""
-        found, token = page_of(attachments.describe_instances(svc, who.tenant), lambda i: i.instance_id,
+        found, token = page_of(describe_instances_req.describe_instances(svc, who.tenant), lambda i: i.instance_id,
                                max_results, next_token)
         return InstanceList(instances=found, next_token=token)
 

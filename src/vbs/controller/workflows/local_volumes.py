@@ -25,10 +25,24 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.db.transitions import transition
 from vbs.controller.fleet.agents import HostAgent
 from vbs.controller.fleet.nodes import host_identity
-from vbs.controller.workflows import attach_detach as att
 from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows.attach_volume import (
+    AttachParams,
+    attach_rolled_back,
+    is_attached,
+    mark_attached,
+    unplug_forcibly,
+)
+from vbs.controller.workflows.copy_snapshot import snapshot_scratch
+from vbs.controller.workflows.create_snapshot import remove_snapshot
+from vbs.controller.workflows.detach_volume import (
+    DetachParams,
+    detach_ends_busy,
+    guest_holds_disk,
+    mark_detached,
+    unplug_from_vm,
+)
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
-from vbs.controller.workflows.snapshots import remove_snapshot, snapshot_scratch
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import NotFound
 from vbs.wire.connection import HostIdentity, LocalConnection
@@ -147,7 +161,7 @@ DELETE_LOCAL_VOLUME = shared.deletion("delete-local-volume", Volume, _remove_loc
 
 # -- attach and detach -------------------------------------------------------------------------------------
 
-def _plug_local(ctx: StepContext[att.AttachParams]) -> None:
+def _plug_local(ctx: StepContext[AttachParams]) -> None:
     p = ctx.params
     _host(ctx, p.host).attach(p.vm_id, p.serial, LocalConnection(pool=p.pool, volume_id=ctx.resource_id),
                               read_only=p.read_only, qos=p.limits.qos if p.limits is not None else p.qos)
@@ -155,23 +169,23 @@ def _plug_local(ctx: StepContext[att.AttachParams]) -> None:
 
 ATTACH_LOCAL_VOLUME = Workflow(
     kind="attach-local-volume",
-    params=att.AttachParams,
+    params=AttachParams,
     resume="rollback",
-    steps=(Step("host-attach", _plug_local, undo=att.unplug_forcibly),
-           Step("mark-attached", att.mark_attached, ends=True)),
-    on_rollback=att.attach_rolled_back,
-    finished=att.is_attached,
+    steps=(Step("host-attach", _plug_local, undo=unplug_forcibly),
+           Step("mark-attached", mark_attached, ends=True)),
+    on_rollback=attach_rolled_back,
+    finished=is_attached,
 )
 
 
-def _discard_non_persistent(ctx: StepContext[att.DetachParams]) -> None:
+def _discard_non_persistent(ctx: StepContext[DetachParams]) -> None:
     if not ctx.params.persistent:
         _host(ctx, ctx.params.host).remove_local_volume(ctx.params.pool, ctx.resource_id)
 
 
-def _mark_detached(ctx: StepContext[att.DetachParams]) -> None:
+def _mark_detached(ctx: StepContext[DetachParams]) -> None:
     """Detached; a non-persistent volume, whose data the host removed, is deleted with it."""
-    att.mark_detached(ctx)
+    mark_detached(ctx)
     if not ctx.params.persistent:
         with ctx.session() as s:
             transition(s, Volume, ctx.resource_id, VolumeState.DELETING, already_ok=True)
@@ -179,15 +193,15 @@ def _mark_detached(ctx: StepContext[att.DetachParams]) -> None:
                        status_reason="a non-persistent local volume is removed at detach")
 
 
-DETACH_LOCAL_VOLUME: Workflow[att.DetachParams] = Workflow(
+DETACH_LOCAL_VOLUME: Workflow[DetachParams] = Workflow(
     kind="detach-local-volume",
-    params=att.DetachParams,
+    params=DetachParams,
     resume="forward",
-    steps=(Step("host-detach", att.unplug_from_vm, skippable=lambda ctx: ctx.params.force),
+    steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
            Step("discard-non-persistent", _discard_non_persistent),
            Step("mark-detached", _mark_detached, ends=True)),
-    gives_up=att.guest_holds_disk,
-    on_give_up=att.detach_ends_busy,
+    gives_up=guest_holds_disk,
+    on_give_up=detach_ends_busy,
 )
 
 

@@ -31,7 +31,7 @@ from vbs.controller.db import Attachment, Instance, Node
 from vbs.controller.db.states import LIVE_ATTACHMENT
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_identity, host_info
-from vbs.controller.workflows.attach_detach import hypervisor_limits
+from vbs.controller.workflows.attach_volume import hypervisor_limits
 from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.steps import data_key, waiting
 from vbs.errors import DriverError, IncorrectState, NotFound, VbsError

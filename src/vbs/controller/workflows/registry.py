@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from vbs.controller.workflows.attach_detach import ATTACH_VOLUME, DETACH_VOLUME
-from vbs.controller.workflows.create_delete_volume import CREATE_VOLUME, DELETE_VOLUME
+from vbs.controller.workflows.attach_volume import ATTACH_VOLUME
+from vbs.controller.workflows.copy_snapshot import COPY_SNAPSHOT
+from vbs.controller.workflows.create_snapshot import CREATE_SNAPSHOT
 from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET
+from vbs.controller.workflows.create_volume import CREATE_VOLUME
 from vbs.controller.workflows.definition import Workflow
+from vbs.controller.workflows.delete_snapshot import DELETE_SNAPSHOT
+from vbs.controller.workflows.delete_volume import DELETE_VOLUME
+from vbs.controller.workflows.detach_volume import DETACH_VOLUME
 from vbs.controller.workflows.local_volumes import LOCAL_WORKFLOWS
 from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
 from vbs.controller.workflows.migrate_volume import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
 from vbs.controller.workflows.modify_volume import MODIFY_VOLUME
-from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, DELETE_SNAPSHOT
 
 __all__ = ["WORKFLOWS", "EXCLUSIVE_KINDS"]
 

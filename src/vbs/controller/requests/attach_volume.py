@@ -1,12 +1,9 @@
-"""Attach and detach as the API offers them, and describing hosts and instances.
-
-A volume is reserved (``available`` → ``in-use``, or a second attachment where multi-attach) and
-its attachment row written in one transaction with the operation that carries it out.
+"""AttachVolume as the API offers it: the instance (or host and VM) resolved, the volume reserved and the
+attachment recorded with its operation in one transaction, then handed to the attach workflow; and
+what is shared by the requests that change an instance's attachments.
 """
 
 from __future__ import annotations
-
-import json
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -16,20 +13,14 @@ from vbs.controller.db import Attachment, Instance, Node, Operation, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import LIVE_ATTACHMENT, UNFINISHED_OPERATION, AttachmentState, VolumeState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.db.transitions import transition, try_transition
+from vbs.controller.db.transitions import transition
 from vbs.controller.fleet.nodes import host_info, host_is_alive, is_alive
-from vbs.controller.requests.volumes import live_volume
+from vbs.controller.requests.describe_volumes import live_volume
 from vbs.controller.resolvers import is_cloud_ref
-from vbs.controller.rest.schemas import AttachmentOut, AttachVolumeRequest, DetachVolumeRequest, InstanceOut
+from vbs.controller.rest.schemas import AttachmentOut, AttachVolumeRequest
 from vbs.controller.runtime import Controller
-from vbs.controller.workflows.attach_detach import (
-    ATTACH_VOLUME,
-    DETACH_VOLUME,
-    AttachParams,
-    DetachParams,
-    volume_limits,
-)
-from vbs.controller.workflows.local_volumes import ATTACH_LOCAL_VOLUME, DETACH_LOCAL_VOLUME
+from vbs.controller.workflows.attach_volume import ATTACH_VOLUME, AttachParams, volume_limits
+from vbs.controller.workflows.local_volumes import ATTACH_LOCAL_VOLUME
 from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter, MissingParameter, NotFound, VolumeInUse
 
@@ -71,7 +62,7 @@ def _find_instance(s: Session, req: AttachVolumeRequest) -> Instance:
     return inst
 
 
-def _out(a: Attachment) -> AttachmentOut:
+def attachment_out(a: Attachment) -> AttachmentOut:
     return AttachmentOut(attachment_id=a.id, volume_id=a.volume_id, instance_id=a.instance_id, host=a.host,
                          vm_id=a.vm_id, device=a.device, mode=a.mode, state=a.status, state_reason=a.status_reason,
                          attach_time=a.created_at)
@@ -133,7 +124,7 @@ def attach_volume(svc: Controller, volume_id: str, req: AttachVolumeRequest, ten
             attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=inst.host, vm_id=inst.vm_id,
             read_only=req.read_only, serial=ids.virtio_serial(volume_id), limits=volume_limits(svc.cfg, vol)))
         warnings = rtt_warnings(s, inst.host, vol.storage_node, svc.cfg.rtt_warn_ms, svc.cfg.heartbeat_timeout_s)
-        out = _out(att).model_copy(update={"operation_id": op_id, "warnings": warnings})
+        out = attachment_out(att).model_copy(update={"operation_id": op_id, "warnings": warnings})
     svc.engine.submit(op_id)
     return out
 
@@ -152,63 +143,3 @@ def rtt_warnings(s: Session, host: str, storage_node: str, warn_ms: float, timeo
               if others and others[0][0] < measured.rtt_ms else "")
     return [f"host {host} measured an RTT of {measured.rtt_ms:.2f} ms to storage node {storage_node}, above "
             f"rtt_warn_ms {warn_ms:g} ms: remote I/O will be slower{nearer}"]
-
-
-def detach_volume(svc: Controller, volume_id: str, req: DetachVolumeRequest, tenant: str) -> AttachmentOut:
-    with svc.db.session() as s:
-        lock_rows(s, Volume, ids.check("volume", volume_id))
-        vol = live_volume(s, volume_id, tenant)
-        stmt = select(Attachment).where(Attachment.volume_id == volume_id, Attachment.status.in_(LIVE_ATTACHMENT))
-        if req.instance_id is not None:
-            stmt = stmt.where(Attachment.instance_id == req.instance_id)
-        live = list(s.scalars(stmt))
-        if not live:
-            # EC2's wording: Terraform looks for the state in this message.
-            raise IncorrectState(f"Volume '{volume_id}' is in the '{vol.status}' state"
-                                 + (f" and not attached to '{req.instance_id}'." if req.instance_id else "."),
-                                 code="IncorrectState")
-        if len(live) > 1:
-            raise MissingParameter("The volume is attached to several instances: give instance_id.")
-        att = live[0]
-        if att.instance_id is not None:
-            migration_in_progress(s, att.instance_id)
-        if not try_transition(s, Attachment, att.id, AttachmentState.DETACHING, status_reason=None):
-            raise IncorrectState(f"The attachment of '{volume_id}' is {att.status}; wait until it is attached.")
-        detach = DetachParams(attachment_id=att.id, node=vol.storage_node, pool=vol.pool, host=att.host,
-                              vm_id=att.vm_id, serial=ids.virtio_serial(volume_id), force=req.force,
-                              timeout=svc.cfg.detach_timeout_s)
-        if vol.placement == "local":
-            op_id = svc.engine.begin(s, DETACH_LOCAL_VOLUME, volume_id,
-                                     detach.model_copy(update={"persistent": vol.persistent}))
-        else:
-            op_id = svc.engine.begin(s, DETACH_VOLUME, volume_id, detach)
-        s.refresh(att)
-        out = _out(att).model_copy(update={"operation_id": op_id})
-    svc.engine.submit(op_id)
-    return out
-
-
-def describe_instances(svc: Controller, tenant: str) -> list[InstanceOut]:
-    """The VMs host agents report, each with the attachments of ``tenant``'s volumes only.
-
-    Every key may list instances (attaching needs an instance id); another tenant's volumes on them stay hidden.
-    """
-    with svc.db.read() as s:
-        insts = list(s.scalars(select(Instance).where(Instance.state != "gone").order_by(Instance.host,
-                                                                                         Instance.vm_id)))
-        atts: dict[str, list[AttachmentOut]] = {i.id: [] for i in insts}
-        owned = select(Volume.id).where(Volume.tenant == tenant)
-        for a in s.scalars(select(Attachment).where(Attachment.status.in_(LIVE_ATTACHMENT),
-                                                    Attachment.volume_id.in_(owned))):
-            if a.instance_id in atts:
-                atts[a.instance_id].append(_out(a))
-        return [InstanceOut(instance_id=i.id, host=i.host, vm_id=i.vm_id, name=i.name, state=i.state,
-                            volumes=atts[i.id], cloud_ids=_cloud_ids(i)) for i in insts]
-
-
-def _cloud_ids(inst: Instance) -> dict[str, str]:
-    try:
-        found = json.loads(inst.cloud_ids or "{}")
-    except ValueError:
-        return {}
-    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}

@@ -1,10 +1,11 @@
-"""Volume workflows: create (rolls back if interrupted) and delete (rolls forward)."""
+"""The create-volume workflow (rolls back if interrupted): the storage node makes the volume (empty, or
+from a snapshot, with progress), then it is marked available.
+"""
 
 from __future__ import annotations
 
 from vbs.controller.db import Volume
 from vbs.controller.db.states import VolumeState
-from vbs.controller.db.tables import utcnow
 from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.engine import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
@@ -47,6 +48,3 @@ CREATE_VOLUME = Workflow(
     on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
     finished=shared.has_left(Volume, VolumeState.CREATING),
 )
-
-DELETE_VOLUME = shared.deletion("delete-volume", Volume, remove_from_storage, exclusive=True,
-                                deleted_at=utcnow)

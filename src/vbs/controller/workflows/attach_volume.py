@@ -1,11 +1,10 @@
-"""Attach (rolls back if anything fails or is interrupted) and detach (rolls forward).
+"""The attach-volume workflow (rolls back if anything fails or is interrupted): export for the host, then
+hot-plug into the VM, then mark it attached. Its steps are also what detach and live migration undo.
 
-The order matters both ways: export, then hot-plug; unplug, then remove the export — removing an
-iSCSI target under a live session hangs the client forever.
-
-The connection a host gets (with its CHAP or TLS-PSK secret) is never stored: the export step keeps
-it in memory for the plug step, and after a restart the plug step asks the storage agent again (the
-same export gives the same connection).
+The order matters both ways: export, then hot-plug; unplug, then remove the export (removing an iSCSI
+target under a live session hangs the client forever). The connection a host gets (with its CHAP or
+TLS-PSK secret) is never stored: the export step keeps it in memory for the plug step, and after a
+restart the plug step asks the storage agent again (the same export gives the same connection).
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from vbs.controller.db.states import LIVE_ATTACHMENT, AttachmentState, VolumeSta
 from vbs.controller.db.transitions import transition, try_transition
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.placement import volume_types
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.engine import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams, data_key, storage_agent, waiting
-from vbs.errors import DeviceBusy, NotFound
+from vbs.errors import NotFound
 from vbs.wire.host import QoS
 from vbs.wire.qos import ExportLimits
 from vbs.wire.storage import ConnectionAnswer
@@ -39,19 +38,6 @@ class AttachParams(StorageParams):
     qos: QoS | None = None  # operations begun before ``limits``: the hypervisor's limits
     # The volume's limits: the storage node enforces them where its export daemon can, else the hypervisor.
     limits: ExportLimits | None = None
-
-
-class DetachParams(Params):
-    attachment_id: str
-    node: str
-    pool: str = ""  # older controllers did not record it: read from the volume then
-    host: str
-    vm_id: str
-    serial: str
-    force: bool = False
-    timeout: float = 10.0
-    # A local volume (semi-shared storage) that outlives its detach; a non-persistent one is removed.
-    persistent: bool = False
 
 
 def volume_limits(cfg: ControllerConfig, vol: Volume) -> ExportLimits:
@@ -122,11 +108,6 @@ def unplug_forcibly(ctx: StepContext[AttachParams]) -> None:
     ctx.services.agents.host(p.host).detach(p.vm_id, p.serial, force=True, timeout=10.0)
 
 
-def unplug_from_vm(ctx: StepContext[DetachParams]) -> None:
-    p = ctx.params
-    ctx.services.agents.host(p.host).detach(p.vm_id, p.serial, force=p.force, timeout=p.timeout)
-
-
 def release_volume_if_free(s: Session, volume_id: str) -> None:
     """``in-use`` → ``available`` once no live attachment is left: one conditional statement, after the
     volume's row is locked (``try_transition``), so an attach that committed meanwhile is seen."""
@@ -134,7 +115,7 @@ def release_volume_if_free(s: Session, volume_id: str) -> None:
     try_transition(s, Volume, volume_id, VolumeState.AVAILABLE, ~others, from_states=[VolumeState.IN_USE])
 
 
-def _settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None = None) -> None:
+def settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None = None) -> None:
     with ctx.session() as s:
         lock_rows(s, Volume, ctx.resource_id)  # the volume before its attachments (db.locks' order)
         transition(s, Attachment, ctx.params.attachment_id, to_state, already_ok=True,
@@ -143,27 +124,11 @@ def _settle(ctx: StepContext[Any], to_state: AttachmentState, reason: str | None
 
 
 def mark_attached(ctx: StepContext[AttachParams]) -> None:
-    _settle(ctx, AttachmentState.ATTACHED)
-
-
-def mark_detached(ctx: StepContext[DetachParams]) -> None:
-    _settle(ctx, AttachmentState.DETACHED)
+    settle(ctx, AttachmentState.ATTACHED)
 
 
 def attach_rolled_back(ctx: StepContext[AttachParams], reason: str) -> None:
-    _settle(ctx, AttachmentState.DETACHED, f"the attach failed and was rolled back: {reason}")
-
-
-def detach_ends_busy(ctx: StepContext[DetachParams], reason: str) -> None:
-    """The detach could not finish: the attachment is ``busy``; detach again, or with force."""
-    _settle(ctx, AttachmentState.BUSY, reason)
-
-
-def guest_holds_disk(ctx: StepContext[DetachParams], exc: Exception) -> bool:
-    if not isinstance(exc, DeviceBusy):
-        return False
-    detach_ends_busy(ctx, exc.message)
-    return True
+    settle(ctx, AttachmentState.DETACHED, f"the attach failed and was rolled back: {reason}")
 
 
 def is_attached(ctx: StepContext[AttachParams]) -> bool:
@@ -182,18 +147,4 @@ ATTACH_VOLUME = Workflow(
            Step("mark-attached", mark_attached, ends=True)),
     on_rollback=attach_rolled_back,
     finished=is_attached,
-)
-
-DETACH_VOLUME = Workflow(
-    kind="detach-volume",
-    exclusive=True,
-    params=DetachParams,
-    resume="forward",
-    # A forced detach whose host never answers goes on without it: removing the export cuts the
-    # VM off the volume all the same, and the reconciler unplugs the dead disk once the host is back.
-    steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
-           Step("storage-unexport", unexport_volume),
-           Step("mark-detached", mark_detached, ends=True)),
-    gives_up=guest_holds_disk,
-    on_give_up=detach_ends_busy,
 )

@@ -1,0 +1,45 @@
+"""DeleteSnapshot as the API offers it: refused while a volume is being made from it, else moved to
+``deleting`` with its operation in one transaction and handed to the delete-snapshot workflow.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import exists, select
+from sqlalchemy.orm import aliased
+
+from vbs import ids
+from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.states import SnapshotState, VolumeState
+from vbs.controller.db.transitions import transition
+from vbs.controller.requests import snapshot_permissions as sharing
+from vbs.controller.requests.describe_snapshots import describe_many, snapshot_not_found
+from vbs.controller.rest.schemas import SnapshotOut
+from vbs.controller.runtime import Controller
+from vbs.controller.workflows.delete_snapshot import DELETE_SNAPSHOT
+from vbs.controller.workflows.steps import StorageParams
+from vbs.errors import SnapshotInUse
+
+
+def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
+    ids.check("snapshot", snapshot_id)
+    with svc.db.session() as s:
+        snap = s.get(Snapshot, snapshot_id)
+        if snap is None or snap.status in (SnapshotState.DELETED, SnapshotState.DELETING) or snap.tenant != tenant:
+            raise snapshot_not_found(snapshot_id)
+        copying = exists().where(Volume.snapshot_id == snapshot_id, Volume.status == VolumeState.CREATING)
+        if s.scalar(select(copying)):
+            raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied into a new volume; "
+                                "delete it when that volume is available.")
+        copy = aliased(Snapshot)
+        copied = exists().where(copy.source_snapshot_id == snapshot_id, copy.status == SnapshotState.PENDING)
+        if s.scalar(select(copied)):
+            raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied (CopySnapshot); "
+                                "delete it when the copy is completed.")
+        transition(s, Snapshot, snapshot_id, SnapshotState.DELETING, ~copying, ~copied)
+        sharing.forget(s, [snapshot_id])
+        op_id = svc.engine.begin(s, DELETE_SNAPSHOT, snapshot_id, StorageParams(node=snap.storage_node,
+                                                                                   pool=snap.pool))
+        s.refresh(snap)
+        out = describe_many(s, [snap])[0]
+    svc.engine.submit(op_id)
+    return out
