@@ -128,7 +128,7 @@ def test_a_write_by_a_controller_that_lost_the_operation_raises_lease_lost(db: D
     with db.session() as s:
         s.execute(Operation.__table__.update().where(Operation.id == op_id).values(owner="b", fence=op.fence + 1))
     with pytest.raises(LeaseLost):
-        a._set_step(ctx, 0, "started")
+        a.records.set_step(ctx, 0, "started")
     assert steps(db, op_id) == ["pending"], "nothing of the write is left"
     a.stop()
 

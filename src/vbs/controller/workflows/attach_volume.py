@@ -21,7 +21,7 @@ from vbs.controller.db.states import LIVE_ATTACHMENT, AttachmentState, VolumeSta
 from vbs.controller.db.transitions import transition, try_transition
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.placement import volume_types
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams, data_key, storage_agent, waiting
 from vbs.errors import NotFound
 from vbs.wire.host import QoS

@@ -10,7 +10,7 @@ from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.create_snapshot import remove_snapshot
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 
 

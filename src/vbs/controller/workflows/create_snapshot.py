@@ -21,7 +21,7 @@ from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.states import AttachmentState, SnapshotState
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
 

@@ -21,7 +21,7 @@ from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.transitions import transition
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.errors import IncorrectState, PointInTimeUnavailable
 
 PAUSE_HOLD_S = 30

@@ -7,7 +7,7 @@ from __future__ import annotations
 from vbs.controller.db import Volume
 from vbs.controller.db.states import VolumeState
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vbs.controller.db.states import AttachmentState
 from vbs.controller.workflows.attach_volume import settle, unexport_volume
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.errors import DeviceBusy
 
 

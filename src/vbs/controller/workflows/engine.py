@@ -33,54 +33,34 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import cache
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
-from sqlalchemy import Table, Update, bindparam, delete, insert, select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Database, Operation, OperationStep, plain
+from vbs.controller.db import Database, Operation, plain
 from vbs.controller.db.states import UNFINISHED_OPERATION, OperationState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.rest.after_answer import after_answer
-from vbs.controller.rest.completion import OperationEnds
 from vbs.controller.services import Services
-from vbs.controller.workflows.definition import P, Params, Step, StepContext, Workflow
+from vbs.controller.workflows.definition import P, StepContext, Workflow
 from vbs.controller.workflows.faults import FaultHooks
 from vbs.controller.workflows.leases import OperationLeases
+from vbs.controller.workflows.records import OPERATIONS, STEPS, OperationRecords
 from vbs.errors import AgentUnreachable, DriverError, IncorrectState, LeaseLost, StaleFence
 from vbs.trust import fencing
 
-__all__ = ["Params", "StepContext", "Step", "Workflow", "WorkflowEngine"]
+__all__ = ["WorkflowEngine", "OperationStamp"]
 
 log = logging.getLogger(__name__)
 
-MAX_RETRY_DELAY_S = 60.0
-# The tables the engine's own bookkeeping reads and writes with Core statements (see _op_update).
-_OPERATIONS = cast(Table, Operation.__table__)
-_STEPS = cast(Table, OperationStep.__table__)
 EXCLUSIVE_ATTEMPTS = 5  # inserts of an exclusive operation whose slot another one was just leaving
-
-
-@dataclass
-class _Ending:
-    cancelled: bool = False
-
-
-def _ended(status: OperationState, error: str | None) -> dict[str, Any]:
-    values: dict[str, Any] = {"status": status, "next_attempt_at": None, "failing_since": None,
-                              "updated_at": utcnow()}
-    if error is not None:
-        values["error"] = error[:4000]
-    return values
 
 
 def _stop_if_fenced_off(exc: Exception) -> None:
@@ -94,26 +74,6 @@ def _stop_if_fenced_off(exc: Exception) -> None:
 
 def _message(exc: Exception) -> str:
     return str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
-
-
-# The engine's own writes, made for every step of every operation, are plain statements built once per
-# set of columns (vbs.controller.db.plain): neither a statement built per write nor the ORM's bulk path
-# (together about a fifth of a create's workflow CPU before).
-@cache
-def _op_update(columns: frozenset[str]) -> Update:
-    """UPDATE operations SET ``columns`` WHERE it is still the run's (id, owner, fence)."""
-    c = _OPERATIONS.c
-    return plain.update_of(_OPERATIONS, columns, c.id == bindparam("w_id"), c.owner == bindparam("w_owner"),
-                           c.fence == bindparam("w_fence"))
-
-
-@cache
-def _steps_update(columns: frozenset[str], several: bool) -> Update:
-    """UPDATE operation_steps SET ``columns`` WHERE operation_id = ``w_id`` AND position = ``w_pos``
-    (``several``: position IN the list ``w_pos``)."""
-    c = _STEPS.c
-    position = c.position.in_(bindparam("w_pos", expanding=True)) if several else c.position == bindparam("w_pos")
-    return plain.update_of(_STEPS, columns, c.operation_id == bindparam("w_id"), position)
 
 
 class OperationStamp(NamedTuple):
@@ -137,9 +97,9 @@ class OperationRecord(NamedTuple):
     created_at: datetime
 
 
-_RUN_QUERY = select(*(_OPERATIONS.c[name] for name in OperationRecord._fields)).where(
-    _OPERATIONS.c.id == bindparam("op_id"))
-_STEPS_QUERY = select(_STEPS.c.position, _STEPS.c.state).where(_STEPS.c.operation_id == bindparam("op_id"))
+_RUN_QUERY = select(*(OPERATIONS.c[name] for name in OperationRecord._fields)).where(
+    OPERATIONS.c.id == bindparam("op_id"))
+_STEPS_QUERY = select(STEPS.c.position, STEPS.c.state).where(STEPS.c.operation_id == bindparam("op_id"))
 
 
 class WorkflowEngine:
@@ -148,9 +108,6 @@ class WorkflowEngine:
                  lease_s: float = 15.0, on_end: Callable[[str, str, datetime | None], None] | None = None) -> None:
         """``on_end(kind, outcome, started_at)`` hears of every operation this engine ends."""
         self.db = db
-        self._on_end = on_end
-        # Wakes the API requests that wait for an operation or its resource (GET ...?wait=N).
-        self.ends = OperationEnds()
         self.owner = owner
         self._lease = timedelta(seconds=lease_s)
         self.workflows: dict[str, Workflow[Any]] = {w.kind: w for w in workflows}
@@ -160,8 +117,10 @@ class WorkflowEngine:
         self._lock = threading.Lock()
         # Crash points, injected failures and holds (tests: vbs.controller.workflows.faults).
         self.faults = FaultHooks()
-        self._retry_interval = retry_interval
-        self._give_up_after = timedelta(seconds=give_up_after)
+        self.records = OperationRecords(db, owner, retry_interval=retry_interval,
+                                        give_up_after=timedelta(seconds=give_up_after), on_end=on_end)
+        # Wakes the API requests that wait for an operation or its resource (GET ...?wait=N).
+        self.ends = self.records.ends
         self._stop = threading.Event()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="workflow-retry", daemon=True)
         self.leases = OperationLeases(db, owner, self._lease, resume=lambda op_id: self.submit(op_id, resuming=True))
@@ -206,8 +165,8 @@ class WorkflowEngine:
             # Nothing can refuse it: no savepoint (two more statements), and a plain INSERT. No other
             # transaction waits on these rows, so a create writes them before its resource's row (whose
             # insert other creates wait on until it commits: ``volumes._insert_volume``).
-            plain.execute(session, insert(_OPERATIONS), row)
-        plain.execute(session, insert(_STEPS), [
+            plain.execute(session, insert(OPERATIONS), row)
+        plain.execute(session, insert(STEPS), [
             {"operation_id": op_id, "position": pos, "name": step.name, "state": "pending", "error": None,
              "updated_at": now} for pos, step in enumerate(workflow.steps)])
         return op_id
@@ -266,14 +225,7 @@ class WorkflowEngine:
 
     def purge(self, retention_s: float) -> int:
         """Forget finished operations (and their steps) older than ``retention_s``."""
-        cutoff = utcnow() - timedelta(seconds=retention_s)
-        with self.db.session() as s:
-            old = list(s.scalars(select(Operation.id).where(Operation.status.not_in(UNFINISHED_OPERATION),
-                                                            Operation.updated_at < cutoff).limit(1000)))
-            if old:
-                s.execute(delete(OperationStep).where(OperationStep.operation_id.in_(old)))
-                s.execute(delete(Operation).where(Operation.id.in_(old)))
-        return len(old)
+        return self.records.purge(retention_s)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -289,7 +241,7 @@ class WorkflowEngine:
         except Exception:
             # The DB is unreachable or a bug: leave the operation for the retry loop.
             log.exception("operation %s: engine error", op_id)
-            self._retry_later(op_id, "engine error")
+            self.records.retry_later(op_id, "engine error")
         finally:
             with self._lock:
                 self._inflight.discard(op_id)
@@ -301,8 +253,8 @@ class WorkflowEngine:
             raise DriverError(f"operation {op.id}: unreadable parameters ({exc.error_count()} problems)") from exc
         ctx: StepContext[Any] = StepContext(op.id, op.resource_id, params, self.services, fence=op.fence,
                                             kind=op.kind, started_at=op.created_at)
-        ctx.save = lambda: self._save_params(ctx)
-        ctx.guard = lambda s: self._guard(s, ctx)
+        ctx.save = lambda: self.records.save_params(ctx)
+        ctx.guard = lambda s: self.records.guard(s, ctx)
         return ctx
 
     def _run(self, op_id: str, resuming: bool) -> None:
@@ -329,7 +281,7 @@ class WorkflowEngine:
             if op.status == OperationState.ROLLING_BACK:
                 log.warning("operation %s: past its point of no return; going forward instead of rolling back",
                             ctx.operation_id)
-                self._set_op(ctx, status=OperationState.RUNNING, failing_since=None)
+                self.records.set_op(ctx, status=OperationState.RUNNING, failing_since=None)
             self._forward(workflow, ctx, steps)
         elif op.status == OperationState.ROLLING_BACK:
             self._rollback(workflow, ctx, steps, op.error or "rolled back")
@@ -338,10 +290,10 @@ class WorkflowEngine:
                 or (workflow.finished is not None and workflow.finished(ctx))):
             # Everything was done; only the operation's own record was missing. Undoing it now would
             # destroy a finished volume or attachment.
-            self._finish(ctx, OperationState.SUCCEEDED)
+            self.records.finish(ctx, OperationState.SUCCEEDED)
         elif resuming and workflow.rolls_back_after(steps):
             reason = "interrupted by a controller restart"
-            self._set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
+            self.records.set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
         else:
             self._forward(workflow, ctx, steps)
@@ -356,12 +308,12 @@ class WorkflowEngine:
                 # A closing step writes only in the transaction that ends the operation, so a crash
                 # before that commit finds it pending or started alike: its own "started" commit (a
                 # fifth of a create's) is left out, unless reaching it is what decides the direction.
-                self._set_step(ctx, pos, "started")
+                self.records.set_step(ctx, pos, "started")
             self.faults.maybe_crash(workflow.kind, step.name, "started")
             try:
                 self.faults.before_call(workflow.kind, step.name)
                 if step.ends:
-                    with self._ending(ctx, OperationState.SUCCEEDED, done=(*unrecorded, pos)):
+                    with self.records.ending(ctx, OperationState.SUCCEEDED, done=(*unrecorded, pos)):
                         step.do(ctx)
                         self.faults.maybe_fail(workflow.kind, step.name, "after")
                     self.faults.maybe_crash(workflow.kind, step.name, "done")
@@ -378,28 +330,29 @@ class WorkflowEngine:
                 if workflow.rolls_back_at(pos) and not self._committed(workflow, ctx):
                     # A call that never reached its agent changed nothing there: no undo is owed for it.
                     steps[pos] = "pending" if isinstance(exc, AgentUnreachable) else "started"
-                    self._set_step(ctx, pos, steps[pos], error=message)
-                    self._set_op(ctx, status=OperationState.ROLLING_BACK, error=message,
+                    self.records.set_step(ctx, pos, steps[pos], error=message)
+                    self.records.set_op(ctx, status=OperationState.ROLLING_BACK, error=message,
                                  failing_since=None)
                     self._rollback(workflow, ctx, steps, message)
                     return
-                self._set_step(ctx, pos, "started", error=message)
+                self.records.set_step(ctx, pos, "started", error=message)
                 if workflow.gives_up is not None:
-                    with self._ending(ctx, OperationState.FAILED, message) as ending:
+                    with self.records.ending(ctx, OperationState.FAILED, message) as ending:
                         ending.cancelled = not workflow.gives_up(ctx, exc)
                     if not ending.cancelled:
                         return
-                if not self._exhausted(ctx):
-                    self._retry_later(ctx, message)
+                if not self.records.exhausted(ctx):
+                    self.records.retry_later(ctx, message)
                     return
                 if step.skippable is not None and step.skippable(ctx):
                     log.warning("operation %s: giving up on step %s, which may be skipped: %s", ctx.operation_id,
                                 step.name, message)
-                    self._set_step(ctx, pos, "skipped", error=message)
-                    self._set_op(ctx, failing_since=None)
+                    self.records.set_step(ctx, pos, "skipped", error=message)
+                    self.records.set_op(ctx, failing_since=None)
                     continue
-                reason = f"gave up after {self._give_up_after.total_seconds():g}s of failures at {step.name}: {message}"
-                with self._ending(ctx, OperationState.FAILED, reason):
+                reason = (f"gave up after {self.records.give_up_after.total_seconds():g}s of failures at "
+                          f"{step.name}: {message}")
+                with self.records.ending(ctx, OperationState.FAILED, reason):
                     if workflow.on_give_up is not None:
                         workflow.on_give_up(ctx, reason)
                 return
@@ -411,9 +364,9 @@ class WorkflowEngine:
                 # undoes both; roll-forward repeats the call, and agent calls are idempotent).
                 unrecorded.append(pos)
             else:
-                self._set_step(ctx, pos, "done", succeeded=True)
+                self.records.set_step(ctx, pos, "done", succeeded=True)
             self.faults.maybe_crash(workflow.kind, step.name, "done")
-        self._finish(ctx, OperationState.SUCCEEDED)
+        self.records.finish(ctx, OperationState.SUCCEEDED)
 
     def _rollback(self, workflow: Workflow[Any], ctx: StepContext[Any], steps: dict[int, str], reason: str) -> None:
         for pos in sorted(steps, reverse=True):
@@ -426,25 +379,25 @@ class WorkflowEngine:
                 except Exception as exc:
                     _stop_if_fenced_off(exc)
                     message = _message(exc)
-                    if not self._exhausted(ctx):
+                    if not self.records.exhausted(ctx):
                         log.warning("operation %s: undo of %s failed (will retry): %s", ctx.operation_id,
                                     step.name, message)
-                        self._retry_later(ctx, reason)
+                        self.records.retry_later(ctx, reason)
                         return
                     # Its target stays unreachable: leave what it holds to the reconciler (an orphan
                     # export or disk is removed once it answers again) and undo the rest.
                     log.error("operation %s: abandoning the undo of %s: %s", ctx.operation_id, step.name, message)
                     steps[pos] = "abandoned"
-                    self._set_step(ctx, pos, "abandoned", error=message)
-                    self._set_op(ctx, failing_since=None)
+                    self.records.set_step(ctx, pos, "abandoned", error=message)
+                    self.records.set_op(ctx, failing_since=None)
                     continue
             steps[pos] = "undone"
             # The error stays: why the step failed (a tool's own words) is what an operator reads.
-            self._set_step(ctx, pos, "undone", succeeded=True, keep_error=True)
+            self.records.set_step(ctx, pos, "undone", succeeded=True, keep_error=True)
         abandoned = [workflow.steps[p].name for p, state in steps.items() if state == "abandoned"]
-        ending = (self._ending(ctx, OperationState.FAILED, f"{reason}; rolled back, but could not undo "
+        ending = (self.records.ending(ctx, OperationState.FAILED, f"{reason}; rolled back, but could not undo "
                                                               f"{', '.join(abandoned)} (left to reconciliation)")
-                  if abandoned else self._ending(ctx, OperationState.ROLLED_BACK))
+                  if abandoned else self.records.ending(ctx, OperationState.ROLLED_BACK))
         with ending:
             if workflow.on_rollback is not None:
                 workflow.on_rollback(ctx, reason)
@@ -463,113 +416,8 @@ class WorkflowEngine:
                         ctx.operation_id, _message(exc))
             return False
 
-    # -- bookkeeping ---------------------------------------------------------------------------
-
-    def _update_op(self, s: Session, ctx: StepContext[Any], **values: Any) -> None:
-        """Write the operation row if it is still ours with the same fence, or raise ``LeaseLost`` if
-        another controller took it over. What the transaction's ORM objects hold is flushed first
-        (``plain.execute``): resource rows are written, and locked, before the operation's."""
-        result = plain.execute(s, _op_update(frozenset(values)),
-                               plain.bound(values, id=ctx.operation_id, owner=self.owner, fence=ctx.fence))
-        if getattr(result, "rowcount", 0) != 1:
-            raise LeaseLost(f"operation {ctx.operation_id} is no longer this controller's ({self.owner}, "
-                            f"fence {ctx.fence})")
-
-    def _guard(self, s: Session, ctx: StepContext[Any]) -> None:
-        # On PostgreSQL this also locks the row until the transaction ends: no adoption in between.
-        # Call it after the transaction's other writes (lock order: resources, then operations).
-        self._update_op(s, ctx, updated_at=utcnow())
-
-    def _set_step(self, ctx: StepContext[Any], pos: int, state: str, *, error: str | None = None,
-                  succeeded: bool = False, keep_error: bool = False) -> None:
-        with self.db.session() as s:
-            values: dict[str, Any] = {"params": ctx.params.model_dump(mode="json"), "updated_at": utcnow()}
-            if succeeded:
-                values["failing_since"] = None  # the clock of give_up_after restarts at the next failure
-            self._update_op(s, ctx, **values)
-            step_values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
-            if not keep_error:
-                step_values["error"] = error
-            plain.execute(s, _steps_update(frozenset(step_values), False),
-                          plain.bound(step_values, id=ctx.operation_id, pos=pos))
-
-    def _save_params(self, ctx: StepContext[Any]) -> None:
-        self._set_op(ctx, params=ctx.params.model_dump(mode="json"))
-
-    def _set_op(self, ctx: StepContext[Any], **values: Any) -> None:
-        with self.db.session() as s:
-            self._update_op(s, ctx, updated_at=utcnow(), **values)
-
-    def _finish(self, ctx: StepContext[Any], status: OperationState, error: str | None = None) -> None:
-        with self.db.session() as s:
-            self._update_op(s, ctx, **_ended(status, error))
-        self._ended(ctx, status)
-
-    def _ended(self, ctx: StepContext[Any], status: OperationState) -> None:
-        """Tell the waiters and ``on_end`` of an ending, once its transaction committed."""
-        self.ends.signal(ctx.operation_id, ctx.resource_id)
-        if self._on_end is not None:
-            try:
-                self._on_end(ctx.kind, str(status), ctx.started_at)
-            except Exception:
-                log.exception("recording the end of operation %s", ctx.operation_id)
-
-    @contextmanager
-    def _ending(self, ctx: StepContext[Any], status: OperationState, error: str | None = None, *,
-                done: tuple[int, ...] = ()) -> Iterator[_Ending]:
-        """One transaction for what the block writes through ``ctx.session()``, the steps at the
-        positions ``done`` recorded done (the closing step, and the one before it) and the operation
-        ended ``status`` — unless the block sets ``cancelled`` (then only its own writes commit)."""
-        ending = _Ending()
-        with self.db.session() as s:
-            ctx.tx = s
-            try:
-                yield ending
-            finally:
-                ctx.tx = None
-            # The operation row is written last, conditional on owner and fence (LeaseLost rolls the
-            # whole transaction back): resource rows are locked before operation rows, as in the API.
-            if ending.cancelled:
-                self._guard(s, ctx)
-                return
-            if done:
-                step_values = {"state": "done", "error": None, "updated_at": utcnow()}  # after the block's writes
-                plain.execute(s, _steps_update(frozenset(step_values), True),
-                              plain.bound(step_values, id=ctx.operation_id, pos=list(done)))
-            self._update_op(s, ctx, params=ctx.params.model_dump(mode="json"), **_ended(status, error))
-        self._ended(ctx, status)
-
-    def _exhausted(self, ctx: StepContext[Any]) -> bool:
-        """Whether the operation's current failure has lasted ``give_up_after`` (starts its clock)."""
-        now = utcnow()
-        with self.db.session() as s:
-            op = s.get(Operation, ctx.operation_id, with_for_update=True)  # read, then written: no lost update
-            if op is None or op.owner != self.owner or op.fence != ctx.fence:
-                raise LeaseLost(f"operation {ctx.operation_id} is no longer this controller's")
-            since: datetime | None = op.failing_since
-            if since is None:
-                op.failing_since = now
-                return False
-            return now - since >= self._give_up_after
-
-    def _retry_later(self, ctx: StepContext[Any] | str, error: str) -> None:
-        """Schedule the next attempt (``ctx``: of this run; an operation id: of whatever run of this
-        controller's had it)."""
-        op_id = ctx if isinstance(ctx, str) else ctx.operation_id
-        with self.db.session() as s:
-            op = s.get(Operation, op_id, with_for_update=True)
-            if op is None or op.owner != self.owner or (not isinstance(ctx, str) and op.fence != ctx.fence):
-                return
-            delay = min(MAX_RETRY_DELAY_S, self._retry_interval * (2 ** min(op.attempts, 6)),
-                        max(self._retry_interval, self._give_up_after.total_seconds() / 4))
-            op.attempts += 1
-            op.error = error[:4000]
-            op.failing_since = op.failing_since or utcnow()
-            op.next_attempt_at = utcnow() + timedelta(seconds=delay)
-            op.updated_at = utcnow()
-
     def _retry_loop(self) -> None:
-        while not self._stop.wait(self._retry_interval / 2):
+        while not self._stop.wait(self.records.retry_interval / 2):
             try:
                 with self.db.session() as s:
                     due = s.scalars(select(Operation.id).where(

@@ -35,6 +35,7 @@ from vbs.controller.workflows.attach_volume import (
 )
 from vbs.controller.workflows.copy_snapshot import snapshot_scratch
 from vbs.controller.workflows.create_snapshot import remove_snapshot
+from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.detach_volume import (
     DetachParams,
     detach_ends_busy,
@@ -42,7 +43,6 @@ from vbs.controller.workflows.detach_volume import (
     mark_detached,
     unplug_from_vm,
 )
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import NotFound
 from vbs.wire.connection import HostIdentity, LocalConnection

@@ -32,7 +32,7 @@ from vbs.controller.db.states import LIVE_ATTACHMENT
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.workflows.attach_volume import hypervisor_limits
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.steps import data_key, waiting
 from vbs.errors import DriverError, IncorrectState, NotFound, VbsError
 from vbs.wire.host import MIGRATION_ACTIVE_STATES, MigrationInfo, QoS

@@ -35,7 +35,7 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.attach_volume import volume_limits
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, MirrorLost, NotFound
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection

@@ -17,7 +17,7 @@ from vbs import ids
 from vbs.controller.db import Attachment, Volume, VolumeModification
 from vbs.controller.db.states import AttachmentState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.workflows.engine import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams, storage_agent
 from vbs.errors import AgentUnavailable, IncorrectState, RetryLater
 from vbs.wire.qos import ExportLimits

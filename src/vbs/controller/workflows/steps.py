@@ -15,7 +15,7 @@ from vbs.controller.db import Snapshot, Volume
 from vbs.controller.db.tables import utcnow
 from vbs.controller.db.transitions import Stateful, transition
 from vbs.controller.fleet.agents import StorageAgent
-from vbs.controller.workflows.engine import Params, Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.errors import AgentUnavailable, DriverError, RetryLater
 from vbs.wire.storage import ItemStatus
 
