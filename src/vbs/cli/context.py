@@ -3,7 +3,7 @@ controller), KEY=VALUE tags, describe's pages, and an operation's outcome."""
 
 # No ``from __future__ import annotations`` in the CLI's command modules: Typer reads every command's
 # signature, and string annotations would be evaluated again on each run.
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlencode
 
 import typer
@@ -15,6 +15,15 @@ from vbs.net.endpoints import DEFAULT_CONTROLLER_PORT
 
 if TYPE_CHECKING:
     from vbs.net.api_client import ApiClient
+
+# Options several client commands take, declared once.
+TagOpt = Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")]
+CommentOpt = Annotated[str, typer.Option()]
+# A describe's: the ids, filters and one page.
+IdsArg = Annotated[list[str] | None, typer.Argument()]
+FilterOpt = Annotated[list[str] | None, typer.Option("--filter", help="name=value, repeatable.")]
+MaxResultsOpt = Annotated[int | None, typer.Option()]
+NextTokenOpt = Annotated[str | None, typer.Option()]
 
 
 class Context:

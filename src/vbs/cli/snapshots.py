@@ -9,19 +9,22 @@ import typer
 
 from vbs.cli import output
 from vbs.cli.client import wait_for
-from vbs.cli.context import Context, describe, tags
+from vbs.cli.context import CommentOpt, Context, FilterOpt, IdsArg, MaxResultsOpt, NextTokenOpt, TagOpt, describe, tags
 
 # Registered into the app by vbs.cli.main, in the order of ``vbs --help``.
 commands = typer.Typer()
+
+# The --wait of the commands that make one snapshot.
+WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")]
 
 
 @commands.command("create-snapshot")
 def create_snapshot(
     ctx: typer.Context,
     volume_id: str,
-    comment: Annotated[str, typer.Option()] = "",
-    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")] = False,
+    comment: CommentOpt = "",
+    tag: TagOpt = None,
+    wait: WaitOpt = False,
 ) -> None:
     """Snapshot a volume (crash-consistent; also of an in-use volume)."""
     c: Context = ctx.obj
@@ -43,8 +46,8 @@ def _show_snapshots(c: Context, snaps: list[dict[str, Any]], wait: bool, *, one:
 def create_snapshots(
     ctx: typer.Context,
     instance_id: str,
-    comment: Annotated[str, typer.Option()] = "",
-    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    comment: CommentOpt = "",
+    tag: TagOpt = None,
     copy_volume_tags: Annotated[bool, typer.Option("--copy-volume-tags", help="Each snapshot gets its volume's "
                                                                                "tags too.")] = False,
     exclude: Annotated[list[str] | None, typer.Option(help="A volume id to leave out; repeatable.")] = None,
@@ -63,13 +66,13 @@ def create_snapshots(
 def copy_snapshot(
     ctx: typer.Context,
     snapshot_id: str,
-    comment: Annotated[str, typer.Option()] = "",
-    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    comment: CommentOpt = "",
+    tag: TagOpt = None,
     encrypted: Annotated[bool, typer.Option("--encrypted", help="Encrypt the copy (a copy of an encrypted "
                                                                 "snapshot is encrypted anyway).")] = False,
     kms_key_id: Annotated[str | None, typer.Option(help="Another KMS key id: the copy is re-encrypted under a new "
                                                         "data key.")] = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait until completed (progress bar).")] = False,
+    wait: WaitOpt = False,
 ) -> None:
     """Copy a snapshot (yours, or one shared with you) into a new snapshot of yours; with --encrypted (or
     another --kms-key-id) re-encrypted under a new key."""
@@ -109,14 +112,14 @@ def delete_snapshot(ctx: typer.Context, snapshot_id: str) -> None:
 @commands.command("describe-snapshots")
 def describe_snapshots(
     ctx: typer.Context,
-    snapshot_ids: Annotated[list[str] | None, typer.Argument()] = None,
-    filter_: Annotated[list[str] | None, typer.Option("--filter", help="name=value, repeatable.")] = None,
-    max_results: Annotated[int | None, typer.Option()] = None,
-    next_token: Annotated[str | None, typer.Option()] = None,
+    snapshot_ids: IdsArg = None,
+    filter_: FilterOpt = None,
+    max_results: MaxResultsOpt = None,
+    next_token: NextTokenOpt = None,
 ) -> None:
     """Describe snapshots, by id or by filters (status, volume-id, tag:KEY …)."""
     describe(ctx.obj, "snapshots", "snapshot_id", snapshot_ids, filter_, max_results, next_token,
-              output.SNAPSHOT_COLUMNS)
+             output.SNAPSHOT_COLUMNS)
 
 
 commands.command("describe-snapshot", help="Alias of describe-snapshots (the paper's name).")(describe_snapshots)

@@ -10,7 +10,17 @@ import typer
 
 from vbs.cli import output
 from vbs.cli.client import LongPoll, step_progress, wait_for, watch
-from vbs.cli.context import Context, describe, emit_operation, tags
+from vbs.cli.context import (
+    Context,
+    FilterOpt,
+    IdsArg,
+    MaxResultsOpt,
+    NextTokenOpt,
+    TagOpt,
+    describe,
+    emit_operation,
+    tags,
+)
 
 # Registered into the app by vbs.cli.main, in the order of ``vbs --help``.
 commands = typer.Typer()
@@ -35,7 +45,7 @@ def create_volume(
         "--host", help="local: the hypervisor node whose local pool holds it (attachable there only).")] = None,
     persistent: Annotated[bool, typer.Option(
         "--persistent", help="local: kept at detach (otherwise removed, like an instance store).")] = False,
-    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable.")] = None,
+    tag: TagOpt = None,
     client_token: Annotated[str | None, typer.Option(help="Idempotency token.")] = None,
     availability_zone: Annotated[str | None, typer.Option(help="Place it in this zone.")] = None,
     storage_node: Annotated[str | None, typer.Option(help="Place it on this storage node.")] = None,
@@ -81,10 +91,10 @@ def delete_volume(ctx: typer.Context, volume_id: str,
 @commands.command("describe-volumes")
 def describe_volumes(
     ctx: typer.Context,
-    volume_ids: Annotated[list[str] | None, typer.Argument()] = None,
-    filter_: Annotated[list[str] | None, typer.Option("--filter", help="name=value, repeatable.")] = None,
-    max_results: Annotated[int | None, typer.Option()] = None,
-    next_token: Annotated[str | None, typer.Option()] = None,
+    volume_ids: IdsArg = None,
+    filter_: FilterOpt = None,
+    max_results: MaxResultsOpt = None,
+    next_token: NextTokenOpt = None,
 ) -> None:
     """Describe volumes, by id or by filters (status, snapshot-id, volume-id, size, tag:KEY, tag-key …)."""
     describe(ctx.obj, "volumes", "volume_id", volume_ids, filter_, max_results, next_token, output.VOLUME_COLUMNS)
