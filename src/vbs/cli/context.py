@@ -3,6 +3,7 @@ controller), KEY=VALUE tags, describe's pages, and an operation's outcome."""
 
 # No ``from __future__ import annotations`` in the CLI's command modules: Typer reads every command's
 # signature, and string annotations would be evaluated again on each run.
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlencode
 
@@ -26,18 +27,18 @@ MaxResultsOpt = Annotated[int | None, typer.Option()]
 NextTokenOpt = Annotated[str | None, typer.Option()]
 
 
+@dataclass
 class Context:
     """What the global options say, and the client of the controller they name (made on first use)."""
 
-    def __init__(self, endpoint: str | None, fmt: str, ca_bundle: str | None = None, *, paginate: bool = True,
-                 profile: str | None = None, region: str | None = None) -> None:
-        self.paginate = paginate
-        self.profile = profile
-        self.region = region
-        self.endpoint = endpoint
-        self.fmt = fmt
-        self.ca_bundle = ca_bundle
-        self._client: ApiClient | None = None
+    endpoint: str | None
+    fmt: str
+    ca_bundle: str | None = None
+    _: KW_ONLY
+    paginate: bool = True
+    profile: str | None = None
+    region: str | None = None
+    _client: "ApiClient | None" = field(default=None, init=False, repr=False)
 
     @property
     def client(self) -> "ApiClient":

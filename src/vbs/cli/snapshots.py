@@ -110,13 +110,8 @@ def delete_snapshot(ctx: typer.Context, snapshot_id: str) -> None:
 
 
 @commands.command("describe-snapshots")
-def describe_snapshots(
-    ctx: typer.Context,
-    snapshot_ids: IdsArg = None,
-    filter_: FilterOpt = None,
-    max_results: MaxResultsOpt = None,
-    next_token: NextTokenOpt = None,
-) -> None:
+def describe_snapshots(ctx: typer.Context, snapshot_ids: IdsArg = None, filter_: FilterOpt = None,
+                       max_results: MaxResultsOpt = None, next_token: NextTokenOpt = None) -> None:
     """Describe snapshots, by id or by filters (status, volume-id, tag:KEY …)."""
     describe(ctx.obj, "snapshots", "snapshot_id", snapshot_ids, filter_, max_results, next_token,
              output.SNAPSHOT_COLUMNS)

@@ -89,13 +89,8 @@ def delete_volume(ctx: typer.Context, volume_id: str,
 
 
 @commands.command("describe-volumes")
-def describe_volumes(
-    ctx: typer.Context,
-    volume_ids: IdsArg = None,
-    filter_: FilterOpt = None,
-    max_results: MaxResultsOpt = None,
-    next_token: NextTokenOpt = None,
-) -> None:
+def describe_volumes(ctx: typer.Context, volume_ids: IdsArg = None, filter_: FilterOpt = None,
+                     max_results: MaxResultsOpt = None, next_token: NextTokenOpt = None) -> None:
     """Describe volumes, by id or by filters (status, snapshot-id, volume-id, size, tag:KEY, tag-key …)."""
     describe(ctx.obj, "volumes", "volume_id", volume_ids, filter_, max_results, next_token, output.VOLUME_COLUMNS)
 
