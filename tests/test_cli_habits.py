@@ -16,7 +16,7 @@ import yaml
 
 from tests.conftest import VBS, Vbs, running_vbs_up
 from vbs.cli import output
-from vbs.cli.main import hoist_global_options
+from vbs.cli.argv_hoisting import hoist_global_options
 
 
 @pytest.mark.unit

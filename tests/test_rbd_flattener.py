@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from vbs.cli.main import _emit_pool_details
+from vbs.cli.admin import _emit_pool_details
 from vbs.storage.backends.rbd_chains import Flattener
 
 pytestmark = pytest.mark.unit

@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
+def field(title: str, key: str) -> Column:
+    """A column that shows one field of a row as it is."""
+    return title, lambda row: row[key]
+
+
+def moment(title: str, key: str) -> Column:
+    """A column that shows a timestamp field to the second (``2024-05-01T12:00:00``)."""
+    return title, lambda row: row[key][:19]
+
+
 def _attachments(v: dict[str, Any]) -> str:
     return ", ".join(f"{a['instance_id'] or a['vm_id']}@{a['host']}:{a['device']} ({a['state']})"
                      for a in v.get("attachments", []))
@@ -30,9 +40,9 @@ def _progress(x: dict[str, Any]) -> str:
 
 
 VOLUME_COLUMNS: list[Column] = [
-    ("VolumeId", lambda v: v["volume_id"]),
+    field("VolumeId", "volume_id"),
     ("Size", lambda v: f"{v['size_gib']} GiB"),
-    ("Status", lambda v: v["status"]),
+    field("Status", "status"),
     ("Progress", _progress),
     ("Snapshot", lambda v: v["snapshot_id"] or ""),
     ("Node", lambda v: f"{v['storage_node']}/{v['pool']}"
@@ -40,65 +50,67 @@ VOLUME_COLUMNS: list[Column] = [
     ("Zone", lambda v: v.get("availability_zone", "")),
     ("Check", lambda v: v.get("volume_status", "")),
     ("Attachments", _attachments),
-    ("Comment", lambda v: v["comment"]),
+    field("Comment", "comment"),
     ("Tags", _tags),
-    ("Created", lambda v: v["created_at"][:19]),
+    moment("Created", "created_at"),
 ]
 
 PERMISSION_COLUMNS: list[Column] = [
-    ("SnapshotId", lambda p: p["snapshot_id"]),
+    field("SnapshotId", "snapshot_id"),
     ("SharedWith", lambda p: ", ".join(p["create_volume_permission"]) or "(no one)"),
 ]
 SNAPSHOT_COLUMNS: list[Column] = [
-    ("SnapshotId", lambda s: s["snapshot_id"]),
-    ("VolumeId", lambda s: s["volume_id"]),
+    field("SnapshotId", "snapshot_id"),
+    field("VolumeId", "volume_id"),
     ("Size", lambda s: f"{s['volume_size_gib']} GiB"),
-    ("Status", lambda s: s["status"]),
+    field("Status", "status"),
     ("Progress", lambda s: f"{s['progress']}%"),
-    ("Comment", lambda s: s["comment"]),
+    field("Comment", "comment"),
     ("Tags", _tags),
-    ("Started", lambda s: s["started_at"][:19]),
+    moment("Started", "started_at"),
 ]
 
 ATTACHMENT_COLUMNS: list[Column] = [
-    ("AttachmentId", lambda a: a["attachment_id"]),
-    ("VolumeId", lambda a: a["volume_id"]),
+    field("AttachmentId", "attachment_id"),
+    field("VolumeId", "volume_id"),
     ("Instance", lambda a: a["instance_id"] or ""),
-    ("Host", lambda a: a["host"]),
-    ("VM", lambda a: a["vm_id"]),
-    ("Device", lambda a: a["device"]),
-    ("Mode", lambda a: a["mode"]),
-    ("State", lambda a: a["state"]),
+    field("Host", "host"),
+    field("VM", "vm_id"),
+    field("Device", "device"),
+    field("Mode", "mode"),
+    field("State", "state"),
 ]
 
 HOST_COLUMNS: list[Column] = [
-    ("Name", lambda h: h["name"]),
-    ("State", lambda h: h["state"]),
-    ("Address", lambda h: h["address"]),
-    ("URL", lambda h: h["url"]),
-    ("VMs", lambda h: h["instances"]),
+    field("Name", "name"),
+    field("State", "state"),
+    field("Address", "address"),
+    field("URL", "url"),
+    field("VMs", "instances"),
     ("RTT to storage", lambda h: ", ".join(f"{p['storage_node']} {p['rtt_ms']:.2f} ms" for p in h.get("probes", []))),
     ("Local pools", lambda h: ", ".join(f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f}"
                                         " GiB free" for p in h.get("local_pools", []))),
-    ("Last heartbeat", lambda h: h["last_heartbeat"][:19]),
+    moment("Last heartbeat", "last_heartbeat"),
+]
+
+# A host's link to a storage node as it measured it: in describe-hosts --probes and in advise's options.
+LINK_COLUMNS: list[Column] = [
+    field("Host", "host"),
+    field("StorageNode", "storage_node"),
+    ("RTT ms", lambda x: f"{x['rtt_ms']:.3f}"),
+    ("MiB/s", lambda x: f"{x['mbps']:.1f}"),
 ]
 
 # `vbs describe-hosts --probes`: one row per host and storage node it probed.
 PROBE_COLUMNS: list[Column] = [
-    ("Host", lambda p: p["host"]),
-    ("StorageNode", lambda p: p["storage_node"]),
-    ("RTT ms", lambda p: f"{p['rtt_ms']:.3f}"),
-    ("MiB/s", lambda p: f"{p['mbps']:.1f}"),
-    ("Probe bytes", lambda p: p["probe_bytes"]),
-    ("Measured", lambda p: p["measured_at"][:19]),
+    *LINK_COLUMNS,
+    field("Probe bytes", "probe_bytes"),
+    moment("Measured", "measured_at"),
 ]
 
 ADVICE_COLUMNS: list[Column] = [
-    ("Action", lambda o: o["action"]),
-    ("Host", lambda o: o["host"]),
-    ("StorageNode", lambda o: o["storage_node"]),
-    ("RTT ms", lambda o: f"{o['rtt_ms']:.3f}"),
-    ("MiB/s", lambda o: f"{o['mbps']:.1f}"),
+    field("Action", "action"),
+    *LINK_COLUMNS,
     ("IOPS", lambda o: f"{o['iops']:.0f}"),
     ("Move s", lambda o: f"{o['move_s']:.2f}"),
     ("I/O s", lambda o: f"{o['io_s']:.2f}"),
@@ -108,11 +120,11 @@ ADVICE_COLUMNS: list[Column] = [
 ]
 
 INSTANCE_COLUMNS: list[Column] = [
-    ("InstanceId", lambda i: i["instance_id"]),
-    ("Host", lambda i: i["host"]),
-    ("VM", lambda i: i["vm_id"]),
-    ("Name", lambda i: i["name"]),
-    ("State", lambda i: i["state"]),
+    field("InstanceId", "instance_id"),
+    field("Host", "host"),
+    field("VM", "vm_id"),
+    field("Name", "name"),
+    field("State", "state"),
     ("Volumes", lambda i: ", ".join(f"{a['volume_id']}:{a['device']} ({a['state']})" for a in i["volumes"])),
 ]
 
@@ -121,76 +133,76 @@ AT_POOL: Column = ("Node", lambda x: f"{x['node']}/{x['pool']}")
 
 TRASH_COLUMNS: list[Column] = [
     AT_POOL,
-    ("ImageId", lambda t: t["id"]),
-    ("Name", lambda t: t["name"]),
-    ("KeptFor", lambda t: t["kept_for"]),
-    ("Snapshots", lambda t: t["snapshots"]),
-    ("DeletedSnapshotsWithClones", lambda t: t["children"]),
+    field("ImageId", "id"),
+    field("Name", "name"),
+    field("KeptFor", "kept_for"),
+    field("Snapshots", "snapshots"),
+    field("DeletedSnapshotsWithClones", "children"),
 ]
 
 CHAIN_COLUMNS: list[Column] = [
     AT_POOL,
-    ("VolumeId", lambda c: c["volume_id"]),
-    ("Depth", lambda c: c["depth"]),
+    field("VolumeId", "volume_id"),
+    field("Depth", "depth"),
     ("Chain", lambda c: " <- ".join([c["volume_id"], *c["parents"]])),
 ]
 
 FLATTEN_COLUMNS: list[Column] = [
     AT_POOL,
-    ("VolumeId", lambda f: f["volume_id"]),
-    ("State", lambda f: f["state"]),
+    field("VolumeId", "volume_id"),
+    field("State", "state"),
     ("Progress", lambda f: f"{f['progress']}%"),
 ]
 
 FINDING_COLUMNS: list[Column] = [
-    ("Kind", lambda f: f["kind"]),
-    ("Node", lambda f: f["node"]),
-    ("Resource", lambda f: f["resource_id"]),
-    ("Detail", lambda f: f["detail"]),
-    ("Action", lambda f: f["action"]),
+    field("Kind", "kind"),
+    field("Node", "node"),
+    field("Resource", "resource_id"),
+    field("Detail", "detail"),
+    field("Action", "action"),
 ]
 
 KEY_COLUMNS: list[Column] = [
-    ("AccessKeyId", lambda k: k["access_key_id"]),
-    ("Tenant", lambda k: k["tenant"]),
-    ("Role", lambda k: k["role"]),
+    field("AccessKeyId", "access_key_id"),
+    field("Tenant", "tenant"),
+    field("Role", "role"),
     ("Source", lambda k: "bootstrap" if k["bootstrap"] else "create-key"),
 ]
 
 CONTROLLER_COLUMNS: list[Column] = [
-    ("Id", lambda c: c["controller_id"]),
-    ("State", lambda c: c["state"]),
-    ("URL", lambda c: c["url"]),
-    ("Last seen", lambda c: c["last_seen"][:19]),
+    field("Id", "controller_id"),
+    field("State", "state"),
+    field("URL", "url"),
+    moment("Last seen", "last_seen"),
     ("Operations held", lambda c: str(c["operations_held"])),
     ("Runs", lambda c: ", ".join(c["singletons"])),
 ]
 
 NODE_COLUMNS: list[Column] = [
-    ("Name", lambda n: n["name"]),
+    field("Name", "name"),
     ("State", lambda n: n["state"] + (", drained" if n.get("drained") else "")),
     ("Zone", lambda n: n.get("availability_zone", "")),
-    ("URL", lambda n: n["url"]),
+    field("URL", "url"),
     ("Pools", lambda n: ", ".join(
         f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f} GiB free ({p['clone_method']})"
         for p in n["pools"])),
-    ("Last heartbeat", lambda n: n["last_heartbeat"][:19]),
+    moment("Last heartbeat", "last_heartbeat"),
 ]
 
 
 RESIDENT_COLUMNS: list[Column] = [
-    ("Id", lambda r: r["id"]),
-    ("Tenant", lambda r: r["tenant"]),
-    ("Pool", lambda r: r["pool"]),
+    field("Id", "id"),
+    field("Tenant", "tenant"),
+    field("Pool", "pool"),
     ("Size", lambda r: f"{r['size_gib']} GiB"),
-    ("Status", lambda r: r["status"]),
+    field("Status", "status"),
 ]
 
 ZONE_COLUMNS: list[Column] = [
-    ("Zone", lambda z: z["zone_name"]),
-    ("ZoneId", lambda z: z["zone_id"]),
-    ("Region", lambda z: z["region_name"]),
-    ("State", lambda z: z["state"]),
+    field("Zone", "zone_name"),
+    field("ZoneId", "zone_id"),
+    field("Region", "region_name"),
+    field("State", "state"),
 ]
 
 
