@@ -10,7 +10,8 @@ TCG) gets four disks one after the other, and bonnie++ runs on an ext2 filesyste
   install has one export driver: the NBD one is stopped and an iSCSI one started whose host agent
   finds the same guest (its VM directory holds a link to the guest's monitor socket);
 * ``local-lvm``: a raw file on the host's filesystem opened with ``cache=none`` (O_DIRECT, native
-  AIO). It stands in for the paper's Local-LVM (a logical volume): no device-mapper on this machine;
+  AIO). It stands in for the paper's (docs/architecture.md §1) Local-LVM (a logical volume): no device-mapper on this
+  machine;
 * ``local-image``: a raw image file opened with the host's page cache on (``cache=writeback``): the
   paper's Local-Image. Its host cache is capped by a memory cgroup around the QEMU process (cgroup v2
   ``memory.max`` in a child of /sys/fs/cgroup, or v1 ``memory.limit_in_bytes`` in a child of this
@@ -58,7 +59,9 @@ from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
 from vbs.rigs.testguest import TestGuest, build_guest  # noqa: E402
-from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieResult, BonnieSize, mount_ext2, run_bonnie, unmount  # noqa: E402
+from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieResult, BonnieSize, mount_ext2, run_bonnie, unmount  #
+
+noqa: E402
 
 MIB = 1024 * 1024
 LOCAL_DISK_BYTES = 1 << 30  # as large as the VBS volumes (1 GiB): ext2 lays out the same groups

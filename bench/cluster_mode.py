@@ -1,4 +1,4 @@
-"""``bench/control_plane.py --cluster``: creates through one and two controllers (DESIGN §11).
+"""``bench/control_plane.py --cluster``: creates through one and two controllers (docs/architecture.md §6).
 
 In one run, on the same machine and client load, three installs, each new:
 

@@ -14,7 +14,7 @@ clients (``qemu-img bench``, the code a VM's disk runs through):
 
 - NBD and iSCSI throughput, sequential read 1 MiB at queue depth 8, and 4 KiB random-read IOPS at
   queue depth 32;
-- the paper's two jobs, run remote through the proxy (NBD) and local (direct, 0 ms): an
+- the paper's (docs/architecture.md §1) two jobs, run remote through the proxy (NBD) and local (direct, 0 ms): an
   **I/O-bound** job (read the whole volume ``--passes`` times: ``qemu-img convert`` to ``null-co``)
   and a **CPU-bound** job (read 16 MiB of it, then hash it over and over: about ``--cpu-seconds``
   of this process's CPU time, so that other tenants of the machine do not add their share).

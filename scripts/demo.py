@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""``make demo``: the paper's two use cases, end to end, on this machine.
+"""``make demo``: the paper's (docs/architecture.md §1) two use cases, end to end, on this machine.
 
 Starts its own ``vbs up`` (a temporary data dir, a free port), boots two test guests (vm1, vm2) whose
 QMP sockets are in ``<data-dir>/vms`` so host-1 finds them, and drives everything with the ``vbs``

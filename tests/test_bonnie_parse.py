@@ -1,4 +1,5 @@
-"""The reading of bonnie++'s CSV line (format 1.98, bonnie++ 2.00a) into the paper's figures, and the
+"""The reading of bonnie++'s CSV line (format 1.98, bonnie++ 2.00a) into the paper's (docs/architecture.md §1)
+figures, and the
 sizes bonnie++ accepts. The line is one Debian's bonnie++ printed on this machine
 (``bonnie++ -q -d D -s 16:4k -r 8 -n 1 -u 0:0 -m test``)."""
 

@@ -16,7 +16,7 @@ what the clients were told.
 The module runs three times: metadata in SQLite; in PostgreSQL (READ COMMITTED, where every check
 of other rows before a write must be serialised by a lock: see vbs.controller.db.locks); and in
 PostgreSQL with two controllers at once (``postgresql-2``), the clients split between them, so that
-operations begun on one meet requests served by the other (leases and fences: DESIGN §11).
+operations begun on one meet requests served by the other (leases and fences: docs/architecture.md §6).
 
 Two bugs this run found (a detach from one VM removing the export another VM of the same host
 shared; a forced detach that never finished once its export was gone) have their own tests at the end.

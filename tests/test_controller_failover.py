@@ -1,5 +1,5 @@
 """Two controllers on one PostgreSQL database: one dies (SIGKILL) or hangs (SIGSTOP) in the middle of
-a workflow, and the other carries on (DESIGN §11).
+a workflow, and the other carries on (docs/architecture.md §6).
 
 Real processes throughout: two ``vbs controller`` on a PostgreSQL the tests start, a storage agent
 and a host agent (both reporting to the survivor), a bare QEMU VM. Leases are 3 s here.
@@ -62,7 +62,8 @@ class Pair:
     def start_a(self, **env: str) -> Vbs:
         self.a = self.controller("ctl-a", self.a_port, "controller-a.log", **env)
         a = Vbs(f"http://127.0.0.1:{self.a_port}", self.svc.data_dir, self.svc.key)
-        wait_until(lambda: _healthy(a) or self.a.poll() is not None, 60, what="controller A")  # type: ignore[union-attr]
+        wait_until(lambda: _healthy(a) or self.a.poll() is not None, 60, what="controller A")  # type:
+        ignore[union-attr]
         assert self.a.poll() is None, "controller A did not start"  # type: ignore[union-attr]
         return a
 

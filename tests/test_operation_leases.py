@@ -1,4 +1,4 @@
-"""Several controllers on one database: operation leases, adoption, fencing (DESIGN §11).
+"""Several controllers on one database: operation leases, adoption, fencing (docs/architecture.md §6).
 
 Engines with in-memory steps on a real database (SQLite, and PostgreSQL in the integration tier);
 the agent side of fencing with a real ``FenceBook`` and the real HTTP client.
@@ -119,7 +119,8 @@ def test_renewal_keeps_an_operation_from_being_adopted(db: Database) -> None:
 
 
 def test_a_write_by_a_controller_that_lost_the_operation_raises_lease_lost(db: Database) -> None:
-    a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("s", lambda c: None),))], None,  # type: ignore[arg-type]
+    a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("s", lambda c: None),))], None,  # type:
+    ignore[arg-type]
                        owner="a", lease_s=1)
     with db.session() as s:
         op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())

@@ -112,7 +112,7 @@ def test_a_controller_refuses_a_schema_behind_or_ahead_of_it(services: Services,
 
 def test_several_controllers_share_a_postgresql_database_but_not_an_id(services: Services,
                                                                        postgres: PostgresForTests) -> None:
-    """Operations carry leases and fences (DESIGN §11): a second controller runs beside the first, each
+    """Operations carry leases and fences (docs/architecture.md §6): a second controller runs beside the first, each
     under its own id; a second one under an id that a live controller holds is refused."""
     url = postgres.new_database()
     assert vbs_db("upgrade", "--database-url", url).returncode == 0

@@ -177,7 +177,7 @@ class AgentUnreachable(AgentUnavailable):
 
 class StaleFence(IncorrectState):
     """An agent refused a call whose fencing token is lower than one it already saw for that resource:
-    the caller's operation was taken over by another controller (DESIGN §11)."""
+    the caller's operation was taken over by another controller (docs/architecture.md §6)."""
 
     code = "StaleFence"
 

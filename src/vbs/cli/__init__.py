@@ -1,1 +1,2 @@
-"""The ``vbs`` command line: the paper's commands against a controller, and the service commands."""
+"""The ``vbs`` command line: the paper's (docs/architecture.md §1) commands against a controller, and the service
+commands."""

@@ -1,4 +1,4 @@
-"""Several controllers on one database (DESIGN §11): who runs, and who runs the singleton loops.
+"""Several controllers on one database (docs/architecture.md §6): who runs, and who runs the singleton loops.
 
 Each controller keeps a row in ``controllers`` (its id, URL, start and last renewal by the DB's
 clock) for ``vbs describe-controllers``. A singleton loop (the reconciler, housekeeping) runs on one

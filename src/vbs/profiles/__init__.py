@@ -1,4 +1,5 @@
-"""Command profiles (the paper's command line extraction): TOML files of argv templates with typed
+"""Command profiles (the paper's (docs/architecture.md §1) command line extraction): TOML files of argv templates
+with typed
 placeholders, loaded and checked by ``engine``; the ones VBS ships live in a folder per kind
 (``hypervisor/``, ``backend/``, ``resolver/``)."""
 

@@ -1,4 +1,4 @@
-"""Command profiles: the paper's command line extraction, typed.
+"""Command profiles: the paper's (docs/architecture.md §1) command line extraction, typed.
 
 A profile is a TOML file that tells a driver which commands do its work on one platform::
 

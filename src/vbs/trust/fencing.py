@@ -1,4 +1,4 @@
-"""Fencing tokens between controllers and agents (DESIGN §11).
+"""Fencing tokens between controllers and agents (docs/architecture.md §6).
 
 Every operation has a fence: a number from one counter in the metadata DB that grows each time a
 controller takes the operation (at its start, and again when another controller adopts it after

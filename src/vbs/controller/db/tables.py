@@ -263,7 +263,7 @@ class Operation(Base):
     failing_since: Mapped[datetime | None]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
-    # The controller running it, until when (DB clock), and its fencing token (DESIGN §11).
+    # The controller running it, until when (DB clock), and its fencing token (docs/architecture.md §6).
     owner: Mapped[str | None] = mapped_column(String(64), index=True)
     lease_until: Mapped[datetime | None]
     fence: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

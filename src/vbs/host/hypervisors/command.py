@@ -1,4 +1,4 @@
-"""The ``command`` hypervisor driver: the paper's command line extraction, as typed profiles.
+"""The ``command`` hypervisor driver: the paper's (docs/architecture.md §1) command line extraction, as typed profiles.
 
 Every action is a command of a profile (``vbs.profiles``): ``list_vms`` finds the VMs, ``attach`` and
 ``detach`` hot-plug, ``verify`` says whether a disk is in a VM (exit status 0 and its ``expect`` in

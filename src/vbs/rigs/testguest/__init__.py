@@ -10,7 +10,8 @@
         print(guest.write_pattern(dev, "seed", 4))
 
 ``build_guest(bench=True)`` is the bench flavour: the same guest with Debian's bonnie++ and ext2
-(``bench_image``), which ``vbs.rigs.testguest.bonnie`` drives (bench/bonnie.py, the paper's experiment).
+(``bench_image``), which ``vbs.rigs.testguest.bonnie`` drives (bench/bonnie.py, the paper's (docs/architecture.md §1)
+experiment).
 """
 
 from vbs.rigs.testguest.build import GuestImage, build_guest, default_cache_dir

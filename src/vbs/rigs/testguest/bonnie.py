@@ -1,6 +1,6 @@
 """bonnie++ in the bench flavour of the test guest (``build_guest(bench=True)``): an ext2 filesystem
 made and mounted on one of its disks, one bonnie++ run in it over the console, and bonnie++'s CSV
-line read into the figures of the paper's table.
+line read into the figures of the paper's (docs/architecture.md §1) table.
 
     mount_ext2(guest, "vdb", "/mnt/vdb")
     result = run_bonnie(guest, "/mnt/vdb", BonnieSize(file_mib=256, ram_mib=128, files_k=16), "nbd")

@@ -1,4 +1,4 @@
-"""The ``command`` backend: a pool whose every change is a command of a profile (the paper's
+"""The ``command`` backend: a pool whose every change is a command of a profile (the paper's (docs/architecture.md §1)
 ``lvcreate``, ``lvcreate -s``, ``lvremove``, ``dd`` kept in a property file), typed and checked.
 
 A profile (kind ``backend``; shipped: ``qemu-img``, ``lvm``) says how a volume and a snapshot are

@@ -1,4 +1,4 @@
-"""operation leases and fences: several controllers on one database (DESIGN §11)
+"""operation leases and fences: several controllers on one database (docs/architecture.md §6)
 
 - operations.owner, operations.lease_until, operations.fence: who runs an unfinished operation,
   until when (by the DB's clock), and its fencing token; rows left by a single controller have no
