@@ -59,9 +59,7 @@ from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
 from vbs.rigs.testguest import TestGuest, build_guest  # noqa: E402
-from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieResult, BonnieSize, mount_ext2, run_bonnie, unmount  #
-
-noqa: E402
+from vbs.rigs.testguest.bonnie import PAPER_COLUMNS, BonnieResult, BonnieSize, mount_ext2, run_bonnie, unmount  # noqa: E402
 
 MIB = 1024 * 1024
 LOCAL_DISK_BYTES = 1 << 30  # as large as the VBS volumes (1 GiB): ext2 lays out the same groups

@@ -62,8 +62,7 @@ class Pair:
     def start_a(self, **env: str) -> Vbs:
         self.a = self.controller("ctl-a", self.a_port, "controller-a.log", **env)
         a = Vbs(f"http://127.0.0.1:{self.a_port}", self.svc.data_dir, self.svc.key)
-        wait_until(lambda: _healthy(a) or self.a.poll() is not None, 60, what="controller A")  # type:
-        ignore[union-attr]
+        wait_until(lambda: _healthy(a) or self.a.poll() is not None, 60, what="controller A")  # type: ignore[union-attr]
         assert self.a.poll() is None, "controller A did not start"  # type: ignore[union-attr]
         return a
 

@@ -119,8 +119,7 @@ def test_renewal_keeps_an_operation_from_being_adopted(db: Database) -> None:
 
 
 def test_a_write_by_a_controller_that_lost_the_operation_raises_lease_lost(db: Database) -> None:
-    a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("s", lambda c: None),))], None,  # type:
-    ignore[arg-type]
+    a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("s", lambda c: None),))], None,  # type: ignore[arg-type]
                        owner="a", lease_s=1)
     with db.session() as s:
         op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())

@@ -236,7 +236,7 @@ class Database:
                 f"give each controller its own id (--controller-id; {holder} was refused).")
         self._claim_connection = connection
 
-    # -- the database's clock and fences (docs/architecture.md §6) -----------------------------------
+    # -- the database's clock and fences (docs/architecture.md §6) ----------------------------------------------
 
     def clock(self, session: Session) -> datetime:
         """Now, by the database's clock: leases are compared with it, never with a controller's own.
