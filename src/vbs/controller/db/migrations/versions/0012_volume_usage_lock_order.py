@@ -12,12 +12,14 @@ Revises: 0011_volume_usage
 
 from alembic import op
 
+from vbs.controller.db.migration_sql import VOLUME_USAGE_COUNTING
+
 revision = "0012_volume_usage_lock_order"
 down_revision = "0011_volume_usage"
 branch_labels = None
 depends_on = None
 
-POSTGRESQL_FUNCTION = """
+POSTGRESQL_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION vbs_volume_usage() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'UPDATE' THEN
@@ -28,22 +30,7 @@ BEGIN
             ORDER BY scope DESC, owner, pool
             FOR UPDATE;
     END IF;
-    IF TG_OP IN ('UPDATE', 'DELETE') AND OLD.status <> 'deleted' THEN
-        UPDATE volume_usage SET volumes = volumes - 1, gib = gib - OLD.size_gib
-            WHERE scope = 'tenant' AND owner = OLD.tenant AND pool = '';
-        UPDATE volume_usage SET volumes = volumes - 1, gib = gib - OLD.size_gib
-            WHERE scope = 'pool' AND owner = OLD.storage_node AND pool = OLD.pool;
-    END IF;
-    IF TG_OP IN ('INSERT', 'UPDATE') AND NEW.status <> 'deleted' THEN
-        INSERT INTO volume_usage (scope, owner, pool, volumes, gib) VALUES ('tenant', NEW.tenant, '', 1, NEW.size_gib)
-            ON CONFLICT (scope, owner, pool) DO UPDATE
-            SET volumes = volume_usage.volumes + 1, gib = volume_usage.gib + EXCLUDED.gib;
-        INSERT INTO volume_usage (scope, owner, pool, volumes, gib)
-            VALUES ('pool', NEW.storage_node, NEW.pool, 1, NEW.size_gib)
-            ON CONFLICT (scope, owner, pool) DO UPDATE
-            SET volumes = volume_usage.volumes + 1, gib = volume_usage.gib + EXCLUDED.gib;
-    END IF;
-    RETURN NULL;
+{VOLUME_USAGE_COUNTING}    RETURN NULL;
 END
 $$
 """
