@@ -10,7 +10,7 @@ from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.create_snapshot import remove_snapshot
-from vbs.controller.workflows.definition import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
 
 
@@ -50,17 +50,12 @@ def snapshot_scratch(ctx: StepContext[Any]) -> None:
                        lambda progress: None, unreachable_s=shared.patience(ctx))
 
 
-COPY_SNAPSHOT = Workflow(
-    kind="copy-snapshot",
-    params=CopySnapshotParams,
-    resume="rollback",
-    steps=(Step("scratch-volume", _scratch_from_source, undo=_remove_scratch),
-           Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
-           Step("remove-scratch", _remove_scratch),
-           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
-    on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot copy failed and was rolled back"),
-    finished=shared.has_left(Snapshot, SnapshotState.PENDING),
-)
+COPY_SNAPSHOT = shared.creation(
+    "copy-snapshot", CopySnapshotParams,
+    (Step("scratch-volume", _scratch_from_source, undo=_remove_scratch),
+     Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
+     Step("remove-scratch", _remove_scratch)),
+    Snapshot, "snapshot copy failed and was rolled back")
 
 
 def scratch_ids(params: dict[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.states import AttachmentState, SnapshotState
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.definition import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
 
@@ -125,12 +125,7 @@ def undo_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     remove_snapshot(ctx)
 
 
-CREATE_SNAPSHOT = Workflow(
-    kind="create-snapshot",
-    params=CreateSnapshotParams,
-    resume="rollback",
-    steps=(Step("storage-snapshot", take_snapshot, undo=undo_snapshot),
-           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
-    on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot failed and was rolled back"),
-    finished=shared.has_left(Snapshot, SnapshotState.PENDING),
-)
+CREATE_SNAPSHOT = shared.creation(
+    "create-snapshot", CreateSnapshotParams,
+    (Step("storage-snapshot", take_snapshot, undo=undo_snapshot),),
+    Snapshot, "snapshot failed and was rolled back")

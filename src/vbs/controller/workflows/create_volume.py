@@ -7,7 +7,7 @@ from __future__ import annotations
 from vbs.controller.db import Volume
 from vbs.controller.db.states import VolumeState
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.definition import Step, StepContext, Workflow
+from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
 
 
@@ -37,14 +37,7 @@ def remove_from_storage(ctx: StepContext[StorageParams]) -> None:
     shared.storage_agent(ctx).remove_volume(ctx.params.pool, ctx.resource_id)
 
 
-CREATE_VOLUME = Workflow(
-    kind="create-volume",
-    exclusive=True,
-    params=CreateVolumeParams,
-    resume="rollback",
-    steps=(Step("storage-create", create_on_storage, undo=remove_from_storage),
-           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None),
-                ends=True)),
-    on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
-    finished=shared.has_left(Volume, VolumeState.CREATING),
-)
+CREATE_VOLUME = shared.creation(
+    "create-volume", CreateVolumeParams,
+    (Step("storage-create", create_on_storage, undo=remove_from_storage),),
+    Volume, "creation failed and was rolled back", exclusive=True)

@@ -133,19 +133,13 @@ def _cancel_fill(ctx: StepContext[CreateLocalVolumeParams]) -> None:
     _host(ctx, ctx.params.host).forget_fill(ctx.params.pool, ctx.resource_id)
 
 
-CREATE_LOCAL_VOLUME = Workflow(
-    kind="create-local-volume",
-    params=CreateLocalVolumeParams,
-    resume="rollback",
-    steps=(Step("scratch-from-snapshot", _scratch_from_snapshot, undo=_remove_scratch_of_snapshot),
-           Step("host-create", _create_on_host, undo=_remove_from_host),
-           Step("host-fill", _fill_from_snapshot, undo=_cancel_fill),
-           Step("remove-scratch", _remove_scratch_of_snapshot),
-           Step("mark-available", shared.mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None),
-                ends=True)),
-    on_rollback=shared.mark_failed(Volume, VolumeState.ERROR, "creation failed and was rolled back"),
-    finished=shared.has_left(Volume, VolumeState.CREATING),
-)
+CREATE_LOCAL_VOLUME = shared.creation(
+    "create-local-volume", CreateLocalVolumeParams,
+    (Step("scratch-from-snapshot", _scratch_from_snapshot, undo=_remove_scratch_of_snapshot),
+     Step("host-create", _create_on_host, undo=_remove_from_host),
+     Step("host-fill", _fill_from_snapshot, undo=_cancel_fill),
+     Step("remove-scratch", _remove_scratch_of_snapshot)),
+    Volume, "creation failed and was rolled back")
 
 
 # -- delete --------------------------------------------------------------------------------------------------
@@ -259,18 +253,13 @@ def _cancel_copy_to_shared(ctx: StepContext[SnapshotLocalParams]) -> None:
     shared.storage_agent(ctx).remove_connection(p.pool, p.scratch_volume_id, p.host)
 
 
-SNAPSHOT_LOCAL_VOLUME = Workflow(
-    kind="snapshot-local-volume",
-    params=SnapshotLocalParams,
-    resume="rollback",
-    steps=(Step("scratch-volume", _scratch_target, undo=_remove_scratch_target),
-           Step("host-copy", _copy_to_shared, undo=_cancel_copy_to_shared),
-           Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
-           Step("remove-scratch", _remove_scratch_target),
-           Step("mark-completed", shared.mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)),
-    on_rollback=shared.mark_failed(Snapshot, SnapshotState.ERROR, "snapshot failed and was rolled back"),
-    finished=shared.has_left(Snapshot, SnapshotState.PENDING),
-)
+SNAPSHOT_LOCAL_VOLUME = shared.creation(
+    "snapshot-local-volume", SnapshotLocalParams,
+    (Step("scratch-volume", _scratch_target, undo=_remove_scratch_target),
+     Step("host-copy", _copy_to_shared, undo=_cancel_copy_to_shared),
+     Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
+     Step("remove-scratch", _remove_scratch_target)),
+    Snapshot, "snapshot failed and was rolled back")
 
 LOCAL_WORKFLOWS: list[Workflow[Any]] = [CREATE_LOCAL_VOLUME, DELETE_LOCAL_VOLUME, ATTACH_LOCAL_VOLUME,
                                         DETACH_LOCAL_VOLUME, SNAPSHOT_LOCAL_VOLUME]

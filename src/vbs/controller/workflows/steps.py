@@ -12,6 +12,7 @@ from sqlalchemy import select, update
 
 from vbs.controller.auth import encryption
 from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.db.transitions import Stateful, transition
 from vbs.controller.fleet.agents import StorageAgent
@@ -20,7 +21,7 @@ from vbs.errors import AgentUnavailable, DriverError, RetryLater
 from vbs.wire.storage import ItemStatus
 
 __all__ = ["StorageParams", "storage_agent", "patience", "until_ready", "waiting", "progress_reporter", "mark",
-           "mark_failed", "has_left", "deletion"]
+           "mark_failed", "has_left", "creation", "deletion"]
 
 # Short copies finish between two polls: start polling fast, back off to the steady interval.
 FIRST_POLL_S = 0.02
@@ -28,6 +29,7 @@ POLL_INTERVAL_S = 0.25
 UNREACHABLE_LIMIT_S = 120.0
 
 T = TypeVar("T")
+P = TypeVar("P", bound=Params)
 
 
 class StorageParams(Params):
@@ -158,6 +160,24 @@ def has_left(table: type[Volume] | type[Snapshot], state: str) -> Callable[[Step
             return s.scalar(select(table.status).where(table.id == ctx.resource_id)) != state
 
     return check
+
+
+def creation(kind: str, params: type[P], steps: tuple[Step[P], ...], table: type[Volume] | type[Snapshot],
+             failed: str, *, exclusive: bool = False) -> Workflow[P]:
+    """Make a volume or snapshot (rolls back if interrupted): ``steps``, then it is marked available
+    (completed). Rolled back, it ends ``error``, the reason after ``failed``; resumed after its last step
+    ran, it is finished."""
+    making: str
+    error: str
+    if table is Volume:
+        made = Step("mark-available", mark(Volume, VolumeState.AVAILABLE, progress=100, status_reason=None),
+                    ends=True)
+        making, error = VolumeState.CREATING, VolumeState.ERROR
+    else:
+        made = Step("mark-completed", mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)
+        making, error = SnapshotState.PENDING, SnapshotState.ERROR
+    return Workflow(kind=kind, exclusive=exclusive, params=params, resume="rollback", steps=(*steps, made),
+                    on_rollback=mark_failed(table, error, failed), finished=has_left(table, making))
 
 
 def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[StepContext[Any]], None], *,
