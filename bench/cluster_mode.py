@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.control_plane import BENCH_LIMITS, VBS, Api, VbsUp, concurrent_creates, free_port, log, pct, table
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGET_SPEEDUP = 1.3
