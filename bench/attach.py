@@ -61,7 +61,7 @@ for _p in (REPO / "src", REPO):
 # The vbs processes this script starts run the same tree as the script itself.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
-from bench.common import log, markdown_table, pct  # noqa: E402
+from bench.common import log, markdown_table, os_name, pct  # noqa: E402
 from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 from tests.libvirtd import Libvirtd  # noqa: E402
 
@@ -129,12 +129,8 @@ def machine() -> dict[str, str]:
     info = {"cpus": str(os.cpu_count()), "kernel": platform.release(), "python": platform.python_version(),
             "guest": f"QEMU TCG, -machine pc or q35 (+{Q35_ROOT_PORTS} pcie-root-ports), 256 MiB, "
                      "virtio-blk hot-plug"}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                info["os"] = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
+    if (name := os_name()) is not None:
+        info["os"] = name
     return info
 
 

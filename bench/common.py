@@ -1,14 +1,27 @@
-"""What the bench scripts share: a timestamped log line on stderr, percentiles and the two kinds of
-table they print. It imports no bench script, so any of them can import it."""
+"""What the bench scripts share: a timestamped log line on stderr, the system's name, percentiles and
+the two kinds of table they print. It imports no bench script, so any of them can import it."""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def os_name() -> str | None:
+    """The system's name as /etc/os-release gives it (PRETTY_NAME), if it does."""
+    name = None
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                name = line.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    return name
 
 
 def pct(values: list[float], p: float) -> float:

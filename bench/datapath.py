@@ -79,7 +79,7 @@ for _p in (REPO / "src", REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.common import log, markdown_table  # noqa: E402
+from bench.common import log, markdown_table, os_name  # noqa: E402
 
 from vbs.net.ports import free_port  # noqa: E402
 from vbs.qemu.tls import X509Files, qemu_x509_dir  # noqa: E402
@@ -256,12 +256,8 @@ def loadavg() -> str:
 
 def machine() -> dict[str, str]:
     info = {"cpus": str(os.cpu_count()), "kernel": platform.release(), "python": platform.python_version()}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                info["os"] = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
+    if (name := os_name()) is not None:
+        info["os"] = name
     for name, argv in (("fio", ["fio", "--version"]), ("qemu", ["qemu-img", "--version"]),
                        ("tgt", ["tgtadm", "--version"])):
         try:
