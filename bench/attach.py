@@ -61,6 +61,7 @@ for _p in (REPO / "src", REPO):
 # The vbs processes this script starts run the same tree as the script itself.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
+from bench.common import log, markdown_table, os_name, pct  # noqa: E402
 from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 from tests.libvirtd import Libvirtd  # noqa: E402
 
@@ -80,10 +81,6 @@ WAITS = ("poll-50ms", "long-poll")
 ATTACH_STEPS = ("storage-export", "host-attach", "mark-attached")
 DETACH_STEPS = ("host-detach", "storage-unexport", "mark-detached")
 Q35_ROOT_PORTS = 4
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -128,26 +125,12 @@ class OperationWatch:
         return self.seen
 
 
-def pct(values: list[float], p: float) -> float:
-    """The p-th percentile (0-100), linear between closest ranks (p99 of 20 samples is near the max)."""
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def machine() -> dict[str, str]:
     info = {"cpus": str(os.cpu_count()), "kernel": platform.release(), "python": platform.python_version(),
             "guest": f"QEMU TCG, -machine pc or q35 (+{Q35_ROOT_PORTS} pcie-root-ports), 256 MiB, "
                      "virtio-blk hot-plug"}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                info["os"] = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
+    if (name := os_name()) is not None:
+        info["os"] = name
     return info
 
 
@@ -309,12 +292,6 @@ def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu",
 # -- report ------------------------------------------------------------------------------------------
 
 
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def ms(v: float | None) -> str:
     return "—" if v is None else f"{v * 1000:.0f}"
 
@@ -367,7 +344,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
                          f"{'met' if p50 < TARGET_P50_S else 'NOT met'}",
                          f"{rally:.1f} s / {mean:.2f} s = {rally / mean:.1f}x"])
     lines += ["## API call to the guest seeing (or releasing) the disk, ms", "",
-              table(["export", "op", "p50", "p50 / baseline's", "p99", "mean", "min–max", "API answer p50",
+              markdown_table(["export", "op", "p50", "p50 / baseline's", "p99", "mean", "min–max", "API answer p50",
                      "API settled p50",
                      f"p50 < {TARGET_P50_S:g} s", "Rally avg / VBS mean"], rows),
               "", "(Baseline: the same protocol through QMP into a pc machine. API settled: the API reports "
@@ -379,7 +356,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
         for kind, names in (("attach", ATTACH_STEPS), ("detach", DETACH_STEPS)):
             cs = [c for c in r["cycles"] if c.kind == kind]
             rows += [[kind, *row] for row in timeline(cs, names)]
-        lines += [table(["op", "event", "at (ms from the call)", "step took (ms)"], rows), ""]
+        lines += [markdown_table(["op", "event", "at (ms from the call)", "step took (ms)"], rows), ""]
         w = r["warmup"]
         if r["note"]:
             lines.append(f"Experimental, after the warm-up: {r['note']} (accepted connections inherit it).")
@@ -404,7 +381,8 @@ def by_wait(results: list[dict[str, Any]]) -> list[str]:
             rows.append([r["export"], "poll ÷ long-poll", "", f"{poll_client / long_client:.2f}x",
                          f"{poll_guest / long_guest:.2f}x"])
     return ["## Attach: how the client waited for the operation's end (p50, ms from the call)", "",
-            table(["export", "client waited by", "cycles", "client saw it succeed", "guest saw the disk"], rows), ""]
+            markdown_table(["export", "client waited by", "cycles", "client saw it succeed", "guest saw the disk"],
+                           rows), ""]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -53,7 +53,8 @@ for _p in (REPO / "src", REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.attach import HOST, VM, log, wait_instance  # noqa: E402
+from bench.attach import HOST, VM, wait_instance  # noqa: E402
+from bench.common import log  # noqa: E402
 from bench.datapath import evict as drop_host_cache  # noqa: E402
 from tests.conftest import Vbs, VbsUp, wait_until  # noqa: E402
 

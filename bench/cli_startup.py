@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.common import log, pct  # noqa: E402
 from tests.conftest import Vbs, running_vbs_up, wait_until  # noqa: E402
 
 TARGET_HELP_MS = 150.0
@@ -49,22 +50,9 @@ BIN = Path(sys.executable).parent
 VBS_EXE = BIN / "vbs"
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
-
-
-def pct(values: list[float], p: float) -> float:
-    """The p-th percentile (0-100), linear between closest ranks."""
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 @dataclass

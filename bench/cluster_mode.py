@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.control_plane import BENCH_LIMITS, VBS, Api, VbsUp, concurrent_creates, free_port, log, pct, table
-from tests.postgres import PostgresForTests
+from bench.common import log, pct, text_table
+from bench.control_api import BENCH_LIMITS, VBS, Api, VbsUp, concurrent_creates, free_port
+from tests.postgres_cluster import PostgresForTests
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGET_SPEEDUP = 1.3
@@ -208,7 +209,7 @@ def report(results: list[dict[str, Any]]) -> str:
              f"{r['p99_ms']:.1f}", f"{r['accepted_per_s']:.0f}", f"{r['available_per_s']:.0f}",
              f"{r['controller_cpu_s']:.1f}", f"{r['postgres_cpu_s']:.1f}"] for r in results]
     out = ["## Cluster: creates through one and two controllers",
-           table(["install", "controllers", "1-client p50 ms", "p50 ms", "p99 ms", "accepted/s", "available/s",
+           text_table(["install", "controllers", "1-client p50 ms", "p50 ms", "p99 ms", "accepted/s", "available/s",
                   "controller CPU s", "PostgreSQL CPU s"], rows)]
     by = {r["label"]: r for r in results}
     if "postgresql-1" in by and "postgresql-2" in by:

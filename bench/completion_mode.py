@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.control_plane import POLL_S, Api, VbsUp, log, pct, server_ms, table
+from bench.common import log, pct, text_table
+from bench.control_api import POLL_S, Api, VbsUp, server_ms
 from tests.loopfs import loop_filesystem
 
 GIB = 1 << 30
@@ -120,7 +121,7 @@ def report(figures: dict[str, Any]) -> str:
     return "\n".join([
         f"\n## Completion: {VOLUME_GIB} GiB reflink snapshot seen completed after the POST "
         f"({figures['rounds']} rounds per mode, {figures['data_mib']} MiB of data in the volume)\n",
-        table(["wait", "p50 ms", "p90 ms", "min-max ms", "server p50 ms", "seen - server p50 ms", "load p50"],
+        text_table(["wait", "p50 ms", "p90 ms", "min-max ms", "server p50 ms", "seen - server p50 ms", "load p50"],
               rows),
         f"\nlong-poll vs 50 ms polling (p50): {ratio:.2f}x faster; target <= {TARGET_SEEN_MS:g} ms: {met}",
     ])

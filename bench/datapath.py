@@ -75,8 +75,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.common import log, markdown_table, os_name  # noqa: E402
 
 from vbs.net.ports import free_port  # noqa: E402
 from vbs.qemu.tls import X509Files, qemu_x509_dir  # noqa: E402
@@ -110,10 +113,6 @@ TGT_LARGE: tuple[tuple[str, str], ...] = (
     ("MaxBurstLength", "1048576"),
     ("InitialR2T", "No"),
 )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -257,12 +256,8 @@ def loadavg() -> str:
 
 def machine() -> dict[str, str]:
     info = {"cpus": str(os.cpu_count()), "kernel": platform.release(), "python": platform.python_version()}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                info["os"] = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
+    if (name := os_name()) is not None:
+        info["os"] = name
     for name, argv in (("fio", ["fio", "--version"]), ("qemu", ["qemu-img", "--version"]),
                        ("tgt", ["tgtadm", "--version"])):
         try:
@@ -505,12 +500,6 @@ def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource
 # -- report ----------------------------------------------------------------------------------------
 
 
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def combine(runs: list[dict[str, Any]]) -> dict[str, Figure]:
     """Median of each figure across rounds."""
     keys = {k for r in runs for k in r["figures"]}
@@ -568,7 +557,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
                 row.append(cell)
             rows.append(row)
         if rows:
-            lines += [f"## {title}", "", table(["variant", *[w.key for w in shown]], rows),
+            lines += [f"## {title}", "", markdown_table(["variant", *[w.key for w in shown]], rows),
                       "", "(ratio to the local file, same tool, in brackets; * = driver default)", ""]
     notes = [f"- {v.key}: {n}" for v in VARIANTS if v.key in results for n in results[v.key]["notes"]]
     if notes:
@@ -592,7 +581,7 @@ def rbd_paths(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -
                  ["RBD over NBD / local file", *[fmt_ratio(ratio(nbd.get(w.key), local.get(w.key)))
                                                  for w in shown]]]
     return ["## RBD: the NBD path vs QEMU's own librbd (qemu-img bench, same run)", "",
-            table(["ratio", *[w.key for w in shown]], rows), ""]
+            markdown_table(["ratio", *[w.key for w in shown]], rows), ""]
 
 
 def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
@@ -612,7 +601,7 @@ def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) 
     if not rows:
         return []
     return ["## NBD transports vs plain TCP (same run, same tool)", "",
-            table(["transport", *[w.key for w in shown]], rows), ""]
+            markdown_table(["transport", *[w.key for w in shown]], rows), ""]
 
 
 def target_rows(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[list[str]]:
@@ -642,7 +631,7 @@ def verdicts(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, F
     rows = target_rows(figs, baseline)
     if rows:
         out += ["## Targets (ratio to the local file, same tool / target; NBD 0.9 / 0.7, iSCSI 0.8 / 0.5)", "",
-                table(["path", SEQ_READ, RAND_READ, "load (max)"], rows),
+                markdown_table(["path", SEQ_READ, RAND_READ, "load (max)"], rows),
                 "", "(* = driver default; [qemu-img] is QEMU's own client, the one a VM's disk runs on)", ""]
 
     tunables = [f"## Best tunables (geometric mean of the {len(shown)} ratios; experimental variants excluded)", ""]

@@ -47,15 +47,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.common import log  # noqa: E402
 
 from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
@@ -69,10 +71,6 @@ TYPE = "gp3"
 # fair: no volume limit, the node's fair-share group of the type at its capacity (round-robin).
 MODES = ("none", "equal", "fair")
 RECORD_SIZES = {"4k": 4096, "64k": 64 << 10, "256k": 256 << 10, "1m": MIB}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def volume_id(n: int) -> str:

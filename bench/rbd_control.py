@@ -26,7 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.control_plane import Api, log, pct, server_ms, table
+from bench.common import log, pct, text_table
+from bench.control_api import Api, server_ms
 from tests.conftest import Services
 
 from vbs.rigs.ceph import EmbeddedCeph
@@ -188,7 +189,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                          f"{call.get('p50', float('nan')):.0f}",
                          f"{s['used_mib']:.0f}",
                          "met" if api_ms["p50"] <= TARGET_MS and api_ms["p95"] <= TARGET_MS else "MISSED"])
-    lines.append(table(["size", "operation", "p50 ms", "p95 ms", "min-max ms", "server p50", "server p95",
+    lines.append(text_table(["size", "operation", "p50 ms", "p95 ms", "min-max ms", "server p50", "server p95",
                         "to agent call end p50", "data MiB", f"<= {TARGET_MS:g} ms"], rows))
     lines.append("")
     lines.append("Baseline, same run: the rbd tool alone (one process per call, no VBS), p50 ms")
@@ -196,7 +197,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
              f"{s['direct']['clone_ms']['p50']:.0f}", f"{s['direct']['ls_l_ms']['p50']:.0f}",
              f"{s['snapshot_ms']['p50'] / s['direct']['snap_create_ms']['p50']:.1f}",
              f"{s['clone_ms']['p50'] / s['direct']['clone_ms']['p50']:.1f}"] for s in res["sizes"] if "direct" in s]
-    lines.append(table(["size", "rbd snap create", "rbd clone", "rbd ls -l", "VBS snapshot / snap create",
+    lines.append(text_table(["size", "rbd snap create", "rbd clone", "rbd ls -l", "VBS snapshot / snap create",
                         "VBS clone / rbd clone"], rows))
     if len(res["sizes"]) >= 2:
         small, big = res["sizes"][0], res["sizes"][-1]

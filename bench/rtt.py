@@ -443,7 +443,7 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
              f"{args.window_mib} MiB in flight per direction at most, MiB/s = 2^20 bytes/s)", ""]
     if ceiling:  # measured only when 0 ms is one of the RTTs
         lines += ["## The delay proxy's own ceiling (0 ms) against a direct connection", "",
-                  datapath.table(["protocol", "seq read (proxy / direct)", "4k IOPS (proxy / direct)"],
+                  datapath.markdown_table(["protocol", "seq read (proxy / direct)", "4k IOPS (proxy / direct)"],
                                  [[k, f"{ceiling[k + '_seq']:.2f}", f"{ceiling[k + '_rand']:.2f}"]
                                   for k in results if k + "_seq" in ceiling]), ""]
     for protocol, (direct, points) in results.items():
@@ -455,7 +455,7 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
                          f"{p.seq.mbps / direct.seq.mbps:.2f}", f"{p.rand.iops:.0f}",
                          f"{p.rand.iops / direct.rand.iops:.2f}"])
         lines += [f"## {protocol.upper()} (qemu-img bench through the proxy)", "",
-                  datapath.table(["RTT ms (nominal)", "measured", "seq read 1M qd8 MiB/s", "/direct",
+                  datapath.markdown_table(["RTT ms (nominal)", "measured", "seq read 1M qd8 MiB/s", "/direct",
                                   "rand read 4k qd32 IOPS", "/direct"], rows), ""]
     nbd_points = results["nbd"][1] if "nbd" in results else []
     moved = [p for p in nbd_points if p.moved_volume is not None and p.moved_instance is not None]
@@ -470,7 +470,7 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
                          f"{m.bytes_sent / MIB / m.seconds:.1f}",
                          f"{m.qemu_ms}", f"{m.downtime_ms}"])
         lines += [f"## The moves, measured through the proxy ({args.size_mib} MiB volume, {args.memory_mib} MiB VM)",
-                  "", datapath.table(["RTT ms", "measured", "migrate-volume s (pull)", "MiB/s",
+                  "", datapath.markdown_table(["RTT ms", "measured", "migrate-volume s (pull)", "MiB/s",
                                       "migrate-instance s (to running)", "MiB sent", "MiB/s", "QEMU total ms",
                                       "downtime ms"], rows), ""]
     for job, title in (("io_job_s", f"I/O-bound job: read the whole volume {args.passes} times"),
@@ -483,8 +483,9 @@ def report(results: dict[str, tuple[Point, list[Point]]], paper: dict[str, Any],
                           + ("never" if v is None else f"{v:g} ms" + (" (beyond the measured RTTs)" if v > top else ""))
                           for k, v in j["crossover_ms"].items())
         lines += [f"## {title} (local, direct: {j['local_s']:.2f} s)", "",
-                  datapath.table(["RTT ms", "measured", "remote s (measured)", f"migrate-instance s ({how} + local)",
-                                  f"migrate-volume s ({how} + local)", "best"], rows), "",
+                  datapath.markdown_table(["RTT ms", "measured", "remote s (measured)",
+                                           f"migrate-instance s ({how} + local)", f"migrate-volume s ({how} + local)",
+                                           "best"], rows), "",
                   f"Crossovers (where least-squares lines through the rows cross): {cross}.", ""]
     if moved:
         lines += [f"migrate-instance = a QEMU live migration of a bare VM whose {args.memory_mib} MiB of RAM hold "

@@ -52,19 +52,9 @@ for _p in (REPO / "src", REPO):
         sys.path.insert(0, str(_p))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
-from bench.control_plane import (  # noqa: E402
-    BENCH_LIMITS,
-    Api,
-    VbsUp,
-    bench_snapshot,
-    free_gib,
-    git_revision,
-    log,
-    machine,
-    pct,
-    table,
-    workdir,
-)
+from bench.common import log, pct, text_table  # noqa: E402
+from bench.control_api import BENCH_LIMITS, Api, VbsUp  # noqa: E402
+from bench.control_plane import bench_snapshot, free_gib, git_revision, machine, workdir  # noqa: E402
 
 from vbs import ids  # noqa: E402
 from vbs.controller.db import Database, Volume  # noqa: E402
@@ -405,7 +395,7 @@ def report(res: dict[str, Any]) -> str:
                  f"{r['load_before']:.1f}/{r['load_after']:.1f}"]
                 for r in res["volumes"]]
         lines += ["## Volumes in the DB (one storage node, one pool)", "",
-                  table(["volumes", "create p50 ms", "create p99 ms", "page p50 ms", "page p99 ms",
+                  text_table(["volumes", "create p50 ms", "create p99 ms", "page p50 ms", "page p99 ms",
                          "reconcile pass ms", "findings", "create p50/p99/max ms during passes",
                          "controller RSS MiB", "load before/after"], rows), "",
                   f"({res['volumes'][0]['creates']} sequential creates and {res['volumes'][0]['pages']} pages of "
@@ -422,12 +412,12 @@ def report(res: dict[str, Any]) -> str:
                          + verdict(r["page_p99_ms"] <= TARGET_PAGE_P99_MS)])
             rows.append([f"{r['volumes']:,}", f"controller RSS <= {TARGET_RSS_MIB:g} MiB",
                          verdict(r["rss_mib"] <= TARGET_RSS_MIB)])
-        lines += [table(["volumes", "target", "verdict"], rows), ""]
+        lines += [text_table(["volumes", "target", "verdict"], rows), ""]
     if res.get("attach"):
         rows = [[r.get("machine", "pc"), str(r["disks"]), f"{r['attach_p50_ms']:.0f}", f"{r['attach_max_ms']:.0f}",
                  f"{r['detach_p50_ms']:.0f}", str(r["rounds"]), f"{r['load']:.1f}"] for r in res["attach"]]
         lines += ["## Attach with N disks already in the VM (QEMU TCG, NBD; API call to the guest seeing it)", "",
-                  table(["guest", "disks in the VM", "attach p50 ms", "attach max ms", "detach p50 ms", "rounds",
+                  text_table(["guest", "disks in the VM", "attach p50 ms", "attach max ms", "detach p50 ms", "rounds",
                          "load"], rows), ""]
     for label in ("copy", "reflink"):
         pts = res.get(f"snapshots_{label}") or []
@@ -437,7 +427,7 @@ def report(res: dict[str, Any]) -> str:
                  str(p["verified"]), f"{p['load']:.1f}"] for p in pts]
         slope = slope_mb_s(pts)
         lines += [f"## Snapshot of a volume full of data: {label} ({pts[0]['clone_method']})", "",
-                  table(["GiB", "snapshot s", "create-from-snapshot s", "data written MB/s", "data verified",
+                  text_table(["GiB", "snapshot s", "create-from-snapshot s", "data written MB/s", "data verified",
                          "load"], rows), "",
                   f"Least-squares slope: {slope:.0f} MiB/s of volume copied" if slope
                   else "Slope: flat (or one point)", ""]

@@ -49,8 +49,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.common import log  # noqa: E402
 
 from vbs.config import HostAgentConfig, PoolConfig  # noqa: E402
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools  # noqa: E402
@@ -65,10 +68,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 TYPE = "gp3"
 POOL = "local"
 HOST = HostIdentity(name="bench-host", address="127.0.0.1")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.loopfs import loop_filesystem
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database
 from vbs.net.api_client import CONNECTION_LIMITS
 from vbs.net.ports import free_port

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import Services, Vbs, wait_until
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest, build_guest

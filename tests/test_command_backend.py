@@ -11,34 +11,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes import MemoryExports
 from vbs import ids
 from vbs.errors import InvalidParameter, NotFound, PointInTimeUnavailable
 from vbs.profiles import load_profile
 from vbs.storage.backends.command import BACKEND_PROFILES, CommandBackend
 from vbs.storage.exports.base import FileSource
+from vbs.wire.connection import HostIdentity
 
 pytestmark = pytest.mark.unit
 
 MiB = 1 << 20
 
 
-class NotExporting:
-    """An export driver that serves nothing (``is_exported`` is all ``ensure_snapshot`` asks)."""
-
-    def __init__(self) -> None:
-        self.exported: set[str] = set()
-
-    def is_exported(self, key: str) -> bool:
-        return key in self.exported
-
-    def list_exports(self) -> list[object]:
-        return []
-
-
 @pytest.fixture
 def pool(tmp_path: Path) -> CommandBackend:
     return CommandBackend("default", tmp_path, load_profile(BACKEND_PROFILES, "qemu-img", []),
-                          exports=NotExporting())  # type: ignore[arg-type]
+                          exports=MemoryExports())  # type: ignore[arg-type]
 
 
 def info(path: Path) -> dict[str, object]:
@@ -111,8 +100,8 @@ def test_an_interrupted_command_leaves_a_partial_that_the_next_ensure_replaces(p
 def test_a_snapshot_of_an_exported_volume_is_the_hypervisors_to_take(pool: CommandBackend) -> None:
     vol = ids.new_id("volume")
     pool.ensure_volume(vol, 16 * MiB)
-    assert isinstance(pool.exports, NotExporting)
-    pool.exports.exported.add(vol)
+    assert isinstance(pool.exports, MemoryExports)
+    pool.exports.ensure_export(vol, pool._source(pool._path("volume", vol), vol), HostIdentity(name="h", address="::1"))
     with pytest.raises(PointInTimeUnavailable):
         pool.ensure_snapshot(ids.new_id("snapshot"), vol)
 
@@ -136,7 +125,6 @@ def test_sources_are_qcow2_with_their_virtual_size(pool: CommandBackend) -> None
 
 def test_tgt_refuses_a_qcow2_source_with_the_reason(pool: CommandBackend, tmp_path: Path) -> None:
     from vbs.storage.exports.iscsi import IscsiExportDriver
-    from vbs.wire.connection import HostIdentity
 
     vol = ids.new_id("volume")
     pool.ensure_volume(vol, 16 * MiB)

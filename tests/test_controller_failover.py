@@ -29,7 +29,7 @@ import pytest
 from sqlalchemy import select
 
 from tests.conftest import VBS, Services, Vbs, free_port, node_token, start_bare_vm, stop_process, wait_until
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database, Operation
 
 pytestmark = pytest.mark.integration

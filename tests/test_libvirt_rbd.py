@@ -14,7 +14,7 @@ from pathlib import Path
 import libvirt
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import Services, wait_until
 from tests.libvirtd import URI, Libvirtd
 from tests.rbd_cloud import rbd_export_sha256

@@ -83,7 +83,7 @@ class Moving(Params):
     pass
 
 
-class World:
+class ThreeStepMigration:
     """A migration as the engine sees it: three steps, the last one's completion the point of no return."""
 
     def __init__(self) -> None:
@@ -133,7 +133,7 @@ def status(db: Database, op_id: str) -> str:
 
 
 def test_a_failure_before_the_point_of_no_return_rolls_back(db: Database) -> None:
-    world = World()
+    world = ThreeStepMigration()
     world.fail = {"prepare"}
     engine = WorkflowEngine(db, [world.workflow()], None)  # type: ignore[arg-type]
     op_id = begin(engine, db)
@@ -143,7 +143,7 @@ def test_a_failure_before_the_point_of_no_return_rolls_back(db: Database) -> Non
 
 
 def test_a_failure_past_the_point_of_no_return_is_retried_forward(db: Database) -> None:
-    world = World()
+    world = ThreeStepMigration()
     world.fail = {"cleanup"}
     engine = WorkflowEngine(db, [world.workflow()], None, retry_interval=0.2)  # type: ignore[arg-type]
     op_id = begin(engine, db)
@@ -160,7 +160,7 @@ def test_a_failure_past_the_point_of_no_return_is_retried_forward(db: Database) 
 
 
 def test_a_restart_past_the_point_of_no_return_goes_forward(db: Database) -> None:
-    world = World()
+    world = ThreeStepMigration()
     wf = world.workflow()
     engine = WorkflowEngine(db, [wf], None)  # type: ignore[arg-type]
     op_id = begin(engine, db)
@@ -179,7 +179,7 @@ def test_a_restart_past_the_point_of_no_return_goes_forward(db: Database) -> Non
 
 
 def test_a_rollback_that_meets_a_completed_migration_turns_forward(db: Database) -> None:
-    world = World()
+    world = ThreeStepMigration()
     wf = world.workflow()
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.2)  # type: ignore[arg-type]
     op_id = begin(engine, db)

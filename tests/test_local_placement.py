@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
-from tests.recording_engine import RecordingEngine
+from tests.fakes import RecordingEngine
 from tests.test_scheduler import create, heartbeat, pool
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Node, Volume

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import VBS, Vbs, VbsUp, node_token, wait_until
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from tests.conftest import VBS, Services, VbsUp, free_port, stop_process, wait_until
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database
 from vbs.controller.db.session import alembic_config
 

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import event, func, select, text
 
 from tests.conftest import wait_until
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.db import Attachment, Database, Instance, Node, Snapshot, Volume, VolumeUsage

@@ -27,8 +27,9 @@ from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, 
 from vbs.connectors import connector_for
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
+from vbs.host.hypervisors.qemu import FORCE_GRACE_SECONDS, PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
 from vbs.ids import virtio_serial
+from vbs.qemu.qmp import QmpClient
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.rigs.testguest.guest import qmp_execute
 from vbs.system.argv import run
@@ -95,6 +96,79 @@ def driver(vm_dir: Path, guest: TestGuest, bare_vm: str) -> Iterator[QemuDriver]
     drv = QemuDriver(vm_dir, qmp_timeout=10.0, secrets_dir=vm_dir.parent / "vbs-secrets")
     yield drv
     drv.close()
+
+
+@pytest.fixture(autouse=True)
+def leaves_shared_vms_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that plugs a disk into one of the module's VMs unplugs it; when it fails before it does,
+    this does it, so the next test starts from the VM it expects. A force-detached disk of the bare VM
+    stays (nothing in it acknowledges an unplug): only detached again, harmlessly."""
+    shared = {"guest": "guest1", "q35_guest": "q35guest", "bare_vm": "bare"}
+    used = [vm for fixture, vm in shared.items() if fixture in request.fixturenames]
+    if "driver" not in request.fixturenames or not used:
+        yield
+        return
+    driver: QemuDriver = request.getfixturevalue("driver")
+    for storage in ("nbd_server", "tgt_server", "snapshot_target"):  # set up first, so torn down after this
+        if storage in request.fixturenames:
+            request.getfixturevalue(storage)
+    guests: list[TestGuest] = [request.getfixturevalue(f) for f in ("guest", "q35_guest") if f in request.fixturenames]
+    before = {vm: {d.serial for d in driver.list_disks(vm)} for vm in used}
+    seen = {guest.name: set(guest.disks()) for guest in guests}
+    yield
+    for vm in used:
+        for disk in driver.list_disks(vm):
+            if disk.serial not in before[vm]:
+                driver.detach(vm, disk.serial, force=vm == "bare", timeout=10.0)
+    for guest in guests:
+        assert {d.serial for d in driver.list_disks(guest.name)} == before[guest.name]
+        wait_until(lambda g=guest: set(g.disks()) == seen[g.name], 10, what=f"{guest.name}'s disks as before")
+
+
+class QmpSpy:
+    """What is asked of QEMU's monitors during a test (``QmpClient`` patched): per socket, each command,
+    each wait for an event and each connect, with the time limit it was given."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str, float]] = []  # (socket path, what, seconds allowed)
+        self._lock = threading.Lock()
+        execute, wait_event, connect = QmpClient.execute, QmpClient.wait_event, QmpClient.connect
+
+        def spied_execute(client: QmpClient, command: str, arguments: Any = None, *, timeout: float | None = None
+                          ) -> Any:
+            self._record(client, command, timeout)
+            return execute(client, command, arguments, timeout=timeout)
+
+        def spied_wait_event(client: QmpClient, name: str, match: Any = None, *, since: int = 0,
+                             timeout: float | None = None) -> dict[str, Any]:
+            self._record(client, f"event {name}", timeout)
+            return wait_event(client, name, match, since=since, timeout=timeout)
+
+        def spied_connect(client: QmpClient, timeout: float | None = None) -> None:
+            self._record(client, "connect", timeout if timeout is not None else client.connect_timeout)
+            connect(client, timeout)
+
+        monkeypatch.setattr(QmpClient, "execute", spied_execute)
+        monkeypatch.setattr(QmpClient, "wait_event", spied_wait_event)
+        monkeypatch.setattr(QmpClient, "connect", spied_connect)
+
+    def _record(self, client: QmpClient, what: str, timeout: float | None) -> None:
+        with self._lock:
+            self.calls.append((client.socket_path, what, client.timeout if timeout is None else timeout))
+
+    def on(self, socket: Path) -> list[tuple[str, float]]:
+        """(what, seconds allowed) of every call on ``socket``, in order."""
+        with self._lock:
+            return [(what, limit) for path, what, limit in self.calls if path == str(socket)]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.calls.clear()
+
+
+@pytest.fixture
+def qmp_spy(monkeypatch: pytest.MonkeyPatch) -> QmpSpy:
+    return QmpSpy(monkeypatch)
 
 
 @pytest.fixture
@@ -371,7 +445,7 @@ def test_a_vm_that_is_gone_holds_no_disk(own_vms: Callable[[str], subprocess.Pop
 
 
 def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
-    own_vms: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path, volume: Path
+    own_vms: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path, volume: Path, qmp_spy: QmpSpy
 ) -> None:
     driver = QemuDriver(tmp_path / "vms", qmp_timeout=2.0)
     try:
@@ -380,9 +454,12 @@ def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
         serial = virtio_serial(vol(0x08))
         os.kill(proc.pid, signal.SIGSTOP)  # the process and its socket are there; nothing answers
         try:
-            vms, took = timed(driver.list_vms)
+            qmp_spy.clear()
+            vms = driver.list_vms()
             assert vms == [VmInfo(vm_id="vm1", name="vm1", running=False)]
-            assert took < PROBE_TIMEOUT + 3
+            # The probe waited for the monitor no longer than its own limit, not the driver's QMP timeout.
+            probe = qmp_spy.on(tmp_path / "vms" / "vm1.qmp")
+            assert probe and {limit for _, limit in probe} == {min(driver.qmp_timeout, PROBE_TIMEOUT)}, probe
             for call in (lambda: driver.attach("vm1", serial, FileConnection(path=str(volume))),
                          lambda: driver.detach("vm1", serial),
                          lambda: driver.remove_copy("vm1", serial, SNAP)):  # fmt: skip
@@ -400,15 +477,27 @@ def test_a_vm_that_does_not_answer_is_a_driver_error_not_gone(
 
 
 def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
-    driver: QemuDriver, guest: TestGuest, vm_dir: Path, volume: Path
+    driver: QemuDriver, guest: TestGuest, vm_dir: Path, volume: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     driver.list_vms()  # this driver holds both monitors now: a second agent on the same VMs must queue
     other = QemuDriver(vm_dir, qmp_timeout=2.0)
+    probes: list[tuple[str, str]] = []
+    probe = other._probe
+
+    def recorded_probe(vm_id: str) -> VmInfo | None:
+        probes.append(("start", vm_id))
+        try:
+            return probe(vm_id)
+        finally:
+            probes.append(("end", vm_id))
+
+    monkeypatch.setattr(other, "_probe", recorded_probe)
     try:
-        vms, took = timed(other.list_vms)
+        vms = other.list_vms()
         assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms
         assert VmInfo(vm_id="bare", name="bare", running=False) in vms
-        assert took < PROBE_TIMEOUT + 2  # both probed at once
+        # Both probed at once: each waits out its limit, and the second started before the first ended.
+        assert sorted(probes[:2]) == [("start", "bare"), ("start", "guest1")], probes
         with pytest.raises(DriverError) as raised:
             other.attach("guest1", virtio_serial(vol(0x09)), FileConnection(path=str(volume)))
         assert not isinstance(raised.value, NotFound)
@@ -579,32 +668,47 @@ def test_qos_puts_a_throttle_group_under_the_disk(driver: QemuDriver, guest: Tes
     serial = virtio_serial(vol(0x40))
     ids = disk_ids(serial)
     driver.attach("guest1", serial, FileConnection(path=str(volume)), qos=QoS(iops=20, mbps=5))
+    qdev = f"/machine/peripheral/{ids.device}/virtio-backend"
     block = {b["qdev"]: b for b in guest.qmp("query-block")}
-    assert block[f"/machine/peripheral/{ids.device}/virtio-backend"]["inserted"]["node-name"] == ids.throttle
+    assert block[qdev]["inserted"]["node-name"] == ids.throttle
+    # The device's top node is a throttle filter, in a throttle group of the disk's own with its limits.
+    assert node(guest.test_qmp_path, ids.throttle)["drv"] == "throttle"
+    groups = {o["name"]: o["type"] for o in guest.qmp("qom-list", {"path": "/objects"})}
+    assert groups[ids.throttle_group] == "child<throttle-group>"
     limits = guest.qmp("qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"})
     assert limits["iops-total"] == 20 and limits["bps-total"] == 5 * MIB
     dev = guest.wait_for_disk(serial)
-    # 40 synchronous 4 KiB writes at 20 IOPS take about 2 s (less a small initial burst).
-    _, took = timed(lambda: guest.check(f"dd if=/dev/zero of=/dev/{dev} bs=4k count=40 oflag=direct"))
-    assert took > 1.2
+    # The guest's writes go to that device, through the throttle node on top of it.
+    guest.check(f"dd if=/dev/zero of=/dev/{dev} bs=4k count=40 oflag=direct")
+    stats = {s["qdev"]: s["stats"] for s in guest.qmp("query-blockstats") if "qdev" in s}
+    assert stats[qdev]["wr_operations"] >= 40
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
     assert vbs_objects(guest.test_qmp_path) == set()
 
 
-def test_qos_changes_live_without_a_detach(driver: QemuDriver, guest: TestGuest, volume: Path) -> None:
+def test_qos_changes_live_without_a_detach(driver: QemuDriver, guest: TestGuest, volume: Path, vm_dir: Path,
+                                           qmp_spy: QmpSpy) -> None:
     """ModifyVolume where the storage node does not limit the volume: the disk's own throttle group."""
     serial = virtio_serial(vol(0x41))
     ids = disk_ids(serial)
     driver.attach("guest1", serial, FileConnection(path=str(volume)), qos=QoS(iops=20))
     dev = guest.wait_for_disk(serial)
     write = f"dd if=/dev/zero of=/dev/{dev} bs=4k count=40 oflag=direct"
-    _, slow = timed(lambda: guest.check(write))
+    guest.check(write)
+    limits = guest.qmp("qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"})
+    assert limits["iops-total"] == 20
+    nodes = vbs_nodes(guest.test_qmp_path)
+    qmp_spy.clear()
     assert driver.set_qos("guest1", serial, QoS(iops=4000)).serial == serial
+    # New limits on the same group, set live: nothing unplugged, no node removed or added.
+    commands = [what for what, _ in qmp_spy.on(vm_dir / "guest1.qmp")]
+    assert "qom-set" in commands and not {"device_del", "blockdev-del", "blockdev-add"} & set(commands), commands
     limits = guest.qmp("qom-get", {"path": f"/objects/{ids.throttle_group}", "property": "limits"})
     assert (limits["iops-total"], limits["iops-size"]) == (4000, 256 * 1024)
-    _, fast = timed(lambda: guest.check(write))
-    assert guest.disks()[serial] == dev and slow > 2.5 * fast, (slow, fast)
+    assert vbs_nodes(guest.test_qmp_path) == nodes
+    guest.check(write)
+    assert guest.disks()[serial] == dev
     driver.detach("guest1", serial)
     guest.wait_disk_gone(serial)
     # A disk attached without limits has no throttle to change: said, not ignored.
@@ -652,21 +756,26 @@ def test_leftovers_of_a_crashed_attach_are_cleaned(driver: QemuDriver, guest: Te
 
 
 def test_a_guest_that_never_releases_the_disk_is_busy_and_force_cuts_its_io(
-    driver: QemuDriver, bare_vm: str, nbd_server: Callable[..., NbdConnection], vm_dir: Path
+    driver: QemuDriver, bare_vm: str, nbd_server: Callable[..., NbdConnection], vm_dir: Path, qmp_spy: QmpSpy
 ) -> None:
     monitor = private_qmp(vm_dir, bare_vm)
     serial = virtio_serial(vol(0x70))
     ids = disk_ids(serial)
     driver.attach(bare_vm, serial, nbd_server())
 
+    def unplug_waits() -> list[float]:
+        return [limit for what, limit in qmp_spy.on(vm_dir / f"{bare_vm}.qmp") if what == "event DEVICE_DELETED"]
+
     started = time.monotonic()
+    qmp_spy.clear()
     with pytest.raises(DeviceBusy, match="did not release"):
         driver.detach(bare_vm, serial, timeout=1.0)
-    assert time.monotonic() - started < 4
+    assert unplug_waits() == [1.0]  # waited for the guest as long as asked, once
     assert {ids.proto, ids.raw} <= vbs_nodes(monitor)  # still in use: nothing was pulled from under it
 
+    qmp_spy.clear()
     _, force_s = timed(lambda: driver.detach(bare_vm, serial, force=True, timeout=5.0))
-    assert force_s < 4
+    assert unplug_waits() == [min(5.0, FORCE_GRACE_SECONDS)]  # force gives the guest only its grace
     # The device stays until a guest acknowledges; the NBD session is gone and I/O fails.
     nodes = vbs_nodes(monitor)
     assert ids.proto not in nodes and ids.dead in nodes
@@ -677,24 +786,36 @@ def test_a_guest_that_never_releases_the_disk_is_busy_and_force_cuts_its_io(
     print(f"busy detach raised after {time.monotonic() - started:.2f}s total; force {force_s:.3f}s")
 
 
-def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriver, bare_vm: str, volume: Path) -> None:
+def test_listing_does_not_wait_for_a_vm_the_driver_is_busy_with(driver: QemuDriver, bare_vm: str, volume: Path,
+                                                                vm_dir: Path, qmp_spy: QmpSpy) -> None:
     serial = virtio_serial(vol(0x71))
     driver.attach(bare_vm, serial, FileConnection(path=str(volume)))
     assert VmInfo(vm_id="bare", name="bare-vm", running=True, status="running") in driver.list_vms()
     errors: list[BaseException] = []
+    events: list[str] = []
+    bare_monitor = vm_dir / f"{bare_vm}.qmp"
 
     def slow_detach() -> None:  # holds the bare VM for 4 s, waiting for a guest that never answers
         try:
             driver.detach(bare_vm, serial, timeout=4.0)
         except DeviceBusy as exc:
             errors.append(exc)
+        finally:
+            events.append("detach ended")
 
+    qmp_spy.clear()
     worker = threading.Thread(target=slow_detach)
     worker.start()
-    time.sleep(0.3)
-    vms, took = timed(driver.list_vms)
+    wait_until(lambda: ("event DEVICE_DELETED", 4.0) in qmp_spy.on(bare_monitor), 10,
+               what="the detach waiting for the guest")
+    asked = len(qmp_spy.on(bare_monitor))
+    vms = driver.list_vms()
+    events.append("listed")
+    asked_meanwhile = qmp_spy.on(bare_monitor)[asked:]
     worker.join()
-    assert took < 2.0  # waiting for the detach would take over 3.5 s
+    # The listing came back while the detach still held the VM, and did not ask that VM anything.
+    assert events == ["listed", "detach ended"]
+    assert asked_meanwhile == []
     assert VmInfo(vm_id="bare", name="bare-vm", running=True, status="running") in vms  # as last seen
     assert len(errors) == 1
     driver.detach(bare_vm, serial, force=True, timeout=0.5)

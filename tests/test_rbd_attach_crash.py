@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
 from tests.test_rbd_native import disk_protocol_nodes

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from vbs import drivers, ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter, NotFound, VolumeSnapshotLimitExceeded

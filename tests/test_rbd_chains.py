@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import VBS, Services, wait_until
 from tests.export_fixtures import drivers_of
 from tests.test_rbd_export import HOST, QSD, _io

@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import Services, wait_until
 from tests.rbd_cloud import MIB, rbd_export_sha256
 from tests.world import (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
 from vbs.rigs.testguest import pattern_sha256

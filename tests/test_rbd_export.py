@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.export_fixtures import MiB, drivers_of
 from tests.test_iscsi_export import qemu_io as iscsi_io
 from tests.test_iscsi_export import tgtd_driver

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ceph import CephForTests
+from tests.ceph_cluster import CephForTests
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
 from tests.test_rbd_e2e import SPAN_MIB

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.conftest import UNIT_DATABASES, fresh_database
-from tests.recording_engine import RecordingEngine
+from tests.fakes import RecordingEngine
 from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig, load
 from vbs.controller.db import Database, Node, Snapshot, Volume

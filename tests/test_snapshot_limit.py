@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from tests.recording_engine import RecordingEngine
+from tests.fakes import RecordingEngine
 from vbs import ids
 from vbs.config import ControllerConfig, StorageAgentConfig
 from vbs.controller.db import Database, Node, Snapshot, Volume

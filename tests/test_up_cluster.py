@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, Vbs, VbsUp, free_port, wait_until
-from tests.postgres import PostgresForTests
+from tests.postgres_cluster import PostgresForTests
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest, build_guest
 from vbs.system.processes import cmdline, pid_alive

@@ -62,6 +62,30 @@ def start_op(engine: WorkflowEngine, db: Database, kind: str, resource: str = VO
     return op_id
 
 
+def restart_with(db: Database, wf: Workflow[Seen], op_id: str, states: dict[int, str], outcome: str, what: str
+                 ) -> None:
+    """As if the controller died with the operation's steps recorded as ``states`` (position -> state;
+    the others pending): a new engine takes it up, and stops once the operation is ``outcome``."""
+    with db.session() as s:
+        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
+            st.state = states.get(st.position, "pending")
+    restarted = WorkflowEngine(db, [wf], None)
+    restarted.start()
+    wait_until(lambda: op_status(db, op_id) == outcome, 10, what=what)
+    restarted.stop()
+
+
+def run_op(engine: WorkflowEngine, db: Database, outcome: str, timeout: float, what: str) -> str:
+    """An operation of kind "w" begun and submitted on the started ``engine``, which stops once the
+    operation is ``outcome``: its id."""
+    engine.start()
+    op_id = start_op(engine, db, "w")
+    engine.submit(op_id)
+    wait_until(lambda: op_status(db, op_id) == outcome, timeout, what=what)
+    engine.stop()
+    return op_id
+
+
 def op_status(db: Database, op_id: str) -> str:
     with db.session() as s:
         return s.get(Operation, op_id).status  # type: ignore[union-attr]
@@ -100,16 +124,9 @@ def test_a_failed_step_undoes_it_and_every_earlier_step_in_reverse(db: Database)
 def test_an_interrupted_rollback_workflow_is_undone_at_restart(db: Database) -> None:
     rec = Recorder()
     wf = rec.workflow("w", "rollback", ["a", "b", "c"])
-    engine = WorkflowEngine(db, [wf], None)
-    op_id = start_op(engine, db, "w")
+    op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
     # As if the controller died right after recording "b" started.
-    with db.session() as s:
-        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
-            st.state = {0: "done", 1: "started"}.get(st.position, "pending")
-    restarted = WorkflowEngine(db, [wf], None)
-    restarted.start()
-    wait_until(lambda: op_status(db, op_id) == "rolled-back", 10, what="rollback")
-    restarted.stop()
+    restart_with(db, wf, op_id, {0: "done", 1: "started"}, "rolled-back", "rollback")
     assert rec.calls == ["undo:b", "undo:a"]
     assert "restart" in rec.rolled_back[0]
 
@@ -117,15 +134,8 @@ def test_an_interrupted_rollback_workflow_is_undone_at_restart(db: Database) -> 
 def test_an_interrupted_forward_workflow_finishes_at_restart(db: Database) -> None:
     rec = Recorder()
     wf = rec.workflow("w", "forward", ["a", "b", "c"])
-    engine = WorkflowEngine(db, [wf], None)
-    op_id = start_op(engine, db, "w")
-    with db.session() as s:
-        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
-            st.state = {0: "done", 1: "started"}.get(st.position, "pending")
-    restarted = WorkflowEngine(db, [wf], None)
-    restarted.start()
-    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="roll forward")
-    restarted.stop()
+    op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
+    restart_with(db, wf, op_id, {0: "done", 1: "started"}, "succeeded", "roll forward")
     assert rec.calls == ["do:b", "do:c"], "the started step is repeated (idempotent), the done one is not"
 
 
@@ -139,11 +149,7 @@ def test_a_forward_workflow_retries_until_its_agent_answers(db: Database) -> Non
 
     wf = Workflow("w", Seen, "forward", (Step("flaky", flaky),))
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.1)
-    engine.start()
-    op_id = start_op(engine, db, "w")
-    engine.submit(op_id)
-    wait_until(lambda: op_status(db, op_id) == "succeeded", 20, what="retries")
-    engine.stop()
+    op_id = run_op(engine, db, "succeeded", 20, "retries")
     assert len(attempts) == 3
     with db.session() as s:
         assert s.get(Operation, op_id).attempts == 2  # type: ignore[union-attr]
@@ -193,32 +199,18 @@ def test_begin_is_part_of_the_callers_transaction(db: Database) -> None:
 def test_a_rollback_workflow_whose_steps_all_finished_is_not_undone_at_restart(db: Database) -> None:
     rec = Recorder()
     wf = rec.workflow("w", "rollback", ["a", "b"])
-    engine = WorkflowEngine(db, [wf], None)
-    op_id = start_op(engine, db, "w")
+    op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
     # The controller died after recording the last step done, before the operation's own record.
-    with db.session() as s:
-        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
-            st.state = "done"
-    restarted = WorkflowEngine(db, [wf], None)
-    restarted.start()
-    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="finished")
-    restarted.stop()
+    restart_with(db, wf, op_id, {0: "done", 1: "done"}, "succeeded", "finished")
     assert rec.calls == [] and rec.rolled_back == []
 
 
 def test_a_rollback_workflow_whose_resource_is_final_finishes_at_restart(db: Database) -> None:
     rec = Recorder()
     wf = rec.workflow("w", "rollback", ["a", "b"], finished=lambda ctx: True)
-    engine = WorkflowEngine(db, [wf], None)
-    op_id = start_op(engine, db, "w")
+    op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
     # The last step (a DB transition) ran, but the controller died before recording it done.
-    with db.session() as s:
-        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
-            st.state = {0: "done", 1: "started"}[st.position]
-    restarted = WorkflowEngine(db, [wf], None)
-    restarted.start()
-    wait_until(lambda: op_status(db, op_id) == "succeeded", 10, what="finished")
-    restarted.stop()
+    restart_with(db, wf, op_id, {0: "done", 1: "started"}, "succeeded", "finished")
     assert rec.calls == []
 
 
@@ -233,11 +225,7 @@ def test_a_forward_step_that_keeps_failing_ends_failed_with_its_reason(db: Datab
 
     wf = Workflow("w", Seen, "forward", (Step("down", down),), on_give_up=lambda ctx, why: ended.append(why))
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.5)  # type: ignore[arg-type]
-    engine.start()
-    op_id = start_op(engine, db, "w")
-    engine.submit(op_id)
-    wait_until(lambda: op_status(db, op_id) == "failed", 20, what="give up")
-    engine.stop()
+    op_id = run_op(engine, db, "failed", 20, "give up")
     with db.session() as s:
         op = s.get(Operation, op_id)
         assert op is not None and op.next_attempt_at is None and op.failing_since is None
@@ -253,11 +241,7 @@ def test_a_skippable_step_is_left_out_once_its_retries_are_exhausted(db: Databas
 
     wf = Workflow("w", Seen, "forward", (Step("host", down, skippable=lambda ctx: True), rec.step("storage")))
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.3)  # type: ignore[arg-type]
-    engine.start()
-    op_id = start_op(engine, db, "w")
-    engine.submit(op_id)
-    wait_until(lambda: op_status(db, op_id) == "succeeded", 20, what="skip")
-    engine.stop()
+    op_id = run_op(engine, db, "succeeded", 20, "skip")
     assert step_states(db, op_id) == ["skipped", "done"]
     assert rec.calls == ["do:storage"]
 
@@ -273,11 +257,7 @@ def test_an_undo_that_keeps_failing_is_abandoned_and_the_rest_is_undone(db: Data
                   (rec.step("a"), Step("b", lambda ctx: None, undo=undo_unreachable), rec.step("c")),
                   on_rollback=lambda ctx, reason: rec.rolled_back.append(reason))
     engine = WorkflowEngine(db, [wf], None, retry_interval=0.05, give_up_after=0.3)  # type: ignore[arg-type]
-    engine.start()
-    op_id = start_op(engine, db, "w")
-    engine.submit(op_id)
-    wait_until(lambda: op_status(db, op_id) == "failed", 20, what="rollback to end")
-    engine.stop()
+    op_id = run_op(engine, db, "failed", 20, "rollback to end")
     assert step_states(db, op_id) == ["undone", "abandoned", "undone"]
     assert rec.calls.count("undo:a") == 1 and rec.rolled_back == ["c failed"]
     with db.session() as s:
@@ -493,13 +473,7 @@ def test_a_restart_rolls_back_before_the_point_of_no_return_and_forward_from_it(
     rec = Recorder()
     wf = rec.workflow("w", "rollback", ["a", "b", "pivot", "c"], forward_from="pivot")
     op_id = start_op(WorkflowEngine(db, [wf], None), db, "w")
-    with db.session() as s:
-        for st in s.scalars(select(OperationStep).where(OperationStep.operation_id == op_id)):
-            st.state = states.get(st.position, "pending")
-    restarted = WorkflowEngine(db, [wf], None)
-    restarted.start()
-    wait_until(lambda: op_status(db, op_id) == outcome, 10, what=outcome)
-    restarted.stop()
+    restart_with(db, wf, op_id, states, outcome, outcome)
     assert rec.calls == calls
 
 
