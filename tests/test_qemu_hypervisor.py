@@ -27,7 +27,9 @@ from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, 
 from vbs.connectors import connector_for
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.host.hypervisors.qemu import PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
+from vbs.host.hypervisors.qemu_monitors import PROBE_TIMEOUT
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.rigs.testguest.guest import qmp_execute
