@@ -21,7 +21,7 @@ from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
 from vbs.net.metrics import install_metrics
 from vbs.net.web import PreAuth, Scope, install_error_handlers
-from vbs.storage.api import add_volume_routes
+from vbs.pools.routes import add_volume_routes
 from vbs.wire.connection import AnyConnection, FileConnection, LocalConnection
 from vbs.wire.host import (
     SERIAL_RE,
