@@ -15,7 +15,8 @@ from pydantic import SecretStr
 from vbs.connectors import CONNECTORS, QemuIds, connector_for
 from vbs.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.errors import InvalidParameter
-from vbs.host.hypervisors.qemu import QemuDriver, copy_ids, disk_ids
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
 from vbs.ids import virtio_serial
 from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection, RbdConnection
 

@@ -22,7 +22,8 @@ import pytest
 from tests.conftest import free_port, stop_process, wait_until
 from tests.libvirtd import URI, Libvirtd
 from vbs.errors import DeviceBusy, IncorrectState, NotFound
-from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias
+from vbs.host.hypervisors.libvirt import LibvirtDriver
+from vbs.host.hypervisors.libvirt_xml import disk_alias
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.rigs.testguest import build_guest
 from vbs.rigs.testguest.libvirt import LibvirtGuest, domain_xml
@@ -161,7 +162,7 @@ def test_an_attached_disk_outlives_a_libvirtd_restart_and_is_found_again(
 def test_domains_that_start_and_stop_later_are_seen_through_lifecycle_events(
         driver: LibvirtDriver, tmp_path: Path) -> None:
     driver.list_vms()
-    conn = driver._connection()
+    conn = driver.session.connection()
     listed = conn.listAllDomains
 
     def no_listing(*args: object) -> object:

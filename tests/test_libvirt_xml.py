@@ -14,7 +14,8 @@ from pydantic import SecretStr
 from vbs.connectors import connector_for
 from vbs.connectors.base import LibvirtAuth, LibvirtSource
 from vbs.errors import IncorrectState, InvalidParameter
-from vbs.host.hypervisors.libvirt import LibvirtDriver, disk_alias, disk_xml, secret_uuid
+from vbs.host.hypervisors.libvirt import LibvirtDriver
+from vbs.host.hypervisors.libvirt_xml import disk_alias, disk_xml, secret_uuid
 from vbs.wire.connection import FileConnection, IscsiConnection, NbdConnection
 from vbs.wire.host import QoS
 

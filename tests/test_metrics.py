@@ -29,7 +29,7 @@ from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.errors import DriverError, InvalidParameter, UnauthorizedOperation
 from vbs.host.hypervisors.base import DiskStats
-from vbs.host.hypervisors.qemu import disk_stats
+from vbs.host.hypervisors.qemu_monitors import disk_stats
 from vbs.host.metrics import volume_metrics
 from vbs.ids import virtio_serial
 from vbs.net.metrics import ScrapeCollector, install_metrics, new_registry

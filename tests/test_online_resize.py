@@ -25,7 +25,8 @@ from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, 
 from vbs.controller.fleet.agents import HostAgent, StorageAgent
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.api import create_app as create_host_app
-from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.host.hypervisors.qemu_ids import disk_ids
 from vbs.ids import virtio_serial
 from vbs.net.web import ApiClient, agent_auth
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256

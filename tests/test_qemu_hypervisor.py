@@ -27,7 +27,10 @@ from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, 
 from vbs.connectors import connector_for
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import HypervisorDriver
-from vbs.host.hypervisors.qemu import FORCE_GRACE_SECONDS, PROBE_TIMEOUT, QemuDriver, copy_ids, disk_ids
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
+from vbs.host.hypervisors.qemu_monitors import PROBE_TIMEOUT
+from vbs.host.hypervisors.qemu_plug import FORCE_GRACE_SECONDS
 from vbs.ids import virtio_serial
 from vbs.qemu.qmp import QmpClient
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
@@ -482,7 +485,7 @@ def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
     driver.list_vms()  # this driver holds both monitors now: a second agent on the same VMs must queue
     other = QemuDriver(vm_dir, qmp_timeout=2.0)
     probes: list[tuple[str, str]] = []
-    probe = other._probe
+    probe = other.monitors._probe
 
     def recorded_probe(vm_id: str) -> VmInfo | None:
         probes.append(("start", vm_id))
@@ -491,7 +494,7 @@ def test_a_vm_whose_monitor_another_client_holds_is_listed_as_not_running(
         finally:
             probes.append(("end", vm_id))
 
-    monkeypatch.setattr(other, "_probe", recorded_probe)
+    monkeypatch.setattr(other.monitors, "_probe", recorded_probe)
     try:
         vms = other.list_vms()
         assert VmInfo(vm_id="guest1", name="guest1", running=False) in vms

@@ -14,7 +14,8 @@ import pytest
 
 from tests.conftest import private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.errors import IncorrectState
-from vbs.host.hypervisors.qemu import QemuDriver, disk_ids
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.host.hypervisors.qemu_ids import disk_ids
 from vbs.rigs.testguest.guest import qmp_execute
 from vbs.wire.connection import FileConnection
 from vbs.wire.host import QoS

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Vbs, vbs_up_with_guest, wait_until
-from vbs.host.hypervisors.qemu import disk_ids
+from vbs.host.hypervisors.qemu_ids import disk_ids
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest
 

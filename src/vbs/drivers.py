@@ -8,7 +8,7 @@ third party ships a driver as a package that declares the same groups, and nothi
     mystore = "mystore.vbs:MyStoreBackend"
 
 The object an entry point names is a driver class with a ``from_config`` class method (see the
-contract of each family: ``vbs.storage.backends.base``, ``vbs.storage.exports.base``,
+contract of each family: ``vbs.pools.backend``, ``vbs.pools.exports``,
 ``vbs.host.hypervisors.base``).
 """
 

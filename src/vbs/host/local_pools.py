@@ -30,8 +30,8 @@ from vbs.config import HostAgentConfig, StorageAgentConfig
 from vbs.connectors import connector_for
 from vbs.connectors.base import QemuIds
 from vbs.errors import DriverError, IncorrectState, NotFound
-from vbs.storage.backends.base import Backend
-from vbs.storage.exports.base import ExportSource
+from vbs.pools.backend import Backend
+from vbs.pools.exports import ExportSource
 from vbs.wire.connection import Connection, FileConnection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo, ItemStatus
 

@@ -3,7 +3,7 @@
 The controller names the storage nodes and gives a ticket for each (``GET
 /internal/v1/probe-targets``). The round trip is the median of a few TCP connects to the node's
 agent (the network's delay, not the agent's Python); the throughput is one bounded transfer from
-its probe endpoint (``vbs.storage.probe``). The latest result per node goes out in each heartbeat.
+the storage agent's probe endpoint (``GET /probe``). The latest result per node goes out in each heartbeat.
 """
 
 from __future__ import annotations

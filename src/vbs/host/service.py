@@ -5,13 +5,19 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vbs import drivers
 from vbs.config import HostAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.host.api import create_app
-from vbs.host.hypervisors.base import HypervisorDriver, PausingDriver
+from vbs.host.hypervisors.base import (
+    HypervisorDriver,
+    LimitingDriver,
+    MigratingDriver,
+    MirroringDriver,
+    PausingDriver,
+)
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools
 from vbs.host.pauses import Pauses
 from vbs.host.probes import Prober
@@ -23,12 +29,21 @@ from vbs.wire.host import HostHeartbeat, VmInfo
 
 log = logging.getLogger(__name__)
 
+# What a driver declares it can do is its contract, each capability with the calls it needs: checked
+# once here, the API then asks the capability alone.
+_CAPABILITY_CALLS: dict[str, type] = {"qos": LimitingDriver, "pause": PausingDriver,
+                                      "live_migration": MigratingDriver, "mirror": MirroringDriver}
+
 
 def build_driver(cfg: HostAgentConfig) -> HypervisorDriver:
     driver_cls: Any = drivers.load("hypervisor", cfg.hypervisor)
     driver = driver_cls.from_config(cfg)
     if not isinstance(driver, HypervisorDriver):
         raise DriverError(f"hypervisor driver {cfg.hypervisor!r} does not fulfil the HypervisorDriver contract")
+    for capability, calls in _CAPABILITY_CALLS.items():
+        if getattr(driver.capabilities, capability) and not isinstance(driver, calls):
+            raise DriverError(f"hypervisor driver {cfg.hypervisor!r} declares {capability} but does not fulfil "
+                              f"{calls.__name__}")
     return driver
 
 
@@ -44,7 +59,7 @@ def serve(cfg: HostAgentConfig) -> None:
     sec = agent_security.prepare("host agent", cfg, *([state] if state else []),
                                  fence_file=state / "fences.json" if state else None)
     driver = build_driver(cfg)
-    pauses = Pauses(driver, state) if isinstance(driver, PausingDriver) and driver.capabilities.pause else None
+    pauses = Pauses(cast(PausingDriver, driver), state) if driver.capabilities.pause else None
     if pauses is not None:
         pauses.recover()
     local = LocalPools(build_local_pools(cfg), copy_credentials(cfg, state))

@@ -16,7 +16,8 @@ from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 from vbs.net.metrics import install_metrics
 from vbs.net.web import PreAuth, Scope, install_error_handlers
-from vbs.storage.backends.base import Backend, EncryptingBackend, PullingBackend
+from vbs.pools.routes import add_volume_routes
+from vbs.storage.backends.base import Backend, PullingBackend
 from vbs.storage.exports.base import ExportDriver, LimitEnforcer
 from vbs.storage.metrics import storage_registry
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
@@ -25,14 +26,12 @@ from vbs.wire.storage import (
     ConnectionAnswer,
     ConnectionRequest,
     EnsureSnapshot,
-    EnsureVolume,
     ExportList,
     Inventory,
     ItemStatus,
     PoolList,
     PullVolume,
     Removed,
-    ResizeVolume,
     SnapshotTargetRequest,
 )
 
@@ -54,40 +53,6 @@ class Reach(NamedTuple):
 def _same_host(host: HostIdentity, host_name: str) -> None:
     if host.name != host_name:
         raise InvalidParameter("the host in the path and in the body differ")
-
-
-def add_volume_routes(router: APIRouter, pool: Callable[[str], Backend], prefix: str = "/pools") -> None:
-    """The volume calls of a pool's backend (ensure, status, resize, remove), under ``prefix``: a
-    storage node's pools, and a host's local pools (semi-shared storage) with the same code."""
-
-    @router.put(prefix + "/{pool_name}/volumes/{volume_id}")
-    def ensure_volume(pool_name: str, volume_id: str, body: EnsureVolume) -> ItemStatus:
-        backend = pool(pool_name)
-        if body.encrypted or body.luks_passphrase is not None:
-            if not isinstance(backend, EncryptingBackend):
-                raise IncorrectState(f"pool {pool_name} cannot make encrypted volumes")
-            return backend.ensure_encrypted_volume(ids.check("volume", volume_id), body.size_bytes,
-                                                   body.luks_passphrase, body.source_snapshot_id,
-                                                   body.source_luks_passphrase)
-        return backend.ensure_volume(ids.check("volume", volume_id), body.size_bytes, body.source_snapshot_id)
-
-    @router.get(prefix + "/{pool_name}/volumes/{volume_id}")
-    def volume_status(pool_name: str, volume_id: str) -> ItemStatus:
-        return pool(pool_name).volume_status(ids.check("volume", volume_id))
-
-    @router.put(prefix + "/{pool_name}/volumes/{volume_id}/size")
-    def resize_volume(pool_name: str, volume_id: str, body: ResizeVolume) -> ItemStatus:
-        backend = pool(pool_name)
-        if body.encrypted:
-            if not isinstance(backend, EncryptingBackend):
-                raise IncorrectState(f"pool {pool_name} holds no encrypted volumes")
-            return backend.resize_encrypted_volume(ids.check("volume", volume_id), body.size_bytes)
-        return backend.resize_volume(ids.check("volume", volume_id), body.size_bytes)
-
-    @router.delete(prefix + "/{pool_name}/volumes/{volume_id}")
-    def remove_volume(pool_name: str, volume_id: str) -> Removed:
-        pool(pool_name).remove_volume(ids.check("volume", volume_id))
-        return Removed()
 
 
 def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callable[[Scope], Response | None],

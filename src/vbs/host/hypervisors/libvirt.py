@@ -35,14 +35,10 @@ they are refused, saying so. libvirt knows no TLS-PSK. NBD disks have no reconne
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import logging
-import queue
-import re
 import threading
-import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -58,129 +54,22 @@ from vbs.connectors.base import LibvirtSource
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import DiskStats, counter
-from vbs.host.hypervisors.libvirt_metadata import cloud_ids
+from vbs.host.hypervisors.libvirt_secrets import define_luks_secret, define_secret, drop_secret
+from vbs.host.hypervisors.libvirt_session import LibvirtSession, message, no_domain
+from vbs.host.hypervisors.libvirt_xml import disk_alias, disk_xml, free_target, iotune_limits, our_disks, secret_uuid
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.wire.connection import AnyConnection
-from vbs.wire.host import SERIAL_RE, VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
-from vbs.wire.qos import throttle_limits
+from vbs.wire.host import VM_ID_RE, DiskInfo, HypervisorCapabilities, QoS, VmInfo
 from vbs.wire.storage import ItemStatus
 
+# The driver, and the names its modules' users have always found here.
 __all__ = ["LibvirtDriver", "disk_alias", "disk_xml", "secret_uuid", "FORCE_GRACE_SECONDS"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MIB = 1024 * 1024
-ALIAS_PREFIX = "ua-"  # libvirt keeps user aliases only with this prefix
-_ALIAS_RE = re.compile(r"^ua-(vol[0-9a-f]{17})$")
 # How long a forced detach lets the guest release the disk before it gives up on it.
 FORCE_GRACE_SECONDS = 1.0
-# How often the watcher thread tries to reconnect to a libvirtd that went.
-RECONNECT_INTERVAL_S = 1.0
-# Secrets of VBS's disks have UUIDs derived from (domain name, serial): found again after a restart.
-_SECRET_NAMESPACE = uuid.UUID("0b6f4a52-52a3-4e0c-9a49-7d0c3d2f1a61")
-
-_event_loop_lock = threading.Lock()
-_event_loop_started = False
-
-
-def _start_event_loop() -> None:
-    """libvirt's default event loop, once per process, in a daemon thread: it delivers domain events
-    and keepalives of every connection opened after it."""
-    global _event_loop_started
-    with _event_loop_lock:
-        if _event_loop_started:
-            return
-        libvirt.virEventRegisterDefaultImpl()
-        # Errors arrive as exceptions; libvirt's default handler would also print them to stderr.
-        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
-
-        def run() -> None:
-            while True:
-                if libvirt.virEventRunDefaultImpl() < 0:
-                    log.error("libvirt's event loop failed")
-
-        threading.Thread(target=run, name="vbs-libvirt-events", daemon=True).start()
-        _event_loop_started = True
-
-
-def disk_alias(serial: str) -> str:
-    if not isinstance(serial, str) or not SERIAL_RE.match(serial):
-        raise InvalidParameter(f"invalid disk serial {serial!r} (a volume id without its dash)")
-    return ALIAS_PREFIX + serial
-
-
-def secret_uuid(vm_id: str, serial: str) -> str:
-    """The UUID of the libvirt secret holding the credentials of disk ``serial`` of domain ``vm_id``."""
-    return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}"))
-
-
-def luks_secret_uuid(vm_id: str, serial: str) -> str:
-    """The UUID of the libvirt secret holding the LUKS passphrase of an encrypted disk."""
-    return str(uuid.uuid5(_SECRET_NAMESPACE, f"{vm_id}/{serial}/luks"))
-
-
-def _iotune(qos: QoS | None) -> dict[str, int]:
-    """libvirt's names for QEMU's throttle limits (``vbs.wire.qos.throttle_limits``), zero: none."""
-    limits = throttle_limits(qos)
-    return {"total_iops_sec": limits["iops-total"], "total_bytes_sec": limits["bps-total"],
-            "size_iops_sec": limits["iops-size"]}
-
-
-def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool = False, qos: QoS | None = None,
-             secret: str | None = None, luks_secret: str | None = None) -> str:
-    """The ``<disk>`` that attaches ``source`` as virtio disk ``target`` with ``serial`` (xml.etree
-    escapes every value; each was validated by its wire model before). ``luks_secret``: the volume is a
-    LUKS container, opened by QEMU with the passphrase in that libvirt secret."""
-    disk = ET.Element("disk", {"type": "network", "device": "disk"})
-    ET.SubElement(disk, "driver", {"name": "qemu", "type": "raw", "discard": "unmap"})
-    source_el = source.element(secret)
-    if luks_secret is not None:
-        encryption = ET.SubElement(source_el, "encryption", {"format": "luks", "engine": "qemu"})
-        ET.SubElement(encryption, "secret", {"type": "passphrase", "uuid": luks_secret})
-    disk.append(source_el)
-    ET.SubElement(disk, "target", {"dev": target, "bus": "virtio"})
-    if qos is not None and (qos.iops is not None or qos.mbps is not None):
-        iotune = ET.SubElement(disk, "iotune")
-        for name, value in _iotune(qos).items():
-            if value:
-                ET.SubElement(iotune, name).text = str(value)
-    if read_only:
-        ET.SubElement(disk, "readonly")
-    ET.SubElement(disk, "serial").text = serial
-    ET.SubElement(disk, "alias", {"name": disk_alias(serial)})
-    return ET.tostring(disk, encoding="unicode")
-
-
-def _secret_xml(uuid_: str, vm_id: str, serial: str, usage: str) -> str:
-    secret = ET.Element("secret", {"ephemeral": "yes", "private": "yes"})
-    ET.SubElement(secret, "uuid").text = uuid_
-    ET.SubElement(secret, "description").text = f"VBS: credentials of disk {serial} of domain {vm_id}"
-    usage_el = ET.SubElement(secret, "usage", {"type": usage})
-    # The usage id must be unique among the libvirtd's secrets of that type.
-    ET.SubElement(usage_el, {"iscsi": "target", "volume": "volume"}.get(usage, "name")).text = f"vbs-{uuid_}"
-    return ET.tostring(secret, encoding="unicode")
-
-
-def _free_target(domain: ET.Element) -> str:
-    """The first virtio disk name (vdb, vdc… vdaa…) no disk of the domain uses."""
-    used = {t.get("dev") for t in domain.iterfind("devices/disk/target")}
-    for k in range(1, 26 * 27):
-        name = "vd" + (chr(ord("a") + k) if k < 26 else chr(ord("a") + k // 26 - 1) + chr(ord("a") + k % 26))
-        if name not in used:
-            return name
-    raise IncorrectState("the domain has no free virtio disk name left")
-
-
-def _our_disks(domain: ET.Element) -> dict[str, ET.Element]:
-    """The disks VBS attached, by serial: those with its user alias."""
-    found: dict[str, ET.Element] = {}
-    for disk in domain.iterfind("devices/disk"):
-        alias = disk.find("alias")
-        match = _ALIAS_RE.match(alias.get("name", "")) if alias is not None else None
-        if match is not None:
-            found[match.group(1)] = disk
-    return found
 
 
 def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
@@ -191,11 +80,11 @@ def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
         if not dom.isActive():
             return []
     except libvirt.libvirtError as exc:
-        if _no_domain(exc):
+        if no_domain(exc):
             return []
         raise
     found = []
-    for serial, disk in sorted(_our_disks(ET.fromstring(dom.XMLDesc(0))).items()):
+    for serial, disk in sorted(our_disks(ET.fromstring(dom.XMLDesc(0))).items()):
         target = disk.find("target")
         dev = target.get("dev") if target is not None else None
         if not dev:
@@ -213,14 +102,6 @@ def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
 # libvirt's message when a domain has no free PCI address for a hot-plugged device (an internal
 # error by its code, so the message is what tells it).
 _NO_SLOT = "No more available PCI slots"
-
-
-def _no_domain(exc: libvirt.libvirtError) -> bool:
-    return bool(exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN)
-
-
-def _message(exc: libvirt.libvirtError) -> str:
-    return str(exc.get_error_message() or exc)
 
 
 class LibvirtDriver:
@@ -248,21 +129,10 @@ class LibvirtDriver:
         self.nbd_tls = nbd_tls_dir is not None
         # iSCSI served through TLS: libvirt's QEMU dials this host's end of a tunnel to the portal.
         self.tunnels = IscsiTunnels((state_dir or Path("./var/host-state")) / "tunnels", x509)
-        self._connecting = threading.Lock()
-        self._guard = threading.Lock()  # guards the fields below
-        self._conn: libvirt.virConnect | None = None
-        self._callbacks: list[int] = []
-        self._vms: dict[str, VmInfo] = {}
+        self._guard = threading.Lock()  # guards the locks
         self._locks: dict[str, threading.Lock] = {}
-        self._removed: dict[tuple[str, str], threading.Event] = {}  # (domain UUID, alias) -> waiter
         self._forced: set[tuple[str, str]] = set()  # (vm id, serial) cut by a forced detach, held by the guest
-        self._refresh: queue.Queue[str | None] = queue.Queue()
-        self._closed: queue.Queue[libvirt.virConnect] = queue.Queue()  # connections libvirt reported closed
-        self._closing = threading.Event()
-        self._reported_down = False
-        _start_event_loop()
-        self._watcher = threading.Thread(target=self._watch, name="vbs-libvirt-watch", daemon=True)
-        self._watcher.start()
+        self.session = LibvirtSession(uri)
 
     @classmethod
     def from_config(cls, cfg: HostAgentConfig) -> LibvirtDriver:
@@ -277,9 +147,7 @@ class LibvirtDriver:
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
     def list_vms(self) -> list[VmInfo]:
-        self._connection()  # a libvirtd that is not there: the VMs are unknown, not none
-        with self._guard:
-            return sorted(self._vms.values(), key=lambda vm: vm.vm_id)
+        return self.session.list_vms()
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
@@ -300,21 +168,20 @@ class LibvirtDriver:
                             need=False)
         if found is None:
             log.info("VM %s is gone: disk %s went with it", vm_id, serial)
-            self._with_conn(lambda conn: self._drop_secret(conn, vm_id, serial))
+            self.session.with_conn(lambda conn: drop_secret(conn, vm_id, serial))
 
     def list_disks(self, vm_id: str) -> list[DiskInfo]:
         return _present(self._on_vm(vm_id, lambda _conn, dom: self._disks(vm_id, dom), need=True))
 
     def block_stats(self) -> list[DiskStats]:
-        with self._guard:
-            vm_ids = sorted(self._vms)
+        vm_ids = self.session.vm_ids()
         found: list[DiskStats] = []
         for vm_id in vm_ids:
             lock = self._vm_lock(vm_id)
             if not lock.acquire(blocking=False):
                 continue  # busy with an attach or a detach: left out of this scrape rather than waited for
             try:
-                found += self._with_conn(functools.partial(_domain_stats, vm_id=vm_id))
+                found += self.session.with_conn(functools.partial(_domain_stats, vm_id=vm_id))
             except DriverError as exc:
                 log.warning("VM %s: block statistics: %s", vm_id, exc.message)
             finally:
@@ -333,14 +200,14 @@ class LibvirtDriver:
             raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
 
         def grow(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
-            disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+            disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
             target = disk.find("target") if disk is not None else None
             if target is None or not target.get("dev"):
                 raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
             try:
                 dom.blockResize(target.get("dev"), size_bytes, libvirt.VIR_DOMAIN_BLOCK_RESIZE_BYTES)
             except libvirt.libvirtError as exc:
-                raise DriverError(f"VM {vm_id}: resize of {serial} failed: {_message(exc)}") from exc
+                raise DriverError(f"VM {vm_id}: resize of {serial} failed: {message(exc)}") from exc
             return self._disk(vm_id, dom, serial)
 
         return _present(self._on_vm(vm_id, grow, need=True))
@@ -349,14 +216,14 @@ class LibvirtDriver:
         """``setBlockIoTune`` on the live domain: new limits for the disk without detaching it."""
 
         def tune(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
-            disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+            disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
             target = disk.find("target") if disk is not None else None
             if target is None or not target.get("dev"):
                 raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
             try:
-                dom.setBlockIoTune(target.get("dev"), _iotune(qos), libvirt.VIR_DOMAIN_AFFECT_LIVE)
+                dom.setBlockIoTune(target.get("dev"), iotune_limits(qos), libvirt.VIR_DOMAIN_AFFECT_LIVE)
             except libvirt.libvirtError as exc:
-                raise DriverError(f"VM {vm_id}: new limits for {serial} refused: {_message(exc)}") from exc
+                raise DriverError(f"VM {vm_id}: new limits for {serial} refused: {message(exc)}") from exc
             return self._disk(vm_id, dom, serial)
 
         return _present(self._on_vm(vm_id, tune, need=True))
@@ -368,14 +235,7 @@ class LibvirtDriver:
         return None  # it never makes one: there is nothing to remove
 
     def close(self) -> None:
-        self._closing.set()
-        self._refresh.put(None)
-        self._watcher.join(10)
-        with self._guard:
-            conn, self._conn = self._conn, None
-            callbacks, self._callbacks = self._callbacks, []
-        if conn is not None:
-            self._release(conn, callbacks)
+        self.session.close()
         self.tunnels.close()
 
     # -- calls on one domain ---------------------------------------------------------------------
@@ -396,7 +256,7 @@ class LibvirtDriver:
                 dom = conn.lookupByName(vm_id)
                 active = dom.isActive()
             except libvirt.libvirtError as exc:
-                if not _no_domain(exc):
+                if not no_domain(exc):
                     raise
                 active = False
             if not active:
@@ -407,11 +267,11 @@ class LibvirtDriver:
             return call(conn, dom)
 
         with self._vm_lock(vm_id):
-            return self._with_conn(on_domain)
+            return self.session.with_conn(on_domain)
 
     def _attach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str,
                 source: LibvirtSource, read_only: bool, qos: QoS | None, luks: SecretStr | None) -> DiskInfo:
-        live = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+        live = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
         if live is not None:
             if (vm_id, serial) in self._forced:
                 raise IncorrectState(
@@ -426,50 +286,47 @@ class LibvirtDriver:
                 dom.attachDeviceFlags(ET.tostring(live, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
             return self._disk(vm_id, dom, serial)
         self._forced.discard((vm_id, serial))
-        secret = self._define_secret(conn, vm_id, serial, source) if source.auth is not None else None
+        secret = define_secret(conn, vm_id, serial, source) if source.auth is not None else None
         try:
-            luks_secret = self._define_luks_secret(conn, vm_id, serial, luks) if luks is not None else None
-            xml = disk_xml(serial, _free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only,
+            luks_secret = define_luks_secret(conn, vm_id, serial, luks) if luks is not None else None
+            xml = disk_xml(serial, free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only,
                            qos=qos, secret=secret, luks_secret=luks_secret)
             dom.attachDeviceFlags(xml, self._flags(dom, config=True))
         except libvirt.libvirtError as exc:
-            self._drop_secret(conn, vm_id, serial)
-            if _NO_SLOT in _message(exc):
+            drop_secret(conn, vm_id, serial)
+            if _NO_SLOT in message(exc):
                 raise IncorrectState(
                     f"VM {vm_id} has no free slot for another disk: libvirt found no free PCI slot (a q35 domain "
                     "hot-plugs disks only into empty PCIe root ports; define spare ones: <controller type='pci' "
                     "model='pcie-root-port'/>)", code="IncorrectInstanceState") from exc
-            raise DriverError(f"VM {vm_id}: attach of {serial} failed: {_message(exc)}") from exc
+            raise DriverError(f"VM {vm_id}: attach of {serial} failed: {message(exc)}") from exc
         log.info("VM %s: disk %s attached", vm_id, serial)
         return self._disk(vm_id, dom, serial)
 
     def _detach(self, conn: libvirt.virConnect, dom: libvirt.virDomain, vm_id: str, serial: str, force: bool,
                 timeout: float) -> bool:
         alias = disk_alias(serial)
-        if serial not in _our_disks(ET.fromstring(dom.XMLDesc(0))):
-            self._drop_secret(conn, vm_id, serial)
+        if serial not in our_disks(ET.fromstring(dom.XMLDesc(0))):
+            drop_secret(conn, vm_id, serial)
             return True
         key = (dom.UUIDString(), alias)
-        removed = threading.Event()
-        with self._guard:
-            self._removed[key] = removed  # before the request: its event may come at once
+        removed = self.session.expect_removal(key)  # before the request: its event may come at once
         try:
             try:
                 dom.detachDeviceAlias(alias, self._flags(dom, config=self._in_config(dom, serial)))
             except libvirt.libvirtError as exc:
                 # A request the guest has not answered yet may be refused as a repeat; one that raced
                 # with the guest's answer finds the disk gone. Either way the domain says which.
-                log.info("VM %s: detach request of %s: %s", vm_id, serial, _message(exc))
-                if serial in _our_disks(ET.fromstring(dom.XMLDesc(0))) and "unplug" not in _message(exc):
-                    raise DriverError(f"VM {vm_id}: detach of {serial} failed: {_message(exc)}") from exc
+                log.info("VM %s: detach request of %s: %s", vm_id, serial, message(exc))
+                if serial in our_disks(ET.fromstring(dom.XMLDesc(0))) and "unplug" not in message(exc):
+                    raise DriverError(f"VM {vm_id}: detach of {serial} failed: {message(exc)}") from exc
             wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
-            gone = removed.wait(wait) or serial not in _our_disks(ET.fromstring(dom.XMLDesc(0)))
+            gone = removed.wait(wait) or serial not in our_disks(ET.fromstring(dom.XMLDesc(0)))
         finally:
-            with self._guard:
-                self._removed.pop(key, None)
+            self.session.forget_removal(key)
         if gone:
             self._forced.discard((vm_id, serial))
-            self._drop_secret(conn, vm_id, serial)
+            drop_secret(conn, vm_id, serial)
             log.info("VM %s: disk %s detached", vm_id, serial)
             return True
         if not force:
@@ -477,7 +334,7 @@ class LibvirtDriver:
                              vm_id=vm_id, serial=serial)
         _cut_io(dom, vm_id, serial)
         self._forced.add((vm_id, serial))
-        self._drop_secret(conn, vm_id, serial)  # QEMU keeps its own copy while the device stays
+        drop_secret(conn, vm_id, serial)  # QEMU keeps its own copy while the device stays
         log.warning("VM %s: forced detach of %s: the guest still holds the device, its I/O now fails and the "
                     "storage connection is closed", vm_id, serial)
         return True
@@ -491,13 +348,13 @@ class LibvirtDriver:
     def _in_config(self, dom: libvirt.virDomain, serial: str) -> bool:
         if not dom.isPersistent():
             return False
-        return serial in _our_disks(ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)))
+        return serial in our_disks(ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)))
 
     def _disks(self, vm_id: str, dom: libvirt.virDomain) -> list[DiskInfo]:
-        return [self._disk(vm_id, dom, serial) for serial in sorted(_our_disks(ET.fromstring(dom.XMLDesc(0))))]
+        return [self._disk(vm_id, dom, serial) for serial in sorted(our_disks(ET.fromstring(dom.XMLDesc(0))))]
 
     def _disk(self, vm_id: str, dom: libvirt.virDomain, serial: str) -> DiskInfo:
-        disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+        disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
         if disk is None:
             raise DriverError(f"VM {vm_id}: disk {serial} vanished")
         target = disk.find("target")
@@ -506,184 +363,9 @@ class LibvirtDriver:
             try:
                 size = int(dom.blockInfo(target.get("dev"))[0])
             except libvirt.libvirtError as exc:
-                log.warning("VM %s: size of disk %s unknown: %s", vm_id, serial, _message(exc))
+                log.warning("VM %s: size of disk %s unknown: %s", vm_id, serial, message(exc))
         return DiskInfo(serial=serial, read_only=disk.find("readonly") is not None, size_bytes=size,
                         connected=(vm_id, serial) not in self._forced)
-
-    # -- secrets ---------------------------------------------------------------------------------
-
-    def _define_secret(self, conn: libvirt.virConnect, vm_id: str, serial: str, source: LibvirtSource) -> str:
-        assert source.auth is not None
-        uuid_ = secret_uuid(vm_id, serial)
-        secret = conn.secretDefineXML(_secret_xml(uuid_, vm_id, serial, source.auth.usage), 0)
-        try:
-            value = source.auth.secret.get_secret_value()
-            secret.setValue(base64.b64decode(value, validate=True) if source.auth.encoding == "base64"
-                            else value.encode(), 0)
-        except libvirt.libvirtError:
-            secret.undefine()
-            raise
-        return uuid_
-
-    @staticmethod
-    def _define_luks_secret(conn: libvirt.virConnect, vm_id: str, serial: str, luks: SecretStr) -> str:
-        """An ephemeral, private secret with the passphrase, set through the API (never in an XML)."""
-        uuid_ = luks_secret_uuid(vm_id, serial)
-        secret = conn.secretDefineXML(_secret_xml(uuid_, vm_id, serial, "volume"), 0)
-        try:
-            secret.setValue(luks.get_secret_value().encode(), 0)
-        except libvirt.libvirtError:
-            secret.undefine()
-            raise
-        return uuid_
-
-    @staticmethod
-    def _drop_secret(conn: libvirt.virConnect, vm_id: str, serial: str) -> None:
-        for uuid_ in (secret_uuid(vm_id, serial), luks_secret_uuid(vm_id, serial)):
-            try:
-                conn.secretLookupByUUIDString(uuid_).undefine()
-            except libvirt.libvirtError as exc:
-                if exc.get_error_code() != libvirt.VIR_ERR_NO_SECRET:
-                    raise
-
-    # -- the connection, its events and the list of VMs -----------------------------------------
-
-    def _with_conn(self, call: Callable[[libvirt.virConnect], T]) -> T:
-        """Run ``call`` on the connection; one that turns out dead (libvirtd restarted) is replaced
-        and the call made once more (every call is idempotent)."""
-        for attempt in (1, 2):
-            conn = self._connection()
-            try:
-                return call(conn)
-            except libvirt.libvirtError as exc:
-                if attempt == 1 and not _alive(conn):
-                    self._lost(conn)
-                    continue
-                raise DriverError(f"libvirt: {_message(exc)}") from exc
-        raise AssertionError("unreachable")
-
-    def _connection(self) -> libvirt.virConnect:
-        with self._guard:
-            conn = self._conn
-        if conn is not None:
-            return conn
-        return self._connect()
-
-    def _connect(self) -> libvirt.virConnect:
-        with self._connecting:  # one open at a time; the guard is not held across libvirt calls
-            with self._guard:
-                if self._conn is not None:
-                    return self._conn
-            try:
-                conn = libvirt.open(self.uri)
-            except libvirt.libvirtError as exc:
-                if not self._reported_down:
-                    log.warning("libvirt at %s is not reachable: %s", self.uri, _message(exc))
-                    self._reported_down = True
-                raise DriverError(f"libvirt at {self.uri} is not reachable: {_message(exc)}") from exc
-            try:
-                # A remote connection (libvirtd) only: in-process drivers have neither.
-                _unless_unsupported(lambda: conn.setKeepAlive(5, 3))
-                _unless_unsupported(lambda: conn.registerCloseCallback(self._on_close, None))
-                callbacks = [
-                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._on_lifecycle, None),
-                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
-                                                self._on_device_removed, None),
-                    # A cloud writing its ids into a domain's <metadata> (Nova does at define time).
-                    conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_METADATA_CHANGE,
-                                                self._on_metadata_change, None),
-                ]
-                # Events from here on are queued for the watcher: none is lost between the two.
-                vms = {vm.vm_id: vm for vm in (_vm_info(d) for d in conn.listAllDomains(0)) if vm is not None}
-            except libvirt.libvirtError as exc:
-                conn.close()
-                raise DriverError(f"libvirt at {self.uri}: {_message(exc)}") from exc
-            with self._guard:
-                self._conn, self._callbacks, self._vms = conn, callbacks, vms
-            self._reported_down = False
-        log.info("connected to libvirt at %s: %d domains", self.uri, len(vms))
-        return conn
-
-    def _lost(self, conn: libvirt.virConnect) -> None:
-        """Forget a connection that closed; the watcher (or the next call) makes a new one."""
-        with self._guard:
-            if self._conn is not conn:
-                return
-            self._conn = None
-            callbacks, self._callbacks = self._callbacks, []
-        log.warning("the connection to libvirt at %s closed; reconnecting", self.uri)
-        self._release(conn, callbacks)
-
-    @staticmethod
-    def _release(conn: libvirt.virConnect, callbacks: list[int]) -> None:
-        for cb in callbacks:
-            try:
-                conn.domainEventDeregisterAny(cb)
-            except libvirt.libvirtError:
-                pass  # a dead connection has none left
-        try:
-            conn.unregisterCloseCallback()
-        except libvirt.libvirtError:
-            pass
-        try:
-            conn.close()
-        except libvirt.libvirtError:
-            pass
-
-    def _watch(self) -> None:
-        """Re-read the domains events name, and reconnect to a libvirtd that went."""
-        while not self._closing.is_set():
-            try:
-                name = self._refresh.get(timeout=RECONNECT_INTERVAL_S)
-            except queue.Empty:
-                name = None
-            if self._closing.is_set():
-                return
-            while not self._closed.empty():
-                self._lost(self._closed.get())
-            try:
-                conn = self._connection()
-                if name is not None:
-                    self._refresh_vm(conn, name)
-            except DriverError:
-                pass  # reported once by _connect; tried again in a second
-            except libvirt.libvirtError as exc:
-                log.warning("libvirt: reading domain %s: %s", name, _message(exc))
-
-    def _refresh_vm(self, conn: libvirt.virConnect, name: str) -> None:
-        try:
-            vm = _vm_info(conn.lookupByName(name))
-        except libvirt.libvirtError as exc:
-            if not _no_domain(exc):
-                raise
-            vm = None
-        with self._guard:
-            if vm is None:
-                self._vms.pop(name, None)
-            else:
-                self._vms[name] = vm
-
-    def _on_lifecycle(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, event: int, _detail: int,
-                      _opaque: object) -> None:
-        # On libvirt's event thread: no calls here, the watcher reads the domain.
-        self._refresh.put(dom.name())
-
-    def _on_metadata_change(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, _kind: int, _nsuri: str | None,
-                            _opaque: object) -> None:
-        self._refresh.put(dom.name())
-
-    def _on_device_removed(self, _conn: libvirt.virConnect, dom: libvirt.virDomain, alias: str,
-                           _opaque: object) -> None:
-        with self._guard:
-            waiter = self._removed.get((dom.UUIDString(), alias))
-        if waiter is not None:
-            waiter.set()
-
-    def _on_close(self, conn: libvirt.virConnect, reason: int, _opaque: object) -> None:
-        # On libvirt's event thread: the watcher releases the connection and makes a new one.
-        log.warning("libvirt at %s closed the connection (reason %d)", self.uri, reason)
-        self._closed.put(conn)
-        self._refresh.put(None)  # wake the watcher
 
 
 def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | None = None) -> object:
@@ -692,7 +374,7 @@ def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | Non
         reply = json.loads(libvirt_qemu.qemuMonitorCommand(
             dom, json.dumps({"execute": command, "arguments": args or {}}), 0))
     except libvirt.libvirtError as exc:
-        raise DriverError(f"QEMU monitor of the domain: {command}: {_message(exc)}") from exc
+        raise DriverError(f"QEMU monitor of the domain: {command}: {message(exc)}") from exc
     if "error" in reply:
         raise DriverError(f"QEMU monitor of the domain: {command}: {reply['error'].get('desc', reply['error'])}")
     return reply.get("return")
@@ -700,7 +382,7 @@ def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | Non
 
 def _cut_io(dom: libvirt.virDomain, vm_id: str, serial: str) -> None:
     """Close the storage connection of a disk the guest holds (see the module docstring)."""
-    disk = _our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+    disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
     source = disk.find("source") if disk is not None else None
     index = source.get("index") if source is not None else None
     if index is None or not index.isdigit():
@@ -729,36 +411,6 @@ def _cut_io(dom: libvirt.virDomain, vm_id: str, serial: str) -> None:
         _monitor(dom, "blockdev-del", {"node-name": storage})
 
 
-def _unless_unsupported(call: Callable[[], object]) -> None:
-    try:
-        call()
-    except libvirt.libvirtError as exc:
-        if exc.get_error_code() != libvirt.VIR_ERR_NO_SUPPORT:
-            raise
-
-
 def _present(value: T | None) -> T:
     assert value is not None  # a call with need=True raises NotFound instead
     return value
-
-
-def _alive(conn: libvirt.virConnect) -> bool:
-    try:
-        return bool(conn.isAlive())
-    except libvirt.libvirtError:
-        return False
-
-
-def _vm_info(dom: libvirt.virDomain) -> VmInfo | None:
-    name = dom.name()
-    if not VM_ID_RE.match(name):
-        log.debug("libvirt domain %r: its name is not a VBS VM id; ignored", name)
-        return None
-    state = dom.state()[0]
-    title = ""
-    try:
-        title = dom.metadata(libvirt.VIR_DOMAIN_METADATA_TITLE, None) or ""
-    except libvirt.libvirtError:
-        pass  # no title
-    return VmInfo(vm_id=name, name=title[:255] or name, running=state == libvirt.VIR_DOMAIN_RUNNING,
-                  uuid=dom.UUIDString(), cloud_ids=cloud_ids(dom))

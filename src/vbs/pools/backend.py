@@ -1,0 +1,149 @@
+"""The backend contract: what the storage agent asks of any place that holds volume data.
+
+Every call is an idempotent executor step of a controller workflow: the controller may repeat any
+of them after a crash, so ``ensure_*`` answers the current state instead of failing on a repeat and
+``remove_*`` succeeds when the thing is already gone.
+
+How hosts reach a volume is the backend's answer too (``connection_for``): a backend of files asks
+its export driver for an export, one whose hypervisors open its volumes natively (Ceph RBD)
+answers with its own connection and needs no export at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol, runtime_checkable
+
+from pydantic import SecretStr
+
+from vbs.config import StorageAgentConfig
+from vbs.pools.exports import ExportDriver
+from vbs.wire.connection import Connection, HostIdentity, NbdConnection
+from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
+
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One storage pool. Ids are validated by the backend; sizes are bytes."""
+
+    name: str
+
+    @classmethod
+    def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> Backend:
+        """The pool this agent's config describes, serving hosts through ``exports``."""
+        ...
+
+    def pool_info(self) -> PoolInfo: ...
+
+    def inventory(self) -> PoolInventory:
+        """Ids of the volumes and snapshots that are ready or in progress."""
+        ...
+
+    # -- volumes ------------------------------------------------------------------------------------
+
+    def ensure_volume(self, volume_id: str, size_bytes: int, source_snapshot_id: str | None = None) -> ItemStatus:
+        """Create the volume (empty, or a clone of a snapshot of this pool), or answer how far it got."""
+        ...
+
+    def volume_status(self, volume_id: str) -> ItemStatus: ...
+
+    def remove_volume(self, volume_id: str) -> None: ...
+
+    def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
+        """Grow only; a smaller size raises ``InvalidParameter``."""
+        ...
+
+    # -- snapshots ----------------------------------------------------------------------------------
+
+    def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus:
+        """A point-in-time copy of the volume, also while hosts write to it. Raises
+        ``PointInTimeUnavailable`` when this node cannot give one now (a writer it does not control
+        has the volume open): the controller then asks that writer (``snapshot_target``)."""
+        ...
+
+    def snapshot_status(self, snapshot_id: str) -> ItemStatus: ...
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        """Also cancels a copy in progress and removes a snapshot target and its exports."""
+        ...
+
+    def snapshot_target(self, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
+        """An empty snapshot of the volume's size that ``host`` may write, for a hypervisor that
+        copies the volume into it at one instant. Idempotent."""
+        ...
+
+    def finish_snapshot_target(self, snapshot_id: str, host_name: str) -> ItemStatus:
+        """The hypervisor's copy is complete: withdraw the host's access and make the snapshot
+        ready. Idempotent (a ready snapshot stays ready)."""
+        ...
+
+    # -- how hosts reach volumes ----------------------------------------------------------------------
+
+    def connection_for(self, volume_id: str, host: HostIdentity, *, read_only: bool = False,
+                       protocols: Collection[str] = ()) -> Connection:
+        """Let ``host`` reach the volume and say how. ``protocols``: what the host's hypervisor opens
+        itself; a backend whose volumes it can open natively answers that connection, others ignore
+        it. Raises ``RetryLater`` while it cannot be given safely yet (a copy of the volume that a
+        new writer would spoil is running)."""
+        ...
+
+    def remove_connection(self, volume_id: str, host_name: str) -> None:
+        """Withdraw ``host_name``'s access; a client still connected is cut off."""
+        ...
+
+    def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
+        """After the volume grew: a connection that shows its new size; the old one serves on
+        until ``retire_connections``."""
+        ...
+
+    def retire_connections(self, volume_id: str, host_name: str) -> None: ...
+
+    def native_connections(self) -> list[ExportInfo]:
+        """Hosts that reach this pool's volumes without an export (a native connection's grant),
+        listed with the exports for the reconciler; ``remove_connection`` withdraws one."""
+        ...
+
+    def close(self) -> None:
+        """Stop background copies; their partial files stay and read as ``stalled`` later."""
+        ...
+
+
+@runtime_checkable
+class EncryptingBackend(Protocol):
+    """A backend that makes encrypted volumes (``PoolInfo.encryption``): LUKS containers that hosts open."""
+
+    def ensure_encrypted_volume(self, volume_id: str, size_bytes: int, passphrase: SecretStr | None,
+                                source_snapshot_id: str | None = None,
+                                source_passphrase: SecretStr | None = None) -> ItemStatus:
+        """Create the volume as a LUKS container whose payload is ``size_bytes``: empty under ``passphrase``,
+        the snapshot's data re-encrypted under it (the snapshot plain, or a container under
+        ``source_passphrase``), or (no ``passphrase``) a clone of an encrypted snapshot; or answer how far
+        it got."""
+        ...
+
+    def resize_encrypted_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
+        """Grow a container's payload to ``size_bytes``."""
+        ...
+
+
+@runtime_checkable
+class ReportsUsage(Protocol):
+    """A backend that can tell cheaply, at every heartbeat, the bytes each of its volumes holds (a file
+    pool: allocated blocks). Optional: a backend without it (RBD: ``rbd du`` reads every object map)
+    leaves its volumes' usage unknown."""
+
+    def volume_usage(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class PullingBackend(Protocol):
+    """A backend whose volumes are its node's own (files): one moves here by being pulled from the
+    export of the node it leaves."""
+
+    def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
+        """Copy what ``source`` serves into the volume (made here of ``size_bytes``): ``copying`` with
+        progress, then ``ready``; a failed copy answers ``error`` once (the next call starts over), a
+        stalled one (the agent restarted) starts over."""
+        ...
