@@ -111,6 +111,24 @@ from .state import (
 log = logging.getLogger(__name__)
 
 
+def _tls_of(cfg: StorageAgentConfig, x509: X509Files | None) -> TlsMode:
+    """``nbd_tls``, or ``off`` where ``insecure`` allows plain TCP (said at every start)."""
+    tls: TlsMode = cfg.nbd_tls
+    if cfg.nbd_socket_dir is None and tls == "x509" and x509 is None:
+        if not cfg.insecure:
+            raise InvalidParameter(
+                "NBD over TCP needs TLS: set tls_cert, tls_key and tls_ca of [storage_agent] (X.509, the "
+                "default), or nbd_tls = \"psk\", or nbd_socket_dir (hypervisor on this machine), or run "
+                "--insecure")
+        tls = "off"
+    if cfg.nbd_socket_dir is None and tls == "off":
+        if not cfg.insecure:
+            raise InvalidParameter("nbd_tls = \"off\" (plain NBD over TCP) is allowed only with --insecure")
+        log.warning("INSECURE: NBD exports are served over plain TCP on %s:%d: anyone who reaches that "
+                    "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
+    return tls
+
+
 class NbdExportDriver(SupervisedExportDriver[Served, Live]):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
@@ -171,19 +189,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
         (bytes/s) from ``[storage_agent.options.nbd]``."""
         opts = _NbdOptions.model_validate(cfg.options.get("nbd", {}))
         x509 = X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        tls: TlsMode = cfg.nbd_tls
-        if cfg.nbd_socket_dir is None and tls == "x509" and x509 is None:
-            if not cfg.insecure:
-                raise InvalidParameter(
-                    "NBD over TCP needs TLS: set tls_cert, tls_key and tls_ca of [storage_agent] (X.509, the "
-                    "default), or nbd_tls = \"psk\", or nbd_socket_dir (hypervisor on this machine), or run "
-                    "--insecure")
-            tls = "off"
-        if cfg.nbd_socket_dir is None and tls == "off":
-            if not cfg.insecure:
-                raise InvalidParameter("nbd_tls = \"off\" (plain NBD over TCP) is allowed only with --insecure")
-            log.warning("INSECURE: NBD exports are served over plain TCP on %s:%d: anyone who reaches that "
-                        "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
+        tls = _tls_of(cfg, x509)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=tls, aio=opts.aio,
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
                    socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
