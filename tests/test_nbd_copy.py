@@ -255,7 +255,7 @@ def test_a_copy_is_flushed_to_the_disk_before_it_is_ready(make_driver: Make, vol
     """The daemon writes the target through the page cache: the driver fsyncs it before it says ready,
     and a flush that fails is an error of that call, asked again by the next one (never a ready copy
     whose data may still be only in memory)."""
-    from vbs.storage.exports import nbd as nbd_driver
+    from vbs.storage.exports.nbd import copies as nbd_copies
 
     flushed: list[str] = []
     failing = [True]
@@ -266,7 +266,7 @@ def test_a_copy_is_flushed_to_the_disk_before_it_is_ready(make_driver: Make, vol
             raise OSError(5, "Input/output error")
         flushed.append(path)
 
-    monkeypatch.setattr(nbd_driver, "fsync_path", fsync_path)
+    monkeypatch.setattr(nbd_copies, "fsync_path", fsync_path)
     drv = make_driver()
     deadline = time.monotonic() + 60
     while True:

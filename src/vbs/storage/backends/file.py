@@ -19,12 +19,9 @@ instant it stood for is lost. Clones from snapshots restart: their source does n
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import functools
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Collection
 from pathlib import Path
@@ -37,14 +34,14 @@ from vbs.config import StorageAgentConfig
 from vbs.errors import (
     DriverError,
     IncorrectState,
-    InsufficientCapacity,
     InvalidParameter,
     NotFound,
     PointInTimeUnavailable,
     RetryLater,
-    VbsError,
 )
 from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.storage.backends import file_io
+from vbs.storage.backends.file_io import FICLONE, CloneMethod
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
 from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.luks import convert_to_luks, format_luks, header_bytes
@@ -56,20 +53,11 @@ __all__ = ["FileBackend", "FICLONE"]
 
 log = logging.getLogger(__name__)
 
-FICLONE = getattr(fcntl, "FICLONE", 0x40049409)  # fcntl only names it from Python 3.12
-
-CloneMethod = Literal["reflink", "copy"]
 Kind = Literal["volume", "snapshot"]
 
-# What FICLONE answers when the filesystem (or this pair of files) cannot share extents.
-_NO_REFLINK = {errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS}
-# The agent runs as root in a directory it owns: never follow a link planted there.
-_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
 # A cancelled copy stops after its current chunk; this only guards against a hung device.
 _STOP_TIMEOUT = 120.0
-_PROBE_PREFIX = ".vbs-reflink-probe-"
 _PULL_SECRETS = ".vbs-pull"  # the key files and client certificate of pulls from other nodes (0700)
-_SECTOR = 512
 _DIRS: dict[Kind, str] = {"volume": "volumes", "snapshot": "snapshots"}
 _NOT_FOUND_CODES: dict[Kind, str] = {
     "volume": "InvalidVolume.NotFound",
@@ -120,7 +108,7 @@ class FileBackend:
         if clone_method == "copy":
             self.clone_method: CloneMethod = "copy"
         else:
-            detected = self._probe_reflink()
+            detected = file_io.probe_reflink(self.path, self.name)
             if clone_method == "reflink" and detected != "reflink":
                 raise DriverError(f"pool {name}: {self.path} does not support reflink")
             self.clone_method = detected
@@ -204,7 +192,7 @@ class FileBackend:
         final = self._final("volume", volume_id)
         if source_snapshot_id is not None:
             ids.check("snapshot", source_snapshot_id)
-        _check_size(size_bytes)
+        file_io.check_size(size_bytes)
         with self._lock:
             self._check_open()
             status = self._status("volume", volume_id, final)
@@ -216,8 +204,8 @@ class FileBackend:
             if passphrase is not None:
                 return self._create_luks(final, size_bytes, passphrase)
             if source_snapshot_id is None:
-                self._create_sparse(final, size_bytes)
-                return _ready(final)
+                file_io.create_sparse(final, size_bytes)
+                return file_io.ready(final)
             return self._clone("volume", volume_id, final, "snapshot", source_snapshot_id, size_bytes,
                                container=container)
 
@@ -227,13 +215,13 @@ class FileBackend:
         source = self._final("snapshot", source_id)
         if not source.exists():
             raise self._missing("snapshot", source_id)
-        partial = _partial(final)
+        partial = file_io.partial_of(final)
         partial.unlink(missing_ok=True)
 
         def work(_cancel: object, _progress: object) -> None:
             convert_to_luks(source, partial, size_bytes, passphrase, source_passphrase)
 
-        job = Job(work, size_bytes=size_bytes, on_success=functools.partial(_publish, partial, final),
+        job = Job(work, size_bytes=size_bytes, on_success=functools.partial(file_io.publish, partial, final),
                   on_failure=lambda: partial.unlink(missing_ok=True), name=f"vbs-encrypt-{volume_id}")
         job.start()
         self._jobs[("volume", volume_id)] = job
@@ -243,15 +231,15 @@ class FileBackend:
     @staticmethod
     def _create_luks(final: Path, size_bytes: int, passphrase: SecretStr) -> ItemStatus:
         """A LUKS container of ``size_bytes`` at ``final``, through its partial (under the pool's lock)."""
-        partial = _partial(final)
+        partial = file_io.partial_of(final)
         partial.unlink(missing_ok=True)
         try:
             format_luks(partial, size_bytes, passphrase)
-            _publish(partial, final)
+            file_io.publish(partial, final)
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
-        return _ready(final)
+        return file_io.ready(final)
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         final = self._final("volume", volume_id)
@@ -269,10 +257,10 @@ class FileBackend:
 
     def _resize(self, volume_id: str, size_bytes: int, *, container: bool) -> ItemStatus:
         final = self._final("volume", volume_id)
-        _check_size(size_bytes)
+        file_io.check_size(size_bytes)
         with self._lock:
             try:
-                fd = os.open(final, os.O_WRONLY | _OPEN)
+                fd = os.open(final, os.O_WRONLY | file_io.OPEN)
             except FileNotFoundError:
                 raise self._missing("volume", volume_id) from None
             try:
@@ -288,16 +276,16 @@ class FileBackend:
                     os.ftruncate(fd, size_bytes)
                     os.fsync(fd)
             except OSError as exc:
-                raise _refusal(f"resize {volume_id}", size_bytes, exc) from exc
+                raise file_io.refusal(f"resize {volume_id}", size_bytes, exc) from exc
             finally:
                 os.close(fd)
-            return _ready(final)
+            return file_io.ready(final)
 
     def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
         """Make the volume a copy of what ``source`` (another node's export of it) serves: a job that
         answers ``copying`` with progress, then ``ready``; see ``vbs.storage.pull``."""
         final = self._final("volume", volume_id)
-        _check_size(size_bytes)
+        file_io.check_size(size_bytes)
         with self._lock:
             self._check_open()
             status = self._status("volume", volume_id, final)
@@ -305,15 +293,16 @@ class FileBackend:
                 del self._jobs[("volume", volume_id)]  # said once; the next call starts over
             if status.state in ("ready", "copying", "error"):
                 return status
-            self._create_sparse(final, size_bytes, publish=False, at=_partial(final))
+            file_io.create_sparse(final, size_bytes, publish_it=False, at=file_io.partial_of(final))
             secrets_dir = self.path / _PULL_SECRETS
             secrets_dir.mkdir(mode=0o700, exist_ok=True)
             x509_dir = qemu_x509_dir(self._x509, secrets_dir / "x509", "client") if self._x509 else None
-            work = functools.partial(pull, source, _partial(final), size_bytes, secrets_dir=secrets_dir,
+            work = functools.partial(pull, source, file_io.partial_of(final), size_bytes, secrets_dir=secrets_dir,
                                      x509_dir=x509_dir)
             job = Job(lambda cancel, progress: work(cancel=cancel, progress=progress), size_bytes=size_bytes,
-                      on_success=functools.partial(_publish, _partial(final), final),
-                      on_failure=lambda: _partial(final).unlink(missing_ok=True), name=f"vbs-pull-{volume_id}")
+                      on_success=functools.partial(file_io.publish, file_io.partial_of(final), final),
+                      on_failure=lambda: file_io.partial_of(final).unlink(missing_ok=True),
+                      name=f"vbs-pull-{volume_id}")
             job.start()
             self._jobs[("volume", volume_id)] = job
             log.info("pulling volume %s from %s", volume_id, source.host or source.socket)
@@ -372,7 +361,7 @@ class FileBackend:
         final = self._final("snapshot", snapshot_id)
         source = self._final("volume", volume_id)
         exports = self._need_exports()
-        partial = _partial(final)
+        partial = file_io.partial_of(final)
         with self._lock:
             self._check_open()
             if final.exists():
@@ -384,7 +373,7 @@ class FileBackend:
                     size = os.stat(source).st_size
                 except FileNotFoundError:
                     raise self._missing("volume", volume_id) from None
-                self._create_sparse(partial, size, publish=False)
+                file_io.create_sparse(partial, size, publish_it=False)
         return exports.ensure_export(snapshot_id, FileSource(partial), host, read_only=False)
 
     def finish_snapshot_target(self, snapshot_id: str, host_name: str) -> ItemStatus:
@@ -395,7 +384,7 @@ class FileBackend:
             job = self._jobs.get(("snapshot", snapshot_id))
             if final.exists() or job is not None:
                 return self._status("snapshot", snapshot_id, final)
-            partial = _partial(final)
+            partial = file_io.partial_of(final)
             if not partial.exists():
                 raise self._missing("snapshot", snapshot_id)
             # The hypervisor's copy wrote zeros as data (an iSCSI target has no other way): give the
@@ -472,14 +461,14 @@ class FileBackend:
 
     def _status(self, kind: Kind, item_id: str, final: Path) -> ItemStatus:
         if final.exists():
-            return _ready(final)
+            return file_io.ready(final)
         job = self._job(kind, item_id)
         if job is not None and job.running:
             return ItemStatus(state="copying", size_bytes=job.size_bytes, progress=job.progress)
         if job is not None:
             return ItemStatus(state="error", size_bytes=job.size_bytes, error=job.error)
         try:
-            return ItemStatus(state="stalled", size_bytes=os.lstat(_partial(final)).st_size)
+            return ItemStatus(state="stalled", size_bytes=os.lstat(file_io.partial_of(final)).st_size)
         except FileNotFoundError:
             return ItemStatus(state="absent")
 
@@ -492,7 +481,7 @@ class FileBackend:
         # interrupted one.
         if self._copier is not None:
             copy = self._copier.ensure_copy(snapshot_id, volume_id, FileSource(self._final("volume", volume_id)),
-                                            _partial(final))
+                                            file_io.partial_of(final))
             if copy.state == "ready":
                 self._start_finish(snapshot_id, final, scan_data=False)
                 return self._status("snapshot", snapshot_id, final)
@@ -512,8 +501,8 @@ class FileBackend:
             # the unwritten part is given back when it is done.
             raise DriverError(f"snapshot {snapshot_id}: a point-in-time copy of {volume_id} needs {size} bytes free "
                               f"in pool {self.name} while it runs")
-        partial = _partial(final)
-        self._create_sparse(partial, size, publish=False)
+        partial = file_io.partial_of(final)
+        file_io.create_sparse(partial, size, publish_it=False)
         assert self._copier is not None
         try:
             status = self._copier.ensure_copy(snapshot_id, volume_id, FileSource(source), partial)
@@ -527,17 +516,17 @@ class FileBackend:
 
     def _start_finish(self, snapshot_id: str, final: Path, *, scan_data: bool) -> None:
         """Give back the space a copy made by someone else allocated for zeros, then publish it."""
-        partial = _partial(final)
+        partial = file_io.partial_of(final)
 
         def work(cancel: threading.Event, progress: ProgressCallback) -> None:
-            fd = os.open(partial, os.O_RDWR | _OPEN)
+            fd = os.open(partial, os.O_RDWR | file_io.OPEN)
             try:
                 sparsify(fd, scan_data=scan_data, cancel=cancel, progress=progress)
             finally:
                 os.close(fd)
 
         def publish() -> None:
-            _publish(partial, final)
+            file_io.publish(partial, final)
             if self._copier is not None:
                 # Only now: until the snapshot is published, the daemon's record of the copy is what
                 # tells a finished copy from one to start (a new one would be of a later instant).
@@ -553,26 +542,9 @@ class FileBackend:
 
     def _missing(self, kind: Kind, item_id: str) -> IncorrectState | NotFound:
         final = self._final(kind, item_id)
-        if self._job(kind, item_id) is not None or _partial(final).exists():
+        if self._job(kind, item_id) is not None or file_io.partial_of(final).exists():
             return IncorrectState(f"The {kind} '{item_id}' is not ready yet.")
         return NotFound(f"The {kind} '{item_id}' does not exist.", code=_NOT_FOUND_CODES[kind])
-
-    def _create_sparse(self, final: Path, size_bytes: int, *, publish: bool = True, at: Path | None = None) -> None:
-        """A sparse file of ``size_bytes`` at ``final`` (through its partial when ``publish``; at ``at``
-        instead when given, not published)."""
-        path = at if at is not None else _partial(final) if publish else final
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN, 0o600)
-            try:
-                os.ftruncate(fd, size_bytes)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if publish:
-                _publish(path, final)
-        except OSError as exc:
-            path.unlink(missing_ok=True)
-            raise _refusal(f"create {final.stem}", size_bytes, exc) from exc
 
     def _clone(
         self,
@@ -587,9 +559,9 @@ class FileBackend:
     ) -> ItemStatus:
         """Make ``final`` a copy of the source item: a reflink at once, or a copy job started now. A
         ``container``'s size is its payload's (its LUKS header on top)."""
-        partial = _partial(final)
+        partial = file_io.partial_of(final)
         try:
-            src_fd = os.open(self._final(source_kind, source_id), os.O_RDONLY | _OPEN)
+            src_fd = os.open(self._final(source_kind, source_id), os.O_RDONLY | file_io.OPEN)
         except FileNotFoundError:
             # A stalled partial whose source is gone can never finish: drop it with the error.
             partial.unlink(missing_ok=True)
@@ -603,13 +575,13 @@ class FileBackend:
                     f"The size {size_bytes} is smaller than the snapshot {source_id} ({source_size})"
                 )
             size = max(source_size, size_bytes or 0)
-            cloned = self.clone_method == "reflink" and self._reflink(src_fd, partial, size)
+            cloned = self.clone_method == "reflink" and file_io.reflink(src_fd, partial, size)
             if not cloned:
                 job = CopyJob(
                     src_fd,
                     partial,
                     size,
-                    on_success=functools.partial(_publish, partial, final),
+                    on_success=functools.partial(file_io.publish, partial, final),
                     chunk_bytes=self._chunk_bytes,
                     name=f"vbs-copy-{item_id}",
                 )
@@ -619,34 +591,15 @@ class FileBackend:
         if cloned:
             os.close(src_fd)
             try:
-                _publish(partial, final)
+                file_io.publish(partial, final)
             except OSError as exc:
                 partial.unlink(missing_ok=True)
                 raise DriverError(f"clone {item_id}: {exc.strerror}") from exc
-            return _ready(final)
+            return file_io.ready(final)
         job.start()  # owns src_fd from here on
         self._jobs[(kind, item_id)] = job
         log.info("copying %s %s from %s %s", kind, item_id, source_kind, source_id)
         return ItemStatus(state="copying", size_bytes=size, progress=job.progress)
-
-    def _reflink(self, src_fd: int, partial: Path, size: int) -> bool:
-        """Clone into ``partial``; False if this pair cannot be cloned (then copy instead)."""
-        try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN, 0o600)
-            try:
-                fcntl.ioctl(fd, FICLONE, src_fd)
-                if size > os.fstat(fd).st_size:
-                    os.ftruncate(fd, size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            partial.unlink(missing_ok=True)
-            if exc.errno in _NO_REFLINK:
-                log.warning("reflink refused (%s) for %s: copying instead", exc.strerror, partial.name)
-                return False
-            raise DriverError(f"reflink {partial.name}: {exc.strerror}") from exc
-        return True
 
     def _remove(self, kind: Kind, item_id: str) -> None:
         final = self._final(kind, item_id)
@@ -658,70 +611,8 @@ class FileBackend:
                     self._jobs[(kind, item_id)] = job
                     raise DriverError(f"remove {item_id}: its copy did not stop within {_STOP_TIMEOUT:g}s")
             try:
-                _partial(final).unlink(missing_ok=True)
+                file_io.partial_of(final).unlink(missing_ok=True)
                 final.unlink(missing_ok=True)
-                _fsync_dir(final.parent)
+                file_io.fsync_dir(final.parent)
             except OSError as exc:
                 raise DriverError(f"remove {item_id}: {exc.strerror}") from exc
-
-    def _probe_reflink(self) -> CloneMethod:
-        for stale in self.path.glob(_PROBE_PREFIX + "*"):
-            stale.unlink(missing_ok=True)
-        tag = secrets.token_hex(4)
-        src, dst = (self.path / f"{_PROBE_PREFIX}{tag}-{end}" for end in ("src", "dst"))
-        fds: list[int] = []
-        try:
-            fds.append(os.open(src, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600))
-            os.write(fds[0], b"vbs reflink probe\n" * 228)  # one real block, as a volume has
-            fds.append(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600))
-            try:
-                fcntl.ioctl(fds[1], FICLONE, fds[0])
-            except OSError as exc:
-                if exc.errno in _NO_REFLINK:
-                    return "copy"
-                raise
-            return "reflink"
-        except OSError as exc:
-            raise DriverError(f"pool {self.name}: cannot use {self.path}: {exc.strerror}") from exc
-        finally:
-            for fd in fds:
-                os.close(fd)
-            src.unlink(missing_ok=True)
-            dst.unlink(missing_ok=True)
-
-
-def _partial(final: Path) -> Path:
-    return final.with_name(final.name + ".partial")
-
-
-def _ready(final: Path) -> ItemStatus:
-    return ItemStatus(state="ready", size_bytes=os.lstat(final).st_size, progress=100)
-
-
-def _publish(partial: Path, final: Path) -> None:
-    """Make a finished partial visible under its final name, durably."""
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _refusal(action: str, size_bytes: int, exc: OSError) -> VbsError:
-    """A size the pool's file system refuses for good is the caller's to change, not a fault to retry."""
-    if exc.errno == errno.EFBIG:
-        return InvalidParameter(f"{action}: {size_bytes} bytes is more than this pool's file system holds in "
-                                "one file")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientCapacity(f"{action}: the pool is out of space ({exc.strerror})")
-    return DriverError(f"{action}: {exc.strerror}")
-
-
-def _check_size(size_bytes: object) -> None:
-    if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % _SECTOR:
-        raise InvalidParameter(f"Invalid size: {size_bytes!r} (expecting a positive multiple of 512 bytes)")

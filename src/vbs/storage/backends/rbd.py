@@ -21,14 +21,7 @@ every pass the agent flattens what is still too deep, so an agent restart resume
 at most ``max_snapshots_per_volume`` snapshots (450 by default; the pool reports it, the controller
 refuses the next one before anything is made, and so does the backend).
 
-Why the ``rbd`` and ``ceph`` command-line tools and not the python3-rbd bindings: a librbd or
-librados call can block for ever (a mon or OSD that does not answer; Cinder wraps every call in a
-thread with a timeout and still leaks the thread), and a hung call holds the GIL-free C library
-inside the agent. A child process run with a timeout is killed when it overruns, and nothing of it
-stays in the agent; ``--format json`` gives typed answers, and the cost (a process per call, about
-30-50 ms) is small next to a workflow step. The tools get an argv list (no shell), a minimal
-environment, the cluster's ``ceph.conf`` and the cephx user name: the key is read by the tool from
-the keyring file the conf names and never appears on an argv or in a log.
+Ceph is asked through its command-line tools (``rbd_cli``: why not the python3-rbd bindings).
 
 Hosts reach a volume in one of two ways. A host whose hypervisor opens RBD itself (its
 capabilities list ``rbd``; the controller says so in the connection request) gets an
@@ -41,15 +34,11 @@ from the keyring the conf names) and serves it over NBD (or tgtd's rbd store ser
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import subprocess
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import SecretStr
 
@@ -61,17 +50,28 @@ from vbs.storage.backends.rbd_chains import (
     RETIRED_PREFIX,
     Flattener,
     TrashEntry,
-    parse_parent,
     parse_snaps,
-    parse_trash,
     parse_watchers,
     volume_of,
 )
+from vbs.storage.backends.rbd_cli import (
+    COMMAND_TIMEOUT_S,
+    EBUSY,
+    EEXIST,
+    EINVAL,
+    ENOENT,
+    ENOTEMPTY,
+    Listing,
+    RbdTools,
+    ToolError,
+    parse_fsid,
+    parse_listing,
+    parse_pool_stats,
+)
+from vbs.storage.backends.rbd_native import CephxAttachments
 from vbs.storage.exports.base import ExportDriver, RbdSource
-from vbs.system.processes import minimal_environment
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
-    MAX_CHAIN_DEPTH,
     CloneChain,
     ExportInfo,
     ItemStatus,
@@ -85,107 +85,9 @@ __all__ = ["RbdBackend", "Listing", "parse_listing", "parse_pool_stats", "parse_
 log = logging.getLogger(__name__)
 
 IMAGE_FEATURES = "layering,exclusive-lock,object-map,fast-diff,deep-flatten"
-COMMAND_TIMEOUT_S = 60.0
-# How long a client still connected as a removed attachment user stays blocklisted: past the life of
-# any ticket it holds (auth service ticket ttl, 1 h by default), after which it cannot authenticate.
-BLOCKLIST_S = 7200
 MAINTENANCE_INTERVAL_S = 300.0
 FLATTEN_STALL_S = 600.0
-_FSID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 _SECTOR = 512
-# What the rbd tool exits with (the errno of the failed call).
-_ENOENT, _EBUSY, _EEXIST, _EINVAL, _ENOTEMPTY = 2, 16, 17, 22, 39
-
-
-@dataclass
-class Listing:
-    """What ``rbd ls -l`` (and the trash) say of a pool: volume sizes, each snapshot's image and
-    size, the images renamed ``vbs-retired-…``, the trashed images by name, and who is whose clone."""
-
-    volumes: dict[str, int] = field(default_factory=dict)
-    snapshots: dict[str, tuple[str, int]] = field(default_factory=dict)
-    retired: set[str] = field(default_factory=set)
-    trash: dict[str, TrashEntry] = field(default_factory=dict)
-    parents: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def chain(self, image: str) -> list[str]:
-        """The parents of ``image``, nearest first, as ``image@snapshot``."""
-        links: list[str] = []
-        while image in self.parents and len(links) < MAX_CHAIN_DEPTH:
-            image, snap = self.parents[image]
-            links.append(f"{image}@{snap}")
-        return links
-
-    def depth(self, image: str) -> int:
-        """How many clones deep ``image`` is (0: not a clone)."""
-        return len(self.chain(image))
-
-    def has_clones(self, image: str) -> bool:
-        """Whether a clone (live or trashed) reads from a snapshot of ``image``."""
-        return any(parent == image for parent, _ in self.parents.values())
-
-    def add_trashed(self, entry: TrashEntry) -> None:
-        self.trash[entry.name] = entry
-        if entry.parent is not None:
-            self.parents[entry.name] = entry.parent
-        for snap in entry.live_snapshots:
-            if ids.is_valid("snapshot", snap.name):
-                self.snapshots[snap.name] = (entry.name, snap.size)
-
-
-def parse_listing(text: str) -> Listing:
-    """``rbd ls -l --format json`` of a pool. Entries that are not VBS's (other names) are skipped."""
-    listing = Listing()
-    entries = json.loads(text or "[]")
-    if not isinstance(entries, list):
-        raise DriverError("rbd ls: unexpected answer")
-    for entry in entries:
-        if not isinstance(entry, dict):
-            continue
-        image, size, snap = entry.get("image"), entry.get("size"), entry.get("snapshot")
-        if not isinstance(image, str) or not isinstance(size, int):
-            continue
-        volume = volume_of(image)
-        if volume is None:
-            continue
-        if snap is None:
-            if image == volume:
-                listing.volumes[volume] = size
-            else:
-                listing.retired.add(image)
-            parent = parse_parent(entry)
-            if parent is not None:
-                listing.parents[image] = parent[:2]
-        elif ids.is_valid("snapshot", snap):
-            listing.snapshots[snap] = (image, size)
-    return listing
-
-
-def parse_fsid(text: str) -> str:
-    """``ceph fsid --format json``: the cluster's fsid (a UUID)."""
-    answer = json.loads(text)
-    fsid = answer.get("fsid") if isinstance(answer, dict) else None
-    if not isinstance(fsid, str) or not re.fullmatch(_FSID_RE, fsid):
-        raise DriverError("ceph fsid: unexpected answer")
-    return fsid
-
-
-def parse_pool_stats(text: str, pool: str) -> tuple[int, int]:
-    """``ceph df --format json``: the (capacity, free) bytes of ``pool``, after its replication."""
-    answer = json.loads(text)
-    for entry in answer.get("pools", []) if isinstance(answer, dict) else []:
-        if isinstance(entry, dict) and entry.get("name") == pool:
-            stats = entry.get("stats", {})
-            stored, free = stats.get("stored", 0), stats.get("max_avail", 0)
-            if isinstance(stored, int) and isinstance(free, int) and stored >= 0 and free >= 0:
-                return stored + free, free
-    raise DriverError(f"ceph df does not list the pool {pool!r}")
-
-
-class _ToolError(DriverError):
-    def __init__(self, message: str, errno: int) -> None:
-        super().__init__(message)
-        self.errno = errno
 
 
 class RbdBackend:
@@ -215,8 +117,9 @@ class RbdBackend:
         self.max_snapshots_per_volume = max_snapshots_per_volume
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
-        self._monitor_list: list[str] | None = None
-        self.flattener = Flattener(lambda volume: self._argv("rbd", "flatten", self._spec(volume)),
+        self._cli = RbdTools(name, ceph_conf, ceph_user, rbd_pool, timeout_s)
+        self._cephx = CephxAttachments(self._cli)
+        self.flattener = Flattener(lambda volume: self._argv("rbd", "flatten", self._cli.spec(volume)),
                                    max_running=max_flattens, stall_s=FLATTEN_STALL_S,
                                    should_run=self._too_deep, done=self._flattened,
                                    prepare=self._object_map_off, finish=self._object_map_on)
@@ -238,73 +141,13 @@ class RbdBackend:
     # -- the tools ----------------------------------------------------------------------------------
 
     def _argv(self, tool: str, *args: str) -> list[str]:
-        t = int(self.timeout_s)
-        return [tool, "--conf", str(self.ceph_conf), "--id", self.ceph_user,
-                "--rados-mon-op-timeout", str(t), "--rados-osd-op-timeout", str(t),
-                "--client-mount-timeout", str(t), *args]
-
-    def _tool(self, tool: str, *args: str, timeout_s: float | None = None) -> str:
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            proc = subprocess.run(self._argv(tool, *args), env=minimal_environment(),  # noqa: S603
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=limit + 5)
-        except subprocess.TimeoutExpired:
-            raise DriverError(f"pool {self.name}: {tool} {args[0]} did not answer within {limit:g}s") from None
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or [""])[-1][:500]
-            raise _ToolError(f"pool {self.name}: {tool} {args[0]} failed: {last}", proc.returncode)
-        return proc.stdout
-
-    def _rbd(self, *args: str, timeout_s: float | None = None) -> str:
-        return self._tool("rbd", *args, timeout_s=timeout_s)  # progress goes to stderr, which only an error shows
-
-    def _rbd_tolerant(self, *args: str, tolerate: tuple[int, ...]) -> None:
-        """An rbd call whose failure with one of the errnos ``tolerate`` means it needs doing no more."""
-        try:
-            self._rbd(*args)
-        except _ToolError as exc:
-            if exc.errno not in tolerate:
-                raise
-
-    def _spec(self, image: str, snap: str | None = None) -> str:
-        return f"{self.rbd_pool}/{image}" + (f"@{snap}" if snap else "")
-
-    def _by_id(self, image_id: str) -> tuple[str, ...]:
-        """A trashed image, which has no name: its pool and id."""
-        return ("--pool", self.rbd_pool, "--image-id", image_id)
-
-    def _info(self, *image: str) -> dict[str, Any] | None:
-        """``rbd info`` of an image (a spec, or ``_by_id``), or None if it is absent."""
-        try:
-            info = json.loads(self._rbd("info", "--format", "json", *image))
-        except _ToolError as exc:
-            if exc.errno == _ENOENT:
-                return None
-            raise
-        if not isinstance(info, dict) or not isinstance(info.get("size"), int):
-            raise DriverError(f"pool {self.name}: rbd info {image[-1]}: no size")
-        return info
+        return self._cli.argv(tool, *args)
 
     def _listing(self) -> Listing:
-        listing = parse_listing(self._rbd("ls", "-l", "--format", "json", self.rbd_pool))
-        for entry in parse_trash(self._rbd("trash", "ls", "--all", "--format", "json", self.rbd_pool)):
-            try:
-                entry.snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", *self._by_id(entry.id)))
-                info = self._info(*self._by_id(entry.id))
-            except _ToolError as exc:
-                if exc.errno != _ENOENT:
-                    raise
-                continue  # purged meanwhile
-            if info is None:
-                continue
-            entry.size = info["size"]
-            parent = parse_parent(info)
-            entry.parent = None if parent is None else parent[:2]
-            listing.add_trashed(entry)
-        return listing
+        return self._cli.listing()
 
     def _image_size(self, image: str) -> int | None:
-        info = self._info(self._spec(image))
+        info = self._cli.info(self._cli.spec(image))
         return None if info is None else int(info["size"])
 
     def _status(self, volume_id: str, size: int) -> ItemStatus:
@@ -315,16 +158,16 @@ class RbdBackend:
     # -- pool -------------------------------------------------------------------------------------
 
     def pool_info(self) -> PoolInfo:
-        capacity, free = parse_pool_stats(self._tool("ceph", "df", "--format", "json"), self.rbd_pool)
+        capacity, free = parse_pool_stats(self._cli.tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
-                        clone_method="rbd-clone", point_in_time=True, monitors=self._monitors(),
+                        clone_method="rbd-clone", point_in_time=True, monitors=self._cephx.monitors(),
                         max_snapshots_per_volume=self.max_snapshots_per_volume,
                         shared_id=f"ceph:{self._cluster_fsid()}/{self.rbd_pool}")
 
     def _cluster_fsid(self) -> str:
         """The cluster's fsid (asked once): agents on the same Ceph pool report the same shared id."""
         if self._fsid is None:
-            self._fsid = parse_fsid(self._tool("ceph", "fsid", "--format", "json"))
+            self._fsid = parse_fsid(self._cli.tool("ceph", "fsid", "--format", "json"))
         return self._fsid
 
     def inventory(self) -> PoolInventory:
@@ -372,20 +215,20 @@ class RbdBackend:
         listing = self._listing()
         for image in sorted(listing.retired):
             try:
-                snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", self._spec(image)))
+                snaps = parse_snaps(self._cli.rbd("snap", "ls", "--all", "--format", "json", self._cli.spec(image)))
                 if snaps:
-                    self._rbd("trash", "mv", self._spec(image))
+                    self._cli.rbd("trash", "mv", self._cli.spec(image))
                     log.info("pool %s: %s moved to the trash (%d snapshots left)", self.name, image, len(snaps))
                 else:
-                    self._rbd("rm", self._spec(image))
-            except _ToolError as exc:
-                if exc.errno not in (_ENOENT, _EBUSY, _ENOTEMPTY):
+                    self._cli.rbd("rm", self._cli.spec(image))
+            except ToolError as exc:
+                if exc.errno not in (ENOENT, EBUSY, ENOTEMPTY):
                     raise
         if listing.retired:
             listing = self._listing()
         for entry in list(listing.trash.values()):
             if entry.kept_for == "nothing":
-                self._rbd_tolerant("trash", "rm", f"{self.rbd_pool}/{entry.id}", tolerate=(_ENOENT, _ENOTEMPTY))
+                self._cli.rbd_tolerant("trash", "rm", f"{self.rbd_pool}/{entry.id}", tolerate=(ENOENT, ENOTEMPTY))
                 log.info("pool %s: %s (%s) purged from the trash", self.name, entry.name, entry.id)
                 del listing.trash[entry.name]
         return listing
@@ -420,7 +263,8 @@ class RbdBackend:
         which reads as zeros once the parent is cut. On Ceph 16.2 a flatten stopped half-way and run
         again lost the objects in flight, also after ``object-map rebuild``; with the map off, none."""
         if {"object-map", "fast-diff"} & self._features(volume_id):
-            self._rbd("feature", "disable", self._spec(volume_id), "fast-diff,object-map", timeout_s=FLATTEN_STALL_S)
+            self._cli.rbd("feature", "disable", self._cli.spec(volume_id), "fast-diff,object-map",
+                          timeout_s=FLATTEN_STALL_S)
 
     def _object_map_on(self, volume_id: str) -> None:
         """After a flatten (completed, stopped or failed): the object map back on (Ceph builds it
@@ -428,11 +272,12 @@ class RbdBackend:
         if one is still needed (a flatten that had completed needs none: its map stays off)."""
         features = self._features(volume_id)
         if features and "object-map" not in features:
-            self._rbd("feature", "enable", self._spec(volume_id), "object-map,fast-diff", timeout_s=FLATTEN_STALL_S)
+            self._cli.rbd("feature", "enable", self._cli.spec(volume_id), "object-map,fast-diff",
+                          timeout_s=FLATTEN_STALL_S)
 
     def _features(self, volume_id: str) -> set[str]:
         """The features of the volume's image (empty if it is gone)."""
-        info = self._info(self._spec(volume_id))
+        info = self._cli.info(self._cli.spec(volume_id))
         features = info.get("features") if info is not None else None
         return {f for f in features if isinstance(f, str)} if isinstance(features, list) else set()
 
@@ -453,13 +298,13 @@ class RbdBackend:
                     size = self._image_size(volume_id)
                 current = size or 0
             if current < size_bytes:  # a clone of a smaller snapshot whose grow a crash interrupted
-                self._rbd("resize", "--size", f"{size_bytes}B", self._spec(volume_id))
+                self._cli.rbd("resize", "--size", f"{size_bytes}B", self._cli.spec(volume_id))
                 current = size_bytes
             return self._status(volume_id, current)
 
     def _create(self, volume_id: str, size_bytes: int) -> None:
-        self._rbd_tolerant("create", "--size", f"{size_bytes}B", "--image-feature", IMAGE_FEATURES,
-                           self._spec(volume_id), tolerate=(_EEXIST,))
+        self._cli.rbd_tolerant("create", "--size", f"{size_bytes}B", "--image-feature", IMAGE_FEATURES,
+                           self._cli.spec(volume_id), tolerate=(EEXIST,))
 
     def _clone(self, volume_id: str, snapshot_id: str, size_bytes: int) -> int:
         """Clone the snapshot as the volume unless the pool has it already; the volume's size now. The
@@ -489,28 +334,29 @@ class RbdBackend:
 
     def _clone_named(self, image: str, snapshot_id: str, volume_id: str) -> bool:
         """Whether this call made the clone (False: it existed)."""
-        argv = ["clone", "--image-feature", IMAGE_FEATURES, self._spec(image, snapshot_id), self._spec(volume_id)]
+        argv = ["clone", "--image-feature", IMAGE_FEATURES, self._cli.spec(image, snapshot_id),
+                self._cli.spec(volume_id)]
         try:
-            self._rbd(*argv)
-        except _ToolError as exc:
-            if exc.errno == _EEXIST:
+            self._cli.rbd(*argv)
+        except ToolError as exc:
+            if exc.errno == EEXIST:
                 return False
-            if exc.errno != _EINVAL:
+            if exc.errno != EINVAL:
                 raise
             # Clone v1 (a cluster that still admits pre-mimic clients): the parent must be protected.
-            self._rbd("snap", "protect", self._spec(image, snapshot_id))
-            self._rbd(*argv)
+            self._cli.rbd("snap", "protect", self._cli.spec(image, snapshot_id))
+            self._cli.rbd(*argv)
         return True
 
     def _clone_trashed(self, entry: TrashEntry, snapshot_id: str, volume_id: str) -> bool:
         """``rbd clone`` opens its parent by name: restore the trashed image under ``vbs-retired-…``
         for the clone, then trash it again (a crash between leaves it named, and the purge trashes it)."""
         named = RETIRED_PREFIX + (volume_of(entry.name) or entry.id)
-        self._rbd("trash", "restore", "--image", named, f"{self.rbd_pool}/{entry.id}")
+        self._cli.rbd("trash", "restore", "--image", named, f"{self.rbd_pool}/{entry.id}")
         try:
             return self._clone_named(named, snapshot_id, volume_id)
         finally:
-            self._rbd_tolerant("trash", "mv", self._spec(named), tolerate=(_ENOENT,))
+            self._cli.rbd_tolerant("trash", "mv", self._cli.spec(named), tolerate=(ENOENT,))
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         ids.check("volume", volume_id)
@@ -525,19 +371,19 @@ class RbdBackend:
             if self._image_size(volume_id) is None:
                 return
             try:
-                self._rbd("rm", self._spec(volume_id))
-            except _ToolError as exc:
-                if exc.errno == _ENOENT:
+                self._cli.rbd("rm", self._cli.spec(volume_id))
+            except ToolError as exc:
+                if exc.errno == ENOENT:
                     return
-                if exc.errno == _EBUSY:
+                if exc.errno == EBUSY:
                     raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
-                if exc.errno != _ENOTEMPTY:
+                if exc.errno != ENOTEMPTY:
                     raise
                 # Its snapshots outlive it (EBS), or clones read deleted ones: to the trash until none is
                 # left. `rbd trash mv` takes an image that a client has open, which `rbd rm` refuses: ask.
-                if parse_watchers(self._rbd("status", "--format", "json", self._spec(volume_id))):
+                if parse_watchers(self._cli.rbd("status", "--format", "json", self._cli.spec(volume_id))):
                     raise IncorrectState(f"The volume '{volume_id}' is still open on a host.") from None
-                self._rbd("trash", "mv", self._spec(volume_id))
+                self._cli.rbd("trash", "mv", self._cli.spec(volume_id))
                 log.info("pool %s: volume %s moved to the trash: snapshots of it remain", self.name, volume_id)
             self._purge_after_removal()  # its parent may have been waiting for its last clone
 
@@ -552,7 +398,7 @@ class RbdBackend:
                 raise InvalidParameter(f"Volume {volume_id}: the new size {size_bytes} is smaller than the current "
                                        f"size {current}; volumes can only grow")
             if size_bytes > current:
-                self._rbd("resize", "--size", f"{size_bytes}B", self._spec(volume_id))
+                self._cli.rbd("resize", "--size", f"{size_bytes}B", self._cli.spec(volume_id))
             return self._status(volume_id, size_bytes)
 
     # -- snapshots --------------------------------------------------------------------------------
@@ -560,27 +406,27 @@ class RbdBackend:
     def ensure_snapshot(self, snapshot_id: str, volume_id: str) -> ItemStatus:
         ids.check("snapshot", snapshot_id)
         ids.check("volume", volume_id)
-        spec = self._spec(volume_id, snapshot_id)
+        spec = self._cli.spec(volume_id, snapshot_id)
         with self._lock:
             # Two tool calls: make it (a repeat answers EEXIST), then list the volume's own snapshots
             # (one image, not the pool) for its size and the count. The controller refuses a snapshot
             # past the limit before it asks; one that got here anyway is taken back.
             try:
-                self._rbd("snap", "create", spec)
+                self._cli.rbd("snap", "create", spec)
                 made = True
-            except _ToolError as exc:
-                if exc.errno == _ENOENT:  # no image: a repeat after the volume was deleted, or no volume
+            except ToolError as exc:
+                if exc.errno == ENOENT:  # no image: a repeat after the volume was deleted, or no volume
                     found = self._listing().snapshots.get(snapshot_id)
                     if found is not None:
                         return _ready(found[1])
                     raise NotFound(f"The volume '{volume_id}' does not exist.",
                                    code="InvalidVolume.NotFound") from None
-                if exc.errno != _EEXIST:
+                if exc.errno != EEXIST:
                     raise
                 made = False
             have = self._snapshots_of(volume_id) or {}
             if made and len(have) > self.max_snapshots_per_volume:
-                self._rbd_tolerant("snap", "rm", spec, tolerate=(_ENOENT,))
+                self._cli.rbd_tolerant("snap", "rm", spec, tolerate=(ENOENT,))
                 raise VolumeSnapshotLimitExceeded(
                     f"The volume '{volume_id}' has {len(have) - 1} snapshots, the most pool {self.name} allows; "
                     "delete one first.", volume_id=volume_id, limit=self.max_snapshots_per_volume)
@@ -592,9 +438,9 @@ class RbdBackend:
     def _snapshots_of(self, volume_id: str) -> dict[str, int] | None:
         """The VBS snapshots of the volume's image and their sizes, or None if it has no image."""
         try:
-            snaps = parse_snaps(self._rbd("snap", "ls", "--all", "--format", "json", self._spec(volume_id)))
-        except _ToolError as exc:
-            if exc.errno == _ENOENT:
+            snaps = parse_snaps(self._cli.rbd("snap", "ls", "--all", "--format", "json", self._cli.spec(volume_id)))
+        except ToolError as exc:
+            if exc.errno == ENOENT:
                 return None
             raise
         return {s.name: s.size for s in snaps if not s.trashed and ids.is_valid("snapshot", s.name)}
@@ -614,29 +460,30 @@ class RbdBackend:
                 return
             entry = listing.trash.get(found[0])
             if entry is not None:  # clone v2: with clones left, it goes to the image's trash namespace
-                self._rbd_tolerant("snap", "rm", *self._by_id(entry.id), "--snap", snapshot_id, tolerate=(_ENOENT,))
+                self._cli.rbd_tolerant("snap", "rm", *self._cli.by_id(entry.id), "--snap", snapshot_id,
+                                       tolerate=(ENOENT,))
             else:
                 self._remove_named_snapshot(found[0], snapshot_id)
             if entry is not None or found[0].startswith(RETIRED_PREFIX):
                 self._purge_after_removal()
 
     def _remove_named_snapshot(self, image: str, snapshot_id: str) -> None:
-        spec = self._spec(image, snapshot_id)
+        spec = self._cli.spec(image, snapshot_id)
         try:
-            self._rbd("snap", "rm", spec)
-        except _ToolError as exc:
-            if exc.errno == _ENOENT:
+            self._cli.rbd("snap", "rm", spec)
+        except ToolError as exc:
+            if exc.errno == ENOENT:
                 return
-            if exc.errno != _EBUSY:
+            if exc.errno != EBUSY:
                 raise
             # A protected snapshot (clone v1): unprotecting fails while clones of it remain.
             try:
-                self._rbd("snap", "unprotect", spec)
-            except _ToolError as again:
-                if again.errno == _EBUSY:
+                self._cli.rbd("snap", "unprotect", spec)
+            except ToolError as again:
+                if again.errno == EBUSY:
                     raise IncorrectState(f"The snapshot '{snapshot_id}' has volumes cloned from it.") from None
                 raise
-            self._rbd("snap", "rm", spec)
+            self._cli.rbd("snap", "rm", spec)
 
     def snapshot_target(self, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
         raise DriverError(f"pool {self.name}: RBD snapshots are point in time; no hypervisor copy is needed")
@@ -661,106 +508,35 @@ class RbdBackend:
         ids.check("volume", volume_id)
         if self.exports is not None:
             self.exports.remove_export(volume_id, host_name)
-        user = rbd_access.attachment_user(host_name, volume_id)
-        self._cut_sessions(user)
-        self._tool("ceph", "auth", "rm", f"client.{user}")  # exits 0 when the user does not exist
-        log.info("volume %s: cephx user client.%s removed", volume_id, user)
-
-    def _cut_sessions(self, user: str) -> None:
-        """Blocklist the clients still connected as ``user`` (a forced detach of a host that did not
-        answer: its QEMU may still have the image open). A removed user's connected clients keep
-        their tickets until they expire; a blocklisted client's OSD requests fail at once."""
-        entity = f"client.{user}"
-        for mon in rbd_access.parse_mon_names(self._tool("ceph", "mon", "dump", "--format", "json")):
-            try:
-                sessions = rbd_access.parse_sessions(
-                    self._tool("ceph", "tell", f"mon.{mon}", "sessions", "--format", "json"), entity)
-            except DriverError as exc:  # a monitor down: its clients hunt for another one
-                log.warning("pool %s: sessions of mon.%s not read: %s", self.name, mon, exc)
-                continue
-            for client in sessions:
-                self._tool("ceph", "osd", "blocklist", "add", client, str(BLOCKLIST_S))
-                log.warning("pool %s: %s was still connected as %s: blocklisted", self.name, client, entity)
+        self._cephx.remove_user(volume_id, rbd_access.attachment_user(host_name, volume_id))
 
     def refresh_connection(self, volume_id: str, host_name: str) -> Connection:
         """After a grow: a native connection is the same one (QEMU's rbd node is told the new size);
         an export gets a connection of the image's new size (the one in use serves on)."""
         ids.check("volume", volume_id)
-        caps = self._attachment_caps(volume_id, host_name)
+        caps = self._cephx.attachment_caps(volume_id, host_name)
         if caps is not None:
             return self._native(volume_id, host_name, read_only="allow rwx" not in caps.get("osd", ""))
         return self._need_exports().refresh_export(volume_id, self._source(volume_id), host_name)
 
     def retire_connections(self, volume_id: str, host_name: str) -> None:
         ids.check("volume", volume_id)
-        if self._attachment_caps(volume_id, host_name) is None:
+        if self._cephx.attachment_caps(volume_id, host_name) is None:
             self._need_exports().retire_exports(volume_id, host_name)
 
     def native_connections(self) -> list[ExportInfo]:
         """The attachments' cephx users of this pool's images, as the reconciler sees exports."""
-        answer = self._tool("ceph", "auth", "ls", "--format", "json")  # holds every key: never logged
-        return rbd_access.parse_attachment_users(answer, self.rbd_pool)
+        return self._cephx.users()
 
     def _native(self, volume_id: str, host_name: str, read_only: bool) -> RbdConnection:
         user = rbd_access.attachment_user(host_name, volume_id)
         with self._lock:
-            chain = self._image_chain(volume_id)
+            chain = self._cephx.image_chain(volume_id)
             caps = rbd_access.osd_caps(volume_id, chain, read_only=read_only)
-            key = self._cephx_key(user, caps)
-            monitors = self._monitors()
+            key = self._cephx.cephx_key(user, caps)
+            monitors = self._cephx.monitors()
         return RbdConnection(monitors=monitors, pool=self.rbd_pool, image=volume_id, user=user,
                              key=SecretStr(key), read_only=read_only)
-
-    def _image_chain(self, volume_id: str) -> list[rbd_access.ImageRef]:
-        """The volume's image and its parents (a clone's), each found by id."""
-        try:
-            chain = [rbd_access.parse_image_ref(self._rbd("info", "--format", "json", self._spec(volume_id)),
-                                                self.rbd_pool)]
-        except _ToolError as exc:
-            if exc.errno == _ENOENT:
-                raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound") from None
-            raise
-        while (parent := chain[-1].parent) is not None:
-            if len(chain) > rbd_access.MAX_CLONE_CHAIN:
-                raise DriverError(f"pool {self.name}: volume {volume_id} has more than "
-                                  f"{rbd_access.MAX_CLONE_CHAIN} parents")
-            pool, namespace, image_id = parent
-            where = ["--pool", pool] + (["--namespace", namespace] if namespace else [])
-            chain.append(rbd_access.parse_image_ref(
-                self._rbd("info", "--format", "json", *where, "--image-id", image_id), pool, namespace))
-        return chain
-
-    def _cephx_key(self, user: str, osd_caps: str) -> str:
-        """The key of ``client.<user>`` with exactly these caps, made if it is absent (idempotent).
-        It comes on the tool's stdout, never an argv or a log."""
-        entity = f"client.{user}"
-        caps = ["mon", rbd_access.MON_CAPS, "osd", osd_caps]
-        try:
-            answer = self._tool("ceph", "auth", "get-or-create", entity, *caps, "--format", "json")
-        except _ToolError as exc:
-            if exc.errno != _EINVAL:
-                raise
-            # It exists with other caps (the image's parents changed, or its mode): set these.
-            self._tool("ceph", "auth", "caps", entity, *caps)
-            answer = self._tool("ceph", "auth", "get-or-create", entity, *caps, "--format", "json")
-        return rbd_access.parse_key(answer, user)
-
-    def _attachment_caps(self, volume_id: str, host_name: str) -> dict[str, str] | None:
-        """The caps of the host's cephx user of this volume, None if it has none (an export then)."""
-        user = rbd_access.attachment_user(host_name, volume_id)
-        try:
-            return rbd_access.parse_caps(self._tool("ceph", "auth", "get", f"client.{user}", "--format", "json"), user)
-        except _ToolError as exc:
-            if exc.errno == _ENOENT:
-                return None
-            raise
-
-    def _monitors(self) -> list[str]:
-        """The cluster's monitors as hosts reach them (read once: a monitor map rarely changes, and
-        the agent's heartbeat reports these)."""
-        if self._monitor_list is None:
-            self._monitor_list = rbd_access.parse_monitors(self._tool("ceph", "mon", "dump", "--format", "json"))
-        return self._monitor_list
 
     def _need_exports(self) -> ExportDriver:
         if self.exports is None:

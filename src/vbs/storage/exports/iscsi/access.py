@@ -1,0 +1,157 @@
+"""Who may log in to a target: the names (IQN per key, CHAP user per key and host), the address
+ACL and the CHAP accounts in tgtd, bound and unbound without leaving tgt a hole in its slots."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import secrets
+import socket
+import string
+from pathlib import Path
+
+from vbs.errors import DriverError, InvalidParameter
+from vbs.storage.exports import tgt_ipc
+from vbs.storage.exports.supervised import check_key
+
+from .state import Grant, LiveTarget, View
+from .tgtadm import E_ABSENT, AdmError, Tgtadm
+
+_SECRET_ALPHABET = string.ascii_letters + string.digits  # safe in URLs, configs and every initiator
+_SECRET_LEN = 24  # iSCSI wants at least 12 (96 bits); 24 alphanumerics are about 143 bits
+_CHAP_USER_MAX = 64  # IscsiConnection.chap_user limit
+
+
+def acl_kind(entry: str) -> str:
+    """The tgtadm option that unbinds an ACL entry as ``--op show`` lists it."""
+    return "--initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "--initiator-address"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def new_secret() -> str:
+    return "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(_SECRET_LEN))
+
+
+def acl_addresses(address: str) -> list[str]:
+    """Numeric addresses for the ACL: tgt compares numerically (``AI_NUMERICHOST``), never by name."""
+    try:
+        return [str(ipaddress.ip_address(address))]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise DriverError(f"cannot resolve host address {address!r} for the iSCSI ACL: {exc}") from exc
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def chap_user(key: str, host_name: str) -> str:
+    """The CHAP account of (key, host): readable where it fits, deterministic always.
+
+    tgt accounts are global to the daemon, so the key is part of the name.
+    """
+    user = f"{key}.{host_name}"
+    if len(user) <= _CHAP_USER_MAX:
+        return user
+    return f"{key}.h{hashlib.sha256(host_name.encode()).hexdigest()[:24]}"
+
+
+class Access:
+    """The ACL entries and CHAP accounts of the targets of one tgtd."""
+
+    def __init__(self, tgt: Tgtadm, iqn_prefix: str, control_socket: Path) -> None:
+        self._tgt, self.iqn_prefix, self.control_socket = tgt, iqn_prefix, control_socket
+
+    def iqn(self, key: str) -> str:
+        return f"{self.iqn_prefix}:{key}"
+
+    def key_of(self, iqn: str) -> str | None:
+        prefix = f"{self.iqn_prefix}:"
+        key = iqn[len(prefix):] if iqn.startswith(prefix) else ""
+        try:
+            return check_key(key)
+        except InvalidParameter:
+            return None
+
+    def create_account(self, grant: Grant, view: View) -> None:
+        if grant.user in self._tgt.accounts():
+            # An account of that name whose secret is not ours (or not known to be): replace it,
+            # unbound everywhere first (deleting a bound account leaves the same hole as below).
+            for other in view.values():
+                self.unbind_accounts(other, [grant.user])
+            self._tgt.iscsi(f"delete account {grant.user}", "--mode", "account", "--op", "delete",
+                            "--user", grant.user)
+        # Not through tgtadm, which takes the secret only on its command line (readable in /proc by
+        # every local user): the same request, sent on tgtd's management socket directly.
+        try:
+            tgt_ipc.request(self.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW,
+                            {"user": grant.user, "password": grant.secret}, timeout=self._tgt.timeout)
+        except tgt_ipc.TgtIpcError as exc:
+            raise AdmError(f"create account {grant.user}", exc.message) from exc
+
+    def unbind_acl(self, live: LiveTarget, kind: str, entry: str) -> None:
+        try:
+            self._tgt.iscsi(f"unbind {entry} from {live.iqn}", "--mode", "target", "--op", "unbind",
+                            "--tid", str(live.tid), kind, entry)
+        except AdmError as exc:
+            if not exc.says(E_ABSENT):
+                raise
+        live.acl.discard(entry)
+
+    def unbind_accounts(self, live: LiveTarget, users: list[str]) -> None:
+        """Unbind ``users`` from ``live`` without ever leaving tgtd a hole in its account slots.
+
+        tgt 1.0.85 keeps a target's accounts in an array, an unbind zeroes a slot, and both
+        ``--op show`` and the CHAP login read only the first N slots (N = accounts left): a hole
+        there makes ``show`` crash tgtd (SIGSEGV) and CHAP refuse the accounts behind it. So the
+        accounts are unbound from the last slot backwards and those that stay are bound again
+        (binds fill the lowest free slot). Meanwhile the target may have no account, when tgt
+        would admit logins without CHAP: the ACL is closed for those milliseconds (new logins
+        of the other hosts fail and are retried by their initiators) and restored after.
+        """
+        going = [u for u in live.accounts if u in users]
+        if not going:
+            return
+        keep = [u for u in live.accounts if u not in going]
+        at_tail = live.accounts[len(keep):] == going
+        unbind = going if at_tail else list(live.accounts)
+        closed = sorted(live.acl) if not keep or not at_tail else []
+        for entry in closed:
+            self.unbind_acl(live, acl_kind(entry), entry)
+        for user in reversed(unbind):
+            try:
+                self._tgt.iscsi(f"unbind account {user}", "--mode", "account", "--op", "unbind",
+                                "--tid", str(live.tid), "--user", user)
+            except AdmError as exc:
+                if not exc.says(E_ABSENT):
+                    raise
+            live.accounts.remove(user)
+        for user in keep:
+            if user not in live.accounts:
+                self._tgt.bind(f"bind account {user}", "--mode", "account", "--op", "bind",
+                               "--tid", str(live.tid), "--user", user)
+                live.accounts.append(user)
+        if keep:
+            for entry in closed:
+                kind = acl_kind(entry)
+                self._tgt.bind(f"bind {entry} to {live.iqn}", "--mode", "target", "--op", "bind",
+                               "--tid", str(live.tid), kind, entry)
+                live.acl.add(entry)
+
+    def forget_account(self, live: LiveTarget, user: str, view: View) -> None:
+        """Delete an unbound account of this target's key once no target holds it."""
+        key = self.key_of(live.iqn)
+        if key and user.startswith(f"{key}.") and not any(
+            user in t.accounts for t in view.values()
+        ):
+            try:
+                self._tgt.iscsi(f"delete account {user}", "--mode", "account", "--op", "delete", "--user", user)
+            except AdmError as exc:
+                if not exc.says(E_ABSENT):
+                    raise
