@@ -82,9 +82,9 @@ for _p in (REPO / "src", REPO):
 from bench.common import log, markdown_table, os_name  # noqa: E402
 
 from vbs.net.ports import free_port  # noqa: E402
+from vbs.pools.exports import FileSource, RbdSource  # noqa: E402
 from vbs.qemu.tls import X509Files, qemu_x509_dir  # noqa: E402
 from vbs.rigs.ceph import EmbeddedCeph  # noqa: E402
-from vbs.storage.exports.base import FileSource, RbdSource  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.iscsi import targets as iscsi_mod  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402

@@ -59,7 +59,7 @@ for _p in (REPO / "src", REPO):
 
 from bench.common import log  # noqa: E402
 
-from vbs.storage.exports.base import FileSource  # noqa: E402
+from vbs.pools.exports import FileSource  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.wire.connection import HostIdentity, NbdConnection  # noqa: E402
 from vbs.wire.qos import IOPS_SIZE, ExportLimits, QoS  # noqa: E402

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.net.ports import free_port
+from vbs.pools.exports import FileSource
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.copy import sparse_copy
-from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.wire.connection import FileConnection, HostIdentity, NbdConnection
 

@@ -61,8 +61,8 @@ from datapath import (  # noqa: E402
     run_tool,
     stride_blocks,
 )
+from vbs.pools.exports import FileSource  # noqa: E402
 from vbs.qemu.qmp import QmpClient, connect_until  # noqa: E402
-from vbs.storage.exports.base import FileSource  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
 from vbs.wire.connection import NbdConnection  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vbs import ids
-from vbs.storage.exports.base import ExportSource
+from vbs.pools.exports import ExportSource
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus
 

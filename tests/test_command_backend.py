@@ -14,9 +14,9 @@ import pytest
 from tests.fakes import MemoryExports
 from vbs import ids
 from vbs.errors import InvalidParameter, NotFound, PointInTimeUnavailable
+from vbs.pools.exports import FileSource
 from vbs.profiles import load_profile
 from vbs.storage.backends.command import BACKEND_PROFILES, CommandBackend
-from vbs.storage.exports.base import FileSource
 from vbs.wire.connection import HostIdentity
 
 pytestmark = pytest.mark.unit

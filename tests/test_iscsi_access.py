@@ -19,8 +19,8 @@ from tests.export_fixtures import drivers_of
 from tests.test_iscsi_export import live_accounts, logged_in, readcap, secret_of, tgtd_driver
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter
+from vbs.pools.exports import FileSource
 from vbs.storage.exports import tgt_ipc
-from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.iscsi import tgtadm as iscsi_module
 from vbs.system import argv as argv_module

@@ -23,7 +23,7 @@ from tests import export_fixtures
 from tests.export_fixtures import MiB, drivers_of, read_at, taken_port, wait_dead, write_at
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
-from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
+from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
 from vbs.system.argv import run
 from vbs.wire.connection import HostIdentity, IscsiConnection

@@ -22,9 +22,9 @@ from tests.test_nbd_access import Netns, netns  # noqa: F401 - the fixture
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
 from vbs.net.stunnel import client_config
+from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
-from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.system.argv import run
 from vbs.trust.pki import CertificateAuthority

@@ -21,7 +21,7 @@ from tests.export_fixtures import MiB, drivers_of, read_at, wait_dead, write_at
 from tests.test_iscsi_export import tgtd_driver
 from vbs.connectors.local_path import LocalPaths, _mounted
 from vbs.errors import InvalidParameter
-from vbs.storage.exports.base import FileSource
+from vbs.pools.exports import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.system.processes import cmdline

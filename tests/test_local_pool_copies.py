@@ -16,7 +16,7 @@ from tests.export_fixtures import MiB, drivers_of
 from vbs.config import HostAgentConfig, PoolConfig
 from vbs.errors import IncorrectState, NotFound
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools
-from vbs.storage.exports.base import FileSource
+from vbs.pools.exports import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.storage import ItemStatus

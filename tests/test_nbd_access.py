@@ -31,9 +31,9 @@ from vbs.connectors import connector_for
 from vbs.errors import InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
+from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
-from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.system.argv import run
 from vbs.trust.pki import CertificateAuthority

@@ -19,7 +19,7 @@ import pytest
 from tests import test_nbd_export as nbd
 from tests.export_fixtures import MiB, free_port, wait_dead
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
-from vbs.storage.exports.base import FileSource
+from vbs.pools.exports import FileSource
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.storage import ItemStatus

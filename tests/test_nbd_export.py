@@ -22,8 +22,8 @@ from tests import export_fixtures
 from tests.export_fixtures import MiB, drivers_of, free_port, read_at, runs, taken_port, wait_dead, write_at
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.qemu.qmp import connect_until
-from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.system.argv import run
 from vbs.wire.connection import HostIdentity, NbdConnection

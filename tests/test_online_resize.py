@@ -29,11 +29,11 @@ from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.host.hypervisors.qemu_ids import disk_ids
 from vbs.ids import virtio_serial
 from vbs.net.web import ApiClient, agent_auth
+from vbs.pools.exports import ExportDriver, FileSource
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.rigs.testguest.guest import qmp_execute
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
-from vbs.storage.exports.base import ExportDriver, FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.system.argv import run

@@ -25,9 +25,9 @@ from vbs.controller.placement import volume_types
 from vbs.controller.workflows.attach_volume import AttachParams, host_qos
 from vbs.ids import virtio_serial
 from vbs.net.web import agent_auth
+from vbs.pools.exports import FileSource, LimitEnforcer
 from vbs.storage.api import create_app as create_storage_app
 from vbs.storage.backends.file import FileBackend
-from vbs.storage.exports.base import FileSource, LimitEnforcer
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.trust.node_credentials import TokenSource
 from vbs.wire.connection import HostIdentity, NbdConnection

@@ -10,7 +10,7 @@ from tests.ceph_cluster import CephForTests
 from vbs import drivers, ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter, NotFound, VolumeSnapshotLimitExceeded
-from vbs.storage.backends.base import Backend
+from vbs.pools.backend import Backend
 from vbs.storage.backends.rbd import RbdBackend
 
 MiB = 1 << 20

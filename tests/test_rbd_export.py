@@ -21,8 +21,8 @@ from tests.test_iscsi_export import tgtd_driver
 from tests.test_nbd_export import qemu_io
 from vbs import ids
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.pools.exports import FileSource, RbdSource
 from vbs.storage.backends.rbd import RbdBackend
-from vbs.storage.exports.base import FileSource, RbdSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection

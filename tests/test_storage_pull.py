@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from tests.export_fixtures import drivers_of
+from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files
 from vbs.storage.backends.file import FileBackend
-from vbs.storage.exports.base import FileSource
 from vbs.storage.exports.nbd import QSD, NbdExportDriver
 from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, NbdConnection

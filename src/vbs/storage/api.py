@@ -16,9 +16,9 @@ from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 from vbs.net.metrics import install_metrics
 from vbs.net.web import PreAuth, Scope, install_error_handlers
+from vbs.pools.backend import Backend, PullingBackend
+from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
-from vbs.storage.backends.base import Backend, PullingBackend
-from vbs.storage.exports.base import ExportDriver, LimitEnforcer
 from vbs.storage.metrics import storage_registry
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.qos import ExportLimits, LimitsAnswer

@@ -11,8 +11,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vbs.errors import VbsError
 from vbs.net.metrics import ScrapeCollector, new_registry
-from vbs.storage.backends.base import Backend
-from vbs.storage.exports.base import ExportDriver
+from vbs.pools.backend import Backend
+from vbs.pools.exports import ExportDriver
 
 __all__ = ["storage_registry"]
 

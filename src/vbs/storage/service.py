@@ -13,9 +13,9 @@ from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.net.heartbeat import Heartbeat
 from vbs.net.web import BoundedServer, serve_agent
+from vbs.pools.backend import Backend, ReportsUsage
+from vbs.pools.exports import ExportDriver
 from vbs.storage.api import create_app
-from vbs.storage.backends.base import Backend, ReportsUsage
-from vbs.storage.exports.base import ExportDriver
 from vbs.storage.probe import install_probe, probe_auth
 from vbs.trust import agent_security
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat

@@ -30,8 +30,8 @@ from pathlib import Path
 from vbs import ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, PointInTimeUnavailable
+from vbs.pools.exports import ExportDriver, FileSource
 from vbs.profiles import CommandSchema, Profile, ProfileSchema, load_profile
-from vbs.storage.exports.base import ExportDriver, FileSource
 from vbs.system.files import write_private
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory

@@ -39,11 +39,11 @@ from vbs.errors import (
     PointInTimeUnavailable,
     RetryLater,
 )
+from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.storage.backends import file_io
 from vbs.storage.backends.file_io import FICLONE, CloneMethod
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, CopyJob, Job, ProgressCallback, sparsify
-from vbs.storage.exports.base import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.luks import convert_to_luks, format_luks, header_bytes
 from vbs.storage.pull import pull
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection

@@ -45,6 +45,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError, VolumeSnapshotLimitExceeded
+from vbs.pools.exports import ExportDriver, RbdSource
 from vbs.storage.backends import rbd_access
 from vbs.storage.backends.rbd_chains import (
     RETIRED_PREFIX,
@@ -69,7 +70,6 @@ from vbs.storage.backends.rbd_cli import (
     parse_pool_stats,
 )
 from vbs.storage.backends.rbd_native import CephxAttachments
-from vbs.storage.exports.base import ExportDriver, RbdSource
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
     CloneChain,

@@ -33,7 +33,7 @@ from typing import Any
 from vbs import ids
 from vbs.config import RBD_POOL_RE
 from vbs.errors import DriverError, InvalidParameter
-from vbs.storage.exports.base import RBD_IMAGE_RE
+from vbs.pools.exports import RBD_IMAGE_RE
 from vbs.wire.connection import HOST_NAME_RE, MAX_MONITORS, MONITOR_RE
 from vbs.wire.storage import ExportInfo
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from vbs import ids
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
-from vbs.storage.exports.base import ExportSource, FileSource, RbdSource
+from vbs.pools.exports import ExportSource, FileSource, RbdSource
 from vbs.system.daemons import Daemon, DaemonSpec
 from vbs.system.desired_state import DesiredState
 from vbs.wire.connection import HOST_NAME_RE, Connection, HostIdentity
@@ -281,7 +281,7 @@ class SupervisedExportDriver(ABC, Generic[ItemT, ViewT]):
     def _retire(self, item: ItemT, host_name: str) -> None:
         """``retire_exports`` for a host ``item`` has; the daemon may be down."""
 
-    # -- the contract (see vbs.storage.exports.base) -------------------------------------------------
+    # -- the contract (see vbs.pools.exports) -------------------------------------------------
 
     def ensure_export(self, key: str, source: ExportSource, host: HostIdentity, *, read_only: bool = False
                       ) -> Connection:

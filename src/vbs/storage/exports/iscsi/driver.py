@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter
 from vbs.net.stunnel import Tunnel, server_config
+from vbs.pools.exports import ExportSource, RbdSource
 from vbs.qemu.tls import X509Files
-from vbs.storage.exports.base import ExportSource, RbdSource
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, source_size
 from vbs.system.daemons import DaemonSpec
 from vbs.system.desired_state import DesiredState

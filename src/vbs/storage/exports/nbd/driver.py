@@ -70,8 +70,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from vbs import ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, RetryLater
+from vbs.pools.exports import ExportSource, FileSource
 from vbs.qemu.tls import X509Files
-from vbs.storage.exports.base import ExportSource, FileSource
 from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.supervised import (
     LISTEN_RE,
@@ -254,7 +254,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
         """Ask the daemon over its monitor."""
         return self._monitor.q(command, args)
 
-    # -- limits (vbs.storage.exports.base.LimitEnforcer) ------------------------------------------------
+    # -- limits (vbs.pools.exports.LimitEnforcer) ------------------------------------------------
 
     def set_limits(self, key: str, limits: ExportLimits) -> bool:
         """See ``LimitEnforcer``: recorded with the key (``exports.json``), applied to its group live.
