@@ -519,12 +519,15 @@ def _open(svc: Service, payload: bytes) -> socket.socket:
 
 def test_slow_and_stalled_clients_do_not_slow_down_the_others(service: Service) -> None:
     svc = service
+    # The stalled bodies come from another tenant's key: one key's own requests share its budget.
+    made = svc.vbs.cli("create-key", "--tenant", "staller", "--role", "user")
+    staller = f"Bearer {made['access_key_id']}:{made['secret_access_key']}".encode()
     auth = svc.auth["authorization"].encode()
     stalled = (
         [_open(svc, b"") for _ in range(40)]
         + [_open(svc, b"GET /v1/volumes HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(40)]
         + [_open(svc, b"POST /v1/volumes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\nAuthorization: " + auth + b"\r\n\r\n{\"size") for _ in range(40)]
+                      b"Content-Length: 100\r\nAuthorization: " + staller + b"\r\n\r\n{\"size") for _ in range(40)]
         + [_open(svc, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nAction=") for _ in range(40)]
     )
     # And one client that sends a whole request, one byte every 20 ms.

@@ -48,7 +48,7 @@ from vbs.controller.workflows.snapshots import COPY_SNAPSHOT, CREATE_SNAPSHOT, D
 from vbs.errors import InvalidParameter
 from vbs.net import web
 from vbs.net.metrics import install_metrics
-from vbs.net.web import PreAuth, install_error_handlers
+from vbs.net.web import PreAuth, RequestBounds, install_error_handlers
 from vbs.trust import credentials
 from vbs.trust.fail_closed import check_start, harden
 from vbs.trust.node_credentials import NodeKeyring
@@ -210,8 +210,12 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                   openapi_url=None)
     app.state.services = svc
     app.state.keys = key_store
-    install_error_handlers(app)
-    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
+    bounds = RequestBounds(body_min_rate=cfg.body_min_rate, body_grace_s=cfg.body_grace_s,
+                           per_address=cfg.max_requests_per_address, per_key=cfg.max_requests_per_key,
+                           per_tenant=cfg.max_requests_per_tenant, per_node=cfg.max_requests_per_node)
+    install_error_handlers(app, bounds)
+    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs),
+                       bounds=bounds)
     app.add_middleware(AfterAnswer)  # the workflows a request begins start once it is answered
 
     async def metrics_reader(request: Request) -> None:
