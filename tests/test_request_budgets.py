@@ -109,3 +109,29 @@ def test_one_keys_slow_bodies_leave_other_tenants_health_and_heartbeats_alone(up
     assert b"408" in codes and b"503" in codes, codes
     assert any(b"slower than" in a for a in answers)
     assert any(b"for one key" in a for a in answers)
+
+
+def test_forwarded_headers_from_a_local_client_are_not_believed(up: tuple[Vbs, VbsUp]) -> None:
+    """A bearer key over plain HTTP that claims, by proxy headers, to come from afar over TLS: the
+    controller sees the real peer (loopback, plain HTTP), so the claim changes nothing."""
+    vbs, _ = up
+    user = _key(vbs, "forger")
+    for forged in ({"x-forwarded-for": "203.0.113.5"},
+                   {"x-forwarded-for": "203.0.113.5", "x-forwarded-proto": "https"}):
+        r = httpx.get(f"{vbs.endpoint}/v1/volumes", headers={"authorization": user, **forged})
+        # Believed, the first would be refused as a bearer key off loopback; it is accepted as what it is.
+        assert r.status_code == 200, r.text
+    # A new X-Forwarded-For per request does not make a new address: the per-key budget still holds.
+    stop = threading.Event()
+    port = int(vbs.endpoint.rsplit(":", 1)[1])
+    held = [threading.Thread(target=_slow_post, args=(port, user, stop), daemon=True) for _ in range(PER_KEY)]
+    for t in held:
+        t.start()
+    try:
+        time.sleep(0.5)  # well within the grace period (1 s) of the held bodies
+        r = httpx.get(f"{vbs.endpoint}/v1/volumes", headers={"authorization": user, "x-forwarded-for": "198.51.100.7"})
+        assert r.status_code == 503 and "RequestLimitExceeded" in r.text, r.text
+    finally:
+        stop.set()
+        for t in held:
+            t.join(30)

@@ -8,6 +8,7 @@ never has to appear on a command line.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -105,6 +106,21 @@ class ControllerConfig(_Service):
     # passed (then 408): a body trickled a byte at a time holds its slot for seconds, not minutes.
     body_min_rate: float = Field(1024.0, ge=0, le=1 << 30)
     body_grace_s: float = Field(2.0, gt=0, le=30)
+    # Reverse proxies whose X-Forwarded-For/X-Forwarded-Proto are believed (addresses or networks,
+    # e.g. ["10.0.0.5"]); none by default, not even loopback (docs/security.md, "Behind a proxy").
+    trusted_proxies: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _proxies(cls, v: Any) -> Any:
+        items = [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+        if isinstance(items, list):
+            for item in items:
+                try:
+                    ipaddress.ip_network(str(item), strict=False)
+                except ValueError:
+                    raise ValueError(f"trusted_proxies: {str(item)[:64]!r} is not an IP address or network") from None
+        return items
 
 
 # A libvirt connection URI (driver[+transport]://[user@][host[:port]]/path[?params]).

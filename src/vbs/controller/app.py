@@ -240,4 +240,4 @@ def serve(cfg: ControllerConfig) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheme = "https" if tls is not None and tls.serves else "http"
     log.info("controller listening on %s://%s:%d", scheme, cfg.host, cfg.port)
-    web.serve(app, cfg.host, cfg.port, tls)
+    web.serve(app, cfg.host, cfg.port, tls, trusted_proxies=cfg.trusted_proxies)

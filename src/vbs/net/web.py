@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -412,17 +412,22 @@ class BoundedServer(uvicorn.Server):
 
 
 def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, *,
-                   require_client_cert: bool = False) -> BoundedServer:
+                   require_client_cert: bool = False, trusted_proxies: Sequence[str] = ()) -> BoundedServer:
+    """uvicorn with the bounds above. ``X-Forwarded-For``/``-Proto`` are read only from the proxies
+    in ``trusted_proxies`` (addresses or networks); with none (the default) they are ignored from
+    everyone, loopback included (uvicorn's own default trusts 127.0.0.1, and FORWARDED_ALLOW_IPS)."""
     ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
     # Longer than the clients keep an idle connection for reuse (vbs.net.api_client.KEEPALIVE_EXPIRY_S).
     return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+                                        proxy_headers=bool(trusted_proxies),
+                                        forwarded_allow_ips=list(trusted_proxies) or None,
                                         limit_concurrency=MAX_CONCURRENCY, http=PeerCertProtocol, **ssl_kwargs))
 
 
-def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None) -> None:
+def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None, *, trusted_proxies: Sequence[str] = ()) -> None:
     """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above (HTTPS with ``tls``)."""
-    bounded_server(app, host, port, tls).run()
+    bounded_server(app, host, port, tls, trusted_proxies=trusted_proxies).run()
 
 
 def serve_agent(app: FastAPI, host: str, port: int, *, heartbeat: Callable[[BoundedServer], Any],
