@@ -1,6 +1,6 @@
 """iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
 
-One target per key (``<iqn_prefix>:<key>``, a volume or a snapshot a hypervisor copies into), LUN 1
+One target per key (``<iqn_prefix>:t<the key, sealed>``, a volume or a snapshot a hypervisor copies into), LUN 1
 backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
 tgtd and agent restarts.
 
@@ -15,6 +15,7 @@ move independently and share the newest LUN. Numbers are reused: a lone host alt
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import ipaddress
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from vbs.config import StorageAgentConfig
@@ -373,16 +376,36 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
 
     # -- names ------------------------------------------------------------------------------------
 
+    # A target's name reveals nothing: any local user (or any host an ACL admits) may list the
+    # names without logging in (tgtd has no discovery authentication), so a name is the key
+    # sealed with AES-SIV (deterministic) under a secret of this node, <state_dir>/iqn.key (0600).
+    def _names(self) -> AESSIV:
+        sealer: AESSIV | None = getattr(self, "_sealer", None)
+        if sealer is None:
+            path = self.state_dir / "iqn.key"
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(secrets.token_bytes(32))
+            sealer = self._sealer = AESSIV(path.read_bytes()[:32])
+        return sealer
+
     def iqn(self, key: str) -> str:
-        return f"{self.iqn_prefix}:{key}"
+        sealed = base64.b32encode(self._names().encrypt(check_key(key).encode(), None)).decode()
+        return f"{self.iqn_prefix}:t{sealed.rstrip('=').lower()}"
 
     def _key_of(self, iqn: str) -> str | None:
-        prefix = f"{self.iqn_prefix}:"
-        key = iqn[len(prefix):] if iqn.startswith(prefix) else ""
+        prefix = f"{self.iqn_prefix}:t"
+        name = iqn[len(prefix):] if iqn.startswith(prefix) else ""
         try:
-            return check_key(key)
-        except InvalidParameter:
-            return None
+            raw = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+            return check_key(self._names().decrypt(raw, None).decode())
+        except (ValueError, InvalidTag, InvalidParameter):
+            return None  # not ours (an operator's target)
 
     @staticmethod
     def chap_user(key: str, host_name: str) -> str:
@@ -870,7 +893,7 @@ class IscsiExportDriver(SupervisedExportDriver[_Export, _View]):
                 host = hosts.get(user) or user.removeprefix(f"{key}.")
                 if host != user:
                     out.append(ExportInfo(key=key, host=host, protocol=self.protocol, target=iqn))
-        return out
+        return sorted(out, key=lambda e: (e.key, e.host))  # by key: names are sealed, their order is no one's
 
     # -- online resize ----------------------------------------------------------------------------
 
