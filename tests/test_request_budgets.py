@@ -135,3 +135,16 @@ def test_forwarded_headers_from_a_local_client_are_not_believed(up: tuple[Vbs, V
         stop.set()
         for t in held:
             t.join(30)
+
+
+def test_every_answer_of_every_service_says_nosniff(up: tuple[Vbs, VbsUp]) -> None:
+    vbs, proc = up
+    agents = re.findall(r"serving on (https?://[0-9.:]+)", proc.log_path.read_text())
+    assert len(agents) >= 2, "the storage and host agents' URLs"
+    answers = [vbs.http.get("/v1/volumes"), vbs.http.get("/v1/volumes/vol-0123456789abcdef0"),
+               vbs.http.post("/", data={"Action": "DescribeVolumes", "Version": "2016-11-15"}),
+               vbs.http.post("/", data={"Action": "NoSuchAction"}), httpx.get(f"{vbs.endpoint}/v1/volumes"),
+               httpx.post(f"{vbs.endpoint}/"), vbs.http.get("/health"), vbs.http.get("/console")]
+    answers += [httpx.get(f"{url}/health") for url in agents] + [httpx.get(f"{url}/v1/exports") for url in agents]
+    for r in answers:
+        assert r.headers.get("x-content-type-options") == "nosniff", (r.request.url, r.status_code, r.headers)

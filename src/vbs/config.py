@@ -109,6 +109,9 @@ class ControllerConfig(_Service):
     # Reverse proxies whose X-Forwarded-For/X-Forwarded-Proto are believed (addresses or networks,
     # e.g. ["10.0.0.5"]); none by default, not even loopback (docs/security.md, "Behind a proxy").
     trusted_proxies: list[str] = Field(default_factory=list, max_length=64)
+    # The longest lifetime (X-Amz-Expires) a presigned EC2 URL may claim: one hour by default, at most
+    # AWS's own week. A URL that claims more is refused, whenever it is used.
+    presigned_url_max_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

@@ -149,7 +149,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     db = open_database(cfg, owner)
     master_key = MasterKey(cfg.master_key_file or cfg.data_dir / "master.key")
     key_store = KeyStore(db, master_key, bootstrap)
-    auth = Authenticator(key_store, cfg.region)
+    auth = Authenticator(key_store, cfg.region, presign_max_s=cfg.presigned_url_max_s)
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.
     node_certs = tls is not None and tls.serves and tls.ca is not None
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls), master_key=master_key)

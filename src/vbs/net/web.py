@@ -300,6 +300,20 @@ def budgets(scope: Scope) -> list[tuple[str, str]]:
     return out
 
 
+def _nosniff(send: Any) -> Any:
+    """``send`` that adds ``X-Content-Type-Options: nosniff`` to every answer (JSON, XML, errors)."""
+
+    async def with_nosniff(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(bytes(k).lower() == b"x-content-type-options" for k, _ in headers):
+                headers.append((b"x-content-type-options", b"nosniff"))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return with_nosniff
+
+
 class PreAuth(HttpMiddleware):
     """Refuse a request on its head alone, before any of its body is read (an unauthenticated client
     cannot make a server wait for a body), and bound requests in progress per budget (``budgets``:
@@ -317,6 +331,7 @@ class PreAuth(HttpMiddleware):
         self._in_flight: dict[tuple[str, str], int] = {}
 
     async def http(self, scope: Any, receive: Any, send: Any) -> None:
+        send = _nosniff(send)
         refused = self.check(scope)
         if refused is not None:
             await refused(scope, receive, send)
