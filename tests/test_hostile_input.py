@@ -765,3 +765,59 @@ def test_hung_agents_never_hang_the_api_and_every_operation_ends(service: Servic
     print(f"\nhung agents: stopped {stop_window:.0f}s, {len(timed.times)} API calls meanwhile, slowest "
           f"{timed.slowest[0] * 1000:.0f} ms ({timed.slowest[1]}); all operations finished {settle:.0f}s after SIGCONT")
     assert timed.slowest[0] < 2.0, timed.slowest
+
+
+def test_a_device_name_another_tenant_uses_is_refused_as_any_taken_name(service: Service) -> None:
+    """Tenant B attaches to an instance as the device tenant A's volume holds there: B is told the
+    name is taken, exactly as when one of its own volumes holds it, and nothing of whose disk it is."""
+    svc = service
+    inst = svc.instances["vm1"]
+
+    def tenant(name: str) -> httpx.Client:
+        made = svc.vbs.cli("create-key", "--tenant", name, "--role", "user")
+        return httpx.Client(base_url=svc.vbs.endpoint, timeout=30, headers={
+            "authorization": f"Bearer {made['access_key_id']}:{made['secret_access_key']}"})
+
+    def volume(client: httpx.Client) -> str:
+        vid: str = client.post("/v1/volumes", json={"size_gib": 1}).json()["volume_id"]
+        wait_until(lambda: client.get(f"/v1/volumes/{vid}").json()["status"] == "available", 60)
+        return vid
+
+    def attach(client: httpx.Client, vid: str, device: str) -> httpx.Response:
+        return client.post(f"/v1/volumes/{vid}/attach", json={"instance_id": inst, "device": device})
+
+    def attached(client: httpx.Client, vid: str) -> None:
+        wait_until(lambda: [x["state"] for x in client.get(f"/v1/volumes/{vid}").json()["attachments"]]
+                   == ["attached"], 90, what=f"{vid} attached")
+
+    a, b = tenant("device-a"), tenant("device-b")
+    a_vol, b_vol, b_own = volume(a), volume(b), volume(b)
+    theirs = _free_device(svc, "vm1")
+    r = attach(a, a_vol, theirs)
+    assert r.status_code == 200, r.text
+    attached(a, a_vol)
+    mine = next(f"vd{c}" for c in "zyxwvutsrq" if f"vd{c}" != theirs)
+    r = attach(b, b_own, mine)
+    assert r.status_code == 200, r.text
+    attached(b, b_own)
+    try:
+        # The attack: B asks for A's device name, then (for comparison) for its own.
+        on_theirs, on_mine = attach(b, b_vol, theirs), attach(b, b_vol, mine)
+        assert on_theirs.status_code == on_mine.status_code == 400, (on_theirs.text, on_mine.text)
+        err_theirs, err_mine = on_theirs.json()["error"], on_mine.json()["error"]
+        assert err_theirs["code"] == err_mine["code"] == "InvalidParameterValue"
+        assert err_theirs["message"].replace(theirs, "DEV") == err_mine["message"].replace(mine, "DEV")
+        assert a_vol not in on_theirs.text and "device-a" not in on_theirs.text
+        # B's view of the instance shows its own disk only.
+        shown = [v for i in b.get("/v1/instances").json()["instances"] if i["instance_id"] == inst
+                 for v in i["volumes"]]
+        assert {v["volume_id"] for v in shown} <= {b_own}, shown
+    finally:
+        for client, vid in ((a, a_vol), (b, b_own)):
+            r = client.post(f"/v1/volumes/{vid}/detach", json={"force": True})
+            assert r.status_code == 200, r.text
+        for client, vid in ((a, a_vol), (b, b_own)):
+            wait_until(lambda c=client, v=vid: c.get(f"/v1/volumes/{v}").json()["status"] == "available", 90,
+                       what=f"{vid} detached: {client.get(f'/v1/volumes/{vid}').text[:600]}")
+        a.close()
+        b.close()
