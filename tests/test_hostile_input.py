@@ -821,3 +821,33 @@ def test_a_device_name_another_tenant_uses_is_refused_as_any_taken_name(service:
                        what=f"{vid} detached: {client.get(f'/v1/volumes/{vid}').text[:600]}")
         a.close()
         b.close()
+
+
+def test_the_probes_lone_surrogates_are_refused_and_change_nothing(service: Service) -> None:
+    """``{"size_gib":1,"tags":{"k":"\\ud800"}}`` answered 500 (SQLite cannot encode it): now a 400 in
+    every place the probe tried (tag value and key; volumes, tags, snapshots, snapshot copies), and
+    the same text in an EC2 parameter; the DB is as it was. test_api_bad_input covers every field."""
+    svc = service
+    svc.wait_quiet()
+    vol = svc.new_volume()
+    snap = svc.vbs.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+    svc.vbs.wait_snapshot(snap, "completed")
+    svc.wait_quiet()
+    before = svc.fingerprint()
+    for bad in ("\ud800", "a\udfffb", "\udc80"):
+        for path, body in (("/v1/volumes", {"size_gib": 1, "tags": {"k": bad}}),
+                           ("/v1/volumes", {"size_gib": 1, "tags": {bad: "v"}}),
+                           ("/v1/volumes", {"size_gib": 1, "comment": bad}),
+                           ("/v1/tags", {"resource_ids": [vol], "tags": {"k": bad}}),
+                           ("/v1/tags", {"resource_ids": [bad], "tags": {"k": "v"}}),
+                           ("/v1/snapshots", {"volume_id": vol, "tags": {bad: "v"}, "comment": "c"}),
+                           ("/v1/snapshot-copies", {"source_snapshot_id": snap, "tags": {"k": bad}})):
+            r = svc.vbs.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and _error_code(r) == "InvalidParameterValue", (path, body, r.text)
+    for raw in (b"%ED%A0%80", b"%ED%BF%BF", b"%80"):
+        r = svc.vbs.http.post("/", content=b"Action=CreateTags&Version=2016-11-15&ResourceId.1=" + vol.encode()
+                              + b"&Tag.1.Key=k&Tag.1.Value=" + raw,
+                              headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and "InvalidParameterValue" in r.text, r.text
+    assert svc.fingerprint() == before
+    assert svc.vbs.http.get("/health").status_code == 200
