@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import pytest
 from botocore.exceptions import ClientError
 
@@ -207,3 +208,42 @@ def test_a_snapshot_shared_with_another_tenant(vbs: Vbs, ec2: Any, bob: Any) -> 
     assert error(bob.create_volume, AvailabilityZone=ZONE, SnapshotId=snap) == "InvalidSnapshot.NotFound"
     assert error(ec2.modify_snapshot_attribute, SnapshotId=snap, Attribute="createVolumePermission",
                  OperationType="add", UserIds=["Not A Tenant"]) == "InvalidParameterValue"
+
+
+def test_a_grantee_sees_neither_the_owners_tags_nor_its_volume(vbs: Vbs, ec2: Any) -> None:
+    """As on AWS: tags stay their owner's, a shared snapshot does not name the owner's volume to the
+    tenant it is shared with, and a copy shows vol-ffffffff (AWS's volume of every copied snapshot)."""
+    key = vbs.http.post("/v1/keys", json={"tenant": "carol", "role": "user"}).json()
+    carol = vbs.ec2(key["access_key_id"], key["secret_access_key"])
+    carol_rest = httpx.Client(base_url=vbs.endpoint, timeout=30,
+                              headers={"authorization": f"Bearer {key['access_key_id']}:{key['secret_access_key']}"})
+    vol = new_volume(ec2)["VolumeId"]
+    snap = new_snapshot(ec2, vol)
+    ec2.create_tags(Resources=[snap], Tags=[{"Key": "secret", "Value": "owner-only"}])
+    ec2.modify_snapshot_attribute(SnapshotId=snap, Attribute="createVolumePermission",
+                                  CreateVolumePermission={"Add": [{"UserId": "carol"}]})
+    # The attack: the grantee reads the shared snapshot, by EC2 and REST, and looks for the owner's tags.
+    seen = carol.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]
+    assert "Tags" not in seen or seen["Tags"] == []
+    assert seen["VolumeId"] == "vol-ffffffff"
+    listed = {s["SnapshotId"]: s for s in carol.describe_snapshots()["Snapshots"]}
+    assert listed[snap].get("Tags", []) == [] and listed[snap]["VolumeId"] == "vol-ffffffff"
+    got = carol_rest.get(f"/v1/snapshots/{snap}").json()
+    assert got["tags"] == {} and got["volume_id"] == "vol-ffffffff"
+    assert all(s["tags"] == {} and s["volume_id"] != vol for s in carol_rest.get("/v1/snapshots?shared=true").json()
+               .get("snapshots", []))
+    # Filters cannot test the owner's tags or volume either.
+    assert carol.describe_snapshots(Filters=[{"Name": "tag:secret", "Values": ["owner-only"]}])["Snapshots"] == []
+    assert carol.describe_snapshots(Filters=[{"Name": "volume-id", "Values": [vol]}])["Snapshots"] == []
+    assert carol.describe_tags(Filters=[{"Name": "resource-id", "Values": [snap]}])["Tags"] == []
+    # A copy the grantee makes does not keep the owner's volume.
+    copy = carol.copy_snapshot(SourceSnapshotId=snap, SourceRegion="us-east-1")["SnapshotId"]
+    carol.get_waiter("snapshot_completed").wait(SnapshotIds=[copy], WaiterConfig=FAST)
+    assert carol.describe_snapshots(SnapshotIds=[copy])["Snapshots"][0]["VolumeId"] == "vol-ffffffff"
+    assert carol_rest.get(f"/v1/snapshots/{copy}").json()["volume_id"] == "vol-ffffffff"
+    # The owner still sees its own snapshot whole.
+    mine = ec2.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]
+    assert mine["VolumeId"] == vol and mine["Tags"] == [{"Key": "secret", "Value": "owner-only"}]
+    assert [s["SnapshotId"] for s in ec2.describe_snapshots(
+        Filters=[{"Name": "volume-id", "Values": [vol]}])["Snapshots"]] == [snap]
+    carol_rest.close()

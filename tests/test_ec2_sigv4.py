@@ -488,3 +488,20 @@ def test_real_boto3_client_with_a_wrong_secret_or_region_gets_auth_failure(ec2_s
         assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 401
     assert _Ec2Stub.seen == []
 
+
+
+def test_a_presigned_url_may_live_an_hour_unless_the_config_says_more_and_never_past_a_week() -> None:
+    # The attack: a URL presigned for a week (what AWS allows at most), for a mutating action.
+    week = presign({"Action": "DeleteVolume", "Version": "2016-11-15", "VolumeId": "vol-0123456789abcdef0"},
+                   expires=7 * 24 * 3600)
+    error = refused(week, "X-Amz-Expires", now=T0 + timedelta(seconds=1))
+    assert "from 1 to 3600" in error.message
+    assert week.verify(now=T0 + timedelta(seconds=1), max_expires=7 * 24 * 3600) == AK  # an operator's choice
+    refused(presign(expires=7 * 24 * 3600 + 1), "X-Amz-Expires", max_expires=10 * 24 * 3600)  # never past a week
+    hour = presign(expires=3600)
+    assert hour.verify(now=T0 + timedelta(seconds=3599)) == AK
+    refused(hour, "Signature expired", now=T0 + timedelta(seconds=3601))
+    refused(presign(expires=3601), "X-Amz-Expires", now=T0)
+    # Nor can a presigned URL be turned into another action by a body the signer never saw.
+    refused(replace(hour, method="POST", body=b"Action=DeleteVolume&VolumeId=vol-0123456789abcdef0"), None,
+            now=T0 + timedelta(seconds=1))

@@ -519,12 +519,15 @@ def _open(svc: Service, payload: bytes) -> socket.socket:
 
 def test_slow_and_stalled_clients_do_not_slow_down_the_others(service: Service) -> None:
     svc = service
+    # The stalled bodies come from another tenant's key: one key's own requests share its budget.
+    made = svc.vbs.cli("create-key", "--tenant", "staller", "--role", "user")
+    staller = f"Bearer {made['access_key_id']}:{made['secret_access_key']}".encode()
     auth = svc.auth["authorization"].encode()
     stalled = (
         [_open(svc, b"") for _ in range(40)]
         + [_open(svc, b"GET /v1/volumes HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(40)]
         + [_open(svc, b"POST /v1/volumes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\nAuthorization: " + auth + b"\r\n\r\n{\"size") for _ in range(40)]
+                      b"Content-Length: 100\r\nAuthorization: " + staller + b"\r\n\r\n{\"size") for _ in range(40)]
         + [_open(svc, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nAction=") for _ in range(40)]
     )
     # And one client that sends a whole request, one byte every 20 ms.
@@ -762,3 +765,89 @@ def test_hung_agents_never_hang_the_api_and_every_operation_ends(service: Servic
     print(f"\nhung agents: stopped {stop_window:.0f}s, {len(timed.times)} API calls meanwhile, slowest "
           f"{timed.slowest[0] * 1000:.0f} ms ({timed.slowest[1]}); all operations finished {settle:.0f}s after SIGCONT")
     assert timed.slowest[0] < 2.0, timed.slowest
+
+
+def test_a_device_name_another_tenant_uses_is_refused_as_any_taken_name(service: Service) -> None:
+    """Tenant B attaches to an instance as the device tenant A's volume holds there: B is told the
+    name is taken, exactly as when one of its own volumes holds it, and nothing of whose disk it is."""
+    svc = service
+    inst = svc.instances["vm1"]
+
+    def tenant(name: str) -> httpx.Client:
+        made = svc.vbs.cli("create-key", "--tenant", name, "--role", "user")
+        return httpx.Client(base_url=svc.vbs.endpoint, timeout=30, headers={
+            "authorization": f"Bearer {made['access_key_id']}:{made['secret_access_key']}"})
+
+    def volume(client: httpx.Client) -> str:
+        vid: str = client.post("/v1/volumes", json={"size_gib": 1}).json()["volume_id"]
+        wait_until(lambda: client.get(f"/v1/volumes/{vid}").json()["status"] == "available", 60)
+        return vid
+
+    def attach(client: httpx.Client, vid: str, device: str) -> httpx.Response:
+        return client.post(f"/v1/volumes/{vid}/attach", json={"instance_id": inst, "device": device})
+
+    def attached(client: httpx.Client, vid: str) -> None:
+        wait_until(lambda: [x["state"] for x in client.get(f"/v1/volumes/{vid}").json()["attachments"]]
+                   == ["attached"], 90, what=f"{vid} attached")
+
+    a, b = tenant("device-a"), tenant("device-b")
+    a_vol, b_vol, b_own = volume(a), volume(b), volume(b)
+    theirs = _free_device(svc, "vm1")
+    r = attach(a, a_vol, theirs)
+    assert r.status_code == 200, r.text
+    attached(a, a_vol)
+    mine = next(f"vd{c}" for c in "zyxwvutsrq" if f"vd{c}" != theirs)
+    r = attach(b, b_own, mine)
+    assert r.status_code == 200, r.text
+    attached(b, b_own)
+    try:
+        # The attack: B asks for A's device name, then (for comparison) for its own.
+        on_theirs, on_mine = attach(b, b_vol, theirs), attach(b, b_vol, mine)
+        assert on_theirs.status_code == on_mine.status_code == 400, (on_theirs.text, on_mine.text)
+        err_theirs, err_mine = on_theirs.json()["error"], on_mine.json()["error"]
+        assert err_theirs["code"] == err_mine["code"] == "InvalidParameterValue"
+        assert err_theirs["message"].replace(theirs, "DEV") == err_mine["message"].replace(mine, "DEV")
+        assert a_vol not in on_theirs.text and "device-a" not in on_theirs.text
+        # B's view of the instance shows its own disk only.
+        shown = [v for i in b.get("/v1/instances").json()["instances"] if i["instance_id"] == inst
+                 for v in i["volumes"]]
+        assert {v["volume_id"] for v in shown} <= {b_own}, shown
+    finally:
+        for client, vid in ((a, a_vol), (b, b_own)):
+            r = client.post(f"/v1/volumes/{vid}/detach", json={"force": True})
+            assert r.status_code == 200, r.text
+        for client, vid in ((a, a_vol), (b, b_own)):
+            wait_until(lambda c=client, v=vid: c.get(f"/v1/volumes/{v}").json()["status"] == "available", 90,
+                       what=f"{vid} detached: {client.get(f'/v1/volumes/{vid}').text[:600]}")
+        a.close()
+        b.close()
+
+
+def test_the_probes_lone_surrogates_are_refused_and_change_nothing(service: Service) -> None:
+    """``{"size_gib":1,"tags":{"k":"\\ud800"}}`` answered 500 (SQLite cannot encode it): now a 400 in
+    every place the probe tried (tag value and key; volumes, tags, snapshots, snapshot copies), and
+    the same text in an EC2 parameter; the DB is as it was. test_api_bad_input covers every field."""
+    svc = service
+    svc.wait_quiet()
+    vol = svc.new_volume()
+    snap = svc.vbs.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+    svc.vbs.wait_snapshot(snap, "completed")
+    svc.wait_quiet()
+    before = svc.fingerprint()
+    for bad in ("\ud800", "a\udfffb", "\udc80"):
+        for path, body in (("/v1/volumes", {"size_gib": 1, "tags": {"k": bad}}),
+                           ("/v1/volumes", {"size_gib": 1, "tags": {bad: "v"}}),
+                           ("/v1/volumes", {"size_gib": 1, "comment": bad}),
+                           ("/v1/tags", {"resource_ids": [vol], "tags": {"k": bad}}),
+                           ("/v1/tags", {"resource_ids": [bad], "tags": {"k": "v"}}),
+                           ("/v1/snapshots", {"volume_id": vol, "tags": {bad: "v"}, "comment": "c"}),
+                           ("/v1/snapshot-copies", {"source_snapshot_id": snap, "tags": {"k": bad}})):
+            r = svc.vbs.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and _error_code(r) == "InvalidParameterValue", (path, body, r.text)
+    for raw in (b"%ED%A0%80", b"%ED%BF%BF", b"%80"):
+        r = svc.vbs.http.post("/", content=b"Action=CreateTags&Version=2016-11-15&ResourceId.1=" + vol.encode()
+                              + b"&Tag.1.Key=k&Tag.1.Value=" + raw,
+                              headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and "InvalidParameterValue" in r.text, r.text
+    assert svc.fingerprint() == before
+    assert svc.vbs.http.get("/health").status_code == 200

@@ -150,3 +150,29 @@ def test_iscsi_off_loopback_with_certificates_goes_through_the_tunnel(tmp_path: 
     assert drv.tunnel_files is not None and drv.portal.startswith("127.0.0.1:") and drv.pid is None
     on_loopback = IscsiExportDriver.from_config(cfg.model_copy(update={"export_host": "127.0.0.1"}), tmp_path / "b")
     assert on_loopback.tunnel_files is None  # nothing leaves the machine: no tunnel
+
+
+def test_discovery_without_credentials_reveals_no_volume_id(make_driver: Callable[..., IscsiExportDriver],
+                                                            volume: Path) -> None:
+    """tgtd answers SendTargets without a login: the target names it gives must not name volumes."""
+    import subprocess
+
+    drv = make_driver()
+    drv.start()
+    for vol in VOLS[:3]:
+        drv.ensure_export(vol, FileSource(volume), HOST)
+    # The attack: any local user lists the targets (and tries their LUNs) without credentials.
+    listing = ""
+    for flags in ([], ["-s"]):  # the names, then the names and each target's LUNs (a login each)
+        out = subprocess.run(["iscsi-ls", *flags, f"iscsi://127.0.0.1:{drv.port}"], capture_output=True,
+                             text=True, timeout=60)
+        listing += out.stdout + out.stderr
+    names = [line.split(":", 1)[1].split()[0] for line in listing.splitlines() if line.startswith("Target:")]
+    assert set(names) == {drv.iqn(vol) for vol in VOLS[:3]}, listing  # discovery did run
+    assert "vol-" not in listing and not any(vol in listing or vol[4:] in listing for vol in VOLS), listing
+    # The names are stable (a restarted agent finds its targets again) and map back to their keys.
+    again = IscsiExportDriver(drv.state_dir, port=drv.port, control_port=drv.control_port)
+    assert [again.iqn(vol) for vol in VOLS[:3]] == [drv.iqn(vol) for vol in VOLS[:3]]
+    assert [drv._key_of(drv.iqn(vol)) for vol in VOLS[:3]] == VOLS[:3]
+    assert drv._key_of(f"{drv.iqn_prefix}:{VOLS[0]}") is None  # a name not sealed by this node is not ours
+    assert (drv.state_dir / "iqn.key").stat().st_mode & 0o077 == 0

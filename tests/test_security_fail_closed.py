@@ -186,7 +186,9 @@ def test_an_authenticated_body_sent_a_byte_at_a_time_is_cut_off(cluster: Service
     svc = cluster
     waited, answer = slow_request(svc.port, "/v1/volumes", f"Bearer {svc.key.bearer}")
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert 25 <= waited <= 45  # the total body deadline (30 s), not the idle one: bytes kept coming
+    # Bytes kept coming, but slower than the floor rate: cut once the grace period is over, well
+    # before the total body deadline (30 s) that used to be all there was.
+    assert b"slower than" in answer and waited < 25, (waited, answer[:300])
     assert svc.vbs.http.get("/v1/volumes").json()["volumes"] == []
 
 

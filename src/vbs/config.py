@@ -8,6 +8,7 @@ never has to appear on a command line.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -95,6 +96,34 @@ class ControllerConfig(_Service):
     # Enforce a volume type's nominal limits (gp3: 3,000 IOPS and 125 MiB/s) where a volume has none of
     # its own; limits a user gave are enforced always. Off: an unlimited volume is as fast as the node.
     enforce_type_limits: bool = False
+    # Requests in progress at once (then 503 RequestLimitExceeded), each budget on its own: per client
+    # address, per access key, per tenant, and per agent node (heartbeats share nothing with users).
+    max_requests_per_address: int = Field(64, ge=1, le=100_000)
+    max_requests_per_key: int = Field(32, ge=1, le=100_000)
+    max_requests_per_tenant: int = Field(48, ge=1, le=100_000)
+    max_requests_per_node: int = Field(16, ge=1, le=100_000)
+    # A request body must arrive at body_min_rate bytes a second at least once body_grace_s have
+    # passed (then 408): a body trickled a byte at a time holds its slot for seconds, not minutes.
+    body_min_rate: float = Field(1024.0, ge=0, le=1 << 30)
+    body_grace_s: float = Field(2.0, gt=0, le=30)
+    # Reverse proxies whose X-Forwarded-For/X-Forwarded-Proto are believed (addresses or networks,
+    # e.g. ["10.0.0.5"]); none by default, not even loopback (docs/security.md, "Behind a proxy").
+    trusted_proxies: list[str] = Field(default_factory=list, max_length=64)
+    # The longest lifetime (X-Amz-Expires) a presigned EC2 URL may claim: one hour by default, at most
+    # AWS's own week. A URL that claims more is refused, whenever it is used.
+    presigned_url_max_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _proxies(cls, v: Any) -> Any:
+        items = [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+        if isinstance(items, list):
+            for item in items:
+                try:
+                    ipaddress.ip_network(str(item), strict=False)
+                except ValueError:
+                    raise ValueError(f"trusted_proxies: {str(item)[:64]!r} is not an IP address or network") from None
+        return items
 
 
 # A libvirt connection URI (driver[+transport]://[user@][host[:port]]/path[?params]).

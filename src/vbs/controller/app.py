@@ -40,7 +40,7 @@ from vbs.controller.workflows.registry import WORKFLOWS
 from vbs.errors import InvalidParameter
 from vbs.net import web
 from vbs.net.metrics import install_metrics
-from vbs.net.web import PreAuth, install_error_handlers
+from vbs.net.web import PreAuth, RequestBounds, install_error_handlers
 from vbs.trust import credentials
 from vbs.trust.fail_closed import check_start, harden
 from vbs.trust.node_credentials import NodeKeyring
@@ -136,7 +136,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     db = open_database(cfg, owner)
     master_key = MasterKey(cfg.master_key_file or cfg.data_dir / "master.key")
     key_store = KeyStore(db, master_key, bootstrap)
-    auth = Authenticator(key_store, cfg.region)
+    auth = Authenticator(key_store, cfg.region, presign_max_s=cfg.presigned_url_max_s)
     # Serving HTTPS with a CA: agents must present their certificate as well as their token.
     node_certs = tls is not None and tls.serves and tls.ca is not None
     services = Services(cfg=cfg, db=db, agents=AgentDirectory(db, keyring, tls=tls), master_key=master_key)
@@ -197,8 +197,12 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                   openapi_url=None)
     app.state.services = svc
     app.state.keys = key_store
-    install_error_handlers(app)
-    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs))
+    bounds = RequestBounds(body_min_rate=cfg.body_min_rate, body_grace_s=cfg.body_grace_s,
+                           per_address=cfg.max_requests_per_address, per_key=cfg.max_requests_per_key,
+                           per_tenant=cfg.max_requests_per_tenant, per_node=cfg.max_requests_per_node)
+    install_error_handlers(app, bounds)
+    app.add_middleware(PreAuth, check=edge.pre_auth(auth, keyring, insecure=cfg.insecure, node_certs=node_certs),
+                       bounds=bounds)
     app.add_middleware(AfterAnswer)  # the workflows a request begins start once it is answered
 
     async def metrics_reader(request: Request) -> None:
@@ -223,4 +227,4 @@ def serve(cfg: ControllerConfig) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheme = "https" if tls is not None and tls.serves else "http"
     log.info("controller listening on %s://%s:%d", scheme, cfg.host, cfg.port)
-    web.serve(app, cfg.host, cfg.port, tls)
+    web.serve(app, cfg.host, cfg.port, tls, trusted_proxies=cfg.trusted_proxies)

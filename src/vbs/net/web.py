@@ -13,8 +13,10 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -44,9 +46,31 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 BODY_IDLE_TIMEOUT_S = 10.0
 BODY_TOTAL_TIMEOUT_S = 30.0
-# Requests in progress at once: per client address, and for the whole server (then 503).
+# A body must arrive at this many bytes a second at least, after a grace period (then 408).
+BODY_MIN_RATE = 1024
+BODY_GRACE_S = 2.0
+# Requests in progress at once (then 503): per client address, per access key, per tenant, per
+# node (an agent's calls, which share no budget with users), and for the whole server.
 MAX_REQUESTS_PER_CLIENT = 64
+MAX_REQUESTS_PER_KEY = 32
+MAX_REQUESTS_PER_TENANT = 48
+MAX_REQUESTS_PER_NODE = 16
 MAX_CONCURRENCY = 1024
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """How much one request body, and one client, may hold of a server (docs/security.md)."""
+
+    body_min_rate: float = BODY_MIN_RATE
+    body_grace_s: float = BODY_GRACE_S
+    per_address: int = MAX_REQUESTS_PER_CLIENT
+    per_key: int = MAX_REQUESTS_PER_KEY
+    per_tenant: int = MAX_REQUESTS_PER_TENANT
+    per_node: int = MAX_REQUESTS_PER_NODE
+
+
+DEFAULT_BOUNDS = RequestBounds()
 
 
 def _describe_validation(exc: RequestValidationError) -> VbsError:
@@ -65,7 +89,7 @@ def _describe_validation(exc: RequestValidationError) -> VbsError:
     return InvalidParameter(f"Invalid value for {loc or 'request'}: {msg}{more}.")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, bounds: RequestBounds = DEFAULT_BOUNDS) -> None:
     @app.exception_handler(VbsError)
     async def _vbs_error(_request: Request, exc: VbsError) -> JSONResponse:
         if exc.status >= 500:
@@ -92,7 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unexpected error")
         return JSONResponse({"error": {"code": "InternalError", "message": "internal error"}}, status_code=500)
 
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, bounds=bounds)
 
 
 # BaseException, not Exception: FastAPI turns any Exception raised while it reads a body into a
@@ -110,8 +134,13 @@ class BodyLimit(HttpMiddleware):
 
     A body over ``MAX_BODY_BYTES`` is refused with 413 as soon as that much has arrived; a client
     that stops sending its body for ``BODY_IDLE_TIMEOUT_S``, or has not sent all of it after
-    ``BODY_TOTAL_TIMEOUT_S`` (a byte at a time), gets 408. Nothing reads more than that.
+    ``BODY_TOTAL_TIMEOUT_S``, or sends it slower than ``bounds.body_min_rate`` bytes a second once
+    ``bounds.body_grace_s`` have passed (a byte at a time), gets 408. Nothing reads more than that.
     """
+
+    def __init__(self, app: Any, bounds: RequestBounds = DEFAULT_BOUNDS) -> None:
+        super().__init__(app)
+        self.bounds = bounds
 
     async def http(self, scope: Any, receive: Any, send: Any) -> None:
         length = dict(scope.get("headers", [])).get(b"content-length")
@@ -120,11 +149,17 @@ class BodyLimit(HttpMiddleware):
             return
         received = 0
         started = False
-        deadline = time.monotonic() + BODY_TOTAL_TIMEOUT_S
+        complete = False
+        began = time.monotonic()
+        deadline = began + BODY_TOTAL_TIMEOUT_S
+        rate, grace = self.bounds.body_min_rate, self.bounds.body_grace_s
 
         async def limited_receive() -> Any:
-            nonlocal received
-            left = deadline - time.monotonic()
+            nonlocal received, complete
+            until = deadline
+            if rate > 0 and not complete:  # the floor: what has arrived must keep pace with the clock
+                until = min(until, began + grace + received / rate)
+            left = until - time.monotonic()
             try:
                 if left <= 0:
                     raise TimeoutError
@@ -133,6 +168,7 @@ class BodyLimit(HttpMiddleware):
                 raise _BodyTooSlow() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = complete or not message.get("more_body", False)
                 if received > MAX_BODY_BYTES:
                     raise _BodyTooLarge()
             return message
@@ -150,8 +186,9 @@ class BodyLimit(HttpMiddleware):
                 await _send_refusal(scope, send, _too_large())
         except _BodyTooSlow:
             if not started:
-                await _send_refusal(scope, send, VbsError("the request body stopped arriving", code="RequestTimeout",
-                                                          status=408))
+                await _send_refusal(scope, send, VbsError(
+                    f"the request body stopped arriving, or arrived slower than {rate:g} bytes a second",
+                    code="RequestTimeout", status=408))
 
 
 def _too_large() -> VbsError:
@@ -224,38 +261,101 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+def sigv4_key_id(scope: Scope) -> str | None:
+    """The access key id a SigV4 request claims (header or presigned query), not yet verified."""
+    authz = header(scope, b"authorization")
+    if authz.startswith("AWS4-HMAC-SHA256 "):
+        _, sep, rest = authz.partition("Credential=")
+        return rest.split("/", 1)[0].strip()[:128] if sep else None
+    query = scope.get("query_string", b"")
+    if b"X-Amz-Credential=" in query:
+        values = urllib.parse.parse_qs(bytes(query).decode("latin-1")).get("X-Amz-Credential") or [""]
+        return values[0].split("/", 1)[0][:128] or None
+    return None
+
+
+def budgets(scope: Scope) -> list[tuple[str, str]]:
+    """The budgets a request in progress counts against, from what the head check left in its state.
+
+    A node's calls (heartbeats) count against that node's own budget only, never a client
+    address's: users cannot crowd them out. ``/health`` has a budget of its own per address. A
+    user's request counts against its address, its key and (once known) its tenant; a SigV4
+    request, verified only once its body is in, against the key id it claims.
+    """
+    state = scope.get("state") or {}
+    client = (scope.get("client") or ("?", 0))[0]
+    node = state.get("node")
+    if node is not None:
+        return [("node", f"{getattr(node, 'kind', '')}.{getattr(node, 'name', node)}")]
+    if scope.get("path") == "/health":
+        return [("health", client)]
+    if str(scope.get("path", "")).startswith("/internal/"):
+        return [("internal", client)]  # an insecure controller's heartbeat without a token
+    out = [("address", client)]
+    caller = state.get("caller")
+    if caller is not None:
+        out += [("key", caller.access_key_id), ("tenant", caller.tenant)]
+    elif (key_id := sigv4_key_id(scope)) is not None:
+        out.append(("key", key_id))
+    return out
+
+
+def _nosniff(send: Any) -> Any:
+    """``send`` that adds ``X-Content-Type-Options: nosniff`` to every answer (JSON, XML, errors)."""
+
+    async def with_nosniff(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(bytes(k).lower() == b"x-content-type-options" for k, _ in headers):
+                headers.append((b"x-content-type-options", b"nosniff"))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return with_nosniff
+
+
 class PreAuth(HttpMiddleware):
     """Refuse a request on its head alone, before any of its body is read (an unauthenticated client
-    cannot make a server wait for a body), and bound requests in progress per client address.
+    cannot make a server wait for a body), and bound requests in progress per budget (``budgets``:
+    client address, access key, tenant, node).
 
     ``check(scope)`` answers None to let the request through, or the answer that refuses it.
     """
 
-    def __init__(self, app: Any, check: Callable[[Scope], Response | None]) -> None:
+    def __init__(self, app: Any, check: Callable[[Scope], Response | None],
+                 bounds: RequestBounds = DEFAULT_BOUNDS) -> None:
         super().__init__(app)
         self.check = check
-        self._in_flight: dict[str, int] = {}
+        self.limits = {"address": bounds.per_address, "health": bounds.per_address, "key": bounds.per_key,
+                       "tenant": bounds.per_tenant, "node": bounds.per_node, "internal": bounds.per_node}
+        self._in_flight: dict[tuple[str, str], int] = {}
 
     async def http(self, scope: Any, receive: Any, send: Any) -> None:
+        send = _nosniff(send)
         refused = self.check(scope)
         if refused is not None:
             await refused(scope, receive, send)
             return
-        client = (scope.get("client") or ("?", 0))[0]
-        if self._in_flight.get(client, 0) >= MAX_REQUESTS_PER_CLIENT:
-            await _send_refusal(scope, send, VbsError(
-                f"more than {MAX_REQUESTS_PER_CLIENT} requests in progress from one client",
-                code="RequestLimitExceeded", status=503))
-            return
-        self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        held = budgets(scope)
+        for budget in held:
+            limit = self.limits[budget[0]]
+            if self._in_flight.get(budget, 0) >= limit:
+                what = "client address" if budget[0] in ("address", "health", "internal") else budget[0]
+                await _send_refusal(scope, send, VbsError(
+                    f"more than {limit} requests in progress for one {what}",
+                    code="RequestLimitExceeded", status=503))
+                return
+        for budget in held:
+            self._in_flight[budget] = self._in_flight.get(budget, 0) + 1
         try:
             await self.app(scope, receive, send)
         finally:
-            left = self._in_flight[client] - 1
-            if left:
-                self._in_flight[client] = left
-            else:
-                del self._in_flight[client]
+            for budget in held:
+                left = self._in_flight[budget] - 1
+                if left:
+                    self._in_flight[budget] = left
+                else:
+                    del self._in_flight[budget]
 
 
 IDLE_CONNECTION_TIMEOUT_S = 10.0
@@ -327,17 +427,22 @@ class BoundedServer(uvicorn.Server):
 
 
 def bounded_server(app: Any, host: str, port: int, tls: TlsFiles | None = None, *,
-                   require_client_cert: bool = False) -> BoundedServer:
+                   require_client_cert: bool = False, trusted_proxies: Sequence[str] = ()) -> BoundedServer:
+    """uvicorn with the bounds above. ``X-Forwarded-For``/``-Proto`` are read only from the proxies
+    in ``trusted_proxies`` (addresses or networks); with none (the default) they are ignored from
+    everyone, loopback included (uvicorn's own default trusts 127.0.0.1, and FORWARDED_ALLOW_IPS)."""
     ssl_kwargs = tls.server_kwargs(require_client_cert=require_client_cert) if tls is not None else {}
     # Longer than the clients keep an idle connection for reuse (vbs.net.api_client.KEEPALIVE_EXPIRY_S).
     return BoundedServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+                                        proxy_headers=bool(trusted_proxies),
+                                        forwarded_allow_ips=list(trusted_proxies) or None,
                                         limit_concurrency=MAX_CONCURRENCY, http=PeerCertProtocol, **ssl_kwargs))
 
 
-def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None) -> None:
+def serve(app: Any, host: str, port: int, tls: TlsFiles | None = None, *, trusted_proxies: Sequence[str] = ()) -> None:
     """Serve ``app`` until SIGINT/SIGTERM, with the request bounds above (HTTPS with ``tls``)."""
-    bounded_server(app, host, port, tls).run()
+    bounded_server(app, host, port, tls, trusted_proxies=trusted_proxies).run()
 
 
 def serve_agent(app: FastAPI, host: str, port: int, *, heartbeat: Callable[[BoundedServer], Any],

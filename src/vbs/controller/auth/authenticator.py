@@ -27,9 +27,11 @@ def require_admin(who: Principal) -> Principal:
 
 
 class Authenticator:
-    def __init__(self, keys: KeyStore, region: str) -> None:
+    def __init__(self, keys: KeyStore, region: str, *, presign_max_s: int = sigv4.DEFAULT_MAX_EXPIRES) -> None:
         self.keys = keys
         self.region = region
+        # The longest X-Amz-Expires a presigned request may carry (config presigned_url_max_s).
+        self.presign_max_s = presign_max_s
 
     def check_bearer(self, value: str) -> Principal:
         key_id, _, secret = value.partition(":")
@@ -72,7 +74,7 @@ class Authenticator:
         for service in SIGV4_SERVICES:
             try:
                 key_id = sigv4.verify(request.method, path, query, request.headers, body, self.keys.secret_of,
-                                      region=self.region, service=service)
+                                      region=self.region, service=service, max_expires=self.presign_max_s)
             except AuthFailure as exc:
                 last = exc
                 if "service" not in exc.message.lower():

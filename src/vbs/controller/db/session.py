@@ -35,7 +35,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, OperationalError, StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
 from vbs.controller.db.documents import decode_json
@@ -116,8 +116,16 @@ def _refused_values() -> Iterator[None]:
     an internal error. The statement's parameters are not repeated (they are the caller's data)."""
     try:
         yield
-    except DataError as exc:
-        reason = str(exc.orig or "").strip().splitlines()[0][:200] if exc.orig else "invalid value"
+    except (UnicodeEncodeError, StatementError) as exc:
+        # DataError: PostgreSQL's refusal. UnicodeEncodeError (bare, or wrapped by SQLAlchemy): a lone
+        # surrogate that some path let through to a statement; no database can hold one.
+        orig = exc.orig if isinstance(exc, StatementError) else exc
+        if isinstance(exc, DataError):
+            reason = str(orig or "").strip().splitlines()[0][:200] if orig else "invalid value"
+        elif isinstance(orig, UnicodeEncodeError):
+            reason = "it is not valid Unicode text"
+        else:
+            raise
         log.warning("database refused a value: %s", reason)
         raise InvalidParameter(f"A value in the request cannot be stored or compared: {reason}.") from None
 

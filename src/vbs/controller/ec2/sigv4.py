@@ -32,7 +32,8 @@ MAX_HEADER_VALUE = 16384
 MAX_PATH = 8192
 MAX_QUERY_STRING = 1 << 17
 MAX_QUERY_PARAMS = 2000
-MAX_EXPIRES = 7 * 24 * 3600  # the longest X-Amz-Expires AWS accepts (one week)
+MAX_EXPIRES = 7 * 24 * 3600  # the longest X-Amz-Expires AWS accepts (one week): the hard maximum
+DEFAULT_MAX_EXPIRES = 3600  # what a controller accepts unless its config says more (presigned_url_max_s)
 
 _TIMESTAMP = "%Y%m%dT%H%M%SZ"
 # ASCII classes on purpose: ``\d`` would also admit other scripts' digits.
@@ -305,6 +306,7 @@ def verify(
     service: str = "ec2",
     now: datetime | None = None,
     max_skew: timedelta = timedelta(minutes=15),
+    max_expires: int = DEFAULT_MAX_EXPIRES,
 ) -> str:
     """Check the request's SigV4 signature and return the access key id that signed it.
 
@@ -348,9 +350,10 @@ def verify(
                                                  auth["X-Amz-Signature"])
         stamp = auth["X-Amz-Date"]
         signed_at = _parse_timestamp(stamp, "X-Amz-Date parameter")
-        if not _EXPIRES_RE.fullmatch(auth["X-Amz-Expires"]) or not 1 <= int(auth["X-Amz-Expires"]) <= MAX_EXPIRES:
+        longest = min(max_expires, MAX_EXPIRES)
+        if not _EXPIRES_RE.fullmatch(auth["X-Amz-Expires"]) or not 1 <= int(auth["X-Amz-Expires"]) <= longest:
             raise _fail(f"X-Amz-Expires {_show(auth['X-Amz-Expires'])} must be a number of seconds "
-                        f"from 1 to {MAX_EXPIRES}.")
+                        f"from 1 to {longest}.")
         expires = int(auth["X-Amz-Expires"])
         # The signature cannot sign itself: every other parameter, auth ones included, is in the canonical query.
         canonical_pairs = [(k, v) for k, v in pairs if k != "X-Amz-Signature"]

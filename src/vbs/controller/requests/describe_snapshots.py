@@ -48,6 +48,10 @@ def describe_snapshots(svc: Controller, tenant: str, snapshot_ids: list[str], fi
                                   *flt.where_clauses(filters, Snapshot.id, SNAPSHOT_FILTERS))
     if owners is not None:
         stmt = stmt.where(Snapshot.tenant.in_(sorted(owners)))
+    if any(name.startswith("tag") for name in filters):  # another tenant's tags are not the caller's to match
+        stmt = stmt.where(Snapshot.tenant == tenant)
+    if "volume-id" in filters:  # nor its volumes; a copy comes from no volume (describe_many)
+        stmt = stmt.where(Snapshot.tenant == tenant, Snapshot.source_snapshot_id.is_(None))
     if snapshot_ids:
         stmt = stmt.where(Snapshot.id.in_(snapshot_ids))
     stmt = flt.paginate(stmt, Snapshot.id, limit, next_token)
@@ -59,20 +63,34 @@ def describe_snapshots(svc: Controller, tenant: str, snapshot_ids: list[str], fi
                 raise NotFound(f"The snapshot(s) '{', '.join(missing)}' do not exist.",
                                code="InvalidSnapshot.NotFound")
         rows, token = flt.page(rows, limit, lambda x: x.id)
-        return SnapshotList(snapshots=describe_many(s, rows), next_token=token)
+        return SnapshotList(snapshots=describe_many(s, rows, viewer=tenant), next_token=token)
 
 
 def get_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
     return describe_snapshots(svc, tenant, [snapshot_id], {}, None, None).snapshots[0]
 
 
-def describe_many(s: Session, snaps: list[Snapshot]) -> list[SnapshotOut]:
+# What a snapshot shows as its volume where the caller may not know it (as AWS shows for copies).
+HIDDEN_VOLUME_ID = "vol-ffffffff"
+
+
+def describe_many(s: Session, snaps: list[Snapshot], *, viewer: str | None = None) -> list[SnapshotOut]:
+    """Snapshots as ``viewer`` (None: their owner) sees them. As on AWS, tags stay their owner's (a
+    tenant a snapshot is shared with sees none), and the volume is shown only to the owner of a
+    snapshot taken of it: a copy, and another tenant's snapshot, show ``HIDDEN_VOLUME_ID``."""
     tags = flt.tags_of(s, [x.id for x in snaps])
     kms = encryption.kms_key_ids(s, {x.key_id for x in snaps if x.key_id is not None})
+
+    def own(x: Snapshot) -> bool:
+        return viewer is None or x.tenant == viewer
+
     return [
-        SnapshotOut(snapshot_id=x.id, volume_id=x.volume_id, volume_size_gib=x.volume_size_gib, comment=x.comment,
+        SnapshotOut(snapshot_id=x.id,
+                    volume_id=x.volume_id if own(x) and x.source_snapshot_id is None else HIDDEN_VOLUME_ID,
+                    volume_size_gib=x.volume_size_gib, comment=x.comment,
                     status=x.status, status_reason=x.status_reason, progress=x.progress,
-                    storage_node=x.storage_node, pool=x.pool, started_at=x.started_at, tags=tags[x.id],
+                    storage_node=x.storage_node, pool=x.pool, started_at=x.started_at,
+                    tags=tags[x.id] if own(x) else {},
                     owner=x.tenant, source_snapshot_id=x.source_snapshot_id, encrypted=x.key_id is not None,
                     kms_key_id=kms.get(x.key_id) if x.key_id is not None else None)
         for x in snaps

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from vbs.wire.base import SnapshotId, VolumeId
 from vbs.wire.connection import HOST_NAME_RE
@@ -60,8 +60,36 @@ PoolName = Annotated[str, Field(pattern=POOL_NAME_RE)]
 KmsKeyId = Annotated[str, Field(min_length=1, max_length=2048, pattern=r"^[A-Za-z0-9:/_.+=@-]+$")]
 
 
+# What no metadata database can store: a lone UTF-16 surrogate (JSON's "\ud800" decodes to one; it
+# has no UTF-8 form, SQLite raises) and NUL (PostgreSQL's text refuses it).
+_UNSTORABLE_RE = re.compile("[\x00\ud800-\udfff]")
+UNSTORABLE = "must not contain NUL characters or lone UTF-16 surrogates (text that cannot be stored)"
+
+
+def refuse_unstorable(value: Any, where: str = "body") -> None:
+    """Raise ValueError for any string in ``value`` (a JSON document: keys too) that cannot be stored."""
+    if isinstance(value, str):
+        if not value.isascii() or "\x00" in value:
+            if _UNSTORABLE_RE.search(value):
+                raise ValueError(f"{where} {UNSTORABLE}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            refuse_unstorable(key, f"{where} (a key)")
+            refuse_unstorable(item, f"{where}.{key}" if isinstance(key, str) and key.isprintable() else where)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            refuse_unstorable(item, where)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        # Once for every string of every request body, whatever its field: a 400, never a 500.
+        refuse_unstorable(data)
+        return data
 
 
 class CreateVolumeRequest(_Request):

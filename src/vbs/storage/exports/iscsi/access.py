@@ -3,12 +3,17 @@ ACL and the CHAP accounts in tgtd, bound and unbound without leaving tgt a hole 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import ipaddress
+import os
 import secrets
 import socket
 import string
 from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 
 from vbs.errors import DriverError, InvalidParameter
 from vbs.storage.exports import tgt_ipc
@@ -65,19 +70,40 @@ def chap_user(key: str, host_name: str) -> str:
 class Access:
     """The ACL entries and CHAP accounts of the targets of one tgtd."""
 
-    def __init__(self, tgt: Tgtadm, iqn_prefix: str, control_socket: Path) -> None:
+    def __init__(self, tgt: Tgtadm, iqn_prefix: str, control_socket: Path, state_dir: Path) -> None:
         self._tgt, self.iqn_prefix, self.control_socket = tgt, iqn_prefix, control_socket
+        self._state_dir = state_dir
+        self._sealer: AESSIV | None = None
+
+    # A target's name reveals nothing: any local user (or any host an ACL admits) may list the names
+    # without logging in (tgtd has no discovery authentication), so a name is the key sealed with
+    # AES-SIV (deterministic) under a secret of this node, <state_dir>/iqn.key (0600).
+    def _names(self) -> AESSIV:
+        if self._sealer is None:
+            path = self._state_dir / "iqn.key"
+            self._state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(secrets.token_bytes(32))
+            self._sealer = AESSIV(path.read_bytes()[:32])
+        return self._sealer
 
     def iqn(self, key: str) -> str:
-        return f"{self.iqn_prefix}:{key}"
+        sealed = base64.b32encode(self._names().encrypt(check_key(key).encode(), None)).decode()
+        return f"{self.iqn_prefix}:t{sealed.rstrip('=').lower()}"
 
     def key_of(self, iqn: str) -> str | None:
-        prefix = f"{self.iqn_prefix}:"
-        key = iqn[len(prefix):] if iqn.startswith(prefix) else ""
+        prefix = f"{self.iqn_prefix}:t"
+        name = iqn[len(prefix):] if iqn.startswith(prefix) else ""
         try:
-            return check_key(key)
-        except InvalidParameter:
-            return None
+            raw = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+            return check_key(self._names().decrypt(raw, None).decode())
+        except (ValueError, InvalidTag, InvalidParameter):
+            return None  # not ours (an operator's target)
 
     def create_account(self, grant: Grant, view: View) -> None:
         if grant.user in self._tgt.accounts():

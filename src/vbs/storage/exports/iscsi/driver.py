@@ -3,7 +3,7 @@ composed of tgtd's control (tgtadm.py), access (access.py: ACL and CHAP) and tar
 
 iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
 
-One target per key (``<iqn_prefix>:<key>``, a volume or a snapshot a hypervisor copies into), LUN 1
+One target per key (``<iqn_prefix>:t<the key, sealed>``, a volume or a snapshot a hypervisor copies into), LUN 1
 backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
 tgtd and agent restarts.
 
@@ -171,7 +171,7 @@ class IscsiExportDriver(SupervisedExportDriver[Export, View]):
         self._portals: set[str] = set()  # what a starting tgtd offers
         self._doomed: set[str] = set()  # keys whose target teardown is unfinished (sessions)
         self._tgt = Tgtadm(control_port, self.socket_base, adm_timeout, self._env)
-        self._access = Access(self._tgt, iqn_prefix, self.control_socket)
+        self._access = Access(self._tgt, iqn_prefix, self.control_socket, state_dir)
         self._targets = Targets(self._tgt, self._access, self._save, direct_io=direct_io,
                                 session_grace=session_grace)
         state = DesiredState(state_dir / "exports.json", Export, version=STATE_VERSION, upgrades={1: upgrade_v1})
@@ -402,7 +402,7 @@ class IscsiExportDriver(SupervisedExportDriver[Export, View]):
                 host = hosts.get(user) or user.removeprefix(f"{key}.")
                 if host != user:
                     out.append(ExportInfo(key=key, host=host, protocol=self.protocol, target=iqn))
-        return out
+        return sorted(out, key=lambda e: (e.key, e.host))  # by key: names are sealed, their order is no one's
 
     # -- online resize ----------------------------------------------------------------------------
 
