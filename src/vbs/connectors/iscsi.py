@@ -5,26 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from vbs.connectors.base import (
-    HostConnector,
-    LibvirtAuth,
-    LibvirtSource,
-    QemuBlockdev,
-    QemuIds,
-    QemuObject,
-    bracketed,
-    json_filename,
-)
+from vbs.connectors import base
 from vbs.errors import InvalidParameter
 from vbs.wire.connection import IscsiConnection
 
 __all__ = ["IscsiConnector"]
 
 
-class IscsiConnector(HostConnector[IscsiConnection]):
+class IscsiConnector(base.HostConnector[IscsiConnection]):
     protocol: ClassVar[str] = "iscsi"
 
-    def qemu_blockdev(self, connection: IscsiConnection, ids: QemuIds) -> QemuBlockdev:
+    def qemu_blockdev(self, connection: IscsiConnection, ids: base.QemuIds) -> base.QemuBlockdev:
         options: dict[str, Any] = {
             "driver": "iscsi",
             "transport": "tcp",
@@ -35,19 +26,19 @@ class IscsiConnector(HostConnector[IscsiConnection]):
         if connection.initiator_name:
             options["initiator-name"] = connection.initiator_name
         if not connection.chap_user:
-            return QemuBlockdev(options=options)
+            return base.QemuBlockdev(options=options)
         if connection.chap_secret is None:
             raise InvalidParameter("iSCSI CHAP user given without a secret")
         # A QEMU secret object made over QMP: never on a command line or on disk.
-        secret = QemuObject(qom_type="secret", id=ids.secret, secret_props={"data": connection.chap_secret})
+        secret = base.QemuObject(qom_type="secret", id=ids.secret, secret_props={"data": connection.chap_secret})
         options.update({"user": connection.chap_user, "password-secret": ids.secret})
-        return QemuBlockdev(options=options, objects=(secret,))
+        return base.QemuBlockdev(options=options, objects=(secret,))
 
     def qemu_node_opens(self, node: Mapping[str, Any], connection: IscsiConnection) -> bool:
         # QEMU names an iSCSI node opened from options json:{...}.
         if node.get("drv") != "iscsi":
             return False
-        opts = json_filename(node) or {}
+        opts = base.json_filename(node) or {}
         return (opts.get("portal"), opts.get("target"), str(opts.get("lun")), opts.get("user")) == (
             _portal(connection),
             connection.iqn,
@@ -55,16 +46,16 @@ class IscsiConnector(HostConnector[IscsiConnection]):
             connection.chap_user,
         )
 
-    def libvirt_source(self, connection: IscsiConnection) -> LibvirtSource:
+    def libvirt_source(self, connection: IscsiConnection) -> base.LibvirtSource:
         auth = None
         if connection.chap_user:
             if connection.chap_secret is None:
                 raise InvalidParameter("iSCSI CHAP user given without a secret")
-            auth = LibvirtAuth(username=connection.chap_user, secret=connection.chap_secret, usage="iscsi")
-        return LibvirtSource(protocol="iscsi", name=f"{connection.iqn}/{connection.lun}",
+            auth = base.LibvirtAuth(username=connection.chap_user, secret=connection.chap_secret, usage="iscsi")
+        return base.LibvirtSource(protocol="iscsi", name=f"{connection.iqn}/{connection.lun}",
                              hosts=({"name": connection.host, "port": str(connection.port)},),
                              initiator_iqn=connection.initiator_name, auth=auth)
 
 
 def _portal(connection: IscsiConnection) -> str:
-    return f"{bracketed(connection.host)}:{connection.port}"
+    return f"{base.bracketed(connection.host)}:{connection.port}"

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     Field,
     SecretStr,
-    SerializerFunctionWrapHandler,
     field_serializer,
     field_validator,
-    model_serializer,
 )
 
-from vbs.wire.base import Wire
+from vbs.wire.base import Wire, left_out_while_empty
 from vbs.wire.connection import ADDRESS_RE, HOST_NAME_RE, IQN_RE, Connection, HostConnection, ProtocolName
 from vbs.wire.probes import MAX_PROBES, Probe
 from vbs.wire.qos import QoS
-from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo, _without_empty  # one rule for new fields
+from vbs.wire.storage import MAX_POOLS, NODE_URL_RE, PoolInfo
 
 __all__ = [
     "MirrorDisk",
@@ -244,6 +242,4 @@ class HostHeartbeat(Wire):
     # Its local pools (semi-shared storage): volumes on this node's own disks, attached with no network hop.
     local_pools: list[PoolInfo] = Field(default_factory=list, max_length=MAX_POOLS)
 
-    @model_serializer(mode="wrap")
-    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "local_pools")
+    _older_controllers = left_out_while_empty("local_pools")

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
     SecretStr,
-    SerializerFunctionWrapHandler,
     field_serializer,
     field_validator,
-    model_serializer,
 )
 
-from vbs.wire.base import SnapshotId, VolumeId, Wire
+from vbs.wire.base import SnapshotId, VolumeId, Wire, left_out_while_empty
 from vbs.wire.connection import (
     ADDRESS_RE,
     HOST_NAME_RE,
@@ -75,14 +73,6 @@ SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
 ItemState = Literal["ready", "copying", "stalled", "error", "absent"]
 
 
-def _without_empty(data: dict[str, Any], *keys: str) -> dict[str, Any]:
-    """New fields left out while they are empty: a peer older than the fields (which refuses unknown
-    fields) still understands everything else."""
-    for key in keys:
-        if not data.get(key):
-            data.pop(key, None)
-    return data
-
 
 class ItemStatus(Wire):
     """Where a volume or snapshot stands on its storage node."""
@@ -116,9 +106,7 @@ class PoolInfo(Wire):
     monitors: list[Annotated[str, Field(pattern=f"^(?:{MONITOR_RE.pattern})$")]] = Field(default_factory=list,
                                                                                max_length=MAX_MONITORS)
 
-    @model_serializer(mode="wrap")
-    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "monitors", "max_snapshots_per_volume", "shared_id")
+    _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id")
 
 
 class PoolList(Wire):
@@ -219,9 +207,7 @@ class ConnectionRequest(Wire):
     # The volume's limits, for a node whose export daemon enforces them (NBD); absent: unlimited.
     limits: ExportLimits | None = None
 
-    @model_serializer(mode="wrap")
-    def _older_agents(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "protocols", "limits")
+    _older_agents = left_out_while_empty("protocols", "limits")
 
 
 class PullVolume(Wire):
@@ -238,9 +224,7 @@ class ConnectionAnswer(Wire):
     # the hypervisor must (an iSCSI target, a native RBD connection, an older agent).
     limits_enforced: bool = False
 
-    @model_serializer(mode="wrap")
-    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "limits_enforced")
+    _older_controllers = left_out_while_empty("limits_enforced")
 
 
 class SnapshotTargetRequest(Wire):
@@ -287,6 +271,4 @@ class StorageHeartbeat(Wire):
     volume_usage: dict[VolumeId, Annotated[int, Field(ge=0)]] = Field(default_factory=dict,
                                                                       max_length=MAX_USAGE_REPORTED)
 
-    @model_serializer(mode="wrap")
-    def _older_controllers(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_empty(handler(self), "volume_usage")
+    _older_controllers = left_out_while_empty("volume_usage")

@@ -21,22 +21,8 @@ from vbs.net.web import ApiClient, is_loopback
 from vbs.trust import probe_tickets
 from vbs.trust.node_credentials import NodeKeyring
 from vbs.trust.tls import TlsFiles
+from vbs.wire import host as host_wire
 from vbs.wire.connection import Connection, HostIdentity, LocalConnection, NbdConnection, ProtocolName, RbdConnection
-from vbs.wire.host import (
-    AttachDisk,
-    CopyDisk,
-    DiskInfo,
-    DiskList,
-    DiskQoS,
-    FillVolume,
-    MigrationInfo,
-    MirrorDisk,
-    PauseAnswer,
-    PauseVm,
-    QoS,
-    ResizeDisk,
-    StartMigration,
-)
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     ConnectionAnswer,
@@ -184,31 +170,36 @@ class HostAgent:
         self._client = client
 
     def attach(self, vm_id: str, serial: str, connection: Connection | LocalConnection, *, read_only: bool,
-               qos: QoS | None, luks: SecretStr | None = None, pci_slot: str | None = None) -> DiskInfo:
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", DiskInfo,
-                                    AttachDisk(connection=connection, read_only=read_only, qos=qos,
+               qos: host_wire.QoS | None, luks: SecretStr | None = None,
+               pci_slot: str | None = None) -> host_wire.DiskInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}", host_wire.DiskInfo,
+                                    host_wire.AttachDisk(connection=connection, read_only=read_only, qos=qos,
                                                luks_passphrase=luks, pci_slot=pci_slot))
 
-    def migration_info(self, vm_id: str) -> MigrationInfo:
-        return self._client.request("GET", f"/v1/vms/{vm_id}/migration", MigrationInfo)
+    def migration_info(self, vm_id: str) -> host_wire.MigrationInfo:
+        return self._client.request("GET", f"/v1/vms/{vm_id}/migration", host_wire.MigrationInfo)
 
-    def listen_for_migration(self, vm_id: str) -> MigrationInfo:
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration/incoming", MigrationInfo)
+    def listen_for_migration(self, vm_id: str) -> host_wire.MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration/incoming", host_wire.MigrationInfo)
 
-    def migrate(self, vm_id: str, uri: str) -> MigrationInfo:
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration", MigrationInfo, StartMigration(uri=uri))
+    def migrate(self, vm_id: str, uri: str) -> host_wire.MigrationInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/migration", host_wire.MigrationInfo,
+                                    host_wire.StartMigration(uri=uri))
 
-    def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
-        return self._client.request("DELETE", f"/v1/vms/{vm_id}/migration", MigrationInfo,
+    def cancel_migration(self, vm_id: str, *, resume: bool) -> host_wire.MigrationInfo:
+        return self._client.request("DELETE", f"/v1/vms/{vm_id}/migration", host_wire.MigrationInfo,
                                     params={"resume": str(resume).lower()})
 
-    def set_qos(self, vm_id: str, serial: str, qos: QoS | None) -> DiskInfo:
+    def set_qos(self, vm_id: str, serial: str, qos: host_wire.QoS | None) -> host_wire.DiskInfo:
         """Change the limits of an attached disk live (the hypervisor's throttle)."""
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/qos", DiskInfo, DiskQoS(qos=qos))
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/qos", host_wire.DiskInfo,
+                                    host_wire.DiskQoS(qos=qos))
 
     def pause(self, vm_id: str, hold_s: int) -> bool:
         """Pause the VM (the agent resumes it after ``hold_s`` at the latest); whether VBS paused it."""
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/pause", PauseAnswer, PauseVm(hold_s=hold_s)).paused_by_vbs
+        answer = self._client.request("PUT", f"/v1/vms/{vm_id}/pause", host_wire.PauseAnswer,
+                                      host_wire.PauseVm(hold_s=hold_s))
+        return answer.paused_by_vbs
 
     def resume(self, vm_id: str) -> None:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/pause", Removed)
@@ -218,16 +209,16 @@ class HostAgent:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}", Removed, timeout=timeout + 15,
                              params={"force": str(force).lower(), "timeout": f"{timeout:g}"})
 
-    def resize(self, vm_id: str, serial: str, connection: Connection, size_gib: int) -> DiskInfo:
-        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/size", DiskInfo,
-                                    ResizeDisk(connection=connection, size_bytes=size_gib * GIB))
+    def resize(self, vm_id: str, serial: str, connection: Connection, size_gib: int) -> host_wire.DiskInfo:
+        return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/size", host_wire.DiskInfo,
+                                    host_wire.ResizeDisk(connection=connection, size_bytes=size_gib * GIB))
 
-    def list_disks(self, vm_id: str) -> list[DiskInfo]:
-        return self._client.request("GET", f"/v1/vms/{vm_id}/disks", DiskList).disks
+    def list_disks(self, vm_id: str) -> list[host_wire.DiskInfo]:
+        return self._client.request("GET", f"/v1/vms/{vm_id}/disks", host_wire.DiskList).disks
 
     def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: Connection) -> ItemStatus:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", ItemStatus,
-                                    CopyDisk(target=target))
+                                    host_wire.CopyDisk(target=target))
 
     def remove_copy(self, vm_id: str, serial: str, copy_id: str) -> None:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/copies/{copy_id}", Removed)
@@ -244,21 +235,21 @@ class HostAgent:
 
     def fill_local_volume(self, pool: str, volume_id: str, source: Connection) -> ItemStatus:
         return self._client.request("PUT", f"/v1/local-pools/{pool}/volumes/{volume_id}/fill", ItemStatus,
-                                    FillVolume(source=source))
+                                    host_wire.FillVolume(source=source))
 
     def forget_fill(self, pool: str, volume_id: str) -> None:
         self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/fill", Removed)
 
     def copy_local_volume(self, pool: str, volume_id: str, copy_id: str, target: Connection) -> ItemStatus:
         return self._client.request("PUT", f"/v1/local-pools/{pool}/volumes/{volume_id}/copies/{copy_id}",
-                                    ItemStatus, CopyDisk(target=target))
+                                    ItemStatus, host_wire.CopyDisk(target=target))
 
     def forget_local_copy(self, pool: str, volume_id: str, copy_id: str) -> None:
         self._client.request("DELETE", f"/v1/local-pools/{pool}/volumes/{volume_id}/copies/{copy_id}", Removed)
 
     def ensure_mirror(self, vm_id: str, serial: str, target: Connection, *, pivot: bool) -> ItemStatus:
         return self._client.request("PUT", f"/v1/vms/{vm_id}/disks/{serial}/mirror", ItemStatus,
-                                    MirrorDisk(target=target, pivot=pivot))
+                                    host_wire.MirrorDisk(target=target, pivot=pivot))
 
     def remove_mirror(self, vm_id: str, serial: str) -> None:
         self._client.request("DELETE", f"/v1/vms/{vm_id}/disks/{serial}/mirror", Removed)
