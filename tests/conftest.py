@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -339,13 +340,26 @@ def database_flags(kind: str, request: pytest.FixtureRequest) -> list[str]:
     return ["--database-url", pg.upgraded_database()]
 
 
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite metadata DB at this VBS's schema, migrated once per run: each test gets a copy."""
+    where = tmp_path_factory.mktemp("migrated-sqlite")
+    db = Database.for_data_dir(where)
+    db.migrate()
+    db.dispose()
+    return where / "vbs.db"
+
+
 def fresh_database(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    """An empty metadata DB at this VBS's schema: SQLite in ``tmp_path``, or a new PostgreSQL database."""
+    """An empty metadata DB at this VBS's schema: SQLite in ``tmp_path`` (a copy of one migrated once),
+    or a new PostgreSQL database."""
     if kind == "sqlite":
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(request.getfixturevalue("migrated_sqlite"), tmp_path / "vbs.db")
         db = Database.for_data_dir(tmp_path)
     else:
         db = Database(request.getfixturevalue("postgres").new_database())
-    db.migrate()
+    db.migrate()  # a no-op on the copy: its schema is at the newest revision already
     request.addfinalizer(db.dispose)
     return db
 
