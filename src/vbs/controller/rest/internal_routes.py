@@ -4,10 +4,12 @@ and the tests' failure injection and step holds under ``/test`` (only with ``VBS
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
 from vbs.controller.fleet.nodes import live_storage_nodes, record_host_heartbeat, record_storage_heartbeat
 from vbs.controller.rest.queries import services
@@ -43,19 +45,21 @@ def internal_router(*, insecure: bool) -> APIRouter:
             raise UnauthorizedOperation(f"{kind} node {name} reports the address {address[:255]!r}, which its "
                                         "certificate does not name")
 
+    def heartbeat(request: Request, svc: Controller, kind: str, body: StorageHeartbeat | HostHeartbeat,
+                  record: Callable[[Session], None]) -> Ack:
+        """A node's heartbeat, recorded once it came from that node (``same_node``)."""
+        same_node(request, kind, body.name, body.address)
+        with svc.db.session() as s:
+            record(s)
+        return Ack()
+
     @r.post("/storage-heartbeat")
     def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
-        same_node(request, "storage", body.name, body.address)
-        with svc.db.session() as s:
-            record_storage_heartbeat(s, body)
-        return Ack()
+        return heartbeat(request, svc, "storage", body, lambda s: record_storage_heartbeat(s, body))
 
     @r.post("/host-heartbeat")
     def host_heartbeat(body: HostHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
-        same_node(request, "host", body.name, body.address)
-        with svc.db.session() as s:
-            record_host_heartbeat(s, body)
-        return Ack()
+        return heartbeat(request, svc, "host", body, lambda s: record_host_heartbeat(s, body))
 
     @r.get("/probe-targets")
     def probe_targets(request: Request, svc: Controller = Depends(services)) -> ProbeTargets:
