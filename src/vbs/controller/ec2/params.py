@@ -46,22 +46,21 @@ def validated(model: type[Any], data: dict[str, Any]) -> Any:
 
 
 def volume_id_of(value: str | None, name: str = "VolumeId") -> str:
-    if not value:
-        raise MissingParameter(f"The request must contain the parameter {name}.")
-    if not value.startswith("vol-"):
-        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "vol-...")')
-    if not ids.is_valid("volume", value):
-        raise NotFound(f"The volume '{value[:64]}' does not exist.", code="InvalidVolume.NotFound")
-    return value
+    return _id_of(value, name, "volume", "vol-", "InvalidVolume.NotFound")
 
 
 def snapshot_id_of(value: str | None, name: str = "SnapshotId") -> str:
+    return _id_of(value, name, "snapshot", "snap-", "InvalidSnapshot.NotFound")
+
+
+def _id_of(value: str | None, name: str, kind: str, prefix: str, not_found: str) -> str:
+    """The id in parameter ``name``: missing, not of ``kind`` (its prefix), or one that cannot exist."""
     if not value:
         raise MissingParameter(f"The request must contain the parameter {name}.")
-    if not value.startswith("snap-"):
-        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "snap-...")')
-    if not ids.is_valid("snapshot", value):
-        raise NotFound(f"The snapshot '{value[:64]}' does not exist.", code="InvalidSnapshot.NotFound")
+    if not value.startswith(prefix):
+        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "{prefix}...")')
+    if not ids.is_valid(kind, value):
+        raise NotFound(f"The {kind} '{value[:64]}' does not exist.", code=not_found)
     return value
 
 
