@@ -4,6 +4,7 @@ modify, and describe the modifications; each answers the 2016-11-15 shapes of a 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from vbs import ids
@@ -93,17 +94,27 @@ VOLUME_FILTER_NAMES = {"status", "volume-id", "snapshot-id", "size", "volume-typ
                        "attachment.delete-on-termination"}
 
 
-def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+def _volume_page(p: QueryParams, largest: int,
+                 known: Callable[[str], bool]) -> tuple[list[str], dict[str, list[str]], int | None, str | None]:
+    """A describe's volume ids, its filters (each one ``known``), its page size and NextToken; after DryRun."""
     vol_ids = [volume_id_of(v) for v in p.list("VolumeId")]
     filters = p.filters()
-    # EC2 documents 5-500 and returns at most 500 when asked for more (the AWS CLI asks for 1000).
-    max_results = page_size(p, vol_ids, "VolumeIds", VOLUMES_PAGE)
+    max_results = page_size(p, vol_ids, "VolumeIds", largest)
     token = p.str("NextToken", max_len=MAX_TOKEN)
     dry_run(p)
     for name in filters:
-        if name not in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} \
-                and not name.startswith("tag:"):
+        if not known(name):
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
+    return vol_ids, filters, max_results, token
+
+
+def _volume_filter(name: str) -> bool:
+    return name in VOLUME_FILTER_NAMES | {"availability-zone", "tag-key", "tag-value"} or name.startswith("tag:")
+
+
+def describe_volumes(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    # EC2 documents 5-500 and returns at most 500 when asked for more (the AWS CLI asks for 1000).
+    vol_ids, filters, max_results, token = _volume_page(p, VOLUMES_PAGE, _volume_filter)
     found = volumes.describe_volumes(svc, who.tenant, vol_ids, filters, max_results, token)
     return {"volumeSet": [_volume(v) for v in found.volumes], "nextToken": found.next_token}
 
@@ -121,14 +132,7 @@ def describe_volume_status(svc: Controller, p: QueryParams, who: Principal) -> d
 
     The status filters apply to a page after it is read: a page may hold fewer than MaxResults and
     still have a NextToken, as EC2 allows."""
-    vol_ids = [volume_id_of(v) for v in p.list("VolumeId")]
-    filters = p.filters()
-    max_results = page_size(p, vol_ids, "VolumeIds", VOLUME_STATUS_PAGE)
-    token = p.str("NextToken", max_len=MAX_TOKEN)
-    dry_run(p)
-    for name in filters:
-        if name not in VOLUME_STATUS_FILTERS:
-            raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")
+    vol_ids, filters, max_results, token = _volume_page(p, VOLUME_STATUS_PAGE, VOLUME_STATUS_FILTERS.__contains__)
     by_zone = {"availability-zone": filters["availability-zone"]} if "availability-zone" in filters else {}
     found = volumes.describe_volumes(svc, who.tenant, vol_ids, by_zone, max_results, token)
     statuses = []
