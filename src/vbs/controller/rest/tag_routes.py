@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Depends
+from sqlalchemy.orm import Session
 
 from vbs.controller.auth.keys import Principal
 from vbs.controller.requests import tags
@@ -15,13 +18,16 @@ def tag_routes(r: APIRouter) -> None:
     @r.post("/tags", tags=["tags"])
     def create_tags(body: CreateTagsRequest, svc: Controller = Depends(services),
                     who: Principal = Depends(caller)) -> dict[str, bool]:
-        with svc.db.session() as s:
-            tags.create_tags(s, body.resource_ids, body.tags, who.tenant)
-        return {"return": True}
+        return _in_session(svc, lambda s: tags.create_tags(s, body.resource_ids, body.tags, who.tenant))
 
     @r.post("/tags/delete", tags=["tags"])
     def delete_tags(body: DeleteTagsRequest, svc: Controller = Depends(services),
                     who: Principal = Depends(caller)) -> dict[str, bool]:
-        with svc.db.session() as s:
-            tags.delete_tags(s, body.resource_ids, body.keys, who.tenant)
-        return {"return": True}
+        return _in_session(svc, lambda s: tags.delete_tags(s, body.resource_ids, body.keys, who.tenant))
+
+
+def _in_session(svc: Controller, change: Callable[[Session], None]) -> dict[str, bool]:
+    """``change`` the tags in one transaction; the answer of a request with nothing to describe."""
+    with svc.db.session() as s:
+        change(s)
+    return {"return": True}
