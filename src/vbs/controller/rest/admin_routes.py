@@ -1,0 +1,30 @@
+"""The ``/v1`` routes of the operator (tag ``admin``, admin keys only): the controllers on the database,
+and the check or repair of drift between the agents' inventory and the database."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from vbs.controller.cluster import describe_controllers
+from vbs.controller.rest.queries import admin, services
+from vbs.controller.rest.schemas import ControllerList
+from vbs.controller.runtime import Controller
+
+
+def admin_routes(r: APIRouter) -> None:
+    @r.get("/controllers", response_model=ControllerList, tags=["admin"], dependencies=[Depends(admin)])
+    def controllers(svc: Controller = Depends(services)) -> ControllerList:
+        """The controllers on this database: live ones, their operations and singleton loops."""
+        return ControllerList(controllers=describe_controllers(svc.db, svc.cfg.operation_lease_s))
+
+    @r.get("/admin/check", tags=["admin"], dependencies=[Depends(admin)])
+    def check(svc: Controller = Depends(services)) -> dict[str, Any]:
+        """Compare the agents' real inventory with the DB; change nothing."""
+        return svc.reconciler.run(repair=False).as_dict()
+
+    @r.post("/admin/reconcile", tags=["admin"], dependencies=[Depends(admin)])
+    def reconcile(now: bool = False, svc: Controller = Depends(services)) -> dict[str, Any]:
+        """Repair drift now; ``now=true`` also removes orphans without waiting for their grace period."""
+        return svc.reconciler.run(repair=True, ignore_grace=now).as_dict()
