@@ -21,7 +21,7 @@ from vbs.controller.fleet.nodes import host_info, record_host_heartbeat
 from vbs.controller.requests.attach_volume import attach_volume
 from vbs.controller.requests.create_volume import create_volume
 from vbs.controller.requests.detach_volume import detach_volume
-from vbs.controller.rest.schemas import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
+from vbs.controller.rest.schemas.volumes import AttachVolumeRequest, CreateVolumeRequest, DetachVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, MissingParameter
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities, VmInfo
 from vbs.wire.storage import PoolInfo

@@ -18,7 +18,7 @@ from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.fleet.nodes import StorageNodeInfo, record_host_heartbeat, storage_info
 from vbs.controller.requests.migrate_volume import migrate_volume
-from vbs.controller.rest.schemas import MigrateVolumeRequest
+from vbs.controller.rest.schemas.volumes import MigrateVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
 from vbs.wire.storage import ExportInfo

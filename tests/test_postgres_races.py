@@ -36,12 +36,8 @@ from vbs.controller.requests.create_volume import create_volume
 from vbs.controller.requests.delete_snapshot import delete_snapshot
 from vbs.controller.requests.delete_volume import delete_volume
 from vbs.controller.requests.modify_volume import modify_volume
-from vbs.controller.rest.schemas import (
-    AttachVolumeRequest,
-    CreateSnapshotRequest,
-    CreateVolumeRequest,
-    ModifyVolumeRequest,
-)
+from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest
+from vbs.controller.rest.schemas.volumes import AttachVolumeRequest, CreateVolumeRequest, ModifyVolumeRequest
 from vbs.controller.workflows import StepContext, WorkflowEngine
 from vbs.controller.workflows.detach_volume import DetachParams, mark_detached
 from vbs.controller.workflows.registry import WORKFLOWS

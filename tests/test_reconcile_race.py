@@ -19,7 +19,7 @@ from vbs.controller.db import Database, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.fleet.reconcile import SETTLE_MARGIN_S, Reconciler
 from vbs.controller.requests.create_volume import create_volume
-from vbs.controller.rest.schemas import CreateVolumeRequest
+from vbs.controller.rest.schemas.volumes import CreateVolumeRequest
 from vbs.wire.storage import Inventory, PoolInventory
 
 pytestmark = pytest.mark.unit

@@ -35,7 +35,7 @@ from vbs.controller.fleet.nodes import record_storage_heartbeat
 from vbs.controller.placement.scheduler import Placement, choose_pool
 from vbs.controller.requests.create_volume import _digest, create_volume
 from vbs.controller.requests.describe_volumes import describe_volumes
-from vbs.controller.rest.schemas import CreateVolumeRequest
+from vbs.controller.rest.schemas.volumes import CreateVolumeRequest
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter, NotFound, VbsError
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 

@@ -23,7 +23,7 @@ from vbs.controller.db import Database, Node, Snapshot, Volume
 from vbs.controller.db.tables import DEFAULT_TENANT, utcnow
 from vbs.controller.fleet.nodes import StorageNodeInfo
 from vbs.controller.requests.create_snapshot import create_snapshot
-from vbs.controller.rest.schemas import CreateSnapshotRequest
+from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest
 from vbs.errors import VolumeSnapshotLimitExceeded
 from vbs.wire.storage import CloneChain, PoolInfo, TrashedImage
 

@@ -25,7 +25,8 @@ from vbs.controller.db.states import (
 from vbs.controller.db.tables import utcnow
 from vbs.controller.db.transitions import transition, try_transition
 from vbs.controller.requests import filters
-from vbs.controller.rest.schemas import CreateSnapshotRequest, CreateVolumeRequest
+from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest
+from vbs.controller.rest.schemas.volumes import CreateVolumeRequest
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
 
 pytestmark = pytest.mark.unit

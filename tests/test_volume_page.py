@@ -24,7 +24,7 @@ from vbs.controller.fleet.nodes import record_storage_heartbeat
 from vbs.controller.requests.create_volume import create_volume, create_volume_json
 from vbs.controller.requests.describe_volumes import get_volume, volume_page
 from vbs.controller.requests.tags import set_tags
-from vbs.controller.rest.schemas import CreateVolumeRequest, VolumeList, VolumeOut
+from vbs.controller.rest.schemas.volumes import CreateVolumeRequest, VolumeList, VolumeOut
 from vbs.wire.storage import PoolInfo, StorageHeartbeat
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from vbs.controller.db import ControllerRecord, Database, LeaseRecord, Operation
 from vbs.controller.db.states import UNFINISHED_OPERATION
-from vbs.controller.rest.schemas import ControllerOut
+from vbs.controller.rest.schemas.nodes import ControllerOut
 
 log = logging.getLogger(__name__)
 

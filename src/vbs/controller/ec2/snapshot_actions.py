@@ -25,7 +25,7 @@ from vbs.controller.requests import create_snapshots as snapshot_sets
 from vbs.controller.requests import delete_snapshot as delete_snapshot_req
 from vbs.controller.requests import describe_snapshots as describe_snapshots_req
 from vbs.controller.requests import snapshot_permissions as sharing
-from vbs.controller.rest.schemas import (
+from vbs.controller.rest.schemas.snapshots import (
     CopySnapshotRequest,
     CreateSnapshotRequest,
     CreateSnapshotSetRequest,

@@ -15,7 +15,7 @@ from vbs.controller.ec2.params import MAX_TOKEN, dry_run, validated
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import tags
 from vbs.controller.requests.filters import decode_token, encode_token
-from vbs.controller.rest.schemas import CreateTagsRequest
+from vbs.controller.rest.schemas.tags import CreateTagsRequest
 from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter, MissingParameter
 

@@ -30,7 +30,7 @@ from vbs.controller.requests import describe_volumes as describe_volumes_req
 from vbs.controller.requests import detach_volume as detach_volume_req
 from vbs.controller.requests import modify_volume as modifications
 from vbs.controller.resolvers import is_cloud_ref
-from vbs.controller.rest.schemas import (
+from vbs.controller.rest.schemas.volumes import (
     AttachmentOut,
     AttachVolumeRequest,
     CreateVolumeRequest,

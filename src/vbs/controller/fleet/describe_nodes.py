@@ -24,7 +24,7 @@ from vbs.controller.fleet.nodes import (
     storage_info_document,
     zone_of,
 )
-from vbs.controller.rest.schemas import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
+from vbs.controller.rest.schemas.nodes import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
 from vbs.errors import NotFound
 from vbs.wire.storage import PoolInfo
 

@@ -25,7 +25,7 @@ from vbs.controller.fleet.nodes import host_info, is_alive, live_storage_nodes, 
 from vbs.controller.placement.rtt_model import Calibration, RemoteModel, from_probes, load_calibration
 from vbs.controller.requests.attach_volume import instance_not_found
 from vbs.controller.requests.describe_volumes import live_volume
-from vbs.controller.rest.schemas import AdviceModelOut, AdviceOption, AdviceOut, MeasuredProbe
+from vbs.controller.rest.schemas.advice import AdviceModelOut, AdviceOption, AdviceOut, MeasuredProbe
 from vbs.controller.runtime import Controller
 from vbs.errors import IncorrectState
 from vbs.wire.probes import Probe

@@ -17,7 +17,7 @@ from vbs.controller.db.transitions import transition
 from vbs.controller.fleet.nodes import host_info, host_is_alive, is_alive
 from vbs.controller.requests.describe_volumes import live_volume
 from vbs.controller.resolvers import is_cloud_ref
-from vbs.controller.rest.schemas import AttachmentOut, AttachVolumeRequest
+from vbs.controller.rest.schemas.volumes import AttachmentOut, AttachVolumeRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.attach_volume import ATTACH_VOLUME, AttachParams, volume_limits
 from vbs.controller.workflows.local_volumes import ATTACH_LOCAL_VOLUME

@@ -16,7 +16,7 @@ from vbs.controller.placement import quotas
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.requests.describe_snapshots import describe_many, snapshot_not_found
 from vbs.controller.requests.tags import set_tags
-from vbs.controller.rest.schemas import CopySnapshotRequest, SnapshotOut
+from vbs.controller.rest.schemas.snapshots import CopySnapshotRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.copy_snapshot import COPY_SNAPSHOT, CopySnapshotParams
 from vbs.errors import IncorrectState

@@ -18,7 +18,7 @@ from vbs.controller.placement.scheduler import choose_pool
 from vbs.controller.requests.describe_snapshots import describe_many
 from vbs.controller.requests.describe_volumes import live_volume
 from vbs.controller.requests.tags import set_tags
-from vbs.controller.rest.schemas import CreateSnapshotRequest, SnapshotOut
+from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_snapshot import CREATE_SNAPSHOT, CreateSnapshotParams
 from vbs.controller.workflows.local_volumes import SNAPSHOT_LOCAL_VOLUME, SnapshotLocalParams

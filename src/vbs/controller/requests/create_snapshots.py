@@ -13,7 +13,7 @@ from vbs.controller.requests import filters as flt
 from vbs.controller.requests.attach_volume import instance_not_found
 from vbs.controller.requests.create_snapshot import new_snapshot_row
 from vbs.controller.requests.describe_snapshots import describe_many
-from vbs.controller.rest.schemas import CreateSnapshotSetRequest, SnapshotOut
+from vbs.controller.rest.schemas.snapshots import CreateSnapshotSetRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET, SetMember, SnapshotSetParams
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter

@@ -27,7 +27,7 @@ from vbs.controller.placement.scheduler import Chosen, Placement, choose_local_p
 from vbs.controller.requests import snapshot_permissions as snapshot_sharing
 from vbs.controller.requests.describe_volumes import describe_fields
 from vbs.controller.requests.tags import set_tags
-from vbs.controller.rest.schemas import CreateVolumeRequest, VolumeOut
+from vbs.controller.rest.schemas.volumes import CreateVolumeRequest, VolumeOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_volume import CREATE_VOLUME, CreateVolumeParams
 from vbs.controller.workflows.local_volumes import CREATE_LOCAL_VOLUME, CreateLocalVolumeParams

@@ -13,7 +13,7 @@ from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.db.transitions import transition
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.requests.describe_snapshots import describe_many, snapshot_not_found
-from vbs.controller.rest.schemas import SnapshotOut
+from vbs.controller.rest.schemas.snapshots import SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.delete_snapshot import DELETE_SNAPSHOT
 from vbs.controller.workflows.steps import StorageParams

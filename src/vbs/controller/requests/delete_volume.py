@@ -12,7 +12,7 @@ from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.db.transitions import transition
 from vbs.controller.requests.describe_volumes import describe_one, live_volume
-from vbs.controller.rest.schemas import VolumeOut
+from vbs.controller.rest.schemas.volumes import VolumeOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.delete_volume import DELETE_VOLUME
 from vbs.controller.workflows.local_volumes import DELETE_LOCAL_VOLUME

@@ -11,7 +11,8 @@ from sqlalchemy import select
 from vbs.controller.db import Attachment, Instance, Volume
 from vbs.controller.db.states import LIVE_ATTACHMENT
 from vbs.controller.requests.attach_volume import attachment_out
-from vbs.controller.rest.schemas import AttachmentOut, InstanceOut
+from vbs.controller.rest.schemas.nodes import InstanceOut
+from vbs.controller.rest.schemas.volumes import AttachmentOut
 from vbs.controller.runtime import Controller
 
 

@@ -13,7 +13,7 @@ from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.requests import filters as flt
 from vbs.controller.requests import snapshot_permissions as sharing
-from vbs.controller.rest.schemas import SnapshotList, SnapshotOut
+from vbs.controller.rest.schemas.snapshots import SnapshotList, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.errors import NotFound
 

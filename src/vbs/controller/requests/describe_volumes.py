@@ -22,7 +22,7 @@ from vbs.controller.fleet.describe_nodes import NodeHealth, node_health, volume_
 from vbs.controller.fleet.nodes import zone_of
 from vbs.controller.placement import volume_types
 from vbs.controller.requests import filters as flt
-from vbs.controller.rest.schemas import AttachmentOut, MigrationProgressOut, VolumeList, VolumeOut
+from vbs.controller.rest.schemas.volumes import AttachmentOut, MigrationProgressOut, VolumeList, VolumeOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.migrate_volume import migration_progress
 from vbs.errors import (

@@ -13,7 +13,7 @@ from vbs.controller.db.states import LIVE_ATTACHMENT, AttachmentState
 from vbs.controller.db.transitions import try_transition
 from vbs.controller.requests.attach_volume import attachment_out, migration_in_progress
 from vbs.controller.requests.describe_volumes import live_volume
-from vbs.controller.rest.schemas import AttachmentOut, DetachVolumeRequest
+from vbs.controller.rest.schemas.volumes import AttachmentOut, DetachVolumeRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.detach_volume import DETACH_VOLUME, DetachParams
 from vbs.controller.workflows.local_volumes import DETACH_LOCAL_VOLUME

@@ -28,7 +28,7 @@ from vbs.controller.db.states import LIVE_ATTACHMENT, AttachmentState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import host_info, is_alive
 from vbs.controller.requests.attach_volume import instance_not_found
-from vbs.controller.rest.schemas import InstanceMigrationOut, MigrateInstanceRequest
+from vbs.controller.rest.schemas.nodes import InstanceMigrationOut, MigrateInstanceRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.attach_volume import volume_limits
 from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE, LiveMigrationParams, MigratingDisk

@@ -26,7 +26,7 @@ from vbs.controller.db.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import GIB, host_info, is_alive, pool_of, storage_info
 from vbs.controller.requests.describe_volumes import live_volume
-from vbs.controller.rest.schemas import MigrateVolumeRequest, MigrationOut
+from vbs.controller.rest.schemas.volumes import MigrateVolumeRequest, MigrationOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows import Workflow
 from vbs.controller.workflows.migrate_volume import (

@@ -22,7 +22,7 @@ from vbs.controller.placement.growth import GROWING_STATES
 from vbs.controller.placement.scheduler import check_growth
 from vbs.controller.requests import filters as flt
 from vbs.controller.requests.describe_volumes import live_volume
-from vbs.controller.rest.schemas import ModificationList, ModificationOut, ModifyVolumeRequest
+from vbs.controller.rest.schemas.volumes import ModificationList, ModificationOut, ModifyVolumeRequest
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.modify_volume import MODIFY_VOLUME, ModifyParams
 from vbs.errors import IncorrectState, InvalidParameter

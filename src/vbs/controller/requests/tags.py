@@ -9,7 +9,7 @@ from vbs import ids
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import SnapshotState, VolumeState
-from vbs.controller.rest.schemas import TAGS_MAX
+from vbs.controller.rest.schemas.common import TAGS_MAX
 from vbs.errors import InvalidParameter, NotFound
 
 

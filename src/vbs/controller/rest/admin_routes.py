@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 
 from vbs.controller.cluster import describe_controllers
 from vbs.controller.rest.queries import admin, services
-from vbs.controller.rest.schemas import ControllerList
+from vbs.controller.rest.schemas.nodes import ControllerList
 from vbs.controller.runtime import Controller
 
 

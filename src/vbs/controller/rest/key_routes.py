@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 
 from vbs.controller.auth.keys import KeyStore
 from vbs.controller.rest.queries import admin
-from vbs.controller.rest.schemas import CreateKeyRequest, KeyList, KeyOut
+from vbs.controller.rest.schemas.keys import CreateKeyRequest, KeyList, KeyOut
 
 
 def key_routes(r: APIRouter) -> None:

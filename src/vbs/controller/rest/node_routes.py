@@ -17,18 +17,17 @@ from vbs.controller.requests import migrate_instance as live_migrations
 from vbs.controller.requests import migrate_volume as moves
 from vbs.controller.requests.filters import page_of
 from vbs.controller.rest.queries import admin, caller, max_results_query, next_token_query, services
-from vbs.controller.rest.schemas import (
+from vbs.controller.rest.schemas.nodes import (
     DrainOut,
     DrainRequest,
     HostList,
     InstanceList,
     InstanceMigrationOut,
     MigrateInstanceRequest,
-    MigrateVolumeRequest,
-    MigrationOut,
     StorageNodeList,
     ZoneList,
 )
+from vbs.controller.rest.schemas.volumes import MigrateVolumeRequest, MigrationOut
 from vbs.controller.runtime import Controller
 from vbs.errors import NotFound
 from vbs.wire.connection import HOST_NAME_RE

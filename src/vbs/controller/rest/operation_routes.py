@@ -13,7 +13,7 @@ from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.db.states import UNFINISHED_OPERATION
 from vbs.controller.requests.filters import page_limit
 from vbs.controller.rest.queries import caller, max_results_query, services, settled_read, wait_query
-from vbs.controller.rest.schemas import OperationList, OperationOut, StepOut
+from vbs.controller.rest.schemas.operations import OperationList, OperationOut, StepOut
 from vbs.controller.runtime import Controller
 from vbs.errors import NotFound
 

@@ -24,7 +24,7 @@ from vbs.controller.rest.queries import (
     settled_read,
     wait_query,
 )
-from vbs.controller.rest.schemas import (
+from vbs.controller.rest.schemas.snapshots import (
     CopySnapshotRequest,
     CreateSnapshotRequest,
     CreateSnapshotSetRequest,

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from vbs.controller.auth.keys import Principal
 from vbs.controller.requests import tags
 from vbs.controller.rest.queries import caller, services
-from vbs.controller.rest.schemas import CreateTagsRequest, DeleteTagsRequest
+from vbs.controller.rest.schemas.tags import CreateTagsRequest, DeleteTagsRequest
 from vbs.controller.runtime import Controller
 
 

@@ -25,8 +25,8 @@ from vbs.controller.rest.queries import (
     settled_read,
     wait_query,
 )
-from vbs.controller.rest.schemas import (
-    AdviceOut,
+from vbs.controller.rest.schemas.advice import AdviceOut
+from vbs.controller.rest.schemas.volumes import (
     AttachmentOut,
     AttachVolumeRequest,
     CreateVolumeRequest,
