@@ -49,6 +49,7 @@ HOST_NODE = "host-1"
 MAX_CONTROLLERS = 8
 MAX_STORAGE_NODES = 16
 SERVICES_FILE = "up.json"
+VM_DIR = "vms"  # the host agent's --vm-dir: QEMU's QMP sockets <vm>.qmp
 # What a child keeps of this process's environment: no secrets (tokens and keys reach the children
 # as 0600 files), just what a Python program and the VBS settings need.
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
@@ -272,7 +273,7 @@ class _Plan:
         port = self.ports()
         return Child("host-agent", HOST_NODE, f"{self.scheme}://{self.host}:{port}",
                      [*self._exe, "host-agent", "--host", self.host, "--port", str(port),
-                      *_controller_flags(controllers), "--vm-dir", str(self.data_dir / "vms"),
+                      *_controller_flags(controllers), "--vm-dir", str(self.data_dir / VM_DIR),
                       "--state-dir", str(self.data_dir / "host-state"),
                       "--node-name", HOST_NODE,
                       "--agent-token-file", str(node_token_file(self.data_dir, "host", HOST_NODE)),
@@ -344,7 +345,10 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         controller_ports = [port + k for k in range(shape.controllers)]
         _check_ports_free(host, controller_ports)
         data_dir = data_dir.resolve()
-        harden(data_dir, *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
+        # Every folder the banner names exists when it is printed: VMs are started with their QMP
+        # sockets in DIR/vms before any of them is found.
+        harden(data_dir, data_dir / VM_DIR,
+               *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
