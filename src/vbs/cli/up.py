@@ -486,13 +486,26 @@ def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -
 
 
 def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
-            tls: bool, rbd: RbdChoice | None = None) -> str:
+            tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None) -> str:
+    """What ``vbs up`` prints once everything is up: where things are, and the lines to paste into
+    another shell. Keys are named by the 0600 files that hold them, never printed."""
     where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
              else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
     nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
     services = "" if len(endpoints) == 1 and len(storage_agents) == 1 else f", services in {services_file}"
-    return (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
-            f"credentials in {data_dir / 'credentials'}{services}"
-            + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
-            + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
-            + " (Ctrl-C stops)")
+    key_file = data_dir / "credentials"
+    cli_file = cli_credentials or credentials.user_file()
+    first = (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / VM_DIR}, "
+             f"credentials in {key_file}{services}"
+             + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
+             + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
+             + " (Ctrl-C stops)")
+    lines = [first, "In another shell:",
+             f"  export VBS_ENDPOINT={','.join(endpoints)}",
+             f"  # the vbs CLI finds its key by itself: section [{endpoints[0].rstrip('/')}] "
+             f"of {cli_file} (0600)"]
+    if tls:
+        lines.append(f"  export VBS_CA_BUNDLE={data_dir / 'ca.pem'}")
+    lines += [f"  export AWS_SHARED_CREDENTIALS_FILE={key_file}   # the AWS CLI and boto3: profile default",
+              f"Web console: {endpoints[0]}/console (sign in with the access key in {key_file})"]
+    return "\n".join(lines)
