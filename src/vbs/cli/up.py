@@ -454,6 +454,8 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
         _close_local_paths(data_dir / "host-state")
         services_file.unlink(missing_ok=True)
         api.close()
+        for endpoint in endpoints:  # a stopped install's key no longer piles up in the user's file
+            credentials.unregister_endpoint(endpoint, key)
 
 
 def _close_local_paths(host_state: Path) -> None:
@@ -502,7 +504,7 @@ def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], s
              + " (Ctrl-C stops)")
     lines = [first, "In another shell:",
              f"  export VBS_ENDPOINT={','.join(endpoints)}",
-             f"  # the vbs CLI finds its key by itself: section [{endpoints[0].rstrip('/')}] "
+             f"  # the vbs CLI finds its key by itself: section [{credentials.endpoint_key(endpoints[0])}] "
              f"of {cli_file} (0600)"]
     if tls:
         lines.append(f"  export VBS_CA_BUNDLE={data_dir / 'ca.pem'}")
