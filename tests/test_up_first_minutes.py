@@ -8,6 +8,7 @@ import stat
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import VBS, running_vbs_up
@@ -36,6 +37,14 @@ def test_vbs_up_makes_the_folders_it_names(tmp_path: Path) -> None:
             r = subprocess.run([*VBS, "describe-volumes", "--output", "json"], capture_output=True, text=True,
                                env={**env, "VBS_ENDPOINT": endpoint}, cwd=tmp_path, timeout=120)
             assert r.returncode == 0, r.stderr
+        # A browser at the endpoint lands on the console; the EC2 API at / answers as before.
+        browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+        r = httpx.get(f"{vbs.endpoint}/", headers={"accept": browser}, follow_redirects=True)
+        assert r.status_code == 200 and str(r.url) == f"{vbs.endpoint}/console/" and "<html" in r.text.lower()
+        r = httpx.post(f"{vbs.endpoint}/", data={"Action": "DescribeVolumes"}, headers={"accept": browser})
+        assert r.status_code == 401 and "AuthFailure" in r.text
+        r = httpx.get(f"{vbs.endpoint}/?Action=DescribeVolumes", headers={"accept": browser})
+        assert r.status_code == 401 and "AuthFailure" in r.text
     # Stopped cleanly: its key no longer sits in the user's file.
     assert f"[{vbs.endpoint}]" not in (tmp_path / "xdg" / "vbs" / "credentials").read_text()
 
