@@ -93,6 +93,10 @@ def test_deleting_a_volume_keeps_its_snapshots_and_their_clones(vbs_up: Vbs) -> 
     assert vbs_up.snapshot(snap["snapshot_id"])["status"] == "completed"
     clone = vbs_up.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
     assert digest(vbs_up.pool / "volumes" / f"{clone['volume_id']}.raw", 64) == want
+    # delete-snapshot --wait, as every delete: it answers once the snapshot is gone.
+    deleted = vbs_up.cli("delete-snapshot", snap["snapshot_id"], "--wait")
+    assert deleted["snapshot_id"] == snap["snapshot_id"] and deleted["status"] == "deleted"
+    assert vbs_up.http.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404
 
 
 def test_restart_finds_every_volume_and_snapshot_again(tmp_path: Path, metadata_db: str,

@@ -82,6 +82,32 @@ def test_the_edge_lets_only_the_console_files_through_without_a_key() -> None:
     assert console.is_console_path("/console/a") and not console.is_console_path("/consolex")
 
 
+BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,image/webp,*/*;q=0.8"
+
+
+@pytest.mark.unit
+def test_a_browser_at_the_root_is_sent_to_the_console_and_ec2_clients_are_not() -> None:
+    check = edge.pre_auth(cast(Any, None), cast(Any, None), insecure=False, node_certs=False)
+
+    def answer(method: str, accept: str | None, query: bytes = b"", authz: str | None = None) -> Any:
+        headers = [(b"accept", accept.encode())] if accept is not None else []
+        if authz is not None:
+            headers.append((b"authorization", authz.encode()))
+        return check({"type": "http", "method": method, "path": "/", "query_string": query, "headers": headers})
+
+    for method in ("GET", "HEAD"):
+        r = answer(method, BROWSER_ACCEPT)
+        assert r is not None and r.status_code == 303 and r.headers["location"] == "/console/"
+    for method, accept, query in (("POST", BROWSER_ACCEPT, b""), ("GET", None, b""), ("GET", "*/*", b""),
+                                  ("GET", "text/xml", b""), ("GET", "application/xml,text/html;q=0.5", b""),
+                                  ("GET", BROWSER_ACCEPT, b"Action=DescribeVolumes&Version=2016-11-15")):
+        r = answer(method, accept, query)
+        assert r is not None and r.status_code == 401 and b"<Response>" in r.body, (method, accept, query)
+    assert answer("GET", BROWSER_ACCEPT, b"X-Amz-Signature=ab") is None  # presigned: checked with its body
+    assert edge.prefers_html("text/html") and edge.prefers_html("TEXT/HTML;q=0.9, */*;q=0.8")
+    assert not edge.prefers_html("") and not edge.prefers_html("text/html;q=0")
+
+
 # -- a real install and a real browser --------------------------------------------------------------
 
 

@@ -82,6 +82,23 @@ def wait_for(client: ApiClient, path: str, *, busy: set[str], label: str, show: 
                  label=label, show=show, interval=interval)
 
 
+def wait_gone(client: ApiClient, path: str, first: Body, *, label: str, show: bool) -> Body:
+    """Wait until the resource at ``path`` (answered ``first`` to its DELETE) is deleted: a resource
+    whose GET answers 404 once it is gone ends ``deleted``."""
+    poll = LongPoll(client, path, show=show)
+
+    def fetch() -> Body:
+        try:
+            return poll()
+        except VbsError as exc:
+            if exc.status != 404:
+                raise
+            return {**first, "status": "deleted"}
+
+    return watch(fetch, done=lambda b: b["status"] != "deleting",
+                 progress=lambda b: 0 if b["status"] == "deleting" else 100, label=label, show=show)
+
+
 def step_progress(operation: Body) -> int:
     """How far an operation is, by its steps done (its resource has no progress of its own)."""
     steps = operation.get("steps") or []

@@ -194,7 +194,8 @@ def main() -> None:
         print("aborted", file=sys.stderr)
         sys.exit(130)
     except VbsError as exc:
-        hint = _HINTS.get(exc.code) or _HINTS.get(exc.code.split(".")[-1], "")
+        hint = _auth_hint() if exc.code == "AuthFailure" else (
+            _HINTS.get(exc.code) or _HINTS.get(exc.code.split(".")[-1], ""))
         print(f"error: {exc.code}: {exc.message}{f' (hint: {hint})' if hint else ''}", file=sys.stderr)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
@@ -203,9 +204,17 @@ def main() -> None:
 # What to try next, by error code (the message says what is wrong).
 _HINTS = {
     "NotFound": "the describe command of that kind lists what exists",
-    "AuthFailure": "check VBS_ACCESS_KEY_ID/VBS_SECRET_ACCESS_KEY, --profile, or the key vbs up printed",
     "UnauthorizedOperation": "an admin key can; vbs create-key makes one",
     "AgentUnavailable": "is the controller running? (vbs up starts one; --endpoint points elsewhere)",
     "IncorrectState": "vbs describe-volumes shows its status and attachments",
     "VolumeInUse": "detach it first: vbs detach-volume",
 }
+
+
+def _auth_hint() -> str:
+    """Where the CLI looked for its key, by the files' real names."""
+    from vbs.trust.credentials import user_file
+
+    return ("check VBS_ACCESS_KEY_ID/VBS_SECRET_ACCESS_KEY, --profile, or the key vbs up recorded for this "
+            f"endpoint in {user_file()} (the install's own key is in its DIR/credentials, ./var/credentials "
+            "by default)")

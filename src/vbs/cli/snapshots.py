@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from vbs.cli import output
-from vbs.cli.client import wait_for
+from vbs.cli.client import wait_for, wait_gone
 from vbs.cli.context import CommentOpt, Context, FilterOpt, IdsArg, MaxResultsOpt, NextTokenOpt, TagOpt, describe, tags
 
 # Registered into the app by vbs.cli.main, in the order of ``vbs --help``.
@@ -103,10 +103,15 @@ def share_snapshot(
 
 
 @commands.command("delete-snapshot")
-def delete_snapshot(ctx: typer.Context, snapshot_id: str) -> None:
+def delete_snapshot(ctx: typer.Context, snapshot_id: str,
+                    wait: Annotated[bool, typer.Option("--wait", help="Wait until it is deleted.")] = False) -> None:
     """Delete a snapshot (volumes made from it stay)."""
     c: Context = ctx.obj
-    output.emit(c.client.call("DELETE", f"/v1/snapshots/{snapshot_id}"), c.fmt, output.SNAPSHOT_COLUMNS)
+    snap = c.client.call("DELETE", f"/v1/snapshots/{snapshot_id}")
+    if wait:
+        snap = wait_gone(c.client, f"/v1/snapshots/{snapshot_id}", snap, label=f"deleting {snapshot_id}",
+                         show=c.interactive)
+    output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)
 
 
 @commands.command("describe-snapshots")

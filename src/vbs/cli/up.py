@@ -49,6 +49,7 @@ HOST_NODE = "host-1"
 MAX_CONTROLLERS = 8
 MAX_STORAGE_NODES = 16
 SERVICES_FILE = "up.json"
+VM_DIR = "vms"  # the host agent's --vm-dir: QEMU's QMP sockets <vm>.qmp
 # What a child keeps of this process's environment: no secrets (tokens and keys reach the children
 # as 0600 files), just what a Python program and the VBS settings need.
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
@@ -272,7 +273,7 @@ class _Plan:
         port = self.ports()
         return Child("host-agent", HOST_NODE, f"{self.scheme}://{self.host}:{port}",
                      [*self._exe, "host-agent", "--host", self.host, "--port", str(port),
-                      *_controller_flags(controllers), "--vm-dir", str(self.data_dir / "vms"),
+                      *_controller_flags(controllers), "--vm-dir", str(self.data_dir / VM_DIR),
                       "--state-dir", str(self.data_dir / "host-state"),
                       "--node-name", HOST_NODE,
                       "--agent-token-file", str(node_token_file(self.data_dir, "host", HOST_NODE)),
@@ -344,7 +345,10 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         controller_ports = [port + k for k in range(shape.controllers)]
         _check_ports_free(host, controller_ports)
         data_dir = data_dir.resolve()
-        harden(data_dir, *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
+        # Every folder the banner names exists when it is printed: VMs are started with their QMP
+        # sockets in DIR/vms before any of them is found.
+        harden(data_dir, data_dir / VM_DIR,
+               *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
@@ -450,6 +454,8 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
         _close_local_paths(data_dir / "host-state")
         services_file.unlink(missing_ok=True)
         api.close()
+        for endpoint in endpoints:  # a stopped install's key no longer piles up in the user's file
+            credentials.unregister_endpoint(endpoint, key)
 
 
 def _close_local_paths(host_state: Path) -> None:
@@ -482,13 +488,26 @@ def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -
 
 
 def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
-            tls: bool, rbd: RbdChoice | None = None) -> str:
+            tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None) -> str:
+    """What ``vbs up`` prints once everything is up: where things are, and the lines to paste into
+    another shell. Keys are named by the 0600 files that hold them, never printed."""
     where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
              else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
     nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
     services = "" if len(endpoints) == 1 and len(storage_agents) == 1 else f", services in {services_file}"
-    return (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / 'vms'}, "
-            f"credentials in {data_dir / 'credentials'}{services}"
-            + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
-            + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
-            + " (Ctrl-C stops)")
+    key_file = data_dir / "credentials"
+    cli_file = cli_credentials or credentials.user_file()
+    first = (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / VM_DIR}, "
+             f"credentials in {key_file}{services}"
+             + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
+             + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
+             + " (Ctrl-C stops)")
+    lines = [first, "In another shell:",
+             f"  export VBS_ENDPOINT={','.join(endpoints)}",
+             f"  # the vbs CLI finds its key by itself: section [{credentials.endpoint_key(endpoints[0])}] "
+             f"of {cli_file} (0600)"]
+    if tls:
+        lines.append(f"  export VBS_CA_BUNDLE={data_dir / 'ca.pem'}")
+    lines += [f"  export AWS_SHARED_CREDENTIALS_FILE={key_file}   # the AWS CLI and boto3: profile default",
+              f"Web console: {endpoints[0]}/console (sign in with the access key in {key_file})"]
+    return "\n".join(lines)

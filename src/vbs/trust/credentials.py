@@ -12,9 +12,11 @@ import os
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from vbs.errors import InvalidParameter
 from vbs.system.files import write_private
@@ -98,20 +100,91 @@ def user_file(env: dict[str, str] | None = None) -> Path:
     return base / "vbs" / "credentials"
 
 
-def register_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None = None) -> None:
-    """Remember ``key`` for ``endpoint`` so the vbs CLI on this machine finds it by itself."""
-    path = user_file(env)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+# One machine's own names for itself: an endpoint on any of them is the same endpoint.
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def endpoint_key(endpoint: str) -> str:
+    """The section of the user's credentials file for ``endpoint``: ``localhost``, ``127.0.0.1`` and
+    ``[::1]`` are one host, and case and a trailing slash do not matter."""
+    text = endpoint.strip().rstrip("/")
+    try:
+        parts = urlsplit(text)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return text
+    if not parts.scheme or host is None:
+        return text
+    host = "127.0.0.1" if host in LOOPBACK_HOSTS else host
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc += f":{port}"
+    return f"{parts.scheme.lower()}://{netloc}{parts.path.rstrip('/')}"
+
+
+def _load_user_file(path: Path) -> configparser.RawConfigParser:
     parser = configparser.RawConfigParser()
     if path.exists():
         parser.read_string(path.read_text())
-    if not parser.has_section(endpoint):
-        parser.add_section(endpoint)
-    parser.set(endpoint, "aws_access_key_id", key.access_key_id)
-    parser.set(endpoint, "aws_secret_access_key", key.secret_access_key)
+    return parser
+
+
+def _save_user_file(path: Path, parser: configparser.RawConfigParser) -> None:
     text = io.StringIO()
     parser.write(text)
     write_private(path, text.getvalue())
+
+
+def register_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None = None) -> None:
+    """Remember ``key`` for ``endpoint`` so the vbs CLI on this machine finds it by itself, under the
+    endpoint's normal form (:func:`endpoint_key`); an older section spelt otherwise is replaced."""
+    path = user_file(env)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    parser = _load_user_file(path)
+    section = endpoint_key(endpoint)
+    for old in parser.sections():
+        if old != section and endpoint_key(old) == section:
+            parser.remove_section(old)
+    if not parser.has_section(section):
+        parser.add_section(section)
+    parser.set(section, "aws_access_key_id", key.access_key_id)
+    parser.set(section, "aws_secret_access_key", key.secret_access_key)
+    _save_user_file(path, parser)
+
+
+def unregister_endpoint(endpoint: str, key: AccessKey, env: dict[str, str] | None = None) -> None:
+    """Forget ``endpoint``'s key when the install that recorded it stops: its sections (any spelling)
+    that still hold ``key`` go; one another install wrote since stays."""
+    path = user_file(env)
+    if not path.exists():
+        return
+    try:
+        parser = _load_user_file(path)
+    except (OSError, configparser.Error):
+        return
+    section = endpoint_key(endpoint)
+    gone = [s for s in parser.sections()
+            if endpoint_key(s) == section and parser.get(s, "aws_access_key_id", fallback="").strip()
+            == key.access_key_id]
+    if gone:
+        for s in gone:
+            parser.remove_section(s)
+        _save_user_file(path, parser)
+
+
+def _endpoint_keys(path: Path, endpoint: str) -> list[AccessKey]:
+    """The key recorded for ``endpoint`` in the user's file: its normal form's section first, then any
+    older section spelt otherwise (``http://localhost:8770/``)."""
+    found = read(path, endpoint_key(endpoint)) or read(path, endpoint.rstrip("/"))
+    if found:
+        return found
+    parser = _load_user_file(path)
+    for section in parser.sections():
+        if endpoint_key(section) == endpoint_key(endpoint):
+            found = read(path, section)
+            if found:
+                return found
+    return []
 
 
 def for_client(endpoints: Sequence[str], env: dict[str, str] | None = None, *,
@@ -129,14 +202,19 @@ def for_client(endpoints: Sequence[str], env: dict[str, str] | None = None, *,
             raise InvalidParameter(f"no access key for profile {profile!r} in {user_file(env)} "
                                    f"([{profile}] aws_access_key_id, aws_secret_access_key)")
         return found[0]
-    candidates: list[tuple[Path, str]] = []
+    candidates: list[Callable[[], list[AccessKey]]] = []
     if env.get("VBS_CREDENTIALS_FILE"):
-        candidates.append((Path(env["VBS_CREDENTIALS_FILE"]), "default"))
-    candidates += [(user_file(env), endpoint.rstrip("/")) for endpoint in endpoints]
-    candidates.append((Path("var/credentials"), "default"))
-    for path, profile in candidates:
-        if path.exists():
-            found = read(path, profile)
-            if found:
-                return found[0]
+        candidates.append(partial(_existing, Path(env["VBS_CREDENTIALS_FILE"]), "default"))
+    mine = user_file(env)
+    if mine.exists():
+        candidates += [partial(_endpoint_keys, mine, endpoint) for endpoint in endpoints]
+    candidates.append(partial(_existing, Path("var/credentials"), "default"))
+    for candidate in candidates:
+        found = candidate()
+        if found:
+            return found[0]
     return None
+
+
+def _existing(path: Path, profile: str) -> list[AccessKey]:
+    return read(path, profile) if path.exists() else []

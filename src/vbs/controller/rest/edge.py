@@ -1,7 +1,9 @@
 """The controller's checks on a request's head, made before any of its body is read.
 
 - ``/health`` is open, and so are ``GET``/``HEAD`` of the web console's static files (``/console``:
-  a sign-in page must load before its user signs in; it holds no data, vbs.controller.console).
+  a sign-in page must load before its user signs in; it holds no data, vbs.controller.console). A
+  browser's ``GET /`` (no credentials, no ``Action``, an ``Accept`` that prefers HTML) is sent there
+  with a 303; every other request to ``/`` is the EC2 Query API's.
 - ``/internal/v1`` (agents' heartbeats) needs a node token (vbs.trust.node_credentials), unless the
   controller runs ``--insecure`` and the caller sends none; the node it names is left in the
   request's state (``request.state.node``) for the handler. A controller that serves HTTPS with a
@@ -18,9 +20,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 
 from vbs.controller.auth.authenticator import Authenticator
+from vbs.controller.console import PREFIX as CONSOLE_PREFIX
 from vbs.controller.console import is_console_path
 from vbs.controller.ec2 import xml
 from vbs.errors import AuthFailure, VbsError
@@ -40,12 +43,40 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
     return refusal(exc)
 
 
+def prefers_html(accept: str) -> bool:
+    """Whether an ``Accept`` header ranks ``text/html`` first (by q, ties to it): a browser's does,
+    an EC2 client's (none, ``*/*``, XML) does not."""
+    ranks: dict[str, float] = {}
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if media:
+            ranks[media.lower()] = max(q, ranks.get(media.lower(), 0.0))
+    html = ranks.get("text/html", 0.0)
+    return html > 0 and all(q <= html for media, q in ranks.items() if media != "text/html")
+
+
+def _browser_at_root(scope: Scope) -> bool:
+    query = scope.get("query_string", b"")
+    return (scope["path"] == "/" and scope.get("method") in ("GET", "HEAD") and not header(scope, b"authorization")
+            and b"Action=" not in query and b"X-Amz-" not in query and prefers_html(header(scope, b"accept")))
+
+
 def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool,
              node_certs: bool) -> Callable[[Scope], Response | None]:
     def check(scope: Scope) -> Response | None:
         path = scope["path"]
         if path == "/health" or (is_console_path(path) and scope.get("method") in ("GET", "HEAD")):
             return None
+        if _browser_at_root(scope):  # a browser pointed at the endpoint: the console, not EC2's XML
+            return RedirectResponse(CONSOLE_PREFIX + "/", status_code=303)
         authz = header(scope, b"authorization")
         try:
             if path.startswith("/internal/"):

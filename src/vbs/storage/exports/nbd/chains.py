@@ -24,6 +24,7 @@ class Chains:
     def __init__(self, monitor: Monitor, limits: Limits, book: Book, *, aio: str, cache_direct: bool) -> None:
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
         self._monitor, self._limits, self._book = monitor, limits, book
+        self._fallback_told = False  # the pool's file system refused the configured mode: said once
 
     # -- nodes --------------------------------------------------------------------------------------
 
@@ -48,13 +49,28 @@ class Chains:
                 })
             except QmpCommandError as exc:
                 err = err or exc
-                log.info("%s: file node with cache.direct=%s aio=%s refused: %s", what, direct, aio, exc.desc)
+                log.log(logging.DEBUG if self._fallback_told else logging.INFO,
+                        "%s: file node with cache.direct=%s aio=%s refused: %s", what, direct, aio, exc.desc)
                 continue
             if (direct, aio) != (self.cache_direct, self.aio):
-                log.warning("%s: serving with cache.direct=%s aio=%s (configured mode refused)", what, direct, aio)
+                self._tell_fallback(what, direct, aio)
             return
         assert err is not None
         raise DriverError(f"cannot open {path} for {what}: {err.desc}") from err
+
+    def _tell_fallback(self, what: str, direct: bool, aio: str) -> None:
+        """A file system that refuses O_DIRECT (tmpfs, some FUSE and network file systems) or the
+        configured AIO engine is a normal case, not a fault: say once per pool what it means."""
+        if self._fallback_told:
+            log.debug("%s: serving with cache.direct=%s aio=%s", what, direct, aio)
+            return
+        self._fallback_told = True
+        means = ("its exports go through the page cache instead of O_DIRECT (the guest's flushes still "
+                 "reach the disk; the page cache holds the data meanwhile)" if self.cache_direct and not direct
+                 else f"its exports use aio={aio} instead of aio={self.aio}")
+        log.info("%s: the pool's file system refuses cache.direct=%s aio=%s, so %s; this is normal on tmpfs "
+                 "and some file systems and needs nothing done (said once per pool; why it refused is "
+                 "logged just before)", what, self.cache_direct, self.aio, means)
 
     def _add_rbd_node(self, node: str, image: ServedImage, *, read_only: bool, what: str) -> None:
         """A node on an RBD image, opened by the daemon's librbd. The cephx key is read by librbd

@@ -1,0 +1,39 @@
+"""The NBD export's file nodes on a file system that refuses the configured mode (no O_DIRECT: tmpfs):
+served through the page cache, said once per pool at INFO, not a warning per snapshot."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import pytest
+
+from vbs.qemu.qmp import QmpCommandError
+from vbs.storage.exports.nbd.chains import Chains
+
+pytestmark = pytest.mark.unit
+
+
+class NoDirectMonitor:
+    """A daemon whose file system refuses O_DIRECT."""
+
+    def __init__(self) -> None:
+        self.added: list[dict[str, Any]] = []
+
+    def q(self, command: str, args: dict[str, Any]) -> None:
+        if args["cache"]["direct"]:
+            raise QmpCommandError(command, "GenericError", "Could not open: Invalid argument")
+        self.added.append(args)
+
+
+def test_a_refused_mode_falls_back_and_is_said_once_per_pool_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    monitor = NoDirectMonitor()
+    chains = Chains(cast(Any, monitor), cast(Any, None), cast(Any, None), aio="native", cache_direct=True)
+    with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.nbd.chains"):
+        for k in range(3):
+            chains.add_file_node(f"n{k}", f"/pool/snap-{k}.qcow2", read_only=True, what=f"snap-{k}")
+    assert [(a["cache"]["direct"], a["aio"]) for a in monitor.added] == [(False, "threads")] * 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "page cache" in r.getMessage()]
+    assert len(told) == 1 and "normal on tmpfs" in told[0], told
+    assert len([r for r in caplog.records if r.levelno == logging.INFO]) == 1 + 2  # the first node's refusals
