@@ -68,9 +68,9 @@ class Chains:
         means = ("its exports go through the page cache instead of O_DIRECT (the guest's flushes still "
                  "reach the disk; the page cache holds the data meanwhile)" if self.cache_direct and not direct
                  else f"its exports use aio={aio} instead of aio={self.aio}")
-        log.info("%s: the pool's file system refuses cache.direct=%s aio=%s, so %s; this is normal on tmpfs "
-                 "and some file systems and needs nothing done (said once per pool; why it refused is "
-                 "logged just before)", what, self.cache_direct, self.aio, means)
+        log.info("%s: the export daemon refused cache.direct=%s aio=%s for this file (its reason is logged just "
+                 "before; file systems without O_DIRECT, such as tmpfs, always do), so %s. Data stays as safe "
+                 "as before: nothing needs doing (said once per pool)", what, self.cache_direct, self.aio, means)
 
     def _add_rbd_node(self, node: str, image: ServedImage, *, read_only: bool, what: str) -> None:
         """A node on an RBD image, opened by the daemon's librbd. The cephx key is read by librbd
