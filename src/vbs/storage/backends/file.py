@@ -76,20 +76,26 @@ class FileBackend:
                 (self.path / sub).mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise DriverError(f"pool {name}: cannot prepare {self.path}: {exc.strerror}") from exc
-        if clone_method == "copy":
-            self.clone_method: CloneMethod = "copy"
-        else:
-            detected = file_io.probe_reflink(self.path, self.name)
-            if clone_method == "reflink" and detected != "reflink":
+        method: CloneMethod = "copy"
+        if clone_method != "copy":
+            method = file_io.probe_reflink(self.path, self.name)
+            if clone_method == "reflink" and method != "reflink":
                 raise DriverError(f"pool {name}: {self.path} does not support reflink")
-            self.clone_method = detected
-        self._files = CopyJobs(name, self.path, clone_method=self.clone_method, chunk_bytes=copy_chunk_bytes,
+        self._files = CopyJobs(name, self.path, clone_method=method, chunk_bytes=copy_chunk_bytes,
                                copier=self._copier, x509=x509)
         self._lock = self._files.lock
         self._jobs = self._files.jobs
         self._exporting: set[str] = set()  # volumes an export is being made for right now
         self._snapshots = Snapshots(self._files, exports, self._copier, self._exporting, self._need_exports)
         log.info("pool %s at %s: clone method %s", name, self.path, self.clone_method)
+
+    @property
+    def clone_method(self) -> CloneMethod:
+        return self._files.clone_method
+
+    @clone_method.setter
+    def clone_method(self, method: CloneMethod) -> None:
+        self._files.clone_method = method
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> FileBackend:

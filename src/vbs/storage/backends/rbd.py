@@ -103,8 +103,6 @@ class RbdBackend:
         self.rbd_pool = rbd_pool
         self.timeout_s = timeout_s
         self.exports = exports
-        self.max_clone_depth = max_clone_depth
-        self.max_snapshots_per_volume = max_snapshots_per_volume
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
         self._cli = RbdTools(name, ceph_conf, ceph_user, rbd_pool, timeout_s)
@@ -119,6 +117,22 @@ class RbdBackend:
         self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
         self._maintainer.start()
         self._fsid: str | None = None
+
+    @property
+    def max_clone_depth(self) -> int:
+        return self._clones.max_clone_depth
+
+    @max_clone_depth.setter
+    def max_clone_depth(self, depth: int) -> None:
+        self._clones.max_clone_depth = depth
+
+    @property
+    def max_snapshots_per_volume(self) -> int:
+        return self._snapshots.max_snapshots_per_volume
+
+    @max_snapshots_per_volume.setter
+    def max_snapshots_per_volume(self, limit: int) -> None:
+        self._snapshots.max_snapshots_per_volume = limit
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
