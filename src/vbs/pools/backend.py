@@ -17,11 +17,20 @@ from typing import Protocol, runtime_checkable
 from pydantic import SecretStr
 
 from vbs.config import StorageAgentConfig
+from vbs.errors import InvalidParameter
 from vbs.pools.exports import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "check_size"]
+
+_SECTOR = 512
+
+
+def check_size(size_bytes: object) -> None:
+    """A size the contract takes: a positive whole number of 512-byte sectors (``InvalidParameter`` else)."""
+    if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % _SECTOR:
+        raise InvalidParameter(f"Invalid size: {size_bytes!r} (expecting a positive multiple of 512 bytes)")
 
 
 @runtime_checkable

@@ -26,7 +26,6 @@ NO_REFLINK = {errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.E
 # The agent runs as root in a directory it owns: never follow a link planted there.
 OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
 _PROBE_PREFIX = ".vbs-reflink-probe-"
-_SECTOR = 512
 
 
 def partial_of(final: Path) -> Path:
@@ -59,11 +58,6 @@ def refusal(action: str, size_bytes: int, exc: OSError) -> VbsError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientCapacity(f"{action}: the pool is out of space ({exc.strerror})")
     return DriverError(f"{action}: {exc.strerror}")
-
-
-def check_size(size_bytes: object) -> None:
-    if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0 or size_bytes % _SECTOR:
-        raise InvalidParameter(f"Invalid size: {size_bytes!r} (expecting a positive multiple of 512 bytes)")
 
 
 def create_sparse(final: Path, size_bytes: int, *, publish_it: bool = True, at: Path | None = None) -> None:

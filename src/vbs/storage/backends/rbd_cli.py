@@ -183,6 +183,11 @@ class RbdTools:
             raise DriverError(f"pool {self.name}: rbd info {image[-1]}: no size")
         return info
 
+    def image_size(self, image: str) -> int | None:
+        """The size of a named image, or None if it is absent."""
+        info = self.info(self.spec(image))
+        return None if info is None else int(info["size"])
+
     def listing(self) -> Listing:
         listing = parse_listing(self.rbd("ls", "-l", "--format", "json", self.rbd_pool))
         for entry in parse_trash(self.rbd("trash", "ls", "--all", "--format", "json", self.rbd_pool)):
