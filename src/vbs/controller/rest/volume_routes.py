@@ -52,8 +52,7 @@ def volume_routes(r: APIRouter) -> None:
                          svc: Controller = Depends(services), who: Principal = Depends(caller)) -> Response:
         # Encoded from plain dicts (describe_volumes_req.VolumePage): no model per volume, no second validation.
         page = describe_volumes_req.volume_page(svc, who.tenant, volume_id, parse_filters(filter), max_results,
-                                                next_token,
-                                   deleted_by_id=True)
+                                                next_token, deleted_by_id=True)
         return Response(page.json(), media_type="application/json")
 
     @r.get("/volumes/{volume_id}", response_model=VolumeOut, tags=["volumes"])
