@@ -174,5 +174,5 @@ def test_discovery_without_credentials_reveals_no_volume_id(make_driver: Callabl
     again = IscsiExportDriver(drv.state_dir, port=drv.port, control_port=drv.control_port)
     assert [again.iqn(vol) for vol in VOLS[:3]] == [drv.iqn(vol) for vol in VOLS[:3]]
     assert [drv._access.key_of(drv.iqn(vol)) for vol in VOLS[:3]] == VOLS[:3]
-    assert drv._key_of(f"{drv.iqn_prefix}:{VOLS[0]}") is None  # a name not sealed by this node is not ours
+    assert drv._access.key_of(f"{drv.iqn_prefix}:{VOLS[0]}") is None  # a name not sealed by this node is not ours
     assert (drv.state_dir / "iqn.key").stat().st_mode & 0o077 == 0

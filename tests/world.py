@@ -58,6 +58,7 @@ import httpx
 from tests.conftest import Services, wait_until
 from vbs.qemu.qmp import QmpClient
 from vbs.storage.exports.iscsi import IscsiExportDriver, parse_targets
+from vbs.storage.exports.iscsi.access import Access
 
 GIB = 1 << 30
 IQN_PREFIX = "iqn.2026-11.org.vbs"
@@ -493,14 +494,14 @@ def _check_exports(spec: WorldSpec, db: Db, v: Verdict) -> Exports:
             if iqn.startswith(IQN_PREFIX + ":")}
         accounts_out = tgtadm(spec.iscsi_control, socket_base, "--mode", "account", "--op", "show")
         accounts = {line.strip() for line in accounts_out.splitlines()[1:] if line.strip()}
-        want_targets = {f"{IQN_PREFIX}:{vol}" for vol, _ in expected}
+        want_targets = {_target_names(spec).iqn(vol) for vol, _ in expected}
         if set(targets) != want_targets:
             v.add(f"tgtd has targets {sorted(targets)}, expected {sorted(want_targets)}")
         want_users = {IscsiExportDriver.chap_user(vol, host) for vol, host in expected}
         if accounts != want_users:
             v.add(f"tgtd has CHAP accounts {sorted(accounts)}, expected {sorted(want_users)}")
         for vol, host in sorted(expected):
-            t = targets.get(f"{IQN_PREFIX}:{vol}")
+            t = targets.get(_target_names(spec).iqn(vol))
             if t is None:
                 continue
             luns = {n: lun for n, lun in t.luns.items() if n != 0}
@@ -574,6 +575,11 @@ def _check_vm(spec: WorldSpec, db: Db, host: str, vm_id: str, socket: Path, expo
             v.remnants.add((host, vm_id, volume_id))
 
 
+def _target_names(spec: WorldSpec) -> Access:
+    """The storage agent's iSCSI target names: a volume id sealed under its node's key (iscsi/iqn.key)."""
+    return Access(None, IQN_PREFIX, spec.state_dir, spec.state_dir / "iscsi")  # type: ignore[arg-type]
+
+
 def _check_connection(spec: WorldSpec, vm_id: str, volume_id: str, host: str, node: dict[str, Any],
                       exports: Exports, v: Verdict) -> None:
     filename = str(node.get("file", ""))
@@ -584,7 +590,7 @@ def _check_connection(spec: WorldSpec, vm_id: str, volume_id: str, host: str, no
             v.add(f"VM {vm_id}: disk of {volume_id} is connected to {filename!r}, the daemon serves {want!r}")
         return
     opts = json.loads(filename[5:]) if filename.startswith("json:") else {}
-    iqn = f"{IQN_PREFIX}:{volume_id}"
+    iqn = _target_names(spec).iqn(volume_id)
     target = exports.iscsi.get(iqn)
     ok = (node.get("drv") == "iscsi" and opts.get("target") == iqn and target is not None
           and int(opts.get("lun", -1)) in target.luns and opts.get("user") in target.accounts)

@@ -98,9 +98,9 @@ class ControllerConfig(_Service):
     enforce_type_limits: bool = False
     # Requests in progress at once (then 503 RequestLimitExceeded), each budget on its own: per client
     # address, per access key, per tenant, and per agent node (heartbeats share nothing with users).
-    max_requests_per_address: int = Field(64, ge=1, le=100_000)
-    max_requests_per_key: int = Field(32, ge=1, le=100_000)
-    max_requests_per_tenant: int = Field(48, ge=1, le=100_000)
+    max_requests_per_address: int = Field(128, ge=1, le=100_000)
+    max_requests_per_key: int = Field(64, ge=1, le=100_000)
+    max_requests_per_tenant: int = Field(96, ge=1, le=100_000)
     max_requests_per_node: int = Field(16, ge=1, le=100_000)
     # A request body must arrive at body_min_rate bytes a second at least once body_grace_s have
     # passed (then 408): a body trickled a byte at a time holds its slot for seconds, not minutes.

@@ -51,9 +51,9 @@ BODY_MIN_RATE = 1024
 BODY_GRACE_S = 2.0
 # Requests in progress at once (then 503): per client address, per access key, per tenant, per
 # node (an agent's calls, which share no budget with users), and for the whole server.
-MAX_REQUESTS_PER_CLIENT = 64
-MAX_REQUESTS_PER_KEY = 32
-MAX_REQUESTS_PER_TENANT = 48
+MAX_REQUESTS_PER_CLIENT = 128
+MAX_REQUESTS_PER_KEY = 64
+MAX_REQUESTS_PER_TENANT = 96
 MAX_REQUESTS_PER_NODE = 16
 MAX_CONCURRENCY = 1024
 
