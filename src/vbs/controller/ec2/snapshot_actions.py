@@ -21,7 +21,7 @@ from vbs.controller.ec2.params import (
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import copy_snapshot as copy_snapshot_req
 from vbs.controller.requests import create_snapshot as create_snapshot_req
-from vbs.controller.requests import create_snapshots as snapshot_sets
+from vbs.controller.requests import create_snapshots as create_snapshots_req
 from vbs.controller.requests import delete_snapshot as delete_snapshot_req
 from vbs.controller.requests import describe_snapshots as describe_snapshots_req
 from vbs.controller.requests import snapshot_permissions as sharing
@@ -94,7 +94,7 @@ def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[st
         "instance_id": instance, "comment": p.str("Description", max_len=255) or "",
         "tags": tags_for(p, "snapshot"), "copy_tags_from_volume": bool(copy_tags), "exclude_volume_ids": excluded})
     dry_run(p)
-    made = snapshot_sets.create_snapshot_set(svc, req, who.tenant)
+    made = create_snapshots_req.create_snapshot_set(svc, req, who.tenant)
     # EC2's SnapshotInfo: a snapshot's fields, its status named state.
     return {"snapshotSet": [{("state" if k == "status" else k): v for k, v in _snapshot(x).items()} for x in made]}
 

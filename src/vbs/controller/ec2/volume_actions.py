@@ -28,7 +28,7 @@ from vbs.controller.requests import create_volume as create_volume_req
 from vbs.controller.requests import delete_volume as delete_volume_req
 from vbs.controller.requests import describe_volumes as describe_volumes_req
 from vbs.controller.requests import detach_volume as detach_volume_req
-from vbs.controller.requests import modify_volume as modifications
+from vbs.controller.requests import modify_volume as modify_volume_req
 from vbs.controller.resolvers import is_cloud_ref
 from vbs.controller.rest.schemas.volumes import (
     AttachmentOut,
@@ -201,7 +201,7 @@ def modify_volume(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
             "multi_attach": p.bool("MultiAttachEnabled") if "MultiAttachEnabled" in p else None}
     req = validated(ModifyVolumeRequest, {k: v for k, v in data.items() if v is not None})
     dry_run(p)
-    return {"volumeModification": _modification(modifications.modify_volume(svc, vol_id, req, who.tenant))}
+    return {"volumeModification": _modification(modify_volume_req.modify_volume(svc, vol_id, req, who.tenant))}
 
 
 def describe_volumes_modifications(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def describe_volumes_modifications(svc: Controller, p: QueryParams, who: Princip
     token = p.str("NextToken", max_len=MAX_TOKEN)
     dry_run(p)
     # EC2 describes the most recent modification of each volume (Terraform relies on one answer).
-    found = modifications.describe_modifications(svc, who.tenant, vol_ids, filters, max_results, token,
+    found = modify_volume_req.describe_modifications(svc, who.tenant, vol_ids, filters, max_results, token,
                                                  latest_only=True)
     return {"volumeModificationSet": [_modification(m) for m in found.modifications],
             "nextToken": found.next_token}

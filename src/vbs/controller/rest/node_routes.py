@@ -13,8 +13,8 @@ from vbs.controller.fleet.describe_nodes import (
     drain_storage_node,
 )
 from vbs.controller.requests import describe_instances as describe_instances_req
-from vbs.controller.requests import migrate_instance as live_migrations
-from vbs.controller.requests import migrate_volume as moves
+from vbs.controller.requests import migrate_instance as migrate_instance_req
+from vbs.controller.requests import migrate_volume as migrate_volume_req
 from vbs.controller.requests.filters import page_of
 from vbs.controller.rest.queries import admin, caller, max_results_query, next_token_query, services
 from vbs.controller.rest.schemas.nodes import (
@@ -73,14 +73,14 @@ def node_routes(r: APIRouter) -> None:
                          svc: Controller = Depends(services)) -> InstanceMigrationOut:
         """Live-migrate the instance to another host, its VBS disks with it (admin; the orchestrator started
         the destination VM there with -incoming defer)."""
-        return live_migrations.migrate_instance(svc, instance_id, body)
+        return migrate_instance_req.migrate_instance(svc, instance_id, body)
 
     @r.post("/volumes/{volume_id}/migrate", response_model=MigrationOut, tags=["nodes"],
             dependencies=[Depends(admin)])
     def migrate_volume(volume_id: str, body: MigrateVolumeRequest, svc: Controller = Depends(services),
                        who: Principal = Depends(caller)) -> MigrationOut:
         """Serve the volume from another storage node of the same shared storage (admin; instant for Ceph)."""
-        return moves.migrate_volume(svc, volume_id, body, who.tenant)
+        return migrate_volume_req.migrate_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/region", tags=["nodes"])
     def region(svc: Controller = Depends(services), who: Principal = Depends(caller)) -> dict[str, str]:

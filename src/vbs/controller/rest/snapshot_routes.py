@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from vbs.controller.auth.keys import Principal
 from vbs.controller.requests import copy_snapshot as copy_snapshot_req
 from vbs.controller.requests import create_snapshot as create_snapshot_req
-from vbs.controller.requests import create_snapshots as snapshot_sets
+from vbs.controller.requests import create_snapshots as create_snapshots_req
 from vbs.controller.requests import delete_snapshot as delete_snapshot_req
 from vbs.controller.requests import describe_snapshots as describe_snapshots_req
 from vbs.controller.requests import snapshot_permissions as sharing
@@ -67,7 +67,7 @@ def snapshot_routes(r: APIRouter) -> None:
     def create_snapshot_set(body: CreateSnapshotSetRequest, svc: Controller = Depends(services),
                             who: Principal = Depends(caller)) -> SnapshotSetOut:
         """Snapshots of every volume attached to an instance, taken at one instant (the VM pauses briefly)."""
-        return SnapshotSetOut(snapshots=snapshot_sets.create_snapshot_set(svc, body, who.tenant))
+        return SnapshotSetOut(snapshots=create_snapshots_req.create_snapshot_set(svc, body, who.tenant))
 
     @r.post("/snapshot-copies", response_model=SnapshotOut, tags=["snapshots"])
     def copy_snapshot(body: CopySnapshotRequest, svc: Controller = Depends(services),

@@ -12,7 +12,7 @@ from vbs.controller.requests import create_volume as create_volume_req
 from vbs.controller.requests import delete_volume as delete_volume_req
 from vbs.controller.requests import describe_volumes as describe_volumes_req
 from vbs.controller.requests import detach_volume as detach_volume_req
-from vbs.controller.requests import modify_volume as modifications
+from vbs.controller.requests import modify_volume as modify_volume_req
 from vbs.controller.requests.filters import parse_filters
 from vbs.controller.rest.completion import VOLUME_BUSY
 from vbs.controller.rest.queries import (
@@ -90,12 +90,12 @@ def volume_routes(r: APIRouter) -> None:
     @r.post("/volumes/{volume_id}/modify", response_model=ModificationOut, tags=["volumes"])
     def modify_volume(volume_id: str, body: ModifyVolumeRequest, svc: Controller = Depends(services),
                       who: Principal = Depends(caller)) -> ModificationOut:
-        return modifications.modify_volume(svc, volume_id, body, who.tenant)
+        return modify_volume_req.modify_volume(svc, volume_id, body, who.tenant)
 
     @r.get("/volume-modifications", response_model=ModificationList, tags=["volumes"])
     def describe_modifications(volume_id: list[str] = ids_query(), filter: list[str] = filters_query(),
                                max_results: int | None = max_results_query(),
                                next_token: str | None = next_token_query(), svc: Controller = Depends(services),
                                who: Principal = Depends(caller)) -> ModificationList:
-        return modifications.describe_modifications(svc, who.tenant, volume_id, parse_filters(filter), max_results,
+        return modify_volume_req.describe_modifications(svc, who.tenant, volume_id, parse_filters(filter), max_results,
                                                     next_token)
