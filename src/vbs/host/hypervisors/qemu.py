@@ -42,8 +42,8 @@ from vbs.host.hypervisors import qemu_plug as plug
 from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Vm, our_disks
-from vbs.host.hypervisors.qemu_ids import CopyIds, DiskIds, copy_ids, disk_ids
-from vbs.host.hypervisors.qemu_monitors import PROBE_TIMEOUT, QemuMonitors, disk_stats
+from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
+from vbs.host.hypervisors.qemu_monitors import QemuMonitors
 from vbs.host.hypervisors.qemu_resize import resize
 from vbs.qemu.qmp import QmpGone
 from vbs.qemu.tls import X509Files, qemu_x509_dir
@@ -51,8 +51,7 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, MigrationInfo, QoS, StartMigration, VmInfo
 from vbs.wire.storage import ItemStatus
 
-# The driver, and the names its modules' users have always found here.
-__all__ = ["QemuDriver", "disk_ids", "DiskIds", "copy_ids", "CopyIds", "PROBE_TIMEOUT", "disk_stats"]
+__all__ = ["QemuDriver"]
 
 log = logging.getLogger(__name__)
 
