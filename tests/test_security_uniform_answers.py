@@ -23,7 +23,7 @@ from vbs.trust.credentials import AccessKey
 NEWLINE_VOLUME = "vol-0123456789abcdef0\n"
 NEWLINE_SNAPSHOT = "snap-0123456789abcdef0\n"
 FORM = "application/x-www-form-urlencoded; charset=utf-8"
-EC2_REFUSALS = {"InvalidParameterValue", "InvalidVolume.NotFound", "InvalidSnapshot.NotFound", "InvalidID"}
+EC2_REFUSALS = {"InvalidParameterValue", "InvalidVolumeID.Malformed", "InvalidSnapshotID.Malformed", "InvalidID"}
 
 
 @pytest.fixture(scope="module")

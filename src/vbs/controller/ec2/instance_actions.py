@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vbs.controller.auth.keys import Principal
-from vbs.controller.ec2.params import ACCOUNT_ID, dry_run, matches, tag_set
+from vbs.controller.ec2.params import ACCOUNT_ID, dry_run, instance_id_of, matches, tag_set
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.fleet import describe_nodes
 from vbs.controller.requests import describe_instances as describe_instances_req
@@ -15,7 +15,7 @@ from vbs.errors import InvalidParameter, NotFound
 
 
 def describe_instances(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
-    wanted = set(p.list("InstanceId"))
+    wanted = {instance_id_of(v) for v in p.list("InstanceId")}
     filters = p.filters()
     dry_run(p)
     found = describe_instances_req.describe_instances(svc, who.tenant)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from vbs import ids
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import snapshot_permissions as sharing
-from vbs.errors import InvalidParameter, MissingParameter, NotFound, VbsError
+from vbs.errors import InvalidParameter, MissingParameter, VbsError
 
 ACCOUNT_ID = sharing.DEFAULT_ACCOUNT_ID
 MAX_TOKEN = 160
@@ -46,21 +46,28 @@ def validated(model: type[Any], data: dict[str, Any]) -> Any:
 
 
 def volume_id_of(value: str | None, name: str = "VolumeId") -> str:
-    return _id_of(value, name, "volume", "vol-", "InvalidVolume.NotFound")
+    return _id_of(value, name, "volume", "vol-", "InvalidVolumeID.Malformed")
 
 
 def snapshot_id_of(value: str | None, name: str = "SnapshotId") -> str:
-    return _id_of(value, name, "snapshot", "snap-", "InvalidSnapshot.NotFound")
+    return _id_of(value, name, "snapshot", "snap-", "InvalidSnapshotID.Malformed")
 
 
-def _id_of(value: str | None, name: str, kind: str, prefix: str, not_found: str) -> str:
-    """The id in parameter ``name``: missing, not of ``kind`` (its prefix), or one that cannot exist."""
+def instance_id_of(value: str | None, name: str = "InstanceId") -> str:
+    """An ``i-`` id; a cloud's ``SCHEME:ID`` is the attach action's to accept (it knows the resolvers)."""
     if not value:
         raise MissingParameter(f"The request must contain the parameter {name}.")
-    if not value.startswith(prefix):
-        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "{prefix}...")')
+    if not ids.is_valid("instance", value):
+        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "i-...")', code="InvalidInstanceID.Malformed")
+    return value
+
+
+def _id_of(value: str | None, name: str, kind: str, prefix: str, malformed: str) -> str:
+    """The id in parameter ``name``: missing, or malformed (not of ``kind``'s prefix and shape) as EC2 says."""
+    if not value:
+        raise MissingParameter(f"The request must contain the parameter {name}.")
     if not ids.is_valid(kind, value):
-        raise NotFound(f"The {kind} '{value[:64]}' does not exist.", code=not_found)
+        raise InvalidParameter(f'Invalid id: "{value[:64]}" (expecting "{prefix}...")', code=malformed)
     return value
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vbs import ids
 from vbs.controller.auth.keys import Principal
 from vbs.controller.ec2.params import (
     MAX_TOKEN,
     act_unless_dry_run,
     dry_run,
+    instance_id_of,
     page_size,
     snapshot_id_of,
     tag_set,
@@ -82,9 +82,7 @@ def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[
 def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     """A crash-consistent set of the instance's volumes. VBS volumes are never an instance's boot disk, so
     ExcludeBootVolume changes nothing."""
-    instance = str(p.str("InstanceSpecification.InstanceId", required=True, max_len=64))
-    if not ids.is_valid("instance", instance):
-        raise InvalidParameter(f"Invalid id: \"{instance[:64]}\"", code="InvalidInstanceID.Malformed")
+    instance = instance_id_of(p.str("InstanceSpecification.InstanceId", max_len=64), "InstanceSpecification.InstanceId")
     excluded = [volume_id_of(v, "ExcludeDataVolumeId") for v in p.list("InstanceSpecification.ExcludeDataVolumeId")]
     p.bool("InstanceSpecification.ExcludeBootVolume")
     copy_tags = p.str("CopyTagsFromSource", max_len=16)
