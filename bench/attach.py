@@ -235,7 +235,7 @@ def nodelay_on_export_daemon(data_dir: Path) -> str:
 
 # What each --hypervisor runs: the host agent's flags.
 HYPERVISORS = {"qemu": ["--hypervisor", "qemu"], "libvirt": ["--hypervisor", "libvirt"],
-               "command": ["--hypervisor", "command", "--profile", "virsh-path"]}
+               "command": ["--hypervisor", "command", "--hypervisor-profile", "virsh-path"]}
 
 
 def run_protocol(export: str, cycles: int, work: Path, hypervisor: str = "qemu",

@@ -28,8 +28,8 @@ from vbs.cli.argv_hoisting import hoist_global_options
     (["--endpoint", "http://x", "describe-volumes", "--output=text"],
      ["--endpoint", "http://x", "--output=text", "describe-volumes"]),
     (["create-volume", "--comment", "x", "--", "--output"], ["create-volume", "--comment", "x", "--", "--output"]),
-    (["host-agent", "--profile", "virsh", "--output", "json"],
-     ["host-agent", "--profile", "virsh", "--output", "json"]),
+    (["host-agent", "--hypervisor-profile", "virsh", "--output", "json"],
+     ["host-agent", "--hypervisor-profile", "virsh", "--output", "json"]),
     ([], []),
 ])
 def test_global_options_move_before_the_command(argv: list[str], expected: list[str]) -> None:
@@ -98,6 +98,26 @@ def test_the_readme_line_and_friends_work_as_typed(vbs: Vbs, tmp_path: Path) -> 
     assert bad.returncode == 2 and "--query" in bad.stderr
     bad = run_cli(vbs, "describe-volumes", "--output", "xml")
     assert bad.returncode == 2 and "--output must be one of" in bad.stderr
+
+
+@pytest.mark.integration
+def test_errors_speak_the_options_typed_and_hints_name_the_command(vbs: Vbs) -> None:
+    """The API's errors name its fields (size_gib); the CLI says them as the options the user typed."""
+    before = sorted(v["volume_id"] for v in vbs.all_volumes())
+    cases = [(("create-volume", "--size", "999999"), "--size", "size_gib"),
+             (("create-volume",), "--size (or --snapshot)", "size_gib"),
+             (("create-volume", "--size", "1", "--type", "gp9"), "--type", "volume_type"),
+             (("create-volume", "--snapshot", "snap-0123456789abcdef0"), "snap-0123456789abcdef0", "snapshot_id")]
+    for args, said, unsaid in cases:
+        r = run_cli(vbs, *args)
+        assert r.returncode == 1 and said in r.stderr and unsaid not in r.stderr, (args, r.stderr)
+    r = run_cli(vbs, "delete-volume", "vol-0123456789abcdef0")
+    assert "InvalidVolume.NotFound" in r.stderr and "(hint: vbs describe-volumes lists" in r.stderr, r.stderr
+    r = run_cli(vbs, "delete-snapshot", "snap-0123456789abcdef0")
+    assert "InvalidSnapshot.NotFound" in r.stderr and "(hint: vbs describe-snapshots lists" in r.stderr, r.stderr
+    r = run_cli(vbs, "describe-volumes", "--filter", "zone=a")
+    assert r.returncode == 1 and "availability-zone" in r.stderr, r.stderr
+    assert sorted(v["volume_id"] for v in vbs.all_volumes()) == before
 
 
 def _volume(i: int) -> dict[str, Any]:
@@ -214,6 +234,8 @@ def test_every_wait_shows_a_progress_bar_on_a_terminal(vbs: Vbs) -> None:
     assert "creating" in made and "100%" in made and "0:00:0" in made, made
     modified = on_a_terminal("modify-volume", vol, "--size", "2", "--wait")
     assert f"modifying {vol}" in modified and "100%" in modified, modified
+    # A table like its siblings', with the real original figures (gp3's nominal 3000 IOPS, not "none").
+    assert "1 GiB → 2 GiB" in modified and "3000" in modified and "{" not in modified, modified
     snapped = on_a_terminal("create-snapshot", vol, "--wait")
     assert "100%" in snapped and "snapshot snap-" in snapped, snapped
     deleted = on_a_terminal("delete-volume", vol, "--wait")

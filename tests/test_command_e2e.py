@@ -1,5 +1,5 @@
 """Attach and detach for real through the ``command`` hypervisor driver and the shipped ``virsh-path``
-profile: ``vbs up --hypervisor command --profile virsh-path`` (NBD or iSCSI with CHAP), a libvirtd
+profile: ``vbs up --hypervisor command --hypervisor-profile virsh-path`` (NBD or iSCSI with CHAP), a libvirtd
 started by the test, the test guest as transient TCG domains.
 
 The profile gives libvirt a local path made by the host's connector (a qemu-storage-daemon serving
@@ -34,7 +34,7 @@ def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
     resolver = lab_profile(tmp, {"lab-1": "host-1 cmd-vm1", "lab-2": "host-1 cmd-vm2"})
     resolvers = json.dumps({"nova": "libvirt-metadata", "lab": f"command:{resolver}"})
     with libvirt_e2e.libvirt_cloud(tmp, request.param, libvirtd, ("cmd-vm1", "cmd-vm2"),
-                                   ["--hypervisor", "command", "--profile", "virsh-path"],
+                                   ["--hypervisor", "command", "--hypervisor-profile", "virsh-path"],
                                    {"VBS_CONTROLLER_RESOLVERS": resolvers}) as c:
         yield c
 
@@ -128,7 +128,8 @@ def virsh_cloud(libvirtd: Libvirtd, tmp_path_factory: pytest.TempPathFactory) ->
     """vbs up with the `virsh` profile: libvirt opens the NBD export itself (`vbs up` serves NBD on a unix
     socket on this machine, plaintext), given to `virsh attach-disk --source-protocol nbd`."""
     with libvirt_e2e.libvirt_cloud(tmp_path_factory.mktemp("command-virsh"), "nbd", libvirtd,
-                                   ("cmdn-vm1", "cmdn-vm1"), ["--hypervisor", "command", "--profile", "virsh"]) as c:
+                                   ("cmdn-vm1", "cmdn-vm1"),
+                                   ["--hypervisor", "command", "--hypervisor-profile", "virsh"]) as c:
         yield c
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 _GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--columns", "--profile", "--region")
 _GLOBAL_FLAGS = ("--no-paginate",)
 
-# Commands that run a service: their options are their own (host-agent has a --profile of its own).
+# Commands that run a service: their options are their own.
 _SERVICES = {"up", "controller", "storage-agent", "host-agent"}
 
 

@@ -196,19 +196,43 @@ def main() -> None:
     except VbsError as exc:
         hint = _auth_hint() if exc.code == "AuthFailure" else (
             _HINTS.get(exc.code) or _HINTS.get(exc.code.split(".")[-1], ""))
-        print(f"error: {exc.code}: {exc.message}{f' (hint: {hint})' if hint else ''}", file=sys.stderr)
+        print(f"error: {exc.code}: {in_cli_words(exc.message)}{f' (hint: {hint})' if hint else ''}",
+              file=sys.stderr)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 
-# What to try next, by error code (the message says what is wrong).
+# What to try next, by error code (the message says what is wrong); a code's last part as a fallback.
 _HINTS = {
-    "NotFound": "the describe command of that kind lists what exists",
+    "InvalidVolume.NotFound": "vbs describe-volumes lists your volumes",
+    "InvalidSnapshot.NotFound": "vbs describe-snapshots lists your snapshots",
+    "InvalidInstanceID.NotFound": "vbs describe-instances lists the VMs with VBS disks",
+    "InvalidOperation.NotFound": "vbs describe-volumes and describe-snapshots name each one's operation",
+    "InvalidAttachment.NotFound": "vbs describe-volumes shows each volume's attachments",
+    "InvalidHost.NotFound": "vbs describe-hosts lists the hypervisor nodes",
+    "InvalidStorageNode.NotFound": "vbs describe-storage-nodes lists the storage nodes",
+    "InvalidPool.NotFound": "vbs describe-storage-nodes lists each node's pools",
+    "InvalidAccessKeyId.NotFound": "vbs describe-keys lists the access keys",
+    "NotFound": "vbs describe-volumes and describe-snapshots list what exists",
     "UnauthorizedOperation": "an admin key can; vbs create-key makes one",
     "AgentUnavailable": "is the controller running? (vbs up starts one; --endpoint points elsewhere)",
     "IncorrectState": "vbs describe-volumes shows its status and attachments",
     "VolumeInUse": "detach it first: vbs detach-volume",
 }
+
+
+# The REST body's fields as this CLI's options name them: an error from the API speaks of the field.
+_FLAGS = {"size_gib": "--size", "volume_type": "--type", "snapshot_id": "--snapshot", "multi_attach": "--multi-attach",
+          "kms_key_id": "--kms-key-id", "client_token": "--client-token", "availability_zone": "--availability-zone",
+          "storage_node": "--storage-node", "instance_id": "--instance", "read_only": "--read-only",
+          "copy_tags_from_volume": "--copy-volume-tags", "exclude_volume_ids": "--exclude",
+          "max_results": "--max-results"}
+_FIELD_RE = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
+
+
+def in_cli_words(message: str) -> str:
+    """``Invalid value for size_gib`` → ``Invalid value for --size``."""
+    return _FIELD_RE.sub(lambda m: _FLAGS[m.group(1)], message)
 
 
 def _auth_hint() -> str:

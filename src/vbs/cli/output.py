@@ -70,6 +70,28 @@ SNAPSHOT_COLUMNS: list[Column] = [
     moment("Started", "started_at"),
 ]
 
+
+
+def _change(before: str, after: str, unit: str = "") -> Callable[[dict[str, Any]], str]:
+    """``gp2 → gp3``; one value where it does not change."""
+    def show(m: dict[str, Any]) -> str:
+        old, new = m.get(before), m.get(after)
+        text = [f"{v}{unit}" if v is not None else "-" for v in (old, new)]
+        return text[1] if old == new else f"{text[0]} → {text[1]}"
+    return show
+
+
+MODIFICATION_COLUMNS: list[Column] = [
+    field("VolumeId", "volume_id"),
+    field("State", "state"),
+    ("Progress", lambda m: f"{m['progress']}%"),
+    ("Size", _change("original_size_gib", "target_size_gib", " GiB")),
+    ("Type", _change("original_volume_type", "target_volume_type")),
+    ("Iops", _change("original_iops", "target_iops")),
+    ("Throughput", _change("original_throughput", "target_throughput", " MB/s")),
+    field("Message", "status_message"),
+]
+
 ATTACHMENT_COLUMNS: list[Column] = [
     field("AttachmentId", "attachment_id"),
     field("VolumeId", "volume_id"),

@@ -124,11 +124,13 @@ def storage_agent(
 
 LibvirtUriOpt = Annotated[str | None, typer.Option(
     help="libvirt hypervisor driver: the libvirt connection URI (default: qemu:///system).")]
+# Not --profile: that is the CLI's named profile, a global option anywhere on the line.
 ProfileOpt = Annotated[str | None, typer.Option(
+    "--hypervisor-profile",
     help="command hypervisor driver: the profile, by name (virsh-path, virsh, xen, proxmox, qemu-monitor, or "
-         "one in --profile-dir) or as a path to a TOML file.")]
+         "one in --hypervisor-profile-dir) or as a path to a TOML file.")]
 ProfileDirOpt = Annotated[list[Path] | None, typer.Option(
-    "--profile-dir", help="command hypervisor driver: where profiles are looked up first (default: "
+    "--hypervisor-profile-dir", help="command hypervisor driver: where profiles are looked up first (default: "
                           "/etc/vbs/profiles); repeatable.")]
 
 
@@ -278,10 +280,10 @@ def _profile_flags(hypervisor: str, profile: str | None, dirs: list[Path]) -> tu
     before anything starts, with the file, line and key or placeholder at fault."""
     if hypervisor != "command":
         if profile is not None or dirs:
-            raise typer.BadParameter("--profile and --profile-dir go with --hypervisor command")
+            raise typer.BadParameter("--hypervisor-profile and --hypervisor-profile-dir go with --hypervisor command")
         return ()
     if profile is None:
-        raise typer.BadParameter("--hypervisor command needs --profile NAME or PATH")
+        raise typer.BadParameter("--hypervisor command needs --hypervisor-profile NAME or PATH")
     from vbs.errors import InvalidParameter
     from vbs.host.hypervisors.command import HYPERVISOR_PROFILES
     from vbs.profiles import DEFAULT_PROFILE_DIR, load_profile
@@ -292,7 +294,8 @@ def _profile_flags(hypervisor: str, profile: str | None, dirs: list[Path]) -> tu
     except InvalidParameter as exc:
         raise typer.BadParameter(exc.message) from exc
     path = str(Path(profile).resolve()) if "/" in profile or profile.endswith(".toml") else profile
-    return ("--profile", path, *(flag for d in resolved for flag in ("--profile-dir", str(d))))
+    return ("--hypervisor-profile", path,
+            *(flag for d in resolved for flag in ("--hypervisor-profile-dir", str(d))))
 
 
 def _security(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> dict[str, Any]:

@@ -118,7 +118,7 @@ def modify_volume(
     if wait:
         mod = watch(latest, first=mod, done=lambda m: m["state"] not in ("modifying", "optimizing"),
                     progress=lambda m: m["progress"], label=f"modifying {volume_id}", show=c.interactive)
-    output.emit(mod, "json")
+    output.emit(mod, c.fmt, output.MODIFICATION_COLUMNS)
     if mod["state"] == "failed":
         raise typer.Exit(1)
 

@@ -214,7 +214,7 @@ def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | No
             raise InvalidParameter(
                 f"The volume size ({size} GiB) must be at least the snapshot size ({snap.volume_size_gib} GiB).")
     if size is None:
-        raise MissingParameter("The request must contain the parameter size_gib (or a snapshot_id).")
+        raise MissingParameter("The request must contain the parameter size_gib (or snapshot_id).")
     if size > svc.cfg.max_volume_gib:
         raise InvalidParameter(f"The volume size {size} GiB exceeds this service's limit of "
                                f"{svc.cfg.max_volume_gib} GiB.")

@@ -104,14 +104,14 @@ def volume_page(svc: Controller, tenant: str, volume_ids: list[str], filters: di
         ids.check("volume", vid)
     limit = flt.page_limit(max_results, volume_ids)
     retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
-    column_filters = {name: values for name, values in filters.items() if name != "availability-zone"}
     history = VolumeState.DELETED in filters.get("status", ()) or (deleted_by_id and bool(volume_ids))
     shown = or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention) if history \
         else Volume.status != VolumeState.DELETED
     # Plain rows, not ORM objects: a page is read once and described, and 1,000 tracked objects cost
     # more to load and to read than the rows themselves.
     stmt = select(*Volume.__table__.columns).where(Volume.tenant == tenant, shown,
-                                                   *flt.where_clauses(column_filters, Volume.id, VOLUME_FILTERS))
+                                                   *flt.where_clauses(filters, Volume.id, VOLUME_FILTERS,
+                                                                      elsewhere=("availability-zone",)))
     if volume_ids:
         stmt = stmt.where(Volume.id.in_(volume_ids))
     stmt = flt.paginate(stmt, Volume.id, limit, next_token)

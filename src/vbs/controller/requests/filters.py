@@ -40,10 +40,14 @@ def where_clauses(
     filters: dict[str, list[str]],
     id_column: Any,
     columns: dict[str, Callable[[list[str]], ColumnElement[bool]]],
+    elsewhere: Iterable[str] = (),
 ) -> list[ColumnElement[bool]]:
-    """SQL conditions for EBS filters: values of one name are OR-ed, names are AND-ed."""
+    """SQL conditions for EBS filters: values of one name are OR-ed, names are AND-ed. Names in ``elsewhere``
+    are the caller's to apply (no clause here); an unknown name is refused with the whole list."""
     clauses: list[ColumnElement[bool]] = []
     for name, values in filters.items():
+        if name in elsewhere:
+            continue
         if name.startswith("tag:"):
             key = name[4:]
             clauses.append(exists().where(Tag.resource_id == id_column, Tag.key == key,
@@ -55,7 +59,7 @@ def where_clauses(
         elif name in columns:
             clauses.append(columns[name](values))
         else:
-            known = ", ".join(sorted([*columns, "tag:KEY", "tag-key", "tag-value"]))
+            known = ", ".join(sorted([*columns, *elsewhere, "tag:KEY", "tag-key", "tag-value"]))
             raise InvalidParameter(f"The filter {name[:80]!r} is invalid; known filters: {known}.")
     return clauses
 

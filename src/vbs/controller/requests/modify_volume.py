@@ -36,8 +36,12 @@ def _out(m: VolumeModification) -> ModificationOut:
         modification_id=m.id, volume_id=m.volume_id, state=m.state, status_message=m.status_message,
         original_size_gib=m.original_size_gib, target_size_gib=m.target_size_gib,
         original_volume_type=m.original_volume_type, target_volume_type=m.target_volume_type,
-        original_iops=m.original_iops, target_iops=m.target_iops, original_throughput=m.original_throughput,
-        target_throughput=m.target_throughput, progress=m.progress, start_time=m.start_time, end_time=m.end_time)
+        # As describe shows them: a limit not given is the type's nominal figure, not "none".
+        original_iops=volume_types.reported_iops(m.original_volume_type, m.original_size_gib, m.original_iops),
+        target_iops=volume_types.reported_iops(m.target_volume_type, m.target_size_gib, m.target_iops),
+        original_throughput=volume_types.reported_throughput(m.original_volume_type, m.original_throughput),
+        target_throughput=volume_types.reported_throughput(m.target_volume_type, m.target_throughput),
+        progress=m.progress, start_time=m.start_time, end_time=m.end_time)
 
 
 def modify_volume(svc: Controller, volume_id: str, req: ModifyVolumeRequest, tenant: str) -> ModificationOut:

@@ -103,7 +103,7 @@ class CommandDriver:
     @classmethod
     def from_config(cls, cfg: HostAgentConfig) -> CommandDriver:
         if not cfg.profile:
-            raise InvalidParameter("the command hypervisor driver needs a profile (--profile NAME or PATH)")
+            raise InvalidParameter("the command hypervisor driver needs a profile (--hypervisor-profile NAME or PATH)")
         profile = load_profile(HYPERVISOR_PROFILES, cfg.profile, cfg.profile_dirs)
         state = cfg.state_dir.resolve() if cfg.state_dir is not None else cfg.vm_dir.resolve() / ".vbs-command"
         return cls(profile, state, x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
