@@ -1,0 +1,25 @@
+"""The snapshot store: point-in-time images of volumes, kept outside the pool (docs/snapshots.md).
+
+Content-addressed chunks (HMAC-SHA256 under a per-tenant key, zstd-compressed, zeros not stored)
+and one self-contained manifest per snapshot, in a directory or an S3 bucket. The storage agent
+reads and writes it; the controller only records which snapshot has a manifest::
+
+    store = DirStore(Path("/srv/vbs/snapshots"))          # or drivers.load("snapshot_store", "s3")
+    key = StoreKey.load_or_create(state_dir / KEY_FILE_NAME)
+    open_store(store, key)                                # a store of this format and this key
+    tenant_key = key.tenant_key("acme")
+    done = upload_snapshot(store, "/pool/snap.raw", size, snapshot_id="snap-…", volume_id="vol-…",
+                           tenant="acme", tenant_key=tenant_key, previous=last_manifest,
+                           changed_blocks=ranges_of_extents(diff))
+    restore_snapshot(store, done.manifest, "/pool/new.raw", tenant_key=tenant_key)
+    delete_snapshot(store, "snap-…")                      # its manifest; chunks go with the next GC
+    collect_garbage(store)                                # unreferenced chunks past the grace period
+    check_store(store, deep=True, tenant_keys=key.tenant_key)
+"""
+
+from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, SnapshotStore
+from vbs.snapshot_store.dir import DirStore
+
+__all__ = [
+    "SnapshotStore", "DirStore", "ObjectInfo", "ObjectMissing",
+]
