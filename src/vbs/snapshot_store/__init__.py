@@ -17,9 +17,21 @@ reads and writes it; the controller only records which snapshot has a manifest::
     check_store(store, deep=True, tenant_keys=key.tenant_key)
 """
 
+from vbs.snapshot_store.blocks import (
+    BlockRange,
+    BlockRef,
+    block_ref,
+    changed_blocks,
+    manifest_blocks,
+    ranges_of_extents,
+)
 from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, SnapshotStore
 from vbs.snapshot_store.dir import DirStore
+from vbs.snapshot_store.format import BLOCK_SIZE, CHUNK_SIZE, FORMAT_VERSION, Manifest
+from vbs.snapshot_store.keys import KEY_FILE_NAME, StoreKey, open_store
 
 __all__ = [
-    "SnapshotStore", "DirStore", "ObjectInfo", "ObjectMissing",
+    "SnapshotStore", "DirStore", "StoreKey", "open_store", "KEY_FILE_NAME", "Manifest", "BlockRange", "BlockRef",
+    "manifest_blocks", "block_ref", "changed_blocks", "ranges_of_extents", "ObjectInfo", "ObjectMissing",
+    "BLOCK_SIZE", "CHUNK_SIZE", "FORMAT_VERSION",
 ]
