@@ -29,6 +29,7 @@ from vbs.snapshot_store.check import CheckReport, Problem, check_store
 from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, SnapshotStore
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.format import BLOCK_SIZE, CHUNK_SIZE, FORMAT_VERSION, Manifest
+from vbs.snapshot_store.gc import GcReport, collect_garbage
 from vbs.snapshot_store.keys import KEY_FILE_NAME, StoreKey, open_store
 from vbs.snapshot_store.manifests import delete_snapshot, find_manifest, load_manifest, snapshot_ids
 from vbs.snapshot_store.restore import RestoreResult, fetch_chunk, restore_snapshot
@@ -36,9 +37,10 @@ from vbs.snapshot_store.upload import UploadResult, upload_snapshot
 from vbs.snapshot_store.volume_io import FileReader, FileWriter, VolumeReader, VolumeWriter
 
 __all__ = [
-    "SnapshotStore", "DirStore", "upload_snapshot", "restore_snapshot", "check_store", "delete_snapshot",
-    "load_manifest", "find_manifest", "snapshot_ids", "fetch_chunk", "StoreKey", "open_store", "KEY_FILE_NAME",
-    "Manifest", "UploadResult", "RestoreResult", "CheckReport", "Problem", "BlockRange", "BlockRef",
-    "manifest_blocks", "block_ref", "changed_blocks", "ranges_of_extents", "ObjectInfo", "ObjectMissing",
-    "VolumeReader", "VolumeWriter", "FileReader", "FileWriter", "BLOCK_SIZE", "CHUNK_SIZE", "FORMAT_VERSION",
+    "SnapshotStore", "DirStore", "upload_snapshot", "restore_snapshot", "collect_garbage", "check_store",
+    "delete_snapshot", "load_manifest", "find_manifest", "snapshot_ids", "fetch_chunk", "StoreKey", "open_store",
+    "KEY_FILE_NAME", "Manifest", "UploadResult", "RestoreResult", "GcReport", "CheckReport", "Problem",
+    "BlockRange", "BlockRef", "manifest_blocks", "block_ref", "changed_blocks", "ranges_of_extents", "ObjectInfo",
+    "ObjectMissing", "VolumeReader", "VolumeWriter", "FileReader", "FileWriter", "BLOCK_SIZE", "CHUNK_SIZE",
+    "FORMAT_VERSION",
 ]
