@@ -1,4 +1,4 @@
-"""Driver registries: backends, exports, hypervisors and instance resolvers are found by name.
+"""Driver registries: backends, exports, hypervisors, instance resolvers and snapshot stores are found by name.
 
 Each family is an entry-point group; the config names the driver (``backend = "file"``,
 ``export = "nbd"``, ``hypervisor = "qemu"``). VBS registers its own drivers in its pyproject; a
@@ -9,7 +9,11 @@ third party ships a driver as a package that declares the same groups, and nothi
 
 The object an entry point names is a driver class with a ``from_config`` class method (see the
 contract of each family: ``vbs.pools.backend``, ``vbs.pools.exports``,
-``vbs.host.hypervisors.base``).
+``vbs.host.hypervisors.base``, ``vbs.snapshot_store.contract``).
+
+VBS's own snapshot stores are also known without their entry points (``_BUILT_IN``): an install
+whose metadata was written before the family existed (an editable install not made again) still
+finds them. Installed entry points of the same name win; tests keep the table equal to pyproject's.
 """
 
 from __future__ import annotations
@@ -21,18 +25,30 @@ from vbs.errors import DriverError, InvalidParameter
 
 __all__ = ["Family", "GROUPS", "load", "available"]
 
-Family = Literal["backend", "export", "hypervisor", "resolver"]
+Family = Literal["backend", "export", "hypervisor", "resolver", "snapshot_store"]
 
 GROUPS: dict[Family, str] = {
     "backend": "vbs.backends",
     "export": "vbs.exports",
     "hypervisor": "vbs.hypervisors",
     "resolver": "vbs.resolvers",
+    "snapshot_store": "vbs.snapshot_stores",
+}
+
+_BUILT_IN: dict[Family, dict[str, str]] = {
+    "snapshot_store": {
+        "dir": "vbs.snapshot_store.dir:DirStore",
+        "s3": "vbs.snapshot_store.s3:S3Store",
+    },
 }
 
 
 def _entry_points(family: Family) -> list[EntryPoint]:
-    return list(entry_points(group=GROUPS[family]))
+    group = GROUPS[family]
+    installed = list(entry_points(group=group))
+    names = {ep.name for ep in installed}
+    return installed + [EntryPoint(name, value, group) for name, value in _BUILT_IN.get(family, {}).items()
+                        if name not in names]
 
 
 def available(family: Family) -> list[str]:

@@ -34,6 +34,10 @@ __all__ = [
     "UnauthorizedOperation",
     "LimitExceeded",
     "VolumeSnapshotLimitExceeded",
+    "SnapshotStoreUnavailable",
+    "SnapshotDataError",
+    "ChunkMissing",
+    "ChunkCorrupt",
     "from_body",
 ]
 
@@ -212,3 +216,30 @@ class VolumeSnapshotLimitExceeded(LimitExceeded):
     """One volume has as many snapshots as its pool allows (RBD: 450 an image); none was made."""
 
     code = "VolumeSnapshotLimitExceeded"
+
+
+class SnapshotStoreUnavailable(RetryLater):
+    """The snapshot store (a directory, an S3 bucket) could not be reached or did not answer in time;
+    nothing is known to be wrong with what it holds, and the same call may succeed later."""
+
+    code = "SnapshotStoreUnavailable"
+
+
+class SnapshotDataError(VbsError):
+    """What the snapshot store holds for a snapshot is not what its manifest promises; the message and
+    the fields name the snapshot and the chunk. Never retried: the data itself is wrong."""
+
+    code = "SnapshotDataError"
+    status = 500
+
+
+class ChunkMissing(SnapshotDataError):
+    """A chunk a manifest lists is not in the store."""
+
+    code = "SnapshotDataError.ChunkMissing"
+
+
+class ChunkCorrupt(SnapshotDataError):
+    """A chunk is in the store but its bytes do not decode, or do not hash to its id."""
+
+    code = "SnapshotDataError.ChunkCorrupt"

@@ -1,0 +1,105 @@
+"""The snapshot store contract: a flat namespace of immutable objects, by key.
+
+A driver (``dir``, ``s3``, or a third party's, found through ``vbs.drivers``) knows nothing of
+snapshots: it puts, gets, heads, deletes and lists objects. What the objects mean (chunks,
+manifests, upload markers) is ``vbs.snapshot_store.format``'s and the layout is docs/snapshots.md's.
+
+Promises every driver keeps:
+- ``put`` is atomic: a reader sees the whole new object or none of it (never half), and once ``put``
+  returns the object is durable; a ``put`` of an existing key replaces it whole (and makes it young
+  again: ``modified`` is the time of the last ``put``).
+- reads after a write see it, and so do listings (S3 and RADOS Gateway are strongly consistent; a
+  directory is, on one machine).
+- ``delete`` of a missing key succeeds.
+- the store's own trouble (unreachable, timed out, throttled after retries) raises
+  ``SnapshotStoreUnavailable``, which callers may retry; a missing key on ``get`` raises
+  ``ObjectMissing``; anything else wrong with the store's configuration is a ``DriverError``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from vbs.errors import InvalidParameter, NotFound
+
+__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix"]
+
+# Keys are made by vbs.snapshot_store.format; this only keeps a bad one from escaping a directory or
+# a bucket prefix. Segments start with a letter or digit, so "." and ".." (and hidden temp files) never match.
+_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_KEY_RE = re.compile(rf"{_SEGMENT}(/{_SEGMENT}){{0,7}}")
+_PREFIX_RE = re.compile(rf"({_SEGMENT}/){{0,7}}({_SEGMENT})?")
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a well-formed object key (``chunks/ab/ab12…``), else ``InvalidParameter``."""
+    if not _KEY_RE.fullmatch(key):
+        raise InvalidParameter(f"invalid snapshot store key {key[:80]!r}")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it is a well-formed listing prefix (``""``, ``"manifests/"``, ``"chunks/a"``)."""
+    if not _PREFIX_RE.fullmatch(prefix):
+        raise InvalidParameter(f"invalid snapshot store prefix {prefix[:80]!r}")
+    return prefix
+
+
+class ObjectMissing(NotFound):
+    """The store holds no object of this key."""
+
+    code = "SnapshotStore.ObjectMissing"
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the snapshot store holds no object {key}", key=key)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object as a listing or a head shows it: its key, its size in bytes and the time (seconds
+    since the epoch, by the store's clock) of its last ``put``."""
+
+    key: str
+    size: int
+    modified: float
+
+
+@runtime_checkable
+class SnapshotStore(Protocol):
+    """A place that keeps snapshot objects: a directory, an S3 bucket (under a prefix)."""
+
+    name: str
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], *, default_dir: Path) -> SnapshotStore:
+        """The store ``options`` describe (the driver's own settings, validated by the driver; an
+        error names the setting, never its value). ``default_dir`` is where a store that keeps files
+        keeps them when the options do not say (``<data-dir>/snapshots``)."""
+        ...
+
+    def describe(self) -> str:
+        """Where the store is, for logs and errors: never a secret (``s3://bucket/prefix at URL``)."""
+        ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ``ObjectMissing`` if there is none."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's size and age, or None if there is none."""
+        ...
+
+    def has(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in no promised order."""
+        ...

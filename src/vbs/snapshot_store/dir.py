@@ -1,0 +1,170 @@
+"""The ``dir`` snapshot store: objects as files under one directory (another disk, an NFS mount).
+
+A key's ``/`` are directories (``chunks/ab/ab12…`` is a file in one of 256 fan-out directories, so
+no directory holds millions of entries). Every put writes a hidden temp file beside the target,
+fsyncs it, renames it into place and fsyncs the directory: a crash leaves the old object or the new
+one, never half of one, and a put that returned is on the disk. Directories are 0700 and files 0600:
+a store holds every tenant's data. Temp files a crash left behind start with a dot; nothing reads
+them, and docs/snapshots.md says how to clear them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from vbs.errors import DriverError, InvalidParameter, SnapshotStoreUnavailable
+from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix
+
+__all__ = ["DirStore", "DirStoreOptions"]
+
+# The store's own trouble, which a later try may not have: the disk or the mount went away.
+_UNAVAILABLE = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.ETIMEDOUT, errno.EROFS, errno.ENOTCONN}
+
+
+class DirStoreOptions(BaseModel):
+    """``[storage_agent.snapshot_store]`` of a ``dir`` store: where (default ``<data-dir>/snapshots``)."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True, frozen=True)
+
+    path: Path | None = None
+
+
+class DirStore:
+    """A snapshot store in a directory."""
+
+    name = "dir"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._error(exc, "make") from exc
+        if not self.root.is_dir():
+            raise DriverError(f"the snapshot store {self.root} is not a directory")
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], *, default_dir: Path) -> DirStore:
+        try:
+            parsed = DirStoreOptions.model_validate(dict(options))
+        except ValidationError as exc:
+            fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in exc.errors())
+            raise InvalidParameter(f"invalid dir snapshot store settings: {fields}") from None
+        return cls(parsed.path or default_dir)
+
+    def describe(self) -> str:
+        return f"dir:{self.root}"
+
+    def __repr__(self) -> str:
+        return f"DirStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def _error(self, exc: OSError, what: str, key: str = "") -> Exception:
+        where = f"{self.root}/{key}" if key else str(self.root)
+        if exc.errno in _UNAVAILABLE:
+            return SnapshotStoreUnavailable(f"the snapshot store {self.root} could not {what} {key or 'itself'}: "
+                                            f"{exc.strerror}", store=self.describe())
+        return DriverError(f"the snapshot store could not {what} {where}: {exc.strerror or exc}")
+
+    def _make_dirs(self, directory: Path) -> None:
+        missing: list[Path] = []
+        while directory != self.root and not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                continue
+            _fsync_dir(d.parent)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            self._make_dirs(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._error(exc, "write", key) from exc
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectMissing(key) from None
+        except OSError as exc:
+            raise self._error(exc, "read", key) from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise self._error(exc, "stat", key) from exc
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def has(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except NotADirectoryError:
+            return
+        except OSError as exc:
+            raise self._error(exc, "delete", key) from exc
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        head, _, partial = prefix.rpartition("/")
+        start = self.root.joinpath(*head.split("/")) if head else self.root
+        yield from self._walk(start, head, partial)
+
+    def _walk(self, directory: Path, key_dir: str, partial: str) -> Iterator[ObjectInfo]:
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise self._error(exc, "list", key_dir) from exc
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.startswith(partial):
+                continue  # a put's temp file, or outside the prefix
+            key = f"{key_dir}/{entry.name}" if key_dir else entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    yield from self._walk(Path(entry.path), key, "")
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+            except FileNotFoundError:
+                continue  # deleted while listed
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the names in ``directory`` (a rename, a new entry) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,83 @@
+"""Manifests and upload markers in a store: load, save, list, delete.
+
+Deleting a snapshot deletes its manifest (and a marker an unfinished upload left): nothing else.
+Its chunks stay until garbage collection finds no manifest that lists them (``gc.collect_garbage``),
+so deleting one snapshot never touches another's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from vbs import ids
+from vbs.errors import NotFound
+from vbs.snapshot_store.contract import ObjectMissing, SnapshotStore
+from vbs.snapshot_store.format import (
+    MANIFESTS,
+    UPLOADS,
+    Manifest,
+    UploadMarker,
+    decode_manifest,
+    decode_marker,
+    encode_manifest,
+    encode_marker,
+    manifest_key,
+    marker_key,
+)
+
+__all__ = ["load_manifest", "find_manifest", "save_manifest", "snapshot_ids", "delete_snapshot", "load_marker",
+           "save_marker", "markers"]
+
+
+def find_manifest(store: SnapshotStore, snapshot_id: str) -> Manifest | None:
+    """The manifest of ``snapshot_id``, or None if the store has none (a damaged one raises)."""
+    try:
+        return decode_manifest(store.get(manifest_key(snapshot_id)), snapshot_id)
+    except ObjectMissing:
+        return None
+
+
+def load_manifest(store: SnapshotStore, snapshot_id: str) -> Manifest:
+    manifest = find_manifest(store, snapshot_id)
+    if manifest is None:
+        raise NotFound(f"the snapshot store {store.describe()} has no manifest of {snapshot_id}",
+                       code="InvalidSnapshot.NotFound", snapshot_id=snapshot_id)
+    return manifest
+
+
+def save_manifest(store: SnapshotStore, manifest: Manifest) -> None:
+    store.put(manifest_key(manifest.snapshot_id), encode_manifest(manifest))
+
+
+def snapshot_ids(store: SnapshotStore) -> list[str]:
+    """Every snapshot the store holds a manifest of."""
+    found = (info.key[len(MANIFESTS):] for info in store.list(MANIFESTS))
+    return sorted(s for s in found if ids.is_valid("snapshot", s))
+
+
+def delete_snapshot(store: SnapshotStore, snapshot_id: str) -> None:
+    """Forget ``snapshot_id``: its manifest and any upload marker. Idempotent."""
+    store.delete(manifest_key(snapshot_id))
+    store.delete(marker_key(snapshot_id))
+
+
+def load_marker(store: SnapshotStore, snapshot_id: str) -> UploadMarker | None:
+    try:
+        return decode_marker(store.get(marker_key(snapshot_id)), snapshot_id)
+    except ObjectMissing:
+        return None
+
+
+def save_marker(store: SnapshotStore, marker: UploadMarker) -> None:
+    store.put(marker_key(marker.snapshot_id), encode_marker(marker))
+
+
+def markers(store: SnapshotStore) -> Iterator[UploadMarker]:
+    """Every upload marker in the store (a marker deleted while listed is skipped)."""
+    for info in store.list(UPLOADS):
+        snapshot_id = info.key[len(UPLOADS):]
+        if not ids.is_valid("snapshot", snapshot_id):
+            continue
+        marker = load_marker(store, snapshot_id)
+        if marker is not None:
+            yield marker

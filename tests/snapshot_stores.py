@@ -1,0 +1,171 @@
+"""What the snapshot store tests share: a store of each driver (a directory; an S3 bucket on moto's S3
+server on a free loopback port), a store that counts and intercepts calls, and volumes of known bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from vbs.snapshot_store.contract import ObjectInfo, SnapshotStore
+from vbs.snapshot_store.dir import DirStore
+from vbs.snapshot_store.s3 import S3Store
+
+__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET"]
+
+MiB = 1024 * 1024
+# moto accepts any key; this one must never show up in anything a store prints.
+FAKE_SECRET = "s3cr3t-" + "x" * 33
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1, on a port the OS picked; stopped at the end of the session."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@functools.cache
+def _admin(endpoint: str) -> Any:
+    """One client per server to make buckets with (a boto3 client takes a while to make)."""
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="AKIAVBSTEST",
+                        aws_secret_access_key=FAKE_SECRET)
+
+
+def s3_store(endpoint: str, tmp_path: Path, prefix: str = "vbs") -> S3Store:
+    """A new bucket on ``endpoint`` and a store in it, its credentials in a 0600 file."""
+    creds = tmp_path / "s3-credentials"
+    creds.write_text(f"[default]\naws_access_key_id = AKIAVBSTEST\naws_secret_access_key = {FAKE_SECRET}\n")
+    creds.chmod(0o600)
+    bucket = f"vbs-{secrets.token_hex(6)}"
+    _admin(endpoint).create_bucket(Bucket=bucket)
+    return S3Store.from_config({"endpoint_url": endpoint, "bucket": bucket, "prefix": prefix,
+                                "region": "us-east-1", "credentials_file": str(creds)}, default_dir=tmp_path)
+
+
+@pytest.fixture(params=["dir", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotStore:
+    """The same tests against each driver."""
+    if request.param == "dir":
+        return DirStore.from_config({}, default_dir=tmp_path / "snapshots")
+    endpoint: str = request.getfixturevalue("moto_endpoint")
+    return s3_store(endpoint, tmp_path)
+
+
+class Recording:
+    """A store that counts every call by name and key kind, and can run a hook after a call
+    (``after["has"] = fn(key, result)``), fail one (``fail_put_after = N``: the N+1th chunk put raises)
+    or hold chunk puts until ``hold_puts_until`` of them are in flight at once (10 s at most)."""
+
+    name = "recording"
+
+    def __init__(self, inner: SnapshotStore) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+        self.keys: dict[str, list[str]] = {}
+        self.after: dict[str, Callable[[str, Any], None]] = {}
+        self.fail_put_after: int | None = None
+        self._lock = threading.Lock()
+        self._moved = threading.Condition(self._lock)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.hold_puts_until = 0
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], *, default_dir: Path) -> Recording:
+        raise NotImplementedError
+
+    def _note(self, call: str, key: str) -> None:
+        with self._lock:
+            kind = key.split("/", 1)[0]
+            self.calls[f"{call} {kind}"] += 1
+            self.keys.setdefault(f"{call} {kind}", []).append(key)
+
+    def _hook(self, call: str, key: str, result: Any) -> None:
+        hook = self.after.get(call)
+        if hook is not None:
+            hook(key, result)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def put(self, key: str, data: bytes) -> None:
+        chunk = key.startswith("chunks/")
+        with self._lock:
+            if self.fail_put_after is not None and chunk:
+                if self.fail_put_after <= 0:
+                    raise OSError("simulated crash")
+                self.fail_put_after -= 1
+            if chunk:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                self._moved.notify_all()
+                self._moved.wait_for(lambda: self.max_in_flight >= self.hold_puts_until, timeout=10)
+        try:
+            self.inner.put(key, data)
+        finally:
+            if chunk:
+                with self._lock:
+                    self.in_flight -= 1
+        self._note("put", key)
+        self._hook("put", key, data)
+
+    def get(self, key: str) -> bytes:
+        self._note("get", key)
+        return self.inner.get(key)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        self._note("head", key)
+        return self.inner.head(key)
+
+    def has(self, key: str) -> bool:
+        self._note("has", key)
+        result = self.inner.has(key)
+        self._hook("has", key, result)
+        return result
+
+    def delete(self, key: str) -> None:
+        self._note("delete", key)
+        self.inner.delete(key)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self._note("list", prefix or "/")
+        return self.inner.list(prefix)
+
+    def count(self, call: str, kind: str = "chunks") -> int:
+        return self.calls[f"{call} {kind}"]
+
+
+def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tuple[int, int], ...] = ()) -> bytes:
+    """A sparse file of ``size`` random bytes (from ``seed``) with ``zero_ranges`` (offset, length) left
+    as holes; returns its bytes."""
+    rng = random.Random(seed)
+    data = bytearray(rng.randbytes(size))
+    for offset, length in zero_ranges:
+        data[offset:offset + length] = bytes(min(length, size - offset))
+    with open(path, "wb") as f:
+        f.truncate(size)
+        pos = 0
+        for offset, length in sorted(zero_ranges) + [(size, 0)]:
+            if offset > pos:
+                f.seek(pos)
+                f.write(data[pos:offset])
+            pos = max(pos, offset + length)
+    os.chmod(path, 0o600)
+    return bytes(data)
