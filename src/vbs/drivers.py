@@ -10,10 +10,6 @@ third party ships a driver as a package that declares the same groups, and nothi
 The object an entry point names is a driver class with a ``from_config`` class method (see the
 contract of each family: ``vbs.pools.backend``, ``vbs.pools.exports``,
 ``vbs.host.hypervisors.base``, ``vbs.snapshot_store.contract``).
-
-VBS's own snapshot stores are also known without their entry points (``_BUILT_IN``): an install
-whose metadata was written before the family existed (an editable install not made again) still
-finds them. Installed entry points of the same name win; tests keep the table equal to pyproject's.
 """
 
 from __future__ import annotations
@@ -35,20 +31,9 @@ GROUPS: dict[Family, str] = {
     "snapshot_store": "vbs.snapshot_stores",
 }
 
-_BUILT_IN: dict[Family, dict[str, str]] = {
-    "snapshot_store": {
-        "dir": "vbs.snapshot_store.dir:DirStore",
-        "s3": "vbs.snapshot_store.s3:S3Store",
-    },
-}
-
 
 def _entry_points(family: Family) -> list[EntryPoint]:
-    group = GROUPS[family]
-    installed = list(entry_points(group=group))
-    names = {ep.name for ep in installed}
-    return installed + [EntryPoint(name, value, group) for name, value in _BUILT_IN.get(family, {}).items()
-                        if name not in names]
+    return list(entry_points(group=GROUPS[family]))
 
 
 def available(family: Family) -> list[str]:
