@@ -147,7 +147,7 @@ class Targets:
             raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
 
     def _direct_ok(self, path: str) -> bool:
-        """Whether the file system takes O_DIRECT (tmpfs does not; tgtd would then fail the LUN)."""
+        """Whether the file system takes O_DIRECT (tmpfs before Linux 6.6 does not; tgtd would then fail the LUN)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError as exc:
