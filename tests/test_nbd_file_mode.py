@@ -70,3 +70,22 @@ def test_a_copy_target_is_buffered_by_choice_and_says_nothing(caplog: pytest.Log
         assert not [r for r in caplog.records if "page cache instead of O_DIRECT" in r.getMessage()]
         chains.add_file_node("v", "/pool/vol-2.raw", read_only=False, what="vol-2")
     assert len([r for r in caplog.records if "page cache instead of O_DIRECT" in r.getMessage()]) == 1
+
+
+def test_tgtd_on_a_file_system_without_o_direct_is_said_once_at_info(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The iSCSI export's same case (tgtd's bsoflags=direct refused): once per driver, with what it means."""
+    import errno
+
+    from vbs.storage.exports.iscsi import targets
+
+    def no_direct(path: str, flags: int, *args: Any) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument", path)
+
+    monkeypatch.setattr(targets.os, "open", no_direct)
+    driver = targets.Targets(cast(Any, None), cast(Any, None), lambda: None, direct_io=True, session_grace=1.0)
+    with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.iscsi.targets"):
+        assert [driver._direct_ok(f"/pool/vol-{k}.raw") for k in range(3)] == [False] * 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(told) == 1 and "Nothing needs doing" in told[0] and "page cache" in told[0], told
