@@ -36,7 +36,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table (the reports that go into docs/benchmarks.md)."""
+    """A Markdown table (the reports that go into docs/benchmarks-history.md)."""
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)

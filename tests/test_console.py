@@ -5,7 +5,7 @@ and watches its operation run, filters the table, attaches the volume to the gue
 (the guest sees the disk), snapshots and clones it (the lineage shows), detaches, and bulk-deletes.
 Every effect is checked through the REST API too, not only in the page. Screenshots go to
 ``$VBS_TEST_ARTIFACTS/console`` (default ``tests/artifacts/console``); with ``VBS_DOCS_SCREENSHOT=1``
-the README's ``docs/console.png`` is taken again as well.
+``docs/console.png`` (shown in docs/console.md) is taken again as well.
 
 The unit tests at the top check what needs no browser: the pages hold no inline script and the
 module never parses API data as HTML, and the edge lets the console's files through without a key
@@ -348,7 +348,7 @@ def test_filters_and_columns_narrow_the_table(cloud: Cloud, page: Any) -> None:
 
 @pytest.mark.integration
 def test_attach_to_a_picked_instance_shows_on_the_volume_page_then_detach(cloud: Cloud, page: Any) -> None:
-    # A clone of a snapshot, so that the page also has a lineage to show (the README's screenshot).
+    # A clone of a snapshot, so that the page also has a lineage to show (docs/console.md's screenshot).
     parent = cloud.new_volume(tags={"Name": "db-primary"})
     answer = cloud.vbs.http.post("/v1/snapshots", json={"volume_id": parent, "comment": "nightly"})
     assert answer.status_code == 200, answer.text

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, running_vbs_up
-from vbs.cli.up import Child, _banner
+from vbs.cli.up import Child, _banner, _hypervisor
 from vbs.trust import credentials
 
 
@@ -29,6 +29,7 @@ def test_vbs_up_makes_the_folders_it_names(tmp_path: Path) -> None:
         assert f"export AWS_SHARED_CREDENTIALS_FILE={vbs.data_dir / 'credentials'}" in log
         assert f"[{vbs.endpoint}] of {tmp_path / 'xdg' / 'vbs' / 'credentials'}" in log
         assert f"Web console: {vbs.endpoint}/console" in log
+        assert f"  vbs demo-vm vm1 --data-dir {vbs.data_dir}   # " in log  # the qemu hypervisor, the default
         assert vbs.key.secret_access_key not in log
         # The saved key is the endpoint's under any of the machine's own names.
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("VBS_")},
@@ -62,6 +63,12 @@ def test_the_banner_says_what_to_paste_into_another_shell() -> None:
     assert any(line.startswith("  export AWS_SHARED_CREDENTIALS_FILE=/srv/vbs/var/credentials") for line in lines)
     assert ("Web console: http://127.0.0.1:8770/console (sign in with the access key in "
             "/srv/vbs/var/credentials)") in lines
+    assert not any("demo-vm" in line for line in lines)  # a host agent that finds no QMP sockets
+    qemu = _banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False, demo_vm=True)
+    assert any(line.startswith("  vbs demo-vm vm1 --data-dir /srv/vbs/var   # ") for line in qemu.splitlines())
+    default = _banner(Path("var"), ["http://127.0.0.1:8770"], [agent], Path("var/up.json"), tls=False, demo_vm=True)
+    assert any(line.startswith("  vbs demo-vm vm1   # ") for line in default.splitlines())  # make run's ./var
+    assert _hypervisor(("--hypervisor", "libvirt")) == "libvirt" and _hypervisor(()) == "qemu"
     tls = _banner(data, ["https://127.0.0.1:8770", "https://127.0.0.1:8771"], [agent], data / "up.json", tls=True)
     assert "  export VBS_ENDPOINT=https://127.0.0.1:8770,https://127.0.0.1:8771" in tls.splitlines()
     assert "  export VBS_CA_BUNDLE=/srv/vbs/var/ca.pem" in tls.splitlines()

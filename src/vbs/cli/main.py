@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import admin, nodes, output, services, snapshots, volumes
+from vbs.cli import admin, demo_vm, nodes, output, services, snapshots, volumes
 from vbs.cli.argv_hoisting import asks_help, command_index, hoist_global_options, only_global_options
 from vbs.cli.context import Context
 from vbs.cli.database import db_app
@@ -59,10 +59,10 @@ _ORDER = (
     "share-snapshot", "delete-snapshot", "describe-snapshots", "describe-snapshot", "create-tags", "delete-tags",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
-    "controller", "storage-agent", "host-agent", "up", "node-token", "issue-cert", "rotate-keys",
+    "controller", "storage-agent", "host-agent", "up", "demo-vm", "node-token", "issue-cert", "rotate-keys",
 )
 app.registered_commands = sorted(
-    (command for module in (volumes, nodes, snapshots, admin, services)
+    (command for module in (volumes, nodes, snapshots, admin, services, demo_vm)
      for command in module.commands.registered_commands),
     key=lambda command: _ORDER.index(command.name or ""))
 

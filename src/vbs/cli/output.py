@@ -89,7 +89,7 @@ MODIFICATION_COLUMNS: list[Column] = [
     ("Type", _change("original_volume_type", "target_volume_type")),
     ("Iops", _change("original_iops", "target_iops")),
     ("Throughput", _change("original_throughput", "target_throughput", " MB/s")),
-    field("Message", "status_message"),
+    ("Message", lambda m: m.get("status_message") or ""),
 ]
 
 ATTACHMENT_COLUMNS: list[Column] = [

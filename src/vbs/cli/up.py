@@ -433,7 +433,8 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
             agent.start()
         write_services(services_file, children, ceph)
         _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
-        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd), flush=True)
+        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd,
+                      demo_vm=_hypervisor(host_agent_flags) == "qemu"), flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:
@@ -487,10 +488,18 @@ def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -
     return all(up(nodes, a) for a in storage_agents) and up(hosts, host_agent)
 
 
+def _hypervisor(host_agent_flags: tuple[str, ...]) -> str:
+    """The host agent's hypervisor driver, as its flags name it (``qemu`` when they do not)."""
+    flags = list(host_agent_flags)
+    return flags[flags.index("--hypervisor") + 1] if "--hypervisor" in flags[:-1] else "qemu"
+
+
 def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
-            tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None) -> str:
+            tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None,
+            demo_vm: bool = False) -> str:
     """What ``vbs up`` prints once everything is up: where things are, and the lines to paste into
-    another shell. Keys are named by the 0600 files that hold them, never printed."""
+    another shell. Keys are named by the 0600 files that hold them, never printed. ``demo_vm``: the host
+    agent finds QEMU VMs by their QMP sockets, so ``vbs demo-vm`` gives it one to attach volumes to."""
     where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
              else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
     nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
@@ -508,6 +517,9 @@ def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], s
              f"of {cli_file} (0600)"]
     if tls:
         lines.append(f"  export VBS_CA_BUNDLE={data_dir / 'ca.pem'}")
-    lines += [f"  export AWS_SHARED_CREDENTIALS_FILE={key_file}   # the AWS CLI and boto3: profile default",
-              f"Web console: {endpoints[0]}/console (sign in with the access key in {key_file})"]
+    lines.append(f"  export AWS_SHARED_CREDENTIALS_FILE={key_file}   # the AWS CLI and boto3: profile default")
+    if demo_vm:
+        also = "" if data_dir == Path("var") else f" --data-dir {data_dir}"
+        lines.append(f"  vbs demo-vm vm1{also}   # a small VM to attach volumes to (QEMU, in the background)")
+    lines.append(f"Web console: {endpoints[0]}/console (sign in with the access key in {key_file})")
     return "\n".join(lines)

@@ -223,7 +223,7 @@ def serve(cfg: ControllerConfig) -> None:
     # A thread that gives up the interpreter lock for I/O (every SQL statement, every socket read of a
     # request) waits a whole switch interval to get it back while another thread computes (a
     # reconciliation pass over 100,000 rows): with Python's 5 ms, a create met by a pass waited
-    # 150-300 ms at p99, and 80 ms with this (docs/benchmarks.md, "Control plane").
+    # 150-300 ms at p99, and 80 ms with this (docs/benchmarks-history.md, "Control plane and scale curves").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheme = "https" if tls is not None and tls.serves else "http"
     log.info("controller listening on %s://%s:%d", scheme, cfg.host, cfg.port)

@@ -10,9 +10,10 @@ When the VM has an empty port, the disk goes there, whatever the machine.
 The slot a device sits in is ``02.0`` on a root bus and ``rp1/00.0`` in a port (the port's id, then
 the address on its bus): a live migration's destination puts each disk at the source's slot.
 
-Under TCG the port is also the faster way in (measured, see docs/benchmarks.md): a guest of a ``pc``
-machine evaluates the ACPI ``_PRT`` method of QEMU's i440fx host bridge, a 128-entry AML loop, to
-route the new device's legacy interrupt, 140-290 ms under TCG, before its driver probes.
+Under TCG the port is also the faster way in (measured, docs/benchmarks-history.md "Attach / detach"):
+a guest of a ``pc`` machine evaluates the ACPI ``_PRT`` method of QEMU's i440fx host bridge, a
+128-entry AML loop, to route the new device's legacy interrupt, 140-290 ms under TCG, before its
+driver probes.
 """
 
 from __future__ import annotations

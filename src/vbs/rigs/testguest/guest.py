@@ -28,7 +28,7 @@ from vbs.errors import DriverError, InvalidParameter
 from vbs.qemu.qmp import QmpClient
 from vbs.rigs.testguest.build import GuestImage
 
-__all__ = ["KERNEL_CMDLINE", "TestGuest", "pattern_bytes", "pattern_sha256", "qmp_execute"]
+__all__ = ["KERNEL_CMDLINE", "TestGuest", "pattern_bytes", "pattern_sha256", "qemu_argv", "qmp_execute"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,32 @@ def pattern_sha256(seed: str, mib: int) -> str:
 # IO-APIC can fail ("MP-BIOS bug: 8254 timer not connected to IO-APIC"), and the boot then hung (a
 # libvirt guest of a full make test, 2026-11-27). The check is for broken BIOSes, not for QEMU.
 KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 no_timer_check"
+
+
+def qemu_argv(name: str, image: GuestImage, qmp_path: Path, *, machine: str = "pc", memory_mib: int = 256,
+              root_ports: int = 0, serial: str = "stdio") -> list[str]:
+    """The QEMU command line that boots the test guest ``name`` (TCG) with its QMP monitor at ``qmp_path``,
+    its serial console (the protocol of ``init.sh``) on ``serial`` (a QEMU chardev: ``stdio``,
+    ``unix:PATH,server=on,wait=off``) and ``root_ports`` empty PCIe root ports ``rp1``, ``rp2``, … (a q35
+    machine hot-plugs disks only into those)."""
+    if not 0 <= root_ports <= MAX_ROOT_PORTS:
+        raise InvalidParameter(f"root_ports is 0-{MAX_ROOT_PORTS}, not {root_ports}")
+    return [
+        "qemu-system-x86_64",
+        "-accel", "tcg",
+        "-machine", machine,
+        "-m", str(memory_mib),
+        "-nodefaults",
+        "-display", "none",
+        "-name", name,
+        "-kernel", str(image.kernel),
+        "-initrd", str(image.initrd),
+        "-append", KERNEL_CMDLINE,
+        "-serial", serial,
+        "-qmp", f"unix:{qmp_path},server=on,wait=off",
+        "-no-reboot",
+        *(arg for n in range(1, root_ports + 1) for arg in ("-device", f"pcie-root-port,id=rp{n},chassis={n}")),
+    ]  # fmt: skip
 
 
 class TestGuest:
@@ -113,22 +139,9 @@ class TestGuest:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.qmp_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [
-            "qemu-system-x86_64",
-            "-accel", "tcg",
-            "-machine", self.machine,
-            "-m", str(self.memory_mib),
-            "-nodefaults",
-            "-display", "none",
-            "-name", self.name,
-            "-kernel", str(self.image.kernel),
-            "-initrd", str(self.image.initrd),
-            "-append", KERNEL_CMDLINE,
-            "-serial", "stdio",
-            "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
+            *qemu_argv(self.name, self.image, self.qmp_path, machine=self.machine, memory_mib=self.memory_mib,
+                       root_ports=self.root_ports, serial="stdio"),
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
-            "-no-reboot",
-            *(arg for n in range(1, self.root_ports + 1)
-              for arg in ("-device", f"pcie-root-port,id=rp{n},chassis={n}")),
             *(["-incoming", "defer"] if self._incoming else []),
         ]  # fmt: skip
         stderr = (self.workdir / f"{self.name}.qemu.log").open("ab")

@@ -34,6 +34,7 @@ class Targets:
     def __init__(self, tgt: Tgtadm, access: Access, save: Callable[[], None], *, direct_io: bool,
                  session_grace: float) -> None:
         self.direct_io, self.session_grace = direct_io, session_grace
+        self._no_direct_told = False  # a file system without O_DIRECT: said once, with what it means
         self._tgt, self._access, self._save = tgt, access, save
 
     def apply(self, exp: Export, view: View, *, fresh_users: AbstractSet[str] = frozenset(),
@@ -147,12 +148,19 @@ class Targets:
             raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
 
     def _direct_ok(self, path: str) -> bool:
-        """Whether the file system takes O_DIRECT (tmpfs does not; tgtd would then fail the LUN)."""
+        """Whether the file system takes O_DIRECT (tmpfs before Linux 6.6 does not; tgtd would then fail the LUN)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                log.warning("%s: no O_DIRECT on this file system, serving it through the page cache", path)
+                if self._no_direct_told:
+                    log.debug("%s: no O_DIRECT, served through the page cache", path)
+                else:
+                    self._no_direct_told = True
+                    log.info("%s: this file system refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE and network "
+                             "file systems), so tgtd serves its files through the page cache instead of bsoflags="
+                             "direct: the initiators' flushes (SYNCHRONIZE CACHE) still reach the disk. Nothing needs "
+                             "doing (said once per export driver)", path)
                 return False
             return True  # let tgtadm report the real problem
         os.close(fd)

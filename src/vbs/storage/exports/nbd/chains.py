@@ -33,20 +33,25 @@ class Chains:
         if self.aio != "threads":
             attempts.append((self.cache_direct, "threads"))
         if self.cache_direct:
-            attempts.append((False, "threads"))  # a filesystem without O_DIRECT (tmpfs)
+            attempts.append((False, "threads"))  # a filesystem without O_DIRECT (tmpfs before Linux 6.6)
         return attempts
 
     def add_file_node(self, node: str, path: str, *, read_only: bool, what: str, buffered: bool = False) -> None:
         """A file node in the configured mode, or the first fallback the file system takes; ``buffered``:
-        through the page cache whatever the mode (``cache.direct`` off, ``aio=threads``)."""
-        err: QmpCommandError | None = None
-        for direct, aio in [(False, "threads")] if buffered else self._file_attempts():
+        through the page cache whatever the mode (``cache.direct`` off, ``aio=threads``), by choice: a
+        copy's target (a snapshot's file), which nothing refused and nothing needs saying about."""
+        if buffered:
             try:
-                self._monitor.q("blockdev-add", {
-                    "driver": "file", "node-name": node, "filename": path, "cache": {"direct": direct},
-                    "aio": aio, "read-only": read_only,
-                    "discard": "unmap",  # guest TRIM punches holes: files stay thin
-                })
+                self._add_file_node(node, path, read_only, False, "threads")
+            except QmpCommandError as exc:
+                raise DriverError(f"cannot open {path} for {what}: {exc.desc}") from exc
+            log.debug("%s: %s written through the page cache (a copy's target, flushed before it is used)",
+                      what, path)
+            return
+        err: QmpCommandError | None = None
+        for direct, aio in self._file_attempts():
+            try:
+                self._add_file_node(node, path, read_only, direct, aio)
             except QmpCommandError as exc:
                 err = err or exc
                 log.log(logging.DEBUG if self._fallback_told else logging.INFO,
@@ -58,9 +63,17 @@ class Chains:
         assert err is not None
         raise DriverError(f"cannot open {path} for {what}: {err.desc}") from err
 
+    def _add_file_node(self, node: str, path: str, read_only: bool, direct: bool, aio: str) -> None:
+        self._monitor.q("blockdev-add", {
+            "driver": "file", "node-name": node, "filename": path, "cache": {"direct": direct},
+            "aio": aio, "read-only": read_only,
+            "discard": "unmap",  # guest TRIM punches holes: files stay thin
+        })
+
     def _tell_fallback(self, what: str, direct: bool, aio: str) -> None:
-        """A file system that refuses O_DIRECT (tmpfs, some FUSE and network file systems) or the
-        configured AIO engine is a normal case, not a fault: say once per pool what it means."""
+        """A file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE and network file
+        systems) or the configured AIO engine is a normal case, not a fault: say once per pool what it
+        means. (A copy's target, buffered by choice, never comes here: see ``add_file_node``.)"""
         if self._fallback_told:
             log.debug("%s: serving with cache.direct=%s aio=%s", what, direct, aio)
             return
@@ -69,8 +82,9 @@ class Chains:
                  "reach the disk; the page cache holds the data meanwhile)" if self.cache_direct and not direct
                  else f"its exports use aio={aio} instead of aio={self.aio}")
         log.info("%s: the export daemon refused cache.direct=%s aio=%s for this file (its reason is logged just "
-                 "before; file systems without O_DIRECT, such as tmpfs, always do), so %s. Data stays as safe "
-                 "as before: nothing needs doing (said once per pool)", what, self.cache_direct, self.aio, means)
+                 "before; file systems without O_DIRECT, such as tmpfs before Linux 6.6, always do), so %s. Data "
+                 "stays as safe as before: nothing needs doing (said once per pool)",
+                 what, self.cache_direct, self.aio, means)
 
     def _add_rbd_node(self, node: str, image: ServedImage, *, read_only: bool, what: str) -> None:
         """A node on an RBD image, opened by the daemon's librbd. The cephx key is read by librbd
