@@ -77,6 +77,14 @@ def test_a_failure_at_any_attach_step_leaves_everything_as_before(cloud: TwoHost
     assert att.status_code == 200, att.text
     cloud.vbs.wait_volume(vol_id, "available", timeout=30)
     wait_until(lambda: cloud.attachment_state(vol_id) is None, 30, what="attachment gone")
+    # A disk that was plugged is unplugged by force (a rollback does not wait on the guest): a guest slow
+    # to answer (under load) keeps the device, its I/O failing, until it lets go, and the volume is
+    # available meanwhile, but not to this VM (``IncorrectState``). The guest's release is the event:
+    # QEMU deletes the device (DEVICE_DELETED) and the host agent no longer lists the disk; the guest
+    # reports it gone once it scans again.
+    wait_until(lambda: virtio_serial(vol_id) not in {d["serial"] for d in cloud.host_disks("vm1")}, 60,
+               what="the guest released the disk")
+    cloud.vm1.wait_disk_gone(virtio_serial(vol_id), 10)
     assert virtio_serial(vol_id) not in cloud.vm1.disks()
     assert [e for e in cloud.exports() if e["key"] == vol_id] == []
     # And the next attach works.
