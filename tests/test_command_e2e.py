@@ -18,9 +18,8 @@ from pathlib import Path
 import libvirt
 import pytest
 
-from tests import test_libvirt_e2e as libvirt_e2e
+from tests.clouds import LibvirtCloud, bare_domain_named, detach_is_busy_until_forced
 from tests.libvirtd import URI, Libvirtd
-from tests.test_attach_e2e import detach_is_busy_until_forced
 from tests.test_resolvers import lab_profile
 from vbs.ids import virtio_serial
 
@@ -29,17 +28,17 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
 def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtCloud]:
     tmp = tmp_path_factory.mktemp(f"command-{request.param}")
     resolver = lab_profile(tmp, {"lab-1": "host-1 cmd-vm1", "lab-2": "host-1 cmd-vm2"})
     resolvers = json.dumps({"nova": "libvirt-metadata", "lab": f"command:{resolver}"})
-    with libvirt_e2e.libvirt_cloud(tmp, request.param, libvirtd, ("cmd-vm1", "cmd-vm2"),
-                                   ["--hypervisor", "command", "--hypervisor-profile", "virsh-path"],
-                                   {"VBS_CONTROLLER_RESOLVERS": resolvers}) as c:
+    with LibvirtCloud(tmp, request.param, libvirtd, ("cmd-vm1", "cmd-vm2"),
+                      ["--hypervisor", "command", "--hypervisor-profile", "virsh-path"],
+                      {"VBS_CONTROLLER_RESOLVERS": resolvers}) as c:
         yield c
 
 
-def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud: libvirt_e2e.Cloud) -> None:
+def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud: LibvirtCloud) -> None:
     vol_id = cloud.new_volume()
     serial = virtio_serial(vol_id)
     att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("host-1", "cmd-vm1"), "--wait")
@@ -78,21 +77,21 @@ def test_a_volume_moves_between_domains_with_its_data_through_local_paths(cloud:
     assert ran.read_text() == "lab-2\nlab-9\n", "only well-formed ids reached the script"
 
 
-def _local_paths(cloud: libvirt_e2e.Cloud) -> list[Path]:
+def _local_paths(cloud: LibvirtCloud) -> list[Path]:
     return [p for p in (cloud.vbs.data_dir).rglob("local-paths/*/disk")]
 
 
 @pytest.fixture
-def bare_domain(cloud: libvirt_e2e.Cloud) -> Iterator[str]:
-    with libvirt_e2e.bare_domain_named(cloud, "cmd-bare") as name:
+def bare_domain(cloud: LibvirtCloud) -> Iterator[str]:
+    with bare_domain_named(cloud, "cmd-bare") as name:
         yield name
 
 
-def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: libvirt_e2e.Cloud, bare_domain: str) -> None:
+def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: LibvirtCloud, bare_domain: str) -> None:
     detach_is_busy_until_forced(cloud, bare_domain)
 
 
-def test_a_failing_command_leaves_its_output_in_the_operation(cloud: libvirt_e2e.Cloud) -> None:
+def test_a_failing_command_leaves_its_output_in_the_operation(cloud: LibvirtCloud) -> None:
     vol_id = cloud.new_volume()
     # vdb..vdy are the driver's; a disk the guest already has at the target the driver picks makes
     # virsh attach-disk fail with libvirt's own words.
@@ -124,16 +123,15 @@ def test_a_failing_command_leaves_its_output_in_the_operation(cloud: libvirt_e2e
 
 
 @pytest.fixture(scope="module")
-def virsh_cloud(libvirtd: Libvirtd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[libvirt_e2e.Cloud]:
+def virsh_cloud(libvirtd: Libvirtd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtCloud]:
     """vbs up with the `virsh` profile: libvirt opens the NBD export itself (`vbs up` serves NBD on a unix
     socket on this machine, plaintext), given to `virsh attach-disk --source-protocol nbd`."""
-    with libvirt_e2e.libvirt_cloud(tmp_path_factory.mktemp("command-virsh"), "nbd", libvirtd,
-                                   ("cmdn-vm1", "cmdn-vm1"),
-                                   ["--hypervisor", "command", "--hypervisor-profile", "virsh"]) as c:
+    with LibvirtCloud(tmp_path_factory.mktemp("command-virsh"), "nbd", libvirtd,
+                      ("cmdn-vm1", "cmdn-vm1"), ["--hypervisor", "command", "--hypervisor-profile", "virsh"]) as c:
         yield c
 
 
-def test_the_virsh_profile_gives_libvirt_an_nbd_network_disk(virsh_cloud: libvirt_e2e.Cloud) -> None:
+def test_the_virsh_profile_gives_libvirt_an_nbd_network_disk(virsh_cloud: LibvirtCloud) -> None:
     cloud = virsh_cloud
     vol_id = cloud.new_volume()
     serial = virtio_serial(vol_id)

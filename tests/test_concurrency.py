@@ -25,7 +25,6 @@ shared; a forced detach that never finished once its export was gone) have their
 from __future__ import annotations
 
 import collections
-import os
 import random
 import re
 import sqlite3
@@ -43,20 +42,9 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import (
-    DATABASES,
-    VBS,
-    Vbs,
-    VbsUp,
-    database_flags,
-    free_port,
-    node_token,
-    start_bare_vm,
-    stop_process,
-    wait_until,
-)
+from tests.clouds import Cloud
+from tests.conftest import DATABASES, VBS, Vbs, database_flags, free_port, wait_until
 from vbs.ids import virtio_serial
-from vbs.rigs.testguest import TestGuest, build_guest
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.parametrize("metadata_db", (*DATABASES, "postgresql-2"), indirect=True, scope="module")]
@@ -79,18 +67,38 @@ EBS_CODES = {
 }
 
 
-class World:
-    """vbs up (host-1) and a second host agent (host-2), their VMs, and the instance ids of those VMs."""
+class World(Cloud):
+    """vbs up (host-1) and a second host agent (host-2), their VMs, and the instance ids of those VMs;
+    with ``controllers=2`` a second controller on the same database and data dir."""
 
-    def __init__(self, vbs: Vbs, instances: dict[str, str], tmp: Path, database_url: str | None,
-                 endpoints: list[str]) -> None:
-        self.vbs = vbs
-        self.endpoints = endpoints  # every controller's; client i uses endpoints[i % len]
-        self.instances = instances  # vm name -> instance id
-        self.tmp = tmp
-        self.db_path = vbs.data_dir / "vbs.db"
-        self.database_url = database_url  # None: SQLite in the data dir
-        self.agent_auth = {"authorization": "Bearer " + node_token(vbs.data_dir, "storage", "storage-1")}
+    endpoints: list[str]  # every controller's; client i uses endpoints[i % len]
+    instances: dict[str, str]  # vm name -> instance id
+
+    def __init__(self, tmp: Path, flags: list[str], controllers: int) -> None:
+        super().__init__(tmp, extra=flags, env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "2"})
+        self.flags, self.controllers = flags, controllers
+        self.database_url = flags[1] if flags else None  # None: SQLite in the data dir
+
+    def start(self) -> None:
+        super().start()
+        self.db_path = self.vbs.data_dir / "vbs.db"
+        self.agent_auth = self.storage_auth
+        self.endpoints = [self.vbs.endpoint]
+        if self.controllers == 2:
+            # A second controller on the same database and data dir (keys, node keyring, master key).
+            port = free_port()
+            with (self.tmp / "controller-2.log").open("ab") as log:
+                self.started(subprocess.Popen(
+                    [*VBS, "controller", "--port", str(port), "--data-dir", str(self.vbs.data_dir), *self.flags],
+                    env=self.process_env(), stdout=log, stderr=subprocess.STDOUT))
+            self.endpoints.append(f"http://127.0.0.1:{port}")
+            wait_until(lambda: _healthy(self.endpoints[1]), 60, what="the second controller")
+        self.start_host_agent("host-2")
+        for vm, host in VMS.items():
+            if vm != GUEST:
+                self.start_bare_vm(vm, host)
+        self.start_guests({GUEST: VMS[GUEST]})
+        self.instances = self.instance_ids(VMS)
 
     def read_db(self) -> Any:
         """A read-only connection with sqlite3's interface (``execute`` with ``?``, rows by name or index)."""
@@ -99,11 +107,6 @@ class World:
         db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30, isolation_level=None)
         db.row_factory = sqlite3.Row
         return db
-
-    def agent_url(self, kind: str, name: str) -> str:
-        path = "/v1/storage-nodes" if kind == "storage" else "/v1/hosts"
-        key = "storage_nodes" if kind == "storage" else "hosts"
-        return next(n["url"] for n in self.vbs.http.get(path).json()[key] if n["name"] == name)
 
 
 class Row(tuple[Any, ...]):
@@ -150,56 +153,9 @@ def _rows(cursor: Any) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: pytest.FixtureRequest
           ) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("concurrency")
-    image = build_guest()
-    controllers = 2 if metadata_db == "postgresql-2" else 1
     flags = database_flags(metadata_db.removesuffix("-2"), request)
-    up = VbsUp(tmp / "var", tmp / "up.log", extra=flags)
-    env = {"VBS_CONTROLLER_DETACH_TIMEOUT_S": "2"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs: list[subprocess.Popen[bytes]] = []
-    guest = TestGuest(GUEST, tmp / "guests", image, tmp / "var" / "vms")
-    try:
-        vbs = up.start()
-        endpoints = [vbs.endpoint]
-        if controllers == 2:
-            # A second controller on the same database and data dir (keys, node keyring, master key).
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [*VBS, "controller", "--port", str(port), "--data-dir", str(vbs.data_dir), *flags],
-                env=dict(os.environ), stdout=(tmp / "controller-2.log").open("ab"), stderr=subprocess.STDOUT))
-            endpoints.append(f"http://127.0.0.1:{port}")
-            wait_until(lambda: _healthy(endpoints[1]), 60, what="the second controller")
-        vm_dirs = {"host-1": vbs.data_dir / "vms", "host-2": tmp / "vms-2"}
-        for d in vm_dirs.values():
-            d.mkdir(exist_ok=True)
-        token = node_token(vbs.data_dir, "host", "host-2")
-        procs.append(subprocess.Popen(
-            [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",
-             vbs.endpoint, "--vm-dir", str(vm_dirs["host-2"])],
-            env={**os.environ, "VBS_AGENT_TOKEN": token}, stdout=(tmp / "host-2.log").open("ab"),
-            stderr=subprocess.STDOUT))
-        procs += [start_bare_vm(vm_dirs[host], vm, tmp / f"{vm}.log") for vm, host in VMS.items() if vm != GUEST]
-        guest.start()
-        guest.wait_ready(120)
-
-        def instances() -> dict[str, str] | None:
-            found = {i["vm_id"]: i["instance_id"] for i in vbs.http.get("/v1/instances").json()["instances"]
-                     if i["state"] == "running" and VMS.get(i["vm_id"]) == i["host"]}
-            return found if set(found) == set(VMS) else None
-
-        yield World(vbs, wait_until(instances, 60, what=f"{len(VMS)} instances"), tmp, flags[1] if flags else None,
-                    endpoints)
-    finally:
-        guest.stop()
-        for proc in reversed(procs):
-            stop_process(proc)
-        up.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with World(tmp, flags, 2 if metadata_db == "postgresql-2" else 1) as world:
+        yield world
 
 
 @dataclass
@@ -408,17 +364,11 @@ def quiesced(world: World) -> bool:
 
 
 def exports(world: World) -> set[tuple[str, str]]:
-    r = httpx.get(world.agent_url("storage", "storage-1") + "/v1/exports", headers=world.agent_auth, timeout=10)
-    r.raise_for_status()
-    return {(e["key"], e["host"]) for e in r.json()["exports"]}
+    return {(e["key"], e["host"]) for e in world.exports()}
 
 
 def vm_disks(world: World, vm: str) -> set[str]:
-    url = world.agent_url("host", VMS[vm])
-    token = node_token(world.vbs.data_dir, "host", VMS[vm])
-    r = httpx.get(f"{url}/v1/vms/{vm}/disks", headers={"authorization": f"Bearer {token}"}, timeout=30)
-    r.raise_for_status()
-    return {d["serial"] for d in r.json()["disks"]}
+    return {d["serial"] for d in world.host_disks(vm, VMS[vm])}
 
 
 def _summary(shared: Shared, samples: int, elapsed: float) -> str:

@@ -26,11 +26,12 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
-from tests.conftest import Vbs, VbsUp, node_token, wait_until
+from tests import clouds
+from tests.conftest import Vbs, wait_until
 from vbs.controller import console
 from vbs.controller.rest import edge
 from vbs.ids import virtio_serial
-from vbs.rigs.testguest import TestGuest, build_guest
+from vbs.rigs.testguest import TestGuest
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "src" / "vbs" / "controller" / "console" / "static"
@@ -111,19 +112,19 @@ def test_a_browser_at_the_root_is_sent_to_the_console_and_ec2_clients_are_not() 
 # -- a real install and a real browser --------------------------------------------------------------
 
 
-class Cloud:
+class Cloud(clouds.Cloud):
     """vbs up (test hooks on) with one booted guest, vm1, behind its host agent."""
 
-    def __init__(self, vbs: Vbs, guest: TestGuest, instance_id: str) -> None:
-        self.vbs, self.guest, self.instance_id = vbs, guest, instance_id
+    guest: TestGuest
+    instance_id: str
 
-    def hook(self, action: str, kind: str, step: str) -> Any:
-        """The controller's step holds (``VBS_TEST_HOOKS=1``); the internal API takes a node's token."""
-        r = httpx.post(f"{self.vbs.endpoint}/internal/v1/test/{action}", json={"kind": kind, "step": step},
-                       headers={"authorization": f"Bearer {node_token(self.vbs.data_dir, 'storage', 'storage-1')}"},
-                       timeout=10)
-        assert r.status_code == 200, r.text
-        return r.json()
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(tmp, env={"VBS_TEST_HOOKS": "1"})
+
+    def start(self) -> None:
+        super().start()
+        [self.guest] = self.start_guests({"vm1": "host-1"})
+        self.instance_id = self.instance("host-1", "vm1", 60)
 
     def new_volume(self, **body: Any) -> str:
         vol = self.vbs.create_volume(**{"size_gib": 1, **body})
@@ -137,25 +138,8 @@ class Cloud:
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
-    tmp = tmp_path_factory.mktemp("console")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log", env={"VBS_TEST_HOOKS": "1"})
-    vbs = up.start()
-    guest = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
-    try:
-        guest.start()
-        guest.wait_ready(120)
-
-        def running() -> str | None:
-            for i in vbs.http.get("/v1/instances").json()["instances"]:
-                if i["vm_id"] == "vm1" and i["state"] == "running":
-                    return str(i["instance_id"])
-            return None
-
-        yield Cloud(vbs, guest, wait_until(running, 60, what="vm1 discovered"))
-    finally:
-        guest.stop()
-        up.stop()
+    with Cloud(tmp_path_factory.mktemp("console")) as cloud:
+        yield cloud
 
 
 @pytest.fixture(scope="module")

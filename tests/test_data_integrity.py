@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VBS, Vbs, VbsUp, free_port, node_token, stop_process, wait_until
+from tests.clouds import TwoHostCloud
+from tests.conftest import wait_until
 from vbs.ids import virtio_serial
-from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes
+from vbs.rigs.testguest import TestGuest, pattern_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +46,12 @@ class Model:
         return hashlib.sha256(self.data).hexdigest()
 
 
-class Cloud:
-    """vbs up (host-1, guest vm1) and a second host agent (host-2, guest vm2)."""
+class Cloud(TwoHostCloud):
+    """vbs up (host-1, guest vm1) and a second host agent (host-2, guest vm2), exporting over ``export``,
+    and what the test wrote where."""
 
-    def __init__(self, vbs: Vbs, up: VbsUp, vm1: TestGuest, vm2: TestGuest) -> None:
-        self.vbs, self.up, self.vm1, self.vm2 = vbs, up, vm1, vm2
+    def __init__(self, tmp: Path, export: str) -> None:
+        super().__init__(tmp, extra=["--export", export])
         self.verified = 0
         self.where: dict[str, TestGuest] = {}  # volume -> guest it is attached to
         self.models: dict[str, Model] = {}
@@ -119,65 +120,13 @@ class Cloud:
                 return int(stat.parent.name)
         return None
 
-    def export_daemon_pid(self) -> int | None:
-        for pidfile in (self.vbs.data_dir / "storage-state").rglob("*.pid"):
-            try:
-                pid = int(pidfile.read_text().strip())
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                status = Path(f"/proc/{pid}/status").read_text()
-            except (OSError, ValueError):
-                continue
-            if (b"qemu-storage-daemon" in cmdline or b"tgtd" in cmdline) and "State:\tZ" not in status:
-                return pid
-        return None
-
-    def exports(self) -> list[dict[str, str]]:
-        import httpx
-
-        token = node_token(self.vbs.data_dir, "storage", "storage-1")
-        node = self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"][0]
-        r = httpx.get(f"{node['url']}/v1/exports", headers={"authorization": f"Bearer {token}"}, timeout=10)
-        r.raise_for_status()
-        return r.json()["exports"]  # type: ignore[no-any-return]
-
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
 def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     export = request.param
-    tmp = tmp_path_factory.mktemp(f"integrity-{export}")
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export])
-    vm1 = TestGuest("vm1", tmp / "guests", image, tmp / "var" / "vms")
-    vm2 = TestGuest("vm2", tmp / "guests", image, tmp / "vms-2")
-    host2: subprocess.Popen[bytes] | None = None
-    try:
-        vbs = up.start()
-        token = node_token(tmp / "var", "host", "host-2")
-        host2 = subprocess.Popen(
-            [*VBS, "host-agent", "--node-name", "host-2", "--port", str(free_port()), "--controller-url",
-             vbs.endpoint, "--vm-dir", str(tmp / "vms-2")],
-            env={**os.environ, "VBS_AGENT_TOKEN": token}, stdout=(tmp / "host-2.log").open("ab"),
-            stderr=subprocess.STDOUT)
-        vm1.start()
-        vm2.start()
-        vm1.wait_ready(120)
-        vm2.wait_ready(120)
-
-        def both_running() -> bool:
-            found = {(i["host"], i["vm_id"]) for i in vbs.http.get("/v1/instances").json()["instances"]
-                     if i["state"] == "running"}
-            return {("host-1", "vm1"), ("host-2", "vm2")} <= found
-
-        wait_until(both_running, 60, what="both guests discovered")
-        cloud = Cloud(vbs, up, vm1, vm2)
+    with Cloud(tmp_path_factory.mktemp(f"integrity-{export}"), export) as cloud:
         yield cloud
         print(f"\n[{export}] checksums verified: {cloud.verified}")
-    finally:
-        for vm in (vm1, vm2):
-            vm.stop()
-        if host2 is not None:
-            stop_process(host2)
-        up.stop()
 
 
 def test_snapshot_clone_chains_preserve_every_link_and_clones_are_independent(cloud: Cloud) -> None:

@@ -12,78 +12,30 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import libvirt
 import pytest
 
-from tests import test_attach_e2e as attach_e2e
-from tests.conftest import Vbs, VbsUp, node_token, wait_until
+from tests.clouds import LibvirtCloud, bare_domain_named, detach_is_busy_until_forced
+from tests.conftest import wait_until
 from tests.libvirtd import URI, Libvirtd
-from tests.test_attach_e2e import detach_is_busy_until_forced
 from tests.test_ec2_api import client as ec2_client
 from vbs.ids import virtio_serial
-from vbs.rigs.testguest import build_guest
-from vbs.rigs.testguest.libvirt import LibvirtGuest, domain_xml
 
 pytestmark = pytest.mark.integration
 
 
-class Cloud(attach_e2e.Cloud):
-    """vbs up whose host agent drives libvirt, and two domains of the test guest on it."""
-
-    def __init__(self, export: str, vbs: Vbs, up: VbsUp, vm1: LibvirtGuest, vm2: LibvirtGuest,
-                 libvirtd: Libvirtd) -> None:
-        self.export, self.vbs, self.up, self.vm1, self.vm2, self.libvirtd = export, vbs, up, vm1, vm2, libvirtd
-
-    def new_volume(self) -> str:
-        return attach_e2e.new_volume(self)
-
-    def host_disks(self, vm: str) -> list[dict[str, Any]]:
-        """What the host agent (its libvirt driver) reports attached to ``vm``."""
-        host = {h["name"]: h for h in self.vbs.http.get("/v1/hosts").json()["hosts"]}["host-1"]
-        r = httpx.get(f"{host['url']}/v1/vms/{vm}/disks", timeout=30,
-                      headers={"authorization": f"Bearer {node_token(self.vbs.data_dir, 'host', 'host-1')}"})
-        assert r.status_code == 200, r.text
-        return r.json()["disks"]  # type: ignore[no-any-return]
-
-
-@contextmanager
-def libvirt_cloud(tmp: Path, export: str, libvirtd: Libvirtd, vms: tuple[str, str], extra: list[str],
-                  env: dict[str, str] | None = None) -> Iterator[Cloud]:
-    """``vbs up --export EXPORT EXTRA`` and two transient domains of the test guest, stopped after."""
-    image = build_guest()
-    up = VbsUp(tmp / "var", tmp / "up.log", extra=["--export", export, *extra],
-               env={"VBS_CONTROLLER_DETACH_TIMEOUT_S": "3", **(env or {})})
-    vbs = up.start()
-    # Started after the host agent connected to libvirtd: they come to it as lifecycle events.
-    guests = [LibvirtGuest(name, tmp / "guests", image) for name in dict.fromkeys(vms)]
-    try:
-        for guest in guests:
-            guest.start()
-        for guest in guests:
-            guest.wait_ready(120)
-        yield Cloud(export, vbs, up, guests[0], guests[-1], libvirtd)
-    finally:
-        try:
-            for guest in guests:
-                guest.stop()
-        finally:
-            up.stop()  # whatever a VM's stop raised: vbs up's daemons outlive it otherwise
-
-
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
 def cloud(request: pytest.FixtureRequest, libvirtd: Libvirtd,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtCloud]:
     tmp = tmp_path_factory.mktemp(f"libvirt-{request.param}")
-    with libvirt_cloud(tmp, request.param, libvirtd, ("lv-vm1", "lv-vm2"), ["--hypervisor", "libvirt"]) as c:
+    with LibvirtCloud(tmp, request.param, libvirtd, ("lv-vm1", "lv-vm2"), ["--hypervisor", "libvirt"]) as c:
         yield c
 
 
-def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:
+def test_a_volume_moves_between_domains_with_its_data(cloud: LibvirtCloud) -> None:
     vol_id = cloud.new_volume()
     serial = virtio_serial(vol_id)
     att = cloud.vbs.cli("attach-volume", vol_id, "--instance", cloud.instance("host-1", "lv-vm1"), "--wait")
@@ -107,7 +59,7 @@ def test_a_volume_moves_between_domains_with_its_data(cloud: Cloud) -> None:
     assert cloud.vbs.volume(vol_id)["status"] == "available"
 
 
-def test_an_encrypted_volume_is_opened_by_libvirt_and_only_ciphertext_leaves_the_host(cloud: Cloud) -> None:
+def test_an_encrypted_volume_is_opened_by_libvirt_and_only_ciphertext_leaves_the_host(cloud: LibvirtCloud) -> None:
     vol_id = cloud.vbs.create_volume(size_gib=1, encrypted=True)["volume_id"]
     cloud.vbs.wait_volume(vol_id, "available")
     serial = virtio_serial(vol_id)
@@ -136,7 +88,7 @@ def test_an_encrypted_volume_is_opened_by_libvirt_and_only_ciphertext_leaves_the
         cloud.vm2.wait_disk_gone(serial, 30)
 
 
-def test_a_disk_attached_across_a_libvirtd_restart_is_found_again_and_detached(cloud: Cloud) -> None:
+def test_a_disk_attached_across_a_libvirtd_restart_is_found_again_and_detached(cloud: LibvirtCloud) -> None:
     vol_id = cloud.new_volume()
     serial = virtio_serial(vol_id)
     cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm1", "--wait")
@@ -161,26 +113,13 @@ def _or_none(call: Any) -> Any:
         return None
 
 
-@contextmanager
-def bare_domain_named(cloud: Cloud, name: str) -> Iterator[str]:
-    """A domain with no OS on host-1: it takes a hot-plugged disk but never acknowledges an unplug."""
-    conn = libvirt.open(URI)
-    dom = conn.createXML(domain_xml(name, None, None, 64), 0)
-    try:
-        cloud.instance("host-1", name)
-        yield name
-    finally:
-        dom.destroy()
-        conn.close()
-
-
 @pytest.fixture
-def bare_domain(cloud: Cloud) -> Iterator[str]:
+def bare_domain(cloud: LibvirtCloud) -> Iterator[str]:
     with bare_domain_named(cloud, "lv-bare") as name:
         yield name
 
 
-def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: Cloud, bare_domain: str) -> None:
+def test_a_guest_that_never_releases_the_disk_makes_detach_busy(cloud: LibvirtCloud, bare_domain: str) -> None:
     detach_is_busy_until_forced(cloud, bare_domain)
 
 
@@ -206,7 +145,7 @@ def _chap_secrets(data_dir: Path) -> set[str]:
     return found
 
 
-def _texts_that_must_not_hold_secrets(cloud: Cloud, dom: libvirt.virDomain) -> dict[str, bytes]:
+def _texts_that_must_not_hold_secrets(cloud: LibvirtCloud, dom: libvirt.virDomain) -> dict[str, bytes]:
     texts = {"domain XML": dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE).encode(),
              "inactive domain XML": dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE | libvirt.VIR_DOMAIN_XML_INACTIVE)
              .encode()}
@@ -224,7 +163,7 @@ def _texts_that_must_not_hold_secrets(cloud: Cloud, dom: libvirt.virDomain) -> d
     return texts
 
 
-def test_credentials_go_through_libvirt_secret_objects_only(cloud: Cloud) -> None:
+def test_credentials_go_through_libvirt_secret_objects_only(cloud: LibvirtCloud) -> None:
     vol_id = cloud.new_volume()
     cloud.vbs.cli("attach-volume", vol_id, "--host", "host-1", "--vm", "lv-vm1", "--wait")
     cloud.vm1.wait_for_disk(virtio_serial(vol_id), 30)
@@ -256,7 +195,7 @@ NOVA_METADATA = ("<instance><package version='27.1.0'/><name>web-0</name><flavor
                  "<owner><user uuid='u1'>demo</user><project uuid='p1'>demo</project></owner></instance>")
 
 
-def test_a_nova_instance_is_attached_to_by_its_cloud_id(cloud: Cloud) -> None:
+def test_a_nova_instance_is_attached_to_by_its_cloud_id(cloud: LibvirtCloud) -> None:
     """A domain carrying Nova's <metadata> (as Nova's libvirt driver writes it) is the Nova instance
     of its UUID: `--instance nova:<uuid>` attaches to it through the REST API, the CLI and EC2."""
     dom = cloud.vm2.domain()
@@ -310,6 +249,6 @@ def test_a_nova_instance_is_attached_to_by_its_cloud_id(cloud: Cloud) -> None:
         dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, None, None, NOVA_NS, libvirt.VIR_DOMAIN_AFFECT_LIVE)
 
 
-def _ec2(cloud: Cloud) -> Any:
+def _ec2(cloud: LibvirtCloud) -> Any:
     key = cloud.vbs.key
     return ec2_client(cloud.vbs.endpoint, key.access_key_id, key.secret_access_key)

@@ -531,9 +531,9 @@ def test_a_qemu_guests_io_on_an_attached_volume_shows_in_the_host_agents_counter
 @pytest.mark.integration
 def test_a_libvirt_domains_io_on_an_attached_volume_shows_in_the_host_agents_counters(libvirtd: Any,
                                                                                        tmp_path: Path) -> None:
-    from tests.test_libvirt_e2e import libvirt_cloud
+    from tests.clouds import LibvirtCloud
 
-    with libvirt_cloud(tmp_path, "nbd", libvirtd, ("lv-metrics", "lv-metrics"), ["--hypervisor", "libvirt"]) as cloud:
+    with LibvirtCloud(tmp_path, "nbd", libvirtd, ("lv-metrics", "lv-metrics"), ["--hypervisor", "libvirt"]) as cloud:
         instance = cloud.instance("host-1", "lv-metrics")
         guest_io_is_counted(cloud.vbs, cloud.vm1, "lv-metrics", ["--instance", instance])
 

@@ -30,14 +30,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.ceph_cluster import CephForTests
+from tests.clouds import Reusable
 from tests.conftest import wait_until
 from tests.rbd_cloud import RbdCloud, running_rbd_cloud
 from tests.test_rbd_native import disk_protocol_nodes
@@ -92,37 +91,16 @@ CI_POINTS = {
 }
 
 
-class Clouds:
-    """One cloud for the module; a failed point makes the next one start afresh."""
-
-    def __init__(self, ceph: CephForTests, tmp: Path) -> None:
-        self.ceph, self.tmp = ceph, tmp
-        self.stack: ExitStack | None = None
-        self.cloud: RbdCloud | None = None
-        self.count = 0
-
-    def get(self) -> RbdCloud:
-        if self.cloud is None:
-            self.count += 1
-            self.stack = ExitStack()
-            self.cloud = self.stack.enter_context(running_rbd_cloud(
-                self.ceph, self.ceph.new_pool(), self.tmp / f"cloud-{self.count}", native=True,
-                VBS_CONTROLLER_RECONCILE_INTERVAL_S="86400"))
-        return self.cloud
-
-    def discard(self) -> None:
-        if self.stack is not None:
-            self.stack.close()
-        self.stack, self.cloud = None, None
+# One cloud for the module; a failed point makes the next one start afresh.
+Clouds = Reusable[RbdCloud]
 
 
 @pytest.fixture(scope="module")
 def clouds(ceph: CephForTests, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clouds]:
-    c = Clouds(ceph, tmp_path_factory.mktemp("rbd-attach-crash"))
-    try:
+    tmp = tmp_path_factory.mktemp("rbd-attach-crash")
+    with Clouds(lambda n: running_rbd_cloud(ceph, ceph.new_pool(), tmp / f"cloud-{n}", native=True,
+                                            VBS_CONTROLLER_RECONCILE_INTERVAL_S="86400")) as c:
         yield c
-    finally:
-        c.discard()
 
 
 def guest_disagreements(c: RbdCloud) -> list[str]:
