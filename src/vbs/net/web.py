@@ -136,6 +136,8 @@ class BodyLimit(HttpMiddleware):
     that stops sending its body for ``BODY_IDLE_TIMEOUT_S``, or has not sent all of it after
     ``BODY_TOTAL_TIMEOUT_S``, or sends it slower than ``bounds.body_min_rate`` bytes a second once
     ``bounds.body_grace_s`` have passed (a byte at a time), gets 408. Nothing reads more than that.
+    The rate is over the time the server spent waiting for the body, not since the request came in:
+    a loaded server that reads a body late never blames the client for its own delay.
     """
 
     def __init__(self, app: Any, bounds: RequestBounds = DEFAULT_BOUNDS) -> None:
@@ -150,22 +152,24 @@ class BodyLimit(HttpMiddleware):
         received = 0
         started = False
         complete = False
-        began = time.monotonic()
-        deadline = began + BODY_TOTAL_TIMEOUT_S
+        waited = 0.0  # time spent waiting on the client: a server busy elsewhere does not count against it
+        deadline = time.monotonic() + BODY_TOTAL_TIMEOUT_S
         rate, grace = self.bounds.body_min_rate, self.bounds.body_grace_s
 
         async def limited_receive() -> Any:
-            nonlocal received, complete
-            until = deadline
-            if rate > 0 and not complete:  # the floor: what has arrived must keep pace with the clock
-                until = min(until, began + grace + received / rate)
-            left = until - time.monotonic()
+            nonlocal received, complete, waited
+            now = time.monotonic()
+            left = min(BODY_IDLE_TIMEOUT_S, deadline - now)
+            if rate > 0 and not complete:  # the floor: what has arrived must keep pace with the waiting
+                left = min(left, grace + received / rate - waited)
             try:
                 if left <= 0:
                     raise TimeoutError
-                message = await asyncio.wait_for(receive(), min(BODY_IDLE_TIMEOUT_S, left))
+                message = await asyncio.wait_for(receive(), left)
             except TimeoutError:
                 raise _BodyTooSlow() from None
+            finally:
+                waited += time.monotonic() - now
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 complete = complete or not message.get("more_body", False)
