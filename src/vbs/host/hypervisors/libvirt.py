@@ -53,7 +53,7 @@ from vbs.connectors import connector_for
 from vbs.connectors.base import LibvirtSource
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.hypervisors.base import DiskStats, counter
+from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.libvirt_secrets import define_luks_secret, define_secret, drop_secret
 from vbs.host.hypervisors.libvirt_session import LibvirtSession, message, no_domain
 from vbs.host.hypervisors.libvirt_xml import disk_alias, disk_xml, free_target, iotune_limits, our_disks, secret_uuid
@@ -89,13 +89,7 @@ def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
         dev = target.get("dev") if target is not None else None
         if not dev:
             continue
-        stats = dom.blockStatsFlags(dev, 0)
-        found.append(DiskStats(vm_id=vm_id, serial=serial, read_bytes=counter(stats, "rd_bytes"),
-                               write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
-                               write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
-                               read_time_ns=counter(stats, "rd_total_times"),
-                               write_time_ns=counter(stats, "wr_total_times"),
-                               flush_time_ns=counter(stats, "flush_total_times")))
+        found.append(DiskStats.of(vm_id, serial, dom.blockStatsFlags(dev, 0), times="_total_times"))
     return found
 
 
