@@ -14,9 +14,9 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vbs.errors import InvalidParameter
 from vbs.net import endpoints
@@ -184,6 +184,10 @@ def pools_as_text(v: Any) -> Any:
     return v
 
 
+# An agent's pools: tables, or "NAME=PATH" strings (pools_as_text).
+Pools = Annotated[list[PoolConfig], Field(max_length=MAX_POOLS), BeforeValidator(pools_as_text)]
+
+
 class StorageAgentConfig(_AgentSection):
     port: int = Field(8771, ge=1, le=65535)
     node_name: str = Field("storage-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
@@ -192,7 +196,7 @@ class StorageAgentConfig(_AgentSection):
     pool_path: Path = Path("./var/pool")
     # Several pools: [[storage_agent.pools]] tables, "NAME=PATH" strings (--pool, repeatable), or
     # VBS_STORAGE_AGENT_POOLS="NAME=PATH,NAME=PATH".
-    pools: list[PoolConfig] = Field(default_factory=list, max_length=MAX_POOLS)
+    pools: Pools = Field(default_factory=list)
     # None: the controller's own zone (its [controller] availability_zone, by default its region's first).
     availability_zone: str | None = Field(None, pattern=ZONE_NAME_RE)
     clone_method: Literal["reflink", "copy"] | None = None
@@ -220,11 +224,6 @@ class StorageAgentConfig(_AgentSection):
     rbd_max_clone_depth: int = Field(5, ge=1, le=16)
     rbd_max_flattens: int = Field(2, ge=1, le=16)
     rbd_max_snapshots_per_volume: int = Field(450, ge=1, le=450)
-
-    @field_validator("pools", mode="before")
-    @classmethod
-    def _pools_as_text(cls, v: Any) -> Any:
-        return pools_as_text(v)
 
     @model_validator(mode="after")
     def _pools_are_distinct(self) -> StorageAgentConfig:
@@ -291,13 +290,8 @@ class HostAgentConfig(_AgentSection):
     profile_dirs: list[Path] = Field(default_factory=lambda: [Path("/etc/vbs/profiles")])
     # Semi-shared storage: local pools on this node's own disks ("NAME=PATH", --local-pool, repeatable,
     # or VBS_HOST_AGENT_LOCAL_POOLS), made by the storage agents' backend drivers (local_backend).
-    local_pools: list[PoolConfig] = Field(default_factory=list, max_length=MAX_POOLS)
+    local_pools: Pools = Field(default_factory=list)
     local_backend: str = Field("file", pattern=DRIVER_NAME_RE)
-
-    @field_validator("local_pools", mode="before")
-    @classmethod
-    def _local_pools_as_text(cls, v: Any) -> Any:
-        return pools_as_text(v)
 
     @model_validator(mode="after")
     def _local_pools_are_distinct(self) -> HostAgentConfig:

@@ -74,7 +74,21 @@ class VolumeUsage(Base):
     gib: Mapped[int] = mapped_column(BigInteger)
 
 
-class Volume(Base):
+class _StoredResource:
+    """The columns a volume and a snapshot both have: the storage node and pool that hold it, its state
+    (why, how far along), and the tenant that owns it. The table puts them after the class's own columns;
+    the order of a table's columns in the database is the migrations', not this one."""
+
+    storage_node: Mapped[str] = mapped_column(String(64), index=True)
+    pool: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    progress: Mapped[int] = mapped_column(Integer, default=0)
+    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
+                                        server_default=DEFAULT_TENANT)
+
+
+class Volume(_StoredResource, Base):
     __tablename__ = "volumes"
     # Keyset pages of a tenant's volumes, and the sums each create makes (quota, placement) from the
     # index alone (migration 0010_scale_indexes).
@@ -93,13 +107,6 @@ class Volume(Base):
     throughput: Mapped[int | None] = mapped_column(Integer)
     multi_attach: Mapped[bool] = mapped_column(Boolean, default=False)
     placement: Mapped[str] = mapped_column(String(16))
-    storage_node: Mapped[str] = mapped_column(String(64), index=True)
-    pool: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    status_reason: Mapped[str | None] = mapped_column(Text)
-    progress: Mapped[int] = mapped_column(Integer, default=0)
-    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
-                                        server_default=DEFAULT_TENANT)
     client_token: Mapped[str | None] = mapped_column(String(64), unique=True)
     request_digest: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime]
@@ -112,20 +119,13 @@ class Volume(Base):
     persistent: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
-class Snapshot(Base):
+class Snapshot(_StoredResource, Base):
     __tablename__ = "snapshots"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     volume_id: Mapped[str] = mapped_column(String(32), index=True)
     volume_size_gib: Mapped[int] = mapped_column(Integer)
     comment: Mapped[str] = mapped_column(String(255), default="")
-    storage_node: Mapped[str] = mapped_column(String(64), index=True)
-    pool: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    status_reason: Mapped[str | None] = mapped_column(Text)
-    progress: Mapped[int] = mapped_column(Integer, default=0)
-    tenant: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
-                                        server_default=DEFAULT_TENANT)
     started_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     # CopySnapshot: the snapshot this one copies (which may not be deleted while the copy is pending).

@@ -83,6 +83,17 @@ def page_size(p: QueryParams, resource_ids: list[str], ids_name: str, largest: i
     return min(asked or largest, largest)
 
 
+def describe_page(p: QueryParams, resource_ids: list[str], ids_name: str,
+                  largest: int) -> tuple[dict[str, list[str]], int | None, str | None]:
+    """A describe's filters, its page size (``page_size``) and its NextToken, read in this order (the
+    first bad one is the error), then DryRun."""
+    filters = p.filters()
+    max_results = page_size(p, resource_ids, ids_name, largest)
+    token = p.str("NextToken", max_len=MAX_TOKEN)
+    dry_run(p)
+    return filters, max_results, token
+
+
 def dry_run(p: QueryParams) -> None:
     if p.bool("DryRun"):
         raise DryRunOperation()

@@ -7,11 +7,10 @@ from typing import Any
 
 from vbs.controller.auth.keys import Principal
 from vbs.controller.ec2.params import (
-    MAX_TOKEN,
     act_unless_dry_run,
+    describe_page,
     dry_run,
     instance_id_of,
-    page_size,
     snapshot_id_of,
     tag_set,
     tags_for,
@@ -64,12 +63,9 @@ def delete_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str
 def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_ids = [snapshot_id_of(v) for v in p.list("SnapshotId")]
     owners = p.list("Owner")
-    filters = p.filters()
+    filters, max_results, token = describe_page(p, snap_ids, "SnapshotIds", SNAPSHOTS_PAGE)
     filters.pop("owner-id", None)
     filters.pop("owner-alias", None)
-    max_results = page_size(p, snap_ids, "SnapshotIds", SNAPSHOTS_PAGE)
-    token = p.str("NextToken", max_len=MAX_TOKEN)
-    dry_run(p)
     # Owner: self, account ids (tenants); none: every snapshot the caller may use (its own and shared ones).
     owner_tenants = {who.tenant if o == "self" else sharing.tenant_of(o) for o in owners
                      if o not in ("amazon", "aws-marketplace")} if owners else None

@@ -13,9 +13,9 @@ from vbs.controller.db.states import VolumeState
 from vbs.controller.ec2.params import (
     MAX_TOKEN,
     act_unless_dry_run,
+    describe_page,
     dry_run,
     matches,
-    page_size,
     snapshot_id_of,
     tag_set,
     tags_for,
@@ -102,10 +102,7 @@ def _volume_page(p: QueryParams, largest: int,
                  known: Callable[[str], bool]) -> tuple[list[str], dict[str, list[str]], int | None, str | None]:
     """A describe's volume ids, its filters (each one ``known``), its page size and NextToken; after DryRun."""
     vol_ids = [volume_id_of(v) for v in p.list("VolumeId")]
-    filters = p.filters()
-    max_results = page_size(p, vol_ids, "VolumeIds", largest)
-    token = p.str("NextToken", max_len=MAX_TOKEN)
-    dry_run(p)
+    filters, max_results, token = describe_page(p, vol_ids, "VolumeIds", largest)
     for name in filters:
         if not known(name):
             raise InvalidParameter(f"The filter '{name[:64]}' is invalid.", code="InvalidParameterValue")

@@ -8,23 +8,22 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from vbs.controller.cluster import describe_controllers
-from vbs.controller.rest.queries import admin, services
+from vbs.controller.rest.queries import Services, admin
 from vbs.controller.rest.schemas.nodes import ControllerList
-from vbs.controller.runtime import Controller
 
 
 def admin_routes(r: APIRouter) -> None:
     @r.get("/controllers", response_model=ControllerList, tags=["admin"], dependencies=[Depends(admin)])
-    def controllers(svc: Controller = Depends(services)) -> ControllerList:
+    def controllers(svc: Services) -> ControllerList:
         """The controllers on this database: live ones, their operations and singleton loops."""
         return ControllerList(controllers=describe_controllers(svc.db, svc.cfg.operation_lease_s))
 
     @r.get("/admin/check", tags=["admin"], dependencies=[Depends(admin)])
-    def check(svc: Controller = Depends(services)) -> dict[str, Any]:
+    def check(svc: Services) -> dict[str, Any]:
         """Compare the agents' real inventory with the DB; change nothing."""
         return svc.reconciler.run(repair=False).as_dict()
 
     @r.post("/admin/reconcile", tags=["admin"], dependencies=[Depends(admin)])
-    def reconcile(now: bool = False, svc: Controller = Depends(services)) -> dict[str, Any]:
+    def reconcile(svc: Services, now: bool = False) -> dict[str, Any]:
         """Repair drift now; ``now=true`` also removes orphans without waiting for their grace period."""
         return svc.reconciler.run(repair=True, ignore_grace=now).as_dict()

@@ -7,12 +7,12 @@ import os
 from collections.abc import Callable
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from vbs.controller.fleet.nodes import live_storage_nodes, record_host_heartbeat, record_storage_heartbeat
-from vbs.controller.rest.queries import services
+from vbs.controller.rest.queries import Services
 from vbs.controller.runtime import Controller
 from vbs.errors import AuthFailure, UnauthorizedOperation
 from vbs.trust.node_credentials import REFUSED, NodeIdentity
@@ -54,15 +54,15 @@ def internal_router(*, insecure: bool) -> APIRouter:
         return Ack()
 
     @r.post("/storage-heartbeat")
-    def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
+    def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Services) -> Ack:
         return heartbeat(request, svc, "storage", body, lambda s: record_storage_heartbeat(s, body))
 
     @r.post("/host-heartbeat")
-    def host_heartbeat(body: HostHeartbeat, request: Request, svc: Controller = Depends(services)) -> Ack:
+    def host_heartbeat(body: HostHeartbeat, request: Request, svc: Services) -> Ack:
         return heartbeat(request, svc, "host", body, lambda s: record_host_heartbeat(s, body))
 
     @r.get("/probe-targets")
-    def probe_targets(request: Request, svc: Controller = Depends(services)) -> ProbeTargets:
+    def probe_targets(request: Request, svc: Services) -> ProbeTargets:
         """The live storage nodes a host probes, each with a ticket its agent accepts (vbs.trust.probe_tickets)."""
         who: NodeIdentity | None = getattr(request.state, "node", None)
         if who is None and not insecure:
@@ -93,21 +93,21 @@ def test_hooks_router() -> APIRouter:
     r = APIRouter(prefix="/test")
 
     @r.post("/fail-step")
-    def fail_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
+    def fail_step(body: StepHook, svc: Services) -> dict[str, str]:
         svc.engine.faults.inject_failure(body.kind, body.step, body.when)
         return {"status": "armed"}
 
     @r.post("/hold-step")
-    def hold_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
+    def hold_step(body: StepHook, svc: Services) -> dict[str, str]:
         svc.engine.faults.hold(body.kind, body.step)
         return {"status": "armed"}
 
     @r.post("/held-step")
-    def held_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, bool]:
+    def held_step(body: StepHook, svc: Services) -> dict[str, bool]:
         return {"held": svc.engine.faults.held(body.kind, body.step)}
 
     @r.post("/release-step")
-    def release_step(body: StepHook, svc: Controller = Depends(services)) -> dict[str, str]:
+    def release_step(body: StepHook, svc: Services) -> dict[str, str]:
         svc.engine.faults.release(body.kind, body.step)
         return {"status": "released"}
 

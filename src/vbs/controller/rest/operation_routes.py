@@ -3,7 +3,7 @@ and the timeline of a volume's or snapshot's operations; a user sees those of it
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -12,7 +12,7 @@ from vbs.controller.auth.keys import Principal
 from vbs.controller.db import Operation, OperationStep, Snapshot, Volume
 from vbs.controller.db.states import UNFINISHED_OPERATION
 from vbs.controller.requests.filters import page_limit
-from vbs.controller.rest.queries import caller, max_results_query, services, settled_read, wait_query
+from vbs.controller.rest.queries import Caller, Services, max_results_query, settled_read, wait_query
 from vbs.controller.rest.schemas.operations import OperationList, OperationOut, StepOut
 from vbs.controller.runtime import Controller
 from vbs.errors import NotFound
@@ -20,16 +20,15 @@ from vbs.errors import NotFound
 
 def operation_routes(r: APIRouter) -> None:
     @r.get("/operations/{operation_id}", response_model=OperationOut, tags=["operations"])
-    async def get_operation(operation_id: str, wait: int = wait_query(), svc: Controller = Depends(services),
-                            who: Principal = Depends(caller)) -> OperationOut:
+    async def get_operation(operation_id: str, svc: Services, who: Caller, wait: int = wait_query()) -> OperationOut:
         """Any operation to an admin; to a user, those on its tenant's volumes and snapshots. With ``wait``:
         answers once the operation ended, or after ``wait`` seconds with its current state (the CLI's --wait)."""
         return await settled_read(svc, operation_id, lambda: describe_operation(svc, operation_id, who),
                                   UNFINISHED_OPERATION, wait)
 
     @r.get("/operations", response_model=OperationList, tags=["operations"])
-    def list_operations(resource_id: str = Query(max_length=32), max_results: int | None = max_results_query(),
-                        svc: Controller = Depends(services), who: Principal = Depends(caller)) -> OperationList:
+    def list_operations(svc: Services, who: Caller, resource_id: str = Query(max_length=32),
+                        max_results: int | None = max_results_query()) -> OperationList:
         """The operations of one volume or snapshot, newest first (the web console's timeline)."""
         return operations_of(svc, resource_id, who, max_results)
 

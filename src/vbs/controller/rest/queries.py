@@ -4,7 +4,7 @@ query parameters of a describe (bounded at the edge: 400, never 500), and a GET'
 from __future__ import annotations
 
 from collections.abc import Callable, Container
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Query, Request
 
@@ -66,3 +66,8 @@ async def caller(request: Request) -> Principal:
 
 async def admin(who: Principal = Depends(caller)) -> Principal:
     return require_admin(who)
+
+
+# A route's parameters ``svc: Services`` and ``who: Caller``: the services, and who sent the request.
+Services = Annotated[Controller, Depends(services)]
+Caller = Annotated[Principal, Depends(caller)]

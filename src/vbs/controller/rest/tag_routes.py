@@ -4,25 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
-from vbs.controller.auth.keys import Principal
 from vbs.controller.requests import tags
-from vbs.controller.rest.queries import caller, services
+from vbs.controller.rest.queries import Caller, Services
 from vbs.controller.rest.schemas.tags import CreateTagsRequest, DeleteTagsRequest
 from vbs.controller.runtime import Controller
 
 
 def tag_routes(r: APIRouter) -> None:
     @r.post("/tags", tags=["tags"])
-    def create_tags(body: CreateTagsRequest, svc: Controller = Depends(services),
-                    who: Principal = Depends(caller)) -> dict[str, bool]:
+    def create_tags(body: CreateTagsRequest, svc: Services, who: Caller) -> dict[str, bool]:
         return _in_session(svc, lambda s: tags.create_tags(s, body.resource_ids, body.tags, who.tenant))
 
     @r.post("/tags/delete", tags=["tags"])
-    def delete_tags(body: DeleteTagsRequest, svc: Controller = Depends(services),
-                    who: Principal = Depends(caller)) -> dict[str, bool]:
+    def delete_tags(body: DeleteTagsRequest, svc: Services, who: Caller) -> dict[str, bool]:
         return _in_session(svc, lambda s: tags.delete_tags(s, body.resource_ids, body.keys, who.tenant))
 
 

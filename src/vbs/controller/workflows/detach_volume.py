@@ -4,6 +4,8 @@ remove the export, then mark it detached; a guest that holds the disk leaves the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vbs.controller.db.states import AttachmentState
 from vbs.controller.workflows.attach_volume import settle, unexport_volume
 from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
@@ -44,16 +46,24 @@ def guest_holds_disk(ctx: StepContext[DetachParams], exc: Exception) -> bool:
     return True
 
 
-DETACH_VOLUME = Workflow(
-    kind="detach-volume",
-    exclusive=True,
-    params=DetachParams,
-    resume="forward",
-    # A forced detach whose host never answers goes on without it: removing the export cuts the
-    # VM off the volume all the same, and the reconciler unplugs the dead disk once the host is back.
-    steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
-           Step("storage-unexport", unexport_volume),
-           Step("mark-detached", mark_detached, ends=True)),
-    gives_up=guest_holds_disk,
-    on_give_up=detach_ends_busy,
-)
+def detaching(kind: str, release: Step[DetachParams], mark: Callable[[StepContext[DetachParams]], None], *,
+              exclusive: bool) -> Workflow[DetachParams]:
+    """A detach (rolls forward): unplug the disk from the VM, ``release`` what served it, then ``mark`` it
+    detached (in the transaction that ends the operation); a guest that holds the disk leaves the
+    attachment ``busy``."""
+    return Workflow(
+        kind=kind,
+        exclusive=exclusive,
+        params=DetachParams,
+        resume="forward",
+        # A forced detach whose host never answers goes on without it, and the reconciler unplugs the
+        # dead disk once the host is back (a volume's export removed cuts the VM off all the same).
+        steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
+               release,
+               Step("mark-detached", mark, ends=True)),
+        gives_up=guest_holds_disk,
+        on_give_up=detach_ends_busy,
+    )
+
+
+DETACH_VOLUME = detaching("detach-volume", Step("storage-unexport", unexport_volume), mark_detached, exclusive=True)

@@ -36,13 +36,7 @@ from vbs.controller.workflows.attach_volume import (
 from vbs.controller.workflows.copy_snapshot import snapshot_scratch
 from vbs.controller.workflows.create_snapshot import remove_snapshot
 from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
-from vbs.controller.workflows.detach_volume import (
-    DetachParams,
-    detach_ends_busy,
-    guest_holds_disk,
-    mark_detached,
-    unplug_from_vm,
-)
+from vbs.controller.workflows.detach_volume import DetachParams, detaching, mark_detached
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import NotFound
 from vbs.wire.connection import HostIdentity, LocalConnection
@@ -187,16 +181,8 @@ def _mark_detached(ctx: StepContext[DetachParams]) -> None:
                        status_reason="a non-persistent local volume is removed at detach")
 
 
-DETACH_LOCAL_VOLUME: Workflow[DetachParams] = Workflow(
-    kind="detach-local-volume",
-    params=DetachParams,
-    resume="forward",
-    steps=(Step("host-detach", unplug_from_vm, skippable=lambda ctx: ctx.params.force),
-           Step("discard-non-persistent", _discard_non_persistent),
-           Step("mark-detached", _mark_detached, ends=True)),
-    gives_up=guest_holds_disk,
-    on_give_up=detach_ends_busy,
-)
+DETACH_LOCAL_VOLUME = detaching("detach-local-volume", Step("discard-non-persistent", _discard_non_persistent),
+                                _mark_detached, exclusive=False)
 
 
 # -- snapshot back to shared storage ---------------------------------------------------------------------

@@ -90,6 +90,16 @@ class DiskStats:
     write_time_ns: int
     flush_time_ns: int
 
+    @classmethod
+    def of(cls, vm_id: str, serial: str, stats: Mapping[str, Any], *, times: str) -> DiskStats:
+        """The disk's counters (``counter``) in a hypervisor's answer, whose times end in ``times``: QEMU's
+        ``query-blockstats`` says ``rd_total_time_ns``, libvirt's ``blockStatsFlags`` ``rd_total_times``."""
+        return cls(vm_id=vm_id, serial=serial, read_bytes=counter(stats, "rd_bytes"),
+                   write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
+                   write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
+                   read_time_ns=counter(stats, f"rd{times}"), write_time_ns=counter(stats, f"wr{times}"),
+                   flush_time_ns=counter(stats, f"flush{times}"))
+
 
 def counter(values: Mapping[str, Any], key: str) -> int:
     """A cumulative counter from a hypervisor's answer: 0 where it is absent or not a count (QEMU and

@@ -53,7 +53,7 @@ from vbs.connectors import connector_for
 from vbs.connectors.base import LibvirtSource
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.hypervisors.base import DiskStats, counter
+from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.libvirt_secrets import define_luks_secret, define_secret, drop_secret
 from vbs.host.hypervisors.libvirt_session import LibvirtSession, message, no_domain
 from vbs.host.hypervisors.libvirt_xml import disk_alias, disk_xml, free_target, iotune_limits, our_disks, secret_uuid
@@ -89,13 +89,7 @@ def _domain_stats(conn: libvirt.virConnect, vm_id: str) -> list[DiskStats]:
         dev = target.get("dev") if target is not None else None
         if not dev:
             continue
-        stats = dom.blockStatsFlags(dev, 0)
-        found.append(DiskStats(vm_id=vm_id, serial=serial, read_bytes=counter(stats, "rd_bytes"),
-                               write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
-                               write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
-                               read_time_ns=counter(stats, "rd_total_times"),
-                               write_time_ns=counter(stats, "wr_total_times"),
-                               flush_time_ns=counter(stats, "flush_total_times")))
+        found.append(DiskStats.of(vm_id, serial, dom.blockStatsFlags(dev, 0), times="_total_times"))
     return found
 
 
@@ -200,12 +194,9 @@ class LibvirtDriver:
             raise InvalidParameter(f"size_bytes must be a positive multiple of 512, not {size_bytes!r}")
 
         def grow(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
-            disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
-            target = disk.find("target") if disk is not None else None
-            if target is None or not target.get("dev"):
-                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            dev = _attached_dev(dom, vm_id, serial)
             try:
-                dom.blockResize(target.get("dev"), size_bytes, libvirt.VIR_DOMAIN_BLOCK_RESIZE_BYTES)
+                dom.blockResize(dev, size_bytes, libvirt.VIR_DOMAIN_BLOCK_RESIZE_BYTES)
             except libvirt.libvirtError as exc:
                 raise DriverError(f"VM {vm_id}: resize of {serial} failed: {message(exc)}") from exc
             return self._disk(vm_id, dom, serial)
@@ -216,12 +207,9 @@ class LibvirtDriver:
         """``setBlockIoTune`` on the live domain: new limits for the disk without detaching it."""
 
         def tune(_conn: libvirt.virConnect, dom: libvirt.virDomain) -> DiskInfo:
-            disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
-            target = disk.find("target") if disk is not None else None
-            if target is None or not target.get("dev"):
-                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            dev = _attached_dev(dom, vm_id, serial)
             try:
-                dom.setBlockIoTune(target.get("dev"), iotune_limits(qos), libvirt.VIR_DOMAIN_AFFECT_LIVE)
+                dom.setBlockIoTune(dev, iotune_limits(qos), libvirt.VIR_DOMAIN_AFFECT_LIVE)
             except libvirt.libvirtError as exc:
                 raise DriverError(f"VM {vm_id}: new limits for {serial} refused: {message(exc)}") from exc
             return self._disk(vm_id, dom, serial)
@@ -366,6 +354,16 @@ class LibvirtDriver:
                 log.warning("VM %s: size of disk %s unknown: %s", vm_id, serial, message(exc))
         return DiskInfo(serial=serial, read_only=disk.find("readonly") is not None, size_bytes=size,
                         connected=(vm_id, serial) not in self._forced)
+
+
+def _attached_dev(dom: libvirt.virDomain, vm_id: str, serial: str) -> str:
+    """The target device (``vdb``…) the running domain gives the disk ``serial``: NotFound where it has none."""
+    disk = our_disks(ET.fromstring(dom.XMLDesc(0))).get(serial)
+    target = disk.find("target") if disk is not None else None
+    dev = target.get("dev") if target is not None else None
+    if not dev:
+        raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+    return dev
 
 
 def _monitor(dom: libvirt.virDomain, command: str, args: dict[str, object] | None = None) -> object:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vbs.errors import InvalidParameter, NotFound
-from vbs.host.hypervisors.base import DiskStats, counter
+from vbs.host.hypervisors.base import DiskStats
 from vbs.host.hypervisors.qemu_blockdev import DEVICE_ID_RE, Vm
 from vbs.qemu.qmp import QmpClient, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.host import VM_ID_RE, VmInfo
@@ -197,12 +197,7 @@ def disk_stats(vm_id: str, blockstats: list[dict[str, Any]]) -> list[DiskStats]:
         stats = entry.get("stats")
         if match is None or not isinstance(stats, dict):
             continue
-        found.append(DiskStats(vm_id=vm_id, serial=match.group(1), read_bytes=counter(stats, "rd_bytes"),
-                               write_bytes=counter(stats, "wr_bytes"), read_ops=counter(stats, "rd_operations"),
-                               write_ops=counter(stats, "wr_operations"), flush_ops=counter(stats, "flush_operations"),
-                               read_time_ns=counter(stats, "rd_total_time_ns"),
-                               write_time_ns=counter(stats, "wr_total_time_ns"),
-                               flush_time_ns=counter(stats, "flush_total_time_ns")))
+        found.append(DiskStats.of(vm_id, match.group(1), stats, times="_total_time_ns"))
     return found
 
 

@@ -204,7 +204,7 @@ class CommandBackend:
                 # Clones read through it: hidden now, removed with the last of them.
                 if snapshot_id not in deps.removed:
                     deps.removed.append(snapshot_id)
-                    self._save_deps(deps)
+                    deps.save(self._deps_file)
                 return
             self._drop_snapshot(snapshot_id, path)
 
@@ -348,22 +348,12 @@ class CommandBackend:
     # -- clones and the snapshots they depend on (a small 0600 file in the pool) ------------------
 
     def _deps(self) -> _Deps:
-        try:
-            data = json.loads(self._deps_file.read_text())
-        except FileNotFoundError:
-            return _Deps({}, [])
-        except ValueError as exc:
-            raise DriverError(f"{self._deps_file} is damaged: {exc}") from exc
-        return _Deps(dict(data.get("clones", {})), list(data.get("removed", [])))
-
-    def _save_deps(self, deps: _Deps) -> None:
-        write_private(self._deps_file, json.dumps({"clones": deps.clones, "removed": deps.removed},
-                                                  sort_keys=True) + "\n")
+        return _Deps.load(self._deps_file)
 
     def _record_clone(self, volume_id: str, snapshot_id: str) -> None:
         deps = self._deps()
         deps.clones[volume_id] = snapshot_id
-        self._save_deps(deps)
+        deps.save(self._deps_file)
 
     def _forget_clone(self, volume_id: str) -> None:
         deps = self._deps()
@@ -373,13 +363,27 @@ class CommandBackend:
         if snapshot_id in deps.removed and snapshot_id not in deps.clones.values():
             self._drop_snapshot(snapshot_id, self._path("snapshot", snapshot_id))
             deps.removed.remove(snapshot_id)
-        self._save_deps(deps)
+        deps.save(self._deps_file)
 
 
 @dataclass
 class _Deps:
     clones: dict[str, str]  # clone volume -> the snapshot its data depends on
     removed: list[str]  # snapshots removed while clones still depend on them (hidden)
+
+    @classmethod
+    def load(cls, path: Path) -> _Deps:
+        """As ``save`` wrote them (none before the first clone)."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls({}, [])
+        except ValueError as exc:
+            raise DriverError(f"{path} is damaged: {exc}") from exc
+        return cls(dict(data.get("clones", {})), list(data.get("removed", [])))
+
+    def save(self, path: Path) -> None:
+        write_private(path, json.dumps({"clones": self.clones, "removed": self.removed}, sort_keys=True) + "\n")
 
 
 def _check_size(size_bytes: int) -> None:

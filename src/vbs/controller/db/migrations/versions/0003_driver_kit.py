@@ -17,6 +17,8 @@ import json
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_ops import add_columns, drop_columns
+
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
@@ -28,9 +30,8 @@ UNFINISHED = "status IN ('running', 'rolling-back') AND exclusive"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("operations", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("exclusive", sa.Boolean(), nullable=False, server_default=sa.false()))
-        batch_op.add_column(sa.Column("failing_since", sa.DateTime(timezone=True), nullable=True))
+    add_columns("operations", sa.Column("exclusive", sa.Boolean(), nullable=False, server_default=sa.false()),
+                sa.Column("failing_since", sa.DateTime(timezone=True), nullable=True))
     bind = op.get_bind()
     operations = sa.table("operations", sa.column("id", sa.String), sa.column("kind", sa.String),
                           sa.column("params", sa.JSON), sa.column("exclusive", sa.Boolean))
@@ -52,6 +53,4 @@ def downgrade() -> None:
         batch_op.add_column(sa.Column("connection", sa.JSON(), nullable=True))
         batch_op.drop_column("status_reason")
     op.drop_index("uq_operations_exclusive_unfinished", table_name="operations")
-    with op.batch_alter_table("operations", schema=None) as batch_op:
-        batch_op.drop_column("failing_since")
-        batch_op.drop_column("exclusive")
+    drop_columns("operations", "failing_since", "exclusive")

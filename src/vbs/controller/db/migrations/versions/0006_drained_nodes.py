@@ -7,7 +7,8 @@ Revises: 0005
 """
 
 import sqlalchemy as sa
-from alembic import op
+
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0006"
 down_revision = "0005"
@@ -16,10 +17,8 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("nodes", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("drained", sa.Boolean(), nullable=False, server_default=sa.false()))
+    add_columns("nodes", sa.Column("drained", sa.Boolean(), nullable=False, server_default=sa.false()))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("nodes", schema=None) as batch_op:
-        batch_op.drop_column("drained")
+    drop_columns("nodes", "drained")

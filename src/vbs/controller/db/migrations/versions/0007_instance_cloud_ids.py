@@ -7,7 +7,8 @@ Revises: 0006
 """
 
 import sqlalchemy as sa
-from alembic import op
+
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0007"
 down_revision = "0006"
@@ -16,10 +17,8 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("instances", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("cloud_ids", sa.String(length=2048), nullable=False, server_default="{}"))
+    add_columns("instances", sa.Column("cloud_ids", sa.String(length=2048), nullable=False, server_default="{}"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("instances", schema=None) as batch_op:
-        batch_op.drop_column("cloud_ids")
+    drop_columns("instances", "cloud_ids")

@@ -12,6 +12,8 @@ Revises: 0007
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_ops import add_columns, drop_columns
+
 revision = "0008"
 down_revision = "0007"
 branch_labels = None
@@ -38,13 +40,11 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("source_snapshot_id", sa.String(length=32), nullable=True))
         batch_op.create_index("ix_snapshots_source_snapshot_id", ["source_snapshot_id"])
         batch_op.add_column(sa.Column("key_id", sa.String(length=32), nullable=True))
-    with op.batch_alter_table("volumes", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("key_id", sa.String(length=32), nullable=True))
+    add_columns("volumes", sa.Column("key_id", sa.String(length=32), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("volumes", schema=None) as batch_op:
-        batch_op.drop_column("key_id")
+    drop_columns("volumes", "key_id")
     with op.batch_alter_table("snapshots", schema=None) as batch_op:
         batch_op.drop_column("key_id")
         batch_op.drop_index("ix_snapshots_source_snapshot_id")

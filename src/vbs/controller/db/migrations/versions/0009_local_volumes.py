@@ -9,7 +9,8 @@ Revises: 0008
 """
 
 import sqlalchemy as sa
-from alembic import op
+
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0009_local_volumes"
 down_revision = "0008"
@@ -18,12 +19,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("volumes", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("host", sa.String(length=64), nullable=True))
-        batch_op.add_column(sa.Column("persistent", sa.Boolean(), nullable=False, server_default=sa.false()))
+    add_columns("volumes", sa.Column("host", sa.String(length=64), nullable=True),
+                sa.Column("persistent", sa.Boolean(), nullable=False, server_default=sa.false()))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("volumes", schema=None) as batch_op:
-        batch_op.drop_column("persistent")
-        batch_op.drop_column("host")
+    drop_columns("volumes", "persistent", "host")
