@@ -22,11 +22,15 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from pydantic import BaseModel, ValidationError
 
 from vbs.errors import InvalidParameter, NotFound
 
-__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix"]
+__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options"]
+
+_Options = TypeVar("_Options", bound=BaseModel)
 
 # Keys are made by vbs.snapshot_store.format; this only keeps a bad one from escaping a directory or
 # a bucket prefix. Segments start with a letter or digit, so "." and ".." (and hidden temp files) never match.
@@ -35,18 +39,30 @@ _KEY_RE = re.compile(rf"{_SEGMENT}(/{_SEGMENT}){{0,7}}")
 _PREFIX_RE = re.compile(rf"({_SEGMENT}/){{0,7}}({_SEGMENT})?")
 
 
+def _well_formed(pattern: re.Pattern[str], what: str, text: str) -> str:
+    if not pattern.fullmatch(text):
+        raise InvalidParameter(f"invalid snapshot store {what} {text[:80]!r}")
+    return text
+
+
 def check_key(key: str) -> str:
     """``key`` if it is a well-formed object key (``chunks/ab/ab12…``), else ``InvalidParameter``."""
-    if not _KEY_RE.fullmatch(key):
-        raise InvalidParameter(f"invalid snapshot store key {key[:80]!r}")
-    return key
+    return _well_formed(_KEY_RE, "key", key)
 
 
 def check_prefix(prefix: str) -> str:
     """``prefix`` if it is a well-formed listing prefix (``""``, ``"manifests/"``, ``"chunks/a"``)."""
-    if not _PREFIX_RE.fullmatch(prefix):
-        raise InvalidParameter(f"invalid snapshot store prefix {prefix[:80]!r}")
-    return prefix
+    return _well_formed(_PREFIX_RE, "prefix", prefix)
+
+
+def parse_options(model: type[_Options], options: Mapping[str, Any], driver: str) -> _Options:
+    """A driver's ``options`` validated by its pydantic ``model``; ``InvalidParameter`` naming the wrong
+    settings, never their values (they may be secrets)."""
+    try:
+        return model.model_validate(dict(options))
+    except ValidationError as exc:
+        fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in exc.errors())
+        raise InvalidParameter(f"invalid {driver} snapshot store settings: {fields}") from None
 
 
 class ObjectMissing(NotFound):

@@ -17,10 +17,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from vbs.errors import DriverError, InvalidParameter, SnapshotStoreUnavailable
-from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix
+from vbs.errors import DriverError, SnapshotStoreUnavailable
+from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix, parse_options
+from vbs.system.files import fsync_path
 
 __all__ = ["DirStore", "DirStoreOptions"]
 
@@ -52,12 +53,7 @@ class DirStore:
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any], *, default_dir: Path) -> DirStore:
-        try:
-            parsed = DirStoreOptions.model_validate(dict(options))
-        except ValidationError as exc:
-            fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in exc.errors())
-            raise InvalidParameter(f"invalid dir snapshot store settings: {fields}") from None
-        return cls(parsed.path or default_dir)
+        return cls(parse_options(DirStoreOptions, options, "dir").path or default_dir)
 
     def describe(self) -> str:
         return f"dir:{self.root}"
@@ -85,7 +81,7 @@ class DirStore:
                 d.mkdir(mode=0o700)
             except FileExistsError:
                 continue
-            _fsync_dir(d.parent)
+            fsync_path(d.parent)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -101,7 +97,7 @@ class DirStore:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise self._error(exc, "write", key) from exc
@@ -159,12 +155,3 @@ class DirStore:
                     yield ObjectInfo(key, st.st_size, st.st_mtime)
             except FileNotFoundError:
                 continue  # deleted while listed
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the names in ``directory`` (a rename, a new entry) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -23,10 +23,10 @@ from typing import Any, Literal, Protocol, cast
 import boto3
 import botocore.config
 import botocore.exceptions
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from vbs.errors import DriverError, InvalidParameter, SnapshotStoreUnavailable
-from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix
+from vbs.errors import DriverError, SnapshotStoreUnavailable
+from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix, parse_options
 
 __all__ = ["S3Store", "S3StoreOptions"]
 
@@ -131,12 +131,7 @@ class S3Store:
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any], *, default_dir: Path) -> S3Store:
-        try:
-            parsed = S3StoreOptions.model_validate(dict(options))
-        except ValidationError as exc:
-            fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in exc.errors())
-            raise InvalidParameter(f"invalid s3 snapshot store settings: {fields}") from None
-        return cls(parsed)
+        return cls(parse_options(S3StoreOptions, options, "s3"))
 
     def describe(self) -> str:
         where = self.options.endpoint_url or "AWS"
