@@ -20,10 +20,10 @@ import json
 import re
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import zstandard
 
@@ -56,6 +56,8 @@ _ZSTD_LEVEL = 1
 _SAMPLE = 16 * 1024
 _ID_RE = re.compile(r"[0-9a-f]{64}")
 TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+_T = TypeVar("_T")
 
 # zstd contexts are not thread-safe; uploads and restores run many threads, each with its own.
 _local = threading.local()
@@ -237,6 +239,24 @@ class Manifest:
         return self
 
 
+def _encode_document(magic: bytes, doc: dict[str, Any]) -> bytes:
+    return _frame(magic, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _decode_document(magic: bytes, blob: bytes, kind: str, what: str, snapshot_id: str,
+                     build: Callable[[dict[str, Any]], _T]) -> _T:
+    """``build`` of the ``kind`` JSON document framed in ``blob``; ``SnapshotDataError`` saying that
+    ``what`` of ``snapshot_id`` is damaged if the frame, the JSON or what ``build`` checks is wrong."""
+    try:
+        doc = json.loads(_unframe(magic, blob, what))
+        if not isinstance(doc, dict) or doc.get("format") != kind:
+            raise ValueError(f"{what} is not a {kind} document")
+        return build(doc)
+    except (ValueError, KeyError, TypeError, InvalidParameter) as exc:
+        reason = exc.message if isinstance(exc, InvalidParameter) else str(exc)
+        raise SnapshotDataError(f"{what} of {snapshot_id} is damaged: {reason}", snapshot_id=snapshot_id) from None
+
+
 def encode_manifest(manifest: Manifest) -> bytes:
     manifest.check()
     doc = {
@@ -254,38 +274,35 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "created_at": _utc_text(manifest.created_at),
         "chunks": [[index, manifest.chunks[index]] for index in sorted(manifest.chunks)],
     }
-    return _frame(_MAGIC_MANIFEST, json.dumps(doc, separators=(",", ":")).encode())
+    return _encode_document(_MAGIC_MANIFEST, doc)
 
 
 def decode_manifest(blob: bytes, snapshot_id: str) -> Manifest:
     """The manifest of ``snapshot_id`` from its object; ``SnapshotDataError`` naming it if it is damaged."""
-    try:
-        doc = json.loads(_unframe(_MAGIC_MANIFEST, blob, "the manifest"))
-        if not isinstance(doc, dict) or doc.get("format") != "vbs-snapshot-manifest":
-            raise ValueError("the manifest is not a vbs-snapshot-manifest document")
-        if doc.get("hash") != "hmac-sha256":
-            raise ValueError(f"the manifest's chunk ids are {doc.get('hash')!r}, not hmac-sha256")
-        chunks: dict[int, str] = {}
-        for entry in doc["chunks"]:
-            index, cid = entry
-            if not isinstance(index, int) or index in chunks:
-                raise ValueError(f"chunk entry {str(entry)[:80]} repeats or is not an index")
-            chunks[index] = cid
-        manifest = Manifest(
-            snapshot_id=doc["snapshot_id"], volume_id=doc["volume_id"], tenant=doc["tenant"],
-            volume_size=int(doc["volume_size"]), key_id=str(doc["key_id"]), chunks=chunks,
-            created_at=_parse_time(doc["created_at"]), parent_snapshot_id=doc.get("parent_snapshot_id"),
-            chunk_size=int(doc["chunk_size"]), block_size=int(doc["block_size"]),
-            format_version=int(doc["format_version"]),
-        ).check()
-    except (ValueError, KeyError, TypeError, InvalidParameter) as exc:
-        reason = exc.message if isinstance(exc, InvalidParameter) else str(exc)
-        raise SnapshotDataError(f"the manifest of {snapshot_id} is damaged: {reason}",
-                                snapshot_id=snapshot_id) from None
+    manifest = _decode_document(_MAGIC_MANIFEST, blob, "vbs-snapshot-manifest", "the manifest", snapshot_id,
+                                _manifest_of)
     if manifest.snapshot_id != snapshot_id:
         raise SnapshotDataError(f"the manifest stored as {snapshot_id} is {manifest.snapshot_id}'s",
                                 snapshot_id=snapshot_id)
     return manifest
+
+
+def _manifest_of(doc: dict[str, Any]) -> Manifest:
+    if doc.get("hash") != "hmac-sha256":
+        raise ValueError(f"the manifest's chunk ids are {doc.get('hash')!r}, not hmac-sha256")
+    chunks: dict[int, str] = {}
+    for entry in doc["chunks"]:
+        index, cid = entry
+        if not isinstance(index, int) or index in chunks:
+            raise ValueError(f"chunk entry {str(entry)[:80]} repeats or is not an index")
+        chunks[index] = cid
+    return Manifest(
+        snapshot_id=doc["snapshot_id"], volume_id=doc["volume_id"], tenant=doc["tenant"],
+        volume_size=int(doc["volume_size"]), key_id=str(doc["key_id"]), chunks=chunks,
+        created_at=_parse_time(doc["created_at"]), parent_snapshot_id=doc.get("parent_snapshot_id"),
+        chunk_size=int(doc["chunk_size"]), block_size=int(doc["block_size"]),
+        format_version=int(doc["format_version"]),
+    ).check()
 
 
 # -- upload markers --------------------------------------------------------------------------------
@@ -314,25 +331,21 @@ def encode_marker(marker: UploadMarker) -> bytes:
         "started_at": _utc_text(marker.started_at),
         "claims": sorted(marker.claims),
     }
-    return _frame(_MAGIC_MARKER, json.dumps(doc, separators=(",", ":")).encode())
+    return _encode_document(_MAGIC_MARKER, doc)
 
 
 def decode_marker(blob: bytes, snapshot_id: str) -> UploadMarker:
-    try:
-        doc = json.loads(_unframe(_MAGIC_MARKER, blob, "the upload marker"))
-        if not isinstance(doc, dict) or doc.get("format") != "vbs-snapshot-upload":
-            raise ValueError("the upload marker is not a vbs-snapshot-upload document")
-        claims = doc["claims"]
-        if not isinstance(claims, list) or not all(is_chunk_id(c) for c in claims):
-            raise ValueError("the upload marker's claims are not chunk ids")
-        marker = UploadMarker(snapshot_id=ids.check("snapshot", doc["snapshot_id"]),
-                              volume_id=ids.check("volume", doc["volume_id"]), tenant=check_tenant(doc["tenant"]),
-                              started_at=_parse_time(doc["started_at"]), claims=frozenset(claims))
-    except (ValueError, KeyError, TypeError, InvalidParameter) as exc:
-        reason = exc.message if isinstance(exc, InvalidParameter) else str(exc)
-        raise SnapshotDataError(f"the upload marker of {snapshot_id} is damaged: {reason}",
-                                snapshot_id=snapshot_id) from None
-    return marker
+    return _decode_document(_MAGIC_MARKER, blob, "vbs-snapshot-upload", "the upload marker", snapshot_id,
+                            _marker_of)
+
+
+def _marker_of(doc: dict[str, Any]) -> UploadMarker:
+    claims = doc["claims"]
+    if not isinstance(claims, list) or not all(is_chunk_id(c) for c in claims):
+        raise ValueError("the upload marker's claims are not chunk ids")
+    return UploadMarker(snapshot_id=ids.check("snapshot", doc["snapshot_id"]),
+                        volume_id=ids.check("volume", doc["volume_id"]), tenant=check_tenant(doc["tenant"]),
+                        started_at=_parse_time(doc["started_at"]), claims=frozenset(claims))
 
 
 def json_object(blob: bytes) -> dict[str, Any]:

@@ -7,7 +7,8 @@ so deleting one snapshot never touches another's data.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from vbs import ids
 from vbs.errors import NotFound
@@ -29,12 +30,21 @@ __all__ = ["load_manifest", "find_manifest", "save_manifest", "snapshot_ids", "d
            "save_marker", "markers"]
 
 
-def find_manifest(store: SnapshotStore, snapshot_id: str) -> Manifest | None:
-    """The manifest of ``snapshot_id``, or None if the store has none (a damaged one raises)."""
+_T = TypeVar("_T")
+
+
+def _find(store: SnapshotStore, key: str, snapshot_id: str, decode: Callable[[bytes, str], _T]) -> _T | None:
+    """The object at ``key`` decoded, or None if the store has none (a damaged one raises)."""
     try:
-        return decode_manifest(store.get(manifest_key(snapshot_id)), snapshot_id)
+        blob = store.get(key)
     except ObjectMissing:
         return None
+    return decode(blob, snapshot_id)
+
+
+def find_manifest(store: SnapshotStore, snapshot_id: str) -> Manifest | None:
+    """The manifest of ``snapshot_id``, or None if the store has none (a damaged one raises)."""
+    return _find(store, manifest_key(snapshot_id), snapshot_id, decode_manifest)
 
 
 def load_manifest(store: SnapshotStore, snapshot_id: str) -> Manifest:
@@ -62,10 +72,7 @@ def delete_snapshot(store: SnapshotStore, snapshot_id: str) -> None:
 
 
 def load_marker(store: SnapshotStore, snapshot_id: str) -> UploadMarker | None:
-    try:
-        return decode_marker(store.get(marker_key(snapshot_id)), snapshot_id)
-    except ObjectMissing:
-        return None
+    return _find(store, marker_key(snapshot_id), snapshot_id, decode_marker)
 
 
 def save_marker(store: SnapshotStore, marker: UploadMarker) -> None:
