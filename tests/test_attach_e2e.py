@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clouds import TwoHostCloud, detach_is_busy_until_forced, new_volume
+from tests.clouds import GUEST_DETACH_ENV, TwoHostCloud, detach_is_busy_until_forced, new_volume
 from tests.conftest import node_token, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.ids import virtio_serial
 
@@ -23,7 +23,7 @@ from vbs.ids import virtio_serial
 def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHostCloud]:
     export = request.param
     with TwoHostCloud(tmp_path_factory.mktemp(f"cloud-{export}"), extra=["--export", export],
-                      env={"VBS_TEST_HOOKS": "1", "VBS_CONTROLLER_DETACH_TIMEOUT_S": "3"}) as cloud:
+                      env={"VBS_TEST_HOOKS": "1", **GUEST_DETACH_ENV}) as cloud:
         yield cloud
 
 
