@@ -20,11 +20,17 @@ from moto.server import ThreadedMotoServer
 
 from vbs.snapshot_store.contract import ObjectInfo, SnapshotStore
 from vbs.snapshot_store.dir import DirStore
+from vbs.snapshot_store.keys import StoreKey
 from vbs.snapshot_store.s3 import S3Store
 
-__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET"]
+__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL"]
 
 MiB = 1024 * 1024
+# One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
+KEY = StoreKey(bytes(range(32)))
+ACME = KEY.tenant_key("acme")
+SNAP = [f"snap-{i:017x}" for i in range(1, 10)]
+VOL = "vol-0000000000000000a"
 # moto accepts any key; this one must never show up in anything a store prints.
 FAKE_SECRET = "s3cr3t-" + "x" * 33
 

@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.snapshot_stores import MiB, Recording, make_volume, moto_endpoint, store
+from tests.snapshot_stores import ACME, KEY, SNAP, MiB, Recording, make_volume, moto_endpoint, store
 from vbs.errors import ChunkCorrupt, ChunkMissing, IncorrectState, SnapshotDataError
 from vbs.snapshot_store import (
     BLOCK_SIZE,
     CHUNK_SIZE,
     BlockRange,
     SnapshotStore,
-    StoreKey,
     check_store,
     delete_snapshot,
     load_manifest,
@@ -33,11 +32,8 @@ pytestmark = pytest.mark.unit
 
 __all__ = ["moto_endpoint", "store"]  # fixtures, used by name
 
-KEY = StoreKey(bytes(range(32)))
-ACME = KEY.tenant_key("acme")
 GLOBEX = KEY.tenant_key("globex")
 VOL_A, VOL_B = "vol-0000000000000000a", "vol-0000000000000000b"
-SNAP = [f"snap-{i:017x}" for i in range(1, 10)]
 
 
 def upload(store: SnapshotStore, path: Path, snap: str, *, volume: str = VOL_A, tenant: str = "acme",

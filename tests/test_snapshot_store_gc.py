@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.snapshot_stores import MiB, Recording, make_volume, moto_endpoint, store
+from tests.snapshot_stores import ACME, SNAP, VOL, MiB, Recording, make_volume, moto_endpoint, store
 from vbs.errors import SnapshotDataError
 from vbs.snapshot_store import (
     SnapshotStore,
-    StoreKey,
     collect_garbage,
     delete_snapshot,
     gc_runs,
@@ -32,10 +31,7 @@ pytestmark = pytest.mark.unit
 
 __all__ = ["moto_endpoint", "store"]  # fixtures, used by name
 
-KEY = StoreKey(bytes(range(32)))
-ACME = KEY.tenant_key("acme")
-VOL = "vol-0000000000000000a"
-SNAP = [f"snap-{i:017x}" for i in range(1, 10)]
+
 HOUR = 3600.0
 
 
