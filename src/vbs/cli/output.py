@@ -71,7 +71,6 @@ SNAPSHOT_COLUMNS: list[Column] = [
 ]
 
 
-
 def _change(before: str, after: str, unit: str = "") -> Callable[[dict[str, Any]], str]:
     """``gp2 → gp3``; one value where it does not change."""
     def show(m: dict[str, Any]) -> str:
