@@ -9,12 +9,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vbs import drivers
-from vbs.config import StorageAgentConfig
+from vbs.config import NO_SNAPSHOT_STORE, StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.net.heartbeat import Heartbeat
 from vbs.net.web import BoundedServer, serve_agent
 from vbs.pools.backend import Backend, ReportsUsage
 from vbs.pools.exports import ExportDriver
+from vbs.snapshot_store.contract import SnapshotStore
 from vbs.storage.api import create_app
 from vbs.storage.probe import install_probe, probe_auth
 from vbs.trust import agent_security
@@ -49,6 +50,20 @@ def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Back
     return exports, backends
 
 
+def build_store(cfg: StorageAgentConfig) -> SnapshotStore | None:
+    """The snapshot store this agent's config names (``[storage_agent.snapshot_store]``), or None
+    (``driver = "none"``: snapshots stay in their pools). Only set up here: the store is first
+    reached with the store key the controller hands over with an upload or a restore."""
+    if cfg.snapshot_store.driver == NO_SNAPSHOT_STORE:
+        return None
+    store_cls: Any = drivers.load("snapshot_store", cfg.snapshot_store.driver)
+    store = store_cls.from_config(cfg.snapshot_store.options(), default_dir=cfg.state_dir.resolve() / "snapshots")
+    if not isinstance(store, SnapshotStore):
+        raise DriverError(f"snapshot store driver {cfg.snapshot_store.driver!r} does not fulfil the "
+                          "SnapshotStore contract")
+    return store
+
+
 def volume_usage(backends: dict[str, Backend]) -> dict[str, int]:
     """The bytes each volume holds, from the pools whose backend can tell; the first MAX_USAGE_REPORTED."""
     used: dict[str, int] = {}
@@ -71,6 +86,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve(),
                                  fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
+    store = build_store(cfg)
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
     app = create_app(backends, exports, auth, cfg.node_name)
@@ -102,6 +118,6 @@ def serve(cfg: StorageAgentConfig) -> None:
         log.info("storage agent %s stopped", cfg.node_name)
 
     watcher.start()
-    log.info("storage agent %s serving on %s (backend %s, pools %s, export %s)", cfg.node_name, url, cfg.backend,
-             ", ".join(backends), cfg.export)
+    log.info("storage agent %s serving on %s (backend %s, pools %s, export %s, snapshots to %s)", cfg.node_name, url,
+             cfg.backend, ", ".join(backends), cfg.export, store.describe() if store is not None else "no store")
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)
