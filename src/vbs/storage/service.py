@@ -18,6 +18,7 @@ from vbs.pools.exports import ExportDriver
 from vbs.snapshot_store.contract import SnapshotStore
 from vbs.storage.api import create_app
 from vbs.storage.probe import install_probe, probe_auth
+from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.trust import agent_security
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
 
@@ -89,7 +90,8 @@ def serve(cfg: StorageAgentConfig) -> None:
     store = build_store(cfg)
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
-    app = create_app(backends, exports, auth, cfg.node_name)
+    stored = StoredSnapshots(store)
+    app = create_app(backends, exports, auth, cfg.node_name, stored)
     install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
@@ -98,7 +100,7 @@ def serve(cfg: StorageAgentConfig) -> None:
 
     def report() -> StorageHeartbeat:
         return StorageHeartbeat(name=cfg.node_name, url=url, address=address, started_at=started_at,
-                                pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports(),
+                                pools=[stored.pool_info(b) for b in backends.values()], exports=exports.list_exports(),
                                 availability_zone=cfg.availability_zone, volume_usage=volume_usage(backends))
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
@@ -112,6 +114,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     def shutdown() -> None:
         stop.set()
         watcher.join(timeout=5)
+        stored.close()
         exports.stop()
         for b in backends.values():
             b.close()
