@@ -197,6 +197,7 @@ class StoredSnapshots:
             return upload.answer
         del self._uploads[snapshot_id]  # said once: the next call starts over
         if job.state == "failed":
+            log.warning("snapshot %s: %s", snapshot_id, job.error)
             exc = job.exception
             if isinstance(exc, RetryLater):
                 raise exc  # the store is down: the controller retries later, the snapshot stays pending

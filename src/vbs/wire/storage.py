@@ -72,7 +72,7 @@ SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
 TENANT_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 # Where a pool's snapshots are stored, as its store describes itself (``dir:/srv/snaps``,
 # ``s3://bucket/prefix/ at URL``): never a secret. Agents that report the same one share the store.
-STORE_RE = r"^[^\x00-\x1f]{1,255}$"
+STORE_RE = r"^[^\x00-\x1f]{1,1024}$"
 # The store key the controller hands over with each upload and restore: 32 bytes, in hex.
 StoreKeyHex = Annotated[SecretStr, Field(min_length=64, max_length=64),
                         AfterValidator(lambda v: _hex_key(v))]
