@@ -182,3 +182,26 @@ def test_deleting_a_stored_snapshot_leaves_the_others(pool: FileBackend, store: 
     assert find_manifest(store, gone) is None and find_manifest(store, kept) is not None
     assert agent.status(pool, "p", gone).state == "absent"
     assert agent.status(pool, "p", kept).state == "ready"
+
+
+def test_the_holes_of_a_snapshot_image_are_not_read(tmp_path: Path) -> None:
+    from vbs.snapshot_store.volume_io import FileReader
+    from vbs.storage.stored_snapshots import _SparseReader
+
+    image = tmp_path / "image.raw"
+    with image.open("wb") as f:
+        f.truncate(64 * MiB)
+        f.seek(5 * MiB + 4096)
+        f.write(b"data")
+    reads: list[int] = []
+
+    class Counting(FileReader):
+        def read_at(self, offset: int, length: int) -> bytes:
+            reads.append(offset)
+            return super().read_at(offset, length)
+
+    with Counting(image) as reader:
+        sparse = _SparseReader(reader, 64 * MiB)
+        got = [sparse.read_at(i * MiB, MiB) for i in range(64)]
+    assert reads == [5 * MiB], "only the chunk with data is read"
+    assert got[5][4096:4100] == b"data" and all(c == bytes(MiB) for i, c in enumerate(got) if i != 5)

@@ -19,6 +19,7 @@ derived from it here (``StoreKey``) and kept only for the job's life. It is neve
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -37,7 +38,7 @@ from vbs.snapshot_store.manifests import delete_snapshot, find_manifest, load_ma
 from vbs.snapshot_store.restore import restore_snapshot
 from vbs.snapshot_store.upload import upload_snapshot
 from vbs.snapshot_store.volume_io import FileReader, FileWriter, VolumeReader, VolumeWriter
-from vbs.storage.copy import CopyCancelled, Job
+from vbs.storage.copy import CopyCancelled, Job, data_ranges
 from vbs.storage.luks import convert_to_luks, header_bytes
 from vbs.wire.storage import ItemStatus, PoolInfo, RestoreVolume, StoredStatus, StoreSnapshot
 
@@ -51,7 +52,7 @@ STOP_TIMEOUT_S = 120.0
 class _Cancellable:
     """A reader or writer that stops (``CopyCancelled``) at its next chunk once ``cancel`` is set."""
 
-    def __init__(self, inner: VolumeReader | VolumeWriter, cancel: threading.Event) -> None:
+    def __init__(self, inner: VolumeReader | VolumeWriter | _SparseReader, cancel: threading.Event) -> None:
         self._inner = inner
         self._cancel = cancel
 
@@ -72,6 +73,28 @@ class _Cancellable:
     def flush(self) -> None:
         assert isinstance(self._inner, VolumeWriter)
         self._inner.flush()
+
+
+class _SparseReader:
+    """Reads of a snapshot image that answer a range in one of its holes with zeros without reading it
+    (SEEK_DATA/SEEK_HOLE, listed once: nobody writes a snapshot image): a thin 1 TiB volume with little
+    data costs its data, not a terabyte of reads of zeros."""
+
+    def __init__(self, reader: FileReader, size: int) -> None:
+        self._reader = reader
+        self._extents = list(data_ranges(reader.fd, size))
+        self._starts = [start for start, _ in self._extents]
+        self._zeros: dict[int, bytes] = {}
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        # The last extent starting before the range's end is the only one that may reach into it.
+        k = bisect.bisect_left(self._starts, offset + length) - 1
+        if k < 0 or self._extents[k][1] <= offset:
+            zeros = self._zeros.get(length)
+            if zeros is None:
+                zeros = self._zeros[length] = bytes(length)
+            return zeros
+        return self._reader.read_at(offset, length)
 
 
 @dataclass
@@ -161,7 +184,8 @@ class StoredSnapshots:
         def work(cancel: threading.Event, progress: Callable[[int, int], None]) -> None:
             with FileReader(image) as reader:
                 size = os.fstat(reader.fd).st_size
-                done = upload_snapshot(store, _Cancellable(reader, cancel), size, snapshot_id=snapshot_id,
+                source = _Cancellable(_SparseReader(reader, size), cancel)
+                done = upload_snapshot(store, source, size, snapshot_id=snapshot_id,
                                        volume_id=req.volume_id, tenant=req.tenant, tenant_key=tenant_key,
                                        previous=previous, progress=progress)
             if cancel.is_set():
