@@ -226,7 +226,8 @@ def test_an_upload_whose_agent_is_killed_midway_sends_only_what_the_store_lacks(
     stored = {p.name for p in (store / "chunks").rglob("*") if p.is_file() and len(p.name) == 64}
     assert stored == set(ids_)
     log = (services.tmp / "agent.log").read_text(errors="replace")
-    assert f"snapshot {sid} stored in dir:{store}: {mib} chunks, {mib - len(stored_at_kill)} new" in log
+    # (the agent's own store, in its state directory: reported with its node's name)
+    assert f"snapshot {sid} stored in dir:{store} on storage-1: {mib} chunks, {mib - len(stored_at_kill)} new" in log
     # And it restores bit for bit.
     clone = services.vbs.create_volume(snapshot_id=sid)
     services.vbs.wait_volume(clone["volume_id"], "available", timeout=120)

@@ -15,7 +15,7 @@ from vbs.cli.up import Child, _banner, choose_snapshot_store, snapshot_store_fla
 from vbs.errors import InvalidParameter
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.s3 import S3Store
-from vbs.storage.service import build_store
+from vbs.storage.service import build_store, store_location
 
 pytestmark = pytest.mark.unit
 
@@ -62,6 +62,10 @@ def test_the_config_table_names_the_driver_and_its_settings(tmp_path: Path) -> N
                         overrides={"state_dir": tmp_path / "state"})
     default = build_store(plain)
     assert isinstance(default, DirStore) and default.root == (tmp_path / "state" / "snapshots").resolve()
+    # A store in its default place is this node's own: reported with its name, so no other node is taken
+    # to share it; one given a place is reported as itself.
+    assert store_location(plain, default) == f"dir:{default.root} on storage-1"
+    assert store_location(cfg, store) == f"dir:{store.root}"
     # none: snapshots stay in their pools.
     none = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", environ={},
                        overrides={"snapshot_store": {"driver": "none"}})

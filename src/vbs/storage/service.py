@@ -65,6 +65,18 @@ def build_store(cfg: StorageAgentConfig) -> SnapshotStore | None:
     return store
 
 
+def store_location(cfg: StorageAgentConfig, store: SnapshotStore | None) -> str | None:
+    """How this agent's pools report their store. A ``dir`` store in its default place (the agent's state
+    directory) is this node's own, whatever its path says on other machines: it is reported with the
+    node's name, so no other node is taken to share it. A store whose place is given (an NFS mount, a
+    bucket) is reported as itself: every agent that names the same one shares it."""
+    if store is None:
+        return None
+    if cfg.snapshot_store.driver == "dir" and "path" not in cfg.snapshot_store.options():
+        return f"{store.describe()} on {cfg.node_name}"
+    return store.describe()
+
+
 def volume_usage(backends: dict[str, Backend]) -> dict[str, int]:
     """The bytes each volume holds, from the pools whose backend can tell; the first MAX_USAGE_REPORTED."""
     used: dict[str, int] = {}
@@ -90,7 +102,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     store = build_store(cfg)
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
-    stored = StoredSnapshots(store)
+    stored = StoredSnapshots(store, store_location(cfg, store))
     app = create_app(backends, exports, auth, cfg.node_name, stored)
     install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"

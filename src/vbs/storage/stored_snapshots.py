@@ -115,8 +115,11 @@ def _facts(manifest: Manifest, store: str, *, pool_copy: bool, chunks_uploaded: 
 class StoredSnapshots:
     """This agent's store (None: it has none, and snapshots stay in their pools) and its jobs."""
 
-    def __init__(self, store: SnapshotStore | None) -> None:
+    def __init__(self, store: SnapshotStore | None, location: str | None = None) -> None:
+        """``location``: how the pools report the store (default: its own description). Agents that report
+        the same one are taken to share it: any of them restores the others' snapshots."""
         self.store = store
+        self._location = location
         self._lock = threading.Lock()
         self._uploads: dict[str, _Upload] = {}
         self._opened: set[str] = set()  # check values of store keys open_store accepted
@@ -125,7 +128,9 @@ class StoredSnapshots:
 
     @property
     def location(self) -> str | None:
-        return self.store.describe() if self.store is not None else None
+        if self.store is None:
+            return None
+        return self._location or self.store.describe()
 
     def pool_info(self, backend: Backend) -> PoolInfo:
         """The pool as the heartbeat reports it, with the store its snapshots go to (if they do)."""
@@ -157,7 +162,7 @@ class StoredSnapshots:
     def upload(self, backend: Backend, pool: str, snapshot_id: str, req: StoreSnapshot) -> StoredStatus:
         """Upload the snapshot (started now if it is not under way or stored), or say how far it got."""
         store, images = self._need(backend, pool)
-        where = store.describe()
+        where = self.location or store.describe()
         keeps = images.keeps_snapshot_images()
         with self._lock:
             upload = self._uploads.get(snapshot_id)
@@ -250,7 +255,7 @@ class StoredSnapshots:
         manifest = find_manifest(store, snapshot_id)
         if manifest is None:
             return StoredStatus(state="absent", store=self.location)
-        return _facts(manifest, store.describe(), pool_copy=images.keeps_snapshot_images())
+        return _facts(manifest, self.location or store.describe(), pool_copy=images.keeps_snapshot_images())
 
     def delete(self, snapshot_id: str) -> None:
         """Forget the snapshot in the store: an upload under way is stopped, its manifest (and marker)
