@@ -298,8 +298,7 @@ class StoredSnapshots:
                                  progress=progress, zeroed=writer.zeroed)
             _grow(partial, req.size_bytes + (header_bytes(partial) if req.encrypted else 0), manifest)
 
-        log.info("restoring volume %s of pool %s from snapshot %s in %s", volume_id, pool, req.snapshot_id,
-                 store.describe())
+        # The pool's job logs its start ("filling volume … (restore of snap-…)").
         return images.fill_volume(volume_id, req.size_bytes, fill, what=f"restore of {req.snapshot_id}")
 
     def close(self) -> None:
