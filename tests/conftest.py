@@ -140,6 +140,18 @@ class Vbs:
         return wait_until(lambda: (s := self.snapshot(snapshot_id))["status"] == status and s, timeout,
                           what=f"{snapshot_id} {status}")
 
+    def snapshot_data(self, snapshot_id: str) -> Path:
+        """A file holding the snapshot's data: its pool copy where its pool keeps one (reflink), else a
+        volume made from it (hydrated from the snapshot store: a copy pool gives its copy up once the
+        snapshot is stored)."""
+        copy = self.pool / "snapshots" / f"{snapshot_id}.raw"
+        if copy.exists():
+            return copy
+        r = self.http.post("/v1/volumes", json={"snapshot_id": snapshot_id})
+        assert r.status_code == 200, r.text
+        made = self.wait_volume(r.json()["volume_id"], "available", timeout=300)
+        return self.pool / "volumes" / f"{made['volume_id']}.raw"
+
     def create_volume(self, **body: Any) -> dict[str, Any]:
         r = self.http.post("/v1/volumes", json=body)
         assert r.status_code == 200, r.text

@@ -48,11 +48,12 @@ def test_snapshot_copy_is_pending_with_rising_progress_then_completed(vbs_up: Vb
         seen.append(cur["progress"])
     assert cur["status"] == "completed" and cur["progress"] == 100
     assert seen == sorted(seen), "progress never goes back"
-    snap_path = vbs_up.pool / "snapshots" / f"{snap['snapshot_id']}.raw"
-    assert digest(snap_path, 1536) == want
+    # Completed means stored; on this copy pool the snapshot store is where it lives (issue 33).
+    assert cur["data_location"] == "store"
+    assert not (vbs_up.pool / "snapshots" / f"{snap['snapshot_id']}.raw").exists()
     # The snapshot is independent of later writes to its volume.
     fill(vol_path, 8, b"later")
-    assert digest(snap_path, 1536) == want
+    assert digest(vbs_up.snapshot_data(snap["snapshot_id"]), 1536) == want
 
 
 def test_volume_from_snapshot_is_creating_then_available_with_the_data(vbs_up: Vbs) -> None:

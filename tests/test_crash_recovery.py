@@ -151,3 +151,86 @@ def test_no_live_storage_node_refuses_create_and_changes_nothing(services: Servi
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "InsufficientVolumeCapacity"
     assert services.vbs.all_volumes() == []
+
+
+@pytest.mark.parametrize("point", ["store-upload:started", "store-upload:done"])
+def test_create_snapshot_interrupted_in_its_upload_goes_forward(services: Services, point: str) -> None:
+    """Once the pool's point-in-time copy is made, a controller restart resumes the upload instead of
+    rolling back: the snapshot ends ``completed``, in the store."""
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    services.stop()
+    snap = crash_and_recover(services, f"create-snapshot:{point}",
+                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json(),
+                             lambda: newest_snapshot(services))
+    done = services.vbs.wait_snapshot(snap["snapshot_id"], "completed", timeout=60)
+    assert done["data_location"] == "store"
+    assert (services.data_dir / "storage-state" / "snapshots" / "manifests" / snap["snapshot_id"]).is_file()
+    assert_world_agrees(services)
+
+
+def test_an_upload_whose_agent_is_killed_midway_sends_only_what_the_store_lacks(services: Services) -> None:
+    """The storage agent is SIGKILLed while a snapshot's upload has put some of its chunks and not the
+    rest (one chunk cannot be written: its fan-out directory is a file); after its restart the upload
+    starts again and sends exactly the chunks the store does not hold."""
+    import hashlib
+    import os
+    import random
+
+    from vbs.controller.auth.keys import MasterKey
+    from vbs.controller.auth.store_key import store_key
+    from vbs.controller.db import Database
+    from vbs.snapshot_store import StoreKey
+    from vbs.snapshot_store.format import chunk_id
+
+    mib = 64
+    services.start_controller()
+    services.start_agent()
+    vol = services.vbs.create_volume(size_gib=1)
+    services.vbs.wait_volume(vol["volume_id"], "available")
+    data = random.Random(b"midway").randbytes(mib << 20)
+    with (services.data_dir / "pool" / "volumes" / f"{vol['volume_id']}.raw").open("r+b") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    db = Database.for_data_dir(services.data_dir)
+    try:
+        key = StoreKey(bytes.fromhex(store_key(db, MasterKey(services.data_dir / "master.key")).get_secret_value()))
+    finally:
+        db.dispose()
+    tenant_key = key.tenant_key("default")
+    ids_ = [chunk_id(tenant_key, data[i << 20:(i + 1) << 20]) for i in range(mib)]
+    # A late chunk whose fan-out directory no other chunk of the volume shares (the key is new each run).
+    blocked_index = max(i for i in range(mib - 16, mib) if sum(c[:2] == ids_[i][:2] for c in ids_) == 1)
+    prefix = ids_[blocked_index][:2]
+    store = services.data_dir / "storage-state" / "snapshots"
+    blocker = store / "chunks" / prefix
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_bytes(b"")  # a file where the chunk's directory goes: that one put fails, every time
+
+    snap = services.vbs.http.post("/v1/snapshots", json={"volume_id": vol["volume_id"]}).json()
+    sid = snap["snapshot_id"]
+    wait_until(lambda: (store / "uploads" / sid).is_file() and "upload failed" in (services.tmp / "agent.log")
+               .read_text(errors="replace"), 60, what="an upload stopped at the blocked chunk")
+    assert services.agent is not None
+    services.agent.kill()
+    services.agent.wait(30)
+    stored_at_kill = {p.name for p in (store / "chunks").rglob("*") if p.is_file() and len(p.name) == 64}
+    assert stored_at_kill and len(stored_at_kill) < mib and not (store / "manifests" / sid).exists()
+    assert ids_[blocked_index] not in stored_at_kill
+    blocker.unlink()
+    services.start_agent()
+    done = services.vbs.wait_snapshot(sid, "completed", timeout=120)
+    assert done["data_location"] == "store" and done["stored_bytes"] == mib << 20
+    stored = {p.name for p in (store / "chunks").rglob("*") if p.is_file() and len(p.name) == 64}
+    assert stored == set(ids_)
+    log = (services.tmp / "agent.log").read_text(errors="replace")
+    # (the agent's own store, in its state directory: reported with its node's name)
+    assert f"snapshot {sid} stored in dir:{store} on storage-1: {mib} chunks, {mib - len(stored_at_kill)} new" in log
+    # And it restores bit for bit.
+    clone = services.vbs.create_volume(snapshot_id=sid)
+    services.vbs.wait_volume(clone["volume_id"], "available", timeout=120)
+    with (services.data_dir / "pool" / "volumes" / f"{clone['volume_id']}.raw").open("rb") as fh:
+        assert hashlib.sha256(fh.read(mib << 20)).digest() == hashlib.sha256(data).digest()
+    assert_world_agrees(services)

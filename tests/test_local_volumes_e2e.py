@@ -92,7 +92,7 @@ def test_a_local_volume_from_a_snapshot_works_next_to_a_shared_one_and_goes_back
     # Its snapshot (taken while attached: the hypervisor copies it at one instant) lands on shared storage.
     back = node.vbs.cli("create-snapshot", local_id, "--wait")
     assert back["status"] == "completed" and back["storage_node"] == "storage-1"
-    assert (node.vbs.pool / "snapshots" / f"{back['snapshot_id']}.raw").exists()
+    assert back["data_location"] == "store", "stored, and the copy pool keeps no full copy"
     copy = shared_volume(node, "--snapshot", back["snapshot_id"])["volume_id"]
     copy_dev = node.attach(copy, "vdd")
     assert node.guest.checksum(copy_dev, 4) == on_local

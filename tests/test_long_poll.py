@@ -110,7 +110,9 @@ def test_a_long_poll_started_before_the_end_answers_the_final_state_when_the_ope
     op, snap = poll.result(), snap_poll.result()
     assert op.status_code == 200, op.text
     assert op.json()["status"] == "succeeded"
-    assert [s["state"] for s in op.json()["steps"]] == ["done", "done"]
+    # storage-snapshot, store-upload (into the snapshot store: issue 33), mark-completed
+    assert [(s["name"], s["state"]) for s in op.json()["steps"]] == [
+        ("storage-snapshot", "done"), ("store-upload", "done"), ("mark-completed", "done")]
     assert snap.status_code == 200 and snap.json()["status"] == "completed"
     assert poll.took < LONG_WAIT_S and snap_poll.took < LONG_WAIT_S  # the ending answered it, not the clock
 

@@ -60,3 +60,20 @@ def _fresh_line(tmp_path: Path) -> str:
 def _sealed(db: Database) -> dict[str, str]:
     with db.read() as s:
         return {r.id: r.sealed_secret for r in s.query(AccessKeyRecord)}
+
+
+def test_the_snapshot_store_key_is_made_once_sealed_and_rotated(db: Database, tmp_path: Path) -> None:
+    from vbs.controller.auth.store_key import STORE_KEY_ID, store_key
+    from vbs.controller.db import VolumeKey
+    from vbs.snapshot_store import StoreKey
+
+    master = MasterKey(tmp_path / "master.key")
+    first = store_key(db, master)
+    assert len(first.get_secret_value()) == 64 and StoreKey(bytes.fromhex(first.get_secret_value()))
+    assert store_key(db, master).get_secret_value() == first.get_secret_value()  # made once
+    with db.read() as s:
+        row = s.get(VolumeKey, STORE_KEY_ID)
+        assert row is not None and first.get_secret_value() not in row.sealed_key
+    assert MasterKey(tmp_path / "master.key").rotate(db) == 1
+    assert store_key(db, MasterKey(tmp_path / "master.key")).get_secret_value() == first.get_secret_value()
+    assert first.get_secret_value() not in repr(first)

@@ -73,14 +73,15 @@ def test_a_snapshot_of_a_volume_a_guest_writes_holds_exactly_a_prefix_of_its_wri
     assert rc == 0 and f"wrote {WRITES}" in out, out
 
     assert snap["status"] == "completed", snap
-    in_snapshot = blocks_in(vbs.pool / "snapshots" / f"{snap['snapshot_id']}.raw")
+    snapshot_file = vbs.snapshot_data(snap["snapshot_id"])  # restored from the store on a copy pool
+    in_snapshot = blocks_in(snapshot_file)
     newest = max(in_snapshot)
     missing = sorted(set(range(newest + 1)) - in_snapshot)
     assert not missing, f"the snapshot holds block {newest} but lacks {len(missing)} written before it: {missing[:10]}"
     assert 40 <= newest < WRITES - 1, f"the snapshot was taken while the guest wrote (newest block {newest})"
     assert blocks_in(volume_file) == set(range(WRITES)), "the volume itself has every write"
     # The rest of the snapshot is the volume as it was: the prefilled data came along.
-    with open(volume_file, "rb") as v, open(vbs.pool / "snapshots" / f"{snap['snapshot_id']}.raw", "rb") as s:
+    with open(volume_file, "rb") as v, open(snapshot_file, "rb") as s:
         v.seek(SLOTS * BLOCK)
         s.seek(SLOTS * BLOCK)
         assert v.read(PREFILL_MIB * MIB) == s.read(PREFILL_MIB * MIB)

@@ -44,6 +44,9 @@ def test_snapshot_and_clone_of_16_gib_are_instant_and_share_blocks(vbs_xfs: Vbs)
     vbs_xfs.wait_volume(clone["volume_id"], "available", timeout=10)
 
     assert done["progress"] == 100
+    # Stored, and the reflink kept as the fast tier the clone above came from (issue 33).
+    assert done["data_location"] == "pool+store"
+    assert (vbs_xfs.data_dir / "snapshots" / "manifests" / snap["snapshot_id"]).is_file()
     # Whatever the size, no data is copied: the pool barely changes (the 256 MiB written stay shared).
     free_after = os.statvfs(vbs_xfs.pool).f_bavail * os.statvfs(vbs_xfs.pool).f_frsize
     assert free_before - free_after < 64 << 20

@@ -302,6 +302,43 @@ def test_the_rest_request_carries_the_hints_and_a_clone_stays_with_its_snapshot(
         create(db, snapshot_id="snap-0123456789abcdef0", availability_zone=ZONE)
 
 
+def test_a_snapshot_in_the_store_is_restored_wherever_its_store_is_reached(db: Database) -> None:
+    store = "dir:/srv/vbs-snapshots"
+    stored = pool("a", 10).model_copy(update={"snapshot_store": store})
+    heartbeat(db, "s1", stored)
+    heartbeat(db, "s2", stored, pool("b", 100).model_copy(update={"snapshot_store": store}))
+    heartbeat(db, "s3", pool("a", 1000))  # its snapshots go to no store: it cannot restore
+    now = utcnow()
+
+    def snapshot(sid: str, *, pool_copy: bool, state: str | None = "stored") -> str:
+        with db.session() as s:
+            s.add(Snapshot(id=sid, volume_id="vol-0123456789abcdef0", volume_size_gib=1, comment="",
+                           storage_node="s1", pool="a", status="completed", progress=100, started_at=now,
+                           updated_at=now, store_state=state, store=store if state else None, pool_copy=pool_copy))
+        return sid
+
+    # Only in the store (a copy pool gave its copy up): placement chooses among the pools of that store.
+    only_store = snapshot("snap-0123456789abcdef1", pool_copy=False)
+    placed = {(v.storage_node, v.pool) for v in (create(db, snapshot_id=only_store) for _ in range(4))}
+    assert placed and placed <= {("s1", "a"), ("s2", "a"), ("s2", "b")} and ("s2", "b") in placed
+    assert (create(db, snapshot_id=only_store, storage_node="s1").storage_node) == "s1"
+    with pytest.raises(InsufficientCapacity, match="reaches the snapshot store dir:/srv/vbs-snapshots"):
+        create(db, snapshot_id=only_store, storage_node="s3")
+    # In its pool too (a reflink pool's fast tier): cloned beside it while its node is up, as before...
+    both = snapshot("snap-0123456789abcdef2", pool_copy=True)
+    assert {(create(db, snapshot_id=both).storage_node) for _ in range(3)} == {"s1"}
+    # ... another place asked for is a restore there, and with its node down it is restored elsewhere.
+    assert (create(db, snapshot_id=both, pool="b").storage_node, "b") == ("s2", "b")
+    silence(db, "s1")
+    assert {(create(db, snapshot_id=both).storage_node) for _ in range(3)} == {"s2"}
+    # Not in the store: made where it lives, or refused with why.
+    pool_only = snapshot("snap-0123456789abcdef3", pool_copy=True, state=None)
+    heartbeat(db, "s1", stored)
+    assert create(db, snapshot_id=pool_only).storage_node == "s1"
+    with pytest.raises(InvalidParameter, match="not in the snapshot store"):
+        create(db, snapshot_id=pool_only, storage_node="s2")
+
+
 def test_the_rest_request_refuses_malformed_hints() -> None:
     for bad in ({"storage_node": "S1"}, {"storage_node": "a" * 64}, {"pool": "-x"}, {"pool": "a/b"},
                 {"availability_zone": "us east"}, {"availability_zone": "z" * 33}):

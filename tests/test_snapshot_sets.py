@@ -85,8 +85,8 @@ def test_a_snapshot_set_is_one_instant_across_two_volumes(env: Env) -> None:
     rc, out = running.result(timeout=600)
     assert rc == 0 and "written" in out, out
     by_volume = {s["VolumeId"]: s["SnapshotId"] for s in made}
-    in_a = numbered_blocks(env.vbs.pool / "snapshots" / f"{by_volume[vol_a]}.raw")
-    in_b = numbered_blocks(env.vbs.pool / "snapshots" / f"{by_volume[vol_b]}.raw")
+    in_a = numbered_blocks(env.vbs.snapshot_data(by_volume[vol_a]))  # from the store on a copy pool
+    in_b = numbered_blocks(env.vbs.snapshot_data(by_volume[vol_b]))
     held = in_a | in_b
     assert held, "the set was taken before the writer started"
     k = max(held)

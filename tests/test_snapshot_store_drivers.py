@@ -121,3 +121,11 @@ def test_snapshot_stores_are_drivers_found_by_name() -> None:
     assert drivers.load("snapshot_store", "dir") is DirStore and drivers.load("snapshot_store", "s3") is S3Store
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vbs.snapshot_stores"]
     assert declared == {"dir": "vbs.snapshot_store.dir:DirStore", "s3": "vbs.snapshot_store.s3:S3Store"}
+
+
+def test_a_dir_store_whose_directory_is_a_file_says_so_as_its_error(tmp_path: Path) -> None:
+    store = DirStore(tmp_path / "store")
+    (tmp_path / "store" / "chunks").mkdir()
+    (tmp_path / "store" / "chunks" / "ab").write_bytes(b"")  # where a fan-out directory goes
+    with pytest.raises(DriverError, match="the snapshot store could not write"):
+        store.put("chunks/ab/" + "ab" * 32, b"x")

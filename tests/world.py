@@ -81,7 +81,9 @@ def db_rows(data_dir: Path) -> dict[str, dict[str, str]]:
     with sqlite3.connect(data_dir / "vbs.db", timeout=10) as db:
         return {
             "volumes": dict(db.execute("SELECT id, status FROM volumes").fetchall()),
-            "snapshots": dict(db.execute("SELECT id, status FROM snapshots").fetchall()),
+            # A snapshot whose copy pool gave its copy up lives in the snapshot store only: no pool file.
+            "snapshots": dict(db.execute("SELECT id, CASE WHEN pool_copy OR status != 'completed' THEN status "
+                                         "ELSE 'stored' END FROM snapshots").fetchall()),
             "operations": dict(db.execute("SELECT id, status FROM operations").fetchall()),
         }
 
@@ -179,6 +181,37 @@ class Db:
         return [a for a in self.attachments if a["status"] in LIVE_ATTACHMENT]
 
 
+def stored_snapshot_sha(data_dir: Path, store: Path, snapshot_id: str, mib: int) -> str:
+    """The sha256 of the first ``mib`` MiB of a snapshot as the snapshot store holds it (``store``: a dir
+    store), restored with the controller's store key (from its database, opened with its master key) into a
+    scratch file beside the DB, every chunk checked."""
+    import hashlib
+
+    from vbs.controller.auth.keys import MasterKey
+    from vbs.controller.auth.store_key import store_key
+    from vbs.controller.db import Database
+    from vbs.snapshot_store import DirStore, StoreKey, load_manifest, restore_snapshot
+
+    db = Database.for_data_dir(data_dir)
+    try:
+        secret = store_key(db, MasterKey(data_dir / "master.key")).get_secret_value()
+    finally:
+        db.dispose()
+    dir_store = DirStore(store)
+    manifest = load_manifest(dir_store, snapshot_id)
+    scratch = data_dir / f".restored-{snapshot_id}"
+    try:
+        restore_snapshot(dir_store, manifest, scratch,
+                         tenant_key=StoreKey(bytes.fromhex(secret)).tenant_key(manifest.tenant))
+        h = hashlib.sha256()
+        with scratch.open("rb") as fh:
+            for _ in range(mib):
+                h.update(fh.read(1 << 20))
+        return h.hexdigest()
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
 def read_db(data_dir: Path) -> Db:
     with sqlite3.connect(f"file:{data_dir / 'vbs.db'}?mode=ro", uri=True, timeout=10) as db:
         db.row_factory = sqlite3.Row
@@ -188,7 +221,8 @@ def read_db(data_dir: Path) -> Db:
 
         return Db(
             volumes={r["id"]: r for r in rows("SELECT id, status, size_gib, status_reason FROM volumes")},
-            snapshots={r["id"]: r for r in rows("SELECT id, status, volume_id, volume_size_gib FROM snapshots")},
+            snapshots={r["id"]: r for r in rows("SELECT id, status, volume_id, volume_size_gib, pool_copy, store_state "
+                                                "FROM snapshots")},
             attachments=rows("SELECT id, volume_id, host, vm_id, status, mode FROM attachments ORDER BY created_at"),
             operations={r["id"]: r for r in rows(
                 "SELECT id, kind, resource_id, status, error, params FROM operations ORDER BY created_at")},
@@ -392,8 +426,9 @@ def _check_pool(spec: WorldSpec, db: Db, v: Verdict) -> None:
     want = {
         "volumes": {f"{i}.raw": r["size_gib"] * GIB for i, r in db.volumes.items()
                     if r["status"] in ("available", "in-use")},
+        # A copy pool gives a stored snapshot's copy up (it lives in the snapshot store only).
         "snapshots": {f"{i}.raw": r["volume_size_gib"] * GIB for i, r in db.snapshots.items()
-                      if r["status"] == "completed"},
+                      if r["status"] == "completed" and r["pool_copy"]},
     }
     for kind, files in want.items():
         have = {p.name: p.stat().st_size for p in (spec.pool / kind).iterdir()}

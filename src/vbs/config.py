@@ -175,6 +175,66 @@ class PoolConfig(_Section):
         return cls(name=name, path=Path(path))
 
 
+# Where a storage agent's snapshots go, as ``--snapshot-store`` and ``vbs up`` take it: S3's bucket rules
+# (the s3 driver checks them again, with the rest of its settings).
+S3_BUCKET_RE = r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"
+S3_PREFIX_RE = r"([A-Za-z0-9][A-Za-z0-9._-]{0,127}/?){0,8}"
+NO_SNAPSHOT_STORE = "none"
+
+
+class SnapshotStoreConfig(_Section):
+    """``[storage_agent.snapshot_store]``: the snapshot store's driver by name (``dir``, ``s3``, a plug-in's,
+    or ``none``: snapshots stay in their pool only) and the driver's own settings beside it (``path``;
+    ``bucket``, ``prefix``, ``endpoint_url``, ``region``, ``credentials_file`` …), which the driver
+    validates when the agent starts (docs/snapshots.md). Default: a ``dir`` store in
+    ``<state_dir>/snapshots``; ``vbs up`` gives its storage agents one in ``<data-dir>/snapshots``."""
+
+    model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
+
+    driver: str = Field("dir", pattern=DRIVER_NAME_RE)
+
+    def options(self) -> dict[str, Any]:
+        """The driver's settings: everything but ``driver``."""
+        return dict(self.model_extra or {})
+
+
+def parse_snapshot_store(spec: str, *, s3_endpoint: str | None = None,
+                         s3_credentials_file: Path | None = None) -> dict[str, Any]:
+    """``dir:PATH``, ``s3://BUCKET[/PREFIX]`` or ``none`` (``--snapshot-store``), with the S3 store's
+    endpoint and credentials file, as the ``[storage_agent.snapshot_store]`` table says it. The error
+    names what is wrong, never a secret (there is none in these)."""
+    s3_only = [flag for flag, value in (("--s3-endpoint", s3_endpoint),
+                                        ("--s3-credentials-file", s3_credentials_file)) if value is not None]
+    if spec == NO_SNAPSHOT_STORE:
+        if s3_only:
+            raise InvalidParameter(f"{s3_only[0]} goes with --snapshot-store s3://BUCKET/PREFIX")
+        return {"driver": NO_SNAPSHOT_STORE}
+    if spec.startswith("dir:"):
+        if s3_only:
+            raise InvalidParameter(f"{s3_only[0]} goes with --snapshot-store s3://BUCKET/PREFIX")
+        path = spec[len("dir:"):]
+        if not path or "\0" in path:
+            raise InvalidParameter("--snapshot-store dir:PATH needs a directory")
+        return {"driver": "dir", "path": str(Path(path).resolve())}
+    if spec.startswith("s3://"):
+        bucket, _, prefix = spec[len("s3://"):].partition("/")
+        if not re.fullmatch(S3_BUCKET_RE, bucket):
+            raise InvalidParameter(f"--snapshot-store: {bucket[:80]!r} is not an S3 bucket name (3-63 characters "
+                                   "a-z, 0-9, . and -, starting and ending with a letter or digit)")
+        if not re.fullmatch(S3_PREFIX_RE, prefix):
+            raise InvalidParameter(f"--snapshot-store: {prefix[:80]!r} is not a prefix (up to 8 segments of "
+                                   "A-Z, a-z, 0-9, ., _ and -, each starting with a letter or digit, separated by /)")
+        found: dict[str, Any] = {"driver": "s3", "bucket": bucket, "prefix": prefix.strip("/")}
+        if s3_endpoint is not None:
+            if not re.fullmatch(r"https?://[^\s/@]+(/[^\s@]*)?", s3_endpoint):
+                raise InvalidParameter("--s3-endpoint must be http(s)://HOST[:PORT][/PATH], with no user or password")
+            found["endpoint_url"] = s3_endpoint
+        if s3_credentials_file is not None:
+            found["credentials_file"] = str(s3_credentials_file.resolve())
+        return found
+    raise InvalidParameter(f"--snapshot-store {spec[:80]!r}: expecting dir:PATH, s3://BUCKET/PREFIX or none")
+
+
 def pools_as_text(v: Any) -> Any:
     """Pools given as "NAME=PATH" strings (a list, or one string separated by commas) as PoolConfigs."""
     if isinstance(v, str):
@@ -224,6 +284,8 @@ class StorageAgentConfig(_AgentSection):
     rbd_max_clone_depth: int = Field(5, ge=1, le=16)
     rbd_max_flattens: int = Field(2, ge=1, le=16)
     rbd_max_snapshots_per_volume: int = Field(450, ge=1, le=450)
+    # Where snapshots go (docs/snapshots.md): [storage_agent.snapshot_store], or --snapshot-store.
+    snapshot_store: SnapshotStoreConfig = Field(default_factory=SnapshotStoreConfig)
 
     @model_validator(mode="after")
     def _pools_are_distinct(self) -> StorageAgentConfig:

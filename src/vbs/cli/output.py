@@ -65,6 +65,7 @@ SNAPSHOT_COLUMNS: list[Column] = [
     ("Size", lambda s: f"{s['volume_size_gib']} GiB"),
     field("Status", "status"),
     ("Progress", lambda s: f"{s['progress']}%"),
+    ("Location", lambda s: str(s.get("data_location") or "pool")),
     field("Comment", "comment"),
     ("Tags", _tags),
     moment("Started", "started_at"),

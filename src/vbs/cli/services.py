@@ -29,6 +29,13 @@ TlsCaOpt = Annotated[Path | None, typer.Option(help="CA that peers' certificates
 InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Run without credentials/TLS (says so).")]
 TokenFileOpt = Annotated[Path | None, typer.Option(help="File with this node's token (0600).")]
 LogJsonOpt = Annotated[bool, typer.Option("--log-json")]
+SnapshotStoreOpt = Annotated[str | None, typer.Option(
+    help="Where snapshots go: dir:PATH, s3://BUCKET/PREFIX, or none (they stay in their pool only).")]
+S3EndpointOpt = Annotated[str | None, typer.Option(
+    "--s3-endpoint", help="s3 snapshot store: the endpoint URL (RADOS Gateway, MinIO; default: AWS).")]
+S3CredentialsOpt = Annotated[Path | None, typer.Option(
+    "--s3-credentials-file", help="s3 snapshot store: a 0600 file in the AWS credentials format (default: "
+                                  "boto3's chain, e.g. AWS_ACCESS_KEY_ID).")]
 
 
 @commands.command("controller")
@@ -99,6 +106,8 @@ def storage_agent(
     backend_profile_dir: Annotated[list[Path] | None, typer.Option(
         "--backend-profile-dir", help="command backend: where profiles are looked up first (default: "
                                       "/etc/vbs/profiles); repeatable.")] = None,
+    snapshot_store: SnapshotStoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+    s3_credentials_file: S3CredentialsOpt = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -118,8 +127,24 @@ def storage_agent(
         "rbd_max_clone_depth": rbd_max_clone_depth, "rbd_max_flattens": rbd_max_flattens,
         "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume,
         "profile": backend_profile, "profile_dirs": backend_profile_dir or None,
+        "snapshot_store": _snapshot_store(snapshot_store, s3_endpoint, s3_credentials_file),
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
+
+
+def _snapshot_store(spec: str | None, endpoint: str | None, credentials_file: Path | None) -> dict[str, Any] | None:
+    """``--snapshot-store`` with its S3 flags as the config's table; None: the config's (or its default)."""
+    from vbs.config import parse_snapshot_store
+    from vbs.errors import InvalidParameter
+
+    if spec is None:
+        if endpoint is not None or credentials_file is not None:
+            raise typer.BadParameter("--s3-endpoint and --s3-credentials-file go with --snapshot-store s3://BUCKET/PREFIX")
+        return None
+    try:
+        return parse_snapshot_store(spec, s3_endpoint=endpoint, s3_credentials_file=credentials_file)
+    except InvalidParameter as exc:
+        raise typer.BadParameter(exc.message) from None
 
 
 LibvirtUriOpt = Annotated[str | None, typer.Option(
@@ -211,6 +236,10 @@ def up(
     profile: ProfileOpt = None, profile_dir: ProfileDirOpt = None,
     local_pool: Annotated[list[str] | None, typer.Option(
         help="The host's local pool NAME=PATH, for local volumes (semi-shared storage; repeatable).")] = None,
+    snapshot_store: Annotated[str | None, typer.Option(
+        help="Where every storage agent puts snapshots: dir:PATH, s3://BUCKET/PREFIX (with --s3-endpoint URL, "
+             "--s3-credentials-file F) or none (default: dir:DATA_DIR/snapshots).")] = None,
+    s3_endpoint: S3EndpointOpt = None, s3_credentials_file: S3CredentialsOpt = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -249,10 +278,12 @@ def up(
     warn_if_password_on_argv(database_url)
     if database_url_file is not None:
         database_url = database_url_file.read_text().strip() or None
+    store = _snapshot_store(snapshot_store, s3_endpoint, s3_credentials_file)
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
                                   controller_env=controller_env, database_url=database_url, postgres=postgres,
-                                  rbd=rbd, host_agent_flags=host_agent_flags, storage_flags=storage_flags))
+                                  rbd=rbd, host_agent_flags=host_agent_flags, storage_flags=storage_flags,
+                                  snapshot_store=store))
 
 
 def _backend_profile_flags(backend: str, profile: str | None) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from vbs.config import NO_SNAPSHOT_STORE
 from vbs.errors import InvalidParameter, VbsError
 from vbs.net.ports import PortPicker
 from vbs.net.web import ApiClient
@@ -83,6 +84,67 @@ def embedded_postgres(data_dir: Path, avoid: Iterable[int] = ()) -> EmbeddedPost
         cluster.stop()
         raise
     return cluster
+
+
+def snapshot_store_flags(options: dict[str, Any]) -> list[str]:
+    """A storage agent's flags for the snapshot store ``options`` (``config.parse_snapshot_store``'s table)."""
+    driver = options["driver"]
+    if driver == "dir":
+        return ["--snapshot-store", f"dir:{options['path']}"]
+    if driver == "s3":
+        flags = ["--snapshot-store", f"s3://{options['bucket']}/{options.get('prefix', '')}"]
+        if options.get("endpoint_url"):
+            flags += ["--s3-endpoint", str(options["endpoint_url"])]
+        if options.get("credentials_file"):
+            flags += ["--s3-credentials-file", str(options["credentials_file"])]
+        return flags
+    return ["--snapshot-store", NO_SNAPSHOT_STORE]
+
+
+@dataclass(frozen=True)
+class SnapshotStoreChoice:
+    """Where the storage agents of ``vbs up`` put snapshots (all of them the same store, so a volume may be
+    restored on any of them), what the banner says of it."""
+
+    options: dict[str, Any]
+    where: str | None  # the store's own description (None: no store)
+    note: str = ""  # what it does not protect against
+
+    @property
+    def flags(self) -> list[str]:
+        return snapshot_store_flags(self.options)
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` (or their nearest existing parents) are on one file system."""
+    def device(p: Path) -> int:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return p.stat().st_dev
+    return device(a) == device(b)
+
+
+def choose_snapshot_store(data_dir: Path, options: dict[str, Any] | None, pools: list[Path], *,
+                          rbd: bool = False) -> SnapshotStoreChoice:
+    """The store ``options`` name (default: a ``dir`` store in ``<data-dir>/snapshots``), set up now so a
+    wrong setting stops ``vbs up`` before anything starts; the banner's words for it."""
+    from vbs import drivers
+
+    options = dict(options or {"driver": "dir", "path": str(data_dir / "snapshots")})
+    if options["driver"] == NO_SNAPSHOT_STORE:
+        return SnapshotStoreChoice(options, None, "snapshots stay in their pools only")
+    if options["driver"] == "dir":
+        harden(Path(options["path"]))  # 0700, its files 0600: it holds every tenant's data
+    store_cls: Any = drivers.load("snapshot_store", options["driver"])
+    settings = {k: v for k, v in options.items() if k != "driver"}
+    store = store_cls.from_config(settings, default_dir=data_dir / "snapshots")
+    note = ""
+    if rbd:
+        note = "snapshots of RBD volumes stay in Ceph for now (storing them is the next step)"
+    elif options["driver"] == "dir" and any(_same_filesystem(Path(options["path"]), p) for p in pools):
+        note = ("it is on the pool's own file system: it protects against a lost pool directory only, not a "
+                "lost disk (give --snapshot-store dir:PATH on another disk, or s3://BUCKET/PREFIX)")
+    return SnapshotStoreChoice(options, store.describe(), note)
 
 
 @dataclass(frozen=True)
@@ -229,7 +291,7 @@ class _Plan:
     # The agents' ports, none of them a controller's: those are planned and bound only later.
     ports: PortPicker
     host_agent_flags: tuple[str, ...] = ()  # its hypervisor driver and that driver's settings
-    storage_flags: tuple[str, ...] = ()  # the storage agents' backend when it is not file or rbd
+    storage_flags: tuple[str, ...] = ()  # the storage agents' backend when it is not file or rbd, their store
 
     @property
     def _exe(self) -> list[str]:
@@ -329,7 +391,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
                  export: str = "nbd", log_json: bool = False, tls: bool = False,
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
                  postgres: bool = False, rbd: RbdChoice | None = None,
-                 host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
+                 host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = (),
+                 snapshot_store: dict[str, Any] | None = None) -> int:
     """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
     ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
     (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
@@ -337,6 +400,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
     that this process starts, upgrades, and stops last. Volumes: files in the data dir, or with
     ``rbd`` Ceph RBD images (every storage agent serves the same Ceph pool): of the given cluster, or
     of the data dir's own single-node one, started before the services and stopped after them.
+    Snapshots go to ``snapshot_store`` (``config.parse_snapshot_store``'s table; default: a ``dir`` store
+    in ``<data-dir>/snapshots``), the same store for every storage agent.
     Everything that would refuse is checked before anything starts."""
     shape = shape or Shape()
     database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
@@ -347,8 +412,9 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         data_dir = data_dir.resolve()
         # Every folder the banner names exists when it is printed: VMs are started with their QMP
         # sockets in DIR/vms before any of them is found.
-        harden(data_dir, data_dir / VM_DIR,
-               *(storage_node_dirs(data_dir, name).pool for name in shape.storage_names))
+        pools = [storage_node_dirs(data_dir, name).pool for name in shape.storage_names]
+        harden(data_dir, data_dir / VM_DIR, *pools)
+        store = choose_snapshot_store(data_dir, snapshot_store, pools, rbd=rbd is not None)
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
@@ -364,7 +430,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
             rbd = RbdChoice(conf=ceph.conf_path, user="admin", pool=rbd.pool)
         return _run_services(data_dir, host, controller_ports, shape, clone_method=clone_method, export=export,
                              log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
-                             rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags, storage_flags=storage_flags)
+                             rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags,
+                             storage_flags=(*storage_flags, *store.flags), store=store)
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1
@@ -391,7 +458,8 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
                   clone_method: str | None, export: str, log_json: bool, tls: bool,
                   controller_env: dict[str, str] | None, database_url: str | None,
                   rbd: RbdChoice | None = None, ceph: EmbeddedCeph | None = None,
-                  host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = ()) -> int:
+                  host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = (),
+                  store: SnapshotStoreChoice | None = None) -> int:
     scheme = "https" if tls else "http"
     key = credentials.ensure_file(data_dir / "credentials")
     plan = _Plan(data_dir, host, scheme, tls=tls, log_json=log_json, env=child_env(),
@@ -433,7 +501,7 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
             agent.start()
         write_services(services_file, children, ceph)
         _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
-        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd,
+        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd, store=store,
                       demo_vm=_hypervisor(host_agent_flags) == "qemu"), flush=True)
         while not stopping:
             time.sleep(0.2)
@@ -496,7 +564,7 @@ def _hypervisor(host_agent_flags: tuple[str, ...]) -> str:
 
 def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
             tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None,
-            demo_vm: bool = False) -> str:
+            store: SnapshotStoreChoice | None = None, demo_vm: bool = False) -> str:
     """What ``vbs up`` prints once everything is up: where things are, and the lines to paste into
     another shell. Keys are named by the 0600 files that hold them, never printed. ``demo_vm``: the host
     agent finds QEMU VMs by their QMP sockets, so ``vbs demo-vm`` gives it one to attach volumes to."""
@@ -511,7 +579,11 @@ def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], s
              + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
              + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
              + " (Ctrl-C stops)")
-    lines = [first, "In another shell:",
+    lines = [first]
+    if store is not None:
+        note = f"; {store.note}" if store.note else ""
+        lines.append(f"Snapshots go to {store.where or 'no snapshot store'}{note}")
+    lines += ["In another shell:",
              f"  export VBS_ENDPOINT={','.join(endpoints)}",
              f"  # the vbs CLI finds its key by itself: section [{credentials.endpoint_key(endpoints[0])}] "
              f"of {cli_file} (0600)"]

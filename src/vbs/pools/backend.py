@@ -11,7 +11,9 @@ answers with its own connection and needs no export at all.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import threading
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pydantic import SecretStr
@@ -22,7 +24,7 @@ from vbs.pools.exports import ExportDriver
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "check_size"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "Fill", "check_size"]
 
 _SECTOR = 512
 
@@ -155,4 +157,32 @@ class PullingBackend(Protocol):
         """Copy what ``source`` serves into the volume (made here of ``size_bytes``): ``copying`` with
         progress, then ``ready``; a failed copy answers ``error`` once (the next call starts over), a
         stalled one (the agent restarted) starts over."""
+        ...
+
+
+# Writes a volume's data into the file it is given (its partial), honouring the cancel event between
+# chunks and reporting (done, total) bytes.
+Fill = Callable[[Path, threading.Event, Callable[[int, int], None]], None]
+
+
+@runtime_checkable
+class SnapshotImages(Protocol):
+    """A backend whose snapshots are files this agent reads, which is what the snapshot store takes
+    (docs/snapshots.md): the storage agent uploads a ready snapshot's image, and fills a volume from
+    the store. Optional: a backend without it (RBD, for now) keeps its snapshots in the pool only."""
+
+    def snapshot_image(self, snapshot_id: str) -> Path:
+        """The file of a ready snapshot: a point-in-time image nobody writes to (``NotFound`` if the
+        pool has none, ``IncorrectState`` while it is being made)."""
+        ...
+
+    def keeps_snapshot_images(self) -> bool:
+        """Whether a stored snapshot stays in the pool too: its fast tier, when clones of it are instant
+        (reflink). A pool that copies gives its full copy up once the snapshot is stored."""
+        ...
+
+    def fill_volume(self, volume_id: str, size_bytes: int, fill: Fill, *, what: str) -> ItemStatus:
+        """Make the volume by running ``fill`` on its partial file in a job (``what`` names it in an
+        error): ``copying`` with progress, then ``ready``; a failed job answers ``error`` once (the next
+        call starts over), a stalled one (the agent restarted) starts over."""
         ...

@@ -10,6 +10,7 @@ them, and docs/snapshots.md says how to clear them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -99,7 +100,8 @@ class DirStore:
             os.replace(tmp, path)
             fsync_path(path.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # its directory may be what failed (not a directory)
+                tmp.unlink(missing_ok=True)
             raise self._error(exc, "write", key) from exc
 
     def get(self, key: str) -> bytes:

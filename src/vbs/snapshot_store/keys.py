@@ -4,8 +4,9 @@ Chunk ids are keyed per tenant (``format.chunk_id``): the same bytes have differ
 tenants, so one tenant cannot learn whether another holds some data by watching what deduplication
 skips, and whoever can list the bucket cannot test it for a known file without the key.
 
-One secret, the store key (32 random bytes, hex, in a 0600 file: ``snapshot-store.key`` in the
-storage agent's state directory), makes every tenant's key: ``HMAC-SHA256(store key,
+One secret, the store key (32 random bytes: the controller keeps it sealed and hands it to the storage
+agent with each upload and restore, ``vbs.controller.auth.store_key``; a tool may keep one in a 0600
+file, ``snapshot-store.key``), makes every tenant's key: ``HMAC-SHA256(store key,
 "vbs-snapshot-store tenant key v1" NUL tenant)``. Every agent that writes to or restores from one
 store holds the same store key. The store remembers a check value of it (``store.json`` at its root,
 written by the first agent), so an agent with another key is refused instead of writing chunks that

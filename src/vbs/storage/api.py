@@ -20,6 +20,7 @@ from vbs.pools.backend import Backend, PullingBackend
 from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
 from vbs.storage.metrics import storage_registry
+from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
@@ -32,7 +33,10 @@ from vbs.wire.storage import (
     PoolList,
     PullVolume,
     Removed,
+    RestoreVolume,
     SnapshotTargetRequest,
+    StoredStatus,
+    StoreSnapshot,
 )
 
 
@@ -56,7 +60,9 @@ def _same_host(host: HostIdentity, host_name: str) -> None:
 
 
 def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callable[[Scope], Response | None],
-               node_name: str) -> FastAPI:
+               node_name: str, stored: StoredSnapshots | None = None) -> FastAPI:
+    """The agent's API over its pools; ``stored``: its snapshot store's jobs (None: it has no store)."""
+    stored = stored or StoredSnapshots(None)
     app = FastAPI(title="VBS storage agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(PreAuth, check=auth)
@@ -76,7 +82,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
 
     @router.get("/pools")
     def pools() -> PoolList:
-        return PoolList(pools=[b.pool_info() for b in backends.values()])
+        return PoolList(pools=[stored.pool_info(b) for b in backends.values()])
 
     @router.get("/inventory")
     def inventory() -> Inventory:
@@ -119,6 +125,29 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     def finish_snapshot_target(pool_name: str, snapshot_id: str, host_name: str) -> ItemStatus:
         """The hypervisor's copy is complete: close the host's access and make the snapshot ready."""
         return pool(pool_name).finish_snapshot_target(ids.check("snapshot", snapshot_id), _host_name(host_name))
+
+    # -- the snapshot store (``stored_snapshots``) -------------------------------------------------------
+
+    @router.put("/pools/{pool_name}/snapshots/{snapshot_id}/stored")
+    def store_snapshot(pool_name: str, snapshot_id: str, body: StoreSnapshot) -> StoredStatus:
+        """Put the pool's snapshot into the store (a job): ``copying`` with progress, then ``ready`` with
+        what its manifest holds; ``SnapshotStoreUnavailable`` while the store cannot be reached."""
+        return stored.upload(pool(pool_name), pool_name, ids.check("snapshot", snapshot_id), body)
+
+    @router.get("/pools/{pool_name}/snapshots/{snapshot_id}/stored")
+    def stored_status(pool_name: str, snapshot_id: str) -> StoredStatus:
+        return stored.status(pool(pool_name), pool_name, ids.check("snapshot", snapshot_id))
+
+    @router.delete("/snapshot-store/snapshots/{snapshot_id}")
+    def delete_stored(snapshot_id: str) -> Removed:
+        """Delete the snapshot's manifest from the store (its chunks go with garbage collection)."""
+        stored.delete(ids.check("snapshot", snapshot_id))
+        return Removed()
+
+    @router.put("/pools/{pool_name}/volumes/{volume_id}/restore")
+    def restore_volume(pool_name: str, volume_id: str, body: RestoreVolume) -> ItemStatus:
+        """Make the volume from a snapshot in the store, every chunk checked: ``copying``, then ``ready``."""
+        return stored.restore(pool(pool_name), pool_name, ids.check("volume", volume_id), body)
 
     # -- how hosts reach volumes ------------------------------------------------------------------------
 

@@ -241,12 +241,15 @@ class Job:
         on_failure: Callable[[], None] | None = None,
         on_end: Callable[[], None] | None = None,
         name: str = "vbs-job",
+        what: str = "copy",
     ) -> None:
         self.size_bytes = size_bytes
         self.done_bytes = 0
         self.total_bytes = 0
         self.state: JobState = "pending"
         self.error: str | None = None
+        self.exception: Exception | None = None  # what a failed job raised (its class says whether to retry)
+        self._what = what
         self._work = work
         self._on_success = on_success
         self._on_failure = on_failure
@@ -301,7 +304,8 @@ class Job:
         except CopyCancelled:
             self.state = "cancelled"
         except Exception as exc:  # any failure must end as a reported state, never a dead thread
-            self.error = _describe(exc)
+            self.error = _describe(exc, self._what)
+            self.exception = exc
             self.state = "failed"
             if self._on_failure is not None:
                 try:
@@ -346,7 +350,7 @@ class CopyJob(Job):
                          on_failure=lambda: os.unlink(dst_path), on_end=lambda: os.close(src_fd), name=name)
 
 
-def _describe(exc: Exception) -> str:
+def _describe(exc: Exception, what: str = "copy") -> str:
     if isinstance(exc, OSError) and exc.errno is not None:
-        return f"copy failed: {os.strerror(exc.errno)}"
-    return f"copy failed: {exc}"
+        return f"{what} failed: {os.strerror(exc.errno)}"
+    return f"{what} failed: {exc}"

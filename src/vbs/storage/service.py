@@ -9,14 +9,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vbs import drivers
-from vbs.config import StorageAgentConfig
+from vbs.config import NO_SNAPSHOT_STORE, StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.net.heartbeat import Heartbeat
 from vbs.net.web import BoundedServer, serve_agent
 from vbs.pools.backend import Backend, ReportsUsage
 from vbs.pools.exports import ExportDriver
+from vbs.snapshot_store.contract import SnapshotStore
 from vbs.storage.api import create_app
 from vbs.storage.probe import install_probe, probe_auth
+from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.trust import agent_security
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
 
@@ -49,6 +51,32 @@ def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Back
     return exports, backends
 
 
+def build_store(cfg: StorageAgentConfig) -> SnapshotStore | None:
+    """The snapshot store this agent's config names (``[storage_agent.snapshot_store]``), or None
+    (``driver = "none"``: snapshots stay in their pools). Only set up here: the store is first
+    reached with the store key the controller hands over with an upload or a restore."""
+    if cfg.snapshot_store.driver == NO_SNAPSHOT_STORE:
+        return None
+    store_cls: Any = drivers.load("snapshot_store", cfg.snapshot_store.driver)
+    store = store_cls.from_config(cfg.snapshot_store.options(), default_dir=cfg.state_dir.resolve() / "snapshots")
+    if not isinstance(store, SnapshotStore):
+        raise DriverError(f"snapshot store driver {cfg.snapshot_store.driver!r} does not fulfil the "
+                          "SnapshotStore contract")
+    return store
+
+
+def store_location(cfg: StorageAgentConfig, store: SnapshotStore | None) -> str | None:
+    """How this agent's pools report their store. A ``dir`` store in its default place (the agent's state
+    directory) is this node's own, whatever its path says on other machines: it is reported with the
+    node's name, so no other node is taken to share it. A store whose place is given (an NFS mount, a
+    bucket) is reported as itself: every agent that names the same one shares it."""
+    if store is None:
+        return None
+    if cfg.snapshot_store.driver == "dir" and "path" not in cfg.snapshot_store.options():
+        return f"{store.describe()} on {cfg.node_name}"
+    return store.describe()
+
+
 def volume_usage(backends: dict[str, Backend]) -> dict[str, int]:
     """The bytes each volume holds, from the pools whose backend can tell; the first MAX_USAGE_REPORTED."""
     used: dict[str, int] = {}
@@ -71,9 +99,11 @@ def serve(cfg: StorageAgentConfig) -> None:
     sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve(),
                                  fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
+    store = build_store(cfg)
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
-    app = create_app(backends, exports, auth, cfg.node_name)
+    stored = StoredSnapshots(store, store_location(cfg, store))
+    app = create_app(backends, exports, auth, cfg.node_name, stored)
     install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
     started_at = datetime.now(UTC)
@@ -82,7 +112,7 @@ def serve(cfg: StorageAgentConfig) -> None:
 
     def report() -> StorageHeartbeat:
         return StorageHeartbeat(name=cfg.node_name, url=url, address=address, started_at=started_at,
-                                pools=[b.pool_info() for b in backends.values()], exports=exports.list_exports(),
+                                pools=[stored.pool_info(b) for b in backends.values()], exports=exports.list_exports(),
                                 availability_zone=cfg.availability_zone, volume_usage=volume_usage(backends))
 
     def heartbeat(server: BoundedServer) -> Heartbeat:
@@ -96,12 +126,13 @@ def serve(cfg: StorageAgentConfig) -> None:
     def shutdown() -> None:
         stop.set()
         watcher.join(timeout=5)
+        stored.close()
         exports.stop()
         for b in backends.values():
             b.close()
         log.info("storage agent %s stopped", cfg.node_name)
 
     watcher.start()
-    log.info("storage agent %s serving on %s (backend %s, pools %s, export %s)", cfg.node_name, url, cfg.backend,
-             ", ".join(backends), cfg.export)
+    log.info("storage agent %s serving on %s (backend %s, pools %s, export %s, snapshots to %s)", cfg.node_name, url,
+             cfg.backend, ", ".join(backends), cfg.export, store.describe() if store is not None else "no store")
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

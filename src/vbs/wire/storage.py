@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     Field,
     SecretStr,
     field_serializer,
@@ -39,6 +40,10 @@ __all__ = [
     "EnsureVolume",
     "ResizeVolume",
     "EnsureSnapshot",
+    "StoreSnapshot",
+    "StoredStatus",
+    "RestoreVolume",
+    "TENANT_RE",
     "ConnectionRequest",
     "ConnectionAnswer",
     "PullVolume",
@@ -64,6 +69,19 @@ MAX_POOLS = 64
 MAX_USAGE_REPORTED = 10_000
 NODE_URL_RE = r"^https?://[A-Za-z0-9.:\[\]-]+(:\d+)?/?$"
 SHARED_ID_RE = r"^[a-z][a-z0-9]{0,15}:[A-Za-z0-9._/-]{1,200}$"
+TENANT_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+# Where a pool's snapshots are stored, as its store describes itself (``dir:/srv/snaps``,
+# ``s3://bucket/prefix/ at URL``): never a secret. Agents that report the same one share the store.
+STORE_RE = r"^[^\x00-\x1f]{1,1024}$"
+# The store key the controller hands over with each upload and restore: 32 bytes, in hex.
+StoreKeyHex = Annotated[SecretStr, Field(min_length=64, max_length=64),
+                        AfterValidator(lambda v: _hex_key(v))]
+
+
+def _hex_key(v: SecretStr) -> SecretStr:
+    if not re.fullmatch(r"[0-9a-f]{64}", v.get_secret_value()):
+        raise ValueError("a store key is 64 lowercase hex digits")
+    return v
 
 
 # ready: usable; copying: a background copy runs; stalled: a partial copy with no job behind it
@@ -105,8 +123,11 @@ class PoolInfo(Wire):
     # of this node send a host to. Empty for pools that hand out no native connections.
     monitors: list[Annotated[str, Field(pattern=f"^(?:{MONITOR_RE.pattern})$")]] = Field(default_factory=list,
                                                                                max_length=MAX_MONITORS)
+    # The snapshot store this pool's snapshots go to (its description: agents that report the same one
+    # share it, and any of them restores the others' snapshots); None: they stay in the pool only.
+    snapshot_store: str | None = Field(None, pattern=STORE_RE)
 
-    _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id")
+    _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id", "snapshot_store")
 
 
 class PoolList(Wire):
@@ -193,6 +214,56 @@ class ResizeVolume(Wire):
 
 class EnsureSnapshot(Wire):
     volume_id: VolumeId
+
+
+class StoreSnapshot(Wire):
+    """Put the pool's snapshot (of ``volume_id``, owned by ``tenant``) into the snapshot store, incremental
+    against ``parent_snapshot_id``'s manifest if the store has it. ``store_key``: the controller's, from
+    which the agent derives the tenant's key (never kept, logged or put in a file)."""
+
+    volume_id: VolumeId
+    tenant: str = Field(pattern=TENANT_RE)
+    parent_snapshot_id: SnapshotId | None = None
+    store_key: StoreKeyHex
+
+    @field_serializer("store_key", when_used="json")
+    def _reveal(self, v: SecretStr) -> str:
+        return v.get_secret_value()
+
+
+class StoredStatus(ItemStatus):
+    """Where a snapshot's upload into the store stands: ``copying`` with progress, ``ready`` with what the
+    manifest holds, ``error`` with the reason, ``absent``. ``size_bytes``: the image's (the manifest's
+    volume size); ``stored_bytes``: the bytes of its chunks that are not zeros (what a restore writes);
+    ``uploaded_bytes``: what this upload sent (compressed; 0 when the store had everything).
+    ``pool_copy``: the pool still holds its own copy (the fast tier of a reflink pool), or not (a copy
+    pool gives its full copy up once the snapshot is stored)."""
+
+    store: str | None = Field(None, pattern=STORE_RE)
+    chunks: int = Field(0, ge=0)
+    chunks_uploaded: int = Field(0, ge=0)
+    stored_bytes: int = Field(0, ge=0)
+    uploaded_bytes: int = Field(0, ge=0)
+    pool_copy: bool = True
+
+
+class RestoreVolume(Wire):
+    """Make the volume from ``snapshot_id``'s manifest in the snapshot store (``tenant``'s), every chunk
+    checked: as it was stored (a plain image, or an encrypted one's LUKS container as it is), grown to
+    ``size_bytes`` (a container's payload with ``encrypted``); with ``luks_passphrase``, re-encrypted
+    under it (the snapshot's container opened with ``source_luks_passphrase``, or plain)."""
+
+    snapshot_id: SnapshotId
+    size_bytes: int = Field(ge=1, le=MAX_VOLUME_BYTES, strict=True)
+    tenant: str = Field(pattern=TENANT_RE)
+    store_key: StoreKeyHex
+    encrypted: bool = False
+    luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+    source_luks_passphrase: SecretStr | None = Field(None, min_length=16, max_length=256)
+
+    @field_serializer("store_key", "luks_passphrase", "source_luks_passphrase", when_used="json")
+    def _reveal(self, v: SecretStr | None) -> str | None:
+        return v.get_secret_value() if v is not None else None
 
 
 class ConnectionRequest(Wire):

@@ -23,6 +23,7 @@ from sqlalchemy import (
     TypeDecorator,
     false,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -132,6 +133,14 @@ class Snapshot(_StoredResource, Base):
     source_snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
     # Encrypted: the data key (VolumeKey) of the volume it was taken of.
     key_id: Mapped[str | None] = mapped_column(String(32))
+    # The snapshot store (docs/snapshots.md): None while it is kept in its pool only, "uploading",
+    # "stored" once its manifest is in ``store`` (its storage nodes' description of it), or "error";
+    # the bytes of its chunks that are not zeros; and whether its pool still holds its own copy (a
+    # reflink or RBD pool keeps it as the fast tier, a copy pool gives it up once it is stored).
+    store_state: Mapped[str | None] = mapped_column(String(16))
+    store: Mapped[str | None] = mapped_column(String(1024))
+    stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    pool_copy: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class VolumeKey(Base):

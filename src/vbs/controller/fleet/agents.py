@@ -36,7 +36,10 @@ from vbs.wire.storage import (
     PullVolume,
     Removed,
     ResizeVolume,
+    RestoreVolume,
     SnapshotTargetRequest,
+    StoredStatus,
+    StoreSnapshot,
 )
 
 GIB = 1 << 30
@@ -109,6 +112,32 @@ class StorageAgent:
 
     def remove_snapshot(self, pool: str, snapshot_id: str) -> None:
         self._client.request("DELETE", f"/v1/pools/{pool}/snapshots/{snapshot_id}", Removed)
+
+    # -- the snapshot store ------------------------------------------------------------------------
+
+    def store_snapshot(self, pool: str, snapshot_id: str, volume_id: str, tenant: str, store_key: SecretStr,
+                       parent_snapshot_id: str | None = None) -> StoredStatus:
+        """Put the pool's snapshot into the snapshot store (incremental against the parent's manifest),
+        or say how far it got. ``store_key`` goes with this one request only."""
+        return self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}/stored", StoredStatus,
+                                    StoreSnapshot(volume_id=volume_id, tenant=tenant, store_key=store_key,
+                                                  parent_snapshot_id=parent_snapshot_id))
+
+    def stored_status(self, pool: str, snapshot_id: str) -> StoredStatus:
+        return self._client.request("GET", f"/v1/pools/{pool}/snapshots/{snapshot_id}/stored", StoredStatus)
+
+    def delete_stored(self, snapshot_id: str) -> None:
+        """Delete the snapshot's manifest from the store this agent uses (chunks go with garbage collection)."""
+        self._client.request("DELETE", f"/v1/snapshot-store/snapshots/{snapshot_id}", Removed)
+
+    def restore_volume(self, pool: str, volume_id: str, size_gib: int, snapshot_id: str, tenant: str,
+                       store_key: SecretStr, *, encrypted: bool = False, luks: SecretStr | None = None,
+                       source_luks: SecretStr | None = None) -> ItemStatus:
+        """Make the volume from the snapshot's manifest in the store, every chunk checked (a clone of an
+        encrypted snapshot stays its container; with ``luks``, re-encrypted under it)."""
+        body = RestoreVolume(snapshot_id=snapshot_id, size_bytes=size_gib * GIB, tenant=tenant, store_key=store_key,
+                             encrypted=encrypted, luks_passphrase=luks, source_luks_passphrase=source_luks)
+        return self._client.request("PUT", f"/v1/pools/{pool}/volumes/{volume_id}/restore", ItemStatus, body)
 
     def snapshot_target(self, pool: str, snapshot_id: str, volume_id: str, host: HostIdentity) -> Connection:
         answer = self._client.request("PUT", f"/v1/pools/{pool}/snapshots/{snapshot_id}/targets/{host.name}",

@@ -274,7 +274,9 @@ class Reconciler:
         with self.svc.db.read() as s:
             on_node = (Volume.storage_node == node.name, Volume.placement != "local")
             volumes = Held.read(s, Volume, *on_node, settled_before=settled_before)
-            snaps = Held.read(s, Snapshot, Snapshot.storage_node == node.name, settled_before=settled_before)
+            # A snapshot whose pool gave its copy up (it lives in the snapshot store) has no file to judge.
+            snaps = Held.read(s, Snapshot, Snapshot.storage_node == node.name, Snapshot.pool_copy.is_(True),
+                              settled_before=settled_before)
             atts = list(s.scalars(select(Attachment).join(Volume, Volume.id == Attachment.volume_id)
                                   .where(*on_node, Attachment.status.in_(MAY_BE_EXPORTED))))
             hosts = {n.name: n for n in s.scalars(select(Node).where(Node.kind == "host"))}
@@ -312,8 +314,9 @@ class Reconciler:
 
     def _rows_on(self, table: type[Volume] | type[Snapshot], members: set[tuple[str, str]],
                  settled_before: datetime) -> Held:
+        in_pool = (Snapshot.pool_copy.is_(True),) if table is Snapshot else ()
         with self.svc.db.read() as s:
-            held = Held.read(s, table, table.storage_node.in_(sorted({n for n, _ in members})),
+            held = Held.read(s, table, table.storage_node.in_(sorted({n for n, _ in members})), *in_pool,
                              settled_before=settled_before)
         return Held([r for r in held.rows if (r[_NODE], r[_POOL]) in members])
 

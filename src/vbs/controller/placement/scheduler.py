@@ -83,6 +83,8 @@ class Placement:
     pool: str | None = None
     drained_ok: bool = False
     encrypted: bool = False  # only pools that make encrypted volumes (PoolInfo.encryption)
+    # Only pools whose snapshots go to this snapshot store (a volume restored from a snapshot in it).
+    store: str | None = None
 
     def includes(self, node: StorageNodeRecord, default_zone: str) -> bool:
         """Whether ``node`` is the named node (if any) in the named zone (if any)."""
@@ -92,7 +94,8 @@ class Placement:
     def where(self) -> str:
         parts = [f"in zone {self.zone}" if self.zone else "", f"on storage node {self.node}" if self.node else "",
                  f"in pool {self.pool}" if self.pool else "",
-                 "in a pool that makes encrypted volumes" if self.encrypted else ""]
+                 "in a pool that makes encrypted volumes" if self.encrypted else "",
+                 f"in a pool that reaches the snapshot store {self.store}" if self.store else ""]
         return "".join(f" {p}" for p in parts if p)
 
 
@@ -185,7 +188,8 @@ def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overc
     full = False
     for n in live:
         for p in storage_info(n).pools:
-            if (want.pool is not None and p.name != want.pool) or (want.encrypted and not p.encryption):
+            if (want.pool is not None and p.name != want.pool) or (want.encrypted and not p.encryption) \
+                    or (want.store is not None and p.snapshot_store != want.store):
                 continue
             provisioned = per_storage.get(pool_key(n.name, p), 0)
             if not _fits(p.capacity_bytes, provisioned, size_gib, overcommit):

@@ -19,6 +19,7 @@ from vbs.controller.requests.tags import set_tags
 from vbs.controller.rest.schemas.snapshots import CopySnapshotRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.copy_snapshot import COPY_SNAPSHOT, CopySnapshotParams
+from vbs.controller.workflows.stored import copy_share
 from vbs.errors import IncorrectState
 
 
@@ -54,7 +55,8 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         op_id = svc.engine.begin(s, COPY_SNAPSHOT, snap.id, CopySnapshotParams(
             node=source.storage_node, pool=source.pool, source_snapshot_id=source.id,
             scratch_volume_id=ids.new_id("volume"), size_gib=source.volume_size_gib,
-            encrypted=key_id is not None, key_id=key_id if reencrypt else None, source_key_id=source_key_id))
+            encrypted=key_id is not None, key_id=key_id if reencrypt else None, source_key_id=source_key_id,
+            store_share=copy_share(s, source.storage_node, source.pool)))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out

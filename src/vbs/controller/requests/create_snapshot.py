@@ -22,6 +22,7 @@ from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest, Snapsho
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_snapshot import CREATE_SNAPSHOT, CreateSnapshotParams
 from vbs.controller.workflows.local_volumes import SNAPSHOT_LOCAL_VOLUME, SnapshotLocalParams
+from vbs.controller.workflows.stored import copy_share
 from vbs.errors import IncorrectState
 
 
@@ -40,7 +41,8 @@ def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) ->
         else:
             snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
             op_id = svc.engine.begin(s, CREATE_SNAPSHOT, snap.id, CreateSnapshotParams(
-                node=vol.storage_node, pool=vol.pool, volume_id=vol.id))
+                node=vol.storage_node, pool=vol.pool, volume_id=vol.id,
+                store_share=copy_share(s, vol.storage_node, vol.pool)))
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
@@ -56,7 +58,7 @@ def _snapshot_local_volume(svc: Controller, s: Session, vol: Volume, req: Create
     snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow(), where=(node, pool))
     op_id = svc.engine.begin(s, SNAPSHOT_LOCAL_VOLUME, snap.id, SnapshotLocalParams(
         node=node, pool=pool, volume_id=vol.id, host=vol.host or vol.storage_node, local_pool=vol.pool,
-        size_gib=vol.size_gib, scratch_volume_id=ids.new_id("volume")))
+        size_gib=vol.size_gib, scratch_volume_id=ids.new_id("volume"), store_share=copy_share(s, node, pool)))
     return op_id, snap
 
 

@@ -16,6 +16,7 @@ from vbs.controller.requests.describe_snapshots import describe_many
 from vbs.controller.rest.schemas.snapshots import CreateSnapshotSetRequest, SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.create_snapshots import CREATE_SNAPSHOT_SET, SetMember, SnapshotSetParams
+from vbs.controller.workflows.stored import copy_share
 from vbs.errors import AgentUnavailable, IncorrectState, InvalidParameter
 
 MAX_SET = 40
@@ -59,8 +60,8 @@ def create_snapshot_set(svc: Controller, req: CreateSnapshotSetRequest, tenant: 
             snaps.append(new_snapshot_row(s, svc, vol, req.comment, tags, tenant, now))
         op_id = svc.engine.begin(s, CREATE_SNAPSHOT_SET, inst.id, SnapshotSetParams(
             host=inst.host, vm_id=inst.vm_id,
-            members=[SetMember(snapshot_id=x.id, volume_id=x.volume_id, node=x.storage_node, pool=x.pool)
-                     for x in snaps]))
+            members=[SetMember(snapshot_id=x.id, volume_id=x.volume_id, node=x.storage_node, pool=x.pool,
+                               store_share=copy_share(s, x.storage_node, x.pool)) for x in snaps]))
         out = describe_many(s, snaps)
     svc.engine.submit(op_id)
     return out

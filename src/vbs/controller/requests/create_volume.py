@@ -17,11 +17,12 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.config import ControllerConfig
 from vbs.controller.auth import encryption
-from vbs.controller.db import Snapshot, Volume, VolumeUsage, plain
+from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.locks import lock_for_create, lock_storage, lock_tenant
 from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.describe_nodes import NodeHealth, health_of
+from vbs.controller.fleet.nodes import is_alive, pool_of
 from vbs.controller.placement import quotas, volume_types
 from vbs.controller.placement.scheduler import Chosen, Placement, choose_local_pool, choose_placement
 from vbs.controller.requests import snapshot_permissions as snapshot_sharing
@@ -29,6 +30,7 @@ from vbs.controller.requests.describe_volumes import describe_fields
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.rest.schemas.volumes import CreateVolumeRequest, VolumeOut
 from vbs.controller.runtime import Controller
+from vbs.controller.workflows import stored
 from vbs.controller.workflows.create_volume import CREATE_VOLUME, CreateVolumeParams
 from vbs.controller.workflows.local_volumes import CREATE_LOCAL_VOLUME, CreateLocalVolumeParams
 from vbs.errors import (
@@ -135,13 +137,7 @@ def _insert_volume(svc: Controller, s: Session, req: CreateVolumeRequest, digest
     snap: Snapshot | None = None
     if req.snapshot_id is not None:
         snap = _usable_snapshot(s, req.snapshot_id, tenant)
-        for asked, there, what in ((req.storage_node, snap.storage_node, "storage node"),
-                                   (req.pool, snap.pool, "pool")):
-            if asked is not None and asked != there:
-                raise InvalidParameter(f"A volume made from the snapshot '{snap.id}' is made where it lives, on "
-                                       f"{what} {there}, not {asked}.")
-        # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
-        want = Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
+        want = _where_from_snapshot(s, cfg, snap, req)
     size = _checked_size(svc, req, snap)
     key_id, written_encrypted, source_key_id = _volume_key(s, svc, req, snap)
     # A new encrypted volume is formatted (or re-encrypted) by its pool; a clone copies its snapshot's container.
@@ -220,6 +216,29 @@ def _checked_size(svc: Controller, req: CreateVolumeRequest, snap: Snapshot | No
                                f"{svc.cfg.max_volume_gib} GiB.")
     volume_types.check(req.volume_type, size, req.iops, req.throughput, req.multi_attach)
     return size
+
+
+def _where_from_snapshot(s: Session, cfg: ControllerConfig, snap: Snapshot, req: CreateVolumeRequest) -> Placement:
+    """Where a volume made from ``snap`` goes: beside its pool's copy (a clone: instant on reflink and RBD)
+    while that pool holds one, its node is alive and the request names no other place; else, for a
+    snapshot in the snapshot store, wherever placement finds room among the pools that reach that store
+    (the volume is hydrated from it: another node, another pool, its origin gone)."""
+    elsewhere = any(asked is not None and asked != there
+                    for asked, there in ((req.storage_node, snap.storage_node), (req.pool, snap.pool)))
+    in_store = snap.store_state == stored.STORED and snap.store is not None
+    if snap.pool_copy and not elsewhere:
+        origin = s.get(Node, (snap.storage_node, "storage"))
+        origin_up = origin is not None and is_alive(origin, cfg.heartbeat_timeout_s, utcnow()) \
+            and pool_of(origin, snap.pool) is not None
+        if origin_up or not in_store:
+            # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
+            return Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)
+    if in_store:
+        return Placement(zone=req.availability_zone, node=req.storage_node, pool=req.pool, store=snap.store)
+    asked, there, what = ((req.storage_node, snap.storage_node, "storage node")
+                          if req.storage_node not in (None, snap.storage_node) else (req.pool, snap.pool, "pool"))
+    raise InvalidParameter(f"A volume made from the snapshot '{snap.id}' is made where it lives, on {what} {there}, "
+                           f"not {asked}: it is not in the snapshot store.")
 
 
 def _usable_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:

@@ -15,6 +15,7 @@ from vbs.controller.requests import filters as flt
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.rest.schemas.snapshots import SnapshotList, SnapshotOut
 from vbs.controller.runtime import Controller
+from vbs.controller.workflows.stored import data_location
 from vbs.errors import NotFound
 
 
@@ -92,6 +93,7 @@ def describe_many(s: Session, snaps: list[Snapshot], *, viewer: str | None = Non
                     storage_node=x.storage_node, pool=x.pool, started_at=x.started_at,
                     tags=tags[x.id] if own(x) else {},
                     owner=x.tenant, source_snapshot_id=x.source_snapshot_id, encrypted=x.key_id is not None,
-                    kms_key_id=kms.get(x.key_id) if x.key_id is not None else None)
+                    kms_key_id=kms.get(x.key_id) if x.key_id is not None else None,
+                    data_location=data_location(x), store_state=x.store_state, stored_bytes=x.stored_bytes)
         for x in snaps
     ]

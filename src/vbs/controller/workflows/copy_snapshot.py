@@ -1,5 +1,6 @@
-"""The copy-snapshot workflow (rolls back if interrupted): a scratch volume made from the source, snapshot
-as the copy, the scratch removed, the copy marked completed.
+"""The copy-snapshot workflow (rolls back if interrupted): a scratch volume made from the source (a clone of
+its pool's copy, or restored from the snapshot store), snapshot as the copy, put into the store (rolling
+forward from there), the scratch removed, the copy marked completed.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from typing import Any
 from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.workflows import steps as shared
-from vbs.controller.workflows.create_snapshot import remove_snapshot
+from vbs.controller.workflows import stored
+from vbs.controller.workflows.create_snapshot import remove_snapshot, store_gave_up
 from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
 
@@ -25,16 +27,19 @@ class CopySnapshotParams(StorageParams):
     encrypted: bool = False
     key_id: str | None = None
     source_key_id: str | None = None
+    # The copy goes into the snapshot store after its pool's copy, which takes this share of its progress
+    # (``stored.copy_share``); None: its pool puts none into a store.
+    store_share: int | None = None
 
 
 def _scratch_from_source(ctx: StepContext[CopySnapshotParams]) -> None:
     p = ctx.params
-    agent = shared.storage_agent(ctx)
     report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
     luks, source_luks = shared.key_passphrase(ctx, p.key_id), shared.key_passphrase(ctx, p.source_key_id)
-    shared.until_ready(lambda: agent.ensure_volume(p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id,
-                                                   encrypted=p.encrypted, luks=luks, source_luks=source_luks),
-                       lambda progress: report(progress * 9 // 10), unreachable_s=shared.patience(ctx))
+    share = 90 if p.store_share is None else max(p.store_share * 9 // 10, 0)
+    stored.fill_from_snapshot(ctx, p.node, p.pool, p.scratch_volume_id, p.size_gib, p.source_snapshot_id,
+                              stored.scaled(report, 0, share), encrypted=p.encrypted, luks=luks,
+                              source_luks=source_luks)
 
 
 def _remove_scratch(ctx: StepContext[CopySnapshotParams]) -> None:
@@ -50,12 +55,21 @@ def snapshot_scratch(ctx: StepContext[Any]) -> None:
                        lambda progress: None, unreachable_s=shared.patience(ctx))
 
 
+def store_copy(ctx: StepContext[Any]) -> None:
+    """The copy goes into the store (the operation's ``node``/``pool``, ``store_share`` of its params)."""
+    p = ctx.params
+    if p.store_share is not None:
+        stored.upload(ctx, p.node, p.pool, ctx.resource_id, p.store_share)
+
+
 COPY_SNAPSHOT = shared.creation(
     "copy-snapshot", CopySnapshotParams,
     (Step("scratch-volume", _scratch_from_source, undo=_remove_scratch),
      Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
+     Step("store-upload", store_copy),
      Step("remove-scratch", _remove_scratch)),
-    Snapshot, "snapshot copy failed and was rolled back")
+    Snapshot, "snapshot copy failed and was rolled back", forward_from="store-upload",
+    on_give_up=store_gave_up)
 
 
 def scratch_ids(params: dict[str, Any]) -> list[str]:

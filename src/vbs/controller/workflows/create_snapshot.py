@@ -19,8 +19,10 @@ from sqlalchemy import select
 from vbs import ids
 from vbs.controller.db import Attachment, Node, Snapshot, Volume
 from vbs.controller.db.states import AttachmentState, SnapshotState
+from vbs.controller.db.transitions import transition
 from vbs.controller.fleet.nodes import host_identity, host_info
 from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows import stored
 from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
@@ -33,12 +35,16 @@ class CreateSnapshotParams(StorageParams):
     # Set while (and after) the hypervisor of this VM copies the volume: its undo must cancel it.
     via_host: str | None = None
     via_vm: str | None = None
+    # The snapshot goes into the store after its pool's copy, which takes this share (0-100) of its
+    # progress (``stored.copy_share``); None: its pool puts none into a store (and older operations).
+    store_share: int | None = None
 
 
 def take_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
-    report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
+    report = stored.scaled(shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING), 0,
+                           100 if p.store_share is None else p.store_share)
     deadline = time.monotonic() + SETTLE_LIMIT_S
     while True:
         try:
@@ -125,7 +131,39 @@ def undo_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     remove_snapshot(ctx)
 
 
+def store_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
+    """The storage node puts the snapshot into the store: ``completed`` means stored (docs/snapshots.md)."""
+    p = ctx.params
+    if p.store_share is not None:
+        stored.upload(ctx, p.node, p.pool, ctx.resource_id, p.store_share)
+
+
+def unstore_snapshot(ctx: StepContext[Any]) -> None:
+    stored.delete_from_store(ctx, ctx.resource_id)
+
+
+def remove_snapshot_everywhere(ctx: StepContext[Any]) -> None:
+    """Delete-snapshot's storage step: its manifest from the store (an upload under way stops) and its copy
+    from its pool, wherever each is."""
+    stored.delete_from_store(ctx, ctx.resource_id)
+    with ctx.services.db.read() as s:
+        in_pool = s.scalar(select(Snapshot.pool_copy).where(Snapshot.id == ctx.resource_id))
+    if in_pool is not False:
+        remove_snapshot(ctx)
+
+
+def store_gave_up(ctx: StepContext[Any], reason: str) -> None:
+    """The upload's retries are exhausted: the snapshot ends ``error`` with the reason (its pool copy, if
+    its pool still has one, goes when it is deleted)."""
+    with ctx.session() as s:
+        transition(s, Snapshot, ctx.resource_id, SnapshotState.ERROR, already_ok=True, store_state=stored.FAILED,
+                   status_reason=f"the snapshot could not be stored: {reason}"[:2000])
+
+
 CREATE_SNAPSHOT = shared.creation(
     "create-snapshot", CreateSnapshotParams,
-    (Step("storage-snapshot", take_snapshot, undo=undo_snapshot),),
-    Snapshot, "snapshot failed and was rolled back")
+    (Step("storage-snapshot", take_snapshot, undo=undo_snapshot),
+     # From here on it goes forward: the point-in-time copy is made, and an upload resumes (after an agent
+     # or a controller restart) without sending again what the store holds.
+     Step("store-upload", store_snapshot, undo=unstore_snapshot)),
+    Snapshot, "snapshot failed and was rolled back", forward_from="store-upload", on_give_up=store_gave_up)

@@ -6,7 +6,8 @@ copy itself continues — and the VM runs again; then the copies finish. The pau
 storage nodes take to fix their instants (milliseconds on reflink), and at most ``PAUSE_HOLD_S``: the
 host agent resumes the VM by itself after that whatever happens to this controller.
 
-Rolls back when interrupted: the snapshots are removed, marked ``error``, and the VM resumed.
+Rolls back when interrupted: the snapshots are removed, marked ``error``, and the VM resumed. Once the
+copies are made, each snapshot goes into the snapshot store (``stored.upload``), rolling forward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.transitions import transition
 from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows import stored
 from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.errors import IncorrectState, PointInTimeUnavailable
 
@@ -32,6 +34,8 @@ class SetMember(BaseModel):
     volume_id: str
     node: str
     pool: str
+    # Its pool's copy's share of its progress before the upload into the store; None: no store.
+    store_share: int | None = None
 
 
 class SnapshotSetParams(Params):
@@ -68,16 +72,24 @@ def _remove_all(ctx: StepContext[SnapshotSetParams]) -> None:
 def _finish_copies(ctx: StepContext[SnapshotSetParams]) -> None:
     for m in ctx.params.members:
         agent = ctx.services.agents.storage(m.node)
+        report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING, m.snapshot_id)
         shared.until_ready(partial(agent.ensure_snapshot, m.pool, m.snapshot_id, m.volume_id),
-                           shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING, m.snapshot_id),
+                           stored.scaled(report, 0, 100 if m.store_share is None else m.store_share),
                            unreachable_s=shared.patience(ctx))
 
 
-def _mark_all(to_state: str, **values: Any) -> Any:
+def _store_all(ctx: StepContext[SnapshotSetParams]) -> None:
+    """Each snapshot goes into the store (one after the other; each upload is parallel in itself)."""
+    for m in ctx.params.members:
+        if m.store_share is not None:
+            stored.upload(ctx, m.node, m.pool, m.snapshot_id, m.store_share)
+
+
+def _mark_all(to_state: str, why: str = "snapshot set failed and was rolled back", **values: Any) -> Any:
     def step(ctx: StepContext[SnapshotSetParams], reason: str | None = None) -> None:
         extra = dict(values)
         if reason is not None:
-            extra["status_reason"] = f"snapshot set failed and was rolled back: {reason}"[:2000]
+            extra["status_reason"] = f"{why}: {reason}"[:2000]
         with ctx.session() as s:
             for m in ctx.params.members:
                 transition(s, Snapshot, m.snapshot_id, to_state, already_ok=True, **extra)
@@ -100,7 +112,11 @@ CREATE_SNAPSHOT_SET = Workflow(
            Step("storage-snapshots", _fix_instants, undo=_remove_all),
            Step("resume-vm", _resume),
            Step("finish-copies", _finish_copies),
+           # Forward from here on: the instants are fixed and copied; uploads resume after a restart.
+           Step("store-uploads", _store_all),
            Step("mark-completed", _mark_all(SnapshotState.COMPLETED, progress=100), ends=True)),
     on_rollback=_mark_all(SnapshotState.ERROR),
     finished=_finished,
+    forward_from="store-uploads",
+    on_give_up=_mark_all(SnapshotState.ERROR, "the snapshots could not be stored", store_state=stored.FAILED),
 )

@@ -8,7 +8,8 @@ local pool, made and removed by its host agent, attached there with no network h
   node is involved. A detach of a non-persistent volume removes it (an instance store), rolling forward.
 - create-snapshot: the copy goes back to shared storage: the storage node makes a scratch volume and
   exports it to the host, the host copies the volume into it (its hypervisor at one instant while a
-  VM has it, else ``qemu-img convert``), the storage node snapshots the scratch volume and drops it.
+  VM has it, else ``qemu-img convert``), the storage node snapshots the scratch volume, puts the snapshot
+  into the snapshot store (rolling forward from there) and drops the scratch volume.
 - delete: the host removes it.
 """
 
@@ -26,6 +27,7 @@ from vbs.controller.db.transitions import transition
 from vbs.controller.fleet.agents import HostAgent
 from vbs.controller.fleet.nodes import host_identity
 from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows import stored
 from vbs.controller.workflows.attach_volume import (
     AttachParams,
     attach_rolled_back,
@@ -33,8 +35,8 @@ from vbs.controller.workflows.attach_volume import (
     mark_attached,
     unplug_forcibly,
 )
-from vbs.controller.workflows.copy_snapshot import snapshot_scratch
-from vbs.controller.workflows.create_snapshot import remove_snapshot
+from vbs.controller.workflows.copy_snapshot import snapshot_scratch, store_copy
+from vbs.controller.workflows.create_snapshot import remove_snapshot, store_gave_up
 from vbs.controller.workflows.definition import Params, Step, StepContext, Workflow
 from vbs.controller.workflows.detach_volume import DetachParams, detaching, mark_detached
 from vbs.controller.workflows.steps import StorageParams
@@ -55,13 +57,15 @@ class CreateLocalVolumeParams(Params):
 
 
 class SnapshotLocalParams(StorageParams):
-    """``node``/``pool``: the shared storage the snapshot lands on."""
+    """``node``/``pool``: the shared storage the snapshot lands on (and from there in the snapshot store,
+    its pool's copy taking ``store_share`` of its progress; None: no store)."""
 
     volume_id: str
     host: str
     local_pool: str
     size_gib: int
     scratch_volume_id: str
+    store_share: int | None = None
 
 
 def _host(ctx: StepContext[Any], name: str) -> HostAgent:
@@ -82,10 +86,9 @@ def _scratch_from_snapshot(ctx: StepContext[CreateLocalVolumeParams]) -> None:
     p = ctx.params
     if p.snapshot_id is None or p.snapshot_node is None or p.snapshot_pool is None or p.scratch_volume_id is None:
         return
-    agent = ctx.services.agents.storage(p.snapshot_node)
-    shared.until_ready(lambda: agent.ensure_volume(p.snapshot_pool or "", p.scratch_volume_id or "", p.size_gib,
-                                                   p.snapshot_id), lambda progress: None,
-                       unreachable_s=shared.patience(ctx))
+    # A clone of the snapshot's pool copy, or (a copy pool keeps none) restored from the snapshot store.
+    stored.fill_from_snapshot(ctx, p.snapshot_node, p.snapshot_pool, p.scratch_volume_id, p.size_gib, p.snapshot_id,
+                              lambda progress: None)
 
 
 def _remove_scratch_of_snapshot(ctx: StepContext[CreateLocalVolumeParams]) -> None:
@@ -213,7 +216,8 @@ def _copy_to_shared(ctx: StepContext[SnapshotLocalParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
     host = _host(ctx, p.host)
-    report = shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING)
+    report = stored.scaled(shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING), 0,
+                           100 if p.store_share is None else p.store_share)
     target = shared.waiting(lambda: agent.connection_for(p.pool, p.scratch_volume_id, _identity(ctx, p.host), False),
                             limit_s=ctx.services.cfg.give_up_after_s).connection
     vm = _writer_vm(ctx)
@@ -244,8 +248,9 @@ SNAPSHOT_LOCAL_VOLUME = shared.creation(
     (Step("scratch-volume", _scratch_target, undo=_remove_scratch_target),
      Step("host-copy", _copy_to_shared, undo=_cancel_copy_to_shared),
      Step("storage-snapshot", snapshot_scratch, undo=remove_snapshot),
+     Step("store-upload", store_copy),
      Step("remove-scratch", _remove_scratch_target)),
-    Snapshot, "snapshot failed and was rolled back")
+    Snapshot, "snapshot failed and was rolled back", forward_from="store-upload", on_give_up=store_gave_up)
 
 LOCAL_WORKFLOWS: list[Workflow[Any]] = [CREATE_LOCAL_VOLUME, DELETE_LOCAL_VOLUME, ATTACH_LOCAL_VOLUME,
                                         DETACH_LOCAL_VOLUME, SNAPSHOT_LOCAL_VOLUME]

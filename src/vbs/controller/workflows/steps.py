@@ -30,6 +30,7 @@ UNREACHABLE_LIMIT_S = 120.0
 
 T = TypeVar("T")
 P = TypeVar("P", bound=Params)
+S = TypeVar("S", bound=ItemStatus)
 
 
 class StorageParams(Params):
@@ -80,8 +81,8 @@ def waiting(call: Callable[[], T], *, limit_s: float) -> T:
         delay = min(1.0, delay * 2)
 
 
-def until_ready(ensure: Callable[[], ItemStatus], on_progress: Callable[[int], None], *,
-                unreachable_s: float = UNREACHABLE_LIMIT_S) -> ItemStatus:
+def until_ready(ensure: Callable[[], S], on_progress: Callable[[int], None], *,
+                unreachable_s: float = UNREACHABLE_LIMIT_S) -> S:
     """Repeat the idempotent ``ensure`` call until the item is ready.
 
     Polling with ``ensure`` rather than a read keeps the work going if the agent restarted midway
@@ -163,10 +164,13 @@ def has_left(table: type[Volume] | type[Snapshot], state: str) -> Callable[[Step
 
 
 def creation(kind: str, params: type[P], steps: tuple[Step[P], ...], table: type[Volume] | type[Snapshot],
-             failed: str, *, exclusive: bool = False) -> Workflow[P]:
+             failed: str, *, exclusive: bool = False, forward_from: str | None = None,
+             on_give_up: Callable[[StepContext[P], str], None] | None = None) -> Workflow[P]:
     """Make a volume or snapshot (rolls back if interrupted): ``steps``, then it is marked available
     (completed). Rolled back, it ends ``error``, the reason after ``failed``; resumed after its last step
-    ran, it is finished."""
+    ran, it is finished. From step ``forward_from`` on (a snapshot's upload into the store: the pool's
+    copy is made, the upload resumes) it rolls forward instead, and ``on_give_up`` ends it when retries
+    are exhausted."""
     making: str
     error: str
     if table is Volume:
@@ -177,7 +181,8 @@ def creation(kind: str, params: type[P], steps: tuple[Step[P], ...], table: type
         made = Step("mark-completed", mark(Snapshot, SnapshotState.COMPLETED, progress=100), ends=True)
         making, error = SnapshotState.PENDING, SnapshotState.ERROR
     return Workflow(kind=kind, exclusive=exclusive, params=params, resume="rollback", steps=(*steps, made),
-                    on_rollback=mark_failed(table, error, failed), finished=has_left(table, making))
+                    on_rollback=mark_failed(table, error, failed), finished=has_left(table, making),
+                    forward_from=forward_from, on_give_up=on_give_up)
 
 
 def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[StepContext[Any]], None], *,

@@ -29,7 +29,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, InvalidParameter, RetryLater
-from vbs.pools.backend import check_size
+from vbs.pools.backend import Fill, check_size
 from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.qemu.tls import X509Files
 from vbs.storage.backends import file_io
@@ -254,6 +254,30 @@ class FileBackend:
             if status.state in ("ready", "copying", "error"):
                 return status
             return self._files.pull(volume_id, final, size_bytes, source)
+
+    # -- the snapshot store's side (``vbs.storage.stored_snapshots``) ---------------------------------
+
+    def snapshot_image(self, snapshot_id: str) -> Path:
+        final = self._final("snapshot", snapshot_id)
+        with self._lock:
+            if not final.exists():
+                raise self._files.missing("snapshot", snapshot_id)
+        return final
+
+    def keeps_snapshot_images(self) -> bool:
+        return self.clone_method == "reflink"
+
+    def fill_volume(self, volume_id: str, size_bytes: int, fill: Fill, *, what: str) -> ItemStatus:
+        final = self._final("volume", volume_id)
+        check_size(size_bytes)
+        with self._lock:
+            self._files.check_open()
+            status = self._files.status("volume", volume_id, final)
+            if status.state == "error":
+                del self._jobs[("volume", volume_id)]  # said once; the next call starts over
+            if status.state in ("ready", "copying", "error"):
+                return status
+            return self._files.fill(volume_id, final, size_bytes, fill, what=what)
 
     def volume_path(self, volume_id: str) -> Path:
         """Where the raw data of a ready volume is (this backend's own; tools and tests use it)."""

@@ -15,6 +15,7 @@ from pydantic import SecretStr
 
 from vbs import ids
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound
+from vbs.pools.backend import Fill
 from vbs.pools.exports import PointInTimeCopier
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.storage.backends import file_io
@@ -187,6 +188,19 @@ class CopyJobs:
         job.start()
         self.jobs[("volume", volume_id)] = job
         log.info("pulling volume %s from %s", volume_id, source.host or source.socket)
+        return ItemStatus(state="copying", size_bytes=size_bytes, progress=0)
+
+    def fill(self, volume_id: str, final: Path, size_bytes: int, fill: Fill, *, what: str) -> ItemStatus:
+        """Start ``fill`` writing the volume's partial (made anew: it reads as zeros), published when it is
+        done, removed if it fails."""
+        partial = file_io.partial_of(final)
+        partial.unlink(missing_ok=True)
+        job = Job(lambda cancel, progress: fill(partial, cancel, progress), size_bytes=size_bytes,
+                  on_success=functools.partial(file_io.publish, partial, final),
+                  on_failure=lambda: partial.unlink(missing_ok=True), name=f"vbs-fill-{volume_id}", what=what)
+        job.start()
+        self.jobs[("volume", volume_id)] = job
+        log.info("filling volume %s (%s)", volume_id, what)
         return ItemStatus(state="copying", size_bytes=size_bytes, progress=0)
 
     def start_finish(self, snapshot_id: str, final: Path, *, scan_data: bool) -> None:

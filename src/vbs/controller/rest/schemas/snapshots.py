@@ -70,6 +70,13 @@ class SnapshotOut(BaseModel):
     encrypted: bool = False
     kms_key_id: str | None = None
     source_snapshot_id: str | None = None  # what a CopySnapshot copied
+    # Where its data lives (docs/snapshots.md): "pool" (its pool only: not stored, or not yet), "store"
+    # (the snapshot store only: a copy pool gave its copy up) or "pool+store" (a reflink pool's fast tier
+    # too); the upload's state (None: it goes to no store; uploading, stored, error) and the bytes of its
+    # chunks that are not zeros.
+    data_location: str = "pool"
+    store_state: str | None = None
+    stored_bytes: int | None = None
 
 
 class SnapshotList(BaseModel):

@@ -1,0 +1,233 @@
+"""Issue 33, phase 1, end to end: snapshots go to the snapshot store, through a real ``vbs up`` (controller,
+two storage agents and a host agent as processes) and a real store — a directory both agents share, and
+an S3 bucket on moto's S3 server that is down when the snapshot is taken.
+
+On the default pool (ext4 in the test's temporary directory: clones are copies) a snapshot is
+``completed`` only once its manifest is in the store, and its pool copy is then given up; describe says
+where it lives; a volume made from it is hydrated from the store bit for bit, on either storage node (the
+one it was taken on, or the other); the next snapshot sends
+only the chunk that changed; a corrupt chunk fails a restore with the chunk and the snapshot named and
+the volume ``error``; deleting the source volume leaves the stored snapshot restorable; delete-snapshot
+removes its manifest. A store that is down leaves the snapshot pending with the reason until it is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+from sqlalchemy import select
+
+from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from vbs.controller.auth.keys import MasterKey
+from vbs.controller.auth.store_key import store_key
+from vbs.controller.db import Database, Operation
+from vbs.net.ports import free_port
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+FAKE_SECRET = "s3cr3t-" + "y" * 33  # moto takes any key; this one must never show up in a log
+
+
+def pattern(seed: bytes, mib: int) -> bytes:
+    """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
+    return random.Random(seed).randbytes(mib * MiB)
+
+
+def write_at(path: Path, offset: int, data: bytes) -> None:
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def sha(path: Path, length: int | None = None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        left = length if length is not None else path.stat().st_size
+        while left > 0:
+            block = fh.read(min(8 * MiB, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def volume_file(vbs: Vbs, volume: dict[str, Any]) -> Path:
+    """The pool file of a volume, on whichever of the two storage nodes it was placed."""
+    node = vbs.volume(volume["volume_id"])["storage_node"]
+    pool = vbs.pool if node == "storage-1" else vbs.data_dir / "pools" / node
+    return pool / "volumes" / f"{volume['volume_id']}.raw"
+
+
+def chunk_files(store: Path) -> set[Path]:
+    return {p for p in (store / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")}
+
+
+def snapshot_until_done(vbs: Vbs, volume_id: str) -> tuple[dict[str, Any], list[int]]:
+    """Take a snapshot and follow it until it is completed; its progress as seen on the way."""
+    snap = vbs.cli("create-snapshot", volume_id)
+    seen = [snap["progress"]]
+    while (cur := vbs.snapshot(snap["snapshot_id"]))["status"] == "pending":
+        seen.append(cur["progress"])
+        time.sleep(0.05)
+    assert cur["status"] == "completed", cur
+    return cur, seen
+
+
+@pytest.fixture(scope="module")
+def vbs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
+    tmp = tmp_path_factory.mktemp("store-e2e")
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=["--storage-nodes", "2"])  # one store for both
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
+    vbs = vbs_dir
+    store = vbs.data_dir / "snapshots"
+    log = (vbs.data_dir.parent / "vbs-up.log").read_text()
+    assert f"Snapshots go to dir:{store}" in log and "protects against a lost pool directory only" in log
+
+    vol = vbs.cli("create-volume", "--size", "1", "--storage-node", "storage-1", "--wait")
+    vol_id = vol["volume_id"]
+    vol_path = vbs.pool / "volumes" / f"{vol_id}.raw"
+    # 6 MiB of data at the start, 1 MiB at 100 MiB; the rest zeros (never stored).
+    write_at(vol_path, 0, pattern(b"first", 6))
+    write_at(vol_path, 100 * MiB, pattern(b"far", 1))
+    image = sha(vol_path)
+
+    # -- a snapshot is completed once it is stored, and its copy pool gives its full copy up ----------------
+    first, seen = snapshot_until_done(vbs, vol_id)
+    snap1 = first["snapshot_id"]
+    assert seen == sorted(seen), "progress never goes back"
+    assert (store / "manifests" / snap1).is_file(), "completed means its manifest is in the store"
+    assert first["data_location"] == "store" and first["store_state"] == "stored"
+    assert first["stored_bytes"] == 7 * MiB and first["progress"] == 100
+    assert not (vbs.pool / "snapshots" / f"{snap1}.raw").exists(), "a copy pool keeps no full copy"
+    chunks_after_first = chunk_files(store)
+    assert len(chunks_after_first) == 7
+    for path in chunks_after_first:  # 0600 files in 0700 directories: the store holds every tenant's data
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    # describe-snapshots: the CLI's table and the EC2 API say it too.
+    env = {**os.environ, "VBS_ENDPOINT": vbs.endpoint, "VBS_ACCESS_KEY_ID": vbs.key.access_key_id,
+           "VBS_SECRET_ACCESS_KEY": vbs.key.secret_access_key}
+    table = subprocess.run([*VBS, "-o", "table", "describe-snapshots", snap1], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0 and "Location" in table.stdout and "store" in table.stdout, table.stdout
+    ec2 = vbs.ec2().describe_snapshots(SnapshotIds=[snap1])["Snapshots"][0]
+    assert ec2["Progress"] == "100%" and ec2["State"] == "completed"
+
+    # -- restored from the store, bit for bit (the pool has no copy to clone), on either node ------------------
+    clone = vbs.cli("create-volume", "--snapshot", snap1, "--wait")
+    assert clone["status"] == "available", clone
+    assert sha(volume_file(vbs, clone)) == image
+    elsewhere = vbs.cli("create-volume", "--snapshot", snap1, "--storage-node", "storage-2", "--wait")
+    assert elsewhere["status"] == "available" and elsewhere["storage_node"] == "storage-2", elsewhere
+    assert sha(vbs.data_dir / "pools" / "storage-2" / "volumes" / f"{elsewhere['volume_id']}.raw") == image
+
+    # -- the next snapshot sends only the chunk that changed --------------------------------------------------
+    write_at(vol_path, 2 * MiB, pattern(b"changed", 1))
+    second, _ = snapshot_until_done(vbs, vol_id)
+    snap2 = second["snapshot_id"]
+    new_chunks = chunk_files(store) - chunks_after_first
+    assert len(new_chunks) == 1, "one chunk changed: one chunk sent"
+    assert "1 new" in (vbs.data_dir.parent / "vbs-up.log").read_text()
+
+    # -- a corrupt chunk fails the restore, naming it; nothing half-written is left available ------------------
+    (victim,) = new_chunks
+    blob = bytearray(victim.read_bytes())
+    blob[-1] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    broken = vbs.cli("create-volume", "--snapshot", snap2)
+    failed = vbs.wait_volume(broken["volume_id"], "error", timeout=120)
+    assert victim.name in failed["status_reason"] and snap2 in failed["status_reason"], failed
+    assert "corrupt" in failed["status_reason"]
+    for pool in (vbs.pool, vbs.data_dir / "pools" / "storage-2"):
+        assert not list((pool / "volumes").glob(f"{broken['volume_id']}.raw*"))
+
+    # -- deleting the source volume leaves its stored snapshots restorable ------------------------------------
+    vbs.cli("delete-volume", vol_id, "--wait")
+    assert (store / "manifests" / snap1).is_file()
+    again = vbs.cli("create-volume", "--snapshot", snap1, "--size", "2", "--wait")
+    again_path = volume_file(vbs, again)
+    assert again_path.stat().st_size == 2 << 30 and sha(again_path, 1 << 30) == image
+
+    # -- delete-snapshot removes its manifest (its chunks go with garbage collection) --------------------------
+    vbs.cli("delete-snapshot", snap1, "--wait")
+    assert not (store / "manifests" / snap1).exists()
+    assert (store / "manifests" / snap2).is_file()
+    # The store key goes with each call only: not in a log, an operation row or a file of the agent's.
+    db = Database.for_data_dir(vbs.data_dir)
+    try:
+        key = store_key(db, MasterKey(vbs.data_dir / "master.key")).get_secret_value()
+        with db.read() as s:
+            rows = [json.dumps(params) for params in s.scalars(select(Operation.params))]
+    finally:
+        db.dispose()
+    assert rows and not any(key in row for row in rows)
+    assert key not in (vbs.data_dir.parent / "vbs-up.log").read_text()
+    assert not list(vbs.data_dir.rglob("snapshot-store.key"))
+
+
+@pytest.fixture(scope="module")
+def s3_later(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Vbs, int, Path]]:
+    """``vbs up`` whose store is a bucket on an S3 server that is not running yet (started by the test)."""
+    tmp = tmp_path_factory.mktemp("store-s3")
+    creds = tmp / "s3-credentials"
+    creds.write_text(f"[default]\naws_access_key_id = AKIAVBSTEST\naws_secret_access_key = {FAKE_SECRET}\n")
+    creds.chmod(0o600)
+    port = free_port()
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=[
+        "--snapshot-store", "s3://vbs-e2e/site-a", "--s3-endpoint", f"http://127.0.0.1:{port}",
+        "--s3-credentials-file", str(creds)])
+    try:
+        yield up.start(), port, tmp / "vbs-up.log"
+    finally:
+        up.stop()
+
+
+def test_a_store_that_is_down_keeps_the_snapshot_pending_until_it_is_back(s3_later: tuple[Vbs, int, Path]) -> None:
+    vbs, port, log = s3_later
+    vol = vbs.cli("create-volume", "--size", "1", "--wait")
+    vol_path = vbs.pool / "volumes" / f"{vol['volume_id']}.raw"
+    write_at(vol_path, 0, pattern(b"s3", 3))
+    image = sha(vol_path)
+    snap = vbs.cli("create-snapshot", vol["volume_id"])
+    pending = wait_until(lambda: (s := vbs.snapshot(snap["snapshot_id"]))["status_reason"] and s, 120,
+                         what="the reason it waits")
+    assert pending["status"] == "pending" and "waiting for the snapshot store" in pending["status_reason"]
+    assert "s3://vbs-e2e/site-a/" in pending["status_reason"]
+    assert pending["data_location"] == "pool"
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id="AKIAVBSTEST", aws_secret_access_key=FAKE_SECRET)
+        s3.create_bucket(Bucket="vbs-e2e")
+        done = vbs.wait_snapshot(snap["snapshot_id"], "completed", timeout=180)
+        assert done["data_location"] == "store" and done["status_reason"] is None
+        keys = {o["Key"] for o in s3.list_objects_v2(Bucket="vbs-e2e", Prefix="site-a/")["Contents"]}
+        assert f"site-a/manifests/{snap['snapshot_id']}" in keys
+        assert len([k for k in keys if k.startswith("site-a/chunks/")]) == 3
+        clone = vbs.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
+        assert sha(vbs.pool / "volumes" / f"{clone['volume_id']}.raw") == image
+    finally:
+        server.stop()
+    assert FAKE_SECRET not in log.read_text()
