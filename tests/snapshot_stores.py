@@ -65,7 +65,9 @@ def s3_store(endpoint: str, tmp_path: Path, prefix: str = "vbs") -> S3Store:
                                 "region": "us-east-1", "credentials_file": str(creds)}, default_dir=tmp_path)
 
 
-@pytest.fixture(params=["dir", "s3"])
+# The S3 half talks HTTP to an S3 server (moto's, started once a session), so it is of the integration tier,
+# as the PostgreSQL half of a database test is; the unit tier runs the same tests on the dir store.
+@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.integration)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotStore:
     """The same tests against each driver."""
     if request.param == "dir":
