@@ -149,11 +149,25 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
     assert len(new_chunks) == 1, "one chunk changed: one chunk sent"
     assert "1 new" in (vbs.data_dir.parent / "vbs-up.log").read_text()
 
+    # -- vbs check reads both manifests in the store and finds every chunk they list ------------------------------
+    checked = vbs.cli("check")
+    assert checked["clean"] and not checked["unstored"], checked
+    (checked_store,) = checked["stores"]
+    assert checked_store["store"] == f"dir:{store}" and checked_store["snapshots"] == 2
+    assert checked_store["chunks_checked"] == 8  # 7 of the first, 1 new in the second
+
     # -- a corrupt chunk fails the restore, naming it; nothing half-written is left available ------------------
     (victim,) = new_chunks
     blob = bytearray(victim.read_bytes())
     blob[-1] ^= 0xFF
     victim.write_bytes(bytes(blob))
+    # Only a deep check, which hashes every chunk again, sees it (a plain one finds every chunk there).
+    assert vbs.cli("check")["clean"]
+    deep = vbs.cli("check", "--deep", check=False)
+    assert deep.returncode == 1, deep.stderr
+    (finding,) = json.loads(deep.stdout)["findings"]
+    assert finding["kind"] == "store-corrupt-chunk" and finding["resource_id"] == snap2, finding
+    assert victim.name in finding["detail"]
     broken = vbs.cli("create-volume", "--snapshot", snap2)
     failed = vbs.wait_volume(broken["volume_id"], "error", timeout=120)
     assert victim.name in failed["status_reason"] and snap2 in failed["status_reason"], failed
@@ -214,6 +228,9 @@ def test_a_store_that_is_down_keeps_the_snapshot_pending_until_it_is_back(s3_lat
     assert pending["status"] == "pending" and "waiting for the snapshot store" in pending["status_reason"]
     assert "s3://vbs-e2e/site-a/" in pending["status_reason"]
     assert pending["data_location"] == "pool"
+    # vbs check lists it among the snapshots not in their store yet, with the reason.
+    (unstored,) = vbs.cli("check")["unstored"]
+    assert unstored["snapshot_id"] == snap["snapshot_id"] and "waiting for the snapshot store" in unstored["reason"]
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -22,11 +22,19 @@ def check(
     repair: Annotated[bool, typer.Option("--repair", help="Repair what drifted (orphans after their grace).")] = False,
     now: Annotated[bool, typer.Option("--now", help="With --repair: remove orphans without the grace period.")]
     = False,
+    store: Annotated[bool, typer.Option("--store/--no-store", help="Check the stored snapshots in their "
+                                        "snapshot stores: manifests read, chunks found.")] = True,
+    deep: Annotated[bool, typer.Option("--deep", help="Fetch every stored chunk and hash it again (reads the "
+                                       "whole store).")] = False,
 ) -> None:
-    """Compare what the agents really have with the DB: orphans, missing files, exports and disks."""
+    """Compare what the agents really have with the DB (orphans, missing files, exports and disks), and
+    check the snapshot stores."""
     c: Context = ctx.obj
+    if repair and deep:
+        raise InvalidParameter("--deep checks the snapshot stores, which --repair does not: run them one at a time")
     report = (c.client.call("POST", f"/v1/admin/reconcile?now={str(now).lower()}") if repair
-              else c.client.call("GET", "/v1/admin/check"))
+              else c.client.call("GET", f"/v1/admin/check?store={str(store or deep).lower()}"
+                                 f"&deep={str(deep).lower()}"))
     if output.is_machine(c.fmt):
         output.emit(report, "json")
     else:
@@ -35,6 +43,7 @@ def check(
         if report["findings"]:
             output.emit(report["findings"], c.fmt, output.FINDING_COLUMNS)
         _emit_pool_details(report.get("pools", []), c.fmt)
+        _emit_stores(report, c.fmt)
     if not report["clean"] and not repair:
         raise typer.Exit(1)
 
@@ -47,6 +56,14 @@ def _emit_pool_details(pools: list[dict[str, Any]], fmt: str) -> None:
         rows = [{"node": p["node"], "pool": p["pool"], **item} for p in pools for item in p[key]]
         if rows:
             output.emit(rows, fmt, columns, title=title)
+
+
+def _emit_stores(report: dict[str, Any], fmt: str) -> None:
+    """``vbs check``'s tables of the snapshot stores: each store checked, and snapshots not in it yet."""
+    if report.get("stores"):
+        output.emit(report["stores"], fmt, output.STORE_CHECK_COLUMNS, title="snapshot stores")
+    if report.get("unstored"):
+        output.emit(report["unstored"], fmt, output.UNSTORED_COLUMNS, title="snapshots not in their store yet")
 
 
 @commands.command("create-key")

@@ -176,6 +176,22 @@ FLATTEN_COLUMNS: list[Column] = [
     ("Progress", lambda f: f"{f['progress']}%"),
 ]
 
+STORE_CHECK_COLUMNS: list[Column] = [
+    field("Store", "store"),
+    field("CheckedBy", "node"),
+    field("Snapshots", "snapshots"),
+    field("Chunks", "chunks_checked"),
+    ("Read", lambda r: f"{r['bytes_checked'] / 2**20:.1f} MiB" if r["deep"] else "-"),
+]
+
+UNSTORED_COLUMNS: list[Column] = [
+    field("SnapshotId", "snapshot_id"),
+    field("State", "status"),
+    field("Upload", "store_state"),
+    field("Store", "store"),
+    field("Reason", "reason"),
+]
+
 FINDING_COLUMNS: list[Column] = [
     field("Kind", "kind"),
     field("Node", "node"),

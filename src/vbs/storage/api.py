@@ -20,10 +20,12 @@ from vbs.pools.backend import Backend, PullingBackend
 from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
 from vbs.storage.metrics import storage_registry
+from vbs.storage.store_check import check_snapshots
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
+    CheckStore,
     ConnectionAnswer,
     ConnectionRequest,
     EnsureSnapshot,
@@ -35,6 +37,7 @@ from vbs.wire.storage import (
     Removed,
     RestoreVolume,
     SnapshotTargetRequest,
+    StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
 )
@@ -143,6 +146,11 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         """Delete the snapshot's manifest from the store (its chunks go with garbage collection)."""
         stored.delete(ids.check("snapshot", snapshot_id))
         return Removed()
+
+    @router.post("/snapshot-store/check")
+    def check_store(body: CheckStore) -> StoreCheckReport:
+        """Check the named snapshots in the store: manifests read, chunks found (``deep``: hashed again)."""
+        return check_snapshots(stored.store, stored.location, body)
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/restore")
     def restore_volume(pool_name: str, volume_id: str, body: RestoreVolume) -> ItemStatus:

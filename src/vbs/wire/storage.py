@@ -43,6 +43,10 @@ __all__ = [
     "StoreSnapshot",
     "StoredStatus",
     "RestoreVolume",
+    "CheckStore",
+    "StoreProblem",
+    "StoreCheckReport",
+    "MAX_CHECKED_SNAPSHOTS",
     "TENANT_RE",
     "ConnectionRequest",
     "ConnectionAnswer",
@@ -264,6 +268,45 @@ class RestoreVolume(Wire):
     @field_serializer("store_key", "luks_passphrase", "source_luks_passphrase", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
         return v.get_secret_value() if v is not None else None
+
+
+# Snapshots one check of a store may name (a manifest id is 21 bytes: about 600 KB of request).
+MAX_CHECKED_SNAPSHOTS = 25_000
+
+
+class CheckStore(Wire):
+    """Check ``snapshot_ids`` in the agent's snapshot store: every manifest readable and every chunk it
+    lists present; ``deep``: every chunk fetched and hashed again under its tenant's key, derived from
+    ``store_key`` (needed then only, never kept)."""
+
+    snapshot_ids: list[SnapshotId] = Field(max_length=MAX_CHECKED_SNAPSHOTS)
+    deep: bool = False
+    store_key: StoreKeyHex | None = None
+
+    @field_serializer("store_key", when_used="json")
+    def _reveal(self, v: SecretStr | None) -> str | None:
+        return v.get_secret_value() if v is not None else None
+
+
+class StoreProblem(Wire):
+    """One thing wrong in the store: a snapshot's manifest that cannot be read (``manifest``), stored under
+    another key than its tenant's (``key``), or one of its chunks ``missing`` or ``corrupt``."""
+
+    snapshot_id: SnapshotId
+    kind: Literal["manifest", "key", "missing", "corrupt"]
+    detail: str = Field(max_length=1024)
+    chunk_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    chunk_index: int | None = Field(None, ge=0)
+
+
+class StoreCheckReport(Wire):
+    """What a check of the store found (``problems`` in snapshot and chunk order)."""
+
+    store: str = Field(pattern=STORE_RE)
+    snapshots: int = Field(ge=0)
+    chunks_checked: int = Field(ge=0)
+    bytes_checked: int = Field(ge=0)
+    problems: list[StoreProblem] = Field(max_length=1_000_000)
 
 
 class ConnectionRequest(Wire):

@@ -25,6 +25,7 @@ from vbs.wire import host as host_wire
 from vbs.wire.connection import Connection, HostIdentity, LocalConnection, NbdConnection, ProtocolName, RbdConnection
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
+    CheckStore,
     ConnectionAnswer,
     ConnectionRequest,
     EnsureSnapshot,
@@ -38,11 +39,14 @@ from vbs.wire.storage import (
     ResizeVolume,
     RestoreVolume,
     SnapshotTargetRequest,
+    StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
 )
 
 GIB = 1 << 30
+# A deep check of a store reads all of it: an hour allows about 16 GiB at the slowest S3 rates.
+CHECK_TIMEOUT_S = 3600.0
 
 
 class StorageAgent:
@@ -129,6 +133,13 @@ class StorageAgent:
     def delete_stored(self, snapshot_id: str) -> None:
         """Delete the snapshot's manifest from the store this agent uses (chunks go with garbage collection)."""
         self._client.request("DELETE", f"/v1/snapshot-store/snapshots/{snapshot_id}", Removed)
+
+    def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None) -> StoreCheckReport:
+        """Check the snapshots in the store this agent uses (``deep``: every chunk hashed again, which takes
+        as long as reading them: no time limit but the store's own)."""
+        return self._client.request("POST", "/v1/snapshot-store/check", StoreCheckReport,
+                                    CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key),
+                                    timeout=CHECK_TIMEOUT_S)
 
     def restore_volume(self, pool: str, volume_id: str, size_gib: int, snapshot_id: str, tenant: str,
                        store_key: SecretStr, *, encrypted: bool = False, luks: SecretStr | None = None,
