@@ -1,7 +1,9 @@
 """Crash at every step: SIGKILL each process of VBS at each step of each workflow, then check the world.
 
 Workflows (``flow``): create-volume, create-volume-from-snapshot (a sparse copy: the pool is forced to
-``--clone-method copy``), create-snapshot (a copy too), delete-volume, delete-snapshot, attach-volume,
+``--clone-method copy``: it is hydrated from the snapshot store, where the snapshot lives), create-snapshot
+(a copy too, then its upload into the store, which goes forward once started: the storage agent is
+killed in the middle of it as in a copy), delete-volume, delete-snapshot, attach-volume,
 detach-volume (``force``: a bare QEMU never acknowledges an unplug) and modify-volume (a grow of an
 attached volume, so the guest-resize step does real work). Killed processes (``component``): the
 controller, the storage agent, the host agent, and the export daemon: qemu-storage-daemon (NBD) or
@@ -57,7 +59,7 @@ processes) serves every point of the module in turn, so each point also checks e
 points left (volumes still attached, remnants); a failed point makes the next one start a fresh
 install. The VM is replaced when it holds 16 VBS devices (PCI slots run out at 30).
 
-The matrix has 150 points (``MATRIX``). The default run (CI) keeps a subset of 20 (``CI_POINTS``): the
+The matrix has 166 points (``MATRIX``). The default run (CI) keeps a subset of 22 (``CI_POINTS``): the
 controller in every workflow, and every other process at least once, on both protocols; the rest
 is marked ``torture``. ``make torture`` runs them all (``-m 'torture or not torture'``). A summary
 (points tried and survived, convergence times) is printed at the end and written as JSON to
@@ -120,6 +122,12 @@ class Flow:
     resume: str  # rollback | forward
     calls: dict[str, frozenset[str]]  # step -> the processes its call reaches
     attach_flow: bool = False  # uses the export daemon and the VM (runs on both protocols)
+    forward_from: str | None = None  # a rollback flow goes forward once this step has started
+
+    def goes_forward_at(self, step: str) -> bool:
+        """Whether an interruption at ``step`` must end with the workflow done (never rolled back)."""
+        return self.resume == "forward" or (
+            self.forward_from is not None and self.steps.index(step) >= self.steps.index(self.forward_from))
 
     def earlier_calls(self, step: str) -> set[str]:
         out: set[str] = set()
@@ -137,8 +145,9 @@ FLOWS = [
          _calls(storage_create=(SA,))),
     Flow("create-volume-from-snapshot", "create-volume", ("storage-create", "mark-available"), "rollback",
          _calls(storage_create=(SA,))),
-    Flow("create-snapshot", "create-snapshot", ("storage-snapshot", "mark-completed"), "rollback",
-         _calls(storage_snapshot=(SA,))),
+    # The upload into the snapshot store (issue 33) resumes forward: the point-in-time copy is made.
+    Flow("create-snapshot", "create-snapshot", ("storage-snapshot", "store-upload", "mark-completed"), "rollback",
+         _calls(storage_snapshot=(SA,), store_upload=(SA,)), forward_from="store-upload"),
     Flow("delete-volume", "delete-volume", ("storage-delete", "mark-deleted"), "forward",
          _calls(storage_delete=(SA,))),
     Flow("delete-snapshot", "delete-snapshot", ("storage-delete", "mark-deleted"), "forward",
@@ -179,6 +188,11 @@ class Point:
     def mid_copy(self) -> bool:
         return self.moment == "inflight" and self.role == SA and self.flow_name in COPY_FLOWS
 
+    @property
+    def mid_upload(self) -> bool:
+        """The storage agent is killed in the middle of the snapshot's upload into the store."""
+        return self.mid_copy and self.step == "store-upload"
+
 
 def _matrix() -> list[Point]:
     points: list[Point] = []
@@ -195,6 +209,8 @@ def _matrix() -> list[Point]:
                 role = DAEMON if component == daemon else component
                 for step in flow.steps:
                     inflight = role in flow.calls.get(step, ()) and role not in flow.earlier_calls(step)
+                    # The upload is long enough (1 GiB) to kill its agent in the middle, as a copy is.
+                    inflight = inflight or (role == SA and step == "store-upload")
                     points.append(Point(component, protocol, flow.name, step, "inflight" if inflight else "frozen"))
     return points
 
@@ -207,6 +223,7 @@ CI_POINTS = {
     "controller-nbd-create-volume-storage-create-done",
     "controller-nbd-create-volume-from-snapshot-storage-create-started",
     "controller-nbd-create-snapshot-storage-snapshot-done",
+    "controller-nbd-create-snapshot-store-upload-started",
     "controller-nbd-delete-volume-storage-delete-started",
     "controller-nbd-delete-snapshot-storage-delete-done",
     "controller-nbd-attach-volume-host-attach-done",
@@ -216,6 +233,7 @@ CI_POINTS = {
     "controller-nbd-modify-volume-guest-resize-started",
     # the storage agent: mid-copy, and under an attach (in flight) and a detach (frozen)
     "storage-agent-nbd-create-volume-from-snapshot-storage-create-inflight",
+    "storage-agent-nbd-create-snapshot-store-upload-inflight",
     "storage-agent-iscsi-attach-volume-storage-export-inflight",
     "storage-agent-nbd-detach-volume-host-detach-frozen",
     # the host agent, in flight under attach and detach
@@ -527,13 +545,30 @@ def wait_mid_copy(c: Cluster, point: Point, op: dict[str, Any]) -> None:
     raise AssertionError("the copy never started")
 
 
+def wait_mid_upload(c: Cluster, op: dict[str, Any], chunks_before: int) -> None:
+    """Until the upload of ``op``'s snapshot into the store has put 64 chunks and not its manifest."""
+    store = c.state_dir / "snapshots"
+    manifest = store / "manifests" / op["resource_id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if count_chunks(store) >= chunks_before + 64:
+            return
+        assert not manifest.exists(), "the upload finished before the storage agent could be killed in its middle"
+        time.sleep(0.01)
+    raise AssertionError("the upload never started")
+
+
+def count_chunks(store: Path) -> int:
+    return sum(1 for p in (store / "chunks").rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
 def check_outcome(c: Cluster, point: Point, prep: Prep, op: dict[str, Any]) -> str:
     """The workflow's own result, once the world agrees; returns the operation's final status."""
     db = read_db(c.data_dir)
     status = db.operations[op["id"]]["status"]
     flow = point.flow
     last_done = point.component == "controller" and point.step == flow.steps[-1] and point.moment == "done"
-    if flow.resume == "forward":
+    if flow.goes_forward_at(point.step):
         allowed = {"succeeded"}
     elif point.component == "controller" and not last_done:
         allowed = {"rolled-back"}  # documented: a create or attach interrupted by a controller crash rolls back
@@ -618,9 +653,13 @@ def run_point(c: Cluster, point: Point) -> tuple[float, str]:
             time.sleep(AGENT_DOWN_S)
             c.restart(role)
     elif point.mid_copy:
+        chunks_before = count_chunks(c.state_dir / "snapshots")
         start_flow(c, point, prep, crashing=False)
         op = new_operation(c.data_dir, flow.kind, known)
-        wait_mid_copy(c, point, op)
+        if point.mid_upload:
+            wait_mid_upload(c, op, chunks_before)
+        else:
+            wait_mid_copy(c, point, op)
         c.kill(role)
         t0 = time.monotonic()
         c.restart(role)
