@@ -192,9 +192,13 @@ class SnapshotStoreConfig(_Section):
     model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
 
     driver: str = Field("dir", pattern=DRIVER_NAME_RE)
+    # Garbage collection (docs/snapshots.md): at most one run per interval among the agents sharing the
+    # store (0: never), deleting the chunks nothing claims once older than the grace period.
+    gc_interval_s: float = Field(86400.0, ge=0, le=366 * 86400)
+    gc_grace_s: float = Field(86400.0, ge=0, le=366 * 86400)
 
     def options(self) -> dict[str, Any]:
-        """The driver's settings: everything but ``driver``."""
+        """The driver's settings: everything but ``driver`` and the garbage collection's."""
         return dict(self.model_extra or {})
 
 

@@ -18,6 +18,7 @@ from vbs.pools.exports import ExportDriver
 from vbs.snapshot_store.contract import SnapshotStore
 from vbs.storage.api import create_app
 from vbs.storage.probe import install_probe, probe_auth
+from vbs.storage.store_gc import StoreGc
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.trust import agent_security
 from vbs.wire.storage import MAX_USAGE_REPORTED, StorageHeartbeat
@@ -103,6 +104,8 @@ def serve(cfg: StorageAgentConfig) -> None:
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
     stored = StoredSnapshots(store, store_location(cfg, store))
+    collector = StoreGc(store, interval_s=cfg.snapshot_store.gc_interval_s, grace_s=cfg.snapshot_store.gc_grace_s) \
+        if store is not None else None
     app = create_app(backends, exports, auth, cfg.node_name, stored)
     install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
@@ -126,6 +129,8 @@ def serve(cfg: StorageAgentConfig) -> None:
     def shutdown() -> None:
         stop.set()
         watcher.join(timeout=5)
+        if collector is not None:
+            collector.stop()
         stored.close()
         exports.stop()
         for b in backends.values():
@@ -133,6 +138,8 @@ def serve(cfg: StorageAgentConfig) -> None:
         log.info("storage agent %s stopped", cfg.node_name)
 
     watcher.start()
+    if collector is not None:
+        collector.start()
     log.info("storage agent %s serving on %s (backend %s, pools %s, export %s, snapshots to %s)", cfg.node_name, url,
              cfg.backend, ", ".join(backends), cfg.export, store.describe() if store is not None else "no store")
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)
