@@ -125,14 +125,6 @@ class RbdBackend:
     def max_clone_depth(self, depth: int) -> None:
         self._clones.max_clone_depth = depth
 
-    @property
-    def max_snapshots_per_volume(self) -> int:
-        return self._snapshots.max_snapshots_per_volume
-
-    @max_snapshots_per_volume.setter
-    def max_snapshots_per_volume(self, limit: int) -> None:
-        self._snapshots.max_snapshots_per_volume = limit
-
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
         if cfg.ceph_conf is None:
@@ -160,7 +152,7 @@ class RbdBackend:
         capacity, free = parse_pool_stats(self._cli.tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
                         clone_method="rbd-clone", point_in_time=True, monitors=self._cephx.monitors(),
-                        max_snapshots_per_volume=self.max_snapshots_per_volume,
+                        max_snapshots_per_volume=self._snapshots.max_snapshots_per_volume,
                         shared_id=f"ceph:{self._cluster_fsid()}/{self.rbd_pool}")
 
     def _cluster_fsid(self) -> str:
