@@ -4,6 +4,7 @@ volumes and snapshots."""
 # No ``from __future__ import annotations`` here: Typer reads every command's signature, and string
 # annotations would be evaluated again on each run (twice per command), most of a --help's time.
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -145,11 +146,8 @@ def attach_volume(
     att = c.client.call("POST", f"/v1/volumes/{volume_id}/attach", body)
     for warning in att.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
-    if wait:
-        att = _wait_attachment(c, volume_id, att, "attaching")
-    output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
-    if att["state"] not in ("attaching", "attached"):
-        raise typer.Exit(1)
+    _show_attachment(c, volume_id, att, wait=wait, busy_state="attaching",
+                     failed=lambda state: state not in ("attaching", "attached"))
 
 
 @commands.command("detach-volume")
@@ -166,10 +164,16 @@ def detach_volume(
     if instance is not None:
         body["instance_id"] = instance
     att = c.client.call("POST", f"/v1/volumes/{volume_id}/detach", body)
+    _show_attachment(c, volume_id, att, wait=wait, busy_state="detaching", failed=lambda state: state == "busy")
+
+
+def _show_attachment(c: Context, volume_id: str, att: dict[str, Any], *, wait: bool, busy_state: str,
+                     failed: Callable[[str], bool]) -> None:
+    """Print an attachment, with ``wait`` once it leaves ``busy_state``; exit 1 if its state is ``failed``."""
     if wait:
-        att = _wait_attachment(c, volume_id, att, "detaching")
+        att = _wait_attachment(c, volume_id, att, busy_state)
     output.emit(att, c.fmt, output.ATTACHMENT_COLUMNS)
-    if att["state"] == "busy":
+    if failed(att["state"]):
         raise typer.Exit(1)
 
 

@@ -20,8 +20,8 @@ from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, Migratin
 from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
 from vbs.host.pauses import Pauses
-from vbs.net.metrics import install_metrics
-from vbs.net.web import PreAuth, Scope, install_error_handlers
+from vbs.net.agent_app import agent_app
+from vbs.net.web import Scope
 from vbs.pools.routes import add_volume_routes
 from vbs.wire.connection import AnyConnection, FileConnection, LocalConnection
 from vbs.wire.host import (
@@ -80,16 +80,7 @@ class _Able:
 
 def create_app(driver: HypervisorDriver, auth: Callable[[Scope], Response | None],
                node_name: str, pauses: Pauses | None = None, local: LocalPools | None = None) -> FastAPI:
-    app = FastAPI(title="VBS host agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
-    app.add_middleware(PreAuth, check=auth)
-    # Behind the node token, like the rest of the agent's API.
-    install_metrics(app, host_registry(driver))
-
-    @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok", "node": node_name}
-
+    app = agent_app("VBS host agent", auth, node_name, host_registry(driver))
     router = APIRouter(prefix="/v1")
     able = _Able(driver, node_name)
     # No local pool: every local call answers that the pool does not exist, before any copy could start.

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from vbs.errors import VbsError
+from vbs.net.repeating import Repeating
 from vbs.net.web import ApiClient
 from vbs.wire.probes import MAX_PROBES, PROBE_PATH, PROBE_TICKET_HEADER, Probe, ProbeTarget, ProbeTargets
 
@@ -60,19 +61,18 @@ def transfer_mbps(client: httpx.Client, target: ProbeTarget, size: int) -> float
     return got / MIB / max(elapsed, 1e-6)
 
 
-class Prober:
+class Prober(Repeating):
     """Probes every storage node the controller names, every ``interval_s``; ``latest()`` for heartbeats."""
 
     def __init__(self, controller: ApiClient, *, interval_s: float, probe_bytes: int,
                  verify: ssl.SSLContext | bool = True) -> None:
+        super().__init__("rtt-probes")
         self._controller = controller
         self._interval = interval_s
         self._bytes = probe_bytes
         self._verify = verify
         self._results: dict[str, Probe] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rtt-probes", daemon=True)
 
     def latest(self) -> list[Probe]:
         with self._lock:
@@ -104,19 +104,11 @@ class Prober:
                 del self._results[gone]
         return len(targets)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            named = 0
-            try:
-                named = self.round()
-            except VbsError as exc:
-                log.warning("RTT probes: %s", exc.message)
-            # Soon again while there is nothing to probe yet (the controller or its nodes starting).
-            self._stop.wait(self._interval if named else min(self._interval, RETRY_S))
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def _run_once(self) -> float:
+        named = 0
+        try:
+            named = self.round()
+        except VbsError as exc:
+            log.warning("RTT probes: %s", exc.message)
+        # Soon again while there is nothing to probe yet (the controller or its nodes starting).
+        return self._interval if named else min(self._interval, RETRY_S)

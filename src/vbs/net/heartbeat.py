@@ -9,50 +9,38 @@ fails, to the next (``vbs.net.web.ApiClient`` moves on and says so once).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from vbs.errors import VbsError
+from vbs.net.repeating import Repeating
 from vbs.net.web import ApiClient
 from vbs.wire.base import Ack, Wire
 
 log = logging.getLogger(__name__)
 
 
-class Heartbeat:
+class Heartbeat(Repeating):
     def __init__(self, controller: ApiClient, path: str, report: Callable[[], Wire], *,
                  interval: float, ready: Callable[[], bool] = lambda: True) -> None:
+        super().__init__("heartbeat", ready=ready)
         self._controller = controller
         self._path = path
         self._report = report
         self._interval = interval
-        self._ready = ready
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._failing = False
 
     def beat(self) -> None:
         # A report says what is, not what to do: sent twice, or to another controller, it changes nothing.
         self._controller.request("POST", self._path, Ack, self._report(), timeout=5, idempotent=True)
 
-    def _loop(self) -> None:
-        while not self._ready() and not self._stop.wait(0.02):
-            pass
-        failing = False
-        while not self._stop.is_set():
-            try:
-                self.beat()
-                if failing:
-                    log.info("heartbeat: controller reachable again")
-                failing = False
-            except VbsError as exc:
-                if not failing:
-                    log.warning("heartbeat failed: %s", exc.message)
-                failing = True
-            self._stop.wait(1.0 if failing else self._interval)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def _run_once(self) -> float:
+        try:
+            self.beat()
+            if self._failing:
+                log.info("heartbeat: controller reachable again")
+            self._failing = False
+        except VbsError as exc:
+            if not self._failing:
+                log.warning("heartbeat failed: %s", exc.message)
+            self._failing = True
+        return 1.0 if self._failing else self._interval

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from vbs import ids
@@ -76,17 +76,16 @@ def _zero(length: int) -> bytes:
     return zero
 
 
+@dataclass
 class _Upload:
-    def __init__(self, store: SnapshotStore, reader: VolumeReader, size: int, tenant_key: bytes,
-                 previous: Manifest | None, chunk_size: int) -> None:
-        self.store = store
-        self.reader = reader
-        self.size = size
-        self.tenant_key = tenant_key
-        self.previous = previous
-        self.chunk_size = chunk_size
-        self._lock = threading.Lock()
-        self._handled: set[str] = set()
+    store: SnapshotStore
+    reader: VolumeReader
+    size: int
+    tenant_key: bytes
+    previous: Manifest | None
+    chunk_size: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _handled: set[str] = field(default_factory=set, init=False)  # chunk ids met so far: a repeat is not put
 
     def length(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)

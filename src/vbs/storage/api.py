@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, NotFound
-from vbs.net.metrics import install_metrics
-from vbs.net.web import PreAuth, Scope, install_error_handlers
+from vbs.net.agent_app import agent_app
+from vbs.net.web import Scope
 from vbs.pools.backend import Backend, PullingBackend
 from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
@@ -66,11 +66,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
                node_name: str, stored: StoredSnapshots | None = None) -> FastAPI:
     """The agent's API over its pools; ``stored``: its snapshot store's jobs (None: it has no store)."""
     stored = stored or StoredSnapshots(None)
-    app = FastAPI(title="VBS storage agent", version="1", docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
-    app.add_middleware(PreAuth, check=auth)
-    # Behind the node token, like the rest of the agent's API.
-    install_metrics(app, storage_registry(backends, exports))
+    app = agent_app("VBS storage agent", auth, node_name, storage_registry(backends, exports))
     router = APIRouter(prefix="/v1")
 
     def pool(name: str) -> Backend:
@@ -78,10 +74,6 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
             return backends[name]
         except KeyError:
             raise NotFound(f"no pool named {name[:64]!r} on {node_name}", code="InvalidPool.NotFound") from None
-
-    @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok", "node": node_name}
 
     @router.get("/pools")
     def pools() -> PoolList:

@@ -23,6 +23,7 @@ copy) that does not read from its volume, and its row keeps its node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Select, select, update
@@ -141,6 +142,27 @@ def _leftover(_ctx: StepContext[MigrateParams]) -> bool:
     return True
 
 
+def _copying(kind: str, copy: tuple[Step[MigrateParams], ...], unexport: Step[MigrateParams], *,
+             forward_from: str, gives_up: Callable[[StepContext[MigrateParams], Exception], bool] | None = None
+             ) -> Workflow[MigrateParams]:
+    """A move by a copy: the ``copy`` steps make the new copy, then the row names it (``switch``),
+    ``unexport`` removes the old copy's export and the old copy goes (both left to the reconciler if
+    the old node stays away)."""
+    return Workflow(
+        kind=kind,
+        exclusive=True,
+        params=MigrateParams,
+        resume="rollback",
+        steps=(*copy,
+               Step("switch", _switch_files),
+               unexport,
+               Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
+               Step("finish", _done, ends=True)),
+        forward_from=forward_from,
+        gives_up=gives_up,
+    )
+
+
 # -- an available volume between pools of files: the new node pulls it ---------------------------------
 
 
@@ -183,17 +205,11 @@ def _pull(ctx: StepContext[MigrateParams]) -> None:
                        _report(ctx), unreachable_s=shared.patience(ctx))
 
 
-MIGRATE_VOLUME_COPY = Workflow(
-    kind="migrate-volume-copy",
-    exclusive=True,
-    params=MigrateParams,
-    resume="rollback",
-    steps=(Step("export-to-target", _open_for_target, undo=_close_for_target),
-           Step("copy", _pull, undo=_remove_new_copy),
-           Step("switch", _switch_files),
-           Step("unexport", _close_for_target, skippable=_leftover),
-           Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
-           Step("finish", _done, ends=True)),
+MIGRATE_VOLUME_COPY = _copying(
+    "migrate-volume-copy",
+    (Step("export-to-target", _open_for_target, undo=_close_for_target),
+     Step("copy", _pull, undo=_remove_new_copy)),
+    Step("unexport", _close_for_target, skippable=_leftover),
     forward_from="switch",
 )
 
@@ -270,19 +286,13 @@ def _cancel_mirror(ctx: StepContext[MigrateParams]) -> None:
     ctx.services.agents.host(host).remove_mirror(vm_id, ids.virtio_serial(ctx.resource_id))
 
 
-MIGRATE_VOLUME_MIRROR = Workflow(
-    kind="migrate-volume-mirror",
-    exclusive=True,
-    params=MigrateParams,
-    resume="rollback",
-    steps=(Step("target-volume", _empty_target, undo=_remove_new_copy),
-           Step("export-to-host", _export_to_host, undo=_unexport_from("target_node", "target_pool")),
-           Step("mirror", _start_mirror, undo=_cancel_mirror),
-           Step("pivot", _pivot),
-           Step("switch", _switch_files),
-           Step("remove-old-export", _unexport_from("node", "pool"), skippable=_leftover),
-           Step("remove-old-copy", _remove_old_copy, skippable=_leftover),
-           Step("finish", _done, ends=True)),
+MIGRATE_VOLUME_MIRROR = _copying(
+    "migrate-volume-mirror",
+    (Step("target-volume", _empty_target, undo=_remove_new_copy),
+     Step("export-to-host", _export_to_host, undo=_unexport_from("target_node", "target_pool")),
+     Step("mirror", _start_mirror, undo=_cancel_mirror),
+     Step("pivot", _pivot)),
+    Step("remove-old-export", _unexport_from("node", "pool"), skippable=_leftover),
     forward_from="pivot",
     # The host says the disk never switched (its mirror was cancelled, its VM restarted): the volume's
     # data is where its row says; the new copy and its export are orphans the reconciler removes.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -244,30 +244,24 @@ class FileBackend:
     def pull_volume(self, volume_id: str, size_bytes: int, source: NbdConnection) -> ItemStatus:
         """Make the volume a copy of what ``source`` (another node's export of it) serves: a job that
         answers ``copying`` with progress, then ``ready``; see ``vbs.storage.pull``."""
-        final = self._final("volume", volume_id)
-        check_size(size_bytes)
-        with self._lock:
-            self._files.check_open()
-            status = self._files.status("volume", volume_id, final)
-            if status.state == "error":
-                del self._jobs[("volume", volume_id)]  # said once; the next call starts over
-            if status.state in ("ready", "copying", "error"):
-                return status
-            return self._files.pull(volume_id, final, size_bytes, source)
+        return self._volume_job(volume_id, size_bytes,
+                                lambda final: self._files.pull(volume_id, final, size_bytes, source))
 
     # -- the snapshot store's side (``vbs.storage.stored_snapshots``) ---------------------------------
 
     def snapshot_image(self, snapshot_id: str) -> Path:
-        final = self._final("snapshot", snapshot_id)
-        with self._lock:
-            if not final.exists():
-                raise self._files.missing("snapshot", snapshot_id)
-        return final
+        return self._ready_file("snapshot", snapshot_id)
 
     def keeps_snapshot_images(self) -> bool:
         return self.clone_method == "reflink"
 
     def fill_volume(self, volume_id: str, size_bytes: int, fill: Fill, *, what: str) -> ItemStatus:
+        return self._volume_job(volume_id, size_bytes,
+                                lambda final: self._files.fill(volume_id, final, size_bytes, fill, what=what))
+
+    def _volume_job(self, volume_id: str, size_bytes: int, start: Callable[[Path], ItemStatus]) -> ItemStatus:
+        """The status of the volume's job (a failed one is said once), or ``start(final)``'s if it has none
+        and is not ready."""
         final = self._final("volume", volume_id)
         check_size(size_bytes)
         with self._lock:
@@ -277,15 +271,11 @@ class FileBackend:
                 del self._jobs[("volume", volume_id)]  # said once; the next call starts over
             if status.state in ("ready", "copying", "error"):
                 return status
-            return self._files.fill(volume_id, final, size_bytes, fill, what=what)
+            return start(final)
 
     def volume_path(self, volume_id: str) -> Path:
         """Where the raw data of a ready volume is (this backend's own; tools and tests use it)."""
-        final = self._final("volume", volume_id)
-        with self._lock:
-            if not final.exists():
-                raise self._files.missing("volume", volume_id)
-        return final
+        return self._ready_file("volume", volume_id)
 
     # -- snapshots (``file_snapshots``) -------------------------------------------------------------
 
@@ -343,6 +333,14 @@ class FileBackend:
 
     def _final(self, kind: Kind, item_id: str) -> Path:
         return self._files.final(kind, item_id)
+
+    def _ready_file(self, kind: Kind, item_id: str) -> Path:
+        """The item's file, if it is ready (else why not: ``missing``)."""
+        final = self._final(kind, item_id)
+        with self._lock:
+            if not final.exists():
+                raise self._files.missing(kind, item_id)
+        return final
 
     def _need_exports(self) -> ExportDriver:
         if self.exports is None:

@@ -99,12 +99,11 @@ class RbdBackend:
             raise DriverError(f"pool {name}: the Ceph configuration {ceph_conf} is not a file")
         self.name = name
         self.ceph_conf = ceph_conf
-        self.ceph_user = ceph_user
         self.rbd_pool = rbd_pool
-        self.timeout_s = timeout_s
         self.exports = exports
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
+        # The cephx user and the timeout are the tools' alone.
         self._cli = RbdTools(name, ceph_conf, ceph_user, rbd_pool, timeout_s)
         self._cephx = CephxAttachments(self._cli)
         self._stop = threading.Event()
@@ -125,14 +124,6 @@ class RbdBackend:
     @max_clone_depth.setter
     def max_clone_depth(self, depth: int) -> None:
         self._clones.max_clone_depth = depth
-
-    @property
-    def max_snapshots_per_volume(self) -> int:
-        return self._snapshots.max_snapshots_per_volume
-
-    @max_snapshots_per_volume.setter
-    def max_snapshots_per_volume(self, limit: int) -> None:
-        self._snapshots.max_snapshots_per_volume = limit
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> RbdBackend:
@@ -161,7 +152,7 @@ class RbdBackend:
         capacity, free = parse_pool_stats(self._cli.tool("ceph", "df", "--format", "json"), self.rbd_pool)
         return PoolInfo(name=self.name, backend="rbd", capacity_bytes=capacity, free_bytes=free,
                         clone_method="rbd-clone", point_in_time=True, monitors=self._cephx.monitors(),
-                        max_snapshots_per_volume=self.max_snapshots_per_volume,
+                        max_snapshots_per_volume=self._snapshots.max_snapshots_per_volume,
                         shared_id=f"ceph:{self._cluster_fsid()}/{self.rbd_pool}")
 
     def _cluster_fsid(self) -> str:
@@ -187,7 +178,7 @@ class RbdBackend:
         self._wake.set()
         self.flattener.close()
         if self._maintainer is not threading.current_thread():
-            self._maintainer.join(timeout=self.timeout_s + 10)
+            self._maintainer.join(timeout=self._cli.timeout_s + 10)
 
     # -- the trash and the chains (``rbd_trash``, ``rbd_clones``) -------------------------------------
 
@@ -340,6 +331,6 @@ class RbdBackend:
             size = self._image_size(volume_id)
         if size is None:
             raise NotFound(f"The volume '{volume_id}' does not exist.", code="InvalidVolume.NotFound")
-        return RbdSource(pool=self.rbd_pool, image=volume_id, conf=self.ceph_conf, user=self.ceph_user,
+        return RbdSource(pool=self.rbd_pool, image=volume_id, conf=self.ceph_conf, user=self._cli.ceph_user,
                          size_bytes=size)
 
