@@ -62,7 +62,7 @@ BENCHES = (
     # in the later ones in every run (cp --reflink=never is not; the cause is not known), and only a
     # median of three leaves that round out.
     Bench("copy_fallback", "copy_fallback.py", (), ("--quick",), ("--quick",)),
-    Bench("snapshot_store", "snapshot_store.py", (), ("--quick",), ("--quick",)),
+    Bench("snapshot_store", "snapshot_store.py", (), ("--quick",)),
     Bench("datapath", "datapath.py", (), ("--quick",),
           ("--quick", "--reads-only", "--size-gib", "1", "--runtime", "2.5")),
     Bench("datapath_rbd", "datapath.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick"),
