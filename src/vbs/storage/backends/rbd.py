@@ -47,7 +47,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, InvalidParameter, NotFound, VbsError
-from vbs.pools.backend import check_size
+from vbs.pools.backend import StreamFill, check_size
 from vbs.pools.exports import ExportDriver, RbdSource
 from vbs.storage.backends import rbd_access
 from vbs.storage.backends.rbd_cli import (
@@ -62,6 +62,7 @@ from vbs.storage.backends.rbd_cli import (
 from vbs.storage.backends.rbd_clones import IMAGE_FEATURES, Clones
 from vbs.storage.backends.rbd_native import CephxAttachments
 from vbs.storage.backends.rbd_snapshots import Snapshots
+from vbs.storage.backends.rbd_stored import SnapshotStream, StoredImages
 from vbs.storage.backends.rbd_trash import Trash
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
@@ -113,6 +114,7 @@ class RbdBackend:
         self.flattener = self._clones.flattener
         self._trash = Trash(self._cli)
         self._snapshots = Snapshots(self._cli, self._trash, max_snapshots_per_volume=max_snapshots_per_volume)
+        self._stored = StoredImages(self._cli, self._lock)
         self._maintenance_interval_s = maintenance_interval_s
         self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
         self._maintainer.start()
@@ -186,6 +188,7 @@ class RbdBackend:
         self._stop.set()
         self._wake.set()
         self.flattener.close()
+        self._stored.close()
         if self._maintainer is not threading.current_thread():
             self._maintainer.join(timeout=self.timeout_s + 10)
 
@@ -234,14 +237,19 @@ class RbdBackend:
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         ids.check("volume", volume_id)
+        restoring = self._stored.status(volume_id)
+        if restoring is not None:
+            return restoring
         with self._lock:
             size = self._image_size(volume_id)
         return ItemStatus(state="absent") if size is None else self._status(volume_id, size)
 
     def remove_volume(self, volume_id: str) -> None:
         ids.check("volume", volume_id)
+        self._stored.stop(volume_id)  # a restore from the snapshot store, if one runs
         with self._lock:
             self.flattener.cancel(volume_id)  # a flatten holds the image open; what it copied goes with it
+            self._stored.remove_partial(volume_id)
             self._trash.remove_volume(volume_id)
 
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
@@ -257,6 +265,25 @@ class RbdBackend:
             if size_bytes > current:
                 self._cli.rbd("resize", "--size", f"{size_bytes}B", self._cli.spec(volume_id))
             return self._status(volume_id, size_bytes)
+
+    # -- the snapshot store's reads and writes (``rbd_stored``) --------------------------------------------
+
+    def keeps_snapshot_images(self) -> bool:
+        return True  # the RBD snapshot stays: clones of it are instant
+
+    def open_snapshot(self, snapshot_id: str, since: str | None = None) -> SnapshotStream:
+        return self._stored.open_snapshot(snapshot_id, since)
+
+    def fill_volume_with(self, volume_id: str, size_bytes: int, fill: StreamFill, *, what: str) -> ItemStatus:
+        ids.check("volume", volume_id)
+        with self._lock:
+            restoring = self._stored.status(volume_id, forget=True)
+            if restoring is not None:
+                return restoring
+            size = self._image_size(volume_id)
+            if size is not None:
+                return self._status(volume_id, size)
+            return self._stored.fill(volume_id, size_bytes, fill, what=what)
 
     # -- snapshots (``rbd_snapshots``) ---------------------------------------------------------------
 
