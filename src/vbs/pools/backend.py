@@ -171,7 +171,8 @@ Fill = Callable[[Path, threading.Event, Callable[[int, int], None]], None]
 class SnapshotImages(Protocol):
     """A backend whose snapshots are files this agent reads, which is what the snapshot store takes
     (docs/snapshots.md): the storage agent uploads a ready snapshot's image, and fills a volume from
-    the store. Optional: a backend without it (RBD, for now) keeps its snapshots in the pool only."""
+    the store. Optional: a backend with neither this nor ``SnapshotStreams`` keeps its snapshots in the pool
+    only."""
 
     def snapshot_image(self, snapshot_id: str) -> Path:
         """The file of a ready snapshot: a point-in-time image nobody writes to (``NotFound`` if the

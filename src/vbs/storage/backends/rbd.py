@@ -23,7 +23,8 @@ refuses the next one before anything is made, and so does the backend).
 
 Ceph is asked through its command-line tools (``rbd_cli``: why not the python3-rbd bindings). Clones
 and their flattens are ``rbd_clones``'s, removals and the trash ``rbd_trash``'s, snapshots
-``rbd_snapshots``'s.
+``rbd_snapshots``'s; what the snapshot store reads and writes (a snapshot's diff stream, a volume
+restored through ``rbd import-diff``: docs/snapshots.md "RBD pools") ``rbd_stored``'s.
 
 Hosts reach a volume in one of two ways. A host whose hypervisor opens RBD itself (its
 capabilities list ``rbd``; the controller says so in the connection request) gets an
