@@ -168,3 +168,30 @@ def test_a_file_snapshot_restores_onto_rbd_and_a_corrupt_chunk_leaves_no_image(p
     assert victim in failed.error and snap in failed.error and "corrupt" in failed.error
     assert pools.images() == [target], "nothing half-written stays"
     assert pools.rbd.volume_status(broken).state == "absent"
+
+
+def test_a_partial_image_a_crash_left_is_made_anew_or_removed_with_its_volume(pools: Pools, tmp_path: Path) -> None:
+    vol = ids.new_id("volume")
+    pools.files.ensure_volume(vol, 8 * MiB)
+    data = os.urandom(2 * MiB)
+    with open(pools.files.volume_path(vol), "r+b") as f:
+        f.write(data)
+    snap = ids.new_id("snapshot")
+    until(lambda: pools.files.ensure_snapshot(snap, vol))
+    until(lambda: pools.agent.upload(pools.files, "f", snap, StoreSnapshot(volume_id=vol, tenant="acme",
+                                                                            store_key=KEY)))
+    # What an agent killed in the middle of a restore leaves: the partial image, half written.
+    target, rolled_back = ids.new_id("volume"), ids.new_id("volume")
+    for left in (target, rolled_back):
+        subprocess.run(["rbd", "--conf", str(pools.conf), "create", "--size", "8M",
+                        f"{pools.rbd_pool}/vbs-partial-{left}"], check=True, capture_output=True, timeout=120)
+        pools.write(f"vbs-partial-{left}", 6 * MiB, os.urandom(MiB), tmp_path)
+    assert pools.rbd.volume_status(target).state == "absent", "a partial image is no volume"
+    assert pools.rbd.inventory().volumes == []
+    # The restore, asked again, starts over: the image has the snapshot's bytes only.
+    restore = RestoreVolume(snapshot_id=snap, size_bytes=8 * MiB, tenant="acme", store_key=KEY)
+    assert until(lambda: pools.agent.restore(pools.rbd, "r", target, restore)).state == "ready"
+    assert pools.export_sha(target, 8) == hashlib.sha256(data + bytes(6 * MiB)).hexdigest()
+    # The controller's rollback of the other volume removes what was left of it.
+    pools.rbd.remove_volume(rolled_back)
+    assert pools.images() == [target]
