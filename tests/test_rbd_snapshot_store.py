@@ -195,3 +195,24 @@ def test_a_partial_image_a_crash_left_is_made_anew_or_removed_with_its_volume(po
     # The controller's rollback of the other volume removes what was left of it.
     pools.rbd.remove_volume(rolled_back)
     assert pools.images() == [target]
+
+
+def test_a_snapshot_of_a_volume_deleted_before_its_upload_is_stored_all_the_same(pools: Pools,
+                                                                                   tmp_path: Path) -> None:
+    vol = ids.new_id("volume")
+    pools.rbd.ensure_volume(vol, 16 * MiB)
+    data = os.urandom(5 * MiB)
+    pools.write(vol, 0, data, tmp_path)
+    snap = ids.new_id("snapshot")
+    pools.rbd.ensure_snapshot(snap, vol)
+    pools.rbd.remove_volume(vol)  # it has a snapshot: its image goes to the RBD trash, nameless
+    assert vol not in pools.images() and pools.rbd.snapshot_status(snap).state == "ready"
+
+    done = until(lambda: pools.agent.upload(pools.rbd, "r", snap, StoreSnapshot(volume_id=vol, tenant="acme",
+                                                                                 store_key=KEY)))
+    assert done.state == "ready" and done.chunks == 5 and done.chunks_uploaded == 5, done
+    assert pools.images() == [], "the clone it was read through is gone"
+    target = ids.new_id("volume")
+    restore = RestoreVolume(snapshot_id=snap, size_bytes=16 * MiB, tenant="acme", store_key=KEY)
+    assert until(lambda: pools.agent.restore(pools.files, "f", target, restore)).state == "ready"
+    assert sha(pools.files.volume_path(target)) == hashlib.sha256(data + bytes(11 * MiB)).hexdigest()

@@ -115,7 +115,7 @@ class RbdBackend:
         self.flattener = self._clones.flattener
         self._trash = Trash(self._cli)
         self._snapshots = Snapshots(self._cli, self._trash, max_snapshots_per_volume=max_snapshots_per_volume)
-        self._stored = StoredImages(self._cli, self._lock)
+        self._stored = StoredImages(self._cli, self._lock, self._clones)
         self._maintenance_interval_s = maintenance_interval_s
         self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
         self._maintainer.start()

@@ -6,7 +6,9 @@ upload, incremental by the changed extents Ceph reports, and writing a volume re
   --from-snap PREV --whole-object`` (the object map's fast-diff where the image has it) lists the objects
   written or discarded since it: the upload takes every other chunk from PREV's manifest unread, and the
   stream carries only the changed objects. Otherwise it reads the whole image (its allocated objects:
-  the rest reads as zeros), and chunks the store holds are still not sent again.
+  the rest reads as zeros), and chunks the store holds are still not sent again. A snapshot whose
+  volume was deleted before its upload (the image in the RBD trash has no name, and the tool reads by
+  name) is read through a clone of it made for the upload and removed after it.
 - **A restore** (``fill``): the volume is made as the image ``vbs-partial-<volume>`` (no listing takes it
   for a volume), written through ``rbd import-diff`` in a job with progress, and renamed to the volume's
   name once every chunk is written and checked. A failed restore removes it (and answers ``error`` once);
@@ -20,22 +22,25 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vbs import ids
 from vbs.errors import DriverError, NotFound
 from vbs.pools.backend import StreamFill, check_size
+from vbs.storage.backends.rbd_chains import TrashEntry
 from vbs.storage.backends.rbd_cli import ENOENT, RbdTools
-from vbs.storage.backends.rbd_clones import IMAGE_FEATURES
+from vbs.storage.backends.rbd_clones import IMAGE_FEATURES, Clones
 from vbs.storage.backends.rbd_diff import DiffReader, DiffWriter
 from vbs.storage.copy import Job, ProgressCallback
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["StoredImages", "SnapshotStream", "PARTIAL_PREFIX", "parse_diff"]
+__all__ = ["StoredImages", "SnapshotStream", "PARTIAL_PREFIX", "READING_PREFIX", "parse_diff"]
 
 log = logging.getLogger("vbs.storage.backends.rbd")
 
 PARTIAL_PREFIX = "vbs-partial-"
+READING_PREFIX = "vbs-reading-"
 STOP_TIMEOUT_S = 120.0
 
 
@@ -65,21 +70,25 @@ class SnapshotStream:
     size: int
     since: str | None
     changed: list[tuple[int, int]] | None
+    cleanup: Callable[[], None] | None = None  # after reading: what was made to read it goes
 
     def read_at(self, offset: int, length: int) -> bytes:
         return self.reader.read_at(offset, length)
 
     def close(self) -> None:
         self.reader.close()
+        if self.cleanup is not None:
+            self.cleanup()
 
 
 class StoredImages:
     """Snapshot readers and restore jobs of the pool ``cli`` reaches; ``lock`` is the backend's (one tool
 call at a time), taken for the listing a reader starts from."""
 
-    def __init__(self, cli: RbdTools, lock: threading.Lock) -> None:
+    def __init__(self, cli: RbdTools, lock: threading.Lock, clones: Clones) -> None:
         self._cli = cli
         self._lock = lock
+        self._clones = clones
         self._jobs_lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
 
@@ -96,9 +105,9 @@ call at a time), taken for the listing a reader starts from."""
         if found is None:
             raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
         image, size = found
-        if image in listing.trash or image not in listing.volumes:
-            raise DriverError(f"pool {cli.name}: snapshot {snapshot_id} cannot be read while its volume's image "
-                              f"{image} is in the RBD trash")
+        entry = listing.trash.get(image)
+        if entry is not None:
+            return self._open_trashed(entry, snapshot_id, size)
         previous = listing.snapshots.get(since) if since is not None else None
         changed: list[tuple[int, int]] | None = None
         if previous is not None and previous[0] == image:
@@ -114,6 +123,29 @@ call at a time), taken for the listing a reader starts from."""
         reader = DiffReader(argv, size, since=since, zero_from=previous[1] if previous and since else 0,
                             timeout_s=cli.timeout_s, what=f"pool {cli.name}: rbd export-diff of {snapshot_id}")
         return SnapshotStream(reader, size, since, changed)
+
+    def _open_trashed(self, entry: TrashEntry, snapshot_id: str, size: int) -> SnapshotStream:
+        """A snapshot of a volume deleted before its upload (its image in the RBD trash, with no name) is read
+        through a clone of it made for the upload, ``vbs-reading-<snapshot>``, removed after it: a full read."""
+        cli = self._cli
+        name = READING_PREFIX + snapshot_id
+        with self._lock:
+            self._clones.reading_clone(entry, snapshot_id, name)
+
+        def argv(start: str | None) -> list[str]:
+            return cli.argv("rbd", "export-diff", "--no-progress", "--whole-object", cli.spec(name), "-")
+
+        def remove() -> None:
+            with self._lock:
+                cli.rbd_tolerant("rm", "--no-progress", cli.spec(name), tolerate=(ENOENT,))
+
+        try:
+            reader = DiffReader(argv, size, since=None, zero_from=0, timeout_s=cli.timeout_s,
+                                what=f"pool {cli.name}: rbd export-diff of {snapshot_id} (through {name})")
+        except BaseException:
+            remove()
+            raise
+        return SnapshotStream(reader, size, None, None, remove)
 
     # -- restores ----------------------------------------------------------------------------------------
 
