@@ -123,3 +123,14 @@ def test_the_writer_sends_non_zero_writes_and_the_end(tmp_path: Path) -> None:
     record = parse_records(read, SIZE)
     assert record is not None and record.offset == 3 * MiB and record.data == data
     assert parse_records(read, SIZE) is None and sent.read() == b""
+
+
+def test_a_writer_whose_tool_stops_taking_data_fails_instead_of_hanging() -> None:
+    writer = DiffWriter(["sleep", "600"], timeout_s=1, what="test writer")  # never reads its stdin
+    try:
+        with pytest.raises(DriverError, match="took no data"):
+            for k in range(64):
+                writer.write_at(k * 4 * MiB, os.urandom(4 * MiB))
+    finally:
+        writer.close()  # the child is stopped by its PID
+    assert writer._proc.poll() is not None

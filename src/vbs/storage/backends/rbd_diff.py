@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import fcntl
 import logging
+import os
 import select
 import struct
 import subprocess
@@ -272,17 +273,27 @@ class DiffWriter:
         self._lock = threading.Lock()
         self._errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(argv, env=minimal_environment(), stdin=subprocess.PIPE,  # noqa: S603
-                                      stdout=subprocess.DEVNULL, stderr=self._errors)
+                                      stdout=subprocess.DEVNULL, stderr=self._errors, bufsize=0)
         assert self._proc.stdin is not None
         self._in = self._proc.stdin
+        os.set_blocking(self._in.fileno(), False)  # each write waits at most ``timeout_s`` (select)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(self._in.fileno(), F_SETPIPE_SZ, _PIPE_BYTES)
         self._send(HEADER)
         self.zeroed = True  # a new image reads as zeros
 
     def _send(self, data: bytes) -> None:
-        try:
-            self._in.write(data)
-        except (BrokenPipeError, ValueError):
-            raise DriverError(f"{self._what} stopped taking data{self._failure()}") from None
+        view = memoryview(data)
+        while view:
+            _, ready, _ = select.select([], [self._in], [], self._timeout_s)
+            if not ready:
+                raise DriverError(f"{self._what} took no data for {self._timeout_s:g}s")
+            try:
+                view = view[os.write(self._in.fileno(), view):]
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, ValueError):
+                raise DriverError(f"{self._what} stopped taking data{self._failure()}") from None
 
     def _failure(self) -> str:
         try:
