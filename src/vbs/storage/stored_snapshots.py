@@ -5,14 +5,13 @@ restores of volumes from the store, and deletions of manifests. The controller o
   pool's point-in-time image of the snapshot (a file pool's image file, or the reader of a pool whose
   volumes are not files: an RBD snapshot's stream), incremental against the parent snapshot's manifest
   by reading and hashing everything, or on an RBD pool only the chunks its diff reports changed (chunks
-  the store holds are not sent again). A repeated call answers
-  how far it got; after an agent restart the next call starts it again and nothing stored is sent
-  again; a snapshot whose manifest is in the store is answered at once. Once stored, a pool whose
-  clones are copies (no reflink) gives up its full copy: the store is where the snapshot lives.
+  the store holds are not sent again). A repeated call answers how far it got; after an agent restart
+  the next call starts it again and nothing stored is sent again; a snapshot whose manifest is in the
+  store is answered at once. Once stored, a pool whose clones are copies (no reflink) gives up its full
+  copy: the store is where the snapshot lives.
 - A **restore** fills a new volume's partial file (or partial RBD image, through the pool's writer) from
-  a manifest, every chunk checked against its id;
-  a missing or corrupt chunk fails the volume with the chunk and the snapshot named, and the partial
-  goes (nothing half-written is ever published).
+  a manifest, every chunk checked against its id; a missing or corrupt chunk fails the volume with the
+  chunk and the snapshot named, and the partial goes (nothing half-written is ever published).
 - The store's own trouble (``SnapshotStoreUnavailable``, a ``RetryLater``) is raised to the controller,
   whose workflow retries with back-off: the snapshot stays pending, with the reason.
 
