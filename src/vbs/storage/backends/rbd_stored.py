@@ -83,7 +83,7 @@ class SnapshotStream:
 
 class StoredImages:
     """Snapshot readers and restore jobs of the pool ``cli`` reaches; ``lock`` is the backend's (one tool
-call at a time), taken for the listing a reader starts from."""
+    call at a time), taken for the listing a reader starts from and the clones and removals it makes."""
 
     def __init__(self, cli: RbdTools, lock: threading.Lock, clones: Clones) -> None:
         self._cli = cli
