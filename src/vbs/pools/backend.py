@@ -21,10 +21,12 @@ from pydantic import SecretStr
 from vbs.config import StorageAgentConfig
 from vbs.errors import InvalidParameter
 from vbs.pools.exports import ExportDriver
+from vbs.snapshot_store.volume_io import VolumeWriter
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "Fill", "check_size"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "Fill", "check_size",
+           "SnapshotStreams", "SnapshotReader", "StreamFill"]
 
 _SECTOR = 512
 
@@ -169,7 +171,8 @@ Fill = Callable[[Path, threading.Event, Callable[[int, int], None]], None]
 class SnapshotImages(Protocol):
     """A backend whose snapshots are files this agent reads, which is what the snapshot store takes
     (docs/snapshots.md): the storage agent uploads a ready snapshot's image, and fills a volume from
-    the store. Optional: a backend without it (RBD, for now) keeps its snapshots in the pool only."""
+    the store. Optional: a backend with neither this nor ``SnapshotStreams`` keeps its snapshots in the pool
+    only."""
 
     def snapshot_image(self, snapshot_id: str) -> Path:
         """The file of a ready snapshot: a point-in-time image nobody writes to (``NotFound`` if the
@@ -185,4 +188,43 @@ class SnapshotImages(Protocol):
         """Make the volume by running ``fill`` on its partial file in a job (``what`` names it in an
         error): ``copying`` with progress, then ``ready``; a failed job answers ``error`` once (the next
         call starts over), a stalled one (the agent restarted) starts over."""
+        ...
+
+
+@runtime_checkable
+class SnapshotReader(Protocol):
+    """A ready snapshot's bytes as a backend without files gives them (``read_at``, of ``size`` bytes), and
+    the byte extents ``(offset, length)`` written since the earlier snapshot it was asked about (``changed``;
+    None: it cannot tell, and every chunk is read). ``close`` ends it."""
+
+    size: int
+    changed: list[tuple[int, int]] | None
+
+    def read_at(self, offset: int, length: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+# Writes a volume's data through the writer it is given (onto a new volume that reads as zeros), honouring
+# the cancel event between chunks and reporting (done, total) bytes.
+StreamFill = Callable[[VolumeWriter, threading.Event, Callable[[int, int], None]], None]
+
+
+@runtime_checkable
+class SnapshotStreams(Protocol):
+    """A backend whose snapshots and volumes are not files (RBD images), read and written by the snapshot store
+    through the backend's own readers and writers (docs/snapshots.md "RBD pools")."""
+
+    def keeps_snapshot_images(self) -> bool:
+        """Whether a stored snapshot stays in the pool too (its fast tier)."""
+        ...
+
+    def open_snapshot(self, snapshot_id: str, since: str | None = None) -> SnapshotReader:
+        """A reader of a ready snapshot; with ``since`` (the volume's previous stored snapshot), the extents
+        changed since it when the pool still holds it and can tell."""
+        ...
+
+    def fill_volume_with(self, volume_id: str, size_bytes: int, fill: StreamFill, *, what: str) -> ItemStatus:
+        """Make the volume by running ``fill`` on a writer of it in a job: ``copying`` with progress, then
+        ``ready``; a failed job answers ``error`` once and leaves nothing (the next call starts over)."""
         ...

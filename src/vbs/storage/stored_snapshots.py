@@ -2,14 +2,16 @@
 restores of volumes from the store, and deletions of manifests. The controller only records.
 
 - An **upload** runs in a thread per snapshot (``upload_snapshot`` puts 8 chunks at a time), reading the
-  pool's point-in-time image of the snapshot, incremental against the parent snapshot's manifest by
-  reading and hashing everything (chunks the store holds are not sent again). A repeated call answers
-  how far it got; after an agent restart the next call starts it again and nothing stored is sent
-  again; a snapshot whose manifest is in the store is answered at once. Once stored, a pool whose
-  clones are copies (no reflink) gives up its full copy: the store is where the snapshot lives.
-- A **restore** fills a new volume's partial file from a manifest, every chunk checked against its id;
-  a missing or corrupt chunk fails the volume with the chunk and the snapshot named, and the partial
-  goes (nothing half-written is ever published).
+  pool's point-in-time image of the snapshot (a file pool's image file, or the reader of a pool whose
+  volumes are not files: an RBD snapshot's stream), incremental against the parent snapshot's manifest
+  by reading and hashing everything, or on an RBD pool only the chunks its diff reports changed (chunks
+  the store holds are not sent again). A repeated call answers how far it got; after an agent restart
+  the next call starts it again and nothing stored is sent again; a snapshot whose manifest is in the
+  store is answered at once. Once stored, a pool whose clones are copies (no reflink) gives up its full
+  copy: the store is where the snapshot lives.
+- A **restore** fills a new volume's partial file (or partial RBD image, through the pool's writer) from
+  a manifest, every chunk checked against its id; a missing or corrupt chunk fails the volume with the
+  chunk and the snapshot named, and the partial goes (nothing half-written is ever published).
 - The store's own trouble (``SnapshotStoreUnavailable``, a ``RetryLater``) is raised to the controller,
   whose workflow retries with back-off: the snapshot stays pending, with the reason.
 
@@ -23,15 +25,17 @@ import bisect
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import SecretStr
 
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, RetryLater
-from vbs.pools.backend import Backend, SnapshotImages
+from vbs.pools.backend import Backend, SnapshotImages, SnapshotStreams
 from vbs.snapshot_store import StoreKey, open_store
+from vbs.snapshot_store.blocks import BlockRange, ranges_of_extents
 from vbs.snapshot_store.contract import SnapshotStore
 from vbs.snapshot_store.format import Manifest
 from vbs.snapshot_store.manifests import delete_snapshot, find_manifest, load_manifest
@@ -97,6 +101,31 @@ class _SparseReader:
         return self._reader.read_at(offset, length)
 
 
+class _Source:
+    """Where an upload reads the snapshot: a file pool's image file (found at once), or the reader a pool
+    without files gives (``SnapshotStreams``: an RBD snapshot), with the extents changed since the previous
+    stored snapshot when the pool can tell."""
+
+    def __init__(self, images: SnapshotImages | SnapshotStreams, snapshot_id: str) -> None:
+        self._images, self._snapshot_id = images, snapshot_id
+        self._image = None if isinstance(images, SnapshotStreams) else images.snapshot_image(snapshot_id)
+        self.size_bytes = 0 if self._image is None else self._image.stat().st_size
+
+    @contextmanager
+    def open(self, since: str | None) -> Iterator[tuple[VolumeReader | _SparseReader, int, list[BlockRange] | None]]:
+        if self._image is not None:
+            with FileReader(self._image) as file:
+                size = os.fstat(file.fd).st_size
+                yield _SparseReader(file, size), size, None
+            return
+        assert isinstance(self._images, SnapshotStreams)
+        reader = self._images.open_snapshot(self._snapshot_id, since)
+        try:
+            yield reader, reader.size, None if reader.changed is None else ranges_of_extents(reader.changed)
+        finally:
+            reader.close()
+
+
 @dataclass
 class _Upload:
     pool: str
@@ -135,17 +164,17 @@ class StoredSnapshots:
     def pool_info(self, backend: Backend) -> PoolInfo:
         """The pool as the heartbeat reports it, with the store its snapshots go to (if they do)."""
         info = backend.pool_info()
-        if self.store is None or not isinstance(backend, SnapshotImages):
+        if self.store is None or not isinstance(backend, SnapshotImages | SnapshotStreams):
             return info
         return info.model_copy(update={"snapshot_store": self.location})
 
     # -- uploads -------------------------------------------------------------------------------------------
 
-    def _need(self, backend: Backend, pool: str) -> tuple[SnapshotStore, SnapshotImages]:
+    def _need(self, backend: Backend, pool: str) -> tuple[SnapshotStore, SnapshotImages | SnapshotStreams]:
         if self.store is None:
             raise DriverError("this storage agent has no snapshot store ([storage_agent.snapshot_store] driver "
                               "= \"none\")")
-        if not isinstance(backend, SnapshotImages):
+        if not isinstance(backend, SnapshotImages | SnapshotStreams):
             raise DriverError(f"pool {pool} ({backend.pool_info().backend}) cannot put its snapshots into the "
                               "snapshot store yet: they stay in the pool")
         return self.store, backend
@@ -177,7 +206,7 @@ class StoredSnapshots:
             if not keeps:
                 backend.remove_snapshot(snapshot_id)  # an earlier run stored it and stopped before this
             return _facts(manifest, where, pool_copy=keeps)
-        image = images.snapshot_image(snapshot_id)
+        source = _Source(images, snapshot_id)  # a file pool's image is found now
         tenant_key = self._tenant_key(store, req.store_key, req.tenant)
         previous = find_manifest(store, req.parent_snapshot_id) if req.parent_snapshot_id else None
         with self._lock:
@@ -187,23 +216,21 @@ class StoredSnapshots:
             upload = self._uploads[snapshot_id] = _Upload(pool)
 
         def work(cancel: threading.Event, progress: Callable[[int, int], None]) -> None:
-            with FileReader(image) as reader:
-                size = os.fstat(reader.fd).st_size
-                source = _Cancellable(_SparseReader(reader, size), cancel)
-                done = upload_snapshot(store, source, size, snapshot_id=snapshot_id,
+            with source.open(previous.snapshot_id if previous else None) as (reader, size, changed):
+                done = upload_snapshot(store, _Cancellable(reader, cancel), size, snapshot_id=snapshot_id,
                                        volume_id=req.volume_id, tenant=req.tenant, tenant_key=tenant_key,
-                                       previous=previous, progress=progress)
+                                       previous=previous, changed_blocks=changed, progress=progress)
             if cancel.is_set():
                 raise CopyCancelled()
             if not keeps:
                 backend.remove_snapshot(snapshot_id)  # the store holds it now: no full copy stays here
             upload.answer = _facts(done.manifest, where, pool_copy=keeps, chunks_uploaded=done.chunks_put,
                                    uploaded_bytes=done.bytes_put)
-            log.info("snapshot %s stored in %s: %d chunks, %d new (%d bytes sent)%s", snapshot_id, where,
-                     len(done.manifest.chunks), done.chunks_put, done.bytes_put,
+            log.info("snapshot %s stored in %s: %d chunks, %d read, %d new (%d bytes sent)%s", snapshot_id, where,
+                     len(done.manifest.chunks), done.chunks_read, done.chunks_put, done.bytes_put,
                      "" if keeps else "; its pool copy is given up")
 
-        job = Job(work, size_bytes=image.stat().st_size, name=f"vbs-store-{snapshot_id}", what="upload")
+        job = Job(work, size_bytes=source.size_bytes, name=f"vbs-store-{snapshot_id}", what="upload")
         try:
             job.start()
             upload.job = job
@@ -287,6 +314,8 @@ class StoredSnapshots:
             raise IncorrectState(f"the snapshot store holds {req.snapshot_id} for another tenant",
                                  snapshot_id=req.snapshot_id)
         luks, source_luks = req.luks_passphrase, req.source_luks_passphrase
+        if isinstance(images, SnapshotStreams):
+            return _fill_stream(images, store, manifest, volume_id, req, tenant_key)
 
         def fill(partial: Path, cancel: threading.Event, progress: Callable[[int, int], None]) -> None:
             if luks is not None:
@@ -310,6 +339,23 @@ class StoredSnapshots:
             job.cancel()
         for job in jobs:
             job.wait(STOP_TIMEOUT_S)
+
+
+def _fill_stream(images: SnapshotStreams, store: SnapshotStore, manifest: Manifest, volume_id: str,
+                 req: RestoreVolume, tenant_key: bytes) -> ItemStatus:
+    """The restore onto a pool without files (an RBD image): made at its size, so it reads as zeros and only
+    the snapshot's non-zero chunks are written. Such pools make no encrypted volumes."""
+    if req.encrypted or req.luks_passphrase is not None:
+        raise InvalidParameter(f"The volume '{volume_id}' is encrypted; its pool makes no encrypted volumes.")
+    if req.size_bytes < manifest.volume_size:
+        raise InvalidParameter(f"the size {req.size_bytes} is smaller than the snapshot {manifest.snapshot_id} "
+                               f"({manifest.volume_size})")
+
+    def fill(writer: VolumeWriter, cancel: threading.Event, progress: Callable[[int, int], None]) -> None:
+        restore_snapshot(store, manifest, _Cancellable(writer, cancel), tenant_key=tenant_key, progress=progress,
+                         zeroed=True)
+
+    return images.fill_volume_with(volume_id, req.size_bytes, fill, what=f"restore of {req.snapshot_id}")
 
 
 def _grow(path: Path, size: int, manifest: Manifest) -> None:

@@ -6,9 +6,9 @@ controller records where each snapshot's data lives and hands over the store key
   the store, with progress in the snapshot's row (the pool's copy takes the first ``copy_share`` % of it:
   half on a pool that copies, none on one whose copies are instant); ``completed`` means stored. A store
   that is down leaves the snapshot ``pending`` with the reason, and the step is retried with back-off.
-- **Where a snapshot lives** (``data_location``): ``pool`` (kept in its pool only: no store, RBD, or not
-  stored yet), ``store`` (a copy pool gave its full copy up), ``pool+store`` (a reflink pool keeps its
-  copy as the fast tier).
+- **Where a snapshot lives** (``data_location``): ``pool`` (kept in its pool only: no store, or not
+  stored yet), ``store`` (a copy pool gave its full copy up), ``pool+store`` (a reflink or RBD pool keeps
+  its copy as the fast tier).
 - **A volume from a snapshot** (``fill_from_snapshot``): a clone of the pool's copy where the volume is
   made in the snapshot's own pool and that pool holds it (instant on reflink and RBD, as before);
   otherwise hydrated from the store on the volume's node, every chunk checked.
@@ -39,6 +39,8 @@ __all__ = ["UPLOADING", "STORED", "FAILED", "copy_share", "upload", "data_locati
 UPLOADING, STORED, FAILED = "uploading", "stored", "error"
 # The share of a snapshot's progress its pool's own copy takes when it is not instant; the upload the rest.
 COPY_SHARE = 50
+# The pools whose point-in-time copy is instant (a reflink, an RBD snapshot): the upload is all the progress.
+INSTANT_CLONES = ("reflink", "rbd-clone")
 
 
 def copy_share(s: Session, node: str, pool: str) -> int | None:
@@ -47,7 +49,7 @@ def copy_share(s: Session, node: str, pool: str) -> int | None:
     info = pool_of(s.get(Node, (node, "storage")), pool)
     if info is None or info.snapshot_store is None:
         return None
-    return 0 if info.clone_method == "reflink" else COPY_SHARE
+    return 0 if info.clone_method in INSTANT_CLONES else COPY_SHARE
 
 
 def scaled(report: Callable[[int], None], start: int, share: int) -> Callable[[int], None]:

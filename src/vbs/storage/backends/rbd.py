@@ -23,7 +23,8 @@ refuses the next one before anything is made, and so does the backend).
 
 Ceph is asked through its command-line tools (``rbd_cli``: why not the python3-rbd bindings). Clones
 and their flattens are ``rbd_clones``'s, removals and the trash ``rbd_trash``'s, snapshots
-``rbd_snapshots``'s.
+``rbd_snapshots``'s; what the snapshot store reads and writes (a snapshot's diff stream, a volume
+restored through ``rbd import-diff``: docs/snapshots.md "RBD pools") ``rbd_stored``'s.
 
 Hosts reach a volume in one of two ways. A host whose hypervisor opens RBD itself (its
 capabilities list ``rbd``; the controller says so in the connection request) gets an
@@ -47,7 +48,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import CEPH_USER_RE, RBD_POOL_RE, StorageAgentConfig
 from vbs.errors import DriverError, InvalidParameter, NotFound, VbsError
-from vbs.pools.backend import check_size
+from vbs.pools.backend import StreamFill, check_size
 from vbs.pools.exports import ExportDriver, RbdSource
 from vbs.storage.backends import rbd_access
 from vbs.storage.backends.rbd_cli import (
@@ -62,6 +63,7 @@ from vbs.storage.backends.rbd_cli import (
 from vbs.storage.backends.rbd_clones import IMAGE_FEATURES, Clones
 from vbs.storage.backends.rbd_native import CephxAttachments
 from vbs.storage.backends.rbd_snapshots import Snapshots
+from vbs.storage.backends.rbd_stored import SnapshotStream, StoredImages
 from vbs.storage.backends.rbd_trash import Trash
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
@@ -112,6 +114,7 @@ class RbdBackend:
         self.flattener = self._clones.flattener
         self._trash = Trash(self._cli)
         self._snapshots = Snapshots(self._cli, self._trash, max_snapshots_per_volume=max_snapshots_per_volume)
+        self._stored = StoredImages(self._cli, self._lock, self._clones)
         self._maintenance_interval_s = maintenance_interval_s
         self._maintainer = threading.Thread(target=self._maintain_loop, name=f"rbd-maintain-{name}", daemon=True)
         self._maintainer.start()
@@ -177,6 +180,7 @@ class RbdBackend:
         self._stop.set()
         self._wake.set()
         self.flattener.close()
+        self._stored.close()
         if self._maintainer is not threading.current_thread():
             self._maintainer.join(timeout=self._cli.timeout_s + 10)
 
@@ -225,14 +229,19 @@ class RbdBackend:
 
     def volume_status(self, volume_id: str) -> ItemStatus:
         ids.check("volume", volume_id)
+        restoring = self._stored.status(volume_id)
+        if restoring is not None:
+            return restoring
         with self._lock:
             size = self._image_size(volume_id)
         return ItemStatus(state="absent") if size is None else self._status(volume_id, size)
 
     def remove_volume(self, volume_id: str) -> None:
         ids.check("volume", volume_id)
+        self._stored.stop(volume_id)  # a restore from the snapshot store, if one runs
         with self._lock:
             self.flattener.cancel(volume_id)  # a flatten holds the image open; what it copied goes with it
+            self._stored.remove_partial(volume_id)
             self._trash.remove_volume(volume_id)
 
     def resize_volume(self, volume_id: str, size_bytes: int) -> ItemStatus:
@@ -248,6 +257,25 @@ class RbdBackend:
             if size_bytes > current:
                 self._cli.rbd("resize", "--size", f"{size_bytes}B", self._cli.spec(volume_id))
             return self._status(volume_id, size_bytes)
+
+    # -- the snapshot store's reads and writes (``rbd_stored``) --------------------------------------------
+
+    def keeps_snapshot_images(self) -> bool:
+        return True  # the RBD snapshot stays: clones of it are instant
+
+    def open_snapshot(self, snapshot_id: str, since: str | None = None) -> SnapshotStream:
+        return self._stored.open_snapshot(snapshot_id, since)
+
+    def fill_volume_with(self, volume_id: str, size_bytes: int, fill: StreamFill, *, what: str) -> ItemStatus:
+        ids.check("volume", volume_id)
+        with self._lock:
+            restoring = self._stored.status(volume_id, forget=True)
+            if restoring is not None:
+                return restoring
+            size = self._image_size(volume_id)
+            if size is not None:
+                return self._status(volume_id, size)
+            return self._stored.fill(volume_id, size_bytes, fill, what=what)
 
     # -- snapshots (``rbd_snapshots``) ---------------------------------------------------------------
 

@@ -63,6 +63,12 @@ class Clones:
             if listing.depth(volume) > self.max_clone_depth:
                 self.flattener.submit(volume)
 
+    def reading_clone(self, entry: TrashEntry, snapshot_id: str, name: str) -> None:
+        """The image ``name``, a clone of a snapshot of the trashed image ``entry``: a name to read the
+        snapshot by (``rbd export-diff`` takes no image id). An existing one is kept (it reads the same);
+        the caller holds the backend's lock and removes it after reading."""
+        self._clone_trashed(entry, snapshot_id, name)
+
     def _clone_named(self, image: str, snapshot_id: str, volume_id: str) -> bool:
         """Whether this call made the clone (False: it existed)."""
         argv = ["clone", "--image-feature", IMAGE_FEATURES, self._cli.spec(image, snapshot_id),
