@@ -48,6 +48,12 @@ class Heartbeat:
                 if not failing:
                     log.warning("heartbeat failed: %s", exc.message)
                 failing = True
+            except Exception:
+                # A report that cannot be made (a pool's storage failing in a way its driver did not foresee)
+                # must not end the heartbeat for good: the node would look dead while it serves its other pools.
+                if not failing:
+                    log.exception("heartbeat failed: its report could not be made")
+                failing = True
             self._stop.wait(1.0 if failing else self._interval)
 
     def start(self) -> None:
