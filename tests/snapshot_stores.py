@@ -6,6 +6,7 @@ that counts and intercepts calls, and volumes of known bytes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import random
 import secrets
@@ -25,7 +26,8 @@ from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.keys import StoreKey
 from vbs.snapshot_store.s3 import S3Store, read_credentials
 
-__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL"]
+__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
+           "pattern", "write_at", "sha"]
 
 MiB = 1024 * 1024
 # One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
@@ -197,3 +199,29 @@ def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tupl
             pos = max(pos, offset + length)
     os.chmod(path, 0o600)
     return bytes(data)
+
+
+def pattern(seed: bytes, mib: int) -> bytes:
+    """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
+    return random.Random(seed).randbytes(mib * MiB)
+
+
+def write_at(path: Path, offset: int, data: bytes) -> None:
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def sha(path: Path, length: int | None = None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        left = length if length is not None else path.stat().st_size
+        while left > 0:
+            block = fh.read(min(8 * MiB, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()

@@ -22,7 +22,7 @@ import pytest
 
 from tests.clouds import GUEST_DETACH_ENV, Cloud
 from tests.conftest import Vbs, running_vbs_up, wait_until
-from tests.test_snapshot_store_e2e import pattern, sha, write_at
+from tests.snapshot_stores import pattern, sha, write_at
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest
 

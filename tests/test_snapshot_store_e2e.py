@@ -15,10 +15,8 @@ and restored bit for bit on the other storage node, incrementally.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -32,6 +30,7 @@ from sqlalchemy import select
 
 from tests.ceph_cluster import RadosGatewayForTests
 from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from tests.snapshot_stores import pattern, sha, write_at
 from vbs.controller.auth.keys import MasterKey
 from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import Database, Operation
@@ -42,32 +41,6 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 FAKE_SECRET = "s3cr3t-" + "y" * 33  # moto takes any key; this one must never show up in a log
-
-
-def pattern(seed: bytes, mib: int) -> bytes:
-    """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
-    return random.Random(seed).randbytes(mib * MiB)
-
-
-def write_at(path: Path, offset: int, data: bytes) -> None:
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def sha(path: Path, length: int | None = None) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        left = length if length is not None else path.stat().st_size
-        while left > 0:
-            block = fh.read(min(8 * MiB, left))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
 
 
 def volume_file(vbs: Vbs, volume: dict[str, Any]) -> Path:

@@ -100,7 +100,7 @@ class Held:
 
 @dataclass
 class Finding:
-    # orphan-file, missing-file, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
+    # orphan-file, missing-file, lost-pool, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
     # incoming-migration
     kind: str
     node: str
