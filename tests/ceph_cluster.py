@@ -3,6 +3,8 @@
 It is ``vbs.rigs.ceph.EmbeddedCeph`` in a fresh 0700 directory under /tmp: a mon on free loopback ports, a
 mgr and one bluestore OSD on a sparse file. Each test gets a Ceph pool of its own. At the end the
 daemons are stopped by their PIDs (the OSD before the mon) and the test checks that every PID is gone.
+A RADOS Gateway on it is started only for the tests that ask for one (the ``radosgw`` fixture), and stopped
+the same way before the cluster.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from vbs.rigs.ceph import EmbeddedCeph
+from vbs.rigs.radosgw import EmbeddedRadosGateway
 
 
 class CephForTests:
@@ -48,3 +51,33 @@ class CephForTests:
         alive = [f"{name} ({pid})" for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]
         assert not alive, f"Ceph daemons still running: {alive}"
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RadosGatewayForTests:
+    """A RADOS Gateway on the session's cluster (``vbs.rigs.radosgw``), and one S3 user whose keys are in
+    ``credentials`` (0600, the AWS credentials format) in the cluster's 0700 directory."""
+
+    def __init__(self, ceph: CephForTests) -> None:
+        self.gateway = EmbeddedRadosGateway(ceph.cluster)
+        self.credentials = ceph.dir / "s3-credentials"
+
+    @property
+    def endpoint(self) -> str:
+        return self.gateway.endpoint
+
+    def start(self) -> None:
+        self.gateway.start()
+        self.gateway.s3_user("vbs-tests", self.credentials)
+
+    def secret_key(self) -> str:
+        """The user's secret key, read from its file (to check it leaks nowhere)."""
+        for line in self.credentials.read_text().splitlines():
+            name, sep, value = line.partition("=")
+            if sep and name.strip() == "aws_secret_access_key":
+                return value.strip()
+        raise AssertionError("no secret key in the credentials file")
+
+    def stop(self) -> None:
+        pid = self.gateway.pid
+        self.gateway.stop()
+        assert pid is None or not Path(f"/proc/{pid}").exists(), f"radosgw {pid} still running"

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ceph_cluster import CephForTests
+from tests.ceph_cluster import CephForTests, RadosGatewayForTests
 from tests.loopfs import loop_filesystem
 from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database
@@ -335,6 +335,18 @@ def ceph() -> Iterator[CephForTests]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def radosgw(ceph: CephForTests) -> Iterator[RadosGatewayForTests]:
+    """A RADOS Gateway (S3) on the session's Ceph cluster and an S3 user of it (started only when a test
+    asks for it); stopped by its PID before the cluster."""
+    gateway = RadosGatewayForTests(ceph)
+    try:
+        gateway.start()
+        yield gateway
+    finally:
+        gateway.stop()
 
 
 @pytest.fixture(scope="module")

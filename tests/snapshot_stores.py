@@ -1,10 +1,12 @@
 """What the snapshot store tests share: a store of each driver (a directory; an S3 bucket on moto's S3
-server on a free loopback port), a store that counts and intercepts calls, and volumes of known bytes.
+server on a free loopback port, and one on a real RADOS Gateway of the session's Ceph cluster), a store
+that counts and intercepts calls, and volumes of known bytes.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import random
 import secrets
@@ -18,12 +20,14 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+from tests.ceph_cluster import RadosGatewayForTests
 from vbs.snapshot_store.contract import ObjectInfo, SnapshotStore
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.keys import StoreKey
-from vbs.snapshot_store.s3 import S3Store
+from vbs.snapshot_store.s3 import S3Store, read_credentials
 
-__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL"]
+__all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
+           "pattern", "write_at", "sha"]
 
 MiB = 1024 * 1024
 # One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
@@ -48,30 +52,48 @@ def moto_endpoint() -> Iterator[str]:
 
 
 @functools.cache
-def _admin(endpoint: str) -> Any:
+def _admin(endpoint: str, credentials: Path) -> Any:
     """One client per server to make buckets with (a boto3 client takes a while to make)."""
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="AKIAVBSTEST",
-                        aws_secret_access_key=FAKE_SECRET)
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        **read_credentials(credentials, "default"))
 
 
-def s3_store(endpoint: str, tmp_path: Path, prefix: str = "vbs") -> S3Store:
-    """A new bucket on ``endpoint`` and a store in it, its credentials in a 0600 file."""
+def moto_credentials(tmp_path: Path) -> Path:
+    """A 0600 credentials file with a key moto accepts (any key)."""
     creds = tmp_path / "s3-credentials"
     creds.write_text(f"[default]\naws_access_key_id = AKIAVBSTEST\naws_secret_access_key = {FAKE_SECRET}\n")
     creds.chmod(0o600)
+    return creds
+
+
+def new_bucket(endpoint: str, credentials: Path) -> str:
+    """A new, empty bucket on ``endpoint``: its name."""
     bucket = f"vbs-{secrets.token_hex(6)}"
-    _admin(endpoint).create_bucket(Bucket=bucket)
+    _admin(endpoint, credentials).create_bucket(Bucket=bucket)
+    return bucket
+
+
+def s3_store(endpoint: str, tmp_path: Path, prefix: str = "vbs", credentials: Path | None = None) -> S3Store:
+    """A new bucket on ``endpoint`` and a store in it, its credentials in a 0600 file (moto's made up
+    unless ``credentials`` is given)."""
+    creds = credentials or moto_credentials(tmp_path)
+    bucket = new_bucket(endpoint, creds)
     return S3Store.from_config({"endpoint_url": endpoint, "bucket": bucket, "prefix": prefix,
                                 "region": "us-east-1", "credentials_file": str(creds)}, default_dir=tmp_path)
 
 
-# The S3 half talks HTTP to an S3 server (moto's, started once a session), so it is of the integration tier,
-# as the PostgreSQL half of a database test is; the unit tier runs the same tests on the dir store.
-@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.integration)])
+# The S3 half talks HTTP to an S3 server (moto's, started once a session; a RADOS Gateway on the session's
+# Ceph cluster), so it is of the integration tier, as the PostgreSQL half of a database test is; the unit
+# tier runs the same tests on the dir store.
+@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.integration),
+                        pytest.param("radosgw", marks=pytest.mark.integration)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotStore:
     """The same tests against each driver."""
     if request.param == "dir":
         return DirStore.from_config({}, default_dir=tmp_path / "snapshots")
+    if request.param == "radosgw":
+        gateway: RadosGatewayForTests = request.getfixturevalue("radosgw")
+        return s3_store(gateway.endpoint, tmp_path, credentials=gateway.credentials)
     endpoint: str = request.getfixturevalue("moto_endpoint")
     return s3_store(endpoint, tmp_path)
 
@@ -177,3 +199,29 @@ def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tupl
             pos = max(pos, offset + length)
     os.chmod(path, 0o600)
     return bytes(data)
+
+
+def pattern(seed: bytes, mib: int) -> bytes:
+    """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
+    return random.Random(seed).randbytes(mib * MiB)
+
+
+def write_at(path: Path, offset: int, data: bytes) -> None:
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def sha(path: Path, length: int | None = None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        left = length if length is not None else path.stat().st_size
+        while left > 0:
+            block = fh.read(min(8 * MiB, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()

@@ -348,6 +348,25 @@ def test_pool_directory_must_exist(tmp_path: Path) -> None:
         FileBackend("gone", tmp_path / "missing")
 
 
+def test_a_pool_whose_directory_is_removed_reports_itself_lost_with_no_room(tmp_path: Path) -> None:
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    pool = FileBackend("doomed", pool_dir)
+    vol = new_vol()
+    pool.ensure_volume(vol, 4 * MiB)
+    assert pool.lost() is None and pool.inventory().volumes == [vol] and pool.inventory().lost is None
+
+    shutil.rmtree(pool_dir)
+
+    info = pool.pool_info()  # a heartbeat's report is still made
+    assert info.lost == f"{pool_dir} is gone" and info.capacity_bytes == info.free_bytes == 0
+    assert pool.inventory().model_dump(include={"volumes", "snapshots", "lost"}) == {
+        "volumes": [], "snapshots": [], "lost": f"{pool_dir} is gone"}
+    assert pool.volume_usage() == {}
+    pool_dir.mkdir()  # a mount point without its file system: still lost
+    assert pool.inventory().lost == f"{pool_dir / 'volumes'} is gone"
+
+
 def test_snapshot_copies_in_background_with_rising_progress(pool: FileBackend, pool_dir: Path) -> None:
     vol, snap = new_vol(), new_snap()
     pool.ensure_volume(vol, 256 * MiB)

@@ -1,6 +1,7 @@
-"""The snapshot store end to end, against each driver (a directory, an S3 bucket on moto's server):
-volumes go in as chunks and a manifest and come back byte for byte; only new chunks are sent; one
-tenant never shares a chunk with another; a missing or corrupt chunk fails loudly by name.
+"""The snapshot store end to end, against each driver (a directory, an S3 bucket on moto's server and
+on a RADOS Gateway): volumes go in as chunks and a manifest and come back byte for byte; only new
+chunks are sent; one tenant never shares a chunk with another; a missing or corrupt chunk fails
+loudly by name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The snapshot store's drivers: the contract each keeps (a directory; an S3 bucket on moto's S3 server),
-found by name; private files; settings and credentials that never show a secret; the store's own
-trouble as a retryable error.
+"""The snapshot store's drivers: the contract each keeps (a directory; an S3 bucket on moto's S3 server
+and on a RADOS Gateway), found by name; private files; settings and credentials that never show a
+secret; the store's own trouble as a retryable error.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ceph_cluster import RadosGatewayForTests
 from tests.snapshot_stores import FAKE_SECRET, moto_endpoint, s3_store, store
 from vbs import drivers
 from vbs.errors import DriverError, InvalidParameter, SnapshotStoreUnavailable
@@ -89,6 +90,29 @@ def test_an_s3_store_never_shows_its_secret(moto_endpoint: str, tmp_path: Path) 
     for text in (store.describe(), repr(store), caught.value.message, str(store.options)):
         assert FAKE_SECRET not in text
     assert "NoSuchBucket" in caught.value.message
+
+
+@pytest.mark.integration
+def test_a_radosgw_store_refuses_wrong_keys_and_a_missing_bucket_by_name(radosgw: RadosGatewayForTests,
+                                                                         tmp_path: Path) -> None:
+    store = s3_store(radosgw.endpoint, tmp_path, credentials=radosgw.credentials)
+    store.put("chunks/ab/x1", b"x")
+    wrong = tmp_path / "wrong-credentials"
+    wrong.write_text(f"[default]\naws_access_key_id = AKIAVBSTESTWRONG0000\naws_secret_access_key = {FAKE_SECRET}\n")
+    wrong.chmod(0o600)
+    refused = S3Store(store.options.model_copy(update={"credentials_file": wrong}))
+    missing = S3Store(store.options.model_copy(update={"bucket": "no-such-bucket"}))
+
+    with pytest.raises(DriverError) as bad_key:
+        refused.get("chunks/ab/x1")
+    with pytest.raises(DriverError) as no_bucket:
+        missing.put("chunks/ab/x1", b"x")
+
+    assert "refused: InvalidAccessKeyId" in bad_key.value.message and "None" not in bad_key.value.message
+    assert "refused: NoSuchBucket" in no_bucket.value.message and "None" not in no_bucket.value.message
+    for text in (bad_key.value.message, no_bucket.value.message, store.describe()):
+        assert FAKE_SECRET not in text and radosgw.secret_key() not in text
+    assert store.get("chunks/ab/x1") == b"x"
 
 
 def test_an_unreachable_s3_store_is_retryable(tmp_path: Path) -> None:

@@ -9,14 +9,14 @@ one it was taken on, or the other); the next snapshot sends
 only the chunk that changed; a corrupt chunk fails a restore with the chunk and the snapshot named and
 the volume ``error``; deleting the source volume leaves the stored snapshot restorable; delete-snapshot
 removes its manifest. A store that is down leaves the snapshot pending with the reason until it is back.
+The same through a real RADOS Gateway (S3 on the session's Ceph cluster): snapshots stored in its bucket
+and restored bit for bit on the other storage node, incrementally.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,42 +28,19 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlalchemy import select
 
+from tests.ceph_cluster import RadosGatewayForTests
 from tests.conftest import VBS, Vbs, VbsUp, wait_until
+from tests.snapshot_stores import pattern, sha, write_at
 from vbs.controller.auth.keys import MasterKey
 from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import Database, Operation
 from vbs.net.ports import free_port
+from vbs.snapshot_store.s3 import read_credentials
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 FAKE_SECRET = "s3cr3t-" + "y" * 33  # moto takes any key; this one must never show up in a log
-
-
-def pattern(seed: bytes, mib: int) -> bytes:
-    """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
-    return random.Random(seed).randbytes(mib * MiB)
-
-
-def write_at(path: Path, offset: int, data: bytes) -> None:
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def sha(path: Path, length: int | None = None) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        left = length if length is not None else path.stat().st_size
-        while left > 0:
-            block = fh.read(min(8 * MiB, left))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
 
 
 def volume_file(vbs: Vbs, volume: dict[str, Any]) -> Path:
@@ -248,3 +225,55 @@ def test_a_store_that_is_down_keeps_the_snapshot_pending_until_it_is_back(s3_lat
     finally:
         server.stop()
     assert FAKE_SECRET not in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def vbs_radosgw(tmp_path_factory: pytest.TempPathFactory, radosgw: RadosGatewayForTests) -> Iterator[Vbs]:
+    """``vbs up`` with two storage nodes whose one store is a bucket of the session's RADOS Gateway."""
+    tmp = tmp_path_factory.mktemp("store-radosgw")
+    radosgw.gateway.create_bucket("vbs-e2e", radosgw.credentials)
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=[
+        "--storage-nodes", "2", "--snapshot-store", "s3://vbs-e2e/site-b", "--s3-endpoint", radosgw.endpoint,
+        "--s3-credentials-file", str(radosgw.credentials)])
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_snapshots_stored_in_radosgw_restore_bit_exact_on_the_other_node(vbs_radosgw: Vbs,
+                                                                          radosgw: RadosGatewayForTests) -> None:
+    vbs = vbs_radosgw
+    s3 = boto3.client("s3", endpoint_url=radosgw.endpoint, region_name="us-east-1",
+                      **read_credentials(radosgw.credentials, "default"))
+
+    def keys(kind: str) -> set[str]:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket="vbs-e2e", Prefix=f"site-b/{kind}/")
+        return {o["Key"] for page in pages for o in page.get("Contents", [])}
+
+    vol = vbs.cli("create-volume", "--size", "1", "--storage-node", "storage-1", "--wait")
+    vol_path = vbs.pool / "volumes" / f"{vol['volume_id']}.raw"
+    write_at(vol_path, 0, pattern(b"rgw", 4))
+    write_at(vol_path, 512 * MiB, pattern(b"rgw-far", 1))
+    image = sha(vol_path)
+
+    first, _ = snapshot_until_done(vbs, vol["volume_id"])
+    assert first["data_location"] == "store" and first["stored_bytes"] == 5 * MiB, first
+    assert f"site-b/manifests/{first['snapshot_id']}" in keys("manifests")
+    first_chunks = keys("chunks")
+    assert len(first_chunks) == 5 and not keys("uploads")
+
+    write_at(vol_path, 3 * MiB, pattern(b"rgw-changed", 1))
+    changed = sha(vol_path)
+    second, _ = snapshot_until_done(vbs, vol["volume_id"])
+    assert len(keys("chunks") - first_chunks) == 1, "one chunk changed: one chunk sent"
+
+    # Restored from the bucket on the other storage node (its pool has no copy of either snapshot).
+    for snap, expected in ((first, image), (second, changed)):
+        made = vbs.cli("create-volume", "--snapshot", snap["snapshot_id"], "--storage-node", "storage-2", "--wait")
+        assert made["status"] == "available" and made["storage_node"] == "storage-2", made
+        assert sha(vbs.data_dir / "pools" / "storage-2" / "volumes" / f"{made['volume_id']}.raw") == expected
+
+    vbs.cli("delete-snapshot", first["snapshot_id"], "--wait")
+    assert f"site-b/manifests/{first['snapshot_id']}" not in keys("manifests")
+    assert radosgw.secret_key() not in (vbs.data_dir.parent / "vbs-up.log").read_text()

@@ -20,7 +20,8 @@ commands = typer.Typer()
 def check(
     ctx: typer.Context,
     repair: Annotated[bool, typer.Option("--repair", help="Repair what drifted (orphans after their grace).")] = False,
-    now: Annotated[bool, typer.Option("--now", help="With --repair: remove orphans without the grace period.")]
+    now: Annotated[bool, typer.Option("--now", help="With --repair: remove orphans and mark the volumes of lost "
+                                      "pools without the grace period.")]
     = False,
     store: Annotated[bool, typer.Option("--store/--no-store", help="Check the stored snapshots in their "
                                         "snapshot stores: manifests read, chunks found.")] = True,

@@ -43,4 +43,10 @@ class Heartbeat(Repeating):
             if not self._failing:
                 log.warning("heartbeat failed: %s", exc.message)
             self._failing = True
+        except Exception:
+            # A report that cannot be made (a pool's storage failing in a way its driver did not foresee)
+            # must not end the heartbeat for good: the node would look dead while it serves its other pools.
+            if not self._failing:
+                log.exception("heartbeat failed: its report could not be made")
+            self._failing = True
         return 1.0 if self._failing else self._interval

@@ -129,8 +129,9 @@ log file =
         with os.fdopen(fd, "w") as f:
             f.write(text)
 
-    def _run(self, argv: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
-        """A Ceph tool run to its end; its stdout. Failures name the tool and its stderr."""
+    def run_tool(self, argv: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+        """A Ceph tool run to its end in the cluster's directory; its stdout. Failures name the tool and its
+        stderr."""
         try:
             proc = subprocess.run(argv, env=minimal_environment(), cwd=self.root, stdin=subprocess.DEVNULL,  # noqa: S603
                                   capture_output=True, text=True, timeout=timeout)
@@ -142,17 +143,22 @@ log file =
 
     def ceph(self, *args: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
         """``ceph ARGS`` as client.admin on this cluster."""
-        return self._run(["ceph", "--conf", str(self.conf_path), "--id", "admin",
+        return self.run_tool(["ceph", "--conf", str(self.conf_path), "--id", "admin",
                           "--connect-timeout", str(int(timeout)), *args], timeout=timeout + 5)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def start_daemon(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        """A daemon of this cluster started as this process's child, in its own session, its output in
+        ``log/<name>.stdout``; the caller stops it by its PID."""
         log_fd = os.open(self.root / "log" / f"{name}.stdout", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            self._procs[name] = subprocess.Popen(argv, env=minimal_environment(), cwd=self.root,  # noqa: S603
-                                                 stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+            return subprocess.Popen(argv, env=minimal_environment(), cwd=self.root,  # noqa: S603
+                                    stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         finally:
             os.close(log_fd)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        self._procs[name] = self.start_daemon(name, argv)
 
     def _bootstrap_mon(self) -> None:
         fsid = str(uuid.uuid4())
@@ -161,16 +167,17 @@ log file =
         self._write_conf(fsid, v2_port, v1_port)
         conf = ["--conf", str(self.conf_path)]
         mon_keyring = self.root / "mon.keyring"
-        self._run(["ceph-authtool", "--create-keyring", str(mon_keyring), "--gen-key", "-n", "mon.",
+        self.run_tool(["ceph-authtool", "--create-keyring", str(mon_keyring), "--gen-key", "-n", "mon.",
                    "--cap", "mon", "allow *"])
-        self._run(["ceph-authtool", "--create-keyring", str(self.admin_keyring), "--gen-key", "-n", "client.admin",
+        self.run_tool(["ceph-authtool", "--create-keyring", str(self.admin_keyring), "--gen-key", "-n", "client.admin",
                    "--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *",
                    "--cap", "mds", "allow *"])
-        self._run(["ceph-authtool", str(mon_keyring), "--import-keyring", str(self.admin_keyring)])
+        self.run_tool(["ceph-authtool", str(mon_keyring), "--import-keyring", str(self.admin_keyring)])
         monmap = self.root / "monmap"
-        self._run(["monmaptool", "--create", "--fsid", fsid, "--addv", _MON_ID,
+        self.run_tool(["monmaptool", "--create", "--fsid", fsid, "--addv", _MON_ID,
                    f"[v2:127.0.0.1:{v2_port},v1:127.0.0.1:{v1_port}]", str(monmap)])
-        self._run(["ceph-mon", *conf, "--mkfs", "-i", _MON_ID, "--monmap", str(monmap), "--keyring", str(mon_keyring)])
+        self.run_tool(["ceph-mon", *conf, "--mkfs", "-i", _MON_ID, "--monmap", str(monmap),
+                       "--keyring", str(mon_keyring)])
         for f in (mon_keyring, self.admin_keyring):
             f.chmod(0o600)
 
@@ -186,7 +193,7 @@ log file =
         osd_id = int(self.ceph("osd", "new", osd_uuid).strip())
         osd_dir = self.root / "osd" / f"ceph-{osd_id}"
         osd_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._run(["ceph-osd", "--conf", str(self.conf_path), "-i", str(osd_id), "--mkfs", "--mkkey",
+        self.run_tool(["ceph-osd", "--conf", str(self.conf_path), "-i", str(osd_id), "--mkfs", "--mkkey",
                    "--osd-uuid", osd_uuid, "--no-mon-config"], timeout=120)
         (osd_dir / "keyring").chmod(0o600)
         self.ceph("auth", "add", f"osd.{osd_id}", "osd", "allow *", "mon", "allow profile osd",

@@ -152,7 +152,9 @@ class S3Store:
             if code in _TRANSIENT_CODES or status >= 500 or status == 429:
                 return SnapshotStoreUnavailable(f"the snapshot store {where} answered {code or status}",
                                                 store=self.describe())
-            return DriverError(f"the snapshot store {where} refused: {code or status} {error.get('Message', '')}")
+            # RADOS Gateway's error bodies carry a code and no message: name what there is.
+            said = " ".join(filter(None, [code or str(status), str(error.get("Message") or "").strip()]))
+            return DriverError(f"the snapshot store {where} refused: {said}")
         if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
             return DriverError(f"the snapshot store {where}: no S3 credentials (give credentials_file, a 0600 file "
                                "in the AWS credentials format, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")

@@ -77,6 +77,8 @@ TENANT_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 # Where a pool's snapshots are stored, as its store describes itself (``dir:/srv/snaps``,
 # ``s3://bucket/prefix/ at URL``): never a secret. Agents that report the same one share the store.
 STORE_RE = r"^[^\x00-\x1f]{1,1024}$"
+# Why a pool's storage is gone (its directory removed, its file system not mounted): one line.
+LOST_RE = r"^[^\x00-\x1f]{1,500}$"
 # The store key the controller hands over with each upload and restore: 32 bytes, in hex.
 StoreKeyHex = Annotated[SecretStr, Field(min_length=64, max_length=64),
                         AfterValidator(lambda v: _hex_key(v))]
@@ -130,8 +132,12 @@ class PoolInfo(Wire):
     # The snapshot store this pool's snapshots go to (its description: agents that report the same one
     # share it, and any of them restores the others' snapshots); None: they stay in the pool only.
     snapshot_store: str | None = Field(None, pattern=STORE_RE)
+    # Set when the pool's storage is gone (docs/operations.md "A lost pool"): it then reports no room,
+    # and the controller marks its volumes lost.
+    lost: str | None = Field(None, pattern=LOST_RE)
 
-    _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id", "snapshot_store")
+    _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id", "snapshot_store",
+                                              "lost")
 
 
 class PoolList(Wire):
@@ -189,6 +195,10 @@ class PoolInventory(Wire):
     trash: list[TrashedImage] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
     chains: list[CloneChain] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
     flattens: list[FlattenProgress] = Field(default_factory=list, max_length=MAX_POOL_DETAILS)
+    # The pool's storage is gone (PoolInfo.lost): it lists nothing, and says why.
+    lost: str | None = Field(None, pattern=LOST_RE)
+
+    _older_controllers = left_out_while_empty("lost")
 
 
 class Inventory(Wire):

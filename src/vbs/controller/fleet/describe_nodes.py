@@ -39,7 +39,8 @@ def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetim
 
 def pool_out(p: PoolInfo) -> PoolOut:
     return PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
-                   clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id)
+                   clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id,
+                   lost=p.lost)
 
 
 def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str) -> list[StorageNodeOut]:

@@ -8,7 +8,9 @@ a workflow never removes what the workflow is making.
 
 Repairs: a missing export of an attached volume is re-created; an orphan export is removed; an
 orphan pool file is removed; an orphan disk in a VM is force-unplugged; an available volume or a
-completed snapshot whose file vanished is marked ``error`` with the reason. Everything found is in
+completed snapshot whose file vanished is marked ``error`` with the reason (a snapshot the store holds
+only loses its pool copy), and so are those of a pool whose storage is gone once it has stayed gone for
+the grace period (docs/operations.md "A lost pool"). Everything found is in
 the report, which ``vbs check`` prints, with what pools keep that is not a finding: images of deleted
 volumes in the trash (and why), clone chains deeper than one and background flattens.
 """
@@ -24,7 +26,7 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, select
+from sqlalchemy import ColumnElement, and_, select, update
 from sqlalchemy.orm import Session
 
 from vbs import ids
@@ -38,6 +40,7 @@ from vbs.controller.services import Services
 from vbs.controller.workflows.attach_volume import volume_limits
 from vbs.controller.workflows.copy_snapshot import scratch_ids
 from vbs.controller.workflows.migrate_instance import migrating_volume_ids
+from vbs.controller.workflows.stored import STORED
 from vbs.errors import NotFound, VbsError
 from vbs.wire.storage import ExportInfo, PoolInventory
 
@@ -97,7 +100,7 @@ class Held:
 
 @dataclass
 class Finding:
-    # orphan-file, missing-file, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
+    # orphan-file, missing-file, lost-pool, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
     # incoming-migration
     kind: str
     node: str
@@ -292,10 +295,15 @@ class Reconciler:
                 snps = self._rows_on(Snapshot, members, settled_before)
             if details is not None:
                 report.pools.append(details)
+            lost = None
+            if items.lost is not None:
+                lost = self._lost_pool(node.name, pool, items.lost, report, seen, repair, ignore_grace)
+                if lost is None:
+                    continue  # not judged before the loss has lasted its grace period
             self._check_files(node.name, pool, "volume", items.volumes, vols, busy, report, seen,
-                              repair, ignore_grace)
+                              repair, ignore_grace, lost=lost)
             self._check_files(node.name, pool, "snapshot", items.snapshots, snps, busy, report, seen,
-                              repair, ignore_grace)
+                              repair, ignore_grace, lost=lost)
         # Native RBD grants are the cluster's (cephx users), so every agent of a shared pool lists them
         # all: those of volumes another agent of it serves are that agent's to check, not orphans here.
         elsewhere = {(n, p) for pool in inventory.pools for (n, p) in shared.members_of(node.name, pool) or ()
@@ -320,10 +328,25 @@ class Reconciler:
                              settled_before=settled_before)
         return Held([r for r in held.rows if (r[_NODE], r[_POOL]) in members])
 
+    def _lost_pool(self, node: str, pool: str, why: str, report: Report, seen: set[tuple[str, str, str]],
+                   repair: bool, ignore_grace: bool) -> str | None:
+        """A pool whose storage is gone (docs/operations.md "A lost pool"): the reason its live volumes are
+        lost, once a repairing pass has seen it gone for the grace period (at once for ``vbs check``'s
+        report and ``--now``); None while it waits, in case the storage comes back (a file system mounted
+        again)."""
+        finding = Finding("lost-pool", node, pool, why)
+        report.findings.append(finding)
+        if repair and not self._orphan_due(("lost-pool", node, pool), seen, ignore_grace):
+            finding.action = "waiting"
+            return None
+        return f"its pool {pool} on {node} is lost ({why})"
+
     def _check_files(self, node: str, pool: str, kind: str, present: list[str], held: Held, busy: set[str],
-                     report: Report, seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool) -> None:
+                     report: Report, seen: set[tuple[str, str, str]], repair: bool, ignore_grace: bool,
+                     lost: str | None = None) -> None:
         """``held``: the rows recorded where ``present`` is (this node's; every agent's of a shared pool),
-        read after the agent listed ``present``. Set differences: a pass compares 100,000 ids."""
+        read after the agent listed ``present``. Set differences: a pass compares 100,000 ids. ``lost``:
+        the pool is lost (it lists nothing), and this is why."""
         agent = self.svc.agents.storage(node)
         present_set = set(present)
         orphans = present_set - held.expected - busy
@@ -342,18 +365,25 @@ class Reconciler:
                 finding.action = "waiting"
         for item_id in sorted(held.owed_in(node, pool) - present_set - busy):
             finding = Finding("missing-file", node, item_id,
-                              f"{kind} is {held.status_of[item_id]} but its file is gone")
+                              f"{kind} is {held.status_of[item_id]} but {lost or 'its file is gone'}")
             report.findings.append(finding)
             if repair:
-                finding.action = "repaired" if self._mark_lost(kind, item_id) else "reported"
+                finding.action = "repaired" if self._mark_lost(kind, item_id, lost) else "reported"
 
-    def _mark_lost(self, kind: str, item_id: str) -> bool:
-        """An available volume or a completed snapshot without data becomes ``error`` (in-use: reported)."""
-        reason = "its data file vanished from the storage node"
+    def _mark_lost(self, kind: str, item_id: str, lost: str | None = None) -> bool:
+        """An available volume or a completed snapshot without data becomes ``error`` (in-use: reported: its
+        export may still hold the file open); a snapshot the store holds only loses its pool copy."""
+        reason = lost or "its data file vanished from the storage node"
         with self.svc.db.session() as s:
             if kind == "volume":
                 return try_transition(s, Volume, item_id, VolumeState.ERROR, from_states=[VolumeState.AVAILABLE],
                                       status_reason=reason)
+            kept = plain.execute(s, update(Snapshot).where(
+                Snapshot.id == item_id, Snapshot.status == SnapshotState.COMPLETED, Snapshot.store_state == STORED,
+                Snapshot.pool_copy.is_(True)).values(pool_copy=False, updated_at=utcnow()))
+            if kept.rowcount == 1:
+                log.warning("snapshot %s: %s; it lives on in the snapshot store", item_id, reason)
+                return True
             return try_transition(s, Snapshot, item_id, SnapshotState.ERROR, from_states=[SnapshotState.COMPLETED],
                                   status_reason=reason)
 

@@ -228,8 +228,10 @@ def _where_from_snapshot(s: Session, cfg: ControllerConfig, snap: Snapshot, req:
     in_store = snap.store_state == stored.STORED and snap.store is not None
     if snap.pool_copy and not elsewhere:
         origin = s.get(Node, (snap.storage_node, "storage"))
+        origin_pool = pool_of(origin, snap.pool) if origin is not None else None
+        # A lost pool (docs/operations.md "A lost pool") holds no copy any more, whatever its row says.
         origin_up = origin is not None and is_alive(origin, cfg.heartbeat_timeout_s, utcnow()) \
-            and pool_of(origin, snap.pool) is not None
+            and origin_pool is not None and origin_pool.lost is None
         if origin_up or not in_store:
             # Where the snapshot lives, drained or not: draining stops new volumes, not clones of what it holds.
             return Placement(zone=req.availability_zone, node=snap.storage_node, pool=snap.pool, drained_ok=True)

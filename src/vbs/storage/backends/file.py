@@ -104,27 +104,48 @@ class FileBackend:
 
     # -- pool -------------------------------------------------------------------------------------
 
+    def lost(self) -> str | None:
+        """Why the pool's storage is gone — its directory or one of its folders is no directory (removed, or
+        its file system not mounted) — or None (docs/operations.md "A lost pool")."""
+        for where in (self.path, *(self.path / sub for sub in DIRS.values())):
+            if not where.is_dir():
+                said = "".join(c if c.isprintable() else "?" for c in str(where))[:300]
+                return f"{said} is gone"
+        return None
+
     def pool_info(self) -> PoolInfo:
-        st = os.statvfs(self.path)
+        lost = self.lost()
+        try:
+            st = os.statvfs(self.path)
+            capacity, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        except FileNotFoundError:
+            capacity = free = 0
         return PoolInfo(
             name=self.name,
             backend="file",
-            capacity_bytes=st.f_blocks * st.f_frsize,
-            free_bytes=st.f_bavail * st.f_frsize,
+            # A lost pool has no room: nothing is placed in it.
+            capacity_bytes=0 if lost else capacity,
+            free_bytes=0 if lost else free,
             clone_method=self.clone_method,
             point_in_time=self.clone_method == "reflink" or self._copier is not None,
             encryption=True,
+            lost=lost,
         )
 
     def inventory(self) -> PoolInventory:
         found: dict[Kind, set[str]] = {"volume": set(), "snapshot": set()}
         with self._lock:
+            if (lost := self.lost()) is not None:
+                return PoolInventory(lost=lost)
             for kind, sub in DIRS.items():
-                with os.scandir(self.path / sub) as entries:
-                    for entry in entries:
-                        item_id = entry.name.removesuffix(".partial").removesuffix(".raw")
-                        if entry.name.endswith((".raw", ".raw.partial")) and ids.is_valid(kind, item_id):
-                            found[kind].add(item_id)
+                try:
+                    with os.scandir(self.path / sub) as entries:
+                        for entry in entries:
+                            item_id = entry.name.removesuffix(".partial").removesuffix(".raw")
+                            if entry.name.endswith((".raw", ".raw.partial")) and ids.is_valid(kind, item_id):
+                                found[kind].add(item_id)
+                except FileNotFoundError:  # removed since it was looked at
+                    return PoolInventory(lost=self.lost() or f"pool {self.name}: its {sub} folder is gone")
                 found[kind].update(item_id for (k, item_id), job in self._jobs.items() if k == kind and job.running)
         return PoolInventory(volumes=sorted(found["volume"]), snapshots=sorted(found["snapshot"]))
 
@@ -140,6 +161,8 @@ class FileBackend:
                             used[volume_id] = entry.stat(follow_symlinks=False).st_blocks * 512
                         except FileNotFoundError:
                             continue  # removed meanwhile
+        except FileNotFoundError:
+            pass  # a lost pool: its heartbeat says so (PoolInfo.lost)
         except OSError as exc:
             log.warning("pool %s: cannot list volumes for their usage: %s", self.name, exc.strerror)
         return used

@@ -22,6 +22,7 @@ class PoolOut(BaseModel):
     clone_method: str
     point_in_time: bool
     shared_id: str | None = None  # the same storage as other agents' pools with this id (Ceph)
+    lost: str | None = None  # why the pool's storage is gone (docs/operations.md "A lost pool")
 
 
 class ControllerOut(BaseModel):
