@@ -31,7 +31,6 @@ from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.manifests import find_manifest
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.storage.exports.nbd.views import mounted
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HostIdentity, NbdConnection
 from vbs.wire.storage import ItemStatus, RestoreVolume, StoredStatus, StoreSnapshot
