@@ -225,3 +225,27 @@ def test_views_stack_and_go_in_any_order(make_driver: Make, volume: Path, tmp_pa
     assert not any(n.startswith(("vbsv", "vbsw", "vbsl", "vbsx")) for n in node_names(drv))
     rc, out = nbd.qemu_io(a, "read -P 0xdd 0 4M")
     assert rc == 0, out
+
+
+def test_a_view_read_in_whole_clusters_is_exact_where_hosts_overwrote_every_other_one(
+        make_driver: Make, volume: Path, tmp_path: Path) -> None:
+    """What the upload relies on (``file_streams.VIEW_READ_UNIT``): aligned 64 KiB reads of the view, with
+    read-ahead off, give the instant even where clusters a host overwrote alternate with untouched ones,
+    and where a host zeroed the volume with unmap (its file then has a hole there, the view has data)."""
+    drv = make_driver()
+    a = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    assert isinstance(a, NbdConnection)
+    assert drv.ensure_view(SNAP, VOL, FileSource(volume), tmp_path / "scratch").state == "ready"
+    for k in range(0, 8 * MiB, 128 << 10):
+        write(a, 0xBB, k, 4096)
+    rc, out = nbd.qemu_io(a, f"write -z -u {16 * MiB} {MiB}")
+    assert rc == 0, out
+    fd = os.open(drv.view_path(SNAP), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        got = b"".join(os.pread(fd, 64 << 10, k) for k in range(0, SIZE, 64 << 10))
+    finally:
+        os.close(fd)
+    assert got == expected_a()
+    assert all(not s <= 16 * MiB < e for s, e in data_extents(volume)), "the volume file has a hole there now"
+    drv.remove_view(SNAP)

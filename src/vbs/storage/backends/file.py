@@ -29,7 +29,7 @@ from pydantic import SecretStr
 from vbs import ids
 from vbs.config import NO_SNAPSHOT_STORE, StorageAgentConfig
 from vbs.errors import DriverError, InvalidParameter, RetryLater
-from vbs.pools.backend import Fill, check_size
+from vbs.pools.backend import Fill, ImageLayout, check_size
 from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier, PointInTimeViewer
 from vbs.qemu.tls import X509Files
 from vbs.storage.backends import file_io
@@ -265,6 +265,9 @@ class FileBackend:
 
     def snapshot_image(self, snapshot_id: str) -> Path:
         return self._snapshots.image(snapshot_id)
+
+    def snapshot_image_layout(self, snapshot_id: str) -> ImageLayout | None:
+        return self._snapshots.layout(snapshot_id)
 
     def keeps_snapshot_images(self) -> bool:
         return self.clone_method == "reflink"

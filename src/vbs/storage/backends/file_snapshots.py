@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vbs.errors import DriverError, IncorrectState, PointInTimeUnavailable
+from vbs.pools.backend import ImageLayout
 from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.backends import file_io
 from vbs.storage.backends.file_copies import CopyJobs
@@ -73,6 +74,13 @@ class Snapshots:
             if status.state == "absent" and self._streams is not None:
                 return self._streams.status(snapshot_id) or status
             return status
+
+    def layout(self, snapshot_id: str) -> ImageLayout | None:
+        """How the upload must read the snapshot's image (None: a plain file)."""
+        with self._files.lock:
+            if self._streams is None or self._files.final("snapshot", snapshot_id).exists():
+                return None
+            return self._streams.layout(snapshot_id)
 
     def image(self, snapshot_id: str) -> Path:
         """What the snapshot store's upload reads: the snapshot's file, or its view or held volume."""

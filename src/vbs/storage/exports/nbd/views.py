@@ -92,6 +92,7 @@ class Views:
         size = file_size(served.key, Path(served.path))
         chain = self._chain_for(served, size)
         self.views_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.views_dir.chmod(0o700)  # the boundary of the files that show views: only the agent's user
         view = View(id=view_id, gen=chain.gen, scratch=str(scratch), mount=str(self.views_dir / view_id), size=size)
         if served.chain(chain.gen) is None:
             served.chains.append(chain)
