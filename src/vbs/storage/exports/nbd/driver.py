@@ -70,7 +70,7 @@ from typing import Any
 
 from vbs import ids
 from vbs.config import StorageAgentConfig
-from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound, RetryLater
+from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, RetryLater
 from vbs.pools.exports import ExportSource, FileSource
 from vbs.qemu.tls import X509Files
 from vbs.storage.exports.nodelay import force_nodelay
@@ -109,12 +109,13 @@ from .state import (
     new_chain,
     upgrade_v1,
 )
-from .views import LOST, Views
+from .view_calls import ViewCalls
+from .views import Views
 
 log = logging.getLogger(__name__)
 
 
-class NbdExportDriver(SupervisedExportDriver[Served, Live]):
+class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
     protocol = "nbd"
@@ -448,63 +449,3 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
                 self._chains.collect(served, live)
                 self._save()
                 log.info("removed copy %s of %s", copy_id, served.key)
-
-
-    # -- point-in-time views (vbs.pools.exports.PointInTimeViewer; views.py) --------------------------
-
-    def ensure_view(self, view_id: str, key: str, source: ExportSource, scratch: Path) -> ItemStatus:
-        """Show ``source`` as it is now, while hosts keep writing to it, as a file (``view_path``); what they
-        overwrite meanwhile goes to the new sparse file ``scratch``. ``ready`` at once; ``error`` once its
-        daemon restarted (never re-made: its instant is lost). ``RetryLater`` as for ``ensure_copy``."""
-        ids.check("snapshot", view_id)
-        check_key(key)
-        path = source_file(key, source)
-        scratch = Path(scratch)
-        if not scratch.is_absolute():
-            raise InvalidParameter(f"scratch file must be absolute: {scratch}")
-        with self._lock:
-            self._up()
-            live = self._view()
-            found = self._views.find(view_id)
-            if found is None:
-                served = self._serving(key, FileSource(path)) or Served(key=key, path=str(path))
-                found = self._views.start(view_id, served, scratch, live)
-            served, view = found
-            if served.key != key or view.scratch != str(scratch):
-                raise IdempotentParameterMismatch(f"view {view_id} is of {served.key} with scratch {view.scratch}")
-            if self._views.check(served, live):
-                self._save()
-            if view.lost:
-                return ItemStatus(state="error", size_bytes=view.size, error=LOST)
-            return ItemStatus(state="ready", size_bytes=view.size, progress=100)
-
-    def view_path(self, view_id: str) -> Path:
-        """The file that reads as the view's source at its instant (``NotFound``: no such view)."""
-        ids.check("snapshot", view_id)
-        with self._lock:
-            self._up()
-            found = self._views.find(view_id)
-            if found is None:
-                raise NotFound(f"no point-in-time view {view_id} here", code="InvalidSnapshot.NotFound")
-            served, view = found
-            if self._views.check(served, self._view()):
-                self._save()
-            if view.lost:
-                raise DriverError(f"{view_id}: {LOST}")
-            return Path(view.mount)
-
-    def remove_view(self, view_id: str) -> None:
-        """Take the view out of the daemon, remove its scratch file and forget it; idempotent."""
-        ids.check("snapshot", view_id)
-        with self._lock:
-            self._load()
-            found = self._views.find(view_id)
-            if found is None:
-                return
-            served, view = found
-            live = self._view()
-            self._views.close(served, view, live)
-            served.views.remove(view)
-            self._chains.collect(served, live)
-            self._save()
-            log.info("removed point-in-time view %s of %s", view_id, served.key)
