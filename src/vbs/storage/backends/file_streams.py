@@ -4,7 +4,8 @@ straight into the store, so a snapshot needs room only for what hosts overwrite 
 
 - Where the export driver gives point-in-time views (``PointInTimeViewer``: the NBD daemon's fleecing),
   the snapshot is a view, exported volume or not; its scratch file is ``snapshots/<id>.scratch`` in the
-  pool (what hosts overwrite before the upload is done).
+  pool (what hosts overwrite before the upload is done), and ``snapshots/<id>.view`` names its volume
+  (the upload reads where the volume or the scratch file has data: ``layout``).
 - Otherwise a volume that no host can write is read in place: the snapshot is a *hold*,
   ``snapshots/<id>.hold`` (0600, naming the volume), and no export of the volume is made while it lasts
   (``connection_for`` answers ``RetryLater``), also after an agent restart.
