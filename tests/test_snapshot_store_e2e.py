@@ -265,3 +265,29 @@ def test_an_upload_given_up_leaves_nothing_of_the_snapshot_in_its_copy_pool(s3_n
     pid = next(int(p.read_text()) for p in vbs.data_dir.rglob("qsd.pid"))
     held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     assert not any("scratch" in name or vol["volume_id"] in name for name in held), held
+
+
+@pytest.fixture(scope="module")
+def iscsi_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
+    """``vbs up`` whose storage node exports over iSCSI (tgtd: no point-in-time view of its own)."""
+    tmp = tmp_path_factory.mktemp("store-iscsi")
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=["--export", "iscsi"])
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_a_detached_volume_of_an_iscsi_node_is_stored_with_no_copy_in_its_pool(iscsi_up: Vbs) -> None:
+    """No export daemon view: the volume file itself is read while its exports are held off."""
+    vbs = iscsi_up
+    vol = vbs.cli("create-volume", "--size", "1", "--wait")
+    vol_path = vbs.pool / "volumes" / f"{vol['volume_id']}.raw"
+    write_at(vol_path, 0, pattern(b"iscsi", 3))
+    write_at(vol_path, 500 * MiB, pattern(b"iscsi-far", 1))
+    image = sha(vol_path)
+    done, _ = snapshot_until_done(vbs, vol["volume_id"])
+    assert done["data_location"] == "store" and done["stored_bytes"] == 4 * MiB
+    assert list((vbs.pool / "snapshots").iterdir()) == [], "no copy and no hold is left"
+    clone = vbs.cli("create-volume", "--snapshot", done["snapshot_id"], "--wait")
+    assert sha(vbs.pool / "volumes" / f"{clone['volume_id']}.raw") == image
