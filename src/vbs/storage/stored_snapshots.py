@@ -216,7 +216,7 @@ class StoredSnapshots:
                                    uploaded_bytes=done.bytes_put)
             log.info("snapshot %s stored in %s: %d chunks, %d new (%d bytes sent)%s", snapshot_id, where,
                      len(done.manifest.chunks), done.chunks_put, done.bytes_put,
-                     "" if keeps else "; its pool copy is given up")
+                     "" if keeps else "; the pool keeps nothing of it")
 
         job = Job(work, size_bytes=image.stat().st_size, name=f"vbs-store-{snapshot_id}", what="upload")
         try:
