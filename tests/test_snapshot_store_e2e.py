@@ -277,3 +277,63 @@ def test_snapshots_stored_in_radosgw_restore_bit_exact_on_the_other_node(vbs_rad
     vbs.cli("delete-snapshot", first["snapshot_id"], "--wait")
     assert f"site-b/manifests/{first['snapshot_id']}" not in keys("manifests")
     assert radosgw.secret_key() not in (vbs.data_dir.parent / "vbs-up.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def s3_never(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
+    """``vbs up`` whose store is a bucket on an S3 server that never runs, and a controller that gives a
+    failing step up after a few seconds."""
+    tmp = tmp_path_factory.mktemp("store-never")
+    creds = tmp / "s3-credentials"
+    creds.write_text(f"[default]\naws_access_key_id = AKIAVBSTEST\naws_secret_access_key = {FAKE_SECRET}\n")
+    creds.chmod(0o600)
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", env={"VBS_CONTROLLER_GIVE_UP_AFTER_S": "8"}, extra=[
+        "--snapshot-store", "s3://vbs-e2e/never", "--s3-endpoint", f"http://127.0.0.1:{free_port()}",
+        "--s3-credentials-file", str(creds)])
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_an_upload_given_up_leaves_nothing_of_the_snapshot_in_its_copy_pool(s3_never: Vbs) -> None:
+    """On a copy pool the snapshot was a point-in-time view in the export daemon (no full copy): once its
+    upload is given up, the view and its scratch file are gone too."""
+    vbs = s3_never
+    vol = vbs.cli("create-volume", "--size", "1", "--wait")
+    write_at(vbs.pool / "volumes" / f"{vol['volume_id']}.raw", 0, pattern(b"never", 2))
+    snap = vbs.cli("create-snapshot", vol["volume_id"])
+    failed = vbs.wait_snapshot(snap["snapshot_id"], "error", timeout=180)
+    assert "could not be stored" in failed["status_reason"], failed
+    assert list((vbs.pool / "snapshots").iterdir()) == [], "no copy, scratch file or hold is left"
+    views = [p for d in vbs.data_dir.rglob("views") for p in d.iterdir()]
+    assert views == [], "no view is left in the export daemon"
+    pid = next(int(p.read_text()) for p in vbs.data_dir.rglob("qsd.pid"))
+    held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    assert not any("scratch" in name or vol["volume_id"] in name for name in held), held
+
+
+@pytest.fixture(scope="module")
+def iscsi_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vbs]:
+    """``vbs up`` whose storage node exports over iSCSI (tgtd: no point-in-time view of its own)."""
+    tmp = tmp_path_factory.mktemp("store-iscsi")
+    up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=["--export", "iscsi"])
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_a_detached_volume_of_an_iscsi_node_is_stored_with_no_copy_in_its_pool(iscsi_up: Vbs) -> None:
+    """No export daemon view: the volume file itself is read while its exports are held off."""
+    vbs = iscsi_up
+    vol = vbs.cli("create-volume", "--size", "1", "--wait")
+    vol_path = vbs.pool / "volumes" / f"{vol['volume_id']}.raw"
+    write_at(vol_path, 0, pattern(b"iscsi", 3))
+    write_at(vol_path, 500 * MiB, pattern(b"iscsi-far", 1))
+    image = sha(vol_path)
+    done, _ = snapshot_until_done(vbs, vol["volume_id"])
+    assert done["data_location"] == "store" and done["stored_bytes"] == 4 * MiB
+    assert list((vbs.pool / "snapshots").iterdir()) == [], "no copy and no hold is left"
+    clone = vbs.cli("create-volume", "--snapshot", done["snapshot_id"], "--wait")
+    assert sha(vbs.pool / "volumes" / f"{clone['volume_id']}.raw") == image

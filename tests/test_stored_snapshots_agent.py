@@ -17,14 +17,16 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
+from tests.fakes import MemoryExports
 from vbs import ids
-from vbs.errors import DriverError, SnapshotStoreUnavailable
+from vbs.errors import DriverError, PointInTimeUnavailable, RetryLater, SnapshotStoreUnavailable
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.format import chunk_key
 from vbs.snapshot_store.manifests import find_manifest
 from vbs.snapshot_store.s3 import S3Store
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.stored_snapshots import StoredSnapshots
+from vbs.wire.connection import HostIdentity
 from vbs.wire.storage import ItemStatus, RestoreVolume, StoreSnapshot
 
 pytestmark = pytest.mark.unit
@@ -205,3 +207,51 @@ def test_the_holes_of_a_snapshot_image_are_not_read(tmp_path: Path) -> None:
         got = [sparse.read_at(i * MiB, MiB) for i in range(64)]
     assert reads == [5 * MiB], "only the chunk with data is read"
     assert got[5][4096:4100] == b"data" and all(c == bytes(MiB) for i, c in enumerate(got) if i != 5)
+
+
+def test_a_copy_pool_with_no_daemon_view_reads_a_detached_volume_in_place(tmp_path: Path, store: DirStore) -> None:
+    """No full copy: the snapshot holds the volume (no export of it is made) until it is stored, also
+    across an agent restart; a volume a host writes to is the hypervisor's to copy."""
+    (tmp_path / "held").mkdir()
+    exports = MemoryExports()  # an export driver with no point-in-time view (as tgt)
+
+    def open_pool() -> FileBackend:
+        return FileBackend("p", tmp_path / "held", exports=exports, clone_method="copy", stream_snapshots=True)
+
+    pool = open_pool()
+    data = os.urandom(2 * MiB) + bytes(5 * MiB) + os.urandom(MiB)
+    vol = volume(pool, data)
+    snap = ids.new_id("snapshot")
+    assert pool.ensure_snapshot(snap, vol).state == "ready", "nothing to copy: ready at once"
+    snapshots = tmp_path / "held" / "snapshots"
+    assert [p.name for p in snapshots.iterdir()] == [f"{snap}.hold"], "no copy, only the hold"
+    assert (snapshots / f"{snap}.hold").stat().st_mode & 0o777 == 0o600
+    assert pool.snapshot_image(snap) == pool.volume_path(vol)
+    host = HostIdentity(name="hv-a", address="127.0.0.1")
+    with pytest.raises(RetryLater, match=snap):
+        pool.connection_for(vol, host)
+    pool.close()
+
+    pool = open_pool()  # the agent restarted: the hold stands
+    assert pool.snapshot_status(snap).state == "ready"
+    with pytest.raises(RetryLater):
+        pool.connection_for(vol, host)
+    done = until(lambda: StoredSnapshots(store).upload(pool, "p", snap, StoreSnapshot(
+        volume_id=vol, tenant="acme", store_key=KEY)))
+    assert done.state == "ready" and done.chunks == 3 and not done.pool_copy
+    assert list(snapshots.iterdir()) == [], "stored: the hold is gone"
+    target = ids.new_id("volume")
+    restore = RestoreVolume(snapshot_id=snap, size_bytes=8 * MiB, tenant="acme", store_key=KEY)
+    assert until(lambda: StoredSnapshots(store).restore(pool, "p", target, restore)).state == "ready"
+    assert pool.volume_path(target).read_bytes() == data
+    pool.connection_for(vol, host)  # exports are made again
+
+    with pytest.raises(PointInTimeUnavailable):  # exported: its hypervisor copies it (a snapshot target)
+        pool.ensure_snapshot(ids.new_id("snapshot"), vol)
+    pool.remove_connection(vol, host.name)
+    other = ids.new_id("snapshot")
+    assert pool.ensure_snapshot(other, vol).state == "ready"
+    pool.remove_snapshot(other)  # deleted before it was stored: the hold goes
+    assert list(snapshots.iterdir()) == []
+    pool.connection_for(vol, host)
+    pool.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -25,8 +26,8 @@ from vbs.snapshot_store.volume_io import VolumeWriter
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
-__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "Fill", "check_size",
-           "SnapshotStreams", "SnapshotReader", "StreamFill"]
+__all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "ImageLayout",
+           "SnapshotImageLayouts", "Fill", "check_size", "SnapshotStreams", "SnapshotReader", "StreamFill"]
 
 _SECTOR = 512
 
@@ -227,4 +228,23 @@ class SnapshotStreams(Protocol):
     def fill_volume_with(self, volume_id: str, size_bytes: int, fill: StreamFill, *, what: str) -> ItemStatus:
         """Make the volume by running ``fill`` on a writer of it in a job: ``copying`` with progress, then
         ``ready``; a failed job answers ``error`` once and leaves nothing (the next call starts over)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How to read a snapshot image that is not a plain file (a point-in-time view, docs/snapshots.md):
+    ``data``, the byte ranges that may hold data (the rest reads as zeros: its own holes are not to be
+    trusted), and ``unit``, the size of the aligned reads it answers exactly (a larger read may not be)."""
+
+    data: tuple[tuple[int, int], ...]
+    unit: int
+
+
+@runtime_checkable
+class SnapshotImageLayouts(Protocol):
+    """A ``SnapshotImages`` backend some of whose images must be read as their layout says. Optional."""
+
+    def snapshot_image_layout(self, snapshot_id: str) -> ImageLayout | None:
+        """The layout of the snapshot's image, or None: a plain file (its holes are holes)."""
         ...

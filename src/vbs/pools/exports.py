@@ -23,7 +23,8 @@ from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.qos import ExportLimits
 from vbs.wire.storage import ExportInfo, ItemStatus
 
-__all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier", "LimitEnforcer"]
+__all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier", "PointInTimeViewer",
+           "LimitEnforcer"]
 
 
 @dataclass(frozen=True)
@@ -166,4 +167,25 @@ class LimitEnforcer(Protocol):
         """The limits of every export of ``key``, now and those made later, also after a daemon
         restart; changed live under connected clients. Whether they are enforced (False: ``key`` is
         served by exports made before the driver could throttle them)."""
+        ...
+
+
+@runtime_checkable
+class PointInTimeViewer(Protocol):
+    """An export driver that can show a source it serves as it is at one instant without copying it
+    (docs/snapshots.md): writes that hosts make meanwhile first put the old data into a sparse scratch
+    file, so the view needs room only for what they overwrite. What the snapshot store's upload reads."""
+
+    def ensure_view(self, view_id: str, key: str, source: ExportSource, scratch: Path) -> ItemStatus:
+        """Hold a view of ``source`` as it is now, its scratch the new file ``scratch`` (which the
+        driver makes and removes). ``ready`` at once; idempotent; ``error`` once its daemon restarted
+        (its instant is lost)."""
+        ...
+
+    def view_path(self, view_id: str) -> Path:
+        """A file that reads as the view's source at its instant (``NotFound``: no such view)."""
+        ...
+
+    def remove_view(self, view_id: str) -> None:
+        """End the view (hosts no longer pay for it) and remove its scratch file; idempotent."""
         ...

@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, RetryLater
-from vbs.pools.backend import Backend, SnapshotImages, SnapshotStreams
+from vbs.pools.backend import Backend, ImageLayout, SnapshotImageLayouts, SnapshotImages, SnapshotStreams
 from vbs.snapshot_store import StoreKey, open_store
 from vbs.snapshot_store.blocks import BlockRange, ranges_of_extents
 from vbs.snapshot_store.contract import SnapshotStore
@@ -82,11 +82,16 @@ class _Cancellable:
 class _SparseReader:
     """Reads of a snapshot image that answer a range in one of its holes with zeros without reading it
     (SEEK_DATA/SEEK_HOLE, listed once: nobody writes a snapshot image): a thin 1 TiB volume with little
-    data costs its data, not a terabyte of reads of zeros."""
+    data costs its data, not a terabyte of reads of zeros. An image with a ``layout`` (a point-in-time
+    view) is read where its layout says, in aligned reads of its unit, with the kernel's read-ahead off
+    (it would merge them)."""
 
-    def __init__(self, reader: FileReader, size: int) -> None:
+    def __init__(self, reader: FileReader, size: int, layout: ImageLayout | None = None) -> None:
         self._reader = reader
-        self._extents = list(data_ranges(reader.fd, size))
+        self._unit = layout.unit if layout is not None else 0
+        if layout is not None:
+            os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._extents = list(layout.data) if layout is not None else list(data_ranges(reader.fd, size))
         self._starts = [start for start, _ in self._extents]
         self._zeros: dict[int, bytes] = {}
 
@@ -98,7 +103,16 @@ class _SparseReader:
             if zeros is None:
                 zeros = self._zeros[length] = bytes(length)
             return zeros
-        return self._reader.read_at(offset, length)
+        unit = self._unit
+        if not unit:
+            return self._reader.read_at(offset, length)
+        pos, end = offset, offset + length
+        parts = []
+        while pos < end:
+            step = min(end, (pos // unit + 1) * unit) - pos
+            parts.append(self._reader.read_at(pos, step))
+            pos += step
+        return b"".join(parts)
 
 
 class _Source:
@@ -114,9 +128,13 @@ class _Source:
     @contextmanager
     def open(self, since: str | None) -> Iterator[tuple[VolumeReader | _SparseReader, int, list[BlockRange] | None]]:
         if self._image is not None:
+            # Read as the image's layout says (a point-in-time view: docs/snapshots.md), or as a plain file.
+            images = self._images
+            layout = images.snapshot_image_layout(self._snapshot_id) \
+                if isinstance(images, SnapshotImageLayouts) else None
             with FileReader(self._image) as file:
                 size = os.fstat(file.fd).st_size
-                yield _SparseReader(file, size), size, None
+                yield _SparseReader(file, size, layout), size, None
             return
         assert isinstance(self._images, SnapshotStreams)
         reader = self._images.open_snapshot(self._snapshot_id, since)
@@ -228,7 +246,7 @@ class StoredSnapshots:
                                    uploaded_bytes=done.bytes_put)
             log.info("snapshot %s stored in %s: %d chunks, %d read, %d new (%d bytes sent)%s", snapshot_id, where,
                      len(done.manifest.chunks), done.chunks_read, done.chunks_put, done.bytes_put,
-                     "" if keeps else "; its pool copy is given up")
+                     "" if keeps else "; the pool keeps nothing of it")
 
         job = Job(work, size_bytes=source.size_bytes, name=f"vbs-store-{snapshot_id}", what="upload")
         try:

@@ -11,6 +11,7 @@ snapshot that is not point-in-time.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,7 +26,9 @@ from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows import stored
 from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
-from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable
+from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable, VbsError
+
+log = logging.getLogger(__name__)
 
 SETTLE_LIMIT_S = 120.0
 
@@ -152,9 +155,15 @@ def remove_snapshot_everywhere(ctx: StepContext[Any]) -> None:
         remove_snapshot(ctx)
 
 
-def store_gave_up(ctx: StepContext[Any], reason: str) -> None:
-    """The upload's retries are exhausted: the snapshot ends ``error`` with the reason (its pool copy, if
-    its pool still has one, goes when it is deleted)."""
+def store_gave_up(ctx: StepContext[CreateSnapshotParams], reason: str) -> None:
+    """The upload's retries are exhausted: the snapshot ends ``error`` with the reason. A pool without reflink
+    ends its side of it now (a view in the export daemon, a hold that keeps the volume's exports off, or a
+    copy: docs/snapshots.md); a reflink pool's copy goes when the snapshot is deleted."""
+    if ctx.params.store_share:
+        try:  # before the ending's first write: no transaction is open during the agent call
+            remove_snapshot(ctx)
+        except VbsError as exc:
+            log.warning("snapshot %s: its pool's side stays until it is deleted: %s", ctx.resource_id, exc.message)
     with ctx.session() as s:
         transition(s, Snapshot, ctx.resource_id, SnapshotState.ERROR, already_ok=True, store_state=stored.FAILED,
                    status_reason=f"the snapshot could not be stored: {reason}"[:2000])

@@ -27,15 +27,16 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from vbs import ids
-from vbs.config import StorageAgentConfig
+from vbs.config import NO_SNAPSHOT_STORE, StorageAgentConfig
 from vbs.errors import DriverError, InvalidParameter, RetryLater
-from vbs.pools.backend import Fill, check_size
-from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
+from vbs.pools.backend import Fill, ImageLayout, check_size
+from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier, PointInTimeViewer
 from vbs.qemu.tls import X509Files
 from vbs.storage.backends import file_io
 from vbs.storage.backends.file_copies import DIRS, STOP_TIMEOUT, CopyJobs, Kind
 from vbs.storage.backends.file_io import FICLONE, CloneMethod
 from vbs.storage.backends.file_snapshots import Snapshots
+from vbs.storage.backends.file_streams import Streams
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, Job
 from vbs.storage.luks import format_luks, header_bytes
 from vbs.wire.connection import Connection, HostIdentity, NbdConnection
@@ -64,6 +65,7 @@ class FileBackend:
         clone_method: CloneMethod | None = None,
         copy_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         x509: X509Files | None = None,
+        stream_snapshots: bool = False,
     ) -> None:
         self.name = name
         self.path = Path(path)
@@ -86,7 +88,10 @@ class FileBackend:
         self._lock = self._files.lock
         self._jobs = self._files.jobs
         self._exporting: set[str] = set()  # volumes an export is being made for right now
-        self._snapshots = Snapshots(self._files, exports, self._copier, self._exporting, self._need_exports)
+        # Snapshots that go to the store are read in place on a copy pool: no full copy (file_streams).
+        streams = (Streams(self._files, exports if isinstance(exports, PointInTimeViewer) else None)
+                   if stream_snapshots and method == "copy" else None)
+        self._snapshots = Snapshots(self._files, exports, self._copier, self._exporting, self._need_exports, streams)
         log.info("pool %s at %s: clone method %s", name, self.path, self.clone_method)
 
     @property
@@ -100,7 +105,8 @@ class FileBackend:
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, exports: ExportDriver) -> FileBackend:
         return cls(cfg.pool_name, cfg.pool_path.resolve(), exports=exports, clone_method=cfg.clone_method,
-                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+                   x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+                   stream_snapshots=cfg.snapshot_store.driver != NO_SNAPSHOT_STORE)
 
     # -- pool -------------------------------------------------------------------------------------
 
@@ -273,7 +279,10 @@ class FileBackend:
     # -- the snapshot store's side (``vbs.storage.stored_snapshots``) ---------------------------------
 
     def snapshot_image(self, snapshot_id: str) -> Path:
-        return self._ready_file("snapshot", snapshot_id)
+        return self._snapshots.image(snapshot_id)
+
+    def snapshot_image_layout(self, snapshot_id: str) -> ImageLayout | None:
+        return self._snapshots.layout(snapshot_id)
 
     def keeps_snapshot_images(self) -> bool:
         return self.clone_method == "reflink"
@@ -329,7 +338,7 @@ class FileBackend:
             copying = self._snapshots.plain_copies_of(volume_id)
             if copying:
                 raise RetryLater(f"The volume '{volume_id}' is being copied into snapshot {copying[0]}, which a "
-                                 "writer would spoil; it can be attached once the copy is done.")
+                                 "writer would spoil; it can be attached once that snapshot is made (stored).")
             self._exporting.add(volume_id)
         try:
             return exports.ensure_export(volume_id, FileSource(final), host, read_only=read_only)

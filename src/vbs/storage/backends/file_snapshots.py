@@ -1,6 +1,7 @@
 """The snapshots of a ``file`` pool: each a point-in-time copy of its volume, as the pool can take
 one (a reflink, the export daemon's copy, a copy here of a volume no host writes, or a hypervisor's
-copy into a snapshot target); see ``vbs.storage.backends.file``."""
+copy into a snapshot target); see ``vbs.storage.backends.file``. A copy pool whose snapshots go to the
+snapshot store takes no copy where it can stream (``file_streams``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vbs.errors import DriverError, IncorrectState, PointInTimeUnavailable
+from vbs.pools.backend import ImageLayout
 from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.backends import file_io
 from vbs.storage.backends.file_copies import CopyJobs
+from vbs.storage.backends.file_streams import Streams
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ItemStatus
 
@@ -28,8 +31,10 @@ class Snapshots:
     """
 
     def __init__(self, files: CopyJobs, exports: ExportDriver | None, copier: PointInTimeCopier | None,
-                 exporting: set[str], need_exports: Callable[[], ExportDriver]) -> None:
+                 exporting: set[str], need_exports: Callable[[], ExportDriver], streams: Streams | None) -> None:
+        """``streams``: the pool's snapshots go to the store, read in place (None: copied into the pool)."""
         self._files = files
+        self._streams = streams
         self._exports = exports
         self._copier = copier
         self._exporting = exporting
@@ -47,12 +52,16 @@ class Snapshots:
                 return status
             if files.clone_method == "reflink":
                 return files.clone("snapshot", snapshot_id, final, "volume", volume_id, None)
+            if self._streams is not None and self._streams.viewer is not None:
+                return self._streams.view(snapshot_id, volume_id, source)
             if self._copier is not None:
                 return self._start_daemon_copy(snapshot_id, volume_id, source, final)
             if volume_id in self._exporting or (self._exports is not None and self._exports.is_exported(volume_id)):
                 raise PointInTimeUnavailable(
                     f"The volume '{volume_id}' is exported to a host and this storage node cannot copy it at "
                     "one instant; its hypervisor must take the copy.")
+            if self._streams is not None:
+                return self._streams.hold(snapshot_id, volume_id, source)
             status = files.clone("snapshot", snapshot_id, final, "volume", volume_id, None)
             if status.state == "copying":
                 self._plain[snapshot_id] = volume_id
@@ -61,10 +70,33 @@ class Snapshots:
     def status(self, snapshot_id: str) -> ItemStatus:
         final = self._files.final("snapshot", snapshot_id)
         with self._files.lock:
-            return self._files.status("snapshot", snapshot_id, final)
+            status = self._files.status("snapshot", snapshot_id, final)
+            if status.state == "absent" and self._streams is not None:
+                return self._streams.status(snapshot_id) or status
+            return status
+
+    def layout(self, snapshot_id: str) -> ImageLayout | None:
+        """How the upload must read the snapshot's image (None: a plain file)."""
+        with self._files.lock:
+            if self._streams is None or self._files.final("snapshot", snapshot_id).exists():
+                return None
+            return self._streams.layout(snapshot_id)
+
+    def image(self, snapshot_id: str) -> Path:
+        """What the snapshot store's upload reads: the snapshot's file, or its view or held volume."""
+        final = self._files.final("snapshot", snapshot_id)
+        with self._files.lock:
+            if final.exists():
+                return final
+            image = self._streams.image(snapshot_id) if self._streams is not None else None
+            if image is None:
+                raise self._files.missing("snapshot", snapshot_id)
+            return image
 
     def remove(self, snapshot_id: str) -> None:
         final = self._files.final("snapshot", snapshot_id)
+        if self._streams is not None:
+            self._streams.remove(snapshot_id)
         if self._copier is not None:
             self._copier.remove_copy(snapshot_id)
         if self._exports is not None:
@@ -114,14 +146,15 @@ class Snapshots:
             return files.status("snapshot", snapshot_id, final)
 
     def plain_copies_of(self, volume_id: str) -> list[str]:
-        """Snapshots being copied from ``volume_id`` here, with no daemon to see later writes (the
-        caller holds the lock)."""
+        """Snapshots being copied or read from ``volume_id`` here, with no daemon to see later writes
+        (the caller holds the lock)."""
         for snap in [s for s, v in self._plain.items() if v == volume_id]:
             job = self._files.jobs.get(("snapshot", snap))
             # A published snapshot is done, even while its job thread is still returning.
             if job is None or not job.running or self._files.final("snapshot", snap).exists():
                 del self._plain[snap]
-        return [s for s, v in self._plain.items() if v == volume_id]
+        held = self._streams.holds_of(volume_id) if self._streams is not None else []
+        return [s for s, v in self._plain.items() if v == volume_id] + held
 
     def forget(self) -> None:
         """The pool closes (the caller holds the lock)."""
@@ -131,6 +164,8 @@ class Snapshots:
         """Where a snapshot stands for an ``ensure``: ``absent`` means start it now."""
         files = self._files
         status = files.status("snapshot", snapshot_id, final)
+        if status.state == "absent" and self._streams is not None:
+            return self._streams.status(snapshot_id) or status  # a view or hold made already
         if status.state != "stalled":
             return status
         # A partial with no job of ours behind it: the export daemon's copy, a hypervisor's, or an

@@ -159,7 +159,8 @@ class Chains:
 
     def _in_use(self, served: Served, gen: int, live: Live) -> bool:
         return any(e.gen == gen for e in served.exports) or any(
-            c.gen == gen and copy_names(c.id)[0] in live.jobs for c in served.copies)
+            c.gen == gen and copy_names(c.id)[0] in live.jobs for c in served.copies) or any(
+            v.gen == gen and not v.lost for v in served.views)
 
     def collect(self, served: Served, live: Live) -> bool:
         """Close the chains of ``served`` that no export and no copy job uses; forget the key once
@@ -171,7 +172,7 @@ class Chains:
                 served.chains.remove(chain)
                 changed = True
         desired = self._book.desired()
-        if not (served.chains or served.exports or served.copies) and desired.get(served.key) is served:
+        if not (served.chains or served.exports or served.copies or served.views) and desired.get(served.key) is served:
             del desired[served.key]
             group = group_id(served.key)
             if group in live.groups:
@@ -181,9 +182,11 @@ class Chains:
         return changed
 
     def copying(self, served: Served, live: Live) -> bool:
-        """Whether a copy of the key runs now (its job is there and has not concluded)."""
+        """Whether a copy of the key runs now (its job is there and has not concluded), or a view of it is
+        held (views.py): either sits in its newest chain, which a new chain would escape."""
         jobs = (live.jobs.get(copy_names(c.id)[0]) for c in served.copies)
-        return any(job is not None and job.status != "concluded" for job in jobs)
+        return any(job is not None and job.status != "concluded" for job in jobs) or any(
+            not v.lost for v in served.views)
 
     # -- exports --------------------------------------------------------------------------------------
 

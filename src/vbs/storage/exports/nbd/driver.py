@@ -1,6 +1,6 @@
 """The NBD export driver: the ``ExportDriver`` contract over one qemu-storage-daemon, composed of
-its monitor (daemon.py), session access (access.py), limits (limits.py), block graph (chains.py)
-and point-in-time copies (copies.py).
+its monitor (daemon.py), settings (options.py), session access (access.py), limits (limits.py),
+block graph (chains.py), point-in-time copies (copies.py) and views (views.py).
 
 NBD exports from one long-lived qemu-storage-daemon (QSD) per storage agent, driven over QMP.
 
@@ -56,16 +56,17 @@ filter (an export added on the raw node below it is refused: the filter does not
 when the job ends QEMU drops the filter and the exports move back to the raw node. A job writes the
 source's zero regions with write-zeroes without MAY_UNMAP, so on ext4/xfs the target is allocated
 (unwritten extents) for its whole size: the caller punches those out afterwards. A copy cannot
-survive its daemon: one whose job is gone is an error (its instant is lost), never restarted."""
+survive its daemon: one whose job is gone is an error (its instant is lost), never restarted.
+
+Point-in-time views (``ensure_view``, views.py) show a key as it was at one instant without copying it
+(QEMU's fleecing): what the snapshot store's upload reads on a pool without reflink."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from vbs import ids
 from vbs.config import StorageAgentConfig
@@ -93,6 +94,7 @@ from .chains import Chains
 from .copies import Copies
 from .daemon import QSD, Monitor, TlsMode, daemon_spec
 from .limits import Limits
+from .options import NbdOptions, tls_of
 from .state import (
     STATE_VERSION,
     Book,
@@ -107,29 +109,13 @@ from .state import (
     new_chain,
     upgrade_v1,
 )
+from .view_calls import ViewCalls
+from .views import Views
 
 log = logging.getLogger(__name__)
 
 
-def _tls_of(cfg: StorageAgentConfig, x509: X509Files | None) -> TlsMode:
-    """``nbd_tls``, or ``off`` where ``insecure`` allows plain TCP (said at every start)."""
-    tls: TlsMode = cfg.nbd_tls
-    if cfg.nbd_socket_dir is None and tls == "x509" and x509 is None:
-        if not cfg.insecure:
-            raise InvalidParameter(
-                "NBD over TCP needs TLS: set tls_cert, tls_key and tls_ca of [storage_agent] (X.509, the "
-                "default), or nbd_tls = \"psk\", or nbd_socket_dir (hypervisor on this machine), or run "
-                "--insecure")
-        tls = "off"
-    if cfg.nbd_socket_dir is None and tls == "off":
-        if not cfg.insecure:
-            raise InvalidParameter("nbd_tls = \"off\" (plain NBD over TCP) is allowed only with --insecure")
-        log.warning("INSECURE: NBD exports are served over plain TCP on %s:%d: anyone who reaches that "
-                    "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
-    return tls
-
-
-class NbdExportDriver(SupervisedExportDriver[Served, Live]):
+class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
     protocol = "nbd"
@@ -176,6 +162,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
         self._limits = Limits(fair_share, self._monitor)
         self._chains = Chains(self._monitor, self._limits, book, aio=aio, cache_direct=cache_direct)
         self._copies = Copies(self._monitor, self._chains, self._limits, book, copy_speed=copy_speed)
+        self._views = Views(self._monitor, self._chains, self._limits, book, state_dir / "views")
         self.x509, self.x509_dir = x509, self._access.x509_dir
         self.tls_dir, self.keys_path = self._access.tls_dir, self._access.keys_path
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
@@ -187,9 +174,9 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
     def from_config(cls, cfg: StorageAgentConfig, state_dir: Path) -> NbdExportDriver:
         """``export_host``, ``nbd_port`` and ``nbd_tls``; ``aio``, ``cache_direct`` and ``copy_speed``
         (bytes/s) from ``[storage_agent.options.nbd]``."""
-        opts = _NbdOptions.model_validate(cfg.options.get("nbd", {}))
+        opts = NbdOptions.model_validate(cfg.options.get("nbd", {}))
         x509 = X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        tls = _tls_of(cfg, x509)
+        tls = tls_of(cfg, x509)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=tls, aio=opts.aio,
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
                    socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
@@ -244,11 +231,14 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
     def _restore(self, item: Served, view: Live) -> None:
         """Every chain an export uses and every export (older generations too: their host may not
         have moved yet); chains held only by copy jobs that died with a daemon are forgotten."""
-        changed = False
+        changed = self._views.check(item, view)  # views lost with a daemon: their leftovers go first
         for exp in item.exports:
             changed = self._chains.open_export(item, exp, view) or changed
         if self._chains.collect(item, view) or changed:
             self._save()
+
+    def _reconciled(self, view: Live) -> None:
+        self._views.sweep(view)
 
     def _q(self, command: str, args: dict[str, Any] | None = None) -> Any:
         """Ask the daemon over its monitor."""
@@ -459,15 +449,3 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live]):
                 self._chains.collect(served, live)
                 self._save()
                 log.info("removed copy %s of %s", copy_id, served.key)
-
-
-class _NbdOptions(BaseModel):
-    """``[storage_agent.options.nbd]``: the daemon's I/O mode and the point-in-time copy rate."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    aio: Literal["native", "threads", "io_uring"] = "native"
-    cache_direct: bool = True
-    copy_speed: int = Field(0, ge=0)
-    # [storage_agent.options.nbd.fair_share.gp3] iops = …, mbps = …: what this node's gp3 volumes share.
-    fair_share: dict[str, QoS] = Field(default_factory=dict, max_length=16)

@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -68,12 +68,27 @@ class Copy(BaseModel):
     error: str | None = None
 
 
+class View(BaseModel):
+    """A point-in-time view of the key (fleecing, views.py): a copy-before-write filter between a chain's
+    raw node and its throttle node, whose sparse ``scratch`` file takes the old data of every block
+    written meanwhile, and a ``snapshot-access`` node shown read-only as the file ``mount`` (a FUSE export
+    of the daemon). Never re-created: ``lost`` once its daemon is gone (its instant with it)."""
+
+    id: str
+    gen: int = Field(ge=0)  # the chain it sits in
+    scratch: str
+    mount: str
+    size: int
+    lost: bool = False
+
+
 class Served(ServedKey):
     """Everything the daemon should hold of one key."""
 
     chains: list[Chain] = Field(default_factory=list)
     exports: list[HostExport] = Field(default_factory=list)
     copies: list[Copy] = Field(default_factory=list)
+    views: list[View] = Field(default_factory=list)
     limits: ExportLimits | None = None  # what every export of the key may do together (None: unlimited)
 
     def chain(self, gen: int) -> Chain | None:
@@ -87,7 +102,8 @@ class Served(ServedKey):
         return max((e for e in self.exports if e.host == host), key=lambda e: e.gen, default=None)
 
     def next_gen(self) -> int:
-        return 1 + max([c.gen for c in self.chains] + [c.gen for c in self.copies], default=-1)
+        return 1 + max([c.gen for c in self.chains] + [c.gen for c in self.copies] + [v.gen for v in self.views],
+                       default=-1)
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,23 @@ def copy_names(copy_id: str) -> tuple[str, str, str]:
     """The job id, target node and copy-before-write filter node of a copy."""
     h = hashed(copy_id)
     return f"{JOB_PREFIX}{copy_id}", f"vbst{h}", f"vbsc{h}"
+
+
+VIEW_PREFIXES = ("vbsv", "vbsw", "vbsl", "vbsx")  # a view's nodes, each before its child
+VIEW_EXPORT_PREFIX = "vbsview"  # its FUSE export (not an NBD export: key_host() ignores it)
+
+
+class ViewNodes(NamedTuple):
+    access: str  # snapshot-access: the view
+    cbw: str  # the copy-before-write filter
+    link: str  # a raw node under the filter, which a later view's removal can point elsewhere
+    scratch: str  # the scratch file's node, the filter's target
+    export: str  # the FUSE export of the access node
+
+
+def view_names(view_id: str) -> ViewNodes:
+    h = hashed(view_id)
+    return ViewNodes(f"vbsv{h}", f"vbsw{h}", f"vbsl{h}", f"vbsx{h}", f"{VIEW_EXPORT_PREFIX}{h}")
 
 
 def upgrade_v1(data: dict[str, Any]) -> list[dict[str, Any]]:
