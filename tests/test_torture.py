@@ -2,8 +2,8 @@
 
 Workflows (``flow``): create-volume, create-volume-from-snapshot (a sparse copy: the pool is forced to
 ``--clone-method copy``: it is hydrated from the snapshot store, where the snapshot lives), create-snapshot
-(a copy too, then its upload into the store, which goes forward once started: the storage agent is
-killed in the middle of it as in a copy), delete-volume, delete-snapshot, attach-volume,
+(a point-in-time view in the export daemon, then its upload into the store, which goes forward once
+started: the storage agent is killed in the middle of it as in a copy), delete-volume, delete-snapshot, attach-volume,
 detach-volume (``force``: a bare QEMU never acknowledges an unplug) and modify-volume (a grow of an
 attached volume, so the guest-resize step does real work). Killed processes (``component``): the
 controller, the storage agent, the host agent, and the export daemon: qemu-storage-daemon (NBD) or
@@ -23,10 +23,10 @@ How each step is hit
     process is frozen (SIGSTOP) before the flow starts, so the step's call blocks in it; once the DB
     shows the step ``started`` (and 0.3 s more, for the request to be on its way), the process is
     SIGKILLed with the call in flight. The controller lives on and handles the broken call as it
-    would in production. For the two copies (create-volume-from-snapshot and create-snapshot with the
-    storage agent) nothing is frozen: the agent is SIGKILLed in the middle of the copy, once the
-    ``.partial`` file has data and before it is renamed (1 GiB of data makes the copy last long
-    enough to be caught).
+    would in production. For the two long copies (create-volume-from-snapshot, hydrated from the store, and
+    create-snapshot's upload into the store) nothing is frozen: the agent is SIGKILLed in the middle
+    of the copy, once the ``.partial`` file has data and before it is renamed, or once the upload has
+    put 64 chunks and not its manifest (1 GiB of data makes either last long enough to be caught).
   - ``frozen`` for the other (flow, step) pairs, which a live kill could not hit reliably (a
     step that does not call the process is over in microseconds, or an earlier step calls it too):
     the controller is crashed with ``VBS_CRASH_AT=<kind>:<step>:started``, so the step is recorded
@@ -161,7 +161,7 @@ FLOWS = [
          _calls(storage_grow=(SA,), guest_resize=(SA, DAEMON, HA), limits=(SA, DAEMON)), attach_flow=True),
 ]
 FLOW = {f.name: f for f in FLOWS}
-COPY_FLOWS = {"create-volume-from-snapshot", "create-snapshot"}
+COPY_FLOWS = {"create-volume-from-snapshot"}
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,11 @@ class Point:
 
     @property
     def mid_copy(self) -> bool:
-        return self.moment == "inflight" and self.role == SA and self.flow_name in COPY_FLOWS
+        """The storage agent is killed in the middle of a long copy: a volume hydrated from the snapshot store,
+        or a snapshot's upload into it. (A snapshot of a copy pool makes no copy of its own: it is a
+        point-in-time view its upload streams from, made at once, so its agent is frozen as for any call.)"""
+        return self.moment == "inflight" and self.role == SA and (
+            self.flow_name in COPY_FLOWS or self.step == "store-upload")
 
     @property
     def mid_upload(self) -> bool:
