@@ -3,6 +3,7 @@ the two kinds of table they print. It imports no bench script, so any of them ca
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,16 @@ from pathlib import Path
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``: True if the page cache was dropped (root only)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
 
 
 def os_name() -> str | None:

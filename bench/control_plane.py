@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import log, pct, text_table  # noqa: E402
+from bench.common import drop_caches, log, pct, text_table  # noqa: E402
 from bench.control_api import (  # noqa: E402
     POLL_S,
     Api,
@@ -70,17 +70,6 @@ CINDER_SNAPSHOT_S = 3.0
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``: True if the page cache was dropped."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def fs_type(path: Path) -> str:

@@ -39,7 +39,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+REPO = Path(__file__).resolve().parent.parent
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from bench.common import drop_caches  # noqa: E402
 
 from vbs import ids  # noqa: E402
 from vbs.qemu.qmp import QmpClient, connect_until  # noqa: E402
@@ -67,15 +72,6 @@ def log(msg: str) -> None:
 
 def loadavg() -> float:
     return os.getloadavg()[0]
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3")
-    except OSError:
-        return False
-    return True
 
 
 def make_source(path: Path, size: int, sparse: bool) -> None:

@@ -43,7 +43,7 @@ for _p in (REPO / "src", REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.common import log, markdown_table  # noqa: E402
+from bench.common import drop_caches, log, markdown_table  # noqa: E402
 
 from vbs.snapshot_store import DirStore, StoreKey, restore_snapshot, upload_snapshot  # noqa: E402
 from vbs.snapshot_store.blocks import BlockRange  # noqa: E402
@@ -58,12 +58,6 @@ TARGET_FIRST = 0.5
 TARGET_INCREMENTAL = 0.05
 TARGET_TEN = 1.15
 TARGET_RESTORE = 0.5
-
-
-def drop_caches() -> None:
-    os.sync()
-    if os.geteuid() == 0:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def write_random(path: Path, size: int, *, every: int = 1, seed: int = 1) -> None:

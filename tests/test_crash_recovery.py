@@ -53,6 +53,18 @@ def _prepare_volume(svc: Services) -> str:
     return vol["volume_id"]
 
 
+def _snapshot_crashed_at(services: Services, point: str) -> dict[str, Any]:
+    """A snapshot of a volume with data, whose controller killed itself at ``create-snapshot:<point>``
+    and was started again."""
+    services.start_controller()
+    services.start_agent()
+    vol_id = _prepare_volume(services)
+    services.stop()
+    return crash_and_recover(services, f"create-snapshot:{point}",
+                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json(),
+                             lambda: newest_snapshot(services))
+
+
 @pytest.mark.parametrize("point", ["storage-create:started", "storage-create:done", "mark-available:started"])
 def test_create_volume_interrupted_rolls_back(services: Services, point: str) -> None:
     vol = crash_and_recover(services, f"create-volume:{point}",
@@ -87,13 +99,7 @@ def test_create_volume_from_snapshot_with_copy_interrupted_rolls_back(services: 
 
 @pytest.mark.parametrize("point", ["storage-snapshot:started", "storage-snapshot:done"])
 def test_create_snapshot_interrupted_rolls_back(services: Services, point: str) -> None:
-    services.start_controller()
-    services.start_agent()
-    vol_id = _prepare_volume(services)
-    services.stop()
-    snap = crash_and_recover(services, f"create-snapshot:{point}",
-                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json(),
-                             lambda: newest_snapshot(services))
+    snap = _snapshot_crashed_at(services, point)
     services.vbs.wait_snapshot(snap["snapshot_id"], "error", timeout=30)
     assert_world_agrees(services)
 
@@ -157,13 +163,7 @@ def test_no_live_storage_node_refuses_create_and_changes_nothing(services: Servi
 def test_create_snapshot_interrupted_in_its_upload_goes_forward(services: Services, point: str) -> None:
     """Once the pool's point-in-time copy is made, a controller restart resumes the upload instead of
     rolling back: the snapshot ends ``completed``, in the store."""
-    services.start_controller()
-    services.start_agent()
-    vol_id = _prepare_volume(services)
-    services.stop()
-    snap = crash_and_recover(services, f"create-snapshot:{point}",
-                             lambda: services.vbs.http.post("/v1/snapshots", json={"volume_id": vol_id}).json(),
-                             lambda: newest_snapshot(services))
+    snap = _snapshot_crashed_at(services, point)
     done = services.vbs.wait_snapshot(snap["snapshot_id"], "completed", timeout=60)
     assert done["data_location"] == "store"
     assert (services.data_dir / "storage-state" / "snapshots" / "manifests" / snap["snapshot_id"]).is_file()
