@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import VBS
 from vbs import config as cfgmod
-from vbs.cli.up import Child, _banner, choose_snapshot_store, snapshot_store_flags
+from vbs.cli.up import Child, _banner
+from vbs.cli.up_storage import choose_snapshot_store, snapshot_store_flags
 from vbs.errors import InvalidParameter
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.s3 import S3Store

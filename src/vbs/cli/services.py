@@ -245,7 +245,8 @@ def up(
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
     or a small cluster of them (--controllers, --storage-nodes)."""
     from vbs import drivers
-    from vbs.cli.up import RbdChoice, Shape, run_embedded
+    from vbs.cli.up import Shape, run_embedded
+    from vbs.cli.up_storage import RbdChoice
     from vbs.config import CEPH_USER_RE, RBD_POOL_RE
 
     shape = Shape(controllers, storage_nodes)

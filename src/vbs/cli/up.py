@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from vbs.config import NO_SNAPSHOT_STORE
+from vbs.cli.up_storage import RbdChoice, SnapshotStoreChoice, choose_snapshot_store, embedded_ceph
 from vbs.errors import InvalidParameter, VbsError
 from vbs.net.ports import PortPicker
 from vbs.net.web import ApiClient
@@ -80,95 +80,6 @@ def embedded_postgres(data_dir: Path, avoid: Iterable[int] = ()) -> EmbeddedPost
             db.migrate()
         finally:
             db.dispose()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
-
-
-def snapshot_store_flags(options: dict[str, Any]) -> list[str]:
-    """A storage agent's flags for the snapshot store ``options`` (``config.parse_snapshot_store``'s table)."""
-    driver = options["driver"]
-    if driver == "dir":
-        return ["--snapshot-store", f"dir:{options['path']}"]
-    if driver == "s3":
-        flags = ["--snapshot-store", f"s3://{options['bucket']}/{options.get('prefix', '')}"]
-        if options.get("endpoint_url"):
-            flags += ["--s3-endpoint", str(options["endpoint_url"])]
-        if options.get("credentials_file"):
-            flags += ["--s3-credentials-file", str(options["credentials_file"])]
-        return flags
-    return ["--snapshot-store", NO_SNAPSHOT_STORE]
-
-
-@dataclass(frozen=True)
-class SnapshotStoreChoice:
-    """Where the storage agents of ``vbs up`` put snapshots (all of them the same store, so a volume may be
-    restored on any of them), what the banner says of it."""
-
-    options: dict[str, Any]
-    where: str | None  # the store's own description (None: no store)
-    note: str = ""  # what it does not protect against
-
-    @property
-    def flags(self) -> list[str]:
-        return snapshot_store_flags(self.options)
-
-
-def _same_filesystem(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` (or their nearest existing parents) are on one file system."""
-    def device(p: Path) -> int:
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        return p.stat().st_dev
-    return device(a) == device(b)
-
-
-def choose_snapshot_store(data_dir: Path, options: dict[str, Any] | None, pools: list[Path], *,
-                          rbd: bool = False) -> SnapshotStoreChoice:
-    """The store ``options`` name (default: a ``dir`` store in ``<data-dir>/snapshots``), set up now so a
-    wrong setting stops ``vbs up`` before anything starts; the banner's words for it."""
-    from vbs import drivers
-
-    options = dict(options or {"driver": "dir", "path": str(data_dir / "snapshots")})
-    if options["driver"] == NO_SNAPSHOT_STORE:
-        return SnapshotStoreChoice(options, None, "snapshots stay in their pools only")
-    if options["driver"] == "dir":
-        harden(Path(options["path"]))  # 0700, its files 0600: it holds every tenant's data
-    store_cls: Any = drivers.load("snapshot_store", options["driver"])
-    settings = {k: v for k, v in options.items() if k != "driver"}
-    store = store_cls.from_config(settings, default_dir=data_dir / "snapshots")
-    note = ""
-    if rbd:
-        note = "snapshots of RBD volumes stay in Ceph for now (storing them is the next step)"
-    elif options["driver"] == "dir" and any(_same_filesystem(Path(options["path"]), p) for p in pools):
-        note = ("it is on the pool's own file system: it protects against a lost pool directory only, not a "
-                "lost disk (give --snapshot-store dir:PATH on another disk, or s3://BUCKET/PREFIX)")
-    return SnapshotStoreChoice(options, store.describe(), note)
-
-
-@dataclass(frozen=True)
-class RbdChoice:
-    """``vbs up --backend rbd``: the Ceph cluster the storage agents use (``conf`` None: the data
-    dir's own single-node cluster, started and stopped with the services), its cephx user and pool."""
-
-    conf: Path | None = None
-    user: str = "admin"
-    pool: str = "vbs"
-
-    def agent_flags(self) -> list[str]:
-        assert self.conf is not None
-        return ["--backend", "rbd", "--ceph-conf", str(self.conf), "--ceph-user", self.user, "--rbd-pool", self.pool]
-
-
-def embedded_ceph(data_dir: Path, pool: str) -> EmbeddedCeph:
-    """The data dir's own single-node Ceph (made the first time, restarted on its data after), with
-    ``pool``, every PG active+clean."""
-    cluster = EmbeddedCeph(data_dir)
-    print(f"vbs up: starting the single-node Ceph cluster in {cluster.root} ...", flush=True)
-    cluster.start()
-    try:
-        cluster.create_pool(pool)
     except BaseException:
         cluster.stop()
         raise
@@ -414,7 +325,10 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         # sockets in DIR/vms before any of them is found.
         pools = [storage_node_dirs(data_dir, name).pool for name in shape.storage_names]
         harden(data_dir, data_dir / VM_DIR, *pools)
-        store = choose_snapshot_store(data_dir, snapshot_store, pools, rbd=rbd is not None)
+        # The volumes' data is in the pools' directories, or in the embedded Ceph's (an existing cluster's is
+        # elsewhere): a dir store beside it protects against less.
+        data_homes = pools if rbd is None else [data_dir / CEPH_DIR] if rbd.conf is None else []
+        store = choose_snapshot_store(data_dir, snapshot_store, data_homes)
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
