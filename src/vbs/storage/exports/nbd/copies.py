@@ -32,11 +32,7 @@ class Copies:
         self._monitor, self._chains, self._limits, self._book = monitor, chains, limits, book
 
     def find(self, copy_id: str) -> tuple[Served, Copy] | None:
-        for served in self._book.desired().values():
-            for copy in served.copies:
-                if copy.id == copy_id:
-                    return served, copy
-        return None
+        return self._book.find_copy(copy_id)
 
     def start(self, copy_id: str, served: Served, target: Path, live: Live) -> tuple[Served, Copy]:
         size = file_size(served.key, Path(served.path))

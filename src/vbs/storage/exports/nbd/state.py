@@ -119,6 +119,14 @@ class Book:
     def hosts_with_exports(self) -> set[str]:
         return {e.host for s in self.desired().values() for e in s.exports}
 
+    def find_copy(self, copy_id: str) -> tuple[Served, Copy] | None:
+        """The key a point-in-time copy is of, and the copy."""
+        return next(((s, c) for s in self.desired().values() for c in s.copies if c.id == copy_id), None)
+
+    def find_view(self, view_id: str) -> tuple[Served, View] | None:
+        """The key a point-in-time view is of, and the view."""
+        return next(((s, v) for s in self.desired().values() for v in s.views if v.id == view_id), None)
+
 
 def export_id(key: str, host: str, gen: int) -> str:
     return f"{ID_PREFIX}{key}_{host}_{gen}"

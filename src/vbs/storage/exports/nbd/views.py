@@ -66,11 +66,7 @@ class Views:
         self._monitor, self._chains, self._limits, self._book = monitor, chains, limits, book
 
     def find(self, view_id: str) -> tuple[Served, View] | None:
-        for served in self._book.desired().values():
-            for view in served.views:
-                if view.id == view_id:
-                    return served, view
-        return None
+        return self._book.find_view(view_id)
 
     def _chain_for(self, served: Served, size: int) -> Chain:
         """The chain every writer of the key uses (a new writable one if it has none)."""
