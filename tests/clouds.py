@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
-from tests.conftest import VBS, Vbs, VbsUp, node_token, start_bare_vm, stop_process, wait_until
+from tests.conftest import VBS, Vbs, VbsUp, node_token, start_bare_vm, stop_bare_vm, stop_process, wait_until
 from vbs.net.ports import free_port
 from vbs.rigs.testguest import TestGuest, build_guest
 
@@ -114,7 +114,9 @@ class Cloud:
         """A QEMU without a guest OS on ``host`` (it takes hot-plugged disks and never releases one)."""
         vm_dir = self.vm_dir(host)
         vm_dir.mkdir(parents=True, exist_ok=True)
-        return self.started(start_bare_vm(vm_dir, vm, self.tmp / f"{vm}.log"))
+        vm_proc = start_bare_vm(vm_dir, vm, self.tmp / f"{vm}.log")
+        self.stack.callback(stop_bare_vm, vm_proc)
+        return vm_proc
 
     # -- what the tests ask -------------------------------------------------------------------------------------
 

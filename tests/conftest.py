@@ -82,6 +82,12 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
         proc.wait()
 
 
+def stop_bare_vm(vm: subprocess.Popen[bytes]) -> None:
+    """Stop a ``start_bare_vm`` QEMU: it has no guest to flush for, so SIGKILL. (On SIGTERM QEMU drains
+    its disks first, and one whose NBD export went away waits out the reconnect delay, 15 s.)"""
+    stop_process(vm, signal.SIGKILL)
+
+
 def reap_daemons(state_dir: Path) -> None:
     """Stop export daemons an agent killed with SIGKILL left behind, by the PID in their pidfiles.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Services, private_qmp, start_bare_vm, stop_process, wait_until
+from tests.conftest import Services, private_qmp, start_bare_vm, stop_bare_vm, stop_process, wait_until
 from vbs.rigs.testguest.guest import qmp_execute
 
 
@@ -26,7 +26,7 @@ def cluster(services: Services, tmp_path: Path) -> Iterator[tuple[Services, Path
         wait_until(lambda: services.vbs.http.get("/v1/instances").json()["instances"], 30, what="instance")
         yield services, vm_dir
     finally:
-        stop_process(vm)
+        stop_bare_vm(vm)
 
 
 def vm_devices(vm_dir: Path) -> list[str]:
@@ -90,4 +90,4 @@ def test_controller_killed_during_attach_rolls_back_at_restart(services: Service
         assert agent_exports(services) == []
         assert nbd_nodes(vm_dir) == []
     finally:
-        stop_process(vm)
+        stop_bare_vm(vm)

@@ -28,7 +28,17 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from tests.conftest import VBS, Services, Vbs, free_port, node_token, start_bare_vm, stop_process, wait_until
+from tests.conftest import (
+    VBS,
+    Services,
+    Vbs,
+    free_port,
+    node_token,
+    start_bare_vm,
+    stop_bare_vm,
+    stop_process,
+    wait_until,
+)
 from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database, Operation
 
@@ -96,7 +106,7 @@ def pair(services: Services, postgres: PostgresForTests, tmp_path: Path) -> Iter
         if p.a is not None:
             os.kill(p.a.pid, signal.SIGCONT)
             stop_process(p.a)
-        stop_process(vm)
+        stop_bare_vm(vm)
         db.dispose()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import VBS, Services, node_token, start_bare_vm, stop_process, wait_until
+from tests.conftest import VBS, Services, node_token, start_bare_vm, stop_bare_vm, stop_process, wait_until
 from vbs import ids
 
 
@@ -26,7 +26,7 @@ def cluster(services: Services, tmp_path: Path) -> Iterator[tuple[Services, Path
         wait_until(lambda: services.vbs.http.get("/v1/instances").json()["instances"], 30, what="instance")
         yield services, vm_dir
     finally:
-        stop_process(vm)
+        stop_bare_vm(vm)
 
 
 def check(svc: Services) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Services, node_token, start_bare_vm, stop_process, wait_until
+from tests.conftest import Services, node_token, start_bare_vm, stop_bare_vm, wait_until
 from vbs import ids
 
 pytestmark = pytest.mark.integration
@@ -94,7 +94,7 @@ def rogue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Serv
         yield svc, vm
     finally:
         if vm is not None:
-            stop_process(vm)
+            stop_bare_vm(vm)
         svc.stop()
 
 
@@ -134,5 +134,5 @@ def test_the_host_agent_refuses_a_raw_path_even_from_its_controller(tmp_path: Pa
         assert httpx.get(f"{host['url']}/v1/vms/vm1/disks", headers=auth).json()["disks"] == []
     finally:
         if vm is not None:
-            stop_process(vm)
+            stop_bare_vm(vm)
         svc.stop()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Services, start_bare_vm, stop_process, wait_until
+from tests.conftest import Services, start_bare_vm, stop_bare_vm, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ class Lab:
                                for i in self.http.get("/v1/instances").json()["instances"]), 30, what=f"VM {name}")
 
     def stop_vm(self, name: str) -> None:
-        stop_process(self.vms.pop(name))
+        stop_bare_vm(self.vms.pop(name))
 
     def hold(self, kind: str, step: str) -> None:
         self.internal("hold-step", {"kind": kind, "step": step})

@@ -178,15 +178,20 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+
+
+def stop_together(children: list[Child]) -> None:
+    """SIGTERM to every one of ``children`` that runs, then wait for each (SIGKILL after ``STOP_TIMEOUT_S``)."""
+    running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in running:
         try:
-            self.proc.wait(STOP_TIMEOUT_S)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
 
 @dataclass
@@ -406,14 +411,13 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
-        for controller in controllers:
-            controller.start()
+        # All at once: an agent's heartbeat retries until its controller listens (vbs.net.heartbeat), so the
+        # agents' start-up (imports, pools, export daemons) overlaps the controllers' (imports, migrations).
+        for child in children:
+            child.start()
         write_services(services_file, children, ceph)
         for controller in controllers:
-            _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", controllers)
-        for agent in (*storage_agents, host_agent):
-            agent.start()
-        write_services(services_file, children, ceph)
+            _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", children)
         _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
         print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd, store=store,
                       demo_vm=_hypervisor(host_agent_flags) == "qemu"), flush=True)
@@ -432,11 +436,12 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
         print(f"vbs up: {exc}", file=sys.stderr)
         return 1
     finally:
-        for child in reversed(children):
-            child.stop()
+        # The agents together (each may take a moment to end its exports' daemons), then the controllers.
+        stop_together([c for c in children if c.role != "controller"])
+        api.close()
+        stop_together(controllers)
         _close_local_paths(data_dir / "host-state")
         services_file.unlink(missing_ok=True)
-        api.close()
         for endpoint in endpoints:  # a stopped install's key no longer piles up in the user's file
             credentials.unregister_endpoint(endpoint, key)
 

@@ -73,6 +73,7 @@ class Prober(Repeating):
         self._verify = verify
         self._results: dict[str, Probe] = {}
         self._lock = threading.Lock()
+        self._reached = False  # the controller answered once (before that it may still be starting)
 
     def latest(self) -> list[Probe]:
         with self._lock:
@@ -108,7 +109,8 @@ class Prober(Repeating):
         named = 0
         try:
             named = self.round()
+            self._reached = True
         except VbsError as exc:
-            log.warning("RTT probes: %s", exc.message)
+            log.log(logging.WARNING if self._reached else logging.INFO, "RTT probes: %s", exc.message)
         # Soon again while there is nothing to probe yet (the controller or its nodes starting).
         return self._interval if named else min(self._interval, RETRY_S)
