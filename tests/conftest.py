@@ -40,6 +40,22 @@ def node_token(data_dir: Path, kind: str, name: str) -> str:
     return NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name)
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` has a TCP socket listening on ``port`` (from /proc: not another's)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    except OSError:
+        return False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                    return True
+    return False
+
+
 def free_ports(n: int) -> int:
     """A port P with P .. P+n-1 all free now (``vbs up --controllers N`` uses consecutive ports)."""
     for _ in range(200):
@@ -80,6 +96,20 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """``stop_process`` for several at once: each is signalled first, then waited for."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stop_bare_vm(vm: subprocess.Popen[bytes]) -> None:
@@ -468,12 +498,10 @@ class Services:
                  "--nbd-port", str(self.nbd_port), *extra],
                 env=self.node_env("storage", "storage-1"), stdout=self._log("agent"), stderr=subprocess.STDOUT)
             # A restarted agent's predecessor may still look "up": wait for this one to listen. A port that
-            # another test's daemon took since free_port() (parallel workers) answers /health too: the
-            # agent itself must still run, else it is started again on other ports.
-            wait_until(lambda agent=self.agent: agent.poll() is not None
-                       or httpx.get(f"http://127.0.0.1:{self.agent_port}/health").status_code == 200, 60,
+            # another test's daemon took since free_port() (parallel workers) would answer /health too: the
+            # socket must be this process's, else it is started again on other ports.
+            wait_until(lambda agent=self.agent: agent.poll() is not None or listens(agent.pid, self.agent_port), 60,
                        what="agent listening")
-            time.sleep(1.0)
             if self.agent.poll() is None:
                 break
             self.agent_port, self.nbd_port = free_port(), free_port()
@@ -497,9 +525,9 @@ class Services:
     def stop(self) -> None:
         # host_agent too: a subclass that starts its own (tests/test_torture.py) sets only that one.
         host_agents = [*self.host_agents, *([self.host_agent] if self.host_agent not in self.host_agents else [])]
-        for proc in (*host_agents, self.agent, self.controller):
-            if proc is not None:
-                stop_process(proc)
+        stop_processes([p for p in (*host_agents, self.agent) if p is not None])  # together: each takes a moment
+        if self.controller is not None:
+            stop_process(self.controller)
         reap_daemons(self.data_dir / "storage-state")
 
 
