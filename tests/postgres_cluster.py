@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vbs.rigs.postgres import EmbeddedPostgres
+import psycopg
+from psycopg import sql
+
+from vbs.rigs.postgres import DB_USER, EmbeddedPostgres
 
 VBS = [sys.executable, "-m", "vbs"]
 
@@ -25,6 +28,7 @@ class PostgresForTests:
         self.dir = Path(tempfile.mkdtemp(prefix="vbs-pg-", dir="/tmp"))
         self.cluster = EmbeddedPostgres(self.dir, port=port)
         self._names = itertools.count(1)
+        self._upgraded: str | None = None  # the database that the others are copies of
 
     def start(self) -> None:
         self.cluster.start()
@@ -34,12 +38,20 @@ class PostgresForTests:
         return self.cluster.create_database(f"t{next(self._names)}")
 
     def upgraded_database(self) -> str:
-        """A new database brought to this VBS's schema by ``vbs db upgrade``, as an operator does."""
-        url = self.new_database()
-        proc = subprocess.run([*VBS, "db", "upgrade", "--database-url", url], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return url
+        """A new database at this VBS's schema: a copy (``CREATE DATABASE … TEMPLATE``) of one that
+        ``vbs db upgrade`` brought there, as an operator does, once per session."""
+        if self._upgraded is None:
+            self._upgraded = f"t{next(self._names)}"
+            url = self.cluster.create_database(self._upgraded)
+            proc = subprocess.run([*VBS, "db", "upgrade", "--database-url", url], capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr
+        name = f"t{next(self._names)}"
+        with psycopg.connect(host=str(self.cluster.run), port=self.cluster.port, user=DB_USER, dbname="postgres",
+                             autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name),
+                                                                           sql.Identifier(self._upgraded)))
+        return self.cluster.url(name)
 
     def stop(self) -> None:
         pid = self.cluster.pid
