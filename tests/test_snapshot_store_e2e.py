@@ -167,9 +167,13 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
         key = store_key(db, MasterKey(vbs.data_dir / "master.key")).get_secret_value()
         with db.read() as s:
             rows = [json.dumps(params) for params in s.scalars(select(Operation.params))]
+            first_op = s.scalars(select(Operation.params).where(Operation.kind == "create-snapshot",
+                                                                Operation.resource_id == snap1)).one()
     finally:
         db.dispose()
     assert rows and not any(key in row for row in rows)
+    # The point-in-time view was ready at once: the upload, not a copy, took all of the snapshot's progress.
+    assert first_op["store_share"] == 0, first_op
     assert key not in (vbs.data_dir.parent / "vbs-up.log").read_text()
     assert not list(vbs.data_dir.rglob("snapshot-store.key"))
 

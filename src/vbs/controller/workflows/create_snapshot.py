@@ -46,13 +46,25 @@ class CreateSnapshotParams(StorageParams):
 def take_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     p = ctx.params
     agent = shared.storage_agent(ctx)
-    report = stored.scaled(shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING), 0,
+    scaled = stored.scaled(shared.progress_reporter(ctx, Snapshot, SnapshotState.PENDING), 0,
                            100 if p.store_share is None else p.store_share)
+    copied = False
+
+    def report(progress: int) -> None:
+        nonlocal copied
+        copied = True
+        scaled(progress)
+
     deadline = time.monotonic() + SETTLE_LIMIT_S
     while True:
         try:
             shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.volume_id), report,
                                unreachable_s=shared.patience(ctx))
+            if not copied and p.store_share:
+                # Ready at once (a point-in-time view, a hold, a reflink): no copy took any of the progress,
+                # so the upload shows all of it instead of starting at the copy's share.
+                p.store_share = 0
+                ctx.save()
             return
         except PointInTimeUnavailable:
             pass
