@@ -200,7 +200,7 @@ class IscsiExportDriver(SupervisedExportDriver[Export, View]):
         """The CHAP account of (key, host); see ``access.chap_user``."""
         return chap_user(key, host_name)
 
-    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
+    # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _ready(self, deadline: float) -> None:
         self._portals = parse_portals(self._tgt.adm("show portals", "--mode", "portal", "--op", "show"))

@@ -181,7 +181,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
                    socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
 
-    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
+    # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _daemon_spec(self) -> DaemonSpec:
         return daemon_spec(self.state_dir, self.qmp_path, socket=self.socket, listen_host=self.listen_host,
