@@ -33,8 +33,9 @@ from vbs.pools.backend import Fill, ImageLayout, check_size
 from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier, PointInTimeViewer
 from vbs.qemu.tls import X509Files
 from vbs.storage.backends import file_io
-from vbs.storage.backends.file_copies import DIRS, STOP_TIMEOUT, CopyJobs, Kind
+from vbs.storage.backends.file_copies import STOP_TIMEOUT, CopyJobs, Kind
 from vbs.storage.backends.file_io import FICLONE, CloneMethod
+from vbs.storage.backends.file_pool import PoolFolder
 from vbs.storage.backends.file_snapshots import Snapshots
 from vbs.storage.backends.file_streams import Streams
 from vbs.storage.copy import DEFAULT_CHUNK_BYTES, Job
@@ -50,10 +51,10 @@ log = logging.getLogger(__name__)
 class FileBackend:
     """A pool of raw files under ``path``: ``volumes/<id>.raw`` and ``snapshots/<id>.raw``.
 
-    ``path`` must exist: creating it would silently fill the parent filesystem when the pool's own
-    filesystem failed to mount. ``clone_method`` forces reflink or copy; None detects it.
+    ``path`` must exist (``PoolFolder``). ``clone_method`` forces reflink or copy; None detects it.
     ``exports`` serves the volumes to hosts (None: a pool that serves no host, for tools and tests).
-    Its files and copy jobs are ``file_copies``'s, its snapshots ``file_snapshots``'s.
+    Its files and copy jobs are ``file_copies``'s, its snapshots ``file_snapshots``'s, its folder
+    ``file_pool``'s.
     """
 
     def __init__(
@@ -71,13 +72,7 @@ class FileBackend:
         self.path = Path(path)
         self.exports = exports
         self._copier = exports if isinstance(exports, PointInTimeCopier) else None
-        if not self.path.is_dir():
-            raise DriverError(f"pool {name}: {self.path} is not a directory")
-        try:
-            for sub in DIRS.values():
-                (self.path / sub).mkdir(mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise DriverError(f"pool {name}: cannot prepare {self.path}: {exc.strerror}") from exc
+        self._folder = PoolFolder(name, self.path)
         method: CloneMethod = "copy"
         if clone_method != "copy":
             method = file_io.probe_reflink(self.path, self.name)
@@ -111,21 +106,12 @@ class FileBackend:
     # -- pool -------------------------------------------------------------------------------------
 
     def lost(self) -> str | None:
-        """Why the pool's storage is gone — its directory or one of its folders is no directory (removed, or
-        its file system not mounted) — or None (docs/operations.md "A lost pool")."""
-        for where in (self.path, *(self.path / sub for sub in DIRS.values())):
-            if not where.is_dir():
-                said = "".join(c if c.isprintable() else "?" for c in str(where))[:300]
-                return f"{said} is gone"
-        return None
+        """Why the pool's storage is gone, or None (``PoolFolder.lost``)."""
+        return self._folder.lost()
 
     def pool_info(self) -> PoolInfo:
         lost = self.lost()
-        try:
-            st = os.statvfs(self.path)
-            capacity, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        except FileNotFoundError:
-            capacity = free = 0
+        capacity, free = self._folder.room()
         return PoolInfo(
             name=self.name,
             backend="file",
@@ -139,39 +125,11 @@ class FileBackend:
         )
 
     def inventory(self) -> PoolInventory:
-        found: dict[Kind, set[str]] = {"volume": set(), "snapshot": set()}
-        with self._lock:
-            if (lost := self.lost()) is not None:
-                return PoolInventory(lost=lost)
-            for kind, sub in DIRS.items():
-                try:
-                    with os.scandir(self.path / sub) as entries:
-                        for entry in entries:
-                            item_id = entry.name.removesuffix(".partial").removesuffix(".raw")
-                            if entry.name.endswith((".raw", ".raw.partial")) and ids.is_valid(kind, item_id):
-                                found[kind].add(item_id)
-                except FileNotFoundError:  # removed since it was looked at
-                    return PoolInventory(lost=self.lost() or f"pool {self.name}: its {sub} folder is gone")
-                found[kind].update(item_id for (k, item_id), job in self._jobs.items() if k == kind and job.running)
-        return PoolInventory(volumes=sorted(found["volume"]), snapshots=sorted(found["snapshot"]))
+        return self._folder.inventory(self._files)
 
     def volume_usage(self) -> dict[str, int]:
         """Bytes allocated to each complete volume file (sparse: what was written, not the size)."""
-        used: dict[str, int] = {}
-        try:
-            with os.scandir(self.path / DIRS["volume"]) as entries:
-                for entry in entries:
-                    volume_id = entry.name.removesuffix(".raw")
-                    if entry.name.endswith(".raw") and ids.is_valid("volume", volume_id):
-                        try:
-                            used[volume_id] = entry.stat(follow_symlinks=False).st_blocks * 512
-                        except FileNotFoundError:
-                            continue  # removed meanwhile
-        except FileNotFoundError:
-            pass  # a lost pool: its heartbeat says so (PoolInfo.lost)
-        except OSError as exc:
-            log.warning("pool %s: cannot list volumes for their usage: %s", self.name, exc.strerror)
-        return used
+        return self._folder.volume_usage()
 
     def close(self) -> None:
         with self._lock:

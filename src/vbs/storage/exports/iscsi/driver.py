@@ -1,5 +1,6 @@
 """The iSCSI export driver: the ``ExportDriver`` contract over one userspace tgtd per storage agent,
-composed of tgtd's control (tgtadm.py), access (access.py: ACL and CHAP) and targets (targets.py).
+composed of tgtd's control (tgtadm.py), access (access.py: ACL and CHAP) and targets (targets.py),
+with online resize as a mixin (resize_calls.py).
 
 iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
 
@@ -7,13 +8,7 @@ One target per key (``<iqn_prefix>:t<the key, sealed>``, a volume or a snapshot 
 backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
 tgtd and agent restarts.
 
-Online resize: tgt reads a LUN's size when the LUN is made and never again (no tgtadm parameter
-changes it; QEMU's initiator re-reads the capacity on ``block_resize`` but gets the old one). So
-``refresh_export`` adds another LUN on the same target, backed by the same (grown) file: the host
-logs in to it next to its current session (same ACL and CHAP account) and moves its disk over, then
-``retire_exports`` deletes the LUN it left. Each host's grant names the LUN it uses and the ones
-it may still be using; a LUN is kept while any grant names it, so hosts of a multi-attached volume
-move independently and share the newest LUN. Numbers are reused: a lone host alternates 1 and 2.
+Online resize (a LUN of the grown size beside the one a host uses): resize_calls.py.
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
 
 from .access import Access, acl_addresses, chap_user, is_loopback, new_secret
+from .resize_calls import ResizeCalls
 from .state import STATE_VERSION, Export, Grant, View, parse_portals, upgrade_v1
 from .targets import Targets
 from .tgtadm import TGTD, Tgtadm, tgtd_spec
@@ -122,7 +118,7 @@ def _tunnel_of(cfg: StorageAgentConfig) -> X509Files | None:
     return tunnel
 
 
-class IscsiExportDriver(SupervisedExportDriver[Export, View]):
+class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
     """Export driver for iSCSI through one tgtd; see the notes at the top of this module."""
 
     protocol = "iscsi"
@@ -200,7 +196,7 @@ class IscsiExportDriver(SupervisedExportDriver[Export, View]):
         """The CHAP account of (key, host); see ``access.chap_user``."""
         return chap_user(key, host_name)
 
-    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
+    # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _ready(self, deadline: float) -> None:
         self._portals = parse_portals(self._tgt.adm("show portals", "--mode", "portal", "--op", "show"))
@@ -403,49 +399,3 @@ class IscsiExportDriver(SupervisedExportDriver[Export, View]):
                 if host != user:
                     out.append(ExportInfo(key=key, host=host, protocol=self.protocol, target=iqn))
         return sorted(out, key=lambda e: (e.key, e.host))  # by key: names are sealed, their order is no one's
-
-    # -- online resize ----------------------------------------------------------------------------
-
-    def _refresh(self, item: Export, host_name: str, size: int) -> Connection:
-        """A LUN of the key's target that reports the file's current (grown) size: the newest LUN
-        if it does already (another host refreshed first), else a new one. The LUN the host uses
-        now keeps serving until ``retire_exports``. Same target, ACL and CHAP account; the
-        connection differs in its LUN only."""
-        exp, grant = item, item.grants[host_name]
-        if exp.rbd is not None:
-            exp.image_size = size  # a LUN made from now on opens the grown image
-        view = self._tgt.show()
-        # What should exist must, first (tgtd may have restarted): a LUN made now has the file's size.
-        self._targets.apply(exp, view)
-        if exp.lun_sizes.get(grant.lun) == size:
-            return self._connection(exp, grant)
-        before = (exp.lun, grant.lun, list(grant.old_luns))
-        if exp.lun_sizes.get(exp.lun) != size:
-            exp.lun = self._targets.free_lun(exp, view)
-        if grant.lun not in grant.old_luns:
-            grant.old_luns.append(grant.lun)
-        grant.lun = exp.lun
-
-        def undo() -> None:
-            exp.lun, grant.lun, grant.old_luns = before
-            try:
-                self._targets.apply(exp, self._tgt.show())  # drops a half-made LUN
-            except DriverError as exc:
-                log.error("could not roll back the refresh of %s: %s", exp.key, exc.message)
-
-        with self._desired_first(undo):  # after a crash, check() makes the LUN
-            self._targets.apply(exp, view)
-        log.info("refreshed the iSCSI export of %s for %s: LUN %d serves %d bytes",
-                 exp.key, host_name, grant.lun, exp.lun_sizes.get(grant.lun, 0))
-        return self._connection(exp, grant)
-
-    def _retire(self, item: Export, host_name: str) -> None:
-        """Forget the LUNs the host used before its refreshes and delete those no other host uses
-        (a client still on one gets I/O errors)."""
-        grant = item.grants[host_name]
-        if grant.old_luns:
-            retired, grant.old_luns = grant.old_luns, []
-            self._save()
-            log.info("retired LUN(s) %s of %s for %s", retired, item.key, host_name)
-        if self._running():
-            self._targets.apply(item, self._tgt.show())  # also finishes a retire a crash interrupted

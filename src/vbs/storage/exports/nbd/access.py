@@ -33,8 +33,14 @@ class Access:
         self.keys: dict[str, str] = {}  # host name -> hex PSK
         self._monitor, self._book = monitor, book
 
-    def prepare(self) -> None:
-        """The credentials the daemon reads as it starts, from the desired state just loaded."""
+    def prepare(self, socket_dir: Path | None, socket: Path | None) -> None:
+        """The credentials the daemon reads as it starts, from the desired state just loaded; the
+        directories of a unix ``socket`` (``socket_dir`` and the one it is in)."""
+        if socket_dir is not None and socket is not None:
+            # The boundary of a unix-socket export: only this user may enter the directory.
+            for d in {socket_dir, socket.parent}:
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                d.chmod(0o700)
         if self.tls == "x509":
             assert self.x509 is not None
             qemu_x509_dir(self.x509, self.x509_dir, "server")

@@ -1,6 +1,7 @@
 """The NBD export driver: the ``ExportDriver`` contract over one qemu-storage-daemon, composed of
 its monitor (daemon.py), settings (options.py), session access (access.py), limits (limits.py),
-block graph (chains.py), point-in-time copies (copies.py) and views (views.py).
+block graph (chains.py), point-in-time copies (copies.py) and views (views.py); the calls that
+take and drop copies and views are mixins (copy_calls.py, view_calls.py, instant_calls.py).
 
 NBD exports from one long-lived qemu-storage-daemon (QSD) per storage agent, driven over QMP.
 
@@ -68,10 +69,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from vbs import ids
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, RetryLater
-from vbs.pools.exports import ExportSource, FileSource
+from vbs.pools.exports import ExportSource
 from vbs.qemu.tls import X509Files
 from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.supervised import (
@@ -79,7 +79,6 @@ from vbs.storage.exports.supervised import (
     ServedKey,
     SupervisedExportDriver,
     check_key,
-    source_file,
     source_size,
 )
 from vbs.system.daemons import DaemonSpec
@@ -87,11 +86,12 @@ from vbs.system.desired_state import DesiredState
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
 from vbs.wire.qos import ExportLimits, QoS
-from vbs.wire.storage import ExportInfo, ItemStatus
+from vbs.wire.storage import ExportInfo
 
 from .access import Access
 from .chains import Chains
 from .copies import Copies
+from .copy_calls import CopyCalls
 from .daemon import QSD, Monitor, TlsMode, daemon_spec
 from .limits import Limits
 from .options import NbdOptions, tls_of
@@ -115,7 +115,7 @@ from .views import Views
 log = logging.getLogger(__name__)
 
 
-class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
+class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls):
     """Export driver for NBD through one qemu-storage-daemon; see the module docstring."""
 
     protocol = "nbd"
@@ -181,7 +181,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
                    socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
 
-    # -- the daemon (hooks of SupervisedExportDriver) ------------------------------------------------
+    # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _daemon_spec(self) -> DaemonSpec:
         return daemon_spec(self.state_dir, self.qmp_path, socket=self.socket, listen_host=self.listen_host,
@@ -218,12 +218,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
         self._monitor.let_go()
 
     def _loaded_state(self) -> None:
-        if self.socket_dir is not None:
-            # The boundary of a unix-socket export: only this user may enter the directory.
-            for d in {self.socket_dir, Path(str(self.socket)).parent}:
-                d.mkdir(parents=True, exist_ok=True, mode=0o700)
-                d.chmod(0o700)
-        self._access.prepare()
+        self._access.prepare(self.socket_dir, self.socket)
 
     def _view(self) -> Live:
         return self._monitor.view(self._running())
@@ -340,16 +335,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
         return exp
 
     def _remove(self, item: Served | None, key: str, host_name: str) -> None:
-        live = self._view()
-        # Every export of the pair, also one the state file lost: none must outlive the attachment.
-        self._chains.close_unknown(key, host_name, live)
-        if item is not None:
-            mine = [e for e in item.exports if e.host == host_name]
-            for exp in mine:
-                self._chains.close_export(exp.id, live)
-                item.exports.remove(exp)
-            if self._chains.collect(item, live) or mine:
-                self._save()
+        self._close_host_exports(item, key, host_name)
         if host_name not in self._book.hosts_with_exports():
             self._access.host_gone(host_name, self._running())
 
@@ -397,55 +383,22 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], ViewCalls):
     def _retire(self, item: Served, host_name: str) -> None:
         """The host's exports older than its current one go (their clients are cut off), and the
         chains nothing uses any more."""
-        cur = item.current(host_name)
+        going = self._close_host_exports(item, item.key, host_name, keep=item.current(host_name))
+        if going:
+            log.info("retired %d older NBD export(s) of %s for %s", going, item.key, host_name)
+
+    def _close_host_exports(self, item: Served | None, key: str, host_name: str, *, keep: HostExport | None = None
+                            ) -> int:
+        """Close the host's exports of the key but ``keep``, also those the state file lost (none must
+        outlive the attachment), and the chains nothing uses any more; how many of ``item``'s went."""
         live = self._view()
-        going = [e for e in item.exports if e.host == host_name and e is not cur]
-        self._chains.close_unknown(item.key, host_name, live)  # also those the state file lost
+        self._chains.close_unknown(key, host_name, live)
+        if item is None:
+            return 0
+        going = [e for e in item.exports if e.host == host_name and e is not keep]
         for exp in going:
             self._chains.close_export(exp.id, live)
             item.exports.remove(exp)
         if self._chains.collect(item, live) or going:
             self._save()
-        if going:
-            log.info("retired %d older NBD export(s) of %s for %s", len(going), item.key, host_name)
-
-    # -- point-in-time copies --------------------------------------------------------------------------
-
-    def ensure_copy(self, copy_id: str, key: str, source: ExportSource, target: Path) -> ItemStatus:
-        """Copy ``source`` as it is now into ``target`` (an existing file of its size) while hosts
-        keep writing to it; see the module docstring. ``copying`` with its progress, then ``ready``;
-        ``error`` if the job failed or its daemon restarted midway (never restarted: its instant is
-        lost). ``RetryLater`` while a refresh of the key is not retired (a host still writes
-        through an older chain, which the copy would not see)."""
-        ids.check("snapshot", copy_id)
-        check_key(key)
-        path = source_file(key, source)
-        target = Path(target)
-        if not target.is_absolute():
-            raise InvalidParameter(f"copy target must be absolute: {target}")
-        with self._lock:
-            self._up()
-            live = self._view()
-            found = self._copies.find(copy_id)
-            if found is None:
-                served = self._serving(key, FileSource(path)) or Served(key=key, path=str(path))
-                found = self._copies.start(copy_id, served, target, live)
-            served, copy = found
-            if served.key != key or copy.target != str(target):
-                raise IdempotentParameterMismatch(f"copy {copy_id} is of {served.key} into {copy.target}")
-            return self._copies.status(served, copy, live)
-
-    def remove_copy(self, copy_id: str) -> None:
-        """Cancel the copy if it runs, close its target and forget it; idempotent."""
-        ids.check("snapshot", copy_id)
-        with self._lock:
-            self._load()
-            live = self._view()
-            self._copies.end(copy_id, live)  # also a job the state file lost
-            found = self._copies.find(copy_id)
-            if found is not None:
-                served, copy = found
-                served.copies.remove(copy)
-                self._chains.collect(served, live)
-                self._save()
-                log.info("removed copy %s of %s", copy_id, served.key)
+        return len(going)
