@@ -173,7 +173,7 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
         db.dispose()
     assert rows and not any(key in row for row in rows)
     # The point-in-time view was ready at once: the upload, not a copy, took all of the snapshot's progress.
-    assert first_op["store_share"] == 0, first_op
+    assert first_op["ready_at_once"], first_op
     assert key not in (vbs.data_dir.parent / "vbs-up.log").read_text()
     assert not list(vbs.data_dir.rglob("snapshot-store.key"))
 

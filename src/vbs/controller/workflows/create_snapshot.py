@@ -41,6 +41,8 @@ class CreateSnapshotParams(StorageParams):
     # The snapshot goes into the store after its pool's copy, which takes this share (0-100) of its
     # progress (``stored.copy_share``); None: its pool puts none into a store (and older operations).
     store_share: int | None = None
+    # The pool's step was ready at once (no copy): the upload then shows all of the progress.
+    ready_at_once: bool = False
 
 
 def take_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
@@ -61,9 +63,9 @@ def take_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
             shared.until_ready(lambda: agent.ensure_snapshot(p.pool, ctx.resource_id, p.volume_id), report,
                                unreachable_s=shared.patience(ctx))
             if not copied and p.store_share:
-                # Ready at once (a point-in-time view, a hold, a reflink): no copy took any of the progress,
-                # so the upload shows all of it instead of starting at the copy's share.
-                p.store_share = 0
+                # Ready at once (a point-in-time view, a hold): no copy took any of the progress, so the upload
+                # shows all of it instead of starting at the copy's share.
+                p.ready_at_once = True
                 ctx.save()
             return
         except PointInTimeUnavailable:
@@ -150,7 +152,7 @@ def store_snapshot(ctx: StepContext[CreateSnapshotParams]) -> None:
     """The storage node puts the snapshot into the store: ``completed`` means stored (docs/snapshots.md)."""
     p = ctx.params
     if p.store_share is not None:
-        stored.upload(ctx, p.node, p.pool, ctx.resource_id, p.store_share)
+        stored.upload(ctx, p.node, p.pool, ctx.resource_id, 0 if p.ready_at_once else p.store_share)
 
 
 def unstore_snapshot(ctx: StepContext[Any]) -> None:
