@@ -179,7 +179,6 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-
 def stop_together(children: list[Child]) -> None:
     """SIGTERM to every one of ``children`` that runs, then wait for each (SIGKILL after ``STOP_TIMEOUT_S``)."""
     running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
