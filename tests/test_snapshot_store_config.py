@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import VBS
 from vbs import config as cfgmod
-from vbs.cli.up import Child, _banner
+from vbs.cli.up import Child
+from vbs.cli.up_banner import banner
 from vbs.cli.up_storage import choose_snapshot_store, snapshot_store_flags
 from vbs.errors import InvalidParameter
 from vbs.snapshot_store.dir import DirStore
@@ -98,8 +99,8 @@ def test_vbs_up_gives_every_agent_one_store_and_says_what_it_protects(tmp_path: 
     assert stat.S_IMODE((data / "snapshots").stat().st_mode) == 0o700
     assert choice.flags == ["--snapshot-store", f"dir:{data / 'snapshots'}"]
     agent = Child("storage-agent", "storage-1", "http://127.0.0.1:9", [], {})
-    banner = _banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False, store=choice)
-    assert f"Snapshots go to dir:{data / 'snapshots'}; it is on the pool's own file system" in banner
+    text = banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False, store=choice)
+    assert f"Snapshots go to dir:{data / 'snapshots'}; it is on the pool's own file system" in text
     s3 = {"driver": "s3", "bucket": "b-1", "prefix": "x", "endpoint_url": "http://127.0.0.1:9",
           "credentials_file": "/etc/vbs/s3"}
     assert snapshot_store_flags(s3) == ["--snapshot-store", "s3://b-1/x", "--s3-endpoint", "http://127.0.0.1:9",

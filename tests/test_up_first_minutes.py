@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from tests.conftest import VBS, running_vbs_up
-from vbs.cli.up import Child, _banner, _hypervisor
+from vbs.cli.up import Child
+from vbs.cli.up_banner import banner, hypervisor_of
 from vbs.trust import credentials
 
 
@@ -54,7 +55,7 @@ def test_vbs_up_makes_the_folders_it_names(tmp_path: Path) -> None:
 def test_the_banner_says_what_to_paste_into_another_shell() -> None:
     data = Path("/srv/vbs/var")
     agent = Child("storage-agent", "storage-1", "http://127.0.0.1:9", [], {})
-    text = _banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False,
+    text = banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False,
                    cli_credentials=Path("/home/u/.config/vbs/credentials"))
     lines = text.splitlines()
     assert lines[0].startswith("VBS is up: endpoint http://127.0.0.1:8770")
@@ -64,12 +65,12 @@ def test_the_banner_says_what_to_paste_into_another_shell() -> None:
     assert ("Web console: http://127.0.0.1:8770/console (sign in with the access key in "
             "/srv/vbs/var/credentials)") in lines
     assert not any("demo-vm" in line for line in lines)  # a host agent that finds no QMP sockets
-    qemu = _banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False, demo_vm=True)
+    qemu = banner(data, ["http://127.0.0.1:8770"], [agent], data / "up.json", tls=False, demo_vm=True)
     assert any(line.startswith("  vbs demo-vm vm1 --data-dir /srv/vbs/var   # ") for line in qemu.splitlines())
-    default = _banner(Path("var"), ["http://127.0.0.1:8770"], [agent], Path("var/up.json"), tls=False, demo_vm=True)
+    default = banner(Path("var"), ["http://127.0.0.1:8770"], [agent], Path("var/up.json"), tls=False, demo_vm=True)
     assert any(line.startswith("  vbs demo-vm vm1   # ") for line in default.splitlines())  # make run's ./var
-    assert _hypervisor(("--hypervisor", "libvirt")) == "libvirt" and _hypervisor(()) == "qemu"
-    tls = _banner(data, ["https://127.0.0.1:8770", "https://127.0.0.1:8771"], [agent], data / "up.json", tls=True)
+    assert hypervisor_of(("--hypervisor", "libvirt")) == "libvirt" and hypervisor_of(()) == "qemu"
+    tls = banner(data, ["https://127.0.0.1:8770", "https://127.0.0.1:8771"], [agent], data / "up.json", tls=True)
     assert "  export VBS_ENDPOINT=https://127.0.0.1:8770,https://127.0.0.1:8771" in tls.splitlines()
     assert "  export VBS_CA_BUNDLE=/srv/vbs/var/ca.pem" in tls.splitlines()
 

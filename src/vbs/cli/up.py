@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from vbs.cli.up_banner import VM_DIR, banner, hypervisor_of
 from vbs.cli.up_storage import RbdChoice, SnapshotStoreChoice, choose_snapshot_store, embedded_ceph
 from vbs.errors import InvalidParameter, VbsError
 from vbs.net.ports import PortPicker
@@ -50,7 +51,6 @@ HOST_NODE = "host-1"
 MAX_CONTROLLERS = 8
 MAX_STORAGE_NODES = 16
 SERVICES_FILE = "up.json"
-VM_DIR = "vms"  # the host agent's --vm-dir: QEMU's QMP sockets <vm>.qmp
 # What a child keeps of this process's environment: no secrets (tokens and keys reach the children
 # as 0600 files), just what a Python program and the VBS settings need.
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VBS_TEST_HOOKS",
@@ -418,8 +418,8 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
         for controller in controllers:
             _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", children)
         _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
-        print(_banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd, store=store,
-                      demo_vm=_hypervisor(host_agent_flags) == "qemu"), flush=True)
+        print(banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd, store=store,
+                      demo_vm=hypervisor_of(host_agent_flags) == "qemu"), flush=True)
         while not stopping:
             time.sleep(0.2)
             for child in children:
@@ -472,44 +472,3 @@ def _agents_up(api: ApiClient, storage_agents: list[Child], host_agent: Child) -
         return node is not None and node["state"] == "up" and node["url"] == child.url
 
     return all(up(nodes, a) for a in storage_agents) and up(hosts, host_agent)
-
-
-def _hypervisor(host_agent_flags: tuple[str, ...]) -> str:
-    """The host agent's hypervisor driver, as its flags name it (``qemu`` when they do not)."""
-    flags = list(host_agent_flags)
-    return flags[flags.index("--hypervisor") + 1] if "--hypervisor" in flags[:-1] else "qemu"
-
-
-def _banner(data_dir: Path, endpoints: list[str], storage_agents: list[Child], services_file: Path, *,
-            tls: bool, rbd: RbdChoice | None = None, cli_credentials: Path | None = None,
-            store: SnapshotStoreChoice | None = None, demo_vm: bool = False) -> str:
-    """What ``vbs up`` prints once everything is up: where things are, and the lines to paste into
-    another shell. Keys are named by the 0600 files that hold them, never printed. ``demo_vm``: the host
-    agent finds QEMU VMs by their QMP sockets, so ``vbs demo-vm`` gives it one to attach volumes to."""
-    where = (f"endpoint {endpoints[0]}" if len(endpoints) == 1
-             else f"endpoints {','.join(endpoints)} (give them all as VBS_ENDPOINT)")
-    nodes = "" if len(storage_agents) == 1 else f", storage nodes {', '.join(a.name for a in storage_agents)}"
-    services = "" if len(endpoints) == 1 and len(storage_agents) == 1 else f", services in {services_file}"
-    key_file = data_dir / "credentials"
-    cli_file = cli_credentials or credentials.user_file()
-    first = (f"VBS is up: {where}{nodes}, data in {data_dir}, VMs found in {data_dir / VM_DIR}, "
-             f"credentials in {key_file}{services}"
-             + (f", CA certificate {data_dir / 'ca.pem'}" if tls else "")
-             + (f", volumes in Ceph pool {rbd.pool} (rbd -c {rbd.conf} ls {rbd.pool})" if rbd is not None else "")
-             + " (Ctrl-C stops)")
-    lines = [first]
-    if store is not None:
-        note = f"; {store.note}" if store.note else ""
-        lines.append(f"Snapshots go to {store.where or 'no snapshot store'}{note}")
-    lines += ["In another shell:",
-             f"  export VBS_ENDPOINT={','.join(endpoints)}",
-             f"  # the vbs CLI finds its key by itself: section [{credentials.endpoint_key(endpoints[0])}] "
-             f"of {cli_file} (0600)"]
-    if tls:
-        lines.append(f"  export VBS_CA_BUNDLE={data_dir / 'ca.pem'}")
-    lines.append(f"  export AWS_SHARED_CREDENTIALS_FILE={key_file}   # the AWS CLI and boto3: profile default")
-    if demo_vm:
-        also = "" if data_dir == Path("var") else f" --data-dir {data_dir}"
-        lines.append(f"  vbs demo-vm vm1{also}   # a small VM to attach volumes to (QEMU, in the background)")
-    lines.append(f"Web console: {endpoints[0]}/console (sign in with the access key in {key_file})")
-    return "\n".join(lines)
