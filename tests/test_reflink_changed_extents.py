@@ -2,9 +2,10 @@
 real XFS (reflink=1) made on a loop device by the test.
 
 The FIEMAP comparison of two reflinked files reports every byte that differs (more is allowed, less never)
-and nothing for two untouched reflinks; a reflink pool's second snapshot after a small write is uploaded
-reading only the chunk that changed and restores bit for bit; without the previous snapshot's pool copy the
-upload reads and hashes everything.
+and nothing for two untouched reflinks, also for a map longer than one FIEMAP call and when read in
+windows; a reflink pool's second snapshot after a small write is uploaded reading only the chunk that
+changed and restores bit for bit; without the previous snapshot's pool copy the upload reads and hashes
+everything.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vbs.snapshot_store.dir import DirStore
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.system import argv
-from vbs.system.shared_extents import changed_extents
+from vbs.system.shared_extents import WINDOW, changed_extents, file_extents
 from vbs.wire.storage import ItemStatus, RestoreVolume, StoredStatus, StoreSnapshot
 
 pytestmark = pytest.mark.integration
@@ -48,9 +49,9 @@ def reflink(src: Path, dst: Path) -> None:
     argv.run(["cp", "--reflink=always", "--", str(src), str(dst)], timeout=60)
 
 
-def changes(older: Path, newer: Path) -> list[tuple[int, int]] | None:
+def changes(older: Path, newer: Path, window: int = WINDOW) -> list[tuple[int, int]] | None:
     with older.open("rb") as a, newer.open("rb") as b:
-        return changed_extents(a.fileno(), b.fileno())
+        return changed_extents(a.fileno(), b.fileno(), window)
 
 
 def differing_blocks(older: Path, newer: Path, block: int = 4 * KiB) -> set[int]:
@@ -73,6 +74,7 @@ def test_untouched_reflinks_share_everything_and_every_change_is_reported(xfs_di
     reflink(older, twin)
     reflink(older, newer)
     assert changes(older, twin) == [] and changes(twin, newer) == [] and changes(older, older) == []
+    assert changes(older, twin, window=MiB + 4 * KiB) == []
 
     write(newer, MiB + 100, os.urandom(4 * KiB))  # unaligned: straddles two blocks
     write(newer, 8 * MiB, os.urandom(MiB))
@@ -99,6 +101,29 @@ def test_untouched_reflinks_share_everything_and_every_change_is_reported(xfs_di
     # The rewritten same bytes count as changed (other blocks), never as missing.
     assert covered(reported, 5 * MiB, 4 * KiB)
     assert sum(size for start, size in reported if start < 32 * MiB) < 8 * MiB, reported
+    # Read a window at a time (extents cut at odd offsets, a punched hole across a window's end): the same.
+    assert changes(older, newer, window=3 * MiB + 4 * KiB) == reported
+    assert changes(older, newer, window=64 * KiB) == reported
+
+
+def test_a_map_of_more_extents_than_one_call_lists_is_read_whole(xfs_dir: Path) -> None:
+    older, newer = xfs_dir / "older.raw", xfs_dir / "newer.raw"
+    with older.open("wb") as f:
+        f.truncate(64 * MiB)
+    fd = os.open(older, os.O_WRONLY)
+    try:
+        for k in range(1024):  # 1024 extents of 4 KiB, a hole after each: more than one FIEMAP call's 512
+            os.pwrite(fd, os.urandom(4 * KiB), k * 64 * KiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    reflink(older, newer)
+    with newer.open("rb") as f:
+        assert len(file_extents(f.fileno(), 0, 64 * MiB) or []) == 1024
+    assert changes(older, newer) == []
+    for k in (3, 700, 1023):
+        write(newer, k * 64 * KiB, os.urandom(4 * KiB))
+    assert changes(older, newer) == [(k * 64 * KiB, 4 * KiB) for k in (3, 700, 1023)]
 
 
 S = TypeVar("S", bound=ItemStatus)

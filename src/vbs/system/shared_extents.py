@@ -25,6 +25,7 @@ _FIEMAP_FLAG_SYNC = 0x1  # write dirty pages back first, so nothing is still onl
 _HEADER = struct.Struct("=QQIIII")  # fm_start, fm_length, fm_flags, fm_mapped_extents, fm_extent_count, reserved
 _EXTENT = struct.Struct("=QQQQQIIII")  # fe_logical, fe_physical, fe_length, 2 reserved, fe_flags, 3 reserved
 _BATCH = 512  # extents asked for per call
+WINDOW = 256 << 20  # bytes of both files compared at a time
 
 EXTENT_LAST = 0x1
 EXTENT_SHARED = 0x2000
@@ -55,14 +56,13 @@ class Extent:
         return bool(self.flags & EXTENT_SHARED) and not self.flags & ~_CERTAIN
 
 
-def file_extents(fd: int, size: int) -> list[Extent] | None:
-    """The extents of the open file ``fd`` that start before ``size``, in order (None: the file system
+def file_extents(fd: int, start: int, end: int) -> list[Extent] | None:
+    """The extents of the open file ``fd`` that reach into ``[start, end)``, in order (None: the file system
     gives no extent map)."""
     extents: list[Extent] = []
-    start = 0
-    while start < size:
+    while start < end:
         buf = bytearray(_HEADER.size + _BATCH * _EXTENT.size)
-        _HEADER.pack_into(buf, 0, start, size - start, _FIEMAP_FLAG_SYNC, 0, _BATCH, 0)
+        _HEADER.pack_into(buf, 0, start, end - start, _FIEMAP_FLAG_SYNC, 0, _BATCH, 0)
         try:
             fcntl.ioctl(fd, FS_IOC_FIEMAP, buf, True)
         except OSError as exc:
@@ -85,9 +85,9 @@ def file_extents(fd: int, size: int) -> list[Extent] | None:
     return extents
 
 
-def _unchanged(older: list[Extent], newer: list[Extent], limit: int) -> list[tuple[int, int]]:
-    """The ranges ``[start, end)`` below ``limit``, in order, where both files certainly hold the same bytes:
-    the same shared physical blocks, or a hole in both."""
+def _unchanged(older: list[Extent], newer: list[Extent], start: int, end: int) -> list[tuple[int, int]]:
+    """The ranges ``[lo, hi)`` within ``[start, end)``, in order, where both files certainly hold the same
+    bytes: the same shared physical blocks, or a hole in both."""
     same: list[tuple[int, int]] = []
     # The same shared blocks: where two certain shared extents overlap with the same physical displacement.
     a = [e for e in older if e.certain_and_shared]
@@ -95,7 +95,7 @@ def _unchanged(older: list[Extent], newer: list[Extent], limit: int) -> list[tup
     i = j = 0
     while i < len(a) and j < len(b):
         x, y = a[i], b[j]
-        lo, hi = max(x.logical, y.logical), min(x.end, y.end, limit)
+        lo, hi = max(x.logical, y.logical, start), min(x.end, y.end, end)
         if lo < hi and x.physical - x.logical == y.physical - y.logical:
             same.append((lo, hi))
         if x.end <= y.end:
@@ -103,42 +103,66 @@ def _unchanged(older: list[Extent], newer: list[Extent], limit: int) -> list[tup
         else:
             j += 1
     # Holes in both: the gaps left by every extent of either file, whatever its flags.
-    pos = 0
+    pos = start
     for extent in sorted(older + newer, key=lambda e: e.logical):
         if extent.logical > pos:
-            same.append((pos, min(extent.logical, limit)))
+            same.append((pos, min(extent.logical, end)))
         pos = max(pos, extent.end)
-        if pos >= limit:
+        if pos >= end:
             break
-    if pos < limit:
-        same.append((pos, limit))
+    if pos < end:
+        same.append((pos, end))
     return sorted((lo, hi) for lo, hi in same if lo < hi)
 
 
-def changed_extents(older_fd: int, newer_fd: int) -> list[tuple[int, int]] | None:
+def _changed_in(older: list[Extent], newer: list[Extent], start: int, end: int) -> list[tuple[int, int]]:
+    """The byte extents ``(offset, length)`` within ``[start, end)`` that may differ, in order."""
+    changed: list[tuple[int, int]] = []
+    pos = start
+    for lo, hi in _unchanged(older, newer, start, end):
+        if lo > pos:
+            changed.append((pos, lo - pos))
+        pos = max(pos, hi)
+    if pos < end:
+        changed.append((pos, end - pos))
+    return changed
+
+
+def _append(changed: list[tuple[int, int]], more: list[tuple[int, int]]) -> None:
+    """``more`` after ``changed``, an extent that continues the last one merged into it."""
+    for offset, length in more:
+        if changed and changed[-1][0] + changed[-1][1] == offset:
+            changed[-1] = (changed[-1][0], changed[-1][1] + length)
+        else:
+            changed.append((offset, length))
+
+
+def changed_extents(older_fd: int, newer_fd: int, window: int = WINDOW) -> list[tuple[int, int]] | None:
     """The byte extents ``(offset, length)`` of the file ``newer_fd`` that may hold other bytes than
     the file ``older_fd`` at the same offsets, in order (more than what changed, never less); None when
-    the file system cannot tell. Neither file may be written meanwhile (snapshot images are not)."""
+    the file system cannot tell. Neither file may be written meanwhile (snapshot images are not). The maps
+    are read ``window`` bytes at a time: a badly fragmented terabyte costs a window's extents in memory."""
     older, newer = os.fstat(older_fd), os.fstat(newer_fd)
     if older.st_dev != newer.st_dev:
         return None  # physical addresses of two devices say nothing about each other
     size, limit = newer.st_size, min(older.st_size, newer.st_size)
-    old_map = file_extents(older_fd, limit)
-    new_map = file_extents(newer_fd, limit)
-    if old_map is None or new_map is None:
-        return None
-    return changed_of_maps(old_map, new_map, older.st_size, size)
+    changed: list[tuple[int, int]] = []
+    for start in range(0, limit, window):
+        end = min(start + window, limit)
+        old_map, new_map = file_extents(older_fd, start, end), file_extents(newer_fd, start, end)
+        if old_map is None or new_map is None:
+            return None
+        _append(changed, _changed_in(old_map, new_map, start, end))
+    if limit < size:
+        _append(changed, [(limit, size - limit)])  # all of a grown file beyond the older one's end
+    return changed
 
 
 def changed_of_maps(older: list[Extent], newer: list[Extent], older_size: int,
                     newer_size: int) -> list[tuple[int, int]]:
-    """``changed_extents`` of two files' extent maps (each in order, as FIEMAP lists them) and sizes."""
-    changed: list[tuple[int, int]] = []
-    pos = 0
-    for lo, hi in _unchanged(older, newer, min(older_size, newer_size)):
-        if lo > pos:
-            changed.append((pos, lo - pos))
-        pos = max(pos, hi)
-    if pos < newer_size:
-        changed.append((pos, newer_size - pos))  # the rest, and all of a grown file beyond the older one's end
+    """``changed_extents`` of two files' whole extent maps (each in order, as FIEMAP lists them) and sizes."""
+    limit = min(older_size, newer_size)
+    changed = _changed_in(older, newer, 0, limit)
+    if limit < newer_size:
+        _append(changed, [(limit, newer_size - limit)])
     return changed
