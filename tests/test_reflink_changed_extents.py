@@ -1,5 +1,5 @@
 """Changed extents from a reflink pool's shared extents (docs/snapshots.md "Incremental uploads"), on a
-real XFS (reflink=1) made on a loop device by the test.
+real XFS (reflink=1) and btrfs made on loop devices by the test.
 
 The FIEMAP comparison of two reflinked files reports every byte that differs (more is allowed, less never)
 and nothing for two untouched reflinks, also for a map longer than one FIEMAP call and when read in
@@ -22,6 +22,7 @@ from typing import TypeVar
 import pytest
 from pydantic import SecretStr
 
+from tests.loopfs import loop_filesystem
 from vbs import ids
 from vbs.snapshot_store.dir import DirStore
 from vbs.storage.backends.file import FileBackend
@@ -65,8 +66,15 @@ def covered(extents: list[tuple[int, int]], offset: int, length: int) -> bool:
     return any(start <= offset and offset + length <= start + size for start, size in extents)
 
 
-def test_untouched_reflinks_share_everything_and_every_change_is_reported(xfs_dir: Path) -> None:
-    older, twin, newer = xfs_dir / "older.raw", xfs_dir / "twin.raw", xfs_dir / "newer.raw"
+@pytest.fixture(params=["xfs", "btrfs"])
+def reflink_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A directory on a real file system that reflinks, made on a loop device for this test."""
+    with loop_filesystem(tmp_path, request.param, size_mib=1024) as mnt:
+        yield mnt
+
+
+def test_untouched_reflinks_share_everything_and_every_change_is_reported(reflink_dir: Path) -> None:
+    older, twin, newer = reflink_dir / "older.raw", reflink_dir / "twin.raw", reflink_dir / "newer.raw"
     with older.open("wb") as f:
         f.truncate(32 * MiB)
     write(older, 0, os.urandom(12 * MiB))  # data, a hole at 12-20 MiB, data, a hole to the end
@@ -106,8 +114,8 @@ def test_untouched_reflinks_share_everything_and_every_change_is_reported(xfs_di
     assert changes(older, newer, window=64 * KiB) == reported
 
 
-def test_a_map_of_more_extents_than_one_call_lists_is_read_whole(xfs_dir: Path) -> None:
-    older, newer = xfs_dir / "older.raw", xfs_dir / "newer.raw"
+def test_a_map_of_more_extents_than_one_call_lists_is_read_whole(reflink_dir: Path) -> None:
+    older, newer = reflink_dir / "older.raw", reflink_dir / "newer.raw"
     with older.open("wb") as f:
         f.truncate(64 * MiB)
     fd = os.open(older, os.O_WRONLY)
@@ -142,9 +150,9 @@ def sha(path: Path) -> str:
 
 
 class Pool:
-    def __init__(self, xfs: Path, tmp: Path) -> None:
-        (xfs / "pool").mkdir()
-        self.files = FileBackend("f", xfs / "pool", clone_method="reflink")
+    def __init__(self, fs: Path, tmp: Path) -> None:
+        (fs / "pool").mkdir()
+        self.files = FileBackend("f", fs / "pool", clone_method="reflink")
         self.store = DirStore(tmp / "store")
         self.agent = StoredSnapshots(self.store)
 
@@ -169,8 +177,8 @@ class Pool:
 
 
 @pytest.fixture
-def pool(xfs_dir: Path, tmp_path: Path) -> Iterator[Pool]:
-    p = Pool(xfs_dir, tmp_path)
+def pool(reflink_dir: Path, tmp_path: Path) -> Iterator[Pool]:
+    p = Pool(reflink_dir, tmp_path)
     yield p
     p.close()
 
