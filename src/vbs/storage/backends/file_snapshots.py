@@ -108,6 +108,10 @@ class Snapshots:
                     fds.append(os.open(path, os.O_RDONLY | file_io.OPEN))
             return changed_extents(fds[0], fds[1])
         except FileNotFoundError:
+            return None  # the previous snapshot left the pool: every chunk is read
+        except OSError as exc:
+            log.warning("snapshot %s: no extent map to compare with %s (%s): every chunk is read", snapshot_id,
+                        since, exc.strerror)
             return None
         finally:
             for fd in fds:
