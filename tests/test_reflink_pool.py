@@ -79,3 +79,25 @@ def test_a_stored_snapshot_whose_pool_copy_vanished_lives_on_in_the_store(vbs_xf
     assert kept["status"] == "completed" and kept["data_location"] == "store", kept
     clone = vbs_xfs.cli("create-volume", "--snapshot", snap, "--wait")
     assert digest(vbs_xfs.pool / "volumes" / f"{clone['volume_id']}.raw", 8) == want
+
+
+def test_a_second_snapshot_reads_only_the_chunk_its_reflink_does_not_share(vbs_xfs: Vbs, tmp_path: Path) -> None:
+    # docs/snapshots.md "Incremental uploads": the controller names the previous stored snapshot, and the
+    # agent reads only the extents the two snapshot files do not share.
+    vol = vbs_xfs.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    path = vbs_xfs.pool / "volumes" / f"{vol}.raw"
+    fill(path, 8, b"first")  # 8 chunks of the same MiB: one stored
+    first = vbs_xfs.cli("create-snapshot", vol)["snapshot_id"]
+    vbs_xfs.wait_snapshot(first, "completed", timeout=60)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, os.urandom(4096), 3 << 20)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    second = vbs_xfs.cli("create-snapshot", vol)["snapshot_id"]
+    vbs_xfs.wait_snapshot(second, "completed", timeout=60)
+    stored = [line for line in (tmp_path / "up.log").read_text().splitlines() if f"snapshot {second} stored" in line]
+    assert len(stored) == 1 and ": 8 chunks, 1 read, 1 new" in stored[0], stored
+    assert digest(vbs_xfs.pool / "snapshots" / f"{second}.raw", 8) != digest(
+        vbs_xfs.pool / "snapshots" / f"{first}.raw", 8)

@@ -27,7 +27,8 @@ from vbs.wire.connection import Connection, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo, ItemStatus, PoolInfo, PoolInventory
 
 __all__ = ["Backend", "EncryptingBackend", "ReportsUsage", "PullingBackend", "SnapshotImages", "ImageLayout",
-           "SnapshotImageLayouts", "Fill", "check_size", "SnapshotStreams", "SnapshotReader", "StreamFill"]
+           "SnapshotImageLayouts", "Fill", "check_size", "SnapshotStreams", "SnapshotReader", "StreamFill",
+           "SnapshotChanges"]
 
 _SECTOR = 512
 
@@ -189,6 +190,19 @@ class SnapshotImages(Protocol):
         """Make the volume by running ``fill`` on its partial file in a job (``what`` names it in an
         error): ``copying`` with progress, then ``ready``; a failed job answers ``error`` once (the next
         call starts over), a stalled one (the agent restarted) starts over."""
+        ...
+
+
+@runtime_checkable
+class SnapshotChanges(Protocol):
+    """A ``SnapshotImages`` backend that can tell, without reading them, which bytes of a snapshot's image
+    may differ from an earlier snapshot's (a reflink pool: the extents the two files do not share,
+    docs/snapshots.md "Incremental uploads"). Optional: without it every chunk is read and hashed."""
+
+    def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:
+        """The byte extents ``(offset, length)`` of ``snapshot_id``'s image that may differ from ``since``'s
+        (more than changed, never less; all beyond ``since``'s end), or None: the pool cannot tell (``since``
+        is no longer in the pool, or its file system keeps no shared extents)."""
         ...
 
 

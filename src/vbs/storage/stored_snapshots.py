@@ -3,12 +3,13 @@ restores of volumes from the store, and deletions of manifests. The controller o
 
 - An **upload** runs in a thread per snapshot (``upload_snapshot`` puts 8 chunks at a time), reading the
   pool's point-in-time image of the snapshot (a file pool's image file, or the reader of a pool whose
-  volumes are not files: an RBD snapshot's stream), incremental against the parent snapshot's manifest
-  by reading and hashing everything, or on an RBD pool only the chunks its diff reports changed (chunks
-  the store holds are not sent again). A repeated call answers how far it got; after an agent restart
-  the next call starts it again and nothing stored is sent again; a snapshot whose manifest is in the
-  store is answered at once. Once stored, a pool whose clones are copies (no reflink) gives up its full
-  copy: the store is where the snapshot lives.
+  volumes are not files: an RBD snapshot's stream), incremental against the parent snapshot's manifest:
+  on a reflink pool only the chunks its file does not share with the parent's file are read, on an RBD
+  pool only those its diff reports changed, else everything is read and hashed (chunks the store holds
+  are not sent again; docs/snapshots.md "Incremental uploads"). A repeated call answers how far it got;
+  after an agent restart the next call starts it again and nothing stored is sent again; a snapshot
+  whose manifest is in the store is answered at once. Once stored, a pool whose clones are copies (no
+  reflink) gives up its full copy: the store is where the snapshot lives.
 - A **restore** fills a new volume's partial file (or partial RBD image, through the pool's writer) from
   a manifest, every chunk checked against its id; a missing or corrupt chunk fails the volume with the
   chunk and the snapshot named, and the partial goes (nothing half-written is ever published).
@@ -33,7 +34,14 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, RetryLater, SnapshotSourceLost
-from vbs.pools.backend import Backend, ImageLayout, SnapshotImageLayouts, SnapshotImages, SnapshotStreams
+from vbs.pools.backend import (
+    Backend,
+    ImageLayout,
+    SnapshotChanges,
+    SnapshotImageLayouts,
+    SnapshotImages,
+    SnapshotStreams,
+)
 from vbs.snapshot_store import StoreKey, open_store
 from vbs.snapshot_store.blocks import BlockRange, ranges_of_extents
 from vbs.snapshot_store.contract import SnapshotStore
@@ -118,7 +126,7 @@ class _SparseReader:
 class _Source:
     """Where an upload reads the snapshot: a file pool's image file (found at once), or the reader a pool
     without files gives (``SnapshotStreams``: an RBD snapshot), with the extents changed since the previous
-    stored snapshot when the pool can tell."""
+    stored snapshot when the pool can tell (``SnapshotChanges`` for images: a reflink pool)."""
 
     def __init__(self, images: SnapshotImages | SnapshotStreams, snapshot_id: str) -> None:
         self._images, self._snapshot_id = images, snapshot_id
@@ -132,9 +140,13 @@ class _Source:
             images = self._images
             layout = images.snapshot_image_layout(self._snapshot_id) \
                 if isinstance(images, SnapshotImageLayouts) else None
+            # On a reflink pool, the extents this image does not share with the previous one's (unread: the
+            # previous manifest has them); else every chunk is read and hashed.
+            changed = images.changed_since(self._snapshot_id, since) \
+                if since is not None and isinstance(images, SnapshotChanges) else None
             with FileReader(self._image) as file:
                 size = os.fstat(file.fd).st_size
-                yield _SparseReader(file, size, layout), size, None
+                yield _SparseReader(file, size, layout), size, None if changed is None else ranges_of_extents(changed)
             return
         assert isinstance(self._images, SnapshotStreams)
         reader = self._images.open_snapshot(self._snapshot_id, since)

@@ -242,6 +242,9 @@ class FileBackend:
     def snapshot_image_layout(self, snapshot_id: str) -> ImageLayout | None:
         return self._snapshots.layout(snapshot_id)
 
+    def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:
+        return self._snapshots.changed_since(snapshot_id, since)
+
     def keeps_snapshot_images(self) -> bool:
         return self.clone_method == "reflink"
 

@@ -16,6 +16,7 @@ from vbs.pools.exports import ExportDriver, FileSource, PointInTimeCopier
 from vbs.storage.backends import file_io
 from vbs.storage.backends.file_copies import CopyJobs
 from vbs.storage.backends.file_streams import Streams
+from vbs.system.shared_extents import changed_extents
 from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ItemStatus
 
@@ -92,6 +93,29 @@ class Snapshots:
             if image is None:
                 raise self._files.missing("snapshot", snapshot_id)
             return image
+
+    def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:
+        """The extents of the snapshot's file that it may not share with ``since``'s file: on a reflink pool,
+        where both are still reflinks of their volume (None: no such pair here, or no extent map)."""
+        files = self._files
+        newer_path, older_path = files.final("snapshot", snapshot_id), files.final("snapshot", since)
+        if files.clone_method != "reflink":
+            return None
+        fds: list[int] = []
+        try:
+            with files.lock:  # both opened now stay readable whatever a removal does meanwhile
+                for path in (older_path, newer_path):
+                    fds.append(os.open(path, os.O_RDONLY | file_io.OPEN))
+            return changed_extents(fds[0], fds[1])
+        except FileNotFoundError:
+            return None  # the previous snapshot left the pool: every chunk is read
+        except OSError as exc:
+            log.warning("snapshot %s: no extent map to compare with %s (%s): every chunk is read", snapshot_id,
+                        since, exc.strerror)
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def remove(self, snapshot_id: str) -> None:
         final = self._files.final("snapshot", snapshot_id)
