@@ -39,9 +39,11 @@ __all__ = [
 FORMAT_VERSION = 1
 # The EBS block: what the EBS direct APIs index and checksum (ListSnapshotBlocks, GetSnapshotBlock, …).
 BLOCK_SIZE = 512 * 1024
-# What one chunk object holds: two EBS blocks (docs/snapshots.md, "Why 1 MiB chunks").
-CHUNK_SIZE = 1024 * 1024
-# Readers accept any whole number of blocks up to this, so a later writer may choose another size.
+# What one chunk object holds: one EBS block, so a change costs only the blocks it touches and the EBS
+# direct APIs map onto chunks one to one (docs/snapshots.md, "Why 512 KiB chunks"). Manifests written
+# before hold 1 MiB chunks (two blocks): each records its chunk size.
+CHUNK_SIZE = 512 * 1024
+# Readers accept any whole number of blocks up to this, so a writer may choose another size.
 MAX_CHUNK_SIZE = 64 * 1024 * 1024
 
 CHUNKS = "chunks/"
