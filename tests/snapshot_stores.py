@@ -21,6 +21,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from tests.ceph_cluster import RadosGatewayForTests
+from tests.export_fixtures import write_at
 from vbs.snapshot_store.contract import ObjectInfo, SnapshotStore
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.keys import StoreKey
@@ -204,14 +205,6 @@ def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tupl
 def pattern(seed: bytes, mib: int) -> bytes:
     """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
     return random.Random(seed).randbytes(mib * MiB)
-
-
-def write_at(path: Path, offset: int, data: bytes) -> None:
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def sha(path: Path, length: int | None = None) -> str:

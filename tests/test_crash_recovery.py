@@ -228,9 +228,10 @@ def test_an_upload_whose_agent_is_killed_midway_sends_only_what_the_store_lacks(
     assert stored == set(ids_)
     log = (services.tmp / "agent.log").read_text(errors="replace")
     # (the agent's own store, in its state directory: reported with its node's name)
-    # Every chunk is read again (no parent to take any from); only those the store lacked are sent.
-    assert (f"snapshot {sid} stored in dir:{store} on storage-1: {count} chunks, {count} read, "
-            f"{count - len(stored_at_kill)} new" in log)
+    # Every chunk of the 1 GiB volume is read (its holes as zeros, stored as none), and only what the store
+    # lacked is sent.
+    sent, read = count - len(stored_at_kill), (1 << 30) // CHUNK_SIZE
+    assert f"snapshot {sid} stored in dir:{store} on storage-1: {count} chunks, {read} read, {sent} new" in log
     # And it restores bit for bit.
     clone = services.vbs.create_volume(snapshot_id=sid)
     services.vbs.wait_volume(clone["volume_id"], "available", timeout=120)

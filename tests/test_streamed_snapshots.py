@@ -24,7 +24,7 @@ import pytest
 from pydantic import SecretStr
 
 from tests import test_nbd_export as nbd
-from tests.export_fixtures import free_port
+from tests.export_fixtures import free_port, write_at
 from tests.loopfs import loop_filesystem
 from vbs import ids
 from vbs.snapshot_store import CHUNK_SIZE
@@ -71,14 +71,6 @@ def until(get: Callable[[], ItemStatus | StoredStatus], timeout: float = 120.0) 
 
 def pattern(seed: int, length: int) -> bytes:
     return bytes((seed + i) % 251 for i in range(256)) * (length // 256)
-
-
-def write_at(path: Path, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def view_leftovers(drv: NbdExportDriver, pool: Path) -> list[str]:
