@@ -28,7 +28,7 @@ from vbs.snapshot_store.keys import StoreKey
 from vbs.snapshot_store.s3 import S3Store, read_credentials
 
 __all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
-           "pattern", "write_at", "sha"]
+           "pattern", "write_at", "sha", "flip_last_byte"]
 
 MiB = 1024 * 1024
 # One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
@@ -205,6 +205,13 @@ def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tupl
 def pattern(seed: bytes, mib: int) -> bytes:
     """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
     return random.Random(seed).randbytes(mib * MiB)
+
+
+def flip_last_byte(path: Path) -> None:
+    """Corrupt a stored object (a chunk file of a dir store) the way bit rot would: its last byte flipped."""
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0xFF
+    path.write_bytes(bytes(blob))
 
 
 def sha(path: Path, length: int | None = None) -> str:

@@ -25,6 +25,7 @@ from pydantic import SecretStr
 
 from tests.ceph_cluster import CephForTests
 from tests.rbd_cloud import rbd_export_sha256, rbd_json
+from tests.snapshot_stores import flip_last_byte
 from vbs import ids
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.format import CHUNK_SIZE, chunk_key
@@ -164,9 +165,7 @@ def test_a_file_snapshot_restores_onto_rbd_and_a_corrupt_chunk_leaves_no_image(p
     assert manifest is not None
     victim = manifest.chunks[8 * MiB // CHUNK_SIZE]  # the first chunk of the last MiB of data
     path = pools.store.root / chunk_key(victim)
-    blob = bytearray(path.read_bytes())
-    blob[-1] ^= 0xFF
-    path.write_bytes(bytes(blob))
+    flip_last_byte(path)
     broken = ids.new_id("volume")
     failed = until(lambda: pools.agent.restore(pools.rbd, "r", broken, restore))
     assert failed.state == "error" and failed.error is not None, failed

@@ -9,7 +9,6 @@ RBD image the same way; a corrupt chunk ends such a volume ``error`` naming the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 from tests.ceph_cluster import CephForTests
 from tests.conftest import VBS, Services, reap_daemons, stop_process, wait_until
 from tests.rbd_cloud import rbd_export_sha256, rbd_json
+from tests.snapshot_stores import flip_last_byte, sha
 from vbs.net.ports import free_port
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.format import CHUNK_SIZE, chunk_key
@@ -99,14 +99,6 @@ def pools(ceph: CephForTests, tmp_path_factory: pytest.TempPathFactory) -> Itera
         p.stop()
 
 
-def sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(8 * MiB):
-            h.update(block)
-    return h.hexdigest()
-
-
 def test_snapshots_cross_between_rbd_and_file_pools_through_the_store(pools: TwoPools) -> None:
     vbs = pools.svc.vbs
     # -- RBD -> file ------------------------------------------------------------------------------------------
@@ -147,9 +139,7 @@ def test_snapshots_cross_between_rbd_and_file_pools_through_the_store(pools: Two
     assert manifest is not None
     victim = manifest.chunks[900 * MiB // CHUNK_SIZE]  # the first chunk of the data at 900 MiB
     path = pools.store / chunk_key(victim)
-    blob = bytearray(path.read_bytes())
-    blob[-1] ^= 0xFF
-    path.write_bytes(bytes(blob))
+    flip_last_byte(path)
     broken = vbs.create_volume(storage_node="storage-1", snapshot_id=fsnap["snapshot_id"])["volume_id"]
     failed = vbs.wait_volume(broken, "error", timeout=300)
     assert victim in failed["status_reason"] and fsnap["snapshot_id"] in failed["status_reason"], failed

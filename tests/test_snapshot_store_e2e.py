@@ -30,7 +30,7 @@ from sqlalchemy import select
 
 from tests.ceph_cluster import RadosGatewayForTests
 from tests.conftest import VBS, Vbs, VbsUp, wait_until
-from tests.snapshot_stores import pattern, sha, write_at
+from tests.snapshot_stores import flip_last_byte, pattern, sha, write_at
 from vbs.controller.auth.keys import MasterKey
 from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import Database, Operation
@@ -137,9 +137,7 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
 
     # -- a corrupt chunk fails the restore, naming it; nothing half-written is left available ------------------
     victim = min(new_chunks)  # one of the second snapshot's own chunks
-    blob = bytearray(victim.read_bytes())
-    blob[-1] ^= 0xFF
-    victim.write_bytes(bytes(blob))
+    flip_last_byte(victim)
     # Only a deep check, which hashes every chunk again, sees it (a plain one finds every chunk there).
     assert vbs.cli("check")["clean"]
     deep = vbs.cli("check", "--deep", check=False)

@@ -19,6 +19,7 @@ import pytest
 from pydantic import SecretStr
 
 from tests.fakes import MemoryExports
+from tests.snapshot_stores import flip_last_byte
 from vbs import ids
 from vbs.errors import DriverError, PointInTimeUnavailable, RetryLater, SnapshotStoreUnavailable
 from vbs.snapshot_store import StoreKey, upload_snapshot
@@ -165,9 +166,7 @@ def test_a_missing_or_corrupt_chunk_fails_the_restore_naming_it(pool: FileBacken
     assert manifest is not None
     victim = manifest.chunks[1]
     path = store.root / chunk_key(victim)
-    blob = bytearray(path.read_bytes())
-    blob[-1] ^= 0xFF
-    path.write_bytes(bytes(blob))
+    flip_last_byte(path)
     target = ids.new_id("volume")
     req = RestoreVolume(snapshot_id=snap, size_bytes=8 * MiB, tenant="acme", store_key=KEY)
     failed = until(lambda: agent.restore(pool, "p", target, req))

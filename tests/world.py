@@ -221,8 +221,8 @@ def read_db(data_dir: Path) -> Db:
 
         return Db(
             volumes={r["id"]: r for r in rows("SELECT id, status, size_gib, status_reason FROM volumes")},
-            snapshots={r["id"]: r for r in rows("SELECT id, status, volume_id, volume_size_gib, pool_copy, store_state "
-                                                "FROM snapshots")},
+            snapshots={r["id"]: r for r in rows("SELECT id, status, volume_id, volume_size_gib, pool_copy, "
+                                                "store_state, status_reason FROM snapshots")},
             attachments=rows("SELECT id, volume_id, host, vm_id, status, mode FROM attachments ORDER BY created_at"),
             operations={r["id"]: r for r in rows(
                 "SELECT id, kind, resource_id, status, error, params FROM operations ORDER BY created_at")},

@@ -161,6 +161,13 @@ class DriverError(VbsError):
     status = 502
 
 
+class SnapshotSourceLost(DriverError):
+    """What a snapshot's upload reads is gone for good (the export daemon that held its point-in-time view
+    died with it): the upload can never finish, and retrying it would only wait for nothing."""
+
+    code = "DriverError.SnapshotSourceLost"
+
+
 class RetryLater(VbsError):
     """Not now, and not a failure: something this depends on is still in progress."""
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from vbs.errors import DriverError, IncorrectState, InvalidParameter, RetryLater
+from vbs.errors import DriverError, IncorrectState, InvalidParameter, RetryLater, SnapshotSourceLost
 from vbs.pools.backend import Backend, ImageLayout, SnapshotImageLayouts, SnapshotImages, SnapshotStreams
 from vbs.snapshot_store import StoreKey, open_store
 from vbs.snapshot_store.blocks import BlockRange, ranges_of_extents
@@ -275,6 +275,8 @@ class StoredSnapshots:
             exc = job.exception
             if isinstance(exc, RetryLater):
                 raise exc  # the store is down: the controller retries later, the snapshot stays pending
+            if isinstance(exc, SnapshotSourceLost):
+                raise exc  # its point in time is gone: the controller ends the snapshot now, not after retries
             return StoredStatus(state="error", size_bytes=job.size_bytes, error=job.error, store=self.location)
         return None
 

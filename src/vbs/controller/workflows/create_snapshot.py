@@ -26,7 +26,7 @@ from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows import stored
 from vbs.controller.workflows.definition import Step, StepContext
 from vbs.controller.workflows.steps import StorageParams
-from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable, VbsError
+from vbs.errors import IncorrectState, NotFound, PointInTimeUnavailable, SnapshotSourceLost, VbsError
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,20 @@ def store_gave_up(ctx: StepContext[CreateSnapshotParams], reason: str) -> None:
                    status_reason=f"the snapshot could not be stored: {reason}"[:2000])
 
 
+def source_lost(ctx: StepContext[Any], exc: Exception) -> bool:
+    """An upload whose point in time is gone (its view died with its export daemon) ends the snapshot
+    ``error`` at once: retrying for ``give_up_after_s`` could only end the same way, later."""
+    if not isinstance(exc, SnapshotSourceLost):
+        return False
+    store_gave_up(ctx, exc.message)
+    return True
+
+
 CREATE_SNAPSHOT = shared.creation(
     "create-snapshot", CreateSnapshotParams,
     (Step("storage-snapshot", take_snapshot, undo=undo_snapshot),
      # From here on it goes forward: the point-in-time copy is made, and an upload resumes (after an agent
      # or a controller restart) without sending again what the store holds.
      Step("store-upload", store_snapshot, undo=unstore_snapshot)),
-    Snapshot, "snapshot failed and was rolled back", forward_from="store-upload", on_give_up=store_gave_up)
+    Snapshot, "snapshot failed and was rolled back", forward_from="store-upload", on_give_up=store_gave_up,
+    gives_up=source_lost)

@@ -165,12 +165,13 @@ def has_left(table: type[Volume] | type[Snapshot], state: str) -> Callable[[Step
 
 def creation(kind: str, params: type[P], steps: tuple[Step[P], ...], table: type[Volume] | type[Snapshot],
              failed: str, *, exclusive: bool = False, forward_from: str | None = None,
-             on_give_up: Callable[[StepContext[P], str], None] | None = None) -> Workflow[P]:
+             on_give_up: Callable[[StepContext[P], str], None] | None = None,
+             gives_up: Callable[[StepContext[P], Exception], bool] | None = None) -> Workflow[P]:
     """Make a volume or snapshot (rolls back if interrupted): ``steps``, then it is marked available
     (completed). Rolled back, it ends ``error``, the reason after ``failed``; resumed after its last step
     ran, it is finished. From step ``forward_from`` on (a snapshot's upload into the store: the pool's
     copy is made, the upload resumes) it rolls forward instead, and ``on_give_up`` ends it when retries
-    are exhausted."""
+    are exhausted, or ``gives_up`` at once on a failure that no retry can mend (it ends it itself)."""
     making: str
     error: str
     if table is Volume:
@@ -182,7 +183,7 @@ def creation(kind: str, params: type[P], steps: tuple[Step[P], ...], table: type
         making, error = SnapshotState.PENDING, SnapshotState.ERROR
     return Workflow(kind=kind, exclusive=exclusive, params=params, resume="rollback", steps=(*steps, made),
                     on_rollback=mark_failed(table, error, failed), finished=has_left(table, making),
-                    forward_from=forward_from, on_give_up=on_give_up)
+                    forward_from=forward_from, on_give_up=on_give_up, gives_up=gives_up)
 
 
 def deletion(kind: str, table: type[Volume] | type[Snapshot], remove: Callable[[StepContext[Any]], None], *,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vbs import ids
-from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
+from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound, SnapshotSourceLost
 from vbs.pools.exports import ExportSource, FileSource
 from vbs.storage.exports.supervised import check_key, source_file
 from vbs.wire.storage import ItemStatus
@@ -85,7 +85,7 @@ class ViewCalls:
             if self._views.check(served, self._view()):
                 self._save()
             if view.lost:
-                raise DriverError(f"{view_id}: {LOST}")
+                raise SnapshotSourceLost(f"{view_id}: {LOST}")
             return Path(view.mount)
 
     def remove_view(self: _Driver, view_id: str) -> None:
