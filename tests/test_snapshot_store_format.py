@@ -31,7 +31,17 @@ from vbs.snapshot_store import (
 )
 from vbs.snapshot_store.blocks import chunks_of_ranges
 from vbs.snapshot_store.dir import DirStore
-from vbs.snapshot_store.format import chunk_id, decode_chunk, decode_manifest, encode_chunk, encode_manifest, key_id
+from vbs.snapshot_store.format import (
+    UploadMarker,
+    chunk_id,
+    decode_chunk,
+    decode_manifest,
+    decode_marker,
+    encode_chunk,
+    encode_manifest,
+    encode_marker,
+    key_id,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -85,6 +95,22 @@ def test_a_manifest_is_zstd_json_another_tool_can_read() -> None:
         "created_at": "2026-01-02T03:04:05.000000Z", "chunks": [[0, "a" * 64], [5, "b" * 64]],
     }
     assert decode_manifest(blob, SNAP) == m
+
+
+def test_an_upload_marker_carries_abandoned_at_only_once_abandoned() -> None:
+    started = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    live = UploadMarker(SNAP, VOL, "acme", started, frozenset({"a" * 64}))
+    abandoned = UploadMarker(SNAP, VOL, "acme", started, abandoned_at=datetime(2026, 1, 3, tzinfo=UTC))
+
+    def doc(marker: UploadMarker) -> dict[str, Any]:
+        blob = encode_marker(marker)
+        assert blob[:4] == b"VBSU" and decode_marker(blob, SNAP) == marker
+        raw = zstandard.ZstdDecompressor().decompress(blob[16:]) if blob[5] == 1 else blob[16:]
+        loaded: dict[str, Any] = json.loads(raw)
+        return loaded
+
+    assert "abandoned_at" not in doc(live) and doc(live)["claims"] == ["a" * 64]
+    assert doc(abandoned)["abandoned_at"] == "2026-01-03T00:00:00.000000Z" and doc(abandoned)["claims"] == []
 
 
 @pytest.mark.parametrize("damage", ["bit", "version", "index", "stored as another"])

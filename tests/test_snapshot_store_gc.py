@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.snapshot_stores import ACME, SNAP, VOL, MiB, Recording, make_volume, moto_endpoint, store
+from tests.snapshot_stores import ACME, SNAP, VOL, MiB, Recording, a_minute_later, make_volume, moto_endpoint, store
 from vbs.errors import SnapshotDataError
 from vbs.snapshot_store import (
     CHUNK_SIZE,
@@ -136,6 +136,7 @@ def test_an_upload_puts_back_an_old_chunk_a_gc_deleted_after_the_upload_found_it
     data = make_volume(path, 4 * CHUNK_SIZE)
     old = upload(store, path, SNAP[0]).manifest
     delete_snapshot(store, SNAP[0])  # its chunks are garbage now, but still there
+    a_minute_later(store)  # and old enough for an upload to trust them
     recording = Recording(store)
     deleted: list[int] = []
 

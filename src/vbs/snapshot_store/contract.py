@@ -11,6 +11,9 @@ Promises every driver keeps:
 - reads after a write see it, and so do listings (S3 and RADOS Gateway are strongly consistent; a
   directory is, on one machine).
 - ``delete`` of a missing key succeeds.
+- a store may also offer ``batch`` (``BatchingStore``): puts that are atomic and visible at once but
+  durable only at the batch's ``commit``, for an upload's many chunks (docs/snapshots.md, "Durability").
+  A store without it is used through ``DurablePuts``: each put durable on return, ``commit`` nothing.
 - the store's own trouble (unreachable, timed out, throttled after retries) raises
   ``SnapshotStoreUnavailable``, which callers may retry; a missing key on ``get`` raises
   ``ObjectMissing``; anything else wrong with the store's configuration is a ``DriverError``.
@@ -19,7 +22,7 @@ Promises every driver keeps:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -28,7 +31,8 @@ from pydantic import BaseModel, ValidationError
 
 from vbs.errors import InvalidParameter, NotFound
 
-__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options"]
+__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options",
+           "StoreBatch", "BatchingStore", "DurablePuts", "open_batch"]
 
 _Options = TypeVar("_Options", bound=BaseModel)
 
@@ -119,3 +123,49 @@ class SnapshotStore(Protocol):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, in no promised order."""
         ...
+
+
+class StoreBatch(Protocol):
+    """Puts made durable together (docs/snapshots.md, "Durability"): each ``put`` is atomic and visible
+    at once, and durable once ``commit`` returns. ``trusted(key)`` says whether an object already there
+    may be relied on without putting it again: it is, or ``commit`` makes it, durable."""
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def trusted(self, key: str) -> bool: ...
+
+    def commit(self) -> None: ...
+
+
+@runtime_checkable
+class BatchingStore(Protocol):
+    """A store whose puts are cheaper made durable many at a time (a directory: one fsync each)."""
+
+    def batch(self, trust_before: float) -> StoreBatch:
+        """A batch in which an object already in the store is ``trusted`` only if its last put was
+        before ``trust_before`` (seconds since the epoch, by the store's clock): the caller's word
+        that every put before then was committed."""
+        ...
+
+
+class DurablePuts:
+    """The batch of a store whose every put is durable when it returns (S3: a PUT is)."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+
+    def put(self, key: str, data: bytes) -> None:
+        self.store.put(key, data)
+
+    def trusted(self, key: str) -> bool:
+        return self.store.has(key)
+
+    def commit(self) -> None:
+        return None
+
+
+def open_batch(store: SnapshotStore, trust_before: Callable[[], float]) -> StoreBatch:
+    """``store``'s own batch if it has one (``trust_before`` is then asked once), else ``DurablePuts``."""
+    if isinstance(store, BatchingStore):
+        return store.batch(trust_before())
+    return DurablePuts(store)

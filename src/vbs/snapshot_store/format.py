@@ -314,13 +314,18 @@ def _manifest_of(doc: dict[str, Any]) -> Manifest:
 class UploadMarker:
     """An upload in flight: written before its first chunk, with the ids of every chunk its manifest
     will list once it knows them (``claims``), deleted after the manifest is written. Garbage
-    collection keeps every chunk a marker claims (docs/snapshots.md, "Garbage collection")."""
+    collection keeps every chunk a marker claims (docs/snapshots.md, "Garbage collection").
+
+    The marker of an upload given up unfinished (its snapshot deleted) stays ``abandoned_at`` then, with
+    no claims, until a collection has swept what it may have left unsynced (docs/snapshots.md,
+    "Durability")."""
 
     snapshot_id: str
     volume_id: str
     tenant: str
     started_at: datetime
     claims: frozenset[str] = field(default_factory=frozenset)
+    abandoned_at: datetime | None = None
 
 
 def encode_marker(marker: UploadMarker) -> bytes:
@@ -333,6 +338,8 @@ def encode_marker(marker: UploadMarker) -> bytes:
         "started_at": _utc_text(marker.started_at),
         "claims": sorted(marker.claims),
     }
+    if marker.abandoned_at is not None:
+        doc["abandoned_at"] = _utc_text(marker.abandoned_at)
     return _encode_document(_MAGIC_MARKER, doc)
 
 
@@ -347,7 +354,8 @@ def _marker_of(doc: dict[str, Any]) -> UploadMarker:
         raise ValueError("the upload marker's claims are not chunk ids")
     return UploadMarker(snapshot_id=ids.check("snapshot", doc["snapshot_id"]),
                         volume_id=ids.check("volume", doc["volume_id"]), tenant=check_tenant(doc["tenant"]),
-                        started_at=_parse_time(doc["started_at"]), claims=frozenset(claims))
+                        started_at=_parse_time(doc["started_at"]), claims=frozenset(claims),
+                        abandoned_at=_parse_time(doc["abandoned_at"]) if "abandoned_at" in doc else None)
 
 
 def json_object(blob: bytes) -> dict[str, Any]:

@@ -6,11 +6,14 @@ whose id the previous manifest or the store already has is not sent again. All-z
 neither hashed nor stored. A crashed upload run again sends nothing the store already holds.
 
 The steps (docs/snapshots.md, "An upload"):
-1. note the GC runs, write the upload marker (before the first chunk);
-2. read, hash and put chunks, ``parallel`` at a time;
+1. note the GC runs and the uploads in flight, write the upload marker (before the first chunk);
+2. read, hash and put chunks, ``parallel`` at a time, in a batch of the store (a ``dir`` store syncs
+   them at the batch's commit); a chunk the store holds is trusted only if it was put before every
+   upload in flight began, else put again (docs/snapshots.md, "Durability");
 3. write the marker again with the ids of every chunk of the manifest (its claims);
 4. if a GC ran beside steps 1–3, wait for it to end and put back any claimed chunk it deleted;
-5. write the manifest (its presence means every chunk it lists is durable), delete the marker.
+5. commit the batch, write the manifest (its presence means every chunk it lists is durable), delete
+   the marker.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, SnapshotDataError
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.blocks import BlockRange, chunks_of_ranges
-from vbs.snapshot_store.contract import SnapshotStore
+from vbs.snapshot_store.contract import SnapshotStore, StoreBatch, open_batch
 from vbs.snapshot_store.format import (
     CHUNK_SIZE,
     Manifest,
@@ -38,7 +41,7 @@ from vbs.snapshot_store.format import (
     key_id,
     marker_key,
 )
-from vbs.snapshot_store.manifests import find_manifest, save_manifest, save_marker
+from vbs.snapshot_store.manifests import find_manifest, markers, save_manifest, save_marker
 from vbs.snapshot_store.parallel import bounded_map
 from vbs.snapshot_store.volume_io import FileReader, Target, VolumeReader
 
@@ -79,6 +82,7 @@ def _zero(length: int) -> bytes:
 @dataclass
 class _Upload:
     store: SnapshotStore
+    batch: StoreBatch
     reader: VolumeReader
     size: int
     tenant_key: bytes
@@ -86,6 +90,7 @@ class _Upload:
     chunk_size: int
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _handled: set[str] = field(default_factory=set, init=False)  # chunk ids met so far: a repeat is not put
+    _put: set[str] = field(default_factory=set, init=False)  # chunk ids this upload put (its batch syncs them)
 
     def length(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
@@ -104,22 +109,29 @@ class _Upload:
         with self._lock:
             repeat = cid in self._handled  # another chunk of this volume with the same bytes
             self._handled.add(cid)
-        if repeat or self.store.has(chunk_key(cid)):
+        if repeat or self.batch.trusted(chunk_key(cid)):
             return index, cid, "known", 0
         blob = encode_chunk(data)
-        self.store.put(chunk_key(cid), blob)
+        self._store(cid, blob)
         return index, cid, "put", len(blob)
+
+    def _store(self, cid: str, blob: bytes) -> None:
+        self.batch.put(chunk_key(cid), blob)
+        with self._lock:
+            self._put.add(cid)
 
     def put_back(self, item: tuple[str, int]) -> str | None:
         """Put chunk ``cid`` (read again at ``index``) if the store lost it; its id if it did."""
         cid, index = item
-        if self.store.has(chunk_key(cid)):
+        with self._lock:
+            ours = cid in self._put
+        if self.store.has(chunk_key(cid)) and (ours or self.batch.trusted(chunk_key(cid))):
             return None
         data = self.read(index)
         if chunk_id(self.tenant_key, data) != cid:
             raise SnapshotDataError(f"chunk {index} of the volume changed during its upload (it hashed to {cid} "
                                     "before): the source is not a point-in-time image", chunk_index=index)
-        self.store.put(chunk_key(cid), encode_chunk(data))
+        self._store(cid, encode_chunk(data))
         return cid
 
 
@@ -179,17 +191,32 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
                        progress, parallel, chunk_size, clock, gc_poll_s)
 
 
+def _trust_before(store: SnapshotStore, started: float) -> float:
+    """Before when a chunk in the store was put for certain by an upload that has committed: before this
+    upload and every one still in flight (a marker) began, less the clocks' skew (docs/snapshots.md,
+    "Durability"). A damaged marker hides when its upload began: then no chunk is trusted."""
+    oldest = started
+    try:
+        for marker in markers(store):
+            oldest = min(oldest, marker.started_at.timestamp())
+    except SnapshotDataError:
+        return 0.0
+    return oldest - gc_runs.CLOCK_SKEW_S
+
+
 def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: str, volume_id: str, tenant: str,
             tenant_key: bytes, previous: Manifest | None, changed_blocks: Collection[BlockRange] | None,
             progress: Progress | None, parallel: int, chunk_size: int, clock: Callable[[], float],
             gc_poll_s: float) -> UploadResult:
     started = clock()
     runs_before = gc_runs.runs_seen(store)
+    # Asked before this upload's marker is written: a resumed upload's first try counts as in flight.
+    batch = open_batch(store, lambda: _trust_before(store, started))
     marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(started, UTC))
     save_marker(store, marker)
 
     usable = _usable_previous(previous, tenant, tenant_key, chunk_size)
-    upload = _Upload(store, reader, size, tenant_key, usable, chunk_size)
+    upload = _Upload(store, batch, reader, size, tenant_key, usable, chunk_size)
     count = -(-size // chunk_size)
     unread = _unread_chunks(size, chunk_size, usable, changed_blocks)
     chunks: dict[int, str] = {}
@@ -230,6 +257,7 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
         for restored in bounded_map(upload.put_back, first_index.items(), parallel):
             result.chunks_restored += restored is not None
 
+    batch.commit()  # every chunk put is durable before the manifest that lists it
     save_manifest(store, manifest)
     store.delete(marker_key(snapshot_id))
     return result
