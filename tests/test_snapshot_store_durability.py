@@ -118,6 +118,25 @@ def test_another_upload_does_not_trust_chunks_put_since_an_upload_in_flight_bega
     assert (tmp_path / "r.raw").read_bytes() == data
 
 
+def test_a_try_run_again_keeps_its_first_start_so_others_still_distrust_the_first_tries_chunks(
+        store: DirStore, tmp_path: Path) -> None:
+    path = tmp_path / "vol.raw"
+    make_volume(path, 2 * MiB)
+    crash_after(store, path, SNAP[0], 2)
+    first = load_marker(store, SNAP[0])
+    assert first is not None
+    again = Recording(store)
+    again.fail_put_after = 0  # the second try dies at its first put, two minutes later
+    with pytest.raises(OSError, match="simulated crash"):
+        upload(again, path, SNAP[0], clock=later(2 * CLOCK_SKEW_S))
+    second = load_marker(store, SNAP[0])
+    assert second is not None and second.started_at == first.started_at
+
+    clone = upload(store, path, SNAP[1], volume=VOL_B, clock=later(2 * CLOCK_SKEW_S))
+
+    assert clone.chunks_known == 0 and clone.chunks_put == 2 * MiB // CHUNK_SIZE
+
+
 def test_a_committed_chunk_older_than_every_upload_in_flight_is_trusted(store: DirStore, tmp_path: Path) -> None:
     path = tmp_path / "vol.raw"
     make_volume(path, 2 * MiB)

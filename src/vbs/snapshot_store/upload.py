@@ -41,7 +41,7 @@ from vbs.snapshot_store.format import (
     key_id,
     marker_key,
 )
-from vbs.snapshot_store.manifests import find_manifest, markers, save_manifest, save_marker
+from vbs.snapshot_store.manifests import find_manifest, load_marker, markers, save_manifest, save_marker
 from vbs.snapshot_store.parallel import bounded_map
 from vbs.snapshot_store.volume_io import FileReader, Target, VolumeReader
 
@@ -204,6 +204,16 @@ def _trust_before(store: SnapshotStore, started: float) -> float:
     return oldest - gc_runs.CLOCK_SKEW_S
 
 
+def _first_start(store: SnapshotStore, snapshot_id: str, now: float) -> float:
+    """When this snapshot's upload first began: a try run again keeps its marker's start, so what the
+    earlier try put stays younger than every upload's trust horizon until this one has committed."""
+    try:
+        earlier = load_marker(store, snapshot_id)
+    except SnapshotDataError:
+        return now
+    return now if earlier is None else min(now, earlier.started_at.timestamp())
+
+
 def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: str, volume_id: str, tenant: str,
             tenant_key: bytes, previous: Manifest | None, changed_blocks: Collection[BlockRange] | None,
             progress: Progress | None, parallel: int, chunk_size: int, clock: Callable[[], float],
@@ -212,7 +222,8 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
     runs_before = gc_runs.runs_seen(store)
     # Asked before this upload's marker is written: a resumed upload's first try counts as in flight.
     batch = open_batch(store, lambda: _trust_before(store, started))
-    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(started, UTC))
+    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(_first_start(store, snapshot_id,
+                                                                                              started), UTC))
     save_marker(store, marker)
 
     usable = _usable_previous(previous, tenant, tenant_key, chunk_size)
