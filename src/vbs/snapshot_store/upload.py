@@ -3,7 +3,7 @@
 Only what is new is read and sent: with a list of changed blocks and the volume's previous
 manifest, unchanged chunks are taken from that manifest unread; every chunk read is hashed, and one
 whose id the previous manifest or the store already has is not sent again. All-zero chunks are
-neither hashed nor stored. A crashed upload run again sends nothing the store already holds.
+neither hashed nor stored. A crashed upload run again sends nothing the store holds for certain.
 
 The steps (docs/snapshots.md, "An upload"):
 1. note the GC runs and the uploads in flight, write the upload marker (before the first chunk);
@@ -166,7 +166,7 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
 
     ``previous`` is the volume's last stored manifest, if any; ``changed_blocks`` the 512 KiB blocks
     written since it was taken, when the pool can tell (else every chunk is read and hashed). Safe to
-    run again after a crash or a failure: what is stored is not sent again, and a snapshot whose
+    run again after a crash or a failure: what is stored for certain is not sent again, and a snapshot whose
     manifest exists is answered at once.
     """
     ids.check("snapshot", snapshot_id)
@@ -222,8 +222,8 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
     runs_before = gc_runs.runs_seen(store)
     # Asked before this upload's marker is written: a resumed upload's first try counts as in flight.
     batch = open_batch(store, lambda: _trust_before(store, started))
-    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(_first_start(store, snapshot_id,
-                                                                                              started), UTC))
+    first_start = _first_start(store, snapshot_id, started)
+    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(first_start, UTC))
     save_marker(store, marker)
 
     usable = _usable_previous(previous, tenant, tenant_key, chunk_size)
