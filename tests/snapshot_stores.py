@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import pytest
@@ -23,7 +23,7 @@ from moto.server import ThreadedMotoServer
 
 from tests.ceph_cluster import RadosGatewayForTests
 from tests.export_fixtures import write_at
-from vbs.snapshot_store.contract import BatchingStore, ObjectInfo, SnapshotStore, StoreBatch, open_batch
+from vbs.snapshot_store.contract import BatchingStore, ObjectInfo, SnapshotStore, StoreBatch, Trusted, Whole, open_batch
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.gc_runs import CLOCK_SKEW_S
 from vbs.snapshot_store.keys import StoreKey
@@ -31,6 +31,8 @@ from vbs.snapshot_store.s3 import S3Store, read_credentials
 
 __all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
            "pattern", "write_at", "sha", "flip_last_byte", "a_minute_later", "syncs_per_batch"]
+
+_Found = TypeVar("_Found")
 
 MiB = 1024 * 1024
 # One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
@@ -178,7 +180,7 @@ class Recording:
     def has(self, key: str) -> bool:
         return self._has(key, self.inner.has)
 
-    def _has(self, key: str, has: Callable[[str], bool]) -> bool:
+    def _has(self, key: str, has: Callable[[str], _Found]) -> _Found:
         self._note("has", key)
         result = has(key)
         self._hook("has", key, result)
@@ -207,8 +209,8 @@ class RecordingBatch:
     def put(self, key: str, data: bytes) -> None:
         self.recording._put(key, data, self.inner.put)
 
-    def trusted(self, key: str) -> bool:
-        return self.recording._has(key, self.inner.trusted)
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        return self.recording._has(key, functools.partial(self.inner.trusted, whole=whole))
 
     def commit(self) -> None:
         self.recording._note("commit", "batch")
@@ -241,7 +243,8 @@ def pattern(seed: bytes, mib: int) -> bytes:
 
 def syncs_per_batch(store: SnapshotStore) -> bool:
     """Whether ``store`` makes an upload's chunks durable at its commit (a ``dir`` store), and so trusts
-    a chunk it holds only if it was put before every upload in flight began (docs/snapshots.md, "Durability")."""
+    a chunk it holds unread only if it was put before every upload in flight began, a younger one once
+    read back whole (docs/snapshots.md, "Durability")."""
     return isinstance(store, BatchingStore)
 
 

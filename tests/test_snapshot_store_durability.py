@@ -1,7 +1,8 @@
 """A ``dir`` store's uploads are durable per upload, not per chunk (docs/snapshots.md, "Durability"):
 chunk files are fsynced together before the manifest, and a chunk found in the store that may not be
-synced — put since an upload in flight began, or by an upload given up unfinished — is put again,
-never trusted. A chunk file emptied as a power cut leaves one is thus replaced, not listed.
+synced — put since an upload in flight began, or by an upload given up unfinished — is never trusted
+unread: it is read back and checked, and synced with the upload's own chunks if whole, put again if
+not. A chunk file emptied or cut short as a power cut leaves one is thus replaced, not listed.
 """
 
 from __future__ import annotations
@@ -38,16 +39,17 @@ def upload(store: Any, path: Path, snap: str, *, volume: str = VOL_A, **kwargs: 
                            tenant_key=ACME, gc_poll_s=0.05, **kwargs)
 
 
-def crash_after(store: DirStore, path: Path, snap: str, puts: int) -> set[Path]:
+def crash_after(store: DirStore, path: Path, snap: str, puts: int, *, power_cut: bool = True) -> set[Path]:
     """An upload of ``path`` that dies after ``puts`` chunk puts (its batch never committed): the chunk
-    files it left, each emptied as a power cut before any writeback would leave it."""
+    files it left, each emptied as a power cut before any writeback would leave it (unless not
+    ``power_cut``: the process died, what it wrote is whole in the page cache)."""
     crashing = Recording(store)
     crashing.fail_put_after = puts
     with pytest.raises(OSError, match="simulated crash"):
         upload(crashing, path, snap, parallel=1)
     files = {f for f in (store.root / "chunks").rglob("*") if f.is_file()}
     assert len(files) == puts
-    for f in files:
+    for f in files if power_cut else ():
         f.write_bytes(b"")
     return files
 
@@ -96,17 +98,68 @@ def test_a_resumed_upload_replaces_the_chunks_a_power_cut_emptied(store: DirStor
 
     done = upload(store, path, SNAP[0])
 
-    assert done.chunks_known == 0 and done.chunks_put == 3 * MiB // CHUNK_SIZE
+    assert done.chunks_known == 0 and done.chunks_verified == 0 and done.chunks_put == 3 * MiB // CHUNK_SIZE
     assert all(f.stat().st_size > 0 for f in emptied)
     restore_snapshot(store, done.manifest, tmp_path / "r.raw", tenant_key=ACME)
+    assert (tmp_path / "r.raw").read_bytes() == data
+
+
+def test_a_resumed_upload_verifies_its_first_tries_chunks_and_replaces_those_a_power_cut_cut(
+        store: DirStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first try's process died (its chunks whole in the page cache, never synced), then two of
+    them were emptied and cut short as a power cut would: run again, the upload reads back every chunk
+    it finds, keeps the whole ones as they are (not written again, synced by its commit) and puts the
+    two damaged ones again with those the first try never reached."""
+    path = tmp_path / "vol.raw"
+    data = make_volume(path, 4 * MiB)
+    count = 4 * MiB // CHUNK_SIZE
+    first = sorted(crash_after(store, path, SNAP[0], 5, power_cut=False))
+    emptied, cut = first[0], first[1]
+    emptied.write_bytes(b"")
+    cut.write_bytes(cut.read_bytes()[:1000])
+    whole = {f.name: f.stat().st_ino for f in first[2:]}
+    synced: list[str] = []
+
+    def spy(p: str | Path) -> None:
+        synced.append(Path(p).name)
+        fsync_path(p)
+
+    monkeypatch.setattr(dir_store, "fsync_path", spy)
+    again = Recording(store)
+    done = upload(again, path, SNAP[0])
+
+    put = {key.rsplit("/", 1)[1] for key in again.keys["put chunks"]}
+    assert done.chunks_verified == 3 and done.chunks_known == 3 and done.chunks_put == count - 3
+    assert put == set(done.manifest.chunk_ids()) - set(whole) and {emptied.name, cut.name} <= put
+    # The whole ones are the first try's files, read and synced, never written again.
+    assert {f.name: f.stat().st_ino for f in first[2:]} == whole
+    assert set(whole) <= set(synced) and {f.parent.name for f in first[2:]} <= set(synced)
+    restore_snapshot(store, done.manifest, tmp_path / "r.raw", tenant_key=ACME)
+    assert (tmp_path / "r.raw").read_bytes() == data
+
+
+def test_another_upload_verifies_the_whole_chunks_of_an_upload_in_flight(store: DirStore, tmp_path: Path) -> None:
+    """A clone's upload while the first upload is unfinished (its process died, not yet run again)
+    finds the first one's chunks younger than its marker: it reads them back, finds them whole and
+    sends none of them again (its commit syncs them), only the one the first upload did not put."""
+    path = tmp_path / "vol.raw"
+    data = make_volume(path, 2 * MiB)
+    count = 2 * MiB // CHUNK_SIZE
+    crash_after(store, path, SNAP[0], count - 1, power_cut=False)
+
+    clone = upload(store, path, SNAP[1], volume=VOL_B, clock=later(2 * CLOCK_SKEW_S))
+
+    assert clone.chunks_put == 1 and clone.chunks_verified == clone.chunks_known == count - 1
+    restore_snapshot(store, clone.manifest, tmp_path / "r.raw", tenant_key=ACME)
     assert (tmp_path / "r.raw").read_bytes() == data
 
 
 def test_another_upload_does_not_trust_chunks_put_since_an_upload_in_flight_began(store: DirStore,
                                                                                   tmp_path: Path) -> None:
     """Another volume with the same bytes (a clone) is uploaded while the first upload is unfinished
-    (crashed, not yet run again): the chunks the first one put are younger than its marker, so they
-    are put again, even once older than the clocks' skew."""
+    (crashed, not yet run again, a power cut emptied its chunks): the chunks the first one put are
+    younger than its marker, so they are read back, even once older than the clocks' skew, and put
+    again as they are not whole."""
     path = tmp_path / "vol.raw"
     data = make_volume(path, 2 * MiB)
     crash_after(store, path, SNAP[0], 2)
@@ -143,12 +196,13 @@ def test_a_committed_chunk_older_than_every_upload_in_flight_is_trusted(store: D
     upload(store, path, SNAP[0])
     recording = Recording(store)
 
-    soon = upload(recording, path, SNAP[1], volume=VOL_B)  # within the clocks' skew: put again
+    soon = upload(recording, path, SNAP[1], volume=VOL_B)  # within the clocks' skew: read back and checked
     a_minute_later(store)
     later = upload(recording, path, SNAP[2], volume=VOL_B)
 
     count = 2 * MiB // CHUNK_SIZE
-    assert soon.chunks_put == count and later.chunks_put == 0 and later.chunks_known == count
+    assert soon.chunks_put == 0 and soon.chunks_verified == count
+    assert later.chunks_put == 0 and later.chunks_known == count and later.chunks_verified == 0
 
 
 def test_an_abandoned_upload_holds_the_horizon_until_a_collection_past_the_grace(store: DirStore,

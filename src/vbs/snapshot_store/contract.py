@@ -12,7 +12,9 @@ Promises every driver keeps:
   directory is, on one machine).
 - ``delete`` of a missing key succeeds.
 - a store may also offer ``batch`` (``BatchingStore``): puts that are atomic and visible at once but
-  durable only at the batch's ``commit``, for an upload's many chunks (docs/snapshots.md, "Durability").
+  durable only at the batch's ``commit``, for an upload's many chunks (docs/snapshots.md, "Durability");
+  an object found that may not be durable yet is trusted only once read and found whole, and the
+  commit makes it durable too.
   A store without it is used through ``DurablePuts``: each put durable on return, ``commit`` nothing.
 - the store's own trouble (unreachable, timed out, throttled after retries) raises
   ``SnapshotStoreUnavailable``, which callers may retry; a missing key on ``get`` raises
@@ -25,16 +27,21 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
 from vbs.errors import InvalidParameter, NotFound
 
 __all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options",
-           "StoreBatch", "BatchingStore", "DurablePuts", "open_batch"]
+           "StoreBatch", "BatchingStore", "DurablePuts", "open_batch", "Trusted", "Whole"]
 
 _Options = TypeVar("_Options", bound=BaseModel)
+
+# Why a batch relies on an object it found: "durable" as it is (never read), or "verified": read,
+# found whole by the caller's test (``Whole``), and made durable by the batch's commit.
+Trusted = Literal["durable", "verified"]
+Whole = Callable[[bytes], bool]
 
 # Keys are made by vbs.snapshot_store.format; this only keeps a bad one from escaping a directory or
 # a bucket prefix. Segments start with a letter or digit, so "." and ".." (and hidden temp files) never match.
@@ -127,12 +134,15 @@ class SnapshotStore(Protocol):
 
 class StoreBatch(Protocol):
     """Puts made durable together (docs/snapshots.md, "Durability"): each ``put`` is atomic and visible
-    at once, and durable once ``commit`` returns. ``trusted(key)`` says whether an object already there
-    may be relied on without putting it again: it is, or ``commit`` makes it, durable."""
+    at once, and durable once ``commit`` returns."""
 
     def put(self, key: str, data: bytes) -> None: ...
 
-    def trusted(self, key: str) -> bool: ...
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        """Whether the object ``key`` already there may be relied on without putting it again, and why:
+        it is durable, or it may not be, but its bytes pass ``whole`` (the caller's check of their
+        content) and ``commit`` makes it durable. None if it is missing or must be put again."""
+        ...
 
     def commit(self) -> None: ...
 
@@ -142,9 +152,9 @@ class BatchingStore(Protocol):
     """A store whose puts are cheaper made durable many at a time (a directory: one fsync each)."""
 
     def batch(self, trust_before: float) -> StoreBatch:
-        """A batch in which an object already in the store is ``trusted`` only if its last put was
-        before ``trust_before`` (seconds since the epoch, by the store's clock): the caller's word
-        that every put before then was committed."""
+        """A batch in which an object already in the store is ``trusted`` as durable, unread, only if
+        its last put was before ``trust_before`` (seconds since the epoch, by the store's clock): the
+        caller's word that every put before then was committed. A younger one is read and checked."""
         ...
 
 
@@ -157,8 +167,8 @@ class DurablePuts:
     def put(self, key: str, data: bytes) -> None:
         self.store.put(key, data)
 
-    def trusted(self, key: str) -> bool:
-        return self.store.has(key)
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        return "durable" if self.store.has(key) else None
 
     def commit(self) -> None:
         return None

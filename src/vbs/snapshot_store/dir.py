@@ -6,9 +6,9 @@ renames it into place: a reader sees the old object or the new one, never half o
 fsyncs the file and the directory before it returns; the puts of a batch (an upload's chunks,
 ``DirBatch``) are synced together at its commit, before the manifest that lists them is written, so
 until then a power cut may leave one short or empty (docs/snapshots.md, "Durability", says why
-none is ever trusted). Directories are 0700 and files 0600: a store holds every tenant's data. Temp
-files a crash left behind start with a dot; nothing reads them, and docs/snapshots.md says how to
-clear them.
+none is trusted unread, and why one read back whole may be). Directories are 0700 and files 0600:
+a store holds every tenant's data. Temp files a crash left behind start with a dot; nothing reads
+them, and docs/snapshots.md says how to clear them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from vbs.errors import DriverError, SnapshotStoreUnavailable
-from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix, parse_options
+from vbs.snapshot_store.contract import (
+    ObjectInfo,
+    ObjectMissing,
+    Trusted,
+    Whole,
+    check_key,
+    check_prefix,
+    parse_options,
+)
 from vbs.snapshot_store.parallel import bounded_map
 from vbs.system.files import fsync_path
 
@@ -181,9 +189,11 @@ class DirStore:
 class DirBatch:
     """Puts of a ``dir`` store made durable together (docs/snapshots.md, "Durability"): each file is
     written aside and renamed into place without an fsync; ``commit`` fsyncs every file put, then
-    every directory they were renamed into. An object already there is ``trusted`` only if its last
-    put was before ``trust_before``: a younger one may be another upload's, not yet synced, or one a
-    crash left half on the disk, so the caller puts it again (and this batch syncs it)."""
+    every directory they were renamed into. An object already there is trusted unread if its last put
+    was before ``trust_before``. A younger one may be another upload's, not yet synced, or one a crash
+    left on the disk: it is read and trusted only if whole, and then synced by ``commit`` like a put
+    (a process crash leaves what it wrote in the page cache, whole; a power cut may leave it empty or
+    short, which the check catches); else the caller puts it again."""
 
     def __init__(self, store: DirStore, trust_before: float) -> None:
         self.store = store
@@ -196,9 +206,22 @@ class DirBatch:
         with self._lock:
             self._written.add(path)
 
-    def trusted(self, key: str) -> bool:
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
         info = self.store.head(key)
-        return info is not None and info.modified < self.trust_before
+        if info is None:
+            return None
+        if info.modified < self.trust_before:
+            return "durable"
+        path = self.store._path(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None  # gone since, or unreadable: put again
+        if not whole(blob):
+            return None
+        with self._lock:
+            self._written.add(path)  # synced at the commit, whatever file is there then (``_sync``)
+        return "verified"
 
     def commit(self) -> None:
         with self._lock:

@@ -32,8 +32,8 @@ from vbs.errors import InvalidParameter, SnapshotDataError
 
 __all__ = [
     "FORMAT_VERSION", "BLOCK_SIZE", "CHUNK_SIZE", "Manifest", "UploadMarker", "chunk_id", "key_id",
-    "encode_chunk", "decode_chunk", "encode_manifest", "decode_manifest", "encode_marker", "decode_marker",
-    "chunk_key", "manifest_key", "marker_key", "CHUNKS", "MANIFESTS", "UPLOADS", "check_tenant",
+    "encode_chunk", "decode_chunk", "is_whole_chunk", "encode_manifest", "decode_manifest", "encode_marker",
+    "decode_marker", "chunk_key", "manifest_key", "marker_key", "CHUNKS", "MANIFESTS", "UPLOADS", "check_tenant",
 ]
 
 FORMAT_VERSION = 1
@@ -175,6 +175,16 @@ def decode_chunk(blob: bytes, tenant_key: bytes, cid: str, *, length: int | None
     if not hmac.compare_digest(chunk_id(tenant_key, raw), cid):
         raise ValueError("the chunk's bytes do not hash to its id")
     return raw
+
+
+def is_whole_chunk(blob: bytes, tenant_key: bytes, cid: str, length: int) -> bool:
+    """Whether ``blob`` is chunk ``cid`` of ``length`` bytes, whole: what ``decode_chunk`` (a restore's
+    check) accepts. An empty or short object, one cut by a power cut, is not."""
+    try:
+        decode_chunk(blob, tenant_key, cid, length=length)
+    except ValueError:
+        return False
+    return True
 
 
 # -- manifests -------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 Only what is new is read and sent: with a list of changed blocks and the volume's previous
 manifest, unchanged chunks are taken from that manifest unread; every chunk read is hashed, and one
 whose id the previous manifest or the store already has is not sent again. All-zero chunks are
-neither hashed nor stored. A crashed upload run again sends nothing the store holds for certain.
+neither hashed nor stored. A crashed upload run again sends nothing the store holds whole.
 
 The steps (docs/snapshots.md, "An upload"):
 1. note the GC runs and the uploads in flight, write the upload marker (before the first chunk);
 2. read, hash and put chunks, ``parallel`` at a time, in a batch of the store (a ``dir`` store syncs
-   them at the batch's commit); a chunk the store holds is trusted only if it was put before every
-   upload in flight began, else put again (docs/snapshots.md, "Durability");
+   them at the batch's commit); a chunk the store holds is trusted unread if it was put before every
+   upload in flight began, else read back, checked and synced at the commit, or put again if it is
+   not whole (docs/snapshots.md, "Durability");
 3. write the marker again with the ids of every chunk of the manifest (its claims);
 4. if a GC ran beside steps 1–3, wait for it to end and put back any claimed chunk it deleted;
 5. commit the batch, write the manifest (its presence means every chunk it lists is durable), delete
@@ -24,12 +25,13 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, SnapshotDataError
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.blocks import BlockRange, chunks_of_ranges
-from vbs.snapshot_store.contract import SnapshotStore, StoreBatch, open_batch
+from vbs.snapshot_store.contract import SnapshotStore, StoreBatch, Trusted, open_batch
 from vbs.snapshot_store.format import (
     CHUNK_SIZE,
     Manifest,
@@ -38,6 +40,7 @@ from vbs.snapshot_store.format import (
     chunk_id,
     chunk_key,
     encode_chunk,
+    is_whole_chunk,
     key_id,
     marker_key,
 )
@@ -55,7 +58,9 @@ class UploadResult:
     """What an upload did: ``chunks_read`` were read and hashed, of which ``chunks_zero`` were zeros,
     ``chunks_known`` already in the previous manifest or the store, and ``chunks_put`` sent
     (``bytes_put`` bytes, compressed); ``chunks_unread`` came from the previous manifest unread.
-    ``chunks_restored`` were put back after a GC deleted them mid-upload."""
+    ``chunks_verified``, of the known, were found in a ``dir`` store too young to trust unread, read
+    back whole and synced (docs/snapshots.md, "Durability"). ``chunks_restored`` were put back after
+    a GC deleted them mid-upload."""
 
     manifest: Manifest
     chunks_read: int = 0
@@ -63,6 +68,7 @@ class UploadResult:
     chunks_known: int = 0
     chunks_put: int = 0
     chunks_unread: int = 0
+    chunks_verified: int = 0
     chunks_restored: int = 0
     bytes_read: int = 0
     bytes_put: int = 0
@@ -90,7 +96,7 @@ class _Upload:
     chunk_size: int
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _handled: set[str] = field(default_factory=set, init=False)  # chunk ids met so far: a repeat is not put
-    _put: set[str] = field(default_factory=set, init=False)  # chunk ids this upload put (its batch syncs them)
+    _ours: set[str] = field(default_factory=set, init=False)  # chunk ids put or verified: the batch syncs them
 
     def length(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
@@ -109,23 +115,36 @@ class _Upload:
         with self._lock:
             repeat = cid in self._handled  # another chunk of this volume with the same bytes
             self._handled.add(cid)
-        if repeat or self.batch.trusted(chunk_key(cid)):
+        if repeat:
             return index, cid, "known", 0
+        found = self._found(cid, len(data))
+        if found is not None:
+            return index, cid, "known" if found == "durable" else "verified", 0
         blob = encode_chunk(data)
         self._store(cid, blob)
         return index, cid, "put", len(blob)
 
+    def _found(self, cid: str, length: int) -> Trusted | None:
+        """Whether the store holds chunk ``cid`` for certain (docs/snapshots.md, "Durability"): a young
+        one is read back and checked as a restore would (``decode_chunk``), and the batch syncs it."""
+        found = self.batch.trusted(chunk_key(cid), partial(is_whole_chunk, tenant_key=self.tenant_key, cid=cid,
+                                                           length=length))
+        if found == "verified":
+            with self._lock:
+                self._ours.add(cid)
+        return found
+
     def _store(self, cid: str, blob: bytes) -> None:
         self.batch.put(chunk_key(cid), blob)
         with self._lock:
-            self._put.add(cid)
+            self._ours.add(cid)
 
     def put_back(self, item: tuple[str, int]) -> str | None:
         """Put chunk ``cid`` (read again at ``index``) if the store lost it; its id if it did."""
         cid, index = item
         with self._lock:
-            ours = cid in self._put
-        if self.store.has(chunk_key(cid)) and (ours or self.batch.trusted(chunk_key(cid))):
+            ours = cid in self._ours
+        if self.store.has(chunk_key(cid)) and (ours or self._found(cid, self.length(index)) is not None):
             return None
         data = self.read(index)
         if chunk_id(self.tenant_key, data) != cid:
@@ -166,8 +185,8 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
 
     ``previous`` is the volume's last stored manifest, if any; ``changed_blocks`` the 512 KiB blocks
     written since it was taken, when the pool can tell (else every chunk is read and hashed). Safe to
-    run again after a crash or a failure: what is stored for certain is not sent again, and a snapshot whose
-    manifest exists is answered at once.
+    run again after a crash or a failure: what the store holds whole is not sent again, and a snapshot
+    whose manifest exists is answered at once.
     """
     ids.check("snapshot", snapshot_id)
     ids.check("volume", volume_id)
@@ -256,7 +275,8 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
                         datetime.fromtimestamp(clock(), UTC), previous.snapshot_id if previous else None,
                         chunk_size).check()
     result = UploadResult(manifest, chunks_read=count - len(unread), chunks_zero=tally["zero"],
-                          chunks_known=tally["known"], chunks_put=tally["put"], chunks_unread=len(unread),
+                          chunks_known=tally["known"] + tally["verified"], chunks_put=tally["put"],
+                          chunks_unread=len(unread), chunks_verified=tally["verified"],
                           bytes_read=size - sum(upload.length(i) for i in unread), bytes_put=tally["bytes_put"])
     claims = frozenset(chunks.values())
     save_marker(store, UploadMarker(snapshot_id, volume_id, tenant, marker.started_at, claims))
