@@ -11,10 +11,11 @@ import os
 import random
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import pytest
@@ -22,13 +23,16 @@ from moto.server import ThreadedMotoServer
 
 from tests.ceph_cluster import RadosGatewayForTests
 from tests.export_fixtures import write_at
-from vbs.snapshot_store.contract import ObjectInfo, SnapshotStore
+from vbs.snapshot_store.contract import BatchingStore, ObjectInfo, SnapshotStore, StoreBatch, Trusted, Whole, open_batch
 from vbs.snapshot_store.dir import DirStore
+from vbs.snapshot_store.gc_runs import CLOCK_SKEW_S
 from vbs.snapshot_store.keys import StoreKey
 from vbs.snapshot_store.s3 import S3Store, read_credentials
 
 __all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
-           "pattern", "write_at", "sha", "flip_last_byte"]
+           "pattern", "write_at", "sha", "flip_last_byte", "a_minute_later", "syncs_per_batch"]
+
+_Found = TypeVar("_Found")
 
 MiB = 1024 * 1024
 # One store key for the tests, its tenant acme's key, snapshot ids in order, and a volume id.
@@ -110,6 +114,7 @@ class Recording:
         self.inner = inner
         self.calls: Counter[str] = Counter()
         self.keys: dict[str, list[str]] = {}
+        self.order: list[str] = []  # "call kind" of every call, in order
         self.after: dict[str, Callable[[str, Any], None]] = {}
         self.fail_put_after: int | None = None
         self._lock = threading.Lock()
@@ -126,6 +131,7 @@ class Recording:
         with self._lock:
             kind = key.split("/", 1)[0]
             self.calls[f"{call} {kind}"] += 1
+            self.order.append(f"{call} {kind}")
             self.keys.setdefault(f"{call} {kind}", []).append(key)
 
     def _hook(self, call: str, key: str, result: Any) -> None:
@@ -137,6 +143,12 @@ class Recording:
         return self.inner.describe()
 
     def put(self, key: str, data: bytes) -> None:
+        self._put(key, data, self.inner.put)
+
+    def batch(self, trust_before: float) -> RecordingBatch:
+        return RecordingBatch(self, open_batch(self.inner, lambda: trust_before))
+
+    def _put(self, key: str, data: bytes, put: Callable[[str, bytes], None]) -> None:
         chunk = key.startswith("chunks/")
         with self._lock:
             if self.fail_put_after is not None and chunk:
@@ -149,7 +161,7 @@ class Recording:
                 self._moved.notify_all()
                 self._moved.wait_for(lambda: self.max_in_flight >= self.hold_puts_until, timeout=10)
         try:
-            self.inner.put(key, data)
+            put(key, data)
         finally:
             if chunk:
                 with self._lock:
@@ -166,8 +178,11 @@ class Recording:
         return self.inner.head(key)
 
     def has(self, key: str) -> bool:
+        return self._has(key, self.inner.has)
+
+    def _has(self, key: str, has: Callable[[str], _Found]) -> _Found:
         self._note("has", key)
-        result = self.inner.has(key)
+        result = has(key)
         self._hook("has", key, result)
         return result
 
@@ -181,6 +196,25 @@ class Recording:
 
     def count(self, call: str, kind: str = "chunks") -> int:
         return self.calls[f"{call} {kind}"]
+
+
+class RecordingBatch:
+    """A batch of the recording store's inner one, its puts and lookups counted (and failed, held or
+    hooked) as the store's own are; ``commits`` counts its commits."""
+
+    def __init__(self, recording: Recording, inner: StoreBatch) -> None:
+        self.recording = recording
+        self.inner = inner
+
+    def put(self, key: str, data: bytes) -> None:
+        self.recording._put(key, data, self.inner.put)
+
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        return self.recording._has(key, functools.partial(self.inner.trusted, whole=whole))
+
+    def commit(self) -> None:
+        self.recording._note("commit", "batch")
+        self.inner.commit()
 
 
 def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tuple[int, int], ...] = ()) -> bytes:
@@ -205,6 +239,23 @@ def make_volume(path: Path, size: int, *, seed: int = 1, zero_ranges: tuple[tupl
 def pattern(seed: bytes, mib: int) -> bytes:
     """``mib`` MiB of bytes no other seed (or other MiB of this one) has: every chunk is its own."""
     return random.Random(seed).randbytes(mib * MiB)
+
+
+def syncs_per_batch(store: SnapshotStore) -> bool:
+    """Whether ``store`` makes an upload's chunks durable at its commit (a ``dir`` store), and so trusts
+    a chunk it holds unread only if it was put before every upload in flight began, a younger one once
+    read back whole (docs/snapshots.md, "Durability")."""
+    return isinstance(store, BatchingStore)
+
+
+def a_minute_later(store: SnapshotStore) -> None:
+    """Make every chunk of a ``dir`` store look put two minutes ago (as they would once that much time
+    has gone by): older than the clocks' skew, so an upload that starts now trusts them."""
+    if isinstance(store, DirStore):
+        then = time.time() - 2 * CLOCK_SKEW_S
+        for path in (store.root / "chunks").rglob("*"):
+            if path.is_file():
+                os.utime(path, (then, then))
 
 
 def flip_last_byte(path: Path) -> None:

@@ -2,7 +2,7 @@
 single-node Ceph, the rbd backend, a file pool beside it and a ``dir`` store.
 
 An RBD snapshot is uploaded and stays in the pool (its fast tier); the next one reads only the objects
-``rbd diff`` reports changed and sends the one chunk that changed; a snapshot restores bit for bit from the
+``rbd diff`` reports changed and sends the chunks that changed; a snapshot restores bit for bit from the
 store RBD→file and file→RBD; a corrupt chunk fails a restore onto RBD naming it, and no image is left.
 Data is written into the images with ``qemu-io`` (QEMU's librbd), read back with ``rbd export``.
 The whole path through the controller is tests/test_rbd_snapshot_store_e2e.py.
@@ -28,7 +28,7 @@ from tests.rbd_cloud import rbd_export_sha256, rbd_json
 from tests.snapshot_stores import flip_last_byte
 from vbs import ids
 from vbs.snapshot_store.dir import DirStore
-from vbs.snapshot_store.format import chunk_key
+from vbs.snapshot_store.format import CHUNK_SIZE, chunk_key
 from vbs.snapshot_store.manifests import find_manifest
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.backends.rbd import RbdBackend
@@ -39,6 +39,7 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 SIZE = 64 * MiB
+OBJECT = 4 * MiB  # an RBD object, as VBS makes images (rbd's default)
 KEY = SecretStr(secrets.token_hex(32))
 
 
@@ -107,24 +108,28 @@ def test_an_rbd_snapshot_is_stored_incrementally_and_restored_onto_a_file_pool(
 
     req = StoreSnapshot(volume_id=vol, tenant="acme", store_key=KEY)
     done = until(lambda: pools.agent.upload(pools.rbd, "r", first, req))
-    assert done.state == "ready" and done.chunks == 9 and done.chunks_uploaded == 9, done
+    stored = 9 * MiB // CHUNK_SIZE  # 9 MiB of data, every chunk its own
+    assert done.state == "ready" and done.chunks == stored and done.chunks_uploaded == stored, done
     assert done.pool_copy and done.size_bytes == SIZE and done.stored_bytes == 9 * MiB
     assert find_manifest(pools.store, first) is not None
     assert pools.rbd.snapshot_status(first).state == "ready", "the RBD snapshot stays: the fast tier"
     assert pools.agent.pool_info(pools.rbd).snapshot_store == f"dir:{pools.store.root}"
 
-    # One MiB changed: rbd diff reports its one 4 MiB object, whose 4 chunks are read; one is sent.
+    # One MiB changed: rbd diff reports its one 4 MiB object, whose chunks are all read; those of the MiB
+    # written are sent (with 512 KiB chunks: 8 read, 2 sent).
     pools.write(vol, 2 * MiB, os.urandom(MiB), tmp_path)
     second = ids.new_id("snapshot")
     pools.rbd.ensure_snapshot(second, vol)
     diff = rbd_json(pools.conf, "diff", "--from-snap", first, "--whole-object", f"{pools.rbd_pool}/{vol}@{second}")
-    assert [(e["offset"], e["length"]) for e in diff] == [(0, 4 * MiB)]
+    assert [(e["offset"], e["length"]) for e in diff] == [(0, OBJECT)]
     caplog.clear()
     after = until(lambda: pools.agent.upload(pools.rbd, "r", second, StoreSnapshot(
         volume_id=vol, tenant="acme", parent_snapshot_id=first, store_key=KEY)))
-    assert after.state == "ready" and after.chunks == 9 and after.chunks_uploaded == 1, after
-    assert f"snapshot {second} stored in dir:{pools.store.root}: 9 chunks, 4 read, 1 new" in caplog.text
-    assert len(list(pools.store.list("chunks/"))) == 10
+    read, sent = OBJECT // CHUNK_SIZE, MiB // CHUNK_SIZE
+    assert after.state == "ready" and after.chunks == stored and after.chunks_uploaded == sent, after
+    assert (f"snapshot {second} stored in dir:{pools.store.root}: {stored} chunks, {read} read, {sent} new"
+            in caplog.text)
+    assert len(list(pools.store.list("chunks/"))) == stored + sent
 
     # RBD -> file: bit for bit, the zeros holes.
     target = ids.new_id("volume")
@@ -143,7 +148,7 @@ def test_a_file_snapshot_restores_onto_rbd_and_a_corrupt_chunk_leaves_no_image(p
     assert until(lambda: pools.files.ensure_snapshot(snap, vol)).state == "ready"
     stored = until(lambda: pools.agent.upload(pools.files, "f", snap, StoreSnapshot(
         volume_id=vol, tenant="acme", store_key=KEY)))
-    assert stored.state == "ready" and stored.chunks == 4
+    assert stored.state == "ready" and stored.chunks == 4 * MiB // CHUNK_SIZE  # 4 MiB of data
 
     # file -> RBD: an image of the size asked (grown past the snapshot's), bit for bit, zeros beyond.
     target = ids.new_id("volume")
@@ -158,7 +163,7 @@ def test_a_file_snapshot_restores_onto_rbd_and_a_corrupt_chunk_leaves_no_image(p
     # A corrupt chunk: the restore fails naming it and the snapshot; no image (nor its partial) stays.
     manifest = find_manifest(pools.store, snap)
     assert manifest is not None
-    victim = manifest.chunks[8]
+    victim = manifest.chunks[8 * MiB // CHUNK_SIZE]  # the first chunk of the last MiB of data
     path = pools.store.root / chunk_key(victim)
     flip_last_byte(path)
     broken = ids.new_id("volume")
@@ -209,7 +214,8 @@ def test_a_snapshot_of_a_volume_deleted_before_its_upload_is_stored_all_the_same
 
     done = until(lambda: pools.agent.upload(pools.rbd, "r", snap, StoreSnapshot(volume_id=vol, tenant="acme",
                                                                                  store_key=KEY)))
-    assert done.state == "ready" and done.chunks == 5 and done.chunks_uploaded == 5, done
+    chunks = 5 * MiB // CHUNK_SIZE  # 5 MiB of data
+    assert done.state == "ready" and done.chunks == chunks and done.chunks_uploaded == chunks, done
     assert pools.images() == [], "the clone it was read through is gone"
     target = ids.new_id("volume")
     restore = RestoreVolume(snapshot_id=snap, size_bytes=16 * MiB, tenant="acme", store_key=KEY)

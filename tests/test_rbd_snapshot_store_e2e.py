@@ -23,7 +23,7 @@ from tests.rbd_cloud import rbd_export_sha256, rbd_json
 from tests.snapshot_stores import flip_last_byte, sha
 from vbs.net.ports import free_port
 from vbs.snapshot_store.dir import DirStore
-from vbs.snapshot_store.format import chunk_key
+from vbs.snapshot_store.format import CHUNK_SIZE, chunk_key
 from vbs.snapshot_store.manifests import find_manifest
 
 pytestmark = pytest.mark.integration
@@ -137,7 +137,7 @@ def test_snapshots_cross_between_rbd_and_file_pools_through_the_store(pools: Two
     # -- a corrupt chunk: the RBD volume ends error naming it, and no image of it is left ------------------------
     manifest = find_manifest(DirStore(pools.store), fsnap["snapshot_id"])
     assert manifest is not None
-    victim = manifest.chunks[900]
+    victim = manifest.chunks[900 * MiB // CHUNK_SIZE]  # the first chunk of the data at 900 MiB
     path = pools.store / chunk_key(victim)
     flip_last_byte(path)
     broken = vbs.create_volume(storage_node="storage-1", snapshot_id=fsnap["snapshot_id"])["volume_id"]

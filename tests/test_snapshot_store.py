@@ -12,7 +12,18 @@ from typing import Any
 
 import pytest
 
-from tests.snapshot_stores import ACME, KEY, SNAP, MiB, Recording, make_volume, moto_endpoint, store
+from tests.snapshot_stores import (
+    ACME,
+    KEY,
+    SNAP,
+    MiB,
+    Recording,
+    a_minute_later,
+    make_volume,
+    moto_endpoint,
+    store,
+    syncs_per_batch,
+)
 from vbs.errors import ChunkCorrupt, ChunkMissing, IncorrectState, SnapshotDataError
 from vbs.snapshot_store import (
     BLOCK_SIZE,
@@ -48,7 +59,7 @@ def stored_chunks(store: SnapshotStore) -> set[str]:
 
 
 def test_a_volume_round_trips_with_zero_regions_and_a_short_last_chunk(store: SnapshotStore, tmp_path: Path) -> None:
-    size = 5 * MiB + 3 * 512  # not a whole number of chunks, nor of blocks
+    size = 5 * CHUNK_SIZE + 3 * 512  # not a whole number of chunks, nor of blocks
     zeros = ((0, CHUNK_SIZE), (2 * CHUNK_SIZE + 4096, 2 * CHUNK_SIZE))  # chunk 0 and chunk 3 all zeros
     data = make_volume(tmp_path / "vol.raw", size, zero_ranges=zeros)
     progress: list[tuple[int, int]] = []
@@ -110,11 +121,12 @@ def test_volumes_of_one_tenant_share_chunks(store: SnapshotStore, tmp_path: Path
     make_volume(tmp_path / "a.raw", 4 * MiB, seed=7)
     make_volume(tmp_path / "b.raw", 4 * MiB, seed=7)
     first = upload(store, tmp_path / "a.raw", SNAP[0], volume=VOL_A)
+    a_minute_later(store)
     recording = Recording(store)
 
     second = upload(recording, tmp_path / "b.raw", SNAP[1], volume=VOL_B)
 
-    assert second.chunks_put == 0 and second.chunks_known == 4 and recording.count("put") == 0
+    assert second.chunks_put == 0 and second.chunks_known == 4 * MiB // CHUNK_SIZE and recording.count("put") == 0
     assert second.manifest.chunks == first.manifest.chunks
 
 
@@ -128,8 +140,9 @@ def test_the_same_bytes_of_two_tenants_are_two_sets_of_chunks(store: SnapshotSto
 
     assert not acme.manifest.chunk_ids() & globex.manifest.chunk_ids()
     # Globex's upload took as long and sent as much as if acme's data were not there: nothing to observe.
-    assert globex.chunks_put == 4 and recording.count("put") == 4
-    assert len(stored_chunks(store)) == 8
+    per_volume = 4 * MiB // CHUNK_SIZE
+    assert globex.chunks_put == per_volume and recording.count("put") == per_volume
+    assert len(stored_chunks(store)) == 2 * per_volume
 
 
 def test_an_incremental_upload_reads_and_puts_only_the_changed_chunks(store: SnapshotStore, tmp_path: Path) -> None:
@@ -137,7 +150,7 @@ def test_an_incremental_upload_reads_and_puts_only_the_changed_chunks(store: Sna
     data = bytearray(make_volume(path, 16 * MiB))
     first = upload(store, path, SNAP[0])
     # Two writes: one 4 KiB in chunk 3, one across the end of chunk 9 into chunk 10.
-    changes = [(3 * MiB + 8192, 4096), (10 * MiB - 100, 200)]
+    changes = [(3 * CHUNK_SIZE + 8192, 4096), (10 * CHUNK_SIZE - 100, 200)]
     with open(path, "r+b") as f:
         for offset, length in changes:
             f.seek(offset)
@@ -149,9 +162,9 @@ def test_an_incremental_upload_reads_and_puts_only_the_changed_chunks(store: Sna
 
     second = upload(recording, path, SNAP[1], previous=first.manifest, changed_blocks=changed)
 
-    assert second.chunks_read == 3 and second.chunks_unread == 13
+    assert second.chunks_read == 3 and second.chunks_unread == 16 * MiB // CHUNK_SIZE - 3
     assert second.chunks_put == 3 and recording.count("put") == 3
-    assert second.bytes_read == 3 * MiB
+    assert second.bytes_read == 3 * CHUNK_SIZE
     restore_snapshot(store, second.manifest, tmp_path / "r.raw", tenant_key=ACME)
     assert (tmp_path / "r.raw").read_bytes() == data
     restore_snapshot(store, first.manifest, tmp_path / "r0.raw", tenant_key=ACME)
@@ -170,16 +183,16 @@ def test_without_a_change_list_every_chunk_is_read_and_only_changed_ones_are_put
 
     second = upload(recording, path, SNAP[1], previous=first.manifest)
 
-    assert second.chunks_read == 8 and second.chunks_put == 1 and recording.count("put") == 1
+    assert second.chunks_read == 8 * MiB // CHUNK_SIZE and second.chunks_put == 1 and recording.count("put") == 1
     assert recording.count("has") == 1  # only the chunk whose id the previous manifest lacks
 
 
 def test_a_grown_volume_reads_its_new_tail_whatever_the_change_list_says(store: SnapshotStore, tmp_path: Path) -> None:
     path = tmp_path / "vol.raw"
-    make_volume(path, 3 * MiB + 512 * 3)
+    make_volume(path, 3 * CHUNK_SIZE + 512 * 3)
     first = upload(store, path, SNAP[0])
     with open(path, "ab") as f:
-        f.write(os.urandom(2 * MiB))
+        f.write(os.urandom(2 * CHUNK_SIZE))
     data = path.read_bytes()
 
     second = upload(store, path, SNAP[1], previous=first.manifest, changed_blocks=[])
@@ -189,9 +202,60 @@ def test_a_grown_volume_reads_its_new_tail_whatever_the_change_list_says(store: 
     assert (tmp_path / "r.raw").read_bytes() == data
 
 
+# Manifests record their chunk size: those written before chunks became one 512 KiB block hold 1 MiB chunks.
+OLD_CHUNK_SIZE = 2 * BLOCK_SIZE
+
+
+def test_a_manifest_of_1_mib_chunks_still_restores(store: SnapshotStore, tmp_path: Path) -> None:
+    path = tmp_path / "vol.raw"
+    size = 5 * OLD_CHUNK_SIZE + 3 * 512  # a short last chunk, and chunk 2 all zeros
+    data = make_volume(path, size, zero_ranges=((2 * OLD_CHUNK_SIZE, OLD_CHUNK_SIZE),))
+    old = upload(store, path, SNAP[0], chunk_size=OLD_CHUNK_SIZE).manifest
+    assert old.chunk_size == OLD_CHUNK_SIZE != CHUNK_SIZE and sorted(old.chunks) == [0, 1, 3, 4, 5]
+
+    manifest = load_manifest(store, SNAP[0])
+    result = restore_snapshot(store, manifest, tmp_path / "r.raw", tenant_key=ACME)
+
+    assert manifest == old and (tmp_path / "r.raw").read_bytes() == data
+    assert result.chunks_written == 5 and result.chunks_zero == 1
+    assert check_store(store, deep=True, tenant_keys=KEY.tenant_key).ok
+
+
+def test_an_incremental_upload_after_a_1_mib_chunk_parent_reads_everything_and_restores(store: SnapshotStore,
+                                                                                      tmp_path: Path) -> None:
+    """The parent's chunks are of another size: its ids prove nothing about this upload's chunks, so
+    every chunk is read (the change list is not trusted against it) and put; both snapshots restore."""
+    path = tmp_path / "vol.raw"
+    before = make_volume(path, 8 * MiB)
+    parent = upload(store, path, SNAP[0], chunk_size=OLD_CHUNK_SIZE).manifest
+    with open(path, "r+b") as f:
+        f.seek(5 * MiB + 1)
+        f.write(b"changed")
+    after = path.read_bytes()
+    changed = [BlockRange((5 * MiB + 1) // BLOCK_SIZE, 1)]
+
+    child = upload(store, path, SNAP[1], previous=parent, changed_blocks=changed)
+
+    count = 8 * MiB // CHUNK_SIZE
+    assert child.manifest.chunk_size == CHUNK_SIZE and child.manifest.parent_snapshot_id == SNAP[0]
+    assert child.chunks_read == count and child.chunks_unread == 0 and child.chunks_put == count
+    restore_snapshot(store, child.manifest, tmp_path / "child.raw", tenant_key=ACME)
+    assert (tmp_path / "child.raw").read_bytes() == after
+    restore_snapshot(store, load_manifest(store, SNAP[0]), tmp_path / "parent.raw", tenant_key=ACME)
+    assert (tmp_path / "parent.raw").read_bytes() == before
+    # The next upload, against the 512 KiB-chunk child, is incremental again.
+    grandchild = upload(store, path, SNAP[2], previous=child.manifest, changed_blocks=[])
+    assert grandchild.chunks_read == 0 and grandchild.chunks_put == 0
+    assert grandchild.manifest.chunks == child.manifest.chunks
+
+
 def test_a_crashed_upload_run_again_puts_nothing_already_stored(store: SnapshotStore, tmp_path: Path) -> None:
+    """Run again, an upload sends nothing the store holds: on S3 a PUT is durable; on a ``dir`` store
+    the crashed try's chunks may not be synced (its batch never committed), so each is read back,
+    found whole and synced by this try's commit instead (docs/snapshots.md, "Durability")."""
     path = tmp_path / "vol.raw"
     data = make_volume(path, 12 * MiB)
+    count = 12 * MiB // CHUNK_SIZE
     crashing = Recording(store)
     crashing.fail_put_after = 5
 
@@ -204,8 +268,9 @@ def test_a_crashed_upload_run_again_puts_nothing_already_stored(store: SnapshotS
     again = Recording(store)
     done = upload(again, path, SNAP[0])
 
-    assert again.count("put") == 12 - 5 and done.chunks_put == 7 and done.chunks_known == 5
+    assert again.count("put") == count - 5 and done.chunks_put == count - 5 and done.chunks_known == 5
     assert not set(again.keys["put chunks"]) & stored
+    assert done.chunks_verified == (5 if syncs_per_batch(store) else 0)
     restore_snapshot(store, done.manifest, tmp_path / "r.raw", tenant_key=ACME)
     assert (tmp_path / "r.raw").read_bytes() == data
 
@@ -295,7 +360,7 @@ def test_check_finds_missing_chunks_and_deep_check_finds_corrupt_ones(store: Sna
     deep = check_store(store, deep=True, tenant_keys=KEY.tenant_key)
     assert [(p.snapshot_id, p.kind, p.chunk_index) for p in deep.problems] == \
         [(SNAP[0], "missing", 0), (SNAP[1], "corrupt", 3)]
-    assert deep.chunks_checked == 8 and deep.snapshots == 2
+    assert deep.chunks_checked == 2 * (4 * MiB // CHUNK_SIZE) and deep.snapshots == 2
     assert check_store(store, snapshots=[SNAP[1]]).ok
 
 

@@ -6,7 +6,7 @@ On the default pool (ext4 in the test's temporary directory: clones are copies) 
 ``completed`` only once its manifest is in the store, and its pool copy is then given up; describe says
 where it lives; a volume made from it is hydrated from the store bit for bit, on either storage node (the
 one it was taken on, or the other); the next snapshot sends
-only the chunk that changed; a corrupt chunk fails a restore with the chunk and the snapshot named and
+only the chunks that changed; a corrupt chunk fails a restore with the chunk and the snapshot named and
 the volume ``error``; deleting the source volume leaves the stored snapshot restorable; delete-snapshot
 removes its manifest. A store that is down leaves the snapshot pending with the reason until it is back.
 The same through a real RADOS Gateway (S3 on the session's Ceph cluster): snapshots stored in its bucket
@@ -35,6 +35,7 @@ from vbs.controller.auth.keys import MasterKey
 from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import Database, Operation
 from vbs.net.ports import free_port
+from vbs.snapshot_store import CHUNK_SIZE
 from vbs.snapshot_store.s3 import read_credentials
 
 pytestmark = pytest.mark.integration
@@ -98,7 +99,7 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
     assert first["stored_bytes"] == 7 * MiB and first["progress"] == 100
     assert not (vbs.pool / "snapshots" / f"{snap1}.raw").exists(), "a copy pool keeps no full copy"
     chunks_after_first = chunk_files(store)
-    assert len(chunks_after_first) == 7
+    assert len(chunks_after_first) == 7 * MiB // CHUNK_SIZE  # every chunk of pattern() is its own
     for path in chunks_after_first:  # 0600 files in 0700 directories: the store holds every tenant's data
         assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     # describe-snapshots: the CLI's table and the EC2 API say it too.
@@ -118,23 +119,24 @@ def test_snapshots_go_to_the_store_and_come_back_from_it(vbs_dir: Vbs) -> None:
     assert elsewhere["status"] == "available" and elsewhere["storage_node"] == "storage-2", elsewhere
     assert sha(vbs.data_dir / "pools" / "storage-2" / "volumes" / f"{elsewhere['volume_id']}.raw") == image
 
-    # -- the next snapshot sends only the chunk that changed --------------------------------------------------
+    # -- the next snapshot sends only the chunks that changed -------------------------------------------------
     write_at(vol_path, 2 * MiB, pattern(b"changed", 1))
     second, _ = snapshot_until_done(vbs, vol_id)
     snap2 = second["snapshot_id"]
     new_chunks = chunk_files(store) - chunks_after_first
-    assert len(new_chunks) == 1, "one chunk changed: one chunk sent"
-    assert "1 new" in (vbs.data_dir.parent / "vbs-up.log").read_text()
+    changed = MiB // CHUNK_SIZE  # the chunks of the 1 MiB written (aligned)
+    assert len(new_chunks) == changed, "1 MiB changed: its chunks sent, no other"
+    assert f", {changed} new (" in (vbs.data_dir.parent / "vbs-up.log").read_text()
 
     # -- vbs check reads both manifests in the store and finds every chunk they list ------------------------------
     checked = vbs.cli("check")
     assert checked["clean"] and not checked["unstored"], checked
     (checked_store,) = checked["stores"]
     assert checked_store["store"] == f"dir:{store}" and checked_store["snapshots"] == 2
-    assert checked_store["chunks_checked"] == 8  # 7 of the first, 1 new in the second
+    assert checked_store["chunks_checked"] == (7 + 1) * MiB // CHUNK_SIZE  # 7 MiB of the first, 1 MiB new in the second
 
     # -- a corrupt chunk fails the restore, naming it; nothing half-written is left available ------------------
-    (victim,) = new_chunks
+    victim = min(new_chunks)  # one of the second snapshot's own chunks
     flip_last_byte(victim)
     # Only a deep check, which hashes every chunk again, sees it (a plain one finds every chunk there).
     assert vbs.cli("check")["clean"]
@@ -221,7 +223,7 @@ def test_a_store_that_is_down_keeps_the_snapshot_pending_until_it_is_back(s3_lat
         assert done["data_location"] == "store" and done["status_reason"] is None
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket="vbs-e2e", Prefix="site-a/")["Contents"]}
         assert f"site-a/manifests/{snap['snapshot_id']}" in keys
-        assert len([k for k in keys if k.startswith("site-a/chunks/")]) == 3
+        assert len([k for k in keys if k.startswith("site-a/chunks/")]) == 3 * MiB // CHUNK_SIZE
         clone = vbs.cli("create-volume", "--snapshot", snap["snapshot_id"], "--wait")
         assert sha(vbs.pool / "volumes" / f"{clone['volume_id']}.raw") == image
     finally:
@@ -263,12 +265,12 @@ def test_snapshots_stored_in_radosgw_restore_bit_exact_on_the_other_node(vbs_rad
     assert first["data_location"] == "store" and first["stored_bytes"] == 5 * MiB, first
     assert f"site-b/manifests/{first['snapshot_id']}" in keys("manifests")
     first_chunks = keys("chunks")
-    assert len(first_chunks) == 5 and not keys("uploads")
+    assert len(first_chunks) == 5 * MiB // CHUNK_SIZE and not keys("uploads")
 
     write_at(vol_path, 3 * MiB, pattern(b"rgw-changed", 1))
     changed = sha(vol_path)
     second, _ = snapshot_until_done(vbs, vol["volume_id"])
-    assert len(keys("chunks") - first_chunks) == 1, "one chunk changed: one chunk sent"
+    assert len(keys("chunks") - first_chunks) == MiB // CHUNK_SIZE, "1 MiB changed: its chunks sent, no other"
 
     # Restored from the bucket on the other storage node (its pool has no copy of either snapshot).
     for snap, expected in ((first, image), (second, changed)):

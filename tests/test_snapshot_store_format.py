@@ -31,13 +31,26 @@ from vbs.snapshot_store import (
 )
 from vbs.snapshot_store.blocks import chunks_of_ranges
 from vbs.snapshot_store.dir import DirStore
-from vbs.snapshot_store.format import chunk_id, decode_chunk, decode_manifest, encode_chunk, encode_manifest, key_id
+from vbs.snapshot_store.format import (
+    UploadMarker,
+    chunk_id,
+    decode_chunk,
+    decode_manifest,
+    decode_marker,
+    encode_chunk,
+    encode_manifest,
+    encode_marker,
+    key_id,
+)
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = StoreKey(bytes(range(32)))
 SNAP, VOL = "snap-00000000000000001", "vol-0000000000000000a"
+# A chunk of two blocks (1 MiB), as manifests written before chunks became one block have: the tests of
+# the block arithmetic use it where a chunk holding several blocks is what they are about.
+TWO_BLOCKS = 2 * BLOCK_SIZE
 
 
 def manifest(chunks: dict[int, str], size: int = 8 * MiB, **kwargs: Any) -> Manifest:
@@ -77,11 +90,27 @@ def test_a_manifest_is_zstd_json_another_tool_can_read() -> None:
     doc = json.loads(zstandard.ZstdDecompressor().decompress(blob[16:]))
     assert doc == {
         "format": "vbs-snapshot-manifest", "format_version": 1, "snapshot_id": SNAP, "volume_id": VOL,
-        "tenant": "acme", "volume_size": 8 * MiB, "block_size": 524288, "chunk_size": 1048576,
+        "tenant": "acme", "volume_size": 8 * MiB, "block_size": 524288, "chunk_size": 524288,
         "hash": "hmac-sha256", "key_id": m.key_id, "parent_snapshot_id": "snap-00000000000000000",
         "created_at": "2026-01-02T03:04:05.000000Z", "chunks": [[0, "a" * 64], [5, "b" * 64]],
     }
     assert decode_manifest(blob, SNAP) == m
+
+
+def test_an_upload_marker_carries_abandoned_at_only_once_abandoned() -> None:
+    started = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    live = UploadMarker(SNAP, VOL, "acme", started, frozenset({"a" * 64}))
+    abandoned = UploadMarker(SNAP, VOL, "acme", started, abandoned_at=datetime(2026, 1, 3, tzinfo=UTC))
+
+    def doc(marker: UploadMarker) -> dict[str, Any]:
+        blob = encode_marker(marker)
+        assert blob[:4] == b"VBSU" and decode_marker(blob, SNAP) == marker
+        raw = zstandard.ZstdDecompressor().decompress(blob[16:]) if blob[5] == 1 else blob[16:]
+        loaded: dict[str, Any] = json.loads(raw)
+        return loaded
+
+    assert "abandoned_at" not in doc(live) and doc(live)["claims"] == ["a" * 64]
+    assert doc(abandoned)["abandoned_at"] == "2026-01-03T00:00:00.000000Z" and doc(abandoned)["claims"] == []
 
 
 @pytest.mark.parametrize("damage", ["bit", "version", "index", "stored as another"])
@@ -93,10 +122,12 @@ def test_a_damaged_manifest_is_an_error_naming_the_snapshot(damage: str) -> None
     elif damage == "version":
         blob = bytearray(encode_manifest(m))
         blob[4] = 2
-    elif damage == "index":
-        blob = bytearray(encode_manifest(manifest({7: "a" * 64})))
+    elif damage == "index":  # the last chunk's index made one past the end
+        last = m.chunk_count - 1
+        blob = bytearray(encode_manifest(manifest({last: "a" * 64})))
         blob = bytearray(encode_manifest(m)[:16]) + zstandard.ZstdCompressor().compress(
-            zstandard.ZstdDecompressor().decompress(bytes(blob[16:])).replace(b"[[7,", b"[[8,"))
+            zstandard.ZstdDecompressor().decompress(bytes(blob[16:])).replace(f"[[{last},".encode(),
+                                                                              f"[[{last + 1},".encode()))
         blob[8:16] = struct.pack(">Q", len(zstandard.ZstdDecompressor().decompress(bytes(blob[16:]))))
     else:
         blob = bytearray(encode_manifest(m))
@@ -115,12 +146,26 @@ def test_byte_extents_become_merged_block_ranges() -> None:
     extents = [(0, 1), (BLOCK_SIZE - 1, 2), (10 * BLOCK_SIZE, BLOCK_SIZE), (3 * BLOCK_SIZE, 0), (11 * BLOCK_SIZE, 5)]
 
     assert ranges_of_extents(extents) == [BlockRange(0, 2), BlockRange(10, 2)]
-    assert chunks_of_ranges([BlockRange(0, 2), BlockRange(10, 2)], CHUNK_SIZE) == {0, 5}
-    assert chunks_of_ranges([BlockRange(1, 2)], CHUNK_SIZE) == {0, 1}
+    assert chunks_of_ranges([BlockRange(0, 2), BlockRange(10, 2)], CHUNK_SIZE) == {0, 1, 10, 11}  # a chunk a block
+    assert chunks_of_ranges([BlockRange(0, 2), BlockRange(10, 2)], TWO_BLOCKS) == {0, 5}
+    assert chunks_of_ranges([BlockRange(1, 2)], TWO_BLOCKS) == {0, 1}
 
 
 def test_blocks_of_a_manifest_are_its_non_zero_512k_blocks() -> None:
-    m = manifest({0: "a" * 64, 3: "b" * 64}, size=3 * MiB + BLOCK_SIZE + 4096)  # chunk 3 is 516 KiB
+    m = manifest({0: "a" * 64, 3: "b" * 64}, size=3 * BLOCK_SIZE + 4096)  # chunk 3 is 4 KiB
+
+    refs = list(manifest_blocks(m))
+
+    assert [(r.block_index, r.chunk_index, r.offset, r.length) for r in refs] == [
+        (0, 0, 0, BLOCK_SIZE), (3, 3, 0, 4096)]
+    assert block_ref(m, 1) is None and block_ref(m, 3) == refs[-1]
+    with pytest.raises(InvalidParameter):
+        block_ref(m, 4)
+
+
+def test_blocks_of_a_manifest_of_two_block_chunks_are_cut_out_of_them() -> None:
+    m = manifest({0: "a" * 64, 3: "b" * 64}, size=3 * MiB + BLOCK_SIZE + 4096,
+                 chunk_size=TWO_BLOCKS)  # chunk 3 is 516 KiB
 
     refs = list(manifest_blocks(m))
 
@@ -131,12 +176,29 @@ def test_blocks_of_a_manifest_are_its_non_zero_512k_blocks() -> None:
         block_ref(m, 8)
 
 
-def test_changed_blocks_between_two_manifests_are_those_of_changed_chunks() -> None:
-    before = manifest({0: "a" * 64, 1: "b" * 64, 2: "c" * 64})
-    after = manifest({0: "a" * 64, 1: "d" * 64, 3: "e" * 64})
+def test_changed_blocks_between_two_manifests_are_exactly_the_changed_blocks() -> None:
+    """A chunk is one block: ListChangedBlocks names every changed block and no unchanged one."""
+    before = manifest({0: "a" * 64, 1: "b" * 64, 2: "c" * 64, 5: "f" * 64})
+    after = manifest({0: "a" * 64, 1: "d" * 64, 3: "e" * 64, 5: "f" * 64})
 
-    assert list(changed_blocks(before, after)) == [2, 3, 4, 5, 6, 7]
+    assert list(changed_blocks(before, after)) == [1, 2, 3]  # rewritten, zeroed, written
     assert list(changed_blocks(before, before)) == []
+
+
+def test_changed_blocks_between_manifests_of_two_block_chunks_are_those_of_changed_chunks() -> None:
+    before = manifest({0: "a" * 64, 1: "b" * 64, 2: "c" * 64}, chunk_size=TWO_BLOCKS)
+    after = manifest({0: "a" * 64, 1: "d" * 64, 3: "e" * 64}, chunk_size=TWO_BLOCKS)
+
+    assert list(changed_blocks(before, after)) == [2, 3, 4, 5, 6, 7]  # both blocks of each changed chunk
+    assert list(changed_blocks(before, before)) == []
+
+
+def test_changed_blocks_against_a_manifest_of_two_block_chunks_are_every_non_zero_block_of_either() -> None:
+    """Ids of chunks of different sizes cannot be compared: every block either snapshot holds is named."""
+    before = manifest({0: "a" * 64, 2: "c" * 64}, chunk_size=TWO_BLOCKS)  # blocks 0, 1, 4, 5
+    after = manifest({1: "b" * 64, 7: "e" * 64})
+
+    assert list(changed_blocks(before, after)) == [0, 1, 4, 5, 7]
 
 
 def test_tenant_keys_differ_and_the_key_file_is_private(tmp_path: Path) -> None:

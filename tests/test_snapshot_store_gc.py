@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.snapshot_stores import ACME, SNAP, VOL, MiB, Recording, make_volume, moto_endpoint, store
+from tests.snapshot_stores import ACME, SNAP, VOL, MiB, Recording, a_minute_later, make_volume, moto_endpoint, store
 from vbs.errors import SnapshotDataError
 from vbs.snapshot_store import (
+    CHUNK_SIZE,
     SnapshotStore,
     collect_garbage,
     delete_snapshot,
@@ -50,8 +51,8 @@ def chunks(store: SnapshotStore) -> set[str]:
 
 
 def test_gc_deletes_the_chunks_of_deleted_snapshots_once_past_the_grace(store: SnapshotStore, tmp_path: Path) -> None:
-    make_volume(tmp_path / "a.raw", 4 * MiB, seed=1)
-    make_volume(tmp_path / "b.raw", 4 * MiB, seed=2)
+    make_volume(tmp_path / "a.raw", 4 * CHUNK_SIZE, seed=1)
+    make_volume(tmp_path / "b.raw", 4 * CHUNK_SIZE, seed=2)
     a = upload(store, tmp_path / "a.raw", SNAP[0]).manifest
     b = upload(store, tmp_path / "b.raw", SNAP[1]).manifest
     delete_snapshot(store, SNAP[0])
@@ -61,7 +62,7 @@ def test_gc_deletes_the_chunks_of_deleted_snapshots_once_past_the_grace(store: S
         chunk_key(c) for c in a.chunk_ids() | b.chunk_ids()}
 
     old = collect_garbage(store, grace_s=HOUR, clock=later(2 * HOUR))
-    assert old.chunks_deleted == 4 and old.bytes_freed > 4 * MiB and old.manifests == 1
+    assert old.chunks_deleted == 4 and old.bytes_freed > 4 * CHUNK_SIZE and old.manifests == 1
     assert chunks(store) == {chunk_key(c) for c in b.chunk_ids()}
     restore_snapshot(store, b, tmp_path / "r.raw", tenant_key=ACME)
     assert (tmp_path / "r.raw").read_bytes() == (tmp_path / "b.raw").read_bytes()
@@ -90,9 +91,9 @@ def test_gc_never_deletes_what_it_does_not_know(store: SnapshotStore) -> None:
 
 
 def test_a_damaged_manifest_stops_gc_before_it_deletes_anything(store: SnapshotStore, tmp_path: Path) -> None:
-    make_volume(tmp_path / "a.raw", 2 * MiB)
+    make_volume(tmp_path / "a.raw", 2 * CHUNK_SIZE)
     upload(store, tmp_path / "a.raw", SNAP[0])
-    make_volume(tmp_path / "b.raw", 2 * MiB, seed=9)
+    make_volume(tmp_path / "b.raw", 2 * CHUNK_SIZE, seed=9)
     upload(store, tmp_path / "b.raw", SNAP[1])
     delete_snapshot(store, SNAP[1])
     store.put(f"manifests/{SNAP[0]}", b"VBSM\x01\x01")
@@ -109,7 +110,7 @@ def test_chunks_an_upload_in_flight_put_are_kept_by_the_grace(store: SnapshotSto
     """A collection in the middle of an upload, before the upload has claimed anything: what the upload
     already put is younger than the grace period, so nothing is deleted and nothing is put again."""
     path = tmp_path / "vol.raw"
-    data = make_volume(path, 8 * MiB)
+    data = make_volume(path, 8 * CHUNK_SIZE)
     recording = Recording(store)
     reports: list[GcReport] = []
 
@@ -132,9 +133,10 @@ def test_an_upload_puts_back_an_old_chunk_a_gc_deleted_after_the_upload_found_it
     will not send it; a collection then deletes it (unreferenced, old). The upload sees that a
     collection ran beside it, waits for it, checks its chunks and sends the lost one again."""
     path = tmp_path / "vol.raw"
-    data = make_volume(path, 4 * MiB)
+    data = make_volume(path, 4 * CHUNK_SIZE)
     old = upload(store, path, SNAP[0]).manifest
     delete_snapshot(store, SNAP[0])  # its chunks are garbage now, but still there
+    a_minute_later(store)  # and old enough for an upload to trust them
     recording = Recording(store)
     deleted: list[int] = []
 
@@ -157,7 +159,7 @@ def test_a_gc_that_starts_after_the_claims_keeps_every_claimed_chunk(store: Snap
     """The collection starts once the upload has written its claims but not its manifest: it marks
     the claims, so it deletes nothing the upload needs, however old, and the upload puts nothing back."""
     path = tmp_path / "vol.raw"
-    data = make_volume(path, 4 * MiB)
+    data = make_volume(path, 4 * CHUNK_SIZE)
     upload(store, path, SNAP[0])
     delete_snapshot(store, SNAP[0])
     recording = Recording(store)

@@ -7,6 +7,7 @@ The whole path through ``vbs up`` (controller workflows, describe, placement) is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -21,8 +22,9 @@ from tests.fakes import MemoryExports
 from tests.snapshot_stores import flip_last_byte
 from vbs import ids
 from vbs.errors import DriverError, PointInTimeUnavailable, RetryLater, SnapshotStoreUnavailable
+from vbs.snapshot_store import StoreKey, upload_snapshot
 from vbs.snapshot_store.dir import DirStore
-from vbs.snapshot_store.format import chunk_key
+from vbs.snapshot_store.format import BLOCK_SIZE, CHUNK_SIZE, chunk_key
 from vbs.snapshot_store.manifests import find_manifest
 from vbs.snapshot_store.s3 import S3Store
 from vbs.storage.backends.file import FileBackend
@@ -78,14 +80,14 @@ def digest(path: Path) -> str:
 def test_a_snapshot_is_stored_incrementally_and_a_copy_pool_gives_its_copy_up(pool: FileBackend,
                                                                                 store: DirStore) -> None:
     agent = StoredSnapshots(store)
-    data = os.urandom(3 * MiB) + bytes(MiB) + os.urandom(MiB)  # 4 non-zero chunks of 8
+    data = os.urandom(3 * CHUNK_SIZE) + bytes(CHUNK_SIZE) + os.urandom(CHUNK_SIZE)  # 4 non-zero chunks, then zeros
     vol = volume(pool, data)
     first = snapshot(pool, vol)
     image_digest = digest(pool.snapshot_image(first))
     req = StoreSnapshot(volume_id=vol, tenant="acme", store_key=KEY)
     done = until(lambda: agent.upload(pool, "p", first, req))
     assert done.state == "ready" and done.chunks == 4 and done.chunks_uploaded == 4 and not done.pool_copy
-    assert done.stored_bytes == 4 * MiB and done.size_bytes == 8 * MiB and done.store == f"dir:{store.root}"
+    assert done.stored_bytes == 4 * CHUNK_SIZE and done.size_bytes == 8 * MiB and done.store == f"dir:{store.root}"
     assert find_manifest(store, first) is not None
     assert not (pool.path / "snapshots" / f"{first}.raw").exists(), "a copy pool keeps no full copy once stored"
     assert agent.upload(pool, "p", first, req) == done  # repeated: the same answer
@@ -94,8 +96,8 @@ def test_a_snapshot_is_stored_incrementally_and_a_copy_pool_gives_its_copy_up(po
     assert again.state == "ready" and again.chunks == 4 and again.chunks_uploaded == 0
     # One chunk changed: the next snapshot sends that one only.
     with open(pool.volume_path(vol), "r+b") as f:
-        f.seek(MiB)
-        f.write(os.urandom(MiB))
+        f.seek(CHUNK_SIZE)
+        f.write(os.urandom(CHUNK_SIZE))
     second = snapshot(pool, vol)
     incremental = StoreSnapshot(volume_id=vol, tenant="acme", parent_snapshot_id=first, store_key=KEY)
     after = until(lambda: agent.upload(pool, "p", second, incremental))
@@ -110,6 +112,39 @@ def test_a_snapshot_is_stored_incrementally_and_a_copy_pool_gives_its_copy_up(po
     with open(restored, "rb") as f:
         assert hashlib.sha256(f.read(8 * MiB)).hexdigest() == image_digest
         assert f.read() == bytes(8 * MiB)
+
+
+def test_a_snapshot_stored_with_1_mib_chunks_restores_and_the_next_upload_against_it_is_whole(
+        pool: FileBackend, store: DirStore) -> None:
+    """Manifests written before chunks became one 512 KiB block hold 1 MiB chunks: the agent restores
+    them, and the next snapshot's upload, whose chunks cannot be compared with its parent's, reads and
+    sends all of its own."""
+    agent = StoredSnapshots(store)
+    vol = volume(pool, os.urandom(3 * MiB))
+    first = snapshot(pool, vol)
+    first_digest = digest(pool.snapshot_image(first))
+    old = upload_snapshot(store, pool.snapshot_image(first), 8 * MiB, snapshot_id=first, volume_id=vol,
+                          tenant="acme", tenant_key=StoreKey(bytes.fromhex(KEY.get_secret_value())).tenant_key("acme"),
+                          chunk_size=2 * BLOCK_SIZE)  # as an agent wrote it before
+    assert old.manifest.chunk_size == 2 * BLOCK_SIZE and len(old.manifest.chunks) == 3
+    assert until(lambda: agent.upload(pool, "p", first, StoreSnapshot(volume_id=vol, tenant="acme",
+                                                                      store_key=KEY))).chunks == 3
+    with open(pool.volume_path(vol), "r+b") as f:
+        f.seek(MiB + 1)
+        f.write(b"changed")
+    second = snapshot(pool, vol)
+    second_digest = digest(pool.snapshot_image(second))
+
+    after = until(lambda: agent.upload(pool, "p", second, StoreSnapshot(
+        volume_id=vol, tenant="acme", parent_snapshot_id=first, store_key=KEY)))
+
+    every = 3 * MiB // CHUNK_SIZE  # 3 MiB of data
+    assert after.state == "ready" and after.chunks == every and after.chunks_uploaded == every, after
+    for snap, expected in ((first, first_digest), (second, second_digest)):
+        target = ids.new_id("volume")
+        restore = RestoreVolume(snapshot_id=snap, size_bytes=8 * MiB, tenant="acme", store_key=KEY)
+        assert until(functools.partial(agent.restore, pool, "p", target, restore)).state == "ready"
+        assert digest(pool.volume_path(target)) == expected
 
 
 def test_a_reflink_pool_keeps_its_fast_tier(pool: FileBackend, store: DirStore) -> None:
@@ -237,7 +272,7 @@ def test_a_copy_pool_with_no_daemon_view_reads_a_detached_volume_in_place(tmp_pa
         pool.connection_for(vol, host)
     done = until(lambda: StoredSnapshots(store).upload(pool, "p", snap, StoreSnapshot(
         volume_id=vol, tenant="acme", store_key=KEY)))
-    assert done.state == "ready" and done.chunks == 3 and not done.pool_copy
+    assert done.state == "ready" and done.chunks == 3 * MiB // CHUNK_SIZE and not done.pool_copy  # 3 MiB of data
     assert list(snapshots.iterdir()) == [], "stored: the hold is gone"
     target = ids.new_id("volume")
     restore = RestoreVolume(snapshot_id=snap, size_bytes=8 * MiB, tenant="acme", store_key=KEY)

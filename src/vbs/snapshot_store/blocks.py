@@ -1,10 +1,12 @@
 """512 KiB block arithmetic over manifests: what changed-block sources give and the EBS direct APIs ask.
 
 A block is ``BLOCK_SIZE`` (512 KiB) bytes at ``index * BLOCK_SIZE``, as EBS numbers them; a chunk
-holds ``chunk_size // BLOCK_SIZE`` consecutive blocks. ListSnapshotBlocks is ``manifest_blocks``,
-GetSnapshotBlock reads the chunk of ``block_ref`` and cuts the block out, ListChangedBlocks is
-``changed_blocks`` (by chunk: a block is reported changed when its chunk changed, which may name an
-unchanged neighbour in the same chunk, never miss a changed block).
+holds ``chunk_size // BLOCK_SIZE`` consecutive blocks: one, as chunks are written now; two in manifests
+of 1 MiB chunks written before. ListSnapshotBlocks is ``manifest_blocks``, GetSnapshotBlock reads the
+chunk of ``block_ref`` (and cuts the block out of a chunk of several), ListChangedBlocks is
+``changed_blocks`` (by chunk: a block is reported changed when its chunk changed, which is exact with
+one block a chunk; with several it may name an unchanged neighbour in the same chunk, never miss a
+changed block).
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Promises every driver keeps:
 - reads after a write see it, and so do listings (S3 and RADOS Gateway are strongly consistent; a
   directory is, on one machine).
 - ``delete`` of a missing key succeeds.
+- a store may also offer ``batch`` (``BatchingStore``): puts that are atomic and visible at once but
+  durable only at the batch's ``commit``, for an upload's many chunks (docs/snapshots.md, "Durability");
+  an object found that may not be durable yet is trusted only once read and found whole, and the
+  commit makes it durable too.
+  A store without it is used through ``DurablePuts``: each put durable on return, ``commit`` nothing.
 - the store's own trouble (unreachable, timed out, throttled after retries) raises
   ``SnapshotStoreUnavailable``, which callers may retry; a missing key on ``get`` raises
   ``ObjectMissing``; anything else wrong with the store's configuration is a ``DriverError``.
@@ -19,18 +24,24 @@ Promises every driver keeps:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
 from vbs.errors import InvalidParameter, NotFound
 
-__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options"]
+__all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options",
+           "StoreBatch", "BatchingStore", "DurablePuts", "open_batch", "Trusted", "Whole"]
 
 _Options = TypeVar("_Options", bound=BaseModel)
+
+# Why a batch relies on an object it found: "durable" as it is (never read), or "verified": read,
+# found whole by the caller's test (``Whole``), and made durable by the batch's commit.
+Trusted = Literal["durable", "verified"]
+Whole = Callable[[bytes], bool]
 
 # Keys are made by vbs.snapshot_store.format; this only keeps a bad one from escaping a directory or
 # a bucket prefix. Segments start with a letter or digit, so "." and ".." (and hidden temp files) never match.
@@ -119,3 +130,52 @@ class SnapshotStore(Protocol):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, in no promised order."""
         ...
+
+
+class StoreBatch(Protocol):
+    """Puts made durable together (docs/snapshots.md, "Durability"): each ``put`` is atomic and visible
+    at once, and durable once ``commit`` returns."""
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        """Whether the object ``key`` already there may be relied on without putting it again, and why:
+        it is durable, or it may not be, but its bytes pass ``whole`` (the caller's check of their
+        content) and ``commit`` makes it durable. None if it is missing or must be put again."""
+        ...
+
+    def commit(self) -> None: ...
+
+
+@runtime_checkable
+class BatchingStore(Protocol):
+    """A store whose puts are cheaper made durable many at a time (a directory: one fsync each)."""
+
+    def batch(self, trust_before: float) -> StoreBatch:
+        """A batch in which an object already in the store is ``trusted`` as durable, unread, only if
+        its last put was before ``trust_before`` (seconds since the epoch, by the store's clock): the
+        caller's word that every put before then was committed. A younger one is read and checked."""
+        ...
+
+
+class DurablePuts:
+    """The batch of a store whose every put is durable when it returns (S3: a PUT is)."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+
+    def put(self, key: str, data: bytes) -> None:
+        self.store.put(key, data)
+
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        return "durable" if self.store.has(key) else None
+
+    def commit(self) -> None:
+        return None
+
+
+def open_batch(store: SnapshotStore, trust_before: Callable[[], float]) -> StoreBatch:
+    """``store``'s own batch if it has one (``trust_before`` is then asked once), else ``DurablePuts``."""
+    if isinstance(store, BatchingStore):
+        return store.batch(trust_before())
+    return DurablePuts(store)

@@ -1,9 +1,12 @@
 """The ``dir`` snapshot store: objects as files under one directory (another disk, an NFS mount).
 
 A key's ``/`` are directories (``chunks/ab/ab12…`` is a file in one of 256 fan-out directories, so
-no directory holds millions of entries). Every put writes a hidden temp file beside the target,
-fsyncs it, renames it into place and fsyncs the directory: a crash leaves the old object or the new
-one, never half of one, and a put that returned is on the disk. Directories are 0700 and files 0600:
+no directory holds millions of entries). Every put writes a hidden temp file beside the target and
+renames it into place: a reader sees the old object or the new one, never half of one. A plain put
+fsyncs the file and the directory before it returns; the puts of a batch (an upload's chunks,
+``DirBatch``) are synced together at its commit, before the manifest that lists them is written, so
+until then a power cut may leave one short or empty (docs/snapshots.md, "Durability", says why
+none is trusted unread, and why one read back whole may be). Directories are 0700 and files 0600:
 a store holds every tenant's data. Temp files a crash left behind start with a dot; nothing reads
 them, and docs/snapshots.md says how to clear them.
 """
@@ -14,6 +17,7 @@ import contextlib
 import errno
 import os
 import secrets
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,13 +25,24 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from vbs.errors import DriverError, SnapshotStoreUnavailable
-from vbs.snapshot_store.contract import ObjectInfo, ObjectMissing, check_key, check_prefix, parse_options
+from vbs.snapshot_store.contract import (
+    ObjectInfo,
+    ObjectMissing,
+    Trusted,
+    Whole,
+    check_key,
+    check_prefix,
+    parse_options,
+)
+from vbs.snapshot_store.parallel import bounded_map
 from vbs.system.files import fsync_path
 
-__all__ = ["DirStore", "DirStoreOptions"]
+__all__ = ["DirStore", "DirStoreOptions", "DirBatch"]
 
 # The store's own trouble, which a later try may not have: the disk or the mount went away.
 _UNAVAILABLE = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.ETIMEDOUT, errno.EROFS, errno.ENOTCONN}
+# fsyncs in flight at a batch's commit: the file system merges those of one journal commit.
+_SYNC_PARALLEL = 8
 
 
 class DirStoreOptions(BaseModel):
@@ -85,6 +100,13 @@ class DirStore:
             fsync_path(d.parent)
 
     def put(self, key: str, data: bytes) -> None:
+        self._write(key, data, durable=True)
+
+    def batch(self, trust_before: float) -> DirBatch:
+        return DirBatch(self, trust_before)
+
+    def _write(self, key: str, data: bytes, *, durable: bool) -> Path:
+        """Write ``key`` aside and rename it into place (fsyncing both if ``durable``); its path."""
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
@@ -94,15 +116,20 @@ class DirStore:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
+                else:  # start writing it out now, so the commit's fsync has little left to wait for
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            fsync_path(path.parent)
+            if durable:
+                fsync_path(path.parent)
         except OSError as exc:
             with contextlib.suppress(OSError):  # its directory may be what failed (not a directory)
                 tmp.unlink(missing_ok=True)
             raise self._error(exc, "write", key) from exc
+        return path
 
     def get(self, key: str) -> bytes:
         try:
@@ -157,3 +184,58 @@ class DirStore:
                     yield ObjectInfo(key, st.st_size, st.st_mtime)
             except FileNotFoundError:
                 continue  # deleted while listed
+
+
+class DirBatch:
+    """Puts of a ``dir`` store made durable together (docs/snapshots.md, "Durability"): each file is
+    written aside and renamed into place without an fsync; ``commit`` fsyncs every file put, then
+    every directory they were renamed into. An object already there is trusted unread if its last put
+    was before ``trust_before``. A younger one may be another upload's, not yet synced, or one a crash
+    left on the disk: it is read and trusted only if whole, and then synced by ``commit`` like a put
+    (a process crash leaves what it wrote in the page cache, whole; a power cut may leave it empty or
+    short, which the check catches); else the caller puts it again."""
+
+    def __init__(self, store: DirStore, trust_before: float) -> None:
+        self.store = store
+        self.trust_before = trust_before
+        self._lock = threading.Lock()
+        self._written: set[Path] = set()
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.store._write(key, data, durable=False)
+        with self._lock:
+            self._written.add(path)
+
+    def trusted(self, key: str, whole: Whole) -> Trusted | None:
+        info = self.store.head(key)
+        if info is None:
+            return None
+        if info.modified < self.trust_before:
+            return "durable"
+        path = self.store._path(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None  # gone since, or unreadable: put again
+        if not whole(blob):
+            return None
+        with self._lock:
+            self._written.add(path)  # synced at the commit, whatever file is there then (``_sync``)
+        return "verified"
+
+    def commit(self) -> None:
+        with self._lock:
+            files, self._written = sorted(self._written), set()
+        directories = sorted({f.parent for f in files})
+        for _ in bounded_map(self._sync, files, _SYNC_PARALLEL):
+            pass
+        for _ in bounded_map(self._sync, directories, _SYNC_PARALLEL):
+            pass
+
+    def _sync(self, path: Path) -> None:
+        try:
+            fsync_path(path)  # whatever file is there now: ours, or the same bytes put again since
+        except FileNotFoundError:
+            return  # deleted since (a collection's sweep): the upload's claims check puts it back
+        except OSError as exc:
+            raise self.store._error(exc, "sync", str(path.relative_to(self.store.root))) from exc

@@ -32,16 +32,18 @@ from vbs.errors import InvalidParameter, SnapshotDataError
 
 __all__ = [
     "FORMAT_VERSION", "BLOCK_SIZE", "CHUNK_SIZE", "Manifest", "UploadMarker", "chunk_id", "key_id",
-    "encode_chunk", "decode_chunk", "encode_manifest", "decode_manifest", "encode_marker", "decode_marker",
-    "chunk_key", "manifest_key", "marker_key", "CHUNKS", "MANIFESTS", "UPLOADS", "check_tenant",
+    "encode_chunk", "decode_chunk", "is_whole_chunk", "encode_manifest", "decode_manifest", "encode_marker",
+    "decode_marker", "chunk_key", "manifest_key", "marker_key", "CHUNKS", "MANIFESTS", "UPLOADS", "check_tenant",
 ]
 
 FORMAT_VERSION = 1
 # The EBS block: what the EBS direct APIs index and checksum (ListSnapshotBlocks, GetSnapshotBlock, …).
 BLOCK_SIZE = 512 * 1024
-# What one chunk object holds: two EBS blocks (docs/snapshots.md, "Why 1 MiB chunks").
-CHUNK_SIZE = 1024 * 1024
-# Readers accept any whole number of blocks up to this, so a later writer may choose another size.
+# What one chunk object holds: one EBS block, so a change costs only the blocks it touches and the EBS
+# direct APIs map onto chunks one to one (docs/snapshots.md, "Why 512 KiB chunks"). Manifests written
+# before hold 1 MiB chunks (two blocks): each records its chunk size.
+CHUNK_SIZE = 512 * 1024
+# Readers accept any whole number of blocks up to this, so a writer may choose another size.
 MAX_CHUNK_SIZE = 64 * 1024 * 1024
 
 CHUNKS = "chunks/"
@@ -173,6 +175,16 @@ def decode_chunk(blob: bytes, tenant_key: bytes, cid: str, *, length: int | None
     if not hmac.compare_digest(chunk_id(tenant_key, raw), cid):
         raise ValueError("the chunk's bytes do not hash to its id")
     return raw
+
+
+def is_whole_chunk(blob: bytes, tenant_key: bytes, cid: str, length: int) -> bool:
+    """Whether ``blob`` is chunk ``cid`` of ``length`` bytes, whole: what ``decode_chunk`` (a restore's
+    check) accepts. An empty or short object, one cut by a power cut, is not."""
+    try:
+        decode_chunk(blob, tenant_key, cid, length=length)
+    except ValueError:
+        return False
+    return True
 
 
 # -- manifests -------------------------------------------------------------------------------------
@@ -312,13 +324,18 @@ def _manifest_of(doc: dict[str, Any]) -> Manifest:
 class UploadMarker:
     """An upload in flight: written before its first chunk, with the ids of every chunk its manifest
     will list once it knows them (``claims``), deleted after the manifest is written. Garbage
-    collection keeps every chunk a marker claims (docs/snapshots.md, "Garbage collection")."""
+    collection keeps every chunk a marker claims (docs/snapshots.md, "Garbage collection").
+
+    The marker of an upload given up unfinished (its snapshot deleted) stays ``abandoned_at`` then, with
+    no claims, until a collection has swept what it may have left unsynced (docs/snapshots.md,
+    "Durability")."""
 
     snapshot_id: str
     volume_id: str
     tenant: str
     started_at: datetime
     claims: frozenset[str] = field(default_factory=frozenset)
+    abandoned_at: datetime | None = None
 
 
 def encode_marker(marker: UploadMarker) -> bytes:
@@ -331,6 +348,8 @@ def encode_marker(marker: UploadMarker) -> bytes:
         "started_at": _utc_text(marker.started_at),
         "claims": sorted(marker.claims),
     }
+    if marker.abandoned_at is not None:
+        doc["abandoned_at"] = _utc_text(marker.abandoned_at)
     return _encode_document(_MAGIC_MARKER, doc)
 
 
@@ -345,7 +364,8 @@ def _marker_of(doc: dict[str, Any]) -> UploadMarker:
         raise ValueError("the upload marker's claims are not chunk ids")
     return UploadMarker(snapshot_id=ids.check("snapshot", doc["snapshot_id"]),
                         volume_id=ids.check("volume", doc["volume_id"]), tenant=check_tenant(doc["tenant"]),
-                        started_at=_parse_time(doc["started_at"]), claims=frozenset(claims))
+                        started_at=_parse_time(doc["started_at"]), claims=frozenset(claims),
+                        abandoned_at=_parse_time(doc["abandoned_at"]) if "abandoned_at" in doc else None)
 
 
 def json_object(blob: bytes) -> dict[str, Any]:

@@ -7,7 +7,9 @@ A run, in this order (docs/snapshots.md, "Garbage collection", says why the orde
    manifest that cannot be read stops the run before it deletes anything;
 3. sweep: delete each chunk that is unmarked and older than the grace period (by the store's clock),
    stopping at the run's deadline;
-4. write its done object, and forget runs that finished long ago.
+4. delete the markers of uploads abandoned before the grace period (docs/snapshots.md, "Durability":
+   this sweep took every chunk such an upload may have left unsynced), if the sweep went to its end;
+5. write its done object, and forget runs that finished long ago.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dataclasses import dataclass, field
 
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.contract import SnapshotStore
-from vbs.snapshot_store.format import CHUNKS, is_chunk_id
-from vbs.snapshot_store.manifests import load_manifest, markers, snapshot_ids
+from vbs.snapshot_store.format import CHUNKS, UploadMarker, is_chunk_id, marker_key
+from vbs.snapshot_store.manifests import load_manifest, load_marker, markers, snapshot_ids
 
 __all__ = ["GcReport", "collect_garbage", "DEFAULT_GRACE_S", "DEFAULT_MAX_DURATION_S"]
 
@@ -40,6 +42,7 @@ class GcReport:
     stopped_at_deadline: bool = False
     # Uploads whose marker is older than the grace period: crashed, or slow; the controller knows which.
     stale_uploads: list[str] = field(default_factory=list)
+    abandoned_markers_deleted: int = 0
 
 
 def collect_garbage(store: SnapshotStore, *, grace_s: float = DEFAULT_GRACE_S,
@@ -51,10 +54,14 @@ def collect_garbage(store: SnapshotStore, *, grace_s: float = DEFAULT_GRACE_S,
     report = GcReport(run.run_id)
     try:
         marked: set[str] = set()
+        abandoned: list[UploadMarker] = []
         for marker in markers(store):
             report.markers += 1
             marked.update(marker.claims)
-            if marker.started_at.timestamp() < started - grace_s:
+            if marker.abandoned_at is not None:
+                if marker.abandoned_at.timestamp() < started - grace_s - gc_runs.CLOCK_SKEW_S:
+                    abandoned.append(marker)
+            elif marker.started_at.timestamp() < started - grace_s:
                 report.stale_uploads.append(marker.snapshot_id)
         for snapshot_id in snapshot_ids(store):
             manifest = load_manifest(store, snapshot_id)  # a damaged one raises: never sweep unsure
@@ -80,8 +87,20 @@ def collect_garbage(store: SnapshotStore, *, grace_s: float = DEFAULT_GRACE_S,
                 store.delete(info.key)
             report.chunks_deleted += 1
             report.bytes_freed += info.size
+        if not report.stopped_at_deadline and not dry_run:
+            report.abandoned_markers_deleted = _forget_abandoned(store, abandoned)
     finally:
         gc_runs.end_run(store, run, clock())
     if not dry_run:
         gc_runs.prune_runs(store, clock() - gc_runs.RUNS_KEPT_S, keep=run.run_id)
     return report
+
+
+def _forget_abandoned(store: SnapshotStore, abandoned: list[UploadMarker]) -> int:
+    """Delete the markers of ``abandoned`` uploads still abandoned as they were when marked."""
+    deleted = 0
+    for marker in abandoned:
+        if load_marker(store, marker.snapshot_id) == marker:
+            store.delete(marker_key(marker.snapshot_id))
+            deleted += 1
+    return deleted

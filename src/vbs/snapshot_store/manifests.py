@@ -1,17 +1,20 @@
 """Manifests and upload markers in a store: load, save, list, delete.
 
-Deleting a snapshot deletes its manifest (and a marker an unfinished upload left): nothing else.
+Deleting a snapshot deletes its manifest (and marks abandoned a marker an unfinished upload left): nothing else.
 Its chunks stay until garbage collection finds no manifest that lists them (``gc.collect_garbage``),
 so deleting one snapshot never touches another's data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from vbs import ids
-from vbs.errors import NotFound
+from vbs.errors import NotFound, SnapshotDataError
 from vbs.snapshot_store.contract import ObjectMissing, SnapshotStore
 from vbs.snapshot_store.format import (
     MANIFESTS,
@@ -65,10 +68,21 @@ def snapshot_ids(store: SnapshotStore) -> list[str]:
     return sorted(s for s in found if ids.is_valid("snapshot", s))
 
 
-def delete_snapshot(store: SnapshotStore, snapshot_id: str) -> None:
-    """Forget ``snapshot_id``: its manifest and any upload marker. Idempotent."""
+def delete_snapshot(store: SnapshotStore, snapshot_id: str, *, now: Callable[[], float] = time.time) -> None:
+    """Forget ``snapshot_id``: its manifest and its upload marker. Idempotent. The marker of an upload
+    that never wrote its manifest stays, abandoned and claiming nothing, until a collection has swept
+    the chunks that upload may have left unsynced (docs/snapshots.md, "Durability")."""
+    finished = store.has(manifest_key(snapshot_id))
     store.delete(manifest_key(snapshot_id))
-    store.delete(marker_key(snapshot_id))
+    try:
+        marker = load_marker(store, snapshot_id)
+    except SnapshotDataError:
+        marker = None  # damaged: when its upload began is lost with it
+    if marker is None or finished:
+        store.delete(marker_key(snapshot_id))
+    elif marker.abandoned_at is None:
+        save_marker(store, dataclasses.replace(marker, claims=frozenset(),
+                                               abandoned_at=datetime.fromtimestamp(now(), UTC)))
 
 
 def load_marker(store: SnapshotStore, snapshot_id: str) -> UploadMarker | None:

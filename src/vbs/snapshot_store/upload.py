@@ -3,14 +3,18 @@
 Only what is new is read and sent: with a list of changed blocks and the volume's previous
 manifest, unchanged chunks are taken from that manifest unread; every chunk read is hashed, and one
 whose id the previous manifest or the store already has is not sent again. All-zero chunks are
-neither hashed nor stored. A crashed upload run again sends nothing the store already holds.
+neither hashed nor stored. A crashed upload run again sends nothing the store holds whole.
 
 The steps (docs/snapshots.md, "An upload"):
-1. note the GC runs, write the upload marker (before the first chunk);
-2. read, hash and put chunks, ``parallel`` at a time;
+1. note the GC runs and the uploads in flight, write the upload marker (before the first chunk);
+2. read, hash and put chunks, ``parallel`` at a time, in a batch of the store (a ``dir`` store syncs
+   them at the batch's commit); a chunk the store holds is trusted unread if it was put before every
+   upload in flight began, else read back, checked and synced at the commit, or put again if it is
+   not whole (docs/snapshots.md, "Durability");
 3. write the marker again with the ids of every chunk of the manifest (its claims);
 4. if a GC ran beside steps 1–3, wait for it to end and put back any claimed chunk it deleted;
-5. write the manifest (its presence means every chunk it lists is durable), delete the marker.
+5. commit the batch, write the manifest (its presence means every chunk it lists is durable), delete
+   the marker.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 
 from vbs import ids
 from vbs.errors import IncorrectState, InvalidParameter, SnapshotDataError
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.blocks import BlockRange, chunks_of_ranges
-from vbs.snapshot_store.contract import SnapshotStore
+from vbs.snapshot_store.contract import SnapshotStore, StoreBatch, Trusted, open_batch
 from vbs.snapshot_store.format import (
     CHUNK_SIZE,
     Manifest,
@@ -35,10 +40,11 @@ from vbs.snapshot_store.format import (
     chunk_id,
     chunk_key,
     encode_chunk,
+    is_whole_chunk,
     key_id,
     marker_key,
 )
-from vbs.snapshot_store.manifests import find_manifest, save_manifest, save_marker
+from vbs.snapshot_store.manifests import find_manifest, load_marker, markers, save_manifest, save_marker
 from vbs.snapshot_store.parallel import bounded_map
 from vbs.snapshot_store.volume_io import FileReader, Target, VolumeReader
 
@@ -52,7 +58,9 @@ class UploadResult:
     """What an upload did: ``chunks_read`` were read and hashed, of which ``chunks_zero`` were zeros,
     ``chunks_known`` already in the previous manifest or the store, and ``chunks_put`` sent
     (``bytes_put`` bytes, compressed); ``chunks_unread`` came from the previous manifest unread.
-    ``chunks_restored`` were put back after a GC deleted them mid-upload."""
+    ``chunks_verified``, of the known, were found in a ``dir`` store too young to trust unread, read
+    back whole and synced (docs/snapshots.md, "Durability"). ``chunks_restored`` were put back after
+    a GC deleted them mid-upload."""
 
     manifest: Manifest
     chunks_read: int = 0
@@ -60,6 +68,7 @@ class UploadResult:
     chunks_known: int = 0
     chunks_put: int = 0
     chunks_unread: int = 0
+    chunks_verified: int = 0
     chunks_restored: int = 0
     bytes_read: int = 0
     bytes_put: int = 0
@@ -79,6 +88,7 @@ def _zero(length: int) -> bytes:
 @dataclass
 class _Upload:
     store: SnapshotStore
+    batch: StoreBatch
     reader: VolumeReader
     size: int
     tenant_key: bytes
@@ -86,6 +96,7 @@ class _Upload:
     chunk_size: int
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _handled: set[str] = field(default_factory=set, init=False)  # chunk ids met so far: a repeat is not put
+    _ours: set[str] = field(default_factory=set, init=False)  # chunk ids put or verified: the batch syncs them
 
     def length(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
@@ -104,22 +115,42 @@ class _Upload:
         with self._lock:
             repeat = cid in self._handled  # another chunk of this volume with the same bytes
             self._handled.add(cid)
-        if repeat or self.store.has(chunk_key(cid)):
+        if repeat:
             return index, cid, "known", 0
+        found = self._found(cid, len(data))
+        if found is not None:
+            return index, cid, "known" if found == "durable" else "verified", 0
         blob = encode_chunk(data)
-        self.store.put(chunk_key(cid), blob)
+        self._store(cid, blob)
         return index, cid, "put", len(blob)
+
+    def _found(self, cid: str, length: int) -> Trusted | None:
+        """Whether the store holds chunk ``cid`` for certain (docs/snapshots.md, "Durability"): a young
+        one is read back and checked as a restore would (``decode_chunk``), and the batch syncs it."""
+        found = self.batch.trusted(chunk_key(cid), partial(is_whole_chunk, tenant_key=self.tenant_key, cid=cid,
+                                                           length=length))
+        if found == "verified":
+            with self._lock:
+                self._ours.add(cid)
+        return found
+
+    def _store(self, cid: str, blob: bytes) -> None:
+        self.batch.put(chunk_key(cid), blob)
+        with self._lock:
+            self._ours.add(cid)
 
     def put_back(self, item: tuple[str, int]) -> str | None:
         """Put chunk ``cid`` (read again at ``index``) if the store lost it; its id if it did."""
         cid, index = item
-        if self.store.has(chunk_key(cid)):
+        with self._lock:
+            ours = cid in self._ours
+        if self.store.has(chunk_key(cid)) and (ours or self._found(cid, self.length(index)) is not None):
             return None
         data = self.read(index)
         if chunk_id(self.tenant_key, data) != cid:
             raise SnapshotDataError(f"chunk {index} of the volume changed during its upload (it hashed to {cid} "
                                     "before): the source is not a point-in-time image", chunk_index=index)
-        self.store.put(chunk_key(cid), encode_chunk(data))
+        self._store(cid, encode_chunk(data))
         return cid
 
 
@@ -154,8 +185,8 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
 
     ``previous`` is the volume's last stored manifest, if any; ``changed_blocks`` the 512 KiB blocks
     written since it was taken, when the pool can tell (else every chunk is read and hashed). Safe to
-    run again after a crash or a failure: what is stored is not sent again, and a snapshot whose
-    manifest exists is answered at once.
+    run again after a crash or a failure: what the store holds whole is not sent again, and a snapshot
+    whose manifest exists is answered at once.
     """
     ids.check("snapshot", snapshot_id)
     ids.check("volume", volume_id)
@@ -179,17 +210,43 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
                        progress, parallel, chunk_size, clock, gc_poll_s)
 
 
+def _trust_before(store: SnapshotStore, started: float) -> float:
+    """Before when a chunk in the store was put for certain by an upload that has committed: before this
+    upload and every one still in flight (a marker) began, less the clocks' skew (docs/snapshots.md,
+    "Durability"). A damaged marker hides when its upload began: then no chunk is trusted."""
+    oldest = started
+    try:
+        for marker in markers(store):
+            oldest = min(oldest, marker.started_at.timestamp())
+    except SnapshotDataError:
+        return 0.0
+    return oldest - gc_runs.CLOCK_SKEW_S
+
+
+def _first_start(store: SnapshotStore, snapshot_id: str, now: float) -> float:
+    """When this snapshot's upload first began: a try run again keeps its marker's start, so what the
+    earlier try put stays younger than every upload's trust horizon until this one has committed."""
+    try:
+        earlier = load_marker(store, snapshot_id)
+    except SnapshotDataError:
+        return now
+    return now if earlier is None else min(now, earlier.started_at.timestamp())
+
+
 def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: str, volume_id: str, tenant: str,
             tenant_key: bytes, previous: Manifest | None, changed_blocks: Collection[BlockRange] | None,
             progress: Progress | None, parallel: int, chunk_size: int, clock: Callable[[], float],
             gc_poll_s: float) -> UploadResult:
     started = clock()
     runs_before = gc_runs.runs_seen(store)
-    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(started, UTC))
+    # Asked before this upload's marker is written: a resumed upload's first try counts as in flight.
+    batch = open_batch(store, lambda: _trust_before(store, started))
+    first_start = _first_start(store, snapshot_id, started)
+    marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(first_start, UTC))
     save_marker(store, marker)
 
     usable = _usable_previous(previous, tenant, tenant_key, chunk_size)
-    upload = _Upload(store, reader, size, tenant_key, usable, chunk_size)
+    upload = _Upload(store, batch, reader, size, tenant_key, usable, chunk_size)
     count = -(-size // chunk_size)
     unread = _unread_chunks(size, chunk_size, usable, changed_blocks)
     chunks: dict[int, str] = {}
@@ -218,7 +275,8 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
                         datetime.fromtimestamp(clock(), UTC), previous.snapshot_id if previous else None,
                         chunk_size).check()
     result = UploadResult(manifest, chunks_read=count - len(unread), chunks_zero=tally["zero"],
-                          chunks_known=tally["known"], chunks_put=tally["put"], chunks_unread=len(unread),
+                          chunks_known=tally["known"] + tally["verified"], chunks_put=tally["put"],
+                          chunks_unread=len(unread), chunks_verified=tally["verified"],
                           bytes_read=size - sum(upload.length(i) for i in unread), bytes_put=tally["bytes_put"])
     claims = frozenset(chunks.values())
     save_marker(store, UploadMarker(snapshot_id, volume_id, tenant, marker.started_at, claims))
@@ -230,6 +288,7 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
         for restored in bounded_map(upload.put_back, first_index.items(), parallel):
             result.chunks_restored += restored is not None
 
+    batch.commit()  # every chunk put is durable before the manifest that lists it
     save_manifest(store, manifest)
     store.delete(marker_key(snapshot_id))
     return result

@@ -256,9 +256,9 @@ class StoredSnapshots:
                 backend.remove_snapshot(snapshot_id)  # the store holds it now: no full copy stays here
             upload.answer = _facts(done.manifest, where, pool_copy=keeps, chunks_uploaded=done.chunks_put,
                                    uploaded_bytes=done.bytes_put)
-            log.info("snapshot %s stored in %s: %d chunks, %d read, %d new (%d bytes sent)%s", snapshot_id, where,
-                     len(done.manifest.chunks), done.chunks_read, done.chunks_put, done.bytes_put,
-                     "" if keeps else "; the pool keeps nothing of it")
+            log.info("snapshot %s stored in %s: %d chunks, %d read, %d new (%d bytes sent), %d verified%s",
+                     snapshot_id, where, len(done.manifest.chunks), done.chunks_read, done.chunks_put, done.bytes_put,
+                     done.chunks_verified, "" if keeps else "; the pool keeps nothing of it")
 
         job = Job(work, size_bytes=source.size_bytes, name=f"vbs-store-{snapshot_id}", what="upload")
         try:
