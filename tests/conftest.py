@@ -28,6 +28,7 @@ from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database
 from vbs.net.api_client import CONNECTION_LIMITS
 from vbs.net.ports import free_port
+from vbs.system.processes import stop_children
 from vbs.trust import credentials
 from vbs.trust.credentials import AccessKey
 from vbs.trust.node_credentials import NodeKeyring
@@ -100,16 +101,7 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
     """``stop_process`` for several at once: each is signalled first, then waited for."""
-    running = [proc for proc in procs if proc.poll() is None]
-    for proc in running:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in running:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_children(procs, timeout=timeout)
 
 
 def stop_bare_vm(vm: subprocess.Popen[bytes]) -> None:

@@ -28,6 +28,7 @@ from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.gc_runs import CLOCK_SKEW_S
 from vbs.snapshot_store.keys import StoreKey
 from vbs.snapshot_store.s3 import S3Store, read_credentials
+from vbs.wire.storage import ItemStatus
 
 __all__ = ["moto_endpoint", "store", "Recording", "make_volume", "MiB", "FAKE_SECRET", "KEY", "ACME", "SNAP", "VOL",
            "pattern", "write_at", "sha", "flip_last_byte", "a_minute_later", "syncs_per_batch"]
@@ -263,6 +264,18 @@ def flip_last_byte(path: Path) -> None:
     blob = bytearray(path.read_bytes())
     blob[-1] ^= 0xFF
     path.write_bytes(bytes(blob))
+
+
+S = TypeVar("S", bound=ItemStatus)
+
+
+def until(get: Callable[[], S], timeout: float = 300.0) -> S:
+    """``get()`` again until what it answers is no longer ``copying`` (an agent's upload or restore)."""
+    deadline = time.monotonic() + timeout
+    while (status := get()).state == "copying":
+        assert time.monotonic() < deadline, "still copying"
+        time.sleep(0.05)
+    return status
 
 
 def sha(path: Path, length: int | None = None) -> str:

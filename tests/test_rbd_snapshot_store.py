@@ -15,17 +15,15 @@ import logging
 import os
 import secrets
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from pydantic import SecretStr
 
 from tests.ceph_cluster import CephForTests
 from tests.rbd_cloud import rbd_export_sha256, rbd_json
-from tests.snapshot_stores import flip_last_byte
+from tests.snapshot_stores import flip_last_byte, sha, until
 from vbs import ids
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.format import CHUNK_SIZE, chunk_key
@@ -33,7 +31,7 @@ from vbs.snapshot_store.manifests import find_manifest
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.backends.rbd import RbdBackend
 from vbs.storage.stored_snapshots import StoredSnapshots
-from vbs.wire.storage import ItemStatus, RestoreVolume, StoreSnapshot
+from vbs.wire.storage import RestoreVolume, StoreSnapshot
 
 pytestmark = pytest.mark.integration
 
@@ -79,21 +77,6 @@ def pools(ceph: CephForTests, tmp_path: Path) -> Iterator[Pools]:
     p = Pools(ceph, tmp_path)
     yield p
     p.close()
-
-
-S = TypeVar("S", bound=ItemStatus)
-
-
-def until(get: Callable[[], S], timeout: float = 300.0) -> S:
-    deadline = time.monotonic() + timeout
-    while (status := get()).state == "copying":
-        assert time.monotonic() < deadline, "still copying"
-        time.sleep(0.05)
-    return status
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_an_rbd_snapshot_is_stored_incrementally_and_restored_onto_a_file_pool(

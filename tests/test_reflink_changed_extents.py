@@ -10,26 +10,25 @@ everything.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from pydantic import SecretStr
 
 from tests.loopfs import loop_filesystem
+from tests.snapshot_stores import sha, until
 from vbs import ids
+from vbs.snapshot_store import CHUNK_SIZE
 from vbs.snapshot_store.dir import DirStore
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.system import argv
 from vbs.system.shared_extents import WINDOW, changed_extents, file_extents
-from vbs.wire.storage import ItemStatus, RestoreVolume, StoredStatus, StoreSnapshot
+from vbs.wire.storage import RestoreVolume, StoredStatus, StoreSnapshot
 
 pytestmark = pytest.mark.integration
 
@@ -134,19 +133,7 @@ def test_a_map_of_more_extents_than_one_call_lists_is_read_whole(reflink_dir: Pa
     assert changes(older, newer) == [(k * 64 * KiB, 4 * KiB) for k in (3, 700, 1023)]
 
 
-S = TypeVar("S", bound=ItemStatus)
-
-
-def until(get: Callable[[], S], timeout: float = 300.0) -> S:
-    deadline = time.monotonic() + timeout
-    while (status := get()).state == "copying":
-        assert time.monotonic() < deadline, "still copying"
-        time.sleep(0.05)
-    return status
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+PER_MIB = MiB // CHUNK_SIZE  # chunks in a MiB
 
 
 class Pool:
@@ -194,27 +181,28 @@ def test_a_reflink_snapshot_is_stored_reading_only_the_chunks_it_does_not_share(
     write(path, 40 * MiB, os.urandom(MiB))
     first = pool.snapshot(vol)
     done = pool.upload(vol, first)
-    assert done.state == "ready" and done.chunks == 9 and done.chunks_uploaded == 9 and done.pool_copy, done
+    assert done.state == "ready" and done.chunks == 9 * PER_MIB and done.chunks_uploaded == 9 * PER_MIB \
+        and done.pool_copy, done
 
-    # 4 KiB written into chunk 2: its extent is the only one the next snapshot does not share with the first.
+    # 4 KiB written at 2 MiB + 4 KiB: its extent is the only one the next snapshot does not share with the first.
     write(path, 2 * MiB + 4 * KiB, os.urandom(4 * KiB))
     second = pool.snapshot(vol)
     caplog.clear()
     after = pool.upload(vol, second, parent=first)
-    assert after.state == "ready" and after.chunks == 9 and after.chunks_uploaded == 1, after
-    assert f"snapshot {second} stored in {where}: 9 chunks, 1 read, 1 new" in caplog.text
+    assert after.state == "ready" and after.chunks == 9 * PER_MIB and after.chunks_uploaded == 1, after
+    assert f"snapshot {second} stored in {where}: {9 * PER_MIB} chunks, 1 read, 1 new" in caplog.text
     assert sha(pool.restored(second, 64 * MiB)) == sha(pool.files.snapshot_image(second))
 
     # Grown by 8 MiB, one chunk changed below the old end and one written past it: the grown tail is read
-    # whole (8 chunks, one of them data), and the changed chunk below.
+    # whole (8 MiB of chunks, one of them data), and the changed chunk below.
     assert pool.files.resize_volume(vol, 72 * MiB).state == "ready"
     write(path, 30 * MiB, os.urandom(4 * KiB))
     write(path, 70 * MiB, os.urandom(4 * KiB))
     third = pool.snapshot(vol)
     caplog.clear()
     grown = pool.upload(vol, third, parent=second)
-    assert grown.state == "ready" and grown.chunks == 11 and grown.chunks_uploaded == 2, grown
-    assert f"snapshot {third} stored in {where}: 11 chunks, 9 read, 2 new" in caplog.text
+    assert grown.state == "ready" and grown.chunks == 9 * PER_MIB + 2 and grown.chunks_uploaded == 2, grown
+    assert f"snapshot {third} stored in {where}: {9 * PER_MIB + 2} chunks, {8 * PER_MIB + 1} read, 2 new" in caplog.text
     assert sha(pool.restored(third, 72 * MiB)) == sha(pool.files.snapshot_image(third))
 
 
@@ -226,7 +214,7 @@ def test_without_the_previous_pool_copy_every_chunk_is_read_and_hashed(
     path = pool.files.volume_path(vol)
     write(path, 0, os.urandom(4 * MiB))
     first = pool.snapshot(vol)
-    assert pool.upload(vol, first).chunks_uploaded == 4
+    assert pool.upload(vol, first).chunks_uploaded == 4 * PER_MIB
     write(path, MiB, os.urandom(4 * KiB))
     second = pool.snapshot(vol)
     assert pool.files.changed_since(second, first) is not None
@@ -235,7 +223,8 @@ def test_without_the_previous_pool_copy_every_chunk_is_read_and_hashed(
 
     caplog.clear()
     after = pool.upload(vol, second, parent=first)
-    assert after.state == "ready" and after.chunks == 4 and after.chunks_uploaded == 1, after
-    # All 16 chunks are read (the 12 holes as zeros, unread from the disk), hashed, and only one is new.
-    assert f"snapshot {second} stored in dir:{pool.store.root}: 4 chunks, 16 read, 1 new" in caplog.text
+    assert after.state == "ready" and after.chunks == 4 * PER_MIB and after.chunks_uploaded == 1, after
+    # Every chunk is read (the holes as zeros, unread from the disk), hashed, and only one is new.
+    assert f"snapshot {second} stored in dir:{pool.store.root}: {4 * PER_MIB} chunks, {16 * PER_MIB} read, 1 new" \
+        in caplog.text
     assert sha(pool.restored(second, 16 * MiB)) == sha(pool.files.snapshot_image(second))

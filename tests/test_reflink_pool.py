@@ -11,6 +11,9 @@ import pytest
 
 from tests.conftest import Vbs, VbsUp, wait_until
 from tests.test_api_snapshots import digest, fill
+from vbs.snapshot_store import CHUNK_SIZE
+
+MiB = 1 << 20
 
 GIB = 1 << 30
 
@@ -86,7 +89,7 @@ def test_a_second_snapshot_reads_only_the_chunk_its_reflink_does_not_share(vbs_x
     # agent reads only the extents the two snapshot files do not share.
     vol = vbs_xfs.cli("create-volume", "--size", "1", "--wait")["volume_id"]
     path = vbs_xfs.pool / "volumes" / f"{vol}.raw"
-    fill(path, 8, b"first")  # 8 chunks of the same MiB: one stored
+    fill(path, 8, b"first")  # 8 MiB of chunks, each MiB the same
     first = vbs_xfs.cli("create-snapshot", vol)["snapshot_id"]
     vbs_xfs.wait_snapshot(first, "completed", timeout=60)
     fd = os.open(path, os.O_WRONLY)
@@ -98,6 +101,6 @@ def test_a_second_snapshot_reads_only_the_chunk_its_reflink_does_not_share(vbs_x
     second = vbs_xfs.cli("create-snapshot", vol)["snapshot_id"]
     vbs_xfs.wait_snapshot(second, "completed", timeout=60)
     stored = [line for line in (tmp_path / "up.log").read_text().splitlines() if f"snapshot {second} stored" in line]
-    assert len(stored) == 1 and ": 8 chunks, 1 read, 1 new" in stored[0], stored
+    assert len(stored) == 1 and f": {8 * MiB // CHUNK_SIZE} chunks, 1 read, 1 new" in stored[0], stored
     assert digest(vbs_xfs.pool / "snapshots" / f"{second}.raw", 8) != digest(
         vbs_xfs.pool / "snapshots" / f"{first}.raw", 8)

@@ -11,15 +11,14 @@ import functools
 import hashlib
 import os
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
 
 from tests.fakes import MemoryExports
-from tests.snapshot_stores import flip_last_byte
+from tests.snapshot_stores import flip_last_byte, until
 from vbs import ids
 from vbs.errors import DriverError, PointInTimeUnavailable, RetryLater, SnapshotStoreUnavailable
 from vbs.snapshot_store import StoreKey, upload_snapshot
@@ -30,7 +29,7 @@ from vbs.snapshot_store.s3 import S3Store
 from vbs.storage.backends.file import FileBackend
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HostIdentity
-from vbs.wire.storage import ItemStatus, RestoreVolume, StoreSnapshot
+from vbs.wire.storage import RestoreVolume, StoreSnapshot
 
 pytestmark = pytest.mark.unit
 
@@ -49,14 +48,6 @@ def pool(tmp_path: Path) -> Iterator[FileBackend]:
 @pytest.fixture
 def store(tmp_path: Path) -> DirStore:
     return DirStore(tmp_path / "store")
-
-
-def until(get: Callable[[], ItemStatus], timeout: float = 30.0) -> ItemStatus:
-    deadline = time.monotonic() + timeout
-    while (status := get()).state == "copying":
-        assert time.monotonic() < deadline, "still copying"
-        time.sleep(0.02)
-    return status
 
 
 def volume(pool: FileBackend, data: bytes) -> str:

@@ -36,6 +36,7 @@ from vbs.rigs.ceph import CLUSTER_DIR as CEPH_DIR
 from vbs.rigs.ceph import EmbeddedCeph
 from vbs.rigs.postgres import CLUSTER_DIR, EmbeddedPostgres
 from vbs.system.files import write_private
+from vbs.system.processes import stop_children
 from vbs.trust import credentials
 from vbs.trust.fail_closed import harden
 from vbs.trust.node_credentials import NodeKeyring
@@ -180,17 +181,8 @@ class Child:
 
 
 def stop_together(children: list[Child]) -> None:
-    """SIGTERM to every one of ``children`` that runs, then wait for each (SIGKILL after ``STOP_TIMEOUT_S``)."""
-    running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
-    for proc in running:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in running:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Stop ``children`` together (SIGKILL to any still running after ``STOP_TIMEOUT_S``)."""
+    stop_children([c.proc for c in children if c.proc is not None], timeout=STOP_TIMEOUT_S)
 
 
 @dataclass

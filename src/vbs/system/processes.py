@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from vbs.errors import DriverError
@@ -28,6 +29,21 @@ def stop_child(proc: subprocess.Popen[bytes], *, timeout: float, what: str,
             proc.wait(timeout)
     if pid_alive(proc.pid):
         raise DriverError(f"{what} {proc.pid} is still running")
+
+
+def stop_children(procs: list[subprocess.Popen[bytes]], *, timeout: float) -> None:
+    """Stop several children of this process together: SIGTERM to each that runs, then wait for each,
+    SIGKILL to any still running ``timeout`` seconds after the first signal."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pid_alive(pid: int) -> bool:
