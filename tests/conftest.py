@@ -99,11 +99,6 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
         proc.wait()
 
 
-def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """``stop_process`` for several at once: each is signalled first, then waited for."""
-    stop_children(procs, timeout=timeout)
-
-
 def stop_bare_vm(vm: subprocess.Popen[bytes]) -> None:
     """Stop a ``start_bare_vm`` QEMU: it has no guest to flush for, so SIGKILL. (On SIGTERM QEMU drains
     its disks first, and one whose NBD export went away waits out the reconnect delay, 15 s.)"""
@@ -533,7 +528,8 @@ class Services:
     def stop(self) -> None:
         # host_agent too: a subclass that starts its own (tests/test_torture.py) sets only that one.
         host_agents = [*self.host_agents, *([self.host_agent] if self.host_agent not in self.host_agents else [])]
-        stop_processes([p for p in (*host_agents, self.agent) if p is not None])  # together: each takes a moment
+        # Together: each takes a moment to end its daemons.
+        stop_children([p for p in (*host_agents, self.agent) if p is not None], timeout=20.0)
         if self.controller is not None:
             stop_process(self.controller)
         reap_daemons(self.data_dir / "storage-state")
