@@ -38,9 +38,15 @@ class NoDirectMonitor:
         self.added.append(args)
 
 
+def chains_of(monitor: Any) -> Chains:
+    """Chains on a fake monitor: no limits, desired state or bitmaps (the node calls alone)."""
+    return Chains(cast(Any, monitor), cast(Any, None), cast(Any, None), cast(Any, None), aio="native",
+                  cache_direct=True)
+
+
 def test_a_refused_mode_falls_back_and_is_said_once_per_pool_at_info(caplog: pytest.LogCaptureFixture) -> None:
     monitor = NoDirectMonitor()
-    chains = Chains(cast(Any, monitor), cast(Any, None), cast(Any, None), aio="native", cache_direct=True)
+    chains = chains_of(monitor)
     with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.nbd.chains"):
         for k in range(3):
             chains.add_file_node(f"n{k}", f"/pool/snap-{k}.qcow2", read_only=True, what=f"snap-{k}")
@@ -53,7 +59,7 @@ def test_a_refused_mode_falls_back_and_is_said_once_per_pool_at_info(caplog: pyt
 
 def test_a_copy_target_is_buffered_by_choice_and_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
     monitor = Monitor()
-    chains = Chains(cast(Any, monitor), cast(Any, None), cast(Any, None), aio="native", cache_direct=True)
+    chains = chains_of(monitor)
     with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.nbd.chains"):
         chains.add_file_node("vol", "/pool/vol-1.raw", read_only=False, what="vol-1")
         for k in range(3):
@@ -63,7 +69,7 @@ def test_a_copy_target_is_buffered_by_choice_and_says_nothing(caplog: pytest.Log
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
     # A volume's node that the file system does refuse is still said once, with what it means.
     refusing = NoDirectMonitor()
-    chains = Chains(cast(Any, refusing), cast(Any, None), cast(Any, None), aio="native", cache_direct=True)
+    chains = chains_of(refusing)
     with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.nbd.chains"):
         chains.add_file_node("t", "/pool/snapshots/snap-9.raw.partial", read_only=False, what="snap-9",
                              buffered=True)

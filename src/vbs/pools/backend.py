@@ -196,7 +196,8 @@ class SnapshotImages(Protocol):
 @runtime_checkable
 class SnapshotChanges(Protocol):
     """A ``SnapshotImages`` backend that can tell, without reading them, which bytes of a snapshot's image
-    may differ from an earlier snapshot's (a reflink pool: the extents the two files do not share,
+    may differ from an earlier snapshot's (a reflink pool: the extents the two files do not share; a copy
+    pool whose export driver tracks writes: the blocks written between the two snapshots' views;
     docs/snapshots.md "Incremental uploads"). Optional: without it every chunk is read and hashed."""
 
     def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:

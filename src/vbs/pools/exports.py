@@ -24,7 +24,7 @@ from vbs.wire.qos import ExportLimits
 from vbs.wire.storage import ExportInfo, ItemStatus
 
 __all__ = ["FileSource", "RbdSource", "ExportSource", "ExportDriver", "PointInTimeCopier", "PointInTimeViewer",
-           "LimitEnforcer"]
+           "LimitEnforcer", "ViewChanges"]
 
 
 @dataclass(frozen=True)
@@ -188,4 +188,17 @@ class PointInTimeViewer(Protocol):
 
     def remove_view(self, view_id: str) -> None:
         """End the view (hosts no longer pay for it) and remove its scratch file; idempotent."""
+        ...
+
+
+@runtime_checkable
+class ViewChanges(Protocol):
+    """A ``PointInTimeViewer`` that tracks, while it serves a source, which blocks hosts write (the NBD
+    driver: QEMU dirty bitmaps, one started with each view): what may differ between two views' instants,
+    without reading either. Optional: without it an upload reads and hashes every chunk."""
+
+    def view_changes(self, view_id: str, since: str) -> list[tuple[int, int]] | None:
+        """The byte extents ``(offset, length)`` of view ``view_id`` that may differ from what the source
+        held at the instant of the earlier view ``since`` (more than changed, never less), or None: the
+        driver cannot tell (it did not see every write since then)."""
         ...

@@ -4,12 +4,13 @@ restores of volumes from the store, and deletions of manifests. The controller o
 - An **upload** runs in a thread per snapshot (``upload_snapshot`` puts 8 chunks at a time), reading the
   pool's point-in-time image of the snapshot (a file pool's image file, or the reader of a pool whose
   volumes are not files: an RBD snapshot's stream), incremental against the parent snapshot's manifest:
-  on a reflink pool only the chunks its file does not share with the parent's file are read, on an RBD
-  pool only those its diff reports changed, else everything is read and hashed (chunks the store holds
-  are not sent again; docs/snapshots.md "Incremental uploads"). A repeated call answers how far it got;
-  after an agent restart the next call starts it again and nothing stored is sent again; a snapshot
-  whose manifest is in the store is answered at once. Once stored, a pool whose clones are copies (no
-  reflink) gives up its full copy: the store is where the snapshot lives.
+  on a reflink pool only the chunks its file does not share with the parent's file are read, on a copy
+  pool whose NBD daemon served the volume since the parent's view only the blocks its dirty bitmap saw
+  written, on an RBD pool only those its diff reports changed, else everything is read and hashed
+  (chunks the store holds are not sent again; docs/snapshots.md "Incremental uploads"). A repeated call
+  answers how far it got; after an agent restart the next call starts it again and nothing stored is
+  sent again; a snapshot whose manifest is in the store is answered at once. Once stored, a pool whose
+  clones are copies (no reflink) gives up its full copy: the store is where the snapshot lives.
 - A **restore** fills a new volume's partial file (or partial RBD image, through the pool's writer) from
   a manifest, every chunk checked against its id; a missing or corrupt chunk fails the volume with the
   chunk and the snapshot named, and the partial goes (nothing half-written is ever published).
@@ -126,7 +127,8 @@ class _SparseReader:
 class _Source:
     """Where an upload reads the snapshot: a file pool's image file (found at once), or the reader a pool
     without files gives (``SnapshotStreams``: an RBD snapshot), with the extents changed since the previous
-    stored snapshot when the pool can tell (``SnapshotChanges`` for images: a reflink pool)."""
+    stored snapshot when the pool can tell (``SnapshotChanges`` for images: a reflink pool, or a view whose
+    daemon tracked the writes)."""
 
     def __init__(self, images: SnapshotImages | SnapshotStreams, snapshot_id: str) -> None:
         self._images, self._snapshot_id = images, snapshot_id

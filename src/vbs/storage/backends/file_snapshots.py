@@ -95,12 +95,17 @@ class Snapshots:
             return image
 
     def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:
-        """The extents of the snapshot's file that it may not share with ``since``'s file: on a reflink pool,
-        where both are still reflinks of their volume (None: no such pair here, or no extent map)."""
+        """The extents of the snapshot's image that may differ from ``since``'s: on a reflink pool, those its
+        file does not share with ``since``'s file, where both are still reflinks of their volume; on a copy
+        pool, those the export driver saw hosts write between the two snapshots' views (None: no such pair
+        here, no extent map, or no tracking)."""
         files = self._files
         newer_path, older_path = files.final("snapshot", snapshot_id), files.final("snapshot", since)
         if files.clone_method != "reflink":
-            return None
+            if self._streams is None:
+                return None
+            with files.lock:
+                return None if newer_path.exists() else self._streams.changed_since(snapshot_id, since)
         fds: list[int] = []
         try:
             with files.lock:  # both opened now stay readable whatever a removal does meanwhile

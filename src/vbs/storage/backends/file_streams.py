@@ -23,7 +23,7 @@ from pathlib import Path
 from vbs import ids
 from vbs.errors import DriverError, NotFound
 from vbs.pools.backend import ImageLayout
-from vbs.pools.exports import FileSource, PointInTimeViewer
+from vbs.pools.exports import FileSource, PointInTimeViewer, ViewChanges
 from vbs.storage.backends.file_copies import DIRS, CopyJobs
 from vbs.storage.copy import data_ranges
 from vbs.system.files import write_private
@@ -104,6 +104,13 @@ class Streams:
             return self.viewer.view_path(snapshot_id)
         except NotFound:
             return None
+
+    def changed_since(self, snapshot_id: str, since: str) -> list[tuple[int, int]] | None:
+        """The extents of the snapshot's view that hosts may have written since the instant of ``since``'s
+        view, as the export driver tracked them (None: not a view, or the driver cannot tell)."""
+        if not isinstance(self.viewer, ViewChanges) or self._hold_of(snapshot_id, _VIEW) is None:
+            return None
+        return self.viewer.view_changes(snapshot_id, since)
 
     def layout(self, snapshot_id: str) -> ImageLayout | None:
         """How a view must be read: in whole clusters, its data where the volume has data now or the

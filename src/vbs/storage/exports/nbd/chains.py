@@ -14,6 +14,7 @@ from vbs.storage.exports.supervised import ServedImage
 from .daemon import Monitor
 from .limits import Limits
 from .state import CHAIN_PREFIXES, Book, Chain, HostExport, Live, Served, copy_names, group_id, key_host
+from .tracking import Tracking
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,11 @@ log = logging.getLogger(__name__)
 class Chains:
     """Opens and closes chains and exports in the daemon, as the desired state in ``book`` has them."""
 
-    def __init__(self, monitor: Monitor, limits: Limits, book: Book, *, aio: str, cache_direct: bool) -> None:
+    def __init__(self, monitor: Monitor, limits: Limits, book: Book, tracking: Tracking, *, aio: str,
+                 cache_direct: bool) -> None:
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
         self._monitor, self._limits, self._book = monitor, limits, book
+        self.tracking = tracking  # changed-block bitmaps (tracking.py): none may miss a new chain's writes
         self._fallback_told = False  # the pool's file system refused the configured mode: said once
 
     # -- nodes --------------------------------------------------------------------------------------
@@ -133,6 +136,8 @@ class Chains:
     def _open_format(self, served: Served, chain: Chain, live: Live) -> None:
         """The chain's file (or RBD) node and its format node."""
         self.del_nodes((chain.file_node,), live)  # the leftover of an interrupted attempt
+        if not chain.read_only:
+            self.tracking.drop(c.raw_node for c in served.chains if c.gen != chain.gen and c.raw_node in live.nodes)
         if served.rbd is not None:
             self._add_rbd_node(chain.file_node, served.rbd, read_only=chain.read_only, what=served.key)
         else:

@@ -109,6 +109,7 @@ from .state import (
     new_chain,
     upgrade_v1,
 )
+from .tracking import Tracking
 from .view_calls import ViewCalls
 from .views import Views
 
@@ -160,7 +161,8 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         self._monitor = Monitor(self.qmp_path, qmp_timeout)
         self._access = Access(self.tls, state_dir, x509, self._monitor, book)
         self._limits = Limits(fair_share, self._monitor)
-        self._chains = Chains(self._monitor, self._limits, book, aio=aio, cache_direct=cache_direct)
+        tracking = Tracking(self._monitor, state_dir / "bitmaps")
+        self._chains = Chains(self._monitor, self._limits, book, tracking, aio=aio, cache_direct=cache_direct)
         self._copies = Copies(self._monitor, self._chains, self._limits, book, copy_speed=copy_speed)
         self._views = Views(self._monitor, self._chains, self._limits, book, state_dir / "views")
         self.x509, self.x509_dir = x509, self._access.x509_dir

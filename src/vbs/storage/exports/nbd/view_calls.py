@@ -18,7 +18,7 @@ log = logging.getLogger("vbs.storage.exports.nbd.driver")  # the driver's record
 
 
 class ViewCalls:
-    """``ensure_view``, ``view_path`` and ``remove_view`` of the NBD driver."""
+    """``ensure_view``, ``view_path``, ``view_changes`` and ``remove_view`` of the NBD driver."""
 
     def ensure_view(self: Driver, view_id: str, key: str, source: ExportSource, scratch: Path) -> ItemStatus:
         """Show ``source`` as it is now, while hosts keep writing to it, as a file (``view_path``); what they
@@ -49,6 +49,22 @@ class ViewCalls:
             if view.lost:
                 raise SnapshotSourceLost(f"{view_id}: {LOST}")
             return Path(view.mount)
+
+    def view_changes(self: Driver, view_id: str, since: str) -> list[tuple[int, int]] | None:
+        """The byte extents of view ``view_id`` that hosts may have written since the instant of the view
+        ``since`` (more than changed, never less), told by the daemon's dirty bitmap (tracking.py); None: it
+        cannot tell, and every chunk is read."""
+        ids.check("snapshot", view_id)
+        ids.check("snapshot", since)
+        with self._lock:
+            self._up()
+            found = self._views.find(view_id)
+            if found is None:
+                return None
+            served, view = found
+            if view.lost or not self._views.alive(view, self._view()):
+                return None
+            return self._views.changes(served, view, since)
 
     def remove_view(self: Driver, view_id: str) -> None:
         """Take the view out of the daemon, remove its scratch file and forget it; idempotent."""

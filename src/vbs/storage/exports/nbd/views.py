@@ -111,6 +111,8 @@ class Views:
             self.close(served, view, live)  # the leftovers of an interrupted start
             _new_file(scratch, size)
             _new_file(Path(view.mount), 0)
+            # Before the instant: the bitmap may count writes from before it, never miss one after it.
+            self._chains.tracking.start(chain.raw_node, view_id)
             self._insert(served, chain, view, live)
             self._book.save()  # with the size of a new chain
         log.info("point-in-time view %s of %s at %s (scratch %s)", view_id, served.key, view.mount, scratch)
@@ -152,6 +154,16 @@ class Views:
         else:
             options = {"driver": "raw", "node-name": view_names(above.id).link, "file": child}
         self._monitor.q("blockdev-reopen", {"options": [options]})
+
+    def changes(self, served: Served, view: View, since: str) -> list[tuple[int, int]] | None:
+        """The byte extents hosts may have written between the instants of view ``since`` (of an earlier
+        snapshot) and ``view``: from the bitmap ``since`` started in the chain ``view`` sits in (tracking.py).
+        None: that chain has no such bitmap (another chain, the daemon restarted, or ``since`` was not a view
+        of this volume)."""
+        chain = served.chain(view.gen)
+        if chain is None:
+            return None
+        return self._chains.tracking.changes(chain.raw_node, since, view.size)
 
     def alive(self, view: View, live: Live) -> bool:
         names = view_names(view.id)
