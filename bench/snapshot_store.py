@@ -20,10 +20,16 @@ flight (the agent's default):
 * ``restore``: the first snapshot restored into a new file; ratio to ``cp --sparse=always`` of the pool
   file on the same disk (target >= 0.5).
 
+With ``--radosgw GIB``, the same first upload and restore of a ``GIB`` GiB volume go to and from an S3
+store on a RADOS Gateway (Debian's ``radosgw`` on an embedded single-node Ceph, one OSD on a file of the
+work directory's disk, the same 8 requests in flight), beside a ``dir`` store of the same data in the
+same run: the rates, and the gateway's against the directory's.
+
 Root drops the page cache before each timed read (``sync; echo 3 > /proc/sys/vm/drop_caches``).
 
     .venv/bin/python bench/snapshot_store.py              # 16 GiB (about 15 minutes on 2 cores)
     .venv/bin/python bench/snapshot_store.py --quick      # 2 GiB
+    .venv/bin/python bench/snapshot_store.py --quick --radosgw 2   # and 2 GiB to and from radosgw
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from bench.common import drop_caches, log, markdown_table  # noqa: E402
 
 from vbs.snapshot_store import DirStore, StoreKey, restore_snapshot, upload_snapshot  # noqa: E402
 from vbs.snapshot_store.blocks import BlockRange  # noqa: E402
+from vbs.snapshot_store.contract import SnapshotStore  # noqa: E402
 from vbs.snapshot_store.format import BLOCK_SIZE, Manifest  # noqa: E402
 
 MIB = 1 << 20
@@ -104,6 +111,55 @@ def upload(store: DirStore, path: Path, snap: int, previous: Manifest | None = N
     result = upload_snapshot(store, path, path.stat().st_size, snapshot_id=f"snap-{snap:017x}", volume_id=VOL,
                              tenant="bench", tenant_key=TENANT_KEY, previous=previous, changed_blocks=changed)
     return result.manifest
+
+
+def up_and_down(store: SnapshotStore, vol: Path, size: int, target: Path) -> tuple[float, float]:
+    """The seconds of a first upload of ``vol`` into ``store`` and of its restore into ``target``."""
+    found: list[Manifest] = []
+    up_s = timed(lambda: found.append(upload_snapshot(
+        store, vol, size, snapshot_id="snap-00000000000000b02", volume_id=VOL, tenant="bench",
+        tenant_key=TENANT_KEY).manifest))
+    down_s = timed(lambda: restore_snapshot(store, found[0], target, tenant_key=TENANT_KEY))
+    target.unlink()
+    return up_s, down_s
+
+
+def radosgw_rows(size_gib: int, work: Path) -> list[list[str]]:
+    """A first upload and a restore of ``size_gib`` GiB to and from a ``dir`` store and a RADOS Gateway."""
+    from vbs.rigs.ceph import EmbeddedCeph
+    from vbs.rigs.radosgw import EmbeddedRadosGateway
+    from vbs.snapshot_store.s3 import S3Store
+
+    size = size_gib * GIB
+    vol = work / "s3-volume.raw"
+    write_random(vol, size, seed=7)
+    cluster = EmbeddedCeph(work, osd_size_gib=max(10, 3 * size_gib))
+    gateway = EmbeddedRadosGateway(cluster)
+    rows: list[list[str]] = []
+    try:
+        log("starting a single-node Ceph and its RADOS Gateway")
+        cluster.start()
+        gateway.start()
+        creds = work / "s3-credentials"
+        gateway.s3_user("vbs-bench", creds)
+        gateway.create_bucket("vbs-bench", creds)
+        s3 = S3Store.from_config({"endpoint_url": gateway.endpoint, "bucket": "vbs-bench", "prefix": "bench",
+                                  "region": "us-east-1", "credentials_file": str(creds)}, default_dir=work)
+        local = DirStore(work / "s3-beside")
+        for name, store in (("dir", local), ("radosgw", s3)):
+            up_s, down_s = up_and_down(store, vol, size, work / f"s3-restored-{name}.raw")
+            rows.append([f"{name}: first upload ({size_gib} GiB)", f"{size / up_s / 1e6:.0f} MB/s", "", ""])
+            rows.append([f"{name}: restore ({size_gib} GiB)", f"{size / down_s / 1e6:.0f} MB/s", "", ""])
+            log(f"{name}: upload {up_s:.1f} s, restore {down_s:.1f} s")
+        for k in (0, 1):  # the gateway's rates against the directory's
+            dir_rate, gw_rate = (float(rows[i][1].split()[0]) for i in (k, k + 2))
+            rows[k + 2][2] = f"{gw_rate / dir_rate:.2f}"
+            rows[k + 2][3] = "of the dir store's (no target)"
+    finally:
+        gateway.stop()
+        cluster.stop()
+        vol.unlink(missing_ok=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         cost = store_bytes(work / "store") - before
         rows.append([f"sparse volume ({args.size_gib} GiB, {data / GIB:.2f} GiB data)", f"{cost / GIB:.2f} GiB",
                      f"{cost / data:.3f}", "of its data"])
+        if args.radosgw:
+            rows += radosgw_rows(args.radosgw, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -178,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 GiB")
     p.add_argument("--size-gib", type=int, default=None, help="the volume's size (default 16, --quick 2)")
+    p.add_argument("--radosgw", type=int, default=0, metavar="GIB",
+                   help="also upload and restore GIB GiB to and from a RADOS Gateway (starts a single-node Ceph)")
     p.add_argument("--work-dir", default=None, help="where the volume and the store go (default: the system's "
                    "temporary directory)")
     args = p.parse_args(argv)
