@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from pydantic import SecretStr
 
 from tests import test_nbd_export as nbd
 from tests.export_fixtures import wait_dead
+from tests.snapshot_stores import until
 from vbs import ids
 from vbs.pools.exports import FileSource, ViewChanges
 from vbs.qemu.qcow2_bitmaps import read_bitmap
@@ -33,7 +33,7 @@ from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.system.argv import run
 from vbs.wire.connection import HostIdentity, NbdConnection
-from vbs.wire.storage import ItemStatus, RestoreVolume, StoredStatus, StoreSnapshot
+from vbs.wire.storage import RestoreVolume, StoredStatus, StoreSnapshot
 
 pytestmark = pytest.mark.integration
 
@@ -119,14 +119,6 @@ def test_the_daemon_tells_what_hosts_wrote_between_two_views_and_forgets_what_it
     assert drv.view_changes(fifth, fourth) is None
     drv.remove_view(fifth)
     drv.remove_export(vol, HOST.name)
-
-
-def until(get: Callable[[], ItemStatus | StoredStatus], timeout: float = 120.0) -> ItemStatus | StoredStatus:
-    deadline = time.monotonic() + timeout
-    while (status := get()).state == "copying":
-        assert time.monotonic() < deadline, "still copying"
-        time.sleep(0.05)
-    return status
 
 
 def test_a_copy_pools_incremental_upload_reads_only_the_blocks_the_host_wrote(

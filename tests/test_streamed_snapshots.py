@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from pydantic import SecretStr
 from tests import test_nbd_export as nbd
 from tests.export_fixtures import free_port, write_at
 from tests.loopfs import loop_filesystem
+from tests.snapshot_stores import until
 from vbs import ids
 from vbs.snapshot_store import CHUNK_SIZE
 from vbs.snapshot_store.dir import DirStore
@@ -34,7 +34,7 @@ from vbs.storage.backends.file import FileBackend
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HostIdentity, NbdConnection
-from vbs.wire.storage import ItemStatus, RestoreVolume, StoredStatus, StoreSnapshot
+from vbs.wire.storage import RestoreVolume, StoredStatus, StoreSnapshot
 
 pytestmark = pytest.mark.integration
 
@@ -60,14 +60,6 @@ class HeldStore(DirStore):
             self.arrived.set()
             assert self.release.wait(300), "the test never let the upload go on"
         return super()._write(key, data, durable=durable)
-
-
-def until(get: Callable[[], ItemStatus | StoredStatus], timeout: float = 120.0) -> ItemStatus | StoredStatus:
-    deadline = time.monotonic() + timeout
-    while (status := get()).state == "copying":
-        assert time.monotonic() < deadline, "still copying"
-        time.sleep(0.05)
-    return status
 
 
 def pattern(seed: int, length: int) -> bytes:
