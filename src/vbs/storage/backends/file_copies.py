@@ -79,11 +79,14 @@ class CopyJobs:
         return job
 
     def status(self, kind: Kind, item_id: str, final: Path) -> ItemStatus:
-        if final.exists():
-            return file_io.ready(final)
+        # The job first, then the file: a job publishes its file before it stops running, so a job seen
+        # finished has its file there. (The other order raced: a file not there yet, then its job done and
+        # forgotten, then no partial either read as "absent".)
         job = self.job(kind, item_id)
         if job is not None and job.running:
             return ItemStatus(state="copying", size_bytes=job.size_bytes, progress=job.progress)
+        if final.exists():
+            return file_io.ready(final)
         if job is not None:
             return ItemStatus(state="error", size_bytes=job.size_bytes, error=job.error)
         try:
