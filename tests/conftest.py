@@ -471,10 +471,25 @@ class Services:
     def _log(self, name: str) -> Any:
         return (self.tmp / f"{name}.log").open("ab")
 
-    def start_controller(self, **env: str) -> None:
-        self.controller = subprocess.Popen(
-            [*VBS, "controller", "--port", str(self.port), "--data-dir", str(self.data_dir)],
-            env={**self.env, **env}, stdout=self._log("controller"), stderr=subprocess.STDOUT)
+    def start_controller(self, *extra: str, **env: str) -> None:
+        """The controller (``extra``: more flags, e.g. a database URL; ``env``: e.g. ``VBS_CRASH_AT``). A port
+        that another test's process took since free_port() (parallel workers) would answer /health too, with
+        another install's keys: the socket must be this process's. On a first start (no agent points at the
+        port yet) it is started again on another port."""
+        for _ in range(3):
+            self.controller = subprocess.Popen(
+                [*VBS, "controller", "--port", str(self.port), "--data-dir", str(self.data_dir), *extra],
+                env={**self.env, **env}, stdout=self._log("controller"), stderr=subprocess.STDOUT)
+            wait_until(lambda proc=self.controller: proc.poll() is not None or listens(proc.pid, self.port), 60,
+                       what="controller listening")
+            if self.controller.poll() is None:
+                break
+            if "VBS_CRASH_AT" in env and self.controller.returncode == -signal.SIGKILL:
+                return  # it reached its crash point already (in its recovery): wait_controller_killed sees it
+            if self.agent is not None or self.host_agents:
+                raise AssertionError(f"the controller could not listen on {self.port} again (see controller.log)")
+            self.port = free_port()
+            self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir, self.key)
         wait_until(lambda: self.vbs.http.get("/health").status_code == 200, 60, what="controller")
 
     def restart_controller(self, **env: str) -> None:

@@ -29,6 +29,7 @@ from tests.conftest import (
     DATABASES,
     VBS,
     Services,
+    Vbs,
     database_flags,
     free_port,
     reap_daemons,
@@ -65,14 +66,13 @@ class Cluster:
         self.tmp = tmp
         self.stack = stack
         self.agents: dict[str, Agent] = {}
-        self.vbs = self.services.vbs
         stack.callback(self.stop)
-        env = {**self.services.env, "VBS_CONTROLLER_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
-               "VBS_CONTROLLER_OVERCOMMIT_RATIO": str(OVERCOMMIT)}
-        self.services.controller = subprocess.Popen(
-            [*VBS, "controller", "--port", str(self.services.port), "--data-dir", str(self.services.data_dir),
-             *database], env=env, stdout=(tmp / "controller.log").open("ab"), stderr=subprocess.STDOUT)
-        wait_until(lambda: self.vbs.http.get("/health").status_code == 200, 60, what="controller")
+        self.services.start_controller(*database, VBS_CONTROLLER_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
+                                       VBS_CONTROLLER_OVERCOMMIT_RATIO=str(OVERCOMMIT))
+
+    @property
+    def vbs(self) -> Vbs:
+        return self.services.vbs
 
     def loop_pool(self, size_mib: int, fstype: str = "ext4") -> Path:
         """A pool directory on a fresh filesystem of ``size_mib`` (unmounted at teardown, after the agents stop)."""
