@@ -71,8 +71,13 @@ class Tracking:
         the oldest bitmaps beyond ``KEEP`` go."""
         have = self.bitmaps(node)
         if not any(view_of(b) == view_id for b in have):  # a start repeated after an interruption keeps its first
-            self._monitor.q("block-dirty-bitmap-add", {"node": node, "name": bitmap_name(view_id),
-                                                       "granularity": BLOCK, "persistent": False})
+            try:
+                self._monitor.q("block-dirty-bitmap-add", {"node": node, "name": bitmap_name(view_id),
+                                                           "granularity": BLOCK, "persistent": False})
+            except QmpCommandError as exc:  # an optimisation: the view stands without it
+                log.warning("no changed-block bitmap for view %s on %s (%s): its successor's upload reads every "
+                            "chunk", view_id, node, exc.desc)
+                return
             have = self.bitmaps(node)
         for old in have[:-KEEP]:
             self._remove(node, old)
