@@ -29,13 +29,14 @@ from pathlib import Path
 from vbs.errors import DriverError
 from vbs.qemu.qcow2_bitmaps import read_bitmap
 from vbs.qemu.qmp import QmpCommandError
+from vbs.snapshot_store.format import BLOCK_SIZE
 from vbs.system import argv
 
 from .daemon import Monitor
 
 log = logging.getLogger(__name__)
 
-BLOCK = 512 * 1024  # the granularity of the snapshot store's manifests (and of EBS's blocks)
+BLOCK = BLOCK_SIZE  # the bitmaps' granularity: the snapshot store's manifest block (EBS's block)
 PREFIX = "vbsd."
 KEEP = 4  # bitmaps per chain: the newest views' (a deleted snapshot's predecessor may become a parent)
 READ_NODE = "vbsbitmapread"
