@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
 import statistics
 import time
@@ -34,11 +33,11 @@ from typing import Any
 
 from bench.common import log, pct, text_table
 from bench.control_api import POLL_S, Api, VbsUp, server_ms
+from bench.snapshot_store import change_blocks
 from tests.loopfs import loop_filesystem
 
 GIB = 1 << 30
 MIB = 1 << 20
-BLOCK = 512 << 10  # the store's block
 VOLUME_GIB = 16
 LONG_POLL_S = 30
 MODES = ("poll-50ms", "long-poll")
@@ -85,21 +84,6 @@ def one_round(api: Api, vid: str, mode: str, db: Path) -> dict[str, Any]:
     return out
 
 
-def change_blocks(path: Path, size: int, fraction: float, seed: int) -> int:
-    """4 KiB written into ``fraction`` of the volume's 512 KiB blocks; how many blocks."""
-    rng = random.Random(seed)
-    blocks = size // BLOCK
-    chosen = rng.sample(range(blocks), max(1, int(blocks * fraction)))
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        for b in chosen:
-            os.pwrite(fd, rng.randbytes(4096), b * BLOCK + rng.randrange(0, BLOCK // 4096) * 4096)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return len(chosen)
-
-
 def upload_counts(log_path: Path, snapshot_id: str) -> str:
     """"read/new" chunks of the snapshot's upload, as the storage agent logged them."""
     found = re.search(rf"snapshot {snapshot_id} stored in .*?: (\d+) chunks, (\d+) read, (\d+) new",
@@ -109,7 +93,7 @@ def upload_counts(log_path: Path, snapshot_id: str) -> str:
 
 def incremental_round(api: Api, vid: str, pool: Path, seed: int, log_path: Path) -> dict[str, Any]:
     """1 % of the volume's blocks changed, a snapshot to ``completed`` (kept), a volume made from it."""
-    changed = change_blocks(pool / "volumes" / f"{vid}.raw", VOLUME_GIB * GIB, 0.01, seed)
+    changed = len(change_blocks(pool / "volumes" / f"{vid}.raw", 0.01, seed))
     t0 = time.monotonic()
     sid = api.post("/v1/snapshots", {"volume_id": vid})["snapshot_id"]
     seen = seen_completed(api, sid, "long-poll")
