@@ -82,7 +82,6 @@ MATRIX = [Point("controller", flow, step, moment) for flow in (ATTACH, DETACH) f
 MATRIX += [Point(component, flow, INFLIGHT[component, flow][0], "inflight")
            for component in ("storage-agent", "host-agent") for flow in (ATTACH, DETACH)]
 CI_POINTS = {
-    "controller-attach-volume-storage-export-done",
     "controller-attach-volume-mark-attached-done",
     "controller-detach-volume-host-detach-started",
     "storage-agent-attach-volume-storage-export-inflight",

@@ -91,11 +91,9 @@ FLOWS = {f.name: f for f in (
 MODES = ("inflight", "agent-frozen", "controller-done", "osd")
 CI_POINTS = {
     "create-volume-from-snapshot-inflight",
-    "create-snapshot-inflight",
     "delete-volume-with-snapshot-inflight",
     "create-volume-agent-frozen",
     "create-volume-from-snapshot-controller-done",
-    "delete-last-snapshot-controller-done",
     "create-snapshot-osd",
 }
 
