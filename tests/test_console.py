@@ -400,6 +400,32 @@ def test_a_snapshot_and_a_volume_from_it_show_as_a_lineage(cloud: Cloud, page: A
 
 
 @pytest.mark.integration
+def test_the_snapshots_page_shows_tiers_and_locks_and_offers_no_delete_of_a_locked_one(cloud: Cloud,
+                                                                                      page: Any) -> None:
+    vol = cloud.new_volume(tags={"Name": "kept"})
+    snaps = []
+    for _ in range(2):
+        made = cloud.vbs.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+        cloud.vbs.wait_snapshot(made, "completed")
+        snaps.append(made)
+    locked, archived = snaps
+    r = cloud.vbs.http.put(f"/v1/snapshots/{locked}/lock", json={"mode": "compliance", "duration_days": 1})
+    assert r.status_code == 200, r.text
+    assert cloud.vbs.http.put(f"/v1/snapshots/{archived}/tier", json={"tier": "archive"}).status_code == 200
+    wait_until(lambda: cloud.vbs.snapshot(archived)["storage_tier"] == "archive", 60, what="archived")
+    sign_in(page, cloud.vbs)
+    page.click("a[data-view=snapshots]")
+    row = page.wait_for_selector(f"#snapshots-body tr[data-snapshot-id='{locked}'] td.lock")
+    assert str(row.text_content()).startswith("compliance until")
+    expect(page.locator(f"#snapshots-body tr[data-snapshot-id='{locked}'] button.danger")).to_have_count(0)
+    expect(page.locator(f"#snapshots-body tr[data-snapshot-id='{archived}'] td.tier")).to_have_text("archive")
+    # An archived snapshot offers no new volume until it is restored; an unlocked one may be deleted.
+    expect(page.locator(f"#snapshots-body tr[data-snapshot-id='{archived}'] button:not(.danger)")).to_have_count(0)
+    expect(page.locator(f"#snapshots-body tr[data-snapshot-id='{archived}'] button.danger")).to_have_count(1)
+    shot(page, "10-snapshot-locks-and-tiers")
+
+
+@pytest.mark.integration
 def test_bulk_delete_removes_the_selected_volumes_only(cloud: Cloud, page: Any) -> None:
     batch = [cloud.new_volume(tags={"batch": "old"}) for _ in range(3)]
     keep = cloud.new_volume(tags={"batch": "keep"})

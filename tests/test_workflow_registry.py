@@ -12,8 +12,8 @@ def test_every_kind_is_registered_once() -> None:
     assert len(kinds) == len(set(kinds))
 
 
-def test_the_exclusive_workflows_are_those_that_exclude_each_other_on_a_volume_and_a_snapshots_delete() -> None:
+def test_the_exclusive_workflows_are_those_that_exclude_each_other_on_a_volume_and_on_a_snapshot() -> None:
     assert EXCLUSIVE_KINDS == {
         "create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume", "migrate-volume",
-        "migrate-volume-copy", "migrate-volume-mirror", "migrate-instance", "delete-snapshot",
+        "migrate-volume-copy", "migrate-volume-mirror", "migrate-instance", "delete-snapshot", "archive-snapshot",
     }

@@ -112,6 +112,10 @@ class ControllerConfig(_Service):
     # The longest lifetime (X-Amz-Expires) a presigned EC2 URL may claim: one hour by default, at most
     # AWS's own week. A URL that claims more is refused, whenever it is used.
     presigned_url_max_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
+    # EBS direct APIs: how long a block token of ListSnapshotBlocks / ListChangedBlocks is good for, and how
+    # many snapshots a tenant may have pending (started, not completed) at once.
+    ebs_block_token_ttl_s: int = Field(24 * 3600, ge=1, le=7 * 24 * 3600)
+    ebs_pending_snapshots_max: int = Field(100, ge=1, le=10_000)
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

@@ -56,7 +56,10 @@ app.add_typer(db_app, name="db")
 _ORDER = (
     "create-volume", "delete-volume", "describe-volumes", "modify-volume", "attach-volume", "detach-volume",
     "describe-hosts", "advise", "describe-instances", "create-snapshot", "create-snapshots", "copy-snapshot",
-    "share-snapshot", "delete-snapshot", "describe-snapshots", "describe-snapshot", "create-tags", "delete-tags",
+    "share-snapshot", "delete-snapshot", "describe-snapshots", "describe-snapshot", "list-snapshot-blocks",
+    "list-changed-blocks", "lock-snapshot", "unlock-snapshot", "describe-locked-snapshots", "archive-snapshot",
+    "restore-snapshot-tier", "describe-snapshot-tier-status", "create-tags",
+    "delete-tags",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
     "controller", "storage-agent", "host-agent", "up", "demo-vm", "node-token", "issue-cert", "rotate-keys",

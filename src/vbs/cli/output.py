@@ -152,6 +152,24 @@ INSTANCE_COLUMNS: list[Column] = [
 
 # The node and pool a row of `vbs check`'s pool details belongs to.
 AT_POOL: Column = ("Node", lambda x: f"{x['node']}/{x['pool']}")
+TIER_COLUMNS: list[Column] = [
+    ("SnapshotId", lambda x: x["snapshot_id"]),
+    ("Tier", lambda x: x["storage_tier"]),
+    ("LastOperation", lambda x: x.get("last_status") or ""),
+    ("RestoredUntil", lambda x: x.get("restore_expires_at") or ""),
+]
+LOCK_COLUMNS: list[Column] = [
+    ("SnapshotId", lambda x: x["snapshot_id"]),
+    ("State", lambda x: x["lock_state"]),
+    ("Until", lambda x: x["expires_at"]),
+    ("CoolOffUntil", lambda x: x.get("cool_off_expires_at") or ""),
+]
+BLOCK_COLUMNS: list[Column] = [
+    ("Block", lambda b: b["BlockIndex"]),
+    ("Token", lambda b: b.get("BlockToken") or b.get("SecondBlockToken") or "(zeros)"),
+    ("First", lambda b: b.get("FirstBlockToken", "(zeros)") if "SecondBlockToken" in b or "FirstBlockToken" in b
+     else ""),
+]
 
 TRASH_COLUMNS: list[Column] = [
     AT_POOL,

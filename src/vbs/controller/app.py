@@ -24,11 +24,14 @@ from vbs.controller.db import Attachment, Database, Tag, Volume
 from vbs.controller.db.session import redact
 from vbs.controller.db.states import VolumeState
 from vbs.controller.db.tables import utcnow
+from vbs.controller.ebs import api as ebs_api
+from vbs.controller.ebs.writes import expire_pending
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.fleet.agents import AgentDirectory
 from vbs.controller.fleet.reconcile import Reconciler
 from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.requests.migrate_instance import start_external_migrations
+from vbs.controller.requests.snapshot_tiers import expire_restores
 from vbs.controller.resolvers import Resolvers
 from vbs.controller.rest import edge
 from vbs.controller.rest.after_answer import AfterAnswer
@@ -162,6 +165,8 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                 if housekeeping_lease.hold():
                     purge_deleted(db, cfg.deleted_retention_s)
                     engine.purge(cfg.operation_retention_s)
+                    expire_pending(svc)
+                    expire_restores(svc)
             except Exception:
                 log.exception("housekeeping")
 
@@ -210,6 +215,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
 
     install_metrics(app, metrics.registry, metrics_reader)
     install_routes(app, auth, insecure=cfg.insecure)
+    ebs_api.install(app, auth)
     ec2_api.install(app, auth)
     console.install(app)
     return app

@@ -82,7 +82,7 @@ class ApiClient:
         return headers
 
     def call(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
-             params: dict[str, str] | None = None, idempotent: bool | None = None) -> Any:
+             params: dict[str, str] | list[tuple[str, str]] | None = None, idempotent: bool | None = None) -> Any:
         """One call with a JSON body; the decoded JSON answer (the CLI's view of the public API).
         ``idempotent`` overrides what method and body say about repeating it elsewhere."""
         kwargs: dict[str, Any] = {"json": json, "params": params, "headers": self._auth()}
@@ -168,6 +168,14 @@ def _transport_failure(exc: httpx.HTTPError) -> tuple[type[AgentUnavailable], st
 
 
 def _answer(url: str, resp: httpx.Response) -> Any:
+    if resp.status_code >= 400 and "x-amzn-errortype" in resp.headers:
+        # An AWS rest-json API on the same endpoint (the EBS direct APIs): its error shape.
+        try:
+            message = str(resp.json().get("Message", ""))[:2000]
+        except (ValueError, AttributeError):
+            message = ""
+        raise VbsError(message or f"{url}: HTTP {resp.status_code}", code=resp.headers["x-amzn-errortype"][:64],
+                       status=resp.status_code)
     if resp.status_code >= 400:
         try:
             err = resp.json()["error"]

@@ -19,10 +19,12 @@ from vbs.net.web import Scope
 from vbs.pools.backend import Backend, PullingBackend
 from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
+from vbs.storage.direct_blocks import DirectBlocks
 from vbs.storage.metrics import storage_registry
 from vbs.storage.store_check import check_snapshots
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
+from vbs.wire.direct_blocks import BlockData, BlockRead, BlockWrite, BlockWritten, DirectManifest, SnapshotBlockList
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     CheckStore,
@@ -66,6 +68,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
                node_name: str, stored: StoredSnapshots | None = None) -> FastAPI:
     """The agent's API over its pools; ``stored``: its snapshot store's jobs (None: it has no store)."""
     stored = stored or StoredSnapshots(None)
+    direct = DirectBlocks(stored)
     app = agent_app("VBS storage agent", auth, node_name, storage_registry(backends, exports))
     router = APIRouter(prefix="/v1")
 
@@ -137,7 +140,31 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     def delete_stored(snapshot_id: str) -> Removed:
         """Delete the snapshot's manifest from the store (its chunks go with garbage collection)."""
         stored.delete(ids.check("snapshot", snapshot_id))
+        direct.forget(snapshot_id)
         return Removed()
+
+    # -- the EBS direct APIs' blocks (``direct_blocks``) ------------------------------------------------
+
+    @router.post("/snapshot-store/blocks")
+    def put_block(body: BlockWrite) -> BlockWritten:
+        """Put one block of a pending snapshot into the store: the id of its chunk (None: all zeros)."""
+        return direct.put(body)
+
+    @router.put("/snapshot-store/snapshots/{snapshot_id}/manifest")
+    def complete_direct(snapshot_id: str, body: DirectManifest) -> SnapshotBlockList:
+        """Write the manifest of a snapshot written block by block (its parent's blocks with its own over
+        them); a block whose chunk the store lost fails it, named."""
+        return direct.complete(ids.check("snapshot", snapshot_id), body)
+
+    @router.get("/snapshot-store/snapshots/{snapshot_id}/blocks")
+    def snapshot_blocks(snapshot_id: str) -> SnapshotBlockList:
+        """The stored snapshot's non-zero blocks and the chunk of each."""
+        return direct.blocks(ids.check("snapshot", snapshot_id))
+
+    @router.post("/snapshot-store/snapshots/{snapshot_id}/blocks/read")
+    def read_block(snapshot_id: str, body: BlockRead) -> BlockData:
+        """One block of a stored snapshot, checked against its chunk's id."""
+        return direct.read(ids.check("snapshot", snapshot_id), body)
 
     @router.post("/snapshot-store/check")
     def check_store(body: CheckStore) -> StoreCheckReport:

@@ -211,7 +211,7 @@ class StoredSnapshots:
                               "snapshot store yet: they stay in the pool")
         return self.store, backend
 
-    def _tenant_key(self, store: SnapshotStore, secret: SecretStr, tenant: str) -> bytes:
+    def tenant_key(self, store: SnapshotStore, secret: SecretStr, tenant: str) -> bytes:
         key = StoreKey(bytes.fromhex(secret.get_secret_value()))
         check = key.check_value()
         if check not in self._opened:
@@ -239,7 +239,7 @@ class StoredSnapshots:
                 backend.remove_snapshot(snapshot_id)  # an earlier run stored it and stopped before this
             return _facts(manifest, where, pool_copy=keeps)
         source = _Source(images, snapshot_id)  # a file pool's image is found now
-        tenant_key = self._tenant_key(store, req.store_key, req.tenant)
+        tenant_key = self.tenant_key(store, req.store_key, req.tenant)
         previous = find_manifest(store, req.parent_snapshot_id) if req.parent_snapshot_id else None
         with self._lock:
             upload = self._uploads.get(snapshot_id)
@@ -342,7 +342,7 @@ class StoredSnapshots:
         status = backend.volume_status(volume_id)
         if status.state in ("ready", "copying"):
             return status  # under way, or made (the key is not needed again)
-        tenant_key = self._tenant_key(store, req.store_key, req.tenant)
+        tenant_key = self.tenant_key(store, req.store_key, req.tenant)
         manifest = load_manifest(store, req.snapshot_id)
         if manifest.tenant != req.tenant:
             raise IncorrectState(f"the snapshot store holds {req.snapshot_id} for another tenant",

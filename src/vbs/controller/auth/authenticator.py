@@ -59,6 +59,29 @@ class Authenticator:
                                         "or a metrics key.")
         return who
 
+    def check_service(self, request: Request, body: bytes, service: str, *,
+                      unsigned_payload_vouched_by: str | None = None) -> Principal:
+        """Who sent ``request`` to another AWS service's API on this endpoint (``ebs``): a bearer key, or
+        SigV4 scoped to ``service``; AuthFailure otherwise. A metrics key is refused."""
+        checked: Principal | None = getattr(request.state, "caller", None)
+        header = request.headers.get("authorization", "")
+        if checked is None and header.startswith("Bearer "):
+            checked = self.check_bearer(header[len("Bearer "):].strip())
+        if checked is None:
+            path = request.scope.get("raw_path", b"/").decode("latin-1") or "/"
+            query = request.scope.get("query_string", b"").decode("latin-1")
+            key_id = sigv4.verify(request.method, path, query, request.headers, body, self.keys.secret_of,
+                                  region=self.region, service=service, max_expires=self.presign_max_s,
+                                  unsigned_payload_vouched_by=unsigned_payload_vouched_by)
+            found = self.keys.lookup(key_id)
+            if found is None:  # deleted between the two look-ups
+                raise AuthFailure(sigv4.BAD_SIGNATURE)
+            checked = found[1]
+        if checked.reads_metrics_only:
+            raise UnauthorizedOperation("You are not authorized to perform this operation: a metrics key reads "
+                                        "/metrics only.")
+        return checked
+
     def identify(self, request: Request, body: bytes) -> Principal:
         """Who sent ``request``, whatever its role, or AuthFailure. A bearer key the edge already checked
         on the request's head (vbs.controller.rest.edge) is not looked up twice."""

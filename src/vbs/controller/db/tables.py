@@ -143,6 +143,77 @@ class Snapshot(_StoredResource, Base):
     pool_copy: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
+class DirectSnapshot(Base):
+    """A snapshot written through the EBS direct APIs (StartSnapshot): how it was asked for, and, while
+    it is pending, until when. Kept after it completes: ``parent_snapshot_id`` is its lineage
+    (ListChangedBlocks compares snapshots of one lineage only)."""
+
+    __tablename__ = "direct_snapshots"
+    __table_args__ = (Index("uq_direct_snapshots_token", "tenant", "client_token", unique=True),)
+
+    snapshot_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    client_token: Mapped[str | None] = mapped_column(String(64))
+    request_digest: Mapped[str] = mapped_column(String(64))
+    parent_snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    # The lineage: the source volume of the first ordinary snapshot up the parents, else the first
+    # direct snapshot's own id.
+    lineage: Mapped[str] = mapped_column(String(32), index=True)
+    volume_size_bytes: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime]
+    # "open" (blocks may be put), "completing" (CompleteSnapshot writes its manifest: no more blocks),
+    # "done" or "failed"; since when (a completion that a crash left is open again after a while).
+    state: Mapped[str] = mapped_column(String(16))
+    state_changed_at: Mapped[datetime]
+
+
+class DirectBlock(Base):
+    """A block written by PutSnapshotBlock into a pending snapshot: the chunk that holds it (None: zeros)
+    and the SHA-256 its writer sent (base64), for CompleteSnapshot's aggregate checksum."""
+
+    __tablename__ = "direct_blocks"
+
+    snapshot_id: Mapped[str] = mapped_column(String(32), ForeignKey("direct_snapshots.snapshot_id"),
+                                             primary_key=True)
+    block_index: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    chunk_id: Mapped[str | None] = mapped_column(String(64))
+    checksum: Mapped[str] = mapped_column(String(64))
+
+
+class SnapshotLock(Base):
+    """LockSnapshot's lock of a snapshot against deletion (vbs.controller.requests.snapshot_locks): its mode
+    (governance, compliance), until when, and a compliance lock's cooling-off period."""
+
+    __tablename__ = "snapshot_locks"
+
+    snapshot_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    mode: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+    duration_start: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    duration_days: Mapped[int | None] = mapped_column(Integer)
+    cool_off_hours: Mapped[int | None] = mapped_column(Integer)
+    cool_off_expires_at: Mapped[datetime | None]
+
+
+class SnapshotTier(Base):
+    """A snapshot's storage tier once it was ever moved (vbs.controller.requests.snapshot_tiers): ``archive``
+    (its pool's fast copy dropped; volumes are not made from it until it is restored) or ``standard``, and
+    its last tiering operation as EC2's DescribeSnapshotTierStatus shows it."""
+
+    __tablename__ = "snapshot_tiers"
+
+    snapshot_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    last_status: Mapped[str] = mapped_column(String(40))
+    last_started_at: Mapped[datetime]
+    last_progress: Mapped[int] = mapped_column(Integer, default=0)
+    last_detail: Mapped[str | None] = mapped_column(Text)
+    archived_at: Mapped[datetime | None]
+    # A temporary restore: when the snapshot goes back to the archive tier.
+    restore_expires_at: Mapped[datetime | None]
+
+
 class VolumeKey(Base):
     """The data key of an encrypted volume, and of its snapshots and clones (a clone of a LUKS container
     opens with the same passphrase), sealed with the controller's master key."""

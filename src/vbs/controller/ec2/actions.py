@@ -12,6 +12,7 @@ from typing import Any
 
 from vbs.controller.auth.keys import Principal
 from vbs.controller.ec2.instance_actions import describe_availability_zones, describe_instances
+from vbs.controller.ec2.lock_actions import describe_locked_snapshots, lock_snapshot, unlock_snapshot
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.ec2.snapshot_actions import (
     copy_snapshot,
@@ -24,6 +25,7 @@ from vbs.controller.ec2.snapshot_actions import (
     reset_snapshot_attribute,
 )
 from vbs.controller.ec2.tag_actions import create_tags, delete_tags, describe_tags
+from vbs.controller.ec2.tier_actions import describe_snapshot_tier_status, modify_snapshot_tier, restore_snapshot_tier
 from vbs.controller.ec2.volume_actions import (
     attach_volume,
     create_volume,
@@ -57,6 +59,12 @@ HANDLERS: dict[str, Handler] = {
     "DescribeSnapshotAttribute": describe_snapshot_attribute,
     "ModifySnapshotAttribute": modify_snapshot_attribute,
     "ResetSnapshotAttribute": reset_snapshot_attribute,
+    "LockSnapshot": lock_snapshot,
+    "UnlockSnapshot": unlock_snapshot,
+    "DescribeLockedSnapshots": describe_locked_snapshots,
+    "ModifySnapshotTier": modify_snapshot_tier,
+    "RestoreSnapshotTier": restore_snapshot_tier,
+    "DescribeSnapshotTierStatus": describe_snapshot_tier_status,
     "DescribeVolumeAttribute": describe_volume_attribute,
     "CreateTags": create_tags,
     "DeleteTags": delete_tags,

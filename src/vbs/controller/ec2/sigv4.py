@@ -258,13 +258,19 @@ def _header_timestamp(headers: dict[str, list[str]]) -> tuple[str, datetime]:
     return when.strftime(_TIMESTAMP), when
 
 
-def _payload_hash(headers: dict[str, list[str]], body: bytes) -> str:
-    computed = _sha256_hex(body)
+def _payload_hash(headers: dict[str, list[str]], body: bytes, signed: list[str], vouching: str | None) -> str:
     claimed = _single(headers, "x-amz-content-sha256", limit=128)
+    if claimed == "UNSIGNED-PAYLOAD" and vouching is not None:
+        # A body left unsigned (EBS PutSnapshotBlock's 512 KiB) is accepted only with a signed header that
+        # vouches for it (its checksum), which the caller then checks against the body.
+        if vouching not in signed:
+            raise _fail(f"An unsigned payload needs the {vouching} header signed.")
+        return claimed
+    computed = _sha256_hex(body)
     if claimed is None:
         return computed
     if claimed in _UNSIGNED_PAYLOADS:
-        # The EC2 action and its parameters live in the body: an unsigned body would be an unauthenticated request.
+        # The action and its parameters live in the body: an unsigned body would be an unauthenticated request.
         raise _fail(f"X-Amz-Content-Sha256 {_show(claimed)} is not accepted: the request body must be signed.")
     if claimed.lower() != computed:
         raise _fail("The provided X-Amz-Content-Sha256 header does not match what was computed from the body.")
@@ -307,6 +313,7 @@ def verify(
     now: datetime | None = None,
     max_skew: timedelta = timedelta(minutes=15),
     max_expires: int = DEFAULT_MAX_EXPIRES,
+    unsigned_payload_vouched_by: str | None = None,
 ) -> str:
     """Check the request's SigV4 signature and return the access key id that signed it.
 
@@ -314,7 +321,9 @@ def verify(
     ``query_string``); ``headers`` may be a plain dict or a Starlette ``Headers``; ``body`` is the raw body;
     ``credentials`` maps access key id to secret (a mapping, or a function answering None for an unknown
     key id). Every failure that depends on the key (unknown id, wrong secret, bad signature) has one
-    message. Raises ``AuthFailure`` (HTTP 401) on any problem.
+    message. Raises ``AuthFailure`` (HTTP 401) on any problem. ``unsigned_payload_vouched_by``: a header
+    (lower case) that, signed, lets the body go unsigned (``UNSIGNED-PAYLOAD``); the caller checks the body
+    against it.
     """
     now = datetime.now(UTC) if now is None else (now.replace(tzinfo=UTC) if now.tzinfo is None else now)
     hdrs = _normalise_headers(headers)
@@ -391,7 +400,7 @@ def verify(
         _canonical_query(canonical_pairs),
         _canonical_headers(hdrs, names),
         ";".join(names),
-        _payload_hash(hdrs, body),
+        _payload_hash(hdrs, body, names, unsigned_payload_vouched_by),
     ])
     expected = _signature(secret, scope, stamp, canonical_request)
     if not hmac.compare_digest(expected.encode("ascii"), signature.lower().encode("ascii")) or not known:

@@ -41,7 +41,8 @@ def _snapshot(s: SnapshotOut) -> dict[str, Any]:
     return {
         "snapshotId": s.snapshot_id, "volumeId": s.volume_id, "status": s.status, "startTime": s.started_at,
         "progress": f"{s.progress}%", "ownerId": sharing.owner_id(s.owner), "volumeSize": s.volume_size_gib,
-        "description": s.comment, "encrypted": s.encrypted, "kmsKeyId": s.kms_key_id, "storageTier": "standard",
+        "description": s.comment, "encrypted": s.encrypted, "kmsKeyId": s.kms_key_id, "storageTier": s.storage_tier,
+        "restoreExpiryTime": s.restore_expires_at,
         "stateMessage": s.status_reason, "tagSet": tag_set(s.tags) if s.tags else None,
     }
 

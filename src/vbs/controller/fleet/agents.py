@@ -23,6 +23,7 @@ from vbs.trust.node_credentials import NodeKeyring
 from vbs.trust.tls import TlsFiles
 from vbs.wire import host as host_wire
 from vbs.wire.connection import Connection, HostIdentity, LocalConnection, NbdConnection, ProtocolName, RbdConnection
+from vbs.wire.direct_blocks import BlockData, BlockRead, BlockWrite, BlockWritten, DirectManifest, SnapshotBlockList
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
     CheckStore,
@@ -140,6 +141,24 @@ class StorageAgent:
         return self._client.request("POST", "/v1/snapshot-store/check", StoreCheckReport,
                                     CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key),
                                     timeout=CHECK_TIMEOUT_S)
+
+    # -- the EBS direct APIs' blocks --------------------------------------------------------------------
+
+    def put_block(self, tenant: str, store_key: SecretStr, data: bytes) -> str | None:
+        """Put one 512 KiB block into the store: its chunk's id, or None for zeros (nothing stored)."""
+        return self._client.request("POST", "/v1/snapshot-store/blocks", BlockWritten,
+                                    BlockWrite(tenant=tenant, store_key=store_key, data=data)).chunk_id
+
+    def complete_direct(self, snapshot_id: str, body: DirectManifest) -> SnapshotBlockList:
+        return self._client.request("PUT", f"/v1/snapshot-store/snapshots/{snapshot_id}/manifest", SnapshotBlockList,
+                                    body, timeout=CHECK_TIMEOUT_S)
+
+    def snapshot_blocks(self, snapshot_id: str) -> SnapshotBlockList:
+        return self._client.request("GET", f"/v1/snapshot-store/snapshots/{snapshot_id}/blocks", SnapshotBlockList)
+
+    def read_block(self, snapshot_id: str, block_index: int, tenant: str, store_key: SecretStr) -> bytes:
+        return self._client.request("POST", f"/v1/snapshot-store/snapshots/{snapshot_id}/blocks/read", BlockData,
+                                    BlockRead(tenant=tenant, store_key=store_key, block_index=block_index)).data
 
     def restore_volume(self, pool: str, volume_id: str, size_gib: int, snapshot_id: str, tenant: str,
                        store_key: SecretStr, *, encrypted: bool = False, luks: SecretStr | None = None,

@@ -27,6 +27,7 @@ from vbs.controller.placement import quotas, volume_types
 from vbs.controller.placement.scheduler import Chosen, Placement, choose_local_pool, choose_placement
 from vbs.controller.requests import snapshot_permissions as snapshot_sharing
 from vbs.controller.requests.describe_volumes import describe_fields
+from vbs.controller.requests.snapshot_tiers import refuse_if_archived
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.rest.schemas.volumes import CreateVolumeRequest, VolumeOut
 from vbs.controller.runtime import Controller
@@ -250,6 +251,7 @@ def _usable_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
     if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
             or not snapshot_sharing.usable(s, snap, tenant):
         raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
+    refuse_if_archived(s, snap.id)
     hit = s.execute(update(Snapshot).where(Snapshot.id == snap.id, Snapshot.status == SnapshotState.COMPLETED)
                     .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
     if hit != 1:

@@ -1,5 +1,6 @@
-"""DeleteSnapshot as the API offers it: refused while a volume is being made from it, else moved to
-``deleting`` with its operation in one transaction and handed to the delete-snapshot workflow.
+"""DeleteSnapshot as the API offers it: refused while it is locked (LockSnapshot) or a volume is being made
+from it, else moved to ``deleting`` with its operation in one transaction and handed to the delete-snapshot
+workflow.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from sqlalchemy.orm import aliased
 
 from vbs import ids
 from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.db.transitions import transition
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.requests.describe_snapshots import describe_many, snapshot_not_found
+from vbs.controller.requests.snapshot_locks import refuse_if_locked
 from vbs.controller.rest.schemas.snapshots import SnapshotOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows.delete_snapshot import DELETE_SNAPSHOT
@@ -23,9 +26,11 @@ from vbs.errors import SnapshotInUse
 def delete_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
     ids.check("snapshot", snapshot_id)
     with svc.db.session() as s:
+        lock_rows(s, Snapshot, snapshot_id)  # a LockSnapshot of it waits for this delete, or this for it
         snap = s.get(Snapshot, snapshot_id)
         if snap is None or snap.status in (SnapshotState.DELETED, SnapshotState.DELETING) or snap.tenant != tenant:
             raise snapshot_not_found(snapshot_id)
+        refuse_if_locked(s, snapshot_id)  # whoever asks, an admin too
         copying = exists().where(Volume.snapshot_id == snapshot_id, Volume.status == VolumeState.CREATING)
         if s.scalar(select(copying)):
             raise SnapshotInUse(f"The snapshot '{snapshot_id}' is being copied into a new volume; "

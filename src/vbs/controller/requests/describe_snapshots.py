@@ -4,13 +4,16 @@ paged.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.auth import encryption
-from vbs.controller.db import Snapshot
+from vbs.controller.db import Snapshot, SnapshotTier
 from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.tables import utcnow
 from vbs.controller.requests import filters as flt
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.rest.schemas.snapshots import SnapshotList, SnapshotOut
@@ -75,12 +78,31 @@ def get_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> SnapshotOut:
 HIDDEN_VOLUME_ID = "vol-ffffffff"
 
 
+def tiers_of(s: Session, snapshot_ids: list[str]) -> dict[str, SnapshotTier]:
+    """The tier rows of these snapshots (a snapshot without one is in the standard tier)."""
+    if not snapshot_ids:
+        return {}
+    return {t.snapshot_id: t for t in s.scalars(select(SnapshotTier).where(SnapshotTier.snapshot_id.in_(snapshot_ids)))}
+
+
+def effective_tier(row: SnapshotTier | None, now: datetime) -> str:
+    """A snapshot's tier now: a temporary restore past its end is the archive tier again (before the
+    housekeeping that records it has run)."""
+    if row is None:
+        return "standard"
+    if row.tier == "standard" and row.restore_expires_at is not None and row.restore_expires_at <= now:
+        return "archive"
+    return row.tier
+
+
 def describe_many(s: Session, snaps: list[Snapshot], *, viewer: str | None = None) -> list[SnapshotOut]:
     """Snapshots as ``viewer`` (None: their owner) sees them. As on AWS, tags stay their owner's (a
     tenant a snapshot is shared with sees none), and the volume is shown only to the owner of a
     snapshot taken of it: a copy, and another tenant's snapshot, show ``HIDDEN_VOLUME_ID``."""
     tags = flt.tags_of(s, [x.id for x in snaps])
     kms = encryption.kms_key_ids(s, {x.key_id for x in snaps if x.key_id is not None})
+    tiers = tiers_of(s, [x.id for x in snaps])
+    now = utcnow()
 
     def own(x: Snapshot) -> bool:
         return viewer is None or x.tenant == viewer
@@ -94,6 +116,8 @@ def describe_many(s: Session, snaps: list[Snapshot], *, viewer: str | None = Non
                     tags=tags[x.id] if own(x) else {},
                     owner=x.tenant, source_snapshot_id=x.source_snapshot_id, encrypted=x.key_id is not None,
                     kms_key_id=kms.get(x.key_id) if x.key_id is not None else None,
-                    data_location=data_location(x), store_state=x.store_state, stored_bytes=x.stored_bytes)
+                    data_location=data_location(x), store_state=x.store_state, stored_bytes=x.stored_bytes,
+                    storage_tier=effective_tier(tiers.get(x.id), now),
+                    restore_expires_at=tiers[x.id].restore_expires_at if x.id in tiers else None)
         for x in snaps
     ]

@@ -25,6 +25,7 @@ from starlette.responses import RedirectResponse, Response
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.console import PREFIX as CONSOLE_PREFIX
 from vbs.controller.console import is_console_path
+from vbs.controller.ebs.api import ebs_refusal, is_ebs_path
 from vbs.controller.ec2 import xml
 from vbs.errors import AuthFailure, VbsError
 from vbs.net.web import Scope, header, is_loopback, peer_of, refusal
@@ -40,6 +41,8 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
     if scope["path"] == "/":  # the EC2 Query API answers in its own envelope
         return Response(xml.error(exc.code, exc.message, str(uuid.uuid4())), status_code=exc.status,
                         media_type=XML_TYPE, headers={"connection": "close"})
+    if is_ebs_path(scope["path"]):  # and the EBS direct APIs in theirs
+        return ebs_refusal(exc)
     return refusal(exc)
 
 

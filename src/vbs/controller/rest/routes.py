@@ -13,10 +13,12 @@ from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.rest.admin_routes import admin_routes
 from vbs.controller.rest.internal_routes import internal_router
 from vbs.controller.rest.key_routes import key_routes
+from vbs.controller.rest.lock_routes import lock_routes
 from vbs.controller.rest.node_routes import node_routes
 from vbs.controller.rest.operation_routes import operation_routes
 from vbs.controller.rest.snapshot_routes import snapshot_routes
 from vbs.controller.rest.tag_routes import tag_routes
+from vbs.controller.rest.tier_routes import tier_routes
 from vbs.controller.rest.volume_routes import volume_routes
 
 
@@ -28,6 +30,8 @@ def public_router(auth: Authenticator) -> APIRouter:
     volume_routes(r)
     tag_routes(r)
     snapshot_routes(r)
+    lock_routes(r)
+    tier_routes(r)
     node_routes(r)
     admin_routes(r)
     operation_routes(r)

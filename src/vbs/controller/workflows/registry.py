@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vbs.controller.workflows.archive_snapshot import ARCHIVE_SNAPSHOT
 from vbs.controller.workflows.attach_volume import ATTACH_VOLUME
 from vbs.controller.workflows.copy_snapshot import COPY_SNAPSHOT
 from vbs.controller.workflows.create_snapshot import CREATE_SNAPSHOT
@@ -24,7 +25,7 @@ __all__ = ["WORKFLOWS", "EXCLUSIVE_KINDS"]
 WORKFLOWS: tuple[Workflow[Any], ...] = (
     CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME, MODIFY_VOLUME,
     MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET, MIGRATE_INSTANCE, *LOCAL_WORKFLOWS, MIGRATE_VOLUME_COPY,
-    MIGRATE_VOLUME_MIRROR,
+    MIGRATE_VOLUME_MIRROR, ARCHIVE_SNAPSHOT,
 )
 
 # One unfinished operation of these kinds per resource (the DB's partial unique index; docs/operations.md).

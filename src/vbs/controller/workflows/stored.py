@@ -29,12 +29,13 @@ from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.agents import StorageAgent
 from vbs.controller.fleet.nodes import is_alive, pool_of, storage_info
+from vbs.controller.services import Services
 from vbs.controller.workflows import steps as shared
 from vbs.controller.workflows.definition import StepContext
 from vbs.errors import AgentUnavailable, IncorrectState, RetryLater
 
 __all__ = ["UPLOADING", "STORED", "FAILED", "copy_share", "upload", "data_location", "fill_from_snapshot",
-           "delete_from_store", "the_store_key"]
+           "delete_from_store", "the_store_key", "store_agent"]
 
 UPLOADING, STORED, FAILED = "uploading", "stored", "error"
 # The share of a snapshot's progress its pool's own copy takes when it is not instant; the upload the rest.
@@ -108,18 +109,18 @@ def upload(ctx: StepContext[Any], node: str, pool: str, snapshot_id: str, share:
          pool_copy=status.pool_copy, status_reason=None)
 
 
-def _store_agent(ctx: StepContext[Any], snap: Snapshot) -> StorageAgent:
+def store_agent(services: Services, snap: Snapshot) -> StorageAgent:
     """An agent that reaches the store holding ``snap``: its own storage node while it is alive, else any
     live node whose pools report that store."""
-    timeout = ctx.services.cfg.heartbeat_timeout_s
+    timeout = services.cfg.heartbeat_timeout_s
     now = utcnow()
-    with ctx.services.db.read() as s:
+    with services.db.read() as s:
         own = s.get(Node, (snap.storage_node, "storage"))
         if own is not None and is_alive(own, timeout, now) or snap.store is None:
-            return ctx.services.agents.storage(snap.storage_node)
+            return services.agents.storage(snap.storage_node)
         for node in s.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name)):
             if is_alive(node, timeout, now) and any(p.snapshot_store == snap.store for p in storage_info(node).pools):
-                return ctx.services.agents.storage(node.name)
+                return services.agents.storage(node.name)
     raise AgentUnavailable(f"no live storage node reaches the snapshot store {snap.store} of {snap.id}")
 
 
@@ -129,7 +130,7 @@ def delete_from_store(ctx: StepContext[Any], snapshot_id: str) -> None:
         snap = s.get(Snapshot, snapshot_id)
     if snap is None or snap.store_state is None:
         return
-    _store_agent(ctx, snap).delete_stored(snapshot_id)
+    store_agent(ctx.services, snap).delete_stored(snapshot_id)
 
 
 def restores_from_store(snap: Snapshot, node: str, pool: str) -> bool:

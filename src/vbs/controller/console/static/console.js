@@ -148,6 +148,7 @@ const api = {
   detach: (id, body) => call("POST", `/v1/volumes/${encodeURIComponent(id)}/detach`, body),
   createSnapshot: (body) => call("POST", "/v1/snapshots", body),
   deleteSnapshot: (id) => call("DELETE", `/v1/snapshots/${encodeURIComponent(id)}`),
+  snapshotLocks: () => call("GET", "/v1/snapshot-locks").then((answer) => answer.locks),
 };
 
 // -- session --------------------------------------------------------------------------------------
@@ -633,15 +634,25 @@ function operationItem(op) {
 
 // -- snapshots and infrastructure -------------------------------------------------------------------
 
+// What the Lock column says: the lock's state and until when (none: no lock, or one that expired).
+function lockText(lock) {
+  if (!lock || lock.lock_state === "expired") return "—";
+  return `${lock.lock_state} until ${when(lock.expires_at)}`;
+}
+
 async function renderSnapshots(current) {
-  const snapshots = await api.snapshots();
+  const [snapshots, locks] = await Promise.all([api.snapshots(), api.snapshotLocks()]);
   if (!current()) return false;
+  const lockOf = new Map(locks.map((l) => [l.snapshot_id, l]));
+  const locked = (s) => lockText(lockOf.get(s.snapshot_id)) !== "—";
   $("snapshots-body").replaceChildren(...snapshots.map((s) => el("tr", { "data-snapshot-id": s.snapshot_id },
     el("td", { class: "mono" }, s.snapshot_id), el("td", {}, volumeLink(s.volume_id)), el("td", {}, `${s.volume_size_gib} GiB`),
     el("td", {}, badge(s.status)), el("td", {}, `${s.progress} %`), el("td", {}, when(s.started_at)), el("td", {}, s.comment),
-    el("td", {}, s.status === "completed" ? el("button", { type: "button", class: "small",
+    el("td", { class: "tier" }, s.storage_tier + (s.restore_expires_at ? ` (restored until ${when(s.restore_expires_at)})` : "")),
+    el("td", { class: "lock" }, lockText(lockOf.get(s.snapshot_id))),
+    el("td", {}, s.status === "completed" && s.storage_tier !== "archive" ? el("button", { type: "button", class: "small",
       click: () => volumeFromSnapshot(s.snapshot_id) }, "New volume") : "",
-    s.status === "completed" || s.status === "error" ? el("button", { type: "button", class: "small danger",
+    (s.status === "completed" || s.status === "error") && !locked(s) ? el("button", { type: "button", class: "small danger",
       click: async () => {
         try {
           await api.deleteSnapshot(s.snapshot_id);

@@ -42,6 +42,11 @@ def _tags(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+def check_tags(value: dict[str, str]) -> dict[str, str]:
+    """``value`` if its tags are within the limits and rules of every API's tags, else ``ValueError``."""
+    return _tags(value)
+
+
 Comment = Annotated[str, Field(max_length=COMMENT_MAX), AfterValidator(_text)]
 Tags = Annotated[dict[str, str], AfterValidator(_tags)]
 ClientToken = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]

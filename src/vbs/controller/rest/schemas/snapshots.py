@@ -77,6 +77,9 @@ class SnapshotOut(BaseModel):
     data_location: str = "pool"
     store_state: str | None = None
     stored_bytes: int | None = None
+    # "standard" or "archive" (docs/snapshot-tiers.md); a temporary restore's end.
+    storage_tier: str = "standard"
+    restore_expires_at: datetime | None = None
 
 
 class SnapshotList(BaseModel):

@@ -1,0 +1,209 @@
+"""The EBS direct APIs' routes on the controller's endpoint, as botocore's ``ebs`` model (2019-11-02) has
+them: rest-json, SigV4 scoped to ``ebs`` (a bearer key works too), AWS's error shape (the
+``x-amzn-ErrorType`` header and ``{"Message", "Reason"}``).
+
+PutSnapshotBlock's body may go unsigned (``UNSIGNED-PAYLOAD``, as botocore sends it) only with its
+``x-amz-Checksum`` header signed: the block is checked against that checksum before anything is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from vbs.controller.auth.authenticator import Authenticator
+from vbs.controller.auth.keys import Principal
+from vbs.controller.ebs import reads, writes
+from vbs.controller.ebs.errors import EbsError, Validation, ebs_error_of
+from vbs.controller.requests.snapshot_permissions import owner_id
+from vbs.controller.rest.schemas.common import COMMENT_MAX, check_tags
+from vbs.controller.runtime import Controller
+from vbs.errors import VbsError
+from vbs.snapshot_store.format import BLOCK_SIZE
+
+__all__ = ["install", "is_ebs_path", "ebs_refusal"]
+
+log = logging.getLogger(__name__)
+
+_SNAPSHOTS = "/snapshots"
+_INT_RE = re.compile(r"[0-9]{1,19}")
+
+
+def is_ebs_path(path: str) -> bool:
+    return path == _SNAPSHOTS or path.startswith(_SNAPSHOTS + "/")
+
+
+def ebs_refusal(exc: VbsError) -> Response:
+    """An error as the ``ebs`` service answers it."""
+    err = ebs_error_of(exc)
+    body: dict[str, Any] = {"Message": err.message}
+    if err.reason is not None:
+        body["Reason"] = err.reason
+    return JSONResponse(body, status_code=err.status, headers={"x-amzn-ErrorType": err.code})
+
+
+class _Tag(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    Key: str = Field(min_length=1, max_length=127)
+    Value: str = Field("", max_length=255)
+
+
+class _Start(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    VolumeSize: int = Field(ge=1, le=65536, strict=True)
+    ParentSnapshotId: str | None = Field(None, max_length=64)
+    Tags: list[_Tag] = Field(default_factory=list, max_length=50)
+    Description: str = Field("", max_length=COMMENT_MAX)
+    ClientToken: str | None = Field(None, min_length=1, max_length=255, pattern=r"^\S+$")
+    Encrypted: bool = False
+    KmsKeyArn: str | None = Field(None, max_length=2048)
+    Timeout: int = Field(writes.DEFAULT_TIMEOUT_MIN, ge=10, le=4320, strict=True)
+
+
+def _int(value: str | None, what: str, default: int | None = None) -> int | None:
+    if value is None:
+        return default
+    if not _INT_RE.fullmatch(value):
+        raise Validation(f"{what} must be a whole number, not {value[:32]!r}.")
+    return int(value)
+
+
+def _epoch(when: datetime) -> float:
+    return when.timestamp()
+
+
+def _start_request(body: bytes) -> writes.StartRequest:
+    try:
+        req = _Start.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise Validation(f"Invalid value for {where or 'the request'}: {first.get('msg', 'invalid')}.") from None
+    if req.Encrypted or req.KmsKeyArn:
+        raise Validation("Encrypted snapshots cannot be written through the EBS direct APIs here: VBS encrypts "
+                         "volumes with LUKS, whose containers are not written block by block.")
+    tags = {t.Key: t.Value for t in req.Tags}
+    try:
+        check_tags(tags)
+    except ValueError as exc:
+        raise Validation(f"Invalid tags: {exc}.", "INVALID_TAG") from None
+    return writes.StartRequest(volume_size_gib=req.VolumeSize, parent_snapshot_id=req.ParentSnapshotId, tags=tags,
+                               description=req.Description, client_token=req.ClientToken, timeout_min=req.Timeout)
+
+
+def install(app: FastAPI, auth: Authenticator) -> None:
+    Handler = Callable[[Request, Controller, Principal, bytes], Any]
+
+    def route(path: str, method: str, status: int, *, unsigned_ok: bool = False
+              ) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
+        def wrap(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+            async def endpoint(request: Request) -> Response:
+                try:
+                    body = await request.body()
+                    if len(body) > BLOCK_SIZE:
+                        raise Validation(f"The request body is larger than a block ({BLOCK_SIZE} bytes).")
+                    who = auth.check_service(request, body, "ebs",
+                                             unsigned_payload_vouched_by="x-amz-checksum" if unsigned_ok else None)
+                    svc: Controller = request.app.state.services
+                    answer = await run_in_threadpool(handler, request, svc, who, body)
+                except VbsError as exc:
+                    return ebs_refusal(exc)
+                except Exception:
+                    log.exception("EBS direct API %s %s", method, path)
+                    return ebs_refusal(EbsError("An internal error has occurred."))
+                if isinstance(answer, Response):
+                    return answer
+                return JSONResponse(answer, status_code=status)
+
+            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
+            return endpoint
+        return wrap
+
+    @route("/snapshots", "POST", 201)
+    def start(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
+        req = _start_request(body)
+        snap = writes.start_snapshot(svc, req, who.tenant)
+        out: dict[str, Any] = {
+            "SnapshotId": snap.id, "OwnerId": owner_id(who.tenant), "Status": snap.status,
+            "StartTime": _epoch(snap.started_at), "VolumeSize": snap.volume_size_gib, "BlockSize": BLOCK_SIZE,
+            "Description": snap.comment, "SseType": "none",
+            "Tags": [{"Key": k, "Value": v} for k, v in sorted(req.tags.items())],
+        }
+        if req.parent_snapshot_id:
+            out["ParentSnapshotId"] = req.parent_snapshot_id
+        return out
+
+    @route("/snapshots/{snapshotId}/blocks/{blockIndex}", "PUT", 201, unsigned_ok=True)
+    def put(request: Request, svc: Controller, who: Principal, body: bytes) -> Response:
+        h = request.headers
+        checksum = writes.put_block(
+            svc, who.tenant, request.path_params["snapshotId"],
+            _int(request.path_params["blockIndex"], "BlockIndex") or 0, body,
+            data_length=_int(h.get("x-amz-data-length"), "DataLength", -1) or 0,
+            checksum=h.get("x-amz-checksum"), algorithm=h.get("x-amz-checksum-algorithm"),
+            progress=_int(h.get("x-amz-progress"), "Progress"))
+        return Response(status_code=201, headers={"x-amz-Checksum": checksum, "x-amz-Checksum-Algorithm": "SHA256"})
+
+    @route("/snapshots/completion/{snapshotId}", "POST", 202)
+    def complete(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
+        h = request.headers
+        count = _int(h.get("x-amz-changedblockscount"), "ChangedBlocksCount")
+        if count is None:
+            raise Validation("The request must carry x-amz-ChangedBlocksCount.")
+        status = writes.complete_snapshot(svc, who.tenant, request.path_params["snapshotId"], changed_blocks=count,
+                                          checksum=h.get("x-amz-checksum"),
+                                          algorithm=h.get("x-amz-checksum-algorithm"),
+                                          aggregation=h.get("x-amz-checksum-aggregation-method"))
+        return {"Status": status}
+
+    @route("/snapshots/{snapshotId}/blocks", "GET", 200)
+    def list_blocks(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
+        q = request.query_params
+        page = reads.list_blocks(svc, who.tenant, request.path_params["snapshotId"],
+                                 start=_int(q.get("startingBlockIndex"), "StartingBlockIndex", 0) or 0,
+                                 page=q.get("pageToken"), max_results=_int(q.get("maxResults"), "MaxResults"))
+        return _page(page, "Blocks", lambda i, _a, b: {"BlockIndex": i, "BlockToken": b})
+
+    @route("/snapshots/{secondSnapshotId}/changedblocks", "GET", 200)
+    def list_changed(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
+        q = request.query_params
+        page = reads.list_changed_blocks(svc, who.tenant, request.path_params["secondSnapshotId"],
+                                         q.get("firstSnapshotId"),
+                                         start=_int(q.get("startingBlockIndex"), "StartingBlockIndex", 0) or 0,
+                                         page=q.get("pageToken"), max_results=_int(q.get("maxResults"), "MaxResults"))
+
+        def row(i: int, first: str | None, second: str | None) -> dict[str, Any]:
+            out: dict[str, Any] = {"BlockIndex": i}
+            if first is not None:
+                out["FirstBlockToken"] = first
+            if second is not None:
+                out["SecondBlockToken"] = second
+            return out
+        return _page(page, "ChangedBlocks", row)
+
+    @route("/snapshots/{snapshotId}/blocks/{blockIndex}", "GET", 200)
+    def get(request: Request, svc: Controller, who: Principal, body: bytes) -> Response:
+        token = request.query_params.get("blockToken")
+        if not token:
+            raise Validation("The request must carry a blockToken.", "INVALID_BLOCK_TOKEN")
+        data, checksum = reads.get_block(svc, who.tenant, request.path_params["snapshotId"],
+                                         _int(request.path_params["blockIndex"], "BlockIndex") or 0, token)
+        return Response(data, media_type="application/octet-stream",
+                        headers={"x-amz-Data-Length": str(len(data)), "x-amz-Checksum": checksum,
+                                 "x-amz-Checksum-Algorithm": "SHA256"})
+
+
+def _page(page: reads.Page, key: str, row: Callable[[int, str | None, str | None], dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {key: [row(i, a, b) for i, a, b in page.rows], "ExpiryTime": _epoch(page.expires),
+                           "VolumeSize": page.volume_size_gib, "BlockSize": BLOCK_SIZE}
+    if page.next_token is not None:
+        out["NextToken"] = page.next_token
+    return out

@@ -1,0 +1,68 @@
+"""The EBS direct APIs' errors, as botocore's model names them: an exception shape (the
+``x-amzn-ErrorType`` header), its HTTP status, and for most a ``Reason`` from the shape's enum."""
+
+from __future__ import annotations
+
+from vbs.errors import VbsError
+
+__all__ = ["EbsError", "Validation", "NotFoundError", "AccessDenied", "Conflict", "ConcurrentLimit", "Internal",
+           "ebs_error_of"]
+
+
+class EbsError(VbsError):
+    """An error answered in the ``ebs`` service's shape: ``code`` is the exception shape's name."""
+
+    code = "InternalServerException"
+    status = 500
+    reason: str | None = None
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class Validation(EbsError):
+    code = "ValidationException"
+    status = 400
+    reason = "INVALID_PARAMETER_VALUE"
+
+
+class NotFoundError(EbsError):
+    code = "ResourceNotFoundException"
+    status = 404
+    reason = "SNAPSHOT_NOT_FOUND"
+
+
+class AccessDenied(EbsError):
+    code = "AccessDeniedException"
+    status = 403
+    reason = "UNAUTHORIZED_ACCOUNT"
+
+
+class Conflict(EbsError):
+    code = "ConflictException"
+    status = 409
+
+
+class ConcurrentLimit(EbsError):
+    code = "ConcurrentLimitExceededException"
+    status = 400
+
+
+class Internal(EbsError):
+    code = "InternalServerException"
+    status = 500
+
+
+def ebs_error_of(exc: VbsError) -> EbsError:
+    """What a VBS error (of the store, an agent, authentication) is as the ``ebs`` service answers it."""
+    if isinstance(exc, EbsError):
+        return exc
+    if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+        return AccessDenied(exc.message)
+    if exc.status == 404:
+        return NotFoundError(exc.message)
+    if exc.status in (400, 409, 412, 422):
+        return Validation(exc.message)
+    return Internal(exc.message)

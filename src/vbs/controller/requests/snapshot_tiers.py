@@ -1,0 +1,154 @@
+"""ModifySnapshotTier, RestoreSnapshotTier, DescribeSnapshotTierStatus as the API offers them: the archive
+tier of snapshots (docs/snapshot-tiers.md).
+
+- **Archive** (``modify_tier``): a completed snapshot that is in the snapshot store moves to the archive
+  tier; the archive-snapshot workflow drops its pool's fast copy. An archived snapshot makes no volume and
+  is not read through the EBS direct APIs until it is restored (``refuse_if_archived``).
+- **Restore** (``restore_tier``): permanently (back to standard), or for ``days`` (standard until then, then
+  archive again: ``expire_restores``, run by the controllers' housekeeping). The data never left the store,
+  so a restore is done at once; a volume made from it is hydrated from the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from vbs import ids
+from vbs.controller.db import Snapshot, SnapshotTier
+from vbs.controller.db.locks import lock_rows
+from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.tables import utcnow
+from vbs.controller.requests.describe_snapshots import effective_tier, snapshot_not_found, tiers_of
+from vbs.controller.runtime import Controller
+from vbs.controller.workflows import stored
+from vbs.controller.workflows.archive_snapshot import ARCHIVE_SNAPSHOT
+from vbs.controller.workflows.steps import StorageParams
+from vbs.errors import IncorrectState, InvalidParameter
+
+__all__ = ["TierInfo", "modify_tier", "restore_tier", "describe_tiers", "refuse_if_archived",
+           "expire_restores", "MAX_RESTORE_DAYS", "SnapshotArchived"]
+
+MAX_RESTORE_DAYS = 180
+STANDARD, ARCHIVE = "standard", "archive"
+
+
+class SnapshotArchived(IncorrectState):
+    code = "IncorrectState"
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    snapshot_id: str
+    volume_id: str
+    status: str
+    tenant: str
+    tier: str
+    last_status: str | None
+    last_started_at: datetime | None
+    last_progress: int | None
+    last_detail: str | None
+    archived_at: datetime | None
+    restore_expires_at: datetime | None
+
+
+def _owned(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
+    ids.check("snapshot", snapshot_id)
+    lock_rows(s, Snapshot, snapshot_id)
+    snap = s.get(Snapshot, snapshot_id)
+    if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
+        raise snapshot_not_found(snapshot_id)
+    return snap
+
+
+def modify_tier(svc: Controller, snapshot_id: str, tenant: str, tier: str) -> datetime:
+    """Start moving the snapshot to ``tier`` (``archive``); when it started."""
+    if tier != ARCHIVE:
+        raise InvalidParameter(f"Value ({tier[:32]}) for parameter StorageTier is invalid. Expected: archive.")
+    now = utcnow()
+    with svc.db.session() as s:
+        snap = _owned(s, snapshot_id, tenant)
+        if snap.status != SnapshotState.COMPLETED:
+            raise IncorrectState(f"The snapshot '{snapshot_id}' is {snap.status}: only a completed snapshot is "
+                                 "archived.")
+        if snap.store_state != stored.STORED:
+            raise IncorrectState(f"The snapshot '{snapshot_id}' is not in the snapshot store: it cannot be archived "
+                                 "(this install keeps snapshots in their pools only, or its upload is unfinished).")
+        row = s.get(SnapshotTier, snapshot_id)
+        if row is not None and (row.tier == ARCHIVE or row.last_status == "archival-in-progress"):
+            raise IncorrectState(f"The snapshot '{snapshot_id}' is archived already (or being archived).")
+        if row is None:
+            row = SnapshotTier(snapshot_id=snapshot_id, tier=STANDARD)
+            s.add(row)
+        row.last_status, row.last_started_at, row.last_progress, row.last_detail = "archival-in-progress", now, 0, None
+        row.restore_expires_at = None
+        op_id = svc.engine.begin(s, ARCHIVE_SNAPSHOT, snapshot_id, StorageParams(node=snap.storage_node,
+                                                                                    pool=snap.pool))
+    svc.engine.submit(op_id)
+    return now
+
+
+def restore_tier(svc: Controller, snapshot_id: str, tenant: str, *, days: int | None, permanent: bool
+                 ) -> tuple[datetime, int | None]:
+    """Bring an archived snapshot back to the standard tier, for ``days`` or for good; (when, days)."""
+    if permanent == (days is not None):
+        raise InvalidParameter("Specify one of TemporaryRestoreDays and PermanentRestore.")
+    if days is not None and not 1 <= days <= MAX_RESTORE_DAYS:
+        raise InvalidParameter(f"TemporaryRestoreDays must be 1-{MAX_RESTORE_DAYS}, not {days}.")
+    now = utcnow()
+    with svc.db.session() as s:
+        _owned(s, snapshot_id, tenant)
+        row = s.get(SnapshotTier, snapshot_id)
+        restored_for_now = row is not None and row.tier == STANDARD and row.restore_expires_at is not None
+        if row is None or (row.tier != ARCHIVE and not restored_for_now):
+            raise IncorrectState(f"The snapshot '{snapshot_id}' is not archived.")
+        if permanent:
+            row.tier, row.last_status, row.archived_at, row.restore_expires_at = (
+                STANDARD, "permanent-restore-completed", None, None)
+        else:
+            row.tier, row.last_status = STANDARD, "temporary-restore-completed"
+            row.restore_expires_at = now + timedelta(days=days or 0)
+        row.last_started_at, row.last_progress, row.last_detail = now, 100, None
+    return now, days
+
+
+def describe_tiers(svc: Controller, tenant: str, snapshot_ids: list[str] | None) -> list[TierInfo]:
+    """The tier and last tiering operation of the tenant's snapshots, by snapshot id."""
+    now = utcnow()
+    with svc.db.read() as s:
+        q = select(Snapshot).where(Snapshot.tenant == tenant,
+                                   Snapshot.status.notin_((SnapshotState.DELETING, SnapshotState.DELETED)))
+        if snapshot_ids:
+            q = q.where(Snapshot.id.in_(snapshot_ids))
+        snaps = list(s.scalars(q.order_by(Snapshot.id)))
+        rows = tiers_of(s, [x.id for x in snaps])
+    out = []
+    for snap in snaps:
+        row = rows.get(snap.id)
+        out.append(TierInfo(snap.id, snap.volume_id, snap.status, tenant, effective_tier(row, now),
+                            row.last_status if row else None, row.last_started_at if row else None,
+                            row.last_progress if row else None, row.last_detail if row else None,
+                            row.archived_at if row else None, row.restore_expires_at if row else None))
+    return out
+
+
+def refuse_if_archived(s: Session, snapshot_id: str) -> None:
+    """``IncorrectState`` if the snapshot is archived (or on its way there): restore it first."""
+    row = s.get(SnapshotTier, snapshot_id)
+    if row is not None and (effective_tier(row, utcnow()) == ARCHIVE or row.last_status == "archival-in-progress"):
+        raise SnapshotArchived(f"The snapshot '{snapshot_id}' is in the archive tier: restore it first "
+                               "(RestoreSnapshotTier).")
+
+
+def expire_restores(svc: Controller, now: datetime | None = None) -> int:
+    """Temporary restores past their end go back to the archive tier; how many."""
+    now = now or utcnow()
+    with svc.db.session() as s:
+        return int(s.execute(update(SnapshotTier).where(
+            SnapshotTier.tier == STANDARD, SnapshotTier.restore_expires_at.is_not(None),
+            SnapshotTier.restore_expires_at < now).values(
+                tier=ARCHIVE, restore_expires_at=None, last_status="archival-completed",
+                last_started_at=now)).rowcount)  # type: ignore[attr-defined]
