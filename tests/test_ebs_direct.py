@@ -14,7 +14,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import sqlite3
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +300,30 @@ def test_what_aws_refuses_is_refused_with_its_error_and_changes_nothing(env: Env
         wrong.list_snapshot_blocks(SnapshotId=snap)
     assert error(exc)[0] == "AccessDeniedException"
     assert [b["BlockIndex"] for b in ebs.list_snapshot_blocks(SnapshotId=snap)["Blocks"]] == [5]
+
+
+def test_a_snapshot_past_its_timeout_ends_in_error_and_takes_no_more_blocks(env: Env) -> None:
+    ebs = env.ebs
+    snap = ebs.start_snapshot(VolumeSize=1, Timeout=10)["SnapshotId"]
+    put(ebs, snap, 0, os.urandom(BLOCK))
+    # Eleven minutes on: the timeout moved into the past in the metadata DB (as SQLite stores times).
+    past = (datetime.now(UTC) - timedelta(minutes=1)).strftime("%Y-%m-%d %H:%M:%S.%f")
+    with sqlite3.connect(env.vbs.data_dir / "vbs.db") as db:
+        db.execute("UPDATE direct_snapshots SET expires_at = ? WHERE snapshot_id = ?", (past, snap))
+    with pytest.raises(ClientError) as exc:
+        put(ebs, snap, 1, os.urandom(BLOCK))
+    assert error(exc)[0] == "ValidationException"
+    shown = env.vbs.snapshot(snap)
+    assert shown["status"] == "error" and "Timeout" in shown["status_reason"]
+    assert ebs.complete_snapshot(SnapshotId=snap, ChangedBlocksCount=1)["Status"] == "error"
+    # An errored snapshot is deleted as any other.
+    assert env.vbs.http.delete(f"/v1/snapshots/{snap}").status_code == 200
+    wait_until(lambda: env.vbs.http.get(f"/v1/snapshots/{snap}").status_code == 404, 60, what="deleted")
+    # A completed one too: its manifest leaves the store (its chunks go with the store's garbage collection).
+    done = ebs.start_snapshot(VolumeSize=1)["SnapshotId"]
+    put(ebs, done, 2, os.urandom(BLOCK))
+    ebs.complete_snapshot(SnapshotId=done, ChangedBlocksCount=1)
+    manifest = env.vbs.data_dir / "snapshots" / "manifests" / done
+    assert manifest.exists()
+    assert env.vbs.http.delete(f"/v1/snapshots/{done}").status_code == 200
+    wait_until(lambda: not manifest.exists(), 60, what="manifest deleted")
