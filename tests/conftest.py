@@ -275,6 +275,33 @@ def running_vbs_up(tmp: Path, *extra: str) -> Iterator[Vbs]:
         up.stop()
 
 
+class GuestOfVbsUp:
+    """A ``vbs up`` (``vbs``) and its booted guest vm1 (``guest``): volumes attached and detached as a user
+    does (REST), waiting until the guest sees each disk come or go."""
+
+    vbs: Vbs
+    guest: Any
+
+    def attach(self, vol: str, device: str = "vdb") -> str:
+        """Attach ``vol`` to vm1; the guest's name for the disk."""
+        from vbs.ids import virtio_serial
+
+        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.vbs.instance("vm1"),
+                                                                  "device": device})
+        assert r.status_code == 200, r.text
+        wait_until(lambda: [a["state"] for a in self.vbs.volume(vol)["attachments"]] == ["attached"], 60,
+                   what=f"{vol} attached")
+        return str(self.guest.wait_for_disk(virtio_serial(vol), 30))
+
+    def detach(self, vol: str) -> None:
+        from vbs.ids import virtio_serial
+
+        r = self.vbs.http.post(f"/v1/volumes/{vol}/detach", json={})
+        assert r.status_code == 200, r.text
+        self.vbs.wait_volume(vol, "available")
+        self.guest.wait_disk_gone(virtio_serial(vol), 30)
+
+
 @contextmanager
 def vbs_up_with_guest(tmp: Path, vm: str = "vm1", **machine: Any) -> Iterator[tuple[Vbs, VbsUp, Any]]:
     """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG);

@@ -25,8 +25,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import Vbs, VbsUp, wait_until
-from vbs.ids import virtio_serial
+from tests.conftest import GuestOfVbsUp, Vbs, VbsUp, wait_until
 from vbs.rigs.testguest import TestGuest, build_guest
 
 BLOCK = 512 * 1024
@@ -44,24 +43,10 @@ def linear(checksums: list[str]) -> str:
     return sha(b"".join(base64.b64decode(c) for c in checksums))
 
 
-class Env:
+class Env(GuestOfVbsUp):
     def __init__(self, vbs: Vbs, up: VbsUp, guest: TestGuest) -> None:
         self.vbs, self.up, self.guest = vbs, up, guest
         self.ebs = ebs_client(vbs, vbs.key.access_key_id, vbs.key.secret_access_key)
-
-    def attach(self, vol: str) -> str:
-        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.vbs.instance("vm1"),
-                                                                  "device": "vdb"})
-        assert r.status_code == 200, r.text
-        wait_until(lambda: [a["state"] for a in self.vbs.volume(vol)["attachments"]] == ["attached"], 60,
-                   what=f"{vol} attached")
-        return self.guest.wait_for_disk(virtio_serial(vol), 30)
-
-    def detach(self, vol: str) -> None:
-        r = self.vbs.http.post(f"/v1/volumes/{vol}/detach", json={})
-        assert r.status_code == 200, r.text
-        self.vbs.wait_volume(vol, "available")
-        self.guest.wait_disk_gone(virtio_serial(vol), 30)
 
     def guest_block(self, dev: str, index: int) -> str:
         """sha256 (hex) of block ``index`` of ``dev`` as the guest reads it from the device."""

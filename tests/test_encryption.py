@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.conftest import VBS, Vbs, VbsUp, vbs_up_with_guest, wait_until
+from tests.conftest import VBS, GuestOfVbsUp, Vbs, VbsUp, vbs_up_with_guest
 from vbs.controller.auth.keys import MasterKey
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest
@@ -28,24 +28,10 @@ SEED = "vbs-plaintext-that-must-not-leak"
 FAST = {"Delay": 0.2, "MaxAttempts": 300}
 
 
-class Env:
+class Env(GuestOfVbsUp):
     def __init__(self, vbs: Vbs, up: VbsUp, guest: TestGuest) -> None:
         self.vbs, self.up, self.guest = vbs, up, guest
         self.ec2 = vbs.ec2()
-
-    def attach(self, vol: str) -> str:
-        r = self.vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": self.vbs.instance("vm1"),
-                                                                  "device": "vdb"})
-        assert r.status_code == 200, r.text
-        wait_until(lambda: [a["state"] for a in self.vbs.volume(vol)["attachments"]] == ["attached"], 60,
-                   what=f"{vol} attached")
-        return self.guest.wait_for_disk(virtio_serial(vol), 30)
-
-    def detach(self, vol: str) -> None:
-        r = self.vbs.http.post(f"/v1/volumes/{vol}/detach", json={})
-        assert r.status_code == 200, r.text
-        self.vbs.wait_volume(vol, "available")
-        self.guest.wait_disk_gone(virtio_serial(vol), 30)
 
     def pool_file(self, vol: str) -> Path:
         return self.vbs.pool / "volumes" / f"{vol}.raw"

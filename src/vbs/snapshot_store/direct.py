@@ -21,20 +21,12 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 
 from vbs.errors import InvalidParameter, SnapshotDataError
+from vbs.snapshot_store import format as fmt
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.blocks import block_count, block_ref
 from vbs.snapshot_store.contract import SnapshotStore
-from vbs.snapshot_store.format import (
-    BLOCK_SIZE,
-    Manifest,
-    UploadMarker,
-    check_tenant,
-    chunk_id,
-    chunk_key,
-    encode_chunk,
-    key_id,
-    marker_key,
-)
+from vbs.snapshot_store.format import BLOCK_SIZE, Manifest
+from vbs.snapshot_store.format import chunk_id as content_id
 from vbs.snapshot_store.manifests import save_manifest, save_marker
 from vbs.snapshot_store.restore import fetch_chunk
 
@@ -48,8 +40,8 @@ def put_block(store: SnapshotStore, tenant_key: bytes, data: bytes) -> str | Non
         raise InvalidParameter(f"a block is {BLOCK_SIZE} bytes, not {len(data)}")
     if data.count(0) == len(data):
         return None
-    cid = chunk_id(tenant_key, data)
-    store.put(chunk_key(cid), encode_chunk(data))
+    cid = content_id(tenant_key, data)
+    store.put(fmt.chunk_key(cid), fmt.encode_chunk(data))
     return cid
 
 
@@ -59,13 +51,13 @@ def complete_snapshot(store: SnapshotStore, *, snapshot_id: str, volume_id: str,
     """Write the manifest of ``snapshot_id``: ``parent``'s chunks (none without a parent), with each block
     of ``blocks`` (index to chunk id, None for zeros) over them. ``SnapshotDataError`` names a chunk the
     store lacks; nothing is written then."""
-    check_tenant(tenant)
+    fmt.check_tenant(tenant)
     count = block_count(volume_size)
     if parent is not None:
         if parent.chunk_size != BLOCK_SIZE:
             raise InvalidParameter(f"the parent snapshot {parent.snapshot_id} is stored in {parent.chunk_size}-byte "
                                    f"chunks, not {BLOCK_SIZE}-byte blocks: write the snapshot without a parent")
-        if parent.key_id != key_id(tenant_key) or parent.tenant != tenant:
+        if parent.key_id != fmt.key_id(tenant_key) or parent.tenant != tenant:
             raise InvalidParameter(f"the parent snapshot {parent.snapshot_id} is another tenant's")
     chunks = {i: c for i, c in (parent.chunks.items() if parent is not None else ()) if i < count}
     for index, cid in blocks.items():
@@ -78,19 +70,20 @@ def complete_snapshot(store: SnapshotStore, *, snapshot_id: str, volume_id: str,
     started = clock()
     runs_before = gc_runs.runs_seen(store)
     claims = frozenset(chunks.values())
-    save_marker(store, UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(started, UTC), claims))
+    save_marker(store, fmt.UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(started, UTC), claims))
     runs_after = gc_runs.runs_seen(store)
     if gc_runs.overlapped(runs_before, runs_after):
         gc_runs.wait_for_runs(store, runs_after, poll_s=gc_poll_s, clock=clock)
     for index, cid in sorted(chunks.items()):
-        if index in blocks and not store.has(chunk_key(cid)):
-            store.delete(marker_key(snapshot_id))
+        if index in blocks and not store.has(fmt.chunk_key(cid)):
+            store.delete(fmt.marker_key(snapshot_id))
             raise SnapshotDataError(f"block {index} of {snapshot_id} is no longer in the snapshot store "
                                     f"{store.describe()} (written too long ago: put it again)", snapshot_id=snapshot_id)
-    manifest = Manifest(snapshot_id, volume_id, tenant, volume_size, key_id(tenant_key), dict(sorted(chunks.items())),
-                        datetime.fromtimestamp(clock(), UTC), parent.snapshot_id if parent else None).check()
+    manifest = Manifest(snapshot_id, volume_id, tenant, volume_size, fmt.key_id(tenant_key),
+                        dict(sorted(chunks.items())), datetime.fromtimestamp(clock(), UTC),
+                        parent.snapshot_id if parent else None).check()
     save_manifest(store, manifest)
-    store.delete(marker_key(snapshot_id))
+    store.delete(fmt.marker_key(snapshot_id))
     return manifest
 
 

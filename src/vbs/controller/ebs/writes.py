@@ -33,10 +33,11 @@ from vbs.controller.ebs.errors import ConcurrentLimit, Conflict, Internal, NotFo
 from vbs.controller.ebs.tokens import sha256_b64
 from vbs.controller.fleet.nodes import is_alive, storage_info
 from vbs.controller.placement import quotas
+from vbs.controller.requests.snapshot_permissions import owned_snapshot
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows import stored
-from vbs.errors import SnapshotDataError, VbsError
+from vbs.errors import NotFound, SnapshotDataError, VbsError
 from vbs.snapshot_store.format import BLOCK_SIZE
 from vbs.wire.direct_blocks import DirectManifest
 
@@ -73,10 +74,13 @@ def lineage_of(s: Session, snap: Snapshot) -> str:
 
 
 def owned(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
-    snap = s.get(Snapshot, ids.check("snapshot", snapshot_id)) if ids.is_valid("snapshot", snapshot_id) else None
-    if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
+    """The tenant's snapshot, or ``ResourceNotFoundException`` (also for another tenant's)."""
+    if not ids.is_valid("snapshot", snapshot_id):
         raise NotFoundError(f"The snapshot '{snapshot_id[:64]}' does not exist.")
-    return snap
+    try:
+        return owned_snapshot(s, snapshot_id, tenant)
+    except NotFound as exc:
+        raise NotFoundError(exc.message) from None
 
 
 def _store_node(s: Session, svc: Controller, store: str | None) -> tuple[str, str, str]:

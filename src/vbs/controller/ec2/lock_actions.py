@@ -11,6 +11,7 @@ from vbs.controller.ec2.params import dry_run, snapshot_id_of
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import snapshot_locks as locks
 from vbs.controller.requests.snapshot_permissions import owner_id
+from vbs.controller.rest.schemas.locks import MAX_COOL_OFF_HOURS, MAX_DURATION_DAYS, LockOut
 from vbs.controller.runtime import Controller
 from vbs.errors import InvalidParameter
 
@@ -29,9 +30,9 @@ def _timestamp(value: str | None) -> datetime | None:
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
 
 
-def _lock(info: locks.LockInfo) -> dict[str, Any]:
+def _lock(info: LockOut) -> dict[str, Any]:
     return {
-        "ownerId": owner_id(info.tenant), "snapshotId": info.snapshot_id, "lockState": info.state,
+        "ownerId": owner_id(info.owner), "snapshotId": info.snapshot_id, "lockState": info.lock_state,
         "lockDuration": info.duration_days, "coolOffPeriod": info.cool_off_hours,
         "coolOffPeriodExpiresOn": info.cool_off_expires_at, "lockCreatedOn": info.created_at,
         "lockDurationStartTime": info.duration_start, "lockExpiresOn": info.expires_at,
@@ -41,8 +42,8 @@ def _lock(info: locks.LockInfo) -> dict[str, Any]:
 def lock_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_id = snapshot_id_of(p.str("SnapshotId", max_len=64))
     mode = p.str("LockMode", required=True, max_len=32) or ""
-    cool_off = p.int("CoolOffPeriod", min=1, max=locks.MAX_COOL_OFF_HOURS)
-    duration = p.int("LockDuration", min=1, max=locks.MAX_DURATION_DAYS)
+    cool_off = p.int("CoolOffPeriod", min=1, max=MAX_COOL_OFF_HOURS)
+    duration = p.int("LockDuration", min=1, max=MAX_DURATION_DAYS)
     expiration = _timestamp(p.str("ExpirationDate", max_len=40))
     dry_run(p)
     info = locks.lock_snapshot(svc, snap_id, who.tenant, mode=mode, cool_off_hours=cool_off, duration_days=duration,

@@ -11,6 +11,7 @@ from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import snapshot_tiers as tiers
 from vbs.controller.requests.filters import tags_of
 from vbs.controller.requests.snapshot_permissions import owner_id
+from vbs.controller.rest.schemas.tiers import MAX_RESTORE_DAYS
 from vbs.controller.runtime import Controller
 
 TIERS_PAGE = 1000
@@ -27,7 +28,7 @@ def modify_snapshot_tier(svc: Controller, p: QueryParams, who: Principal) -> dic
 
 def restore_snapshot_tier(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
     snap_id = snapshot_id_of(p.str("SnapshotId", max_len=64))
-    days = p.int("TemporaryRestoreDays", min=1, max=tiers.MAX_RESTORE_DAYS)
+    days = p.int("TemporaryRestoreDays", min=1, max=MAX_RESTORE_DAYS)
     permanent = p.bool("PermanentRestore")
     dry_run(p)
     started, days = tiers.restore_tier(svc, snap_id, who.tenant, days=days, permanent=permanent)
@@ -49,8 +50,8 @@ def describe_snapshot_tier_status(svc: Controller, p: QueryParams, who: Principa
     with svc.db.read() as s:
         tags = tags_of(s, [t.snapshot_id for t in page])
     return {"snapshotTierStatusSet": [{
-        "snapshotId": t.snapshot_id, "volumeId": t.volume_id, "status": t.status, "ownerId": owner_id(t.tenant),
-        "tagSet": tag_set(tags[t.snapshot_id]) if tags.get(t.snapshot_id) else None, "storageTier": t.tier,
+        "snapshotId": t.snapshot_id, "volumeId": t.volume_id, "status": t.status, "ownerId": owner_id(t.owner),
+        "tagSet": tag_set(tags[t.snapshot_id]) if tags.get(t.snapshot_id) else None, "storageTier": t.storage_tier,
         "lastTieringStartTime": t.last_started_at, "lastTieringProgress": t.last_progress,
         "lastTieringOperationStatus": t.last_status, "lastTieringOperationStatusDetail": t.last_detail,
         "archivalCompleteTime": t.archived_at, "restoreExpiryTime": t.restore_expires_at,

@@ -14,45 +14,27 @@ take turns on its row: whichever commits first, the other sees it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from vbs import ids
 from vbs.controller.db import Snapshot, SnapshotLock
-from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.requests.describe_snapshots import snapshot_not_found
+from vbs.controller.requests.snapshot_permissions import owned_snapshot
+from vbs.controller.rest.schemas.locks import MAX_COOL_OFF_HOURS, MAX_DURATION_DAYS, LockOut
 from vbs.controller.runtime import Controller
 from vbs.errors import IncorrectState, InvalidParameter, MissingParameter
 
-__all__ = ["LockInfo", "lock_snapshot", "unlock_snapshot", "describe_locks", "refuse_if_locked", "lock_state",
+__all__ = ["LockOut", "lock_snapshot", "unlock_snapshot", "describe_locks", "refuse_if_locked", "lock_state",
            "SnapshotLocked", "MAX_DURATION_DAYS", "MAX_COOL_OFF_HOURS"]
 
-MAX_DURATION_DAYS = 36500
-MAX_COOL_OFF_HOURS = 72
 GOVERNANCE, COMPLIANCE = "governance", "compliance"
 
 
 class SnapshotLocked(IncorrectState):
     code = "SnapshotLocked"
-
-
-@dataclass(frozen=True)
-class LockInfo:
-    snapshot_id: str
-    tenant: str
-    state: str
-    mode: str
-    created_at: datetime
-    duration_start: datetime
-    expires_at: datetime
-    duration_days: int | None
-    cool_off_hours: int | None
-    cool_off_expires_at: datetime | None
 
 
 def lock_state(lock: SnapshotLock, now: datetime) -> str:
@@ -65,22 +47,15 @@ def lock_state(lock: SnapshotLock, now: datetime) -> str:
     return GOVERNANCE
 
 
-def _info(lock: SnapshotLock, tenant: str, now: datetime) -> LockInfo:
-    return LockInfo(lock.snapshot_id, tenant, lock_state(lock, now), lock.mode, lock.created_at, lock.duration_start,
-                    lock.expires_at, lock.duration_days, lock.cool_off_hours, lock.cool_off_expires_at)
-
-
-def _snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
-    ids.check("snapshot", snapshot_id)
-    lock_rows(s, Snapshot, snapshot_id)
-    snap = s.get(Snapshot, snapshot_id)
-    if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
-        raise snapshot_not_found(snapshot_id)
-    return snap
+def _info(lock: SnapshotLock, tenant: str, now: datetime) -> LockOut:
+    return LockOut(snapshot_id=lock.snapshot_id, owner=tenant, lock_state=lock_state(lock, now), mode=lock.mode,
+                   created_at=lock.created_at, duration_start=lock.duration_start, expires_at=lock.expires_at,
+                   duration_days=lock.duration_days, cool_off_hours=lock.cool_off_hours,
+                   cool_off_expires_at=lock.cool_off_expires_at)
 
 
 def lock_snapshot(svc: Controller, snapshot_id: str, tenant: str, *, mode: str, cool_off_hours: int | None,
-                  duration_days: int | None, expiration: datetime | None) -> LockInfo:
+                  duration_days: int | None, expiration: datetime | None) -> LockOut:
     """Lock the snapshot, or change its lock as the lock's state allows."""
     if mode not in (GOVERNANCE, COMPLIANCE):
         raise InvalidParameter(f"Value ({mode[:32]}) for parameter LockMode is invalid. Expected: governance, "
@@ -101,7 +76,7 @@ def lock_snapshot(svc: Controller, snapshot_id: str, tenant: str, *, mode: str, 
     if duration_days is None and expires - now > timedelta(days=MAX_DURATION_DAYS):
         raise InvalidParameter(f"The ExpirationDate must be within {MAX_DURATION_DAYS} days.")
     with svc.db.session() as s:
-        _snapshot(s, snapshot_id, tenant)
+        owned_snapshot(s, snapshot_id, tenant, lock=True)
         lock = s.get(SnapshotLock, snapshot_id)
         if lock is not None and lock_state(lock, now) == COMPLIANCE:
             if mode != COMPLIANCE or cool_off_hours is not None:
@@ -126,7 +101,7 @@ def lock_snapshot(svc: Controller, snapshot_id: str, tenant: str, *, mode: str, 
 def unlock_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> str:
     now = utcnow()
     with svc.db.session() as s:
-        _snapshot(s, snapshot_id, tenant)
+        owned_snapshot(s, snapshot_id, tenant, lock=True)
         lock = s.get(SnapshotLock, snapshot_id)
         if lock is None or lock_state(lock, now) == "expired":
             raise IncorrectState(f"The snapshot '{snapshot_id}' is not locked.", code="SnapshotNotLocked")
@@ -138,7 +113,7 @@ def unlock_snapshot(svc: Controller, snapshot_id: str, tenant: str) -> str:
 
 
 def describe_locks(svc: Controller, tenant: str, snapshot_ids: list[str], states: list[str] | None
-                   ) -> list[LockInfo]:
+                   ) -> list[LockOut]:
     """The tenant's snapshot locks (those of ``snapshot_ids`` only, if given; of ``states`` only, if given),
     by snapshot id. Expired locks are shown until their snapshot is deleted."""
     now = utcnow()
@@ -148,7 +123,7 @@ def describe_locks(svc: Controller, tenant: str, snapshot_ids: list[str], states
         if snapshot_ids:
             q = q.where(SnapshotLock.snapshot_id.in_(snapshot_ids))
         found = [_info(lock, tenant, now) for lock in s.scalars(q.order_by(SnapshotLock.snapshot_id))]
-    return [f for f in found if states is None or f.state in states]
+    return [f for f in found if states is None or f.lock_state in states]
 
 
 def refuse_if_locked(s: Session, snapshot_id: str) -> None:

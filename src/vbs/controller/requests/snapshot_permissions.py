@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.controller.auth.keys import TENANT_RE
 from vbs.controller.db import Snapshot, SnapshotPermission
+from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import DEFAULT_TENANT
 from vbs.errors import InvalidParameter, NotFound
@@ -52,9 +53,12 @@ def usable(s: Session, snap: Snapshot, tenant: str) -> bool:
                                                              SnapshotPermission.grantee.in_([tenant, ALL]))) is not None
 
 
-def owned_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
-    """``snapshot_id`` if ``tenant`` owns it and it is not being deleted; NotFound otherwise."""
+def owned_snapshot(s: Session, snapshot_id: str, tenant: str, *, lock: bool = False) -> Snapshot:
+    """``snapshot_id`` if ``tenant`` owns it and it is not being deleted; NotFound otherwise. ``lock``: its
+    row is locked first (a change that must take turns with a delete of it)."""
     ids.check("snapshot", snapshot_id)
+    if lock:
+        lock_rows(s, Snapshot, snapshot_id)
     snap = s.get(Snapshot, snapshot_id)
     if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
         raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")

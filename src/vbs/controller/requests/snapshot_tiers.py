@@ -11,57 +11,31 @@ tier of snapshots (docs/snapshot-tiers.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from vbs import ids
 from vbs.controller.db import Snapshot, SnapshotTier
-from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
-from vbs.controller.requests.describe_snapshots import effective_tier, snapshot_not_found, tiers_of
+from vbs.controller.requests.describe_snapshots import effective_tier, tiers_of
+from vbs.controller.requests.snapshot_permissions import owned_snapshot
+from vbs.controller.rest.schemas.tiers import MAX_RESTORE_DAYS, TierOut
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows import stored
 from vbs.controller.workflows.archive_snapshot import ARCHIVE_SNAPSHOT
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, InvalidParameter
 
-__all__ = ["TierInfo", "modify_tier", "restore_tier", "describe_tiers", "refuse_if_archived",
+__all__ = ["TierOut", "modify_tier", "restore_tier", "describe_tiers", "refuse_if_archived",
            "expire_restores", "MAX_RESTORE_DAYS", "SnapshotArchived"]
 
-MAX_RESTORE_DAYS = 180
 STANDARD, ARCHIVE = "standard", "archive"
 
 
 class SnapshotArchived(IncorrectState):
     code = "IncorrectState"
-
-
-@dataclass(frozen=True)
-class TierInfo:
-    snapshot_id: str
-    volume_id: str
-    status: str
-    tenant: str
-    tier: str
-    last_status: str | None
-    last_started_at: datetime | None
-    last_progress: int | None
-    last_detail: str | None
-    archived_at: datetime | None
-    restore_expires_at: datetime | None
-
-
-def _owned(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
-    ids.check("snapshot", snapshot_id)
-    lock_rows(s, Snapshot, snapshot_id)
-    snap = s.get(Snapshot, snapshot_id)
-    if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
-        raise snapshot_not_found(snapshot_id)
-    return snap
 
 
 def modify_tier(svc: Controller, snapshot_id: str, tenant: str, tier: str) -> datetime:
@@ -70,7 +44,7 @@ def modify_tier(svc: Controller, snapshot_id: str, tenant: str, tier: str) -> da
         raise InvalidParameter(f"Value ({tier[:32]}) for parameter StorageTier is invalid. Expected: archive.")
     now = utcnow()
     with svc.db.session() as s:
-        snap = _owned(s, snapshot_id, tenant)
+        snap = owned_snapshot(s, snapshot_id, tenant, lock=True)
         if snap.status != SnapshotState.COMPLETED:
             raise IncorrectState(f"The snapshot '{snapshot_id}' is {snap.status}: only a completed snapshot is "
                                  "archived.")
@@ -100,7 +74,7 @@ def restore_tier(svc: Controller, snapshot_id: str, tenant: str, *, days: int | 
         raise InvalidParameter(f"TemporaryRestoreDays must be 1-{MAX_RESTORE_DAYS}, not {days}.")
     now = utcnow()
     with svc.db.session() as s:
-        _owned(s, snapshot_id, tenant)
+        owned_snapshot(s, snapshot_id, tenant, lock=True)
         row = s.get(SnapshotTier, snapshot_id)
         restored_for_now = row is not None and row.tier == STANDARD and row.restore_expires_at is not None
         if row is None or (row.tier != ARCHIVE and not restored_for_now):
@@ -115,7 +89,7 @@ def restore_tier(svc: Controller, snapshot_id: str, tenant: str, *, days: int | 
     return now, days
 
 
-def describe_tiers(svc: Controller, tenant: str, snapshot_ids: list[str] | None) -> list[TierInfo]:
+def describe_tiers(svc: Controller, tenant: str, snapshot_ids: list[str] | None) -> list[TierOut]:
     """The tier and last tiering operation of the tenant's snapshots, by snapshot id."""
     now = utcnow()
     with svc.db.read() as s:
@@ -128,10 +102,12 @@ def describe_tiers(svc: Controller, tenant: str, snapshot_ids: list[str] | None)
     out = []
     for snap in snaps:
         row = rows.get(snap.id)
-        out.append(TierInfo(snap.id, snap.volume_id, snap.status, tenant, effective_tier(row, now),
-                            row.last_status if row else None, row.last_started_at if row else None,
-                            row.last_progress if row else None, row.last_detail if row else None,
-                            row.archived_at if row else None, row.restore_expires_at if row else None))
+        out.append(TierOut(snapshot_id=snap.id, volume_id=snap.volume_id, status=snap.status, owner=tenant,
+                           storage_tier=effective_tier(row, now), last_status=row.last_status if row else None,
+                           last_started_at=row.last_started_at if row else None,
+                           last_progress=row.last_progress if row else None,
+                           last_detail=row.last_detail if row else None, archived_at=row.archived_at if row else None,
+                           restore_expires_at=row.restore_expires_at if row else None))
     return out
 
 

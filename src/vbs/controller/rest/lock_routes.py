@@ -15,9 +15,9 @@ def lock_routes(r: APIRouter) -> None:
     @r.put("/snapshots/{snapshot_id}/lock", response_model=LockOut, tags=["snapshots"])
     def lock_snapshot(snapshot_id: str, body: LockRequest, svc: Services, who: Caller) -> LockOut:
         """Lock the snapshot against deletion, or change its lock as its state allows."""
-        return LockOut.of(locks.lock_snapshot(svc, snapshot_id, who.tenant, mode=body.mode,
-                                              cool_off_hours=body.cool_off_hours, duration_days=body.duration_days,
-                                              expiration=body.expires_at))
+        return locks.lock_snapshot(svc, snapshot_id, who.tenant, mode=body.mode,
+                                   cool_off_hours=body.cool_off_hours, duration_days=body.duration_days,
+                                  expiration=body.expires_at)
 
     @r.delete("/snapshots/{snapshot_id}/lock", response_model=Unlocked, tags=["snapshots"])
     def unlock_snapshot(snapshot_id: str, svc: Services, who: Caller) -> Unlocked:
@@ -27,4 +27,4 @@ def lock_routes(r: APIRouter) -> None:
     def describe_locked_snapshots(svc: Services, who: Caller, snapshot_id: list[str] = queries.ids_query(),
                                   state: list[str] = Query(default_factory=list, max_length=4)) -> LockList:
         found = locks.describe_locks(svc, who.tenant, snapshot_id, state or None)
-        return LockList(locks=[LockOut.of(f) for f in found])
+        return LockList(locks=found)

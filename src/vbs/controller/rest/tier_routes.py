@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from vbs.controller.requests import snapshot_tiers as tiers
 from vbs.controller.rest import queries
 from vbs.controller.rest.queries import Caller, Services
-from vbs.controller.rest.schemas.tiers import TieringStarted, TierList, TierOut, TierRequest, TierRestoreRequest
+from vbs.controller.rest.schemas.tiers import TieringStarted, TierList, TierRequest, TierRestoreRequest
 
 
 def tier_routes(r: APIRouter) -> None:
@@ -27,4 +27,4 @@ def tier_routes(r: APIRouter) -> None:
 
     @r.get("/snapshot-tiers", response_model=TierList, tags=["snapshots"])
     def describe_snapshot_tiers(svc: Services, who: Caller, snapshot_id: list[str] = queries.ids_query()) -> TierList:
-        return TierList(tiers=[TierOut.of(t) for t in tiers.describe_tiers(svc, who.tenant, snapshot_id or None)])
+        return TierList(tiers=tiers.describe_tiers(svc, who.tenant, snapshot_id or None))

@@ -7,8 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from vbs.controller.requests.snapshot_locks import MAX_COOL_OFF_HOURS, MAX_DURATION_DAYS, LockInfo
 from vbs.controller.rest.schemas.common import _Request
+
+MAX_DURATION_DAYS = 36500
+MAX_COOL_OFF_HOURS = 72
 
 
 class LockRequest(_Request):
@@ -24,7 +26,8 @@ class LockRequest(_Request):
 
 class LockOut(BaseModel):
     snapshot_id: str
-    lock_state: str
+    owner: str  # the tenant that owns the snapshot
+    lock_state: str  # compliance-cooloff, governance, compliance or expired
     mode: str
     created_at: datetime
     duration_start: datetime
@@ -32,12 +35,6 @@ class LockOut(BaseModel):
     duration_days: int | None
     cool_off_hours: int | None
     cool_off_expires_at: datetime | None
-
-    @classmethod
-    def of(cls, info: LockInfo) -> LockOut:
-        return cls(snapshot_id=info.snapshot_id, lock_state=info.state, mode=info.mode, created_at=info.created_at,
-                   duration_start=info.duration_start, expires_at=info.expires_at, duration_days=info.duration_days,
-                   cool_off_hours=info.cool_off_hours, cool_off_expires_at=info.cool_off_expires_at)
 
 
 class LockList(BaseModel):

@@ -7,8 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from vbs.controller.requests.snapshot_tiers import MAX_RESTORE_DAYS, TierInfo
 from vbs.controller.rest.schemas.common import _Request
+
+MAX_RESTORE_DAYS = 180
 
 
 class TierRequest(_Request):
@@ -32,6 +33,7 @@ class TierOut(BaseModel):
     snapshot_id: str
     volume_id: str
     status: str
+    owner: str  # the tenant that owns the snapshot
     storage_tier: str
     last_status: str | None
     last_started_at: datetime | None
@@ -39,12 +41,6 @@ class TierOut(BaseModel):
     last_detail: str | None
     archived_at: datetime | None
     restore_expires_at: datetime | None
-
-    @classmethod
-    def of(cls, t: TierInfo) -> TierOut:
-        return cls(snapshot_id=t.snapshot_id, volume_id=t.volume_id, status=t.status, storage_tier=t.tier,
-                   last_status=t.last_status, last_started_at=t.last_started_at, last_progress=t.last_progress,
-                   last_detail=t.last_detail, archived_at=t.archived_at, restore_expires_at=t.restore_expires_at)
 
 
 class TierList(BaseModel):
