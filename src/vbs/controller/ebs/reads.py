@@ -110,11 +110,11 @@ def list_changed_blocks(svc: Controller, tenant: str, second_id: str, first_id: 
 
 def get_block(svc: Controller, tenant: str, snapshot_id: str, block_index: int, token: str) -> tuple[bytes, str]:
     """The block's bytes and their checksum (base64 SHA-256), if ``token`` is good for it."""
-    _tokens(svc)[0].check(token, snapshot_id, block_index, time.time())
+    key = store_key(svc.db, svc.master_key)  # opened once: it checks the token and reads the chunk
+    BlockTokens(key.get_secret_value()).check(token, snapshot_id, block_index, time.time())
     with svc.db.read() as s:
         snap = _readable(s, snapshot_id, tenant)
     if not 0 <= block_index < -(-snap.volume_size_gib * (1 << 30) // BLOCK_SIZE):
         raise Validation(f"Block {block_index} is past the end of the snapshot.", "INVALID_BLOCK")
-    data = stored.store_agent(svc, snap).read_block(snap.id, block_index, tenant,
-                                                    store_key(svc.db, svc.master_key))
+    data = stored.store_agent(svc, snap).read_block(snap.id, block_index, tenant, key)
     return data, sha256_b64(data)

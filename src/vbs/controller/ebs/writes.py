@@ -236,9 +236,10 @@ def complete_snapshot(svc: Controller, tenant: str, snapshot_id: str, *, changed
         return {DONE: "completed", FAILED: "error"}.get(direct.state, "pending")
     if checksum is not None and aggregation != "LINEAR":
         raise Validation(f"The checksum aggregation method must be LINEAR, not {str(aggregation)[:32]!r}.")
-    if not _set_state(svc, snap.id, OPEN, COMPLETING):
-        return complete_snapshot(svc, tenant, snapshot_id, changed_blocks=changed_blocks, checksum=None,
-                                 algorithm=None, aggregation=None)
+    if not _set_state(svc, snap.id, OPEN, COMPLETING):  # another CompleteSnapshot got there first
+        with svc.db.read() as s:
+            now_state = _pending(s, snapshot_id, tenant)[1].state
+        return {DONE: "completed", FAILED: "error"}.get(now_state, "pending")
     try:
         manifest = _checked_blocks(svc, snap.id, changed_blocks, checksum, algorithm, direct, tenant)
         listing = stored.store_agent(svc, snap).complete_direct(snap.id, manifest)
