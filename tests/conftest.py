@@ -303,12 +303,13 @@ class GuestOfVbsUp:
 
 
 @contextmanager
-def vbs_up_with_guest(tmp: Path, vm: str = "vm1", **machine: Any) -> Iterator[tuple[Vbs, VbsUp, Any]]:
-    """``vbs up`` in ``tmp/var`` and a booted test guest ``vm`` that its host agent finds (QEMU, TCG);
-    ``machine``: TestGuest's machine options (``machine="q35", root_ports=1``)."""
+def vbs_up_with_guest(tmp: Path, vm: str = "vm1", env: dict[str, str] | None = None,
+                      **machine: Any) -> Iterator[tuple[Vbs, VbsUp, Any]]:
+    """``vbs up`` in ``tmp/var`` (with ``env`` in its environment) and a booted test guest ``vm`` that its
+    host agent finds (QEMU, TCG); ``machine``: TestGuest's machine options (``machine="q35", root_ports=1``)."""
     from vbs.rigs.testguest import TestGuest, build_guest
 
-    up = VbsUp(tmp / "var", tmp / "up.log")
+    up = VbsUp(tmp / "var", tmp / "up.log", env=env)
     guest = TestGuest(vm, tmp / "guests", build_guest(), tmp / "var" / "vms", **machine)
     try:
         guest.start()  # boots while vbs up starts

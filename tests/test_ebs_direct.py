@@ -25,8 +25,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.conftest import GuestOfVbsUp, Vbs, VbsUp, wait_until
-from vbs.rigs.testguest import TestGuest, build_guest
+from tests.conftest import GuestOfVbsUp, Vbs, VbsUp, vbs_up_with_guest, wait_until
+from vbs.rigs.testguest import TestGuest
 
 BLOCK = 512 * 1024
 GIB = 1 << 30
@@ -72,17 +72,9 @@ def ebs_client(vbs: Vbs, key_id: str, secret: str) -> Any:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("ebs-direct")
-    up = VbsUp(tmp / "var", tmp / "up.log", env={"VBS_CONTROLLER_EBS_PENDING_SNAPSHOTS_MAX": "4"})
-    guest = TestGuest("vm1", tmp / "guests", build_guest(), tmp / "var" / "vms")
-    try:
-        guest.start()
-        vbs = up.start()
-        guest.wait_ready(120)
+    limits = {"VBS_CONTROLLER_EBS_PENDING_SNAPSHOTS_MAX": "4"}
+    with vbs_up_with_guest(tmp_path_factory.mktemp("ebs-direct"), env=limits) as (vbs, up, guest):
         yield Env(vbs, up, guest)
-    finally:
-        guest.stop()
-        up.stop()
 
 
 def put(ebs: Any, snap: str, index: int, data: bytes, **extra: Any) -> dict[str, Any]:
