@@ -52,7 +52,10 @@ pytestmark = [pytest.mark.integration,
 CLIENTS = 50
 RUN_SECONDS = 40.0
 MAX_REQUESTS = 6000
-QUIESCE_SECONDS = 90.0
+# The run leaves ~150 snapshots uploading to the store at once (each reads its point-in-time view through the
+# NBD daemon); on a loaded 2-core machine the last of them can take minutes. Waiting costs nothing when
+# they finish sooner; a stuck one is shown with its row and log lines (``unfinished``).
+QUIESCE_SECONDS = 240.0
 VOLUME_BUDGET = 20  # volumes ever made: each one force-detached from a bare VM leaves a PCI slot taken there
 GUEST = "guest1"
 VMS = {"bare1": "host-1", "bare2": "host-1", GUEST: "host-1", "bare3": "host-2"}  # vm -> host
@@ -116,6 +119,9 @@ class Row(tuple[Any, ...]):
 
     def __getitem__(self, key: Any) -> Any:
         return super().__getitem__(self.names[key] if isinstance(key, str) else key)
+
+    def keys(self) -> list[str]:
+        return sorted(self.names, key=self.names.__getitem__)
 
 
 class PostgresReader:
@@ -351,10 +357,21 @@ def _sampler(world: World, stop: threading.Event, seen: list[str], count: list[i
 
 
 def unfinished(world: World) -> list[str]:
+    """Each operation still running, with its resource's row and the last log lines (of every controller and
+    agent) that name it: what it waits for."""
+    logs = [world.up.log_path, world.tmp / "controller-2.log"]
+    text = [line for path in logs if path.exists() for line in path.read_text(errors="replace").splitlines()]
+    out: list[str] = []
     with closing(world.read_db()) as db:
-        return [f"{r['id']} {r['kind']} {r['resource_id']} {r['status']} attempts={r['attempts']}: {r['error']} "
-                f"{r['params']}"
-                for r in db.execute("SELECT * FROM operations WHERE status IN ('running', 'rolling-back')")]
+        ops = list(db.execute("SELECT * FROM operations WHERE status IN ('running', 'rolling-back')"))
+        for r in ops:
+            out.append(f"{r['id']} {r['kind']} {r['resource_id']} {r['status']} attempts={r['attempts']}: "
+                       f"{r['error']} {r['params']}")
+            table = "snapshots" if r["resource_id"].startswith("snap-") else "volumes"
+            row = db.execute(f"SELECT * FROM {table} WHERE id = ?", (r["resource_id"],)).fetchone()
+            out.append(f"    row: {dict(zip(row.keys(), row, strict=True)) if row is not None else None}")
+            out.extend(f"    {line}" for line in [x for x in text if r["resource_id"] in x][-6:])
+    return out
 
 
 def quiesced(world: World) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import boto3
 import httpx
 import pytest
-from botocore import UNSIGNED
+from botocore import UNSIGNED, xform_name
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
@@ -31,6 +31,7 @@ from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
 from tests.conftest import DATABASES, Vbs, VbsUp, database_flags, wait_until
+from vbs.controller.ec2.actions import HANDLERS
 from vbs.errors import VbsError
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest, build_guest
@@ -507,7 +508,24 @@ def test_dry_run_answers_dry_run_operation_and_changes_nothing(env: Ec2Env) -> N
         (ec2.describe_tags, {}),
         (ec2.describe_instances, {}),
         (ec2.describe_availability_zones, {}),
+        (ec2.describe_volume_status, {"VolumeIds": [vol]}),
+        (ec2.describe_volume_attribute, {"VolumeId": vol, "Attribute": "autoEnableIO"}),
+        (ec2.detach_volume, {"VolumeId": vol}),
+        (ec2.copy_snapshot, {"SourceSnapshotId": snap, "SourceRegion": REGION}),
+        (ec2.create_snapshots, {"InstanceSpecification": {"InstanceId": env.instance_id}}),
+        (ec2.describe_snapshot_attribute, {"SnapshotId": snap, "Attribute": "createVolumePermission"}),
+        (ec2.modify_snapshot_attribute, {"SnapshotId": snap, "Attribute": "createVolumePermission",
+                                         "OperationType": "add", "UserIds": ["123456789012"]}),
+        (ec2.reset_snapshot_attribute, {"SnapshotId": snap, "Attribute": "createVolumePermission"}),
+        (ec2.lock_snapshot, {"SnapshotId": snap, "LockMode": "governance", "LockDuration": 1}),
+        (ec2.unlock_snapshot, {"SnapshotId": snap}),
+        (ec2.describe_locked_snapshots, {}),
+        (ec2.modify_snapshot_tier, {"SnapshotId": snap, "StorageTier": "archive"}),
+        (ec2.restore_snapshot_tier, {"SnapshotId": snap, "PermanentRestore": True}),
+        (ec2.describe_snapshot_tier_status, {}),
     ]
+    # Every action VBS answers takes DryRun as EC2 does (botocore's model gives each of them the parameter).
+    assert {call.__name__ for call, _ in dry} == {xform_name(action) for action in HANDLERS}
     for call, params in dry:
         assert error(call, DryRun=True, **params) == (412, "DryRunOperation"), call.__name__
     after = env.volume(vol)
@@ -516,6 +534,10 @@ def test_dry_run_answers_dry_run_operation_and_changes_nothing(env: Ec2Env) -> N
     assert env.ids(Filters=flt(tag_dry="1")) == set()
     assert [s["SnapshotId"] for s in ec2.describe_snapshots(Filters=flt(volume_id=vol))["Snapshots"]] == [snap]
     assert ec2.describe_volumes_modifications(VolumeIds=[vol])["VolumesModifications"] == []
+    assert ec2.describe_locked_snapshots(SnapshotIds=[snap])["Snapshots"] == []
+    assert ec2.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]["StorageTier"] == "standard"
+    assert ec2.describe_snapshot_attribute(SnapshotId=snap, Attribute="createVolumePermission"
+                                           )["CreateVolumePermissions"] == []
 
 
 # -- DescribeVolumes filters and pagination --------------------------------------------------------------

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.integration
 HTTP_HEAD_LIMIT = 16 * 1024  # h11's max_incomplete_event_size, under uvicorn
 
 HEARTBEAT_TIMEOUT_S = 10
-FUZZ_EXAMPLES = 50  # per operation, generation mode and target
+FUZZ_EXAMPLES = 30  # per operation, generation mode and target (~4,000 requests over the REST operations)
 EC2_EXAMPLES = 300
 ALLOWED_5XX = {(503, "InsufficientVolumeCapacity")}
 ID_PATTERNS = {"volume_id": r"^vol-[0-9a-f]{17}$", "snapshot_id": r"^snap-[0-9a-f]{17}$",
