@@ -246,6 +246,19 @@ class VbsUp:
     def _died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
+    def child_pid(self, role: str) -> int | None:
+        """The PID of this vbs up's child ``role`` (controller, storage-agent, host-agent), if running."""
+        assert self.proc is not None
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == self.proc.pid and role.encode() in cmdline and fields[0] != "Z":
+                return int(stat.parent.name)
+        return None
+
     def stop(self) -> None:
         if self in RUNNING_UPS:
             RUNNING_UPS.remove(self)

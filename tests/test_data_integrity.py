@@ -115,17 +115,7 @@ class Cloud(TwoHostCloud):
     # -- processes -------------------------------------------------------------------------------
 
     def child_pid(self, role: str) -> int | None:
-        """The PID of vbs up's child ``role`` (controller, storage-agent, host-agent), if running."""
-        assert self.up.proc is not None
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == self.up.proc.pid and role.encode() in cmdline and fields[0] != "Z":
-                return int(stat.parent.name)
-        return None
+        return self.up.child_pid(role)
 
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])

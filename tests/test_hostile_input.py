@@ -105,16 +105,10 @@ class Service:
             raise AssertionError(f"{e}; still running: {self.running()}") from None
 
     def child_pid(self, role: str) -> int:
-        assert self.up.proc is not None
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == self.up.proc.pid and role.encode() in cmdline:
-                return int(stat.parent.name)
-        raise AssertionError(f"no {role} child of vbs up")
+        pid = self.up.child_pid(role)
+        if pid is None:
+            raise AssertionError(f"no {role} child of vbs up")
+        return pid
 
     def new_volume(self, **body: Any) -> str:
         vol = self.vbs.create_volume(**({"size_gib": 1} | body))["volume_id"]

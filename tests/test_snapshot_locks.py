@@ -1,10 +1,14 @@
 """Snapshot locks against a real ``vbs up``, driven by boto3's own EC2 client (LockSnapshot, UnlockSnapshot,
 DescribeLockedSnapshots), the REST routes and the CLI: a locked snapshot cannot be deleted by anyone, an
 admin key included; a compliance lock past its cooling-off period can be neither removed nor shortened,
-only extended; a lock outlives a restart of the controller; an expired lock no longer holds."""
+only extended; a lock outlives a restart of the controller, and holds on a second controller (PostgreSQL)
+while the first is frozen; an expired lock no longer holds."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,7 +18,8 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.conftest import Vbs, VbsUp
+from tests.conftest import VBS, Vbs, VbsUp, database_flags, stop_process, wait_until
+from vbs.net.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +159,49 @@ def test_the_cli_and_rest_lock_list_and_unlock(env: Env) -> None:
     assert vbs.cli("unlock-snapshot", snap)["snapshot_id"] == snap
     assert vbs.http.get("/v1/snapshot-locks", params={"snapshot_id": snap}).json()["locks"] == []
     vbs.cli("delete-snapshot", snap)
+
+
+def _healthy(vbs: Vbs) -> bool:
+    try:
+        return vbs.http.get("/health", timeout=5).status_code == 200
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
+def test_a_lock_holds_on_the_other_controller_while_the_first_is_frozen(tmp_path: Path,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """Two controllers on one PostgreSQL database: a compliance lock taken through one refuses a delete
+    through the other (an admin key) while the first is frozen (SIGSTOP): the lock is the database's,
+    not a controller's."""
+    flags = database_flags("postgresql", request)
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", extra=flags)
+    try:
+        a = up.start()
+        port = free_port()
+        with (tmp_path / "controller-b.log").open("ab") as log:
+            proc = subprocess.Popen([*VBS, "controller", "--port", str(port), "--data-dir", str(a.data_dir), *flags],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            b = Vbs(f"http://127.0.0.1:{port}", a.data_dir)
+            wait_until(lambda: _healthy(b) or proc.poll() is not None, 60, what="the second controller")
+            assert proc.poll() is None, (tmp_path / "controller-b.log").read_text()[-3000:]
+            snap = Env(up, a).snapshot()
+            a.ec2().lock_snapshot(SnapshotId=snap, LockMode="compliance", LockDuration=1)
+            frozen = up.child_pid("controller")
+            assert frozen is not None
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                with pytest.raises(ClientError) as exc:
+                    b.ec2().delete_snapshot(SnapshotId=snap)
+                assert code(exc) == "SnapshotLocked"
+                r = b.http.delete(f"/v1/snapshots/{snap}")
+                assert r.status_code == 409 and r.json()["error"]["code"] == "SnapshotLocked"
+                [shown] = b.ec2().describe_locked_snapshots(SnapshotIds=[snap])["Snapshots"]
+                assert shown["LockState"] == "compliance" and shown["LockDuration"] == 1
+                assert b.snapshot(snap)["status"] == "completed"
+            finally:
+                os.kill(frozen, signal.SIGCONT)
+        finally:
+            stop_process(proc)
+    finally:
+        up.stop()
