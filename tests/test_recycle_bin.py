@@ -288,3 +288,49 @@ def test_deletes_a_rule_matches_go_to_the_bin_come_back_or_are_freed_when_retent
     for snap_id in (again, kept_snap, locked_snap):
         ec2.delete_snapshot(SnapshotId=snap_id)  # no rule left: really deleted
     wait_until(lambda: not (manifests / kept_snap).exists(), timeout=120, what="the restored snapshot deleted")
+
+
+def test_the_cli_and_the_rest_routes_drive_the_same_rules_and_bin(vbs: Vbs) -> None:
+    rule = vbs.cli("create-rule", "--resource-type", "EBS_SNAPSHOT", "--retention-days", "300",
+                   "--resource-tag", "cli=yes", "--description", "from the CLI", "--tag", "owner=me")
+    assert rule["resource_tags"] == [{"key": "cli", "value": "yes"}] and rule["tags"] == {"owner": "me"}
+    vol_rule = vbs.cli("create-rule", "--resource-type", "EBS_VOLUME", "--retention-days", "300",
+                       "--resource-tag", "cli")  # the key, whatever its value
+    assert [r["rule_id"] for r in vbs.cli("list-rules", "--resource-type", "EBS_SNAPSHOT")["rules"]] == [
+        rule["rule_id"]]
+    assert vbs.cli("update-rule", rule["rule_id"], "--description", "changed")["description"] == "changed"
+    assert vbs.cli("get-rule", rule["rule_id"])["retention_days"] == 300
+    refused = vbs.cli("lock-rule", rule["rule_id"], "--unlock-delay-days", "7", check=False)
+    assert refused.returncode != 0 and "region-level" in refused.stderr
+    r = vbs.http.post("/v1/recycle-bin/rules", json={"resource_type": "EC2_IMAGE", "retention_days": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "ValidationException", r.text
+    r = vbs.http.post("/v1/recycle-bin/rules", json={"resource_type": "EBS_VOLUME", "retention_days": 0})
+    assert r.status_code in (400, 422), r.text
+    assert vbs.http.get("/v1/recycle-bin/rules/zzzzzzzzzzz").status_code == 404
+
+    vol = vbs.create_volume(size_gib=1, tags={"cli": "anything"})["volume_id"]
+    vbs.wait_volume(vol, "available")
+    snap = _snapshot(vbs, vol, {"cli": "yes"})
+    vbs.cli("delete-snapshot", snap)
+    vbs.cli("delete-volume", vol)
+    assert [s["snapshot_id"] for s in vbs.cli("list-snapshots-in-recycle-bin")["snapshots"]] == [snap]
+    [in_bin] = vbs.cli("list-volumes-in-recycle-bin", vol)["volumes"]
+    assert in_bin["volume_id"] == vol and in_bin["size_gib"] == 1
+    assert vbs.http.get(f"/v1/volumes/{vol}").status_code == 404
+    assert vbs.cli("restore-snapshot-from-recycle-bin", snap) == {"resource_id": snap, "status": "completed"}
+    assert vbs.cli("restore-volume-from-recycle-bin", vol)["status"] == "available"
+    assert vbs.snapshot(snap)["status"] == "completed" and vbs.volume(vol)["tags"] == {"cli": "anything"}
+    r = vbs.http.post(f"/v1/recycle-bin/volumes/{vol}/restore")
+    assert r.status_code == 404, r.text  # not in the bin any more
+
+    # A locked rule through the CLI: refused deletion until its unlock delay has passed.
+    locked = vbs.cli("create-rule", "--resource-type", "EBS_SNAPSHOT", "--retention-days", "1", "--exclude-tag",
+                     "cli=no", "--lock-unlock-delay-days", "7")
+    assert locked["lock_state"] == "locked"
+    assert vbs.cli("delete-rule", locked["rule_id"], check=False).returncode != 0
+    assert vbs.cli("unlock-rule", locked["rule_id"])["lock_state"] == "pending_unlock"
+    wait_until(lambda: vbs.cli("get-rule", locked["rule_id"])["lock_state"] == "unlocked",
+               timeout=7 * DAY_S + 60, interval=1, what="the unlock delay's end")
+    for rule_id in (locked["rule_id"], rule["rule_id"], vol_rule["rule_id"]):
+        vbs.cli("delete-rule", rule_id)
+    assert vbs.cli("list-rules", "--resource-type", "EBS_SNAPSHOT")["rules"] == []
