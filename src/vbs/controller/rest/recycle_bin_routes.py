@@ -82,7 +82,7 @@ def recycle_bin_routes(r: APIRouter) -> None:
 
     @r.get("/recycle-bin/volumes", response_model=BinVolumeList, tags=["recycle-bin"])
     def list_volumes(svc: Services, who: Caller, volume_id: list[str] = queries.ids_query(),
-                     max_results: int | None = Query(None, ge=5, le=500),
+                     max_results: int | None = Query(None, ge=5, le=1000),
                      next_token: str | None = queries.next_token_query()) -> BinVolumeList:
         found, token = bin_req.list_volumes(svc, who.tenant, volume_id, max_results, next_token)
         return BinVolumeList(volumes=found, next_token=token)
