@@ -196,8 +196,8 @@ def install(app: FastAPI, auth: Authenticator) -> None:
     @route("/tags/{resourceArn:path}", "DELETE", 204)
     def untag(request: Request, svc: Controller, who: Principal, body: bytes) -> Response:
         keys = request.query_params.getlist("tagKeys")
-        if len(keys) > MAX_RULE_TAGS:
-            raise RuleInvalid(f"At most {MAX_RULE_TAGS} tag keys.")
+        if len(keys) > MAX_RULE_TAGS or not all(1 <= len(k) <= 128 for k in keys):
+            raise RuleInvalid(f"At most {MAX_RULE_TAGS} tag keys, each 1-128 characters.")
         rules.untag_rule(svc, who.tenant, _arn(request), keys)
         return Response(status_code=204)
 

@@ -1,0 +1,100 @@
+"""Recycle Bin rules without a service (vbs.controller.requests.recycle_bin_rules, docs/recycle-bin.md): which
+rule keeps a delete and for how long (any of a rule's resource tags, a key alone matching any value; a
+region-level rule but for its exclusions; the longest retention wins), a lock's states, and the refusals
+that change nothing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.conftest import UNIT_DATABASES, fresh_database
+from vbs.controller.db import Database, RecycleBinRule
+from vbs.controller.db.tables import utcnow
+from vbs.controller.rbin.errors import RuleConflict, RuleInvalid, RuleNotFound
+from vbs.controller.requests import recycle_bin_rules as rules
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=UNIT_DATABASES)
+def svc(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    db = fresh_database(request.param, request, tmp_path)
+    return SimpleNamespace(db=db, cfg=SimpleNamespace(region="us-east-1", recycle_bin_day_s=86400))
+
+
+def kept(db: Database, tenant: str, kind: str, tags: dict[str, str]) -> int | None:
+    with db.read() as s:
+        return rules.retention_for(s, tenant, kind, tags)
+
+
+def test_the_longest_retention_of_the_rules_that_match_keeps_a_delete(svc: Any) -> None:
+    snap = "EBS_SNAPSHOT"
+    rules.create_rule(svc, "acme", rules.RuleSpec(snap, 5, resource_tags=[("team", "db")]))
+    rules.create_rule(svc, "acme", rules.RuleSpec(snap, 9, resource_tags=[("legal", None), ("x", "y")]))
+    rules.create_rule(svc, "acme", rules.RuleSpec(snap, 3, exclude_tags=[("scratch", "yes")]))
+    assert kept(svc.db, "acme", snap, {"team": "db"}) == 5  # its tag rule beats the region-level rule
+    assert kept(svc.db, "acme", snap, {"legal": "anything", "team": "db"}) == 9  # a key alone: any value
+    assert kept(svc.db, "acme", snap, {"team": "web"}) == 3  # the region-level rule
+    assert kept(svc.db, "acme", snap, {"scratch": "yes"}) is None  # excluded, and no tag rule
+    assert kept(svc.db, "acme", snap, {"scratch": "no"}) == 3
+    assert kept(svc.db, "acme", "EBS_VOLUME", {"team": "db"}) is None  # rules are per resource type
+    assert kept(svc.db, "other", snap, {"team": "db"}) is None  # and per tenant
+
+
+def test_refusals_change_nothing(svc: Any) -> None:
+    for spec in (rules.RuleSpec("EC2_IMAGE", 1), rules.RuleSpec("EBS_THING", 1),
+                 rules.RuleSpec("EBS_VOLUME", 1, resource_tags=[("a", None)], exclude_tags=[("b", None)]),
+                 rules.RuleSpec("EBS_VOLUME", 1, resource_tags=[("a", None)], unlock_delay_days=7),
+                 rules.RuleSpec("EBS_VOLUME", 1, description="two\nlines"),
+                 rules.RuleSpec("EBS_VOLUME", 1, tags={"aws:x": "y"}),
+                 rules.RuleSpec("EBS_VOLUME", 1, tags={"bad<": "y"})):
+        with pytest.raises(RuleInvalid):
+            rules.create_rule(svc, "acme", spec)
+    with svc.db.read() as s:
+        assert s.query(RecycleBinRule).count() == 0
+    with pytest.raises(RuleInvalid):
+        rules.get_rule(svc, "acme", "short")
+    with pytest.raises(RuleNotFound):
+        rules.get_rule(svc, "acme", "A" * 11)
+    with pytest.raises(RuleInvalid):
+        rules.tag_rule(svc, "acme", "arn:aws:ec2:us-east-1:1:volume/x", {"a": "b"})
+
+
+def test_a_locked_rule_waits_out_its_unlock_delay(svc: Any) -> None:
+    made = rules.create_rule(svc, "acme", rules.RuleSpec("EBS_VOLUME", 4, unlock_delay_days=7))
+    assert made.lock_state == "locked" and made.unlock_delay_days == 7
+    with pytest.raises(RuleConflict):
+        rules.update_rule(svc, "acme", made.rule_id, rules.RuleChange(retention_days=1))
+    with pytest.raises(RuleConflict):
+        rules.update_rule(svc, "acme", made.rule_id, rules.RuleChange(exclude_tags=[("a", None)]))
+    assert rules.update_rule(svc, "acme", made.rule_id, rules.RuleChange(description="d")).description == "d"
+    unlocking = rules.unlock_rule(svc, "acme", made.rule_id)
+    assert unlocking.lock_state == "pending_unlock" and unlocking.lock_end_time is not None
+    assert unlocking.lock_end_time - utcnow() > timedelta(days=6)
+    with pytest.raises(RuleConflict):
+        rules.delete_rule(svc, "acme", made.rule_id)
+    with svc.db.session() as s:  # the delay ends
+        s.get(RecycleBinRule, made.rule_id).lock_end_at = utcnow() - timedelta(seconds=1)  # type: ignore[union-attr]
+    assert rules.get_rule(svc, "acme", made.rule_id).lock_state == "unlocked"
+    assert rules.list_rules(svc, "acme", "EBS_VOLUME", in_lock_state="unlocked")[0][0].rule_id == made.rule_id
+    rules.delete_rule(svc, "acme", made.rule_id)
+    assert rules.list_rules(svc, "acme", "EBS_VOLUME") == ([], None)
+
+
+def test_rules_are_listed_a_page_at_a_time(svc: Any) -> None:
+    made = sorted(rules.create_rule(svc, "acme", rules.RuleSpec("EBS_SNAPSHOT", 1)).rule_id for _ in range(5))
+    seen: list[str] = []
+    token = None
+    while True:
+        page, token = rules.list_rules(svc, "acme", "EBS_SNAPSHOT", max_results=2, next_token=token)
+        seen += [r.rule_id for r in page]
+        if token is None:
+            break
+    assert seen == made
+    with pytest.raises(RuleInvalid):
+        rules.list_rules(svc, "acme", "EBS_SNAPSHOT", next_token="../etc")
