@@ -300,6 +300,8 @@ def test_the_cli_and_the_rest_routes_drive_the_same_rules_and_bin(vbs: Vbs) -> N
         rule["rule_id"]]
     assert vbs.cli("update-rule", rule["rule_id"], "--description", "changed")["description"] == "changed"
     assert vbs.cli("get-rule", rule["rule_id"])["retention_days"] == 300
+    assert vbs.cli("tag-rule", rule["rule_id"], "--tag", "cost=1") == {"tags": {"owner": "me", "cost": "1"}}
+    assert vbs.cli("untag-rule", rule["rule_id"], "--key", "owner") == {"tags": {"cost": "1"}}
     refused = vbs.cli("lock-rule", rule["rule_id"], "--unlock-delay-days", "7", check=False)
     assert refused.returncode != 0 and "region-level" in refused.stderr
     r = vbs.http.post("/v1/recycle-bin/rules", json={"resource_type": "EC2_IMAGE", "retention_days": 1})

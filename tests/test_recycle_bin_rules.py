@@ -62,7 +62,10 @@ def test_refusals_change_nothing(svc: Any) -> None:
     with pytest.raises(RuleNotFound):
         rules.get_rule(svc, "acme", "A" * 11)
     with pytest.raises(RuleInvalid):
-        rules.tag_rule(svc, "acme", "arn:aws:ec2:us-east-1:1:volume/x", {"a": "b"})
+        rules.rule_of_arn(svc, "acme", "arn:aws:ec2:us-east-1:1:volume/x")
+    with pytest.raises(RuleNotFound):  # another account's, or another region's: not this tenant's
+        rules.rule_of_arn(svc, "acme", "arn:aws:rbin:us-east-1:000000000000:rule/" + "A" * 11)
+    assert rules.rule_of_arn(svc, "acme", "arn:aws:rbin:us-east-1:acme:rule/" + "A" * 11) == "A" * 11
 
 
 def test_a_locked_rule_waits_out_its_unlock_delay(svc: Any) -> None:

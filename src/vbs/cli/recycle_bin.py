@@ -125,6 +125,23 @@ def delete_rule(ctx: typer.Context, rule_id: str) -> None:
     output.emit({"rule_id": rule_id, "deleted": True}, c.fmt)
 
 
+@commands.command("tag-rule")
+def tag_rule(ctx: typer.Context, rule_id: str,
+             tag: Annotated[list[str], typer.Option(help="KEY=VALUE, repeatable.")]) -> None:
+    """Add or overwrite tags of a rule itself (not the tags it matches)."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("POST", f"/v1/recycle-bin/rules/{rule_id}/tags", {"tags": tags(tag)}), c.fmt)
+
+
+@commands.command("untag-rule")
+def untag_rule(ctx: typer.Context, rule_id: str,
+               key: Annotated[list[str], typer.Option(help="A tag key to remove, repeatable.")]) -> None:
+    """Remove tags of a rule itself."""
+    c: Context = ctx.obj
+    output.emit(c.client.call("DELETE", f"/v1/recycle-bin/rules/{rule_id}/tags", params=[("key", k) for k in key]),
+                c.fmt)
+
+
 @commands.command("lock-rule")
 def lock_rule(ctx: typer.Context, rule_id: str,
               unlock_delay_days: Annotated[int, typer.Option("--unlock-delay-days", help="7-30.")]) -> None:

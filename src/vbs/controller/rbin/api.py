@@ -130,8 +130,8 @@ def rule_answer(rule: RuleOut, *, summary: bool = False) -> dict[str, Any]:
     return out
 
 
-def _arn(request: Request) -> str:
-    return str(request.path_params["resourceArn"])
+def _rule_id(request: Request, svc: Controller, who: Principal) -> str:
+    return rules.rule_of_arn(svc, who.tenant, str(request.path_params["resourceArn"]))
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
@@ -190,7 +190,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
     @route("/tags/{resourceArn:path}", "POST", 201)
     def tag(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
         req = parse_body(_TagResource, body, RuleInvalid)
-        rules.tag_rule(svc, who.tenant, _arn(request), {t.Key: t.Value for t in req.Tags})
+        rules.tag_rule(svc, who.tenant, _rule_id(request, svc, who), {t.Key: t.Value for t in req.Tags})
         return {}
 
     @route("/tags/{resourceArn:path}", "DELETE", 204)
@@ -198,10 +198,10 @@ def install(app: FastAPI, auth: Authenticator) -> None:
         keys = request.query_params.getlist("tagKeys")
         if len(keys) > MAX_RULE_TAGS or not all(1 <= len(k) <= 128 for k in keys):
             raise RuleInvalid(f"At most {MAX_RULE_TAGS} tag keys, each 1-128 characters.")
-        rules.untag_rule(svc, who.tenant, _arn(request), keys)
+        rules.untag_rule(svc, who.tenant, _rule_id(request, svc, who), keys)
         return Response(status_code=204)
 
     @route("/tags/{resourceArn:path}", "GET", 200)
     def list_tags(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
-        found = rules.rule_tags(svc, who.tenant, _arn(request))
+        found = rules.rule_tags(svc, who.tenant, _rule_id(request, svc, who))
         return {"Tags": [{"Key": k, "Value": v} for k, v in sorted(found.items())]}

@@ -31,7 +31,8 @@ from vbs.controller.rest.schemas.recycle_bin import ResourceTag, RuleOut
 from vbs.controller.runtime import Controller
 
 __all__ = ["RuleSpec", "RuleChange", "RESOURCE_TYPES", "create_rule", "get_rule", "list_rules", "update_rule",
-           "delete_rule", "lock_rule", "unlock_rule", "tag_rule", "untag_rule", "rule_tags", "retention_for",
+           "delete_rule", "lock_rule", "unlock_rule", "tag_rule", "untag_rule", "rule_tags", "rule_of_arn",
+           "retention_for",
            "check_resource_type", "MAX_RULES"]
 
 RESOURCE_TYPES = ("EBS_SNAPSHOT", "EBS_VOLUME")
@@ -256,7 +257,8 @@ def unlock_rule(svc: Controller, tenant: str, rule_id: str) -> RuleOut:
         return _out(svc, rule, now)
 
 
-def _rule_of_arn(svc: Controller, tenant: str, arn: str) -> str:
+def rule_of_arn(svc: Controller, tenant: str, arn: str) -> str:
+    """The identifier of the tenant's rule ``arn`` names (TagResource and its kin name rules by ARN)."""
     m = _ARN_RE.fullmatch(arn)
     if m is None:
         raise RuleInvalid(f"{arn[:128]!r} is not a retention rule's ARN (arn:aws:rbin:REGION:ACCOUNT:rule/ID).")
@@ -266,24 +268,28 @@ def _rule_of_arn(svc: Controller, tenant: str, arn: str) -> str:
     return rule_id
 
 
-def tag_rule(svc: Controller, tenant: str, arn: str, tags: dict[str, str]) -> None:
+def tag_rule(svc: Controller, tenant: str, rule_id: str, tags: dict[str, str]) -> dict[str, str]:
+    """Add or overwrite the rule's own tags; its tags now."""
     with svc.db.session() as s:
-        rule = _rule(s, _rule_of_arn(svc, tenant, arn), tenant)
+        rule = _rule(s, rule_id, tenant)
         merged = {**rule.tags, **_check_rule_tags(tags)}
         if len(merged) > 200:
             raise RuleQuotaExceeded("A rule has at most 200 tags.")
         rule.tags, rule.updated_at = merged, utcnow()
+        return dict(merged)
 
 
-def untag_rule(svc: Controller, tenant: str, arn: str, keys: list[str]) -> None:
+def untag_rule(svc: Controller, tenant: str, rule_id: str, keys: list[str]) -> dict[str, str]:
+    """Remove these keys from the rule's own tags; its tags now."""
     with svc.db.session() as s:
-        rule = _rule(s, _rule_of_arn(svc, tenant, arn), tenant)
+        rule = _rule(s, rule_id, tenant)
         rule.tags, rule.updated_at = {k: v for k, v in rule.tags.items() if k not in set(keys)}, utcnow()
+        return dict(rule.tags)
 
 
-def rule_tags(svc: Controller, tenant: str, arn: str) -> dict[str, str]:
+def rule_tags(svc: Controller, tenant: str, rule_id: str) -> dict[str, str]:
     with svc.db.read() as s:
-        return dict(_rule(s, _rule_of_arn(svc, tenant, arn), tenant, lock=False).tags)
+        return dict(_rule(s, rule_id, tenant, lock=False).tags)
 
 
 def _matches(tags: list[Any], resource: dict[str, str]) -> bool:

@@ -10,6 +10,7 @@ from vbs.controller.requests import recycle_bin_rules as rules
 from vbs.controller.rest import queries
 from vbs.controller.rest.queries import Caller, Services
 from vbs.controller.rest.schemas.recycle_bin import (
+    MAX_RULE_TAGS,
     BinSnapshotList,
     BinVolumeList,
     ResourceTag,
@@ -18,8 +19,10 @@ from vbs.controller.rest.schemas.recycle_bin import (
     RuleLock,
     RuleOut,
     RuleRequest,
+    RuleTags,
     RuleUpdate,
 )
+from vbs.errors import InvalidParameter
 
 
 def _tags(found: list[ResourceTag] | None) -> rules.Tags | None:
@@ -67,6 +70,19 @@ def recycle_bin_routes(r: APIRouter) -> None:
     def unlock_rule(rule_id: str, svc: Services, who: Caller) -> RuleOut:
         """Start the rule's unlock delay: it is unlocked when the delay ends."""
         return rules.unlock_rule(svc, who.tenant, rule_id)
+
+    @r.post("/recycle-bin/rules/{rule_id}/tags", response_model=RuleTags, tags=["recycle-bin"])
+    def tag_rule(rule_id: str, body: RuleTags, svc: Services, who: Caller) -> RuleTags:
+        """Add or overwrite the rule's own tags (rbin's TagResource)."""
+        return RuleTags(tags=rules.tag_rule(svc, who.tenant, rule_id, body.tags))
+
+    @r.delete("/recycle-bin/rules/{rule_id}/tags", response_model=RuleTags, tags=["recycle-bin"])
+    def untag_rule(rule_id: str, svc: Services, who: Caller,
+                   key: list[str] = Query(default_factory=list, max_length=MAX_RULE_TAGS)) -> RuleTags:
+        """Remove these keys from the rule's own tags (rbin's UntagResource)."""
+        if not all(1 <= len(k) <= 128 for k in key):
+            raise InvalidParameter("A tag key is 1-128 characters.")
+        return RuleTags(tags=rules.untag_rule(svc, who.tenant, rule_id, key))
 
     @r.get("/recycle-bin/snapshots", response_model=BinSnapshotList, tags=["recycle-bin"])
     def list_snapshots(svc: Services, who: Caller, snapshot_id: list[str] = queries.ids_query(),

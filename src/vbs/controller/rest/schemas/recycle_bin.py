@@ -48,6 +48,12 @@ class RuleLock(_Request):
     unlock_delay_days: int = Field(ge=MIN_UNLOCK_DELAY_DAYS, le=MAX_UNLOCK_DELAY_DAYS)
 
 
+class RuleTags(_Request):
+    """A rule's own tags (given: to add or overwrite)."""
+
+    tags: dict[str, str] = Field(max_length=MAX_RULE_TAGS)
+
+
 class RuleOut(BaseModel):
     rule_id: str
     rule_arn: str
