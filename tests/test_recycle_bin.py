@@ -19,6 +19,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from tests.conftest import Vbs, VbsUp, wait_until
+from vbs.snapshot_store import DirStore
+from vbs.snapshot_store.manifests import find_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -207,6 +209,10 @@ def test_deletes_a_rule_matches_go_to_the_bin_come_back_or_are_freed_when_retent
     assert error(exc)[0] == "DryRunOperation"
     for snap in (kept_snap, gone_snap, plain_snap):
         ec2.delete_snapshot(SnapshotId=snap)
+    # A snapshot in the bin stays the parent the next upload of its volume is incremental against.
+    child = _snapshot(vbs, kept_vol, {})
+    manifest = find_manifest(DirStore(vbs.data_dir / "snapshots"), child)
+    assert manifest is not None and manifest.parent_snapshot_id == kept_snap
     r = vbs.http.delete(f"/v1/volumes/{kept_vol}")  # REST and EC2 alike
     assert r.status_code == 200 and r.json()["status"] == "recoverable", r.text
     ec2.delete_volume(VolumeId=gone_vol)
@@ -285,7 +291,7 @@ def test_deletes_a_rule_matches_go_to_the_bin_come_back_or_are_freed_when_retent
     assert vbs.http.get(f"/v1/snapshots/{gone_snap}").status_code == 404
     for rule in made:
         rbin.delete_rule(Identifier=rule["Identifier"])
-    for snap_id in (again, kept_snap, locked_snap):
+    for snap_id in (again, child, kept_snap, locked_snap):
         ec2.delete_snapshot(SnapshotId=snap_id)  # no rule left: really deleted
     wait_until(lambda: not (manifests / kept_snap).exists(), timeout=120, what="the restored snapshot deleted")
 

@@ -1,10 +1,12 @@
-"""Recycle Bin rules without a service (vbs.controller.requests.recycle_bin_rules, docs/recycle-bin.md): which
-rule keeps a delete and for how long (any of a rule's resource tags, a key alone matching any value; a
-region-level rule but for its exclusions; the longest retention wins), a lock's states, and the refusals
-that change nothing."""
+"""The Recycle Bin without a service (vbs.controller.requests.recycle_bin_rules and .recycle_bin,
+docs/recycle-bin.md): which rule keeps a delete and for how long (any of a rule's resource tags, a key alone
+matching any value; a region-level rule but for its exclusions; the longest retention wins), a lock's
+states, the refusals that change nothing, and the end of a retention, which starts a delete once however
+often (and by however many controllers) it is looked for."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,10 +15,13 @@ from typing import Any
 import pytest
 
 from tests.conftest import UNIT_DATABASES, fresh_database
-from vbs.controller.db import Database, RecycleBinRule
+from vbs import ids
+from vbs.controller.db import Database, RecycleBinEntry, RecycleBinRule, Snapshot
 from vbs.controller.db.tables import utcnow
 from vbs.controller.rbin.errors import RuleConflict, RuleInvalid, RuleNotFound
+from vbs.controller.requests import recycle_bin as bin_req
 from vbs.controller.requests import recycle_bin_rules as rules
+from vbs.errors import NotFound
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +29,26 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(params=UNIT_DATABASES)
 def svc(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     db = fresh_database(request.param, request, tmp_path)
-    return SimpleNamespace(db=db, cfg=SimpleNamespace(region="us-east-1", recycle_bin_day_s=86400))
+    return SimpleNamespace(db=db, cfg=SimpleNamespace(region="us-east-1", recycle_bin_day_s=86400),
+                           engine=Engine())
+
+
+class Engine:
+    """What the bin asks of the workflow engine: operations begun (in the caller's transaction) and run."""
+
+    def __init__(self) -> None:
+        self.begun: list[tuple[str, str]] = []
+        self.submitted: list[str] = []
+        self._lock = threading.Lock()
+
+    def begin(self, session: Any, workflow: Any, resource_id: str, params: Any) -> str:
+        with self._lock:
+            self.begun.append((workflow.kind, resource_id))
+            return f"op-{len(self.begun)}"
+
+    def submit(self, op_id: str) -> None:
+        with self._lock:
+            self.submitted.append(op_id)
 
 
 def kept(db: Database, tenant: str, kind: str, tags: dict[str, str]) -> int | None:
@@ -101,3 +125,37 @@ def test_rules_are_listed_a_page_at_a_time(svc: Any) -> None:
     assert seen == made
     with pytest.raises(RuleInvalid):
         rules.list_rules(svc, "acme", "EBS_SNAPSHOT", next_token="../etc")
+
+
+def in_bin(db: Database, *, ends_in: timedelta) -> str:
+    """A snapshot in the bin whose retention ends ``ends_in`` from now."""
+    sid, now = ids.new_id("snapshot"), utcnow()
+    with db.session() as s:
+        s.add(Snapshot(id=sid, volume_id=ids.new_id("volume"), volume_size_gib=1, comment="", storage_node="n",
+                       pool="p", status="recoverable", progress=100, started_at=now, updated_at=now, tenant="acme"))
+        s.add(RecycleBinEntry(resource_id=sid, resource_type=bin_req.SNAPSHOT, tenant="acme", former_status="completed",
+                              entered_at=now, exits_at=now + ends_in))
+    return sid
+
+
+def test_a_retention_end_starts_one_delete_however_many_look_for_it(svc: Any) -> None:
+    due, kept = in_bin(svc.db, ends_in=-timedelta(seconds=1)), in_bin(svc.db, ends_in=timedelta(days=1))
+    with pytest.raises(NotFound):  # past its end: gone for its user before any housekeeping ran
+        bin_req.restore(svc, "acme", bin_req.SNAPSHOT, due)
+    assert [s.snapshot_id for s in bin_req.list_snapshots(svc, "acme", [])[0]] == [kept]
+    started: list[int] = []
+    passes = [threading.Thread(target=lambda: started.append(bin_req.expire(svc))) for _ in range(4)]
+    for p in passes:
+        p.start()
+    for p in passes:
+        p.join()
+    assert sorted(started) == [0, 0, 0, 1] and svc.engine.begun == [("delete-snapshot", due)]
+    assert bin_req.expire(svc) == 0
+    with svc.db.read() as s:
+        assert s.get(Snapshot, due).status == "deleting"  # type: ignore[union-attr]
+        assert s.get(RecycleBinEntry, due) is None and s.get(RecycleBinEntry, kept) is not None
+    assert bin_req.restore(svc, "acme", bin_req.SNAPSHOT, kept) == "completed"
+    with pytest.raises(NotFound):  # another tenant's bin, or out of it already
+        bin_req.restore(svc, "acme", bin_req.SNAPSHOT, kept)
+    with svc.db.read() as s:
+        assert s.get(Snapshot, kept).status == "completed"  # type: ignore[union-attr]
