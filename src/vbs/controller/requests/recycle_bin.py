@@ -26,7 +26,7 @@ from vbs.controller.db.transitions import transition, try_transition
 from vbs.controller.requests import filters as flt
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.requests.describe_snapshots import snapshot_not_found
-from vbs.controller.requests.describe_volumes import describe_fields, volume_not_found
+from vbs.controller.requests.describe_volumes import describe_many, volume_not_found
 from vbs.controller.requests.recycle_bin_rules import retention_for
 from vbs.controller.rest.schemas.recycle_bin import BinSnapshotOut, BinVolumeOut
 from vbs.controller.runtime import Controller
@@ -115,17 +115,15 @@ def list_volumes(svc: Controller, tenant: str, volume_ids: list[str], max_result
     now = utcnow()
     with svc.db.read() as s:
         found, token = _entries(s, VOLUME, tenant, volume_ids, max_results, next_token, now)
-        out = []
-        for e in found:
-            vol = s.get(Volume, e.resource_id)
-            if vol is None:
-                continue
-            f = describe_fields(svc, s, vol)
-            out.append(BinVolumeOut(volume_id=vol.id, volume_type=vol.volume_type, size_gib=vol.size_gib,
-                                    iops=f["iops"], throughput=f["throughput"],
-                                    availability_zone=f["availability_zone"], snapshot_id=vol.snapshot_id,
-                                    created_at=vol.created_at, entered_at=e.entered_at, exits_at=e.exits_at))
-        return out, token
+        rows = [row._mapping for row in s.execute(select(*Volume.__table__.columns).where(
+            Volume.id.in_([e.resource_id for e in found])))]
+        # A page's volumes described together: their zones and IOPS as DescribeVolumes shows them.
+        described = {v["volume_id"]: v for v in describe_many(svc, s, rows)}
+        return [BinVolumeOut(volume_id=v["volume_id"], volume_type=v["volume_type"], size_gib=v["size_gib"],
+                             iops=v["iops"], throughput=v["throughput"], availability_zone=v["availability_zone"],
+                             snapshot_id=v["snapshot_id"], created_at=v["created_at"], entered_at=e.entered_at,
+                             exits_at=e.exits_at)
+                for e in found if (v := described.get(e.resource_id)) is not None], token
 
 
 def restore(svc: Controller, tenant: str, resource_type: str, resource_id: str) -> str:
