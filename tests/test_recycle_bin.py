@@ -259,8 +259,11 @@ def test_deletes_a_rule_matches_go_to_the_bin_come_back_or_are_freed_when_retent
     assert vols[kept_vol]["Size"] == 1 and vols[kept_vol]["State"] == "recoverable"
     paged = list(ec2.get_paginator("list_snapshots_in_recycle_bin").paginate(PaginationConfig={"PageSize": 5}))
     assert {s["SnapshotId"] for p in paged for s in p["Snapshots"]} == {kept_snap, gone_snap}
-    # The data stays while they are in the bin.
+    # The data stays while they are in the bin, and the reconciler finds no orphan in it.
     assert (manifests / gone_snap).is_file() and (vbs.pool / "volumes" / f"{gone_vol}.raw").is_file()
+    r = vbs.http.get("/v1/admin/check")
+    assert r.status_code == 200, r.text
+    assert not {f["resource_id"] for f in r.json()["findings"]} & {kept_snap, gone_snap, kept_vol, gone_vol}
 
     # -- restored: back as they were, tags and all, and used again -----------------------------------------------
     restored = ec2.restore_snapshot_from_recycle_bin(SnapshotId=kept_snap)
