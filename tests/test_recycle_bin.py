@@ -322,8 +322,8 @@ def test_the_cli_and_the_rest_routes_drive_the_same_rules_and_bin(vbs: Vbs) -> N
     vol = vbs.create_volume(size_gib=1, tags={"cli": "anything"})["volume_id"]
     vbs.wait_volume(vol, "available")
     snap = _snapshot(vbs, vol, {"cli": "yes"})
-    vbs.cli("delete-snapshot", snap)
-    vbs.cli("delete-volume", vol)
+    assert vbs.cli("delete-snapshot", snap, "--wait")["status"] == "recoverable"  # in the bin: no wait
+    assert vbs.cli("delete-volume", vol, "--wait")["status"] == "recoverable"
     assert [s["snapshot_id"] for s in vbs.cli("list-snapshots-in-recycle-bin")["snapshots"]] == [snap]
     [in_bin] = vbs.cli("list-volumes-in-recycle-bin", vol)["volumes"]
     assert in_bin["volume_id"] == vol and in_bin["size_gib"] == 1
