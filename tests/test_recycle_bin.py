@@ -259,6 +259,16 @@ def test_deletes_a_rule_matches_go_to_the_bin_come_back_or_are_freed_when_retent
     assert vols[kept_vol]["Size"] == 1 and vols[kept_vol]["State"] == "recoverable"
     paged = list(ec2.get_paginator("list_snapshots_in_recycle_bin").paginate(PaginationConfig={"PageSize": 5}))
     assert {s["SnapshotId"] for p in paged for s in p["Snapshots"]} == {kept_snap, gone_snap}
+    # Another tenant sees none of it: not the bin, not the rules.
+    key = vbs.http.post("/v1/keys", json={"tenant": "bob", "role": "user"}).json()
+    bob = vbs.ec2(key["access_key_id"], key["secret_access_key"])
+    bob_rbin = boto3.client("rbin", endpoint_url=vbs.endpoint, region_name="us-east-1",
+                            aws_access_key_id=key["access_key_id"], aws_secret_access_key=key["secret_access_key"],
+                            config=Config(retries={"max_attempts": 1}))
+    assert bob.list_snapshots_in_recycle_bin()["Snapshots"] == [] and bob.list_volumes_in_recycle_bin()["Volumes"] == []
+    assert _not_found(lambda: bob.restore_snapshot_from_recycle_bin(SnapshotId=kept_snap)) == "InvalidSnapshot.NotFound"
+    assert _not_found(lambda: bob_rbin.get_rule(Identifier=made[0]["Identifier"])) == "ResourceNotFoundException"
+    assert bob_rbin.list_rules(ResourceType="EBS_VOLUME")["Rules"] == []
     # The data stays while they are in the bin, and the reconciler finds no orphan in it.
     assert (manifests / gone_snap).is_file() and (vbs.pool / "volumes" / f"{gone_vol}.raw").is_file()
     r = vbs.http.get("/v1/admin/check")
