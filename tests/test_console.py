@@ -426,6 +426,30 @@ def test_the_snapshots_page_shows_tiers_and_locks_and_offers_no_delete_of_a_lock
 
 
 @pytest.mark.integration
+def test_the_recycle_bin_page_shows_rules_and_what_they_keep_and_restores_it(cloud: Cloud, page: Any) -> None:
+    r = cloud.vbs.http.post("/v1/recycle-bin/rules", json={
+        "resource_type": "EBS_SNAPSHOT", "retention_days": 7, "description": "console",
+        "resource_tags": [{"key": "bin", "value": "console"}]})
+    assert r.status_code == 200, r.text
+    rule = r.json()["rule_id"]
+    vol = cloud.new_volume()
+    snap = cloud.vbs.http.post("/v1/snapshots", json={"volume_id": vol, "tags": {"bin": "console"}}).json()[
+        "snapshot_id"]
+    cloud.vbs.wait_snapshot(snap, "completed")
+    assert cloud.vbs.http.delete(f"/v1/snapshots/{snap}").json()["status"] == "recoverable"
+    sign_in(page, cloud.vbs)
+    page.click("a[data-view=recycle-bin]")
+    expect(page.locator(f"#rules-body tr[data-rule-id='{rule}']")).to_contain_text("tagged bin=console")
+    row = page.locator(f"#bin-snapshots-body tr[data-snapshot-id='{snap}']")
+    expect(row).to_contain_text(vol)
+    shot(page, "11-recycle-bin")
+    row.locator("button").click()
+    expect(row).to_have_count(0)
+    assert cloud.vbs.snapshot(snap)["status"] == "completed"
+    assert cloud.vbs.http.delete(f"/v1/recycle-bin/rules/{rule}").status_code == 204
+
+
+@pytest.mark.integration
 def test_bulk_delete_removes_the_selected_volumes_only(cloud: Cloud, page: Any) -> None:
     batch = [cloud.new_volume(tags={"batch": "old"}) for _ in range(3)]
     keep = cloud.new_volume(tags={"batch": "keep"})

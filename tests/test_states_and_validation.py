@@ -132,7 +132,9 @@ def test_of_racing_transitions_exactly_one_wins(db: Database) -> None:
 
 
 def test_state_table_matches_ebs() -> None:
-    assert sources(VOLUME_TRANSITIONS, VolumeState.DELETING) == {VolumeState.AVAILABLE, VolumeState.ERROR}
+    # recoverable: the Recycle Bin deletes it for good once its retention ends (docs/recycle-bin.md).
+    assert sources(VOLUME_TRANSITIONS, VolumeState.DELETING) == {VolumeState.AVAILABLE, VolumeState.ERROR,
+                                                                 VolumeState.RECOVERABLE}
     assert VOLUME_TRANSITIONS[VolumeState.DELETED] == frozenset()
     assert VolumeState.IN_USE not in sources(VOLUME_TRANSITIONS, VolumeState.DELETING), "attached: never deleted"
     assert SNAPSHOT_TRANSITIONS[SnapshotState.DELETED] == frozenset()

@@ -116,6 +116,9 @@ class ControllerConfig(_Service):
     # many snapshots a tenant may have pending (started, not completed) at once.
     ebs_block_token_ttl_s: int = Field(24 * 3600, ge=1, le=7 * 24 * 3600)
     ebs_pending_snapshots_max: int = Field(100, ge=1, le=10_000)
+    # How long one "day" of a Recycle Bin retention period or rule unlock delay lasts: a day, or less for
+    # a test or a demo only (docs/recycle-bin.md).
+    recycle_bin_day_s: int = Field(86400, ge=1, le=86400)
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

@@ -109,7 +109,7 @@ def delete_snapshot(ctx: typer.Context, snapshot_id: str,
     """Delete a snapshot (volumes made from it stay)."""
     c: Context = ctx.obj
     snap = c.client.call("DELETE", f"/v1/snapshots/{snapshot_id}")
-    if wait:
+    if wait and snap["status"] != "recoverable":  # recoverable: kept in the Recycle Bin, nothing to wait for
         snap = wait_gone(c.client, f"/v1/snapshots/{snapshot_id}", snap, label=f"deleting {snapshot_id}",
                          show=c.interactive)
     output.emit(snap, c.fmt, output.SNAPSHOT_COLUMNS)

@@ -83,7 +83,7 @@ def delete_volume(ctx: typer.Context, volume_id: str,
     """Delete an available volume (its snapshots stay)."""
     c: Context = ctx.obj
     vol = c.client.call("DELETE", f"/v1/volumes/{volume_id}")
-    if wait:
+    if wait and vol["status"] != "recoverable":  # recoverable: kept in the Recycle Bin, nothing to wait for
         vol = wait_for(c.client, f"/v1/volumes/{volume_id}", busy={"deleting"}, label=f"deleting {volume_id}",
                        show=c.interactive)
     output.emit(vol, c.fmt, output.VOLUME_COLUMNS)

@@ -30,6 +30,8 @@ from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.fleet.agents import AgentDirectory
 from vbs.controller.fleet.reconcile import Reconciler
 from vbs.controller.metrics import ControllerMetrics
+from vbs.controller.rbin import api as rbin_api
+from vbs.controller.requests import recycle_bin
 from vbs.controller.requests.migrate_instance import start_external_migrations
 from vbs.controller.requests.snapshot_tiers import expire_restores
 from vbs.controller.resolvers import Resolvers
@@ -160,13 +162,15 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     stop = threading.Event()
 
     def housekeeping() -> None:
-        while not stop.wait(HOUSEKEEPING_INTERVAL_S):
+        # A Recycle Bin "day" shortened for a test or a demo is kept to within a tenth of it (docs/recycle-bin.md).
+        while not stop.wait(min(HOUSEKEEPING_INTERVAL_S, max(1.0, cfg.recycle_bin_day_s / 10))):
             try:
                 if housekeeping_lease.hold():
                     purge_deleted(db, cfg.deleted_retention_s)
                     engine.purge(cfg.operation_retention_s)
                     expire_pending(svc)
                     expire_restores(svc)
+                    recycle_bin.expire(svc)
             except Exception:
                 log.exception("housekeeping")
 
@@ -216,6 +220,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     install_metrics(app, metrics.registry, metrics_reader)
     install_routes(app, auth, insecure=cfg.insecure)
     ebs_api.install(app, auth)
+    rbin_api.install(app, auth)
     ec2_api.install(app, auth)
     console.install(app)
     return app

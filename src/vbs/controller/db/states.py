@@ -18,6 +18,8 @@ __all__ = [
     "SNAPSHOT_TRANSITIONS",
     "ATTACHMENT_TRANSITIONS",
     "LIVE_ATTACHMENT",
+    "GONE_VOLUME",
+    "GONE_SNAPSHOT",
     "UNFINISHED_OPERATION",
     "sources",
 ]
@@ -30,6 +32,8 @@ class VolumeState(StrEnum):
     DELETING = "deleting"
     DELETED = "deleted"
     ERROR = "error"
+    # Deleted into the Recycle Bin (docs/recycle-bin.md): kept, hidden, restored or deleted when its retention ends.
+    RECOVERABLE = "recoverable"
 
 
 class SnapshotState(StrEnum):
@@ -38,6 +42,8 @@ class SnapshotState(StrEnum):
     ERROR = "error"
     DELETING = "deleting"
     DELETED = "deleted"
+    # In the Recycle Bin (EC2's own name for it; docs/recycle-bin.md).
+    RECOVERABLE = "recoverable"
 
 
 class AttachmentState(StrEnum):
@@ -59,22 +65,31 @@ class OperationState(StrEnum):
 VOLUME_TRANSITIONS: Mapping[VolumeState, frozenset[VolumeState]] = {
     VolumeState.CREATING: frozenset({VolumeState.AVAILABLE, VolumeState.ERROR}),
     # available -> error: its data file vanished (reconciliation).
-    VolumeState.AVAILABLE: frozenset({VolumeState.IN_USE, VolumeState.DELETING, VolumeState.ERROR}),
+    VolumeState.AVAILABLE: frozenset({VolumeState.IN_USE, VolumeState.DELETING, VolumeState.ERROR,
+                                      VolumeState.RECOVERABLE}),
     # in-use -> in-use: a second attachment of a multi-attach volume reserves it again.
     VolumeState.IN_USE: frozenset({VolumeState.AVAILABLE, VolumeState.IN_USE}),
     # deleting -> error: the storage node stayed unreachable; deleting again is allowed.
     VolumeState.DELETING: frozenset({VolumeState.DELETED, VolumeState.ERROR}),
     VolumeState.ERROR: frozenset({VolumeState.DELETING}),
     VolumeState.DELETED: frozenset(),
+    # Restored, or deleted for good once its retention ends.
+    VolumeState.RECOVERABLE: frozenset({VolumeState.AVAILABLE, VolumeState.DELETING}),
 }
 
 SNAPSHOT_TRANSITIONS: Mapping[SnapshotState, frozenset[SnapshotState]] = {
     SnapshotState.PENDING: frozenset({SnapshotState.COMPLETED, SnapshotState.ERROR}),
-    SnapshotState.COMPLETED: frozenset({SnapshotState.DELETING, SnapshotState.ERROR}),
+    SnapshotState.COMPLETED: frozenset({SnapshotState.DELETING, SnapshotState.ERROR, SnapshotState.RECOVERABLE}),
     SnapshotState.ERROR: frozenset({SnapshotState.DELETING}),
     SnapshotState.DELETING: frozenset({SnapshotState.DELETED, SnapshotState.ERROR}),
     SnapshotState.DELETED: frozenset(),
+    SnapshotState.RECOVERABLE: frozenset({SnapshotState.COMPLETED, SnapshotState.DELETING}),
 }
+
+# A volume or snapshot in one of these states is gone as far as its user can tell: not described, not
+# used, not tagged ("not found"). The Recycle Bin's are gone until restored (docs/recycle-bin.md).
+GONE_VOLUME = frozenset({VolumeState.DELETED, VolumeState.RECOVERABLE})
+GONE_SNAPSHOT = frozenset({SnapshotState.DELETING, SnapshotState.DELETED, SnapshotState.RECOVERABLE})
 
 ATTACHMENT_TRANSITIONS: Mapping[AttachmentState, frozenset[AttachmentState]] = {
     # attaching -> detached: the attach failed and was rolled back.

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
+from vbs.controller.awsjson import json_routes, parse_body, refusal
 from vbs.controller.ebs import reads, writes
-from vbs.controller.ebs.errors import EbsError, Validation, ebs_error_of
+from vbs.controller.ebs.errors import Validation, ebs_error_of
 from vbs.controller.requests.snapshot_permissions import owner_id
 from vbs.controller.rest.schemas.common import COMMENT_MAX, check_tags
 from vbs.controller.runtime import Controller
@@ -43,11 +43,7 @@ def is_ebs_path(path: str) -> bool:
 
 def ebs_refusal(exc: VbsError) -> Response:
     """An error as the ``ebs`` service answers it."""
-    err = ebs_error_of(exc)
-    body: dict[str, Any] = {"Message": err.message}
-    if err.reason is not None:
-        body["Reason"] = err.reason
-    return JSONResponse(body, status_code=err.status, headers={"x-amzn-ErrorType": err.code})
+    return refusal(ebs_error_of(exc))
 
 
 class _Tag(BaseModel):
@@ -81,12 +77,7 @@ def _epoch(when: datetime) -> float:
 
 
 def _start_request(body: bytes) -> writes.StartRequest:
-    try:
-        req = _Start.model_validate_json(body or b"{}")
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise Validation(f"Invalid value for {where or 'the request'}: {first.get('msg', 'invalid')}.") from None
+    req = parse_body(_Start, body, Validation)
     if req.Encrypted or req.KmsKeyArn:
         raise Validation("Encrypted snapshots cannot be written through the EBS direct APIs here: VBS encrypts "
                          "volumes with LUKS, whose containers are not written block by block.")
@@ -100,32 +91,7 @@ def _start_request(body: bytes) -> writes.StartRequest:
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
-    Handler = Callable[[Request, Controller, Principal, bytes], Any]
-
-    def route(path: str, method: str, status: int, *, unsigned_ok: bool = False
-              ) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
-        def wrap(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-            async def endpoint(request: Request) -> Response:
-                try:
-                    body = await request.body()
-                    if len(body) > BLOCK_SIZE:
-                        raise Validation(f"The request body is larger than a block ({BLOCK_SIZE} bytes).")
-                    who = auth.check_service(request, body, "ebs",
-                                             unsigned_payload_vouched_by="x-amz-checksum" if unsigned_ok else None)
-                    svc: Controller = request.app.state.services
-                    answer = await run_in_threadpool(handler, request, svc, who, body)
-                except VbsError as exc:
-                    return ebs_refusal(exc)
-                except Exception:
-                    log.exception("EBS direct API %s %s", method, path)
-                    return ebs_refusal(EbsError("An internal error has occurred."))
-                if isinstance(answer, Response):
-                    return answer
-                return JSONResponse(answer, status_code=status)
-
-            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
-            return endpoint
-        return wrap
+    route = json_routes(app, auth, "ebs", ebs_error_of, BLOCK_SIZE)
 
     @route("/snapshots", "POST", 201)
     def start(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:

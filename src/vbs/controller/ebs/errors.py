@@ -3,23 +3,15 @@
 
 from __future__ import annotations
 
+from vbs.controller.awsjson import AwsJsonError
 from vbs.errors import VbsError
 
 __all__ = ["EbsError", "Validation", "NotFoundError", "AccessDenied", "Conflict", "ConcurrentLimit", "Internal",
            "ebs_error_of"]
 
 
-class EbsError(VbsError):
+class EbsError(AwsJsonError):
     """An error answered in the ``ebs`` service's shape: ``code`` is the exception shape's name."""
-
-    code = "InternalServerException"
-    status = 500
-    reason: str | None = None
-
-    def __init__(self, message: str, reason: str | None = None) -> None:
-        super().__init__(message)
-        if reason is not None:
-            self.reason = reason
 
 
 class Validation(EbsError):

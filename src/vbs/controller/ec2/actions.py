@@ -14,6 +14,12 @@ from vbs.controller.auth.keys import Principal
 from vbs.controller.ec2.instance_actions import describe_availability_zones, describe_instances
 from vbs.controller.ec2.lock_actions import describe_locked_snapshots, lock_snapshot, unlock_snapshot
 from vbs.controller.ec2.query import QueryParams
+from vbs.controller.ec2.recycle_bin_actions import (
+    list_snapshots_in_recycle_bin,
+    list_volumes_in_recycle_bin,
+    restore_snapshot_from_recycle_bin,
+    restore_volume_from_recycle_bin,
+)
 from vbs.controller.ec2.snapshot_actions import (
     copy_snapshot,
     create_snapshot,
@@ -71,4 +77,8 @@ HANDLERS: dict[str, Handler] = {
     "DescribeTags": describe_tags,
     "DescribeInstances": describe_instances,
     "DescribeAvailabilityZones": describe_availability_zones,
+    "ListSnapshotsInRecycleBin": list_snapshots_in_recycle_bin,
+    "RestoreSnapshotFromRecycleBin": restore_snapshot_from_recycle_bin,
+    "ListVolumesInRecycleBin": list_volumes_in_recycle_bin,
+    "RestoreVolumeFromRecycleBin": restore_volume_from_recycle_bin,
 }

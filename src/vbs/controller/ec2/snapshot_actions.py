@@ -37,7 +37,7 @@ from vbs.errors import InvalidParameter, MissingParameter
 SNAPSHOTS_PAGE = 1000
 
 
-def _snapshot(s: SnapshotOut) -> dict[str, Any]:
+def snapshot_item(s: SnapshotOut) -> dict[str, Any]:
     return {
         "snapshotId": s.snapshot_id, "volumeId": s.volume_id, "status": s.status, "startTime": s.started_at,
         "progress": f"{s.progress}%", "ownerId": sharing.owner_id(s.owner), "volumeSize": s.volume_size_gib,
@@ -53,7 +53,7 @@ def create_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str
                                             "comment": p.str("Description", max_len=255) or "",
                                             "tags": tags_for(p, "snapshot")})
     dry_run(p)
-    return _snapshot(create_snapshot_req.create_snapshot(svc, req, who.tenant))
+    return snapshot_item(create_snapshot_req.create_snapshot(svc, req, who.tenant))
 
 
 def delete_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def describe_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[
     # A snapshot being deleted is already gone as far as EC2 clients are concerned.
     found = describe_snapshots_req.describe_snapshots(svc, who.tenant, snap_ids, filters, max_results, token,
                                         hide_deleting=True, shared=True, owners=owner_tenants)
-    return {"snapshotSet": [_snapshot(s) for s in found.snapshots], "nextToken": found.next_token}
+    return {"snapshotSet": [snapshot_item(s) for s in found.snapshots], "nextToken": found.next_token}
 
 
 def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def create_snapshots(svc: Controller, p: QueryParams, who: Principal) -> dict[st
     dry_run(p)
     made = create_snapshots_req.create_snapshot_set(svc, req, who.tenant)
     # EC2's SnapshotInfo: a snapshot's fields, its status named state.
-    return {"snapshotSet": [{("state" if k == "status" else k): v for k, v in _snapshot(x).items()} for x in made]}
+    return {"snapshotSet": [{("state" if k == "status" else k): v for k, v in snapshot_item(x).items()} for x in made]}
 
 
 def copy_snapshot(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from sqlalchemy import or_, select
 from vbs import ids
 from vbs.controller.auth.keys import Principal
 from vbs.controller.db import Snapshot, Tag, Volume
-from vbs.controller.db.states import SnapshotState, VolumeState
+from vbs.controller.db.states import GONE_SNAPSHOT, GONE_VOLUME
 from vbs.controller.ec2.params import MAX_TOKEN, dry_run, validated
 from vbs.controller.ec2.query import QueryParams
 from vbs.controller.requests import tags
@@ -79,9 +79,9 @@ def describe_tags(svc: Controller, p: QueryParams, who: Principal) -> dict[str, 
     stmt = stmt.order_by(Tag.resource_id, Tag.key)
     with svc.db.session() as s:
         # Tags of deleted resources are not shown.
-        live_vols = select(Volume.id).where(Volume.tenant == who.tenant, Volume.status != VolumeState.DELETED)
+        live_vols = select(Volume.id).where(Volume.tenant == who.tenant, Volume.status.not_in(GONE_VOLUME))
         live_snaps = select(Snapshot.id).where(Snapshot.tenant == who.tenant,
-                                               Snapshot.status.not_in([SnapshotState.DELETED, SnapshotState.DELETING]))
+                                               Snapshot.status.not_in(GONE_SNAPSHOT))
         stmt = stmt.where(Tag.resource_id.in_(live_vols) | Tag.resource_id.in_(live_snaps))
         rows = list(s.scalars(stmt.limit(max_results + 1)))
     next_token = None

@@ -63,9 +63,12 @@ _ID, _NODE, _POOL, _STATUS, _EXPECTED, _OWED = range(6)
 # Of each kind of row, the states whose file must be there (live) and those whose file may be (expected:
 # live, or on its way in or out).
 _FILE_STATES: dict[type[Volume] | type[Snapshot], tuple[list[str], list[str]]] = {
-    Volume: (sorted(LIVE_VOLUME), sorted({*LIVE_VOLUME, VolumeState.CREATING, VolumeState.DELETING})),
+    # recoverable (in the Recycle Bin, docs/recycle-bin.md): its file stays until its retention ends.
+    Volume: (sorted(LIVE_VOLUME), sorted({*LIVE_VOLUME, VolumeState.CREATING, VolumeState.DELETING,
+                                          VolumeState.RECOVERABLE})),
     Snapshot: ([SnapshotState.COMPLETED],
-               sorted({SnapshotState.COMPLETED, SnapshotState.PENDING, SnapshotState.DELETING})),
+               sorted({SnapshotState.COMPLETED, SnapshotState.PENDING, SnapshotState.DELETING,
+                       SnapshotState.RECOVERABLE})),
 }
 
 

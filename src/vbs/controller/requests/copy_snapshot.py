@@ -9,7 +9,7 @@ from sqlalchemy import update
 from vbs import ids
 from vbs.controller.auth import encryption
 from vbs.controller.db import Node, Snapshot
-from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.states import GONE_SNAPSHOT, SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import pool_of
 from vbs.controller.placement import quotas
@@ -28,7 +28,7 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
     it), made where the source lives; the source may not be deleted until the copy is completed."""
     with svc.db.session() as s:
         source = s.get(Snapshot, req.source_snapshot_id)
-        if source is None or source.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
+        if source is None or source.status in GONE_SNAPSHOT \
                 or not sharing.usable(s, source, tenant):
             raise snapshot_not_found(req.source_snapshot_id)
         # Touching the source in this transaction makes a concurrent delete of it wait for us.

@@ -19,7 +19,7 @@ from vbs.config import ControllerConfig
 from vbs.controller.auth import encryption
 from vbs.controller.db import Node, Snapshot, Volume, VolumeUsage, plain
 from vbs.controller.db.locks import lock_for_create, lock_storage, lock_tenant
-from vbs.controller.db.states import SnapshotState, VolumeState
+from vbs.controller.db.states import GONE_SNAPSHOT, SnapshotState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.describe_nodes import NodeHealth, health_of
 from vbs.controller.fleet.nodes import is_alive, pool_of
@@ -248,7 +248,7 @@ def _usable_snapshot(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
     """The completed snapshot a new volume is made from, touched in this transaction so that a concurrent
     delete-snapshot waits for it."""
     snap = s.get(Snapshot, snapshot_id)
-    if snap is None or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED) \
+    if snap is None or snap.status in GONE_SNAPSHOT \
             or not snapshot_sharing.usable(s, snap, tenant):
         raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
     refuse_if_archived(s, snap.id)

@@ -1,4 +1,5 @@
-"""DeleteVolume as the API offers it: only an available volume with no snapshot in progress, moved to
+"""DeleteVolume as the API offers it: only an available volume with no snapshot in progress, put in the
+Recycle Bin if a retention rule matches it (docs/recycle-bin.md; not a local volume), else moved to
 ``deleting`` with its operation in one transaction, then handed to the delete-volume workflow.
 """
 
@@ -11,6 +12,7 @@ from vbs.controller.db import Attachment, Snapshot, Volume
 from vbs.controller.db.locks import lock_rows
 from vbs.controller.db.states import AttachmentState, SnapshotState, VolumeState
 from vbs.controller.db.transitions import transition
+from vbs.controller.requests import recycle_bin
 from vbs.controller.requests.describe_volumes import describe_one, live_volume
 from vbs.controller.rest.schemas.volumes import VolumeOut
 from vbs.controller.runtime import Controller
@@ -36,7 +38,12 @@ def delete_volume(svc: Controller, volume_id: str, tenant: str) -> VolumeOut:
             raise IncorrectState(f"The volume '{volume_id}' has a snapshot in progress; delete it when it completes.")
         live_attachment = exists().where(Attachment.volume_id == volume_id,
                                          Attachment.status != AttachmentState.DETACHED)
-        transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment)
+        if vol.status == VolumeState.AVAILABLE and vol.placement != "local" and recycle_bin.keep_deleted(
+                svc, s, recycle_bin.VOLUME, volume_id, tenant, ~pending, ~live_attachment):
+            s.refresh(vol)  # in the Recycle Bin: kept until restored or its retention ends
+            return describe_one(svc, s, vol)
+        transition(s, Volume, volume_id, VolumeState.DELETING, ~pending, ~live_attachment,
+                   from_states=[VolumeState.AVAILABLE, VolumeState.ERROR])
         op_id = svc.engine.begin(s, DELETE_LOCAL_VOLUME if vol.placement == "local" else DELETE_VOLUME,
                                  volume_id, StorageParams(node=vol.storage_node, pool=vol.pool))
         s.refresh(vol)

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.controller.auth import encryption
 from vbs.controller.db import Snapshot, SnapshotTier
-from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.states import GONE_SNAPSHOT, SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.requests import filters as flt
 from vbs.controller.requests import snapshot_permissions as sharing
@@ -46,7 +46,7 @@ def describe_snapshots(svc: Controller, tenant: str, snapshot_ids: list[str], fi
     for sid in snapshot_ids:
         ids.check("snapshot", sid)
     limit = flt.page_limit(max_results, snapshot_ids)
-    hidden = [SnapshotState.DELETED, SnapshotState.DELETING] if hide_deleting else [SnapshotState.DELETED]
+    hidden = sorted(GONE_SNAPSHOT) if hide_deleting else [SnapshotState.DELETED, SnapshotState.RECOVERABLE]
     scope = sharing.visible_to(tenant) if shared or snapshot_ids else Snapshot.tenant == tenant
     stmt = select(Snapshot).where(scope, Snapshot.status.not_in(hidden),
                                   *flt.where_clauses(filters, Snapshot.id, SNAPSHOT_FILTERS))

@@ -10,13 +10,13 @@ from datetime import timedelta
 from typing import Any
 
 from pydantic_core import to_json
-from sqlalchemy import ColumnElement, Select, exists, false, or_, select
+from sqlalchemy import ColumnElement, Select, and_, exists, false, or_, select
 from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.auth import encryption
 from vbs.controller.db import Attachment, Node, Volume
-from vbs.controller.db.states import AttachmentState, VolumeState
+from vbs.controller.db.states import GONE_VOLUME, AttachmentState, VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.describe_nodes import NodeHealth, node_health, volume_status
 from vbs.controller.fleet.nodes import zone_of
@@ -35,10 +35,10 @@ def volume_not_found(volume_id: str) -> NotFound:
 
 
 def live_volume(s: Session, volume_id: str, tenant: str) -> Volume:
-    """The tenant's volume row, unless it is unknown, another tenant's or deleted (``InvalidVolume.NotFound``,
-    as EC2 answers: another tenant's volume does not exist for this caller)."""
+    """The tenant's volume row, unless it is unknown, another tenant's, deleted or in the Recycle Bin
+    (``InvalidVolume.NotFound``, as EC2 answers: another tenant's volume does not exist for this caller)."""
     vol = s.get(Volume, ids.check("volume", volume_id))
-    if vol is None or vol.status == VolumeState.DELETED or vol.tenant != tenant:
+    if vol is None or vol.status in GONE_VOLUME or vol.tenant != tenant:
         raise volume_not_found(volume_id)
     return vol
 
@@ -105,8 +105,10 @@ def volume_page(svc: Controller, tenant: str, volume_ids: list[str], filters: di
     limit = flt.page_limit(max_results, volume_ids)
     retention = utcnow() - timedelta(seconds=svc.cfg.deleted_retention_s)
     history = VolumeState.DELETED in filters.get("status", ()) or (deleted_by_id and bool(volume_ids))
-    shown = or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention) if history \
-        else Volume.status != VolumeState.DELETED
+    # A volume in the Recycle Bin is hidden as a deleted one is, history or not (docs/recycle-bin.md).
+    shown = and_(Volume.status != VolumeState.RECOVERABLE,
+                 or_(Volume.status != VolumeState.DELETED, Volume.deleted_at >= retention)) if history \
+        else Volume.status.not_in(GONE_VOLUME)
     # Plain rows, not ORM objects: a page is read once and described, and 1,000 tracked objects cost
     # more to load and to read than the rows themselves.
     stmt = select(*Volume.__table__.columns).where(Volume.tenant == tenant, shown,

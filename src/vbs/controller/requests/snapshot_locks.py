@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vbs.controller.db import Snapshot, SnapshotLock
-from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.states import GONE_SNAPSHOT
 from vbs.controller.db.tables import utcnow
 from vbs.controller.requests.snapshot_permissions import owned_snapshot
 from vbs.controller.rest.schemas.locks import MAX_COOL_OFF_HOURS, MAX_DURATION_DAYS, LockOut
@@ -119,7 +119,7 @@ def describe_locks(svc: Controller, tenant: str, snapshot_ids: list[str], states
     now = utcnow()
     with svc.db.read() as s:
         q = select(SnapshotLock).join(Snapshot, Snapshot.id == SnapshotLock.snapshot_id).where(
-            Snapshot.tenant == tenant, Snapshot.status.notin_((SnapshotState.DELETING, SnapshotState.DELETED)))
+            Snapshot.tenant == tenant, Snapshot.status.notin_(GONE_SNAPSHOT))
         if snapshot_ids:
             q = q.where(SnapshotLock.snapshot_id.in_(snapshot_ids))
         found = [_info(lock, tenant, now) for lock in s.scalars(q.order_by(SnapshotLock.snapshot_id))]

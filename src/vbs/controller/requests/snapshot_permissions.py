@@ -16,7 +16,7 @@ from vbs import ids
 from vbs.controller.auth.keys import TENANT_RE
 from vbs.controller.db import Snapshot, SnapshotPermission
 from vbs.controller.db.locks import lock_rows
-from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.states import GONE_SNAPSHOT
 from vbs.controller.db.tables import DEFAULT_TENANT
 from vbs.errors import InvalidParameter, NotFound
 
@@ -60,7 +60,7 @@ def owned_snapshot(s: Session, snapshot_id: str, tenant: str, *, lock: bool = Fa
     if lock:
         lock_rows(s, Snapshot, snapshot_id)
     snap = s.get(Snapshot, snapshot_id)
-    if snap is None or snap.tenant != tenant or snap.status in (SnapshotState.DELETING, SnapshotState.DELETED):
+    if snap is None or snap.tenant != tenant or snap.status in GONE_SNAPSHOT:
         raise NotFound(f"The snapshot '{snapshot_id}' does not exist.", code="InvalidSnapshot.NotFound")
     return snap
 

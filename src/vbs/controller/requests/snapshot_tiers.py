@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from vbs.controller.db import Snapshot, SnapshotTier
-from vbs.controller.db.states import SnapshotState
+from vbs.controller.db.states import GONE_SNAPSHOT, SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.requests.describe_snapshots import effective_tier, tiers_of
 from vbs.controller.requests.snapshot_permissions import owned_snapshot
@@ -94,7 +94,7 @@ def describe_tiers(svc: Controller, tenant: str, snapshot_ids: list[str] | None)
     now = utcnow()
     with svc.db.read() as s:
         q = select(Snapshot).where(Snapshot.tenant == tenant,
-                                   Snapshot.status.notin_((SnapshotState.DELETING, SnapshotState.DELETED)))
+                                   Snapshot.status.notin_(GONE_SNAPSHOT))
         if snapshot_ids:
             q = q.where(Snapshot.id.in_(snapshot_ids))
         snaps = list(s.scalars(q.order_by(Snapshot.id)))

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from vbs import ids
 from vbs.controller.db import Snapshot, Tag, Volume
 from vbs.controller.db.locks import lock_rows
-from vbs.controller.db.states import SnapshotState, VolumeState
+from vbs.controller.db.states import GONE_SNAPSHOT, GONE_VOLUME
 from vbs.controller.rest.schemas.common import TAGS_MAX
 from vbs.errors import InvalidParameter, NotFound
 
@@ -25,12 +25,12 @@ def _check_resources(session: Session, resource_ids: list[str], tenant: str) -> 
     for rid in resource_ids:
         if ids.is_valid("volume", rid):
             found = session.scalar(select(Volume.id).where(Volume.id == rid, Volume.tenant == tenant,
-                                                           Volume.status != VolumeState.DELETED))
+                                                           Volume.status.not_in(GONE_VOLUME)))
             if found is None:
                 raise NotFound(f"The volume '{rid}' does not exist.", code="InvalidVolume.NotFound")
         else:
             found = session.scalar(select(Snapshot.id).where(Snapshot.id == rid, Snapshot.tenant == tenant,
-                                                             Snapshot.status != SnapshotState.DELETED))
+                                                             Snapshot.status.not_in(GONE_SNAPSHOT)))
             if found is None:
                 raise NotFound(f"The snapshot '{rid}' does not exist.", code="InvalidSnapshot.NotFound")
 

@@ -71,10 +71,11 @@ def the_store_key(ctx: StepContext[Any]) -> SecretStr:
 
 
 def _parent(s: Session, snap: Snapshot) -> str | None:
-    """The volume's latest stored snapshot before this one: what the upload is incremental against."""
+    """The volume's latest stored snapshot before this one: what the upload is incremental against (one in
+    the Recycle Bin too: its manifest stays until its retention ends, docs/recycle-bin.md)."""
     return s.scalar(select(Snapshot.id).where(
         Snapshot.volume_id == snap.volume_id, Snapshot.id != snap.id, Snapshot.tenant == snap.tenant,
-        Snapshot.store_state == STORED, Snapshot.status == SnapshotState.COMPLETED,
+        Snapshot.store_state == STORED, Snapshot.status.in_((SnapshotState.COMPLETED, SnapshotState.RECOVERABLE)),
         Snapshot.started_at <= snap.started_at).order_by(Snapshot.started_at.desc()).limit(1))
 
 

@@ -149,6 +149,10 @@ const api = {
   createSnapshot: (body) => call("POST", "/v1/snapshots", body),
   deleteSnapshot: (id) => call("DELETE", `/v1/snapshots/${encodeURIComponent(id)}`),
   snapshotLocks: () => call("GET", "/v1/snapshot-locks").then((answer) => answer.locks),
+  rules: (type) => all("/v1/recycle-bin/rules", "rules", [["resource_type", type]]),
+  binSnapshots: () => all("/v1/recycle-bin/snapshots", "snapshots"),
+  binVolumes: () => all("/v1/recycle-bin/volumes", "volumes"),
+  restore: (kind, id) => call("POST", `/v1/recycle-bin/${kind}/${encodeURIComponent(id)}/restore`),
 };
 
 // -- session --------------------------------------------------------------------------------------
@@ -243,6 +247,9 @@ function route() {
   } else if (view === "snapshots") {
     $("view-snapshots").hidden = false;
     poll(renderSnapshots);
+  } else if (view === "recycle-bin") {
+    $("view-recycle-bin").hidden = false;
+    poll(renderRecycleBin);
   } else if (view === "infrastructure") {
     $("view-infrastructure").hidden = false;
     poll(renderInfrastructure);
@@ -663,6 +670,49 @@ async function renderSnapshots(current) {
       } }, "Delete") : ""))));
   $("snapshots-empty").hidden = snapshots.length > 0;
   return snapshots.some((s) => s.status === "pending" || s.status === "deleting");
+}
+
+// -- the Recycle Bin ----------------------------------------------------------------------------------
+
+const tagText = (t) => (t.value === null || t.value === undefined ? t.key : `${t.key}=${t.value}`);
+
+function ruleKeeps(r) {
+  if (r.resource_tags.length) return `tagged ${r.resource_tags.map(tagText).join(" or ")}`;
+  const but = r.exclude_resource_tags.map(tagText).join(", ");
+  return but ? `every one but ${but}` : "every one";
+}
+
+function restoreButton(kind, id) {
+  return el("button", { type: "button", class: "small", click: async () => {
+    try {
+      await api.restore(kind, id);
+      say(`${id} restored.`);
+    } catch (exc) {
+      say(`Not restored: ${exc}`, "error");
+    }
+    poll(renderRecycleBin);
+  } }, "Restore");
+}
+
+async function renderRecycleBin(current) {
+  const [snapshotRules, volumeRules, snapshots, volumes] = await Promise.all([
+    api.rules("EBS_SNAPSHOT"), api.rules("EBS_VOLUME"), api.binSnapshots(), api.binVolumes()]);
+  if (!current()) return false;
+  const rules = [...snapshotRules, ...volumeRules];
+  $("rules-body").replaceChildren(...rules.map((r) => el("tr", { "data-rule-id": r.rule_id },
+    el("td", { class: "mono" }, r.rule_id), el("td", {}, r.resource_type === "EBS_SNAPSHOT" ? "snapshots" : "volumes"),
+    el("td", {}, `${r.retention_days} days`), el("td", {}, ruleKeeps(r)),
+    el("td", {}, r.lock_state + (r.lock_end_time ? ` until ${when(r.lock_end_time)}` : "")), el("td", {}, r.description))));
+  $("rules-empty").hidden = rules.length > 0;
+  $("bin-snapshots-body").replaceChildren(...snapshots.map((s) => el("tr", { "data-snapshot-id": s.snapshot_id },
+    el("td", { class: "mono" }, s.snapshot_id), el("td", { class: "mono" }, s.volume_id), el("td", {}, when(s.entered_at)),
+    el("td", {}, when(s.exits_at)), el("td", {}, s.description), el("td", {}, restoreButton("snapshots", s.snapshot_id)))));
+  $("bin-snapshots-empty").hidden = snapshots.length > 0;
+  $("bin-volumes-body").replaceChildren(...volumes.map((v) => el("tr", { "data-volume-id": v.volume_id },
+    el("td", { class: "mono" }, v.volume_id), el("td", {}, `${v.size_gib} GiB`), el("td", {}, v.volume_type),
+    el("td", {}, when(v.entered_at)), el("td", {}, when(v.exits_at)), el("td", {}, restoreButton("volumes", v.volume_id)))));
+  $("bin-volumes-empty").hidden = volumes.length > 0;
+  return false;
 }
 
 async function renderInfrastructure(current) {

@@ -1,0 +1,54 @@
+"""The Recycle Bin's errors, as botocore's ``rbin`` model (2021-06-15) names them: an exception shape (the
+``x-amzn-ErrorType`` header), its HTTP status, and a ``Reason`` from the shape's enum. The REST API answers
+them with the same code and status (docs/recycle-bin.md)."""
+
+from __future__ import annotations
+
+from vbs.controller.awsjson import AwsJsonError
+from vbs.errors import VbsError
+
+__all__ = ["RbinError", "RuleInvalid", "RuleNotFound", "RuleConflict", "RuleQuotaExceeded", "rbin_error_of"]
+
+
+class RbinError(AwsJsonError):
+    """An error of the ``rbin`` service."""
+
+
+class RuleInvalid(RbinError):
+    code = "ValidationException"
+    status = 400
+    reason = "INVALID_PARAMETER_VALUE"
+
+
+class RuleNotFound(RbinError):
+    code = "ResourceNotFoundException"
+    status = 404
+    reason = "RULE_NOT_FOUND"
+
+
+class RuleConflict(RbinError):
+    code = "ConflictException"
+    status = 409
+    reason = "INVALID_RULE_STATE"
+
+
+class RuleQuotaExceeded(RbinError):
+    code = "ServiceQuotaExceededException"
+    status = 402
+    reason = "SERVICE_QUOTA_EXCEEDED"
+
+
+def rbin_error_of(exc: VbsError) -> AwsJsonError:
+    """A VBS error (authentication, a bad request body) as the ``rbin`` service answers it."""
+    if isinstance(exc, AwsJsonError):
+        return exc
+    if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+        # rbin's model has no AccessDeniedException: AWS's common one, as every service answers it.
+        err = RbinError(exc.message)
+        err.code, err.status, err.reason = "AccessDeniedException", 403, None
+        return err
+    if exc.status == 404:
+        return RuleNotFound(exc.message)
+    if exc.status < 500:
+        return RuleInvalid(exc.message)
+    return RbinError(exc.message)
