@@ -523,6 +523,10 @@ def test_dry_run_answers_dry_run_operation_and_changes_nothing(env: Ec2Env) -> N
         (ec2.modify_snapshot_tier, {"SnapshotId": snap, "StorageTier": "archive"}),
         (ec2.restore_snapshot_tier, {"SnapshotId": snap, "PermanentRestore": True}),
         (ec2.describe_snapshot_tier_status, {}),
+        (ec2.list_snapshots_in_recycle_bin, {}),
+        (ec2.restore_snapshot_from_recycle_bin, {"SnapshotId": snap}),
+        (ec2.list_volumes_in_recycle_bin, {}),
+        (ec2.restore_volume_from_recycle_bin, {"VolumeId": vol}),
     ]
     # Every action VBS answers takes DryRun as EC2 does (botocore's model gives each of them the parameter).
     assert {call.__name__ for call, _ in dry} == {xform_name(action) for action in HANDLERS}
