@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from vbs import versions
 from vbs.errors import (
     AuthFailure,
     InvalidParameter,
@@ -214,14 +215,31 @@ def refusal(exc: VbsError) -> Response:
     return JSONResponse(exc.to_body(), status_code=exc.status, headers={"connection": "close"})
 
 
-def agent_auth(source: TokenSource, *, insecure: bool,
-               fences: fencing.FenceBook | None = None) -> Callable[[Scope], Response | None]:
+def peer_check(scope: Scope, me: str) -> Response | None:
+    """The caller's versions (``vbs.versions``): None when ``me`` serves its wire version (the caller
+    is then in the request's state, ``request.state.versions``), else the refusal naming both sides'."""
+    try:
+        peer = versions.peer_of_headers(header(scope, versions.RELEASE_HEADER.encode()),
+                                        header(scope, versions.WIRE_HEADER.encode()), me=me)
+    except versions.UnsupportedWireVersion as exc:
+        log.warning("refused a call to %s: %s", str(scope.get("path", ""))[:200], exc.message)
+        return refusal(exc)
+    scope.setdefault("state", {})["versions"] = peer
+    return None
+
+
+def agent_auth(source: TokenSource, *, insecure: bool, fences: fencing.FenceBook | None = None,
+               me: str = "this agent") -> Callable[[Scope], Response | None]:
     """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``, then
-    the call's fencing token, if it carries one (``vbs.trust.fencing``).
+    the caller's wire version (``peer_check``; ``me`` names this agent in a refusal), then the call's
+    fencing token, if it carries one (``vbs.trust.fencing``).
 
     Without a token the agent accepts every caller only when it runs ``--insecure``."""
 
-    def fence_check(scope: Scope) -> Response | None:
+    def admit(scope: Scope) -> Response | None:  # the caller is authenticated: its versions, then its fence
+        refused = peer_check(scope, me)
+        if refused is not None:
+            return refused
         value = header(scope, fencing.FENCE_HEADER.encode())
         if not value or fences is None:
             return None
@@ -236,10 +254,10 @@ def agent_auth(source: TokenSource, *, insecure: bool,
         if scope["path"] == "/health":
             return None
         if not source.configured and insecure:
-            return fence_check(scope)
+            return admit(scope)
         given = header(scope, b"authorization")
         if given.startswith("Bearer ") and source.accepts(given[len("Bearer "):].strip()):
-            return fence_check(scope)
+            return admit(scope)
         return refusal(AuthFailure("missing or wrong bearer token"))
 
     return check
