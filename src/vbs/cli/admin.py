@@ -120,6 +120,22 @@ def node_token(
     print(NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name))
 
 
+@commands.command("bootstrap-key")
+def bootstrap_key(
+    data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
+) -> None:
+    """Make the install's first access key (an admin of tenant default) in DATA_DIR/credentials (0600),
+    where the controller reads it, unless the file holds one; run where the controller's data dir is."""
+    from vbs.trust import credentials
+    from vbs.trust.fail_closed import harden
+
+    harden(data_dir)
+    path = data_dir / "credentials"
+    key = credentials.ensure_file(path, env={})
+    print(f"access key {key.access_key_id} in {path} (0600): the controller's first key; the CLI uses it with "
+          f"VBS_CREDENTIALS_FILE={path}")
+
+
 @commands.command("issue-cert")
 def issue_cert(
     name: Annotated[str, typer.Argument(help="The node's name (its --node-name): the certificate's CN.")],

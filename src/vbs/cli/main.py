@@ -62,7 +62,8 @@ _ORDER = (
     "delete-tags",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
-    "controller", "storage-agent", "host-agent", "up", "demo-vm", "node-token", "issue-cert", "rotate-keys",
+    "controller", "storage-agent", "host-agent", "up", "demo-vm", "bootstrap-key", "node-token", "issue-cert",
+    "rotate-keys",
 )
 app.registered_commands = sorted(
     (command for module in (volumes, nodes, snapshots, admin, services, demo_vm)
