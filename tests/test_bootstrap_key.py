@@ -1,5 +1,6 @@
 """``vbs bootstrap-key``: an install's first access key where a controller started by hand (or by its
-systemd unit) reads it (docs/install.md), made once, private, its secret never printed."""
+systemd unit) reads it, and the secrets its controllers share (docs/install.md), made once, private, the
+key's secret never printed."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def test_the_first_key_is_made_once_private_and_its_secret_never_printed(tmp_pat
     path = data_dir / "credentials"
     (key,) = credentials.read(path, "default")
     assert key.access_key_id in said and key.secret_access_key not in said and str(path) in said
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(data_dir.stat().st_mode) == 0o700
-    # Again: the same key, kept.
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+    secrets = {name: (data_dir / name).read_bytes() for name in ("credentials", "node-secret", "master.key")}
+    for name in secrets:
+        assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
+    # Again: the same key and secrets, kept.
     assert key.secret_access_key not in bootstrap(data_dir)
-    assert credentials.read(path, "default") == [key]
+    assert {name: (data_dir / name).read_bytes() for name in secrets} == secrets
