@@ -27,7 +27,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from vbs import versions
 from vbs.errors import (
     AuthFailure,
     InvalidParameter,
@@ -38,6 +37,10 @@ from vbs.errors import (
 from vbs.net.api_client import SERVER_KEEP_ALIVE_S
 from vbs.net.api_client import ApiClient as ApiClient
 from vbs.net.asgi import HttpMiddleware
+from vbs.net.heads import Scope as Scope
+from vbs.net.heads import header as header
+from vbs.net.heads import peer_check as peer_check
+from vbs.net.heads import refusal as refusal
 from vbs.trust import fencing
 from vbs.trust.node_credentials import TokenSource
 from vbs.trust.pki import PeerCertificate, peer_certificate
@@ -210,24 +213,6 @@ async def _send_refusal(scope: Scope, send: Any, exc: VbsError) -> None:
     await refusal(exc)(scope, nothing, send)
 
 
-def refusal(exc: VbsError) -> Response:
-    """A JSON error answer without a request (for checks made on a request's head)."""
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers={"connection": "close"})
-
-
-def peer_check(scope: Scope, me: str) -> Response | None:
-    """The caller's versions (``vbs.versions``): None when ``me`` serves its wire version (the caller
-    is then in the request's state, ``request.state.versions``), else the refusal naming both sides'."""
-    try:
-        peer = versions.peer_of_headers(header(scope, versions.RELEASE_HEADER.encode()),
-                                        header(scope, versions.WIRE_HEADER.encode()), me=me)
-    except versions.UnsupportedWireVersion as exc:
-        log.warning("refused a call to %s: %s", str(scope.get("path", ""))[:200], exc.message)
-        return refusal(exc)
-    scope.setdefault("state", {})["versions"] = peer
-    return None
-
-
 def agent_auth(source: TokenSource, *, insecure: bool, fences: fencing.FenceBook | None = None,
                me: str = "this agent") -> Callable[[Scope], Response | None]:
     """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``, then
@@ -261,16 +246,6 @@ def agent_auth(source: TokenSource, *, insecure: bool, fences: fencing.FenceBook
         return refusal(AuthFailure("missing or wrong bearer token"))
 
     return check
-
-
-Scope = dict[str, Any]
-
-
-def header(scope: Scope, name: bytes) -> str:
-    for k, v in scope.get("headers", []):
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return ""
 
 
 def is_loopback(host: str | None) -> bool:
