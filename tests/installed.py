@@ -86,3 +86,27 @@ def install(root: Path) -> Installed:
     run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse,
          f"vbs=={vbs.__version__}"], env=clean_env(home))
     return Installed(root, wheel, wheelhouse, venv)
+
+
+def newer_release(installed: Installed, name: str, *, release: str, wire: int) -> Path:
+    """Another venv with the same wheel, made to be a later release that speaks wire version ``wire`` and
+    serves no older one (its vbs/__init__.py and vbs/versions.py edited after the install): what a machine
+    upgraded across a change of wire version runs. Its ``vbs``."""
+    venv = installed.root / name
+    env = clean_env(installed.root / "home")
+    run([DEBIAN_PYTHON, "-m", "venv", venv], env=env)
+    run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", installed.wheelhouse,
+         f"vbs=={vbs.__version__}"], env=env)
+    (package,) = venv.glob("lib/python3*/site-packages/vbs")
+    edits = ((package / "__init__.py", f'__version__ = "{vbs.__version__}"', f'__version__ = "{release}"'),
+             (package / "versions.py", "WIRE_VERSION = 1\n", f"WIRE_VERSION = {wire}\n"),
+             (package / "versions.py", "OLDEST_WIRE = 1\n", f"OLDEST_WIRE = {wire}\n"))
+    for path, old, new in edits:
+        text = path.read_text()
+        assert text.count(old) == 1, f"{path} has no single {old!r}"
+        path.write_text(text.replace(old, new))
+    # pip compiled them at install: an edit within the same second and of the same size would go unseen.
+    shutil.rmtree(package / "__pycache__")
+    said = run([venv / "bin" / "vbs", "--version"], env=env).stdout
+    assert said == f"vbs {release} (wire version {wire})\n", said
+    return venv / "bin" / "vbs"

@@ -29,7 +29,7 @@ import pytest
 
 import vbs
 from tests.conftest import free_port, reap_daemons, stop_process, wait_until
-from tests.installed import REPO, Installed, clean_env, install, run
+from tests.installed import REPO, Installed, clean_env, install, newer_release, run
 from tests.postgres_cluster import PostgresForTests
 from vbs.system.files import write_private
 from vbs.versions import WIRE_VERSION
@@ -280,3 +280,49 @@ def test_a_peer_of_another_wire_version_is_refused_both_ways(running: Install) -
     assert f"the caller runs VBS 99.0.0 and speaks wire version {newer}" in message
     wait_until(lambda: "refused a call to /v1/pools/default/volumes" in running.log("storage-agent"), 30,
                what="the agent's log line")
+
+
+def test_a_real_agent_of_a_newer_wire_version_is_refused_naming_both_versions(running: Install) -> None:
+    """A storage agent of a later release that speaks only wire version 2 (tests/installed.py
+    newer_release), started as its unit starts it: each of its heartbeats is refused on its head, both
+    sides say why with both versions, and it never joins."""
+    newer_vbs = newer_release(running.installed, "venv-newer", release="99.0.0", wire=WIRE_VERSION + 1)
+    d = running.dir
+    running.vbs("issue-cert", "storage-2", "--host", "127.0.0.1", "--data-dir", f"{d}/controller", "--out-dir",
+                f"{d}/tls")
+    write_private(d / "storage-2.token", running.vbs("node-token", "storage-2", "--kind", "storage", "--data-dir",
+                                                     f"{d}/controller").stdout)
+    (d / "pools" / "storage-2").mkdir()
+    config = d / "storage-2.toml"
+    config.write_text(f'''
+[storage_agent]
+host = "127.0.0.1"
+port = {free_port()}
+node_name = "storage-2"
+controller_url = "{running.endpoint}"
+agent_token_file = "{d}/storage-2.token"
+pool_path = "{d}/pools/storage-2"
+state_dir = "{d}/storage-2"
+export_host = "127.0.0.1"
+nbd_port = {free_port()}
+tls_cert = "{d}/tls/storage-2.pem"
+tls_key = "{d}/tls/storage-2-key.pem"
+tls_ca = "{running.ca}"
+''')
+    (line,) = unit_lines(ROLES["storage-agent"], "ExecStart")
+    argv = [str(newer_vbs) if a == UNIT_VBS else str(config) if a == UNIT_CONFIG else a for a in shlex.split(line)]
+    log = d / "storage-2.log"
+    agent = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=running.env, cwd="/")
+    try:
+        why = (f"the controller runs VBS {vbs.__version__}, which serves wire versions {WIRE_VERSION}; the caller "
+               f"runs VBS 99.0.0 and speaks wire version {WIRE_VERSION + 1}: refused")
+        wait_until(lambda: why in log.read_text(errors="replace") or agent.poll() is not None, 180, 0.5,
+                   what="storage-2's log of its refused heartbeat")
+        assert agent.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert "heartbeat failed: " + why in log.read_text(errors="replace")
+        assert f"refused a call to /internal/v1/storage-heartbeat: {why}" in running.log("controller")
+        assert running.node("storage_nodes", "storage-2") is None
+        assert running.node("storage_nodes", "storage-1") is not None
+    finally:
+        stop_process(agent, signal.SIGTERM, timeout=60)
+        reap_daemons(d / "storage-2")
