@@ -8,4 +8,5 @@ One package, three services and one ``vbs`` executable:
 - ``vbs.cli``: the command line, including ``vbs up``, the embedded single-machine default.
 """
 
+# The release: the wheel's version (pyproject.toml reads it from here) and what `vbs --version` prints.
 __version__ = "0.1.0"

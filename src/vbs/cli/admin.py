@@ -120,6 +120,28 @@ def node_token(
     print(NodeKeyring.for_data_dir(data_dir).ensure().token(kind, name))
 
 
+@commands.command("bootstrap-key")
+def bootstrap_key(
+    data_dir: Annotated[Path, typer.Option(help="The controller's data dir.")] = Path("./var"),
+) -> None:
+    """Make the install's first access key (an admin of tenant default) in DATA_DIR/credentials, and the
+    secrets every controller of the install shares (node-secret, master.key), each unless it exists (0600);
+    run where the controller's data dir is, before its first start."""
+    from vbs.controller.auth.keys import MasterKey
+    from vbs.trust import credentials
+    from vbs.trust.fail_closed import harden
+    from vbs.trust.node_credentials import NodeKeyring
+
+    harden(data_dir)
+    path = data_dir / "credentials"
+    key = credentials.ensure_file(path, env={})
+    NodeKeyring.for_data_dir(data_dir).ensure()
+    MasterKey(data_dir / "master.key").ensure()
+    print(f"access key {key.access_key_id} in {path} (0600): the controller's first key; the CLI uses it with "
+          f"VBS_CREDENTIALS_FILE={path}\nnode secret {data_dir / 'node-secret'}, master key {data_dir / 'master.key'} "
+          "(0600): copy all three to every other controller of the install")
+
+
 @commands.command("issue-cert")
 def issue_cert(
     name: Annotated[str, typer.Argument(help="The node's name (its --node-name): the certificate's CN.")],

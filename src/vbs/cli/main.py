@@ -65,7 +65,8 @@ _ORDER = (
     "delete-tags",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
-    "controller", "storage-agent", "host-agent", "up", "demo-vm", "node-token", "issue-cert", "rotate-keys",
+    "controller", "storage-agent", "host-agent", "up", "demo-vm", "bootstrap-key", "node-token", "issue-cert",
+    "rotate-keys",
 )
 app.registered_commands = sorted(
     (command for module in (volumes, nodes, snapshots, recycle_bin, admin, services, demo_vm)
@@ -73,9 +74,20 @@ app.registered_commands = sorted(
     key=lambda command: _ORDER.index(command.name or ""))
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from vbs.versions import RELEASE, WIRE_VERSION
+
+        print(f"vbs {RELEASE} (wire version {WIRE_VERSION})")
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     ctx: typer.Context,
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="Print VBS's release and wire version (docs/install.md, \"Upgrades\") and exit.")] = False,
     endpoint: Annotated[str | None, typer.Option(envvar="VBS_ENDPOINT", help=(
         "Controller URL, or several separated by commas (the next is tried when one fails); default: the "
         f"profile's, else http://127.0.0.1:{DEFAULT_CONTROLLER_PORT}."))] = None,

@@ -26,6 +26,12 @@ def moment(title: str, key: str) -> Column:
     return title, lambda row: row[key][:19]
 
 
+def node_version(node: dict[str, Any]) -> str:
+    """A node's VBS release and wire version, as its heartbeats named them."""
+    release, wire = node.get("vbs_version"), node.get("wire_version")
+    return f"{release or 'unknown'} (wire {wire})" if wire is not None else "unknown"
+
+
 def _attachments(v: dict[str, Any]) -> str:
     return ", ".join(f"{a['instance_id'] or a['vm_id']}@{a['host']}:{a['device']} ({a['state']})"
                      for a in v.get("attachments", []))
@@ -112,6 +118,7 @@ HOST_COLUMNS: list[Column] = [
     ("RTT to storage", lambda h: ", ".join(f"{p['storage_node']} {p['rtt_ms']:.2f} ms" for p in h.get("probes", []))),
     ("Local pools", lambda h: ", ".join(f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f}"
                                         " GiB free" for p in h.get("local_pools", []))),
+    ("Version", node_version),
     moment("Last heartbeat", "last_heartbeat"),
 ]
 
@@ -242,6 +249,7 @@ NODE_COLUMNS: list[Column] = [
     ("Pools", lambda n: ", ".join(
         f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f} GiB free ({p['clone_method']})"
         for p in n["pools"])),
+    ("Version", node_version),
     moment("Last heartbeat", "last_heartbeat"),
 ]
 

@@ -22,6 +22,7 @@ import httpx
 from vbs.errors import VbsError
 from vbs.net.repeating import Repeating
 from vbs.net.web import ApiClient
+from vbs.versions import sent_headers
 from vbs.wire.probes import MAX_PROBES, PROBE_PATH, PROBE_TICKET_HEADER, Probe, ProbeTarget, ProbeTargets
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ def connect_rtt_ms(url: str, *, samples: int = CONNECTS) -> float:
 
 def transfer_mbps(client: httpx.Client, target: ProbeTarget, size: int) -> float:
     """MiB/s of one ``size``-byte answer from the node's probe endpoint (after a warm-up round trip)."""
-    headers = {PROBE_TICKET_HEADER: target.ticket} if target.ticket else {}
+    headers = sent_headers()
+    if target.ticket:
+        headers[PROBE_TICKET_HEADER] = target.ticket
     url = target.url.rstrip("/") + PROBE_PATH
     client.get(url, params={"bytes": "0"}, headers=headers).raise_for_status()
     start = time.perf_counter()

@@ -57,7 +57,7 @@ def copy_credentials(cfg: HostAgentConfig, state: Path | None) -> CopyCredential
 def serve(cfg: HostAgentConfig) -> None:
     state = cfg.state_dir.resolve() if cfg.state_dir is not None else None
     sec = agent_security.prepare("host agent", cfg, *([state] if state else []),
-                                 fence_file=state / "fences.json" if state else None)
+                                 node_name=cfg.node_name, fence_file=state / "fences.json" if state else None)
     driver = build_driver(cfg)
     pauses = Pauses(cast(PausingDriver, driver), state) if driver.capabilities.pause else None
     if pauses is not None:

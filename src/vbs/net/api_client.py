@@ -23,6 +23,7 @@ import httpx  # noqa: E402
 from vbs.errors import AgentUnavailable, AgentUnreachable, InvalidParameter, VbsError, from_body
 from vbs.net.endpoints import is_idempotent
 from vbs.trust import fencing
+from vbs.versions import sent_headers
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -74,8 +75,11 @@ class ApiClient:
         return self.base_urls[self._current]
 
     def _auth(self) -> dict[str, str]:
+        """The headers of every call: the caller's versions (vbs.versions), its token, its fence."""
         token = self._token() if callable(self._token) else self._token
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+        headers = sent_headers()
+        if token:
+            headers["authorization"] = f"Bearer {token}"
         fence = fencing.current()
         if fence is not None:
             headers[fencing.FENCE_HEADER] = fence

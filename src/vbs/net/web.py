@@ -37,6 +37,10 @@ from vbs.errors import (
 from vbs.net.api_client import SERVER_KEEP_ALIVE_S
 from vbs.net.api_client import ApiClient as ApiClient
 from vbs.net.asgi import HttpMiddleware
+from vbs.net.heads import Scope as Scope
+from vbs.net.heads import header as header
+from vbs.net.heads import peer_check as peer_check
+from vbs.net.heads import refusal as refusal
 from vbs.trust import fencing
 from vbs.trust.node_credentials import TokenSource
 from vbs.trust.pki import PeerCertificate, peer_certificate
@@ -209,19 +213,18 @@ async def _send_refusal(scope: Scope, send: Any, exc: VbsError) -> None:
     await refusal(exc)(scope, nothing, send)
 
 
-def refusal(exc: VbsError) -> Response:
-    """A JSON error answer without a request (for checks made on a request's head)."""
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers={"connection": "close"})
-
-
-def agent_auth(source: TokenSource, *, insecure: bool,
-               fences: fencing.FenceBook | None = None) -> Callable[[Scope], Response | None]:
+def agent_auth(source: TokenSource, *, insecure: bool, fences: fencing.FenceBook | None = None,
+               me: str = "this agent") -> Callable[[Scope], Response | None]:
     """The pre-body check of an agent's ``/v1``: ``Authorization: Bearer <this node's token>``, then
-    the call's fencing token, if it carries one (``vbs.trust.fencing``).
+    the caller's wire version (``peer_check``; ``me`` names this agent in a refusal), then the call's
+    fencing token, if it carries one (``vbs.trust.fencing``).
 
     Without a token the agent accepts every caller only when it runs ``--insecure``."""
 
-    def fence_check(scope: Scope) -> Response | None:
+    def admit(scope: Scope) -> Response | None:  # the caller is authenticated: its versions, then its fence
+        refused = peer_check(scope, me)
+        if refused is not None:
+            return refused
         value = header(scope, fencing.FENCE_HEADER.encode())
         if not value or fences is None:
             return None
@@ -236,23 +239,13 @@ def agent_auth(source: TokenSource, *, insecure: bool,
         if scope["path"] == "/health":
             return None
         if not source.configured and insecure:
-            return fence_check(scope)
+            return admit(scope)
         given = header(scope, b"authorization")
         if given.startswith("Bearer ") and source.accepts(given[len("Bearer "):].strip()):
-            return fence_check(scope)
+            return admit(scope)
         return refusal(AuthFailure("missing or wrong bearer token"))
 
     return check
-
-
-Scope = dict[str, Any]
-
-
-def header(scope: Scope, name: bytes) -> str:
-    for k, v in scope.get("headers", []):
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return ""
 
 
 def is_loopback(host: str | None) -> bool:

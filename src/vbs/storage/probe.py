@@ -14,7 +14,7 @@ from fastapi import FastAPI, Query
 from starlette.responses import Response
 
 from vbs.errors import AuthFailure
-from vbs.net.web import Scope, header, refusal
+from vbs.net.web import Scope, header, peer_check, refusal
 from vbs.trust import probe_tickets
 from vbs.trust.node_credentials import TokenSource
 from vbs.wire.probes import MAX_PROBE_BYTES, PROBE_PATH, PROBE_TICKET_HEADER
@@ -32,7 +32,7 @@ def probe_auth(node_auth: Callable[[Scope], Response | None], token: TokenSource
         if scope.get("method") != "GET":
             return refusal(AuthFailure("the probe endpoint answers GET only"))
         if not token.configured and insecure:
-            return None
+            return peer_check(scope, f"storage agent {node_name}")
         current = token.current()
         try:
             if current is None:
@@ -40,7 +40,7 @@ def probe_auth(node_auth: Callable[[Scope], Response | None], token: TokenSource
             probe_tickets.verify(header(scope, PROBE_TICKET_HEADER.encode()), current, node_name)
         except AuthFailure as exc:
             return refusal(exc)
-        return None
+        return peer_check(scope, f"storage agent {node_name}")
 
     return check
 

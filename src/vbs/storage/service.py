@@ -98,7 +98,7 @@ def watch_daemon(exports: ExportDriver, stop: threading.Event) -> None:
 
 def serve(cfg: StorageAgentConfig) -> None:
     sec = agent_security.prepare("storage agent", cfg, cfg.state_dir.resolve(),
-                                 fence_file=cfg.state_dir.resolve() / "fences.json")
+                                 node_name=cfg.node_name, fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
     store = build_store(cfg)
     exports.start()

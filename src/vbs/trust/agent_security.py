@@ -29,10 +29,12 @@ class AgentSecurity:
     # The highest fencing token seen per resource (vbs.trust.fencing): a controller that lost an operation
     # to another one is refused.
     fences: FenceBook
+    # This agent as a refusal names it ("storage agent storage-1").
+    me: str = "this agent"
 
     @property
     def auth(self) -> Callable[[Scope], Response | None]:
-        return agent_auth(self.token, insecure=self.insecure, fences=self.fences)
+        return agent_auth(self.token, insecure=self.insecure, fences=self.fences, me=self.me)
 
     @property
     def scheme(self) -> str:
@@ -44,10 +46,11 @@ class AgentSecurity:
         return ApiClient(urls, self.token.current, verify=verify, label=label)
 
 
-def prepare(service: str, cfg: _AgentSection, *dirs: Path, fence_file: Path | None = None) -> AgentSecurity:
+def prepare(service: str, cfg: _AgentSection, *dirs: Path, node_name: str,
+            fence_file: Path | None = None) -> AgentSecurity:
     """``fence_file`` keeps the fence book across restarts (in a state dir of the agent's own)."""
     token = TokenSource(cfg.agent_token, cfg.agent_token_file)
     tls = check_start(service, cfg, has_credentials=token.configured,
                       what="node token (VBS_AGENT_TOKEN or agent_token_file; `vbs node-token` prints it)")
     harden(*dirs)
-    return AgentSecurity(tls, token, cfg.insecure, FenceBook(fence_file))
+    return AgentSecurity(tls, token, cfg.insecure, FenceBook(fence_file), me=f"{service} {node_name}")

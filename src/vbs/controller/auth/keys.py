@@ -80,6 +80,11 @@ class MasterKey:
         self._seen: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
 
+    def ensure(self) -> None:
+        """Make the file now if it does not exist (every controller of an install needs the same one:
+        ``vbs bootstrap-key`` makes it before the first start, so that it can be copied to the others)."""
+        self._load()
+
     def _load(self) -> list[AESGCM]:
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

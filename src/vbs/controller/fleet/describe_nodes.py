@@ -30,10 +30,11 @@ from vbs.wire.storage import PoolInfo
 
 
 def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetime) -> StorageNodeOut:
+    info = storage_info(n)
     return StorageNodeOut(
         name=n.name, url=n.url, state="up" if is_alive(n, timeout_s, now) else "down", drained=n.drained,
         availability_zone=zone_of(n, default_zone), last_heartbeat=n.last_heartbeat,
-        pools=[pool_out(p) for p in storage_info(n).pools],
+        pools=[pool_out(p) for p in info.pools], vbs_version=info.vbs_version, wire_version=info.wire_version,
     )
 
 
@@ -153,5 +154,6 @@ def describe_hosts(session: Session, timeout_s: float) -> list[HostOut]:
                              state="up" if is_alive(n, timeout_s, now) else "down", last_heartbeat=n.last_heartbeat,
                              instances=counts.get(n.name, 0), hypervisor=info.hypervisor,
                              capabilities=info.capabilities, probes=info.probes,
-                             local_pools=[pool_out(p) for p in info.local_pools]))
+                             local_pools=[pool_out(p) for p in info.local_pools],
+                             vbs_version=info.vbs_version, wire_version=info.wire_version))
     return hosts

@@ -19,6 +19,7 @@ from vbs.controller.db import Instance, Node
 from vbs.controller.db.documents import LARGE_DOCUMENT_CHARS, ParsedDocuments
 from vbs.controller.db.locks import on_postgresql
 from vbs.controller.db.tables import utcnow
+from vbs.versions import Peer
 from vbs.wire.base import Wire
 from vbs.wire.connection import HostIdentity
 from vbs.wire.host import HostHeartbeat, HypervisorCapabilities
@@ -36,6 +37,10 @@ class StorageNodeInfo(Wire):
     exports: list[ExportInfo] = []
     availability_zone: str | None = None
     volume_usage: dict[str, int] = {}
+    # The agent's VBS release and wire version, as its heartbeat's headers said (vbs.versions; None:
+    # not said, a VBS older than the headers).
+    vbs_version: str | None = None
+    wire_version: int | None = None
 
 
 class HostNodeInfo(Wire):
@@ -46,6 +51,8 @@ class HostNodeInfo(Wire):
     capabilities: HypervisorCapabilities = HypervisorCapabilities(protocols=[])
     probes: list[Probe] = []
     local_pools: list[PoolInfo] = []
+    vbs_version: str | None = None  # as StorageNodeInfo's
+    wire_version: int | None = None
 
 
 def _parse_storage_info(info: Any) -> StorageNodeInfo:
@@ -142,17 +149,19 @@ def _record(session: Session, name: str, kind: str, url: str, address: str, star
                     .on_conflict_do_update(index_elements=[Node.name, Node.kind], set_=values))
 
 
-def record_storage_heartbeat(session: Session, hb: StorageHeartbeat) -> None:
+def record_storage_heartbeat(session: Session, hb: StorageHeartbeat, sender: Peer | None = None) -> None:
+    """``sender``: the versions the heartbeat's headers named (vbs.versions), kept with the node."""
     _record(session, hb.name, "storage", hb.url, hb.address, hb.started_at,
             StorageNodeInfo(pools=hb.pools, exports=hb.exports, availability_zone=hb.availability_zone,
-                            volume_usage=hb.volume_usage))
+                            volume_usage=hb.volume_usage, **_versions(sender)))
 
 
-def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
+def record_host_heartbeat(session: Session, hb: HostHeartbeat, sender: Peer | None = None) -> None:
     """Register the host and its VMs; each VM becomes an instance ``i-…`` the first time it is seen."""
     _record(session, hb.name, "host", hb.url, hb.address, hb.started_at,
             HostNodeInfo(initiator_name=hb.initiator_name, hypervisor=hb.hypervisor, capabilities=hb.capabilities,
-                         probes=hb.probes, local_pools=hb.local_pools))
+                         probes=hb.probes, local_pools=hb.local_pools, **_versions(sender)))
+
     if hb.vms is None:
         return
     now = utcnow()
@@ -175,6 +184,10 @@ def record_host_heartbeat(session: Session, hb: HostHeartbeat) -> None:
     for vm_id, inst in known.items():
         if vm_id not in reported and inst.state != "gone":
             inst.state = "gone"
+
+
+def _versions(sender: Peer | None) -> dict[str, Any]:
+    return {} if sender is None else {"vbs_version": sender.release, "wire_version": sender.wire}
 
 
 def is_alive(node: StorageNodeRecord, timeout_s: float, now: datetime) -> bool:

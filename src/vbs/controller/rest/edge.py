@@ -9,7 +9,8 @@
   request's state (``request.state.node``) for the handler. A controller that serves HTTPS with a
   CA also needs the node's client certificate (CN = the token's node name: mutual TLS, two factors
   a thief must both hold); the certificate goes in ``request.state.node_cert``, whose names bound
-  the address the node may report.
+  the address the node may report. Then the agent's wire version (vbs.versions): one this controller
+  cannot serve is refused, naming both sides' versions; the one it can is ``request.state.versions``.
 - The public APIs need credentials: a bearer key is checked in full here (and accepted over plain
   HTTP from loopback only: it is the secret itself); a SigV4 signature covers the body's hash, so it
   is verified once the (bounded) body has arrived, but a request without any is refused at once.
@@ -29,10 +30,11 @@ from vbs.controller.ebs.api import ebs_refusal, is_ebs_path
 from vbs.controller.ec2 import xml
 from vbs.controller.rbin.api import is_rbin_path, rbin_refusal
 from vbs.errors import AuthFailure, VbsError
-from vbs.net.web import Scope, header, is_loopback, peer_of, refusal
+from vbs.net.web import Scope, header, is_loopback, peer_check, peer_of, refusal
 from vbs.trust.node_credentials import REFUSED, NodeKeyring
 
 XML_TYPE = "text/xml;charset=UTF-8"
+ME = "the controller"  # as a refusal of an agent's wire version names it
 NO_CREDENTIALS = "The request carries no credentials (a bearer key or an AWS Signature Version 4)."
 BEARER_OFF_LOOPBACK = ("bearer credentials are accepted over plain HTTP from loopback only: use HTTPS, "
                        "or sign the request (SigV4)")
@@ -87,14 +89,14 @@ def pre_auth(auth: Authenticator, keyring: NodeKeyring, *, insecure: bool,
         try:
             if path.startswith("/internal/"):
                 if not authz and insecure:
-                    return None
+                    return peer_check(scope, ME)
                 token = authz[len("Bearer "):].strip() if authz.startswith("Bearer ") else ""
                 node = keyring.verify(token)
                 peer = peer_of(scope)
                 if node_certs and (peer is None or peer.common_name != node.name):
                     raise AuthFailure(REFUSED)
                 scope.setdefault("state", {}).update(node=node, node_cert=peer)
-                return None
+                return peer_check(scope, ME)
             if authz.startswith("Bearer "):
                 client = (scope.get("client") or (None, 0))[0]
                 if scope.get("scheme") != "https" and not is_loopback(client):

@@ -17,6 +17,7 @@ from vbs.controller.runtime import Controller
 from vbs.errors import AuthFailure, UnauthorizedOperation
 from vbs.trust.node_credentials import REFUSED, NodeIdentity
 from vbs.trust.pki import PeerCertificate
+from vbs.versions import Peer
 from vbs.wire.base import Ack
 from vbs.wire.host import HostHeartbeat
 from vbs.wire.probes import MAX_PROBES, ProbeTarget, ProbeTargets
@@ -46,20 +47,22 @@ def internal_router(*, insecure: bool) -> APIRouter:
                                         "certificate does not name")
 
     def heartbeat(request: Request, svc: Controller, kind: str, body: StorageHeartbeat | HostHeartbeat,
-                  record: Callable[[Session], None]) -> Ack:
-        """A node's heartbeat, recorded once it came from that node (``same_node``)."""
+                  record: Callable[[Session, Peer | None], None]) -> Ack:
+        """A node's heartbeat, recorded once it came from that node (``same_node``), with the versions its
+        headers named (the edge checked them: ``request.state.versions``)."""
         same_node(request, kind, body.name, body.address)
+        sender: Peer | None = getattr(request.state, "versions", None)
         with svc.db.session() as s:
-            record(s)
+            record(s, sender)
         return Ack()
 
     @r.post("/storage-heartbeat")
     def storage_heartbeat(body: StorageHeartbeat, request: Request, svc: Services) -> Ack:
-        return heartbeat(request, svc, "storage", body, lambda s: record_storage_heartbeat(s, body))
+        return heartbeat(request, svc, "storage", body, lambda s, v: record_storage_heartbeat(s, body, v))
 
     @r.post("/host-heartbeat")
     def host_heartbeat(body: HostHeartbeat, request: Request, svc: Services) -> Ack:
-        return heartbeat(request, svc, "host", body, lambda s: record_host_heartbeat(s, body))
+        return heartbeat(request, svc, "host", body, lambda s, v: record_host_heartbeat(s, body, v))
 
     @r.get("/probe-targets")
     def probe_targets(request: Request, svc: Services) -> ProbeTargets:

@@ -47,6 +47,9 @@ class StorageNodeOut(BaseModel):
     availability_zone: str
     last_heartbeat: datetime
     pools: list[PoolOut]
+    # The node's VBS release and wire version as its last heartbeat named them (None: not named).
+    vbs_version: str | None = None
+    wire_version: int | None = None
 
 
 class StorageNodeList(BaseModel):
@@ -128,6 +131,8 @@ class HostOut(BaseModel):
     probes: list[Probe] = []
     # Semi-shared storage: the host's own pools, where local volumes go.
     local_pools: list[PoolOut] = []
+    vbs_version: str | None = None  # as StorageNodeOut's
+    wire_version: int | None = None
 
 
 class HostList(BaseModel):

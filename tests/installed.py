@@ -1,0 +1,112 @@
+"""VBS as an operator installs it (docs/install.md): the wheel ``python -m build`` makes from this tree, a
+wheelhouse of it and its dependencies, and a fresh venv of Debian's python3 that installs from that
+wheelhouse alone (``pip install --no-index``). The install tests run the ``vbs`` of that venv, never
+this tree's.
+
+Why a wheelhouse: it is what docs/install.md has an operator do (build once, install on every node
+without reaching an index), and it keeps the install itself offline. Making it is the one step that
+asks PyPI (``pip wheel``, through pip's cache, so a second session fetches and builds nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import vbs
+
+REPO = Path(__file__).resolve().parent.parent
+# The interpreter docs/install.md installs VBS with (Debian's python3 and python3-venv).
+DEBIAN_PYTHON = Path("/usr/bin/python3")
+# Building and fetching compete with everything else on a loaded machine: generous.
+BUILD_TIMEOUT_S = 1800
+
+
+def run(argv: list[str | Path], *, env: dict[str, str] | None = None, timeout: float = BUILD_TIMEOUT_S,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (no shell); fail with its output if it fails."""
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    assert proc.returncode == 0, f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def clean_env(home: Path, **extra: str) -> dict[str, str]:
+    """An environment without this session's VBS settings or Python paths, its home in ``home``."""
+    kept = {k: v for k, v in os.environ.items()
+            if not k.startswith(("VBS_", "PYTHON", "PIP_", "VIRTUAL_ENV", "AWS_")) and k not in ("XDG_CONFIG_HOME",)}
+    return {**kept, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **extra}
+
+
+def build_wheel(out: Path) -> Path:
+    """The wheel of this tree, built from a copy of it (a build writes build/ and *.egg-info beside its
+    sources, and two builds of one tree at once would share them)."""
+    source = out / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    dist = out / "dist"
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", dist, source])
+    (wheel,) = dist.glob("vbs-*.whl")
+    return wheel
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A venv with VBS installed from its wheel."""
+
+    root: Path
+    wheel: Path
+    wheelhouse: Path
+    venv: Path
+
+    @property
+    def vbs(self) -> Path:
+        return self.venv / "bin" / "vbs"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def install(root: Path) -> Installed:
+    """Build the wheel, its wheelhouse, and a fresh venv that installs it from the wheelhouse alone."""
+    wheel = build_wheel(root)
+    wheelhouse = root / "wheelhouse"
+    home = root / "home"
+    home.mkdir()
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", wheelhouse, wheel],
+        env=clean_env(home, PIP_CACHE_DIR=str(Path.home() / ".cache" / "pip")))
+    venv = root / "venv"
+    run([DEBIAN_PYTHON, "-m", "venv", venv], env=clean_env(home))
+    run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse,
+         f"vbs=={vbs.__version__}"], env=clean_env(home))
+    return Installed(root, wheel, wheelhouse, venv)
+
+
+def newer_release(installed: Installed, name: str, *, release: str, wire: int) -> Path:
+    """Another venv with the same wheel, made to be a later release that speaks wire version ``wire`` and
+    serves no older one (its vbs/__init__.py and vbs/versions.py edited after the install): what a machine
+    upgraded across a change of wire version runs. Its ``vbs``."""
+    venv = installed.root / name
+    env = clean_env(installed.root / "home")
+    run([DEBIAN_PYTHON, "-m", "venv", venv], env=env)
+    run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", installed.wheelhouse,
+         f"vbs=={vbs.__version__}"], env=env)
+    (package,) = venv.glob("lib/python3*/site-packages/vbs")
+    edits = ((package / "__init__.py", f'__version__ = "{vbs.__version__}"', f'__version__ = "{release}"'),
+             (package / "versions.py", "WIRE_VERSION = 1\n", f"WIRE_VERSION = {wire}\n"),
+             (package / "versions.py", "OLDEST_WIRE = 1\n", f"OLDEST_WIRE = {wire}\n"))
+    for path, old, new in edits:
+        text = path.read_text()
+        assert text.count(old) == 1, f"{path} has no single {old!r}"
+        path.write_text(text.replace(old, new))
+    # pip compiled them at install: an edit within the same second and of the same size would go unseen.
+    shutil.rmtree(package / "__pycache__")
+    said = run([venv / "bin" / "vbs", "--version"], env=env).stdout
+    assert said == f"vbs {release} (wire version {wire})\n", said
+    return venv / "bin" / "vbs"
