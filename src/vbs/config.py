@@ -116,6 +116,10 @@ class ControllerConfig(_Service):
     # many snapshots a tenant may have pending (started, not completed) at once.
     ebs_block_token_ttl_s: int = Field(24 * 3600, ge=1, le=7 * 24 * 3600)
     ebs_pending_snapshots_max: int = Field(100, ge=1, le=10_000)
+    # Data Lifecycle Manager (docs/lifecycle-policies.md): how often each controller looks for due runs of
+    # the snapshot policies, and how many policies a tenant may have.
+    lifecycle_poll_s: float = Field(10.0, ge=0.5, le=300)
+    lifecycle_policies_max: int = Field(100, ge=1, le=10_000)
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import admin, demo_vm, nodes, output, services, snapshots, volumes
+from vbs.cli import admin, demo_vm, nodes, output, policies, services, snapshots, volumes
 from vbs.cli.argv_hoisting import asks_help, command_index, hoist_global_options, only_global_options
 from vbs.cli.context import Context
 from vbs.cli.database import db_app
@@ -58,14 +58,15 @@ _ORDER = (
     "describe-hosts", "advise", "describe-instances", "create-snapshot", "create-snapshots", "copy-snapshot",
     "share-snapshot", "delete-snapshot", "describe-snapshots", "describe-snapshot", "list-snapshot-blocks",
     "list-changed-blocks", "lock-snapshot", "unlock-snapshot", "describe-locked-snapshots", "archive-snapshot",
-    "restore-snapshot-tier", "describe-snapshot-tier-status", "create-tags",
+    "restore-snapshot-tier", "describe-snapshot-tier-status", "create-lifecycle-policy", "get-lifecycle-policies",
+    "get-lifecycle-policy", "update-lifecycle-policy", "delete-lifecycle-policy", "describe-policy-runs", "create-tags",
     "delete-tags",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
     "controller", "storage-agent", "host-agent", "up", "demo-vm", "node-token", "issue-cert", "rotate-keys",
 )
 app.registered_commands = sorted(
-    (command for module in (volumes, nodes, snapshots, admin, services, demo_vm)
+    (command for module in (volumes, nodes, snapshots, policies, admin, services, demo_vm)
      for command in module.commands.registered_commands),
     key=lambda command: _ORDER.index(command.name or ""))
 

@@ -1,5 +1,6 @@
 """Metadata storage: SQLAlchemy tables, the engine and its migrations."""
 
+from vbs.controller.db.lifecycle_tables import LifecyclePolicy, PolicyRun
 from vbs.controller.db.session import Database
 from vbs.controller.db.tables import (
     AccessKeyRecord,
@@ -48,4 +49,6 @@ __all__ = [
     "ControllerRecord",
     "LeaseRecord",
     "FenceCounter",
+    "LifecyclePolicy",
+    "PolicyRun",
 ]

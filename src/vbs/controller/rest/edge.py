@@ -27,6 +27,7 @@ from vbs.controller.console import PREFIX as CONSOLE_PREFIX
 from vbs.controller.console import is_console_path
 from vbs.controller.ebs.api import ebs_refusal, is_ebs_path
 from vbs.controller.ec2 import xml
+from vbs.controller.lifecycle.api import dlm_refusal, is_dlm_path
 from vbs.errors import AuthFailure, VbsError
 from vbs.net.web import Scope, header, is_loopback, peer_of, refusal
 from vbs.trust.node_credentials import REFUSED, NodeKeyring
@@ -43,6 +44,8 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
                         media_type=XML_TYPE, headers={"connection": "close"})
     if is_ebs_path(scope["path"]):  # and the EBS direct APIs in theirs
         return ebs_refusal(exc)
+    if is_dlm_path(scope["path"]):  # and Data Lifecycle Manager's
+        return dlm_refusal(exc)
     return refusal(exc)
 
 

@@ -16,6 +16,7 @@ from vbs.controller.rest.key_routes import key_routes
 from vbs.controller.rest.lock_routes import lock_routes
 from vbs.controller.rest.node_routes import node_routes
 from vbs.controller.rest.operation_routes import operation_routes
+from vbs.controller.rest.policy_routes import policy_routes
 from vbs.controller.rest.snapshot_routes import snapshot_routes
 from vbs.controller.rest.tag_routes import tag_routes
 from vbs.controller.rest.tier_routes import tier_routes
@@ -32,6 +33,7 @@ def public_router(auth: Authenticator) -> APIRouter:
     snapshot_routes(r)
     lock_routes(r)
     tier_routes(r)
+    policy_routes(r)
     node_routes(r)
     admin_routes(r)
     operation_routes(r)
