@@ -149,6 +149,7 @@ const api = {
   createSnapshot: (body) => call("POST", "/v1/snapshots", body),
   deleteSnapshot: (id) => call("DELETE", `/v1/snapshots/${encodeURIComponent(id)}`),
   snapshotLocks: () => call("GET", "/v1/snapshot-locks").then((answer) => answer.locks),
+  policies: () => call("GET", "/v1/lifecycle-policies").then((answer) => answer.policies),
 };
 
 // -- session --------------------------------------------------------------------------------------
@@ -243,6 +244,9 @@ function route() {
   } else if (view === "snapshots") {
     $("view-snapshots").hidden = false;
     poll(renderSnapshots);
+  } else if (view === "policies") {
+    $("view-policies").hidden = false;
+    poll(renderPolicies);
   } else if (view === "infrastructure") {
     $("view-infrastructure").hidden = false;
     poll(renderInfrastructure);
@@ -663,6 +667,28 @@ async function renderSnapshots(current) {
       } }, "Delete") : ""))));
   $("snapshots-empty").hidden = snapshots.length > 0;
   return snapshots.some((s) => s.status === "pending" || s.status === "deleting");
+}
+
+// A lifecycle policy's schedules, as "name: every 1 hours" or "name: cron(...)".
+function schedulesText(details) {
+  return (details.Schedules || []).map((sc) => {
+    const rule = sc.CreateRule || {};
+    return `${sc.Name}: ${rule.CronExpression || `every ${rule.Interval} ${String(rule.IntervalUnit).toLowerCase()}`}`;
+  }).join("; ");
+}
+
+async function renderPolicies(current) {
+  const policies = await api.policies();
+  if (!current()) return false;
+  $("policies-body").replaceChildren(...policies.map((p) => el("tr", { "data-policy-id": p.policy_id },
+    el("td", { class: "mono" }, p.policy_id), el("td", {}, p.description), el("td", {}, badge(p.state.toLowerCase())),
+    el("td", {}, `${(p.policy_details.ResourceTypes || []).join(", ")} tagged ${(p.policy_details.TargetTags || [])
+      .map((t) => `${t.Key}=${t.Value}`).join(" or ")}`),
+    el("td", {}, schedulesText(p.policy_details)),
+    el("td", { class: "last-run" }, p.last_run ? [badge(p.last_run.status), " ", when(p.last_run.due_at)] : "none yet"),
+    el("td", { class: "error" }, p.last_run && p.last_run.error ? p.last_run.error : ""))));
+  $("policies-empty").hidden = policies.length > 0;
+  return policies.some((p) => p.last_run && p.last_run.status === "running");
 }
 
 async function renderInfrastructure(current) {
