@@ -8,19 +8,18 @@ PutSnapshotBlock's body may go unsigned (``UNSIGNED-PAYLOAD``, as botocore sends
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
+from vbs.controller.aws_json import Handler, Service
 from vbs.controller.ebs import reads, writes
 from vbs.controller.ebs.errors import EbsError, Validation, ebs_error_of
 from vbs.controller.requests.snapshot_permissions import owner_id
@@ -30,8 +29,6 @@ from vbs.errors import VbsError
 from vbs.snapshot_store.format import BLOCK_SIZE
 
 __all__ = ["install", "is_ebs_path", "ebs_refusal"]
-
-log = logging.getLogger(__name__)
 
 _SNAPSHOTS = "/snapshots"
 _INT_RE = re.compile(r"[0-9]{1,19}")
@@ -100,32 +97,13 @@ def _start_request(body: bytes) -> writes.StartRequest:
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
-    Handler = Callable[[Request, Controller, Principal, bytes], Any]
+    ebs = Service(app, auth, "ebs", body_max=BLOCK_SIZE, refuse=ebs_refusal, internal=lambda: EbsError(
+        "An internal error has occurred."), too_large=lambda: Validation(
+        f"The request body is larger than a block ({BLOCK_SIZE} bytes)."))
 
-    def route(path: str, method: str, status: int, *, unsigned_ok: bool = False
-              ) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
-        def wrap(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-            async def endpoint(request: Request) -> Response:
-                try:
-                    body = await request.body()
-                    if len(body) > BLOCK_SIZE:
-                        raise Validation(f"The request body is larger than a block ({BLOCK_SIZE} bytes).")
-                    who = auth.check_service(request, body, "ebs",
-                                             unsigned_payload_vouched_by="x-amz-checksum" if unsigned_ok else None)
-                    svc: Controller = request.app.state.services
-                    answer = await run_in_threadpool(handler, request, svc, who, body)
-                except VbsError as exc:
-                    return ebs_refusal(exc)
-                except Exception:
-                    log.exception("EBS direct API %s %s", method, path)
-                    return ebs_refusal(EbsError("An internal error has occurred."))
-                if isinstance(answer, Response):
-                    return answer
-                return JSONResponse(answer, status_code=status)
-
-            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
-            return endpoint
-        return wrap
+    def route(path: str, method: str, status: int, *, unsigned_ok: bool = False) -> Callable[[Handler], Any]:
+        return ebs.route(path, method, status,
+                         unsigned_payload_vouched_by="x-amz-checksum" if unsigned_ok else None)
 
     @route("/snapshots", "POST", 201)
     def start(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:

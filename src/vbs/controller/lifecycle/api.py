@@ -6,18 +6,16 @@ docs/lifecycle-policies.md.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
+from vbs.controller.aws_json import Service
 from vbs.controller.lifecycle import policies
 from vbs.controller.lifecycle.document import DESCRIPTION_RE, ROLE_ARN_RE
 from vbs.controller.lifecycle.errors import DlmError, InvalidRequest, dlm_error_of
@@ -26,8 +24,6 @@ from vbs.controller.runtime import Controller
 from vbs.errors import VbsError
 
 __all__ = ["install", "is_dlm_path", "dlm_refusal"]
-
-log = logging.getLogger(__name__)
 
 BODY_MAX = 64 * 1024
 _QUERY_MAX = 100  # values of one query parameter
@@ -129,28 +125,9 @@ def _list(request: Request, name: str) -> list[str]:
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
-    Handler = Callable[[Request, Controller, Principal, bytes], Any]
-
-    def route(path: str, method: str) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
-        def wrap(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-            async def endpoint(request: Request) -> Response:
-                try:
-                    body = await request.body()
-                    if len(body) > BODY_MAX:
-                        raise InvalidRequest(f"The request body is larger than {BODY_MAX} bytes.")
-                    who = auth.check_service(request, body, "dlm")
-                    svc: Controller = request.app.state.services
-                    answer = await run_in_threadpool(handler, request, svc, who, body)
-                except VbsError as exc:
-                    return dlm_refusal(exc)
-                except Exception:
-                    log.exception("dlm API %s %s", method, path)
-                    return dlm_refusal(DlmError("An internal error has occurred."))
-                return JSONResponse(answer, status_code=200)
-
-            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
-            return endpoint
-        return wrap
+    route = Service(app, auth, "dlm", body_max=BODY_MAX, refuse=dlm_refusal,
+                    too_large=lambda: InvalidRequest(f"The request body is larger than {BODY_MAX} bytes."),
+                    internal=lambda: DlmError("An internal error has occurred.")).route
 
     @route("/policies", "POST")
     def create(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:

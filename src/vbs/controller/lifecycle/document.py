@@ -223,5 +223,6 @@ def check_details(d: PolicyDetails) -> None:
 
 
 def stored(d: PolicyDetails) -> dict[str, Any]:
-    """The document as stored and answered: the fields given or defaulted, without the empty ones."""
+    """The document as stored and answered: the fields given, and the defaults of those left out (fields
+    given as null are left out)."""
     return d.model_dump(exclude_none=True)
