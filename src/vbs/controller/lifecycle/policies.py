@@ -28,6 +28,7 @@ __all__ = ["create_policy", "get_policy", "list_policies", "update_policy", "del
 _ARN_RE = re.compile(r"arn:aws(-[a-z]{1,3}){0,2}:dlm:[A-Za-z0-9_/.-]{0,63}:[A-Za-z0-9_.-]{1,64}:policy/"
                      r"(policy-[0-9a-f]{17})")
 RUNS_SHOWN_MAX = 100
+STATUS_MESSAGE_MAX = 500  # AWS's StatusMessage
 
 
 def _tags(tags: dict[str, str]) -> dict[str, str]:
@@ -57,7 +58,7 @@ def _status_message(state: str, last: PolicyRun | None) -> str:
     if last is None:
         return f"{state}: no run yet."
     what = f"last run {last.schedule_name!r} due {last.due_at:%Y-%m-%dT%H:%M:%SZ}: {last.status}"
-    return f"{state}: {what}" + (f": {last.error}" if last.error else ".")
+    return (f"{state}: {what}" + (f": {last.error}" if last.error else "."))[:STATUS_MESSAGE_MAX]
 
 
 def _last_runs(s: Session, policy_ids: list[str]) -> dict[str, PolicyRun]:
