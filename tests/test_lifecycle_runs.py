@@ -3,6 +3,9 @@
 * An instance policy takes a crash-consistent, multi-volume set of the tagged instance's volumes (the
   create-snapshots workflow: the VM paused while its volumes are fixed at one instant), without the volumes
   its ExcludeDataVolumeTags name, each snapshot tagged with the instance's id ($(instance-id)).
+* Retention with an ArchiveRule: snapshots beyond the standard count are archived (the archive tier's
+  workflow), archived ones beyond the archive count deleted through the ordinary delete path, and a locked
+  one is kept, the run saying so in its error.
 * Two controllers on PostgreSQL: controller A SIGKILLs itself in the middle of a run, after snapshotting its
   first target (``VBS_CRASH_AT=lifecycle-run:snapshot:done``); controller B takes the run over once A is gone
   and snapshots only the target A had not; every snapshot the policy made is recorded by exactly one run,
@@ -21,7 +24,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from tests.conftest import Vbs, vbs_up_with_guest, wait_until
+from tests.conftest import Vbs, VbsUp, vbs_up_with_guest, wait_until
 from tests.test_controller_failover import Pair, pair  # noqa: F401  (the two controllers' fixture)
 from tests.test_lifecycle_policies import POLICY_TAG, ROLE, details, every_minute, runs
 from vbs.controller.db import PolicyRun, Snapshot, Tag
@@ -75,6 +78,49 @@ def test_an_instance_policy_takes_a_crash_consistent_set_of_its_volumes(guest_in
         assert tags == {"app": "db", "instance": instance, POLICY_TAG: pid,
                         "aws:dlm:lifecycle-schedule-name": "sets"}, tags
     assert guest.qmp("query-status")["status"] == "running", "the VM runs again after its set"
+
+
+@pytest.fixture
+def fast_install(tmp_path: Path) -> Iterator[Vbs]:
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", env=FAST_POLL)
+    try:
+        yield up.start()
+    finally:
+        up.stop()
+
+
+def test_retention_archives_beyond_the_count_and_keeps_a_locked_snapshot(fast_install: Vbs) -> None:
+    vbs = fast_install
+    vbs.create_volume(size_gib=1, tags={"tiered": "yes"})
+    dlm = vbs.aws("dlm")
+    pid = dlm.create_lifecycle_policy(
+        ExecutionRoleArn=ROLE, Description="archive", State="ENABLED",
+        PolicyDetails=details("VOLUME", {"Key": "tiered", "Value": "yes"}, every_minute(
+            "tiered", retain=1, ArchiveRule={"RetainRule": {"RetentionArchiveTier": {"Count": 1}}})))["PolicyId"]
+    [first] = wait_until(lambda: [r for r in runs(vbs, pid) if r["status"] == "succeeded"][:1], 150, interval=2,
+                         what="the first run")
+    [oldest] = [x for ids in first["snapshots"].values() for x in ids]
+    vbs.wait_snapshot(oldest, "completed", timeout=120)
+    r = vbs.http.put(f"/v1/snapshots/{oldest}/lock", json={"mode": "governance", "duration_days": 1})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: len([r for r in runs(vbs, pid) if r["status"] == "succeeded"]) >= 3, 300, interval=2,
+               what="three runs")
+    dlm.update_lifecycle_policy(PolicyId=pid, State="DISABLED")
+    wait_until(lambda: all(r["status"] != "running" for r in runs(vbs, pid)), 120, what="the last run ended")
+    done = sorted(runs(vbs, pid), key=lambda r: r["due_at"])
+    made = [x for r in done for ids in r["snapshots"].values() for x in ids]
+    assert len(made) == len(done) >= 3 and made[0] == oldest
+
+    def tier(snap: str) -> tuple[str, str]:
+        shown = vbs.snapshot(snap)
+        return shown["status"], shown["storage_tier"]
+
+    # The newest in the standard tier, the one before it archived, the locked oldest kept (archived), the rest gone.
+    expected = {made[-1]: ("completed", "standard"), made[-2]: ("completed", "archive"),
+                oldest: ("completed", "archive"), **{x: ("deleted", "standard") for x in made[1:-2]}}
+    wait_until(lambda: {x: tier(x) for x in made} == expected, 120, interval=1, what=f"{expected}")
+    assert all(oldest in (r["error"] or "") and "locked" in (r["error"] or "") for r in done[2:]), done
+    assert oldest in done[1]["retired"] and made[-2] in done[-1]["retired"]
 
 
 def test_a_run_whose_controller_dies_is_taken_over_and_nothing_is_taken_twice(pair: Pair) -> None:  # noqa: F811

@@ -206,6 +206,12 @@ def check_details(d: PolicyDetails) -> None:
         raise InvalidRequest("ResourceLocations other than CLOUD (OUTPOST, LOCAL_ZONE) are not supported.")
     if not d.TargetTags:
         raise InvalidRequest("TargetTags is required: the tags of the volumes or instances the policy targets.")
+    excluded = d.Parameters.ExcludeDataVolumeTags if d.Parameters is not None else []
+    for what, tags in (("TargetTags", d.TargetTags), ("ExcludeDataVolumeTags", excluded)):
+        try:
+            check_tags({t.Key: t.Value for t in tags})
+        except ValueError as exc:
+            raise InvalidRequest(f"Invalid {what}: {exc}.") from None
     if not d.Schedules:
         raise InvalidRequest("Schedules is required: one to four schedules.")
     names = [s.Name for s in d.Schedules]
