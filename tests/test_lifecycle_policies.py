@@ -9,9 +9,11 @@ tagged as the policy says, every due time was run once (one run row, one snapsho
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -218,3 +220,27 @@ def test_unsupported_policies_and_unknown_ones_answer_aws_errors(install: Instal
     assert dlm.get_lifecycle_policy(PolicyId=pid)["Policy"] == kept
     assert vbs.http.get(f"/v1/lifecycle-policies/{pid}").json()["state"] == "DISABLED"
     dlm.delete_lifecycle_policy(PolicyId=pid)
+
+
+def test_the_cli_makes_changes_and_deletes_a_policy_from_an_aws_policy_details_file(
+        install: Install, tmp_path: Path) -> None:
+    vbs = install.vbs
+    doc = tmp_path / "details.json"
+    doc.write_text(json.dumps(details("VOLUME", {"Key": "cli", "Value": "yes"}, {
+        "Name": "twice a day", "CreateRule": {"Interval": 12, "IntervalUnit": "HOURS", "Times": ["03:00"]},
+        "RetainRule": {"Count": 14}})))
+    made = vbs.cli("create-lifecycle-policy", "--policy-details", str(doc), "--description", "from the cli",
+                   "--state", "DISABLED", "--tag", "team=ops")
+    pid = made["policy_id"]
+    assert made["state"] == "DISABLED" and made["tags"] == {"team": "ops"} and made["last_run"] is None
+    assert made["policy_details"]["Schedules"][0]["CreateRule"]["Times"] == ["03:00"]
+    assert [p["policy_id"] for p in vbs.cli("get-lifecycle-policies", "--state", "DISABLED")["policies"]] == [pid]
+    assert vbs.cli("update-lifecycle-policy", pid, "--description", "renamed")["description"] == "renamed"
+    doc.write_text(json.dumps(details("VOLUME", {"Key": "cli", "Value": "yes"}, every_minute(
+        FastRestoreRule={"Count": 1}))))
+    refused = vbs.cli("update-lifecycle-policy", pid, "--policy-details", str(doc), check=False)
+    assert refused.returncode != 0 and "FastRestoreRule" in refused.stderr
+    assert vbs.cli("describe-policy-runs", pid)["runs"] == []
+    assert vbs.cli("delete-lifecycle-policy", pid)["policy_id"] == pid
+    gone = vbs.cli("get-lifecycle-policy", pid, check=False)
+    assert gone.returncode != 0 and "does not exist" in gone.stderr
