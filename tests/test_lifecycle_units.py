@@ -158,7 +158,8 @@ def add_policy(db: Database, made: datetime) -> str:
     with db.session() as s:
         s.add(LifecyclePolicy(id="policy-0123456789abcdef0", tenant="default", description="t", state="ENABLED",
                               execution_role_arn="arn:aws:iam::000000000000:role/r", tags={}, created_at=made,
-                              modified_at=made, details=document.stored(document.parse(doc(sched())))))
+                              modified_at=made, schedules_from=made,
+                              details=document.stored(document.parse(doc(sched())))))
     return "policy-0123456789abcdef0"
 
 

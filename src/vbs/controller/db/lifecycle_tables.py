@@ -28,6 +28,9 @@ class LifecyclePolicy(Base):
     tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime]
     modified_at: Mapped[datetime]
+    # Due times from this instant on are run (or recorded as skipped): set when the policy is made, enabled
+    # again, or given a new document. A change of its description or tags leaves it.
+    schedules_from: Mapped[datetime]
 
 
 class PolicyRun(Base):

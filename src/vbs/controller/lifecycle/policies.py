@@ -96,7 +96,7 @@ def create_policy(svc: Controller, req: PolicyRequest, tenant: str) -> PolicyOut
                                       f"({svc.cfg.lifecycle_policies_max}); delete one first.")
         row = LifecyclePolicy(id=ids.new_id("lifecycle-policy"), tenant=tenant, description=req.description,
                               state=req.state, execution_role_arn=req.execution_role_arn or DEFAULT_ROLE,
-                              details=details, tags=tags, created_at=now, modified_at=now)
+                              details=details, tags=tags, created_at=now, modified_at=now, schedules_from=now)
         s.add(row)
         s.flush()
         return _out(svc, row, None)
@@ -141,8 +141,9 @@ def _matches(details: dict[str, Any], resource_types: list[str] | None, target_t
 
 
 def update_policy(svc: Controller, policy_id: str, req: PolicyRequest, tenant: str) -> PolicyOut:
-    """Change what is given. A changed document starts the schedules afresh from now: due times before the
-    change are neither run nor counted as skipped; the runs already made and their snapshots stay."""
+    """Change what is given. A new document, or enabling a disabled policy, starts the schedules afresh from
+    now: due times before it are neither run nor counted as skipped; the runs already made and their
+    snapshots stay. A new description or role changes no schedule."""
     details = document.stored(document.parse(req.policy_details)) if req.policy_details is not None else None
     if req.tags is not None:
         raise InvalidRequest("Tags are changed with TagResource and UntagResource.")
@@ -152,11 +153,14 @@ def update_policy(svc: Controller, policy_id: str, req: PolicyRequest, tenant: s
             row.description = req.description
         if req.execution_role_arn is not None:
             row.execution_role_arn = req.execution_role_arn
+        now = utcnow()
         if req.state is not None:
+            if req.state == "ENABLED" and row.state != "ENABLED":
+                row.schedules_from = now
             row.state = req.state
         if details is not None:
-            row.details = details
-        row.modified_at = utcnow()
+            row.details, row.schedules_from = details, now
+        row.modified_at = now
         s.flush()
         return _out(svc, row, _last_runs(s, [row.id]).get(row.id))
 

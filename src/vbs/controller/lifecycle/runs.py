@@ -109,14 +109,14 @@ class LifecycleScheduler:
         except CronError:
             return None  # refused when the policy was written; not reachable
         due = cadence.last_due(now)
-        if due is None or due <= policy.modified_at:
-            return None  # nothing due since the policy was made or last changed
+        if due is None or due <= policy.schedules_from:
+            return None  # nothing due since the policy was made, enabled or given its document
         with self.svc.db.read() as s:
             last = s.scalar(select(func.max(PolicyRun.due_at)).where(PolicyRun.policy_id == policy.id,
                                                                    PolicyRun.schedule_name == name))
         if last is not None and last >= due:
             return None  # taken (or skipped) already
-        since = max(policy.modified_at, last) if last is not None else policy.modified_at
+        since = max(policy.schedules_from, last) if last is not None else policy.schedules_from
         for missed in cadence.due_between(since, due, SKIPPED_PER_PASS):
             if missed < due:
                 self._insert(policy.id, name, missed, SKIPPED, now, MISSED)

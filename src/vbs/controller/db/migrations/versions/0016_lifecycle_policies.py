@@ -1,7 +1,8 @@
 """Data Lifecycle Manager (issue 34): snapshot policies and their runs
 
 - lifecycle_policies: a tenant's policy: its description, state (ENABLED, DISABLED), execution role as
-  given, its validated PolicyDetails document (JSON), its tags (JSON), when it was made and changed.
+  given, its validated PolicyDetails document (JSON), its tags (JSON), when it was made and changed, and
+  from when its schedules' due times count (made, enabled again, or given a new document).
 - policy_runs: one due time of one schedule of a policy, unique by (policy, schedule, due time): the
   insert is the claim, so one controller takes it. Its status (running, succeeded, failed, skipped), the
   controller that took it, when it started and finished, the snapshots made per target (JSON), the
@@ -32,6 +33,7 @@ def upgrade() -> None:
         sa.Column("tags", sa.JSON(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("modified_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("schedules_from", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_lifecycle_policies_tenant", "lifecycle_policies", ["tenant"])
