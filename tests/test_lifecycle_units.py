@@ -20,7 +20,7 @@ from vbs.controller.db import ControllerRecord, Database, LifecyclePolicy, Polic
 from vbs.controller.lifecycle import document
 from vbs.controller.lifecycle.errors import InvalidRequest
 from vbs.controller.lifecycle.retention import Kept, older_than, retire
-from vbs.controller.lifecycle.runs import MISSED, LifecycleScheduler
+from vbs.controller.lifecycle.runs import MISSED, LifecycleScheduler, purge
 from vbs.controller.lifecycle.schedule import CronError, cadence_of
 
 pytestmark = pytest.mark.unit
@@ -159,8 +159,12 @@ def add_policy(db: Database, made: datetime) -> str:
         s.add(LifecyclePolicy(id="policy-0123456789abcdef0", tenant="default", description="t", state="ENABLED",
                               execution_role_arn="arn:aws:iam::000000000000:role/r", tags={}, created_at=made,
                               modified_at=made, schedules_from=made,
-                              details=document.stored(document.parse(doc(sched())))))
+                              details=document.stored(document.parse(doc(HOURLY)))))
     return "policy-0123456789abcdef0"
+
+
+# Due on every whole hour: a test's claims meet a new due time only if an hour turns while it runs.
+HOURLY = sched(CreateRule={"Interval": 1, "IntervalUnit": "HOURS"})
 
 
 def run_rows(db: Database) -> list[PolicyRun]:
@@ -171,7 +175,7 @@ def run_rows(db: Database) -> list[PolicyRun]:
 
 
 def test_two_controllers_claiming_one_due_time_make_one_run(db: Database) -> None:
-    add_policy(db, datetime.now(UTC) - timedelta(seconds=61))
+    add_policy(db, datetime.now(UTC) - timedelta(minutes=61))
     claimed: dict[str, list[str]] = {}
     controllers = [scheduler(db, f"ctl-{k}") for k in range(4)]
     threads = [threading.Thread(target=lambda c=c: claimed.setdefault(c.owner, c._claim_due())) for c in controllers]
@@ -188,18 +192,18 @@ def test_two_controllers_claiming_one_due_time_make_one_run(db: Database) -> Non
 
 
 def test_missed_due_times_are_recorded_as_skipped_and_the_latest_is_run(db: Database) -> None:
-    add_policy(db, datetime.now(UTC) - timedelta(minutes=4, seconds=1))
+    add_policy(db, datetime.now(UTC) - timedelta(hours=4, minutes=1))
     [run_id] = scheduler(db, "ctl-a")._claim_due()
     rows = run_rows(db)
     assert [r.status for r in rows][-1] == "running" and rows[-1].id == run_id
     skipped = rows[:-1]
     assert len(skipped) >= 3 and all(r.status == "skipped" and r.error == MISSED for r in skipped)
     dues = [r.due_at for r in rows]
-    assert all(b - a == timedelta(minutes=1) for a, b in zip(dues, dues[1:], strict=False))
+    assert all(b - a == timedelta(hours=1) for a, b in zip(dues, dues[1:], strict=False))
 
 
 def test_a_run_is_taken_over_only_from_a_controller_that_is_gone(db: Database) -> None:
-    add_policy(db, datetime.now(UTC) - timedelta(seconds=61))
+    add_policy(db, datetime.now(UTC) - timedelta(minutes=61))
     [run_id] = scheduler(db, "ctl-a")._claim_due()
     with db.session() as s:
         now = db.clock(s)
@@ -212,5 +216,20 @@ def test_a_run_is_taken_over_only_from_a_controller_that_is_gone(db: Database) -
         assert row is not None
         row.last_seen = db.clock(s) - timedelta(seconds=60)
     assert b._orphans() == [run_id]
-    assert [r.controller for r in run_rows(db)] == ["ctl-b"]
+    assert [r.controller for r in run_rows(db) if r.status == "running"] == ["ctl-b"]
     assert scheduler(db, "ctl-c")._orphans() == [], "ctl-b is alive now"
+
+
+def test_old_runs_are_forgotten_but_each_schedules_newest(db: Database) -> None:
+    add_policy(db, datetime.now(UTC) - timedelta(hours=6, minutes=1))
+    [run_id] = scheduler(db, "ctl-a")._claim_due()  # five or six skipped before it, then the latest, running
+    skipped = len(run_rows(db)) - 1
+    assert skipped >= 5
+    assert purge(db, retention_s=0) == skipped, "finished ones go, but the newest of the schedule (running) stays"
+    assert [r.id for r in run_rows(db)] == [run_id]
+    with db.session() as s:
+        row = s.get(PolicyRun, run_id)
+        assert row is not None
+        row.status = "succeeded"
+    assert purge(db, retention_s=0) == 0, "the schedule's newest says up to where its due times were taken"
+    assert scheduler(db, "ctl-b")._claim_due() == [], "and so nothing is taken again"

@@ -7,6 +7,8 @@
 - **Nothing is skipped silently.** A due time that passed while no controller ran it (all were down, or the
   one holding the loop was busy with a long run), older than the schedule's latest one, gets a ``skipped``
   row saying so; the latest one is still run, late.
+- **Old runs are forgotten** (``purge``): finished runs older than ``operation_retention_s``, but for each
+  schedule's newest, which says up to where its due times were taken.
 - **A run whose controller died is taken over.** A ``running`` row whose controller no longer renews its
   row in ``controllers`` (cluster.py) within a lease is taken by a conditional update (one survivor wins)
   and carried on from where it was: its targets already recorded are not snapshotted again (execute.py).
@@ -16,25 +18,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime
+import time
+from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from vbs import ids
 from vbs.controller.cluster import live_controllers
-from vbs.controller.db import LifecyclePolicy, PolicyRun
+from vbs.controller.db import Database, LifecyclePolicy, PolicyRun
 from vbs.controller.lifecycle.execute import RUNNING, SKIPPED, execute
 from vbs.controller.lifecycle.schedule import CronError, cadence_of
 from vbs.controller.runtime import Controller
 
-__all__ = ["LifecycleScheduler", "MISSED"]
+__all__ = ["LifecycleScheduler", "MISSED", "purge"]
 
 log = logging.getLogger(__name__)
 
 MISSED = "missed: no controller ran the policy at its due time (every controller was down, or busy with an " \
          "earlier run); the schedule's next due time was run instead"
 SKIPPED_PER_PASS = 100  # missed due times recorded per schedule and pass (the rest at the next passes)
+PURGE_INTERVAL_S = 3600.0
+PURGE_BATCH = 1000
 
 
 class LifecycleScheduler:
@@ -44,6 +49,7 @@ class LifecycleScheduler:
         self.svc, self.owner, self.lease_s, self.poll_s = svc, owner, lease_s, poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._purged_at = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="lifecycle-policies", daemon=True)
@@ -56,6 +62,9 @@ class LifecycleScheduler:
         while not self._stop.wait(self.poll_s):
             try:
                 self.tick()
+                if time.monotonic() - self._purged_at >= PURGE_INTERVAL_S:
+                    self._purged_at = time.monotonic()
+                    purge(self.svc.db, self.svc.cfg.operation_retention_s)
             except Exception:
                 log.exception("lifecycle policies")
 
@@ -138,3 +147,19 @@ class LifecycleScheduler:
             return None
         log.info("lifecycle policy %s schedule %r: run %s due %s taken", policy_id, name, run_id, due)
         return run_id
+
+
+def purge(db: Database, retention_s: float) -> int:
+    """Forget finished runs older than ``retention_s`` but each schedule's newest; how many (a batch at most).
+    Every controller may run it: deleting what another deleted already deletes nothing."""
+    with db.session() as s:
+        cutoff = db.clock(s) - timedelta(seconds=retention_s)
+        newest = dict(((p, n), due) for p, n, due in s.execute(
+            select(PolicyRun.policy_id, PolicyRun.schedule_name, func.max(PolicyRun.due_at))
+            .group_by(PolicyRun.policy_id, PolicyRun.schedule_name)).all())
+        old = s.execute(select(PolicyRun.id, PolicyRun.policy_id, PolicyRun.schedule_name, PolicyRun.due_at).where(
+            PolicyRun.status != RUNNING, PolicyRun.due_at < cutoff).limit(PURGE_BATCH)).all()
+        gone = [run_id for run_id, policy_id, name, due in old if due < newest[(policy_id, name)]]
+        if gone:
+            s.execute(delete(PolicyRun).where(PolicyRun.id.in_(gone)))
+    return len(gone)
