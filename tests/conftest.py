@@ -182,10 +182,14 @@ class Vbs:
 
     def ec2(self, key_id: str | None = None, secret: str | None = None) -> Any:
         """A boto3 EC2 client of this install (its key, or the one given), without retries."""
+        return self.aws("ec2", key_id, secret)
+
+    def aws(self, service: str, key_id: str | None = None, secret: str | None = None) -> Any:
+        """A boto3 client of AWS's ``service`` (ec2, dlm, ...) on this install's endpoint, without retries."""
         import boto3
         from botocore.config import Config
 
-        return boto3.client("ec2", endpoint_url=self.endpoint, region_name="us-east-1",
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
                             aws_access_key_id=key_id or self.key.access_key_id,
                             aws_secret_access_key=secret or self.key.secret_access_key,
                             config=Config(retries={"max_attempts": 1}))

@@ -518,3 +518,27 @@ def test_a_user_key_sees_its_tenant_only_and_no_infrastructure(cloud: Cloud, pag
     page.wait_for_selector(f"#instances-body tr[data-instance-id='{cloud.instance_id}']")
     assert page.locator("#hosts-body tr").count() == 0 and page.locator("#storage-body tr").count() == 0
     shot(page, "10-user-key")
+
+
+@pytest.mark.integration
+def test_the_policies_page_shows_each_policy_with_its_schedule_and_last_run(cloud: Cloud, page: Any) -> None:
+    cloud.new_volume(tags={"console-backup": "yes"})
+    schedule = {"Name": "minutely", "CreateRule": {"Interval": 1, "IntervalUnit": "MINUTES"},
+                "RetainRule": {"Count": 1}}
+    r = cloud.vbs.http.post("/v1/lifecycle-policies", json={
+        "description": "console", "state": "ENABLED", "policy_details": {
+            "ResourceTypes": ["VOLUME"], "TargetTags": [{"Key": "console-backup", "Value": "yes"}],
+            "Schedules": [schedule]}})
+    assert r.status_code == 200, r.text
+    pid = r.json()["policy_id"]
+    wait_until(lambda: (cloud.vbs.http.get(f"/v1/lifecycle-policies/{pid}").json()["last_run"] or {}).get(
+        "status") == "succeeded", 240, interval=2, what="the policy's first run")
+    sign_in(page, cloud.vbs)
+    page.click("a[data-view=policies]")
+    row = f"#policies-body tr[data-policy-id='{pid}']"
+    page.wait_for_selector(row)
+    expect(page.locator(f"{row} td.last-run")).to_contain_text("succeeded")
+    expect(page.locator(row)).to_contain_text("minutely: every 1 minutes")
+    expect(page.locator(row)).to_contain_text("VOLUME tagged console-backup=yes")
+    shot(page, "11-lifecycle-policies")
+    assert cloud.vbs.http.delete(f"/v1/lifecycle-policies/{pid}").status_code == 200

@@ -119,6 +119,10 @@ class ControllerConfig(_Service):
     # How long one "day" of a Recycle Bin retention period or rule unlock delay lasts: a day, or less for
     # a test or a demo only (docs/recycle-bin.md).
     recycle_bin_day_s: int = Field(86400, ge=1, le=86400)
+    # Data Lifecycle Manager (docs/lifecycle-policies.md): how often each controller looks for due runs of
+    # the snapshot policies, and how many policies a tenant may have.
+    lifecycle_poll_s: float = Field(10.0, ge=0.5, le=300)
+    lifecycle_policies_max: int = Field(100, ge=1, le=10_000)
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

@@ -16,6 +16,8 @@ PREFIXES = {
     "operation": "op",
     "modification": "mod",
     "volume-key": "vk",
+    "lifecycle-policy": "policy",
+    "policy-run": "run",
 }
 
 _HEX = 17

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import admin, demo_vm, nodes, output, recycle_bin, services, snapshots, volumes
+from vbs.cli import admin, demo_vm, nodes, output, policies, recycle_bin, services, snapshots, volumes
 from vbs.cli.argv_hoisting import asks_help, command_index, hoist_global_options, only_global_options
 from vbs.cli.context import Context
 from vbs.cli.database import db_app
@@ -63,13 +63,15 @@ _ORDER = (
     "restore-snapshot-from-recycle-bin",
     "list-volumes-in-recycle-bin", "restore-volume-from-recycle-bin", "create-tags",
     "delete-tags",
+    "create-lifecycle-policy", "get-lifecycle-policies", "get-lifecycle-policy", "update-lifecycle-policy",
+    "delete-lifecycle-policy", "describe-policy-runs",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
     "controller", "storage-agent", "host-agent", "up", "demo-vm", "bootstrap-key", "node-token", "issue-cert",
     "rotate-keys",
 )
 app.registered_commands = sorted(
-    (command for module in (volumes, nodes, snapshots, recycle_bin, admin, services, demo_vm)
+    (command for module in (volumes, nodes, snapshots, recycle_bin, policies, admin, services, demo_vm)
      for command in module.commands.registered_commands),
     key=lambda command: _ORDER.index(command.name or ""))
 

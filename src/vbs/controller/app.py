@@ -29,6 +29,8 @@ from vbs.controller.ebs.writes import expire_pending
 from vbs.controller.ec2 import api as ec2_api
 from vbs.controller.fleet.agents import AgentDirectory
 from vbs.controller.fleet.reconcile import Reconciler
+from vbs.controller.lifecycle import api as dlm_api
+from vbs.controller.lifecycle.runs import LifecycleScheduler
 from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.rbin import api as rbin_api
 from vbs.controller.requests import recycle_bin
@@ -157,6 +159,8 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                                            lease=reconcile_lease, on_findings=metrics.drift),
                      resolvers=Resolvers.from_config(cfg))
     svc.reconciler.follow_incoming = lambda: start_external_migrations(svc)
+    # Every controller runs the lifecycle policies; each due run is claimed by one (docs/lifecycle-policies.md).
+    lifecycle = LifecycleScheduler(svc, owner, lease_s=cfg.operation_lease_s, poll_s=cfg.lifecycle_poll_s)
     scheme = "https" if tls is not None and tls.serves else "http"
     registry = ControllerRegistry(db, owner, cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}")
     stop = threading.Event()
@@ -194,8 +198,10 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
         svc.reconciler.start()
         threading.Thread(target=housekeeping, name="housekeeping", daemon=True).start()
         threading.Thread(target=registration, name="registration", daemon=True).start()
+        lifecycle.start()
         yield
         stop.set()
+        lifecycle.stop()
         svc.reconciler.stop()
         svc.engine.stop()
         svc.agents.close()
@@ -221,6 +227,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
     install_routes(app, auth, insecure=cfg.insecure)
     ebs_api.install(app, auth)
     rbin_api.install(app, auth)
+    dlm_api.install(app, auth)
     ec2_api.install(app, auth)
     console.install(app)
     return app

@@ -1,5 +1,6 @@
 """Metadata storage: SQLAlchemy tables, the engine and its migrations."""
 
+from vbs.controller.db.lifecycle_tables import LifecyclePolicy, PolicyRun
 from vbs.controller.db.recycle_bin import RecycleBinEntry, RecycleBinRule
 from vbs.controller.db.session import Database
 from vbs.controller.db.tables import (
@@ -51,4 +52,6 @@ __all__ = [
     "FenceCounter",
     "RecycleBinRule",
     "RecycleBinEntry",
+    "LifecyclePolicy",
+    "PolicyRun",
 ]

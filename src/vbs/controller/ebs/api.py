@@ -8,7 +8,6 @@ PutSnapshotBlock's body may go unsigned (``UNSIGNED-PAYLOAD``, as botocore sends
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable
 from datetime import datetime
@@ -20,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
-from vbs.controller.awsjson import json_routes, parse_body, refusal
+from vbs.controller.aws_json import Handler, Service, parse_body, refusal
 from vbs.controller.ebs import reads, writes
-from vbs.controller.ebs.errors import Validation, ebs_error_of
+from vbs.controller.ebs.errors import EbsError, Validation, ebs_error_of
 from vbs.controller.requests.snapshot_permissions import owner_id
 from vbs.controller.rest.schemas.common import COMMENT_MAX, check_tags
 from vbs.controller.runtime import Controller
@@ -30,8 +29,6 @@ from vbs.errors import VbsError
 from vbs.snapshot_store.format import BLOCK_SIZE
 
 __all__ = ["install", "is_ebs_path", "ebs_refusal"]
-
-log = logging.getLogger(__name__)
 
 _SNAPSHOTS = "/snapshots"
 _INT_RE = re.compile(r"[0-9]{1,19}")
@@ -91,7 +88,13 @@ def _start_request(body: bytes) -> writes.StartRequest:
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
-    route = json_routes(app, auth, "ebs", ebs_error_of, BLOCK_SIZE)
+    ebs = Service(app, auth, "ebs", body_max=BLOCK_SIZE, refuse=ebs_refusal, internal=lambda: EbsError(
+        "An internal error has occurred."), too_large=lambda: Validation(
+        f"The request body is larger than a block ({BLOCK_SIZE} bytes)."))
+
+    def route(path: str, method: str, status: int, *, unsigned_ok: bool = False) -> Callable[[Handler], Any]:
+        return ebs.route(path, method, status,
+                         unsigned_payload_vouched_by="x-amz-checksum" if unsigned_ok else None)
 
     @route("/snapshots", "POST", 201)
     def start(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vbs.controller.awsjson import AwsJsonError
+from vbs.controller.aws_json import AwsJsonError
 from vbs.errors import VbsError
 
 __all__ = ["EbsError", "Validation", "NotFoundError", "AccessDenied", "Conflict", "ConcurrentLimit", "Internal",

@@ -1,5 +1,5 @@
 """The Recycle Bin's routes on the controller's endpoint, as botocore's ``rbin`` model (2021-06-15) has them:
-rest-json, SigV4 scoped to ``rbin`` (a bearer key works too), AWS's error shape (vbs.controller.awsjson).
+rest-json, SigV4 scoped to ``rbin`` (a bearer key works too), AWS's error shape (vbs.controller.aws_json).
 The rules themselves: vbs.controller.requests.recycle_bin_rules (docs/recycle-bin.md)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
-from vbs.controller.awsjson import json_routes, parse_body, refusal
-from vbs.controller.rbin.errors import RuleInvalid, rbin_error_of
+from vbs.controller.aws_json import Service, parse_body, refusal
+from vbs.controller.rbin.errors import RbinError, RuleInvalid, rbin_error_of
 from vbs.controller.requests import recycle_bin_rules as rules
 from vbs.controller.rest.schemas.recycle_bin import (
     MAX_EXCLUDE_TAGS,
@@ -135,7 +135,9 @@ def _rule_id(request: Request, svc: Controller, who: Principal) -> str:
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
-    route = json_routes(app, auth, "rbin", rbin_error_of, MAX_BODY)
+    route = Service(app, auth, "rbin", body_max=MAX_BODY, refuse=lambda exc: refusal(rbin_error_of(exc)),
+                    too_large=lambda: RuleInvalid(f"The request body is larger than {MAX_BODY} bytes."),
+                    internal=lambda: RbinError("An internal error has occurred.")).route
 
     @route("/rules", "POST", 201)
     def create(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:

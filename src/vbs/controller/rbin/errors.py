@@ -4,7 +4,7 @@ them with the same code and status (docs/recycle-bin.md)."""
 
 from __future__ import annotations
 
-from vbs.controller.awsjson import AwsJsonError
+from vbs.controller.aws_json import AwsJsonError
 from vbs.errors import VbsError
 
 __all__ = ["RbinError", "RuleInvalid", "RuleNotFound", "RuleConflict", "RuleQuotaExceeded", "rbin_error_of"]

@@ -28,24 +28,31 @@ from vbs.errors import IncorrectState
 
 def create_snapshot(svc: Controller, req: CreateSnapshotRequest, tenant: str) -> SnapshotOut:
     with svc.db.session() as s:
-        vol = live_volume(s, req.volume_id, tenant)
-        # The volume must stay put while we snapshot it: touch it conditionally in this transaction
-        # (its row lock comes before the tenant's: db.locks' order).
-        hit = s.execute(update(Volume).where(Volume.id == vol.id,
-                                             Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
-                        .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
-        if hit != 1:
-            raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
-        if vol.placement == "local":
-            op_id, snap = _snapshot_local_volume(svc, s, vol, req, tenant)
-        else:
-            snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
-            op_id = svc.engine.begin(s, CREATE_SNAPSHOT, snap.id, CreateSnapshotParams(
-                node=vol.storage_node, pool=vol.pool, volume_id=vol.id,
-                store_share=copy_share(s, vol.storage_node, vol.pool)))
+        op_id, snap = begin_snapshot(svc, s, req, tenant)
         out = describe_many(s, [snap])[0]
     svc.engine.submit(op_id)
     return out
+
+
+def begin_snapshot(svc: Controller, s: Session, req: CreateSnapshotRequest, tenant: str) -> tuple[str, Snapshot]:
+    """The pending snapshot's row and its operation, in the caller's transaction (which submits the
+    operation once it committed): the lifecycle policies' runs record it in the same transaction."""
+    vol = live_volume(s, req.volume_id, tenant)
+    # The volume must stay put while we snapshot it: touch it conditionally in this transaction
+    # (its row lock comes before the tenant's: db.locks' order).
+    hit = s.execute(update(Volume).where(Volume.id == vol.id,
+                                         Volume.status.in_([VolumeState.AVAILABLE, VolumeState.IN_USE]))
+                    .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]
+    if hit != 1:
+        raise IncorrectState(f"The volume '{vol.id}' is '{vol.status}'; it must be available or in-use.")
+    if vol.placement == "local":
+        op_id, snap = _snapshot_local_volume(svc, s, vol, req, tenant)
+    else:
+        snap = new_snapshot_row(s, svc, vol, req.comment, req.tags, tenant, utcnow())
+        op_id = svc.engine.begin(s, CREATE_SNAPSHOT, snap.id, CreateSnapshotParams(
+            node=vol.storage_node, pool=vol.pool, volume_id=vol.id,
+            store_share=copy_share(s, vol.storage_node, vol.pool)))
+    return op_id, snap
 
 
 def _snapshot_local_volume(svc: Controller, s: Session, vol: Volume, req: CreateSnapshotRequest,

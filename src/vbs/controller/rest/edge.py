@@ -28,6 +28,7 @@ from vbs.controller.console import PREFIX as CONSOLE_PREFIX
 from vbs.controller.console import is_console_path
 from vbs.controller.ebs.api import ebs_refusal, is_ebs_path
 from vbs.controller.ec2 import xml
+from vbs.controller.lifecycle.api import dlm_refusal, is_dlm_path
 from vbs.controller.rbin.api import is_rbin_path, rbin_refusal
 from vbs.errors import AuthFailure, VbsError
 from vbs.net.web import Scope, header, is_loopback, peer_check, peer_of, refusal
@@ -48,6 +49,8 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
         return ebs_refusal(exc)
     if is_rbin_path(scope["path"]):  # and the Recycle Bin in its own
         return rbin_refusal(exc)
+    if is_dlm_path(scope["path"]):  # and Data Lifecycle Manager's
+        return dlm_refusal(exc)
     return refusal(exc)
 
 

@@ -16,6 +16,7 @@ from vbs.controller.rest.key_routes import key_routes
 from vbs.controller.rest.lock_routes import lock_routes
 from vbs.controller.rest.node_routes import node_routes
 from vbs.controller.rest.operation_routes import operation_routes
+from vbs.controller.rest.policy_routes import policy_routes
 from vbs.controller.rest.recycle_bin_routes import recycle_bin_routes
 from vbs.controller.rest.snapshot_routes import snapshot_routes
 from vbs.controller.rest.tag_routes import tag_routes
@@ -34,6 +35,7 @@ def public_router(auth: Authenticator) -> APIRouter:
     lock_routes(r)
     tier_routes(r)
     recycle_bin_routes(r)
+    policy_routes(r)
     node_routes(r)
     admin_routes(r)
     operation_routes(r)

@@ -153,6 +153,7 @@ const api = {
   binSnapshots: () => all("/v1/recycle-bin/snapshots", "snapshots"),
   binVolumes: () => all("/v1/recycle-bin/volumes", "volumes"),
   restore: (kind, id) => call("POST", `/v1/recycle-bin/${kind}/${encodeURIComponent(id)}/restore`),
+  policies: () => call("GET", "/v1/lifecycle-policies").then((answer) => answer.policies),
 };
 
 // -- session --------------------------------------------------------------------------------------
@@ -250,6 +251,9 @@ function route() {
   } else if (view === "recycle-bin") {
     $("view-recycle-bin").hidden = false;
     poll(renderRecycleBin);
+  } else if (view === "policies") {
+    $("view-policies").hidden = false;
+    poll(renderPolicies);
   } else if (view === "infrastructure") {
     $("view-infrastructure").hidden = false;
     poll(renderInfrastructure);
@@ -713,6 +717,28 @@ async function renderRecycleBin(current) {
     el("td", {}, when(v.entered_at)), el("td", {}, when(v.exits_at)), el("td", {}, restoreButton("volumes", v.volume_id)))));
   $("bin-volumes-empty").hidden = volumes.length > 0;
   return false;
+}
+
+// A lifecycle policy's schedules, as "name: every 1 hours" or "name: cron(...)".
+function schedulesText(details) {
+  return (details.Schedules || []).map((sc) => {
+    const rule = sc.CreateRule || {};
+    return `${sc.Name}: ${rule.CronExpression || `every ${rule.Interval} ${String(rule.IntervalUnit).toLowerCase()}`}`;
+  }).join("; ");
+}
+
+async function renderPolicies(current) {
+  const policies = await api.policies();
+  if (!current()) return false;
+  $("policies-body").replaceChildren(...policies.map((p) => el("tr", { "data-policy-id": p.policy_id },
+    el("td", { class: "mono" }, p.policy_id), el("td", {}, p.description), el("td", {}, badge(p.state.toLowerCase())),
+    el("td", {}, `${(p.policy_details.ResourceTypes || []).join(", ")} tagged ${(p.policy_details.TargetTags || [])
+      .map((t) => `${t.Key}=${t.Value}`).join(" or ")}`),
+    el("td", {}, schedulesText(p.policy_details)),
+    el("td", { class: "last-run" }, p.last_run ? [badge(p.last_run.status), " ", when(p.last_run.due_at)] : "none yet"),
+    el("td", { class: "error" }, p.last_run && p.last_run.error ? p.last_run.error : ""))));
+  $("policies-empty").hidden = policies.length > 0;
+  return policies.some((p) => p.last_run && p.last_run.status === "running");
 }
 
 async function renderInfrastructure(current) {

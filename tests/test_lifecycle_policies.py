@@ -1,0 +1,246 @@
+"""Data Lifecycle Manager against a real ``vbs up``, driven by boto3's own ``dlm`` client (SigV4 for ``dlm``,
+AWS's rest-json shapes and errors), the REST routes and the CLI (docs/lifecycle-policies.md).
+
+The module runs on SQLite (one controller) and on PostgreSQL with two controllers (``postgresql-2``,
+``vbs up --controllers 2``), both of which run the scheduler: a policy snapshotting a tagged volume every
+minute and keeping three is left to run five times; then exactly its three newest snapshots remain, each
+tagged as the policy says, every due time was run once (one run row, one snapshot), and none was skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+from tests.conftest import Vbs, VbsUp, database_flags, wait_until
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.parametrize("metadata_db", ("sqlite", "postgresql-2"), indirect=True, scope="module")]
+
+ROLE = "arn:aws:iam::000000000000:role/AWSDataLifecycleManagerDefaultRole"
+POLICY_TAG = "aws:dlm:lifecycle-policy-id"
+SCHEDULE_TAG = "aws:dlm:lifecycle-schedule-name"
+RUNS = 5
+RETAIN = 3
+
+
+@dataclass
+class Install:
+    vbs: Vbs
+    endpoints: list[str]
+
+
+@pytest.fixture(scope="module")
+def install(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request: pytest.FixtureRequest
+            ) -> Iterator[Install]:
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    controllers = 2 if metadata_db == "postgresql-2" else 1
+    flags = database_flags(metadata_db.removesuffix("-2"), request)
+    if controllers == 2:
+        flags += ["--controllers", "2"]
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=flags, ports=controllers,
+               env={"VBS_CONTROLLER_LIFECYCLE_POLL_S": "1"})
+    try:
+        vbs = up.start(timeout=180)
+        yield Install(vbs, [f"http://127.0.0.1:{up.port + k}" for k in range(controllers)])
+    finally:
+        up.stop()
+
+
+def details(resource: str, target: dict[str, str], *schedules: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"PolicyType": "EBS_SNAPSHOT_MANAGEMENT", "ResourceTypes": [resource], "TargetTags": [target],
+            "Schedules": list(schedules), **more}
+
+
+def every_minute(name: str = "every minute", retain: int = RETAIN, **more: Any) -> dict[str, Any]:
+    return {"Name": name, "CreateRule": {"Interval": 1, "IntervalUnit": "MINUTES"}, "RetainRule": {"Count": retain},
+            **more}
+
+
+def policy_snapshots(ec2: Any, policy_id: str) -> dict[str, dict[str, str]]:
+    """The live snapshots the policy made: id -> tags."""
+    found = ec2.describe_snapshots(OwnerIds=["self"],
+                                   Filters=[{"Name": f"tag:{POLICY_TAG}", "Values": [policy_id]}])["Snapshots"]
+    return {s["SnapshotId"]: {t["Key"]: t["Value"] for t in s.get("Tags", [])} for s in found
+            if s["State"] in ("pending", "completed")}
+
+
+def runs(vbs: Vbs, policy_id: str) -> list[dict[str, Any]]:
+    r = vbs.http.get(f"/v1/lifecycle-policies/{policy_id}/runs")
+    assert r.status_code == 200, r.text
+    return list(r.json()["runs"])
+
+
+def test_a_one_minute_policy_keeps_the_three_newest_snapshots_of_each_run(install: Install) -> None:
+    vbs = install.vbs
+    ec2, dlm = vbs.ec2(), vbs.aws("dlm")
+    vol = ec2.create_volume(Size=1, AvailabilityZone="us-east-1a", TagSpecifications=[{
+        "ResourceType": "volume", "Tags": [{"Key": "backup", "Value": "minutely"}, {"Key": "team", "Value": "db"}]}])
+    other = ec2.create_volume(Size=1, AvailabilityZone="us-east-1a")  # not targeted
+    pid = dlm.create_lifecycle_policy(
+        ExecutionRoleArn=ROLE, Description="every minute keep three", State="ENABLED", Tags={"owner": "tests"},
+        PolicyDetails=details("VOLUME", {"Key": "backup", "Value": "minutely"}, every_minute(
+            CopyTags=True, TagsToAdd=[{"Key": "made-by", "Value": "dlm"}])))["PolicyId"]
+    assert pid.startswith("policy-")
+
+    def succeeded() -> list[dict[str, Any]]:
+        return [r for r in runs(vbs, pid) if r["status"] == "succeeded"]
+
+    wait_until(lambda: len(succeeded()) >= RUNS, 60 * (RUNS + 3), interval=2, what=f"{RUNS} runs")
+    dlm.update_lifecycle_policy(PolicyId=pid, State="DISABLED")  # no run starts after this
+    wait_until(lambda: all(r["status"] != "running" for r in runs(vbs, pid)), 120, what="the last run ended")
+    done = sorted(runs(vbs, pid), key=lambda r: r["due_at"])
+    # Every due time once, one minute apart, none skipped, each run one snapshot of the targeted volume only.
+    assert [r["status"] for r in done] == ["succeeded"] * len(done), done
+    dues = [r["due_at"] for r in done]
+    assert len(set(dues)) == len(dues)
+    assert all(b - a == timedelta(minutes=1) for a, b in zip(
+        [_when(d) for d in dues], [_when(d) for d in dues[1:]], strict=False)), dues
+    made = [r["snapshots"] for r in done]
+    assert all(list(m) == [vol["VolumeId"]] and len(m[vol["VolumeId"]]) == 1 for m in made), made
+    ids = [m[vol["VolumeId"]][0] for m in made]
+    assert len(set(ids)) == len(ids), "a run took a snapshot twice"
+    assert other["VolumeId"] not in {x for m in made for x in m}
+    # Exactly the three newest remain (older ones retired by the runs after them, through the ordinary delete).
+    wait_until(lambda: set(policy_snapshots(ec2, pid)) == set(ids[-RETAIN:]), 120, interval=1,
+               what="the three newest snapshots only")
+    assert set(ids[:-RETAIN]) <= {x for r in done for x in r["retired"]}
+    controllers = {c["controller_id"] for c in vbs.cli("describe-controllers")["controllers"]}
+    assert len(controllers) == len(install.endpoints)
+    assert {r["controller"] for r in done} <= controllers, (done, controllers)
+    for tags in policy_snapshots(ec2, pid).values():
+        assert tags == {"backup": "minutely", "team": "db", "made-by": "dlm", POLICY_TAG: pid,
+                        SCHEDULE_TAG: "every minute"}, tags
+    # Visible: AWS's StatusMessage, the REST policy's last run, the CLI.
+    policy = dlm.get_lifecycle_policy(PolicyId=pid)["Policy"]
+    assert policy["State"] == "DISABLED" and "succeeded" in policy["StatusMessage"]
+    assert policy["Tags"] == {"owner": "tests"} and policy["PolicyArn"].endswith(f":policy/{pid}")
+    assert vbs.cli("get-lifecycle-policy", pid)["last_run"]["run_id"] == done[-1]["run_id"]
+    shown = vbs.cli("describe-policy-runs", pid)["runs"]
+    assert [r["run_id"] for r in shown] == [r["run_id"] for r in reversed(done)]
+    listed = dlm.get_lifecycle_policies(State="DISABLED", ResourceTypes=["VOLUME"])["Policies"]
+    assert [p["PolicyId"] for p in listed] == [pid]
+    dlm.delete_lifecycle_policy(PolicyId=pid)
+    assert set(policy_snapshots(ec2, pid)) == set(ids[-RETAIN:]), "a deleted policy's snapshots stay"
+
+
+def _when(text: str) -> Any:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+BAD_SCHEDULES = [
+    (every_minute(FastRestoreRule={"Count": 1, "AvailabilityZones": ["us-east-1a"]}), "FastRestoreRule"),
+    (every_minute(CrossRegionCopyRules=[{"TargetRegion": "eu-west-1", "Encrypted": False}]), "CrossRegionCopyRules"),
+    (every_minute(ShareRules=[{"TargetAccounts": ["123456789012"]}]), "ShareRules"),
+    ({"Name": "bad cron", "CreateRule": {"CronExpression": "cron(0 9 * * MON *)"}, "RetainRule": {"Count": 1}},
+     "Day-of-month"),
+    ({"Name": "bad cron", "CreateRule": {"CronExpression": "cron(61 9 ? * MON *)"}, "RetainRule": {"Count": 1}},
+     "Minutes"),
+    ({"Name": "odd hours", "CreateRule": {"Interval": 5, "IntervalUnit": "HOURS"}, "RetainRule": {"Count": 1}},
+     "HOURS"),
+    (every_minute(retain=0), "Count"),
+    ({"Name": "both", "CreateRule": {"Interval": 1, "IntervalUnit": "MINUTES"},
+      "RetainRule": {"Count": 2, "Interval": 1, "IntervalUnit": "DAYS"}}, "one of the two"),
+]
+
+
+@pytest.mark.parametrize(("schedule", "named"), BAD_SCHEDULES)
+def test_what_vbs_does_not_do_is_refused_with_aws_errors_and_nothing_is_made(
+        install: Install, schedule: dict[str, Any], named: str) -> None:
+    dlm = install.vbs.aws("dlm")
+    before = dlm.get_lifecycle_policies()["Policies"]
+    with pytest.raises(ClientError) as exc:
+        dlm.create_lifecycle_policy(ExecutionRoleArn=ROLE, Description="refused", State="ENABLED",
+                                    PolicyDetails=details("VOLUME", {"Key": "a", "Value": "b"}, schedule))
+    err = exc.value.response
+    assert err["Error"]["Code"] == "InvalidRequestException" and named in err["Error"]["Message"], err["Error"]
+    assert err["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert dlm.get_lifecycle_policies()["Policies"] == before
+
+
+def test_unsupported_policies_and_unknown_ones_answer_aws_errors(install: Install) -> None:
+    vbs = install.vbs
+    dlm = vbs.aws("dlm")
+    target = {"Key": "a", "Value": "b"}
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"PolicyDetails": details("VOLUME", target, every_minute(), PolicyType="IMAGE_MANAGEMENT")},
+         "IMAGE_MANAGEMENT"),
+        ({"PolicyDetails": {"PolicyType": "EVENT_BASED_POLICY", "EventSource": {"Type": "MANAGED_CWE"}}},
+         "Event-based"),
+        ({"DefaultPolicy": "VOLUME", "CreateInterval": 1, "RetainInterval": 7}, "Default policies"),
+        ({"PolicyDetails": details("VOLUME", target, every_minute(VariableTags=[
+            {"Key": "instance", "Value": "$(instance-id)"}]))}, "VariableTags"),
+        ({"PolicyDetails": details("VOLUME", target, every_minute()), "ExecutionRoleArn": "not-an-arn"},
+         "ExecutionRoleArn"),
+    ]
+    for extra, named in refused:
+        args = {"ExecutionRoleArn": ROLE, "Description": "refused", "State": "ENABLED", **extra}
+        with pytest.raises(ClientError) as exc:
+            dlm.create_lifecycle_policy(**args)
+        assert exc.value.response["Error"]["Code"] == "InvalidRequestException", (named, exc.value.response)
+        assert named in exc.value.response["Error"]["Message"], (named, exc.value.response["Error"])
+    unknown = "policy-0123456789abcdef0"
+    arn = f"arn:aws:dlm:us-east-1:000000000000:policy/{unknown}"
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("get_lifecycle_policy", {"PolicyId": unknown}),
+        ("update_lifecycle_policy", {"PolicyId": unknown, "State": "DISABLED"}),
+        ("delete_lifecycle_policy", {"PolicyId": unknown}), ("list_tags_for_resource", {"ResourceArn": arn})]
+    for name, kwargs in calls:
+        with pytest.raises(ClientError) as exc:
+            getattr(dlm, name)(**kwargs)
+        assert exc.value.response["Error"]["Code"] == "ResourceNotFoundException"
+        assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+    # A wrong secret is refused before anything is read.
+    with pytest.raises(ClientError) as exc:
+        vbs.aws("dlm", secret="x" * 40).get_lifecycle_policies()
+    assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] in (401, 403)
+    # A good policy, tagged and untagged through its ARN; an update with a bad document changes nothing.
+    pid = dlm.create_lifecycle_policy(ExecutionRoleArn=ROLE, Description="daily", State="DISABLED",
+                                      PolicyDetails=details("VOLUME", target, {
+                                          "Name": "daily", "CreateRule": {"CronExpression": "cron(30 2 ? * * *)"},
+                                          "RetainRule": {"Interval": 2, "IntervalUnit": "WEEKS"}}))["PolicyId"]
+    arn = dlm.get_lifecycle_policy(PolicyId=pid)["Policy"]["PolicyArn"]
+    dlm.tag_resource(ResourceArn=arn, Tags={"env": "test", "team": "storage"})
+    dlm.untag_resource(ResourceArn=arn, TagKeys=["team"])
+    assert dlm.list_tags_for_resource(ResourceArn=arn)["Tags"] == {"env": "test"}
+    kept = dlm.get_lifecycle_policy(PolicyId=pid)["Policy"]
+    with pytest.raises(ClientError) as exc:
+        dlm.update_lifecycle_policy(PolicyId=pid, PolicyDetails=details("VOLUME", target, every_minute(
+            ShareRules=[{"TargetAccounts": ["123456789012"]}])))
+    assert exc.value.response["Error"]["Code"] == "InvalidRequestException"
+    assert dlm.get_lifecycle_policy(PolicyId=pid)["Policy"] == kept
+    assert vbs.http.get(f"/v1/lifecycle-policies/{pid}").json()["state"] == "DISABLED"
+    dlm.delete_lifecycle_policy(PolicyId=pid)
+
+
+def test_the_cli_makes_changes_and_deletes_a_policy_from_an_aws_policy_details_file(
+        install: Install, tmp_path: Path) -> None:
+    vbs = install.vbs
+    doc = tmp_path / "details.json"
+    doc.write_text(json.dumps(details("VOLUME", {"Key": "cli", "Value": "yes"}, {
+        "Name": "twice a day", "CreateRule": {"Interval": 12, "IntervalUnit": "HOURS", "Times": ["03:00"]},
+        "RetainRule": {"Count": 14}})))
+    made = vbs.cli("create-lifecycle-policy", "--policy-details", str(doc), "--description", "from the cli",
+                   "--state", "DISABLED", "--tag", "team=ops")
+    pid = made["policy_id"]
+    assert made["state"] == "DISABLED" and made["tags"] == {"team": "ops"} and made["last_run"] is None
+    assert made["policy_details"]["Schedules"][0]["CreateRule"]["Times"] == ["03:00"]
+    assert [p["policy_id"] for p in vbs.cli("get-lifecycle-policies", "--state", "DISABLED")["policies"]] == [pid]
+    assert vbs.cli("update-lifecycle-policy", pid, "--description", "renamed")["description"] == "renamed"
+    doc.write_text(json.dumps(details("VOLUME", {"Key": "cli", "Value": "yes"}, every_minute(
+        FastRestoreRule={"Count": 1}))))
+    refused = vbs.cli("update-lifecycle-policy", pid, "--policy-details", str(doc), check=False)
+    assert refused.returncode != 0 and "FastRestoreRule" in refused.stderr
+    assert vbs.cli("describe-policy-runs", pid)["runs"] == []
+    assert vbs.cli("delete-lifecycle-policy", pid)["policy_id"] == pid
+    gone = vbs.cli("get-lifecycle-policy", pid, check=False)
+    assert gone.returncode != 0 and "does not exist" in gone.stderr
