@@ -497,9 +497,13 @@ def test_fifty_clients_at_once_leave_only_legal_outcomes(world: World) -> None:
     attached = {(a["volume_id"], a["host"]) for a in att_rows if a["status"] in ("attached", "busy")}
     assert exports(world) == attached
     for vm in VMS:
-        in_db = {virtio_serial(a["volume_id"]) for a in att_rows
-                 if a["vm_id"] == vm and a["status"] in ("attached", "busy")}
-        assert in_db <= vm_disks(world, vm), f"{vm}: attached in the DB but not plugged in"
+        # A ``busy`` attachment is a detach the guest did not confirm in time: QEMU's unplug request stays
+        # with the guest, which may still let the disk go later (a loaded machine's guest often does).
+        # Only an ``attached`` one must be in its VM.
+        in_db = {virtio_serial(a["volume_id"]) for a in att_rows if a["vm_id"] == vm and a["status"] == "attached"}
+        plugged = vm_disks(world, vm)
+        assert in_db <= plugged, (f"{vm}: attached in the DB but not plugged in: {sorted(in_db - plugged)}; "
+                                  f"its attachments: {[tuple(a) for a in att_rows if a['vm_id'] == vm]}")
     print(f"final: {collections.Counter(vol_rows.values())} volumes, {collections.Counter(snap_rows.values())} "
           f"snapshots, {len(attached)} attachments, {len(ops)} operations")
 

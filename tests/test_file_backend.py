@@ -628,13 +628,10 @@ def _check_reflink_snapshot_and_clone(backend: FileBackend) -> None:
     before_content = digest(path)
     free_before = backend.pool_info().free_bytes
 
-    started = time.monotonic()
     status = backend.ensure_snapshot(snap, vol)
-    elapsed = time.monotonic() - started
     free_after = backend.pool_info().free_bytes
 
-    assert status == st("ready", 16 * GiB, 100)
-    assert elapsed < 30  # a 16 GiB copy would take minutes; the free space below proves no byte was copied
+    assert status == st("ready", 16 * GiB, 100)  # ready at once: nothing was copied in the background
     assert abs(free_before - free_after) < 2 * MiB  # 24 MiB of data, shared not copied
     snap_path = backend.path / "snapshots" / f"{snap}.raw"
     assert digest(snap_path) == before_content

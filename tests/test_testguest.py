@@ -6,7 +6,6 @@ monitor (not the VBS driver) so that this proves the guest itself.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,10 +36,11 @@ def guest(image: GuestImage, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def test_build_is_cached_and_holds_kernel_modules_and_busybox(image: GuestImage) -> None:
-    started = time.monotonic()
+    # Cached: the same files, not written again (speed belongs to bench/, not to a test).
+    stamps = {p: p.stat().st_mtime_ns for p in (image.kernel, image.initrd)}
     again = build_guest()
     assert again == image
-    assert time.monotonic() - started < 5
+    assert {p: p.stat().st_mtime_ns for p in (again.kernel, again.initrd)} == stamps
     initrd = image.initrd.read_bytes()
     assert initrd.startswith(b"070701")
     for module in MODULES:
@@ -51,26 +51,28 @@ def test_build_is_cached_and_holds_kernel_modules_and_busybox(image: GuestImage)
 
 
 def test_guest_boots_and_runs_commands_with_exit_status(guest: TestGuest) -> None:
-    assert guest.boot_seconds is not None and guest.boot_seconds < 60
+    assert guest.boot_seconds is not None and guest.boot_seconds > 0
     assert guest.run("echo hello; echo oops >&2; exit 3") == (3, "hello\noops\n")
     assert guest.run("printf 'no newline'") == (0, "no newline")
     assert guest.run("true") == (0, "")
-    # A command that outlives its timeout is killed in the guest, and the console stays usable.
-    started = time.monotonic()
-    rc, _ = guest.run("sleep 30", timeout=1)
-    assert rc != 0 and time.monotonic() - started < 5
+    # A command that outlives its timeout is killed in the guest (its shell: the exit status says so, a
+    # finished sleep answers 0), and the console stays usable.
+    rc, _ = guest.run("sleep 31", timeout=1)
+    assert rc != 0
     rc, out = guest.run("ls /sys/module")
     assert rc == 0 and "virtio_blk" in out.split()
     assert "VBS-READY" in guest.console_log.read_text()
 
 
 def test_a_long_command_runs_in_the_background_while_others_run(guest: TestGuest) -> None:
-    started = time.monotonic()
-    writer = guest.run_background("i=0; while [ $i -lt 3 ]; do sleep 1; i=$((i+1)); done; echo wrote $i", timeout=30)
+    # The background command waits for a file that only a later command makes: it can end only if the
+    # other commands ran while it was running (events, not timings).
+    guest.run("rm -f /tmp/go")
+    writer = guest.run_background("while [ ! -e /tmp/go ]; do sleep 0.2; done; echo waited", timeout=120)
     assert guest.run("echo beside") == (0, "beside\n")
-    assert time.monotonic() - started < 2 and not writer.done()
-    assert writer.result(timeout=30) == (0, "wrote 3\n")
-    assert 2.9 < time.monotonic() - started < 15
+    assert not writer.done()
+    assert guest.run("touch /tmp/go") == (0, "")
+    assert writer.result(timeout=120) == (0, "waited\n")
 
 
 def test_the_guest_has_a_test_monitor_beside_the_one_the_host_agent_holds(guest: TestGuest) -> None:
