@@ -9,4 +9,4 @@ One package, three services and one ``vbs`` executable:
 """
 
 # The release: the wheel's version (pyproject.toml reads it from here) and what `vbs --version` prints.
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -89,7 +89,7 @@ def refusal(err: AwsJsonError) -> Response:
     return JSONResponse(body, status_code=err.status, headers={"x-amzn-ErrorType": err.code})
 
 
-def parse_body(model: type[M], body: bytes, invalid: Callable[[str], AwsJsonError]) -> M:
+def parse_body(model: type[M], body: bytes, invalid: Callable[[str], VbsError]) -> M:
     """``body`` (JSON; empty: ``{}``) as ``model``, or ``invalid(message)`` naming the first bad field."""
     try:
         return model.model_validate_json(body or b"{}")

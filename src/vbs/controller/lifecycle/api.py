@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
-from vbs.controller.aws_json import Service
+from vbs.controller.aws_json import Service, parse_body
 from vbs.controller.lifecycle import policies
 from vbs.controller.lifecycle.document import DESCRIPTION_RE, ROLE_ARN_RE
 from vbs.controller.lifecycle.errors import DlmError, InvalidRequest, dlm_error_of
@@ -64,17 +64,8 @@ class _Tags(BaseModel):
     Tags: dict[str, str] = Field(max_length=200)
 
 
-def _body(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body or b"{}")
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise InvalidRequest(f"Invalid value for {where or 'the request'}: {first.get('msg', 'invalid')}.") from None
-
-
 def _request(body: bytes, *, creating: bool) -> PolicyRequest:
-    p: _Policy = _body(_Policy, body)
+    p = parse_body(_Policy, body, InvalidRequest)
     if p.DefaultPolicy is not None:
         raise InvalidRequest("Default policies (DefaultPolicy) are not supported: give a custom policy with "
                              "PolicyDetails.")
@@ -166,7 +157,7 @@ def install(app: FastAPI, auth: Authenticator) -> None:
     @route("/tags/{resourceArn:path}", "POST")
     def tag(request: Request, svc: Controller, who: Principal, body: bytes) -> dict[str, Any]:
         policy_id = policies.policy_of_arn(request.path_params["resourceArn"])
-        policies.tag_policy(svc, policy_id, _body(_Tags, body).Tags, who.tenant)
+        policies.tag_policy(svc, policy_id, parse_body(_Tags, body, InvalidRequest).Tags, who.tenant)
         return {}
 
     @route("/tags/{resourceArn:path}", "DELETE")
