@@ -34,6 +34,7 @@ from vbs.controller.lifecycle.runs import LifecycleScheduler
 from vbs.controller.metrics import ControllerMetrics
 from vbs.controller.rbin import api as rbin_api
 from vbs.controller.requests import recycle_bin
+from vbs.controller.requests.detach_volume import finish_released
 from vbs.controller.requests.migrate_instance import start_external_migrations
 from vbs.controller.requests.snapshot_tiers import expire_restores
 from vbs.controller.resolvers import Resolvers
@@ -159,6 +160,7 @@ def create_app(cfg: ControllerConfig, tls: TlsFiles | None = None) -> FastAPI:
                                            lease=reconcile_lease, on_findings=metrics.drift),
                      resolvers=Resolvers.from_config(cfg))
     svc.reconciler.follow_incoming = lambda: start_external_migrations(svc)
+    svc.reconciler.finish_released = lambda attachment_id: finish_released(svc, attachment_id)
     # Every controller runs the lifecycle policies; each due run is claimed by one (docs/lifecycle-policies.md).
     lifecycle = LifecycleScheduler(svc, owner, lease_s=cfg.operation_lease_s, poll_s=cfg.lifecycle_poll_s)
     scheme = "https" if tls is not None and tls.serves else "http"

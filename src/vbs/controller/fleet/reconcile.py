@@ -103,8 +103,8 @@ class Held:
 
 @dataclass
 class Finding:
-    # orphan-file, missing-file, lost-pool, orphan-export, missing-export, orphan-disk, missing-disk, unreachable,
-    # incoming-migration
+    # orphan-file, missing-file, lost-pool, orphan-export, missing-export, orphan-disk, missing-disk, released-disk,
+    # unreachable, incoming-migration
     kind: str
     node: str
     resource_id: str
@@ -191,6 +191,9 @@ class Reconciler:
         # Starts the live-migration workflow for instances whose VM an orchestrator is migrating to
         # another host (vbs.controller.requests.migrate_instance, set by the app): (instance, target host) of each.
         self.follow_incoming: Callable[[], list[tuple[str, str]]] | None = None
+        # Starts the detach of a busy attachment whose guest let its disk go late (by attachment id; the app
+        # sets it: vbs.controller.requests.detach_volume.finish_released); None: only reported.
+        self.finish_released: Callable[[str], str | None] | None = None
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -461,7 +464,21 @@ class Reconciler:
                     finding.action = "waiting"
             plugged = {d.serial for d in disks}
             for serial, att in expected.items():
-                if att.status in MUST_BE_EXPORTED and serial not in plugged and att.volume_id not in busy:
+                if att.status not in MUST_BE_EXPORTED or serial in plugged or att.volume_id in busy:
+                    continue
+                if att.status == AttachmentState.BUSY:
+                    # Its detach gave up waiting, and the guest has let the disk go since: finish the detach.
+                    report.findings.append(self._released(node.name, vm.vm_id, att, repair))
+                else:
                     report.findings.append(Finding("missing-disk", node.name, att.volume_id,
                                                    f"attached to VM {vm.vm_id} per the DB, not in the VM"))
+
+    def _released(self, node: str, vm_id: str, att: Attachment, repair: bool) -> Finding:
+        finding = Finding("released-disk", node, att.volume_id, f"busy in VM {vm_id}, whose guest has let it go")
+        if repair and self.finish_released is not None:
+            try:
+                finding.action = "repaired" if self.finish_released(att.id) else "reported"
+            except VbsError as exc:
+                finding.action = f"failed: {exc.message}"
+        return finding
 
