@@ -205,7 +205,8 @@ def test_vbs_version_prints_the_release_and_the_wire_version() -> None:
                           env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"vbs {versions.RELEASE} (wire version {versions.WIRE_VERSION})\n"
-    assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", versions.RELEASE)
+    # A PEP 440 release: 0.1.0, or a development one between releases (0.2.0.dev0).
+    assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+(\.dev[0-9]+)?", versions.RELEASE)
 
 
 def test_errors_module_knows_the_refusal_by_name() -> None:

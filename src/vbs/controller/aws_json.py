@@ -63,9 +63,29 @@ class Service:
                     return answer
                 return JSONResponse(answer, status_code=status)
 
-            self.app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
+            self._install(path, method, endpoint)
             return endpoint
         return wrap
+
+    def _install(self, path: str, method: str, endpoint: Endpoint) -> None:
+        """Add the route; a path another service has too (``/tags/{resourceArn}``: the Recycle Bin's and Data
+        Lifecycle Manager's) goes to the service its ARN names (``arn:aws:<service>:…``), else to the first."""
+        routes: dict[tuple[str, str], list[tuple[str, Endpoint]]] = getattr(self.app.state, "aws_json_routes", {})
+        self.app.state.aws_json_routes = routes
+        owners = routes.get((path, method))
+        if owners is not None:
+            owners.append((self.name, endpoint))
+            return
+        owners = routes[(path, method)] = [(self.name, endpoint)]
+
+        async def dispatch(request: Request) -> Response:
+            arn = str(request.path_params.get("resourceArn", ""))
+            for name, owner in owners:
+                if arn.startswith(f"arn:aws:{name}:"):
+                    return await owner(request)
+            return await owners[0][1](request)
+
+        self.app.add_api_route(path, dispatch, methods=[method], include_in_schema=False)
 
 
 class AwsJsonError(VbsError):

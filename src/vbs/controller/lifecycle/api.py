@@ -30,7 +30,7 @@ _QUERY_MAX = 100  # values of one query parameter
 
 
 def is_dlm_path(path: str) -> bool:
-    return path == "/policies" or path.startswith(("/policies/", "/tags/"))
+    return path == "/policies" or path.startswith(("/policies/", "/tags/arn:aws:dlm:"))
 
 
 def dlm_refusal(exc: VbsError) -> Response:

@@ -47,10 +47,10 @@ def _refuse(scope: Scope, exc: VbsError) -> Response:
                         media_type=XML_TYPE, headers={"connection": "close"})
     if is_ebs_path(scope["path"]):  # and the EBS direct APIs in theirs
         return ebs_refusal(exc)
+    if is_dlm_path(scope["path"]):  # and Data Lifecycle Manager's (its tags: a dlm ARN)
+        return dlm_refusal(exc)
     if is_rbin_path(scope["path"]):  # and the Recycle Bin in its own
         return rbin_refusal(exc)
-    if is_dlm_path(scope["path"]):  # and Data Lifecycle Manager's
-        return dlm_refusal(exc)
     return refusal(exc)
 
 
