@@ -455,6 +455,9 @@ class Reconciler:
                                   "live attachment")
                 report.findings.append(finding)
                 if repair and self._orphan_due(("disk", vm.id, serial), seen, ignore_grace):
+                    if self._claimed_since(node.name, vm.vm_id, volume_id):
+                        finding.action = "waiting"  # attached again since this pass read the DB: not an orphan
+                        continue
                     try:
                         agent.detach(vm.vm_id, serial, force=True, timeout=10.0)
                         finding.action = "repaired"
@@ -472,6 +475,18 @@ class Reconciler:
                 else:
                     report.findings.append(Finding("missing-disk", node.name, att.volume_id,
                                                    f"attached to VM {vm.vm_id} per the DB, not in the VM"))
+
+    def _claimed_since(self, host: str, vm_id: str, volume_id: str) -> bool:
+        """Whether the volume has a live attachment to this VM, or an operation under way, now: read again just
+        before an orphan disk is unplugged, for an attach that began after the pass read the DB (its host step
+        comes after its storage step, so it cannot have plugged the disk in the moments since)."""
+        with self.svc.db.read() as s:
+            live = s.scalar(select(Attachment.id).where(
+                Attachment.volume_id == volume_id, Attachment.host == host, Attachment.vm_id == vm_id,
+                Attachment.status.in_(MAY_BE_EXPORTED)).limit(1))
+            running = s.scalar(select(Operation.id).where(
+                Operation.resource_id == volume_id, Operation.status.in_(UNFINISHED_OPERATION)).limit(1))
+        return live is not None or running is not None
 
     def _released(self, node: str, vm_id: str, att: Attachment, repair: bool) -> Finding:
         finding = Finding("released-disk", node, att.volume_id, f"busy in VM {vm_id}, whose guest has let it go")
