@@ -102,10 +102,14 @@ class GuideRunner:
         (found,) = [m for m in self.machines.values() if m.machine.address == address]
         return found
 
-    def run_blocks(self, blocks: list[str], on: str, env: dict[str, str] | None = None) -> dict[str, str]:
-        """Run ``blocks`` on machine ``on`` as its heading says; ``env`` collects ``export`` lines. The
+    def run_blocks(self, blocks: list[str], on: str, env: dict[str, str] | None = None, *,
+                   variables: Mapping[str, str] | None = None, record: bool = True) -> dict[str, str]:
+        """Run ``blocks`` on machine ``on`` as its heading says; ``env`` collects ``export`` lines;
+        ``variables`` replace what the per-machine blocks set (a further machine's name and address, as
+        the guide's "and each further one" asks); ``record``: count its vbs lines as the guide's. The
         output of each ``VAR=$(vbs …)`` by its name."""
         m = self.machines[on]
+        recorded = len(self.ran)
         captured: dict[str, str] = {}
         env = env if env is not None else {}
         for block in blocks:
@@ -113,6 +117,7 @@ class GuideRunner:
             if block.startswith("# per ") and all(re.match(r"^[A-Z0-9_]+=", line) for line in body):
                 for name, value in re.findall(r"^([A-Z0-9_]+)=(.*)$", block, flags=re.M):
                     m.variables[name] = m.expand(value.strip("'"))
+                m.variables.update(variables or {})
                 continue
             lines = iter(block.splitlines())
             for line in lines:
@@ -125,6 +130,8 @@ class GuideRunner:
                     write_private(m.path("/etc/vbs/vbs.toml"), m.expand("\n".join(body) + "\n"))
                 else:
                     self.run_line(m, line, env, captured)
+        if not record:
+            del self.ran[recorded:]
         return captured
 
     def run_line(self, m: GuideMachine, line: str, env: dict[str, str], captured: dict[str, str]) -> None:

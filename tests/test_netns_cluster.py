@@ -30,7 +30,7 @@ import pytest
 from cryptography import x509
 
 from tests.conftest import reap_daemons, wait_until
-from tests.install_guide import CLUSTER_NET, GuideMachine, GuideRunner, section, vbs_lines
+from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section, vbs_lines
 from tests.installed import Installed, clean_env, install
 from vbs.ids import virtio_serial
 from vbs.rigs.netns import GUIDE_MACHINES, NetnsCluster
@@ -40,8 +40,9 @@ from vbs.rigs.testguest.background import BackgroundGuest
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "hv-1", "client")
-HOST_DIR = "/var/lib/vbs/host"  # the demo guest's data dir on hv-1, as the guide gives it
+MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "hv-1", "hv-2", "client")
+HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
+GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
 # Sections of the guide run here, in order: all but the packages, the wheelhouse (tests/installed.py
 # builds it), PostgreSQL's packaged cluster (its equivalent below), the units' notes and the upgrades.
 RUN = ("3.", "5.", "Credentials and certificates", "6.", "7.", "8.", "9.")
@@ -69,20 +70,37 @@ class NetnsInstall:
         return proc.returncode == 0 and any(n["name"] == name and n["state"] == "up"
                                             for n in json.loads(proc.stdout)[collection])
 
-    @property
-    def guest(self) -> BackgroundGuest:
-        return BackgroundGuest("vm1", self.machines["hv-1"].path(HOST_DIR))
+    def guest(self, host: str = "hv-1") -> BackgroundGuest:
+        """The demo guest of ``host`` (vm1 on hv-1, vm2 on hv-2)."""
+        return BackgroundGuest(GUESTS[host], self.machines[host].path(HOST_DIR))
 
-    def guest_disk(self, volume_id: str) -> str:
+    def guest_disk(self, volume_id: str, host: str = "hv-1") -> str:
         """The guest's device of ``volume_id`` (found by its serial), once the guest sees it."""
         serial = virtio_serial(volume_id)
-        return str(wait_until(lambda: next((d.device for d in self.guest.disks() if d.serial == serial), None), 120,
-                              1, what=f"{volume_id} in the guest"))
+        return str(wait_until(lambda: next((d.device for d in self.guest(host).disks() if d.serial == serial),
+                                           None), 120, 1, what=f"{volume_id} in the guest of {host}"))
 
-    def guest_run(self, command: str) -> str:
-        status, out = self.guest.run(command, 300)
+    def guest_run(self, command: str, host: str = "hv-1") -> str:
+        status, out = self.guest(host).run(command, 300)
         assert status == 0, f"{command}: {status} {out}"
         return out
+
+    def write(self, volume_id: str, seed: str, mib: int, host: str = "hv-1") -> None:
+        """``pattern_bytes(seed, mib)`` written to ``volume_id`` by the guest of ``host``, and read back."""
+        dev = self.guest_disk(volume_id, host)
+        self.guest_run(f"yes {seed} | head -c {mib << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null", host)
+        assert self.checksum(volume_id, mib, host) == pattern_sha256(seed, mib)
+
+    def checksum(self, volume_id: str, mib: int, host: str = "hv-1") -> str:
+        """sha256 of the first ``mib`` MiB of ``volume_id`` as the guest of ``host`` reads it from the disk."""
+        dev = self.guest_disk(volume_id, host)
+        read = f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count={mib} 2>/dev/null | sha256sum"
+        return self.guest_run(read, host).split()[0]
+
+    def detach(self, volume_id: str, host: str = "hv-1") -> None:
+        self.cli("detach-volume", volume_id, "--wait")
+        wait_until(lambda: virtio_serial(volume_id) not in {d.serial for d in self.guest(host).disks()}, 120, 1,
+                   what=f"{volume_id} gone from the guest of {host}")
 
 
 def start_database(cluster: NetnsCluster, runner: GuideRunner, stack: ExitStack) -> EmbeddedPostgres:
@@ -153,6 +171,14 @@ def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsIns
         cluster.processes.callback(reap_daemons, machines["stor-1"].path("/var/lib/vbs/storage"))
         runner.run_blocks(section("7."), "stor-1")
         runner.run_blocks(section("8."), "hv-1")
+        # A further hypervisor node, as the guide's "and each further one" says: hv-1's lines of its
+        # credentials block with hv-2's name and address, then section 8 with hv-2's variables.
+        further = [line.replace("hv-1", "hv-2").replace(f"{GUIDE_NET}30", f"{GUIDE_NET}31")
+                   for line in section("Credentials and certificates")[0].splitlines() if " hv-1 " in line]
+        assert len(further) == 2
+        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        runner.run_blocks(section("8."), "hv-2", variables={"NAME": "hv-2", "ADDR": machines["hv-2"].machine.address},
+                          record=False)
         # Section 9 from the client machine, which has the CA and the key (copies of ctl-1's).
         client = machines["client"]
         client.path("/var/lib/vbs/controller").mkdir(parents=True, mode=0o700)
@@ -166,11 +192,19 @@ def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsIns
         wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-1"), 300, 1, what="stor-1")
         wait_until(lambda: done.node_up("describe-hosts", "hosts", "hv-1"), 300, 1, what="hv-1")
         runner.run_blocks(checks[1:2], "client", client_env)
-        stack.callback(lambda: done.guest.stop())  # the demo guest's QEMU, by the PID in its pidfile
+        stack.callback(lambda: done.guest("hv-1").stop())  # the demo guest's QEMU, by the PID in its pidfile
         runner.run_blocks(checks[2:3], "client", client_env)  # vbs demo-vm, on hv-1
         wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running"
                                for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm1")
         runner.run_blocks(checks[3:], "client", client_env)
+        # The same guest on hv-2 (vm2), by the guide's command with its name.
+        stack.callback(lambda: done.guest("hv-2").stop())
+        hv2 = machines["hv-2"]
+        proc = cluster.run(hv2.machine, [str(installed.vbs), "demo-vm", "vm2", "--data-dir", str(hv2.path(HOST_DIR))],
+                           env=runner.env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        wait_until(lambda: any(i["vm_id"] == "vm2" and i["host"] == "hv-2" and i["state"] == "running"
+                               for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm2")
         yield done
 
 
@@ -205,7 +239,8 @@ def test_the_services_are_apart_and_their_certificates_name_their_addresses(netn
     assert connect(netns_install, "client", m["db"].machine.address, 5432) == "open"
     for name, path in (("ctl-1", "/var/lib/vbs/controller/tls/ctl-1.pem"),
                        ("ctl-2", "/var/lib/vbs/controller/tls/ctl-2.pem"),
-                       ("stor-1", "/etc/vbs/tls/stor-1.pem"), ("hv-1", "/etc/vbs/tls/hv-1.pem")):
+                       ("stor-1", "/etc/vbs/tls/stor-1.pem"), ("hv-1", "/etc/vbs/tls/hv-1.pem"),
+                       ("hv-2", "/etc/vbs/tls/hv-2.pem")):
         cert = x509.load_pem_x509_certificate(m[name].path(path).read_bytes())
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == [m[name].machine.address], name
@@ -214,26 +249,31 @@ def test_the_services_are_apart_and_their_certificates_name_their_addresses(netn
         assert proc.poll() is None and proc.pid in netns_install.cluster.pids(m[name].machine.netns), name
 
 
+def test_a_volume_written_on_one_hypervisor_node_is_read_on_the_other(netns_install: NetnsInstall) -> None:
+    c = netns_install
+    vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
+    c.write(vol, "moved", 4, "hv-1")
+    c.detach(vol, "hv-1")
+    c.cli("attach-volume", vol, "--host", "hv-2", "--vm", "vm2", "--wait")
+    assert c.checksum(vol, 4, "hv-2") == pattern_sha256("moved", 4)
+    c.detach(vol, "hv-2")
+    c.cli("delete-volume", vol, "--wait")
+
+
 def test_a_volume_crosses_the_bridge_is_snapshotted_cloned_and_survives_a_controller_s_death(
         netns_install: NetnsInstall) -> None:
     c = netns_install
     vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
     c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
-    dev = c.guest_disk(vol)
     seed = f"netns{int(time.time())}"
-    c.guest_run(f"yes {seed} | head -c {4 << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null")
-    read = f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count=4 2>/dev/null | sha256sum"
-    assert c.guest_run(read).split()[0] == pattern_sha256(seed, 4)
+    c.write(vol, seed, 4)
     snap = c.cli("create-snapshot", vol, "--wait")["snapshot_id"]
     clone = c.cli("create-volume", "--snapshot", snap, "--wait")["volume_id"]
     c.cli("attach-volume", clone, "--host", "hv-1", "--vm", "vm1", "--device", "vdc", "--wait")
-    clone_dev = c.guest_disk(clone)
-    read_clone = f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{clone_dev} bs=1M count=4 2>/dev/null | sha256sum"
-    assert c.guest_run(read_clone).split()[0] == pattern_sha256(seed, 4)
+    assert c.checksum(clone, 4) == pattern_sha256(seed, 4)
     for v in (vol, clone):
-        c.cli("detach-volume", v, "--wait")
-        wait_until(lambda v=v: virtio_serial(v) not in {d.serial for d in c.guest.disks()}, 120, 1,
-                   what=f"{v} gone from the guest")
+        c.detach(v)
         c.cli("delete-volume", v, "--wait")
     c.cli("delete-snapshot", snap, "--wait")
 
@@ -242,10 +282,7 @@ def test_a_volume_crosses_the_bridge_is_snapshotted_cloned_and_survives_a_contro
     first.send_signal(signal.SIGKILL)
     first.wait(60)
     vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
-    c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
-    dev = c.guest_disk(vol)
-    c.guest_run(f"yes after | head -c {1 << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null")
-    assert (c.guest_run(f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count=1 2>/dev/null | sha256sum")
-            .split()[0]) == pattern_sha256("after", 1)
-    c.cli("detach-volume", vol, "--wait")
+    c.cli("attach-volume", vol, "--host", "hv-2", "--vm", "vm2", "--wait")
+    c.write(vol, "after", 1, "hv-2")
+    c.detach(vol, "hv-2")
     c.cli("delete-volume", vol, "--wait")
