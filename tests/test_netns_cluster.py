@@ -5,9 +5,11 @@ machine for the CLI, each in its own namespace with its own address on a bridge 
 over the wheel (tests/installed.py), TLS everywhere with certificates of the install's CA for those
 addresses.
 
-Through it, from the client machine's CLI and checked inside the guest: a volume is attached across the
-bridge over NBD, written, snapshotted, cloned from the snapshot, read back, detached and deleted; then the
-first controller is killed and the second one carries a create and an attach. Every process is stopped by
+A second hypervisor node (hv-2, with vm2) joins as the guide's further nodes do. Through it all, from the
+client machine's CLI and checked inside the guests: a volume written on hv-1 is read on hv-2; a volume
+is attached across the bridge over NBD, written, snapshotted, cloned from the snapshot, read back,
+detached and deleted; then the first controller is killed and the second one carries a create and an
+attach. boto3 on the client machine drives the EC2 API over TLS. Every process is stopped by
 its PID and every namespace is gone at the end (the rig fails the teardown if a process was left in one).
 """
 
@@ -247,6 +249,34 @@ def test_the_services_are_apart_and_their_certificates_name_their_addresses(netn
     # Each service's process is in its machine's namespace.
     for name, proc in netns_install.runner.services.items():
         assert proc.poll() is None and proc.pid in netns_install.cluster.pids(m[name].machine.netns), name
+
+
+# boto3 on the client machine: the EC2 API of the second controller over TLS (the install's CA), its key from
+# the client's copy of the credentials file (a path in the environment, the key itself in neither argv nor env).
+BOTO3 = """
+import sys, boto3
+ec2 = boto3.client("ec2", endpoint_url=sys.argv[1], region_name="us-east-1")
+made = ec2.create_volume(Size=1, AvailabilityZone="us-east-1a")["VolumeId"]
+ec2.get_waiter("volume_available").wait(VolumeIds=[made], WaiterConfig={"Delay": 1, "MaxAttempts": 300})
+(found,) = ec2.describe_volumes(VolumeIds=[made])["Volumes"]
+ec2.delete_volume(VolumeId=made)
+print(made, found["State"], found["Size"])
+"""
+
+
+def test_boto3_on_the_client_machine_drives_the_ec2_api_over_tls(netns_install: NetnsInstall) -> None:
+    c = netns_install
+    client = c.machines["client"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(client.path("/root/")),
+           "AWS_SHARED_CREDENTIALS_FILE": str(client.path("/var/lib/vbs/controller/credentials")),
+           "AWS_CA_BUNDLE": str(client.path("/var/lib/vbs/controller/ca.pem")), "AWS_PROFILE": "default"}
+    endpoint = f"https://{c.machines['ctl-2'].machine.address}:8770"
+    proc = c.cluster.run(client.machine, [sys.executable, "-c", BOTO3, endpoint], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    made, state, size = proc.stdout.split()
+    assert (state, size) == ("available", "1")
+    (gone,) = c.cli("describe-volumes", made)["volumes"]
+    assert gone["status"] in ("deleting", "deleted")
 
 
 def test_a_volume_written_on_one_hypervisor_node_is_read_on_the_other(netns_install: NetnsInstall) -> None:
