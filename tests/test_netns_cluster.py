@@ -154,8 +154,8 @@ def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsIns
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         cluster = stack.enter_context(NetnsCluster(f"vbsnc{os.getpid() % 100000}"))
         machines = {n: GuideMachine(cluster.add(n, GUIDE_MACHINES[n]), root / n) for n in MACHINES}
-        for m in machines.values():
-            m.root.mkdir(mode=0o711)
+        for name, m in machines.items():
+            m.root.mkdir(mode=0o711 if name == "db" else 0o700)  # postgres enters db's (rigs/postgres.py)
             m.path("/root/").mkdir(mode=0o700)  # root's home, where the guide keeps the database's password
         env = clean_env(installed.root / "home", VBS_CACHE_DIR=str(default_cache_dir().parent))
         runner = GuideRunner(cluster, machines, installed.vbs, env, root)
