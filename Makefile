@@ -46,6 +46,12 @@ torture: setup
 	$(BIN)/pytest -q -m 'torture or not torture' tests/test_torture.py
 	$(BIN)/pytest -q -m torture --ignore tests/test_torture.py tests
 
+# The install guide run word for word on a cluster of network namespaces (docs/install.md "Trying it in
+# network namespaces"): the namespace rig's test, then the cluster's (also part of make test).
+.PHONY: cluster-test
+cluster-test: setup
+	$(BIN)/pytest -q tests/test_netns_rig.py tests/test_netns_cluster.py
+
 # Every benchmark, one after the other (bench/run_all.py --list); figures and logs under var/bench.
 # make bench-quick: the five-minute set (each performance target once). make bench BENCH_ARGS="--only
 # datapath,rtt": some of them.

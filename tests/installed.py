@@ -11,6 +11,7 @@ asks PyPI (``pip wheel``, through pip's cache, so a second session fetches and b
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,10 @@ import vbs
 REPO = Path(__file__).resolve().parent.parent
 # The interpreter docs/install.md installs VBS with (Debian's python3 and python3-venv).
 DEBIAN_PYTHON = Path("/usr/bin/python3")
+UNITS = REPO / "deploy" / "systemd"
+ROLES = {"controller": "vbs-controller.service", "storage-agent": "vbs-storage-agent.service",
+         "host-agent": "vbs-host-agent.service"}
+UNIT_VBS, UNIT_CONFIG = "/opt/vbs/bin/vbs", "/etc/vbs/vbs.toml"
 # Building and fetching compete with everything else on a loaded machine: generous.
 BUILD_TIMEOUT_S = 1800
 
@@ -110,3 +115,15 @@ def newer_release(installed: Installed, name: str, *, release: str, wire: int) -
     said = run([venv / "bin" / "vbs", "--version"], env=env).stdout
     assert said == f"vbs {release} (wire version {wire})\n", said
     return venv / "bin" / "vbs"
+
+
+def unit_lines(name: str, key: str) -> list[str]:
+    """The values of ``key`` in the unit ``name`` of deploy/systemd."""
+    return [line.split("=", 1)[1] for line in (UNITS / name).read_text().splitlines() if line.startswith(f"{key}=")]
+
+
+def exec_start(role: str, vbs_path: Path, config: Path) -> list[str]:
+    """The argv the unit of ``role`` starts: its ExecStart, with ``vbs_path`` for /opt/vbs/bin/vbs and
+    ``config`` for /etc/vbs/vbs.toml (what systemd would run on a machine installed as docs/install.md says)."""
+    (line,) = unit_lines(ROLES[role], "ExecStart")
+    return [str(vbs_path) if a == UNIT_VBS else str(config) if a == UNIT_CONFIG else a for a in shlex.split(line)]

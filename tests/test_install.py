@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import signal
 import ssl
 import subprocess
@@ -29,17 +28,26 @@ import pytest
 
 import vbs
 from tests.conftest import free_port, reap_daemons, stop_process, wait_until
-from tests.installed import REPO, Installed, clean_env, install, newer_release, run
+from tests.installed import (
+    REPO,
+    ROLES,
+    UNIT_CONFIG,
+    UNIT_VBS,
+    UNITS,
+    Installed,
+    clean_env,
+    exec_start,
+    install,
+    newer_release,
+    run,
+    unit_lines,
+)
 from tests.postgres_cluster import PostgresForTests
 from vbs.system.files import write_private
 from vbs.versions import WIRE_VERSION
 
 pytestmark = pytest.mark.integration
 
-UNITS = REPO / "deploy" / "systemd"
-ROLES = {"controller": "vbs-controller.service", "storage-agent": "vbs-storage-agent.service",
-         "host-agent": "vbs-host-agent.service"}
-UNIT_VBS, UNIT_CONFIG = "/opt/vbs/bin/vbs", "/etc/vbs/vbs.toml"
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +76,6 @@ def test_the_venv_runs_the_installed_package_not_this_tree(installed: Installed)
     assert Path(where.strip()).is_relative_to(installed.venv), where
     said = run([installed.vbs, "--version"], env=env).stdout
     assert said == f"vbs {vbs.__version__} (wire version {WIRE_VERSION})\n"
-
-
-def unit_lines(name: str, key: str) -> list[str]:
-    return [line.split("=", 1)[1] for line in (UNITS / name).read_text().splitlines() if line.startswith(f"{key}=")]
 
 
 def test_the_units_pass_systemd_analyze_verify(installed: Installed, tmp_path: Path) -> None:
@@ -131,9 +135,7 @@ class Install:
 
     def start(self, role: str) -> None:
         """The service as its unit starts it: the unit's ExecStart, with the venv's vbs and this config."""
-        (line,) = unit_lines(ROLES[role], "ExecStart")
-        argv = [str(self.installed.vbs) if a == UNIT_VBS else str(self.config) if a == UNIT_CONFIG else a
-                for a in shlex.split(line)]
+        argv = exec_start(role, self.installed.vbs, self.config)
         log = (self.dir / f"{role}.log").open("ab")
         self.procs[role] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd="/")
 
@@ -309,8 +311,7 @@ tls_cert = "{d}/tls/storage-2.pem"
 tls_key = "{d}/tls/storage-2-key.pem"
 tls_ca = "{running.ca}"
 ''')
-    (line,) = unit_lines(ROLES["storage-agent"], "ExecStart")
-    argv = [str(newer_vbs) if a == UNIT_VBS else str(config) if a == UNIT_CONFIG else a for a in shlex.split(line)]
+    argv = exec_start("storage-agent", newer_vbs, config)
     log = d / "storage-2.log"
     agent = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=running.env, cwd="/")
     try:

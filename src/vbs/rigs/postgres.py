@@ -9,6 +9,11 @@ must already be enterable by it. Its log goes to ``<parent>/postgres.log`` (root
 
 The postmaster is this process's child, started without a shell and stopped by its PID: SIGINT is
 ``pg_ctl stop -m fast``, and the stop waits until that PID is gone.
+
+The namespace cluster (src/vbs/rigs/netns.py, docs/install.md "Trying it in network namespaces") runs it
+as a database machine of its own: in a network namespace (``ip netns exec NS setpriv …``, which enter
+the namespace as root and then become ``postgres``, each executing the next: the PID is still the
+postmaster's), listening on that machine's address too, with settings of its own (TLS).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -51,7 +57,8 @@ def pg_bin() -> Path:
 class EmbeddedPostgres:
     """One cluster in ``parent/postgres``; ``start()``, ``url(db)``, ``create_database(db)``, ``stop()``."""
 
-    def __init__(self, parent: Path, port: int = 5432) -> None:
+    def __init__(self, parent: Path, port: int = 5432, *, listen: str = "", netns: str | None = None,
+                 settings: Mapping[str, str] | None = None) -> None:
         self.parent = parent.resolve()
         self.root = self.parent / CLUSTER_DIR
         self.data = self.root / "data"
@@ -59,14 +66,22 @@ class EmbeddedPostgres:
         self.log_path = self.parent / "postgres.log"
         self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
+        self.listen, self.netns, self.settings = listen, netns, dict(settings or {})
         account = pwd.getpwnam(OS_USER)
         self._uid, self._gid = account.pw_uid, account.pw_gid
         self._groups = [g.gr_gid for g in grp.getgrall() if OS_USER in g.gr_mem]
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _as_postgres(self, argv: list[str], log: int) -> subprocess.Popen[bytes]:
+    def _as_postgres(self, argv: list[str], log: int, *, in_netns: bool = False) -> subprocess.Popen[bytes]:
         # No shell, no inherited environment (nothing secret reaches it), the cluster's own directory.
+        if in_netns and self.netns is not None:
+            # Only root enters a namespace: setpriv becomes postgres after it (its groups with it).
+            argv = ["ip", "netns", "exec", self.netns, "setpriv", f"--reuid={OS_USER}", f"--regid={OS_USER}",
+                    "--init-groups", "--", *argv]
+            return subprocess.Popen(argv, env={"PATH": "/usr/sbin:/usr/bin:/bin", "LANG": "C.UTF-8"},  # noqa: S603
+                                    cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         return subprocess.Popen(argv, user=self._uid, group=self._gid, extra_groups=self._groups,  # noqa: S603
                                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd=self.root,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -117,8 +132,9 @@ class EmbeddedPostgres:
         with self._log() as log:
             self.proc = self._as_postgres([
                 str(pg_bin() / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.run),
-                "-c", "listen_addresses=", "-c", "unix_socket_permissions=0700", "-c", "max_connections=200",
-                "-c", "fsync=on"], log)
+                "-c", f"listen_addresses={self.listen}", "-c", "unix_socket_permissions=0700",
+                "-c", "max_connections=200", "-c", "fsync=on",
+                *(a for k, v in self.settings.items() for a in ("-c", f"{k}={v}"))], log, in_netns=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._accepts_connections():
             if self.proc.poll() is not None:

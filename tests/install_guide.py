@@ -1,0 +1,221 @@
+"""docs/install.md run as written on the machines of a namespace cluster (src/vbs/rigs/netns.py; the
+guide's section "Trying it in network namespaces" says what differs).
+
+Every ``vbs`` command of the guide's shell blocks is run word for word in its machine's namespace, apart
+from two things: the guide's addresses (10.0.0.N) become the cluster's (10.77.0.N), and, as the
+namespaces share one file system, the absolute paths a machine keeps (/etc/vbs, /var/lib/vbs, /srv/vbs,
+/root) are under that machine's own directory. The configurations the guide writes (``cat > … <<EOF``)
+are written from its text the same way. The commands this host has no use or no means for are done by
+their equivalents here: ``scp`` is a copy between the machines' directories, ``systemctl enable --now``
+starts the unit's ExecStart line, ``useradd``/``runuser -u vbs``/``chown`` are left out (everything
+runs as root), ``apt-get`` is left out (the packages are there). The guide runner records each line
+it ran, so the test can check that none was left out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.installed import REPO, exec_start
+from vbs.rigs.netns import Machine, NetnsCluster
+from vbs.system.files import write_private
+
+DOC = REPO / "docs" / "install.md"
+GUIDE_NET, CLUSTER_NET = "10.0.0.", "10.77.0."
+ROOTED = ("/etc/vbs", "/var/lib/vbs", "/srv/vbs", "/root/")
+UNIT_ROLES = {"vbs-controller.service": "controller", "vbs-storage-agent.service": "storage-agent",
+              "vbs-host-agent.service": "host-agent"}
+# Lines with nothing to do here: the machine's user, packages, symlink, shell state and systemd's
+# reload; ownership (everything runs as root); a copy of the units (they are started from their
+# ExecStart lines); the wheelhouse's copy (one venv serves every namespace).
+SKIPPED = re.compile(r"^(cd |umask |useradd |apt-get |ln -sf |chown |chgrp |chmod |cp /root/vbs-dist/"
+                     r"|systemctl daemon-reload|python3 -m venv |/opt/vbs/bin/pip |scp -r root@\$BUILD)")
+VBS_LINE = re.compile(r"^(?:runuser -u vbs -- )?vbs |^[A-Z]+=\$\(vbs ")
+
+
+def sections() -> dict[str, list[str]]:
+    """The guide's shell blocks under each heading (its text after the ``#``s)."""
+    found: dict[str, list[str]] = {}
+    heading = ""
+    for part in re.split(r"^(#{2,3} .*)$", DOC.read_text(), flags=re.M):
+        if re.match(r"^#{2,3} ", part):
+            heading = part.lstrip("#").strip()
+            continue
+        found.setdefault(heading, []).extend(re.findall(r"^```sh\n(.*?)^```", part, flags=re.S | re.M))
+    return found
+
+
+def section(title_start: str) -> list[str]:
+    (blocks,) = [b for title, b in sections().items() if title.startswith(title_start)]
+    return blocks
+
+
+def vbs_lines(blocks: list[str]) -> list[str]:
+    """The lines of ``blocks`` that run ``vbs``."""
+    return [line for block in blocks for line in block.splitlines() if VBS_LINE.match(line)]
+
+
+@dataclass
+class GuideMachine:
+    """A machine of the cluster as the guide sees it: its namespace, its own directory for its absolute
+    paths, and the guide's per-machine variables once its blocks set them."""
+
+    machine: Machine
+    root: Path
+    variables: dict[str, str] = field(default_factory=dict)
+
+    def rooted(self, text: str) -> str:
+        for path in ROOTED:
+            text = re.sub(rf"(?<![\w/.-]){re.escape(path)}", f"{self.root}{path}", text)
+        return text
+
+    def expand(self, text: str, rooted: bool = True) -> str:
+        """``text`` with the variables set so far, the cluster's addresses, and (``rooted``) this machine's
+        paths."""
+        text = re.sub(r"\$\{?([A-Z0-9_]+)\}?", lambda m: self.variables.get(m.group(1), m.group(0)), text)
+        text = text.replace(GUIDE_NET, CLUSTER_NET)
+        return self.rooted(text) if rooted else text
+
+    def path(self, guide_path: str) -> Path:
+        return Path(self.rooted(guide_path))
+
+
+class GuideRunner:
+    """Runs the guide's blocks on the cluster's machines with the installed ``vbs`` first on PATH."""
+
+    def __init__(self, cluster: NetnsCluster, machines: Mapping[str, GuideMachine], vbs_path: Path,
+                 env: Mapping[str, str], logs: Path) -> None:
+        self.cluster, self.machines, self.vbs_path, self.logs = cluster, machines, vbs_path, logs
+        self.env = {**env, "PATH": f"{vbs_path.parent}:/usr/sbin:/usr/bin:/sbin:/bin"}
+        self.ran: list[str] = []  # the guide's vbs lines, as the guide writes them
+        self.services: dict[str, subprocess.Popen[bytes]] = {}  # by machine name
+        self.on_sql: Callable[[str], None] | None = None  # the database's equivalent of psql
+
+    def by_address(self, address: str) -> GuideMachine:
+        (found,) = [m for m in self.machines.values() if m.machine.address == address]
+        return found
+
+    def run_blocks(self, blocks: list[str], on: str, env: dict[str, str] | None = None, *,
+                   variables: Mapping[str, str] | None = None, record: bool = True) -> dict[str, str]:
+        """Run ``blocks`` on machine ``on`` as its heading says; ``env`` collects ``export`` lines;
+        ``variables`` replace what the per-machine blocks set (a further machine's name and address, as
+        the guide's "and each further one" asks); ``record``: count its vbs lines as the guide's. The
+        output of each ``VAR=$(vbs …)`` by its name."""
+        m = self.machines[on]
+        recorded = len(self.ran)
+        captured: dict[str, str] = {}
+        env = env if env is not None else {}
+        for block in blocks:
+            body = [line for line in block.splitlines() if not line.startswith("#")]
+            if block.startswith("# per ") and all(re.match(r"^[A-Z0-9_]+=", line) for line in body):
+                for name, value in re.findall(r"^([A-Z0-9_]+)=(.*)$", block, flags=re.M):
+                    m.variables[name] = m.expand(value.strip("'"))
+                m.variables.update(variables or {})
+                continue
+            lines = iter(block.splitlines())
+            for line in lines:
+                if line.startswith("cat > /etc/vbs/vbs.toml <<EOF"):
+                    body = []
+                    for next_line in lines:
+                        if next_line == "EOF":
+                            break
+                        body.append(next_line)
+                    write_private(m.path("/etc/vbs/vbs.toml"), m.expand("\n".join(body) + "\n"))
+                else:
+                    self.run_line(m, line, env, captured)
+        if not record:
+            del self.ran[recorded:]
+        return captured
+
+    def run_line(self, m: GuideMachine, line: str, env: dict[str, str], captured: dict[str, str]) -> None:
+        if not line.strip() or line.lstrip().startswith("#") or SKIPPED.match(line):
+            return
+        if VBS_LINE.match(line):
+            self.run_vbs(m, line, env, captured)
+        elif line.startswith("export "):
+            name, value = line.removeprefix("export ").split("=", 1)
+            env[name] = m.expand(value)
+        elif line.startswith("install -d "):
+            argv = shlex.split(m.expand(line))
+            for flag in ("-o", "-g"):
+                while flag in argv:
+                    del argv[argv.index(flag):argv.index(flag) + 2]
+            subprocess.run(argv, check=True, timeout=60)
+        elif line.startswith("scp "):
+            self.copy(m, line)
+        elif line.startswith("rm "):
+            for target in shlex.split(m.expand(line))[1:]:
+                if target != "-r":
+                    shutil.rmtree(target) if Path(target).is_dir() else Path(target).unlink(missing_ok=True)
+        elif line.startswith("python3 -c ") and " > " in line:
+            command, target = line.rsplit(" > ", 1)
+            out = subprocess.run(shlex.split(command), capture_output=True, text=True, check=True, timeout=60)
+            write_private(m.path(target), out.stdout)
+        elif line.startswith("printf 'postgresql"):
+            self.database_url(m, line)
+        elif line.startswith("printf \"ALTER ROLE"):
+            assert self.on_sql is not None
+            fmt = shlex.split(line.split(" | ", 1)[0])[1]
+            self.on_sql(fmt.replace("\\n", "\n") % m.path("/root/vbs-db-password").read_text().strip())
+        elif line.startswith("systemctl enable --now "):
+            self.start_unit(m, line.rsplit(" ", 1)[1])
+        else:
+            raise AssertionError(f"no equivalent for this line of docs/install.md: {line}")
+
+    def run_vbs(self, m: GuideMachine, line: str, env: dict[str, str], captured: dict[str, str]) -> None:
+        """A vbs line: as the guide writes it (``runuser -u vbs --`` left out), its ``> FILE`` into the
+        machine's file, its ``VAR=$(…)`` captured."""
+        self.ran.append(line)
+        # The demo guest boots on the hypervisor node, whichever machine's blocks name it (section 9).
+        where = self.machines["hv-1"] if line.startswith("vbs demo-vm ") else m
+        text = where.expand(line.removeprefix("runuser -u vbs -- "))
+        var = None
+        if match := re.fullmatch(r"([A-Z]+)=\$\((.*)\)", text):
+            var, text = match.groups()
+        target = None
+        if " > " in text:
+            text, target = text.rsplit(" > ", 1)
+        argv = [str(self.vbs_path) if a == "vbs" else a for a in shlex.split(text)]
+        proc = self.cluster.run(where.machine, argv, env={**self.env, **env}, cwd="/", timeout=600)
+        assert proc.returncode == 0, f"{line} on {where.machine.name} exited {proc.returncode}: {proc.stderr}"
+        if var is not None:
+            captured[var] = proc.stdout.strip()
+            env[var] = captured[var]
+            m.variables[var] = captured[var]
+        if target is not None:
+            write_private(Path(target), proc.stdout)
+
+    def copy(self, m: GuideMachine, line: str) -> None:
+        """``scp root@ADDR:SOURCES DEST``: from that machine's directory to this one's."""
+        _, source, dest = shlex.split(line)
+        remote, paths = source.split(":", 1)
+        origin = self.by_address(m.expand(remote.removeprefix("root@")))
+        paths = m.expand(paths, rooted=False)  # the source's paths are the other machine's
+        if match := re.fullmatch(r"(.*)\{(.*)\}", paths):
+            sources = [match.group(1) + name for name in match.group(2).split(",")]
+        else:
+            sources = [paths]
+        for path in sources:
+            src, dst = origin.path(path), Path(m.expand(dest))
+            target = dst / src.name if dst.is_dir() else dst
+            if src != target:
+                shutil.copy2(src, target)
+                os.chmod(target, 0o600) if src.name != "ca.pem" else None
+
+    def database_url(self, m: GuideMachine, line: str) -> None:
+        fmt = shlex.split(line.split(" > ", 1)[0])[1].replace("\\n", "\n")
+        password = m.path("/root/vbs-db-password").read_text().strip()
+        write_private(m.path(line.rsplit(" > ", 1)[1]), fmt % (password, m.variables["DB"]))
+
+    def start_unit(self, m: GuideMachine, unit: str) -> None:
+        """``systemctl enable --now UNIT``: the unit's ExecStart in the machine's namespace."""
+        argv = exec_start(UNIT_ROLES[unit], self.vbs_path, m.path("/etc/vbs/vbs.toml"))
+        self.services[m.machine.name] = self.cluster.start(
+            m.machine, argv, log=self.logs / f"{m.machine.name}.log", env=self.env)
