@@ -1,11 +1,13 @@
 """The test guest: built from Debian's packages, booted under QEMU (TCG), it reports hot-plugged disks.
 
-One guest is booted for the module; disks are hot-plugged with plain QMP commands on the guest's test
-monitor (not the VBS driver) so that this proves the guest itself.
+One guest is booted cold for the module (the boot itself is under test); disks are hot-plugged with plain
+QMP commands on the guest's test monitor (not the VBS driver) so that this proves the guest itself. The
+last tests start guests warm, as the rest of the suite does: a saved boot resumed (warm.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +16,9 @@ import pytest
 from tests.conftest import wait_until
 from vbs.ids import virtio_serial
 from vbs.qemu.qmp import QmpClient, QmpCommandError
-from vbs.rigs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.rigs.testguest import GuestImage, TestGuest, build_guest, pattern_bytes, pattern_sha256, warm
 from vbs.rigs.testguest.build import MODULES
+from vbs.rigs.testguest.guest import KERNEL_CMDLINE
 
 VOL = "vol-0123456789abcdef0"
 SERIAL = virtio_serial(VOL)
@@ -29,8 +32,8 @@ def image() -> GuestImage:
 @pytest.fixture(scope="module")
 def guest(image: GuestImage, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestGuest]:
     work = tmp_path_factory.mktemp("guest")
-    with TestGuest("tg1", work, image, work / "vms") as g:
-        g.wait_ready(60)
+    with TestGuest("tg1", work, image, work / "vms", cold=True) as g:
+        g.wait_ready(120)
         yield g
     assert not g.alive()
 
@@ -126,3 +129,43 @@ def _blockdev_del(guest: TestGuest, node: str) -> bool:
             return False
         raise
     return True
+
+
+def test_warm_guests_resume_one_saved_boot_each_with_its_own_console_and_disks(
+        image: GuestImage, tmp_path: Path) -> None:
+    state = warm.saved_state(image, warm.Shape("pc", 256, 0, KERNEL_CMDLINE))
+    assert state.stat().st_mode & 0o777 == 0o600 and state.parent.stat().st_mode & 0o777 == 0o700
+    saved = state.stat().st_mtime_ns
+    volume = tmp_path / "vol.raw"
+    volume.write_bytes(b"\0" * (4 * 1024 * 1024))
+    with TestGuest("w1", tmp_path / "w1", image, tmp_path / "vms") as one, \
+            TestGuest("w2", tmp_path / "w2", image, tmp_path / "vms") as two:
+        for g in (one, two):
+            g.wait_ready(10)  # resumed in start(): ready at once
+            assert g.qmp("query-name") == {"name": g.name} and g.qmp("query-status")["running"] is True
+            assert "VBS-READY" not in g.console_log.read_text()  # no boot: the saved one goes on
+            # Its clock is the host's, not the saved guest's.
+            rc, out = g.run("date +%s")
+            assert rc == 0 and abs(int(out) - time.time()) < 300, out
+        one.run("echo one > /tmp/who")
+        assert two.run("cat /tmp/who 2>/dev/null || echo none") == (0, "none\n")
+        one.qmp("blockdev-add", {"driver": "file", "node-name": "w-proto", "filename": str(volume)})
+        one.qmp("blockdev-add", {"driver": "raw", "node-name": "w-raw", "file": "w-proto"})
+        one.qmp("device_add", {"driver": "virtio-blk-pci", "id": "w-dev", "drive": "w-raw", "serial": SERIAL})
+        dev = one.wait_for_disk(SERIAL, timeout=30)
+        assert one.write_pattern(dev, "warm", 1) == pattern_sha256("warm", 1)
+        assert SERIAL not in two.disks()
+    assert volume.read_bytes()[:1024 * 1024] == pattern_bytes("warm", 1)
+    assert state.stat().st_mtime_ns == saved, "the saved boot is reused, not saved again"
+
+
+def test_a_state_qemu_cannot_load_is_replaced_by_a_boot(image: GuestImage, tmp_path: Path) -> None:
+    shape = warm.Shape("pc", 192, 0, KERNEL_CMDLINE)  # a shape of its own: other tests' state is not touched
+    state = warm.saved_state(image, shape)
+    state.write_bytes(state.read_bytes()[:4096])  # cut short
+    with TestGuest("w3", tmp_path / "w3", image, tmp_path / "vms", memory_mib=192) as g:
+        g.wait_ready(180)
+        assert "VBS-READY" in g.console_log.read_text()  # booted
+        assert g.run("echo ok") == (0, "ok\n")
+    assert not state.exists()  # dropped: the next guest of this shape saves a fresh one
+    assert warm.saved_state(image, shape).stat().st_size > 1024 * 1024

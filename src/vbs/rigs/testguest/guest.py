@@ -14,6 +14,7 @@ import base64
 import hashlib
 import itertools
 import logging
+import os
 import re
 import subprocess
 import threading
@@ -25,7 +26,8 @@ from types import TracebackType
 from typing import IO, Any
 
 from vbs.errors import DriverError, InvalidParameter
-from vbs.qemu.qmp import QmpClient
+from vbs.qemu.qmp import QmpClient, QmpError
+from vbs.rigs.testguest import warm
 from vbs.rigs.testguest.build import GuestImage
 
 __all__ = ["KERNEL_CMDLINE", "TestGuest", "pattern_bytes", "pattern_sha256", "qemu_argv", "qmp_execute"]
@@ -105,7 +107,10 @@ class TestGuest:
         machine: str = "pc",
         memory_mib: int = 256,
         root_ports: int = 0,
+        cold: bool = False,
     ) -> None:
+        """``cold``: boot the kernel from scratch; by default the guest resumes a saved boot of the same
+        image and shape (``warm.py``), as fast as a guest can start."""
         if not _NAME_RE.match(name):
             raise InvalidParameter(f"invalid guest name {name!r}")
         self.name = name
@@ -120,6 +125,7 @@ class TestGuest:
         if not 0 <= root_ports <= MAX_ROOT_PORTS:
             raise InvalidParameter(f"root_ports is 0-{MAX_ROOT_PORTS}, not {root_ports}")
         self.root_ports = root_ports
+        self.cold = cold
         self.boot_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
@@ -138,23 +144,61 @@ class TestGuest:
     def start(self) -> TestGuest:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.qmp_path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.cold and not self._incoming:
+            state = warm.saved_state(self.image, warm.Shape(self.machine, self.memory_mib, self.root_ports,
+                                                            KERNEL_CMDLINE))
+            if self._resume(state):
+                return self
+            log.warning("test guest %s: QEMU could not resume %s; booting it instead", self.name, state)
+            warm.forget(state)
+        self._launch(["-incoming", "defer"] if self._incoming else [])
+        return self
+
+    def _launch(self, extra: list[str], pass_fds: tuple[int, ...] = ()) -> None:
         argv = [
             *qemu_argv(self.name, self.image, self.qmp_path, machine=self.machine, memory_mib=self.memory_mib,
                        root_ports=self.root_ports, serial="stdio"),
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
-            *(["-incoming", "defer"] if self._incoming else []),
+            *extra,
         ]  # fmt: skip
         stderr = (self.workdir / f"{self.name}.qemu.log").open("ab")
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, pass_fds=pass_fds
         )
         stderr.close()
         self._reader = threading.Thread(
             target=self._read_console, args=(self._proc.stdout,), name=f"console-{self.name}", daemon=True
         )
         self._reader.start()
-        return self
+
+    def _resume(self, state: Path, timeout: float = 120.0) -> bool:
+        """Start QEMU on a saved boot (``warm.py``); True once the guest runs and its clock is the host's.
+        False if QEMU could not load the state (it has exited then)."""
+        fd = os.open(state, os.O_RDONLY)
+        try:
+            self._launch(["-incoming", f"fd:{fd}"], pass_fds=(fd,))
+        finally:
+            os.close(fd)
+        deadline = time.monotonic() + timeout
+        running = False
+        while not running and self.alive() and time.monotonic() < deadline:
+            try:
+                running = self.qmp("query-status")["status"] == "running"
+            except QmpError:
+                pass  # the monitor is not up yet
+            if not running:
+                time.sleep(0.05)
+        if not running:
+            self.stop()
+            return False
+        with self._cond:
+            self._ready = True
+            self.boot_seconds = time.monotonic() - self._started_at
+            self._cond.notify_all()
+        # The guest's clock was saved with it: the host's time, so that what it stamps is of today.
+        self.check(f"date -s @{int(time.time())} > /dev/null")
+        return True
 
     def incoming_twin(self, qmp_dir: Path, workdir: Path) -> TestGuest:
         """Start the destination of a live migration of this guest, as an orchestrator would: the same
