@@ -3,6 +3,10 @@
 The blocks of a snapshot are its manifest's, which a storage agent that reaches its store reads (and keeps
 a few of: manifests never change). Two snapshots' changed blocks are those whose chunk differs: chunk
 ids are content ids, so a block written again with the same bytes is not listed (exact at 512 KiB).
+
+An encrypted snapshot written through StartSnapshot holds its blocks as they were put (plaintext under the
+store's per-tenant encryption) and is read as any other; an encrypted volume's snapshot is its LUKS
+container, whose blocks are not read here (docs/ebs-direct.md "Encrypted snapshots").
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ def _readable(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
         raise Validation(f"The snapshot '{snap.id}' is {snap.status}: only a completed snapshot is read.",
                          "INVALID_SNAPSHOT_ID")
     refuse_if_archived(s, snap.id)
+    if snap.key_id is not None and not snap.plain_data:
+        raise Validation(f"The snapshot '{snap.id}' is an encrypted volume's snapshot, kept as its LUKS container: "
+                         "its blocks are not read through the EBS direct APIs here (docs/ebs-direct.md). Volumes "
+                         "and copies are made from it as usual.", "INVALID_SNAPSHOT_ID")
     if snap.store_state != stored.STORED or snap.store is None:
         raise Validation(f"The snapshot '{snap.id}' is not in the snapshot store: its blocks cannot be read "
                          "(this install keeps snapshots in their pools only, or its upload has not finished).",
