@@ -8,7 +8,7 @@
   from the first plus those blocks, bit-exact; written back as a child snapshot, it restores the same;
 - an encrypted snapshot (Encrypted, KmsKeyArn) takes plaintext blocks and answers them as plaintext; its
   child shares its key; a volume made from it is a LUKS container under that key whose guest reads the
-  blocks as they were put; an encrypted volume's snapshot (a LUKS container) is refused by the block reads;
+  blocks as they were put; an encrypted volume's snapshot (a LUKS container) is read as plaintext too;
 - what AWS refuses is refused with AWS's error and reason, and changes nothing.
 """
 
@@ -358,17 +358,41 @@ def test_an_encrypted_snapshot_takes_plaintext_blocks_and_its_volumes_are_encryp
     finally:
         env.detach(vol)
 
-    # An encrypted volume's snapshot is its LUKS container: VBS neither reads its blocks nor starts a snapshot
-    # over them (docs/ebs-direct.md "Encrypted snapshots").
+    # An encrypted volume's snapshot is its LUKS container: its blocks are answered as plaintext (the
+    # controller decrypts them), a block beside a written one may be listed too (the container's blocks
+    # straddle the volume's); it is no parent for blocks put as plaintext.
     luks_vol = env.vbs.create_volume(size_gib=1, encrypted=True)["volume_id"]
     env.vbs.wait_volume(luks_vol, "available")
-    luks_snap = env.snapshot(luks_vol)
+    dev = env.attach(luks_vol)
+    try:
+        for index in (1, 3):
+            env.guest.check(f"head -c 524288 /dev/urandom | dd of=/dev/{dev} bs=512K seek={index} "
+                            "conv=fsync,notrunc 2>/dev/null")
+        written = {index: env.guest_block(dev, index) for index in (1, 3)}
+    finally:
+        env.detach(luks_vol)
+    first = env.snapshot(luks_vol)
+    listed = {b["BlockIndex"]: b["BlockToken"] for b in ebs.list_snapshot_blocks(SnapshotId=first)["Blocks"]}
+    assert {1, 3} <= set(listed) <= {0, 1, 2, 3, 4}
+    for index, digest in written.items():
+        assert hashlib.sha256(read_block(ebs, first, index, listed[index])).hexdigest() == digest
+    dev = env.attach(luks_vol)
+    try:
+        env.guest.check(f"head -c 524288 /dev/urandom | dd of=/dev/{dev} bs=512K seek=3 conv=fsync,notrunc 2>/dev/null")
+        written[3] = env.guest_block(dev, 3)
+    finally:
+        env.detach(luks_vol)
+    second = env.snapshot(luks_vol)
+    changed = ebs.list_changed_blocks(FirstSnapshotId=first, SecondSnapshotId=second)["ChangedBlocks"]
+    assert 3 in {c["BlockIndex"] for c in changed} and 1 not in {c["BlockIndex"] for c in changed}
+    [three] = [c for c in changed if c["BlockIndex"] == 3]
+    assert hashlib.sha256(read_block(ebs, second, 3, three["SecondBlockToken"])).hexdigest() == written[3]
     with pytest.raises(ClientError) as exc:
-        ebs.list_snapshot_blocks(SnapshotId=luks_snap)
+        ebs.start_snapshot(VolumeSize=1, ParentSnapshotId=second)
     assert error(exc) == ("ValidationException", "INVALID_SNAPSHOT_ID")
-    with pytest.raises(ClientError) as exc:
-        ebs.start_snapshot(VolumeSize=1, ParentSnapshotId=luks_snap)
-    assert error(exc) == ("ValidationException", "INVALID_SNAPSHOT_ID")
+    with pytest.raises(ClientError) as exc:  # another lineage
+        ebs.list_changed_blocks(FirstSnapshotId=snap, SecondSnapshotId=second)
+    assert error(exc) == ("ValidationException", "UNRELATED_SNAPSHOTS")
 
     # The default key; what AWS refuses, refused.
     default = ebs.start_snapshot(VolumeSize=1, Encrypted=True)

@@ -133,3 +133,20 @@ def test_a_copy_of_a_snapshot_encrypted_over_plaintext_is_encrypted_as_it_is_wri
         assert copy(s, svc.master_key, None, encrypted=False, kms_key_id=None) == (None, False, None)
         fresh = copy(s, svc.master_key, None, encrypted=True, kms_key_id=None)
         assert fresh.key_id is not None and (fresh.rewrite, fresh.source_key_id) == (True, None)
+
+
+def test_a_block_of_an_encrypted_volumes_snapshot_is_made_of_the_two_container_blocks_it_spans(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vbs.controller.ebs import luks_reads
+    from vbs.qemu.luks1 import Header
+
+    offset = 4040 * 512  # QEMU's payload offset: 3.9 blocks of 512 KiB into the container
+    header = Header("sha256", offset, 64, b"", b"", 1, ())
+    monkeypatch.setattr(luks_reads, "_head", lambda svc, snap, key: (header, b""))
+    snap = Snapshot(id=PARENT, volume_size_gib=1, key_id="vk-1", plain_data=False)
+    assert luks_reads.is_container(snap) and not luks_reads.is_container(Snapshot(key_id="vk-1", plain_data=True))
+    # Container blocks 0-3 hold the header and block 0's head; the volume's block 1 lies in blocks 4 and 5.
+    got = luks_reads.payload_blocks(Any, snap, {0: "h0", 1: "h1", 3: "c3", 5: "c5"}, Any)
+    assert got == {0: "c3+0", 1: "0+c5", 2: "c5+0"}
+    last = 2048 - 1  # the volume's last block ends in the container's last
+    assert luks_reads.payload_blocks(Any, snap, {2051: "end"}, Any) == {last: "0+end"}

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from vbs.controller.auth import encryption
 from vbs.controller.db import Snapshot
 from vbs.controller.ebs.errors import AccessDenied, Validation
+from vbs.controller.ebs.luks_reads import is_container
 from vbs.controller.requests.snapshot_permissions import owner_id
 from vbs.controller.runtime import Controller
 
@@ -64,7 +65,7 @@ def snapshot_key(s: Session, svc: Controller, tenant: str, *, encrypted: bool | 
     if parent is None:
         kms = usable_kms_key(kms_key_arn, tenant, svc.cfg.region) if kms_key_arn is not None else None
         return encryption.key_for_copy(s, svc.master_key, None, encrypted=bool(encrypted), kms_key_id=kms).key_id
-    if parent.key_id is not None and not parent.plain_data:
+    if is_container(parent):
         raise Validation(f"The parent snapshot '{parent.id}' is an encrypted volume's snapshot, kept as its LUKS "
                          "container: blocks cannot be put over it here. Start the snapshot without a parent.",
                          "INVALID_SNAPSHOT_ID")
