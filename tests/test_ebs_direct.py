@@ -6,6 +6,9 @@
 - a backup tool's flow: a guest writes, snapshot; it changes some blocks (and writes one again with the
   same bytes), snapshot; ListChangedBlocks names exactly the changed ones; the second image is rebuilt
   from the first plus those blocks, bit-exact; written back as a child snapshot, it restores the same;
+- an encrypted snapshot (Encrypted, KmsKeyArn) takes plaintext blocks and answers them as plaintext; its
+  child shares its key; a volume made from it is a LUKS container under that key whose guest reads the
+  blocks as they were put; an encrypted volume's snapshot (a LUKS container) is read as plaintext too;
 - what AWS refuses is refused with AWS's error and reason, and changes nothing.
 """
 
@@ -304,3 +307,103 @@ def test_a_snapshot_past_its_timeout_ends_in_error_and_takes_no_more_blocks(env:
     assert manifest.exists()
     assert env.vbs.http.delete(f"/v1/snapshots/{done}").status_code == 200
     wait_until(lambda: not manifest.exists(), 60, what="manifest deleted")
+
+
+KMS_ARN = "arn:aws:kms:us-east-1:000000000000:key/0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d"
+MARK = b"vbs-direct-encrypted-plaintext!!" * (BLOCK // 32)
+
+
+def holds(path: Path, needle: bytes, limit: int = 64 << 20) -> bool:
+    with open(path, "rb") as f:
+        return needle in f.read(limit)
+
+
+def test_an_encrypted_snapshot_takes_plaintext_blocks_and_its_volumes_are_encrypted_under_its_key(env: Env) -> None:
+    ebs, ec2 = env.ebs, env.vbs.ec2()
+    started = ebs.start_snapshot(VolumeSize=1, Encrypted=True, KmsKeyArn=KMS_ARN)
+    snap = started["SnapshotId"]
+    assert (started["Status"], started["KmsKeyArn"]) == ("pending", KMS_ARN)
+    blocks = {0: MARK, 2: os.urandom(BLOCK)}
+    for index, data in blocks.items():
+        put(ebs, snap, index, data)
+    assert ebs.complete_snapshot(SnapshotId=snap, ChangedBlocksCount=2)["Status"] == "completed"
+    shown = ec2.describe_snapshots(SnapshotIds=[snap])["Snapshots"][0]
+    assert (shown["State"], shown["Encrypted"], shown["KmsKeyId"]) == ("completed", True, KMS_ARN)
+    listed = ebs.list_snapshot_blocks(SnapshotId=snap)["Blocks"]
+    assert [b["BlockIndex"] for b in listed] == [0, 2]
+    for b in listed:  # plaintext to its owner, as AWS answers
+        assert read_block(ebs, snap, b["BlockIndex"], b["BlockToken"]) == blocks[b["BlockIndex"]]
+
+    # A child is encrypted under its parent's key; only its own blocks differ.
+    child = ebs.start_snapshot(VolumeSize=1, ParentSnapshotId=snap)
+    assert child["KmsKeyArn"] == KMS_ARN
+    blocks[5] = os.urandom(BLOCK)
+    put(ebs, child["SnapshotId"], 5, blocks[5])
+    assert ebs.complete_snapshot(SnapshotId=child["SnapshotId"], ChangedBlocksCount=1)["Status"] == "completed"
+    changed = ebs.list_changed_blocks(FirstSnapshotId=snap, SecondSnapshotId=child["SnapshotId"])["ChangedBlocks"]
+    assert [c["BlockIndex"] for c in changed] == [5]
+
+    # EC2 CreateVolume: encrypted under the snapshot's key; the pool holds a LUKS container, the guest reads
+    # the blocks as they were put.
+    made = ec2.create_volume(AvailabilityZone="us-east-1a", SnapshotId=child["SnapshotId"])
+    assert (made["Encrypted"], made["KmsKeyId"]) == (True, KMS_ARN)
+    vol = made["VolumeId"]
+    env.vbs.wait_volume(vol, "available", timeout=300)
+    raw = env.vbs.pool / "volumes" / f"{vol}.raw"
+    assert holds(raw, b"LUKS\xba\xbe", 6) and not holds(raw, MARK[:4096])
+    dev = env.attach(vol)
+    try:
+        for index, data in (*blocks.items(), (7, bytes(BLOCK))):
+            assert env.guest_block(dev, index) == hashlib.sha256(data).hexdigest(), index
+    finally:
+        env.detach(vol)
+
+    # An encrypted volume's snapshot is its LUKS container: its blocks are answered as plaintext (the
+    # controller decrypts them), a block beside a written one may be listed too (the container's blocks
+    # straddle the volume's); it is no parent for blocks put as plaintext.
+    luks_vol = env.vbs.create_volume(size_gib=1, encrypted=True)["volume_id"]
+    env.vbs.wait_volume(luks_vol, "available")
+    dev = env.attach(luks_vol)
+    try:
+        for index in (1, 3):
+            env.guest.check(f"head -c 524288 /dev/urandom | dd of=/dev/{dev} bs=512K seek={index} "
+                            "conv=fsync,notrunc 2>/dev/null")
+        written = {index: env.guest_block(dev, index) for index in (1, 3)}
+    finally:
+        env.detach(luks_vol)
+    first = env.snapshot(luks_vol)
+    listed = {b["BlockIndex"]: b["BlockToken"] for b in ebs.list_snapshot_blocks(SnapshotId=first)["Blocks"]}
+    assert {1, 3} <= set(listed) <= {0, 1, 2, 3, 4}
+    for index, digest in written.items():
+        assert hashlib.sha256(read_block(ebs, first, index, listed[index])).hexdigest() == digest
+    dev = env.attach(luks_vol)
+    try:
+        env.guest.check(f"head -c 524288 /dev/urandom | dd of=/dev/{dev} bs=512K seek=3 conv=fsync,notrunc 2>/dev/null")
+        written[3] = env.guest_block(dev, 3)
+    finally:
+        env.detach(luks_vol)
+    second = env.snapshot(luks_vol)
+    changed = ebs.list_changed_blocks(FirstSnapshotId=first, SecondSnapshotId=second)["ChangedBlocks"]
+    assert 3 in {c["BlockIndex"] for c in changed} and 1 not in {c["BlockIndex"] for c in changed}
+    [three] = [c for c in changed if c["BlockIndex"] == 3]
+    assert hashlib.sha256(read_block(ebs, second, 3, three["SecondBlockToken"])).hexdigest() == written[3]
+    with pytest.raises(ClientError) as exc:
+        ebs.start_snapshot(VolumeSize=1, ParentSnapshotId=second)
+    assert error(exc) == ("ValidationException", "INVALID_SNAPSHOT_ID")
+    with pytest.raises(ClientError) as exc:  # another lineage
+        ebs.list_changed_blocks(FirstSnapshotId=snap, SecondSnapshotId=second)
+    assert error(exc) == ("ValidationException", "UNRELATED_SNAPSHOTS")
+
+    # The default key; what AWS refuses, refused.
+    default = ebs.start_snapshot(VolumeSize=1, Encrypted=True)
+    assert default["KmsKeyArn"] == "arn:aws:kms:us-east-1:000000000000:alias/aws/ebs"
+    assert ebs.complete_snapshot(SnapshotId=default["SnapshotId"], ChangedBlocksCount=0)["Status"] == "completed"
+    assert ec2.describe_snapshots(SnapshotIds=[default["SnapshotId"]])["Snapshots"][0]["KmsKeyId"] == "alias/aws/ebs"
+    for params, expected in (
+            ({"Encrypted": True, "ParentSnapshotId": snap}, ("ValidationException", "INVALID_PARAMETER_VALUE")),
+            ({"KmsKeyArn": KMS_ARN}, ("ValidationException", "INVALID_PARAMETER_VALUE")),
+            ({"Encrypted": True, "KmsKeyArn": KMS_ARN.replace("000000000000", "111122223333")},
+             ("AccessDeniedException", "DEPENDENCY_ACCESS_DENIED"))):
+        with pytest.raises(ClientError) as exc:
+            ebs.start_snapshot(VolumeSize=1, **params)
+        assert error(exc) == expected, params

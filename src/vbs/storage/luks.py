@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,13 +19,14 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from vbs.errors import DriverError
+from vbs.qemu import luks1
 from vbs.system import argv
 from vbs.system.files import write_private
 from vbs.system.socket_paths import FALLBACK_ROOT
 
 log = logging.getLogger(__name__)
 
-LUKS_MAGIC = b"LUKS\xba\xbe"
+LUKS_MAGIC = luks1.LUKS_MAGIC
 FORMAT_TIMEOUT_S = 120.0
 CONVERT_TIMEOUT_S = 6 * 3600.0
 # Before it writes a LUKS header, QEMU times 2^15 PBKDF2 iterations on the thread's CPU clock to choose
@@ -37,7 +37,6 @@ _CALIBRATION_FAILED = "Unable to get accurate CPU usage"
 CALIBRATION_TRIES = 20
 # A memory file system (/run): the passphrase files never reach a disk.
 KEY_SCRATCH = FALLBACK_ROOT / "keys"
-_SECTOR = 512
 
 
 @contextmanager
@@ -100,7 +99,8 @@ def header_bytes(path: Path) -> int:
     """How far into ``path`` (a container VBS made: LUKS1, as QEMU writes them) its payload starts. Asked
     only of what the controller says is a container: a guest may write a LUKS header on a plain volume."""
     with open(path, "rb") as f:
-        head = f.read(108)
-    if len(head) < 108 or head[:len(LUKS_MAGIC)] != LUKS_MAGIC or struct.unpack(">H", head[6:8])[0] != 1:
-        raise DriverError(f"{path.name} is not a LUKS1 container")
-    return int(struct.unpack(">I", head[104:108])[0]) * _SECTOR
+        head = f.read(luks1.HEADER_BYTES)
+    try:
+        return luks1.parse_header(head).payload_offset
+    except luks1.NotLuks as exc:
+        raise DriverError(f"{path.name} is {exc.message}") from None

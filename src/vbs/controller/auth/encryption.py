@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import re
 import secrets
+from typing import NamedTuple
 
 from pydantic import SecretStr
 from sqlalchemy import select
@@ -56,23 +57,36 @@ def new_key(s: Session, master: MasterKey, kms_key_id: str) -> str:
     return key_id
 
 
+class CopyKey(NamedTuple):
+    """The data key of a copy (None: plain), whether the copy's data is written encrypted under it as it is
+    copied (``rewrite``: re-encrypted, or encrypted for the first time), and the key the source's data opens
+    with for that (None: the source's data is plain)."""
+
+    key_id: str | None
+    rewrite: bool
+    source_key_id: str | None
+
+
 def key_for_copy(s: Session, master: MasterKey, source_key_id: str | None, *, encrypted: bool,
-                 kms_key_id: str | None) -> tuple[str | None, str | None]:
+                 kms_key_id: str | None, source_plain: bool = False) -> CopyKey:
     """The data key of a copy of something encrypted under ``source_key_id`` (or plain, or nothing: a new
-    volume) as asked, and the source's key where the copy must be re-encrypted: (key id, source key id).
+    volume) as asked.
 
     A copy of an encrypted source is encrypted (``Encrypted`` may be left out, as on EBS) under the source's
     key, unless another KMS key id is asked for; then, and for a plain source asked to be encrypted, a new
-    key, the data re-encrypted under it."""
+    key, the data re-encrypted under it. ``source_plain``: the source is encrypted under its key though its
+    data is plaintext (a snapshot written through the EBS direct APIs, docs/ebs-direct.md): the copy is
+    encrypted as it is written, under the source's key or the one asked for."""
     if kms_key_id is not None and not encrypted and source_key_id is None:
         raise InvalidParameter("The parameter KmsKeyId requires the parameter Encrypted to be set.",
                                code="InvalidParameterDependency")
     if source_key_id is None:
-        return (new_key(s, master, check_kms_key_id(kms_key_id)) if encrypted else None), None
+        key_id = new_key(s, master, check_kms_key_id(kms_key_id)) if encrypted else None
+        return CopyKey(key_id, key_id is not None, None)
     kms = kms_key_ids(s, {source_key_id}).get(source_key_id)
     if kms_key_id is None or kms_key_id == kms:
-        return source_key_id, None
-    return new_key(s, master, check_kms_key_id(kms_key_id)), source_key_id
+        return CopyKey(source_key_id, source_plain, None)
+    return CopyKey(new_key(s, master, check_kms_key_id(kms_key_id)), True, None if source_plain else source_key_id)
 
 
 def passphrase(s: Session, master: MasterKey, key_id: str) -> SecretStr:

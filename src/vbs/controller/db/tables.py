@@ -133,6 +133,10 @@ class Snapshot(_StoredResource, Base):
     source_snapshot_id: Mapped[str | None] = mapped_column(String(32), index=True)
     # Encrypted: the data key (VolumeKey) of the volume it was taken of.
     key_id: Mapped[str | None] = mapped_column(String(32))
+    # Encrypted under ``key_id`` though its data is no LUKS container: its blocks were put through the EBS
+    # direct APIs as plaintext, kept as the snapshot store keeps every chunk (docs/ebs-direct.md
+    # "Encrypted snapshots"); a volume made from it is encrypted under the key as it is restored.
+    plain_data: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The snapshot store (docs/snapshots.md): None while it is kept in its pool only, "uploading",
     # "stored" once its manifest is in ``store`` (its storage nodes' description of it), or "error";
     # the bytes of its chunks that are not zeros; and whether its pool still holds its own copy (a

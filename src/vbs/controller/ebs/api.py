@@ -21,6 +21,7 @@ from vbs.controller.auth.authenticator import Authenticator
 from vbs.controller.auth.keys import Principal
 from vbs.controller.aws_json import Handler, Service, parse_body, refusal
 from vbs.controller.ebs import reads, writes
+from vbs.controller.ebs.encryption import check_combination, kms_key_arn
 from vbs.controller.ebs.errors import EbsError, Validation, ebs_error_of
 from vbs.controller.requests.snapshot_permissions import owner_id
 from vbs.controller.rest.schemas.common import COMMENT_MAX, check_tags
@@ -56,8 +57,8 @@ class _Start(BaseModel):
     Tags: list[_Tag] = Field(default_factory=list, max_length=50)
     Description: str = Field("", max_length=COMMENT_MAX)
     ClientToken: str | None = Field(None, min_length=1, max_length=255, pattern=r"^\S+$")
-    Encrypted: bool = False
-    KmsKeyArn: str | None = Field(None, max_length=2048)
+    Encrypted: bool | None = None
+    KmsKeyArn: str | None = Field(None, min_length=1, max_length=2048)
     Timeout: int = Field(writes.DEFAULT_TIMEOUT_MIN, ge=10, le=4320, strict=True)
 
 
@@ -75,16 +76,15 @@ def _epoch(when: datetime) -> float:
 
 def _start_request(body: bytes) -> writes.StartRequest:
     req = parse_body(_Start, body, Validation)
-    if req.Encrypted or req.KmsKeyArn:
-        raise Validation("Encrypted snapshots cannot be written through the EBS direct APIs here: VBS encrypts "
-                         "volumes with LUKS, whose containers are not written block by block.")
+    check_combination(req.Encrypted, req.KmsKeyArn, req.ParentSnapshotId)
     tags = {t.Key: t.Value for t in req.Tags}
     try:
         check_tags(tags)
     except ValueError as exc:
         raise Validation(f"Invalid tags: {exc}.", "INVALID_TAG") from None
     return writes.StartRequest(volume_size_gib=req.VolumeSize, parent_snapshot_id=req.ParentSnapshotId, tags=tags,
-                               description=req.Description, client_token=req.ClientToken, timeout_min=req.Timeout)
+                               description=req.Description, client_token=req.ClientToken, timeout_min=req.Timeout,
+                               encrypted=req.Encrypted, kms_key_arn=req.KmsKeyArn)
 
 
 def install(app: FastAPI, auth: Authenticator) -> None:
@@ -108,6 +108,9 @@ def install(app: FastAPI, auth: Authenticator) -> None:
         }
         if req.parent_snapshot_id:
             out["ParentSnapshotId"] = req.parent_snapshot_id
+        if snap.key_id is not None:
+            with svc.db.read() as s:
+                out["KmsKeyArn"] = kms_key_arn(s, svc, who.tenant, snap.key_id)
         return out
 
     @route("/snapshots/{snapshotId}/blocks/{blockIndex}", "PUT", 201, unsigned_ok=True)

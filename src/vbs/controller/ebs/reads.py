@@ -3,6 +3,11 @@
 The blocks of a snapshot are its manifest's, which a storage agent that reaches its store reads (and keeps
 a few of: manifests never change). Two snapshots' changed blocks are those whose chunk differs: chunk
 ids are content ids, so a block written again with the same bytes is not listed (exact at 512 KiB).
+
+An encrypted snapshot written through StartSnapshot holds its blocks as they were put (plaintext under the
+store's per-tenant encryption) and is read as any other; an encrypted volume's snapshot is its LUKS
+container, which the controller decrypts as it reads it (``luks_reads``, docs/ebs-direct.md "Encrypted
+snapshots").
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from sqlalchemy.orm import Session
 from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import Snapshot
 from vbs.controller.db.states import SnapshotState
+from vbs.controller.ebs import luks_reads
 from vbs.controller.ebs.errors import Validation
 from vbs.controller.ebs.tokens import BlockTokens, page_start, page_token, sha256_b64
 from vbs.controller.ebs.writes import lineage_of, owned
@@ -55,7 +61,10 @@ def _readable(s: Session, snapshot_id: str, tenant: str) -> Snapshot:
 
 
 def _blocks(svc: Controller, snap: Snapshot) -> dict[int, str]:
+    """The snapshot's blocks that hold data, each with what it is made of (equal: equal content)."""
     listing: SnapshotBlockList = stored.store_agent(svc, snap).snapshot_blocks(snap.id)
+    if luks_reads.is_container(snap):
+        return luks_reads.payload_blocks(svc, snap, dict(listing.blocks), store_key(svc.db, svc.master_key))
     return dict(listing.blocks)
 
 
@@ -98,6 +107,11 @@ def list_changed_blocks(svc: Controller, tenant: str, second_id: str, first_id: 
         if first is not None and lineage_of(s, first) != lineage_of(s, second):
             raise Validation(f"The snapshots '{first.id}' and '{second.id}' are not of one volume or lineage.",
                              "UNRELATED_SNAPSHOTS")
+        if first is not None and (luks_reads.is_container(first), first.key_id) != (
+                luks_reads.is_container(second), second.key_id):
+            # An encrypted copy of a plain snapshot keeps its volume: blocks stored under two encodings.
+            raise Validation(f"The snapshots '{first.id}' and '{second.id}' are not encrypted alike: their blocks "
+                             "are not compared.", "UNRELATED_SNAPSHOTS")
     after = _blocks(svc, second)
     before = _blocks(svc, first) if first is not None else {}
     changed = sorted(i for i in set(before) | set(after) if before.get(i) != after.get(i))
@@ -116,5 +130,8 @@ def get_block(svc: Controller, tenant: str, snapshot_id: str, block_index: int, 
         snap = _readable(s, snapshot_id, tenant)
     if not 0 <= block_index < -(-snap.volume_size_gib * (1 << 30) // BLOCK_SIZE):
         raise Validation(f"Block {block_index} is past the end of the snapshot.", "INVALID_BLOCK")
-    data = stored.store_agent(svc, snap).read_block(snap.id, block_index, tenant, key)
+    if luks_reads.is_container(snap):
+        data = luks_reads.read_block(svc, snap, block_index, key)
+    else:
+        data = stored.store_agent(svc, snap).read_block(snap.id, block_index, tenant, key)
     return data, sha256_b64(data)

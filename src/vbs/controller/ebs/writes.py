@@ -29,6 +29,7 @@ from vbs.controller.auth.store_key import store_key
 from vbs.controller.db import DirectBlock, DirectSnapshot, Node, Snapshot
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
+from vbs.controller.ebs.encryption import snapshot_key
 from vbs.controller.ebs.errors import ConcurrentLimit, Conflict, Internal, NotFoundError, Validation
 from vbs.controller.ebs.tokens import sha256_b64
 from vbs.controller.fleet.nodes import is_alive, storage_info
@@ -60,10 +61,15 @@ class StartRequest:
     description: str
     client_token: str | None
     timeout_min: int
+    # None: left out (a child is encrypted as its parent is, docs/ebs-direct.md "Encrypted snapshots").
+    encrypted: bool | None = None
+    kms_key_arn: str | None = None
 
     def digest(self) -> str:
-        fields = [self.volume_size_gib, self.parent_snapshot_id, sorted(self.tags.items()), self.description,
-                  self.timeout_min]
+        fields: list[object] = [self.volume_size_gib, self.parent_snapshot_id, sorted(self.tags.items()),
+                                self.description, self.timeout_min]
+        if self.encrypted is not None or self.kms_key_arn is not None:  # a plain request's digest as before
+            fields += [self.encrypted, self.kms_key_arn]
         return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 
@@ -121,11 +127,12 @@ def start_snapshot(svc: Controller, req: StartRequest, tenant: str) -> Snapshot:
                                   " complete one first.")
         quotas.check_snapshots(s, svc.cfg, tenant)
         node, pool, store = _store_node(s, svc, parent.store if parent is not None else None)
+        key_id = snapshot_key(s, svc, tenant, encrypted=req.encrypted, kms_key_arn=req.kms_key_arn, parent=parent)
         now = utcnow()
         snap = Snapshot(id=ids.new_id("snapshot"), volume_id=DIRECT_VOLUME_ID, volume_size_gib=req.volume_size_gib,
                         comment=req.description, storage_node=node, pool=pool, status=SnapshotState.PENDING,
                         progress=0, started_at=now, updated_at=now, tenant=tenant, store_state=stored.UPLOADING,
-                        store=store, pool_copy=False)
+                        store=store, pool_copy=False, key_id=key_id, plain_data=key_id is not None)
         s.add(snap)
         s.add(DirectSnapshot(snapshot_id=snap.id, tenant=tenant, client_token=token, request_digest=digest,
                              parent_snapshot_id=parent.id if parent is not None else None,

@@ -37,9 +37,9 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         if hit != 1:
             raise IncorrectState(f"The snapshot '{source.id}' is '{source.status}'; it must be completed.",
                                  code="IncorrectState")
-        key_id, source_key_id = encryption.key_for_copy(s, svc.master_key, source.key_id, encrypted=req.encrypted,
-                                                        kms_key_id=req.kms_key_id)
-        reencrypt = key_id != source.key_id
+        key_id, reencrypt, source_key_id = encryption.key_for_copy(
+            s, svc.master_key, source.key_id, encrypted=req.encrypted, kms_key_id=req.kms_key_id,
+            source_plain=source.plain_data)
         pool = pool_of(s.get(Node, (source.storage_node, "storage")), source.pool)
         if reencrypt and (pool is None or not pool.encryption):
             raise IncorrectState(f"The pool of the snapshot '{source.id}' cannot make encrypted copies.")

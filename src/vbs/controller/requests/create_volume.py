@@ -298,11 +298,10 @@ def _volume_key(s: Session, svc: Controller, req: CreateVolumeRequest,
                 snap: Snapshot | None) -> tuple[str | None, bool, str | None]:
     """(the new volume's data key, whether its pool writes it encrypted, the key its snapshot opens with
     for that): a clone of an encrypted snapshot shares its key, as on EBS; asked for another KMS key, or
-    encryption of a plain snapshot, the pool re-encrypts the data under a new key as it copies it."""
+    encryption of a plain snapshot, the pool re-encrypts the data under a new key as it copies it; a snapshot
+    encrypted over plaintext blocks (``plain_data``) is encrypted as it is copied."""
     if not req.encrypted and req.kms_key_id is None and (snap is None or snap.key_id is None):
         return None, False, None  # the plain case, most of them
-    key_id, source_key_id = encryption.key_for_copy(s, svc.master_key, snap.key_id if snap else None,
-                                                    encrypted=req.encrypted, kms_key_id=req.kms_key_id)
-    if snap is None:
-        return key_id, key_id is not None, None
-    return key_id, key_id != snap.key_id, source_key_id
+    copy = encryption.key_for_copy(s, svc.master_key, snap.key_id if snap else None, encrypted=req.encrypted,
+                                   kms_key_id=req.kms_key_id, source_plain=snap is not None and snap.plain_data)
+    return copy.key_id, copy.rewrite, copy.source_key_id
