@@ -285,6 +285,11 @@ class ControllerService(SnapshotMethods):
         with self.locked(request.volume_id):
             volume = self._volume(request.volume_id)
             if int(volume["size_gib"]) < gib:
+                if published_hosts(volume):
+                    # Offline expansion (the plugin's VolumeExpansion OFFLINE): a node cannot see its
+                    # published volume grow (docs/kubernetes.md "What is missing").
+                    raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is published to "
+                                   f"{', '.join(published_hosts(volume))}: unpublish it to expand it")
                 self.api.grow(request.volume_id, gib)
                 volume = self._volume(request.volume_id)
         # The filesystem grows when the node stages the volume next (node_devices: grown at every stage).

@@ -79,11 +79,27 @@ class NodeDevices:
             found = wanted
         if found not in FS_TYPES:
             raise CsiError("FAILED_PRECONDITION", f"the volume holds a {found[:20]} filesystem, not ext4 or xfs")
+        if found == "ext4" and not read_only:
+            self._grow_ext4(device)
         staging.mkdir(parents=True, exist_ok=True)
         run(["mount", "-t", found, "-o", "ro" if read_only else "rw", device, str(staging)], timeout=_TOOL_TIMEOUT)
-        if not read_only:
-            grow = ["resize2fs", device] if found == "ext4" else ["xfs_growfs", str(staging)]
-            run(grow, timeout=_TOOL_TIMEOUT)
+        if found == "xfs" and not read_only:
+            run(["xfs_growfs", str(staging)], timeout=_TOOL_TIMEOUT)  # online; nothing to do at the same size
+
+    def _grow_ext4(self, device: str) -> None:
+        """An ext4 smaller than its device (the volume was expanded) grown before it is mounted: offline,
+        after the check resize2fs asks for (this machine's kernel refuses online ext4 resizes)."""
+        head = run(["dumpe2fs", "-h", device], timeout=60).stdout
+        fields = dict(line.split(":", 1) for line in head.splitlines() if ":" in line)
+        fs_bytes = int(fields["Block count"].strip()) * int(fields["Block size"].strip())
+        device_bytes = int(run(["blockdev", "--getsize64", device], timeout=30).stdout.strip())
+        if device_bytes - fs_bytes < int(fields["Block size"].strip()) * 1024:
+            return
+        checked = run(["e2fsck", "-f", "-p", device], timeout=_TOOL_TIMEOUT, check=False)
+        if checked.returncode not in (0, 1):  # 1: errors corrected
+            raise CsiError("FAILED_PRECONDITION", f"e2fsck found errors it could not correct on {device}: "
+                                                  f"{(checked.stdout + checked.stderr).strip()[-300:]}")
+        run(["resize2fs", device], timeout=_TOOL_TIMEOUT)
 
     def bind(self, source: str, target: Path, *, block: bool, read_only: bool) -> None:
         """``source`` (the staged directory, or the loop device) bind-mounted at ``target``."""
