@@ -64,7 +64,8 @@ class NodeService:
         if not request.volume_id or not request.staging_target_path:
             raise CsiError("INVALID_ARGUMENT", "volume_id and staging_target_path are required")
         cap = self._capability(request)
-        read_only = request.publish_context.get("readOnly") == "true"
+        # Read-only when the publish was (the attach is: writes would fail) or the mode only reads.
+        read_only = request.publish_context.get("readOnly") == "true" or cap.mode.endswith("_READER_ONLY")
         with self._locked(request.volume_id):
             device = self.devices.attach_loop(request.volume_id, read_only)
             if cap.access_type == "mount":
