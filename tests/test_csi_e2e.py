@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import VBS, stop_process, wait_until
-from tests.test_csi_sanity import NODE, ZONE, CsiRig, rig  # noqa: F401 - the module's fixture
+from tests.test_csi_sanity import NODE, ZONE, CsiRig, accepts, release_node, rig  # noqa: F401 - the fixture
 from vbs.csi import proto
 from vbs.csi.requests import GIB, TOPOLOGY_KEY
 
@@ -73,10 +73,11 @@ class Sidecars:
 
 
 @pytest.fixture
-def sidecars(rig: CsiRig) -> Iterator[Sidecars]:  # noqa: F811 - the imported fixture
+def sidecars(rig: CsiRig, tmp_path: Path) -> Iterator[Sidecars]:  # noqa: F811 - the imported fixture
     s = Sidecars(rig.socket)
     yield s
-    s.channel.close()
+    s.channel.close()  # (a test that made its own closes its own)
+    release_node(tmp_path)  # what a failed test left mounted in its staging and pod paths
 
 
 def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its_delete(
@@ -123,9 +124,15 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
     assert after > before + GIB // 2, (before, after)
     assert (paths["pod-b"] / "data.bin").read_bytes() == data
 
+    # The driver restarts (an upgrade of its pod): it kept nothing in memory, so what it staged and
+    # published is found again from the kernel, and unpublished and unstaged as if it had not.
+    sidecars.channel.close()
+    rig.restart()
+    sidecars = Sidecars(rig.socket)
     for volume, staging, pod in ((source, "staging-a", "pod-a"), (restored, "staging-b", "pod-b")):
         sidecars.unpublish(volume.volume_id, paths[staging], paths[pod])
-        assert not paths[pod].exists()
+        assert not paths[pod].exists() and not Path(paths[staging]).is_mount()
+        sidecars.unpublish(volume.volume_id, paths[staging], paths[pod])  # again: nothing left to do, success
     sidecars.controller.DeleteSnapshot(sidecars.pb.DeleteSnapshotRequest(snapshot_id=snapshot.snapshot_id))
     for volume in (restored, source):
         sidecars.controller.DeleteVolume(sidecars.pb.DeleteVolumeRequest(volume_id=volume.volume_id))
@@ -133,6 +140,7 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
     listed = sidecars.controller.ListVolumes(sidecars.pb.ListVolumesRequest())
     assert [e.volume.volume_id for e in listed.entries] == []
     assert not rig.disks.exists() or os.listdir(rig.disks) == []
+    sidecars.channel.close()
 
 
 def test_get_capacity_is_offered_to_an_admin_key_with_the_pools_free_space(rig: CsiRig) -> None:  # noqa: F811
@@ -142,7 +150,7 @@ def test_get_capacity_is_offered_to_an_admin_key_with_the_pools_free_space(rig: 
                              "--credentials-file", str(rig.vbs.data_dir / "credentials")],
                             stdout=(rig.tmp / "csi-admin.log").open("ab"), stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: socket.exists() or proc.poll() is not None, 60, what="the CSI socket")
+        wait_until(lambda: accepts(socket) or proc.poll() is not None, 60, what="the CSI socket")
         s = Sidecars(socket)
         caps = s.controller.ControllerGetCapabilities(s.pb.ControllerGetCapabilitiesRequest()).capabilities
         assert "GET_CAPACITY" in {s.pb.ControllerServiceCapability.RPC.Type.Name(c.rpc.type) for c in caps}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -53,6 +54,14 @@ class CsiRig:
     proc: subprocess.Popen[bytes]
     user_key: str  # the driver's bearer token
 
+    argv: list[str]
+    log: Path
+
+    def restart(self) -> None:
+        """Stop the driver (SIGTERM) and start it again on the same socket."""
+        stop_process(self.proc)
+        self.proc = _start_driver(self.argv, self.socket, self.log)
+
     def capabilities(self) -> dict[str, set[str]]:
         """What the running driver advertises, asked over gRPC as the sidecars ask."""
         import grpc
@@ -79,7 +88,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CsiRig]:
     profile = tmp / "csi-node.toml"
     profile.write_text(PROFILE.read_text().replace('dir = "/run/vbs-csi/disks"', f'dir = "{disks}"'))
     up = VbsUp(tmp / "var", tmp / "vbs-up.log", extra=["--hypervisor", "command", "--hypervisor-profile", str(profile)])
-    proc = None
+    rig = None
     try:
         vbs = up.start()
         answer = vbs.http.post("/v1/keys", json={"tenant": "k8s", "role": "user"})
@@ -90,19 +99,36 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CsiRig]:
                              f"aws_secret_access_key = {key['secret_access_key']}\n")
         wait_until(lambda: any(i["vm_id"] == "csi-node" for i in vbs.http.get("/v1/instances").json()["instances"]),
                    60, what="the node's pseudo-VM")
-        socket = tmp / "plugin" / "csi.sock"
-        log = (tmp / "csi.log").open("ab")
-        proc = subprocess.Popen([*VBS, "csi", "--endpoint", f"unix://{socket}", "--controller-url", vbs.endpoint,
-                                 "--credentials-file", str(creds), "--node-id", NODE, "--zone", ZONE,
-                                 "--disk-dir", str(disks)], stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: socket.exists() or proc.poll() is not None, 60, what="the CSI socket")
-        assert proc.poll() is None, (tmp / "csi.log").read_text()[-3000:]
-        yield CsiRig(vbs, tmp, socket, disks, proc, f"{key['access_key_id']}:{key['secret_access_key']}")
+        plugin = tmp / "plugin" / "csi.sock"
+        argv = [*VBS, "csi", "--endpoint", f"unix://{plugin}", "--controller-url", vbs.endpoint,
+                "--credentials-file", str(creds), "--node-id", NODE, "--zone", ZONE, "--disk-dir", str(disks)]
+        proc = _start_driver(argv, plugin, tmp / "csi.log")
+        rig = CsiRig(vbs, tmp, plugin, disks, proc, f"{key['access_key_id']}:{key['secret_access_key']}", argv,
+                     tmp / "csi.log")
+        yield rig
     finally:
-        if proc is not None:
-            stop_process(proc)
-        _release_node(tmp)
+        if rig is not None:
+            stop_process(rig.proc)
+        release_node(tmp)
         up.stop()
+
+
+def _start_driver(argv: list[str], plugin: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``vbs csi``, once its socket accepts connections (it exists a moment before it does)."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    wait_until(lambda: accepts(plugin) or proc.poll() is not None, 60, what="the CSI socket")
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc
+
+
+def accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _loops_under(root: Path) -> list[str]:
@@ -112,7 +138,7 @@ def _loops_under(root: Path) -> list[str]:
             if (d.get("back-file") or "").startswith(f"{root}/")]
 
 
-def _release_node(tmp: Path) -> None:
+def release_node(tmp: Path) -> None:
     """After a failed test: what the node still holds of this test's volumes, let go (mounts, then loops)."""
     for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
         point = line.split()[4].encode().decode("unicode_escape")
