@@ -40,8 +40,8 @@ test: setup lint
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit tier: no root, no daemons, no guests; what a developer runs on every change (on two workers:
-# half the time on two cores).
-test-fast: venv
+# half the time on two cores). The CSI driver's unit tests need its generated modules (csi-toolchain).
+test-fast: venv csi-toolchain
 	$(BIN)/pytest -q -n 2 -m 'unit and not integration'
 
 # Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset), and
