@@ -276,3 +276,31 @@ def test_capacity_is_unimplemented_without_a_key_that_reads_the_storage_nodes() 
     names = {pb.ControllerServiceCapability.RPC.Type.Name(c.rpc.type) for c in caps}
     assert "GET_CAPACITY" not in names and {"CREATE_DELETE_VOLUME", "PUBLISH_UNPUBLISH_VOLUME"} <= names
     assert status(svc, "GetCapacity", pb.GetCapacityRequest()) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_call_on_a_volume_another_call_holds_is_aborted_and_the_retry_succeeds() -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    vol = call(svc, "CreateVolume", create("pvc-a")).volume.volume_id
+    with svc.locked(vol):  # a publish of it still running
+        assert status(svc, "DeleteVolume", pb.DeleteVolumeRequest(volume_id=vol)) == grpc.StatusCode.ABORTED
+        assert vol in fake.volumes
+    call(svc, "DeleteVolume", pb.DeleteVolumeRequest(volume_id=vol))
+    assert vol not in fake.volumes
+
+
+def test_a_device_name_another_tenant_holds_on_the_node_is_skipped() -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    vol = call(svc, "CreateVolume", create("pvc-t")).volume.volume_id
+    taken = {"vdb", "vdc"}  # attachments of another tenant: not in this key's view of the instance
+    attach = fake.attach
+
+    def attach_unless_taken(volume_id: str, host: str, vm_id: str, device: str, read_only: bool) -> dict[str, Any]:
+        if device in taken:
+            raise InvalidParameter(f"The device name '{device}' is already in use on that instance.")
+        return attach(volume_id, host, vm_id, device, read_only)
+
+    fake.attach = attach_unless_taken  # type: ignore[method-assign]
+    call(svc, "ControllerPublishVolume", publish(vol))
+    assert [a[2] for a in fake.attaches] == ["vdd"]

@@ -6,8 +6,7 @@ is the host agent's node instance (``node_vm``: the csi-node hypervisor profile'
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vbs.csi import proto
@@ -15,7 +14,7 @@ from vbs.csi.controller_snapshots import SnapshotMethods
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import LIVE_ATTACHMENT, capabilities, published_hosts, volume_message
 from vbs.csi.requests import GIB, MAX_GIB, check_name, create_fields, size_gib, unsupported, zone_of
-from vbs.csi.rpc import rpc, unimplemented
+from vbs.csi.rpc import in_flight, rpc, unimplemented
 from vbs.csi.vbs_api import CLONE_TAG, NAME_TAG, Body, VbsApi
 from vbs.errors import VbsError
 
@@ -35,13 +34,10 @@ class ControllerService(SnapshotMethods):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    @contextmanager
-    def locked(self, key: str) -> Iterator[None]:
-        """One call at a time per name or volume: the sidecars' retries overlap their first tries."""
-        with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            yield
+    def locked(self, key: str) -> AbstractContextManager[None]:
+        """One call at a time per name or volume; another while it runs answers ABORTED (a sidecar's
+        retry overlapping its first try, which goes on)."""
+        return in_flight(self._locks, self._guard, key)
 
     @rpc
     def ControllerGetCapabilities(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
@@ -173,14 +169,23 @@ class ControllerService(SnapshotMethods):
                 if others and not volume["multi_attach"]:
                     raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is published to {others[0]} and "
                                                           "is not multi-attach")
-                used = {a["device"].removeprefix("/dev/") for a in instance["volumes"]}
-                device = next((d for d in _DEVICES if d not in used), None)
-                if device is None:
-                    raise CsiError("RESOURCE_EXHAUSTED", f"node {request.node_id} has no device name left")
-                self.api.attach(request.volume_id, request.node_id, self.node_vm, device, request.readonly)
+                self._attach(request.volume_id, instance, request.readonly)
             else:
                 self._attached(request.volume_id, instance["instance_id"])
         return self.pb.ControllerPublishVolumeResponse(publish_context={"readOnly": str(request.readonly).lower()})
+
+    def _attach(self, volume_id: str, instance: Body, read_only: bool) -> None:
+        """Attach under a device name the node's instance does not use. Another tenant's attachments are
+        not shown to this key: a name VBS answers taken is skipped, and the next one tried."""
+        used = {a["device"].removeprefix("/dev/") for a in instance["volumes"]}
+        for device in (d for d in _DEVICES if d not in used):
+            try:
+                self.api.attach(volume_id, instance["host"], self.node_vm, device, read_only)
+                return
+            except VbsError as exc:
+                if exc.code != "InvalidParameterValue" or f"'{device}' is already in use" not in str(exc):
+                    raise
+        raise CsiError("RESOURCE_EXHAUSTED", f"node {instance['host']} has no device name left")
 
     def _attached(self, volume_id: str, instance_id: str) -> None:
         """Wait for an attach under way (a retry of a publish that is still running)."""

@@ -5,8 +5,7 @@ unpublish and unstage (idempotent), volume stats, the node's identity and zone. 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from vbs.csi.errors import CsiError
 from vbs.csi.messages import capabilities
 from vbs.csi.node_devices import NodeDevices
 from vbs.csi.requests import TOPOLOGY_KEY, Capability, unsupported
-from vbs.csi.rpc import rpc, unimplemented
+from vbs.csi.rpc import in_flight, rpc, unimplemented
 
 __all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
 
@@ -31,12 +30,8 @@ class NodeService:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    @contextmanager
-    def _locked(self, volume_id: str) -> Iterator[None]:
-        with self._guard:
-            lock = self._locks.setdefault(volume_id, threading.Lock())
-        with lock:
-            yield
+    def _locked(self, volume_id: str) -> AbstractContextManager[None]:
+        return in_flight(self._locks, self._guard, volume_id)
 
     @rpc
     def NodeGetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from vbs.csi.errors import CsiError, from_vbs
 from vbs.errors import VbsError
 
-__all__ = ["rpc", "unimplemented"]
+__all__ = ["rpc", "unimplemented", "in_flight"]
 
 log = logging.getLogger("vbs.csi")
 
@@ -49,3 +51,17 @@ def unimplemented(name: str) -> Callable[[Any, Any, Any], Any]:
 
     method.__name__ = name
     return method
+
+
+@contextmanager
+def in_flight(locks: dict[str, threading.Lock], guard: threading.Lock, key: str) -> Iterator[None]:
+    """Hold ``key``'s lock for one call; ABORTED when another call holds it (CSI: "an operation is
+    already pending for the volume"; the caller retries)."""
+    with guard:
+        lock = locks.setdefault(key, threading.Lock())
+    if not lock.acquire(blocking=False):
+        raise CsiError("ABORTED", f"an operation on {key} is already in flight: try again")
+    try:
+        yield
+    finally:
+        lock.release()
