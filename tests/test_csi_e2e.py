@@ -34,8 +34,10 @@ class Sidecars:
         self.node = services.NodeStub(self.channel)
         self.identity = services.IdentityStub(self.channel)
 
-    def capability(self, fs_type: str = "ext4") -> Any:
-        cap = self.pb.VolumeCapability(mount=self.pb.VolumeCapability.MountVolume(fs_type=fs_type))
+    fs_type = "ext4"
+
+    def capability(self) -> Any:
+        cap = self.pb.VolumeCapability(mount=self.pb.VolumeCapability.MountVolume(fs_type=self.fs_type))
         cap.access_mode.mode = self.pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
         return cap
 
@@ -80,16 +82,19 @@ def sidecars(rig: CsiRig, tmp_path: Path) -> Iterator[Sidecars]:  # noqa: F811 -
     release_node(tmp_path)  # what a failed test left mounted in its staging and pod paths
 
 
+@pytest.mark.parametrize("fs_type", ["ext4", "xfs"])
 def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its_delete(
-        rig: CsiRig, sidecars: Sidecars, tmp_path: Path) -> None:  # noqa: F811
+        rig: CsiRig, sidecars: Sidecars, tmp_path: Path, fs_type: str) -> None:  # noqa: F811
+    """The restore is mounted beside its source: the same filesystem UUID twice on one node (xfs: nouuid)."""
+    sidecars.fs_type = fs_type
     paths = {k: tmp_path / k for k in ("staging-a", "pod-a", "staging-b", "pod-b")}
     for p in (paths["staging-a"], paths["staging-b"]):
         p.mkdir()
     started = time.monotonic()
-    source = sidecars.create("e2e-source", 1)
+    source = sidecars.create(f"e2e-source-{fs_type}", 1)
     sidecars.publish(source.volume_id, paths["staging-a"], paths["pod-a"])
-    print(f"CreateVolume -> NodePublishVolume: {time.monotonic() - started:.2f} s")
-    assert sidecars.create("e2e-source", 1).volume_id == source.volume_id, "idempotent by name"
+    print(f"CreateVolume -> NodePublishVolume ({fs_type}): {time.monotonic() - started:.2f} s")
+    assert sidecars.create(f"e2e-source-{fs_type}", 1).volume_id == source.volume_id, "idempotent by name"
     assert dict(source.accessible_topology[0].segments) == {TOPOLOGY_KEY: ZONE}
 
     data = os.urandom(4 << 20)
@@ -99,10 +104,10 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
         os.fsync(f.fileno())
     os.sync()
     snapshot = sidecars.controller.CreateSnapshot(sidecars.pb.CreateSnapshotRequest(
-        name="e2e-snap", source_volume_id=source.volume_id)).snapshot
+        name=f"e2e-snap-{fs_type}", source_volume_id=source.volume_id)).snapshot
     assert snapshot.ready_to_use and snapshot.size_bytes == GIB
 
-    restored = sidecars.create("e2e-restored", 1, snapshot.snapshot_id)
+    restored = sidecars.create(f"e2e-restored-{fs_type}", 1, snapshot.snapshot_id)
     assert restored.content_source.snapshot.snapshot_id == snapshot.snapshot_id
     sidecars.publish(restored.volume_id, paths["staging-b"], paths["pod-b"])
     assert (paths["pod-b"] / "data.bin").read_bytes() == data, "the restored volume holds the snapshot's bytes"
@@ -129,6 +134,7 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
     sidecars.channel.close()
     rig.restart()
     sidecars = Sidecars(rig.socket)
+    sidecars.fs_type = fs_type
     for volume, staging, pod in ((source, "staging-a", "pod-a"), (restored, "staging-b", "pod-b")):
         sidecars.unpublish(volume.volume_id, paths[staging], paths[pod])
         assert not paths[pod].exists() and not Path(paths[staging]).is_mount()

@@ -82,7 +82,9 @@ class NodeDevices:
         if found == "ext4" and not read_only:
             self._grow_ext4(device)
         staging.mkdir(parents=True, exist_ok=True)
-        run(["mount", "-t", found, "-o", "ro" if read_only else "rw", device, str(staging)], timeout=_TOOL_TIMEOUT)
+        # xfs refuses a second filesystem of the same UUID (a clone or a restore of a volume mounted here).
+        options = ("ro" if read_only else "rw") + (",nouuid" if found == "xfs" else "")
+        run(["mount", "-t", found, "-o", options, device, str(staging)], timeout=_TOOL_TIMEOUT)
         if found == "xfs" and not read_only:
             run(["xfs_growfs", str(staging)], timeout=_TOOL_TIMEOUT)  # online; nothing to do at the same size
 
