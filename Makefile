@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 DATA_DIR ?= ./var
 PORT ?= 8770
 
-.PHONY: setup deb venv run test test-fast lint demo bench bench-quick clean
+.PHONY: setup deb venv csi-toolchain run test test-fast lint demo bench bench-quick clean
 
-setup: deb venv
+setup: deb venv csi-toolchain
 
 deb:
 	@./scripts/install-debian-packages
@@ -16,8 +16,13 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,csi-build]'
 	touch $@
+
+# The CSI driver's generated modules (csi.proto of the spec's Go module, compiled by grpcio-tools) and the
+# upstream csi-sanity in .tools/bin, both from the Go module proxy; neither is committed (docs/kubernetes.md).
+csi-toolchain: venv
+	./scripts/csi-toolchain $(BIN)/python
 
 run: setup
 	$(BIN)/vbs up --data-dir $(DATA_DIR) --port $(PORT)
@@ -35,8 +40,8 @@ test: setup lint
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit tier: no root, no daemons, no guests; what a developer runs on every change (on two workers:
-# half the time on two cores).
-test-fast: venv
+# half the time on two cores). The CSI driver's unit tests need its generated modules (csi-toolchain).
+test-fast: venv csi-toolchain
 	$(BIN)/pytest -q -n 2 -m 'unit and not integration'
 
 # Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset), and
@@ -52,6 +57,11 @@ torture: setup
 cluster-test: setup
 	$(BIN)/pytest -q tests/test_netns_rig.py tests/test_netns_cluster.py
 
+# The upstream csi-sanity suite against `vbs csi` on a real `vbs up` (docs/kubernetes.md "Proof").
+.PHONY: csi-sanity
+csi-sanity: setup
+	$(BIN)/pytest -q tests/test_csi_sanity.py
+
 # Every benchmark, one after the other (bench/run_all.py --list); figures and logs under var/bench.
 # make bench-quick: the five-minute set (each performance target once). make bench BENCH_ARGS="--only
 # datapath,rtt": some of them.
@@ -66,4 +76,4 @@ demo: setup
 	$(BIN)/python scripts/demo.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .tools src/vbs/csi/_generated

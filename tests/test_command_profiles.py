@@ -39,7 +39,7 @@ HOSTILE = ["a b", "a'b", 'a"b', "a;b", "$(reboot)", "`id`", "a,b", "a\nb", "../e
 
 
 def test_the_shipped_profiles_are_the_documented_ones() -> None:
-    assert SHIPPED == ["proxmox", "qemu-monitor", "virsh", "virsh-path", "xen"]
+    assert SHIPPED == ["csi-node", "proxmox", "qemu-monitor", "virsh", "virsh-path", "xen"]
     assert shipped_profiles("backend") == ["lvm", "qemu-img"]
 
 

@@ -19,11 +19,12 @@ import pytest
 from tests import export_fixtures
 from tests.export_fixtures import MiB, drivers_of, read_at, wait_dead, write_at
 from tests.test_iscsi_export import tgtd_driver
-from vbs.connectors.local_path import LocalPaths, _mounted
+from vbs.connectors.local_path import LocalPaths
 from vbs.errors import InvalidParameter
 from vbs.pools.exports import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
+from vbs.system.mounts import is_mounted as _mounted
 from vbs.system.processes import cmdline
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection
 

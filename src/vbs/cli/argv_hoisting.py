@@ -8,7 +8,7 @@ _GLOBAL_VALUED = ("--endpoint", "--output", "-o", "--ca-bundle", "--query", "--c
 _GLOBAL_FLAGS = ("--no-paginate",)
 
 # Commands that run a service: their options are their own.
-_SERVICES = {"up", "controller", "storage-agent", "host-agent"}
+_SERVICES = {"up", "controller", "storage-agent", "host-agent", "csi"}
 
 
 def command_index(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from typer.models import CommandInfo
 
-from vbs.cli import admin, demo_vm, nodes, output, policies, recycle_bin, services, snapshots, volumes
+from vbs.cli import admin, csi, demo_vm, nodes, output, policies, recycle_bin, services, snapshots, volumes
 from vbs.cli.argv_hoisting import asks_help, command_index, hoist_global_options, only_global_options
 from vbs.cli.context import Context
 from vbs.cli.database import db_app
@@ -67,11 +67,11 @@ _ORDER = (
     "delete-lifecycle-policy", "describe-policy-runs",
     "describe-storage-nodes", "describe-controllers", "drain-storage-node", "migrate-volume", "migrate-instance",
     "describe-availability-zones", "check", "create-key", "delete-key", "describe-keys", "describe-operation",
-    "controller", "storage-agent", "host-agent", "up", "demo-vm", "bootstrap-key", "node-token", "issue-cert",
+    "controller", "storage-agent", "host-agent", "up", "csi", "demo-vm", "bootstrap-key", "node-token", "issue-cert",
     "rotate-keys",
 )
 app.registered_commands = sorted(
-    (command for module in (volumes, nodes, snapshots, recycle_bin, policies, admin, services, demo_vm)
+    (command for module in (volumes, nodes, snapshots, recycle_bin, policies, admin, services, csi, demo_vm)
      for command in module.commands.registered_commands),
     key=lambda command: _ORDER.index(command.name or ""))
 

@@ -152,8 +152,8 @@ LibvirtUriOpt = Annotated[str | None, typer.Option(
 # Not --profile: that is the CLI's named profile, a global option anywhere on the line.
 ProfileOpt = Annotated[str | None, typer.Option(
     "--hypervisor-profile",
-    help="command hypervisor driver: the profile, by name (virsh-path, virsh, xen, proxmox, qemu-monitor, or "
-         "one in --hypervisor-profile-dir) or as a path to a TOML file.")]
+    help="command hypervisor driver: the profile, by name (virsh-path, virsh, xen, proxmox, qemu-monitor, "
+         "csi-node, or one in --hypervisor-profile-dir) or as a path to a TOML file.")]
 ProfileDirOpt = Annotated[list[Path] | None, typer.Option(
     "--hypervisor-profile-dir", help="command hypervisor driver: where profiles are looked up first (default: "
                           "/etc/vbs/profiles); repeatable.")]

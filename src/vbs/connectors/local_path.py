@@ -17,9 +17,6 @@ opened again. Nothing secret is written to the state directory or put on an argv
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import hashlib
 import json
 import logging
@@ -39,6 +36,8 @@ from vbs.qemu.qmp import QmpClient, QmpError, connect_until
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
 from vbs.system.files import write_private
+from vbs.system.mounts import detach_mount as _unmount
+from vbs.system.mounts import is_mounted as _mounted
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import AnyConnection
 
@@ -48,33 +47,6 @@ log = logging.getLogger(__name__)
 
 LOCAL_PATH_KEY_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 _DAEMON = "qemu-storage-daemon"
-_MNT_DETACH = 2
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _mounted(path: Path) -> bool:
-    target = str(path)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            # Field 5 is the mount point, with spaces and such escaped as \\040.
-            return any(line.split()[4].encode().decode("unicode_escape") == target for line in f)
-    except OSError:
-        return False
-
-
-def _unmount(path: Path) -> None:
-    """Detach a FUSE mount at ``path`` (one whose daemon died, or that a clean exit left)."""
-    while _mounted(path):
-        if _libc().umount2(os.fsencode(str(path)), _MNT_DETACH) != 0:
-            err = ctypes.get_errno()
-            if err in (errno.EINVAL, errno.ENOENT):
-                return
-            raise DriverError(f"cannot unmount {path}: {os.strerror(err)}")
-
-
 class _Opened:
     """One key's directory: its daemon's socket, pidfile and log, the path and what it opens."""
 

@@ -1,0 +1,103 @@
+"""The CSI Controller service's snapshots: create (idempotent by name), delete, list (by id, by source
+volume, paged). A snapshot is a VBS snapshot tagged with its CSI name (``vbs_api.NAME_TAG``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from vbs.csi.errors import CsiError
+from vbs.csi.messages import snapshot_message
+from vbs.csi.requests import check_name
+from vbs.csi.rpc import rpc
+from vbs.csi.vbs_api import NAME_TAG, VbsApi
+from vbs.errors import VbsError
+
+__all__ = ["SnapshotMethods"]
+
+
+class SnapshotMethods:
+    """Mixed into ``ControllerService``, which gives ``pb``, ``api`` and ``locked``."""
+
+    pb: Any
+    api: VbsApi
+    _guard: threading.Lock
+
+    def locked(self, key: str) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    @rpc
+    def CreateSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
+        name = check_name(request.name, "snapshot")
+        if not request.source_volume_id:
+            raise CsiError("INVALID_ARGUMENT", "source_volume_id is required")
+        if request.parameters:
+            raise CsiError("INVALID_ARGUMENT", "a VolumeSnapshotClass takes no parameters for VBS")
+        with self.locked(f"snapshot-name:{name}"):
+            found = self.api.snapshot_named(name)
+            if found is not None and found["volume_id"] != request.source_volume_id:
+                raise CsiError("ALREADY_EXISTS", f"snapshot {name!r} exists, of another volume")
+            if found is not None and found["status"] == "error":
+                self.api.delete_snapshot(found["snapshot_id"])  # a failed snapshot of this name: taken again
+                found = None
+            if found is None:
+                if self.api.volume(request.source_volume_id) is None:
+                    raise CsiError("NOT_FOUND", f"volume {request.source_volume_id[:40]!r} does not exist")
+                found = self.api.create_snapshot(request.source_volume_id, {NAME_TAG: name})
+            found = self.api.settle_snapshot(found["snapshot_id"])
+        if found["status"] == "error":
+            raise CsiError("INTERNAL", f"snapshot {found['snapshot_id']} failed: {found.get('status_reason')}")
+        return self.pb.CreateSnapshotResponse(snapshot=snapshot_message(self.pb, found))
+
+    @rpc
+    def DeleteSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.snapshot_id:
+            raise CsiError("INVALID_ARGUMENT", "snapshot_id is required")
+        with self.locked(request.snapshot_id):
+            if self.api.snapshot(request.snapshot_id) is not None:
+                self.api.delete_snapshot(request.snapshot_id)
+        return self.pb.DeleteSnapshotResponse()
+
+    @rpc
+    def ListSnapshots(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.max_entries < 0:
+            raise CsiError("INVALID_ARGUMENT", "max_entries may not be negative")
+        if request.snapshot_id:
+            found = self.api.snapshot(request.snapshot_id)
+            wanted = found is not None and request.source_volume_id in ("", found["volume_id"])
+            entries = [self._entry(found)] if found is not None and wanted else []
+            return self.pb.ListSnapshotsResponse(entries=entries)
+        filters = [f"tag-key={NAME_TAG}"]
+        if request.source_volume_id:
+            if self.api.volume(request.source_volume_id) is None:
+                return self.pb.ListSnapshotsResponse()
+            filters.append(f"volume-id={request.source_volume_id}")
+        entries = list(self._pages(request, filters))
+        return self.pb.ListSnapshotsResponse(entries=entries[:-1], next_token=entries[-1]) if entries and \
+            isinstance(entries[-1], str) else self.pb.ListSnapshotsResponse(entries=entries)
+
+    def _pages(self, request: Any, filters: list[str]) -> Iterator[Any]:
+        """The entries of one page (``max_entries``) and then its next token, or of every page."""
+        want = min(request.max_entries or 1000, 1000)
+        token = request.starting_token
+        while True:
+            try:
+                page = self.api.snapshots_page(want, token, filters)
+            except VbsError as exc:
+                if exc.status == 400 and token:
+                    raise CsiError("ABORTED", f"starting_token is not valid: {exc}") from exc
+                raise
+            for snapshot in page["snapshots"]:
+                if snapshot["status"] not in ("deleting", "deleted"):
+                    yield self._entry(snapshot)
+            token = page.get("next_token") or ""
+            if not token:
+                return
+            if request.max_entries:
+                yield token
+                return
+
+    def _entry(self, snapshot: dict[str, Any]) -> Any:
+        return self.pb.ListSnapshotsResponse.Entry(snapshot=snapshot_message(self.pb, snapshot))

@@ -1,0 +1,126 @@
+"""The CSI Node service: stage (loop device, filesystem, mount), publish (bind mount, read-only honoured),
+unpublish and unstage (idempotent), volume stats, the node's identity and zone. The devices themselves are
+``node_devices``; what a volume is on this host comes from its publish (docs/kubernetes.md "On the node")."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from vbs.csi import proto
+from vbs.csi.errors import CsiError
+from vbs.csi.messages import capabilities
+from vbs.csi.node_devices import NodeDevices
+from vbs.csi.requests import TOPOLOGY_KEY, Capability, unsupported
+from vbs.csi.rpc import in_flight, rpc, unimplemented
+
+__all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
+
+MAX_VOLUMES_PER_NODE = 650  # the device names an attachment may take (vdb…vdzz)
+
+
+class NodeService:
+    def __init__(self, devices: NodeDevices, *, node_id: str, zone: str) -> None:
+        self.pb = proto.pb()
+        self.devices = devices
+        self.node_id = node_id
+        self.zone = zone
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _locked(self, volume_id: str) -> AbstractContextManager[None]:
+        return in_flight(self._locks, self._guard, volume_id)
+
+    @rpc
+    def NodeGetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
+        return self.pb.NodeGetInfoResponse(node_id=self.node_id, max_volumes_per_node=MAX_VOLUMES_PER_NODE,
+                                           accessible_topology=self.pb.Topology(segments={TOPOLOGY_KEY: self.zone}))
+
+    @rpc
+    def NodeGetCapabilities(self, request: Any, context: Any) -> Any:  # noqa: N802
+        cap = self.pb.NodeServiceCapability
+        kinds = [cap.RPC.STAGE_UNSTAGE_VOLUME, cap.RPC.GET_VOLUME_STATS]
+        return self.pb.NodeGetCapabilitiesResponse(capabilities=[cap(rpc=cap.RPC(type=k)) for k in kinds])
+
+    def _capability(self, request: Any) -> Capability:
+        if not request.HasField("volume_capability"):
+            raise CsiError("INVALID_ARGUMENT", "volume_capability is required")
+        cap = capabilities(self.pb, [request.volume_capability])[0]
+        # The controller checked the mode against the volume; here only what the node can do with it.
+        reason = unsupported([Capability(cap.access_type, cap.fs_type, "SINGLE_NODE_WRITER")], multi_attach=False)
+        if reason:
+            raise CsiError("INVALID_ARGUMENT", reason)
+        return cap
+
+    @rpc
+    def NodeStageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.volume_id or not request.staging_target_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_id and staging_target_path are required")
+        cap = self._capability(request)
+        # Read-only when the publish was (the attach is: writes would fail) or the mode only reads.
+        read_only = request.publish_context.get("readOnly") == "true" or cap.mode.endswith("_READER_ONLY")
+        with self._locked(request.volume_id):
+            device = self.devices.attach_loop(request.volume_id, read_only)
+            if cap.access_type == "mount":
+                self.devices.stage_filesystem(device, Path(request.staging_target_path), cap.fs_type, read_only)
+        return self.pb.NodeStageVolumeResponse()
+
+    @rpc
+    def NodeUnstageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.volume_id or not request.staging_target_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_id and staging_target_path are required")
+        with self._locked(request.volume_id):
+            self.devices.unmount(Path(request.staging_target_path))
+            self.devices.detach_loops(request.volume_id)
+        return self.pb.NodeUnstageVolumeResponse()
+
+    @rpc
+    def NodePublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.volume_id or not request.target_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_id and target_path are required")
+        cap = self._capability(request)
+        if not request.staging_target_path:
+            raise CsiError("FAILED_PRECONDITION", "staging_target_path is required (the driver stages volumes)")
+        with self._locked(request.volume_id):
+            self.devices.disk(request.volume_id)  # NOT_FOUND when not published here
+            if cap.access_type == "block":
+                loops = self.devices.loops(request.volume_id)
+                if not loops:
+                    raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is not staged")
+                source = loops[0]
+            else:
+                source = request.staging_target_path
+                if not self.devices.is_mount(Path(source)):
+                    raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is not staged at {source}")
+            self.devices.bind(source, Path(request.target_path), block=cap.access_type == "block",
+                              read_only=request.readonly)
+        return self.pb.NodePublishVolumeResponse()
+
+    @rpc
+    def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.volume_id or not request.target_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_id and target_path are required")
+        with self._locked(request.volume_id):
+            target = Path(request.target_path)
+            self.devices.unmount(target)
+            self.devices.remove_target(target)
+        return self.pb.NodeUnpublishVolumeResponse()
+
+    @rpc
+    def NodeGetVolumeStats(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.volume_id or not request.volume_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_id and volume_path are required")
+        self.devices.disk(request.volume_id)
+        kind, total, used, available, inodes, inodes_used = self.devices.stats(Path(request.volume_path))
+        usage = self.pb.VolumeUsage
+        if kind == "block":
+            return self.pb.NodeGetVolumeStatsResponse(usage=[usage(unit=usage.BYTES, total=total)])
+        return self.pb.NodeGetVolumeStatsResponse(usage=[
+            usage(unit=usage.BYTES, total=total, used=used, available=available),
+            usage(unit=usage.INODES, total=inodes, used=inodes_used, available=inodes - inodes_used)])
+
+    NodeExpandVolume = unimplemented("NodeExpandVolume")
+    NodeGetVolumeHealth = unimplemented("NodeGetVolumeHealth")
+    NodeGetStorageHealth = unimplemented("NodeGetStorageHealth")
