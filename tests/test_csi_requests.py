@@ -14,6 +14,7 @@ from vbs.csi.requests import (
     Capability,
     check_name,
     create_fields,
+    node_path,
     size_gib,
     unsupported,
     zone_of,
@@ -140,3 +141,17 @@ def test_every_mapped_code_is_a_grpc_status() -> None:
 
     for name in {*errors._BY_CODE.values(), *errors._BY_STATUS.values(), "INTERNAL", "OUT_OF_RANGE", "ABORTED"}:
         assert isinstance(getattr(grpc.StatusCode, name), grpc.StatusCode)
+
+
+@pytest.mark.parametrize("path", [
+    "/var/lib/kubelet/pods/0f1e/volumes/kubernetes.io~csi/pvc-1/mount",
+    "/var/lib/kubelet/plugins/kubernetes.io/csi/vbs.io/abc/globalmount", "/x", "/a b/.hidden/..x"])
+def test_a_node_path_is_taken_when_absolute_and_normalised(path: str) -> None:
+    assert node_path(path, "target_path") == path
+
+
+@pytest.mark.parametrize("path", [
+    "", "relative/dir", "-o/remount", "/a/../etc", "/a/./b", "/..", "/a//b", "/a/", "/a\nb", "/a\x00b",
+    "/" + "x" * 256, "/a" * 2100])
+def test_a_node_path_that_is_relative_climbs_or_holds_control_characters_is_invalid(path: str) -> None:
+    assert code(lambda: node_path(path, "target_path")) == "INVALID_ARGUMENT"

@@ -13,7 +13,7 @@ from vbs.csi import proto
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import capabilities
 from vbs.csi.node_devices import NodeDevices
-from vbs.csi.requests import TOPOLOGY_KEY, Capability, unsupported
+from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, unsupported
 from vbs.csi.rpc import in_flight, rpc, unimplemented
 
 __all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
@@ -56,33 +56,37 @@ class NodeService:
 
     @rpc
     def NodeStageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id or not request.staging_target_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_id and staging_target_path are required")
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        staging = Path(node_path(request.staging_target_path, "staging_target_path"))
         cap = self._capability(request)
         # Read-only when the publish was (the attach is: writes would fail) or the mode only reads.
         read_only = request.publish_context.get("readOnly") == "true" or cap.mode.endswith("_READER_ONLY")
         with self._locked(request.volume_id):
             device = self.devices.attach_loop(request.volume_id, read_only)
             if cap.access_type == "mount":
-                self.devices.stage_filesystem(device, Path(request.staging_target_path), cap.fs_type, read_only)
+                self.devices.stage_filesystem(device, staging, cap.fs_type, read_only)
         return self.pb.NodeStageVolumeResponse()
 
     @rpc
     def NodeUnstageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id or not request.staging_target_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_id and staging_target_path are required")
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        staging = Path(node_path(request.staging_target_path, "staging_target_path"))
         with self._locked(request.volume_id):
-            self.devices.unmount(Path(request.staging_target_path))
+            self.devices.unmount(staging)
             self.devices.detach_loops(request.volume_id)
         return self.pb.NodeUnstageVolumeResponse()
 
     @rpc
     def NodePublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id or not request.target_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_id and target_path are required")
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        target = Path(node_path(request.target_path, "target_path"))
         cap = self._capability(request)
         if not request.staging_target_path:
             raise CsiError("FAILED_PRECONDITION", "staging_target_path is required (the driver stages volumes)")
+        staged = node_path(request.staging_target_path, "staging_target_path")
         with self._locked(request.volume_id):
             self.devices.disk(request.volume_id)  # NOT_FOUND when not published here
             if cap.access_type == "block":
@@ -91,29 +95,30 @@ class NodeService:
                     raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is not staged")
                 source = loops[0]
             else:
-                source = request.staging_target_path
+                source = staged
                 if not self.devices.is_mount(Path(source)):
                     raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is not staged at {source}")
-            self.devices.bind(source, Path(request.target_path), block=cap.access_type == "block",
+            self.devices.bind(source, target, block=cap.access_type == "block",
                               read_only=request.readonly)
         return self.pb.NodePublishVolumeResponse()
 
     @rpc
     def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id or not request.target_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_id and target_path are required")
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        target = Path(node_path(request.target_path, "target_path"))
         with self._locked(request.volume_id):
-            target = Path(request.target_path)
             self.devices.unmount(target)
             self.devices.remove_target(target)
         return self.pb.NodeUnpublishVolumeResponse()
 
     @rpc
     def NodeGetVolumeStats(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id or not request.volume_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_id and volume_path are required")
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        path = Path(node_path(request.volume_path, "volume_path"))
         self.devices.disk(request.volume_id)
-        kind, total, used, available, inodes, inodes_used = self.devices.stats(Path(request.volume_path))
+        kind, total, used, available, inodes, inodes_used = self.devices.stats(path)
         usage = self.pb.VolumeUsage
         if kind == "block":
             return self.pb.NodeGetVolumeStatsResponse(usage=[usage(unit=usage.BYTES, total=total)])

@@ -14,7 +14,7 @@ from vbs.wire.connection import POOL_NAME_RE
 from vbs.wire.storage import ZONE_NAME_RE
 
 __all__ = ["GIB", "MAX_GIB", "size_gib", "create_fields", "Capability", "unsupported", "check_name",
-           "TOPOLOGY_KEY", "zone_of", "FS_TYPES"]
+           "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "node_path"]
 
 GIB = 1 << 30
 MAX_GIB = 16384  # the REST API's largest volume (docs/rest-api.md)
@@ -29,6 +29,19 @@ _POOL_RE = re.compile(POOL_NAME_RE)
 _ZONE_RE = re.compile(ZONE_NAME_RE)
 _KMS_RE = re.compile(r"[\x21-\x7e]{1,256}")
 _NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
+# A path the CO gives the node (kubelet's staging and target paths): absolute, printable, no "." or ".."
+# component, no doubled or trailing slash; it reaches mount(8) and losetup(8) as an argument of its own.
+_PATH_RE = re.compile(r"(/(?!\.\.?(/|$))[^/\x00-\x1f\x7f]{1,255})+")
+MAX_PATH = 4096
+
+
+def node_path(raw: str, what: str) -> str:
+    """``raw`` if it is a path the node may mount at or stat (``_PATH_RE``), else INVALID_ARGUMENT."""
+    if not raw:
+        raise CsiError("INVALID_ARGUMENT", f"{what} is required")
+    if len(raw) > MAX_PATH or not _PATH_RE.fullmatch(raw):
+        raise CsiError("INVALID_ARGUMENT", f"{what} must be an absolute, normalised path of printable characters")
+    return raw
 
 
 def check_name(name: str, what: str = "volume") -> str:
