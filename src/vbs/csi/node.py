@@ -116,8 +116,13 @@ class NodeService:
     def NodeGetVolumeStats(self, request: Any, context: Any) -> Any:  # noqa: N802
         if not request.volume_id:
             raise CsiError("INVALID_ARGUMENT", "volume_id is required")
-        path = Path(node_path(request.volume_path, "volume_path"))
+        if not request.volume_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_path is required")
         self.devices.disk(request.volume_id)
+        try:
+            path = Path(node_path(request.volume_path, "volume_path"))
+        except CsiError as exc:  # no volume can be there (csi-sanity: NOT_FOUND for a path that does not exist)
+            raise CsiError("NOT_FOUND", exc.message) from exc
         kind, total, used, available, inodes, inodes_used = self.devices.stats(path)
         usage = self.pb.VolumeUsage
         if kind == "block":
