@@ -10,6 +10,8 @@
   first target (``VBS_CRASH_AT=lifecycle-run:snapshot:done``); controller B takes the run over once A is gone
   and snapshots only the target A had not; every snapshot the policy made is recorded by exactly one run,
   and every due time from the first to the last has one row (run, or skipped with why).
+* A policy deleted through ``dlm`` while its run is held after its first target: the run stops there, the
+  snapshot it began completes and stays, nothing is left running or pending.
 """
 
 from __future__ import annotations
