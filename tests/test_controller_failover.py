@@ -12,6 +12,8 @@ and a host agent (both reporting to the survivor), a bare QEMU VM. Leases are 3 
 * Fencing: A is held just before its storage call and frozen (SIGSTOP); B adopts the create and rolls
   it back; A is thawed and let go: its call reaches the storage agent with the old fence and is
   refused, so no volume file appears behind B's back, and A writes nothing more.
+* A Recycle Bin expiry: A, holding the housekeeping lease, dies between the transaction that begins an
+  expired snapshot's delete and the delete's run; B adopts the delete and frees the snapshot once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -283,3 +286,48 @@ def test_a_host_agent_remembers_fences_across_its_restart(services: Services, tm
             stop_process(proc)
     fences = tmp_path / "host-state" / "fences.json"
     assert fences.stat().st_mode & 0o777 == 0o600 and (tmp_path / "host-state").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_recycle_bin_expiry_whose_controller_dies_after_its_commit_is_finished_by_the_other(pair: Pair) -> None:
+    """The Recycle Bin (docs/recycle-bin.md) with two controllers: A runs the housekeeping (its singleton
+    lease given to it, so B's first pass cannot take it) and SIGKILLs itself between the transaction that
+    takes an expired snapshot out of the bin and begins its delete, and the delete's run
+    (``VBS_CRASH_AT=recycle-bin:expire:done``). B adopts the recorded delete once its lease expired: the
+    snapshot's store manifest and pool copy are gone, by one operation, B's; nothing is left in the bin."""
+    from vbs.controller.db import LeaseRecord, RecycleBinEntry
+
+    p = pair
+    with p.db.session() as s:  # A holds the housekeeping lease, as if it had taken it first
+        until = p.db.clock(s) + timedelta(seconds=180)
+        row = s.get(LeaseRecord, "housekeeping", with_for_update=True)
+        if row is None:
+            s.add(LeaseRecord(name="housekeeping", owner="ctl-a", lease_until=until, fence=p.db.next_fence(s)))
+        else:
+            row.owner, row.lease_until, row.fence = "ctl-a", until, p.db.next_fence(s)
+    a = p.start_a(VBS_CRASH_AT="recycle-bin:expire:done", VBS_CONTROLLER_RECYCLE_BIN_DAY_S="2")
+    a.aws("rbin").create_rule(ResourceType="EBS_SNAPSHOT", RetentionPeriod={"RetentionPeriodValue": 1,
+                                                                           "RetentionPeriodUnit": "DAYS"})
+    vol = new_volume(p)
+    with (p.svc.data_dir / "pool" / "volumes" / f"{vol}.raw").open("r+b") as f:
+        f.write(b"r" * (4 << 20))
+    snap = p.b.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+    p.b.wait_snapshot(snap, "completed", timeout=120)
+    manifest = p.svc.data_dir / "storage-state" / "snapshots" / "manifests" / snap
+    assert manifest.is_file()
+    a.ec2().delete_snapshot(SnapshotId=snap)  # through A: a retention of A's two-second "day"
+    assert p.a is not None
+    p.a.wait(120)
+    assert p.a.returncode == -signal.SIGKILL, "A did not crash at the expiry"
+    p.a = None
+    wait_until(lambda: p.b.http.get(f"/v1/snapshots/{snap}").status_code == 404 and not manifest.exists(),
+               TAKEOVER_LIMIT_S + 60, interval=0.5, what="B finished the delete")
+    def deletes() -> list[tuple[str | None, str]]:
+        return [(o.owner, o.status) for o in p.operations().values()
+                if o.resource_id == snap and o.kind == "delete-snapshot"]
+
+    wait_until(lambda: all(status == "succeeded" for _, status in deletes()), 30, what="the delete ended")
+    assert deletes() == [("ctl-b", "succeeded")]
+    assert not (p.svc.data_dir / "pool" / "snapshots" / f"{snap}.raw").exists()
+    with p.db.read() as s:
+        assert list(s.scalars(select(RecycleBinEntry.resource_id))) == []
+    world_agrees(p)

@@ -251,3 +251,51 @@ def test_an_upload_whose_agent_is_killed_midway_sends_only_what_the_store_lacks(
     with (services.data_dir / "pool" / "volumes" / f"{clone['volume_id']}.raw").open("rb") as fh:
         assert hashlib.sha256(fh.read(mib << 20)).digest() == hashlib.sha256(data).digest()
     assert_world_agrees(services)
+
+
+def test_a_recycle_bin_expiry_killed_between_its_commit_and_its_delete_frees_the_data_once(
+        services: Services) -> None:
+    """A snapshot and a volume in the Recycle Bin (docs/recycle-bin.md) whose retention ends: the controller
+    dies (``VBS_CRASH_AT=recycle-bin:expire:done``) after the transaction that takes the first out of the bin
+    and begins its delete, before the delete runs. Restarted, it resumes that delete and expires the other:
+    each is deleted by exactly one operation, the pool file and the store manifest of each are gone, and
+    nothing is left in the bin, in error or unfinished."""
+    day = {"VBS_CONTROLLER_RECYCLE_BIN_DAY_S": "5"}  # retention of one "day": time enough for both deletes
+    services.start_controller(VBS_CRASH_AT="recycle-bin:expire:done", **day)
+    services.start_agent()
+    vbs = services.vbs
+    rbin, ec2 = vbs.aws("rbin"), vbs.ec2()
+    for kind in ("EBS_SNAPSHOT", "EBS_VOLUME"):
+        rbin.create_rule(ResourceType=kind, RetentionPeriod={"RetentionPeriodValue": 1, "RetentionPeriodUnit": "DAYS"})
+    vol = _prepare_volume(services)
+    snap = vbs.http.post("/v1/snapshots", json={"volume_id": vol}).json()["snapshot_id"]
+    vbs.wait_snapshot(snap, "completed", timeout=120)
+    manifest = services.data_dir / "storage-state" / "snapshots" / "manifests" / snap
+    vol_file = services.data_dir / "pool" / "volumes" / f"{vol}.raw"
+    assert manifest.is_file() and vol_file.is_file()
+    ec2.delete_snapshot(SnapshotId=snap)
+    ec2.delete_volume(VolumeId=vol)
+    assert {v["VolumeId"] for v in ec2.list_volumes_in_recycle_bin()["Volumes"]} == {vol}
+    assert {s["SnapshotId"] for s in ec2.list_snapshots_in_recycle_bin()["Snapshots"]} == {snap}
+    services.wait_controller_killed()
+    with sqlite3.connect(services.data_dir / "vbs.db") as db:
+        begun = db.execute("SELECT resource_id, status FROM operations WHERE kind IN "
+                           "('delete-snapshot', 'delete-volume')").fetchall()
+    assert len(begun) == 1 and begun[0][1] == "running", begun  # committed, never run
+    services.start_controller(**day)
+    wait_until(lambda: vbs.http.get(f"/v1/volumes/{vol}").json().get("status") == "deleted", 120,
+               what="volume deleted")  # (404 while in the bin and while deleting)
+    wait_until(lambda: vbs.http.get(f"/v1/snapshots/{snap}").status_code == 404, 120, what="snapshot deleted")
+    wait_until(lambda: not manifest.exists(), 60, what="the snapshot's manifest removed")
+    assert not vol_file.exists() and not (services.data_dir / "pool" / "snapshots" / f"{snap}.raw").exists()
+    assert_world_agrees(services)
+    with sqlite3.connect(services.data_dir / "vbs.db") as db:
+        ops = sorted(db.execute("SELECT kind, resource_id, status FROM operations WHERE kind IN "
+                                "('delete-snapshot', 'delete-volume')").fetchall())
+        left = db.execute("SELECT resource_id FROM recycle_bin_entries").fetchall()
+    assert ops == [("delete-snapshot", snap, "succeeded"), ("delete-volume", vol, "succeeded")], ops
+    assert left == []
+    assert ec2.list_snapshots_in_recycle_bin()["Snapshots"] == [] and ec2.list_volumes_in_recycle_bin()["Volumes"] == []
+    log = (services.tmp / "controller.log").read_text(errors="replace")
+    assert log.count(f"snapshot {snap}: its Recycle Bin retention ended") == 1
+    assert log.count(f"volume {vol}: its Recycle Bin retention ended") == 1

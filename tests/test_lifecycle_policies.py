@@ -7,6 +7,9 @@ minute and keeping three is left to run four times; then exactly its three newes
 tagged as the policy says, every due time was run once (one run row, one snapshot), and none was skipped.
 That test, four minutes mostly asleep, runs on the two controllers only, where a due time could be taken
 twice; on SQLite's one controller the same scheduler fires every minute in tests/test_lifecycle_runs.py.
+
+The Recycle Bin's test with two controllers runs on the same install (its Recycle Bin "day" is BIN_DAY_S),
+where both controllers run the housekeeping that ends retentions (docs/recycle-bin.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
+from sqlalchemy import select
 
 from tests.conftest import Vbs, VbsUp, database_flags, wait_until
 
@@ -31,12 +35,15 @@ POLICY_TAG = "aws:dlm:lifecycle-policy-id"
 SCHEDULE_TAG = "aws:dlm:lifecycle-schedule-name"
 RUNS = 4
 RETAIN = 3
+BIN_DAY_S = 2  # one Recycle Bin "day" of these installs (the Recycle Bin test below)
 
 
 @dataclass
 class Install:
     vbs: Vbs
     endpoints: list[str]
+    database_url: str | None  # PostgreSQL's; None on SQLite
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +55,11 @@ def install(tmp_path_factory: pytest.TempPathFactory, metadata_db: str, request:
     if controllers == 2:
         flags += ["--controllers", "2"]
     up = VbsUp(tmp / "var", tmp / "up.log", extra=flags, ports=controllers,
-               env={"VBS_CONTROLLER_LIFECYCLE_POLL_S": "1"})
+               env={"VBS_CONTROLLER_LIFECYCLE_POLL_S": "1", "VBS_CONTROLLER_RECYCLE_BIN_DAY_S": str(BIN_DAY_S)})
     try:
         vbs = up.start(timeout=180)
-        yield Install(vbs, [f"http://127.0.0.1:{up.port + k}" for k in range(controllers)])
+        url = flags[flags.index("--database-url") + 1] if "--database-url" in flags else None
+        yield Install(vbs, [f"http://127.0.0.1:{up.port + k}" for k in range(controllers)], url, up.log_path)
     finally:
         up.stop()
 
@@ -250,3 +258,91 @@ def test_the_cli_makes_changes_and_deletes_a_policy_from_an_aws_policy_details_f
     assert vbs.cli("delete-lifecycle-policy", pid)["policy_id"] == pid
     gone = vbs.cli("get-lifecycle-policy", pid, check=False)
     assert gone.returncode != 0 and "does not exist" in gone.stderr
+
+
+def _volume_with_data(vbs: Vbs, tag: str) -> str:
+    vol = str(vbs.create_volume(size_gib=1, tags={"rbin2": tag})["volume_id"])
+    vbs.wait_volume(vol, "available")
+    with open(vbs.pool / "volumes" / f"{vol}.raw", "r+b") as f:
+        f.write(b"d" * (4 << 20))
+    return vol
+
+
+def _snapshot_of(vbs: Vbs, vol: str, tag: str) -> str:
+    r = vbs.http.post("/v1/snapshots", json={"volume_id": vol, "tags": {"rbin2": tag}})
+    assert r.status_code == 200, r.text
+    vbs.wait_snapshot(r.json()["snapshot_id"], "completed", timeout=120)
+    return str(r.json()["snapshot_id"])
+
+
+@pytest.mark.parametrize("metadata_db", ("postgresql-2",), indirect=True, scope="module")
+def test_the_recycle_bin_works_through_either_controller_and_expires_once(install: Install) -> None:
+    """The Recycle Bin (docs/recycle-bin.md) on PostgreSQL with two controllers, both running the
+    housekeeping (this install's Recycle Bin "day" is BIN_DAY_S): rules made through one controller are the
+    other's; deletes through either go to the bin, are listed and restored through either; a retention that
+    ends frees the pool file and the store manifest through exactly one delete operation of each resource,
+    started once although both controllers look for expired entries (the housekeeping lease, and the entry
+    taken out of the bin in the transaction that begins the delete)."""
+    from vbs.controller.db import Database, Operation, RecycleBinEntry
+
+    first = install.vbs
+    second = Vbs(install.endpoints[1], first.data_dir)
+    rbin1, rbin2, ec2_1, ec2_2 = first.aws("rbin"), second.aws("rbin"), first.ec2(), second.ec2()
+    rules = [rbin1.create_rule(ResourceType=kind, RetentionPeriod={"RetentionPeriodValue": n,
+                                                                  "RetentionPeriodUnit": "DAYS"},
+                               ResourceTags=[{"ResourceTagKey": "rbin2", "ResourceTagValue": tag}])["Identifier"]
+             for kind in ("EBS_SNAPSHOT", "EBS_VOLUME") for tag, n in (("keep", 300), ("expire", 2))]
+    assert [rbin2.get_rule(Identifier=r)["RetentionPeriod"]["RetentionPeriodValue"] for r in rules] == [
+        300, 2, 300, 2]
+    kept_vol, gone_vol = _volume_with_data(first, "keep"), _volume_with_data(second, "expire")
+    kept_snap, gone_snap = _snapshot_of(first, kept_vol, "keep"), _snapshot_of(second, gone_vol, "expire")
+    manifests = first.data_dir / "snapshots" / "manifests"
+    gone_file = first.pool / "volumes" / f"{gone_vol}.raw"
+    assert (manifests / gone_snap).is_file() and gone_file.is_file()
+    # Into the bin through either controller: EC2 on the first, REST on the second (it answers the state).
+    ec2_1.delete_snapshot(SnapshotId=kept_snap)
+    ec2_1.delete_volume(VolumeId=kept_vol)
+    for path in (f"/v1/snapshots/{gone_snap}", f"/v1/volumes/{gone_vol}"):
+        r = second.http.delete(path)
+        assert r.status_code == 200 and r.json()["status"] == "recoverable", r.text
+    for ec2 in (ec2_1, ec2_2):
+        assert kept_snap in {s["SnapshotId"] for s in ec2.list_snapshots_in_recycle_bin()["Snapshots"]}
+        assert kept_vol in {v["VolumeId"] for v in ec2.list_volumes_in_recycle_bin()["Volumes"]}
+        assert _code(lambda e=ec2: e.describe_snapshots(SnapshotIds=[kept_snap])) == "InvalidSnapshot.NotFound"
+    # Restored through either.
+    assert ec2_2.restore_snapshot_from_recycle_bin(SnapshotId=kept_snap)["State"] == "completed"
+    assert ec2_1.restore_volume_from_recycle_bin(VolumeId=kept_vol)["Return"] is True
+    assert ec2_1.describe_snapshots(SnapshotIds=[kept_snap])["Snapshots"][0]["State"] == "completed"
+    assert ec2_2.describe_volumes(VolumeIds=[kept_vol])["Volumes"][0]["State"] == "available"
+    # The short retention ends: the data is freed, once.
+    wait_until(lambda: not (manifests / gone_snap).exists() and not gone_file.exists(), 2 * BIN_DAY_S + 180,
+               interval=1, what="the end of the short retention")
+    wait_until(lambda: second.http.get(f"/v1/volumes/{gone_vol}").json().get("status") == "deleted", 60,
+               what="the volume's row deleted")
+    assert first.http.get(f"/v1/snapshots/{gone_snap}").status_code == 404
+    assert not (first.pool / "snapshots" / f"{gone_snap}.raw").exists()
+    assert install.database_url is not None
+    db = Database(install.database_url)
+    try:
+        with db.read() as s:
+            ops = sorted((o.kind, o.resource_id, o.status) for o in s.scalars(select(Operation).where(
+                Operation.resource_id.in_([gone_snap, gone_vol, kept_snap, kept_vol]),
+                Operation.kind.in_(["delete-snapshot", "delete-volume"]))))
+            left = list(s.scalars(select(RecycleBinEntry.resource_id)))
+    finally:
+        db.dispose()
+    assert ops == sorted([("delete-snapshot", gone_snap, "succeeded"), ("delete-volume", gone_vol, "succeeded")])
+    assert left == []
+    log = install.log.read_text(errors="replace")
+    for name in (f"snapshot {gone_snap}", f"volume {gone_vol}"):
+        assert log.count(f"{name}: its Recycle Bin retention ended") == 1, name
+    for rule in rules:
+        rbin2.delete_rule(Identifier=rule)
+    ec2_2.delete_snapshot(SnapshotId=kept_snap)  # no rule left: really deleted
+    ec2_2.delete_volume(VolumeId=kept_vol)
+
+
+def _code(call: Any) -> str:
+    with pytest.raises(ClientError) as exc:
+        call()
+    return str(exc.value.response["Error"]["Code"])

@@ -10,6 +10,8 @@
   first target (``VBS_CRASH_AT=lifecycle-run:snapshot:done``); controller B takes the run over once A is gone
   and snapshots only the target A had not; every snapshot the policy made is recorded by exactly one run,
   and every due time from the first to the last has one row (run, or skipped with why).
+* A policy deleted through ``dlm`` while its run is held after its first target: the run stops there, the
+  snapshot it began completes and stays, nothing is left running or pending.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from tests.conftest import Vbs, VbsUp, vbs_up_with_guest, wait_until
+from tests.conftest import Vbs, VbsUp, node_token, vbs_up_with_guest, wait_until
 from tests.test_controller_failover import Pair, pair  # noqa: F401  (the two controllers' fixture)
 from tests.test_lifecycle_policies import POLICY_TAG, ROLE, details, every_minute, runs
-from vbs.controller.db import PolicyRun, Snapshot, Tag
+from vbs.controller.db import Database, Operation, PolicyRun, Snapshot, Tag
 from vbs.ids import virtio_serial
 
 pytestmark = pytest.mark.integration
@@ -80,17 +83,26 @@ def test_an_instance_policy_takes_a_crash_consistent_set_of_its_volumes(guest_in
     assert guest.qmp("query-status")["status"] == "running", "the VM runs again after its set"
 
 
-@pytest.fixture
-def fast_install(tmp_path: Path) -> Iterator[Vbs]:
-    up = VbsUp(tmp_path / "var", tmp_path / "up.log", env=FAST_POLL)
+@dataclass
+class Install:
+    up: VbsUp
+    vbs: Vbs
+
+
+@pytest.fixture(scope="module")
+def fast_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
+    """One ``vbs up`` (SQLite) for the module's volume policies, each targeting its own tag; its step holds
+    reachable (VBS_TEST_HOOKS=1)."""
+    tmp = tmp_path_factory.mktemp("lifecycle-runs")
+    up = VbsUp(tmp / "var", tmp / "up.log", env={**FAST_POLL, "VBS_TEST_HOOKS": "1"})
     try:
-        yield up.start()
+        yield Install(up, up.start())
     finally:
         up.stop()
 
 
-def test_retention_archives_beyond_the_count_and_keeps_a_locked_snapshot(fast_install: Vbs) -> None:
-    vbs = fast_install
+def test_retention_archives_beyond_the_count_and_keeps_a_locked_snapshot(fast_install: Install) -> None:
+    vbs = fast_install.vbs
     vbs.create_volume(size_gib=1, tags={"tiered": "yes"})
     dlm = vbs.aws("dlm")
     pid = dlm.create_lifecycle_policy(
@@ -161,3 +173,57 @@ def test_a_run_whose_controller_dies_is_taken_over_and_nothing_is_taken_twice(pa
     assert all(y - x == timedelta(minutes=1) for x, y in zip(dues, dues[1:], strict=False)), dues
     assert all(r["status"] in ("succeeded", "skipped") for r in done), done
     assert all(r["error"] for r in done if r["status"] == "skipped")
+
+
+def test_a_policy_deleted_in_the_middle_of_its_run_stops_it_and_keeps_what_it_made(
+        fast_install: Install) -> None:
+    """The run is held (a step hold, VBS_TEST_HOOKS=1) after it began its first target's snapshot, that
+    snapshot itself held before its storage call; the policy is deleted through ``dlm``; then both go on. The
+    run stops at once: its second target gets no snapshot, no run row is left (they go with the policy), the
+    controller says why; the snapshot it began completes and stays, tagged as the policy's, as AWS keeps a
+    deleted policy's snapshots; nothing is left pending or unfinished (docs/lifecycle-policies.md, "Runs")."""
+    up, vbs = fast_install.up, fast_install.vbs
+    ec2, dlm = vbs.ec2(), vbs.aws("dlm")
+    first, second = sorted(ec2.create_volume(Size=1, AvailabilityZone="us-east-1a", TagSpecifications=[{
+        "ResourceType": "volume", "Tags": [{"Key": "midrun", "Value": "yes"}]}])["VolumeId"] for _ in range(2))
+    internal = {"authorization": f"Bearer {node_token(vbs.data_dir, 'storage', 'storage-1')}"}
+    holds = [{"kind": "lifecycle-run", "step": "next-target"}, {"kind": "create-snapshot", "step": "storage-snapshot"}]
+    for hook in holds:
+        assert vbs.http.post("/internal/v1/test/hold-step", json=hook, headers=internal).status_code == 200
+    try:
+        pid = dlm.create_lifecycle_policy(ExecutionRoleArn=ROLE, Description="deleted mid-run", State="ENABLED",
+                                          PolicyDetails=details("VOLUME", {"Key": "midrun", "Value": "yes"},
+                                                                every_minute("mid-run", retain=5)))["PolicyId"]
+        for hook in holds:  # the run after its first target, that target's snapshot before its storage call
+            wait_until(lambda h=hook: vbs.http.post("/internal/v1/test/held-step", json=h, headers=internal)
+                       .json()["held"], 150, interval=1, what=f"{hook} held")
+        [running] = runs(vbs, pid)
+        assert running["status"] == "running" and list(running["snapshots"]) == [first], running
+        [made] = running["snapshots"][first]
+        assert vbs.snapshot(made)["status"] == "pending"
+        dlm.delete_lifecycle_policy(PolicyId=pid)
+        assert vbs.http.get(f"/v1/lifecycle-policies/{pid}/runs").status_code == 404
+    finally:
+        for hook in holds:
+            vbs.http.post("/internal/v1/test/release-step", json=hook, headers=internal)
+    found = wait_until(lambda: re.search(rf"lifecycle run {running['run_id']} (.*)", up.log_path.read_text(
+        errors="replace")), 60, interval=1, what="the run's end")
+    assert found.group(1) == "stopped: its policy was deleted"
+    vbs.wait_snapshot(made, "completed", timeout=120)
+    [shown] = ec2.describe_snapshots(SnapshotIds=[made])["Snapshots"]
+    assert shown["VolumeId"] == first and {"Key": POLICY_TAG, "Value": pid} in shown["Tags"]
+    assert ec2.describe_snapshots(OwnerIds=["self"], Filters=[{"Name": "volume-id", "Values": [second]}])[
+        "Snapshots"] == [], "the run went on after its policy was deleted"
+    db = Database.for_data_dir(vbs.data_dir)
+    try:
+        with db.read() as s:
+            assert list(s.scalars(select(PolicyRun.id).where(PolicyRun.policy_id == pid))) == []
+            assert list(s.scalars(select(PolicyRun.id).where(PolicyRun.status == "running"))) == []
+            made_by_policy = list(s.scalars(select(Snapshot.id).where(Snapshot.id.in_(
+                select(Tag.resource_id).where(Tag.key == POLICY_TAG, Tag.value == pid)))))
+            unfinished = list(s.scalars(select(Operation.id).where(Operation.resource_id == made,
+                                                                   Operation.status != "succeeded")))
+    finally:
+        db.dispose()
+    assert made_by_policy == [made] and unfinished == []
+    ec2.delete_snapshot(SnapshotId=made)  # the module's install goes on without it

@@ -233,3 +233,35 @@ def test_old_runs_are_forgotten_but_each_schedules_newest(db: Database) -> None:
         row.status = "succeeded"
     assert purge(db, retention_s=0) == 0, "the schedule's newest says up to where its due times were taken"
     assert scheduler(db, "ctl-b")._claim_due() == [], "and so nothing is taken again"
+
+
+def test_a_run_whose_policy_was_deleted_retires_nothing(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting a policy deletes its runs' rows (lifecycle.policies): a run still going finds its row gone
+    before each retirement and stops (execute._LostRun), so a deleted policy's snapshots stay."""
+    from vbs.controller.lifecycle import execute
+    from vbs.controller.lifecycle.policies import delete_policy
+
+    policy_id = add_policy(db, datetime.now(UTC) - timedelta(minutes=61))
+    [run_id] = scheduler(db, "ctl-a")._claim_due()
+    svc = cast(Any, SimpleNamespace(db=db))
+    with db.read() as s:
+        policy = s.get(LifecyclePolicy, policy_id)
+        assert policy is not None
+        s.expunge(policy)
+    run = execute._Run(svc, "ctl-a", run_id, policy, policy.details["Schedules"][0], {}, datetime.now(UTC))
+    deleted: list[str] = []
+    monkeypatch.setattr(execute, "retire", lambda *_a: ([], ["snap-0123456789abcdef0"]))
+    monkeypatch.setattr(execute, "delete_snapshot", lambda _svc, snap_id, _tenant: deleted.append(snap_id))
+    assert execute._retention(run, ["vol-0123456789abcdef0"], datetime.now(UTC)) == (
+        ["snap-0123456789abcdef0"], []), "held: it retires"
+    other = execute._Run(svc, "ctl-b", run_id, policy, policy.details["Schedules"][0], {}, datetime.now(UTC))
+    with pytest.raises(execute._LostRun) as lost:
+        execute._retention(other, ["vol-0123456789abcdef0"], datetime.now(UTC))
+    assert lost.value.why == execute.TAKEN_OVER
+    delete_policy(svc, policy_id, "default")
+    with pytest.raises(execute._LostRun) as lost:
+        execute._retention(run, ["vol-0123456789abcdef0"], datetime.now(UTC))
+    assert lost.value.why == execute.POLICY_DELETED
+    assert deleted == ["snap-0123456789abcdef0"], "nothing retired once the policy was deleted"
+    execute.execute(svc, "ctl-a", run_id)  # its row gone: nothing to do, no error
+    assert run_rows(db) == []

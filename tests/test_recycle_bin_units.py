@@ -21,6 +21,7 @@ from vbs.controller.db.tables import utcnow
 from vbs.controller.rbin.errors import RuleConflict, RuleInvalid, RuleNotFound
 from vbs.controller.requests import recycle_bin as bin_req
 from vbs.controller.requests import recycle_bin_rules as rules
+from vbs.controller.workflows.faults import FaultHooks
 from vbs.errors import NotFound
 
 pytestmark = pytest.mark.unit
@@ -39,6 +40,7 @@ class Engine:
     def __init__(self) -> None:
         self.begun: list[tuple[str, str]] = []
         self.submitted: list[str] = []
+        self.faults = FaultHooks()  # the expiry's crash point (VBS_CRASH_AT, unset here)
         self._lock = threading.Lock()
 
     def begin(self, session: Any, workflow: Any, resource_id: str, params: Any) -> str:

@@ -43,10 +43,17 @@ SCHEDULE_TAG = "aws:dlm:lifecycle-schedule-name"
 RUNNING, SUCCEEDED, FAILED, SKIPPED = "running", "succeeded", "failed", "skipped"
 ERROR_MAX = 2000
 CRASH_KIND = "lifecycle-run"  # VBS_CRASH_AT=lifecycle-run:snapshot:done (vbs.controller.workflows.faults)
+TAKEN_OVER = "taken over by another controller"
+POLICY_DELETED = "stopped: its policy was deleted"
 
 
 class _LostRun(Exception):
-    """Another controller took this run over: stop, changing nothing more."""
+    """The run is no longer this controller's: another took it over, or its policy (and with it the run's
+    row) was deleted. Stop, changing nothing more."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 @dataclass
@@ -60,10 +67,23 @@ class _Run:
     started: datetime
 
 
+def _held(row: PolicyRun | None, run: _Run) -> PolicyRun:
+    """The run's row if this controller still holds it; else _LostRun, saying why."""
+    if row is None:
+        raise _LostRun(POLICY_DELETED)  # deleting a policy deletes its runs (lifecycle.policies)
+    if row.controller != run.owner or row.status != RUNNING:
+        raise _LostRun(TAKEN_OVER)
+    return row
+
+
+def _still_held(run: _Run) -> None:
+    """Before each retirement: a deleted policy's snapshots stay (docs/lifecycle-policies.md, "Runs")."""
+    with run.svc.db.read() as s:
+        _held(s.get(PolicyRun, run.run_id), run)
+
+
 def _record_target(s: Any, run: _Run, target: str, snapshot_ids: list[str]) -> None:
-    row = s.get(PolicyRun, run.run_id, with_for_update=True)
-    if row is None or row.controller != run.owner or row.status != RUNNING:
-        raise _LostRun
+    row = _held(s.get(PolicyRun, run.run_id, with_for_update=True), run)
     row.targets = {**(row.targets or {}), target: snapshot_ids}
 
 
@@ -155,12 +175,14 @@ def _retention(run: _Run, volume_ids: list[str], now: datetime) -> tuple[list[st
                 for x in snaps]
         to_archive, to_delete = retire(kept, run.schedule["RetainRule"], run.schedule.get("ArchiveRule"), now)
         for snap_id in to_archive:
+            _still_held(run)
             try:
                 modify_tier(svc, snap_id, tenant, "archive")
                 retired.append(snap_id)
             except VbsError as exc:
                 notes.append(f"{snap_id} not archived: {exc.message}")
         for snap_id in to_delete:
+            _still_held(run)
             try:
                 delete_snapshot(svc, snap_id, tenant)
                 retired.append(snap_id)
@@ -229,6 +251,8 @@ def execute(svc: Controller, owner: str, run_id: str) -> None:
             try:
                 (_snapshot_volume if target.startswith("vol-") else _snapshot_instance)(run, target)
                 svc.engine.faults.maybe_crash(CRASH_KIND, "snapshot", "done")
+                # A test may hold the run here, its first target's snapshot begun (VBS_TEST_HOOKS=1).
+                svc.engine.faults.before_call(CRASH_KIND, "next-target")
             except (VbsError, ValidationError, ValueError) as exc:
                 failed = True
                 notes.append(f"{target}: {getattr(exc, 'message', None) or str(exc).splitlines()[0]}")
@@ -236,8 +260,8 @@ def execute(svc: Controller, owner: str, run_id: str) -> None:
             got = s.get(PolicyRun, run_id)
             done = dict(got.targets or {}) if got is not None else done
         retired, retention_notes = _retention(run, _volumes_of(run, done), utcnow())
-    except _LostRun:
-        log.info("lifecycle run %s was taken over by another controller", run_id)
+    except _LostRun as lost:
+        log.info("lifecycle run %s %s", run_id, lost.why)
         return
     finish(svc, owner, run_id, FAILED if failed else SUCCEEDED, "; ".join([*notes, *retention_notes]) or None,
            retired)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT, VOLUME = "EBS_SNAPSHOT", "EBS_VOLUME"
 EXPIRED_PER_PASS = 100
+CRASH_KIND = "recycle-bin"  # VBS_CRASH_AT=recycle-bin:expire:done (vbs.controller.workflows.faults)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,9 @@ def expire(svc: Controller) -> int:
             started.append(svc.engine.begin(s, workflow, resource_id,
                                             StorageParams(node=row.storage_node, pool=row.pool)))
             log.info("%s %s: its Recycle Bin retention ended; deleting it", kind.id_kind, resource_id)
+        # Committed, not submitted yet: a controller killed here leaves the operation the engine resumes
+        # at its restart, or another controller adopts (docs/reliability.md).
+        svc.engine.faults.maybe_crash(CRASH_KIND, "expire", "done")
     for op_id in started:
         svc.engine.submit(op_id)
     return len(started)
