@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 import vbs
+from vbs.connectors.local_path import STATE_SUBDIR
 from vbs.csi import proto
 from vbs.csi.identity import DRIVER_NAME, IdentityService
 from vbs.csi.requests import PARAMETERS, SIDECAR_PREFIX, TOPOLOGY_KEY, create_fields
@@ -313,9 +314,10 @@ def test_node_plugin_has_what_the_node_service_needs() -> None:
     assert disk_dir == profile["settings"]["dir"] and host_path(disk_dir) == disk_dir
     assert profile["settings"]["node_vm"] == "csi-node"  # vbs csi's --node-vm default, not overridden
     assert not any(a.startswith("--node-vm") for a in args_of(node))
-    local_paths = mounts["/var/lib/vbs/host/local-paths"]
-    assert local_paths["mountPropagation"] == "HostToContainer"
-    assert host_path("/var/lib/vbs/host/local-paths") == "/var/lib/vbs/host/local-paths"
+    # The host agent's FUSE files, at the paths the links name: its state_dir (docs/install.md's) + theirs.
+    local_paths = f"/var/lib/vbs/host/{STATE_SUBDIR}"
+    assert mounts[local_paths]["mountPropagation"] == "HostToContainer"
+    assert host_path(local_paths) == local_paths
     # The node id is the Kubernetes node's name; the zone is the one its nodeSelector picks.
     assert flag(node, "node-id") == "$(NODE_NAME)"
     assert [e["valueFrom"]["fieldRef"]["fieldPath"] for e in node["env"] if e["name"] == "NODE_NAME"] == \
