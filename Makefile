@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench,csi-build]'
 	touch $@
 
-# The CSI driver's generated modules (csi.proto of the spec's Go module, compiled by grpcio-tools) and the
-# upstream csi-sanity in .tools/bin, both from the Go module proxy; neither is committed (docs/kubernetes.md).
+# The CSI driver's generated modules (csi.proto of the spec's Go module, compiled by grpcio-tools), the
+# upstream csi-sanity in .tools/bin, and the references deploy/kubernetes is checked against (the sidecars'
+# RBAC, the snapshot CRDs, KubeVirt's OpenAPI document) in .tools/kubernetes, all from the Go module proxy;
+# none is committed (docs/kubernetes.md).
 csi-toolchain: venv
 	./scripts/csi-toolchain $(BIN)/python
 

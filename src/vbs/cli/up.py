@@ -440,11 +440,11 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
 def _close_local_paths(host_state: Path) -> None:
     """The embedded install owns its host's local paths (the command driver's FUSE daemons), which
     outlive a host agent on purpose: with the install stopped, they are stopped and unmounted too."""
-    root = host_state / "local-paths"
+    from vbs.connectors.local_path import STATE_SUBDIR, LocalPaths
+
+    root = host_state / STATE_SUBDIR
     if not root.is_dir():
         return
-    from vbs.connectors.local_path import LocalPaths
-
     paths = LocalPaths(root, secrets_dir=host_state / "secrets")
     paths.close_all()
     paths.release()

@@ -41,11 +41,14 @@ from vbs.system.mounts import is_mounted as _mounted
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import AnyConnection
 
-__all__ = ["LocalPaths", "LOCAL_PATH_KEY_RE"]
+__all__ = ["LocalPaths", "LOCAL_PATH_KEY_RE", "STATE_SUBDIR"]
 
 log = logging.getLogger(__name__)
 
 LOCAL_PATH_KEY_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+# Where in a host agent's state directory the local paths are (the Kubernetes node plugin mounts it:
+# docs/kubernetes.md "What the node pod runs").
+STATE_SUBDIR = "local-paths"
 _DAEMON = "qemu-storage-daemon"
 class _Opened:
     """One key's directory: its daemon's socket, pidfile and log, the path and what it opens."""

@@ -14,7 +14,7 @@ from vbs.wire.connection import POOL_NAME_RE
 from vbs.wire.storage import ZONE_NAME_RE
 
 __all__ = ["GIB", "MAX_GIB", "size_gib", "create_fields", "Capability", "unsupported", "check_name",
-           "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "node_path"]
+           "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "PARAMETERS", "SIDECAR_PREFIX", "VOLUME_TYPES", "node_path"]
 
 GIB = 1 << 30
 MAX_GIB = 16384  # the REST API's largest volume (docs/rest-api.md)
@@ -23,8 +23,12 @@ FS_TYPES = frozenset({"ext4", "xfs"})
 DEFAULT_FS = "ext4"
 
 # Keys the external-provisioner adds to every request's parameters (--extra-create-metadata): not ours.
-_SIDECAR_PREFIX = "csi.storage.k8s.io/"
-_TYPES = frozenset({"standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"})
+SIDECAR_PREFIX = "csi.storage.k8s.io/"
+VOLUME_TYPES = frozenset({"standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"})
+# The StorageClass parameters the driver knows (docs/kubernetes.md "StorageClass parameters"); the
+# manifests' StorageClasses are checked against this table (tests/test_k8s_manifests.py).
+PARAMETERS = frozenset({"type", "iops", "throughput", "encrypted", "kmsKeyId", "multiAttach", "pool", "fsType",
+                        "csi.storage.k8s.io/fstype"})
 _POOL_RE = re.compile(POOL_NAME_RE)
 _ZONE_RE = re.compile(ZONE_NAME_RE)
 _KMS_RE = re.compile(r"[\x21-\x7e]{1,256}")
@@ -98,15 +102,13 @@ def create_fields(params: Mapping[str, str]) -> dict[str, Any]:
     """A StorageClass's parameters as the fields of ``POST /v1/volumes``: ``type``, ``iops``,
     ``throughput``, ``encrypted``, ``kmsKeyId``, ``multiAttach``, ``pool``, and ``fsType`` (the node's, not
     the volume's; checked here). Unknown keys are refused; the sidecars' own keys are let through."""
-    known = {"type", "iops", "throughput", "encrypted", "kmsKeyId", "multiAttach", "pool", "fsType",
-             "csi.storage.k8s.io/fstype"}
-    unknown = sorted(k for k in params if k not in known and not k.startswith(_SIDECAR_PREFIX))
+    unknown = sorted(k for k in params if k not in PARAMETERS and not k.startswith(SIDECAR_PREFIX))
     if unknown:
         raise CsiError("INVALID_ARGUMENT", f"unknown parameters: {', '.join(k[:40] for k in unknown[:5])} "
-                                           f"(known: {', '.join(sorted(known))})")
+                                           f"(known: {', '.join(sorted(PARAMETERS))})")
     fields: dict[str, Any] = {"volume_type": params.get("type", "gp3")}
-    if fields["volume_type"] not in _TYPES:
-        raise CsiError("INVALID_ARGUMENT", f"parameter type must be one of {', '.join(sorted(_TYPES))}")
+    if fields["volume_type"] not in VOLUME_TYPES:
+        raise CsiError("INVALID_ARGUMENT", f"parameter type must be one of {', '.join(sorted(VOLUME_TYPES))}")
     iops = _int(params, "iops", 100, 256000)
     throughput = _int(params, "throughput", 1, 4000)
     if iops is not None:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from vbs.config import HostAgentConfig
 from vbs.connectors import CONNECTORS
-from vbs.connectors.local_path import LocalPaths
+from vbs.connectors.local_path import STATE_SUBDIR, LocalPaths
 from vbs.errors import DeviceBusy, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.luks import refuse_luks
 from vbs.profiles import CommandSchema, Profile, ProfileSchema, load_profile
@@ -94,7 +94,7 @@ class CommandDriver:
         self.prefix = profile.options["target_prefix"]
         self.first_index = int(profile.options["first_index"])
         self.detach_poll_s = detach_poll_s
-        self.paths = LocalPaths(self.state_dir / "local-paths", secrets_dir=self.state_dir / "secrets", x509=x509)
+        self.paths = LocalPaths(self.state_dir / STATE_SUBDIR, secrets_dir=self.state_dir / "secrets", x509=x509)
         protocols = sorted(CONNECTORS) if self.form == "path" else ["nbd"]
         self.capabilities = HypervisorCapabilities.model_validate({"protocols": protocols})
         self._lock = threading.Lock()
