@@ -6,9 +6,12 @@ section 4, and probes of who reaches what across the bridge (a TCP connect, an i
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
-from contextlib import ExitStack
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,8 @@ from vbs.rigs.netns import NetnsCluster
 from vbs.rigs.postgres import EmbeddedPostgres
 from vbs.rigs.testguest import pattern_sha256
 from vbs.rigs.testguest.background import BackgroundGuest
+
+log = logging.getLogger(__name__)
 
 HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
 GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
@@ -40,6 +45,14 @@ class NetnsInstall:
             return proc
         assert proc.returncode == 0, f"vbs {' '.join(args)}: {proc.stderr}"
         return json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    @staticmethod
+    @contextmanager
+    def timed(what: str) -> Iterator[None]:
+        """Log how long ``what`` took (figures for docs/benchmarks.md, never asserted)."""
+        started = time.monotonic()
+        yield
+        log.info("netns cluster: %s took %.2f s", what, time.monotonic() - started)
 
     def create(self, node: str, size_gib: int = 1) -> str:
         """A volume made on the storage node ``node`` (stor-1 serves NBD, stor-2 iSCSI); its id."""
@@ -77,6 +90,15 @@ class NetnsInstall:
         dev = self.guest_disk(volume_id, host)
         read = f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count={mib} 2>/dev/null | sha256sum"
         return self.guest_run(read, host).split()[0]
+
+    def log_read_rate(self, volume_id: str, what: str, host: str = "hv-1") -> None:
+        """Log the guest's sequential read rate of ``volume_id`` (dd of 64 MiB after dropping its caches, as
+        the guest's clock times it): a figure for docs/benchmarks.md, never asserted."""
+        dev = self.guest_disk(volume_id, host)
+        out = self.guest_run(f"echo 3 > /proc/sys/vm/drop_caches; read a _ < /proc/uptime; dd if=/dev/{dev} "
+                             f"of=/dev/null bs=1M count=64 2>/dev/null; read b _ < /proc/uptime; echo $a $b", host)
+        started, ended = (float(t) for t in out.split()[-2:])
+        log.info("netns cluster: a guest reads %s at %.1f MiB/s", what, 64 / max(0.01, ended - started))
 
     def detach(self, volume_id: str, host: str = "hv-1") -> None:
         self.cli("detach-volume", volume_id, "--wait")
