@@ -9,8 +9,13 @@ A second hypervisor node (hv-2, with vm2) joins as the guide's further nodes do.
 client machine's CLI and checked inside the guests: a volume written on hv-1 is read on hv-2; a volume
 is attached across the bridge over NBD, written, snapshotted, cloned from the snapshot, read back,
 detached and deleted; then the first controller is killed and the second one carries a create and an
-attach. boto3 on the client machine drives the EC2 API over TLS. Every process is stopped by
-its PID and every namespace is gone at the end (the rig fails the teardown if a process was left in one).
+attach. boto3 on the client machine drives the EC2 API over TLS.
+
+An iSCSI storage node (stor-2, section 7 with EXPORT=iscsi) joins last: a guest writes one of its volumes
+through its TLS tunnel, and only the certificate of the host holding the export reaches its tgtd; vm1 then
+live-migrates to hv-2 with a volume of each storage node, and the iSCSI one moves to stor-1 under it.
+Every process is stopped by its PID and every namespace is gone at the end (the rig fails the teardown
+if a process was left in one).
 """
 
 from __future__ import annotations
