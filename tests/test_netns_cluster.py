@@ -232,7 +232,8 @@ def test_a_guest_writes_a_volume_of_the_iscsi_storage_node_through_its_tls_tunne
     assert connect(c, "stor-2", "127.0.0.1", 3260) == "open"
     c.detach(vol)
     wait_until(lambda: not iscsi_peers(c), 60, 1, what="hv-1's session to stor-2 closed")
-    assert iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response"  # the export went, and hv-1's pass
+    # The export went, and hv-1's pass with it (stunnel re-reads its admitted names on a signal).
+    wait_until(lambda: iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response", 60, 1, what="hv-1 refused")
     c.cli("delete-volume", vol, "--wait")
 
 
@@ -296,7 +297,9 @@ def test_an_instance_live_migrates_to_the_other_hypervisor_node_with_its_volumes
             (found,) = c.cli("describe-volumes", vol)["volumes"]
             assert [a["host"] for a in found["attachments"]] == ["hv-2"], found
         wait_until(lambda: iscsi_peers(c) == {hv2.machine.address}, 60, 1, what="the iSCSI session from hv-2 only")
-        assert iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response"  # hv-1's export went with the guest
+        # hv-1's export went with the guest, and its pass with it.
+        wait_until(lambda: iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response", 60, 1, what="hv-1 refused")
+        assert iscsi_login(c, "hv-2", "stor-2", "hv-2") == "login-response"
 
         # The iSCSI volume moves to the NBD storage node while the guest runs on it (its hypervisor mirrors
         # it; onto an NBD export of a new file the mirror skips what is unwritten, onto iSCSI it would copy
