@@ -68,6 +68,8 @@ BENCHES = (
     Bench("datapath_rbd", "datapath.py", ("--backend", "rbd"), ("--backend", "rbd", "--quick"),
           ("--backend", "rbd", "--quick", "--reads-only", "--size-gib", "1", "--runtime", "2.5")),
     Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
+    # NBD reads across a bridge of network namespaces against loopback (root; the cluster's link).
+    Bench("netns_path", "netns_path.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
     Bench("completion", "control_plane.py", ("--completion",), ("--completion", "--quick"),
           ("--completion", "--quick")),

@@ -9,13 +9,17 @@ A second hypervisor node (hv-2, with vm2) joins as the guide's further nodes do.
 client machine's CLI and checked inside the guests: a volume written on hv-1 is read on hv-2; a volume
 is attached across the bridge over NBD, written, snapshotted, cloned from the snapshot, read back,
 detached and deleted; then the first controller is killed and the second one carries a create and an
-attach. boto3 on the client machine drives the EC2 API over TLS. Every process is stopped by
-its PID and every namespace is gone at the end (the rig fails the teardown if a process was left in one).
+attach. boto3 on the client machine drives the EC2 API over TLS.
+
+An iSCSI storage node (stor-2, section 7 with EXPORT=iscsi) joins last: a guest writes one of its volumes
+through its TLS tunnel, and only the certificate of the host holding the export reaches its tgtd; vm1 then
+live-migrates to hv-2 with a volume of each storage node, and the iSCSI one moves to stor-1 under it.
+Every process is stopped by its PID and every namespace is gone at the end (the rig fails the teardown
+if a process was left in one).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,9 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cryptography import x509
@@ -34,113 +36,16 @@ from cryptography import x509
 from tests.conftest import reap_daemons, wait_until
 from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section, vbs_lines
 from tests.installed import Installed, clean_env, install
-from vbs.ids import virtio_serial
+from tests.netns_install import HOST_DIR, NetnsInstall, alter_role, connect, iscsi_login, start_database
 from vbs.rigs.netns import GUIDE_MACHINES, NetnsCluster
-from vbs.rigs.postgres import EmbeddedPostgres
 from vbs.rigs.testguest import build_guest, default_cache_dir, pattern_sha256
-from vbs.rigs.testguest.background import BackgroundGuest
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "hv-1", "hv-2", "client")
-HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
-GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
+MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "stor-2", "hv-1", "hv-2", "client")
 # Sections of the guide run here, in order: all but the packages, the wheelhouse (tests/installed.py
 # builds it), PostgreSQL's packaged cluster (its equivalent below), the units' notes and the upgrades.
 RUN = ("3.", "5.", "Credentials and certificates", "6.", "7.", "8.", "9.")
-
-
-@dataclass
-class NetnsInstall:
-    cluster: NetnsCluster
-    runner: GuideRunner
-    machines: dict[str, GuideMachine]
-    client_env: dict[str, str]
-
-    def cli(self, *args: str, check: bool = True) -> Any:
-        """``vbs -o json ARGS`` on the client machine, with the environment section 9 exports."""
-        r = self.runner
-        proc = r.cluster.run(self.machines["client"].machine, [str(r.vbs_path), "-o", "json", *args],
-                             env={**r.env, **self.client_env}, timeout=600)
-        if not check:
-            return proc
-        assert proc.returncode == 0, f"vbs {' '.join(args)}: {proc.stderr}"
-        return json.loads(proc.stdout) if proc.stdout.strip() else None
-
-    def node_up(self, command: str, collection: str, name: str) -> bool:
-        proc = self.cli(command, check=False)
-        return proc.returncode == 0 and any(n["name"] == name and n["state"] == "up"
-                                            for n in json.loads(proc.stdout)[collection])
-
-    def guest(self, host: str = "hv-1") -> BackgroundGuest:
-        """The demo guest of ``host`` (vm1 on hv-1, vm2 on hv-2)."""
-        return BackgroundGuest(GUESTS[host], self.machines[host].path(HOST_DIR))
-
-    def guest_disk(self, volume_id: str, host: str = "hv-1") -> str:
-        """The guest's device of ``volume_id`` (found by its serial), once the guest sees it."""
-        serial = virtio_serial(volume_id)
-        return str(wait_until(lambda: next((d.device for d in self.guest(host).disks() if d.serial == serial),
-                                           None), 120, 1, what=f"{volume_id} in the guest of {host}"))
-
-    def guest_run(self, command: str, host: str = "hv-1") -> str:
-        status, out = self.guest(host).run(command, 300)
-        assert status == 0, f"{command}: {status} {out}"
-        return out
-
-    def write(self, volume_id: str, seed: str, mib: int, host: str = "hv-1") -> None:
-        """``pattern_bytes(seed, mib)`` written to ``volume_id`` by the guest of ``host``, and read back."""
-        dev = self.guest_disk(volume_id, host)
-        self.guest_run(f"yes {seed} | head -c {mib << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null", host)
-        assert self.checksum(volume_id, mib, host) == pattern_sha256(seed, mib)
-
-    def checksum(self, volume_id: str, mib: int, host: str = "hv-1") -> str:
-        """sha256 of the first ``mib`` MiB of ``volume_id`` as the guest of ``host`` reads it from the disk."""
-        dev = self.guest_disk(volume_id, host)
-        read = f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count={mib} 2>/dev/null | sha256sum"
-        return self.guest_run(read, host).split()[0]
-
-    def detach(self, volume_id: str, host: str = "hv-1") -> None:
-        self.cli("detach-volume", volume_id, "--wait")
-        wait_until(lambda: virtio_serial(volume_id) not in {d.serial for d in self.guest(host).disks()}, 120, 1,
-                   what=f"{volume_id} gone from the guest of {host}")
-
-
-def start_database(cluster: NetnsCluster, runner: GuideRunner, stack: ExitStack) -> EmbeddedPostgres:
-    """Section 4's equivalent: Debian's packaged cluster is not run here (no systemd), so a cluster of
-    its own in the db namespace, listening on db's address with TLS (a certificate of the install's CA
-    for that address, where Debian's has a self-signed one), with the guide's pg_hba line and the
-    database ``vbs`` (createdb); its role ``vbs`` is made by initdb."""
-    db, ctl1 = runner.machines["db"], runner.machines["ctl-1"]
-    (hba,) = [line for line in section("4.")[1].splitlines() if line.startswith('echo "hostssl')]
-    db.variables["CONTROLLER_NET"] = f"{CLUSTER_NET}0/24"
-    certs = db.root / "tls"
-    proc = cluster.run(ctl1.machine, [str(runner.vbs_path), "issue-cert", "db", "--host", db.machine.address,
-                                      "--data-dir", str(ctl1.path("/var/lib/vbs/controller")), "--out-dir", str(certs)],
-                       env=runner.env)
-    assert proc.returncode == 0, proc.stderr
-    pg = EmbeddedPostgres(db.root, 5432, listen=db.machine.address, netns=db.machine.netns,
-                          settings={"ssl": "on", "ssl_cert_file": "server.pem", "ssl_key_file": "server-key.pem"})
-    pg.prepare()
-    for name, target in (("db.pem", "server.pem"), ("db-key.pem", "server-key.pem")):
-        shutil.copyfile(certs / name, pg.data / target)
-        shutil.chown(pg.data / target, "postgres", "postgres")
-        (pg.data / target).chmod(0o600)
-    with (pg.data / "pg_hba.conf").open("a") as f:
-        f.write(db.expand(hba.split('"')[1]) + "\n")
-    stack.callback(pg.stop)
-    pg.start()
-    pg.create_database("vbs")
-    return pg
-
-
-def alter_role(pg: EmbeddedPostgres) -> Any:
-    """The guide's ``… | runuser -u postgres -- psql``: the same statement, over the cluster's socket."""
-    def run(statement: str) -> None:
-        import psycopg
-
-        with psycopg.connect(host=str(pg.run), port=pg.port, user="vbs", dbname="postgres", autocommit=True) as c:
-            c.execute(statement.encode())
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +77,10 @@ def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsIns
         # After the storage agent's stop (by its PID): any export daemon a crash of it left, by its pidfile.
         cluster.processes.callback(reap_daemons, machines["stor-1"].path("/var/lib/vbs/storage"))
         runner.run_blocks(section("7."), "stor-1")
+        # After the host agents' stops: the host ends of the iSCSI tunnels they leave running on purpose
+        # (docs/install.md "The units"), by their pidfiles.
+        for name in ("hv-1", "hv-2"):
+            cluster.processes.callback(reap_daemons, machines[name].path(HOST_DIR))
         runner.run_blocks(section("8."), "hv-1")
         # A further hypervisor node, as the guide's "and each further one" says: hv-1's lines of its
         # credentials block with hv-2's name and address, then section 8 with hv-2's variables.
@@ -207,6 +116,18 @@ def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsIns
         assert proc.returncode == 0, proc.stderr
         wait_until(lambda: any(i["vm_id"] == "vm2" and i["host"] == "hv-2" and i["state"] == "running"
                                for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm2")
+        # The iSCSI storage node, stor-2, as section 7's "iSCSI" says: stor-1's credential lines with its
+        # name and address, then section 7 with its variables and EXPORT=iscsi (its tgtd and stunnel are
+        # the agent's, stopped by it; any it left, by their pidfiles).
+        further = [line.replace("stor-1", "stor-2").replace(f"{GUIDE_NET}20", f"{GUIDE_NET}21")
+                   for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
+        assert len(further) == 2
+        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        cluster.processes.callback(reap_daemons, machines["stor-2"].path("/var/lib/vbs/storage"))
+        runner.run_blocks(section("7."), "stor-2", variables={"NAME": "stor-2", "EXPORT": "iscsi",
+                                                              "ADDR": machines["stor-2"].machine.address},
+                          record=False)
+        wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-2"), 300, 1, what="stor-2")
         yield done
 
 
@@ -222,14 +143,6 @@ def test_the_guide_s_commands_install_a_cluster_of_namespaces(netns_install: Net
     assert hv["url"] == f"https://{CLUSTER_NET}30:8772", hv
     controllers = netns_install.cli("describe-controllers")["controllers"]
     assert sorted(c["state"] for c in controllers) == ["up", "up"], controllers
-
-
-def connect(install: NetnsInstall, source: str, host: str, port: int) -> str:
-    code = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close();"
-            " print('open')\nexcept OSError as e:\n print(type(e).__name__)")
-    proc = install.cluster.run(install.machines[source].machine, [sys.executable, "-c", code, host, str(port)],
-                               env={"PATH": "/usr/bin:/bin"})
-    return proc.stdout.strip()
 
 
 def test_the_services_are_apart_and_their_certificates_name_their_addresses(netns_install: NetnsInstall) -> None:
@@ -281,7 +194,7 @@ def test_boto3_on_the_client_machine_drives_the_ec2_api_over_tls(netns_install: 
 
 def test_a_volume_written_on_one_hypervisor_node_is_read_on_the_other(netns_install: NetnsInstall) -> None:
     c = netns_install
-    vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    vol = c.create("stor-1")
     c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
     c.write(vol, "moved", 4, "hv-1")
     c.detach(vol, "hv-1")
@@ -291,10 +204,43 @@ def test_a_volume_written_on_one_hypervisor_node_is_read_on_the_other(netns_inst
     c.cli("delete-volume", vol, "--wait")
 
 
+def iscsi_peers(c: NetnsInstall) -> set[str]:
+    """The addresses with an established connection to stor-2's iSCSI port (its tunnel), from its sockets."""
+    proc = c.cluster.run(c.machines["stor-2"].machine, ["ss", "-Htn", "state", "established", "( sport = :3260 )"],
+                         env={"PATH": "/usr/sbin:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[-1].rsplit(":", 1)[0] for line in proc.stdout.splitlines() if line.strip()} - {"127.0.0.1"}
+
+
+def test_a_guest_writes_a_volume_of_the_iscsi_storage_node_through_its_tls_tunnel(netns_install: NetnsInstall) -> None:
+    """stor-2 serves iSCSI (its tgtd on its own loopback, stunnel on its address): vm1 on hv-1 writes a volume
+    there and reads it back; only hv-1's certificate gets through to tgtd while it holds the export."""
+    c = netns_install
+    vol = c.create("stor-2")
+    with c.timed("attach over iscsi to a guest across the bridge (a tunnel end started)"):
+        c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
+        c.guest_disk(vol)
+    c.write(vol, "iscsi", 4)
+    c.log_read_rate(vol, "iSCSI through TLS across the bridge")
+    assert iscsi_peers(c) == {c.machines["hv-1"].machine.address}  # QEMU's session, through hv-1's tunnel end
+    assert iscsi_login(c, "hv-1", "stor-2", "hv-1") == "login-response"
+    # Another machine's certificate of the same CA, without an export there: refused by the tunnel.
+    assert iscsi_login(c, "hv-2", "stor-2", "hv-2") != "login-response"
+    assert iscsi_login(c, "client", "stor-2", None) != "login-response"  # plaintext iSCSI
+    # tgtd listens on stor-2's loopback, which no other machine reaches (theirs is their own).
+    assert connect(c, "hv-1", "127.0.0.1", 3260) == "ConnectionRefusedError"
+    assert connect(c, "stor-2", "127.0.0.1", 3260) == "open"
+    c.detach(vol)
+    wait_until(lambda: not iscsi_peers(c), 60, 1, what="hv-1's session to stor-2 closed")
+    # The export went, and hv-1's pass with it (stunnel re-reads its admitted names on a signal).
+    wait_until(lambda: iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response", 60, 1, what="hv-1 refused")
+    c.cli("delete-volume", vol, "--wait")
+
+
 def test_a_volume_crosses_the_bridge_is_snapshotted_cloned_and_survives_a_controller_s_death(
         netns_install: NetnsInstall) -> None:
     c = netns_install
-    vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    vol = c.create("stor-1")
     c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
     seed = f"netns{int(time.time())}"
     c.write(vol, seed, 4)
@@ -311,8 +257,61 @@ def test_a_volume_crosses_the_bridge_is_snapshotted_cloned_and_survives_a_contro
     first = c.runner.services["ctl-1"]
     first.send_signal(signal.SIGKILL)
     first.wait(60)
-    vol = c.cli("create-volume", "--size", "1", "--wait")["volume_id"]
+    vol = c.create("stor-1")
     c.cli("attach-volume", vol, "--host", "hv-2", "--vm", "vm2", "--wait")
     c.write(vol, "after", 1, "hv-2")
     c.detach(vol, "hv-2")
     c.cli("delete-volume", vol, "--wait")
+
+
+def test_an_instance_live_migrates_to_the_other_hypervisor_node_with_its_volumes(netns_install: NetnsInstall) -> None:
+    """vm1 moves from hv-1 to hv-2 (QEMU's stream over TLS across the bridge) with a volume of each storage
+    node (NBD and iSCSI); what it wrote before, it reads after, on hv-2. Then the iSCSI volume moves to the
+    NBD storage node under the running guest (its hypervisor mirrors it). Last in the module: vm1 stays
+    on hv-2 (the first controller is dead by now: the second carries it all)."""
+    c = netns_install
+    hv2 = c.machines["hv-2"]
+    vols = {"nbd": c.create("stor-1"), "iscsi": c.create("stor-2")}
+    for (kind, vol), device in zip(vols.items(), ("vdb", "vdc"), strict=True):
+        with c.timed(f"attach over {kind} to a guest across the bridge"):
+            c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--device", device, "--wait")
+            c.guest_disk(vol)
+        c.write(vol, f"before-{device}", 2)
+        c.log_read_rate(vol, f"{kind} through TLS across the bridge")
+    (source,) = [i for i in c.cli("describe-instances")["instances"] if i["vm_id"] == "vm1" and i["host"] == "hv-1"]
+    moved = c.guest("hv-2:vm1")
+    try:
+        # The orchestrator's part: the same VM waiting on hv-2 (QEMU -incoming defer).
+        proc = c.cluster.run(hv2.machine, [str(c.runner.vbs_path), "demo-vm", "vm1", "--data-dir",
+                                           str(hv2.path(HOST_DIR)), "--incoming"], env=c.runner.env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        with c.timed("vm1 reported incoming on hv-2"):
+            wait_until(lambda: any(i["vm_id"] == "vm1" and i["host"] == "hv-2" and i["state"] == "incoming"
+                                   for i in c.cli("describe-instances")["instances"]), 300, 1,
+                       what="vm1 incoming on hv-2")
+        with c.timed("migrate-instance hv-1 to hv-2"):
+            c.cli("migrate-instance", source["instance_id"], "--host", "hv-2", "--wait")
+        for device, vol in zip(("vdb", "vdc"), vols.values(), strict=True):
+            assert c.checksum(vol, 2, "hv-2:vm1") == pattern_sha256(f"before-{device}", 2)
+            c.write(vol, f"after-{device}", 1, "hv-2:vm1")
+            (found,) = c.cli("describe-volumes", vol)["volumes"]
+            assert [a["host"] for a in found["attachments"]] == ["hv-2"], found
+        wait_until(lambda: iscsi_peers(c) == {hv2.machine.address}, 60, 1, what="the iSCSI session from hv-2 only")
+        # hv-1's export went with the guest, and its pass with it.
+        wait_until(lambda: iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response", 60, 1, what="hv-1 refused")
+        assert iscsi_login(c, "hv-2", "stor-2", "hv-2") == "login-response"
+
+        # The iSCSI volume moves to the NBD storage node while the guest runs on it (its hypervisor mirrors
+        # it; onto an NBD export of a new file the mirror skips what is unwritten, onto iSCSI it would copy
+        # every zero of the 1 GiB).
+        with c.timed("migrate-volume of an attached 1 GiB volume, stor-2 (iSCSI) to stor-1 (NBD)"):
+            c.cli("migrate-volume", vols["iscsi"], "--storage-node", "stor-1", "--wait")
+        (found,) = c.cli("describe-volumes", vols["iscsi"])["volumes"]
+        assert found["storage_node"] == "stor-1", found
+        assert c.checksum(vols["iscsi"], 1, "hv-2:vm1") == pattern_sha256("after-vdc", 1)
+        wait_until(lambda: not iscsi_peers(c), 60, 1, what="no iSCSI session left on stor-2")
+        for vol in vols.values():
+            c.detach(vol, "hv-2:vm1")
+            c.cli("delete-volume", vol, "--wait")
+    finally:
+        moved.stop()

@@ -18,6 +18,7 @@ from vbs.cli.context import Context
 
 if TYPE_CHECKING:
     from vbs.rigs.testguest.background import BackgroundGuest, GuestDisk
+    from vbs.rigs.testguest.build import GuestImage
 
 # Registered into the app by vbs.cli.main, in the order of ``vbs --help``.
 commands = typer.Typer()
@@ -50,6 +51,10 @@ def demo_vm(
     root_ports: Annotated[int | None, typer.Option(help=(
         "q35: empty PCIe root ports, one per disk it can take (default: 8 on q35, none on pc)."))] = None,
     boot_timeout: Annotated[float, typer.Option(help="Seconds to wait for the guest to boot.")] = 180.0,
+    incoming: Annotated[bool, typer.Option("--incoming", help=(
+        "Boot nothing: wait as the destination of a live migration of the VM of this name on another host "
+        "(QEMU -incoming defer; give the same --machine, --memory and --root-ports); vbs migrate-instance "
+        "moves the guest in."))] = False,
 ) -> None:
     """Boot a small VM (the project's test guest under QEMU, in the background) that vbs up's host agent
     finds, to attach volumes to; --disks shows what it sees, --stop stops it."""
@@ -78,6 +83,11 @@ def demo_vm(
     if not 64 <= memory <= 65536:
         raise InvalidParameter("--memory is 64-65536 MiB")
     ports = root_ports if root_ports is not None else (8 if machine == "q35" else 0)
+    if incoming:
+        pid = guest.start(_image(), machine=machine, memory_mib=memory, root_ports=ports, incoming=True)
+        output.emit({"name": name, "pid": pid, "qmp_socket": str(guest.qmp_path), "incoming": True,
+                     "stop": f"vbs demo-vm {name}{hint} --stop"}, c.fmt)
+        return
     pid, booted = _boot(guest, machine, memory, ports, boot_timeout)
     qmp = guest.qmp_path.relative_to(Path.cwd()) if guest.qmp_path.is_relative_to(Path.cwd()) else guest.qmp_path
     if output.is_machine(c.fmt):
@@ -92,17 +102,21 @@ def demo_vm(
     print(f"  vbs demo-vm {name}{hint} --stop         stop it (QEMU PID {pid})")
 
 
-def _boot(guest: "BackgroundGuest", machine: str, memory: int, ports: int, timeout: float) -> tuple[int, float]:
-    """Find (or build, the first time) the test guest's kernel and initramfs, start QEMU, wait for the
-    guest; QEMU's PID and the seconds the boot took."""
+def _image() -> "GuestImage":
+    """The test guest's kernel and initramfs (built the first time, from Debian's packages)."""
     from vbs.rigs.testguest import build_guest, default_cache_dir
 
     cache = default_cache_dir()
     if not any(cache.glob("linux-image-*")):
         print(f"vbs demo-vm: building the test guest from Debian's linux-image-amd64 and busybox-static, once "
               f"(cached in {cache}) ...", file=sys.stderr, flush=True)
-    image = build_guest()
-    pid = guest.start(image, machine=machine, memory_mib=memory, root_ports=ports)
+    return build_guest()
+
+
+def _boot(guest: "BackgroundGuest", machine: str, memory: int, ports: int, timeout: float) -> tuple[int, float]:
+    """Find (or build, the first time) the test guest's kernel and initramfs, start QEMU, wait for the
+    guest; QEMU's PID and the seconds the boot took."""
+    pid = guest.start(_image(), machine=machine, memory_mib=memory, root_ports=ports)
     try:
         booted = guest.wait_ready(timeout)
     except BaseException:

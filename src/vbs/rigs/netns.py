@@ -48,7 +48,8 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 IP_TIMEOUT_S = 60.0
 # The machines of docs/install.md, each with its address's last number there (10.0.0.10 is ctl-1),
 # and a client machine for the CLI and boto3.
-GUIDE_MACHINES = {"db": 5, "ctl-1": 10, "ctl-2": 11, "stor-1": 20, "hv-1": 30, "hv-2": 31, "client": 40}
+GUIDE_MACHINES = {"db": 5, "ctl-1": 10, "ctl-2": 11, "stor-1": 20, "stor-2": 21, "hv-1": 30, "hv-2": 31,
+                  "client": 40}
 STOP_TIMEOUT_S = 60.0
 
 

@@ -82,9 +82,13 @@ class BackgroundGuest:
             return None
         return pid if str(self.qmp_path).encode() in cmdline and state != "Z" else None
 
-    def start(self, image: GuestImage, *, machine: str = "pc", memory_mib: int = 256, root_ports: int = 0) -> int:
+    def start(self, image: GuestImage, *, machine: str = "pc", memory_mib: int = 256, root_ports: int = 0,
+              incoming: bool = False) -> int:
         """Boot the guest in the background; QEMU's PID. Refused if it runs, or if something else serves
-        its QMP socket (another VM of that name)."""
+        its QMP socket (another VM of that name). ``incoming``: boot nothing, wait as the destination of
+        a live migration of the VM of this name on another host (``-incoming defer``, the same machine,
+        memory and root ports as that VM's): ``vbs migrate-instance`` moves the guest in, and its
+        console is this VM's from then on."""
         running = self.pid()
         if running is not None:
             raise InvalidParameter(f"{self.name} runs already (QEMU PID {running}); vbs demo-vm {self.name} --stop "
@@ -98,7 +102,7 @@ class BackgroundGuest:
         argv = [
             *qemu_argv(self.name, image, self.qmp_path, machine=machine, memory_mib=memory_mib,
                        root_ports=root_ports, serial=f"unix:{self.console_path},server=on,wait=off"),
-            "-daemonize", "-pidfile", str(self.pid_path),
+            "-daemonize", "-pidfile", str(self.pid_path), *(["-incoming", "defer"] if incoming else []),
         ]
         # QEMU forks, and its first process exits once the VM is set up: errors (no KVM is fine, TCG is
         # asked for; a kernel that will not load) come back here, after that it runs on by itself.
