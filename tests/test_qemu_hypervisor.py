@@ -62,9 +62,11 @@ def vm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def guest(vm_dir: Path) -> Iterator[TestGuest]:
-    with TestGuest("guest1", vm_dir.parent, build_guest(), vm_dir) as g:
+    # Booted, not resumed: the tests find QEMU's monitor connections by the path it bound (ss), and a
+    # resumed guest binds its monitor under another name first (vbs.rigs.testguest.warm).
+    with TestGuest("guest1", vm_dir.parent, build_guest(), vm_dir, cold=True) as g:
         assert g.test_qmp_path == private_qmp(vm_dir, "guest1")
-        g.wait_ready(60)
+        g.wait_ready(120)
         yield g
 
 

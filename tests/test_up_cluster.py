@@ -117,6 +117,7 @@ def test_three_storage_nodes_each_with_its_own_pool_serve_one_guest(tmp_path: Pa
 
         vm.start()
         vm.wait_ready(120)
+        vbs.instance("vm1")  # reported by the host agent: attach to it by name
         for v, device in zip(volumes, ("vdb", "vdc", "vdd"), strict=True):
             att = vbs.cli("attach-volume", v["volume_id"], "--host", "host-1", "--vm", "vm1", "--device", device,
                           "--wait")

@@ -388,8 +388,9 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
     storage_agents = [plan.storage_agent(name, endpoints, export, clone_method, rbd) for name in shape.storage_names]
     host_agent = plan.host_agent(endpoints)
     children = [*controllers, *storage_agents, host_agent]
-    # After the plan: with --tls, it made the CA.
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(data_dir / "ca.pem")) if tls else True
+    # After the plan: with --tls, it made the CA. One context for every client of this process: given
+    # True instead, httpx would load the system's CA bundle again for each health check (50 ms of CPU each).
+    verify = ssl.create_default_context(cafile=str(data_dir / "ca.pem")) if tls else ssl.create_default_context()
     services_file = data_dir / SERVICES_FILE
     api = ApiClient(endpoints, key.bearer, timeout=2, verify=verify, label="vbs up")
 
@@ -450,7 +451,7 @@ def _close_local_paths(host_state: Path) -> None:
     paths.release()
 
 
-def _healthy(url: str, verify: ssl.SSLContext | bool) -> bool:
+def _healthy(url: str, verify: ssl.SSLContext) -> bool:
     return httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200
 
 

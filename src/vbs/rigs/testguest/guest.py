@@ -154,9 +154,10 @@ class TestGuest:
         self._launch(["-incoming", "defer"] if self._incoming else [])
         return self
 
-    def _launch(self, extra: list[str], pass_fds: tuple[int, ...] = ()) -> None:
+    def _launch(self, extra: list[str], pass_fds: tuple[int, ...] = (), qmp_path: Path | None = None) -> None:
         argv = [
-            *qemu_argv(self.name, self.image, self.qmp_path, machine=self.machine, memory_mib=self.memory_mib,
+            *qemu_argv(self.name, self.image, qmp_path or self.qmp_path, machine=self.machine,
+                       memory_mib=self.memory_mib,
                        root_ports=self.root_ports, serial="stdio"),
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
             *extra,
@@ -175,9 +176,12 @@ class TestGuest:
     def _resume(self, state: Path, timeout: float = 120.0) -> bool:
         """Start QEMU on a saved boot (``warm.py``); True once the guest runs and its clock is the host's.
         False if QEMU could not load the state (it has exited then)."""
+        # The host agent's monitor is bound under a name its discovery skips (not *.qmp) until the guest
+        # runs: seen while it loads the state, the VM would be recorded as a migration's destination.
+        hidden = self.qmp_path.with_name(f".{self.name}.resuming")
         fd = os.open(state, os.O_RDONLY)
         try:
-            self._launch(["-incoming", f"fd:{fd}"], pass_fds=(fd,))
+            self._launch(["-incoming", f"fd:{fd}"], pass_fds=(fd,), qmp_path=hidden)
         finally:
             os.close(fd)
         deadline = time.monotonic() + timeout
@@ -191,7 +195,12 @@ class TestGuest:
                 time.sleep(0.05)
         if not running:
             self.stop()
+            hidden.unlink(missing_ok=True)
             return False
+        os.rename(hidden, self.qmp_path)
+        # A booted guest's monitor was up for seconds before READY, and callers count on a host agent having
+        # reported the VM by then (its heartbeat: every 2 s); a resumed one gives it the same head start.
+        time.sleep(warm.SETTLE_S)
         with self._cond:
             self._ready = True
             self.boot_seconds = time.monotonic() - self._started_at

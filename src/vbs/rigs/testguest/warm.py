@@ -6,7 +6,9 @@ initramfs to the same READY point, so the rig boots one guest per shape (QEMU bu
 memory, empty root ports), lets it answer a command, and saves its state with QEMU's own migration into a
 file beside the image. A warm start is that state resumed by a new QEMU process (``-incoming fd:N``): a
 real guest of the same image with its own consoles and monitors, which then sets its clock to the host's
-(its clock was saved with it) and goes on from READY as if it had just booted. ``TestGuest(cold=True)``
+(its clock was saved with it) and goes on from READY as if it had just booted. Its host-agent monitor is
+bound under a hidden name while QEMU loads the state (a host agent would take the VM for a migration's
+destination) and shown, under its name, SETTLE_S before the guest is handed over. ``TestGuest(cold=True)``
 boots from scratch, as the test of the boot itself does. A state QEMU cannot load (another QEMU build
 without a new key, a truncated file) is removed and the guest boots cold.
 """
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 # protocol. Bump it when either changes in a way a resumed guest would notice.
 FORMAT = "1"
 SAVE_TIMEOUT_S = 300.0
+# How long a resumed guest's monitor is up before the guest is handed over (TestGuest._resume): the head
+# start a boot gave host agents to report the VM, two of their heartbeats.
+SETTLE_S = 4.0
 
 
 class Shape:
