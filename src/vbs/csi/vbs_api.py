@@ -64,19 +64,10 @@ class VbsApi:
 
     def delete_volume(self, volume_id: str) -> None:
         """Delete it and wait until it is gone; absent is success."""
-        try:
-            self.client.call("DELETE", f"/v1/volumes/{volume_id}")
-        except VbsError as exc:
-            if exc.status != 404:
-                raise
-            return
-        self._gone(f"/v1/volumes/{volume_id}", volume_id)
+        self._delete(f"/v1/volumes/{volume_id}", volume_id)
 
     def volumes_page(self, max_results: int, next_token: str, filters: list[str]) -> Body:
-        params = ([("max_results", str(max_results))] + ([("next_token", next_token)] if next_token else [])
-                  + [("filter", f) for f in filters])
-        page: Body = self.client.call("GET", "/v1/volumes?" + urlencode(params))
-        return page
+        return self._page("/v1/volumes", max_results, next_token, filters)
 
     def grow(self, volume_id: str, size_gib: int) -> None:
         """Modify the volume to ``size_gib`` and wait until the new size is served."""
@@ -163,18 +154,25 @@ class VbsApi:
         return self._settle(f"/v1/snapshots/{snapshot_id}", SNAPSHOT_BUSY - {"deleting"}, snapshot_id)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
+        self._delete(f"/v1/snapshots/{snapshot_id}", snapshot_id)
+
+    def snapshots_page(self, max_results: int, next_token: str, filters: list[str]) -> Body:
+        return self._page("/v1/snapshots", max_results, next_token, filters)
+
+    def _delete(self, path: str, resource_id: str) -> None:
+        """DELETE ``path`` and wait until it is gone; absent is success."""
         try:
-            self.client.call("DELETE", f"/v1/snapshots/{snapshot_id}")
+            self.client.call("DELETE", path)
         except VbsError as exc:
             if exc.status != 404:
                 raise
             return
-        self._gone(f"/v1/snapshots/{snapshot_id}", snapshot_id)
+        self._gone(path, resource_id)
 
-    def snapshots_page(self, max_results: int, next_token: str, filters: list[str]) -> Body:
+    def _page(self, path: str, max_results: int, next_token: str, filters: list[str]) -> Body:
         params = ([("max_results", str(max_results))] + ([("next_token", next_token)] if next_token else [])
                   + [("filter", f) for f in filters])
-        page: Body = self.client.call("GET", "/v1/snapshots?" + urlencode(params))
+        page: Body = self.client.call("GET", f"{path}?{urlencode(params)}")
         return page
 
     # -- capacity ----------------------------------------------------------------------------------
