@@ -27,9 +27,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vbs.errors import DriverError
 from vbs.rigs.testguest.build import GuestImage
+
+if TYPE_CHECKING:
+    from vbs.rigs.testguest.guest import TestGuest
 
 __all__ = ["Shape", "saved_state", "forget"]
 
@@ -94,11 +98,8 @@ def _save(image: GuestImage, shape: Shape, path: Path) -> None:
              time.monotonic() - started, path)
 
 
-def _migrate_to_file(guest: object, sock_path: Path, target: Path) -> None:
+def _migrate_to_file(guest: TestGuest, sock_path: Path, target: Path) -> None:
     """QEMU's ``migrate`` to a unix socket that this process copies into ``target``."""
-    from vbs.rigs.testguest.guest import TestGuest
-
-    assert isinstance(guest, TestGuest)
     errors: list[BaseException] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.bind(str(sock_path))
