@@ -546,6 +546,14 @@ class Services:
         assert self.controller is not None
         stop_process(self.controller)
         self.start_controller(**env)
+        if self.agent is not None and self.controller.poll() is None:
+            # Placement takes only nodes whose last report is recent: a request sent before the agent has
+            # reported to this controller could be refused (503) on a loaded machine, not crashed.
+            self.wait_storage_node_up()
+
+    def wait_storage_node_up(self) -> None:
+        wait_until(lambda: any(n["state"] == "up" for n in
+                               self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
 
     def wait_controller_killed(self) -> None:
         """Until the controller armed with ``VBS_CRASH_AT`` has SIGKILLed itself at its crash point."""
@@ -572,8 +580,7 @@ class Services:
             if self.agent.poll() is None:
                 break
             self.agent_port, self.nbd_port = free_port(), free_port()
-        wait_until(lambda: any(n["state"] == "up" for n in
-                               self.vbs.http.get("/v1/storage-nodes").json()["storage_nodes"]), 60, what="agent")
+        self.wait_storage_node_up()
 
     def start_host_agent(self, name: str = "host-1", config: Path | None = None) -> Path:
         """A host agent whose VMs are QMP sockets in the returned directory (``config``: a vbs.toml)."""
