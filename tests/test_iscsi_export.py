@@ -298,6 +298,25 @@ def test_removing_one_host_unbinds_its_address(make_driver: Make, volume: Path) 
     assert not logged_in(a)
 
 
+def test_zeroing_a_range_punches_it_out_of_the_file(make_driver: Make, volume: Path) -> None:
+    """A file LUN is thin-provisioned: an initiator's write-zeroes (QEMU's, as a mirror onto the LUN
+    sends for the source's holes) is one WRITE SAME with UNMAP, and the file gives the space back."""
+    drv = make_driver()
+    drv.start()
+    volume.write_bytes(b"\x6b" * (16 * MiB))
+    allocated = os.stat(volume).st_blocks * 512
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    lun = live_targets(drv)[drv.iqn(VOL)].luns[1]
+    assert lun.thin and not lun.readonly
+    rc, out = qemu_io(c, "write -z -u 0 8M")
+    assert rc == 0, out
+    assert read_at(volume, 0, 8 * MiB) == bytes(8 * MiB)
+    assert read_at(volume, 8 * MiB, 8 * MiB) == b"\x6b" * (8 * MiB)
+    assert os.stat(volume).st_blocks * 512 <= allocated - 8 * MiB
+    drv.ensure_export(VOL, FileSource(volume), HOST_A)  # applied again: nothing to change
+    assert live_targets(drv)[drv.iqn(VOL)].luns[1].thin
+
+
 def test_read_only_lun_refuses_writes(make_driver: Make, volume: Path) -> None:
     drv = make_driver()
     volume.write_bytes(b"\x5a" * (16 * MiB))

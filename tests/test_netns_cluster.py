@@ -301,15 +301,21 @@ def test_an_instance_live_migrates_to_the_other_hypervisor_node_with_its_volumes
         wait_until(lambda: iscsi_login(c, "hv-1", "stor-2", "hv-1") != "login-response", 60, 1, what="hv-1 refused")
         assert iscsi_login(c, "hv-2", "stor-2", "hv-2") == "login-response"
 
-        # The iSCSI volume moves to the NBD storage node while the guest runs on it (its hypervisor mirrors
-        # it; onto an NBD export of a new file the mirror skips what is unwritten, onto iSCSI it would copy
-        # every zero of the 1 GiB).
+        # Each volume moves to the other storage node while the guest runs on it (its hypervisor mirrors
+        # it, skipping what is unwritten: a write-zeroes on the new NBD export, a WRITE SAME with UNMAP on
+        # the new thin-provisioned iSCSI LUN).
         with c.timed("migrate-volume of an attached 1 GiB volume, stor-2 (iSCSI) to stor-1 (NBD)"):
             c.cli("migrate-volume", vols["iscsi"], "--storage-node", "stor-1", "--wait")
         (found,) = c.cli("describe-volumes", vols["iscsi"])["volumes"]
         assert found["storage_node"] == "stor-1", found
         assert c.checksum(vols["iscsi"], 1, "hv-2:vm1") == pattern_sha256("after-vdc", 1)
         wait_until(lambda: not iscsi_peers(c), 60, 1, what="no iSCSI session left on stor-2")
+        with c.timed("migrate-volume of an attached 1 GiB volume, stor-1 (NBD) to stor-2 (iSCSI)"):
+            c.cli("migrate-volume", vols["nbd"], "--storage-node", "stor-2", "--wait")
+        (found,) = c.cli("describe-volumes", vols["nbd"])["volumes"]
+        assert found["storage_node"] == "stor-2", found
+        assert c.checksum(vols["nbd"], 1, "hv-2:vm1") == pattern_sha256("after-vdb", 1)
+        wait_until(lambda: iscsi_peers(c) == {hv2.machine.address}, 60, 1, what="hv-2's iSCSI session on stor-2")
         for vol in vols.values():
             c.detach(vol, "hv-2:vm1")
             c.cli("delete-volume", vol, "--wait")

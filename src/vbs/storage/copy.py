@@ -15,6 +15,7 @@ import ctypes
 import errno
 import functools
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,6 +174,25 @@ def _punch(fd: int, offset: int, length: int) -> None:
     if _libc().fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
+
+
+def punches_holes(directory: Path) -> bool:
+    """Whether the file system of ``directory`` gives back the space of a punched range (tmpfs, ext4,
+    xfs and btrfs do; NFS before 4.2 and some FUSE file systems do not). Tried on a scratch file there,
+    never on a volume's."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".punch-probe-", dir=directory)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, b"\1" * 8192, 0)
+        _punch(fd, 0, 4096)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(name)
 
 
 def sparsify(

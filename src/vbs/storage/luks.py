@@ -53,7 +53,7 @@ def _key_files(*passphrases: SecretStr, scratch: Path = KEY_SCRATCH) -> Iterator
         shutil.rmtree(key_dir, ignore_errors=True)
 
 
-def _writing_luks(args: list[str], target: Path, timeout: float) -> None:
+def run_luks_writer(args: list[str], target: Path, timeout: float) -> None:
     """Run ``qemu-img`` that writes a new LUKS container at ``target``, again while its calibration of the
     key derivation fails (see ``_CALIBRATION_FAILED``); any other failure is the caller's."""
     for attempt in range(1, CALIBRATION_TRIES + 1):
@@ -71,7 +71,7 @@ def _writing_luks(args: list[str], target: Path, timeout: float) -> None:
 def format_luks(path: Path, size_bytes: int, passphrase: SecretStr) -> None:
     """Make ``path`` (absent) an empty LUKS container whose payload is ``size_bytes``."""
     with _key_files(passphrase) as (key,):
-        _writing_luks(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key}",
+        run_luks_writer(["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=vbs-key,file={key}",
                        "-o", "key-secret=vbs-key", str(path), str(size_bytes)], path, FORMAT_TIMEOUT_S)
 
 
@@ -88,7 +88,7 @@ def convert_to_luks(source: Path, target: Path, size_bytes: int, passphrase: Sec
         else:
             objects += ["--object", f"secret,id=vbs-src,file={files[1]}"]
             src = ["--image-opts", f"driver=luks,key-secret=vbs-src,file.driver=file,file.filename={source}"]
-        _writing_luks(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
+        run_luks_writer(["qemu-img", "convert", "-q", *objects, *src, "-O", "luks", "-o", "key-secret=vbs-dst",
                        str(target)], target, CONVERT_TIMEOUT_S)
     header = header_bytes(target)
     if size_bytes > os.stat(target).st_size - header:

@@ -75,6 +75,7 @@ def upgrade_v1(data: dict[str, Any]) -> list[dict[str, Any]]:
 class LiveLun:
     path: str = ""
     readonly: bool = False
+    thin: bool = False  # UNMAP and WRITE SAME with UNMAP punch holes in the backing file
 
 
 @dataclass
@@ -116,6 +117,8 @@ def parse_targets(text: str) -> dict[str, LiveTarget]:
                 lun.path = body[len("Backing store path: "):]
             elif lun is not None and body.startswith("Readonly: "):
                 lun.readonly = body.endswith("Yes")
+            elif lun is not None and body.startswith("Thin-provisioning: "):
+                lun.thin = body.endswith("Yes")
         elif section == "Account information" and indent == 8:
             if not body.endswith("(outgoing)"):
                 cur.accounts.append(body)

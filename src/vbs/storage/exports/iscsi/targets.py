@@ -9,8 +9,10 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from pathlib import Path
 
 from vbs.errors import DriverError
+from vbs.storage.copy import punches_holes
 
 from .access import Access, acl_kind
 from .state import Export, LiveLun, LiveTarget, View
@@ -35,6 +37,7 @@ class Targets:
                  session_grace: float) -> None:
         self.direct_io, self.session_grace = direct_io, session_grace
         self._no_direct_told = False  # a file system without O_DIRECT: said once, with what it means
+        self._punches: dict[str, bool] = {}  # per directory of backing files: whether it punches holes
         self._tgt, self._access, self._save = tgt, access, save
 
     def apply(self, exp: Export, view: View, *, fresh_users: AbstractSet[str] = frozenset(),
@@ -89,12 +92,18 @@ class Targets:
                 sizes_changed = True
             elif lun.path != exp.store_path():
                 raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.store_path()}")
-            if lun.readonly != exp.read_only:
-                # tgtadm takes no --params at LUN creation: read-only is an update right after it.
-                self._tgt.iscsi(f"set readonly={int(exp.read_only)} on LUN {n} of {live.iqn}", "--mode",
-                                "logicalunit", "--op", "update", "--tid", tid, "--lun", str(n),
-                                "--params", f"readonly={int(exp.read_only)}")
-                lun.readonly = exp.read_only
+            # Thin provisioning lets an initiator zero or discard a range without sending its zeros:
+            # QEMU's write-zeroes becomes a WRITE SAME with UNMAP (a mirror onto this LUN skips the
+            # source's holes; 1 GiB of zeros took 96 s over a tunnel without it) and a guest's TRIM
+            # frees space, as the NBD export's discard=unmap does. Only where the file system punches holes:
+            # elsewhere tgtd would fail those commands.
+            thin = exp.rbd is None and self._punch_ok(exp.path)
+            if lun.readonly != exp.read_only or lun.thin != thin:
+                # tgtadm takes no --params at LUN creation: they are an update right after it.
+                params = f"readonly={int(exp.read_only)},thin_provisioning={int(thin)}"
+                self._tgt.iscsi(f"set {params} on LUN {n} of {live.iqn}", "--mode", "logicalunit", "--op", "update",
+                                "--tid", tid, "--lun", str(n), "--params", params)
+                lun.readonly, lun.thin = exp.read_only, thin
         deadline = time.monotonic() + self.session_grace
         for n in sorted(set(live.luns) - wanted - {0}):  # LUN 0 is tgt's controller
             # A LUN no host may use any more (retired after a refresh, or its last host removed).
@@ -146,6 +155,15 @@ class Targets:
             return os.stat(exp.path).st_size
         except OSError as exc:
             raise DriverError(f"source file {exp.path} of {exp.key}: {exc.strerror}") from exc
+
+    def _punch_ok(self, path: str) -> bool:
+        directory = os.path.dirname(path)
+        if directory not in self._punches:
+            self._punches[directory] = punches_holes(Path(directory))
+            if not self._punches[directory]:
+                log.info("%s: this file system does not punch holes, so its LUNs are not thin-provisioned: "
+                         "zeros written by initiators are sent and stored", directory)
+        return self._punches[directory]
 
     def _direct_ok(self, path: str) -> bool:
         """Whether the file system takes O_DIRECT (tmpfs before Linux 6.6 does not; tgtd would then fail the LUN)."""
