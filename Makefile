@@ -47,11 +47,13 @@ test-fast: venv csi-toolchain
 	$(BIN)/pytest -q -n 2 -m 'unit and not integration'
 
 # Crash at every step: the whole matrix of tests/test_torture.py (the default run keeps a subset), and
-# every test marked torture elsewhere (RBD crashes, moves of volumes and of instances).
+# every test marked torture elsewhere (RBD crashes, moves of volumes and of instances); the hostile-input
+# fuzzers with four times the cases of make test.
 .PHONY: torture
 torture: setup
 	$(BIN)/pytest -q -m 'torture or not torture' tests/test_torture.py
 	$(BIN)/pytest -q -m torture --ignore tests/test_torture.py tests
+	VBS_FUZZ_EXAMPLES=60 $(BIN)/pytest -q tests/test_hostile_input.py
 
 # The install guide run word for word on a cluster of network namespaces (docs/install.md "Trying it in
 # network namespaces"): the namespace rig's test, then the cluster's (also part of make test).
