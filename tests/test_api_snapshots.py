@@ -6,10 +6,11 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import DATABASES, Vbs, database_flags, wait_until
+from tests.conftest import DATABASES, Vbs, database_flags, node_token, wait_until
 
 pytestmark = pytest.mark.parametrize("metadata_db", DATABASES, indirect=True, scope="module")
 
@@ -69,21 +70,45 @@ def test_volume_from_snapshot_is_creating_then_available_with_the_data(vbs_up: V
     assert digest(path, 1024) == want
 
 
-def test_deleting_a_snapshot_that_a_creating_volume_copies_is_refused(vbs_up: Vbs) -> None:
-    vol = vbs_up.cli("create-volume", "--size", "4", "--wait")
-    fill(vbs_up.pool / "volumes" / f"{vol['volume_id']}.raw", 2048, b"big")
-    snap = vbs_up.cli("create-snapshot", vol["volume_id"], "--wait")
-    clone = vbs_up.create_volume(snapshot_id=snap["snapshot_id"])
-    r = vbs_up.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
-    if vbs_up.volume(clone["volume_id"])["status"] == "creating" or r.status_code == 409:
+def test_deleting_a_snapshot_that_a_creating_volume_copies_is_refused(
+        tmp_path: Path, metadata_db: str, request: pytest.FixtureRequest) -> None:
+    from tests.conftest import VbsUp
+
+    # The clone's copy is held before it starts (the controller's step hook), so the delete always
+    # meets a volume still being made from the snapshot.
+    up = VbsUp(tmp_path / "var", tmp_path / "up.log", extra=database_flags(metadata_db, request),
+               env={"VBS_TEST_HOOKS": "1"})
+    vbs = up.start()
+    auth = {"authorization": "Bearer " + node_token(vbs.data_dir, "storage", "storage-1")}
+
+    def hook(action: str) -> Any:
+        r = vbs.http.post(f"/internal/v1/test/{action}-step", json={"kind": "create-volume",
+                                                                   "step": "storage-create"},
+                          headers=auth, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        vol = vbs.cli("create-volume", "--size", "1", "--wait")
+        want = fill(vbs.pool / "volumes" / f"{vol['volume_id']}.raw", 8, b"copied")
+        snap = vbs.cli("create-snapshot", vol["volume_id"], "--wait")
+        hook("hold")
+        clone = vbs.create_volume(snapshot_id=snap["snapshot_id"])
+        wait_until(lambda: hook("held")["held"], what="the clone's copy held")
+        assert vbs.volume(clone["volume_id"])["status"] == "creating"
+        r = vbs.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
         assert r.status_code == 409, r.text
         assert r.json()["error"]["code"] == "InvalidSnapshot.InUse"
-    vbs_up.wait_volume(clone["volume_id"], "available")
-    assert vbs_up.snapshot(snap["snapshot_id"])["status"] == "completed"
-    r = vbs_up.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
-    assert r.status_code == 200, r.text
-    wait_until(lambda: vbs_up.http.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404,
-               what="snapshot gone")
+        hook("release")
+        vbs.wait_volume(clone["volume_id"], "available")
+        assert digest(vbs.pool / "volumes" / f"{clone['volume_id']}.raw", 8) == want
+        assert vbs.snapshot(snap["snapshot_id"])["status"] == "completed"
+        r = vbs.http.delete(f"/v1/snapshots/{snap['snapshot_id']}")
+        assert r.status_code == 200, r.text
+        wait_until(lambda: vbs.http.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404,
+                   what="snapshot gone")
+    finally:
+        up.stop()
 
 
 def test_deleting_a_volume_keeps_its_snapshots_and_their_clones(vbs_up: Vbs) -> None:
