@@ -198,7 +198,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="iscsi-ctl-trees-") as tmp:
         trees = {}
         if args.baseline_rev != "none":
-            trees[f"baseline {args.baseline_rev}"] = _tree(args.baseline_rev, Path(tmp))
+            try:
+                trees[f"baseline {args.baseline_rev}"] = _tree(args.baseline_rev, Path(tmp))
+            except subprocess.CalledProcessError:
+                log(f"revision {args.baseline_rev} is not in this clone (a shallow one?): this tree alone")
         trees["this tree"] = REPO / "src"
         results: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
         for r in range(args.rounds):
