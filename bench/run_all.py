@@ -71,6 +71,8 @@ BENCHES = (
     # NBD reads across a bridge of network namespaces against loopback (root; the cluster's link).
     Bench("netns_path", "netns_path.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
+    # What one iSCSI export costs the storage agent, against the last driver that ran tgtadm.
+    Bench("iscsi_control", "iscsi_control.py", (), ("--keys", "5", "--rounds", "1")),
     Bench("completion", "control_plane.py", ("--completion",), ("--completion", "--quick"),
           ("--completion", "--quick")),
     Bench("fairness", "fairness.py", (), ("--quick",)),

@@ -1,14 +1,16 @@
 """iSCSI secrets stay off every command line and out of tgtd's environment; CHAP is required.
 
-Real tgtd, libiscsi's iscsi-readcapacity16. CHAP accounts are made on tgtd's management socket
-(``vbs.storage.exports.tgt_ipc``), never with ``tgtadm --password``. Each test runs its own tgtd
-on a free port and stops it by PID.
+Real tgtd, libiscsi's iscsi-readcapacity16. CHAP accounts, like every request of the driver, are
+made on tgtd's management socket (``vbs.storage.exports.tgt_ipc``), never with ``tgtadm
+--password``. Each test runs its own tgtd on a free port and stops it by PID.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,7 @@ from vbs.errors import InvalidParameter
 from vbs.pools.exports import FileSource
 from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.iscsi import IscsiExportDriver
-from vbs.storage.exports.iscsi import tgtadm as iscsi_module
-from vbs.system import argv as argv_module
+from vbs.storage.exports.tgt_ipc import Mode, Op, Request
 from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, IscsiConnection
 
@@ -50,17 +51,39 @@ def all_cmdlines() -> list[bytes]:
     return out
 
 
+def record_processes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, str]]]:
+    """The argv and environment of every process this test's process starts from now on."""
+    started: list[tuple[list[str], dict[str, str]]] = []
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self: subprocess.Popen[Any], args: Any, *a: Any, **kw: Any) -> None:
+        argv = [str(args)] if isinstance(args, str | bytes | Path) else [str(x) for x in args]
+        started.append((argv, dict(kw.get("env") or os.environ)))
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    return started
+
+
+def record_requests(monkeypatch: pytest.MonkeyPatch) -> list[Request]:
+    """Every request the driver sends on tgtd's management socket from now on."""
+    sent: list[Request] = []
+    real = tgt_ipc.exchange
+
+    def recording(control_socket: Path, req: Request, timeout: float) -> str:
+        sent.append(req)
+        return real(control_socket, req, timeout)
+
+    monkeypatch.setattr(tgt_ipc, "exchange", recording)
+    return sent
+
+
 def test_no_chap_secret_is_ever_on_a_command_line(make_driver: Callable[..., IscsiExportDriver], volume: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     drv = make_driver()
     drv.start()
-    argvs: list[list[str]] = []
-
-    def recording_run(argv: Sequence[str], **kw: Any) -> Any:
-        argvs.append([str(a) for a in argv])
-        return argv_module.run(argv, **kw)
-
-    monkeypatch.setattr(iscsi_module, "run", recording_run)
+    argvs = record_processes(monkeypatch)
+    sent = record_requests(monkeypatch)
     seen: list[bytes] = []
     done = threading.Event()
 
@@ -77,9 +100,10 @@ def test_no_chap_secret_is_ever_on_a_command_line(make_driver: Callable[..., Isc
         watcher.join()
     secrets = [secret_of(c) for c in conns if isinstance(c, IscsiConnection)]
     assert len(secrets) == len(VOLS) and len(set(secrets)) == len(VOLS)
-    assert any(a[0] == "tgtadm" for a in argvs) and len(seen) > len(VOLS)  # the watch did run
+    assert [r for r in sent if (r.mode, r.op) == (Mode.ACCOUNT, Op.NEW)] and len(seen) > len(VOLS)  # it did run
+    assert argvs == [], "a process per request"  # every request went on the management socket
     for secret in secrets:
-        assert not [a for a in argvs if any(secret in arg for arg in a)], "a secret on tgtadm's argv"
+        assert not [a for a, _ in argvs if any(secret in arg for arg in a)], "a secret on a child's argv"
         assert not [c for c in seen if secret.encode() in c], "a secret in some /proc/<pid>/cmdline"
         assert not [c for c in all_cmdlines() if secret.encode() in c]
     assert {c.chap_user for c in conns if isinstance(c, IscsiConnection)} <= live_accounts(drv)
@@ -96,19 +120,15 @@ def test_every_target_requires_chap(make_driver: Callable[..., IscsiExportDriver
     assert logged_in(c)
 
 
-def test_tgtd_and_tgtadm_get_a_minimal_environment(make_driver: Callable[..., IscsiExportDriver], volume: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tgtd_gets_a_minimal_environment_and_no_other_process_runs(
+        make_driver: Callable[..., IscsiExportDriver], volume: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VBS_AGENT_TOKEN", "agent-token-that-must-not-leak")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-that-must-not-leak")
     drv = make_driver()
-    envs: list[dict[str, str]] = []
-
-    def recording_run(argv: Sequence[str], **kw: Any) -> Any:
-        envs.append(dict(kw.get("env") or {}))
-        return argv_module.run(argv, **kw)
-
-    monkeypatch.setattr(iscsi_module, "run", recording_run)
+    started = record_processes(monkeypatch)
     drv.ensure_export(VOLS[0], FileSource(volume), HOST)
+    envs = [env for _, env in started]
+    assert [argv[0] for argv, _ in started] == ["tgtd"]  # the daemon itself; its requests start nothing
     assert drv.pid is not None
     environ = Path(f"/proc/{drv.pid}/environ").read_bytes()
     assert b"must-not-leak" not in environ
@@ -121,13 +141,17 @@ def test_the_management_socket_refuses_what_would_change_the_request(
         make_driver: Callable[..., IscsiExportDriver]) -> None:
     drv = make_driver()
     drv.start()
+
+    def new_account(user: str, password: str) -> str:
+        req = Request(Mode.ACCOUNT, Op.NEW, (("user", user), ("password", password)))
+        return tgt_ipc.exchange(drv.control_socket, req, timeout=10.0)
+
     for user, password in (("a,password=x", "secretsecret1"), ("u", "pass,word=1"), ("u", "p\0w")):
         with pytest.raises(tgt_ipc.TgtIpcError, match="splits on"):
-            tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW,
-                            {"user": user, "password": password})
-    tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW, {"user": "u1", "password": "p" * 16})
+            new_account(user, password)
+    new_account("u1", "p" * 16)
     with pytest.raises(tgt_ipc.TgtIpcError, match="already exists") as exc:
-        tgt_ipc.request(drv.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW, {"user": "u1", "password": "q" * 16})
+        new_account("u1", "q" * 16)
     assert exc.value.tgt_errno == 14
     assert "u1" in live_accounts(drv)
 

@@ -16,20 +16,19 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 
 from vbs.errors import DriverError, InvalidParameter
-from vbs.storage.exports import tgt_ipc
 from vbs.storage.exports.supervised import check_key
 
+from .control import E_ABSENT, AclKind, AdmError, TgtControl
 from .state import Grant, LiveTarget, View
-from .tgtadm import E_ABSENT, AdmError, Tgtadm
 
 _SECRET_ALPHABET = string.ascii_letters + string.digits  # safe in URLs, configs and every initiator
 _SECRET_LEN = 24  # iSCSI wants at least 12 (96 bits); 24 alphanumerics are about 143 bits
 _CHAP_USER_MAX = 64  # IscsiConnection.chap_user limit
 
 
-def acl_kind(entry: str) -> str:
-    """The tgtadm option that unbinds an ACL entry as ``--op show`` lists it."""
-    return "--initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "--initiator-address"
+def acl_kind(entry: str) -> AclKind:
+    """What an ACL entry is, as tgtd's ``show`` lists it: an initiator name or an address."""
+    return "initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "initiator-address"
 
 
 def is_loopback(host: str) -> bool:
@@ -70,8 +69,8 @@ def chap_user(key: str, host_name: str) -> str:
 class Access:
     """The ACL entries and CHAP accounts of the targets of one tgtd."""
 
-    def __init__(self, tgt: Tgtadm, iqn_prefix: str, control_socket: Path, state_dir: Path) -> None:
-        self._tgt, self.iqn_prefix, self.control_socket = tgt, iqn_prefix, control_socket
+    def __init__(self, tgt: TgtControl, iqn_prefix: str, state_dir: Path) -> None:
+        self._tgt, self.iqn_prefix = tgt, iqn_prefix
         self._state_dir = state_dir
         self._sealer: AESSIV | None = None
 
@@ -111,20 +110,14 @@ class Access:
             # unbound everywhere first (deleting a bound account leaves the same hole as below).
             for other in view.values():
                 self.unbind_accounts(other, [grant.user])
-            self._tgt.iscsi(f"delete account {grant.user}", "--mode", "account", "--op", "delete",
-                            "--user", grant.user)
-        # Not through tgtadm, which takes the secret only on its command line (readable in /proc by
-        # every local user): the same request, sent on tgtd's management socket directly.
-        try:
-            tgt_ipc.request(self.control_socket, tgt_ipc.MODE_ACCOUNT, tgt_ipc.OP_NEW,
-                            {"user": grant.user, "password": grant.secret}, timeout=self._tgt.timeout)
-        except tgt_ipc.TgtIpcError as exc:
-            raise AdmError(f"create account {grant.user}", exc.message) from exc
+            self._tgt.delete_account(grant.user)
+        # On tgtd's management socket, as every request: tgtadm would take the secret only on its
+        # command line, readable in /proc by every local user.
+        self._tgt.new_account(grant.user, grant.secret)
 
-    def unbind_acl(self, live: LiveTarget, kind: str, entry: str) -> None:
+    def unbind_acl(self, live: LiveTarget, kind: AclKind, entry: str) -> None:
         try:
-            self._tgt.iscsi(f"unbind {entry} from {live.iqn}", "--mode", "target", "--op", "unbind",
-                            "--tid", str(live.tid), kind, entry)
+            self._tgt.unbind_acl(live, kind, entry)
         except AdmError as exc:
             if not exc.says(E_ABSENT):
                 raise
@@ -152,22 +145,18 @@ class Access:
             self.unbind_acl(live, acl_kind(entry), entry)
         for user in reversed(unbind):
             try:
-                self._tgt.iscsi(f"unbind account {user}", "--mode", "account", "--op", "unbind",
-                                "--tid", str(live.tid), "--user", user)
+                self._tgt.unbind_account(live, user)
             except AdmError as exc:
                 if not exc.says(E_ABSENT):
                     raise
             live.accounts.remove(user)
         for user in keep:
             if user not in live.accounts:
-                self._tgt.bind(f"bind account {user}", "--mode", "account", "--op", "bind",
-                               "--tid", str(live.tid), "--user", user)
+                self._tgt.bind_account(live, user)
                 live.accounts.append(user)
         if keep:
             for entry in closed:
-                kind = acl_kind(entry)
-                self._tgt.bind(f"bind {entry} to {live.iqn}", "--mode", "target", "--op", "bind",
-                               "--tid", str(live.tid), kind, entry)
+                self._tgt.bind_acl(live, acl_kind(entry), entry)
                 live.acl.add(entry)
 
     def forget_account(self, live: LiveTarget, user: str, view: View) -> None:
@@ -177,7 +166,7 @@ class Access:
             user in t.accounts for t in view.values()
         ):
             try:
-                self._tgt.iscsi(f"delete account {user}", "--mode", "account", "--op", "delete", "--user", user)
+                self._tgt.delete_account(user)
             except AdmError as exc:
                 if not exc.says(E_ABSENT):
                     raise

@@ -1,8 +1,9 @@
 """The iSCSI export driver: the ``ExportDriver`` contract over one userspace tgtd per storage agent,
-composed of tgtd's control (tgtadm.py), access (access.py: ACL and CHAP) and targets (targets.py),
+composed of tgtd's control (control.py), access (access.py: ACL and CHAP) and targets (targets.py),
 with online resize as a mixin (resize_calls.py).
 
-iSCSI exports from one userspace tgtd per storage agent, driven with tgtadm (argv, timeouts).
+iSCSI exports from one userspace tgtd per storage agent, driven on its management socket with the
+requests tgtadm would send (tgt_ipc: no process per request; timeouts).
 
 One target per key (``<iqn_prefix>:t<the key, sealed>``, a volume or a snapshot a hypervisor copies into), LUN 1
 backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
@@ -35,10 +36,10 @@ from vbs.wire.connection import Connection, HostIdentity, IscsiConnection
 from vbs.wire.storage import ExportInfo
 
 from .access import Access, acl_addresses, chap_user, is_loopback, new_secret
+from .control import TGTD, TgtControl, tgtd_spec
 from .resize_calls import ResizeCalls
-from .state import STATE_VERSION, Export, Grant, View, parse_portals, upgrade_v1
+from .state import STATE_VERSION, Export, Grant, View, upgrade_v1
 from .targets import Targets
-from .tgtadm import TGTD, Tgtadm, tgtd_spec
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 # * Unbinding any account but the last bound one leaves a hole in tgt's account array: the next
 #   `--op show` crashes tgtd (SIGSEGV) and CHAP refuses the accounts behind the hole. Deleting a
 #   bound account does the same. access.Access.unbind_accounts never leaves a hole.
-# * tgtadm exits 0 with "tgtd closed the socket" when tgtd dies under a request.
+# * tgtd closes the management socket without an answer when it dies under a request: that is
+#   an error with no tgt errno (tgtadm printed "tgtd closed the socket" and exited 0).
 # * tgtd -C takes 0-32767. If the portal cannot be bound (port taken) tgtd keeps running and
 #   listens on 0.0.0.0:3260 instead: start-up checks the portal list and refuses such a daemon.
 # * tgtd ignores SIGTERM; it exits on `--op delete --mode system` once it has no targets.
@@ -63,9 +65,9 @@ log = logging.getLogger(__name__)
 #   --force, which this module uses only in stop(), when the daemon exits and closes every session.
 # Secrets: CHAP secrets are 24 random alphanumerics, kept in memory and in <state_dir>/exports.json
 # (mode 0600) so that check() and a restarted agent re-create the same accounts. tgtadm takes a
-# secret only as an argument, visible in /proc/<pid>/cmdline to every local user, so accounts are
-# made by sending tgtadm's request on tgtd's management socket directly (tgt_ipc); no secret is on
-# any command line. tgtd and tgtadm run with a minimal environment. Secrets are never logged.
+# secret only as an argument, visible in /proc/<pid>/cmdline to every local user; the driver runs
+# no tgtadm: every request, accounts included, goes on tgtd's management socket (tgt_ipc), so no
+# secret is on any command line. tgtd runs with a minimal environment. Secrets are never logged.
 # Off loopback (``tunnel``): tgtd listens on 127.0.0.1 behind a stunnel on the export address that
 # admits only certificates of hosts with an export here (vbs.net.stunnel); the ACL then holds
 # 127.0.0.1, where stunnel connects from.
@@ -162,12 +164,12 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
         tgtd_host = "127.0.0.1" if tunnel is not None else listen_host
         self.portal = f"[{tgtd_host}]:{port}" if ":" in tgtd_host else f"{tgtd_host}:{port}"
         self.control_socket = Path(control_socket)
-        # tgtd and tgtadm get nothing of the agent's environment (its token, cloud credentials).
+        # tgtd gets nothing of the agent's environment (its token, cloud credentials).
         self._env = minimal_environment(TGT_IPC_SOCKET=str(self.socket_base))
         self._portals: set[str] = set()  # what a starting tgtd offers
         self._doomed: set[str] = set()  # keys whose target teardown is unfinished (sessions)
-        self._tgt = Tgtadm(control_port, self.socket_base, adm_timeout, self._env)
-        self._access = Access(self._tgt, iqn_prefix, self.control_socket, state_dir)
+        self._tgt = TgtControl(control_port, self.socket_base, adm_timeout)
+        self._access = Access(self._tgt, iqn_prefix, state_dir)
         self._targets = Targets(self._tgt, self._access, self._save, direct_io=direct_io,
                                 session_grace=session_grace)
         state = DesiredState(state_dir / "exports.json", Export, version=STATE_VERSION, upgrades={1: upgrade_v1})
@@ -199,7 +201,7 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
     # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _ready(self, deadline: float) -> None:
-        self._portals = parse_portals(self._tgt.adm("show portals", "--mode", "portal", "--op", "show"))
+        self._portals = self._tgt.portals()
 
     def _spawned(self) -> None:
         if self._portals != {self.portal}:
@@ -210,7 +212,7 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
 
     def _take_over(self) -> bool:
         try:
-            self._tgt.adm("probe", "--mode", "sys", "--op", "show")
+            self._tgt.probe()
         except DriverError as exc:
             # Management and I/O share one event loop in tgtd: a daemon that does not answer here
             # serves no I/O either, so replacing it costs the clients nothing more.
@@ -229,11 +231,10 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
     def _ask_exit(self) -> bool:
         """Offline, every target deleted, then ``--op delete --mode system``. Targets go with
         ``--force``: the daemon is going away, which closes every session anyway."""
-        self._tgt.adm("go offline", "--mode", "sys", "--op", "update", "--name", "State", "-v", "offline")
+        self._tgt.go_offline()
         for live in self._tgt.show().values():
-            self._tgt.iscsi(f"delete target {live.iqn}", "--mode", "target", "--op", "delete", "--force",
-                        "--tid", str(live.tid))
-        self._tgt.adm("shut down", "--op", "delete", "--mode", "system")
+            self._tgt.delete_target(live, force=True)
+        self._tgt.shut_down()
         return True
 
     def _let_go(self) -> None:

@@ -2,7 +2,7 @@
 ``SupervisedExportDriver``): a LUN of the grown size beside the one a host uses, then the old one
 retired. A mixin of ``IscsiExportDriver``.
 
-tgt reads a LUN's size when the LUN is made and never again (no tgtadm parameter changes it; QEMU's
+tgt reads a LUN's size when the LUN is made and never again (no tgtd parameter changes it; QEMU's
 initiator re-reads the capacity on ``block_resize`` but gets the old one). So ``refresh_export`` adds
 another LUN on the same target, backed by the same (grown) file: the host logs in to it next to its
 current session (same ACL and CHAP account) and moves its disk over, then ``retire_exports`` deletes
@@ -21,9 +21,9 @@ from typing import Protocol
 from vbs.errors import DriverError
 from vbs.wire.connection import Connection, IscsiConnection
 
+from .control import TgtControl
 from .state import Export, Grant
 from .targets import Targets
-from .tgtadm import Tgtadm
 
 log = logging.getLogger("vbs.storage.exports.iscsi.driver")  # the driver's records keep its name
 
@@ -31,7 +31,7 @@ log = logging.getLogger("vbs.storage.exports.iscsi.driver")  # the driver's reco
 class _Driver(Protocol):
     """What the calls use of the driver they are mixed into."""
 
-    _tgt: Tgtadm
+    _tgt: TgtControl
     _targets: Targets
 
     def _connection(self, exp: Export, grant: Grant) -> IscsiConnection: ...

@@ -1,5 +1,5 @@
 """What the iSCSI driver wants tgtd to serve (targets, LUNs and grants, kept in ``exports.json``)
-and what tgtd reports it serves (``tgtadm --op show`` parsed). No I/O here."""
+and what tgtd reports it serves (its answer to ``--mode target --op show`` parsed). No I/O here."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from vbs.storage.exports.supervised import ServedKey
+from vbs.storage.exports.tgt_ipc import Value
 
 LUN = 1
 STATE_VERSION = 2
@@ -42,17 +43,18 @@ class Export(ServedKey):
     # itself; there is no file to stat).
     image_size: int = 0
 
-    def backing_store(self) -> list[str]:
-        """tgtadm's arguments for a LUN of this key: a file read and written directly, or an RBD
-        image that tgtd's rbd backing store (Debian's tgt-rbd) opens with librbd as the cephx
-        user, whose key it reads from the keyring the conf names."""
+    def backing_store(self) -> tuple[tuple[str, Value], ...]:
+        """The backing store of a LUN of this key, as tgtd takes it (tgtadm's ``--backing-store``,
+        ``--bstype``, ``--bsopts``): a file read and written directly, or an RBD image that tgtd's
+        rbd backing store (Debian's tgt-rbd) opens with librbd as the cephx user, whose key it reads
+        from the keyring the conf names."""
         if self.rbd is None:
-            return ["--backing-store", self.path, "--bstype", "rdwr"]
-        return ["--backing-store", f"{self.rbd.pool}/{self.rbd.image}", "--bstype", "rbd",
-                "--bsopts", f"conf={self.rbd.conf};id={self.rbd.user}"]
+            return (("path", self.path), ("bstype", "rdwr"))
+        return (("path", f"{self.rbd.pool}/{self.rbd.image}"), ("bstype", "rbd"),
+                ("bsopts", (("conf", self.rbd.conf), ("id", self.rbd.user))))
 
     def store_path(self) -> str:
-        """What ``tgtadm --op show`` reports as the LUN's backing store path."""
+        """What tgtd's ``show`` reports as the LUN's backing store path."""
         return self.path if self.rbd is None else f"{self.rbd.pool}/{self.rbd.image}"
 
     def wanted_luns(self) -> set[int]:
@@ -89,7 +91,8 @@ class LiveTarget:
 
 
 def parse_targets(text: str) -> dict[str, LiveTarget]:
-    """Parse ``tgtadm --mode target --op show`` into targets by IQN (the stable key: tids are not)."""
+    """Parse tgtd's answer to ``--mode target --op show`` (what ``tgtadm`` prints) into targets by IQN
+    (the stable key: tids are not)."""
     targets: dict[str, LiveTarget] = {}
     cur: LiveTarget | None = None
     section = ""

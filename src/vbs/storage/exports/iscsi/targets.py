@@ -9,14 +9,15 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from functools import partial
 from pathlib import Path
 
 from vbs.errors import DriverError
 from vbs.storage.copy import punches_holes
 
 from .access import Access, acl_kind
+from .control import E_ABSENT, E_ACTIVE, AdmError, TgtControl
 from .state import Export, LiveLun, LiveTarget, View
-from .tgtadm import E_ABSENT, E_ACTIVE, AdmError, Tgtadm
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ TUNING: tuple[tuple[str, str], ...] = (
 class Targets:
     """Applies each key's desired target to tgtd, and removes targets."""
 
-    def __init__(self, tgt: Tgtadm, access: Access, save: Callable[[], None], *, direct_io: bool,
+    def __init__(self, tgt: TgtControl, access: Access, save: Callable[[], None], *, direct_io: bool,
                  session_grace: float) -> None:
         self.direct_io, self.session_grace = direct_io, session_grace
         self._no_direct_told = False  # a file system without O_DIRECT: said once, with what it means
@@ -53,8 +54,7 @@ class Targets:
         created = live is None
         if live is None:
             tid = max((t.tid for t in view.values()), default=0) + 1
-            self._tgt.iscsi(f"create target {iqn}", "--mode", "target", "--op", "new", "--tid", str(tid),
-                            "--targetname", iqn)
+            self._tgt.new_target(tid, iqn)
             live = view[iqn] = LiveTarget(tid=tid, iqn=iqn)
         try:
             if self._apply_target(exp, live, view, fresh_users=fresh_users, tune=tune or created):
@@ -70,23 +70,21 @@ class Targets:
     def _apply_target(self, exp: Export, live: LiveTarget, view: View, *,
                       fresh_users: AbstractSet[str], tune: bool) -> bool:
         """Returns whether ``exp.lun_sizes`` changed."""
-        tid = str(live.tid)
         sizes_changed = False
         # Nothing below lets an initiator in before the ACL exists, and the ACL comes last: a LUN
         # is never visible writable when it should be read-only, nor without CHAP.
         if tune:
             for name, value in TUNING:
-                self._tgt.iscsi(f"set {name} on {live.iqn}", "--mode", "target", "--op", "update",
-                                "--tid", tid, "--name", name, "--value", value)
+                self._tgt.set_param(live, name, value)
         wanted = exp.wanted_luns()
         for n in sorted(wanted):
             lun = live.luns.get(n)
             if lun is None:
-                argv = ["--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", str(n), *exp.backing_store()]
+                store = exp.backing_store()
                 if exp.rbd is None and self.direct_io and self._direct_ok(exp.path):
-                    argv += ["--bsoflags", "direct"]
+                    store += (("bsoflags", "direct"),)
                 size = self._store_size(exp)  # what tgtd reads as it opens the store just below
-                self._tgt.iscsi(f"create LUN {n} of {live.iqn}", *argv)
+                self._tgt.new_lun(live, n, store)
                 lun = live.luns[n] = LiveLun(path=exp.store_path())
                 exp.lun_sizes[n] = size
                 sizes_changed = True
@@ -99,17 +97,15 @@ class Targets:
             # elsewhere tgtd would fail those commands.
             thin = exp.rbd is None and self._punch_ok(exp.path)
             if lun.readonly != exp.read_only or lun.thin != thin:
-                # tgtadm takes no --params at LUN creation: they are an update right after it.
-                params = f"readonly={int(exp.read_only)},thin_provisioning={int(thin)}"
-                self._tgt.iscsi(f"set {params} on LUN {n} of {live.iqn}", "--mode", "logicalunit", "--op", "update",
-                                "--tid", tid, "--lun", str(n), "--params", params)
+                # tgt takes no params at LUN creation: they are an update right after it.
+                self._tgt.set_lun_params(live, n, (("readonly", str(int(exp.read_only))),
+                                                   ("thin_provisioning", str(int(thin)))))
                 lun.readonly, lun.thin = exp.read_only, thin
         deadline = time.monotonic() + self.session_grace
         for n in sorted(set(live.luns) - wanted - {0}):  # LUN 0 is tgt's controller
             # A LUN no host may use any more (retired after a refresh, or its last host removed).
             # A client still on it gets I/O errors, not a hang.
-            self._until_idle(deadline, f"delete LUN {n} of {live.iqn}", "--mode", "logicalunit",
-                             "--op", "delete", "--tid", tid, "--lun", str(n))
+            self._until_idle(deadline, partial(self._tgt.delete_lun, live, n))
             live.luns.pop(n, None)
             sizes_changed = exp.lun_sizes.pop(n, None) is not None or sizes_changed
 
@@ -126,12 +122,10 @@ class Targets:
             if user in live.accounts:
                 continue
             self._access.create_account(grant, view)
-            self._tgt.bind(f"bind account {user}", "--mode", "account", "--op", "bind", "--tid", tid,
-                           "--user", user)
+            self._tgt.bind_account(live, user)
             live.accounts.append(user)
         for address in sorted(want_acl - live.acl):
-            self._tgt.bind(f"bind {address} to {live.iqn}", "--mode", "target", "--op", "bind",
-                           "--tid", tid, "--initiator-address", address)
+            self._tgt.bind_acl(live, "initiator-address", address)
             live.acl.add(address)
         for entry in sorted(live.acl - want_acl):
             # Initiator names included: bound by hand, one would admit its name from any address.
@@ -180,7 +174,7 @@ class Targets:
                              "direct: the initiators' flushes (SYNCHRONIZE CACHE) still reach the disk. Nothing needs "
                              "doing (said once per export driver)", path)
                 return False
-            return True  # let tgtadm report the real problem
+            return True  # let tgtd report the real problem
         os.close(fd)
         return True
 
@@ -201,11 +195,9 @@ class Targets:
         try:
             for lun in sorted(n for n in live.luns if n != 0):  # LUN 0 is tgt's controller
                 # Without its LUN a lingering client gets I/O errors, not a hang.
-                self._until_idle(deadline, f"delete LUN {lun} of {iqn}", "--mode", "logicalunit",
-                                 "--op", "delete", "--tid", str(live.tid), "--lun", str(lun))
+                self._until_idle(deadline, partial(self._tgt.delete_lun, live, lun))
                 live.luns.pop(lun, None)
-            self._until_idle(deadline, f"delete target {iqn}", "--mode", "target", "--op", "delete",
-                             "--tid", str(live.tid))
+            self._until_idle(deadline, partial(self._tgt.delete_target, live))
         except AdmError as exc:
             if exc.says(E_ACTIVE):
                 sessions = ", ".join(live.sessions) or "an initiator"
@@ -215,12 +207,13 @@ class Targets:
             raise
         del view[iqn]
 
-    def _until_idle(self, deadline: float, step: str, *args: str) -> None:
+    @staticmethod
+    def _until_idle(deadline: float, delete: Callable[[], None]) -> None:
         """Run a delete, retrying while tgtd says "still active" (in-flight I/O, a session logging
         out) until ``deadline``; "already gone" is success."""
         while True:
             try:
-                self._tgt.iscsi(step, *args)
+                delete()
                 return
             except AdmError as exc:
                 if exc.says(E_ABSENT):
