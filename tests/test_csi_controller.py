@@ -1,6 +1,6 @@
 """The CSI Controller service's decisions, on an in-memory VBS (``FakeVbs`` in place of ``vbs_api.VbsApi``):
 idempotency by name, the conflicts CSI names (ALREADY_EXISTS, FAILED_PRECONDITION, NOT_FOUND), device names
-on a node, offline expansion, paging, and VBS's errors as gRPC statuses through the services' ``rpc`` wrapper.
+on a node, online expansion, paging, and VBS's errors as gRPC statuses through the services' ``rpc`` wrapper.
 The same calls against a real ``vbs up`` are tests/test_csi_sanity.py and tests/test_csi_e2e.py."""
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_each_volume_on_a_node_gets_a_device_name_the_node_does_not_use() -> Non
     assert [a[2] for a in fake.attaches] == ["vdc", "vdd", "vde"]
 
 
-def test_expansion_is_offline_and_never_shrinks() -> None:
+def test_expansion_grows_a_published_volume_never_shrinks_and_refuses_a_read_only_publish() -> None:
     fake = FakeVbs()
     svc = service(fake)
     vol = call(svc, "CreateVolume", create("pvc-e", 2)).volume.volume_id
@@ -231,10 +231,15 @@ def test_expansion_is_offline_and_never_shrinks() -> None:
 
     assert call(svc, "ControllerExpandVolume", expand(1)).capacity_bytes == 2 * GIB
     answer = call(svc, "ControllerExpandVolume", expand(3))
-    assert answer.capacity_bytes == 3 * GIB and not answer.node_expansion_required
+    assert answer.capacity_bytes == 3 * GIB and answer.node_expansion_required
     call(svc, "ControllerPublishVolume", publish(vol))
-    assert status(svc, "ControllerExpandVolume", expand(4)) == grpc.StatusCode.FAILED_PRECONDITION
-    assert fake.volumes[vol]["size_gib"] == 3
+    answer = call(svc, "ControllerExpandVolume", expand(4))  # online: VBS grows it under the node
+    assert answer.capacity_bytes == 4 * GIB and answer.node_expansion_required
+    assert fake.volumes[vol]["size_gib"] == 4
+    call(svc, "ControllerUnpublishVolume", pb.ControllerUnpublishVolumeRequest(volume_id=vol, node_id="host-1"))
+    call(svc, "ControllerPublishVolume", publish(vol, readonly=True))
+    assert status(svc, "ControllerExpandVolume", expand(5)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert fake.volumes[vol]["size_gib"] == 4
 
 
 def test_delete_of_an_absent_volume_succeeds_and_vbs_errors_keep_their_codes() -> None:

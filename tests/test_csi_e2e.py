@@ -1,10 +1,12 @@
 """``vbs csi`` driven through its gRPC API as the Kubernetes sidecars drive it, on a real ``vbs up`` (the rig of
 tests/test_csi_sanity.py): provision, publish to the node, write through the mounted filesystem, snapshot,
-restore into a new volume and read it back bit-exact, expand (offline, as the driver advertises), unpublish,
-delete; and GetCapacity with an admin key (docs/kubernetes.md "Proof")."""
+restore into a new volume and read it back bit-exact, expand online (the volume grows in VBS while published,
+then its loop device and filesystem on the node), unpublish, delete; a block volume grown online; and
+GetCapacity with an admin key (docs/kubernetes.md "Proof")."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import time
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from tests.conftest import VBS, stop_process, wait_until
@@ -34,10 +37,13 @@ class Sidecars:
         self.node = services.NodeStub(self.channel)
         self.identity = services.IdentityStub(self.channel)
 
-    fs_type = "ext4"
+    fs_type = "ext4"  # "" for a block volume
 
     def capability(self) -> Any:
-        cap = self.pb.VolumeCapability(mount=self.pb.VolumeCapability.MountVolume(fs_type=self.fs_type))
+        if not self.fs_type:
+            cap = self.pb.VolumeCapability(block=self.pb.VolumeCapability.BlockVolume())
+        else:
+            cap = self.pb.VolumeCapability(mount=self.pb.VolumeCapability.MountVolume(fs_type=self.fs_type))
         cap.access_mode.mode = self.pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
         return cap
 
@@ -67,6 +73,20 @@ class Sidecars:
                                                                      staging_target_path=str(staging)))
         self.controller.ControllerUnpublishVolume(self.pb.ControllerUnpublishVolumeRequest(volume_id=volume_id,
                                                                                             node_id=NODE))
+
+    def expand(self, volume_id: str, gib: int, staging: Path, target: Path) -> tuple[Any, Any]:
+        """ControllerExpandVolume as the external-resizer calls it, then NodeExpandVolume as the kubelet does
+        when the answer says the node must grow it (the gRPC error of the latter, if any, in place of it)."""
+        request = self.pb.ControllerExpandVolumeRequest(volume_id=volume_id)
+        request.capacity_range.required_bytes = gib * GIB
+        grown = self.controller.ControllerExpandVolume(request)
+        node = self.pb.NodeExpandVolumeRequest(volume_id=volume_id, volume_path=str(target),
+                                               staging_target_path=str(staging), volume_capability=self.capability())
+        node.capacity_range.required_bytes = gib * GIB
+        try:
+            return grown, self.node.NodeExpandVolume(node)
+        except grpc.RpcError as exc:
+            return grown, exc
 
     def stats(self, volume_id: str, target: Path) -> dict[str, Any]:
         answer = self.node.NodeGetVolumeStats(self.pb.NodeGetVolumeStatsRequest(volume_id=volume_id,
@@ -113,21 +133,28 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
     assert (paths["pod-b"] / "data.bin").read_bytes() == data, "the restored volume holds the snapshot's bytes"
     before = sidecars.stats(restored.volume_id, paths["pod-b"])["BYTES"][0]
 
-    # Offline expansion (the plugin advertises VolumeExpansion OFFLINE): refused while published, done
-    # after, and the filesystem grows at the next stage.
-    expand = sidecars.pb.ControllerExpandVolumeRequest(volume_id=restored.volume_id)
-    expand.capacity_range.required_bytes = 2 * GIB
-    import grpc
-
-    with pytest.raises(grpc.RpcError) as refused:
-        sidecars.controller.ControllerExpandVolume(expand)
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    sidecars.unpublish(restored.volume_id, paths["staging-b"], paths["pod-b"])
-    assert sidecars.controller.ControllerExpandVolume(expand).capacity_bytes == 2 * GIB
-    sidecars.publish(restored.volume_id, paths["staging-b"], paths["pod-b"])
+    # Online expansion (the plugin advertises VolumeExpansion ONLINE): the volume grows in VBS while it is
+    # published, the host agent moves the node's FUSE file onto the grown export, NodeExpandVolume re-reads the
+    # loop device and grows the mounted filesystem.
+    grown, node = sidecars.expand(restored.volume_id, 2, paths["staging-b"], paths["pod-b"])
+    assert grown.capacity_bytes == 2 * GIB and grown.node_expansion_required
+    assert _loop_size(paths["staging-b"]) == 2 * GIB, "the node's device shows the new size"
+    if fs_type == "ext4" and not _may_resize_ext4_online():
+        # The kernel grows a mounted ext4 only for CAP_SYS_RESOURCE, which this machine's root lacks (a
+        # Kubernetes node's privileged pod has it): the node says so, and the filesystem grows at its next stage.
+        assert node.code() == grpc.StatusCode.FAILED_PRECONDITION and "CAP_SYS_RESOURCE" in node.details()
+        assert (paths["pod-b"] / "data.bin").read_bytes() == data
+        sidecars.unpublish(restored.volume_id, paths["staging-b"], paths["pod-b"])
+        sidecars.publish(restored.volume_id, paths["staging-b"], paths["pod-b"])
+    else:
+        assert node.capacity_bytes == 2 * GIB
     after = sidecars.stats(restored.volume_id, paths["pod-b"])["BYTES"][0]
     assert after > before + GIB // 2, (before, after)
     assert (paths["pod-b"] / "data.bin").read_bytes() == data
+    more = os.urandom(1 << 20)
+    (paths["pod-b"] / "more.bin").write_bytes(more)
+    os.sync()
+    assert (paths["pod-b"] / "more.bin").read_bytes() == more
 
     # The driver restarts (an upgrade of its pod): it kept nothing in memory, so what it staged and
     # published is found again from the kernel, and unpublished and unstaged as if it had not.
@@ -147,6 +174,64 @@ def test_a_volume_goes_from_provisioning_through_a_snapshot_and_a_restore_to_its
     assert [e.volume.volume_id for e in listed.entries] == []
     assert not rig.disks.exists() or os.listdir(rig.disks) == []
     sidecars.channel.close()
+
+
+def test_a_published_block_volume_grows_online_and_keeps_its_bytes(
+        rig: CsiRig, sidecars: Sidecars, tmp_path: Path) -> None:  # noqa: F811
+    sidecars.fs_type = ""
+    staging, pod = tmp_path / "staging", tmp_path / "pod"
+    staging.mkdir()
+    volume = sidecars.create("e2e-block-grow", 1)
+    sidecars.publish(volume.volume_id, staging, pod)
+    head, tail = os.urandom(1 << 20), os.urandom(1 << 20)
+    _write_at(pod, 0, head)
+    _write_at(pod, GIB - len(tail), tail)
+    grown, node = sidecars.expand(volume.volume_id, 2, staging, pod)
+    assert grown.capacity_bytes == 2 * GIB and node.capacity_bytes == 2 * GIB
+    assert _size(pod) == 2 * GIB, "the published device shows the new size"
+    beyond = os.urandom(1 << 20)
+    _write_at(pod, GIB + (GIB // 2), beyond)
+    assert _read_at(pod, 0, len(head)) == head and _read_at(pod, GIB - len(tail), len(tail)) == tail
+    assert _read_at(pod, GIB + (GIB // 2), len(beyond)) == beyond
+    assert sidecars.stats(volume.volume_id, pod)["BYTES"][0] == 2 * GIB
+    sidecars.unpublish(volume.volume_id, staging, pod)
+    sidecars.controller.DeleteVolume(sidecars.pb.DeleteVolumeRequest(volume_id=volume.volume_id))
+
+
+def _may_resize_ext4_online() -> bool:
+    """Whether this process (and the driver it starts) holds CAP_SYS_RESOURCE, which ext4's online resize needs."""
+    caps = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapEff:"))
+    return bool(int(caps.split()[1], 16) & (1 << 24))
+
+
+def _loop_size(staging: Path) -> int:
+    source = subprocess.run(["findmnt", "--noheadings", "--output", "SOURCE", "--mountpoint", str(staging)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    return _size(Path(source))
+
+
+def _size(device: Path) -> int:
+    return int(subprocess.run(["blockdev", "--getsize64", str(device)], capture_output=True, text=True,
+                              check=True).stdout.strip())
+
+
+def _write_at(device: Path, offset: int, data: bytes) -> None:
+    fd = os.open(device, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_at(device: Path, offset: int, length: int) -> bytes:
+    fd = os.open(device, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, length)
+        os.preadv(fd, [buf], offset)
+        return bytes(buf)
+    finally:
+        os.close(fd)
 
 
 def test_get_capacity_is_offered_to_an_admin_key_with_the_pools_free_space(rig: CsiRig) -> None:  # noqa: F811

@@ -290,16 +290,19 @@ class ControllerService(SnapshotMethods):
         with self.locked(request.volume_id):
             volume = self._volume(request.volume_id)
             if int(volume["size_gib"]) < gib:
-                if published_hosts(volume):
-                    # Offline expansion (the plugin's VolumeExpansion OFFLINE): a node cannot see its
-                    # published volume grow (docs/kubernetes.md "What is missing").
-                    raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is published to "
-                                   f"{', '.join(published_hosts(volume))}: unpublish it to expand it")
+                # Online: VBS moves each node's view of a published volume onto the grown export (the csi-node
+                # profile's online_resize); the node's NodeExpandVolume then grows its loop device and filesystem.
+                readers = sorted({a["host"] for a in volume["attachments"]
+                                  if a["state"] in LIVE_ATTACHMENT and a["mode"] == "ro"})
+                if readers:
+                    raise CsiError("FAILED_PRECONDITION", f"{request.volume_id} is published read-only to "
+                                   f"{', '.join(readers)}, where it cannot grow: unpublish it to expand it")
                 self.api.grow(request.volume_id, gib)
                 volume = self._volume(request.volume_id)
-        # The filesystem grows when the node stages the volume next (node_devices: grown at every stage).
+        # The node grows the filesystem (or a block volume's loop device) now if the volume is staged, else at
+        # its next stage.
         return self.pb.ControllerExpandVolumeResponse(capacity_bytes=int(volume["size_gib"]) * GIB,
-                                                      node_expansion_required=False)
+                                                      node_expansion_required=True)
 
     ControllerModifyVolume = unimplemented("ControllerModifyVolume")
     ControllerGetVolumeHealth = unimplemented("ControllerGetVolumeHealth")

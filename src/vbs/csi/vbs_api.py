@@ -12,7 +12,7 @@ from urllib.parse import quote, urlencode
 from vbs import ids
 from vbs.cli.client import LongPoll
 from vbs.csi.errors import CsiError
-from vbs.errors import VbsError
+from vbs.errors import IncorrectState, VbsError
 from vbs.net.api_client import ApiClient
 
 __all__ = ["VbsApi", "NAME_TAG", "Body"]
@@ -71,7 +71,12 @@ class VbsApi:
 
     def grow(self, volume_id: str, size_gib: int) -> None:
         """Modify the volume to ``size_gib`` and wait until the new size is served."""
-        started: Body = self.client.call("POST", f"/v1/volumes/{volume_id}/modify", {"size_gib": size_gib})
+        try:
+            started: Body = self.client.call("POST", f"/v1/volumes/{volume_id}/modify", {"size_gib": size_gib})
+        except IncorrectState as exc:
+            if "detach it first" in exc.message:  # a host that cannot grow it online: no retry will do
+                raise CsiError("FAILED_PRECONDITION", f"{exc.code}: {exc.message}") from exc
+            raise  # another operation holds the volume: ABORTED, retried
         deadline = time.monotonic() + self.wait_s
         while True:
             page: Body = self.client.call("GET", "/v1/volume-modifications?" + urlencode([("volume_id", volume_id)]))
