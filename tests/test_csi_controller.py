@@ -6,6 +6,8 @@ The same calls against a real ``vbs up`` are tests/test_csi_sanity.py and tests/
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -15,7 +17,8 @@ from vbs.csi import proto
 from vbs.csi.controller import ControllerService
 from vbs.csi.requests import GIB, TOPOLOGY_KEY
 from vbs.csi.vbs_api import NAME_TAG
-from vbs.errors import IncorrectState, InvalidParameter
+from vbs.errors import AuthFailure, IncorrectState, InvalidParameter
+from vbs.trust.credentials import AccessKey
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +52,15 @@ class FakeVbs:
         self.ids = itertools.count(1)
         self.attaches: list[tuple[str, str, str, bool]] = []
         self.fail_next: Exception | None = None
+        self.key: str | None = None  # the key id of the call under way (None: the driver's own)
+
+    @contextmanager
+    def calls_as(self, key: AccessKey | None) -> Iterator[None]:
+        self.key = key.access_key_id if key is not None else None
+        try:
+            yield
+        finally:
+            self.key = None
 
     def _check(self) -> None:
         if self.fail_next is not None:
@@ -69,7 +81,7 @@ class FakeVbs:
                                    "availability_zone": body.get("availability_zone", "us-east-1a"),
                                    "snapshot_id": body.get("snapshot_id"), "multi_attach": body.get("multi_attach",
                                                                                                       False),
-                                   "tags": dict(body["tags"]), "attachments": [], "body": body}
+                                   "tags": dict(body["tags"]), "attachments": [], "body": body, "key": self.key}
         return self.volumes[volume_id]
 
     def settle_volume(self, volume_id: str) -> dict[str, Any]:
@@ -309,3 +321,32 @@ def test_a_device_name_another_tenant_holds_on_the_node_is_skipped() -> None:
     fake.attach = attach_unless_taken  # type: ignore[method-assign]
     call(svc, "ControllerPublishVolume", publish(vol))
     assert [a[2] for a in fake.attaches] == ["vdd"]
+
+
+def test_a_key_in_the_secrets_is_used_for_that_call_only_and_bad_secrets_are_refused_without_their_values(
+) -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    secret = "tenant-b-secret-0123456789"
+    request = create("pvc-tenant-b")
+    request.secrets.update({"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret})
+    made = call(svc, "CreateVolume", request).volume.volume_id
+    assert fake.volumes[made]["key"] == "VBSKTENANTB000000001"
+    assert fake.key is None, "the key is the call's only"
+    mine = call(svc, "CreateVolume", create("pvc-file-key")).volume.volume_id
+    assert fake.volumes[mine]["key"] is None  # no secrets: the driver's own key
+    for bad in ({"accessKeyId": "VBSKTENANTB000000001"},  # half a key
+                {"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret, "accesskeyid": "x"},  # misspelt
+                {"accessKeyId": "not a key id", "secretAccessKey": secret},
+                {"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret + " ;"}):
+        request = create("pvc-bad")
+        request.secrets.update(bad)
+        with pytest.raises(Aborted) as caught:
+            call(svc, "CreateVolume", request)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert secret not in str(caught.value)
+    assert "pvc-bad" not in {v["tags"][NAME_TAG] for v in fake.volumes.values()}
+    request = create("pvc-wrong-key")
+    request.secrets.update({"accessKeyId": "VBSKUNKNOWN000000001", "secretAccessKey": secret})
+    fake.fail_next = AuthFailure("The access key is not valid.")
+    assert status(svc, "CreateVolume", request) == grpc.StatusCode.UNAUTHENTICATED

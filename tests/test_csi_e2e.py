@@ -1,8 +1,9 @@
 """``vbs csi`` driven through its gRPC API as the Kubernetes sidecars drive it, on a real ``vbs up`` (the rig of
 tests/test_csi_sanity.py): provision, publish to the node, write through the mounted filesystem, snapshot,
 restore into a new volume and read it back bit-exact, expand online (the volume grows in VBS while published,
-then its loop device and filesystem on the node), unpublish, delete; a block volume grown online; and
-GetCapacity with an admin key (docs/kubernetes.md "Proof")."""
+then its loop device and filesystem on the node), unpublish, delete; a block volume grown online; a second
+tenant's key passed in the calls' secrets, as the sidecars pass a StorageClass's; and GetCapacity with an
+admin key (docs/kubernetes.md "Proof")."""
 
 from __future__ import annotations
 
@@ -196,6 +197,54 @@ def test_a_published_block_volume_grows_online_and_keeps_its_bytes(
     assert sidecars.stats(volume.volume_id, pod)["BYTES"][0] == 2 * GIB
     sidecars.unpublish(volume.volume_id, staging, pod)
     sidecars.controller.DeleteVolume(sidecars.pb.DeleteVolumeRequest(volume_id=volume.volume_id))
+
+
+def test_a_key_in_the_secrets_acts_for_its_tenant_and_a_wrong_one_is_refused(
+        rig: CsiRig, sidecars: Sidecars, tmp_path: Path) -> None:  # noqa: F811
+    """The sidecars pass the Secret a StorageClass names (csi.storage.k8s.io/provisioner-secret-name …) as each
+    call's secrets: with a key there, the call acts as that key's tenant, not as the driver's own key's."""
+    answer = rig.vbs.http.post("/v1/keys", json={"tenant": "k8s-team-b", "role": "user"})
+    assert answer.status_code == 200, answer.text
+    key = answer.json()
+    team_b = {"accessKeyId": key["access_key_id"], "secretAccessKey": key["secret_access_key"]}
+    as_team_b = {"authorization": f"Bearer {key['access_key_id']}:{key['secret_access_key']}"}
+    pb = sidecars.pb
+    request = pb.CreateVolumeRequest(name="e2e-team-b", volume_capabilities=[sidecars.capability()], secrets=team_b)
+    request.accessibility_requirements.preferred.add().segments[TOPOLOGY_KEY] = ZONE
+    volume = sidecars.controller.CreateVolume(request).volume
+    assert rig.vbs.http.get(f"/v1/volumes/{volume.volume_id}", headers=as_team_b).status_code == 200
+    with pytest.raises(grpc.RpcError) as other_tenant:  # the driver's own key (tenant k8s) does not see it
+        sidecars.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=volume.volume_id))
+    assert other_tenant.value.code() == grpc.StatusCode.NOT_FOUND
+
+    published = sidecars.controller.ControllerPublishVolume(pb.ControllerPublishVolumeRequest(
+        volume_id=volume.volume_id, node_id=NODE, volume_capability=sidecars.capability(), secrets=team_b))
+    assert published.publish_context["readOnly"] == "false"
+    expand = pb.ControllerExpandVolumeRequest(volume_id=volume.volume_id, secrets=team_b)
+    expand.capacity_range.required_bytes = 2 * GIB
+    assert sidecars.controller.ControllerExpandVolume(expand).capacity_bytes == 2 * GIB  # online, unstaged
+    snapshot = sidecars.controller.CreateSnapshot(pb.CreateSnapshotRequest(
+        name="e2e-team-b-snap", source_volume_id=volume.volume_id, secrets=team_b)).snapshot
+    assert rig.vbs.http.get(f"/v1/snapshots/{snapshot.snapshot_id}", headers=as_team_b).status_code == 200
+    listed = sidecars.controller.ListSnapshots(pb.ListSnapshotsRequest(snapshot_id=snapshot.snapshot_id,
+                                                                       secrets=team_b))
+    assert [e.snapshot.snapshot_id for e in listed.entries] == [snapshot.snapshot_id]
+    sidecars.controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snapshot.snapshot_id, secrets=team_b))
+    sidecars.controller.ControllerUnpublishVolume(pb.ControllerUnpublishVolumeRequest(
+        volume_id=volume.volume_id, node_id=NODE, secrets=team_b))
+
+    wrong = [({**team_b, "secretAccessKey": "x" * 40}, grpc.StatusCode.UNAUTHENTICATED),
+             ({"accessKeyId": "VBSK" + "0" * 16, "secretAccessKey": "x" * 40}, grpc.StatusCode.UNAUTHENTICATED),
+             ({"accessKeyId": key["access_key_id"]}, grpc.StatusCode.INVALID_ARGUMENT),
+             ({**team_b, "accessKeyID": key["access_key_id"]}, grpc.StatusCode.INVALID_ARGUMENT)]
+    for secrets, code in wrong:
+        with pytest.raises(grpc.RpcError) as refused:
+            sidecars.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume.volume_id, secrets=secrets))
+        assert refused.value.code() == code, secrets.keys()
+    assert rig.vbs.http.get(f"/v1/volumes/{volume.volume_id}", headers=as_team_b).json()["status"] == "available"
+    sidecars.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume.volume_id, secrets=team_b))
+    assert rig.vbs.http.get(f"/v1/volumes/{volume.volume_id}", headers=as_team_b).json()["status"] == "deleted"
+    assert key["secret_access_key"] not in rig.log.read_text(errors="replace"), "no secret in the driver's log"
 
 
 def _may_resize_ext4_online() -> bool:

@@ -13,7 +13,7 @@ from vbs.csi import proto
 from vbs.csi.controller_snapshots import SnapshotMethods
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import LIVE_ATTACHMENT, capabilities, published_hosts, volume_message
-from vbs.csi.requests import GIB, MAX_GIB, check_name, create_fields, size_gib, unsupported, zone_of
+from vbs.csi.requests import GIB, MAX_GIB, check_name, create_fields, key_of_secrets, size_gib, unsupported, zone_of
 from vbs.csi.rpc import in_flight, rpc, unimplemented
 from vbs.csi.vbs_api import CLONE_TAG, NAME_TAG, Body, VbsApi
 from vbs.errors import VbsError
@@ -33,6 +33,11 @@ class ControllerService(SnapshotMethods):
         self.capacity = capacity
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+
+    def call_scope(self, request: Any) -> AbstractContextManager[None]:
+        """The call acts with the VBS key its secrets carry (the sidecars fill them from the StorageClass's
+        csi.storage.k8s.io/*-secret-name), else with the driver's own (``rpc`` enters this)."""
+        return self.api.calls_as(key_of_secrets(dict(getattr(request, "secrets", {}))))
 
     def locked(self, key: str) -> AbstractContextManager[None]:
         """One call at a time per name or volume; another while it runs answers ABORTED (a sidecar's

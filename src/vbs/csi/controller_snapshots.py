@@ -10,7 +10,7 @@ from typing import Any
 
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import snapshot_message
-from vbs.csi.requests import check_name
+from vbs.csi.requests import SIDECAR_PREFIX, check_name
 from vbs.csi.rpc import rpc
 from vbs.csi.vbs_api import NAME_TAG, VbsApi
 from vbs.errors import VbsError
@@ -33,8 +33,9 @@ class SnapshotMethods:
         name = check_name(request.name, "snapshot")
         if not request.source_volume_id:
             raise CsiError("INVALID_ARGUMENT", "source_volume_id is required")
-        if request.parameters:
-            raise CsiError("INVALID_ARGUMENT", "a VolumeSnapshotClass takes no parameters for VBS")
+        if any(not k.startswith(SIDECAR_PREFIX) for k in request.parameters):
+            raise CsiError("INVALID_ARGUMENT", "a VolumeSnapshotClass takes no parameters for VBS (but the "
+                                               f"sidecars' {SIDECAR_PREFIX}…)")
         with self.locked(f"snapshot-name:{name}"):
             found = self.api.snapshot_named(name)
             if found is not None and found["volume_id"] != request.source_volume_id:
