@@ -350,3 +350,19 @@ def test_a_key_in_the_secrets_is_used_for_that_call_only_and_bad_secrets_are_ref
     request.secrets.update({"accessKeyId": "VBSKUNKNOWN000000001", "secretAccessKey": secret})
     fake.fail_next = AuthFailure("The access key is not valid.")
     assert status(svc, "CreateVolume", request) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_get_snapshot_answers_the_snapshot_by_id_and_not_found_for_another() -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    fake.snapshots["snap-00000000000000001"] = {"snapshot_id": "snap-00000000000000001", "volume_id": "vol-1",
+                                                "volume_size_gib": 2, "status": "completed",
+                                                "started_at": "2026-11-30T08:00:00Z"}
+    caps = call(svc, "ControllerGetCapabilities", pb.ControllerGetCapabilitiesRequest()).capabilities
+    assert "GET_SNAPSHOT" in {pb.ControllerServiceCapability.RPC.Type.Name(c.rpc.type) for c in caps}
+    got = call(svc, "GetSnapshot", pb.GetSnapshotRequest(snapshot_id="snap-00000000000000001")).snapshot
+    assert (got.snapshot_id, got.source_volume_id, got.size_bytes, got.ready_to_use) == \
+        ("snap-00000000000000001", "vol-1", 2 * GIB, True)
+    assert status(svc, "GetSnapshot", pb.GetSnapshotRequest(snapshot_id="snap-00000000000000002")) == \
+        grpc.StatusCode.NOT_FOUND
+    assert status(svc, "GetSnapshot", pb.GetSnapshotRequest()) == grpc.StatusCode.INVALID_ARGUMENT

@@ -229,6 +229,8 @@ def test_a_key_in_the_secrets_acts_for_its_tenant_and_a_wrong_one_is_refused(
     listed = sidecars.controller.ListSnapshots(pb.ListSnapshotsRequest(snapshot_id=snapshot.snapshot_id,
                                                                        secrets=team_b))
     assert [e.snapshot.snapshot_id for e in listed.entries] == [snapshot.snapshot_id]
+    got = sidecars.controller.GetSnapshot(pb.GetSnapshotRequest(snapshot_id=snapshot.snapshot_id, secrets=team_b))
+    assert got.snapshot.source_volume_id == volume.volume_id and got.snapshot.ready_to_use
     sidecars.controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snapshot.snapshot_id, secrets=team_b))
     sidecars.controller.ControllerUnpublishVolume(pb.ControllerUnpublishVolumeRequest(
         volume_id=volume.volume_id, node_id=NODE, secrets=team_b))

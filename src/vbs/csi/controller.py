@@ -49,7 +49,8 @@ class ControllerService(SnapshotMethods):
         rpc_type = self.pb.ControllerServiceCapability.RPC.Type
         offered = ["CREATE_DELETE_VOLUME", "PUBLISH_UNPUBLISH_VOLUME", "LIST_VOLUMES", "CREATE_DELETE_SNAPSHOT",
                    "LIST_SNAPSHOTS", "CLONE_VOLUME", "PUBLISH_READONLY", "EXPAND_VOLUME",
-                   "LIST_VOLUMES_PUBLISHED_NODES", "GET_VOLUME"] + (["GET_CAPACITY"] if self.capacity else [])
+                   "LIST_VOLUMES_PUBLISHED_NODES", "GET_VOLUME", "GET_SNAPSHOT"]
+        offered += ["GET_CAPACITY"] if self.capacity else []
         cap = self.pb.ControllerServiceCapability
         return self.pb.ControllerGetCapabilitiesResponse(
             capabilities=[cap(rpc=cap.RPC(type=rpc_type.Value(name))) for name in offered])
@@ -312,4 +313,3 @@ class ControllerService(SnapshotMethods):
     ControllerModifyVolume = unimplemented("ControllerModifyVolume")
     ControllerGetVolumeHealth = unimplemented("ControllerGetVolumeHealth")
     ControllerListVolumeHealth = unimplemented("ControllerListVolumeHealth")
-    GetSnapshot = unimplemented("GetSnapshot")

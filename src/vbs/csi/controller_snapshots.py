@@ -1,4 +1,4 @@
-"""The CSI Controller service's snapshots: create (idempotent by name), delete, list (by id, by source
+"""The CSI Controller service's snapshots: create (idempotent by name), delete, get, list (by id, by source
 volume, paged). A snapshot is a VBS snapshot tagged with its CSI name (``vbs_api.NAME_TAG``)."""
 
 from __future__ import annotations
@@ -60,6 +60,15 @@ class SnapshotMethods:
             if self.api.snapshot(request.snapshot_id) is not None:
                 self.api.delete_snapshot(request.snapshot_id)
         return self.pb.DeleteSnapshotResponse()
+
+    @rpc
+    def GetSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if not request.snapshot_id:
+            raise CsiError("INVALID_ARGUMENT", "snapshot_id is required")
+        found = self.api.snapshot(request.snapshot_id)
+        if found is None:
+            raise CsiError("NOT_FOUND", f"snapshot {request.snapshot_id[:40]!r} does not exist")
+        return self.pb.GetSnapshotResponse(snapshot=snapshot_message(self.pb, found))
 
     @rpc
     def ListSnapshots(self, request: Any, context: Any) -> Any:  # noqa: N802
