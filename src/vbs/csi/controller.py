@@ -49,7 +49,9 @@ class ControllerService(SnapshotMethods):
         rpc_type = self.pb.ControllerServiceCapability.RPC.Type
         offered = ["CREATE_DELETE_VOLUME", "PUBLISH_UNPUBLISH_VOLUME", "LIST_VOLUMES", "CREATE_DELETE_SNAPSHOT",
                    "LIST_SNAPSHOTS", "CLONE_VOLUME", "PUBLISH_READONLY", "EXPAND_VOLUME",
-                   "LIST_VOLUMES_PUBLISHED_NODES", "GET_VOLUME", "GET_SNAPSHOT"]
+                   "LIST_VOLUMES_PUBLISHED_NODES", "GET_VOLUME"]
+        # GetSnapshot is answered but GET_SNAPSHOT not offered: the capability is alpha, and csi-sanity v5.4.0
+        # fails a driver that offers one it does not know.
         offered += ["GET_CAPACITY"] if self.capacity else []
         cap = self.pb.ControllerServiceCapability
         return self.pb.ControllerGetCapabilitiesResponse(

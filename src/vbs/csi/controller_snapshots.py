@@ -63,6 +63,7 @@ class SnapshotMethods:
 
     @rpc
     def GetSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """The snapshot by id (the spec's alpha GET_SNAPSHOT, not advertised: see ControllerGetCapabilities)."""
         if not request.snapshot_id:
             raise CsiError("INVALID_ARGUMENT", "snapshot_id is required")
         found = self.api.snapshot(request.snapshot_id)
