@@ -48,9 +48,9 @@ class Sidecars:
         cap.access_mode.mode = self.pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
         return cap
 
-    def create(self, name: str, gib: int, snapshot_id: str = "") -> Any:
+    def create(self, name: str, gib: int, snapshot_id: str = "", **parameters: str) -> Any:
         request = self.pb.CreateVolumeRequest(name=name, volume_capabilities=[self.capability()],
-                                              parameters={"type": "gp3"})
+                                              parameters={"type": "gp3", **parameters})
         request.capacity_range.required_bytes = gib * GIB
         request.accessibility_requirements.preferred.add().segments[TOPOLOGY_KEY] = ZONE
         if snapshot_id:
@@ -247,6 +247,37 @@ def test_a_key_in_the_secrets_acts_for_its_tenant_and_a_wrong_one_is_refused(
     sidecars.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume.volume_id, secrets=team_b))
     assert rig.vbs.http.get(f"/v1/volumes/{volume.volume_id}", headers=as_team_b).json()["status"] == "deleted"
     assert key["secret_access_key"] not in rig.log.read_text(errors="replace"), "no secret in the driver's log"
+
+
+def test_an_encrypted_volume_is_mounted_as_plaintext_and_its_pool_file_holds_only_ciphertext(
+        rig: CsiRig, sidecars: Sidecars, tmp_path: Path) -> None:  # noqa: F811
+    """The StorageClass's encrypted: "true": the node's FUSE file opens the LUKS container with the passphrase
+    the attach brings (decrypted on the node, as a QEMU guest's disk is); the pool keeps ciphertext."""
+    staging, pod = tmp_path / "staging", tmp_path / "pod"
+    staging.mkdir()
+    volume = sidecars.create("e2e-encrypted", 1, encrypted="true")
+    as_driver = {"authorization": f"Bearer {rig.user_key}"}  # the driver's tenant
+    assert rig.vbs.http.get(f"/v1/volumes/{volume.volume_id}", headers=as_driver).json()["encrypted"] is True
+    sidecars.publish(volume.volume_id, staging, pod)
+    seed = b"vbs-csi-plaintext-that-must-not-leak-" + os.urandom(8).hex().encode()
+    data = seed * ((4 << 20) // len(seed))
+    (pod / "data.bin").write_bytes(data)
+    os.sync()
+    assert sidecars.stats(volume.volume_id, pod)["BYTES"][0] > GIB // 2  # a filesystem on the plaintext
+    grow = sidecars.pb.ControllerExpandVolumeRequest(volume_id=volume.volume_id)
+    grow.capacity_range.required_bytes = 2 * GIB
+    with pytest.raises(grpc.RpcError) as refused:  # VBS grows an encrypted volume while detached only
+        sidecars.controller.ControllerExpandVolume(grow)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    sidecars.unpublish(volume.volume_id, staging, pod)
+    pool_file = rig.vbs.pool / "volumes" / f"{volume.volume_id}.raw"
+    with open(pool_file, "rb") as f:
+        raw = f.read()
+    assert raw.startswith(b"LUKS\xba\xbe") and seed not in raw, "plaintext in the pool file of an encrypted volume"
+    sidecars.publish(volume.volume_id, staging, pod)  # the filesystem made on the plaintext is found again
+    assert (pod / "data.bin").read_bytes() == data
+    sidecars.unpublish(volume.volume_id, staging, pod)
+    sidecars.controller.DeleteVolume(sidecars.pb.DeleteVolumeRequest(volume_id=volume.volume_id))
 
 
 def _may_resize_ext4_online() -> bool:

@@ -13,6 +13,10 @@ what is open in its state directory and adopts the daemons by PID. A daemon that
 FUSE mount nobody serves ("Transport endpoint is not connected"); it is detached before the path is
 opened again. Nothing secret is written to the state directory or put on an argv.
 
+An encrypted volume (a LUKS container) is opened with its passphrase, given to the daemon as a QMP
+``secret`` object (never a file or an argv): the node the path serves is then ``luks`` instead of
+``raw``, and the path holds the plaintext, as a QEMU guest's disk does.
+
 The FUSE export serves a ``raw`` node over the protocol node, so that a grown volume is shown in
 place (``grow``): a second protocol node on the refreshed connection (the other generation of ids),
 the raw node pointed at it with ``blockdev-reopen``, ``block_resize`` to the new size (the FUSE file
@@ -34,10 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from vbs.connectors import connector_for
 from vbs.connectors.base import QemuIds, open_in_qemu
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DriverError, IncorrectState, InvalidParameter
+from vbs.qemu.luks_nodes import qemu_luks_node, qemu_secret
 from vbs.qemu.qmp import QmpClient, QmpError, connect_until
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
@@ -56,7 +63,8 @@ LOCAL_PATH_KEY_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 # docs/kubernetes.md "What the node pod runs").
 STATE_SUBDIR = "local-paths"
 _DAEMON = "qemu-storage-daemon"
-_RAW = "vbs-raw"  # the node the FUSE export serves, over the protocol node of the current generation
+_RAW = "vbs-raw"  # the node the FUSE export serves (raw, or luks), over the protocol node of the current generation
+_LUKS_SECRET = "vbs-luks-secret"  # the passphrase of an encrypted volume's luks node
 # Two generations of protocol node ids: a growth opens the other one before the current one goes.
 _GENERATIONS = (QemuIds(proto="vbs-proto", secret="vbs-secret", tls="vbs-tls"),
                 QemuIds(proto="vbs-proto-1", secret="vbs-secret-1", tls="vbs-tls-1"))
@@ -107,19 +115,21 @@ class LocalPaths:
         self._lock = threading.Lock()
         self._opened: dict[str, _Opened] = {}
 
-    def open(self, key: str, connection: AnyConnection, *, read_only: bool = False) -> Path:
-        """The path that opens ``connection``. Idempotent: the same key and connection answer the
-        same path from the running daemon; a key open on another connection (or mode) is closed and
-        opened again on this one — the caller asks for a key only while nothing uses its path."""
+    def open(self, key: str, connection: AnyConnection, *, read_only: bool = False,
+             luks: SecretStr | None = None) -> Path:
+        """The path that opens ``connection`` (the plaintext of a LUKS container with ``luks``, its
+        passphrase). Idempotent: the same key and connection answer the same path from the running
+        daemon; a key open on another connection (or mode) is closed and opened again on this one —
+        the caller asks for a key only while nothing uses its path."""
         item = self._item(key)
-        fingerprint = _fingerprint(connection, read_only)
+        fingerprint = _fingerprint(connection, read_only, encrypted=luks is not None)
         with self._lock:
             if item.daemon.running() or item.daemon.adopt(same_config=True):
                 if item.fingerprint() == fingerprint and _mounted(item.path):
                     return item.path
                 log.info("local path %s: opened on another connection; opening it again", key)
                 self._stop(item)
-            self._start(item, connection, read_only, fingerprint)
+            self._start(item, connection, read_only, fingerprint, luks)
             return item.path
 
     def close(self, key: str) -> None:
@@ -168,6 +178,8 @@ class LocalPaths:
             meta = item.recorded()
             if meta.get("read_only"):
                 raise IncorrectState(f"local path {key} is read-only: it cannot grow while open")
+            if meta.get("luks"):
+                raise IncorrectState(f"local path {key} is encrypted: it grows while it is not open")
             if "generation" not in meta:
                 raise IncorrectState(f"local path {key} was opened before paths could grow: open it again")
             fingerprint = _fingerprint(connection, False)
@@ -247,7 +259,8 @@ class LocalPaths:
             item = self._opened.setdefault(key, _Opened(self.root, key))
         return item
 
-    def _start(self, item: _Opened, connection: AnyConnection, read_only: bool, fingerprint: str) -> None:
+    def _start(self, item: _Opened, connection: AnyConnection, read_only: bool, fingerprint: str,
+               luks: SecretStr | None) -> None:
         _unmount(item.path)
         item.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         item.meta.unlink(missing_ok=True)
@@ -263,16 +276,17 @@ class LocalPaths:
         item.daemon.spawn(ready)
         qmp = client[0]
         try:
-            self._export(qmp, item, self.tunnels.local(connection), read_only)
+            self._export(qmp, item, self.tunnels.local(connection), read_only, luks)
             write_private(item.meta, json.dumps({"fingerprint": fingerprint, "read_only": read_only,
-                                                 "generation": 0}) + "\n")
+                                                 "generation": 0, "luks": luks is not None}) + "\n")
         except BaseException:
             qmp.close()
             self._stop(item)
             raise
         qmp.close()
 
-    def _export(self, qmp: QmpClient, item: _Opened, connection: AnyConnection, read_only: bool) -> None:
+    def _export(self, qmp: QmpClient, item: _Opened, connection: AnyConnection, read_only: bool,
+                luks: SecretStr | None) -> None:
         def execute(command: str, args: dict[str, Any]) -> object:
             return qmp.execute(command, args)
 
@@ -281,7 +295,11 @@ class LocalPaths:
         undo: list[Any] = []
         open_in_qemu(execute, blockdev, ids.proto, read_only=read_only, secrets_dir=self.secrets_dir,
                      x509_dir=self.x509_dir, undo=undo)
-        execute("blockdev-add", _raw_options(ids.proto, read_only))
+        if luks is None:
+            execute("blockdev-add", _raw_options(ids.proto, read_only))
+        else:
+            execute("object-add", qemu_secret(_LUKS_SECRET, luks))
+            execute("blockdev-add", qemu_luks_node(_RAW, ids.proto, _LUKS_SECRET, read_only))
         fd = os.open(item.path, os.O_WRONLY | os.O_CREAT, 0o600)
         os.close(fd)
         execute("block-export-add", {"type": "fuse", "id": "vbs-path", "node-name": _RAW,
@@ -319,8 +337,8 @@ def _as_list(answer: object) -> list[dict[str, Any]]:
     return [n for n in answer if isinstance(n, dict)]
 
 
-def _fingerprint(connection: AnyConnection, read_only: bool) -> str:
+def _fingerprint(connection: AnyConnection, read_only: bool, *, encrypted: bool = False) -> str:
     """What identifies a connection without holding its secrets: a digest of its JSON form (a
     one-way hash of fields that include a key, so the key cannot be read back from it)."""
-    text = connection.model_dump_json() + ("ro" if read_only else "rw")
+    text = connection.model_dump_json() + ("ro" if read_only else "rw") + ("luks" if encrypted else "")
     return hashlib.sha256(text.encode()).hexdigest()

@@ -9,7 +9,8 @@ What a profile's commands consume is its ``connection`` option:
 
 - ``path``: a local file that opens the volume, made on this host by ``LocalPaths`` (a
   qemu-storage-daemon per volume, served through FUSE). TLS and CHAP end in that daemon, so this
-  works with every export, including the secure defaults. ``{path}`` in the commands.
+  works with every export, including the secure defaults, and so does LUKS: an encrypted volume's
+  path is its plaintext, decrypted on this host as a QEMU guest's disk is. ``{path}`` in the commands.
 - ``nbd``: the platform opens an NBD export itself (``{nbd_host}``, ``{nbd_port}``, ``{nbd_export}``,
   ``{nbd_uri}``, or ``{nbd_socket}`` for a unix socket). Such tools cannot be given TLS
   credentials, so only a plaintext export is accepted; a TLS connection is refused with the reason.
@@ -106,7 +107,8 @@ class CommandDriver:
         if online_resize and self.form != "path":
             raise InvalidParameter(f"profile {profile.name}: online_resize needs connection = \"path\"")
         self.capabilities = HypervisorCapabilities.model_validate({"protocols": protocols,
-                                                                    "online_resize": online_resize})
+                                                                    "online_resize": online_resize,
+                                                                    "luks": self.form == "path"})
         self._lock = threading.Lock()
         self._vm_locks: dict[str, threading.Lock] = {}
 
@@ -128,7 +130,8 @@ class CommandDriver:
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
-        refuse_luks(luks, f"the {self.profile.name} profile of the command driver")
+        if self.form != "path":
+            refuse_luks(luks, f"the {self.profile.name} profile of the command driver")
         _check(vm_id, serial)
         if qos is not None and (qos.iops is not None or qos.mbps is not None):
             raise IncorrectState(f"the {self.profile.name} profile cannot limit a disk's I/O (no QoS)")
@@ -144,7 +147,7 @@ class CommandDriver:
             disk = known or self._new_disk(disks, vm_id, serial, read_only)
             values = self._values(disk)
             if self.form == "path":
-                values["path"] = str(self.paths.open(serial, connection, read_only=read_only))
+                values["path"] = str(self.paths.open(serial, connection, read_only=read_only, luks=luks))
             else:
                 values.update(_nbd_values(connection))
             disks[serial] = disk
