@@ -9,6 +9,7 @@ onto the grown volume's refreshed export.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -184,6 +185,12 @@ def test_an_open_path_grows_in_place_onto_the_refreshed_export(
     drv.retire_exports(VOL, HOST.name)  # the old export goes: the path no longer reads it
     assert read_at(path, 24 * MiB, 18) == b"beyond-the-old-end"
     assert lp.grow(key, grown, 32 * MiB) == path  # again: nothing to do
+    # An agent that died between moving the node and recording it: the record still names the old connection.
+    meta = path.parent / "opened.json"
+    recorded = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**recorded, "fingerprint": "before-the-growth", "generation": 0}))
+    assert lp.grow(key, grown, 32 * MiB) == path and path.stat().st_size == 32 * MiB
+    assert json.loads(meta.read_text())["generation"] == recorded["generation"]
     assert lp.open(key, grown) == path, "the path is known to be on the refreshed connection"
     assert grown.tls_psk_key is not None
     assert _secrets_in(tmp_path / "paths", grown.tls_psk_key.get_secret_value()) == []

@@ -197,17 +197,22 @@ class LocalPaths:
             return qmp.execute(command, args)
 
         nodes = {n["node-name"]: n for n in _as_list(qmp.execute("query-named-block-nodes", {"flat": True}))}
-        old = _GENERATIONS[int(meta["generation"]) % 2]
         raw = nodes.get(_RAW)
         if raw is None:
             raise DriverError(f"the daemon has no node {_RAW}")
-        if moved:
+        # The generation the raw node is on: the one whose protocol node it reads (a node's "file" is its
+        # child's filename; the exports' names differ). The record says it unless a crash came between the
+        # reopen and the record.
+        on = [n for n, ids in enumerate(_GENERATIONS) if ids.proto in nodes and nodes[ids.proto]["file"] == raw["file"]]
+        meta["generation"] = on[0] if len(on) == 1 else int(meta["generation"]) % 2
+        old = _GENERATIONS[meta["generation"]]
+        if moved or (old.proto in nodes and connector_for(connection).qemu_node_opens(nodes[old.proto], connection)):
             if int(raw["image"]["virtual-size"]) != size_bytes:  # an interrupted growth: only the resize is missing
                 execute("block_resize", {"node-name": _RAW, "size": size_bytes})
             return
-        new = _GENERATIONS[(int(meta["generation"]) + 1) % 2]
-        for leftover in (new.proto,) if new.proto in nodes else ():  # of a growth that failed half-way
-            execute("blockdev-del", {"node-name": leftover})
+        new = _GENERATIONS[(meta["generation"] + 1) % 2]
+        if new.proto in nodes:  # of a growth that failed half-way, or the connection before the last growth
+            execute("blockdev-del", {"node-name": new.proto})
         for obj in new.objects:
             with contextlib.suppress(QmpError):
                 execute("object-del", {"id": obj})
