@@ -111,3 +111,21 @@ def test_integer_placeholders_are_bounded() -> None:
     for bad in (-1, 256, True, "2"):
         with pytest.raises(InvalidParameter):
             profile.render("attach", {**_sample_for(profile), "index": bad})
+
+
+def test_only_path_profiles_open_luks_and_may_grow_disks_online_and_of_the_shipped_ones_only_csi_node_grows(
+        tmp_path: Path) -> None:
+    from vbs.host.hypervisors.command import CommandDriver
+
+    drivers = {name: CommandDriver(load_profile(HYPERVISOR_PROFILES, name, []), tmp_path / name) for name in SHIPPED}
+    growing = {name for name, driver in drivers.items() if driver.capabilities.online_resize}
+    assert growing == {"csi-node"}
+    decrypting = {name for name, driver in drivers.items() if driver.capabilities.luks}
+    assert decrypting == {name for name, driver in drivers.items() if driver.form == "path"}  # the host opens LUKS
+    assert "virsh" not in decrypting  # an nbd profile's tool would be handed ciphertext
+    nbd = tmp_path / "grow-nbd.toml"
+    nbd.write_text('[profile]\nkind = "hypervisor"\nconnection = "nbd"\nonline_resize = "true"\n'
+                   '[commands.list_vms]\nargv = ["echo", "vm"]\n[commands.attach]\nargv = ["true", "{nbd_uri}"]\n'
+                   '[commands.detach]\nargv = ["true"]\n[commands.verify]\nargv = ["true"]\n')
+    with pytest.raises(InvalidParameter, match="online_resize needs"):
+        CommandDriver(load_profile(HYPERVISOR_PROFILES, str(nbd), []), tmp_path / "nbd")

@@ -1,11 +1,13 @@
 """The CSI Controller service's decisions, on an in-memory VBS (``FakeVbs`` in place of ``vbs_api.VbsApi``):
 idempotency by name, the conflicts CSI names (ALREADY_EXISTS, FAILED_PRECONDITION, NOT_FOUND), device names
-on a node, offline expansion, paging, and VBS's errors as gRPC statuses through the services' ``rpc`` wrapper.
+on a node, online expansion, paging, and VBS's errors as gRPC statuses through the services' ``rpc`` wrapper.
 The same calls against a real ``vbs up`` are tests/test_csi_sanity.py and tests/test_csi_e2e.py."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -15,7 +17,8 @@ from vbs.csi import proto
 from vbs.csi.controller import ControllerService
 from vbs.csi.requests import GIB, TOPOLOGY_KEY
 from vbs.csi.vbs_api import NAME_TAG
-from vbs.errors import IncorrectState, InvalidParameter
+from vbs.errors import AuthFailure, IncorrectState, InvalidParameter
+from vbs.trust.credentials import AccessKey
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +52,15 @@ class FakeVbs:
         self.ids = itertools.count(1)
         self.attaches: list[tuple[str, str, str, bool]] = []
         self.fail_next: Exception | None = None
+        self.key: str | None = None  # the key id of the call under way (None: the driver's own)
+
+    @contextmanager
+    def calls_as(self, key: AccessKey | None) -> Iterator[None]:
+        self.key = key.access_key_id if key is not None else None
+        try:
+            yield
+        finally:
+            self.key = None
 
     def _check(self) -> None:
         if self.fail_next is not None:
@@ -69,7 +81,7 @@ class FakeVbs:
                                    "availability_zone": body.get("availability_zone", "us-east-1a"),
                                    "snapshot_id": body.get("snapshot_id"), "multi_attach": body.get("multi_attach",
                                                                                                       False),
-                                   "tags": dict(body["tags"]), "attachments": [], "body": body}
+                                   "tags": dict(body["tags"]), "attachments": [], "body": body, "key": self.key}
         return self.volumes[volume_id]
 
     def settle_volume(self, volume_id: str) -> dict[str, Any]:
@@ -219,7 +231,7 @@ def test_each_volume_on_a_node_gets_a_device_name_the_node_does_not_use() -> Non
     assert [a[2] for a in fake.attaches] == ["vdc", "vdd", "vde"]
 
 
-def test_expansion_is_offline_and_never_shrinks() -> None:
+def test_expansion_grows_a_published_volume_never_shrinks_and_refuses_a_read_only_publish() -> None:
     fake = FakeVbs()
     svc = service(fake)
     vol = call(svc, "CreateVolume", create("pvc-e", 2)).volume.volume_id
@@ -231,10 +243,15 @@ def test_expansion_is_offline_and_never_shrinks() -> None:
 
     assert call(svc, "ControllerExpandVolume", expand(1)).capacity_bytes == 2 * GIB
     answer = call(svc, "ControllerExpandVolume", expand(3))
-    assert answer.capacity_bytes == 3 * GIB and not answer.node_expansion_required
+    assert answer.capacity_bytes == 3 * GIB and answer.node_expansion_required
     call(svc, "ControllerPublishVolume", publish(vol))
-    assert status(svc, "ControllerExpandVolume", expand(4)) == grpc.StatusCode.FAILED_PRECONDITION
-    assert fake.volumes[vol]["size_gib"] == 3
+    answer = call(svc, "ControllerExpandVolume", expand(4))  # online: VBS grows it under the node
+    assert answer.capacity_bytes == 4 * GIB and answer.node_expansion_required
+    assert fake.volumes[vol]["size_gib"] == 4
+    call(svc, "ControllerUnpublishVolume", pb.ControllerUnpublishVolumeRequest(volume_id=vol, node_id="host-1"))
+    call(svc, "ControllerPublishVolume", publish(vol, readonly=True))
+    assert status(svc, "ControllerExpandVolume", expand(5)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert fake.volumes[vol]["size_gib"] == 4
 
 
 def test_delete_of_an_absent_volume_succeeds_and_vbs_errors_keep_their_codes() -> None:
@@ -304,3 +321,48 @@ def test_a_device_name_another_tenant_holds_on_the_node_is_skipped() -> None:
     fake.attach = attach_unless_taken  # type: ignore[method-assign]
     call(svc, "ControllerPublishVolume", publish(vol))
     assert [a[2] for a in fake.attaches] == ["vdd"]
+
+
+def test_a_key_in_the_secrets_is_used_for_that_call_only_and_bad_secrets_are_refused_without_their_values(
+) -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    secret = "tenant-b-secret-0123456789"
+    request = create("pvc-tenant-b")
+    request.secrets.update({"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret})
+    made = call(svc, "CreateVolume", request).volume.volume_id
+    assert fake.volumes[made]["key"] == "VBSKTENANTB000000001"
+    assert fake.key is None, "the key is the call's only"
+    mine = call(svc, "CreateVolume", create("pvc-file-key")).volume.volume_id
+    assert fake.volumes[mine]["key"] is None  # no secrets: the driver's own key
+    for bad in ({"accessKeyId": "VBSKTENANTB000000001"},  # half a key
+                {"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret, "accesskeyid": "x"},  # misspelt
+                {"accessKeyId": "not a key id", "secretAccessKey": secret},
+                {"accessKeyId": "VBSKTENANTB000000001", "secretAccessKey": secret + " ;"}):
+        request = create("pvc-bad")
+        request.secrets.update(bad)
+        with pytest.raises(Aborted) as caught:
+            call(svc, "CreateVolume", request)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert secret not in str(caught.value)
+    assert "pvc-bad" not in {v["tags"][NAME_TAG] for v in fake.volumes.values()}
+    request = create("pvc-wrong-key")
+    request.secrets.update({"accessKeyId": "VBSKUNKNOWN000000001", "secretAccessKey": secret})
+    fake.fail_next = AuthFailure("The access key is not valid.")
+    assert status(svc, "CreateVolume", request) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_get_snapshot_answers_the_snapshot_by_id_and_not_found_for_another() -> None:
+    fake = FakeVbs()
+    svc = service(fake)
+    fake.snapshots["snap-00000000000000001"] = {"snapshot_id": "snap-00000000000000001", "volume_id": "vol-1",
+                                                "volume_size_gib": 2, "status": "completed",
+                                                "started_at": "2026-11-30T08:00:00Z"}
+    caps = call(svc, "ControllerGetCapabilities", pb.ControllerGetCapabilitiesRequest()).capabilities
+    assert "GET_SNAPSHOT" not in {pb.ControllerServiceCapability.RPC.Type.Name(c.rpc.type) for c in caps}  # alpha
+    got = call(svc, "GetSnapshot", pb.GetSnapshotRequest(snapshot_id="snap-00000000000000001")).snapshot
+    assert (got.snapshot_id, got.source_volume_id, got.size_bytes, got.ready_to_use) == \
+        ("snap-00000000000000001", "vol-1", 2 * GIB, True)
+    assert status(svc, "GetSnapshot", pb.GetSnapshotRequest(snapshot_id="snap-00000000000000002")) == \
+        grpc.StatusCode.NOT_FOUND
+    assert status(svc, "GetSnapshot", pb.GetSnapshotRequest()) == grpc.StatusCode.INVALID_ARGUMENT

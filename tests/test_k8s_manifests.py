@@ -24,7 +24,7 @@ import vbs
 from vbs.connectors.local_path import STATE_SUBDIR
 from vbs.csi import proto
 from vbs.csi.identity import DRIVER_NAME, IdentityService
-from vbs.csi.requests import PARAMETERS, SIDECAR_PREFIX, TOPOLOGY_KEY, create_fields
+from vbs.csi.requests import PARAMETERS, SECRET_ACCESS_KEY, SECRET_KEY_ID, SIDECAR_PREFIX, TOPOLOGY_KEY, create_fields
 
 pytestmark = pytest.mark.unit
 
@@ -408,6 +408,31 @@ def test_no_secret_in_any_manifest() -> None:
                     assert "secretKeyRef" not in node, path  # a secret in the environment
                 if isinstance(node, str) and node.startswith("--"):
                     assert not re.search(r"secret|password|token", node.split("=")[0]), (path, node)
+
+
+def test_the_per_namespace_key_example_names_one_secret_for_every_call_and_may_read_only_that() -> None:
+    """examples/tenant-keys.yaml: each controller call of its class's volumes carries the Secret vbs-csi-key of the
+    PVC's (or VolumeSnapshot's) namespace; the sidecars may get that Secret name and nothing else."""
+    found = objects(DEPLOY / "examples" / "tenant-keys.yaml")
+    sc = [o for o in found if o["kind"] == "StorageClass"][0]
+    params = sc["parameters"]
+    create_fields(params)  # the driver takes the class (the secret keys are the sidecars')
+    for call in ("provisioner", "controller-publish", "controller-expand"):
+        assert params[f"{SIDECAR_PREFIX}{call}-secret-name"] == "vbs-csi-key"
+        assert params[f"{SIDECAR_PREFIX}{call}-secret-namespace"] == "${pvc.namespace}"
+    snapshots = [o for o in found if o["kind"] == "VolumeSnapshotClass"][0]
+    assert snapshots["driver"] == DRIVER_NAME
+    assert snapshots["parameters"] == {f"{SIDECAR_PREFIX}snapshotter-secret-name": "vbs-csi-key",
+                                       f"{SIDECAR_PREFIX}snapshotter-secret-namespace": "${volumesnapshot.namespace}"}
+    role = [o for o in found if o["kind"] == "ClusterRole"][0]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["vbs-csi-key"],
+                              "verbs": ["get"]}]
+    binding = [o for o in found if o["kind"] == "ClusterRoleBinding"][0]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod_spec(one("Deployment"))["serviceAccountName"],
+                                    "namespace": "vbs-csi"}]
+    text = (DEPLOY / "examples" / "tenant-keys.yaml").read_text()
+    assert f"{SECRET_KEY_ID}=" in text and f"{SECRET_ACCESS_KEY}=" in text  # the keys the driver reads
 
 
 def test_the_key_is_the_secret_mounted_as_a_file() -> None:

@@ -3,11 +3,13 @@ CHAP) opened on the host by a qemu-storage-daemon and shown as a file through FU
 
 What is written through the path lands in the volume; a read-only path refuses writes; open and close
 are idempotent; a restarted agent adopts the running daemon; a daemon that died leaves a dead mount
-that the next open clears; no secret is in the state directory or on an argv.
+that the next open clears; no secret is in the state directory or on an argv; an open path grows in place
+onto the grown volume's refreshed export.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from tests import export_fixtures
 from tests.export_fixtures import MiB, drivers_of, read_at, wait_dead, write_at
 from tests.test_iscsi_export import tgtd_driver
 from vbs.connectors.local_path import LocalPaths
-from vbs.errors import InvalidParameter
+from vbs.errors import IncorrectState, InvalidParameter
 from vbs.pools.exports import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
@@ -157,6 +159,44 @@ def test_a_restarted_agent_adopts_the_daemon_and_a_dead_one_is_recovered(
     assert int((path2.parent / "pid").read_text()) != pid
     again.close("disk-1")
     assert not _mounted(path2)
+
+
+def test_an_open_path_grows_in_place_onto_the_refreshed_export(
+        nbd: Callable[..., NbdExportDriver], paths: Callable[[], LocalPaths], volume: Path, tmp_path: Path) -> None:
+    drv = nbd(tls=True)
+    drv.start()
+    c = drv.ensure_export(VOL, FileSource(volume), HOST)
+    lp = paths()
+    key = "vol0123456789abcdef0"
+    path = _roundtrip(lp, key, c, volume)
+    fd = os.open(path, os.O_RDWR)  # held open across the growth, as a loop device holds it
+    try:
+        with open(volume, "r+b") as f:
+            f.truncate(32 * MiB)
+        grown = drv.refresh_export(VOL, FileSource(volume), HOST.name)
+        assert lp.grow(key, grown, 32 * MiB) == path
+        assert path.stat().st_size == 32 * MiB and lp.size_of(key) == 32 * MiB
+        os.pwrite(fd, b"beyond-the-old-end", 24 * MiB)
+        os.fsync(fd)
+        assert read_at(volume, 24 * MiB, 18) == b"beyond-the-old-end"
+        assert os.pread(fd, 21, 2 * MiB) == b"from-the-storage-node"  # written before the growth
+    finally:
+        os.close(fd)
+    drv.retire_exports(VOL, HOST.name)  # the old export goes: the path no longer reads it
+    assert read_at(path, 24 * MiB, 18) == b"beyond-the-old-end"
+    assert lp.grow(key, grown, 32 * MiB) == path  # again: nothing to do
+    # An agent that died between moving the node and recording it: the record still names the old connection.
+    meta = path.parent / "opened.json"
+    recorded = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**recorded, "fingerprint": "before-the-growth", "generation": 0}))
+    assert lp.grow(key, grown, 32 * MiB) == path and path.stat().st_size == 32 * MiB
+    assert json.loads(meta.read_text())["generation"] == recorded["generation"]
+    assert lp.open(key, grown) == path, "the path is known to be on the refreshed connection"
+    assert grown.tls_psk_key is not None
+    assert _secrets_in(tmp_path / "paths", grown.tls_psk_key.get_secret_value()) == []
+    lp.close(key)
+    with pytest.raises(IncorrectState):
+        lp.grow(key, grown, 32 * MiB)  # not open
 
 
 def test_keys_are_checked(paths: Callable[[], LocalPaths]) -> None:

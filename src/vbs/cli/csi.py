@@ -20,7 +20,8 @@ def csi(
     = None,
     credentials_file: Annotated[Path | None, typer.Option(
         help="Controller service: a credentials file (aws_access_key_id / aws_secret_access_key) with the key "
-             "of a VBS user; never on the command line.")] = None,
+             "of a VBS user; never on the command line. A call whose secrets carry a key (accessKeyId, "
+             "secretAccessKey) uses that one.")] = None,
     credentials_profile: Annotated[str, typer.Option(help="The file's profile holding the key.")] = "default",
     ca_bundle: Annotated[Path | None, typer.Option(help="The CA that signed the controllers' certificates.")]
     = None,
@@ -56,7 +57,6 @@ def _api(urls: list[str], credentials_file: Path | None, profile: str, ca_bundle
          wait: float) -> "VbsApi":
     from vbs.csi.vbs_api import VbsApi
     from vbs.net import endpoints
-    from vbs.net.api_client import ApiClient
     from vbs.trust import credentials
     from vbs.trust.tls import client_verify
 
@@ -67,6 +67,5 @@ def _api(urls: list[str], credentials_file: Path | None, profile: str, ca_bundle
         raise typer.BadParameter(f"{credentials_file} has no key in profile [{profile}]")
     parsed = endpoints.parse(urls, what="--controller-url")
     https = not all(url.startswith("http://") for url in parsed)
-    client = ApiClient(parsed, keys[0].bearer, timeout=60, label="csi",
-                       verify=client_verify(str(ca_bundle) if ca_bundle else None, https=https))
-    return VbsApi(client, wait_s=wait)
+    return VbsApi.connect(parsed, keys[0], verify=client_verify(str(ca_bundle) if ca_bundle else None, https=https),
+                          wait_s=wait)

@@ -30,7 +30,7 @@ class IdentityService:
         caps = [cap(service=cap.Service(type=cap.Service.VOLUME_ACCESSIBILITY_CONSTRAINTS))]
         if self.controller:
             caps.append(cap(service=cap.Service(type=cap.Service.CONTROLLER_SERVICE)))
-            caps.append(cap(volume_expansion=cap.VolumeExpansion(type=cap.VolumeExpansion.OFFLINE)))
+            caps.append(cap(volume_expansion=cap.VolumeExpansion(type=cap.VolumeExpansion.ONLINE)))
         return self.pb.GetPluginCapabilitiesResponse(capabilities=caps)
 
     @rpc

@@ -1,6 +1,7 @@
 """The CSI Node service: stage (loop device, filesystem, mount), publish (bind mount, read-only honoured),
-unpublish and unstage (idempotent), volume stats, the node's identity and zone. The devices themselves are
-``node_devices``; what a volume is on this host comes from its publish (docs/kubernetes.md "On the node")."""
+unpublish and unstage (idempotent), online expansion, volume stats, the node's identity and zone. The
+devices themselves are ``node_devices``; what a volume is on this host comes from its publish
+(docs/kubernetes.md "On the node")."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from vbs.csi import proto
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import capabilities
 from vbs.csi.node_devices import NodeDevices
-from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, unsupported
+from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, size_gib, unsupported
 from vbs.csi.rpc import in_flight, rpc, unimplemented
 
 __all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
@@ -41,7 +42,7 @@ class NodeService:
     @rpc
     def NodeGetCapabilities(self, request: Any, context: Any) -> Any:  # noqa: N802
         cap = self.pb.NodeServiceCapability
-        kinds = [cap.RPC.STAGE_UNSTAGE_VOLUME, cap.RPC.GET_VOLUME_STATS]
+        kinds = [cap.RPC.STAGE_UNSTAGE_VOLUME, cap.RPC.GET_VOLUME_STATS, cap.RPC.EXPAND_VOLUME]
         return self.pb.NodeGetCapabilitiesResponse(capabilities=[cap(rpc=cap.RPC(type=k)) for k in kinds])
 
     def _capability(self, request: Any) -> Capability:
@@ -131,6 +132,29 @@ class NodeService:
             usage(unit=usage.BYTES, total=total, used=used, available=available),
             usage(unit=usage.INODES, total=inodes, used=inodes_used, available=inodes - inodes_used)])
 
-    NodeExpandVolume = unimplemented("NodeExpandVolume")
+    @rpc
+    def NodeExpandVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """The grown volume shown on this node: its loop device re-reads the size of the volume's file (which
+        the host agent moved onto the grown export during ControllerExpandVolume), then the mounted
+        filesystem grows online; a block volume only needs the first."""
+        if not request.volume_id:
+            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        if not request.volume_path:
+            raise CsiError("INVALID_ARGUMENT", "volume_path is required")
+        self.devices.disk(request.volume_id)  # NOT_FOUND when not published here
+        path = Path(node_path(request.volume_path, "volume_path"))
+        size_gib(request.capacity_range.required_bytes, request.capacity_range.limit_bytes)  # a valid range
+        with self._locked(request.volume_id):
+            kind = self.devices.kind(path)
+            if request.HasField("volume_capability") and self._capability(request).access_type != kind:
+                raise CsiError("INVALID_ARGUMENT", f"{path} holds a {kind} volume, not what volume_capability says")
+            size = self.devices.refresh_loops(request.volume_id, request.capacity_range.required_bytes)
+            if kind == "mount":
+                device = self.devices.loops(request.volume_id)[0]
+                if self.devices.mounted_from(path) != device:
+                    raise CsiError("NOT_FOUND", f"{path} is not where {request.volume_id} is mounted")
+                self.devices.grow_filesystem(device, path)
+        return self.pb.NodeExpandVolumeResponse(capacity_bytes=size)
+
     NodeGetVolumeHealth = unimplemented("NodeGetVolumeHealth")
     NodeGetStorageHealth = unimplemented("NodeGetStorageHealth")

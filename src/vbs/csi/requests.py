@@ -10,11 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from vbs.csi.errors import CsiError
+from vbs.errors import InvalidParameter
+from vbs.trust.credentials import AccessKey
 from vbs.wire.connection import POOL_NAME_RE
 from vbs.wire.storage import ZONE_NAME_RE
 
 __all__ = ["GIB", "MAX_GIB", "size_gib", "create_fields", "Capability", "unsupported", "check_name",
-           "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "PARAMETERS", "SIDECAR_PREFIX", "VOLUME_TYPES", "node_path"]
+           "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "PARAMETERS", "SIDECAR_PREFIX", "VOLUME_TYPES", "node_path",
+           "SECRET_KEY_ID", "SECRET_ACCESS_KEY", "key_of_secrets"]
 
 GIB = 1 << 30
 MAX_GIB = 16384  # the REST API's largest volume (docs/rest-api.md)
@@ -29,6 +32,10 @@ VOLUME_TYPES = frozenset({"standard", "gp2", "gp3", "io1", "io2", "st1", "sc1"})
 # manifests' StorageClasses are checked against this table (tests/test_k8s_manifests.py).
 PARAMETERS = frozenset({"type", "iops", "throughput", "encrypted", "kmsKeyId", "multiAttach", "pool", "fsType",
                         "csi.storage.k8s.io/fstype"})
+# The keys of a Secret the sidecars pass a call (csi.storage.k8s.io/provisioner-secret-name and the like): a VBS
+# access key that the call uses in place of the driver's own (docs/kubernetes.md "A key per namespace").
+SECRET_KEY_ID = "accessKeyId"
+SECRET_ACCESS_KEY = "secretAccessKey"
 _POOL_RE = re.compile(POOL_NAME_RE)
 _ZONE_RE = re.compile(ZONE_NAME_RE)
 _KMS_RE = re.compile(r"[\x21-\x7e]{1,256}")
@@ -46,6 +53,24 @@ def node_path(raw: str, what: str) -> str:
     if len(raw) > MAX_PATH or not _PATH_RE.fullmatch(raw):
         raise CsiError("INVALID_ARGUMENT", f"{what} must be an absolute, normalised path of printable characters")
     return raw
+
+
+def key_of_secrets(secrets: Mapping[str, str]) -> AccessKey | None:
+    """The VBS key a call's secrets carry (None: they carry nothing). Any other key in them, or one of the two
+    alone, is refused rather than ignored: a misspelt name must not make the call act with the driver's own
+    key, in another tenant. No message holds a value."""
+    if not secrets:
+        return None
+    unknown = sorted(k for k in secrets if k not in (SECRET_KEY_ID, SECRET_ACCESS_KEY))
+    if unknown:
+        raise CsiError("INVALID_ARGUMENT", f"the secrets hold unknown keys {', '.join(k[:40] for k in unknown[:5])}: "
+                                           f"a VBS key is {SECRET_KEY_ID} and {SECRET_ACCESS_KEY}")
+    if len(secrets) != 2:
+        raise CsiError("INVALID_ARGUMENT", f"the secrets must hold both {SECRET_KEY_ID} and {SECRET_ACCESS_KEY}")
+    try:
+        return AccessKey(secrets[SECRET_KEY_ID], secrets[SECRET_ACCESS_KEY])
+    except InvalidParameter as exc:
+        raise CsiError("INVALID_ARGUMENT", f"the VBS key in the secrets is not valid: {exc.message}") from None
 
 
 def check_name(name: str, what: str = "volume") -> str:

@@ -1,5 +1,6 @@
 """What every CSI service shares: one decorator that turns an RPC's errors into gRPC statuses (CsiError as
-itself, a VbsError by ``errors.code_of``, anything else INTERNAL, logged) and the messages module."""
+itself, a VbsError by ``errors.code_of``, anything else INTERNAL, logged) and runs the call in its service's
+``call_scope`` (the Controller's: the VBS key the request's secrets carry)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from vbs.csi.errors import CsiError, from_vbs
@@ -21,13 +22,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def rpc(method: F) -> F:
-    """Wrap a servicer's method ``(self, request, context)``: an error aborts the call with its status."""
+    """Wrap a servicer's method ``(self, request, context)``: an error aborts the call with its status. A
+    servicer with ``call_scope(request)`` runs each call inside the context it gives."""
     import grpc
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: Any) -> Any:
         try:
-            return method(self, request, context)
+            scope: Callable[[Any], AbstractContextManager[None]] | None = getattr(self, "call_scope", None)
+            with scope(request) if scope is not None else nullcontext():
+                return method(self, request, context)
         except CsiError as exc:
             failure = exc
         except VbsError as exc:

@@ -5,15 +5,20 @@ here is idempotent; docs/kubernetes.md "Errors")."""
 
 from __future__ import annotations
 
+import ssl
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from vbs import ids
 from vbs.cli.client import LongPoll
 from vbs.csi.errors import CsiError
-from vbs.errors import VbsError
+from vbs.errors import IncorrectState, VbsError
 from vbs.net.api_client import ApiClient
+from vbs.trust.credentials import AccessKey
 
 __all__ = ["VbsApi", "NAME_TAG", "Body"]
 
@@ -28,13 +33,37 @@ VOLUME_BUSY = frozenset({"creating", "deleting"})
 SNAPSHOT_BUSY = frozenset({"pending", "deleting"})
 GONE = frozenset({"deleted", "deleting"})
 
+# The bearer token of the CSI call this thread serves, when its secrets carry a key (``VbsApi.calls_as``).
+_CALL_BEARER: ContextVar[str | None] = ContextVar("vbs_csi_call_bearer", default=None)
+
 
 class VbsApi:
     """The controller as the CSI services use it; ``wait_s`` bounds every wait for a change to settle."""
 
-    def __init__(self, client: ApiClient, *, wait_s: float = 120.0) -> None:
+    def __init__(self, client: ApiClient, *, wait_s: float = 120.0, per_call_keys: bool = False) -> None:
+        """``per_call_keys``: ``client`` takes its token from ``calls_as`` (as ``connect`` makes it)."""
         self.client = client
         self.wait_s = wait_s
+        self.per_call_keys = per_call_keys
+
+    @classmethod
+    def connect(cls, urls: Sequence[str], key: AccessKey, *, verify: ssl.SSLContext | bool,
+                wait_s: float = 120.0) -> VbsApi:
+        """The controllers at ``urls``, called with ``key``, or with the key of the call under way (``calls_as``)."""
+        default = key.bearer
+        client = ApiClient(list(urls), lambda: _CALL_BEARER.get() or default, timeout=60, label="csi", verify=verify)
+        return cls(client, wait_s=wait_s, per_call_keys=True)
+
+    @contextmanager
+    def calls_as(self, key: AccessKey | None) -> Iterator[None]:
+        """Every call to VBS in this block (in this thread) made with ``key``; None: with the driver's own."""
+        if key is not None and not self.per_call_keys:
+            raise CsiError("INTERNAL", "this driver's VBS client cannot take a key per call")
+        token = _CALL_BEARER.set(key.bearer if key is not None else None)
+        try:
+            yield
+        finally:
+            _CALL_BEARER.reset(token)
 
     # -- volumes -----------------------------------------------------------------------------------
 
@@ -71,7 +100,12 @@ class VbsApi:
 
     def grow(self, volume_id: str, size_gib: int) -> None:
         """Modify the volume to ``size_gib`` and wait until the new size is served."""
-        started: Body = self.client.call("POST", f"/v1/volumes/{volume_id}/modify", {"size_gib": size_gib})
+        try:
+            started: Body = self.client.call("POST", f"/v1/volumes/{volume_id}/modify", {"size_gib": size_gib})
+        except IncorrectState as exc:
+            if "detach it first" in exc.message:  # a host that cannot grow it online: no retry will do
+                raise CsiError("FAILED_PRECONDITION", f"{exc.code}: {exc.message}") from exc
+            raise  # another operation holds the volume: ABORTED, retried
         deadline = time.monotonic() + self.wait_s
         while True:
             page: Body = self.client.call("GET", "/v1/volume-modifications?" + urlencode([("volume_id", volume_id)]))

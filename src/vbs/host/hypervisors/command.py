@@ -9,10 +9,16 @@ What a profile's commands consume is its ``connection`` option:
 
 - ``path``: a local file that opens the volume, made on this host by ``LocalPaths`` (a
   qemu-storage-daemon per volume, served through FUSE). TLS and CHAP end in that daemon, so this
-  works with every export, including the secure defaults. ``{path}`` in the commands.
+  works with every export, including the secure defaults, and so does LUKS: an encrypted volume's
+  path is its plaintext, decrypted on this host as a QEMU guest's disk is. ``{path}`` in the commands.
 - ``nbd``: the platform opens an NBD export itself (``{nbd_host}``, ``{nbd_port}``, ``{nbd_export}``,
   ``{nbd_uri}``, or ``{nbd_socket}`` for a unix socket). Such tools cannot be given TLS
   credentials, so only a plaintext export is accepted; a TLS connection is refused with the reason.
+
+With ``online_resize = "true"`` (``path`` profiles only), a volume grows while attached: the path is
+moved onto the grown volume's refreshed connection and shows the new size (``LocalPaths.grow``). That
+is for consumers that read the size of their file themselves (the ``csi-node`` profile: ``vbs csi``'s
+NodeExpandVolume re-reads it into its loop device); a guest behind a ``phy:`` path would not notice.
 
 The driver picks the guest device name (``{target}``: ``vdb``…, or ``xvdb``… with ``target_prefix``)
 and the slot (``{index}``), and keeps what it attached in a private state file so that a restarted
@@ -66,6 +72,7 @@ HYPERVISOR_PROFILES = ProfileSchema(
         "connection": (r"path|nbd", "path"),
         "target_prefix": (r"vd|xvd|sd", "vd"),
         "first_index": (r"[0-9]{1,2}", "1"),
+        "online_resize": (r"true|false", "false"),
     },
 )
 
@@ -96,7 +103,12 @@ class CommandDriver:
         self.detach_poll_s = detach_poll_s
         self.paths = LocalPaths(self.state_dir / STATE_SUBDIR, secrets_dir=self.state_dir / "secrets", x509=x509)
         protocols = sorted(CONNECTORS) if self.form == "path" else ["nbd"]
-        self.capabilities = HypervisorCapabilities.model_validate({"protocols": protocols})
+        online_resize = profile.options["online_resize"] == "true"
+        if online_resize and self.form != "path":
+            raise InvalidParameter(f"profile {profile.name}: online_resize needs connection = \"path\"")
+        self.capabilities = HypervisorCapabilities.model_validate({"protocols": protocols,
+                                                                    "online_resize": online_resize,
+                                                                    "luks": self.form == "path"})
         self._lock = threading.Lock()
         self._vm_locks: dict[str, threading.Lock] = {}
 
@@ -118,7 +130,8 @@ class CommandDriver:
 
     def attach(self, vm_id: str, serial: str, connection: AnyConnection, *, read_only: bool = False,
                qos: QoS | None = None, luks: SecretStr | None = None) -> DiskInfo:
-        refuse_luks(luks, f"the {self.profile.name} profile of the command driver")
+        if self.form != "path":
+            refuse_luks(luks, f"the {self.profile.name} profile of the command driver")
         _check(vm_id, serial)
         if qos is not None and (qos.iops is not None or qos.mbps is not None):
             raise IncorrectState(f"the {self.profile.name} profile cannot limit a disk's I/O (no QoS)")
@@ -134,7 +147,7 @@ class CommandDriver:
             disk = known or self._new_disk(disks, vm_id, serial, read_only)
             values = self._values(disk)
             if self.form == "path":
-                values["path"] = str(self.paths.open(serial, connection, read_only=read_only))
+                values["path"] = str(self.paths.open(serial, connection, read_only=read_only, luks=luks))
             else:
                 values.update(_nbd_values(connection))
             disks[serial] = disk
@@ -188,7 +201,20 @@ class CommandDriver:
                     if d.vm == vm_id and self._present(d)]
 
     def resize(self, vm_id: str, serial: str, connection: AnyConnection, size_bytes: int) -> DiskInfo:
-        raise IncorrectState(f"the {self.profile.name} profile cannot show a guest a grown disk; detach it first")
+        if not self.capabilities.online_resize:
+            raise IncorrectState(f"the {self.profile.name} profile cannot show a guest a grown disk; detach it first")
+        _check(vm_id, serial)
+        with self._vm(vm_id):
+            disk = self._load().get(serial)
+            if disk is None or disk.vm != vm_id or not self._present(disk):
+                raise NotFound(f"disk {serial} is not attached to VM {vm_id}", code="InvalidAttachment.NotFound")
+            if disk.read_only or not disk.connected:
+                raise IncorrectState(f"disk {serial} of VM {vm_id} is {'read-only' if disk.read_only else 'cut off'}: "
+                                     "it cannot grow while attached")
+            self.paths.grow(serial, connection, size_bytes)
+            log.info("disk %s of %s grown to %d bytes through profile %s", serial, vm_id, size_bytes,
+                     self.profile.name)
+            return self._info(disk)
 
     def ensure_copy(self, vm_id: str, serial: str, copy_id: str, target: AnyConnection) -> ItemStatus:
         raise IncorrectState(f"the {self.profile.name} profile cannot copy an attached disk at one instant")

@@ -17,8 +17,8 @@ from vbs.connectors import QemuIds, connector_for
 from vbs.connectors.base import open_in_qemu
 from vbs.errors import DriverError, VbsError
 from vbs.host.hypervisors import qemu_slots as slots
-from vbs.host.hypervisors.luks import qemu_luks_node
 from vbs.host.hypervisors.qemu_ids import DiskIds, disk_ids
+from vbs.qemu.luks_nodes import qemu_luks_node
 from vbs.qemu.qmp import QmpClient, QmpCommandError, QmpConnectionError
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo

@@ -15,9 +15,9 @@ from vbs.host.hypervisors import qemu_copies as copies
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors import qemu_slots as slots
-from vbs.host.hypervisors.luks import qemu_secret
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Undo, Vm
 from vbs.host.hypervisors.qemu_ids import DiskIds
+from vbs.qemu.luks_nodes import qemu_secret
 from vbs.qemu.qmp import QmpCommandError, QmpConnectionError
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, QoS
