@@ -209,7 +209,6 @@ def test_x509_admits_the_host_the_export_was_made_for_and_refuses_every_other(
             ok, out = attempt(argv)
             assert not ok, f"{what}: {argv[0]} got in: {out}"
     assert read_at(volume, 0, 4096) == bytes(4096)
-    assert "certificate verification" in drv.log_path(VOL, "hv-a").read_text()
 
     ok, out = attempt(qemu_io(server(a), "write -P 0x5a 0 64k", tls_dir=attached))
     assert ok, out

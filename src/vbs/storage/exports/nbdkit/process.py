@@ -1,9 +1,13 @@
 """One nbdkit process: the command line that serves one key to one host, and when it is ready.
 
-``nbdkit -f`` (the supervisor runs it in its own session, so it outlives the agent), ``-P`` its
-pidfile (which also makes its command line name our state directory: ``owns`` and the tests' reaper
-find it by that), the ``file`` plugin with ``--threads`` workers (its thread model is parallel: one
-NBD connection's requests run at once), and the ``exportname`` filter in strict mode, so that the
+nbdkit forks into the background by itself and its child writes the pidfile ``-P`` (which also
+makes its command line name our state directory: ``owns`` and the tests' reaper find it by that):
+run in the foreground (``-f``), nbdkit 1.32 stops serving when the process that started it dies
+(measured: it sets PR_SET_PDEATHSIG, and the agent's SIGKILL cut every connection), and an agent
+restart must not touch a session. What nbdkit says before it forks (a port in use, unreadable
+credentials, a missing file) is in the process's log; after that its stderr is /dev/null.
+The ``file`` plugin runs with ``--threads`` workers (its thread model is parallel: one NBD
+connection's requests run at once), under the ``exportname`` filter in strict mode, so that the
 process answers to its one export name and lists none.
 """
 
@@ -57,12 +61,12 @@ def process_spec(run_dir: Path, pid: str, *, path: Path, name: str, read_only: b
                  threads: int, cache: str, start_timeout: float) -> DaemonSpec:
     """How (key, host)'s process (files named ``pid`` in ``run_dir``) serves the file ``path``."""
     pid_path = run_dir / f"{pid}.pid"
-    argv = [NBDKIT, "-f", "-P", str(pid_path), "--log=stderr", "-t", str(threads), *(["-r"] if read_only else []),
+    argv = [NBDKIT, "-P", str(pid_path), "--log=stderr", "-t", str(threads), *(["-r"] if read_only else []),
             *listener.argv(), "--filter=exportname", "file", f"file={path}", f"cache={cache}",
             f"exportname={name}", "exportname-strict=true", "exportname-list=empty"]
     stale = (listener.socket,) if listener.socket is not None else ()
     return DaemonSpec(name=NBDKIT, argv=tuple(argv), pid_path=pid_path, log_path=run_dir / f"{pid}.log",
-                      owns=_owns(pid_path), writes_pidfile=True,
+                      owns=_owns(pid_path), writes_pidfile=True, forks=True,
                       start_timeout=start_timeout, stale_files=stale, env=minimal_environment())
 
 
@@ -70,7 +74,7 @@ def stopper_spec(run_dir: Path, pid: str) -> DaemonSpec:
     """Enough of a process's spec to stop it by its pidfile (an export the state file no longer has)."""
     pid_path = run_dir / f"{pid}.pid"
     return DaemonSpec(name=NBDKIT, argv=(NBDKIT,), pid_path=pid_path, log_path=run_dir / f"{pid}.log",
-                      owns=_owns(pid_path), writes_pidfile=True)
+                      owns=_owns(pid_path), writes_pidfile=True, forks=True)
 
 
 def ready(spec: DaemonSpec, listener: Listener) -> None:
