@@ -12,6 +12,12 @@ read and written through them, each figure next to the same tool on the same fil
   bench -t none -i native`` on the file. iSCSI tunables: tgt ``bsoflags=direct`` on / off and the
   negotiated segment lengths (tgt's defaults, the driver's ``TUNING``, 1 MiB).
 
+nbdkit (``NbdkitExportDriver``: one nbdkit per export, the ``file`` plugin, ``--threads 16``) is
+measured beside them in the same run, through fio's ``nbd`` engine and through ``qemu-img bench``;
+its section compares it with qemu-storage-daemon (direct I/O, the ``nbd`` driver's default, and the
+page cache, as nbdkit's file plugin uses) and with the local file read by fio with ``io_uring``
+(buffered: on this machine the fastest local engine, docs/benchmarks.md) and by ``qemu-img``.
+
 The report ends with the targets of issue 15 (NBD: sequential read >= 0.9 and 4 KiB random read
 at queue depth 32 >= 0.7 of the local file with the same tool; iSCSI: >= 0.8 / >= 0.5), met or not
 for each path, through fio's libnbd and through QEMU's own client, with the highest load average
@@ -51,6 +57,7 @@ is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
     .venv/bin/python bench/datapath.py --quick --only ...   # chosen variants, 3 s per figure (--list)
     .venv/bin/python bench/datapath.py --quick --reads-only  # the two reads the targets judge (under a minute)
     .venv/bin/python bench/datapath.py --backend rbd   # local file vs librbd vs NBD over RBD
+    .venv/bin/python bench/datapath.py --nbdkit        # nbdkit vs qemu-storage-daemon vs the local file
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ from vbs.rigs.ceph import EmbeddedCeph  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.iscsi import targets as iscsi_mod  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
+from vbs.storage.exports.nbdkit import NbdkitExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
 from vbs.trust.pki import CertificateAuthority  # noqa: E402
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
@@ -101,7 +109,7 @@ WRITE_PATTERN = 0xA5  # qemu-img bench writes this byte: the file never turns to
 CALIBRATE_S = 0.4  # a qemu-img bench probe must last this long before its rate is trusted
 
 # Targets of issue 15 (loopback against the local file, same tool): seq read 1 MiB qd8, rand read 4 KiB qd32.
-TARGETS: dict[str, tuple[float, float]] = {"nbd": (0.9, 0.7), "iscsi": (0.8, 0.5)}
+TARGETS: dict[str, tuple[float, float]] = {"nbd": (0.9, 0.7), "nbdkit": (0.9, 0.7), "iscsi": (0.8, 0.5)}
 SEQ_READ, RAND_READ = "seq read 1M qd8", "rand read 4k qd32"
 NOISE = 0.10  # differences under this (relative) are not called a winner
 
@@ -145,7 +153,7 @@ class Variant:
 
     key: str
     label: str
-    protocol: str  # local | nbd | iscsi
+    protocol: str  # local | nbd | nbdkit | iscsi | rbd
     tool: str  # fio | qemu-img
     nbd: dict[str, Any] = field(default_factory=dict)  # NbdExportDriver keyword arguments
     iscsi_direct: bool = True
@@ -155,15 +163,18 @@ class Variant:
     transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
     backend: str = "file"  # what is served: the volume file, or an RBD image of it (--backend rbd)
     connections: int = 1  # fio: jobs, each with its own NBD connection, sharing the workload's queue depth
+    engine: str = "libaio"  # local fio: libaio with O_DIRECT, or io_uring through the page cache
 
 
 VARIANTS = (
     Variant("local-fio", "local file, fio libaio direct", "local", "fio"),
+    Variant("local-fio-uring", "local file, fio io_uring (page cache)", "local", "fio", engine="io_uring"),
     Variant("nbd-native", "NBD aio=native cache.direct (default)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, default=True),
     Variant("nbd-threads", "NBD aio=threads cache.direct", "nbd", "fio", {"aio": "threads", "cache_direct": True}),
     Variant("nbd-io_uring", "NBD aio=io_uring cache.direct", "nbd", "fio", {"aio": "io_uring", "cache_direct": True}),
     Variant("nbd-cached", "NBD aio=threads page cache", "nbd", "fio", {"aio": "threads", "cache_direct": False}),
+    Variant("nbdkit", "nbdkit file plugin, 16 threads (nbdkit driver default)", "nbdkit", "fio", default=True),
     Variant("nbd-nodelay", "NBD default + TCP_NODELAY (experimental)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, nodelay=True),
     Variant("nbd-unix", "NBD unix socket (vbs up)", "nbd", "fio", {"aio": "native", "cache_direct": True},
@@ -177,6 +188,9 @@ VARIANTS = (
             {"aio": "threads", "cache_direct": True}),
     Variant("nbd-io_uring-q", "NBD aio=io_uring cache.direct", "nbd", "qemu-img",
             {"aio": "io_uring", "cache_direct": True}),
+    Variant("nbd-cached-q", "NBD aio=threads page cache", "nbd", "qemu-img", {"aio": "threads", "cache_direct": False}),
+    Variant("nbdkit-q", "nbdkit file plugin, 16 threads (nbdkit driver default)", "nbdkit", "qemu-img",
+            default=True),
     Variant("nbd-nodelay-q", "NBD default + TCP_NODELAY (experimental)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, nodelay=True),
     Variant("nbd-unix-q", "NBD unix socket (vbs up)", "nbd", "qemu-img", {"aio": "native", "cache_direct": True},
@@ -200,6 +214,9 @@ VARIANTS = (
 RBD_VARIANTS = ("local-qemu", "rbd-librbd-q", "rbd-nbd-q")
 # --quick: the drivers' defaults and their baselines, what the targets are judged on (about 2 minutes).
 QUICK_VARIANTS = ("local-fio", "nbd-native", "local-qemu", "nbd-native-q", "iscsi-direct")
+# --nbdkit: nbdkit next to qemu-storage-daemon (direct and page cache) and the local file, both tools.
+NBDKIT_VARIANTS = ("local-fio-uring", "local-fio", "nbd-native", "nbd-cached", "nbdkit", "local-qemu",
+                   "nbd-native-q", "nbd-cached-q", "nbdkit-q")
 RBD_POOL = "bench"
 
 
@@ -259,7 +276,7 @@ def machine() -> dict[str, str]:
     if (name := os_name()) is not None:
         info["os"] = name
     for name, argv in (("fio", ["fio", "--version"]), ("qemu", ["qemu-img", "--version"]),
-                       ("tgt", ["tgtadm", "--version"])):
+                       ("tgt", ["tgtadm", "--version"]), ("nbdkit", ["nbdkit", "--version"])):
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout  # noqa: S603
             info[name] = out.splitlines()[0].strip() if out else "?"
@@ -280,9 +297,11 @@ def run_tool(argv: list[str], timeout: float) -> str:
     return proc.stdout
 
 
-def local_fio_target(volume: Path) -> list[str]:
-    """fio's arguments for the local file itself, the baseline of every fio figure."""
-    return [f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"]
+def local_fio_target(volume: Path, engine: str = "libaio") -> list[str]:
+    """fio's arguments for the local file itself, the baseline of every fio figure: libaio with
+    O_DIRECT, or io_uring through the page cache (the fastest local engine here)."""
+    direct = "1" if engine == "libaio" else "0"
+    return [f"--filename={volume}", f"--ioengine={engine}", f"--direct={direct}", f"--size={volume.stat().st_size}"]
 
 
 def fio(target: list[str], w: Workload, runtime: float, connections: int = 1) -> Figure:
@@ -390,10 +409,22 @@ def served(v: Variant, volume: Path, work: Path,
                    f"file.image={source.image},file.conf={source.conf},file.user={source.user}"], None
         return
     if v.protocol == "local":
-        yield (local_fio_target(volume),
+        yield (local_fio_target(volume, v.engine),
                ["-f", "raw", "-t", "none", "-i", "native", str(volume)], None)
         return
     state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))
+    if v.protocol == "nbdkit":
+        kit = NbdkitExportDriver(state, "127.0.0.1", free_port(), tls="off", ports=1)
+        try:
+            c = kit.ensure_export(VOLUME_ID, FileSource(volume), HOST)
+            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
+                    f"file.server.port={c.port},file.export={c.export}")
+            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], \
+                kit.pid(VOLUME_ID, HOST.name)
+        finally:
+            kit.stop()
+            shutil.rmtree(state, ignore_errors=True)
+        return
     if v.protocol == "nbd":
         kw: dict[str, Any] = dict(v.nbd)
         client = state / "client"
@@ -535,7 +566,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     lines.append("")
     figs = {k: combine(r["runs"]) for k, r in results.items()}
     shown: tuple[Workload, ...] = args.workloads
-    baseline = {"fio": figs.get("local-fio", {}), "qemu-img": figs.get("local-qemu", {})}
+    baseline = {"fio": figs.get("local-fio") or figs.get("local-fio-uring", {}), "qemu-img": figs.get("local-qemu", {})}
     baseline["convert"] = {}
     for tool, title in (("fio", "fio (NBD through libnbd) vs local fio libaio direct"),
                         ("qemu-img", "qemu-img bench (QEMU's NBD / iSCSI client, as in a VM) vs local qemu-img"),
@@ -563,6 +594,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     if notes:
         lines += ["Notes:", *notes, ""]
     lines += transports(figs, shown)
+    lines += nbdkit_beside(figs, shown)
     lines += rbd_paths(figs, shown)
     lines += verdicts(figs, baseline, shown)
     return "\n".join(lines)
@@ -582,6 +614,31 @@ def rbd_paths(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -
                                                  for w in shown]]]
     return ["## RBD: the NBD path vs QEMU's own librbd (qemu-img bench, same run)", "",
             markdown_table(["ratio", *[w.key for w in shown]], rows), ""]
+
+
+def nbdkit_beside(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
+    """nbdkit, qemu-storage-daemon and the local file in the same run: each ratio to the local file
+    (fio: io_uring through the page cache; qemu-img: its own local run), and nbdkit's to the daemon."""
+    rows = []
+    for tool, local, keys in (("fio", "local-fio-uring", ("nbd-native", "nbd-cached", "nbdkit")),
+                              ("qemu-img", "local-qemu", ("nbd-native-q", "nbd-cached-q", "nbdkit-q"))):
+        base = figs.get(local)
+        if base is None or not any(k in figs for k in keys):
+            continue
+        for key in keys:
+            if key in figs:
+                v = next(x for x in VARIANTS if x.key == key)
+                rows.append([f"{v.label} / local [{tool}]",
+                             *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in shown]])
+        kit, qsd = figs.get(keys[2]), figs.get(keys[0])
+        if kit is not None and qsd is not None:
+            rows.append([f"nbdkit / qemu-storage-daemon default [{tool}]",
+                         *[fmt_ratio(ratio(kit.get(w.key), qsd.get(w.key))) for w in shown]])
+    if not rows:
+        return []
+    return ["## nbdkit beside qemu-storage-daemon and the local file (same run)", "",
+            markdown_table(["ratio", *[w.key for w in shown]], rows),
+            "", "(fio's local baseline: io_uring through the page cache; qemu-img's: -t none -i native)", ""]
 
 
 def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
@@ -682,6 +739,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="where the file goes (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--list", action="store_true", help="list the variant keys and exit")
+    p.add_argument("--nbdkit", action="store_true",
+                   help=f"nbdkit beside qemu-storage-daemon and the local file ({', '.join(NBDKIT_VARIANTS)})")
     p.add_argument("--backend", choices=("file", "rbd"), default="file",
                    help="rbd: the file copied into an RBD image of a Ceph this starts, read and written by QEMU's "
                         f"librbd and over NBD, next to the local file ({', '.join(RBD_VARIANTS)})")
@@ -699,9 +758,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v.key:18} {v.tool:9} {v.label}")
         return 0
     only = (args.only.split(",") if args.only else list(RBD_VARIANTS) if args.backend == "rbd"
-            else list(QUICK_VARIANTS) if args.quick else None)
+            else list(NBDKIT_VARIANTS) if args.nbdkit else list(QUICK_VARIANTS) if args.quick else None)
     chosen = [v for v in VARIANTS if (v.key in only if only is not None else v.backend == "file")]
     need = {"fio", "qemu-img"} | ({"qemu-storage-daemon"} if any(v.protocol == "nbd" for v in chosen) else set()) | (
+        {"nbdkit"} if any(v.protocol == "nbdkit" for v in chosen) else set()) | (
         {"tgtd", "tgtadm"} if any(v.protocol == "iscsi" for v in chosen) else set())
     missing = sorted(t for t in need if shutil.which(t) is None)
     if missing:
