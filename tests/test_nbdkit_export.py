@@ -20,9 +20,13 @@ from tests.conftest import free_ports, reap_daemons
 from tests.export_fixtures import MiB, read_at, wait_dead, write_at
 from tests.test_nbd_access import attempt, qemu_io
 from vbs.config import StorageAgentConfig
+from vbs.connectors import connector_for
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.ids import virtio_serial
 from vbs.pools.exports import FileSource, RbdSource
 from vbs.qemu.tls import X509Files, qemu_x509_dir
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.nbdkit import NbdkitExportDriver
 from vbs.trust.pki import CertificateAuthority
 from vbs.wire.connection import HostIdentity, NbdConnection
@@ -221,6 +225,33 @@ def test_x509_admits_the_host_the_export_was_made_for_and_refuses_every_other(
     # The process's private files: the node's key in a 0700 directory, 0600.
     key = drv.tls_dir / next(p.name for p in drv.tls_dir.iterdir()) / "server-key.pem"
     assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700 and stat.S_IMODE(key.stat().st_mode) == 0o600
+
+
+def test_a_guest_disk_over_x509_through_the_host_agents_own_certificate(
+        make_driver: Callable[..., NbdkitExportDriver], volume: Path, ca: CertificateAuthority,
+        tmp_path: Path) -> None:
+    """The QEMU driver of the host agent and a real TCG guest: QEMU's TLS client through the anchor."""
+    host = ca.issue_in(tmp_path / "host", "hv-a", ["127.0.0.1", "hv-a"])
+    drv = make_driver(tls="x509", x509=node_x509(ca, tmp_path))
+    c = drv.ensure_export(VOL, FileSource(volume), HV_A)
+    vm_dir = tmp_path / "vms"
+    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
+    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=X509Files(host.cert, host.key, host.ca))
+    try:
+        guest.start()
+        guest.wait_ready(120)
+        serial = virtio_serial(VOL)
+        qemu.attach("vm1", serial, c)
+        dev = guest.wait_for_disk(serial, 20)
+        assert guest.write_pattern(dev, "nbdkit-x509", 2) == pattern_sha256("nbdkit-x509", 2)
+        nodes = guest.qmp("query-named-block-nodes", {"flat": True})
+        assert any(connector_for(c).qemu_node_opens(n, c) for n in nodes)
+        qemu.detach("vm1", serial)
+        guest.wait_disk_gone(serial, 20)
+        assert read_at(volume, 0, 2 * MiB) == pattern_bytes("nbdkit-x509", 2)
+    finally:
+        qemu.close()
+        guest.stop()
 
 
 def test_tls_psk_admits_only_the_hosts_own_key(
