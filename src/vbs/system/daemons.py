@@ -118,7 +118,8 @@ class Daemon:
             raise DriverError(f"{spec.name}: not installed") from exc
         finally:
             os.close(fd)
-        self._proc, self._pid = proc, proc.pid
+        # A daemon that forks is the process its pidfile names once the one started here exited.
+        self._proc, self._pid = proc, None if spec.forks else proc.pid
         if not spec.writes_pidfile:
             write_private(spec.pid_path, f"{proc.pid}\n")
         deadline = time.monotonic() + spec.start_timeout
@@ -129,7 +130,7 @@ class Daemon:
             try:
                 ready(deadline)
                 if self._pid is None:
-                    raise DriverError(f"{spec.name} wrote no pidfile {spec.pid_path}")
+                    raise DriverError(f"{spec.name} has not forked into the background yet")
                 break
             except DriverError as exc:
                 if time.monotonic() >= deadline or not self._starting(proc):
@@ -143,11 +144,11 @@ class Daemon:
         started exited 0, the one its pidfile names (None until that is written)."""
         if proc.poll() is None:
             return True
-        if not self.spec.forks or proc.returncode != 0:
+        if not self.spec.forks:
             return False
         self._proc = None
-        self._pid = self.recorded_pid()
-        return self._pid is None or self.spec.owns(self._pid)
+        self._pid = self.recorded_pid()  # a child of a failed start is stopped with it
+        return proc.returncode == 0 and (self._pid is None or self.spec.owns(self._pid))
 
     def stop(self, ask: Callable[[], bool] | None = None, *, grace: float = 10.0) -> None:
         """Stop the daemon: ``ask()`` requests a clean exit (True if it was asked), then, after
@@ -169,6 +170,8 @@ class Daemon:
     def terminate(self, *, grace: float = 0.0) -> None:
         """Make sure the daemon is gone: wait ``grace``, then the stop signals, always by PID."""
         pid, proc = self._pid, self._proc
+        if pid is None and proc is not None:
+            pid = proc.pid  # one that forks, stopped before it did
         if pid is not None:
             steps: list[tuple[signal.Signals | None, float]] = [(None, grace)]
             steps += [(sig, 5.0) for sig in self.spec.stop_signals]
