@@ -35,9 +35,7 @@ stopped; a restarted agent adopts every process whose command line is still what
 from __future__ import annotations
 
 import logging
-import re
 import secrets
-import socket
 import threading
 from pathlib import Path
 
@@ -57,15 +55,13 @@ from vbs.storage.exports.supervised import (
     check_port,
     checked_source,
 )
-from vbs.system.daemons import Daemon
 from vbs.system.desired_state import DesiredState
-from vbs.system.files import write_private
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo
 
-from .anchor import host_anchor
-from .process import Listener, TlsMode, process_spec, ready, stopper_spec
+from .process import TlsMode
+from .processes import Processes
 from .state import STATE_VERSION, HostExport, Served, process_id
 
 log = logging.getLogger(__name__)
@@ -114,15 +110,16 @@ class NbdkitExportDriver:
         if self.tls == "x509" and x509 is None:
             raise InvalidParameter("NBD TLS with X.509 needs this node's certificate, key and the install's CA")
         self.x509 = x509
-        self.threads, self.cache, self.start_timeout = options.threads, options.cache, start_timeout
-        self.run_dir = self.state_dir / "run"
-        self.tls_dir = self.state_dir / "tls"
+        self.threads, self.cache = options.threads, options.cache
+        self._processes = Processes(self.state_dir, listen_host=listen_host, ports=self.ports, tls=self.tls,
+                                    x509=x509, socket_dir=self.socket_dir, threads=options.threads,
+                                    cache=options.cache, start_timeout=start_timeout)
+        self.run_dir, self.tls_dir = self._processes.run_dir, self._processes.tls_dir
         self.state_path = self.state_dir / "exports.json"
         self._state = DesiredState(self.state_path, Served, version=STATE_VERSION)
         self._lock = threading.RLock()
         self._desired: dict[str, Served] = {}
         self._loaded = False
-        self._daemons: dict[tuple[str, str], Daemon] = {}
 
     @classmethod
     def from_config(cls, cfg: StorageAgentConfig, state_dir: Path) -> NbdkitExportDriver:
@@ -138,102 +135,13 @@ class NbdkitExportDriver:
     def pid(self, key: str, host_name: str) -> int | None:
         """PID of the process serving ``key`` to ``host_name`` (None when none runs)."""
         with self._lock:
-            daemon = self._daemons.get((key, host_name))
-            return daemon.pid if daemon is not None and daemon.running() else None
+            return self._processes.pid(key, host_name)
 
     def log_path(self, key: str, host_name: str) -> Path:
-        return self.run_dir / f"{process_id(key, host_name)}.log"
-
-    def _socket(self, pid: str) -> Path | None:
-        return socket_path(self.socket_dir, f"{pid}.sock") if self.socket_dir is not None else None
-
-    def _listener(self, served: Served, exp: HostExport) -> Listener:
-        pid = process_id(served.key, exp.host)
-        tls_path = {"x509": self.tls_dir / pid, "psk": self.tls_dir / f"{pid}.psk"}.get(self.tls)
-        return Listener(self._socket(pid), self.listen_host, exp.port, self.tls, tls_path)
-
-    def _daemon(self, served: Served, exp: HostExport) -> tuple[Daemon, Listener]:
-        listener = self._listener(served, exp)
-        spec = process_spec(self.run_dir, process_id(served.key, exp.host), path=Path(served.path), name=exp.name,
-                            read_only=exp.read_only, listener=listener, threads=self.threads, cache=self.cache,
-                            start_timeout=self.start_timeout)
-        daemon = self._daemons.get((served.key, exp.host))
-        if daemon is None or daemon.spec.argv != spec.argv:
-            daemon = Daemon(spec)
-            self._daemons[(served.key, exp.host)] = daemon
-        return daemon, listener
-
-    def _credentials(self, listener: Listener, exp: HostExport) -> None:
-        """What the process reads as it starts: its anchor and this node's certificate, or its one key."""
-        if listener.tls_path is None:
-            return
-        if listener.tls == "psk":
-            assert exp.psk is not None
-            self.tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_private(listener.tls_path, f"{exp.host}:{exp.psk}\n")
-            return
-        assert self.x509 is not None
-        try:
-            ca, cert, key = self.x509.ca.read_bytes(), self.x509.cert.read_text(), self.x509.key.read_text()
-        except OSError as exc:
-            raise InvalidParameter(f"cannot read a TLS file: {exc}") from exc
-        listener.tls_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        listener.tls_path.chmod(0o700)
-        write_private(listener.tls_path / "ca-cert.pem", host_anchor(ca, exp.address).decode())
-        write_private(listener.tls_path / "server-cert.pem", cert)
-        write_private(listener.tls_path / "server-key.pem", key)
-
-    def _run(self, served: Served, exp: HostExport) -> Daemon:
-        """The process of (key, host) running as the state says: adopted if it is, else started."""
-        daemon, listener = self._daemon(served, exp)
-        if daemon.running():
-            return daemon
-        if daemon.adopt():
-            return daemon
-        for d in {p for p in (self.socket_dir, listener.socket.parent if listener.socket else None) if p}:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            d.chmod(0o700)
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._credentials(listener, exp)
-        daemon.spawn(lambda _deadline: ready(daemon.spec, listener))
-        log.info("nbdkit pid %s serves %s to %s (%s)", daemon.pid, served.key, exp.host,
-                 listener.socket or f"{self.listen_host}:{exp.port}, tls={self.tls}")
-        return daemon
-
-    def _end(self, key: str, host_name: str) -> None:
-        """Stop (key, host)'s process, also one the state file lost (found by its pidfile), and remove
-        its files. Its clients are cut off."""
-        pid = process_id(key, host_name)
-        daemon = self._daemons.pop((key, host_name), None) or Daemon(stopper_spec(self.run_dir, pid))
-        daemon.stop(grace=0.0)
-        self._remove_files(pid)
-
-    def _remove_files(self, pid: str) -> None:
-        sock = self._socket(pid)
-        if sock is not None:
-            sock.unlink(missing_ok=True)
-        (self.tls_dir / f"{pid}.psk").unlink(missing_ok=True)
-        anchor_dir = self.tls_dir / pid
-        for f in ("ca-cert.pem", "server-cert.pem", "server-key.pem"):
-            (anchor_dir / f).unlink(missing_ok=True)
-        if anchor_dir.exists():
-            anchor_dir.rmdir()
+        return self._processes.log_path(key, host_name)
 
     def _free_port(self) -> int:
-        taken = {e.port for s in self._desired.values() for e in s.exports}
-        for port in self.ports:
-            if port in taken:
-                continue
-            family = socket.AF_INET6 if ":" in self.listen_host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind((self.listen_host, port))
-                except OSError:
-                    continue  # someone else's
-            return port
-        raise DriverError(f"no free port for another nbdkit export in {self.ports.start}-{self.ports.stop - 1} "
-                          "(raise [storage_agent.options.nbdkit] ports)")
+        return self._processes.free_port({e.port for s in self._desired.values() for e in s.exports})
 
     # -- desired state ---------------------------------------------------------------------------------
 
@@ -261,13 +169,8 @@ class NbdkitExportDriver:
             failed: list[str] = []
             for served in list(self._desired.values()):
                 for exp in served.exports:
-                    daemon = self._daemons.get((served.key, exp.host))
-                    if daemon is not None and daemon.pid is not None and not daemon.running():
-                        log.warning("nbdkit pid %s of %s for %s is gone: restarting it", daemon.pid, served.key,
-                                    exp.host)
-                        daemon.terminate()
                     try:
-                        self._run(served, exp)
+                        self._processes.run(served, exp)
                     except (DriverError, InvalidParameter) as exc:
                         # One missing source file must not keep every other host from its disk.
                         log.error("nbdkit export of %s for %s failed: %s", served.key, exp.host, exc.message)
@@ -281,15 +184,12 @@ class NbdkitExportDriver:
             self._load()
             for served in self._desired.values():
                 for exp in served.exports:
-                    self._daemon(served, exp)[0].stop(grace=0.0)
-            self._daemons.clear()
+                    self._processes.stop(served, exp)
 
     def close(self) -> None:
         """Let go of the processes without stopping them: the next agent adopts them."""
         with self._lock:
-            for daemon in self._daemons.values():
-                daemon.forget()
-            self._daemons.clear()
+            self._processes.forget()
 
     # -- exports (ExportDriver) ------------------------------------------------------------------------
 
@@ -312,11 +212,11 @@ class NbdkitExportDriver:
                                                       f"(read_only={exp.read_only}); remove that export first")
                 if exp.address != host.address:
                     # Its anchor admits the old address: a new process for the new one.
-                    self._end(key, host.name)
+                    self._processes.end(key, host.name)
                     exp.address = host.address
                     self._save()
-                self._run(served, exp)
-                return self._connection(exp)
+                self._processes.run(served, exp)
+                return self._connection(served, exp)
             exp = HostExport(host=host.name, address=host.address, read_only=read_only,
                              name=f"{key}-{secrets.token_hex(16)}",
                              port=self._free_port() if self.socket_dir is None else None,
@@ -325,16 +225,16 @@ class NbdkitExportDriver:
             self._desired[key] = served
             self._save()  # first: a crash from here on leaves an export check() re-creates
             try:
-                self._run(served, exp)
+                self._processes.run(served, exp)
             except BaseException:
                 served.exports.remove(exp)
                 if not served.exports:
                     del self._desired[key]
                 self._save()
-                self._end(key, host.name)
+                self._processes.end(key, host.name)
                 raise
             log.info("exported %s to %s through nbdkit (tls=%s)", key, host.name, self.tls)
-            return self._connection(exp)
+            return self._connection(served, exp)
 
     def remove_export(self, key: str, host_name: str) -> None:
         """Withdraw ``host_name``'s export of ``key``: its process stops; idempotent."""
@@ -349,7 +249,7 @@ class NbdkitExportDriver:
                 if not served.exports:
                     del self._desired[key]
                 self._save()
-            self._end(key, host_name)
+            self._processes.end(key, host_name)
             log.info("removed the nbdkit export of %s for %s", key, host_name)
 
     def refresh_export(self, key: str, source: ExportSource, host_name: str) -> NbdConnection:
@@ -365,8 +265,8 @@ class NbdkitExportDriver:
                 raise NotFound(f"{key} is not exported to {host_name}", code="InvalidAttachment.NotFound")
             if not served.serves(served_source):
                 raise IdempotentParameterMismatch(f"{key} is served from {served.describe()}, not {source}")
-            self._run(served, exp)
-            return self._connection(exp)
+            self._processes.run(served, exp)
+            return self._connection(served, exp)
 
     def retire_exports(self, key: str, host_name: str) -> None:
         """Nothing to retire: a refresh keeps the one process."""
@@ -387,8 +287,7 @@ class NbdkitExportDriver:
             out = []
             for served in self._desired.values():
                 for exp in served.exports:
-                    daemon = self._daemon(served, exp)[0]
-                    if daemon.running() or daemon.recorded_pid() is not None:
+                    if self._processes.serving(served, exp):
                         out.append(ExportInfo(key=served.key, host=exp.host, protocol=self.protocol,
                                               target=exp.name))
             return sorted(out, key=lambda e: (e.key, e.host))
@@ -401,14 +300,11 @@ class NbdkitExportDriver:
                                    "no rbd plugin (hosts open RBD pools natively, or use --export nbd)")
         checked = checked_source(key, source)
         assert isinstance(checked, FileSource)
-        if re.search(r"[\s\0]", str(checked.path)):
-            raise InvalidParameter(f"the nbdkit export driver serves files whose path has no white space: "
-                                   f"{str(checked.path)[:200]}")
         return checked
 
-    def _connection(self, exp: HostExport) -> NbdConnection:
-        if self.socket_dir is not None:
-            sock = self._socket(process_id(self._key_of(exp), exp.host))
+    def _connection(self, served: Served, exp: HostExport) -> NbdConnection:
+        sock = self._processes.socket(process_id(served.key, exp.host))
+        if sock is not None:
             return NbdConnection(socket=str(sock), export=exp.name)
         if self.tls == "x509":
             return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name, tls="x509")
@@ -416,7 +312,3 @@ class NbdkitExportDriver:
             return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name, tls="psk",
                                  tls_psk_identity=exp.host, tls_psk_key=SecretStr(exp.psk))
         return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name)
-
-    @staticmethod
-    def _key_of(exp: HostExport) -> str:
-        return exp.name.rsplit("-", 1)[0]
