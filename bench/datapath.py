@@ -49,7 +49,8 @@ measures, in the same run, the local file, QEMU opening the image with its own l
 benchmark's shortcut, never the product's) and the product's path, the storage agent's NBD export of
 the image (qemu-storage-daemon's librbd); it prints each ratio.
 
-Each run starts with the file evicted from the page cache (not the OSD's own cache). Every daemon
+Each run starts with the file evicted from the page cache (not the OSD's own cache), or with all of
+it in the page cache (``--warm``; ``--nbdkit`` unless ``--cold``). Every daemon
 is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
 
     .venv/bin/python bench/datapath.py            # one round (about 10 minutes)
@@ -253,6 +254,14 @@ def evict(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def warm_up(path: Path) -> None:
+    """Read the whole file into the page cache (written back first): each run starts warm."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        while f.read(64 * MIB):
+            pass
 
 
 def stride_blocks(nblocks: int) -> int:
@@ -493,8 +502,9 @@ def served(v: Variant, volume: Path, work: Path,
 
 
 def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource | None = None,
-            workloads: tuple[Workload, ...] = WORKLOADS) -> dict[str, Any]:
-    """Each of ``workloads`` through one export of ``v``."""
+            workloads: tuple[Workload, ...] = WORKLOADS, warm: bool = False) -> dict[str, Any]:
+    """Each of ``workloads`` through one export of ``v``, the file cold (evicted) or ``warm`` (all of
+    it in the page cache) at the start of each."""
     size = volume.stat().st_size
     figures: dict[str, Figure] = {}
     notes: list[str] = []
@@ -506,7 +516,7 @@ def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource
             except OSError as exc:
                 notes.append(f"TCP_NODELAY not set: {exc}")
         for w in workloads:
-            evict(volume)
+            (warm_up if warm else evict)(volume)
             load = loadavg()
             try:
                 if v.tool == "convert" and w.random:
@@ -561,7 +571,7 @@ def geomean(values: list[float]) -> float | None:
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: dict[str, str]) -> str:
     lines = [f"# VBS data path ({args.runtime:g} s per figure, {args.rounds} round(s), "
-             f"{args.size_gib} GiB file, MB = 10^6 bytes)", ""]
+             f"{args.size_gib} GiB file {'warm' if args.warm else 'cold'}, MB = 10^6 bytes)", ""]
     lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     lines.append("")
     figs = {k: combine(r["runs"]) for k, r in results.items()}
@@ -740,7 +750,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--list", action="store_true", help="list the variant keys and exit")
     p.add_argument("--nbdkit", action="store_true",
-                   help=f"nbdkit beside qemu-storage-daemon and the local file ({', '.join(NBDKIT_VARIANTS)})")
+                   help=f"nbdkit beside qemu-storage-daemon and the local file ({', '.join(NBDKIT_VARIANTS)}); "
+                        "the file warm unless --cold")
+    p.add_argument("--warm", action="store_true", help="each figure starts with the whole file in the page cache")
+    p.add_argument("--cold", action="store_true", help="each figure starts with the file evicted (the default)")
     p.add_argument("--backend", choices=("file", "rbd"), default="file",
                    help="rbd: the file copied into an RBD image of a Ceph this starts, read and written by QEMU's "
                         f"librbd and over NBD, next to the local file ({', '.join(RBD_VARIANTS)})")
@@ -748,6 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.runtime is None:
         args.runtime = 3.0 if args.quick else 10.0
     args.workloads = tuple(w for w in WORKLOADS if not (args.reads_only and w.write))
+    # nbdkit's file plugin and fio's io_uring baseline read through the page cache: compare them warm.
+    args.warm = args.warm or (args.nbdkit and not args.cold)
     return args
 
 
@@ -791,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 for v in chosen:
                     log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
                     try:
-                        res = measure(v, volume, work, args.runtime, rbd, args.workloads)
+                        res = measure(v, volume, work, args.runtime, rbd, args.workloads, args.warm)
                     except Exception as exc:  # one broken variant must not lose the others' figures
                         log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
                         results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
