@@ -6,6 +6,7 @@ Every process is stopped by PID at teardown (its pidfile names the test's state 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -347,6 +348,28 @@ def test_a_restarted_agent_adopts_the_running_processes_and_clients_keep_their_s
             client.wait()
     assert client.returncode == 0 and "Pattern verification failed" not in out and "error" not in out.lower(), out
     assert read_at(volume, 0, 8192) == b"\x31" * 4096 + b"\x32" * 4096
+
+
+def test_a_process_the_state_no_longer_names_is_stopped_when_the_agent_starts(
+        make_driver: Callable[..., NbdkitExportDriver], volume: Path) -> None:
+    """An agent that died between forgetting an export (saved first) and stopping its process."""
+    first = make_driver()
+    c = first.ensure_export(VOL, FileSource(volume), HV_A)
+    kept = first.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-b", address="127.0.0.2"))
+    orphan, adopted = first.pid(VOL, "hv-a"), first.pid(VOL, "hv-b")
+    assert orphan is not None
+    first.close()
+    state = json.loads(first.state_path.read_text())
+    state["items"][0]["exports"] = [e for e in state["items"][0]["exports"] if e["host"] != "hv-a"]
+    first.state_path.write_text(json.dumps(state))
+    second = make_driver(port=first.port)
+    second.start()
+    wait_dead(orphan)
+    assert second.pid(VOL, "hv-b") == adopted and second.pid(VOL, "hv-a") is None
+    ok, out = attempt(qemu_io(server(c), "read 0 4k"))
+    assert not ok, out
+    ok, out = attempt(qemu_io(server(kept), "read 0 4k"))
+    assert ok, out
 
 
 def test_a_killed_process_comes_back_with_the_same_port_name_and_credentials(

@@ -158,7 +158,13 @@ class NbdkitExportDriver:
     # -- the daemons' life (ExportDriver) --------------------------------------------------------------
 
     def start(self) -> None:
-        """Adopt every process an earlier agent left serving, start the others."""
+        """Adopt every process an earlier agent left serving, start the others, and stop those it
+        left that serve no desired export (fail closed: none outlives its attachment)."""
+        with self._lock:
+            self._load()
+            known = {process_id(s.key, e.host) for s in self._desired.values() for e in s.exports}
+            for pid in self._processes.end_unknown(known):
+                log.warning("stopped nbdkit process %s: it served no export this agent knows", pid)
         self.check()
 
     def check(self) -> None:

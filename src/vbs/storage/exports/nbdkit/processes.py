@@ -112,6 +112,19 @@ class Processes:
         daemon.stop(grace=0.0)
         self._remove_files(pid)
 
+    def end_unknown(self, known: set[str]) -> list[str]:
+        """Stop the processes whose pidfile names none of ``known`` (process ids): an agent that died
+        between forgetting an export and stopping its process left it serving. Their ids."""
+        ended = []
+        for pidfile in sorted(self.run_dir.glob("*.pid")) if self.run_dir.is_dir() else []:
+            pid = pidfile.stem
+            if pid in known:
+                continue
+            Daemon(stopper_spec(self.run_dir, pid)).stop(grace=0.0)
+            self._remove_files(pid)
+            ended.append(pid)
+        return ended
+
     def _remove_files(self, pid: str) -> None:
         sock = self.socket(pid)
         if sock is not None:
