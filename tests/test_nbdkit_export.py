@@ -226,6 +226,7 @@ def test_x509_admits_the_host_the_export_was_made_for_and_refuses_every_other(
     # The process's private files: the node's key in a 0700 directory, 0600.
     key = drv.tls_dir / next(p.name for p in drv.tls_dir.iterdir()) / "server-key.pem"
     assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700 and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(drv.tls_dir.stat().st_mode) == 0o700
 
 
 def test_a_guest_disk_over_x509_through_the_host_agents_own_certificate(

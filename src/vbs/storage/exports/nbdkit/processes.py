@@ -67,9 +67,10 @@ class Processes:
         """What the process reads as it starts: its anchor and this node's certificate, or its one key."""
         if listener.tls_path is None:
             return
+        self.tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.tls_dir.chmod(0o700)
         if listener.tls == "psk":
             assert exp.psk is not None
-            self.tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_private(listener.tls_path, f"{exp.host}:{exp.psk}\n")
             return
         assert self.x509 is not None
@@ -77,7 +78,7 @@ class Processes:
             ca, cert, key = self.x509.ca.read_bytes(), self.x509.cert.read_text(), self.x509.key.read_text()
         except OSError as exc:
             raise InvalidParameter(f"cannot read a TLS file: {exc}") from exc
-        listener.tls_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        listener.tls_path.mkdir(exist_ok=True, mode=0o700)
         listener.tls_path.chmod(0o700)
         write_private(listener.tls_path / "ca-cert.pem", host_anchor(ca, exp.address).decode())
         write_private(listener.tls_path / "server-cert.pem", cert)
