@@ -12,6 +12,12 @@ read and written through them, each figure next to the same tool on the same fil
   bench -t none -i native`` on the file. iSCSI tunables: tgt ``bsoflags=direct`` on / off and the
   negotiated segment lengths (tgt's defaults, the driver's ``TUNING``, 1 MiB).
 
+nbdkit (``NbdkitExportDriver``: one nbdkit per export, the ``file`` plugin, ``--threads 16``) is
+measured beside them in the same run, through fio's ``nbd`` engine and through ``qemu-img bench``;
+its section compares it with qemu-storage-daemon (direct I/O, the ``nbd`` driver's default, and the
+page cache, as nbdkit's file plugin uses) and with the local file read by fio with ``io_uring``
+(buffered: on this machine the fastest local engine, docs/benchmarks.md) and by ``qemu-img``.
+
 The report ends with the targets of issue 15 (NBD: sequential read >= 0.9 and 4 KiB random read
 at queue depth 32 >= 0.7 of the local file with the same tool; iSCSI: >= 0.8 / >= 0.5), met or not
 for each path, through fio's libnbd and through QEMU's own client, with the highest load average
@@ -43,7 +49,8 @@ measures, in the same run, the local file, QEMU opening the image with its own l
 benchmark's shortcut, never the product's) and the product's path, the storage agent's NBD export of
 the image (qemu-storage-daemon's librbd); it prints each ratio.
 
-Each run starts with the file evicted from the page cache (not the OSD's own cache). Every daemon
+Each run starts with the file evicted from the page cache (not the OSD's own cache), or with all of
+it in the page cache (``--warm``; ``--nbdkit`` unless ``--cold``). Every daemon
 is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
 
     .venv/bin/python bench/datapath.py            # one round (about 10 minutes)
@@ -51,6 +58,7 @@ is stopped by its driver (by PID) in a ``finally``; only 127.0.0.1 is used.
     .venv/bin/python bench/datapath.py --quick --only ...   # chosen variants, 3 s per figure (--list)
     .venv/bin/python bench/datapath.py --quick --reads-only  # the two reads the targets judge (under a minute)
     .venv/bin/python bench/datapath.py --backend rbd   # local file vs librbd vs NBD over RBD
+    .venv/bin/python bench/datapath.py --nbdkit        # nbdkit vs qemu-storage-daemon vs the local file
 """
 
 from __future__ import annotations
@@ -88,6 +96,7 @@ from vbs.rigs.ceph import EmbeddedCeph  # noqa: E402
 from vbs.storage.exports.iscsi import IscsiExportDriver  # noqa: E402
 from vbs.storage.exports.iscsi import targets as iscsi_mod  # noqa: E402
 from vbs.storage.exports.nbd import NbdExportDriver  # noqa: E402
+from vbs.storage.exports.nbdkit import NbdkitExportDriver  # noqa: E402
 from vbs.storage.exports.nodelay import force_nodelay  # noqa: E402
 from vbs.trust.pki import CertificateAuthority  # noqa: E402
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection  # noqa: E402
@@ -101,7 +110,7 @@ WRITE_PATTERN = 0xA5  # qemu-img bench writes this byte: the file never turns to
 CALIBRATE_S = 0.4  # a qemu-img bench probe must last this long before its rate is trusted
 
 # Targets of issue 15 (loopback against the local file, same tool): seq read 1 MiB qd8, rand read 4 KiB qd32.
-TARGETS: dict[str, tuple[float, float]] = {"nbd": (0.9, 0.7), "iscsi": (0.8, 0.5)}
+TARGETS: dict[str, tuple[float, float]] = {"nbd": (0.9, 0.7), "nbdkit": (0.9, 0.7), "iscsi": (0.8, 0.5)}
 SEQ_READ, RAND_READ = "seq read 1M qd8", "rand read 4k qd32"
 NOISE = 0.10  # differences under this (relative) are not called a winner
 
@@ -145,7 +154,7 @@ class Variant:
 
     key: str
     label: str
-    protocol: str  # local | nbd | iscsi
+    protocol: str  # local | nbd | nbdkit | iscsi | rbd
     tool: str  # fio | qemu-img
     nbd: dict[str, Any] = field(default_factory=dict)  # NbdExportDriver keyword arguments
     iscsi_direct: bool = True
@@ -155,15 +164,18 @@ class Variant:
     transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
     backend: str = "file"  # what is served: the volume file, or an RBD image of it (--backend rbd)
     connections: int = 1  # fio: jobs, each with its own NBD connection, sharing the workload's queue depth
+    engine: str = "libaio"  # local fio: libaio with O_DIRECT, or io_uring through the page cache
 
 
 VARIANTS = (
     Variant("local-fio", "local file, fio libaio direct", "local", "fio"),
+    Variant("local-fio-uring", "local file, fio io_uring (page cache)", "local", "fio", engine="io_uring"),
     Variant("nbd-native", "NBD aio=native cache.direct (default)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, default=True),
     Variant("nbd-threads", "NBD aio=threads cache.direct", "nbd", "fio", {"aio": "threads", "cache_direct": True}),
     Variant("nbd-io_uring", "NBD aio=io_uring cache.direct", "nbd", "fio", {"aio": "io_uring", "cache_direct": True}),
     Variant("nbd-cached", "NBD aio=threads page cache", "nbd", "fio", {"aio": "threads", "cache_direct": False}),
+    Variant("nbdkit", "nbdkit file plugin, 16 threads (nbdkit driver default)", "nbdkit", "fio", default=True),
     Variant("nbd-nodelay", "NBD default + TCP_NODELAY (experimental)", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, nodelay=True),
     Variant("nbd-unix", "NBD unix socket (vbs up)", "nbd", "fio", {"aio": "native", "cache_direct": True},
@@ -177,6 +189,9 @@ VARIANTS = (
             {"aio": "threads", "cache_direct": True}),
     Variant("nbd-io_uring-q", "NBD aio=io_uring cache.direct", "nbd", "qemu-img",
             {"aio": "io_uring", "cache_direct": True}),
+    Variant("nbd-cached-q", "NBD aio=threads page cache", "nbd", "qemu-img", {"aio": "threads", "cache_direct": False}),
+    Variant("nbdkit-q", "nbdkit file plugin, 16 threads (nbdkit driver default)", "nbdkit", "qemu-img",
+            default=True),
     Variant("nbd-nodelay-q", "NBD default + TCP_NODELAY (experimental)", "nbd", "qemu-img",
             {"aio": "native", "cache_direct": True}, nodelay=True),
     Variant("nbd-unix-q", "NBD unix socket (vbs up)", "nbd", "qemu-img", {"aio": "native", "cache_direct": True},
@@ -200,6 +215,9 @@ VARIANTS = (
 RBD_VARIANTS = ("local-qemu", "rbd-librbd-q", "rbd-nbd-q")
 # --quick: the drivers' defaults and their baselines, what the targets are judged on (about 2 minutes).
 QUICK_VARIANTS = ("local-fio", "nbd-native", "local-qemu", "nbd-native-q", "iscsi-direct")
+# --nbdkit: nbdkit next to qemu-storage-daemon (direct and page cache) and the local file, both tools.
+NBDKIT_VARIANTS = ("local-fio-uring", "local-fio", "nbd-native", "nbd-cached", "nbdkit", "local-qemu",
+                   "nbd-native-q", "nbd-cached-q", "nbdkit-q")
 RBD_POOL = "bench"
 
 
@@ -238,6 +256,14 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
+def warm_up(path: Path) -> None:
+    """Read the whole file into the page cache (written back first): each run starts warm."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        while f.read(64 * MIB):
+            pass
+
+
 def stride_blocks(nblocks: int) -> int:
     """A block stride near the golden ratio of the file, coprime with its block count: one pass
     touches every block once and consecutive requests land far apart."""
@@ -259,7 +285,7 @@ def machine() -> dict[str, str]:
     if (name := os_name()) is not None:
         info["os"] = name
     for name, argv in (("fio", ["fio", "--version"]), ("qemu", ["qemu-img", "--version"]),
-                       ("tgt", ["tgtadm", "--version"])):
+                       ("tgt", ["tgtadm", "--version"]), ("nbdkit", ["nbdkit", "--version"])):
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout  # noqa: S603
             info[name] = out.splitlines()[0].strip() if out else "?"
@@ -280,9 +306,11 @@ def run_tool(argv: list[str], timeout: float) -> str:
     return proc.stdout
 
 
-def local_fio_target(volume: Path) -> list[str]:
-    """fio's arguments for the local file itself, the baseline of every fio figure."""
-    return [f"--filename={volume}", "--ioengine=libaio", "--direct=1", f"--size={volume.stat().st_size}"]
+def local_fio_target(volume: Path, engine: str = "libaio") -> list[str]:
+    """fio's arguments for the local file itself, the baseline of every fio figure: libaio with
+    O_DIRECT, or io_uring through the page cache (the fastest local engine here)."""
+    direct = "1" if engine == "libaio" else "0"
+    return [f"--filename={volume}", f"--ioengine={engine}", f"--direct={direct}", f"--size={volume.stat().st_size}"]
 
 
 def fio(target: list[str], w: Workload, runtime: float, connections: int = 1) -> Figure:
@@ -390,10 +418,22 @@ def served(v: Variant, volume: Path, work: Path,
                    f"file.image={source.image},file.conf={source.conf},file.user={source.user}"], None
         return
     if v.protocol == "local":
-        yield (local_fio_target(volume),
+        yield (local_fio_target(volume, v.engine),
                ["-f", "raw", "-t", "none", "-i", "native", str(volume)], None)
         return
     state = Path(tempfile.mkdtemp(prefix=f"{v.protocol}-", dir=work))
+    if v.protocol == "nbdkit":
+        kit = NbdkitExportDriver(state, "127.0.0.1", free_port(), tls="off", ports=1)
+        try:
+            c = kit.ensure_export(VOLUME_ID, FileSource(volume), HOST)
+            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
+                    f"file.server.port={c.port},file.export={c.export}")
+            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], \
+                kit.pid(VOLUME_ID, HOST.name)
+        finally:
+            kit.stop()
+            shutil.rmtree(state, ignore_errors=True)
+        return
     if v.protocol == "nbd":
         kw: dict[str, Any] = dict(v.nbd)
         client = state / "client"
@@ -462,8 +502,9 @@ def served(v: Variant, volume: Path, work: Path,
 
 
 def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource | None = None,
-            workloads: tuple[Workload, ...] = WORKLOADS) -> dict[str, Any]:
-    """Each of ``workloads`` through one export of ``v``."""
+            workloads: tuple[Workload, ...] = WORKLOADS, warm: bool = False) -> dict[str, Any]:
+    """Each of ``workloads`` through one export of ``v``, the file cold (evicted) or ``warm`` (all of
+    it in the page cache) at the start of each."""
     size = volume.stat().st_size
     figures: dict[str, Figure] = {}
     notes: list[str] = []
@@ -475,7 +516,7 @@ def measure(v: Variant, volume: Path, work: Path, runtime: float, rbd: RbdSource
             except OSError as exc:
                 notes.append(f"TCP_NODELAY not set: {exc}")
         for w in workloads:
-            evict(volume)
+            (warm_up if warm else evict)(volume)
             load = loadavg()
             try:
                 if v.tool == "convert" and w.random:
@@ -530,12 +571,12 @@ def geomean(values: list[float]) -> float | None:
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: dict[str, str]) -> str:
     lines = [f"# VBS data path ({args.runtime:g} s per figure, {args.rounds} round(s), "
-             f"{args.size_gib} GiB file, MB = 10^6 bytes)", ""]
+             f"{args.size_gib} GiB file {'warm' if args.warm else 'cold'}, MB = 10^6 bytes)", ""]
     lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     lines.append("")
     figs = {k: combine(r["runs"]) for k, r in results.items()}
     shown: tuple[Workload, ...] = args.workloads
-    baseline = {"fio": figs.get("local-fio", {}), "qemu-img": figs.get("local-qemu", {})}
+    baseline = {"fio": figs.get("local-fio") or figs.get("local-fio-uring", {}), "qemu-img": figs.get("local-qemu", {})}
     baseline["convert"] = {}
     for tool, title in (("fio", "fio (NBD through libnbd) vs local fio libaio direct"),
                         ("qemu-img", "qemu-img bench (QEMU's NBD / iSCSI client, as in a VM) vs local qemu-img"),
@@ -563,6 +604,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, info: d
     if notes:
         lines += ["Notes:", *notes, ""]
     lines += transports(figs, shown)
+    lines += nbdkit_beside(figs, shown)
     lines += rbd_paths(figs, shown)
     lines += verdicts(figs, baseline, shown)
     return "\n".join(lines)
@@ -582,6 +624,31 @@ def rbd_paths(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -
                                                  for w in shown]]]
     return ["## RBD: the NBD path vs QEMU's own librbd (qemu-img bench, same run)", "",
             markdown_table(["ratio", *[w.key for w in shown]], rows), ""]
+
+
+def nbdkit_beside(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
+    """nbdkit, qemu-storage-daemon and the local file in the same run: each ratio to the local file
+    (fio: io_uring through the page cache; qemu-img: its own local run), and nbdkit's to the daemon."""
+    rows = []
+    for tool, local, keys in (("fio", "local-fio-uring", ("nbd-native", "nbd-cached", "nbdkit")),
+                              ("qemu-img", "local-qemu", ("nbd-native-q", "nbd-cached-q", "nbdkit-q"))):
+        base = figs.get(local)
+        if base is None or not any(k in figs for k in keys):
+            continue
+        for key in keys:
+            if key in figs:
+                v = next(x for x in VARIANTS if x.key == key)
+                rows.append([f"{v.label} / local [{tool}]",
+                             *[fmt_ratio(ratio(figs[key].get(w.key), base.get(w.key))) for w in shown]])
+        kit, qsd = figs.get(keys[2]), figs.get(keys[0])
+        if kit is not None and qsd is not None:
+            rows.append([f"nbdkit / qemu-storage-daemon default [{tool}]",
+                         *[fmt_ratio(ratio(kit.get(w.key), qsd.get(w.key))) for w in shown]])
+    if not rows:
+        return []
+    return ["## nbdkit beside qemu-storage-daemon and the local file (same run)", "",
+            markdown_table(["ratio", *[w.key for w in shown]], rows),
+            "", "(fio's local baseline: io_uring through the page cache; qemu-img's: -t none -i native)", ""]
 
 
 def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) -> list[str]:
@@ -682,6 +749,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="where the file goes (default /var/tmp)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     p.add_argument("--list", action="store_true", help="list the variant keys and exit")
+    p.add_argument("--nbdkit", action="store_true",
+                   help=f"nbdkit beside qemu-storage-daemon and the local file ({', '.join(NBDKIT_VARIANTS)}); "
+                        "the file warm unless --cold")
+    p.add_argument("--warm", action="store_true", help="each figure starts with the whole file in the page cache")
+    p.add_argument("--cold", action="store_true", help="each figure starts with the file evicted (the default)")
     p.add_argument("--backend", choices=("file", "rbd"), default="file",
                    help="rbd: the file copied into an RBD image of a Ceph this starts, read and written by QEMU's "
                         f"librbd and over NBD, next to the local file ({', '.join(RBD_VARIANTS)})")
@@ -689,6 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.runtime is None:
         args.runtime = 3.0 if args.quick else 10.0
     args.workloads = tuple(w for w in WORKLOADS if not (args.reads_only and w.write))
+    # nbdkit's file plugin and fio's io_uring baseline read through the page cache: compare them warm.
+    args.warm = args.warm or (args.nbdkit and not args.cold)
     return args
 
 
@@ -699,9 +773,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v.key:18} {v.tool:9} {v.label}")
         return 0
     only = (args.only.split(",") if args.only else list(RBD_VARIANTS) if args.backend == "rbd"
-            else list(QUICK_VARIANTS) if args.quick else None)
+            else list(NBDKIT_VARIANTS) if args.nbdkit else list(QUICK_VARIANTS) if args.quick else None)
     chosen = [v for v in VARIANTS if (v.key in only if only is not None else v.backend == "file")]
     need = {"fio", "qemu-img"} | ({"qemu-storage-daemon"} if any(v.protocol == "nbd" for v in chosen) else set()) | (
+        {"nbdkit"} if any(v.protocol == "nbdkit" for v in chosen) else set()) | (
         {"tgtd", "tgtadm"} if any(v.protocol == "iscsi" for v in chosen) else set())
     missing = sorted(t for t in need if shutil.which(t) is None)
     if missing:
@@ -731,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 for v in chosen:
                     log(f"round {rnd + 1}/{args.rounds}: {v.key} ({v.label}, {v.tool})")
                     try:
-                        res = measure(v, volume, work, args.runtime, rbd, args.workloads)
+                        res = measure(v, volume, work, args.runtime, rbd, args.workloads, args.warm)
                     except Exception as exc:  # one broken variant must not lose the others' figures
                         log(f"  {v.key}: FAILED {type(exc).__name__}: {exc}")
                         results[v.key]["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[:300]}")

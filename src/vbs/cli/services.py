@@ -84,7 +84,7 @@ def storage_agent(
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Export daemons' sockets and state.")] = None,
     backend: Annotated[str | None, typer.Option(help="Backend driver by name (default: file).")] = None,
-    export: Annotated[str | None, typer.Option(help="Export driver by name: nbd | iscsi.")] = None,
+    export: Annotated[str | None, typer.Option(help="Export driver by name: nbd | nbdkit | iscsi.")] = None,
     nbd_port: Annotated[int | None, typer.Option()] = None,
     nbd_socket_dir: Annotated[Path | None, typer.Option(
         help="Serve NBD on <dir>/nbd.sock (a 0700 directory) instead of TCP: hypervisors on this machine.")] = None,
@@ -201,7 +201,7 @@ def up(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = DEFAULT_CONTROLLER_PORT,
     clone_method: Annotated[str | None, typer.Option(help="reflink | copy (default: detect)")] = None,
-    export: Annotated[str, typer.Option(help="nbd | iscsi")] = "nbd",
+    export: Annotated[str, typer.Option(help="nbd | nbdkit | iscsi")] = "nbd",
     tls: Annotated[bool, typer.Option("--tls", help="HTTPS everywhere, with a private CA in the data dir.")] = False,
     overcommit_ratio: Annotated[float | None, typer.Option(help="Controller: a pool promises up to capacity x this.")]
     = None,

@@ -33,7 +33,10 @@ class DaemonSpec:
     ``owns(pid)`` says whether a live process is this daemon (its command line names our socket,
     say), whatever its configuration; ``writes_pidfile``: the daemon writes ``pid_path`` itself,
     else the supervisor does. ``stop_signals`` are sent in turn, by PID, after a clean exit was
-    asked for and ``grace`` passed (tgtd ignores SIGTERM: it gets only SIGKILL).
+    asked for and ``grace`` passed (tgtd ignores SIGTERM: it gets only SIGKILL). ``forks``: the
+    program forks into the background itself and its child writes ``pid_path`` (needs
+    ``writes_pidfile``); the process started exits 0 meanwhile (nbdkit: in the foreground it stops
+    serving when the process that started it dies, which an agent restart must survive).
     """
 
     name: str
@@ -46,6 +49,7 @@ class DaemonSpec:
     stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)
     start_timeout: float = 15.0
     stale_files: tuple[Path, ...] = field(default_factory=tuple)
+    forks: bool = False
 
 
 class Daemon:
@@ -114,23 +118,37 @@ class Daemon:
             raise DriverError(f"{spec.name}: not installed") from exc
         finally:
             os.close(fd)
-        self._proc, self._pid = proc, proc.pid
+        # A daemon that forks is the process its pidfile names once the one started here exited.
+        self._proc, self._pid = proc, None if spec.forks else proc.pid
         if not spec.writes_pidfile:
             write_private(spec.pid_path, f"{proc.pid}\n")
         deadline = time.monotonic() + spec.start_timeout
         while True:
-            if proc.poll() is not None:
+            if not self._starting(proc):
                 self.terminate(grace=0.0)
                 raise DriverError(f"{spec.name} did not start (it exited): {self.log_tail(log_start)}")
             try:
                 ready(deadline)
+                if self._pid is None:
+                    raise DriverError(f"{spec.name} has not forked into the background yet")
                 break
             except DriverError as exc:
-                if time.monotonic() >= deadline or proc.poll() is not None:
+                if time.monotonic() >= deadline or not self._starting(proc):
                     self.terminate(grace=0.0)
                     raise DriverError(f"{spec.name} did not start: {exc.message}; {self.log_tail(log_start)}") from exc
             time.sleep(0.02)
-        log.info("started %s pid %d", spec.name, proc.pid)
+        log.info("started %s pid %d", spec.name, self._pid)
+
+    def _starting(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether a daemon being spawned may still come up. One that ``forks`` is, once the process
+        started exited 0, the one its pidfile names (None until that is written)."""
+        if proc.poll() is None:
+            return True
+        if not self.spec.forks:
+            return False
+        self._proc = None
+        self._pid = self.recorded_pid()  # a child of a failed start is stopped with it
+        return proc.returncode == 0 and (self._pid is None or self.spec.owns(self._pid))
 
     def stop(self, ask: Callable[[], bool] | None = None, *, grace: float = 10.0) -> None:
         """Stop the daemon: ``ask()`` requests a clean exit (True if it was asked), then, after
@@ -152,6 +170,8 @@ class Daemon:
     def terminate(self, *, grace: float = 0.0) -> None:
         """Make sure the daemon is gone: wait ``grace``, then the stop signals, always by PID."""
         pid, proc = self._pid, self._proc
+        if pid is None and proc is not None:
+            pid = proc.pid  # one that forks, stopped before it did
         if pid is not None:
             steps: list[tuple[signal.Signals | None, float]] = [(None, grace)]
             steps += [(sig, 5.0) for sig in self.spec.stop_signals]

@@ -26,6 +26,9 @@ __all__ = [
     "ServedImage",
     "SupervisedExportDriver",
     "check_key",
+    "check_host",
+    "check_port",
+    "advertised_host",
     "checked_source",
     "source_file",
     "source_size",
@@ -49,19 +52,19 @@ def check_key(key: str) -> str:
     raise InvalidParameter(f"invalid export key {str(key)[:80]!r} (expecting a volume or snapshot id)")
 
 
-def _check_host(host_name: str) -> str:
+def check_host(host_name: str) -> str:
     if not HOST_NAME_RE.match(host_name):
         raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
     return host_name
 
 
-def _check_port(port: int) -> int:
+def check_port(port: int) -> int:
     if not 1 <= port <= 65535:
         raise InvalidParameter(f"port out of range: {port}")
     return port
 
 
-def _advertised_host(listen_host: str, advertise_host: str | None) -> str:
+def advertised_host(listen_host: str, advertise_host: str | None) -> str:
     """The address clients are told to use: a daemon bound to a wildcard needs one named."""
     if advertise_host is not None and not LISTEN_RE.match(advertise_host):
         raise InvalidParameter(f"invalid advertise_host: {advertise_host[:80]!r}")
@@ -135,8 +138,8 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
         """Called by a protocol's constructor once its own settings are made (``_daemon_spec``
         reads them)."""
         self.listen_host = listen_host
-        self.port = _check_port(port)
-        self.advertise_host = _advertised_host(listen_host, advertise_host)
+        self.port = check_port(port)
+        self.advertise_host = advertised_host(listen_host, advertise_host)
         super().__init__(state_dir, state)
 
     # -- what a protocol module supplies: its exports (called under the lock, state loaded) ----------
@@ -188,7 +191,7 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
     def remove_export(self, key: str, host_name: str) -> None:
         """Withdraw ``host_name``'s export of ``key``; idempotent (absent is success)."""
         check_key(key)
-        _check_host(host_name)
+        check_host(host_name)
         with self._lock:
             self._load()
             self._remove(self._desired.get(key), key, host_name)
@@ -197,7 +200,7 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
     def refresh_export(self, key: str, source: ExportSource, host_name: str) -> Connection:
         """A connection that reports the source's grown size; ``NotFound`` if there is no export."""
         check_key(key)
-        _check_host(host_name)
+        check_host(host_name)
         source = checked_source(key, source, formats=self.formats)
         self._check_source(source)
         with self._lock:
@@ -213,7 +216,7 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
     def retire_exports(self, key: str, host_name: str) -> None:
         """Remove what a refresh replaced; idempotent."""
         check_key(key)
-        _check_host(host_name)
+        check_host(host_name)
         with self._lock:
             self._load()
             item = self._desired.get(key)
