@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import free_port, reap_daemons, stop_process, wait_until
+from tests.conftest import reap_daemons, stop_process, wait_until
 from tests.installed import Installed, clean_env, exec_start
+from vbs.net.ports import free_port
 from vbs.system.files import write_private
 
 # The install's nodes and their kinds.
@@ -92,11 +93,11 @@ class Install:
         """Whether the node is up, as the CLI shows it; a service that died fails at once with its log."""
         for role, proc in self.procs.items():
             assert proc.poll() is None, f"{role} exited {proc.returncode}:\n{self.log(role)[-3000:]}"
-        proc = self.vbs("-o", "json", "describe-storage-nodes" if collection == "storage_nodes" else "describe-hosts",
+        said = self.vbs("-o", "json", "describe-storage-nodes" if collection == "storage_nodes" else "describe-hosts",
                         check=False)
-        if proc.returncode != 0:  # the controller is still starting
+        if said.returncode != 0:  # the controller is still starting
             return False
-        return any(n["name"] == name and n["state"] == "up" for n in json.loads(proc.stdout)[collection])
+        return any(n["name"] == name and n["state"] == "up" for n in json.loads(said.stdout)[collection])
 
     def wait_up(self) -> None:
         """Until both nodes are up, as the CLI shows them."""

@@ -7,12 +7,14 @@ as tests/test_install.py builds it, each installed into its own venv of Debian's
 loopback, its metadata on a real PostgreSQL) then goes from 0.1.0 to this release as docs/install.md
 ("Upgrades") orders it: ``vbs db upgrade`` of the new release ahead of the controllers (refused while they
 run unless ``--force``, for a release whose migrations only add), the controller, then the storage agent
-and the host agent one at a time, with a volume made under 0.1.0 kept and used throughout. The reverse
-mix, agents of this release under a 0.1.0 controller, runs too.
+and the host agent one at a time, with a volume attached under 0.1.0 to a running guest (``vbs demo-vm``)
+that reads and writes it throughout. The reverse mix, agents of this release under a 0.1.0 controller,
+runs too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -24,11 +26,14 @@ from tests.conftest import wait_until
 from tests.installed import FIRST_RELEASE, ROLES, Installed
 from tests.installed_cluster import Install, new_install
 from tests.postgres_cluster import PostgresForTests
+from vbs.ids import virtio_serial
+from vbs.rigs.testguest import default_cache_dir, pattern_sha256
+from vbs.rigs.testguest.background import BackgroundGuest
 from vbs.versions import UNVERSIONED_RELEASE, UNVERSIONED_WIRE, WIRE_VERSION
 
 pytestmark = pytest.mark.integration
 
-PATTERN = b"written under VBS 0.1.0\n" * 100
+MIB = 4  # what the guest writes and reads back, in MiB
 
 
 def first_release_install(first: Installed, current: Installed, d: Path, database_url: str) -> Install:
@@ -54,6 +59,46 @@ def first_release(installed_first_release: Installed, installed: Installed, post
         yield old
     finally:
         old.stop_all()
+
+
+@pytest.fixture
+def guest(first_release: Install, installed: Installed) -> Iterator[BackgroundGuest]:
+    """A running VM on host-1 (``vbs demo-vm``: the test guest under QEMU, its QMP socket where the host agent
+    finds VMs), stopped by its PID at the end."""
+    vm = BackgroundGuest("vm1", first_release.dir / "host")
+    demo = first_release.of(installed)
+    demo.env = {**demo.env, "VBS_CACHE_DIR": str(default_cache_dir().parent)}
+    try:
+        demo.vbs("demo-vm", vm.name, "--data-dir", str(first_release.dir / "host"))
+        yield vm
+    finally:
+        vm.stop()
+
+
+def in_guest(vm: BackgroundGuest, command: str) -> str:
+    status, out = vm.run(command, 300)
+    assert status == 0, f"{command}: {status} {out}"
+    return out
+
+
+def guest_disk(vm: BackgroundGuest, volume_id: str) -> str:
+    """The guest's device of ``volume_id`` (found by its serial), once the guest sees it."""
+    serial = virtio_serial(volume_id)
+    return str(wait_until(lambda: next((d.device for d in vm.disks() if d.serial == serial), None), 120, 1,
+                          what=f"{volume_id} in the guest"))
+
+
+def write_in_guest(vm: BackgroundGuest, volume_id: str, seed: str) -> None:
+    """``pattern_bytes(seed, MIB)`` written by the guest to its disk of ``volume_id`` (flushed)."""
+    dev = guest_disk(vm, volume_id)
+    in_guest(vm, f"yes {seed} | head -c {MIB << 20} | dd of=/dev/{dev} bs=1M conv=fsync 2>/dev/null")
+
+
+def read_in_guest(vm: BackgroundGuest, volume_id: str) -> str:
+    """sha256 of the first ``MIB`` MiB of its disk of ``volume_id``, as the guest reads it from the disk."""
+    dev = guest_disk(vm, volume_id)
+    return in_guest(vm, f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/{dev} bs=1M count={MIB} 2>/dev/null | "
+                        "sha256sum").split()[0]
 
 
 def schema(inst: Install) -> tuple[str, str]:
@@ -97,14 +142,18 @@ def restart(inst: Install, role: str) -> None:
     inst.start(role)
 
 
-def test_a_rolling_upgrade_from_0_1_0_keeps_every_volume_served(first_release: Install, installed: Installed) -> None:
+def test_a_rolling_upgrade_from_0_1_0_keeps_every_volume_served(first_release: Install, installed: Installed,
+                                                                 guest: BackgroundGuest) -> None:
     old, new = first_release, first_release.of(installed)
     release = installed.version
-    # Under 0.1.0: a volume that holds data (written into its file, as a guest would have) before the upgrade.
+    # Under 0.1.0: a volume attached to a running guest, which writes to it; it stays attached throughout.
     kept = old.json("create-volume", "--size", "1", "--wait")["volume_id"]
     kept_file = old.dir / "pools" / "default" / "volumes" / f"{kept}.raw"
-    with kept_file.open("r+b") as f:
-        f.write(PATTERN)
+    wait_until(lambda: any(i["vm_id"] == guest.name and i["state"] == "running"
+                           for i in old.json("describe-instances")["instances"]), 180, 1, what="vm1 on host-1")
+    old.vbs("attach-volume", kept, "--host", "host-1", "--vm", guest.name, "--wait")
+    write_in_guest(guest, kept, "old")
+    assert read_in_guest(guest, kept) == pattern_sha256("old", MIB)
     old_head, new_head = schema(old)[1], schema(new)[1]
     assert schema(old) == (old_head, old_head) and old_head != new_head
 
@@ -148,15 +197,21 @@ def test_a_rolling_upgrade_from_0_1_0_keeps_every_volume_served(first_release: I
                120, 0.5, what="both agents on the new release")
     made_and_deleted(new)
 
-    # 4. Nothing half-served: the volume made under 0.1.0 is as it was, and the new release's services use it
-    # whole — a snapshot of it and a volume from that snapshot hold what it held; then it is deleted.
+    # 4. Nothing half-served: the guest reads what it wrote under 0.1.0 through the new release's storage and
+    # host agents, and writes on; the volume is detached by the new release, a snapshot of it and a volume from
+    # that snapshot hold what the guest wrote, and it is deleted.
     (found,) = new.json("describe-volumes", kept)["volumes"]
-    assert (found["status"], found["size_gib"], found["storage_node"]) == ("available", 1, "storage-1"), found
+    assert (found["status"], found["size_gib"], found["storage_node"]) == ("in-use", 1, "storage-1"), found
+    assert read_in_guest(guest, kept) == pattern_sha256("old", MIB)
+    write_in_guest(guest, kept, "new")
+    assert read_in_guest(guest, kept) == pattern_sha256("new", MIB)
+    new.vbs("detach-volume", kept, "--wait")
+    wait_until(lambda: all(d.serial != virtio_serial(kept) for d in guest.disks()), 60, 1, what="the disk gone")
     snapshot = new.json("create-snapshot", kept, "--wait")["snapshot_id"]
     copy = new.json("create-volume", "--snapshot", snapshot, "--wait")["volume_id"]
     copy_file = new.dir / "pools" / "default" / "volumes" / f"{copy}.raw"
     with copy_file.open("rb") as f:
-        assert f.read(len(PATTERN)) == PATTERN
+        assert hashlib.sha256(f.read(MIB << 20)).hexdigest() == pattern_sha256("new", MIB)
     for volume_id in (copy, kept):
         new.vbs("delete-volume", volume_id, "--wait")
     new.vbs("delete-snapshot", snapshot)
