@@ -136,6 +136,9 @@ def install(root: Path, release: Release | None = None) -> Installed:
     run([DEBIAN_PYTHON, "-m", "venv", venv], env=clean_env(home))
     run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse, f"vbs=={version}"],
         env=clean_env(home))
+    # What the venv imports (0.1.0 has no `vbs --version`).
+    said = run([venv / "bin" / "python", "-c", "import vbs; print(vbs.__version__)"], env=clean_env(home), cwd=root)
+    assert said.stdout == f"{version}\n", said.stdout
     return Installed(root, version, wheel, wheelhouse, venv)
 
 
