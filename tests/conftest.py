@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.ceph_cluster import CephForTests, RadosGatewayForTests
+from tests.installed import FIRST_RELEASE, Installed, install
 from tests.loopfs import loop_filesystem
 from tests.postgres_cluster import PostgresForTests
 from vbs.controller.db import Database
@@ -412,6 +413,18 @@ def postgres() -> Iterator[PostgresForTests]:
         yield pg
     finally:
         pg.stop()
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """This tree's wheel installed as docs/install.md says (tests/installed.py): built once per session."""
+    return install(tmp_path_factory.mktemp("install"))
+
+
+@pytest.fixture(scope="session")
+def installed_first_release(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The first release, 0.1.0, built from its commit in this repository's history and installed the same way."""
+    return install(tmp_path_factory.mktemp("install-0.1.0"), FIRST_RELEASE)
 
 
 @pytest.fixture(scope="session")

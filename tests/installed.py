@@ -6,6 +6,9 @@ this tree's.
 Why a wheelhouse: it is what docs/install.md has an operator do (build once, install on every node
 without reaching an index), and it keeps the install itself offline. Making it is the one step that
 asks PyPI (``pip wheel``, through pip's cache, so a second session fetches and builds nothing).
+
+A past release installs the same way from its own tree, taken from this repository's history by its commit
+(``release_tree``): tests/test_rolling_upgrade.py runs it beside this tree's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +50,52 @@ def clean_env(home: Path, **extra: str) -> dict[str, str]:
     return {**kept, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **extra}
 
 
-def build_wheel(out: Path) -> Path:
-    """The wheel of this tree, built from a copy of it (a build writes build/ and *.egg-info beside its
-    sources, and two builds of one tree at once would share them)."""
+@dataclass(frozen=True)
+class Release:
+    """A release of VBS in this repository's history: its version and the commit it was made from."""
+
+    version: str
+    commit: str
+
+
+# The first release (CHANGELOG.md, "0.1.0"), found by its commit: a checkout (CI's too) may hold the history
+# without the tag v0.1.0.
+FIRST_RELEASE = Release("0.1.0", "f439ad9c1b221cb50594a553ca86463543df6798")
+
+
+def this_tree(out: Path) -> Path:
+    """A copy of this tree's sources in ``out``/source (a build writes build/ and *.egg-info beside its sources,
+    and two builds of one tree at once would share them)."""
     source = out / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, source / name)
     shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return source
+
+
+def release_tree(release: Release, out: Path) -> Path:
+    """The sources of ``release`` in ``out``/source, from this repository's history (``git archive`` of its
+    commit); fails, saying what to fetch, where the history lacks that commit."""
+    git = ["git", "-C", str(REPO)]
+    has = subprocess.run([*git, "cat-file", "-e", f"{release.commit}^{{commit}}"], capture_output=True, timeout=60)
+    assert has.returncode == 0, (
+        f"this repository's history lacks commit {release.commit}, release {release.version}: fetch the whole "
+        f"history (git fetch --unshallow) or the tag v{release.version}")
+    said = run([*git, "show", f"{release.commit}:src/vbs/__init__.py"]).stdout
+    assert f'\n__version__ = "{release.version}"\n' in f"\n{said}", (
+        f"commit {release.commit} is not release {release.version}: its src/vbs/__init__.py says\n{said}")
+    archive = out / f"vbs-{release.version}.tar"
+    run([*git, "archive", "--format=tar", f"--output={archive}", release.commit, "pyproject.toml", "README.md", "src"])
+    source = out / "source"
+    with tarfile.open(archive) as tar:
+        tar.extractall(source, filter="data")
+    archive.unlink()
+    return source
+
+
+def build_wheel(source: Path, out: Path) -> Path:
+    """The wheel of the tree ``source``, in ``out``/dist."""
     dist = out / "dist"
     run([sys.executable, "-m", "build", "--wheel", "--outdir", dist, source])
     (wheel,) = dist.glob("vbs-*.whl")
@@ -62,9 +104,10 @@ def build_wheel(out: Path) -> Path:
 
 @dataclass(frozen=True)
 class Installed:
-    """A venv with VBS installed from its wheel."""
+    """A venv with VBS ``version`` installed from its wheel."""
 
     root: Path
+    version: str
     wheel: Path
     wheelhouse: Path
     venv: Path
@@ -78,9 +121,12 @@ class Installed:
         return self.venv / "bin" / "python"
 
 
-def install(root: Path) -> Installed:
-    """Build the wheel, its wheelhouse, and a fresh venv that installs it from the wheelhouse alone."""
-    wheel = build_wheel(root)
+def install(root: Path, release: Release | None = None) -> Installed:
+    """Build the wheel of this tree (or of ``release``), its wheelhouse, and a fresh venv that installs it
+    from the wheelhouse alone."""
+    version = vbs.__version__ if release is None else release.version
+    wheel = build_wheel(this_tree(root) if release is None else release_tree(release, root), root)
+    assert wheel.name == f"vbs-{version}-py3-none-any.whl", wheel
     wheelhouse = root / "wheelhouse"
     home = root / "home"
     home.mkdir()
@@ -88,9 +134,12 @@ def install(root: Path) -> Installed:
         env=clean_env(home, PIP_CACHE_DIR=str(Path.home() / ".cache" / "pip")))
     venv = root / "venv"
     run([DEBIAN_PYTHON, "-m", "venv", venv], env=clean_env(home))
-    run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse,
-         f"vbs=={vbs.__version__}"], env=clean_env(home))
-    return Installed(root, wheel, wheelhouse, venv)
+    run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse, f"vbs=={version}"],
+        env=clean_env(home))
+    # What the venv imports (0.1.0 has no `vbs --version`).
+    said = run([venv / "bin" / "python", "-c", "import vbs; print(vbs.__version__)"], env=clean_env(home), cwd=root)
+    assert said.stdout == f"{version}\n", said.stdout
+    return Installed(root, version, wheel, wheelhouse, venv)
 
 
 def newer_release(installed: Installed, name: str, *, release: str, wire: int) -> Path:
@@ -101,9 +150,9 @@ def newer_release(installed: Installed, name: str, *, release: str, wire: int) -
     env = clean_env(installed.root / "home")
     run([DEBIAN_PYTHON, "-m", "venv", venv], env=env)
     run([venv / "bin" / "pip", "install", "--quiet", "--no-index", "--find-links", installed.wheelhouse,
-         f"vbs=={vbs.__version__}"], env=env)
+         f"vbs=={installed.version}"], env=env)
     (package,) = venv.glob("lib/python3*/site-packages/vbs")
-    edits = ((package / "__init__.py", f'__version__ = "{vbs.__version__}"', f'__version__ = "{release}"'),
+    edits = ((package / "__init__.py", f'__version__ = "{installed.version}"', f'__version__ = "{release}"'),
              (package / "versions.py", "WIRE_VERSION = 1\n", f"WIRE_VERSION = {wire}\n"),
              (package / "versions.py", "OLDEST_WIRE = 1\n", f"OLDEST_WIRE = {wire}\n"))
     for path, old, new in edits:

@@ -12,16 +12,12 @@ stopped by its PID.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import ssl
 import subprocess
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -37,22 +33,16 @@ from tests.installed import (
     Installed,
     clean_env,
     exec_start,
-    install,
     newer_release,
     run,
     unit_lines,
 )
+from tests.installed_cluster import Install, new_install
 from tests.postgres_cluster import PostgresForTests
 from vbs.system.files import write_private
 from vbs.versions import WIRE_VERSION
 
 pytestmark = pytest.mark.integration
-
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    return install(tmp_path_factory.mktemp("install"))
 
 
 def test_the_wheel_holds_every_file_of_the_package(installed: Installed) -> None:
@@ -98,142 +88,23 @@ def test_the_units_pass_systemd_analyze_verify(installed: Installed, tmp_path: P
 # -- an install run by its units --------------------------------------------------------------------
 
 
-@dataclass
-class Install:
-    """The installed vbs, its config, and its three services as their units start them."""
-
-    installed: Installed
-    dir: Path
-    config: Path
-    port: int
-    ports: dict[str, int]
-    env: dict[str, str]
-    procs: dict[str, subprocess.Popen[bytes]]
-
-    @property
-    def endpoint(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
-
-    @property
-    def ca(self) -> Path:
-        return self.dir / "controller" / "ca.pem"
-
-    def tls_as(self, stem: Path) -> ssl.SSLContext:
-        """A client's TLS context with the certificate ``stem``.pem and its key ``stem``-key.pem."""
-        context = ssl.create_default_context(cafile=str(self.ca))
-        context.load_cert_chain(f"{stem}.pem", f"{stem}-key.pem")
-        return context
-
-    def vbs(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(self.installed.vbs), *args], capture_output=True, text=True, timeout=300,
-                              env=self.env, cwd=self.dir)
-        assert not check or proc.returncode == 0, f"vbs {' '.join(args)}: {proc.stderr}"
-        return proc
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.vbs("-o", "json", *args).stdout)
-
-    def start(self, role: str) -> None:
-        """The service as its unit starts it: the unit's ExecStart, with the venv's vbs and this config."""
-        argv = exec_start(role, self.installed.vbs, self.config)
-        log = (self.dir / f"{role}.log").open("ab")
-        self.procs[role] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd="/")
-
-    def log(self, role: str) -> str:
-        return (self.dir / f"{role}.log").read_text(errors="replace")
-
-    def node(self, collection: str, name: str) -> dict[str, Any] | None:
-        command = {"storage_nodes": "describe-storage-nodes", "hosts": "describe-hosts"}[collection]
-        return next((n for n in self.json(command)[collection] if n["name"] == name), None)
-
-    def up(self, collection: str, name: str) -> bool:
-        """Whether the node is up, as the CLI shows it; a service that died fails at once with its log."""
-        for role, proc in self.procs.items():
-            assert proc.poll() is None, f"{role} exited {proc.returncode}:\n{self.log(role)[-3000:]}"
-        proc = self.vbs("-o", "json", "describe-storage-nodes" if collection == "storage_nodes" else "describe-hosts",
-                        check=False)
-        if proc.returncode != 0:  # the controller is still starting
-            return False
-        return any(n["name"] == name and n["state"] == "up" for n in json.loads(proc.stdout)[collection])
-
-
-def config_text(d: Path, ports: dict[str, int]) -> str:
-    """One machine's vbs.toml with all three roles, as docs/install.md writes each role's (TLS everywhere)."""
-    controller = f"https://127.0.0.1:{ports['controller']}"
-    return f'''
-[controller]
-host = "127.0.0.1"
-port = {ports["controller"]}
-data_dir = "{d}/controller"
-database_url_file = "{d}/controller/database-url"
-tls_cert = "{d}/controller/tls/controller.pem"
-tls_key = "{d}/controller/tls/controller-key.pem"
-tls_ca = "{d}/controller/ca.pem"
-
-[storage_agent]
-host = "127.0.0.1"
-port = {ports["storage"]}
-node_name = "storage-1"
-controller_url = "{controller}"
-agent_token_file = "{d}/storage-1.token"
-pool_path = "{d}/pools/default"
-state_dir = "{d}/storage"
-export_host = "127.0.0.1"
-nbd_port = {ports["nbd"]}
-tls_cert = "{d}/tls/storage-1.pem"
-tls_key = "{d}/tls/storage-1-key.pem"
-tls_ca = "{d}/controller/ca.pem"
-
-[host_agent]
-host = "127.0.0.1"
-port = {ports["host"]}
-node_name = "host-1"
-controller_url = "{controller}"
-agent_token_file = "{d}/host-1.token"
-address = "127.0.0.1"
-state_dir = "{d}/host"
-vm_dir = "{d}/host/vms"
-tls_cert = "{d}/tls/host-1.pem"
-tls_key = "{d}/tls/host-1-key.pem"
-tls_ca = "{d}/controller/ca.pem"
-'''
-
-
 @pytest.fixture(scope="module")
 def running(installed: Installed, postgres: PostgresForTests,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
-    d = tmp_path_factory.mktemp("cluster")
-    ports = {"controller": free_port(), "storage": free_port(), "host": free_port(), "nbd": free_port()}
-    config = d / "vbs.toml"
-    config.write_text(config_text(d, ports))
-    (d / "pools" / "default").mkdir(parents=True)
-    env = clean_env(installed.root / "home", VBS_ENDPOINT=f"https://127.0.0.1:{ports['controller']}",
-                    VBS_CA_BUNDLE=str(d / "controller" / "ca.pem"),
-                    VBS_CREDENTIALS_FILE=str(d / "controller" / "credentials"))
-    inst = Install(installed, d, config, ports["controller"], ports, env, {})
+    inst = new_install(installed, tmp_path_factory.mktemp("cluster"), postgres.new_database())
     # The controller's machine: its first key, the CA and every node's certificate, the nodes' tokens,
     # the database's schema (docs/install.md).
-    inst.vbs("bootstrap-key", "--data-dir", f"{d}/controller")
-    inst.vbs("issue-cert", "controller", "--host", "127.0.0.1", "--data-dir", f"{d}/controller")
-    for node in ("storage-1", "host-1"):
-        inst.vbs("issue-cert", node, "--host", "127.0.0.1", "--data-dir", f"{d}/controller", "--out-dir", f"{d}/tls")
-    for node, kind in (("storage-1", "storage"), ("host-1", "host")):
-        token = inst.vbs("node-token", node, "--kind", kind, "--data-dir", f"{d}/controller").stdout
-        write_private(d / f"{node}.token", token)
-    write_private(d / "controller" / "database-url", postgres.new_database() + "\n")
-    inst.vbs("db", "upgrade", "--config", str(config))
-    inst.vbs("db", "status", "--config", str(config))
+    inst.vbs("bootstrap-key", "--data-dir", f"{inst.dir}/controller")
+    inst.issue_credentials()
+    inst.vbs("db", "upgrade", "--config", str(inst.config))
+    inst.vbs("db", "status", "--config", str(inst.config))
     try:
         for role in ROLES:
             inst.start(role)
-        wait_until(lambda: inst.up("storage_nodes", "storage-1"), 180, 0.5, what="storage-1 up")
-        wait_until(lambda: inst.up("hosts", "host-1"), 180, 0.5, what="host-1 up")
+        inst.wait_up()
         yield inst
     finally:
-        for role in ("host-agent", "storage-agent", "controller"):
-            if role in inst.procs:
-                stop_process(inst.procs[role], signal.SIGTERM, timeout=60)
-        reap_daemons(d / "storage")
+        inst.stop_all()
 
 
 def test_an_install_run_by_its_units_makes_and_deletes_a_volume(running: Install) -> None:

@@ -35,7 +35,7 @@ from cryptography import x509
 
 from tests.conftest import reap_daemons, wait_until
 from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section, vbs_lines
-from tests.installed import Installed, clean_env, install
+from tests.installed import Installed, clean_env
 from tests.netns_install import HOST_DIR, NetnsInstall, alter_role, connect, iscsi_login, start_database
 from vbs.rigs.netns import GUIDE_MACHINES, NetnsCluster
 from vbs.rigs.testguest import build_guest, default_cache_dir, pattern_sha256
@@ -49,8 +49,7 @@ RUN = ("3.", "5.", "Credentials and certificates", "6.", "7.", "8.", "9.")
 
 
 @pytest.fixture(scope="module")
-def netns_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsInstall]:
-    installed: Installed = install(tmp_path_factory.mktemp("install"))
+def netns_install(installed: Installed) -> Iterator[NetnsInstall]:
     build_guest()  # the demo guest's image, in the cache VBS_CACHE_DIR names below
     # Short paths (the export daemons' and monitors' sockets live under them), enterable by postgres.
     root = Path(tempfile.mkdtemp(prefix="vbsnc", dir="/tmp"))

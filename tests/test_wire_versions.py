@@ -48,7 +48,12 @@ def test_the_headers_a_service_sends_are_its_own_versions() -> None:
 
 def test_a_caller_without_the_headers_is_vbs_0_1_0_on_wire_version_1() -> None:
     peer = versions.peer_of_headers("", "", me="the controller")
-    assert (peer.release, peer.wire) == (None, versions.UNVERSIONED_WIRE) == (None, 1)
+    assert (peer.release, peer.wire) == (versions.UNVERSIONED_RELEASE, versions.UNVERSIONED_WIRE) == ("0.1.0", 1)
+
+
+def test_a_caller_that_names_only_its_wire_version_is_of_an_unknown_release() -> None:
+    peer = versions.peer_of_headers("", "1", me="the controller")
+    assert (peer.release, peer.wire) == (None, 1)
 
 
 @pytest.mark.parametrize("wire", [NEWER, OLDER, "999999"])
@@ -188,13 +193,13 @@ def test_the_node_list_shows_each_agents_version(controller: tuple[TestClient, P
     r = http.post("/internal/v1/storage-heartbeat", json=storage_heartbeat("s1"),
                   headers={"authorization": f"Bearer {keyring.token('storage', 's1')}", **sent})
     assert r.status_code == 200, r.text
-    # An agent of VBS 0.1.0 sends no headers: wire version 1, release not said.
+    # An agent of VBS 0.1.0 sends no headers: release 0.1.0, wire version 1.
     r = http.post("/internal/v1/storage-heartbeat", json=storage_heartbeat("s2"),
                   headers={"authorization": f"Bearer {keyring.token('storage', 's2')}"})
     assert r.status_code == 200, r.text
     found = nodes(http)
     assert (found["s1"]["vbs_version"], found["s1"]["wire_version"]) == (versions.RELEASE, versions.WIRE_VERSION)
-    assert (found["s2"]["vbs_version"], found["s2"]["wire_version"]) == (None, 1)
+    assert (found["s2"]["vbs_version"], found["s2"]["wire_version"]) == ("0.1.0", 1)
 
 
 def test_vbs_version_prints_the_release_and_the_wire_version() -> None:

@@ -24,7 +24,8 @@ __all__ = ["RELEASE", "WIRE_VERSION", "OLDEST_WIRE", "RELEASE_HEADER", "WIRE_HEA
 # The wire version this release speaks, and the oldest one it still serves.
 WIRE_VERSION = 1
 OLDEST_WIRE = 1
-# VBS 0.1.0 predates these headers; what it sends is wire version 1, so a call without them is read as that.
+# VBS 0.1.0 predates these headers: a call without either is 0.1.0's, which speaks wire version 1.
+UNVERSIONED_RELEASE = "0.1.0"
 UNVERSIONED_WIRE = 1
 
 RELEASE_HEADER = "x-vbs-version"
@@ -66,7 +67,7 @@ def peer_of_headers(release: str, wire: str, *, me: str) -> Peer:
     naming both sides' releases and wire versions."""
     if release and not _RELEASE_RE.fullmatch(release):
         raise UnsupportedWireVersion(f"{me} (VBS {RELEASE}) cannot read the caller's release in {RELEASE_HEADER}")
-    said = release or None
+    said = release or (None if wire else UNVERSIONED_RELEASE)
     if wire and not _WIRE_RE.fullmatch(wire):
         raise UnsupportedWireVersion(f"{me} (VBS {RELEASE}) cannot read the caller's wire version in {WIRE_HEADER}")
     number = int(wire) if wire else UNVERSIONED_WIRE
