@@ -97,16 +97,18 @@ def test_an_expired_operation_is_adopted_with_a_higher_fence_and_its_old_owner_i
 
 def test_renewal_keeps_an_operation_from_being_adopted(db: Database) -> None:
     gate = threading.Event()
+    # Four renewals a second apart span more than the 3 s lease; a renewal late by up to 2 s (a
+    # loaded machine) still comes before the lease ends.
     a = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("slow", lambda c: gate.wait(30)),))],
-                       None, owner="a", lease_s=1)  # type: ignore[arg-type]
+                       None, owner="a", lease_s=3)  # type: ignore[arg-type]
     b = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("slow", lambda c: None),))],
-                       None, owner="b", lease_s=1)  # type: ignore[arg-type]
+                       None, owner="b", lease_s=3)  # type: ignore[arg-type]
     try:
         with db.session() as s:
             op_id = a.begin(s, a.workflows["w"], VOLUME, Noted())
         a.submit(op_id)
         for _ in range(4):
-            time.sleep(0.4)
+            time.sleep(1.0)
             assert a.renew() == 1
             assert b.adopt() == []
         gate.set()
