@@ -11,7 +11,10 @@ writes at random offsets), then ``--rbd-rounds`` times: POST a snapshot and poll
 of what the client saw and of the server-side time (the
 operation's row, from the POST's commit to its end). RBD snapshots and clones are metadata
 operations, so the figures should not grow with the size: the ratio of the largest size's p50 to the
-smallest's says how flat they are. Every process is stopped by its PID; the cluster is removed.
+smallest's says how flat they are. Then, in the same run, the agent is started again with
+``--no-rbd-worker`` and the smallest size's rounds are run once more: the snapshot path through the
+agent's long-lived rbd worker against a tool process per call (``rbd_worker``). Every process is
+stopped by its PID; the cluster is removed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from bench.control_api import Api, server_ms
 from tests.conftest import Services
 
 from vbs.rigs.ceph import EmbeddedCeph
+from vbs.system.processes import stop_children
 
 TARGET_MS = 200.0
 POOL = "vbs"
@@ -156,12 +160,19 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         ceph.start()
         ceph.create_pool(POOL, 1)
         svc.start_controller(VBS_CONTROLLER_OVERCOMMIT_RATIO="1000")
-        svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
-                        "--ceph-user", "admin", "--rbd-pool", POOL)
+        agent = ("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
+                 "--ceph-user", "admin", "--rbd-pool", POOL)
+        svc.start_agent(*agent)
         api = Api(svc.vbs.endpoint, {"authorization": f"Bearer {svc.vbs.key.bearer}"})
         try:
             for size in args.rbd_sizes:
                 res["sizes"].append(bench_size(api, svc, ceph.conf_path, size, args.rbd_rounds, args.rbd_data_mib))
+            # The same rounds at the smallest size with the agent's rbd worker off: every call a tool process.
+            log("rbd: the agent again with --no-rbd-worker (the rbd tool for every call)")
+            stop_children([svc.agent] if svc.agent is not None else [], timeout=20.0)
+            svc.start_agent(*agent, "--no-rbd-worker")
+            res["tool_only"] = bench_size(api, svc, ceph.conf_path, args.rbd_sizes[0], args.rbd_rounds,
+                                          args.rbd_data_mib)
         finally:
             api.close()
     except Exception as exc:  # report what was measured, and why the rest is missing
@@ -199,6 +210,19 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
              f"{s['clone_ms']['p50'] / s['direct']['clone_ms']['p50']:.1f}"] for s in res["sizes"] if "direct" in s]
     lines.append(text_table(["size", "rbd snap create", "rbd clone", "rbd ls -l", "VBS snapshot / snap create",
                         "VBS clone / rbd clone"], rows))
+    tool = res.get("tool_only")
+    if tool and res["sizes"]:
+        worker = res["sizes"][0]
+        lines.append("")
+        lines.append(f"Same run, {tool['size_gib']} GiB: the agent's rbd worker (one rados connection) vs the rbd "
+                     "tool for every call (--no-rbd-worker), p50 / p95 ms")
+        rows = [[what, f"{worker[f'{what}_ms']['p50']:.0f} / {worker[f'{what}_ms']['p95']:.0f}",
+                 f"{tool[f'{what}_ms']['p50']:.0f} / {tool[f'{what}_ms']['p95']:.0f}",
+                 f"{worker.get(f'{what}_call_ms', {}).get('p50', float('nan')):.0f} / "
+                 f"{tool.get(f'{what}_call_ms', {}).get('p50', float('nan')):.0f}",
+                 f"{worker[f'{what}_ms']['p50'] / tool[f'{what}_ms']['p50']:.2f}"] for what in ("snapshot", "clone")]
+        lines.append(text_table(["operation", "worker", "tool only", "to agent call end p50 (worker / tool)",
+                                 "p50 worker / tool"], rows))
     if len(res["sizes"]) >= 2:
         small, big = res["sizes"][0], res["sizes"][-1]
         for what in ("snapshot", "clone"):
