@@ -5,6 +5,7 @@ replaced (the call retried or failed as a killed tool would), and the tool as th
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from tests.ceph_cluster import CephForTests
 from vbs import ids
 from vbs.errors import DriverError, NotFound
 from vbs.storage.backends.rbd import RbdBackend
+from vbs.storage.backends.rbd_chains import parse_parent
 from vbs.storage.backends.rbd_cli import EEXIST, ENOENT, RbdTools, ToolError
 from vbs.system.processes import pid_alive
 
@@ -77,16 +79,26 @@ def test_the_snapshot_path_runs_through_one_worker_without_a_secret_on_argv_or_e
 def test_the_worker_answers_as_the_tool_does(backend: RbdBackend, ceph: CephForTests) -> None:
     """The same listing (volumes, snapshots, clones, the trash and what keeps it) and the same errnos."""
     vol, snap, clone, snap2 = ids.new_id("volume"), ids.new_id("snapshot"), ids.new_id("volume"), ids.new_id("snapshot")
+    live_clone, snap3 = ids.new_id("volume"), ids.new_id("snapshot")
     backend.ensure_volume(vol, GIB)
     backend.ensure_snapshot(snap, vol)
     backend.ensure_volume(clone, 2 * GIB, snap)
     backend.ensure_snapshot(snap2, clone)
+    backend.ensure_volume(live_clone, 2 * GIB, snap2)  # a clone of a snapshot of a trashed image, below
+    backend.ensure_snapshot(snap3, live_clone)
     backend.remove_volume(clone)  # into the trash: its snapshot stays
     backend.remove_snapshot(snap)  # into the image's trash namespace: the trashed clone reads it
     tools = RbdTools("default", ceph.conf_path, "admin", backend.rbd_pool, 30.0, worker=False)
     via_worker, via_tool = backend._cli.listing(), tools.listing()
     assert via_worker == via_tool
     assert clone in via_worker.trash and snap2 in via_worker.snapshots
+    assert via_worker.chain(live_clone)[0] == f"{clone}@{snap2}" and len(via_worker.chain(live_clone)) == 2
+    # A parent trashed or not, as the tool's ``ls -l`` and ``info`` tell it.
+    [row] = [r for r in json.loads(backend._cli.rbd("ls", "-l", "--format", "json", backend.rbd_pool))
+             if r["image"] == live_clone and "snapshot" not in r]
+    assert parse_parent(row) == parse_parent(json.loads(tools.rbd("info", "--format", "json",
+                                                                  tools.spec(live_clone))))
+    assert parse_parent(row) is not None and parse_parent(row)[2] is not None
     spec = backend._cli.spec(vol, snap2)
     backend._cli.rbd("snap", "create", spec)
     for cli in (backend._cli, tools):

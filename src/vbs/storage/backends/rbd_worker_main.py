@@ -14,6 +14,7 @@ stdin ends it. The agent kills it by PID when an answer overruns the timeout (``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -28,9 +29,15 @@ except ImportError:
     sys.exit(EXIT_NO_BINDINGS)
 
 
+# The answers go to a copy of stdout; fd 1 itself becomes stderr, so nothing a C library prints
+# there can be taken for an answer.
+_OUT = os.fdopen(os.dup(1), "w", encoding="utf-8")
+os.dup2(2, 1)
+
+
 def _send(answer: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(answer) + "\n")
-    sys.stdout.flush()
+    _OUT.write(json.dumps(answer) + "\n")
+    _OUT.flush()
 
 
 def _image(ioctx: Any, req: dict[str, Any], *, read_only: bool) -> Any:
@@ -45,23 +52,40 @@ def _snaps(image: Any) -> list[dict[str, Any]]:
             for s in image.list_snaps()]
 
 
-def _parent(image: Any) -> dict[str, Any] | None:
+def _parent(cluster: Any, ioctx: Any, image: Any) -> dict[str, Any] | None:
+    """The parent as ``rbd info`` shows it. The bindings give no parent id nor trash flag in the
+    spec: the id comes from ``parent_id()``, the flag from whether the parent's pool has it in its trash."""
     try:
         p = image.get_parent_image_spec()
+        parent_id = image.parent_id()
     except rbd.ImageNotFound:
         return None
-    return {"pool": p["pool_name"], "pool_namespace": p["pool_namespace"], "image": p["image_name"],
-            "id": p["image_id"], "snapshot": p["snap_name"], "trash": p["trash"]}
+    pool, namespace = p["pool_name"], p["pool_namespace"]
+    same = pool == ioctx.get_pool_name() and namespace == ioctx.get_namespace()
+    where = ioctx if same else cluster.open_ioctx(pool)
+    try:
+        if not same:
+            where.set_namespace(namespace)
+        try:
+            rbd.RBD().trash_get(where, parent_id)
+            trashed = True
+        except rbd.ImageNotFound:
+            trashed = False
+    finally:
+        if not same:
+            where.close()
+    return {"pool": pool, "pool_namespace": namespace, "image": p["image_name"], "id": parent_id,
+            "snapshot": p["snap_name"], "trash": trashed}
 
 
-def _list_long(ioctx: Any) -> list[dict[str, Any]]:
+def _list_long(cluster: Any, ioctx: Any) -> list[dict[str, Any]]:
     """What ``rbd ls -l --format json`` says of each image: name, size, parent; then its user snapshots."""
     out: list[dict[str, Any]] = []
     for name in rbd.RBD().list(ioctx):
         try:
             with rbd.Image(ioctx, name, read_only=True) as image:
                 entry: dict[str, Any] = {"image": name, "id": image.id(), "size": image.size(), "format": 2}
-                parent = _parent(image)
+                parent = _parent(cluster, ioctx, image)
                 if parent is not None:
                     entry["parent"] = parent
                 out.append(entry)
@@ -74,7 +98,7 @@ def _list_long(ioctx: Any) -> list[dict[str, Any]]:
     return out
 
 
-def serve(ioctx: Any, req: dict[str, Any]) -> Any:
+def serve(cluster: Any, ioctx: Any, req: dict[str, Any]) -> Any:
     op = req.get("op")
     if op == "snap_create":
         with _image(ioctx, req, read_only=False) as image:
@@ -92,7 +116,7 @@ def serve(ioctx: Any, req: dict[str, Any]) -> Any:
         with _image(ioctx, req, read_only=True) as image:
             return _snaps(image)
     if op == "list_long":
-        return _list_long(ioctx)
+        return _list_long(cluster, ioctx)
     if op == "trash_list":
         return [{"id": e["id"], "name": e["name"]} for e in rbd.RBD().trash_list(ioctx)]
     raise ValueError(f"unknown op {op!r}")
@@ -112,7 +136,7 @@ def main(argv: list[str]) -> int:
     _send({"ready": True})
     for line in sys.stdin:
         try:
-            answer: dict[str, Any] = {"out": serve(ioctx, json.loads(line))}
+            answer: dict[str, Any] = {"out": serve(cluster, ioctx, json.loads(line))}
         except (rbd.Error, rados.Error) as exc:
             answer = {"errno": getattr(exc, "errno", None) or EINVAL, "error": str(exc)[:500]}
         except (ValueError, KeyError, TypeError) as exc:
