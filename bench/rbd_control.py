@@ -112,6 +112,34 @@ def _summary(values: list[float]) -> dict[str, float]:
             "mean": statistics.mean(values)}
 
 
+def backend_calls(conf: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """The backend's snapshot calls alone, in this process: ``ensure_snapshot`` and ``remove_snapshot``
+    through the rbd worker and through a tool process per call, alternated round by round."""
+    from vbs import ids
+    from vbs.storage.backends.rbd import RbdBackend
+
+    backends = {way: RbdBackend("bench", conf, rbd_pool=POOL, worker=way == "worker", maintenance_interval_s=3600)
+                for way in ("worker", "tool")}
+    times: dict[str, list[float]] = {f"{way}_{op}": [] for way in backends for op in ("create", "delete")}
+    try:
+        vol = ids.new_id("volume")
+        backends["tool"].ensure_volume(vol, 1 << 30)
+        backends["worker"].ensure_snapshot(ids.new_id("snapshot"), vol)  # the worker's start, not timed
+        for _ in range(rounds):
+            for way, backend in backends.items():
+                snap = ids.new_id("snapshot")
+                t0 = time.monotonic()
+                backend.ensure_snapshot(snap, vol)
+                t1 = time.monotonic()
+                backend.remove_snapshot(snap)
+                times[f"{way}_create"].append((t1 - t0) * 1000)
+                times[f"{way}_delete"].append((time.monotonic() - t1) * 1000)
+    finally:
+        for backend in backends.values():
+            backend.close()
+    return {k: _summary(v) for k, v in times.items()}
+
+
 def bench_size(api: Api, svc: Services, conf: Path, size_gib: int, rounds: int, data_mib: int) -> dict[str, Any]:
     vid = api.post("/v1/volumes", {"size_gib": size_gib})["volume_id"]
     _wait(api, f"/v1/volumes/{vid}", "available")
@@ -173,6 +201,8 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             svc.start_agent(*agent, "--no-rbd-worker")
             res["tool_only"] = bench_size(api, svc, ceph.conf_path, args.rbd_sizes[0], args.rbd_rounds,
                                           args.rbd_data_mib)
+            log("rbd: the backend's snapshot calls alone, worker and tool alternated")
+            res["backend_calls"] = backend_calls(ceph.conf_path, args.rbd_rounds)
         finally:
             api.close()
     except Exception as exc:  # report what was measured, and why the rest is missing
@@ -223,6 +253,16 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                  f"{worker[f'{what}_ms']['p50'] / tool[f'{what}_ms']['p50']:.2f}"] for what in ("snapshot", "clone")]
         lines.append(text_table(["operation", "worker", "tool only", "to agent call end p50 (worker / tool)",
                                  "p50 worker / tool"], rows))
+    calls = res.get("backend_calls")
+    if calls:
+        lines.append("")
+        lines.append("Same run: the backend's calls alone (in the bench's process, worker and tool alternated), "
+                     "p50 / p95 ms")
+        rows = [[op, f"{calls[f'worker_{op}']['p50']:.0f} / {calls[f'worker_{op}']['p95']:.0f}",
+                 f"{calls[f'tool_{op}']['p50']:.0f} / {calls[f'tool_{op}']['p95']:.0f}",
+                 f"{calls[f'worker_{op}']['p50'] / calls[f'tool_{op}']['p50']:.2f}"]
+                for op in ("create", "delete")]
+        lines.append(text_table(["snapshot", "worker", "tool", "p50 worker / tool"], rows))
     if len(res["sizes"]) >= 2:
         small, big = res["sizes"][0], res["sizes"][-1]
         for what in ("snapshot", "clone"):
