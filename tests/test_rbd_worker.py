@@ -21,6 +21,7 @@ import pytest
 from tests.ceph_cluster import CephForTests
 from vbs import ids
 from vbs.errors import DriverError, NotFound
+from vbs.net.ports import free_port
 from vbs.storage.backends.rbd import RbdBackend
 from vbs.storage.backends.rbd_chains import parse_parent
 from vbs.storage.backends.rbd_cli import EEXIST, ENOENT, RbdTools, ToolError
@@ -214,3 +215,27 @@ def test_without_the_bindings_the_tool_serves_every_call_and_says_so_once(
         assert len(said) == 1
     finally:
         backend.close()
+
+
+def test_a_worker_that_cannot_connect_fails_the_call_and_the_tool_serves_the_next_ones(
+        ceph: CephForTests, tmp_path: Path) -> None:
+    """A conf whose monitor does not answer (a closed port): the worker says why it did not connect,
+    the call fails with it, and the calls after it go to the tool (which fails the same way) until
+    the worker is tried again."""
+    conf = tmp_path / "ceph.conf"
+    text = ceph.conf_path.read_text()
+    lines = [f"mon host = [v2:127.0.0.1:{free_port()}]" if line.strip().startswith("mon host") else line
+             for line in text.splitlines()]
+    assert lines != text.splitlines(), "the conf names its monitors in 'mon host'"
+    conf.write_text("\n".join(lines) + "\n")
+    tools = RbdTools("default", conf, "admin", ceph.new_pool(), 2.0)
+    try:
+        with pytest.raises(DriverError, match="rbd worker could not connect"):
+            tools.rbd("ls", "-l", "--format", "json", tools.rbd_pool)
+        with pytest.raises(DriverError) as by_tool:
+            tools.rbd("ls", "-l", "--format", "json", tools.rbd_pool)
+        assert "rbd worker" not in by_tool.value.message
+        worker = tools.worker
+        assert worker is not None and worker.started == 1 and worker.pid is None and not worker.disabled
+    finally:
+        tools.close()

@@ -15,7 +15,10 @@ keyring the conf names.
 
 Fallbacks, all to the tool: a call the worker does not serve; a call while another thread's call
 holds the worker (no queueing behind a slow call); a worker that cannot start (bindings missing:
-for good, logged once; no connection: logged, tried again after ``RETRY_START_S``). A worker that
+for good, logged once; a crash: logged, tried again after ``RETRY_START_S``). A worker that cannot
+connect (it says why, or does not answer within the call's timeout) fails that call, as the tool
+would have with the same conf and user, instead of letting the tool wait as long again; the tool
+serves the calls of the next ``RETRY_START_S``. A worker that
 dies while it holds a request fails that call (``DriverError``, as a tool killed mid-call would),
 except a read, which is asked again of a new worker once.
 """
@@ -178,7 +181,12 @@ class RbdWorker:
         try:
             ready = self._answer(time.monotonic() + self.timeout_s + 5)
         except TimeoutError:
-            ready = {"error": "no answer"}
+            # No connection within the call's whole timeout: the call fails as the tool's would have,
+            # rather than wait as long again for the tool; the tool serves calls for RETRY_START_S.
+            self._kill()
+            self._next_start = time.monotonic() + RETRY_START_S
+            raise DriverError(f"pool {self.name}: the rbd worker did not connect within {self.timeout_s:g}s") \
+                from None
         except (EOFError, OSError, ValueError):
             ready = {}
         if ready.get("ready") is True:
@@ -190,10 +198,15 @@ class RbdWorker:
             self.disabled = True
             log.warning("pool %s: %s has no python3-rados/python3-rbd; the rbd tool serves every call",
                         self.name, self.python)
-        else:
-            self._next_start = time.monotonic() + RETRY_START_S
-            log.warning("pool %s: the rbd worker did not start (%s); the rbd tool serves calls for %gs",
-                        self.name, str(ready.get("error", f"exit {proc.returncode}"))[:200], RETRY_START_S)
+            raise _Unavailable()
+        self._next_start = time.monotonic() + RETRY_START_S
+        reason = str(ready.get("error", f"exit {proc.returncode}"))[:200]
+        log.warning("pool %s: the rbd worker did not start (%s); the rbd tool serves calls for %gs",
+                    self.name, reason, RETRY_START_S)
+        if "error" in ready:
+            # It could not connect, and said why: the tool, with the same conf and user, would not
+            # either; this call fails rather than wait for the tool as long again.
+            raise DriverError(f"pool {self.name}: the rbd worker could not connect: {reason}")
         raise _Unavailable()
 
     def _answer(self, deadline: float) -> dict[str, Any]:
