@@ -22,17 +22,10 @@ EXIT_NO_BINDINGS, EXIT_NO_CONNECTION = 3, 4
 _NAMESPACES = {0: "user", 1: "group", 2: "trash", 3: "mirror"}
 EINVAL = 22
 
-try:
-    import rados  # type: ignore[import-not-found, unused-ignore]
-    import rbd  # type: ignore[import-not-found, unused-ignore]
-except ImportError:
-    sys.exit(EXIT_NO_BINDINGS)
-
-
-# The answers go to a copy of stdout; fd 1 itself becomes stderr, so nothing a C library prints
-# there can be taken for an answer.
-_OUT = os.fdopen(os.dup(1), "w", encoding="utf-8")
-os.dup2(2, 1)
+# The bindings, imported by main() (importing this module elsewhere does nothing).
+rados: Any = None
+rbd: Any = None
+_OUT: Any = None
 
 
 def _send(answer: dict[str, Any]) -> None:
@@ -123,6 +116,17 @@ def serve(cluster: Any, ioctx: Any, req: dict[str, Any]) -> Any:
 
 
 def main(argv: list[str]) -> int:
+    global rados, rbd, _OUT  # noqa: PLW0603 - set once, before any request
+    try:
+        import rados as rados_module  # type: ignore[import-not-found, unused-ignore]
+        import rbd as rbd_module  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return EXIT_NO_BINDINGS
+    rados, rbd = rados_module, rbd_module
+    # The answers go to a copy of stdout; fd 1 itself becomes stderr, so nothing a C library prints
+    # there can be taken for an answer.
+    _OUT = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
     conf, user, pool, timeout = argv[1], argv[2], argv[3], int(argv[4])
     try:
         cluster = rados.Rados(conffile=conf, rados_id=user)
