@@ -11,7 +11,10 @@ writes at random offsets), then ``--rbd-rounds`` times: POST a snapshot and poll
 of what the client saw and of the server-side time (the
 operation's row, from the POST's commit to its end). RBD snapshots and clones are metadata
 operations, so the figures should not grow with the size: the ratio of the largest size's p50 to the
-smallest's says how flat they are. Every process is stopped by its PID; the cluster is removed.
+smallest's says how flat they are. Then, in the same run, the agent is started again with
+``--no-rbd-worker`` and the smallest size's rounds are run once more: the snapshot path through the
+agent's long-lived rbd worker against a tool process per call (``rbd_worker``). Every process is
+stopped by its PID; the cluster is removed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from bench.control_api import Api, server_ms
 from tests.conftest import Services
 
 from vbs.rigs.ceph import EmbeddedCeph
+from vbs.system.processes import stop_children
 
 TARGET_MS = 200.0
 POOL = "vbs"
@@ -108,6 +112,34 @@ def _summary(values: list[float]) -> dict[str, float]:
             "mean": statistics.mean(values)}
 
 
+def backend_calls(conf: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """The backend's snapshot calls alone, in this process: ``ensure_snapshot`` and ``remove_snapshot``
+    through the rbd worker and through a tool process per call, alternated round by round."""
+    from vbs import ids
+    from vbs.storage.backends.rbd import RbdBackend
+
+    backends = {way: RbdBackend("bench", conf, rbd_pool=POOL, worker=way == "worker", maintenance_interval_s=3600)
+                for way in ("worker", "tool")}
+    times: dict[str, list[float]] = {f"{way}_{op}": [] for way in backends for op in ("create", "delete")}
+    try:
+        vol = ids.new_id("volume")
+        backends["tool"].ensure_volume(vol, 1 << 30)
+        backends["worker"].ensure_snapshot(ids.new_id("snapshot"), vol)  # the worker's start, not timed
+        for _ in range(rounds):
+            for way, backend in backends.items():
+                snap = ids.new_id("snapshot")
+                t0 = time.monotonic()
+                backend.ensure_snapshot(snap, vol)
+                t1 = time.monotonic()
+                backend.remove_snapshot(snap)
+                times[f"{way}_create"].append((t1 - t0) * 1000)
+                times[f"{way}_delete"].append((time.monotonic() - t1) * 1000)
+    finally:
+        for backend in backends.values():
+            backend.close()
+    return {k: _summary(v) for k, v in times.items()}
+
+
 def bench_size(api: Api, svc: Services, conf: Path, size_gib: int, rounds: int, data_mib: int) -> dict[str, Any]:
     vid = api.post("/v1/volumes", {"size_gib": size_gib})["volume_id"]
     _wait(api, f"/v1/volumes/{vid}", "available")
@@ -156,12 +188,21 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         ceph.start()
         ceph.create_pool(POOL, 1)
         svc.start_controller(VBS_CONTROLLER_OVERCOMMIT_RATIO="1000")
-        svc.start_agent("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
-                        "--ceph-user", "admin", "--rbd-pool", POOL)
+        agent = ("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
+                 "--ceph-user", "admin", "--rbd-pool", POOL)
+        svc.start_agent(*agent)
         api = Api(svc.vbs.endpoint, {"authorization": f"Bearer {svc.vbs.key.bearer}"})
         try:
             for size in args.rbd_sizes:
                 res["sizes"].append(bench_size(api, svc, ceph.conf_path, size, args.rbd_rounds, args.rbd_data_mib))
+            # The same rounds at the smallest size with the agent's rbd worker off: every call a tool process.
+            log("rbd: the agent again with --no-rbd-worker (the rbd tool for every call)")
+            stop_children([svc.agent] if svc.agent is not None else [], timeout=20.0)
+            svc.start_agent(*agent, "--no-rbd-worker")
+            res["tool_only"] = bench_size(api, svc, ceph.conf_path, args.rbd_sizes[0], args.rbd_rounds,
+                                          args.rbd_data_mib)
+            log("rbd: the backend's snapshot calls alone, worker and tool alternated")
+            res["backend_calls"] = backend_calls(ceph.conf_path, args.rbd_rounds)
         finally:
             api.close()
     except Exception as exc:  # report what was measured, and why the rest is missing
@@ -199,6 +240,29 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
              f"{s['clone_ms']['p50'] / s['direct']['clone_ms']['p50']:.1f}"] for s in res["sizes"] if "direct" in s]
     lines.append(text_table(["size", "rbd snap create", "rbd clone", "rbd ls -l", "VBS snapshot / snap create",
                         "VBS clone / rbd clone"], rows))
+    tool = res.get("tool_only")
+    if tool and res["sizes"]:
+        worker = res["sizes"][0]
+        lines.append("")
+        lines.append(f"Same run, {tool['size_gib']} GiB: the agent's rbd worker (one rados connection) vs the rbd "
+                     "tool for every call (--no-rbd-worker), p50 / p95 ms")
+        rows = [[what, f"{worker[f'{what}_ms']['p50']:.0f} / {worker[f'{what}_ms']['p95']:.0f}",
+                 f"{tool[f'{what}_ms']['p50']:.0f} / {tool[f'{what}_ms']['p95']:.0f}",
+                 f"{worker.get(f'{what}_call_ms', {}).get('p50', float('nan')):.0f} / "
+                 f"{tool.get(f'{what}_call_ms', {}).get('p50', float('nan')):.0f}",
+                 f"{worker[f'{what}_ms']['p50'] / tool[f'{what}_ms']['p50']:.2f}"] for what in ("snapshot", "clone")]
+        lines.append(text_table(["operation", "worker", "tool only", "to agent call end p50 (worker / tool)",
+                                 "p50 worker / tool"], rows))
+    calls = res.get("backend_calls")
+    if calls:
+        lines.append("")
+        lines.append("Same run: the backend's calls alone (in the bench's process, worker and tool alternated), "
+                     "p50 / p95 ms")
+        rows = [[op, f"{calls[f'worker_{op}']['p50']:.0f} / {calls[f'worker_{op}']['p95']:.0f}",
+                 f"{calls[f'tool_{op}']['p50']:.0f} / {calls[f'tool_{op}']['p95']:.0f}",
+                 f"{calls[f'worker_{op}']['p50'] / calls[f'tool_{op}']['p50']:.2f}"]
+                for op in ("create", "delete")]
+        lines.append(text_table(["snapshot", "worker", "tool", "p50 worker / tool"], rows))
     if len(res["sizes"]) >= 2:
         small, big = res["sizes"][0], res["sizes"][-1]
         for what in ("snapshot", "clone"):

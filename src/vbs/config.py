@@ -299,6 +299,9 @@ class StorageAgentConfig(_AgentSection):
     rbd_max_clone_depth: int = Field(5, ge=1, le=16)
     rbd_max_flattens: int = Field(2, ge=1, le=16)
     rbd_max_snapshots_per_volume: int = Field(450, ge=1, le=450)
+    # The snapshot path's rbd calls through one long-lived worker holding a rados connection
+    # (/usr/bin/python3 with python3-rbd; the rbd tool when it cannot start), or the tool only.
+    rbd_worker: bool = True
     # Where snapshots go (docs/snapshots.md): [storage_agent.snapshot_store], or --snapshot-store.
     snapshot_store: SnapshotStoreConfig = Field(default_factory=SnapshotStoreConfig)
 

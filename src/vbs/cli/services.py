@@ -100,6 +100,10 @@ def storage_agent(
         help="rbd backend: at most this many flattens at once (default: 2).")] = None,
     rbd_max_snapshots_per_volume: Annotated[int | None, typer.Option(
         help="rbd backend: the most snapshots a volume may have (default and most: 450).")] = None,
+    rbd_worker: Annotated[bool | None, typer.Option(
+        "--rbd-worker/--no-rbd-worker",
+        help="rbd backend: serve the snapshot path's calls through one long-lived worker (default) or the "
+             "rbd tool only.")] = None,
     backend_profile: Annotated[str | None, typer.Option(
         help="command backend: the profile, by name (qemu-img, lvm, or one in --backend-profile-dir) or as a "
              "path to a TOML file.")] = None,
@@ -125,7 +129,7 @@ def storage_agent(
         "iscsi_port": iscsi_port, "iscsi_control": iscsi_control,
         "ceph_conf": ceph_conf, "ceph_user": ceph_user, "rbd_pool": rbd_pool,
         "rbd_max_clone_depth": rbd_max_clone_depth, "rbd_max_flattens": rbd_max_flattens,
-        "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume,
+        "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume, "rbd_worker": rbd_worker,
         "profile": backend_profile, "profile_dirs": backend_profile_dir or None,
         "snapshot_store": _snapshot_store(snapshot_store, s3_endpoint, s3_credentials_file),
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})

@@ -21,7 +21,10 @@ every pass the agent flattens what is still too deep, so an agent restart resume
 at most ``max_snapshots_per_volume`` snapshots (450 by default; the pool reports it, the controller
 refuses the next one before anything is made, and so does the backend).
 
-Ceph is asked through its command-line tools (``rbd_cli``: why not the python3-rbd bindings). Clones
+Ceph is asked through its command-line tools (``rbd_cli``: why not the python3-rbd bindings in the
+agent), and the snapshot path's calls through a long-lived child holding the bindings (``rbd_worker``:
+the same timeouts, a process per backend instead of one per call; ``worker=False``, the agent's
+``rbd_worker = false``, turns it off). Clones
 and their flattens are ``rbd_clones``'s, removals and the trash ``rbd_trash``'s, snapshots
 ``rbd_snapshots``'s; what the snapshot store reads and writes (a snapshot's diff stream, a volume
 restored through ``rbd import-diff``: docs/snapshots.md "RBD pools") ``rbd_stored``'s.
@@ -65,6 +68,7 @@ from vbs.storage.backends.rbd_native import CephxAttachments
 from vbs.storage.backends.rbd_snapshots import Snapshots
 from vbs.storage.backends.rbd_stored import SnapshotStream, StoredImages
 from vbs.storage.backends.rbd_trash import Trash
+from vbs.storage.backends.rbd_worker import SYSTEM_PYTHON
 from vbs.wire.connection import Connection, HostIdentity, RbdConnection
 from vbs.wire.storage import (
     CloneChain,
@@ -88,7 +92,8 @@ class RbdBackend:
     def __init__(self, name: str, ceph_conf: Path, *, ceph_user: str = "admin", rbd_pool: str = "rbd",
                  timeout_s: float = COMMAND_TIMEOUT_S, exports: ExportDriver | None = None,
                  max_clone_depth: int = 5, max_flattens: int = 2, max_snapshots_per_volume: int = 450,
-                 maintenance_interval_s: float = MAINTENANCE_INTERVAL_S) -> None:
+                 maintenance_interval_s: float = MAINTENANCE_INTERVAL_S, worker: bool = True,
+                 worker_python: Path = SYSTEM_PYTHON) -> None:
         if not re.fullmatch(CEPH_USER_RE, ceph_user):
             raise InvalidParameter(f"invalid Ceph user {ceph_user[:64]!r}")
         if not re.fullmatch(RBD_POOL_RE, rbd_pool):
@@ -106,7 +111,8 @@ class RbdBackend:
         # One call at a time: each is short, and an ensure never races a remove of the same image.
         self._lock = threading.Lock()
         # The cephx user and the timeout are the tools' alone.
-        self._cli = RbdTools(name, ceph_conf, ceph_user, rbd_pool, timeout_s)
+        self._cli = RbdTools(name, ceph_conf, ceph_user, rbd_pool, timeout_s, worker=worker,
+                             worker_python=worker_python)
         self._cephx = CephxAttachments(self._cli)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -134,7 +140,7 @@ class RbdBackend:
             raise InvalidParameter("the rbd backend needs ceph_conf (--ceph-conf)")
         return cls(cfg.pool_name, cfg.ceph_conf.resolve(), ceph_user=cfg.ceph_user, rbd_pool=cfg.rbd_pool,
                    exports=exports, max_clone_depth=cfg.rbd_max_clone_depth, max_flattens=cfg.rbd_max_flattens,
-                   max_snapshots_per_volume=cfg.rbd_max_snapshots_per_volume)
+                   max_snapshots_per_volume=cfg.rbd_max_snapshots_per_volume, worker=cfg.rbd_worker)
 
     # -- the tools ----------------------------------------------------------------------------------
 
@@ -183,6 +189,7 @@ class RbdBackend:
         self._stored.close()
         if self._maintainer is not threading.current_thread():
             self._maintainer.join(timeout=self._cli.timeout_s + 10)
+        self._cli.close()  # the rbd worker, by its PID
 
     # -- the trash and the chains (``rbd_trash``, ``rbd_clones``) -------------------------------------
 
