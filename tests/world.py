@@ -617,7 +617,7 @@ def _check_vm(spec: WorldSpec, db: Db, host: str, vm_id: str, socket: Path, expo
 
 def _target_names(spec: WorldSpec) -> Access:
     """The storage agent's iSCSI target names: a volume id sealed under its node's key (iscsi/iqn.key)."""
-    return Access(None, IQN_PREFIX, spec.state_dir, spec.state_dir / "iscsi")  # type: ignore[arg-type]
+    return Access(None, IQN_PREFIX, spec.state_dir / "iscsi")  # type: ignore[arg-type]
 
 
 def _check_connection(spec: WorldSpec, vm_id: str, volume_id: str, host: str, node: dict[str, Any],
