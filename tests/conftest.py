@@ -366,15 +366,14 @@ TORTURE_ONLY = frozenset({
 # together on short modules instead of one waiting for the other's long last one. Only an order: a module
 # missing here, or a new one, runs after these in collection order.
 LONGEST_MODULES = (
-    # The lifecycle policies wait for minutes of schedule, mostly asleep: first, beside the busy modules.
-    "test_lifecycle_policies.py",
+    # The lifecycle policies and runs wait for minutes of schedule, mostly asleep: first, beside the busy modules.
+    "test_lifecycle_policies.py", "test_lifecycle_runs.py",
     "test_hostile_input.py", "test_data_integrity.py", "test_command_e2e.py", "test_crash_recovery.py",
     "test_concurrency.py", "test_api_snapshots.py", "test_rbd_crash.py", "test_rbd_chains.py", "test_api_volumes.py",
     "test_libvirt_e2e.py", "test_snapshot_store_e2e.py", "test_torture.py", "test_attach_e2e.py", "test_ec2_api.py",
     "test_encryption.py", "test_vanished_targets.py", "test_rbd_attach_crash.py", "test_rbd_up.py",
     "test_controller_failover.py", "test_rbd_native.py", "test_disaster.py", "test_netns_cluster.py",
-    "test_install.py",
-    "test_lifecycle_runs.py",
+    "test_install.py", "test_rolling_upgrade.py",
 )
 
 
