@@ -36,10 +36,15 @@ lint: venv
 # One worker more than the machine has cores (TEST_WORKERS), a test module each at a time: most tests
 # wait on daemons and guests, not on a CPU (on 2 cores, a fresh clone's run: 40:31 with 2 workers, 33:59
 # with 3). The longest modules go first (tests/conftest.py LONGEST_MODULES), not xdist's most-tests-first.
+# The modules that wait for minutes of schedule (ASLEEP_MODULES: one-minute lifecycle policies, some 14
+# minutes mostly asleep) run in a pytest of their own beside the rest (scripts/run-tests), so that they
+# hold none of its workers; their output follows the rest's, and make test fails if either run fails.
 # PYTEST_ARGS: extra pytest options, e.g. make test PYTEST_ARGS=--durations=50 to see what the time goes to.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+ASLEEP_MODULES ?= tests/test_lifecycle_policies.py tests/test_lifecycle_runs.py
 test: setup lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python scripts/run-tests --pytest $(BIN)/pytest --workers $(TEST_WORKERS) \
+		$(ASLEEP_MODULES:%=--asleep %) -- $(PYTEST_ARGS)
 
 # The unit tier: no root, no daemons, no guests; what a developer runs on every change (on two workers:
 # half the time on two cores). The CSI driver's unit tests need its generated modules (csi-toolchain).

@@ -366,7 +366,8 @@ TORTURE_ONLY = frozenset({
 # together on short modules instead of one waiting for the other's long last one. Only an order: a module
 # missing here, or a new one, runs after these in collection order.
 LONGEST_MODULES = (
-    # The lifecycle policies and runs wait for minutes of schedule, mostly asleep: first, beside the busy modules.
+    # The lifecycle policies and runs wait for minutes of schedule, mostly asleep: first, beside the busy modules
+    # (make test runs them in a pytest of their own beside the rest: scripts/run-tests).
     "test_lifecycle_policies.py", "test_lifecycle_runs.py",
     "test_hostile_input.py", "test_data_integrity.py", "test_command_e2e.py", "test_crash_recovery.py",
     "test_concurrency.py", "test_api_snapshots.py", "test_rbd_crash.py", "test_rbd_chains.py", "test_api_volumes.py",
