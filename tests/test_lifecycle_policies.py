@@ -178,6 +178,63 @@ def test_what_vbs_does_not_do_is_refused_with_aws_errors_and_nothing_is_made(
     assert dlm.get_lifecycle_policies()["Policies"] == before
 
 
+@pytest.mark.parametrize("metadata_db", ("sqlite",), indirect=True, scope="module")
+def test_a_cron_schedule_fires_at_its_times_and_age_retention_retires_what_is_older(install: Install) -> None:
+    """A CronExpression schedule runs at exactly its two next times (minutes m and m+1 of this hour, UTC), and
+    a RetainRule by age (one DAY) retires at the second run the first run's snapshot once it is older than
+    that. A day cannot pass in a test: between the runs the test moves the first snapshot's start two days
+    back in the metadata DB (the only change made behind the API), so the age rule, not a count, retires it."""
+    from datetime import UTC, datetime
+
+    from vbs.controller.db import Database, Snapshot
+
+    vbs = install.vbs
+    ec2, dlm = vbs.ec2(), vbs.aws("dlm")
+    vol = ec2.create_volume(Size=1, AvailabilityZone="us-east-1a", TagSpecifications=[{
+        "ResourceType": "volume", "Tags": [{"Key": "backup", "Value": "cron"}]}])["VolumeId"]
+    first = (datetime.now(UTC) + timedelta(seconds=100)).replace(second=0, microsecond=0)
+    if first.minute == 59:  # both times in one hour, so that one Hours value names them
+        first += timedelta(minutes=1)
+    cron = f"cron({first.minute},{first.minute + 1} {first.hour} * * ? *)"
+    pid = dlm.create_lifecycle_policy(
+        ExecutionRoleArn=ROLE, Description="cron and age", State="ENABLED",
+        PolicyDetails=details("VOLUME", {"Key": "backup", "Value": "cron"}, {
+            "Name": "cron", "CreateRule": {"CronExpression": cron},
+            "RetainRule": {"Interval": 1, "IntervalUnit": "DAYS"}}))["PolicyId"]
+
+    def succeeded() -> list[dict[str, Any]]:
+        return sorted((r for r in runs(vbs, pid) if r["status"] == "succeeded"), key=lambda r: r["due_at"])
+
+    [one] = wait_until(lambda: succeeded() or None, 300, interval=1, what="the first cron run")
+    assert _when(one["due_at"]) == first, (one, cron)
+    [older] = one["snapshots"][vol]
+    vbs.wait_snapshot(older, "completed", timeout=120)
+    db = Database.for_data_dir(vbs.data_dir)
+    try:
+        with db.session() as s:
+            row = s.get(Snapshot, older)
+            assert row is not None
+            row.started_at = row.started_at - timedelta(days=2)
+    finally:
+        db.dispose()
+    done = wait_until(lambda: succeeded() if len(succeeded()) >= 2 else None, 180, interval=1,
+                      what="the second cron run")
+    dlm.update_lifecycle_policy(PolicyId=pid, State="DISABLED")
+    assert [_when(r["due_at"]) for r in done] == [first, first + timedelta(minutes=1)], done
+    [newer] = done[1]["snapshots"][vol]
+    assert done[1]["retired"] == [older], done[1]
+    wait_until(lambda: set(policy_snapshots(ec2, pid)) == {newer}, 120, interval=1,
+               what="the newer snapshot only")
+    wait_until(lambda: vbs.http.get(f"/v1/snapshots/{older}").status_code == 404, 120, interval=1,
+               what="the older snapshot deleted")
+    with pytest.raises(ClientError) as exc:
+        ec2.describe_snapshots(SnapshotIds=[older])
+    assert exc.value.response["Error"]["Code"] == "InvalidSnapshot.NotFound"
+    vbs.wait_snapshot(newer, "completed", timeout=120)
+    dlm.delete_lifecycle_policy(PolicyId=pid)
+    ec2.delete_snapshot(SnapshotId=newer)
+
+
 @BOTH
 def test_unsupported_policies_and_unknown_ones_answer_aws_errors(install: Install) -> None:
     vbs = install.vbs
