@@ -4,7 +4,14 @@ them with the same code and status (docs/recycle-bin.md)."""
 
 from __future__ import annotations
 
-from vbs.controller.aws_json import AwsJsonError
+from vbs.controller.aws_json import (
+    DENIED_CODES,
+    AccessDeniedException,
+    AwsJsonError,
+    ConflictException,
+    ResourceNotFoundException,
+    ValidationException,
+)
 from vbs.errors import VbsError
 
 __all__ = ["RbinError", "RuleInvalid", "RuleNotFound", "RuleConflict", "RuleQuotaExceeded", "rbin_error_of"]
@@ -14,21 +21,15 @@ class RbinError(AwsJsonError):
     """An error of the ``rbin`` service."""
 
 
-class RuleInvalid(RbinError):
-    code = "ValidationException"
-    status = 400
-    reason = "INVALID_PARAMETER_VALUE"
+class RuleInvalid(RbinError, ValidationException):
+    pass
 
 
-class RuleNotFound(RbinError):
-    code = "ResourceNotFoundException"
-    status = 404
+class RuleNotFound(RbinError, ResourceNotFoundException):
     reason = "RULE_NOT_FOUND"
 
 
-class RuleConflict(RbinError):
-    code = "ConflictException"
-    status = 409
+class RuleConflict(RbinError, ConflictException):
     reason = "INVALID_RULE_STATE"
 
 
@@ -42,11 +43,9 @@ def rbin_error_of(exc: VbsError) -> AwsJsonError:
     """A VBS error (authentication, a bad request body) as the ``rbin`` service answers it."""
     if isinstance(exc, AwsJsonError):
         return exc
-    if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+    if exc.code in DENIED_CODES:
         # rbin's model has no AccessDeniedException: AWS's common one, as every service answers it.
-        err = RbinError(exc.message)
-        err.code, err.status, err.reason = "AccessDeniedException", 403, None
-        return err
+        return AccessDeniedException(exc.message)
     if exc.status == 404:
         return RuleNotFound(exc.message)
     if exc.status < 500:
