@@ -4,32 +4,25 @@ them with the same code and status (docs/recycle-bin.md)."""
 
 from __future__ import annotations
 
-from vbs.controller.aws_json import (
-    DENIED_CODES,
-    AccessDeniedException,
-    AwsJsonError,
-    ConflictException,
-    ResourceNotFoundException,
-    ValidationException,
-)
+from vbs.controller import aws_json
 from vbs.errors import VbsError
 
 __all__ = ["RbinError", "RuleInvalid", "RuleNotFound", "RuleConflict", "RuleQuotaExceeded", "rbin_error_of"]
 
 
-class RbinError(AwsJsonError):
+class RbinError(aws_json.AwsJsonError):
     """An error of the ``rbin`` service."""
 
 
-class RuleInvalid(RbinError, ValidationException):
+class RuleInvalid(RbinError, aws_json.ValidationException):
     pass
 
 
-class RuleNotFound(RbinError, ResourceNotFoundException):
+class RuleNotFound(RbinError, aws_json.ResourceNotFoundException):
     reason = "RULE_NOT_FOUND"
 
 
-class RuleConflict(RbinError, ConflictException):
+class RuleConflict(RbinError, aws_json.ConflictException):
     reason = "INVALID_RULE_STATE"
 
 
@@ -39,13 +32,13 @@ class RuleQuotaExceeded(RbinError):
     reason = "SERVICE_QUOTA_EXCEEDED"
 
 
-def rbin_error_of(exc: VbsError) -> AwsJsonError:
+def rbin_error_of(exc: VbsError) -> aws_json.AwsJsonError:
     """A VBS error (authentication, a bad request body) as the ``rbin`` service answers it."""
-    if isinstance(exc, AwsJsonError):
+    if isinstance(exc, aws_json.AwsJsonError):
         return exc
-    if exc.code in DENIED_CODES:
+    if exc.code in aws_json.DENIED_CODES:
         # rbin's model has no AccessDeniedException: AWS's common one, as every service answers it.
-        return AccessDeniedException(exc.message)
+        return aws_json.AccessDeniedException(exc.message)
     if exc.status == 404:
         return RuleNotFound(exc.message)
     if exc.status < 500:
