@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import export_fixtures
 from tests.conftest import free_ports, reap_daemons
 from tests.export_fixtures import MiB, guest_disk, read_at, wait_dead, write_at
 from tests.test_nbd_access import attempt, qemu_io
@@ -32,6 +33,7 @@ from vbs.wire.connection import HostIdentity, NbdConnection
 
 pytestmark = pytest.mark.integration
 
+volume = export_fixtures.volume
 VOL = "vol-0123456789abcdef0"
 VOL2 = "vol-0123456789abcdef1"
 HV_A = HostIdentity(name="hv-a", address="127.0.0.1")
@@ -54,14 +56,6 @@ def make_driver(tmp_path: Path) -> Iterator[Callable[..., NbdkitExportDriver]]:
     for drv in reversed(drivers):
         drv.stop()
         reap_daemons(drv.state_dir)
-
-
-@pytest.fixture
-def volume(tmp_path: Path) -> Path:
-    path = tmp_path / "vol.img"
-    with open(path, "wb") as f:
-        f.truncate(16 * MiB)
-    return path
 
 
 @pytest.fixture
