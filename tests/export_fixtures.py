@@ -1,5 +1,6 @@
 """What the export driver tests share: drivers on free loopback ports whose daemons are stopped by PID
-at teardown (never by name), a sparse volume, and waiting for a killed daemon to be really gone.
+at teardown (never by name), a sparse volume, waiting for a killed daemon to be really gone, and a test
+guest that writes to an export as its disk through the host agent's QEMU driver.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,9 +19,15 @@ import pytest
 
 from tests.conftest import free_port
 from vbs.errors import DriverError
+from vbs.host.hypervisors.qemu import QemuDriver
+from vbs.ids import virtio_serial
+from vbs.qemu.tls import X509Files
+from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.supervised import SupervisedExportDriver
+from vbs.wire.connection import AnyConnection
 
-__all__ = ["free_port", "runs", "wait_dead", "drivers_of", "volume", "read_at", "write_at", "taken_port", "MiB"]
+__all__ = ["free_port", "runs", "wait_dead", "drivers_of", "volume", "read_at", "write_at", "taken_port", "MiB",
+           "GuestDisk", "guest_disk"]
 
 MiB = 1024 * 1024
 
@@ -114,3 +122,39 @@ def taken_port() -> Iterator[int]:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield int(busy.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class GuestDisk:
+    """A running test guest ``vm1`` with an export attached as its disk ``serial`` by ``qemu``."""
+
+    guest: TestGuest
+    qemu: QemuDriver
+    serial: str
+
+
+@contextmanager
+def guest_disk(tmp_path: Path, key: str, connection: AnyConnection, volume: Path, x509: X509Files,
+               pattern: str) -> Iterator[GuestDisk]:
+    """A real TCG guest with ``connection`` (``key``'s export of ``volume``) attached through the host
+    agent's QEMU driver with the host's ``x509``, which has written 2 MiB of ``pattern`` to it; the body
+    checks what it will. Then the disk is detached and ``volume`` must hold the pattern. The guest, the
+    driver's monitors and any tunnel end it ran are stopped whatever happens."""
+    vm_dir = tmp_path / "vms"
+    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
+    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=x509)
+    try:
+        guest.start()
+        guest.wait_ready(120)
+        serial = virtio_serial(key)
+        qemu.attach("vm1", serial, connection)
+        dev = guest.wait_for_disk(serial, 20)
+        assert guest.write_pattern(dev, pattern, 2) == pattern_sha256(pattern, 2)
+        yield GuestDisk(guest, qemu, serial)
+        qemu.detach("vm1", serial)
+        guest.wait_disk_gone(serial, 20)
+        assert read_at(volume, 0, 2 * MiB) == pattern_bytes(pattern, 2)
+    finally:
+        qemu.close()
+        qemu.tunnels.stop()
+        guest.stop()

@@ -16,15 +16,12 @@ import pytest
 
 from tests import export_fixtures
 from tests.conftest import wait_until
-from tests.export_fixtures import MiB, drivers_of, read_at
+from tests.export_fixtures import MiB, drivers_of, guest_disk
 from tests.test_iscsi_export import tgtd_driver
 from tests.test_nbd_access import Netns, netns  # noqa: F401 - the fixture
-from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.ids import virtio_serial
 from vbs.net.stunnel import client_config
 from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files
-from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.system.argv import run
 from vbs.trust.pki import CertificateAuthority
@@ -148,24 +145,8 @@ def test_a_guest_disk_through_the_host_agents_tunnel_end(
     drv = make_driver(listen_host=netns.server, tunnel=site.node)
     c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address=netns.server))
     assert isinstance(c, IscsiConnection) and c.tls == "stunnel"
-    vm_dir = tmp_path / "vms"
-    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
-    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=site.host_files("hv-a"))
-    try:
-        guest.start()
-        guest.wait_ready(120)
-        serial = virtio_serial(VOL)
-        qemu.attach("vm1", serial, c)
-        dev = guest.wait_for_disk(serial, 20)
-        assert guest.write_pattern(dev, "over-stunnel", 2) == pattern_sha256("over-stunnel", 2)
-        (pid,) = qemu.tunnels.pids()
+    with guest_disk(tmp_path, VOL, c, volume, site.host_files("hv-a"), "over-stunnel") as disk:
+        (pid,) = disk.qemu.tunnels.pids()
         assert b"stunnel" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        assert qemu.attach("vm1", serial, c).serial == serial  # idempotent, same tunnel
-        assert qemu.tunnels.pids() == [pid]
-        qemu.detach("vm1", serial)
-        guest.wait_disk_gone(serial, 20)
-        assert read_at(volume, 0, 2 * MiB) == pattern_bytes("over-stunnel", 2)
-    finally:
-        qemu.close()
-        qemu.tunnels.stop()
-        guest.stop()
+        assert disk.qemu.attach("vm1", disk.serial, c).serial == disk.serial  # idempotent, same tunnel
+        assert disk.qemu.tunnels.pids() == [pid]

@@ -25,15 +25,14 @@ import pytest
 
 from tests import export_fixtures
 from tests.conftest import VbsUp, wait_until
-from tests.export_fixtures import MiB, drivers_of, read_at, write_at
+from tests.export_fixtures import MiB, drivers_of, guest_disk, read_at, write_at
 from vbs.config import StorageAgentConfig
 from vbs.connectors import connector_for
 from vbs.errors import InvalidParameter
-from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.ids import virtio_serial
 from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files, qemu_x509_dir
-from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
+from vbs.rigs.testguest import TestGuest, build_guest
 from vbs.storage.exports.nbd import NbdExportDriver
 from vbs.system.argv import run
 from vbs.trust.pki import CertificateAuthority
@@ -258,25 +257,10 @@ def test_a_guest_disk_over_x509_through_the_host_agents_own_certificate(
     drv = make_driver(tls="x509", x509=X509Files(node.cert, node.key, node.ca))
     c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address="127.0.0.1"))
     assert isinstance(c, NbdConnection) and c.tls == "x509"
-    vm_dir = tmp_path / "vms"
-    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
-    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=X509Files(host.cert, host.key, host.ca))
-    try:
-        guest.start()
-        guest.wait_ready(120)
-        serial = virtio_serial(VOL)
-        qemu.attach("vm1", serial, c)
-        dev = guest.wait_for_disk(serial, 20)
-        assert guest.write_pattern(dev, "over-x509", 2) == pattern_sha256("over-x509", 2)
-        nodes = guest.qmp("query-named-block-nodes", {"flat": True})
+    with guest_disk(tmp_path, VOL, c, volume, X509Files(host.cert, host.key, host.ca), "over-x509") as disk:
+        nodes = disk.guest.qmp("query-named-block-nodes", {"flat": True})
         assert any(connector_for(c).qemu_node_opens(n, c) for n in nodes)
         assert stat.S_IMODE((tmp_path / "host-secrets" / "x509").stat().st_mode) == 0o700
-        qemu.detach("vm1", serial)
-        guest.wait_disk_gone(serial, 20)
-        assert read_at(volume, 0, 2 * MiB) == pattern_bytes("over-x509", 2)
-    finally:
-        qemu.close()
-        guest.stop()
 
 
 def test_the_authz_list_comes_back_with_a_restarted_daemon(

@@ -17,17 +17,15 @@ from typing import Any
 
 import pytest
 
+from tests import export_fixtures
 from tests.conftest import free_ports, reap_daemons
-from tests.export_fixtures import MiB, read_at, wait_dead, write_at
+from tests.export_fixtures import MiB, guest_disk, read_at, wait_dead, write_at
 from tests.test_nbd_access import attempt, qemu_io
 from vbs.config import StorageAgentConfig
 from vbs.connectors import connector_for
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter
-from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.ids import virtio_serial
 from vbs.pools.exports import FileSource, RbdSource
 from vbs.qemu.tls import X509Files, qemu_x509_dir
-from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
 from vbs.storage.exports.nbdkit import NbdkitExportDriver
 from vbs.system.socket_paths import socket_path
 from vbs.trust.pki import CertificateAuthority
@@ -35,6 +33,7 @@ from vbs.wire.connection import HostIdentity, NbdConnection
 
 pytestmark = pytest.mark.integration
 
+volume = export_fixtures.volume
 VOL = "vol-0123456789abcdef0"
 VOL2 = "vol-0123456789abcdef1"
 HV_A = HostIdentity(name="hv-a", address="127.0.0.1")
@@ -57,14 +56,6 @@ def make_driver(tmp_path: Path) -> Iterator[Callable[..., NbdkitExportDriver]]:
     for drv in reversed(drivers):
         drv.stop()
         reap_daemons(drv.state_dir)
-
-
-@pytest.fixture
-def volume(tmp_path: Path) -> Path:
-    path = tmp_path / "vol.img"
-    with open(path, "wb") as f:
-        f.truncate(16 * MiB)
-    return path
 
 
 @pytest.fixture
@@ -237,24 +228,9 @@ def test_a_guest_disk_over_x509_through_the_host_agents_own_certificate(
     host = ca.issue_in(tmp_path / "host", "hv-a", ["127.0.0.1", "hv-a"])
     drv = make_driver(tls="x509", x509=node_x509(ca, tmp_path))
     c = drv.ensure_export(VOL, FileSource(volume), HV_A)
-    vm_dir = tmp_path / "vms"
-    guest = TestGuest("vm1", tmp_path / "guest", build_guest(), vm_dir)
-    qemu = QemuDriver(vm_dir, secrets_dir=tmp_path / "host-secrets", x509=X509Files(host.cert, host.key, host.ca))
-    try:
-        guest.start()
-        guest.wait_ready(120)
-        serial = virtio_serial(VOL)
-        qemu.attach("vm1", serial, c)
-        dev = guest.wait_for_disk(serial, 20)
-        assert guest.write_pattern(dev, "nbdkit-x509", 2) == pattern_sha256("nbdkit-x509", 2)
-        nodes = guest.qmp("query-named-block-nodes", {"flat": True})
+    with guest_disk(tmp_path, VOL, c, volume, X509Files(host.cert, host.key, host.ca), "nbdkit-x509") as disk:
+        nodes = disk.guest.qmp("query-named-block-nodes", {"flat": True})
         assert any(connector_for(c).qemu_node_opens(n, c) for n in nodes)
-        qemu.detach("vm1", serial)
-        guest.wait_disk_gone(serial, 20)
-        assert read_at(volume, 0, 2 * MiB) == pattern_bytes("nbdkit-x509", 2)
-    finally:
-        qemu.close()
-        guest.stop()
 
 
 def test_tls_psk_admits_only_the_hosts_own_key(

@@ -158,13 +158,17 @@ def unlock_rule(ctx: typer.Context, rule_id: str) -> None:
     _emit_rule(c, c.client.call("DELETE", f"/v1/recycle-bin/rules/{rule_id}/lock"))
 
 
+def _list_bin(c: Context, kind: str, ids: list[str] | None, page: int, columns: list[Column]) -> None:
+    """The bin's ``kind``s (snapshot, volume): these ids, else every one, a largest ``page`` at a time."""
+    params = [(f"{kind}_id", i) for i in ids or []] + ([] if ids else [("max_results", str(page))])
+    body = pages(c, f"/v1/recycle-bin/{kind}s", f"{kind}s", params)
+    output.emit(body if output.is_machine(c.fmt) else body[f"{kind}s"], c.fmt, columns)
+
+
 @commands.command("list-snapshots-in-recycle-bin")
 def list_snapshots_in_recycle_bin(ctx: typer.Context, snapshot_ids: IdsArg = None) -> None:
     """Your deleted snapshots a rule keeps in the bin, and until when."""
-    c: Context = ctx.obj
-    params = [("snapshot_id", i) for i in snapshot_ids or []] + ([] if snapshot_ids else [("max_results", "1000")])
-    body = pages(c, "/v1/recycle-bin/snapshots", "snapshots", params)
-    output.emit(body if output.is_machine(c.fmt) else body["snapshots"], c.fmt, BIN_SNAPSHOT_COLUMNS)
+    _list_bin(ctx.obj, "snapshot", snapshot_ids, 1000, BIN_SNAPSHOT_COLUMNS)
 
 
 @commands.command("restore-snapshot-from-recycle-bin")
@@ -177,10 +181,7 @@ def restore_snapshot_from_recycle_bin(ctx: typer.Context, snapshot_id: str) -> N
 @commands.command("list-volumes-in-recycle-bin")
 def list_volumes_in_recycle_bin(ctx: typer.Context, volume_ids: IdsArg = None) -> None:
     """Your deleted volumes a rule keeps in the bin, and until when."""
-    c: Context = ctx.obj
-    params = [("volume_id", i) for i in volume_ids or []] + ([] if volume_ids else [("max_results", "500")])
-    body = pages(c, "/v1/recycle-bin/volumes", "volumes", params)
-    output.emit(body if output.is_machine(c.fmt) else body["volumes"], c.fmt, BIN_VOLUME_COLUMNS)
+    _list_bin(ctx.obj, "volume", volume_ids, 500, BIN_VOLUME_COLUMNS)
 
 
 @commands.command("restore-volume-from-recycle-bin")

@@ -21,7 +21,8 @@ from vbs.controller.auth.keys import Principal
 from vbs.controller.runtime import Controller
 from vbs.errors import VbsError
 
-__all__ = ["AwsJsonError", "Handler", "Service", "parse_body", "refusal"]
+__all__ = ["AwsJsonError", "AccessDeniedException", "ConflictException", "ResourceNotFoundException",
+           "ValidationException", "DENIED_CODES", "Handler", "Service", "parse_body", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,33 @@ class AwsJsonError(VbsError):
         super().__init__(message)
         if reason is not None:
             self.reason = reason
+
+
+# The exception shapes AWS's rest-json services have in common: a service's error class takes its
+# ``Reason`` and the service's base (``class NotFoundError(EbsError, ResourceNotFoundException)``).
+class ValidationException(AwsJsonError):
+    code = "ValidationException"
+    status = 400
+    reason: str | None = "INVALID_PARAMETER_VALUE"
+
+
+class ResourceNotFoundException(AwsJsonError):
+    code = "ResourceNotFoundException"
+    status = 404
+
+
+class AccessDeniedException(AwsJsonError):
+    code = "AccessDeniedException"
+    status = 403
+
+
+class ConflictException(AwsJsonError):
+    code = "ConflictException"
+    status = 409
+
+
+# VBS's codes for a refused key or signature, which AWS's services answer with their own and 403.
+DENIED_CODES = ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch")
 
 
 def refusal(err: AwsJsonError) -> Response:

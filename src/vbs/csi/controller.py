@@ -13,7 +13,17 @@ from vbs.csi import proto
 from vbs.csi.controller_snapshots import SnapshotMethods
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import LIVE_ATTACHMENT, capabilities, published_hosts, volume_message
-from vbs.csi.requests import GIB, MAX_GIB, check_name, create_fields, key_of_secrets, size_gib, unsupported, zone_of
+from vbs.csi.requests import (
+    GIB,
+    MAX_GIB,
+    check_name,
+    create_fields,
+    key_of_secrets,
+    required,
+    size_gib,
+    unsupported,
+    zone_of,
+)
 from vbs.csi.rpc import in_flight, rpc, unimplemented
 from vbs.csi.vbs_api import CLONE_TAG, NAME_TAG, Body, VbsApi
 from vbs.errors import VbsError
@@ -144,8 +154,7 @@ class ControllerService(SnapshotMethods):
 
     @rpc
     def DeleteVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         with self.locked(request.volume_id):
             if self.api.volume(request.volume_id) is not None:
                 self.api.delete_volume(request.volume_id)
@@ -204,8 +213,7 @@ class ControllerService(SnapshotMethods):
 
     @rpc
     def ControllerUnpublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         with self.locked(request.volume_id):
             volume = self.api.volume(request.volume_id)
             if volume is not None:
@@ -232,8 +240,7 @@ class ControllerService(SnapshotMethods):
 
     @rpc
     def ValidateVolumeCapabilities(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         caps = capabilities(self.pb, request.volume_capabilities)
         if not caps:
             raise CsiError("INVALID_ARGUMENT", "volume_capabilities are required")
@@ -271,8 +278,7 @@ class ControllerService(SnapshotMethods):
 
     @rpc
     def ControllerGetVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         volume = self._volume(request.volume_id)
         status = self.pb.ControllerGetVolumeResponse.VolumeStatus(published_node_ids=published_hosts(volume))
         return self.pb.ControllerGetVolumeResponse(volume=volume_message(self.pb, volume), status=status)
@@ -290,8 +296,7 @@ class ControllerService(SnapshotMethods):
 
     @rpc
     def ControllerExpandVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         if not request.HasField("capacity_range"):
             raise CsiError("INVALID_ARGUMENT", "capacity_range is required")
         gib = size_gib(request.capacity_range.required_bytes, request.capacity_range.limit_bytes)

@@ -10,7 +10,7 @@ from typing import Any
 
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import snapshot_message
-from vbs.csi.requests import SIDECAR_PREFIX, check_name
+from vbs.csi.requests import SIDECAR_PREFIX, check_name, required
 from vbs.csi.rpc import rpc
 from vbs.csi.vbs_api import NAME_TAG, VbsApi
 from vbs.errors import VbsError
@@ -31,8 +31,7 @@ class SnapshotMethods:
     @rpc
     def CreateSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
         name = check_name(request.name, "snapshot")
-        if not request.source_volume_id:
-            raise CsiError("INVALID_ARGUMENT", "source_volume_id is required")
+        required(request, "source_volume_id")
         if any(not k.startswith(SIDECAR_PREFIX) for k in request.parameters):
             raise CsiError("INVALID_ARGUMENT", "a VolumeSnapshotClass takes no parameters for VBS (but the "
                                                f"sidecars' {SIDECAR_PREFIX}…)")
@@ -54,8 +53,7 @@ class SnapshotMethods:
 
     @rpc
     def DeleteSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.snapshot_id:
-            raise CsiError("INVALID_ARGUMENT", "snapshot_id is required")
+        required(request, "snapshot_id")
         with self.locked(request.snapshot_id):
             if self.api.snapshot(request.snapshot_id) is not None:
                 self.api.delete_snapshot(request.snapshot_id)
@@ -64,8 +62,7 @@ class SnapshotMethods:
     @rpc
     def GetSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
         """The snapshot by id (the spec's alpha GET_SNAPSHOT, not advertised: see ControllerGetCapabilities)."""
-        if not request.snapshot_id:
-            raise CsiError("INVALID_ARGUMENT", "snapshot_id is required")
+        required(request, "snapshot_id")
         found = self.api.snapshot(request.snapshot_id)
         if found is None:
             raise CsiError("NOT_FOUND", f"snapshot {request.snapshot_id[:40]!r} does not exist")

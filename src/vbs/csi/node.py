@@ -14,7 +14,7 @@ from vbs.csi import proto
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import capabilities
 from vbs.csi.node_devices import NodeDevices
-from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, size_gib, unsupported
+from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, required, size_gib, unsupported
 from vbs.csi.rpc import in_flight, rpc, unimplemented
 
 __all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
@@ -57,8 +57,7 @@ class NodeService:
 
     @rpc
     def NodeStageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         staging = Path(node_path(request.staging_target_path, "staging_target_path"))
         cap = self._capability(request)
         # Read-only when the publish was (the attach is: writes would fail) or the mode only reads.
@@ -71,8 +70,7 @@ class NodeService:
 
     @rpc
     def NodeUnstageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         staging = Path(node_path(request.staging_target_path, "staging_target_path"))
         with self._locked(request.volume_id):
             self.devices.unmount(staging)
@@ -81,8 +79,7 @@ class NodeService:
 
     @rpc
     def NodePublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         target = Path(node_path(request.target_path, "target_path"))
         cap = self._capability(request)
         if not request.staging_target_path:
@@ -105,8 +102,7 @@ class NodeService:
 
     @rpc
     def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
+        required(request, "volume_id")
         target = Path(node_path(request.target_path, "target_path"))
         with self._locked(request.volume_id):
             self.devices.unmount(target)
@@ -115,10 +111,7 @@ class NodeService:
 
     @rpc
     def NodeGetVolumeStats(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
-        if not request.volume_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_path is required")
+        required(request, "volume_id", "volume_path")
         self.devices.disk(request.volume_id)
         try:
             path = Path(node_path(request.volume_path, "volume_path"))
@@ -137,10 +130,7 @@ class NodeService:
         """The grown volume shown on this node: its loop device re-reads the size of the volume's file (which
         the host agent moved onto the grown export during ControllerExpandVolume), then the mounted
         filesystem grows online; a block volume only needs the first."""
-        if not request.volume_id:
-            raise CsiError("INVALID_ARGUMENT", "volume_id is required")
-        if not request.volume_path:
-            raise CsiError("INVALID_ARGUMENT", "volume_path is required")
+        required(request, "volume_id", "volume_path")
         self.devices.disk(request.volume_id)  # NOT_FOUND when not published here
         path = Path(node_path(request.volume_path, "volume_path"))
         size_gib(request.capacity_range.required_bytes, request.capacity_range.limit_bytes)  # a valid range

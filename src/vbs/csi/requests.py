@@ -17,7 +17,7 @@ from vbs.wire.storage import ZONE_NAME_RE
 
 __all__ = ["GIB", "MAX_GIB", "size_gib", "create_fields", "Capability", "unsupported", "check_name",
            "TOPOLOGY_KEY", "zone_of", "FS_TYPES", "PARAMETERS", "SIDECAR_PREFIX", "VOLUME_TYPES", "node_path",
-           "SECRET_KEY_ID", "SECRET_ACCESS_KEY", "key_of_secrets"]
+           "SECRET_KEY_ID", "SECRET_ACCESS_KEY", "key_of_secrets", "required"]
 
 GIB = 1 << 30
 MAX_GIB = 16384  # the REST API's largest volume (docs/rest-api.md)
@@ -44,6 +44,13 @@ _NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
 # component, no doubled or trailing slash; it reaches mount(8) and losetup(8) as an argument of its own.
 _PATH_RE = re.compile(r"(/(?!\.\.?(/|$))[^/\x00-\x1f\x7f]{1,255})+")
 MAX_PATH = 4096
+
+
+def required(request: Any, *fields: str) -> None:
+    """Refuse a request that leaves any of these (string) fields empty, the first named first."""
+    for name in fields:
+        if not getattr(request, name):
+            raise CsiError("INVALID_ARGUMENT", f"{name} is required")
 
 
 def node_path(raw: str, what: str) -> str:

@@ -69,15 +69,7 @@ class VbsApi:
 
     def volume(self, volume_id: str) -> Body | None:
         """The volume, or None when it does not exist (or its id is not one)."""
-        if not ids.is_valid("volume", volume_id):
-            return None
-        try:
-            body: Body = self.client.call("GET", f"/v1/volumes/{volume_id}")
-        except VbsError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return None if body["status"] in GONE else body
+        return self._live("volume", volume_id)
 
     def volume_named(self, name: str) -> Body | None:
         """The live volume made for CSI name ``name``, if any."""
@@ -167,15 +159,8 @@ class VbsApi:
     # -- snapshots ---------------------------------------------------------------------------------
 
     def snapshot(self, snapshot_id: str) -> Body | None:
-        if not ids.is_valid("snapshot", snapshot_id):
-            return None
-        try:
-            body: Body = self.client.call("GET", f"/v1/snapshots/{snapshot_id}")
-        except VbsError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return None if body["status"] in GONE else body
+        """The snapshot, or None when it does not exist (or its id is not one)."""
+        return self._live("snapshot", snapshot_id)
 
     def snapshot_named(self, name: str) -> Body | None:
         return self._named("snapshots", name, GONE)
@@ -235,6 +220,18 @@ class VbsApi:
         return True
 
     # -- inside ------------------------------------------------------------------------------------
+
+    def _live(self, kind: str, resource_id: str) -> Body | None:
+        """The ``kind`` (volume, snapshot) ``resource_id``; None when it is gone, absent, or not such an id."""
+        if not ids.is_valid(kind, resource_id):
+            return None
+        try:
+            body: Body = self.client.call("GET", f"/v1/{kind}s/{resource_id}")
+        except VbsError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return None if body["status"] in GONE else body
 
     def _named(self, collection: str, name: str, gone: frozenset[str]) -> Body | None:
         params = [("filter", f"tag:{NAME_TAG}={name}"), ("max_results", "1000")]

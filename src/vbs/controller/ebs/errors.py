@@ -3,38 +3,31 @@
 
 from __future__ import annotations
 
-from vbs.controller.aws_json import AwsJsonError
+from vbs.controller import aws_json
 from vbs.errors import VbsError
 
 __all__ = ["EbsError", "Validation", "NotFoundError", "AccessDenied", "Conflict", "ConcurrentLimit", "Internal",
            "ebs_error_of"]
 
 
-class EbsError(AwsJsonError):
+class EbsError(aws_json.AwsJsonError):
     """An error answered in the ``ebs`` service's shape: ``code`` is the exception shape's name."""
 
 
-class Validation(EbsError):
-    code = "ValidationException"
-    status = 400
-    reason = "INVALID_PARAMETER_VALUE"
+class Validation(EbsError, aws_json.ValidationException):
+    pass
 
 
-class NotFoundError(EbsError):
-    code = "ResourceNotFoundException"
-    status = 404
+class NotFoundError(EbsError, aws_json.ResourceNotFoundException):
     reason = "SNAPSHOT_NOT_FOUND"
 
 
-class AccessDenied(EbsError):
-    code = "AccessDeniedException"
-    status = 403
+class AccessDenied(EbsError, aws_json.AccessDeniedException):
     reason = "UNAUTHORIZED_ACCOUNT"
 
 
-class Conflict(EbsError):
-    code = "ConflictException"
-    status = 409
+class Conflict(EbsError, aws_json.ConflictException):
+    pass
 
 
 class ConcurrentLimit(EbsError):
@@ -51,7 +44,7 @@ def ebs_error_of(exc: VbsError) -> EbsError:
     """What a VBS error (of the store, an agent, authentication) is as the ``ebs`` service answers it."""
     if isinstance(exc, EbsError):
         return exc
-    if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+    if exc.code in aws_json.DENIED_CODES:
         return AccessDenied(exc.message)
     if exc.status == 404:
         return NotFoundError(exc.message)

@@ -4,6 +4,7 @@ docs/recycle-bin.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vbs.controller.auth.keys import Principal
@@ -18,12 +19,20 @@ from vbs.controller.runtime import Controller
 SNAPSHOTS_PAGE, VOLUMES_PAGE = 1000, 500
 
 
-def list_snapshots_in_recycle_bin(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
-    snap_ids = [snapshot_id_of(v) for v in p.list("SnapshotId")]
-    max_results = p.int("MaxResults", min=5, max=SNAPSHOTS_PAGE)
+def _page_of(p: QueryParams, id_param: str, id_of: Callable[[str], str], largest: int
+             ) -> tuple[list[str], int | None, str | None]:
+    """A List*InRecycleBin's ids (``id_param``, each checked by ``id_of``), page size and token; refused
+    here if the request is a dry run."""
+    resource_ids = [id_of(v) for v in p.list(id_param)]
+    max_results = p.int("MaxResults", min=5, max=largest)
     token = p.str("NextToken", max_len=MAX_TOKEN)
     dry_run(p)
-    found, next_token = bin_req.list_snapshots(svc, who.tenant, snap_ids, max_results, token)
+    return resource_ids, max_results, token
+
+
+def list_snapshots_in_recycle_bin(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
+    found, next_token = bin_req.list_snapshots(svc, who.tenant, *_page_of(p, "SnapshotId", snapshot_id_of,
+                                                                          SNAPSHOTS_PAGE))
     return {"snapshotSet": [{"snapshotId": x.snapshot_id, "recycleBinEnterTime": x.entered_at,
                              "recycleBinExitTime": x.exits_at, "description": x.description,
                              "volumeId": x.volume_id} for x in found], "nextToken": next_token}
@@ -37,11 +46,7 @@ def restore_snapshot_from_recycle_bin(svc: Controller, p: QueryParams, who: Prin
 
 
 def list_volumes_in_recycle_bin(svc: Controller, p: QueryParams, who: Principal) -> dict[str, Any]:
-    vol_ids = [volume_id_of(v) for v in p.list("VolumeId")]
-    max_results = p.int("MaxResults", min=5, max=VOLUMES_PAGE)
-    token = p.str("NextToken", max_len=MAX_TOKEN)
-    dry_run(p)
-    found, next_token = bin_req.list_volumes(svc, who.tenant, vol_ids, max_results, token)
+    found, next_token = bin_req.list_volumes(svc, who.tenant, *_page_of(p, "VolumeId", volume_id_of, VOLUMES_PAGE))
     return {"volumeSet": [{"volumeId": v.volume_id, "volumeType": v.volume_type, "state": "recoverable",
                            "size": v.size_gib, "iops": v.iops, "throughput": v.throughput,
                            "availabilityZone": v.availability_zone, "snapshotId": v.snapshot_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vbs.controller.aws_json import DENIED_CODES
 from vbs.errors import VbsError
 
 __all__ = ["DlmError", "InvalidRequest", "PolicyNotFound", "PolicyLimitExceeded", "dlm_error_of"]
@@ -54,7 +55,7 @@ def dlm_error_of(exc: VbsError) -> DlmError:
         return DlmError(exc.message, code="ResourceNotFoundException", status=404)
     if 400 <= exc.status < 500:
         # AWS answers a refused signature with its own codes and 403; the others are the request's fault.
-        if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+        if exc.code in DENIED_CODES:
             return DlmError(exc.message, code="AccessDeniedException", status=403)
         return InvalidRequest(exc.message)
     return DlmError(exc.message)

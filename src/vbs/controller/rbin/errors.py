@@ -4,31 +4,25 @@ them with the same code and status (docs/recycle-bin.md)."""
 
 from __future__ import annotations
 
-from vbs.controller.aws_json import AwsJsonError
+from vbs.controller import aws_json
 from vbs.errors import VbsError
 
 __all__ = ["RbinError", "RuleInvalid", "RuleNotFound", "RuleConflict", "RuleQuotaExceeded", "rbin_error_of"]
 
 
-class RbinError(AwsJsonError):
+class RbinError(aws_json.AwsJsonError):
     """An error of the ``rbin`` service."""
 
 
-class RuleInvalid(RbinError):
-    code = "ValidationException"
-    status = 400
-    reason = "INVALID_PARAMETER_VALUE"
+class RuleInvalid(RbinError, aws_json.ValidationException):
+    pass
 
 
-class RuleNotFound(RbinError):
-    code = "ResourceNotFoundException"
-    status = 404
+class RuleNotFound(RbinError, aws_json.ResourceNotFoundException):
     reason = "RULE_NOT_FOUND"
 
 
-class RuleConflict(RbinError):
-    code = "ConflictException"
-    status = 409
+class RuleConflict(RbinError, aws_json.ConflictException):
     reason = "INVALID_RULE_STATE"
 
 
@@ -38,15 +32,13 @@ class RuleQuotaExceeded(RbinError):
     reason = "SERVICE_QUOTA_EXCEEDED"
 
 
-def rbin_error_of(exc: VbsError) -> AwsJsonError:
+def rbin_error_of(exc: VbsError) -> aws_json.AwsJsonError:
     """A VBS error (authentication, a bad request body) as the ``rbin`` service answers it."""
-    if isinstance(exc, AwsJsonError):
+    if isinstance(exc, aws_json.AwsJsonError):
         return exc
-    if exc.code in ("AuthFailure", "UnauthorizedOperation", "SignatureDoesNotMatch"):
+    if exc.code in aws_json.DENIED_CODES:
         # rbin's model has no AccessDeniedException: AWS's common one, as every service answers it.
-        err = RbinError(exc.message)
-        err.code, err.status, err.reason = "AccessDeniedException", 403, None
-        return err
+        return aws_json.AccessDeniedException(exc.message)
     if exc.status == 404:
         return RuleNotFound(exc.message)
     if exc.status < 500:

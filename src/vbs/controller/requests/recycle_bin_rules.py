@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -198,10 +199,21 @@ def _refuse_if_locked(rule: RecycleBinRule, now: datetime, what: str) -> None:
         raise RuleConflict(f"The rule '{rule.id}' is {lock_state(rule, now)}: {what}")
 
 
-def update_rule(svc: Controller, tenant: str, rule_id: str, change: RuleChange) -> RuleOut:
+def _change_rule(svc: Controller, tenant: str, rule_id: str,
+                 change: Callable[[RecycleBinRule, datetime], None]) -> RuleOut:
+    """Apply ``change(rule, now)`` to the tenant's rule (locked for the update), stamp it updated, and
+    answer the rule as it is now."""
     now = utcnow()
     with svc.db.session() as s:
         rule = _rule(s, rule_id, tenant)
+        change(rule, now)
+        rule.updated_at = now
+        s.flush()
+        return _out(svc, rule, now)
+
+
+def update_rule(svc: Controller, tenant: str, rule_id: str, change: RuleChange) -> RuleOut:
+    def update(rule: RecycleBinRule, now: datetime) -> None:
         if change.resource_type is not None and check_resource_type(change.resource_type) != rule.resource_type:
             raise RuleInvalid("A rule's ResourceType cannot change after it is made.")
         resource_tags = change.resource_tags if change.resource_tags is not None else rule.resource_tags
@@ -216,9 +228,7 @@ def update_rule(svc: Controller, tenant: str, rule_id: str, change: RuleChange) 
         rule.exclude_tags = [list(t) for t in exclude_tags]
         if change.description is not None:
             rule.description = _check_description(change.description)
-        rule.updated_at = now
-        s.flush()
-        return _out(svc, rule, now)
+    return _change_rule(svc, tenant, rule_id, update)
 
 
 def delete_rule(svc: Controller, tenant: str, rule_id: str) -> None:
@@ -231,30 +241,23 @@ def delete_rule(svc: Controller, tenant: str, rule_id: str) -> None:
 
 
 def lock_rule(svc: Controller, tenant: str, rule_id: str, unlock_delay_days: int) -> RuleOut:
-    now = utcnow()
-    with svc.db.session() as s:
-        rule = _rule(s, rule_id, tenant)
+    def lock(rule: RecycleBinRule, now: datetime) -> None:
         if rule.resource_tags:
             raise RuleInvalid("Only region-level rules (without ResourceTags) can be locked.")
         if lock_state(rule, now) == LOCKED:
             raise RuleConflict(f"The rule '{rule.id}' is locked already.")
         rule.lock_state, rule.unlock_delay_days, rule.lock_end_at = LOCKED, unlock_delay_days, None
-        rule.updated_at = now
-        s.flush()
-        return _out(svc, rule, now)
+    return _change_rule(svc, tenant, rule_id, lock)
 
 
 def unlock_rule(svc: Controller, tenant: str, rule_id: str) -> RuleOut:
     """A locked rule stays locked for its unlock delay (``pending_unlock``), then it is unlocked."""
-    now = utcnow()
-    with svc.db.session() as s:
-        rule = _rule(s, rule_id, tenant)
+    def unlock(rule: RecycleBinRule, now: datetime) -> None:
         if lock_state(rule, now) != LOCKED:
             raise RuleConflict(f"The rule '{rule.id}' is {lock_state(rule, now)}, not locked.")
-        rule.lock_state, rule.updated_at = PENDING_UNLOCK, now
+        rule.lock_state = PENDING_UNLOCK
         rule.lock_end_at = now + timedelta(seconds=(rule.unlock_delay_days or 0) * _day_s(svc))
-        s.flush()
-        return _out(svc, rule, now)
+    return _change_rule(svc, tenant, rule_id, unlock)
 
 
 def rule_of_arn(svc: Controller, tenant: str, arn: str) -> str:

@@ -91,19 +91,16 @@ def _list_long(cluster: Any, ioctx: Any) -> list[dict[str, Any]]:
     return out
 
 
+# The ops that change one snapshot: the librbd ``Image`` method each calls with the snapshot's name.
+_SNAP_CHANGES = {"snap_create": "create_snap", "snap_remove": "remove_snap", "snap_unprotect": "unprotect_snap"}
+
+
 def serve(cluster: Any, ioctx: Any, req: dict[str, Any]) -> Any:
     op = req.get("op")
-    if op == "snap_create":
+    change = _SNAP_CHANGES.get(str(op))
+    if change is not None:
         with _image(ioctx, req, read_only=False) as image:
-            image.create_snap(str(req["snap"]))
-        return None
-    if op == "snap_remove":
-        with _image(ioctx, req, read_only=False) as image:
-            image.remove_snap(str(req["snap"]))
-        return None
-    if op == "snap_unprotect":
-        with _image(ioctx, req, read_only=False) as image:
-            image.unprotect_snap(str(req["snap"]))
+            getattr(image, change)(str(req["snap"]))
         return None
     if op == "snap_list":
         with _image(ioctx, req, read_only=True) as image:

@@ -16,12 +16,13 @@ from pathlib import Path
 from vbs import ids
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.pools.exports import ExportSource, FileSource, RbdSource
-from vbs.storage.exports.supervised_daemon import ItemT, ServedImage, ServedKey, SupervisedDaemon, ViewT
+from vbs.storage.exports.supervised_daemon import DesiredExports, ItemT, ServedImage, ServedKey, SupervisedDaemon, ViewT
 from vbs.system.desired_state import DesiredState
 from vbs.wire.connection import HOST_NAME_RE, Connection, HostIdentity
 from vbs.wire.storage import ExportInfo
 
 __all__ = [
+    "DesiredExports",
     "ServedKey",
     "ServedImage",
     "SupervisedExportDriver",

@@ -23,7 +23,7 @@ from vbs.pools.exports import ExportSource, RbdSource
 from vbs.system.daemons import Daemon, DaemonSpec
 from vbs.system.desired_state import DesiredState
 
-__all__ = ["ServedKey", "ServedImage", "SupervisedDaemon"]
+__all__ = ["DesiredExports", "ServedKey", "ServedImage", "SupervisedDaemon"]
 
 log = logging.getLogger("vbs.storage.exports.supervised")  # the records keep the drivers' shared name
 
@@ -71,7 +71,31 @@ ItemT = TypeVar("ItemT", bound=ServedKey)
 ViewT = TypeVar("ViewT")
 
 
-class SupervisedDaemon(ABC, Generic[ItemT, ViewT]):
+class DesiredExports(Generic[ItemT]):
+    """An export driver's desired items by key: read from ``_state`` on first use (``_load``, under
+    the driver's lock) and written back whole (``_save``)."""
+
+    state_dir: Path
+    _state: DesiredState[ItemT]
+    _desired: dict[str, ItemT]
+    _loaded: bool
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._desired = {item.key: item for item in self._state.load()}
+        self._loaded = True
+        self._loaded_state()
+
+    def _loaded_state(self) -> None:
+        """Called once the desired items are loaded (to tidy files that derive from them)."""
+
+    def _save(self) -> None:
+        self._state.save(self._desired.values())
+
+
+class SupervisedDaemon(DesiredExports[ItemT], ABC, Generic[ItemT, ViewT]):
     """The one daemon of an export driver, and what it should serve.
 
     Every public method runs under one lock. The desired items (one per key, ``ItemT``) are loaded
@@ -124,9 +148,6 @@ class SupervisedDaemon(ABC, Generic[ItemT, ViewT]):
 
     def _let_go(self) -> None:
         """Forget what this object holds of the daemon it runs (a connection, pending work)."""
-
-    def _loaded_state(self) -> None:
-        """Called once the desired items are loaded (to tidy files that derive from them)."""
 
     @abstractmethod
     def _view(self) -> ViewT:
@@ -243,17 +264,6 @@ class SupervisedDaemon(ABC, Generic[ItemT, ViewT]):
             raise DriverError(f"could not re-create the {self.protocol} exports of {', '.join(failed)}")
 
     # -- desired state -----------------------------------------------------------------------------
-
-    def _load(self) -> None:
-        if self._loaded:
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._desired = {item.key: item for item in self._state.load()}
-        self._loaded = True
-        self._loaded_state()
-
-    def _save(self) -> None:
-        self._state.save(self._desired.values())
 
     def _save_best_effort(self) -> None:
         try:

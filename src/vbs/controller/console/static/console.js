@@ -242,21 +242,15 @@ function route() {
     link.classList.toggle("active", link.dataset.view === view || (view === "volume" && link.dataset.view === "volumes"));
   }
   say("");
+  // The views that poll one table, each in its section #view-<name>.
+  const polled = { snapshots: renderSnapshots, "recycle-bin": renderRecycleBin, policies: renderPolicies,
+                   infrastructure: renderInfrastructure };
   if (view === "volume" && /^vol-[0-9a-f]{17}$/.test(id)) {
     $("view-volume").hidden = false;
     volumePage.open(id);
-  } else if (view === "snapshots") {
-    $("view-snapshots").hidden = false;
-    poll(renderSnapshots);
-  } else if (view === "recycle-bin") {
-    $("view-recycle-bin").hidden = false;
-    poll(renderRecycleBin);
-  } else if (view === "policies") {
-    $("view-policies").hidden = false;
-    poll(renderPolicies);
-  } else if (view === "infrastructure") {
-    $("view-infrastructure").hidden = false;
-    poll(renderInfrastructure);
+  } else if (Object.prototype.hasOwnProperty.call(polled, view)) {
+    $(`view-${view}`).hidden = false;
+    poll(polled[view]);
   } else {
     $("view-volumes").hidden = false;
     poll(volumesPage.load);

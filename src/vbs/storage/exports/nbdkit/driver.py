@@ -48,6 +48,7 @@ from vbs.qemu.tls import X509Files
 from vbs.storage.exports.nbd.options import tls_of
 from vbs.storage.exports.supervised import (
     LISTEN_RE,
+    DesiredExports,
     ServedKey,
     advertised_host,
     check_host,
@@ -80,7 +81,7 @@ class NbdkitOptions(BaseModel):
     ports: int = Field(256, ge=1, le=MAX_EXPORTS)
 
 
-class NbdkitExportDriver:
+class NbdkitExportDriver(DesiredExports[Served]):
     """Export driver for NBD through one nbdkit per (key, host); see the module docstring."""
 
     protocol = "nbd"
@@ -142,18 +143,6 @@ class NbdkitExportDriver:
 
     def _free_port(self) -> int:
         return self._processes.free_port({e.port for s in self._desired.values() for e in s.exports})
-
-    # -- desired state ---------------------------------------------------------------------------------
-
-    def _load(self) -> None:
-        if self._loaded:
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._desired = {item.key: item for item in self._state.load()}
-        self._loaded = True
-
-    def _save(self) -> None:
-        self._state.save(self._desired.values())
 
     # -- the daemons' life (ExportDriver) --------------------------------------------------------------
 
