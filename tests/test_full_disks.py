@@ -2,11 +2,16 @@
 volume, and the metadata database on a tiny filesystem that fills up (docs/operations.md "A full pool",
 "A full metadata disk").
 
-One ``vbs up`` for the module: its pool (``var/pool``) is a 192 MiB ext4 loop filesystem, its SQLite
-database a 32 MiB one, and a test guest (QEMU, TCG) writes numbered 1 MiB blocks to a 1 GiB volume that
-cannot all fit. What the guest sees: its QEMU stops the VM on the write that found no space
-(``werror=enospc``, virtio-blk's default), so no write fails in the guest; the host agent retries it every
-few seconds, and once space is freed the VM runs on by itself and every block lands.
+Each ``vbs up`` here has its pool (``var/pool``) on a 192 MiB ext4 loop filesystem, and a test guest (QEMU,
+TCG) writes numbered 1 MiB blocks to a 1 GiB volume that cannot all fit. What the guest sees depends on
+the export:
+- NBD (the default): the export daemon answers ENOSPC, and the guest's QEMU stops the VM on that write
+  (``werror=enospc``, virtio-blk's default), so no write fails in the guest; the host agent retries it
+  every few seconds, and once space is freed the VM runs on by itself and every block lands.
+- iSCSI (tgtd): tgtd answers a medium error, which QEMU reports to the guest as EIO: the write fails in
+  the guest (``I/O error, dev vdX``), the blocks acknowledged before it stay, and the guest's writes
+  succeed again once space is freed.
+The NBD install also keeps its SQLite database on a 32 MiB filesystem, which the last test fills.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,19 +49,21 @@ class FullDisks:
     up: VbsUp
     guest: TestGuest
     pool: Path  # the pool's filesystem (var/pool)
-    db_dir: Path  # the database's filesystem
+    db_dir: Path | None  # the database's filesystem, if it has one of its own
 
 
-@pytest.fixture(scope="module")
-def disks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullDisks]:
-    tmp = tmp_path_factory.mktemp("full-disks")
+@contextmanager
+def _install(tmp: Path, *extra: str, db_mib: int | None = None) -> Iterator[FullDisks]:
+    """``vbs up EXTRA`` whose pool is a small ext4 filesystem (and its database another, with ``db_mib``),
+    and its booted guest vm1."""
     with ExitStack() as stack:
         pool = stack.enter_context(loop_filesystem(tmp, "ext4", POOL_MIB))
-        db_dir = stack.enter_context(loop_filesystem(tmp, "ext4", DB_MIB))
+        db_dir = stack.enter_context(loop_filesystem(tmp, "ext4", db_mib)) if db_mib else None
         (tmp / "var").mkdir(mode=0o700)
         (tmp / "var" / "pool").symlink_to(pool)
-        up = VbsUp(tmp / "var", tmp / "up.log", extra=["--database-url", f"sqlite:///{db_dir}/vbs.db",
-                                                            "--overcommit-ratio", "1000"], env={"VBS_TEST_HOOKS": "1"})
+        db = ["--database-url", f"sqlite:///{db_dir}/vbs.db"] if db_dir else []
+        up = VbsUp(tmp / "var", tmp / "up.log", extra=[*db, "--overcommit-ratio", "1000", *extra],
+                   env={"VBS_TEST_HOOKS": "1"})
         guest = TestGuest("vm1", tmp / "guests", build_guest(), tmp / "var" / "vms")
         stack.callback(up.stop)
         stack.callback(guest.stop)  # before vbs up stops: its host agent holds the guest's monitor
@@ -64,6 +71,41 @@ def disks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullDisks]:
         vbs = up.start()
         guest.wait_ready(120)
         yield FullDisks(vbs, up, guest, pool, db_dir)
+
+
+@pytest.fixture(scope="module")
+def disks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullDisks]:
+    with _install(tmp_path_factory.mktemp("full-disks"), db_mib=DB_MIB) as found:
+        yield found
+
+
+@pytest.fixture
+def iscsi_disks(tmp_path: Path) -> Iterator[FullDisks]:
+    """Its one test runs first, and its install stops before the module's other one starts."""
+    with _install(tmp_path, "--export", "iscsi") as found:
+        yield found
+
+
+def _writer(dev: str, start: int = 0) -> str:
+    """A guest shell loop writing blocks ``start``.. of BLOCKS in order, each durable before the next; it
+    says where it stopped if a write fails."""
+    return (f"i={start}; while [ $i -lt {BLOCKS.writes} ]; do "
+            "printf 'VBS-BLOCK-%08d\\n' $i > /run/blk; "
+            f"dd if=/run/blk of=/dev/{dev} bs={BLOCKS.block} seek=$i conv=sync,notrunc,fsync oflag=direct "
+            "2>/dev/null || { echo failed at $i; exit 1; }; i=$((i+1)); done; echo wrote $i")
+
+
+def _full_pool_under_a_writer(disks: FullDisks) -> tuple[str, str, str]:
+    """A filler volume that leaves FREE_BEFORE_WRITES_MIB in the pool, and a 1 GiB volume attached to vm1:
+    (filler, volume, the guest's name for its disk)."""
+    vbs = disks.vbs
+    filler = _new_volume(vbs)
+    _fill_file(disks.pool / "volumes" / f"{filler}.raw", FREE_BEFORE_WRITES_MIB * MIB)
+    vol = _new_volume(vbs)  # 1 GiB, thin: far more than the pool has free
+    attached = vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": vbs.instance("vm1"), "device": "vdb"})
+    assert attached.status_code == 200, attached.text
+    vbs.wait_volume(vol, "in-use")
+    return filler, vol, disks.guest.wait_for_disk(virtio_serial(vol), 30)
 
 
 def _pool(vbs: Vbs) -> dict[str, Any]:
@@ -100,21 +142,36 @@ def _paused_for_space(guest: TestGuest) -> bool:
     return bool(guest.qmp("query-status")["status"] == "io-error")
 
 
+def test_an_iscsi_guest_filling_its_pool_gets_an_io_error_and_keeps_every_acknowledged_block(
+        iscsi_disks: FullDisks) -> None:
+    vbs, guest = iscsi_disks.vbs, iscsi_disks.guest
+    filler, vol, dev = _full_pool_under_a_writer(iscsi_disks)
+    rc, out = guest.run(_writer(dev), timeout=600)
+    assert rc == 1 and out.startswith("failed at "), out
+    failed_at = int(out.split()[-1])
+    assert FREE_BEFORE_WRITES_MIB // 2 < failed_at < BLOCKS.writes
+    assert guest.qmp("query-status")["status"] == "running"  # not paused: the guest got the error
+    assert "I/O error" in guest.check("dmesg")
+    wait_until(lambda: _pool(vbs)["full"], 30, what="the pool reported full")
+    created = vbs.http.post("/v1/volumes", json={"size_gib": 1})
+    assert (created.status_code, created.json()["error"]["code"]) == (503, "InsufficientVolumeCapacity")
+
+    assert vbs.http.delete(f"/v1/volumes/{filler}").status_code == 200
+    # Every block acknowledged before the error is there; the guest's writes go on once space is freed.
+    assert BLOCKS.blocks_in(iscsi_disks.pool / "volumes" / f"{vol}.raw") >= set(range(failed_at))
+    assert guest.check(_writer(dev, failed_at), timeout=600).strip() == f"wrote {BLOCKS.writes}"
+    assert BLOCKS.blocks_in(iscsi_disks.pool / "volumes" / f"{vol}.raw") == set(range(BLOCKS.writes))
+
+
 def test_a_guest_filling_its_pool_waits_paused_creates_are_refused_and_it_runs_on_once_space_is_freed(
         disks: FullDisks) -> None:
     vbs, guest = disks.vbs, disks.guest
-    filler = _new_volume(vbs)
-    _fill_file(disks.pool / "volumes" / f"{filler}.raw", FREE_BEFORE_WRITES_MIB * MIB)
-    vol = _new_volume(vbs)  # 1 GiB, thin: far more than the pool has free
-    attached = vbs.http.post(f"/v1/volumes/{vol}/attach", json={"instance_id": vbs.instance("vm1"), "device": "vdb"})
-    assert attached.status_code == 200, attached.text
-    vbs.wait_volume(vol, "in-use")
-    dev = guest.wait_for_disk(virtio_serial(vol), 30)
-    writer = guest.run_background(BLOCKS.writer_script(dev), timeout=600)
+    filler, vol, dev = _full_pool_under_a_writer(disks)
+    writer = guest.run_background(_writer(dev), timeout=600)
     try:
         # The write that finds no space stops the VM: nothing fails in the guest, its write waits.
-        wait_until(lambda: _paused_for_space(guest), 300, what="the guest paused on a full pool")
-        assert not writer.done()
+        wait_until(lambda: _paused_for_space(guest) or writer.done(), 300, what="the guest paused on a full pool")
+        assert not writer.done(), writer.result()
         pool = wait_until(lambda: (p := _pool(vbs))["full"] and p, 30, what="the pool reported full")
         assert pool["free_bytes"] < MIB
         assert _metric(vbs, "vbs_pool_full") == 1
@@ -180,6 +237,7 @@ def test_a_full_metadata_disk_answers_503_loses_no_committed_operation_and_recov
     in_flight = str(vbs.create_volume(size_gib=1)["volume_id"])
     wait_until(lambda: vbs.http.post("/internal/v1/test/held-step", json=HELD_CREATE, headers=internal).json()["held"],
                30, what="the create's storage step is held")
+    assert disks.db_dir is not None
     filler = disks.db_dir / "filler"
     try:
         _fill_filesystem(filler)
