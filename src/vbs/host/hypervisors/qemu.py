@@ -173,7 +173,8 @@ class QemuDriver:
         resumed = []
         for vm_id in self.monitors.vm_ids():
             try:
-                if self.monitors.on_vm(vm_id, _cont_if_paused_for_space):
+                # A VM this driver is busy with is looked at next round rather than waited for.
+                if self.monitors.on_idle_vm(vm_id, _cont_if_paused_for_space):
                     resumed.append(vm_id)
             except QmpGone:
                 continue
