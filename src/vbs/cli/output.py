@@ -248,7 +248,7 @@ NODE_COLUMNS: list[Column] = [
     field("URL", "url"),
     ("Pools", lambda n: ", ".join(
         f"{p['name']}: {p['free_bytes'] / 2**30:.1f}/{p['capacity_bytes'] / 2**30:.1f} GiB free ({p['clone_method']})"
-        for p in n["pools"])),
+        + (", FULL" if p.get("full") else "") for p in n["pools"])),
     ("Version", node_version),
     moment("Last heartbeat", "last_heartbeat"),
 ]

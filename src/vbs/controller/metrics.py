@@ -16,6 +16,7 @@ from vbs.controller.db import Attachment, Database, Node, Snapshot, Volume
 from vbs.controller.db.states import VolumeState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import GIB, host_info, storage_info
+from vbs.controller.placement.room import is_full
 from vbs.net.metrics import ScrapeCollector, new_registry
 
 __all__ = ["ControllerMetrics", "OPERATION_BUCKETS_S"]
@@ -90,6 +91,10 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
                                  labels=["node", "pool"])
     used = GaugeMetricFamily("vbs_pool_used_bytes", "Bytes used in each pool (capacity less free), as last reported.",
                              labels=["node", "pool"])
+    free = GaugeMetricFamily("vbs_pool_free_bytes", "Free bytes in each pool, as its storage node last reported them.",
+                             labels=["node", "pool"])
+    filled = GaugeMetricFamily("vbs_pool_full", "1 while a pool's free bytes are below its reserve: it takes no new "
+                               "volumes or snapshots (docs/operations.md \"A full pool\").", labels=["node", "pool"])
     given = GaugeMetricFamily("vbs_pool_provisioned_bytes", "The sizes of the volumes in each pool, added up.",
                               labels=["node", "pool"])
     exports = GaugeMetricFamily("vbs_exports", "Exports each storage node reported in its last heartbeat, by protocol.",
@@ -110,7 +115,9 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
         for pool in info.pools:
             capacity.add_metric([node.name, pool.name], pool.capacity_bytes)
             used.add_metric([node.name, pool.name], max(0, pool.capacity_bytes - pool.free_bytes))
+            free.add_metric([node.name, pool.name], pool.free_bytes)
+            filled.add_metric([node.name, pool.name], 1 if is_full(pool) else 0)
             given.add_metric([node.name, pool.name], provisioned.get((node.name, pool.name), 0))
         for protocol, count in sorted(Tally(e.protocol for e in info.exports).items()):
             exports.add_metric([node.name, protocol], count)
-    yield from (age, capacity, used, given, exports, rtt, probe_rate)
+    yield from (age, capacity, used, free, filled, given, exports, rtt, probe_rate)

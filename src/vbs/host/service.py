@@ -11,12 +11,14 @@ from vbs import drivers
 from vbs.config import HostAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.host.api import create_app
+from vbs.host.full_storage import SpaceWaits
 from vbs.host.hypervisors.base import (
     HypervisorDriver,
     LimitingDriver,
     MigratingDriver,
     MirroringDriver,
     PausingDriver,
+    SpaceWaitingDriver,
 )
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools
 from vbs.host.pauses import Pauses
@@ -62,6 +64,9 @@ def serve(cfg: HostAgentConfig) -> None:
     pauses = Pauses(cast(PausingDriver, driver), state) if driver.capabilities.pause else None
     if pauses is not None:
         pauses.recover()
+    space_waits = SpaceWaits(driver) if isinstance(driver, SpaceWaitingDriver) else None
+    if space_waits is not None:
+        space_waits.start()
     local = LocalPools(build_local_pools(cfg), copy_credentials(cfg, state))
     app = create_app(driver, sec.auth, cfg.node_name, pauses, local)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
@@ -94,6 +99,8 @@ def serve(cfg: HostAgentConfig) -> None:
     log.info("host agent %s serving on %s (hypervisor %s, local pools %s)", cfg.node_name, url, cfg.hypervisor,
              ", ".join(local.backends) or "none")
     def shutdown() -> None:
+        if space_waits is not None:
+            space_waits.stop()
         if prober is not None:
             prober.stop()
         if pauses is not None:

@@ -30,6 +30,7 @@ def _driver_metrics(backends: Mapping[str, Backend], exports: ExportDriver) -> I
                                  labels=["pool"])
     used = GaugeMetricFamily("vbs_storage_pool_used_bytes", "Bytes used in each pool (capacity less free), now.",
                              labels=["pool"])
+    free = GaugeMetricFamily("vbs_storage_pool_free_bytes", "Free bytes in each pool, now.", labels=["pool"])
     for name, backend in sorted(backends.items()):
         try:
             info = backend.pool_info()
@@ -38,7 +39,8 @@ def _driver_metrics(backends: Mapping[str, Backend], exports: ExportDriver) -> I
             continue
         capacity.add_metric([name], info.capacity_bytes)
         used.add_metric([name], max(0, info.capacity_bytes - info.free_bytes))
-    yield from (capacity, used)
+        free.add_metric([name], info.free_bytes)
+    yield from (capacity, used, free)
     served = GaugeMetricFamily("vbs_storage_exports", "Exports the export daemon serves now, by protocol.",
                                labels=["protocol"])
     try:

@@ -70,6 +70,14 @@ class DatabaseUnavailable(AgentUnavailable):
     code = "DatabaseUnavailable"
 
 
+class DatabaseFull(RetryLater):
+    """The metadata database's disk is full: the transaction was rolled back and changed nothing; what
+    was committed before stays. Writes succeed again once space is freed (docs/operations.md "A full
+    metadata disk")."""
+
+    code = "DatabaseFull"
+
+
 def redact(url: str) -> str:
     """``url`` fit for a log line or an error message: its password, if any, replaced by ``***``."""
     try:
@@ -107,6 +115,34 @@ def _transient_conflicts() -> Iterator[None]:
         log.warning("database: %s (SQLSTATE %s); the transaction was rolled back", _TRANSIENT[state], state)
         raise RetryLater(f"The request met {_TRANSIENT[state]} in the metadata database and changed nothing; "
                          "try again.") from None
+
+
+# SQLite's SQLITE_FULL ("database or disk is full"); PostgreSQL's disk_full.
+_SQLITE_FULL = 13
+_DISK_FULL_STATE = "53100"
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a database error says its disk is full."""
+    orig = getattr(exc, "orig", None)
+    if getattr(orig, "sqlite_errorcode", None) == _SQLITE_FULL or getattr(orig, "sqlstate", None) == _DISK_FULL_STATE:
+        return True
+    return isinstance(exc, OperationalError) and "database or disk is full" in str(orig or exc)
+
+
+@contextmanager
+def _disk_full() -> Iterator[None]:
+    """A write the database's full disk refused: the transaction is rolled back, nothing it did is kept;
+    answer 503 ``DatabaseFull`` (clients retry), never a 500."""
+    try:
+        yield
+    except DBAPIError as exc:
+        if not is_disk_full(exc):
+            raise
+        reason = str(exc.orig or exc).strip().splitlines()[0][:200]
+        log.error("database: its disk is full (%s); the transaction was rolled back", reason)
+        raise DatabaseFull("The metadata database's disk is full: the request changed nothing. Try again once "
+                           "the operator has freed space.") from None
 
 
 @contextmanager
@@ -340,10 +376,11 @@ class Database:
     def session(self) -> Iterator[Session]:
         """A writing transaction: commits on success, rolls back on an exception."""
         if not self._sqlite:
-            with _transient_conflicts(), _refused_values(), self._sessions() as session, session.begin():
+            with _disk_full(), _transient_conflicts(), _refused_values(), self._sessions() as session, \
+                    session.begin():
                 yield session
             return
-        with self._write_lock, self._sessions() as session, session.begin():
+        with _disk_full(), self._write_lock, self._sessions() as session, session.begin():
             yield session
 
     @contextmanager

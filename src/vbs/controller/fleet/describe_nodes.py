@@ -24,6 +24,7 @@ from vbs.controller.fleet.nodes import (
     storage_info_document,
     zone_of,
 )
+from vbs.controller.placement.room import is_full
 from vbs.controller.rest.schemas.nodes import DrainOut, HostOut, PoolOut, ResidentOut, StorageNodeOut, ZoneOut
 from vbs.errors import NotFound
 from vbs.wire.storage import PoolInfo
@@ -41,7 +42,7 @@ def _storage_node_out(n: Node, timeout_s: float, default_zone: str, now: datetim
 def pool_out(p: PoolInfo) -> PoolOut:
     return PoolOut(name=p.name, backend=p.backend, capacity_bytes=p.capacity_bytes, free_bytes=p.free_bytes,
                    clone_method=p.clone_method, point_in_time=p.point_in_time, shared_id=p.shared_id,
-                   lost=p.lost)
+                   lost=p.lost, full=is_full(p))
 
 
 def describe_storage_nodes(session: Session, timeout_s: float, default_zone: str) -> list[StorageNodeOut]:

@@ -25,6 +25,7 @@ from vbs.controller.fleet.nodes import (
     zone_of,
 )
 from vbs.controller.placement.growth import Growing, growing
+from vbs.controller.placement.room import full_message, is_full
 from vbs.errors import IncorrectState, InsufficientCapacity, InvalidParameter
 from vbs.wire.storage import PoolInfo
 
@@ -186,6 +187,7 @@ def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overc
     per_storage, promised = _promised_per_storage(session, nodes, grows)
     best: tuple[float, int, str, str] | None = None
     full = False
+    filled: list[str] = []  # pools whose storage is full now, whatever they may still promise
     for n in live:
         for p in storage_info(n).pools:
             if (want.pool is not None and p.name != want.pool) or (want.encrypted and not p.encryption) \
@@ -195,12 +197,18 @@ def choose_placement(session: Session, size_gib: int, *, timeout_s: float, overc
             if not _fits(p.capacity_bytes, provisioned, size_gib, overcommit):
                 full = True
                 continue
+            if is_full(p):
+                filled.append(full_message(n.name, p))
+                continue
             # The least full storage, then (among the agents of a shared pool) the one serving least.
             candidate = ((provisioned + size_gib) * GIB / p.capacity_bytes, promised.get((n.name, p.name), 0),
                          n.name, p.name)
             if best is None or candidate < best:
                 best = candidate
     if best is None:
+        if filled:
+            raise InsufficientCapacity(f"There is not enough capacity{want.where()} for a {size_gib} GiB volume: "
+                                       f"{'; '.join(filled)}. Free space in a pool, then try again.")
         if full:
             raise InsufficientCapacity(f"There is not enough capacity{want.where()} for a {size_gib} GiB volume: "
                                        f"the pools have promised all they may (capacity x overcommit ratio "

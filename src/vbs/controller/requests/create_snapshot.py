@@ -10,10 +10,12 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from vbs import ids
-from vbs.controller.db import Snapshot, Volume
+from vbs.controller.db import Node, Snapshot, Volume
 from vbs.controller.db.states import SnapshotState, VolumeState
 from vbs.controller.db.tables import utcnow
+from vbs.controller.fleet.nodes import storage_info
 from vbs.controller.placement import quotas
+from vbs.controller.placement.room import refuse_if_full
 from vbs.controller.placement.scheduler import choose_pool
 from vbs.controller.requests.describe_snapshots import describe_many
 from vbs.controller.requests.describe_volumes import live_volume
@@ -69,6 +71,14 @@ def _snapshot_local_volume(svc: Controller, s: Session, vol: Volume, req: Create
     return op_id, snap
 
 
+def _refuse_full_pool(s: Session, node: str, pool: str, volume_id: str) -> None:
+    """A snapshot needs room in its pool (a reflink's new extents, a point-in-time view's scratch, the
+    copy): refused on a full one before anything is made (``placement.room``)."""
+    row = s.get(Node, (node, "storage"))
+    info = next((p for p in storage_info(row).pools if p.name == pool), None) if row is not None else None
+    refuse_if_full(node, info, f"a snapshot of {volume_id}")
+
+
 def new_snapshot_row(s: Session, svc: Controller, vol: Volume, comment: str, tags: dict[str, str], tenant: str,
                      now: datetime, where: tuple[str, str] | None = None) -> Snapshot:
     """A pending snapshot of ``vol`` with its tags, within the tenant's and the pool's limits; on the
@@ -76,6 +86,7 @@ def new_snapshot_row(s: Session, svc: Controller, vol: Volume, comment: str, tag
     quotas.check_volume_snapshots(s, vol)
     quotas.check_snapshots(s, svc.cfg, tenant)
     node, pool = where or (vol.storage_node, vol.pool)
+    _refuse_full_pool(s, node, pool, vol.id)
     snap = Snapshot(id=ids.new_id("snapshot"), volume_id=vol.id, volume_size_gib=vol.size_gib, comment=comment,
                     storage_node=node, pool=pool, status=SnapshotState.PENDING, progress=0,
                     started_at=now, updated_at=now, tenant=tenant, key_id=vol.key_id)

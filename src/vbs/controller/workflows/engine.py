@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session
 
 from vbs import ids
 from vbs.controller.db import Database, Operation, plain
+from vbs.controller.db.session import DatabaseFull
 from vbs.controller.db.states import UNFINISHED_OPERATION, OperationState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.rest.after_answer import after_answer
@@ -103,6 +104,9 @@ class WorkflowEngine:
         self.services = services
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="workflow")
         self._inflight: set[str] = set()
+        # Runs that stopped on a database error and could not even record when to retry (a full disk):
+        # the retry loop starts them again from memory until the database takes writes again.
+        self._stalled: set[str] = set()
         self._lock = threading.Lock()
         # Crash points, injected failures and holds (tests: vbs.controller.workflows.faults).
         self.faults = FaultHooks()
@@ -228,10 +232,19 @@ class WorkflowEngine:
             self._run(op_id, resuming)
         except LeaseLost as exc:
             log.warning("operation %s: %s; stopping here, its new owner carries on", op_id, exc.message)
-        except Exception:
-            # The DB is unreachable or a bug: leave the operation for the retry loop.
-            log.exception("operation %s: engine error", op_id)
-            self.records.retry_later(op_id, "engine error")
+        except Exception as exc:
+            # The DB is unreachable, its disk full, or a bug: leave the operation for the retry loop.
+            if isinstance(exc, DatabaseFull):
+                log.warning("operation %s: stopped, the metadata database's disk is full; will retry", op_id)
+            else:
+                log.exception("operation %s: engine error", op_id)
+            try:
+                self.records.retry_later(op_id, "engine error")
+            except Exception as again:  # noqa: BLE001 - remembered instead, retried from memory
+                log.warning("operation %s: cannot record its retry (%s); retrying it from memory", op_id,
+                            getattr(again, "message", again))
+                with self._lock:
+                    self._stalled.add(op_id)
         finally:
             with self._lock:
                 self._inflight.discard(op_id)
@@ -266,6 +279,10 @@ class WorkflowEngine:
 
     def _retry_loop(self) -> None:
         while not self._stop.wait(self.records.retry_interval / 2):
+            with self._lock:
+                stalled, self._stalled = self._stalled, set()
+            for op_id in sorted(stalled):
+                self.submit(op_id)
             try:
                 with self.db.session() as s:
                     due = s.scalars(select(Operation.id).where(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vbs.controller.db.session import DatabaseFull
 from vbs.controller.db.states import OperationState
 from vbs.controller.workflows.definition import StepContext, Workflow
 from vbs.controller.workflows.faults import FaultHooks
@@ -20,8 +21,9 @@ log = logging.getLogger("vbs.controller.workflows.engine")  # the engine's recor
 
 def _stop_if_fenced_off(exc: Exception) -> None:
     """An agent refused this run's fence, or a write found the operation taken: stop the run here (no
-    undo, no retry, no record: the operation's new owner has it)."""
-    if isinstance(exc, LeaseLost):
+    undo, no retry, no record: the operation's new owner has it). The same for a full metadata disk:
+    nothing could be recorded, so the run is not a step's failure; the engine runs it again later."""
+    if isinstance(exc, LeaseLost | DatabaseFull):
         raise exc
     if isinstance(exc, StaleFence):
         raise LeaseLost(f"an agent refused the fence of this run: {exc.message}") from exc

@@ -23,8 +23,8 @@ from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, MigrationInfo, QoS, StartMigration, VmInfo
 from vbs.wire.storage import ItemStatus
 
-__all__ = ["HypervisorDriver", "PausingDriver", "LimitingDriver", "MigratingDriver", "MirroringDriver", "DiskStats",
-           "BlockStatsSource", "counter"]
+__all__ = ["HypervisorDriver", "PausingDriver", "SpaceWaitingDriver", "LimitingDriver", "MigratingDriver",
+           "MirroringDriver", "DiskStats", "BlockStatsSource", "counter"]
 
 
 @runtime_checkable
@@ -137,6 +137,17 @@ class PausingDriver(Protocol):
 
     def resume(self, vm_id: str) -> None:
         """Let it run again; a VM that is gone is success."""
+        ...
+
+
+@runtime_checkable
+class SpaceWaitingDriver(Protocol):
+    """A driver whose hypervisor pauses a VM when a write to a VBS disk finds its storage full (QEMU's
+    ``werror=enospc``), and can let it retry (docs/operations.md "A full pool")."""
+
+    def resume_paused_for_space(self) -> list[str]:
+        """Resume every VM paused only because a write to a VBS disk found no space (the write is retried;
+        a pool still full pauses it again at once); the VMs it resumed."""
         ...
 
 

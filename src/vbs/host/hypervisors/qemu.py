@@ -34,14 +34,14 @@ from pydantic import SecretStr
 from vbs.config import HostAgentConfig
 from vbs.connectors import CONNECTORS
 from vbs.connectors.tunnels import IscsiTunnels
-from vbs.errors import InvalidParameter
+from vbs.errors import InvalidParameter, VbsError
 from vbs.host.hypervisors import qemu_copies as copies
 from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_plug as plug
 from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors.base import DiskStats
-from vbs.host.hypervisors.qemu_blockdev import QemuHost, Vm, our_disks
+from vbs.host.hypervisors.qemu_blockdev import DEVICE_ID_RE, QemuHost, Vm, our_disks
 from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
 from vbs.host.hypervisors.qemu_monitors import QemuMonitors
 from vbs.host.hypervisors.qemu_resize import resize
@@ -165,6 +165,23 @@ class QemuDriver:
         except QmpGone:
             log.info("VM %s is gone: nothing to resume", vm_id)
 
+    def resume_paused_for_space(self) -> list[str]:
+        """QEMU stops a VM whose write to a disk answers ENOSPC (virtio-blk's default ``werror=enospc``: the
+        guest sees no error, the write waits); ``cont`` retries it. Only VMs in run state ``io-error``
+        whose failed disks are all VBS disks that ran out of space are resumed: a VM its operator paused,
+        or one stopped by another disk's error, is left as it is."""
+        resumed = []
+        for vm_id in self.monitors.vm_ids():
+            try:
+                # A VM this driver is busy with is looked at next round rather than waited for.
+                if self.monitors.on_idle_vm(vm_id, _cont_if_paused_for_space):
+                    resumed.append(vm_id)
+            except QmpGone:
+                continue
+            except VbsError as exc:
+                log.warning("VM %s: cannot tell whether it waits for space: %s", vm_id, exc.message)
+        return resumed
+
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         ids = disk_ids(serial)
         try:
@@ -229,3 +246,22 @@ class QemuDriver:
 
     def _host(self) -> QemuHost:
         return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout)
+
+
+def _cont_if_paused_for_space(vm: Vm) -> bool:
+    """``cont`` the VM if only VBS disks' writes that found no space stopped it; whether it did."""
+    if vm.cmd("query-status").get("status") != "io-error":
+        return False
+    waiting = False
+    for blk in vm.cmd("query-block"):
+        io_status = blk.get("io-status", "ok")
+        if io_status == "ok":
+            continue
+        parts = str(blk.get("qdev", "")).split("/")
+        ours = len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] and DEVICE_ID_RE.match(parts[3])
+        if not ours or io_status != "nospace":
+            return False  # another disk's error, or not a lack of space: the operator's to handle
+        waiting = True
+    if waiting:
+        vm.cmd("cont")
+    return waiting

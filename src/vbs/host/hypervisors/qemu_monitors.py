@@ -140,17 +140,30 @@ class QemuMonitors:
         A VM that is there but does not answer raises ``QmpConnectionError`` (a ``DriverError``).
         """
         with self._vm_lock(vm_id):
-            client = self._client(vm_id)
-            try:
-                return call(Vm(vm_id, client))
-            except QmpGone:
+            return self._call(vm_id, call)
+
+    def on_idle_vm(self, vm_id: str, call: Callable[[Vm], T]) -> T | None:
+        """``on_vm`` unless this driver is busy with the VM (an attach, a detach): then None at once."""
+        lock = self._vm_lock(vm_id)
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            return self._call(vm_id, call)
+        finally:
+            lock.release()
+
+    def _call(self, vm_id: str, call: Callable[[Vm], T]) -> T:
+        client = self._client(vm_id)
+        try:
+            return call(Vm(vm_id, client))
+        except QmpGone:
+            self._forget(vm_id, client)
+            raise
+        except QmpConnectionError as exc:
+            if self._went(client):
                 self._forget(vm_id, client)
-                raise
-            except QmpConnectionError as exc:
-                if self._went(client):
-                    self._forget(vm_id, client)
-                    raise QmpGone(f"VM {vm_id} went during the call: {exc}") from exc
-                raise
+                raise QmpGone(f"VM {vm_id} went during the call: {exc}") from exc
+            raise
 
     def on_present_vm(self, vm_id: str, call: Callable[[Vm], T]) -> T:
         """``on_vm`` for calls that need the VM: one that is gone is ``NotFound``."""

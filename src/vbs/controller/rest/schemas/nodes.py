@@ -23,6 +23,8 @@ class PoolOut(BaseModel):
     point_in_time: bool
     shared_id: str | None = None  # the same storage as other agents' pools with this id (Ceph)
     lost: str | None = None  # why the pool's storage is gone (docs/operations.md "A lost pool")
+    # Free bytes below the reserve: no new volumes or snapshots here (docs/operations.md "A full pool").
+    full: bool = False
 
 
 class ControllerOut(BaseModel):
