@@ -42,6 +42,7 @@ from vbs.wire.storage import (
     StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
+    TierMove,
 )
 
 
@@ -142,6 +143,19 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         stored.delete(ids.check("snapshot", snapshot_id))
         direct.forget(snapshot_id)
         return Removed()
+
+    # -- the archive store (``archive_tier``) ------------------------------------------------------------
+
+    @router.put("/archive-store/snapshots/{snapshot_id}")
+    def archive_stored(snapshot_id: str, body: TierMove) -> StoredStatus:
+        """Move the snapshot from the snapshot store into the archive store (a job): ``copying`` with
+        progress, then ``ready`` once only the archive holds it."""
+        return stored.archive.archive_snapshot(ids.check("snapshot", snapshot_id), body)
+
+    @router.put("/snapshot-store/snapshots/{snapshot_id}/from-archive")
+    def restore_archived(snapshot_id: str, body: TierMove) -> StoredStatus:
+        """Copy the snapshot back from the archive store (a job; ``permanent``: then out of the archive)."""
+        return stored.archive.restore(ids.check("snapshot", snapshot_id), body)
 
     # -- the EBS direct APIs' blocks (``direct_blocks``) ------------------------------------------------
 

@@ -43,6 +43,7 @@ from vbs.wire.storage import (
     StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
+    TierMove,
 )
 
 GIB = 1 << 30
@@ -134,6 +135,17 @@ class StorageAgent:
     def delete_stored(self, snapshot_id: str) -> None:
         """Delete the snapshot's manifest from the store this agent uses (chunks go with garbage collection)."""
         self._client.request("DELETE", f"/v1/snapshot-store/snapshots/{snapshot_id}", Removed)
+
+    def archive_stored(self, snapshot_id: str, tenant: str, store_key: SecretStr) -> StoredStatus:
+        """Move the snapshot from the snapshot store into the archive store, or say how far it got."""
+        return self._client.request("PUT", f"/v1/archive-store/snapshots/{snapshot_id}", StoredStatus,
+                                    TierMove(tenant=tenant, store_key=store_key))
+
+    def restore_archived(self, snapshot_id: str, tenant: str, store_key: SecretStr, *, permanent: bool
+                         ) -> StoredStatus:
+        """Copy the snapshot back from the archive store (``permanent``: then out of it), or say how far."""
+        return self._client.request("PUT", f"/v1/snapshot-store/snapshots/{snapshot_id}/from-archive", StoredStatus,
+                                    TierMove(tenant=tenant, store_key=store_key, permanent=permanent))
 
     def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None) -> StoreCheckReport:
         """Check the snapshots in the store this agent uses (``deep``: every chunk hashed again, which takes

@@ -1,7 +1,9 @@
-"""The archive-snapshot workflow (rolls forward): ModifySnapshotTier to ``archive``. The snapshot already
-lives, whole, in the snapshot store (its manifest lists every chunk it needs: docs/snapshot-tiers.md);
-archiving drops its pool's fast copy (a reflink or RBD pool keeps one), then records the tier. A storage
-node that stays unreachable leaves it ``archival-failed`` in the standard tier, with the reason.
+"""The archive-snapshot workflow (rolls forward): ModifySnapshotTier to ``archive``, and the end of a
+temporary restore. The snapshot already lives, whole, in the snapshot store (its manifest lists every chunk
+it needs: docs/snapshot-tiers.md); archiving drops its pool's fast copy (a reflink or RBD pool keeps one),
+moves it into the separate archive store if there is one (``archived.move_to_archive``: copied, then
+its manifest leaves the snapshot store), then records the tier. A storage node that stays unreachable leaves
+it ``archival-failed`` in the standard tier, with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from sqlalchemy import select, update
 from vbs.controller.db import Snapshot, SnapshotTier
 from vbs.controller.db.tables import utcnow
 from vbs.controller.workflows import steps as shared
+from vbs.controller.workflows.archived import move_to_archive
 from vbs.controller.workflows.definition import Step, StepContext, Workflow
 from vbs.controller.workflows.steps import StorageParams
 
@@ -28,6 +31,10 @@ def drop_pool_copy(ctx: StepContext[StorageParams]) -> None:
         with ctx.session() as s:
             s.execute(update(Snapshot).where(Snapshot.id == ctx.resource_id)
                       .values(pool_copy=False, updated_at=utcnow()))
+
+
+def archive_copy(ctx: StepContext[StorageParams]) -> None:
+    move_to_archive(ctx)
 
 
 def mark_archived(ctx: StepContext[StorageParams]) -> None:
@@ -48,6 +55,7 @@ ARCHIVE_SNAPSHOT = Workflow(
     exclusive=True,
     params=StorageParams,
     resume="forward",
-    steps=(Step("pool-drop", drop_pool_copy), Step("mark-archived", mark_archived, ends=True)),
+    steps=(Step("pool-drop", drop_pool_copy), Step("archive-copy", archive_copy),
+           Step("mark-archived", mark_archived, ends=True)),
     on_give_up=archival_failed,
 )

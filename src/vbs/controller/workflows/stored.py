@@ -24,7 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from vbs.controller.auth.store_key import store_key
-from vbs.controller.db import Node, Snapshot
+from vbs.controller.db import Node, Snapshot, SnapshotTier
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.agents import StorageAgent
@@ -35,7 +35,7 @@ from vbs.controller.workflows.definition import StepContext
 from vbs.errors import AgentUnavailable, IncorrectState, RetryLater
 
 __all__ = ["UPLOADING", "STORED", "FAILED", "copy_share", "upload", "data_location", "fill_from_snapshot",
-           "delete_from_store", "the_store_key", "store_agent"]
+           "delete_from_store", "the_store_key", "store_agent", "archive_agent"]
 
 UPLOADING, STORED, FAILED = "uploading", "stored", "error"
 # The share of a snapshot's progress its pool's own copy takes when it is not instant; the upload the rest.
@@ -125,11 +125,34 @@ def store_agent(services: Services, snap: Snapshot) -> StorageAgent:
     raise AgentUnavailable(f"no live storage node reaches the snapshot store {snap.store} of {snap.id}")
 
 
+def archive_agent(services: Services, snap: Snapshot, archive: str) -> StorageAgent:
+    """An agent that reaches both the snapshot's store and the archive store ``archive``: its own storage
+    node while it is alive and does, else any live node whose pool reports both."""
+    timeout = services.cfg.heartbeat_timeout_s
+    now = utcnow()
+    with services.db.read() as s:
+        own = s.get(Node, (snap.storage_node, "storage"))
+        candidates = [own] if own is not None else []
+        candidates += [n for n in s.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name))
+                       if n.name != snap.storage_node]
+        for node in candidates:
+            if is_alive(node, timeout, now) and any(p.snapshot_store == snap.store and p.archive_store == archive
+                                                    for p in storage_info(node).pools):
+                return services.agents.storage(node.name)
+    raise AgentUnavailable(f"no live storage node reaches both the snapshot store {snap.store} and the archive "
+                           f"store {archive} of {snap.id}")
+
+
 def delete_from_store(ctx: StepContext[Any], snapshot_id: str) -> None:
-    """Delete the snapshot's manifest (and an upload's marker) from the store, if it went there."""
+    """Delete the snapshot's manifest (and an upload's marker) from the store, if it went there, and from
+    the archive store, if it went there too (docs/snapshot-tiers.md)."""
     with ctx.services.db.read() as s:
         snap = s.get(Snapshot, snapshot_id)
+        tier = s.get(SnapshotTier, snapshot_id)
     if snap is None or snap.store_state is None:
+        return
+    if tier is not None and tier.archive_store is not None:
+        archive_agent(ctx.services, snap, tier.archive_store).delete_stored(snapshot_id)
         return
     store_agent(ctx.services, snap).delete_stored(snapshot_id)
 
