@@ -2,7 +2,8 @@
 moves a snapshot's manifest into the archive store, and the standard store's garbage collection then frees
 the chunks no other snapshot uses; a temporary or permanent restore copies it back, and a volume made from
 it reads bit-exact; the end of a temporary restore drops the standard copy again; deleting an archived
-snapshot deletes it from the archive store, whose own collection then frees its chunks."""
+snapshot deletes it from the archive store, whose own collection then frees its chunks. And an archive store
+in a RADOS Gateway bucket."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from typing import Any
 
 import pytest
 
+from tests.ceph_cluster import RadosGatewayForTests
 from tests.conftest import Vbs, VbsUp, wait_until
 from vbs.snapshot_store import DirStore, collect_garbage, find_manifest
+from vbs.snapshot_store.contract import SnapshotStore
 from vbs.snapshot_store.format import chunk_key, manifest_key
+from vbs.snapshot_store.s3 import S3Store
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +35,7 @@ CHUNK = 512 * 1024
 class Rig:
     vbs: Vbs
     standard: DirStore
-    archive: DirStore
+    archive: SnapshotStore
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +85,7 @@ def digest_of_volume_from(vbs: Vbs, snap: str, length: int) -> str:
         return hashlib.sha256(f.read(length)).hexdigest()
 
 
-def chunks_of(store: DirStore, snap: str) -> set[str]:
+def chunks_of(store: SnapshotStore, snap: str) -> set[str]:
     manifest = find_manifest(store, snap)
     assert manifest is not None, f"{store.describe()} has no manifest of {snap}"
     return manifest.chunk_ids()
@@ -158,3 +162,35 @@ def test_deleting_an_archived_snapshot_deletes_it_from_the_archive_store(rig: Ri
     collect_garbage(rig.archive, grace_s=0)
     assert not any(rig.archive.has(chunk_key(c)) for c in mine)
 
+
+
+@pytest.fixture(scope="module")
+def rig_radosgw(tmp_path_factory: pytest.TempPathFactory, radosgw: RadosGatewayForTests) -> Iterator[Rig]:
+    """``vbs up`` with a dir snapshot store and an archive store in a bucket of the session's RADOS Gateway."""
+    tmp: Path = tmp_path_factory.mktemp("archive-radosgw")
+    radosgw.gateway.create_bucket("vbs-archive", radosgw.credentials)
+    standard = tmp / "snapshots"
+    up = VbsUp(tmp / "var", tmp / "up.log", extra=[
+        "--snapshot-store", f"dir:{standard}", "--archive-store", "s3://vbs-archive/cold",
+        "--archive-s3-endpoint", radosgw.endpoint, "--archive-s3-credentials-file", str(radosgw.credentials)])
+    archive = S3Store.from_config({"endpoint_url": radosgw.endpoint, "bucket": "vbs-archive", "prefix": "cold",
+                                   "region": "us-east-1", "credentials_file": str(radosgw.credentials)},
+                                  default_dir=tmp)
+    try:
+        yield Rig(up.start(), DirStore(standard), archive)
+    finally:
+        up.stop()
+
+
+def test_an_s3_archive_store_holds_the_archived_snapshot_and_gives_it_back(rig_radosgw: Rig) -> None:
+    rig, vbs = rig_radosgw, rig_radosgw.vbs
+    data = os.urandom(3 * MIB)
+    snap = snapshot(vbs, volume_with_data(vbs, data))
+    mine = chunks_of(rig.standard, snap)
+    archived(rig, snap)
+    assert not rig.standard.has(manifest_key(snap)) and chunks_of(rig.archive, snap) == mine
+    assert all(rig.archive.has(chunk_key(c)) for c in mine)
+    vbs.cli("restore-snapshot-tier", snap, "--permanent")
+    wait_status(vbs, snap, "permanent-restore-completed")
+    assert rig.standard.has(manifest_key(snap)) and not rig.archive.has(manifest_key(snap))
+    assert digest_of_volume_from(vbs, snap, 3 * MIB) == hashlib.sha256(data).hexdigest()
