@@ -45,9 +45,15 @@ def mark_archived(ctx: StepContext[StorageParams]) -> None:
 
 
 def archival_failed(ctx: StepContext[Any], reason: str) -> None:
+    """The snapshot stays standard, unless its move into an archive store was under way: the snapshot store
+    may have lost its manifest already, so it is held as archived (a restore finds it in either store)."""
     with ctx.session() as s:
+        row = s.get(SnapshotTier, ctx.resource_id)
+        moving = row is not None and row.archive_store is not None
+        if moving:
+            reason += " (it may have moved into the archive store in part: restore it to use it)"
         s.execute(update(SnapshotTier).where(SnapshotTier.snapshot_id == ctx.resource_id).values(
-            tier="standard", last_status="archival-failed", last_detail=reason[:2000]))
+            tier="archive" if moving else "standard", last_status="archival-failed", last_detail=reason[:2000]))
 
 
 ARCHIVE_SNAPSHOT = Workflow(

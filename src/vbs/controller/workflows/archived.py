@@ -48,15 +48,16 @@ def _snapshot(ctx: StepContext[Any]) -> tuple[Snapshot, SnapshotTier | None]:
 
 
 def move_to_archive(ctx: StepContext[Any]) -> None:
-    """The snapshot moves into the archive store (its row names that store first, so a delete meanwhile
-    deletes it there too), with its progress; nothing to do without an archive store."""
+    """The snapshot moves into the archive store (its row names that store before the agent is asked, so a
+    delete meanwhile deletes it there too, and a failure leaves it to a restore), with its progress; nothing
+    to do without an archive store."""
     snap, row = _snapshot(ctx)
     archive = row.archive_store if row is not None and row.archive_store else archive_store_of(ctx.services, snap)
     if archive is None:
         return
+    agent = archive_agent(ctx.services, snap, archive)
     with ctx.services.db.session() as s:
         s.execute(update(SnapshotTier).where(SnapshotTier.snapshot_id == snap.id).values(archive_store=archive))
-    agent = archive_agent(ctx.services, snap, archive)
     key = the_store_key(ctx)
     shared.until_ready(lambda: agent.archive_stored(snap.id, snap.tenant, key),
                        _tier_progress(ctx, "archival-in-progress"), unreachable_s=shared.patience(ctx))
