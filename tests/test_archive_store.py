@@ -121,6 +121,8 @@ def test_archiving_moves_the_manifest_and_gc_frees_only_the_unshared_chunks(rig:
     assert collect_garbage(rig.archive, grace_s=0).chunks_deleted == 0  # the archive's manifest claims them
     r = vbs.http.post("/v1/volumes", json={"snapshot_id": first})
     assert r.status_code == 409 and r.json()["error"]["code"] == "IncorrectState"
+    r = vbs.http.post("/v1/snapshot-copies", json={"source_snapshot_id": first})  # nor a copy: restore first
+    assert r.status_code == 409 and "archive store" in r.json()["error"]["message"]
 
     # A temporary restore copies it back before it is usable; the volume made from it is the data.
     assert vbs.cli("restore-snapshot-tier", first, "--days", "2")["restore_days"] == 2

@@ -31,7 +31,7 @@ from vbs.controller.workflows.restore_snapshot_tier import RESTORE_SNAPSHOT_TIER
 from vbs.controller.workflows.steps import StorageParams
 from vbs.errors import IncorrectState, InvalidParameter
 
-__all__ = ["TierOut", "modify_tier", "restore_tier", "describe_tiers", "refuse_if_archived",
+__all__ = ["TierOut", "modify_tier", "restore_tier", "describe_tiers", "refuse_if_archived", "refuse_if_moved_out",
            "expire_restores", "MAX_RESTORE_DAYS", "SnapshotArchived"]
 
 STANDARD, ARCHIVE = "standard", "archive"
@@ -138,6 +138,16 @@ def refuse_if_archived(s: Session, snapshot_id: str) -> None:
     row = s.get(SnapshotTier, snapshot_id)
     if row is not None and (effective_tier(row, utcnow()) == ARCHIVE or row.last_status == "archival-in-progress"):
         raise SnapshotArchived(f"The snapshot '{snapshot_id}' is in the archive tier: restore it first "
+                               "(RestoreSnapshotTier).")
+
+
+def refuse_if_moved_out(s: Session, snapshot_id: str) -> None:
+    """``IncorrectState`` if the snapshot was moved into a separate archive store (or is on its way there):
+    the snapshot store no longer holds it, so nothing is copied or built on it until it is restored."""
+    row = s.get(SnapshotTier, snapshot_id)
+    if row is not None and row.archive_store is not None and (
+            row.tier == ARCHIVE or row.last_status == "archival-in-progress"):
+        raise SnapshotArchived(f"The snapshot '{snapshot_id}' is in the archive store: restore it first "
                                "(RestoreSnapshotTier).")
 
 

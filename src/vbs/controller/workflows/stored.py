@@ -72,11 +72,15 @@ def the_store_key(ctx: StepContext[Any]) -> SecretStr:
 
 def _parent(s: Session, snap: Snapshot) -> str | None:
     """The volume's latest stored snapshot before this one: what the upload is incremental against (one in
-    the Recycle Bin too: its manifest stays until its retention ends, docs/recycle-bin.md)."""
+    the Recycle Bin too: its manifest stays until its retention ends, docs/recycle-bin.md; not one moved into
+    a separate archive store, whose manifest the snapshot store no longer has: docs/snapshot-tiers.md)."""
+    moved_out = select(SnapshotTier.snapshot_id).where(SnapshotTier.archive_store.is_not(None),
+                                                       SnapshotTier.tier == "archive")
     return s.scalar(select(Snapshot.id).where(
         Snapshot.volume_id == snap.volume_id, Snapshot.id != snap.id, Snapshot.tenant == snap.tenant,
         Snapshot.store_state == STORED, Snapshot.status.in_((SnapshotState.COMPLETED, SnapshotState.RECOVERABLE)),
-        Snapshot.started_at <= snap.started_at).order_by(Snapshot.started_at.desc()).limit(1))
+        Snapshot.started_at <= snap.started_at, Snapshot.id.notin_(moved_out)
+    ).order_by(Snapshot.started_at.desc()).limit(1))
 
 
 def _set(ctx: StepContext[Any], snapshot_id: str, **values: Any) -> None:
