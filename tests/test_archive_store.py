@@ -114,6 +114,14 @@ def test_archiving_moves_the_manifest_and_gc_frees_only_the_unshared_chunks(rig:
     assert chunks_of(rig.archive, first) == mine
     assert all(rig.archive.has(chunk_key(c)) for c in mine)
 
+    # vbs check finds each snapshot where it lives: the second in the snapshot store, the first in the archive.
+    checked = vbs.cli("check", "--deep")
+    assert checked["clean"], checked
+    by_store = {s["store"]: s for s in checked["stores"]}
+    assert by_store[rig.archive.describe()]["archive"] and by_store[rig.archive.describe()]["snapshots"] == 1
+    assert by_store[rig.archive.describe()]["chunks_checked"] == len(mine)
+    assert by_store[rig.standard.describe()]["snapshots"] == 1
+
     report = collect_garbage(rig.standard, grace_s=0)  # the agents' own collection, run now
     assert report.chunks_deleted >= 1
     assert not any(rig.standard.has(chunk_key(c)) for c in unshared)

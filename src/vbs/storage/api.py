@@ -183,6 +183,8 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     @router.post("/snapshot-store/check")
     def check_store(body: CheckStore) -> StoreCheckReport:
         """Check the named snapshots in the store: manifests read, chunks found (``deep``: hashed again)."""
+        if body.archive:
+            return check_snapshots(stored.archive.archive, stored.archive.location, body, what="archive")
         return check_snapshots(stored.store, stored.location, body)
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/restore")

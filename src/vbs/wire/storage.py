@@ -309,10 +309,14 @@ class CheckStore(Wire):
     snapshot_ids: list[SnapshotId] = Field(max_length=MAX_CHECKED_SNAPSHOTS)
     deep: bool = False
     store_key: StoreKeyHex | None = None
+    # In the agent's archive store instead (docs/snapshot-tiers.md).
+    archive: bool = False
 
     @field_serializer("store_key", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
         return v.get_secret_value() if v is not None else None
+
+    _older_agents = left_out_while_empty("archive")
 
 
 class StoreProblem(Wire):

@@ -147,11 +147,13 @@ class StorageAgent:
         return self._client.request("PUT", f"/v1/snapshot-store/snapshots/{snapshot_id}/from-archive", StoredStatus,
                                     TierMove(tenant=tenant, store_key=store_key, permanent=permanent))
 
-    def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None) -> StoreCheckReport:
+    def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None,
+                    archive: bool = False) -> StoreCheckReport:
         """Check the snapshots in the store this agent uses (``deep``: every chunk hashed again, which takes
         as long as reading them: no time limit but the store's own)."""
         return self._client.request("POST", "/v1/snapshot-store/check", StoreCheckReport,
-                                    CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key),
+                                    CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key,
+                                               archive=archive),
                                     timeout=CHECK_TIMEOUT_S)
 
     # -- the EBS direct APIs' blocks --------------------------------------------------------------------
