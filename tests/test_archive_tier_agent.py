@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from pydantic import SecretStr
 from tests.snapshot_stores import ACME, SNAP, VOL, make_volume
 from vbs.errors import DriverError
 from vbs.snapshot_store import CHUNK_SIZE, DirStore, find_manifest, upload_snapshot
-from vbs.snapshot_store.format import chunk_key, manifest_key
+from vbs.snapshot_store.format import UploadMarker, chunk_key, manifest_key
+from vbs.snapshot_store.manifests import load_marker, save_marker
 from vbs.storage.archive_tier import ArchiveTier
 from vbs.wire.storage import StoredStatus, TierMove
 
@@ -125,3 +127,19 @@ def test_an_agent_without_an_archive_store_refuses_moves(tmp_path: Path) -> None
     with pytest.raises(DriverError, match="no archive store"):
         moves.archive_snapshot(SNAP[0], MOVE)
     moves.delete(SNAP[0])  # nothing to forget
+
+
+def test_a_permanent_restore_of_a_half_archived_snapshot_abandons_the_archive_copy(tier: ArchiveTier) -> None:
+    """An archive that stopped partway (its marker in the archive store, the standard manifest still there):
+    a permanent restore finds it whole in the snapshot store and leaves the marker abandoned, claiming
+    nothing, so the archive store's collection frees what the copy had put."""
+    standard, archive = tier.store, tier.archive
+    assert standard is not None and archive is not None
+    manifest = find_manifest(standard, SNAP[0])
+    assert manifest is not None
+    save_marker(archive, UploadMarker(SNAP[0], VOL, "acme", datetime.now(UTC), frozenset(manifest.chunk_ids())))
+    permanent = MOVE.model_copy(update={"permanent": True})
+    assert tier.restore(SNAP[0], permanent).state == "ready"
+    marker = load_marker(archive, SNAP[0])
+    assert marker is not None and marker.abandoned_at is not None and not marker.claims
+    assert standard.has(manifest_key(SNAP[0]))

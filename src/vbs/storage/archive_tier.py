@@ -111,6 +111,8 @@ class ArchiveTier:
                 if answer is not None:
                     return answer
         if self._done(move, snapshot_id):
+            if move.drop is not None:
+                delete_snapshot(move.drop, snapshot_id)  # the marker a copy into it that stopped halfway left
             return StoredStatus(state="ready", progress=100, store=self.location, pool_copy=False)
         if find_manifest(move.source, snapshot_id) is None and find_manifest(move.target, snapshot_id) is None:
             raise NotFound(f"neither {move.source.describe()} nor {move.target.describe()} holds {snapshot_id}",
