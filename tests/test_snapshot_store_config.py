@@ -13,7 +13,7 @@ from tests.conftest import VBS
 from vbs import config as cfgmod
 from vbs.cli.up import Child
 from vbs.cli.up_banner import banner
-from vbs.cli.up_storage import choose_snapshot_store, snapshot_store_flags
+from vbs.cli.up_storage import choose_archive_store, choose_snapshot_store, snapshot_store_flags
 from vbs.errors import InvalidParameter
 from vbs.snapshot_store.dir import DirStore
 from vbs.snapshot_store.s3 import S3Store
@@ -116,3 +116,46 @@ def test_the_commands_refuse_a_wrong_store_before_starting(tmp_path: Path) -> No
         proc = subprocess.run([*VBS, *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr
         assert "--snapshot-store" in proc.stderr or "S3 bucket" in proc.stderr
+
+
+def test_an_archive_store_is_set_as_the_snapshot_store_is_and_must_be_another(tmp_path: Path) -> None:
+    assert cfgmod.parse_snapshot_store(f"dir:{tmp_path}/a", flag="--archive-store") == {
+        "driver": "dir", "path": str(tmp_path / "a")}
+    with pytest.raises(InvalidParameter, match="--archive-s3-endpoint goes with --archive-store"):
+        cfgmod.parse_snapshot_store(f"dir:{tmp_path}/a", s3_endpoint="http://rgw:1", flag="--archive-store",
+                                    s3_flags="--archive-s3")
+    # Default: none (archived snapshots stay in the snapshot store).
+    plain = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", environ={},
+                        overrides={"state_dir": tmp_path / "state"})
+    assert plain.archive_store.driver == "none" and build_store(plain, archive=True) is None
+    toml = tmp_path / "vbs.toml"
+    toml.write_text(f'[storage_agent]\nstate_dir = "{tmp_path}/state"\n'
+                    f'[storage_agent.snapshot_store]\ndriver = "dir"\npath = "{tmp_path}/standard"\n'
+                    f'[storage_agent.archive_store]\ndriver = "dir"\npath = "{tmp_path}/archive"\n'
+                    'gc_interval_s = 3600\n')
+    cfg = cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", config_file=toml, environ={})
+    archive = build_store(cfg, archive=True)
+    assert isinstance(archive, DirStore) and archive.root == tmp_path / "archive"
+    assert stat.S_IMODE(archive.root.stat().st_mode) == 0o700
+    assert cfg.archive_store.gc_interval_s == 3600 and cfg.archive_store.options() == {"path": f"{tmp_path}/archive"}
+    with pytest.raises(InvalidParameter, match="the archive store is the snapshot store"):
+        cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", environ={}, overrides={
+            "snapshot_store": {"driver": "dir", "path": f"{tmp_path}/s"},
+            "archive_store": {"driver": "dir", "path": f"{tmp_path}/s"}})
+    with pytest.raises(InvalidParameter, match="needs a snapshot store"):
+        cfgmod.load(cfgmod.StorageAgentConfig, "storage_agent", environ={}, overrides={
+            "snapshot_store": {"driver": "none"}, "archive_store": {"driver": "dir", "path": f"{tmp_path}/s"}})
+
+
+def test_vbs_up_gives_every_agent_the_archive_store_it_names(tmp_path: Path) -> None:
+    data = tmp_path / "var"
+    choice = choose_snapshot_store(data, None, [data / "pool"])
+    assert choose_archive_store(data, None, choice) == []
+    assert choose_archive_store(data, {"driver": "dir", "path": str(tmp_path / "archive")}, choice) == [
+        "--archive-store", f"dir:{tmp_path / 'archive'}"]
+    assert stat.S_IMODE((tmp_path / "archive").stat().st_mode) == 0o700
+    with pytest.raises(InvalidParameter, match="is the snapshot store"):
+        choose_archive_store(data, {"driver": "dir", "path": str(data / "snapshots")}, choice)
+    s3 = {"driver": "s3", "bucket": "b-2", "prefix": "", "endpoint_url": "http://127.0.0.1:9"}
+    assert snapshot_store_flags(s3, archive=True) == ["--archive-store", "s3://b-2/", "--archive-s3-endpoint",
+                                                      "http://127.0.0.1:9"]

@@ -16,4 +16,5 @@ def test_the_exclusive_workflows_are_those_that_exclude_each_other_on_a_volume_a
     assert EXCLUSIVE_KINDS == {
         "create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume", "migrate-volume",
         "migrate-volume-copy", "migrate-volume-mirror", "migrate-instance", "delete-snapshot", "archive-snapshot",
+        "restore-snapshot-tier",
     }

@@ -213,41 +213,50 @@ class SnapshotStoreConfig(_Section):
         return dict(self.model_extra or {})
 
 
-def parse_snapshot_store(spec: str, *, s3_endpoint: str | None = None,
-                         s3_credentials_file: Path | None = None) -> dict[str, Any]:
+class ArchiveStoreConfig(SnapshotStoreConfig):
+    """``[storage_agent.archive_store]``: a separate store archived snapshots move to (docs/snapshot-tiers.md),
+    set as the snapshot store is (``driver`` and the driver's settings; ``--archive-store``), collected by the
+    same garbage collection. Default ``none``: archived snapshots stay in the snapshot store."""
+
+    driver: str = Field(NO_SNAPSHOT_STORE, pattern=DRIVER_NAME_RE)
+
+
+def parse_snapshot_store(spec: str, *, s3_endpoint: str | None = None, s3_credentials_file: Path | None = None,
+                         flag: str = "--snapshot-store", s3_flags: str = "--s3") -> dict[str, Any]:
     """``dir:PATH``, ``s3://BUCKET[/PREFIX]`` or ``none`` (``--snapshot-store``), with the S3 store's
     endpoint and credentials file, as the ``[storage_agent.snapshot_store]`` table says it. The error
     names what is wrong, never a secret (there is none in these)."""
-    s3_only = [flag for flag, value in (("--s3-endpoint", s3_endpoint),
-                                        ("--s3-credentials-file", s3_credentials_file)) if value is not None]
+    s3_only = [name for name, value in ((f"{s3_flags}-endpoint", s3_endpoint),
+                                        (f"{s3_flags}-credentials-file", s3_credentials_file)) if value is not None]
     if spec == NO_SNAPSHOT_STORE:
         if s3_only:
-            raise InvalidParameter(f"{s3_only[0]} goes with --snapshot-store s3://BUCKET/PREFIX")
+            raise InvalidParameter(f"{s3_only[0]} goes with {flag} s3://BUCKET/PREFIX")
         return {"driver": NO_SNAPSHOT_STORE}
     if spec.startswith("dir:"):
         if s3_only:
-            raise InvalidParameter(f"{s3_only[0]} goes with --snapshot-store s3://BUCKET/PREFIX")
+            raise InvalidParameter(f"{s3_only[0]} goes with {flag} s3://BUCKET/PREFIX")
         path = spec[len("dir:"):]
         if not path or "\0" in path:
-            raise InvalidParameter("--snapshot-store dir:PATH needs a directory")
+            raise InvalidParameter(f"{flag} dir:PATH needs a directory")
         return {"driver": "dir", "path": str(Path(path).resolve())}
     if spec.startswith("s3://"):
         bucket, _, prefix = spec[len("s3://"):].partition("/")
         if not re.fullmatch(S3_BUCKET_RE, bucket):
-            raise InvalidParameter(f"--snapshot-store: {bucket[:80]!r} is not an S3 bucket name (3-63 characters "
+            raise InvalidParameter(f"{flag}: {bucket[:80]!r} is not an S3 bucket name (3-63 characters "
                                    "a-z, 0-9, . and -, starting and ending with a letter or digit)")
         if not re.fullmatch(S3_PREFIX_RE, prefix):
-            raise InvalidParameter(f"--snapshot-store: {prefix[:80]!r} is not a prefix (up to 8 segments of "
+            raise InvalidParameter(f"{flag}: {prefix[:80]!r} is not a prefix (up to 8 segments of "
                                    "A-Z, a-z, 0-9, ., _ and -, each starting with a letter or digit, separated by /)")
         found: dict[str, Any] = {"driver": "s3", "bucket": bucket, "prefix": prefix.strip("/")}
         if s3_endpoint is not None:
             if not re.fullmatch(r"https?://[^\s/@]+(/[^\s@]*)?", s3_endpoint):
-                raise InvalidParameter("--s3-endpoint must be http(s)://HOST[:PORT][/PATH], with no user or password")
+                raise InvalidParameter(f"{s3_flags}-endpoint must be http(s)://HOST[:PORT][/PATH], with no user or "
+                                       "password")
             found["endpoint_url"] = s3_endpoint
         if s3_credentials_file is not None:
             found["credentials_file"] = str(s3_credentials_file.resolve())
         return found
-    raise InvalidParameter(f"--snapshot-store {spec[:80]!r}: expecting dir:PATH, s3://BUCKET/PREFIX or none")
+    raise InvalidParameter(f"{flag} {spec[:80]!r}: expecting dir:PATH, s3://BUCKET/PREFIX or none")
 
 
 def pools_as_text(v: Any) -> Any:
@@ -304,6 +313,8 @@ class StorageAgentConfig(_AgentSection):
     rbd_worker: bool = True
     # Where snapshots go (docs/snapshots.md): [storage_agent.snapshot_store], or --snapshot-store.
     snapshot_store: SnapshotStoreConfig = Field(default_factory=SnapshotStoreConfig)
+    # Where archived snapshots go (docs/snapshot-tiers.md): [storage_agent.archive_store], or --archive-store.
+    archive_store: ArchiveStoreConfig = Field(default_factory=ArchiveStoreConfig)
 
     @model_validator(mode="after")
     def _pools_are_distinct(self) -> StorageAgentConfig:
@@ -319,6 +330,17 @@ class StorageAgentConfig(_AgentSection):
             if where in paths:
                 raise ValueError(f"the pools {paths[where]!r} and {pool.name!r} have the same directory {pool.path}")
             paths[where] = pool.name
+        return self
+
+    @model_validator(mode="after")
+    def _archive_is_another_store(self) -> StorageAgentConfig:
+        archive, store = self.archive_store, self.snapshot_store
+        if archive.driver == NO_SNAPSHOT_STORE:
+            return self
+        if store.driver == NO_SNAPSHOT_STORE:
+            raise ValueError("an archive store needs a snapshot store: snapshots are archived from it")
+        if archive.driver == store.driver and archive.options() == store.options():
+            raise ValueError("the archive store is the snapshot store: give it another directory or bucket")
         return self
 
     def served_pools(self) -> list[PoolConfig]:

@@ -36,6 +36,13 @@ S3EndpointOpt = Annotated[str | None, typer.Option(
 S3CredentialsOpt = Annotated[Path | None, typer.Option(
     "--s3-credentials-file", help="s3 snapshot store: a 0600 file in the AWS credentials format (default: "
                                   "boto3's chain, e.g. AWS_ACCESS_KEY_ID).")]
+ArchiveStoreOpt = Annotated[str | None, typer.Option(
+    help="A separate store archived snapshots move to (docs/snapshot-tiers.md): dir:PATH or s3://BUCKET/PREFIX "
+         "(default: none, they stay in the snapshot store).")]
+ArchiveS3EndpointOpt = Annotated[str | None, typer.Option(
+    "--archive-s3-endpoint", help="s3 archive store: the endpoint URL (default: AWS).")]
+ArchiveS3CredentialsOpt = Annotated[Path | None, typer.Option(
+    "--archive-s3-credentials-file", help="s3 archive store: a 0600 file in the AWS credentials format.")]
 
 
 @commands.command("controller")
@@ -112,6 +119,8 @@ def storage_agent(
                                       "/etc/vbs/profiles); repeatable.")] = None,
     snapshot_store: SnapshotStoreOpt = None, s3_endpoint: S3EndpointOpt = None,
     s3_credentials_file: S3CredentialsOpt = None,
+    archive_store: ArchiveStoreOpt = None, archive_s3_endpoint: ArchiveS3EndpointOpt = None,
+    archive_s3_credentials_file: ArchiveS3CredentialsOpt = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None, insecure: InsecureOpt = False,
     agent_token_file: TokenFileOpt = None, log_json: LogJsonOpt = False,
 ) -> None:
@@ -132,6 +141,7 @@ def storage_agent(
         "rbd_max_snapshots_per_volume": rbd_max_snapshots_per_volume, "rbd_worker": rbd_worker,
         "profile": backend_profile, "profile_dirs": backend_profile_dir or None,
         "snapshot_store": _snapshot_store(snapshot_store, s3_endpoint, s3_credentials_file),
+        "archive_store": _archive_store(archive_store, archive_s3_endpoint, archive_s3_credentials_file),
         "agent_token_file": agent_token_file, **_security(tls_cert, tls_key, tls_ca, insecure)})
     serve(cfg)
 
@@ -147,6 +157,23 @@ def _snapshot_store(spec: str | None, endpoint: str | None, credentials_file: Pa
         return None
     try:
         return parse_snapshot_store(spec, s3_endpoint=endpoint, s3_credentials_file=credentials_file)
+    except InvalidParameter as exc:
+        raise typer.BadParameter(exc.message) from None
+
+
+def _archive_store(spec: str | None, endpoint: str | None, credentials_file: Path | None) -> dict[str, Any] | None:
+    """``--archive-store`` with its S3 flags as the config's table; None: the config's (or its default)."""
+    from vbs.config import parse_snapshot_store
+    from vbs.errors import InvalidParameter
+
+    if spec is None:
+        if endpoint is not None or credentials_file is not None:
+            raise typer.BadParameter("--archive-s3-endpoint and --archive-s3-credentials-file go with "
+                                     "--archive-store s3://BUCKET/PREFIX")
+        return None
+    try:
+        return parse_snapshot_store(spec, s3_endpoint=endpoint, s3_credentials_file=credentials_file,
+                                    flag="--archive-store", s3_flags="--archive-s3")
     except InvalidParameter as exc:
         raise typer.BadParameter(exc.message) from None
 
@@ -244,6 +271,8 @@ def up(
         help="Where every storage agent puts snapshots: dir:PATH, s3://BUCKET/PREFIX (with --s3-endpoint URL, "
              "--s3-credentials-file F) or none (default: dir:DATA_DIR/snapshots).")] = None,
     s3_endpoint: S3EndpointOpt = None, s3_credentials_file: S3CredentialsOpt = None,
+    archive_store: ArchiveStoreOpt = None, archive_s3_endpoint: ArchiveS3EndpointOpt = None,
+    archive_s3_credentials_file: ArchiveS3CredentialsOpt = None,
     log_json: LogJsonOpt = False,
 ) -> None:
     """Run the embedded default: controller, storage agent and host agent on this machine, until Ctrl-C;
@@ -284,11 +313,12 @@ def up(
     if database_url_file is not None:
         database_url = database_url_file.read_text().strip() or None
     store = _snapshot_store(snapshot_store, s3_endpoint, s3_credentials_file)
+    archive = _archive_store(archive_store, archive_s3_endpoint, archive_s3_credentials_file)
     raise typer.Exit(run_embedded(data_dir, host, port, shape=shape,
                                   clone_method=clone_method, export=export, log_json=log_json, tls=tls,
                                   controller_env=controller_env, database_url=database_url, postgres=postgres,
                                   rbd=rbd, host_agent_flags=host_agent_flags, storage_flags=storage_flags,
-                                  snapshot_store=store))
+                                  snapshot_store=store, archive_store=archive))
 
 
 def _backend_profile_flags(backend: str, profile: str | None) -> tuple[str, ...]:

@@ -28,7 +28,13 @@ from typing import Any
 import httpx
 
 from vbs.cli.up_banner import VM_DIR, banner, hypervisor_of
-from vbs.cli.up_storage import RbdChoice, SnapshotStoreChoice, choose_snapshot_store, embedded_ceph
+from vbs.cli.up_storage import (
+    RbdChoice,
+    SnapshotStoreChoice,
+    choose_archive_store,
+    choose_snapshot_store,
+    embedded_ceph,
+)
 from vbs.errors import InvalidParameter, VbsError
 from vbs.net.ports import PortPicker
 from vbs.net.web import ApiClient
@@ -299,7 +305,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
                  controller_env: dict[str, str] | None = None, database_url: str | None = None,
                  postgres: bool = False, rbd: RbdChoice | None = None,
                  host_agent_flags: tuple[str, ...] = (), storage_flags: tuple[str, ...] = (),
-                 snapshot_store: dict[str, Any] | None = None) -> int:
+                 snapshot_store: dict[str, Any] | None = None, archive_store: dict[str, Any] | None = None) -> int:
     """Run the services until SIGINT/SIGTERM: ``shape`` says how many controllers (on ports ``port``,
     ``port`` + 1, …) and storage agents, plus one host agent. The metadata DB: SQLite in the data dir
     (the controller upgrades it as it starts; one controller only), ``database_url`` (PostgreSQL,
@@ -308,7 +314,8 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
     ``rbd`` Ceph RBD images (every storage agent serves the same Ceph pool): of the given cluster, or
     of the data dir's own single-node one, started before the services and stopped after them.
     Snapshots go to ``snapshot_store`` (``config.parse_snapshot_store``'s table; default: a ``dir`` store
-    in ``<data-dir>/snapshots``), the same store for every storage agent.
+    in ``<data-dir>/snapshots``), the same store for every storage agent; archived ones to ``archive_store``
+    (the same table; default: none, they stay in the snapshot store).
     Everything that would refuse is checked before anything starts."""
     shape = shape or Shape()
     database_url = database_url or os.environ.get(DATABASE_URL_ENV) or None
@@ -325,6 +332,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         # elsewhere): a dir store beside it protects against less.
         data_homes = pools if rbd is None else [data_dir / CEPH_DIR] if rbd.conf is None else []
         store = choose_snapshot_store(data_dir, snapshot_store, data_homes)
+        archive_flags = choose_archive_store(data_dir, archive_store, store)
         _check_metadata_home(data_dir, database_url, postgres)
         _check_volume_home(data_dir, rbd)
         cluster = embedded_postgres(data_dir, avoid=controller_ports) if postgres else None
@@ -341,7 +349,7 @@ def run_embedded(data_dir: Path, host: str, port: int, *, shape: Shape | None = 
         return _run_services(data_dir, host, controller_ports, shape, clone_method=clone_method, export=export,
                              log_json=log_json, tls=tls, controller_env=controller_env, database_url=database_url,
                              rbd=rbd, ceph=ceph, host_agent_flags=host_agent_flags,
-                             storage_flags=(*storage_flags, *store.flags), store=store)
+                             storage_flags=(*storage_flags, *store.flags, *archive_flags), store=store)
     except (RuntimeError, VbsError) as exc:
         print(f"vbs up: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1

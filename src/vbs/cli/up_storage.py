@@ -8,25 +8,29 @@ from pathlib import Path
 from typing import Any
 
 from vbs.config import NO_SNAPSHOT_STORE
+from vbs.errors import InvalidParameter
 from vbs.rigs.ceph import EmbeddedCeph
 from vbs.trust.fail_closed import harden
 
-__all__ = ["snapshot_store_flags", "SnapshotStoreChoice", "choose_snapshot_store", "RbdChoice", "embedded_ceph"]
+__all__ = ["snapshot_store_flags", "SnapshotStoreChoice", "choose_snapshot_store", "choose_archive_store",
+           "RbdChoice", "embedded_ceph"]
 
 
-def snapshot_store_flags(options: dict[str, Any]) -> list[str]:
-    """A storage agent's flags for the snapshot store ``options`` (``config.parse_snapshot_store``'s table)."""
+def snapshot_store_flags(options: dict[str, Any], *, archive: bool = False) -> list[str]:
+    """A storage agent's flags for the snapshot store ``options`` (``config.parse_snapshot_store``'s table);
+    with ``archive``, for the archive store."""
     driver = options["driver"]
+    flag, s3 = ("--archive-store", "--archive-s3") if archive else ("--snapshot-store", "--s3")
     if driver == "dir":
-        return ["--snapshot-store", f"dir:{options['path']}"]
+        return [flag, f"dir:{options['path']}"]
     if driver == "s3":
-        flags = ["--snapshot-store", f"s3://{options['bucket']}/{options.get('prefix', '')}"]
+        flags = [flag, f"s3://{options['bucket']}/{options.get('prefix', '')}"]
         if options.get("endpoint_url"):
-            flags += ["--s3-endpoint", str(options["endpoint_url"])]
+            flags += [f"{s3}-endpoint", str(options["endpoint_url"])]
         if options.get("credentials_file"):
-            flags += ["--s3-credentials-file", str(options["credentials_file"])]
+            flags += [f"{s3}-credentials-file", str(options["credentials_file"])]
         return flags
-    return ["--snapshot-store", NO_SNAPSHOT_STORE]
+    return [] if archive else [flag, NO_SNAPSHOT_STORE]
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,25 @@ def choose_snapshot_store(data_dir: Path, options: dict[str, Any] | None, pools:
         note = ("it is on the pool's own file system: it protects against a lost pool directory only, not a "
                 "lost disk (give --snapshot-store dir:PATH on another disk, or s3://BUCKET/PREFIX)")
     return SnapshotStoreChoice(options, store.describe(), note)
+
+
+def choose_archive_store(data_dir: Path, options: dict[str, Any] | None, store: SnapshotStoreChoice) -> list[str]:
+    """The storage agents' flags of the archive store ``options`` name (None: none), set up now so a wrong
+    setting stops ``vbs up`` before anything starts."""
+    from vbs import drivers
+
+    if options is None or options["driver"] == NO_SNAPSHOT_STORE:
+        return []
+    if store.where is None:
+        raise InvalidParameter("--archive-store needs a snapshot store: snapshots are archived from it")
+    if options["driver"] == "dir":
+        harden(Path(options["path"]))
+    store_cls: Any = drivers.load("snapshot_store", options["driver"])
+    archive = store_cls.from_config({k: v for k, v in options.items() if k != "driver"},
+                                    default_dir=data_dir / "archive")
+    if archive.describe() == store.where:
+        raise InvalidParameter("--archive-store is the snapshot store: give it another directory or bucket")
+    return snapshot_store_flags(options, archive=True)
 
 
 @dataclass(frozen=True)

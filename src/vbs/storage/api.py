@@ -42,6 +42,7 @@ from vbs.wire.storage import (
     StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
+    TierMove,
 )
 
 
@@ -143,6 +144,19 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         direct.forget(snapshot_id)
         return Removed()
 
+    # -- the archive store (``archive_tier``) ------------------------------------------------------------
+
+    @router.put("/archive-store/snapshots/{snapshot_id}")
+    def archive_stored(snapshot_id: str, body: TierMove) -> StoredStatus:
+        """Move the snapshot from the snapshot store into the archive store (a job): ``copying`` with
+        progress, then ``ready`` once only the archive holds it."""
+        return stored.archive.archive_snapshot(ids.check("snapshot", snapshot_id), body)
+
+    @router.put("/snapshot-store/snapshots/{snapshot_id}/from-archive")
+    def restore_archived(snapshot_id: str, body: TierMove) -> StoredStatus:
+        """Copy the snapshot back from the archive store (a job; ``permanent``: then out of the archive)."""
+        return stored.archive.restore(ids.check("snapshot", snapshot_id), body)
+
     # -- the EBS direct APIs' blocks (``direct_blocks``) ------------------------------------------------
 
     @router.post("/snapshot-store/blocks")
@@ -169,6 +183,8 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     @router.post("/snapshot-store/check")
     def check_store(body: CheckStore) -> StoreCheckReport:
         """Check the named snapshots in the store: manifests read, chunks found (``deep``: hashed again)."""
+        if body.archive:
+            return check_snapshots(stored.archive.archive, stored.archive.location, body, what="archive")
         return check_snapshots(stored.store, stored.location, body)
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/restore")

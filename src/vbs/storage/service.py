@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vbs import drivers
-from vbs.config import NO_SNAPSHOT_STORE, StorageAgentConfig
+from vbs.config import NO_SNAPSHOT_STORE, SnapshotStoreConfig, StorageAgentConfig
 from vbs.errors import DriverError, VbsError
 from vbs.net.heartbeat import Heartbeat
 from vbs.net.web import BoundedServer, serve_agent
@@ -17,6 +17,7 @@ from vbs.pools.backend import Backend, ReportsUsage
 from vbs.pools.exports import ExportDriver
 from vbs.snapshot_store.contract import SnapshotStore
 from vbs.storage.api import create_app
+from vbs.storage.archive_tier import ArchiveTier
 from vbs.storage.probe import install_probe, probe_auth
 from vbs.storage.store_gc import StoreGc
 from vbs.storage.stored_snapshots import StoredSnapshots
@@ -52,18 +53,30 @@ def build_drivers(cfg: StorageAgentConfig) -> tuple[ExportDriver, dict[str, Back
     return exports, backends
 
 
-def build_store(cfg: StorageAgentConfig) -> SnapshotStore | None:
-    """The snapshot store this agent's config names (``[storage_agent.snapshot_store]``), or None
-    (``driver = "none"``: snapshots stay in their pools). Only set up here: the store is first
-    reached with the store key the controller hands over with an upload or a restore."""
-    if cfg.snapshot_store.driver == NO_SNAPSHOT_STORE:
+def build_store(cfg: StorageAgentConfig, *, archive: bool = False) -> SnapshotStore | None:
+    """The snapshot store this agent's config names (``[storage_agent.snapshot_store]``; with ``archive``,
+    the archive store: ``[storage_agent.archive_store]``), or None (``driver = "none"``: snapshots stay in
+    their pools; archived ones in the snapshot store). Only set up here: the store is first reached with the
+    store key the controller hands over with an upload or a restore."""
+    section: SnapshotStoreConfig = cfg.archive_store if archive else cfg.snapshot_store
+    if section.driver == NO_SNAPSHOT_STORE:
         return None
-    store_cls: Any = drivers.load("snapshot_store", cfg.snapshot_store.driver)
-    store = store_cls.from_config(cfg.snapshot_store.options(), default_dir=cfg.state_dir.resolve() / "snapshots")
+    store_cls: Any = drivers.load("snapshot_store", section.driver)
+    store = store_cls.from_config(section.options(),
+                                  default_dir=cfg.state_dir.resolve() / ("archive" if archive else "snapshots"))
     if not isinstance(store, SnapshotStore):
-        raise DriverError(f"snapshot store driver {cfg.snapshot_store.driver!r} does not fulfil the "
-                          "SnapshotStore contract")
+        raise DriverError(f"snapshot store driver {section.driver!r} does not fulfil the SnapshotStore contract")
     return store
+
+
+def collectors(cfg: StorageAgentConfig, store: SnapshotStore | None, archive: SnapshotStore | None) -> list[StoreGc]:
+    """The garbage collections of the agent's stores, each on its own section's schedule."""
+    found = [StoreGc(store, interval_s=cfg.snapshot_store.gc_interval_s, grace_s=cfg.snapshot_store.gc_grace_s)
+             ] if store is not None else []
+    if archive is not None:
+        found.append(StoreGc(archive, interval_s=cfg.archive_store.gc_interval_s,
+                             grace_s=cfg.archive_store.gc_grace_s))
+    return found
 
 
 def store_location(cfg: StorageAgentConfig, store: SnapshotStore | None) -> str | None:
@@ -101,11 +114,11 @@ def serve(cfg: StorageAgentConfig) -> None:
                                  node_name=cfg.node_name, fence_file=cfg.state_dir.resolve() / "fences.json")
     exports, backends = build_drivers(cfg)
     store = build_store(cfg)
+    archive = build_store(cfg, archive=True)
     exports.start()
     auth = probe_auth(sec.auth, sec.token, insecure=sec.insecure, node_name=cfg.node_name)
-    stored = StoredSnapshots(store, store_location(cfg, store))
-    collector = StoreGc(store, interval_s=cfg.snapshot_store.gc_interval_s, grace_s=cfg.snapshot_store.gc_grace_s) \
-        if store is not None else None
+    stored = StoredSnapshots(store, store_location(cfg, store), ArchiveTier(store, archive))
+    gcs = collectors(cfg, store, archive)
     app = create_app(backends, exports, auth, cfg.node_name, stored)
     install_probe(app)
     url = cfg.advertise_url or f"{sec.scheme}://{cfg.host}:{cfg.port}"
@@ -129,7 +142,7 @@ def serve(cfg: StorageAgentConfig) -> None:
     def shutdown() -> None:
         stop.set()
         watcher.join(timeout=5)
-        if collector is not None:
+        for collector in gcs:
             collector.stop()
         stored.close()
         exports.stop()
@@ -138,8 +151,10 @@ def serve(cfg: StorageAgentConfig) -> None:
         log.info("storage agent %s stopped", cfg.node_name)
 
     watcher.start()
-    if collector is not None:
+    for collector in gcs:
         collector.start()
     log.info("storage agent %s serving on %s (backend %s, pools %s, export %s, snapshots to %s)", cfg.node_name, url,
              cfg.backend, ", ".join(backends), cfg.export, store.describe() if store is not None else "no store")
+    if archive is not None:
+        log.info("archived snapshots go to %s", archive.describe())
     serve_agent(app, cfg.host, cfg.port, heartbeat=heartbeat, shutdown=shutdown, tls=sec.tls)

@@ -12,10 +12,12 @@ from vbs.wire.storage import CheckStore, StoreCheckReport, StoreProblem
 __all__ = ["check_snapshots"]
 
 
-def check_snapshots(store: SnapshotStore | None, location: str | None, req: CheckStore) -> StoreCheckReport:
-    """Check ``req.snapshot_ids`` in ``store`` (``location``: how the pools report it)."""
+def check_snapshots(store: SnapshotStore | None, location: str | None, req: CheckStore,
+                    what: str = "snapshot") -> StoreCheckReport:
+    """Check ``req.snapshot_ids`` in ``store`` (``location``: how the pools report it; ``what``: ``snapshot``
+    or ``archive``, the store it is)."""
     if store is None:
-        raise DriverError("this storage agent has no snapshot store ([storage_agent.snapshot_store] driver "
+        raise DriverError(f"this storage agent has no {what} store ([storage_agent.{what}_store] driver "
                           "= \"none\")")
     if req.deep and req.store_key is None:
         raise InvalidParameter("a deep check of the snapshot store needs the store key")

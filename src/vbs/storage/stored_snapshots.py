@@ -51,6 +51,7 @@ from vbs.snapshot_store.manifests import delete_snapshot, find_manifest, load_ma
 from vbs.snapshot_store.restore import restore_snapshot
 from vbs.snapshot_store.upload import upload_snapshot
 from vbs.snapshot_store.volume_io import FileReader, FileWriter, VolumeReader, VolumeWriter
+from vbs.storage.archive_tier import ArchiveTier
 from vbs.storage.copy import CopyCancelled, Job, data_ranges
 from vbs.storage.luks import convert_to_luks, header_bytes
 from vbs.wire.storage import ItemStatus, PoolInfo, RestoreVolume, StoredStatus, StoreSnapshot
@@ -176,10 +177,13 @@ def _facts(manifest: Manifest, store: str, *, pool_copy: bool, chunks_uploaded: 
 class StoredSnapshots:
     """This agent's store (None: it has none, and snapshots stay in their pools) and its jobs."""
 
-    def __init__(self, store: SnapshotStore | None, location: str | None = None) -> None:
+    def __init__(self, store: SnapshotStore | None, location: str | None = None,
+                 archive: ArchiveTier | None = None) -> None:
         """``location``: how the pools report the store (default: its own description). Agents that report
-        the same one are taken to share it: any of them restores the others' snapshots."""
+        the same one are taken to share it: any of them restores the others' snapshots. ``archive``: the
+        moves to and from a separate archive store (docs/snapshot-tiers.md), if there is one."""
         self.store = store
+        self.archive = archive or ArchiveTier(store, None)
         self._location = location
         self._lock = threading.Lock()
         self._uploads: dict[str, _Upload] = {}
@@ -198,7 +202,7 @@ class StoredSnapshots:
         info = backend.pool_info()
         if self.store is None or not isinstance(backend, SnapshotImages | SnapshotStreams):
             return info
-        return info.model_copy(update={"snapshot_store": self.location})
+        return info.model_copy(update={"snapshot_store": self.location, "archive_store": self.archive.location})
 
     # -- uploads -------------------------------------------------------------------------------------------
 
@@ -333,6 +337,7 @@ class StoredSnapshots:
                 raise DriverError(f"the upload of {snapshot_id} did not stop within {STOP_TIMEOUT_S:g}s")
         delete_snapshot(self.store, snapshot_id)
         log.info("snapshot %s deleted from the snapshot store %s", snapshot_id, self.store.describe())
+        self.archive.delete(snapshot_id)
 
     # -- restores ------------------------------------------------------------------------------------------
 
@@ -365,6 +370,7 @@ class StoredSnapshots:
         return images.fill_volume(volume_id, req.size_bytes, fill, what=f"restore of {req.snapshot_id}")
 
     def close(self) -> None:
+        self.archive.close()
         with self._lock:
             uploads = list(self._uploads.values())
             self._uploads.clear()

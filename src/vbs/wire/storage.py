@@ -42,6 +42,7 @@ __all__ = [
     "EnsureSnapshot",
     "StoreSnapshot",
     "StoredStatus",
+    "TierMove",
     "RestoreVolume",
     "CheckStore",
     "StoreProblem",
@@ -132,12 +133,15 @@ class PoolInfo(Wire):
     # The snapshot store this pool's snapshots go to (its description: agents that report the same one
     # share it, and any of them restores the others' snapshots); None: they stay in the pool only.
     snapshot_store: str | None = Field(None, pattern=STORE_RE)
+    # The separate archive store archived snapshots move to (docs/snapshot-tiers.md); None: they stay in
+    # the snapshot store.
+    archive_store: str | None = Field(None, pattern=STORE_RE)
     # Set when the pool's storage is gone (docs/operations.md "A lost pool"): it then reports no room,
     # and the controller marks its volumes lost.
     lost: str | None = Field(None, pattern=LOST_RE)
 
     _older_controllers = left_out_while_empty("monitors", "max_snapshots_per_volume", "shared_id", "snapshot_store",
-                                              "lost")
+                                              "lost", "archive_store")
 
 
 class PoolList(Wire):
@@ -245,6 +249,19 @@ class StoreSnapshot(Wire):
         return v.get_secret_value()
 
 
+class TierMove(Wire):
+    """Move ``tenant``'s snapshot between the snapshot store and the archive store (docs/snapshot-tiers.md);
+    a ``permanent`` restore then drops the archive's copy. ``store_key``: as with an upload."""
+
+    tenant: str = Field(pattern=TENANT_RE)
+    store_key: StoreKeyHex
+    permanent: bool = False
+
+    @field_serializer("store_key", when_used="json")
+    def _reveal(self, v: SecretStr) -> str:
+        return v.get_secret_value()
+
+
 class StoredStatus(ItemStatus):
     """Where a snapshot's upload into the store stands: ``copying`` with progress, ``ready`` with what the
     manifest holds, ``error`` with the reason, ``absent``. ``size_bytes``: the image's (the manifest's
@@ -292,10 +309,14 @@ class CheckStore(Wire):
     snapshot_ids: list[SnapshotId] = Field(max_length=MAX_CHECKED_SNAPSHOTS)
     deep: bool = False
     store_key: StoreKeyHex | None = None
+    # In the agent's archive store instead (docs/snapshot-tiers.md).
+    archive: bool = False
 
     @field_serializer("store_key", when_used="json")
     def _reveal(self, v: SecretStr | None) -> str | None:
         return v.get_secret_value() if v is not None else None
+
+    _older_agents = left_out_while_empty("archive")
 
 
 class StoreProblem(Wire):

@@ -216,6 +216,8 @@ class SnapshotTier(Base):
     archived_at: Mapped[datetime | None]
     # A temporary restore: when the snapshot goes back to the archive tier.
     restore_expires_at: Mapped[datetime | None]
+    # The separate archive store that holds it (archived, or restored for now); None: there is none.
+    archive_store: Mapped[str | None] = mapped_column(String(1024))
 
 
 class VolumeKey(Base):

@@ -35,6 +35,7 @@ from vbs.controller.ebs.tokens import sha256_b64
 from vbs.controller.fleet.nodes import is_alive, storage_info
 from vbs.controller.placement import quotas
 from vbs.controller.requests.snapshot_permissions import owned_snapshot
+from vbs.controller.requests.snapshot_tiers import refuse_if_moved_out
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.runtime import Controller
 from vbs.controller.workflows import stored
@@ -152,6 +153,7 @@ def _parent(s: Session, req: StartRequest, tenant: str) -> Snapshot | None:
         raise Validation(f"The parent snapshot '{parent.id}' is {parent.status}, not completed.")
     if parent.store_state != stored.STORED or parent.store is None:
         raise Validation(f"The parent snapshot '{parent.id}' is not in the snapshot store (yet).")
+    refuse_if_moved_out(s, parent.id)
     if parent.volume_size_gib > req.volume_size_gib:
         raise Validation(f"The volume size ({req.volume_size_gib} GiB) is smaller than the parent snapshot's "
                          f"({parent.volume_size_gib} GiB).", "INVALID_VOLUME_SIZE")

@@ -43,6 +43,7 @@ from vbs.wire.storage import (
     StoreCheckReport,
     StoredStatus,
     StoreSnapshot,
+    TierMove,
 )
 
 GIB = 1 << 30
@@ -135,11 +136,24 @@ class StorageAgent:
         """Delete the snapshot's manifest from the store this agent uses (chunks go with garbage collection)."""
         self._client.request("DELETE", f"/v1/snapshot-store/snapshots/{snapshot_id}", Removed)
 
-    def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None) -> StoreCheckReport:
+    def archive_stored(self, snapshot_id: str, tenant: str, store_key: SecretStr) -> StoredStatus:
+        """Move the snapshot from the snapshot store into the archive store, or say how far it got."""
+        return self._client.request("PUT", f"/v1/archive-store/snapshots/{snapshot_id}", StoredStatus,
+                                    TierMove(tenant=tenant, store_key=store_key))
+
+    def restore_archived(self, snapshot_id: str, tenant: str, store_key: SecretStr, *, permanent: bool
+                         ) -> StoredStatus:
+        """Copy the snapshot back from the archive store (``permanent``: then out of it), or say how far."""
+        return self._client.request("PUT", f"/v1/snapshot-store/snapshots/{snapshot_id}/from-archive", StoredStatus,
+                                    TierMove(tenant=tenant, store_key=store_key, permanent=permanent))
+
+    def check_store(self, snapshot_ids: list[str], *, deep: bool, store_key: SecretStr | None,
+                    archive: bool = False) -> StoreCheckReport:
         """Check the snapshots in the store this agent uses (``deep``: every chunk hashed again, which takes
         as long as reading them: no time limit but the store's own)."""
         return self._client.request("POST", "/v1/snapshot-store/check", StoreCheckReport,
-                                    CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key),
+                                    CheckStore(snapshot_ids=snapshot_ids, deep=deep, store_key=store_key,
+                                               archive=archive),
                                     timeout=CHECK_TIMEOUT_S)
 
     # -- the EBS direct APIs' blocks --------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``vbs check``'s look at the snapshot stores (docs/snapshots.md): every snapshot the database says is
 stored is checked in its store by a live storage node that reports that store (manifest read, every
 chunk found; ``deep``: every chunk fetched and hashed again), and the snapshots of pools with a store
-that are not in it yet are listed. It reads and changes nothing else: a store is shared, and what is
+that are not in it yet are listed; snapshots moved into a separate archive store are checked there
+(docs/snapshot-tiers.md). It reads and changes nothing else: a store is shared, and what is
 wrong in it is for a person to judge (a restore of a damaged snapshot fails, naming the chunk)."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import SecretStr
 from sqlalchemy import select
 
 from vbs.controller.auth.store_key import store_key
-from vbs.controller.db import Node, Snapshot
+from vbs.controller.db import Node, Snapshot, SnapshotTier
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.nodes import is_alive, storage_info
@@ -48,16 +50,26 @@ def check_stores(svc: Services, *, deep: bool) -> StoreCheck:
         rows = s.execute(select(Snapshot.id, Snapshot.status, Snapshot.store_state, Snapshot.store,
                                 Snapshot.storage_node, Snapshot.pool, Snapshot.status_reason)
                          .where(Snapshot.status != SnapshotState.DELETED).order_by(Snapshot.id)).all()
+        # Moved to a separate archive store: checked there (docs/snapshot-tiers.md).
+        archived: dict[str, str] = {snap: where for snap, where in s.execute(
+            select(SnapshotTier.snapshot_id, SnapshotTier.archive_store).where(
+                SnapshotTier.archive_store.is_not(None), SnapshotTier.tier == "archive")).tuples() if where}
     reached_by: dict[str, str] = {}  # store -> the node that checks it
+    archive_reached_by: dict[str, str] = {}  # archive store -> the node that checks it
     store_of: dict[tuple[str, str], str] = {}  # (node, pool) -> its store
     for node in sorted(nodes, key=lambda n: n.name):
         for pool in storage_info(node).pools:
             if pool.snapshot_store is not None:
                 reached_by.setdefault(pool.snapshot_store, node.name)
                 store_of[(node.name, pool.name)] = pool.snapshot_store
+            if pool.archive_store is not None:
+                archive_reached_by.setdefault(pool.archive_store, node.name)
     stored: dict[str, list[str]] = {}
+    in_archive: dict[str, list[str]] = {}
     for row in rows:
-        if row.store_state == "stored" and row.store is not None:
+        if row.id in archived:
+            in_archive.setdefault(archived[row.id], []).append(row.id)
+        elif row.store_state == "stored" and row.store is not None:
             stored.setdefault(row.store, []).append(row.id)
         elif (row.status in (SnapshotState.PENDING, SnapshotState.COMPLETED)
               and (row.storage_node, row.pool) in store_of):
@@ -65,27 +77,34 @@ def check_stores(svc: Services, *, deep: bool) -> StoreCheck:
                                     "store_state": row.store_state or "not started",
                                     "store": store_of[(row.storage_node, row.pool)],
                                     "reason": row.status_reason or ""})
-    key = store_key(svc.db, svc.master_key) if deep and stored else None
+    key = store_key(svc.db, svc.master_key) if deep and (stored or in_archive) else None
     for where, snapshot_ids in sorted(stored.items()):
-        node_name = reached_by.get(where)
-        if node_name is None:
-            result.findings.append(Finding("store-unreachable", where, where, f"{len(snapshot_ids)} stored "
-                                                "snapshot(s), and no live storage node reports this store"))
-            continue
-        counts = {"snapshots": 0, "chunks_checked": 0, "bytes_checked": 0}
-        try:
-            agent = svc.agents.storage(node_name)
-            for start in range(0, len(snapshot_ids), MAX_CHECKED_SNAPSHOTS):
-                report = agent.check_store(snapshot_ids[start:start + MAX_CHECKED_SNAPSHOTS], deep=deep,
-                                           store_key=key)
-                counts["snapshots"] += report.snapshots
-                counts["chunks_checked"] += report.chunks_checked
-                counts["bytes_checked"] += report.bytes_checked
-                for p in report.problems:
-                    chunk = f"chunk {p.chunk_id} (index {p.chunk_index}): " if p.chunk_id else ""
-                    result.findings.append(Finding(_FINDING_KINDS[p.kind], where, p.snapshot_id,
-                                                        chunk + p.detail))
-        except VbsError as exc:
-            result.findings.append(Finding("store-unreachable", where, where, f"via {node_name}: {exc.message}"))
-        result.stores.append({"store": where, "node": node_name, "deep": deep, **counts})
+        _check_one(svc, result, where, reached_by.get(where), snapshot_ids, deep, key, archive=False)
+    for where, snapshot_ids in sorted(in_archive.items()):
+        _check_one(svc, result, where, archive_reached_by.get(where), snapshot_ids, deep, key, archive=True)
     return result
+
+
+def _check_one(svc: Services, result: StoreCheck, where: str, node_name: str | None, snapshot_ids: list[str],
+               deep: bool, key: SecretStr | None, *, archive: bool) -> None:
+    """Check ``snapshot_ids`` in the store (or archive store) ``where`` through ``node_name``."""
+    if node_name is None:
+        result.findings.append(Finding("store-unreachable", where, where, f"{len(snapshot_ids)} stored "
+                                            "snapshot(s), and no live storage node reports this store"))
+        return
+    counts = {"snapshots": 0, "chunks_checked": 0, "bytes_checked": 0}
+    try:
+        agent = svc.agents.storage(node_name)
+        for start in range(0, len(snapshot_ids), MAX_CHECKED_SNAPSHOTS):
+            report = agent.check_store(snapshot_ids[start:start + MAX_CHECKED_SNAPSHOTS], deep=deep,
+                                       store_key=key, archive=archive)
+            counts["snapshots"] += report.snapshots
+            counts["chunks_checked"] += report.chunks_checked
+            counts["bytes_checked"] += report.bytes_checked
+            for p in report.problems:
+                chunk = f"chunk {p.chunk_id} (index {p.chunk_index}): " if p.chunk_id else ""
+                result.findings.append(Finding(_FINDING_KINDS[p.kind], where, p.snapshot_id, chunk + p.detail))
+    except VbsError as exc:
+        result.findings.append(Finding("store-unreachable", where, where, f"via {node_name}: {exc.message}"))
+    result.stores.append({"store": where, "node": node_name, "deep": deep, **counts,
+                          **({"archive": True} if archive else {})})

@@ -15,6 +15,7 @@ from vbs.controller.fleet.nodes import pool_of
 from vbs.controller.placement import quotas
 from vbs.controller.requests import snapshot_permissions as sharing
 from vbs.controller.requests.describe_snapshots import describe_many, snapshot_not_found
+from vbs.controller.requests.snapshot_tiers import refuse_if_moved_out
 from vbs.controller.requests.tags import set_tags
 from vbs.controller.rest.schemas.snapshots import CopySnapshotRequest, SnapshotOut
 from vbs.controller.runtime import Controller
@@ -31,6 +32,7 @@ def copy_snapshot(svc: Controller, req: CopySnapshotRequest, tenant: str) -> Sna
         if source is None or source.status in GONE_SNAPSHOT \
                 or not sharing.usable(s, source, tenant):
             raise snapshot_not_found(req.source_snapshot_id)
+        refuse_if_moved_out(s, source.id)
         # Touching the source in this transaction makes a concurrent delete of it wait for us.
         hit = s.execute(update(Snapshot).where(Snapshot.id == source.id, Snapshot.status == SnapshotState.COMPLETED)
                         .values(updated_at=utcnow())).rowcount  # type: ignore[attr-defined]

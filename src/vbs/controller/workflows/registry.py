@@ -19,13 +19,14 @@ from vbs.controller.workflows.local_volumes import LOCAL_WORKFLOWS
 from vbs.controller.workflows.migrate_instance import MIGRATE_INSTANCE
 from vbs.controller.workflows.migrate_volume import MIGRATE_VOLUME, MIGRATE_VOLUME_COPY, MIGRATE_VOLUME_MIRROR
 from vbs.controller.workflows.modify_volume import MODIFY_VOLUME
+from vbs.controller.workflows.restore_snapshot_tier import RESTORE_SNAPSHOT_TIER
 
 __all__ = ["WORKFLOWS", "EXCLUSIVE_KINDS"]
 
 WORKFLOWS: tuple[Workflow[Any], ...] = (
     CREATE_VOLUME, DELETE_VOLUME, CREATE_SNAPSHOT, DELETE_SNAPSHOT, ATTACH_VOLUME, DETACH_VOLUME, MODIFY_VOLUME,
     MIGRATE_VOLUME, COPY_SNAPSHOT, CREATE_SNAPSHOT_SET, MIGRATE_INSTANCE, *LOCAL_WORKFLOWS, MIGRATE_VOLUME_COPY,
-    MIGRATE_VOLUME_MIRROR, ARCHIVE_SNAPSHOT,
+    MIGRATE_VOLUME_MIRROR, ARCHIVE_SNAPSHOT, RESTORE_SNAPSHOT_TIER,
 )
 
 # One unfinished operation of these kinds per resource (the DB's partial unique index; docs/operations.md).

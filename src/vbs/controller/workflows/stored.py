@@ -24,7 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from vbs.controller.auth.store_key import store_key
-from vbs.controller.db import Node, Snapshot
+from vbs.controller.db import Node, Snapshot, SnapshotTier
 from vbs.controller.db.states import SnapshotState
 from vbs.controller.db.tables import utcnow
 from vbs.controller.fleet.agents import StorageAgent
@@ -35,7 +35,7 @@ from vbs.controller.workflows.definition import StepContext
 from vbs.errors import AgentUnavailable, IncorrectState, RetryLater
 
 __all__ = ["UPLOADING", "STORED", "FAILED", "copy_share", "upload", "data_location", "fill_from_snapshot",
-           "delete_from_store", "the_store_key", "store_agent"]
+           "delete_from_store", "the_store_key", "store_agent", "archive_agent"]
 
 UPLOADING, STORED, FAILED = "uploading", "stored", "error"
 # The share of a snapshot's progress its pool's own copy takes when it is not instant; the upload the rest.
@@ -72,11 +72,15 @@ def the_store_key(ctx: StepContext[Any]) -> SecretStr:
 
 def _parent(s: Session, snap: Snapshot) -> str | None:
     """The volume's latest stored snapshot before this one: what the upload is incremental against (one in
-    the Recycle Bin too: its manifest stays until its retention ends, docs/recycle-bin.md)."""
+    the Recycle Bin too: its manifest stays until its retention ends, docs/recycle-bin.md; not one moved into
+    a separate archive store, whose manifest the snapshot store no longer has: docs/snapshot-tiers.md)."""
+    moved_out = select(SnapshotTier.snapshot_id).where(SnapshotTier.archive_store.is_not(None),
+                                                       SnapshotTier.tier == "archive")
     return s.scalar(select(Snapshot.id).where(
         Snapshot.volume_id == snap.volume_id, Snapshot.id != snap.id, Snapshot.tenant == snap.tenant,
         Snapshot.store_state == STORED, Snapshot.status.in_((SnapshotState.COMPLETED, SnapshotState.RECOVERABLE)),
-        Snapshot.started_at <= snap.started_at).order_by(Snapshot.started_at.desc()).limit(1))
+        Snapshot.started_at <= snap.started_at, Snapshot.id.notin_(moved_out)
+    ).order_by(Snapshot.started_at.desc()).limit(1))
 
 
 def _set(ctx: StepContext[Any], snapshot_id: str, **values: Any) -> None:
@@ -125,11 +129,34 @@ def store_agent(services: Services, snap: Snapshot) -> StorageAgent:
     raise AgentUnavailable(f"no live storage node reaches the snapshot store {snap.store} of {snap.id}")
 
 
+def archive_agent(services: Services, snap: Snapshot, archive: str) -> StorageAgent:
+    """An agent that reaches both the snapshot's store and the archive store ``archive``: its own storage
+    node while it is alive and does, else any live node whose pool reports both."""
+    timeout = services.cfg.heartbeat_timeout_s
+    now = utcnow()
+    with services.db.read() as s:
+        own = s.get(Node, (snap.storage_node, "storage"))
+        candidates = [own] if own is not None else []
+        candidates += [n for n in s.scalars(select(Node).where(Node.kind == "storage").order_by(Node.name))
+                       if n.name != snap.storage_node]
+        for node in candidates:
+            if is_alive(node, timeout, now) and any(p.snapshot_store == snap.store and p.archive_store == archive
+                                                    for p in storage_info(node).pools):
+                return services.agents.storage(node.name)
+    raise AgentUnavailable(f"no live storage node reaches both the snapshot store {snap.store} and the archive "
+                           f"store {archive} of {snap.id}")
+
+
 def delete_from_store(ctx: StepContext[Any], snapshot_id: str) -> None:
-    """Delete the snapshot's manifest (and an upload's marker) from the store, if it went there."""
+    """Delete the snapshot's manifest (and an upload's marker) from the store, if it went there, and from
+    the archive store, if it went there too (docs/snapshot-tiers.md)."""
     with ctx.services.db.read() as s:
         snap = s.get(Snapshot, snapshot_id)
+        tier = s.get(SnapshotTier, snapshot_id)
     if snap is None or snap.store_state is None:
+        return
+    if tier is not None and tier.archive_store is not None:
+        archive_agent(ctx.services, snap, tier.archive_store).delete_stored(snapshot_id)
         return
     store_agent(ctx.services, snap).delete_stored(snapshot_id)
 
