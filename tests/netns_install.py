@@ -42,12 +42,28 @@ class NetnsInstall:
     runner: GuideRunner
     machines: dict[str, GuideMachine]
     client_env: dict[str, str]
+    database: EmbeddedPostgres | None = None  # the db machine's PostgreSQL, read by the tests over its socket
 
-    def cli(self, *args: str, check: bool = True) -> Any:
-        """``vbs -o json ARGS`` on the client machine, with the environment section 9 exports."""
+    def operations(self, resource_id: str) -> list[dict[str, Any]]:
+        """The operations of a volume or snapshot as the database holds them, oldest first."""
+        import psycopg
+        from psycopg.rows import dict_row
+
+        assert self.database is not None
+        with psycopg.connect(host=str(self.database.run), port=self.database.port, user="vbs", dbname="vbs",
+                             row_factory=dict_row) as conn:
+            return list(conn.execute("SELECT id, kind, status, owner, fence, attempts, error FROM operations "
+                                     "WHERE resource_id = %s ORDER BY created_at", (resource_id,)))
+
+    def cli(self, *args: str, check: bool = True, via: str | None = None) -> Any:
+        """``vbs -o json ARGS`` on the client machine, with the environment section 9 exports (both
+        controllers), or to the controller machine ``via`` only."""
         r = self.runner
-        proc = r.cluster.run(self.machines["client"].machine, [str(r.vbs_path), "-o", "json", *args],
-                             env={**r.env, **self.client_env}, timeout=600)
+        env = {**r.env, **self.client_env}
+        if via is not None:
+            env["VBS_ENDPOINT"] = f"https://{self.machines[via].machine.address}:8770"
+        proc = r.cluster.run(self.machines["client"].machine, [str(r.vbs_path), "-o", "json", *args], env=env,
+                             timeout=600)
         if not check:
             return proc
         assert proc.returncode == 0, f"vbs {' '.join(args)}: {proc.stderr}"
@@ -251,7 +267,7 @@ def netns_cluster(installed: Installed) -> Iterator[NetnsInstall]:
             shutil.copy2(machines["ctl-1"].path(f"/var/lib/vbs/controller/{name}"),
                          client.path(f"/var/lib/vbs/controller/{name}"))
         client_env: dict[str, str] = {}
-        done = NetnsInstall(cluster, runner, machines, client_env)
+        done = NetnsInstall(cluster, runner, machines, client_env, pg)
         checks = section("9.")
         runner.run_blocks(checks[:1], "client", client_env)
         wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-1"), 300, 1, what="stor-1")

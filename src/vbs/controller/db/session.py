@@ -89,6 +89,18 @@ def has_password(url: str) -> bool:
 # request answered 503 RetryLater), instead of holding a connection and its locks without end.
 LOCK_TIMEOUT_MS = 10_000
 STATEMENT_TIMEOUT_MS = 60_000
+# PostgreSQL: a link to the database that goes silent (a partition drops packets, nothing resets the
+# connection) is given up after this long by both ends, well within an operation lease (15 s): data
+# unacknowledged for DEAD_LINK_MS (TCP_USER_TIMEOUT), or no answer to keepalive probes sent after 4 s
+# idle, every 2 s, 3 times; a connection attempt after CONNECT_TIMEOUT_S. Without them a controller cut
+# from the database waits on TCP's own retransmissions (about 15 minutes) and PostgreSQL keeps the cut
+# controller's open transaction, and its row locks, as long (docs/reliability.md "Partitions").
+DEAD_LINK_MS = 10_000
+CONNECT_TIMEOUT_S = 10
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 4, "keepalives_interval": 2, "keepalives_count": 3,
+               "tcp_user_timeout": DEAD_LINK_MS, "connect_timeout": CONNECT_TIMEOUT_S}
+_SERVER_SIDE = (f"-c tcp_keepalives_idle=4 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3 "
+                f"-c tcp_user_timeout={DEAD_LINK_MS}")
 # SQLSTATEs that mean "the same request would succeed if tried again".
 _TRANSIENT = {"40P01": "a deadlock", "40001": "a serialisation conflict", "55P03": "a lock wait timeout",
               "57014": "a statement timeout"}
@@ -177,7 +189,9 @@ class Database:
             _sqlite_pragmas(self.engine)
         else:
             self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, connect_args={
-                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+                **_KEEPALIVES,
+                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS} "
+                           + _SERVER_SIDE},
                 json_deserializer=decode_json)  # psycopg hands it the bytes of each JSON value
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
