@@ -272,6 +272,17 @@ def test_a_controller_cut_from_the_database_stops_acting_and_the_other_takes_ove
         c.cli("detach-volume", other, "--wait", via="ctl-2")
         c.cli("delete-volume", other, "--wait", via="ctl-2")
         assert controllers(c, "ctl-2")[ctl1]["state"] == "down"
+        # What a client sees meanwhile: ctl-1 alone cannot answer from the database; a client that lists
+        # both controllers (ctl-1 first) is answered, by ctl-2.
+        asked = time.monotonic()
+        alone = c.cli("describe-volumes", vol, check=False, via="ctl-1")
+        log.info("netns partitions: ctl-1 alone answered a read in %.1f s: exit %d, %s", time.monotonic() - asked,
+                 alone.returncode, alone.stderr.strip()[-300:])
+        assert alone.returncode != 0 and "RetryLater" in alone.stderr, alone.stderr  # 503, not a 500
+        asked = time.monotonic()
+        (listed,) = c.cli("describe-volumes", vol)["volumes"]
+        log.info("netns partitions: a client of both controllers was answered in %.1f s", time.monotonic() - asked)
+        assert listed["status"] == found["status"]
         (op,) = c.operations(vol)
     log.info("netns partitions: ctl-1's create, as the database holds it: %s", op)
     for name in ("ctl-1", "ctl-2"):

@@ -106,14 +106,28 @@ _TRANSIENT = {"40P01": "a deadlock", "40001": "a serialisation conflict", "55P03
               "57014": "a statement timeout"}
 
 
+def _unreachable(exc: DBAPIError, read: bool) -> bool:
+    """Whether ``exc`` says the database could not be reached, with nothing changed: no connection could
+    be made (nothing was sent), or a read's connection was lost (a write's may have been lost on its
+    commit, which may have happened)."""
+    if type(exc.orig).__name__ == "ConnectionTimeout":  # psycopg's: the connection was never made
+        return True
+    return read and isinstance(exc, OperationalError) and getattr(exc.orig, "sqlstate", None) is None
+
+
 @contextmanager
-def _transient_conflicts() -> Iterator[None]:
+def _transient_conflicts(read: bool = False) -> Iterator[None]:
     """A deadlock, serialisation failure or timeout PostgreSQL detects rolls the transaction back: the
-    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500."""
+    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500. So is a database
+    that cannot be reached (a controller cut from it: the client goes on to another controller)."""
     try:
         yield
     except DBAPIError as exc:
         state = getattr(exc.orig, "sqlstate", None)
+        if _unreachable(exc, read):
+            log.warning("database unreachable: %s", str(exc.orig).strip()[:200])
+            raise RetryLater("The metadata database did not answer this controller; the request changed "
+                             "nothing. Try again, or another controller.") from None
         if state not in _TRANSIENT:
             raise
         log.warning("database: %s (SQLSTATE %s); the transaction was rolled back", _TRANSIENT[state], state)
@@ -363,7 +377,8 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with _transient_conflicts(), _refused_values(), self._read_sessions() as session, session.begin():
+        with _transient_conflicts(read=True), _refused_values(), self._read_sessions() as session, \
+                session.begin():
             yield session
 
     def dispose(self) -> None:
