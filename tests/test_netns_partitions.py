@@ -8,18 +8,20 @@ connection stalls, nothing is reset), and everything else on the bridge flows; `
 and ARP finds the real MACs again.
 
 - A storage node cut from both controllers while a volume is created on it and a snapshot taken there: both
-  operations wait, and finish once the link returns; each did its work once (one pool file each).
+  operations wait, and finish once the link returns; each ran once (one operation each, the volume's one
+  pool file, the snapshot in its store).
 - A hypervisor node cut from its storage node while its guest writes numbered blocks, each durable before
   the next: the guest's writes stall (no error) and resume when the link returns; every acknowledged block
   is on the volume, as the guest reads it and in the pool file. Over NBD (stor-1) by default; over iSCSI
   through the TLS tunnels (stor-2) as well under ``make torture``.
 - A controller cut from PostgreSQL: the other marks it down and carries every operation, including one the
-  cut controller owned; the cut one makes no agent call once it cannot renew its leases, and rejoins when
-  the link returns without redoing anything.
+  cut controller owned; the cut one answers 503 (a client of both controllers goes on to the other), and
+  rejoins when the link returns without redoing anything.
 
-After each: ``vbs check`` finds nothing (the DB and the real world agree), no operation is left unfinished,
-and no volume was attached to two hosts at any sample taken (the DB's attachments and the storage node's
-established connections). docs/reliability.md "Partitions on real links" has the figures.
+After each: ``vbs check`` finds nothing (the DB and the real world agree), no volume is left in a
+transitional state, and no volume was attached to two hosts at any sample taken (the DB's attachments and
+the storage node's established connections). docs/reliability.md "Partitions on real links" has the
+figures.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
 
 POOL = "/srv/vbs/pools/default"  # section 7's pool on each storage node
-# How long a cut lasts: past a heartbeat (5 s), the agents' HTTP timeout's first retries and an
-# operation lease (15 s), short of the agents' HTTP timeout (30 s) twice over.
+# How long a cut lasts: past a heartbeat (5 s) and an operation lease (15 s), short of the agents' HTTP
+# timeout and of a node's heartbeat timeout (30 s each).
 CUT_S = 25.0
-# 400 blocks of 4 KiB over 1 MiB (a stride prime to 256 slots… and to 400 writes: each block its own slot).
+# 400 blocks of 4 KiB in 401 slots (a prime: stride 97 gives each block its own slot).
 BLOCKS = NumberedBlocks(writes=400, slots=401, stride=97)
 TRANSITIONAL = {"creating", "deleting", "attaching", "detaching", "pending", "modifying"}
 
@@ -250,8 +252,8 @@ def controllers(c: NetnsInstall, via: str) -> dict[str, dict[str, Any]]:
 def test_a_controller_cut_from_the_database_stops_acting_and_the_other_takes_over(netns_install: NetnsInstall) -> None:
     """ctl-1 begins a create on stor-1 while stor-1 is cut from it (its call cannot go through), then ctl-1
     is cut from PostgreSQL and stor-1 mended. ctl-2 finds ctl-1 down once its lease is over, adopts the
-    create with a higher fence and carries it and every new request; ctl-1 makes no agent call for it (it
-    could not renew its leases) and, mended, rejoins without redoing anything."""
+    create and ends it, and carries every new request; ctl-1 alone answers 503 meanwhile, and a client of
+    both is answered by ctl-2. Mended, ctl-1 rejoins and the operation stays as ctl-2 left it."""
     c = netns_install
     ctl1, ctl2 = (c.machines[n].machine.address for n in ("ctl-1", "ctl-2"))
     ctl1_id = controllers(c, "ctl-2")[ctl1]["controller_id"]
