@@ -61,10 +61,12 @@ torture: setup
 	VBS_FUZZ_EXAMPLES=60 $(BIN)/pytest -q tests/test_hostile_input.py
 
 # The install guide run word for word on a cluster of network namespaces (docs/install.md "Trying it in
-# network namespaces"): the namespace rig's test, then the cluster's (also part of make test).
+# network namespaces"): the namespace rig's test, then the cluster's, then partitions on a cluster of its
+# own, with the iSCSI case make test leaves to make torture (all also part of make test).
 .PHONY: cluster-test
 cluster-test: setup
 	$(BIN)/pytest -q tests/test_netns_rig.py tests/test_netns_cluster.py
+	$(BIN)/pytest -q -m 'torture or not torture' tests/test_netns_partitions.py
 
 # The upstream csi-sanity suite against `vbs csi` on a real `vbs up` (docs/kubernetes.md "Proof").
 .PHONY: csi-sanity

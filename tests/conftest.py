@@ -374,6 +374,7 @@ LONGEST_MODULES = (
     "test_libvirt_e2e.py", "test_snapshot_store_e2e.py", "test_torture.py", "test_attach_e2e.py", "test_ec2_api.py",
     "test_encryption.py", "test_vanished_targets.py", "test_rbd_attach_crash.py", "test_rbd_up.py",
     "test_controller_failover.py", "test_rbd_native.py", "test_disaster.py", "test_netns_cluster.py",
+    "test_netns_partitions.py",
     "test_install.py", "test_rolling_upgrade.py",
 )
 

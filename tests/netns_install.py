@@ -1,30 +1,37 @@
-"""The namespace cluster of tests/test_netns_cluster.py as its tests drive it: the client machine's CLI, the
-demo guests' consoles (what is checked inside the guests), the database's equivalents of the guide's
-section 4, and probes of who reaches what across the bridge (a TCP connect, an iSCSI login through TLS).
+"""The namespace cluster of tests/test_netns_cluster.py and tests/test_netns_partitions.py: its install by
+docs/install.md's commands (``netns_cluster``), and the cluster as their tests drive it: the client
+machine's CLI, the demo guests' consoles (what is checked inside the guests), the database's equivalents
+of the guide's section 4, and probes of who reaches what across the bridge (a TCP connect, an iSCSI login
+through TLS).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from tests.conftest import wait_until
-from tests.install_guide import CLUSTER_NET, GuideMachine, GuideRunner, section
+from tests.conftest import reap_daemons, wait_until
+from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section
+from tests.installed import Installed, clean_env
 from vbs.ids import virtio_serial
-from vbs.rigs.netns import NetnsCluster
+from vbs.rigs.netns import GUIDE_MACHINES, NetnsCluster
 from vbs.rigs.postgres import EmbeddedPostgres
-from vbs.rigs.testguest import pattern_sha256
+from vbs.rigs.testguest import build_guest, default_cache_dir, pattern_sha256
 from vbs.rigs.testguest.background import BackgroundGuest
 
 log = logging.getLogger(__name__)
 
+MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "stor-2", "hv-1", "hv-2", "client")
 HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
 GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
 
@@ -35,12 +42,28 @@ class NetnsInstall:
     runner: GuideRunner
     machines: dict[str, GuideMachine]
     client_env: dict[str, str]
+    database: EmbeddedPostgres | None = None  # the db machine's PostgreSQL, read by the tests over its socket
 
-    def cli(self, *args: str, check: bool = True) -> Any:
-        """``vbs -o json ARGS`` on the client machine, with the environment section 9 exports."""
+    def operations(self, resource_id: str) -> list[dict[str, Any]]:
+        """The operations of a volume or snapshot as the database holds them, oldest first."""
+        import psycopg
+        from psycopg.rows import dict_row
+
+        assert self.database is not None
+        with psycopg.connect(host=str(self.database.run), port=self.database.port, user="vbs", dbname="vbs",
+                             row_factory=dict_row) as conn:
+            return list(conn.execute("SELECT id, kind, status, owner, fence, attempts, error FROM operations "
+                                     "WHERE resource_id = %s ORDER BY created_at", (resource_id,)))
+
+    def cli(self, *args: str, check: bool = True, via: str | None = None) -> Any:
+        """``vbs -o json ARGS`` on the client machine, with the environment section 9 exports (both
+        controllers), or to the controller machine ``via`` only."""
         r = self.runner
-        proc = r.cluster.run(self.machines["client"].machine, [str(r.vbs_path), "-o", "json", *args],
-                             env={**r.env, **self.client_env}, timeout=600)
+        env = {**r.env, **self.client_env}
+        if via is not None:
+            env["VBS_ENDPOINT"] = f"https://{self.machines[via].machine.address}:8770"
+        proc = r.cluster.run(self.machines["client"].machine, [str(r.vbs_path), "-o", "json", *args], env=env,
+                             timeout=600)
         if not check:
             return proc
         assert proc.returncode == 0, f"vbs {' '.join(args)}: {proc.stderr}"
@@ -192,3 +215,87 @@ def iscsi_login(install: NetnsInstall, source: str, target: str, cert_of: str | 
                                                    "3260", *files], env={"PATH": "/usr/bin:/bin"}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
+
+
+@contextmanager
+def netns_cluster(installed: Installed) -> Iterator[NetnsInstall]:
+    """The cluster of docs/install.md on namespaces, installed by its commands from the wheel (the module
+    docstring of tests/test_netns_cluster.py says what runs); everything stopped and removed on exit."""
+    build_guest()  # the demo guest's image, in the cache VBS_CACHE_DIR names below
+    # Short paths (the export daemons' and monitors' sockets live under them), enterable by postgres.
+    root = Path(tempfile.mkdtemp(prefix="vbsnc", dir="/tmp"))
+    root.chmod(0o711)
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        cluster = stack.enter_context(NetnsCluster(f"vbsnc{os.getpid() % 100000}"))
+        machines = {n: GuideMachine(cluster.add(n, GUIDE_MACHINES[n]), root / n) for n in MACHINES}
+        for name, m in machines.items():
+            m.root.mkdir(mode=0o711 if name == "db" else 0o700)  # postgres enters db's (rigs/postgres.py)
+            m.path("/root/").mkdir(mode=0o700)  # root's home, where the guide keeps the database's password
+        env = clean_env(installed.root / "home", VBS_CACHE_DIR=str(default_cache_dir().parent))
+        runner = GuideRunner(cluster, machines, installed.vbs, env, root)
+        for name in ("ctl-1", "ctl-2", "stor-1", "hv-1"):
+            runner.run_blocks(section("3."), name)
+        first = section("5.")
+        assert "ALTER ROLE" in first[3]  # the database's password is set there: the database runs by then
+        runner.run_blocks(first[:2], "ctl-1")
+        pg = start_database(cluster, runner, stack)
+        runner.on_sql = alter_role(pg)
+        runner.run_blocks(first[2:], "ctl-1")
+        runner.run_blocks(section("Credentials and certificates"), "ctl-1")
+        runner.run_blocks(section("6."), "ctl-2")
+        # After the storage agent's stop (by its PID): any export daemon a crash of it left, by its pidfile.
+        cluster.processes.callback(reap_daemons, machines["stor-1"].path("/var/lib/vbs/storage"))
+        runner.run_blocks(section("7."), "stor-1")
+        # After the host agents' stops: the host ends of the iSCSI tunnels they leave running on purpose
+        # (docs/install.md "The units"), by their pidfiles.
+        for name in ("hv-1", "hv-2"):
+            cluster.processes.callback(reap_daemons, machines[name].path(HOST_DIR))
+        runner.run_blocks(section("8."), "hv-1")
+        # A further hypervisor node, as the guide's "and each further one" says: hv-1's lines of its
+        # credentials block with hv-2's name and address, then section 8 with hv-2's variables.
+        further = [line.replace("hv-1", "hv-2").replace(f"{GUIDE_NET}30", f"{GUIDE_NET}31")
+                   for line in section("Credentials and certificates")[0].splitlines() if " hv-1 " in line]
+        assert len(further) == 2
+        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        runner.run_blocks(section("8."), "hv-2", variables={"NAME": "hv-2", "ADDR": machines["hv-2"].machine.address},
+                          record=False)
+        # Section 9 from the client machine, which has the CA and the key (copies of ctl-1's).
+        client = machines["client"]
+        client.path("/var/lib/vbs/controller").mkdir(parents=True, mode=0o700)
+        for name in ("ca.pem", "credentials"):
+            shutil.copy2(machines["ctl-1"].path(f"/var/lib/vbs/controller/{name}"),
+                         client.path(f"/var/lib/vbs/controller/{name}"))
+        client_env: dict[str, str] = {}
+        done = NetnsInstall(cluster, runner, machines, client_env, pg)
+        checks = section("9.")
+        runner.run_blocks(checks[:1], "client", client_env)
+        wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-1"), 300, 1, what="stor-1")
+        wait_until(lambda: done.node_up("describe-hosts", "hosts", "hv-1"), 300, 1, what="hv-1")
+        runner.run_blocks(checks[1:2], "client", client_env)
+        stack.callback(lambda: done.guest("hv-1").stop())  # the demo guest's QEMU, by the PID in its pidfile
+        runner.run_blocks(checks[2:3], "client", client_env)  # vbs demo-vm, on hv-1
+        wait_until(lambda: any(i["vm_id"] == "vm1" and i["state"] == "running"
+                               for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm1")
+        runner.run_blocks(checks[3:], "client", client_env)
+        # The same guest on hv-2 (vm2), by the guide's command with its name.
+        stack.callback(lambda: done.guest("hv-2").stop())
+        hv2 = machines["hv-2"]
+        proc = cluster.run(hv2.machine, [str(installed.vbs), "demo-vm", "vm2", "--data-dir", str(hv2.path(HOST_DIR))],
+                           env=runner.env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        wait_until(lambda: any(i["vm_id"] == "vm2" and i["host"] == "hv-2" and i["state"] == "running"
+                               for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm2")
+        # The iSCSI storage node, stor-2, as section 7's "iSCSI" says: stor-1's credential lines with its
+        # name and address, then section 7 with its variables and EXPORT=iscsi (its tgtd and stunnel are
+        # the agent's, stopped by it; any it left, by their pidfiles).
+        further = [line.replace("stor-1", "stor-2").replace(f"{GUIDE_NET}20", f"{GUIDE_NET}21")
+                   for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
+        assert len(further) == 2
+        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        cluster.processes.callback(reap_daemons, machines["stor-2"].path("/var/lib/vbs/storage"))
+        runner.run_blocks(section("7."), "stor-2", variables={"NAME": "stor-2", "EXPORT": "iscsi",
+                                                              "ADDR": machines["stor-2"].machine.address},
+                          record=False)
+        wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-2"), 300, 1, what="stor-2")
+        yield done

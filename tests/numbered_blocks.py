@@ -29,13 +29,15 @@ class NumberedBlocks:
     def slot(self, i: int) -> int:
         return i * self.stride % self.slots
 
-    def writer_script(self, dev: str) -> str:
-        """A guest shell loop writing blocks 0..writes-1 in order, each durable before the next starts."""
+    def writer_script(self, dev: str, progress: str | None = None) -> str:
+        """A guest shell loop writing blocks 0..writes-1 in order, each durable before the next starts;
+        with ``progress``, that file holds how many are durable after each one."""
+        note = f"echo $i > {progress}; " if progress else ""
         return (f"i=0; while [ $i -lt {self.writes} ]; do "
                 f"s=$(( i * {self.stride} % {self.slots} )); "
                 "printf 'VBS-BLOCK-%08d\\n' $i > /run/blk; "
                 f"dd if=/run/blk of=/dev/{dev} bs={self.block} seek=$s conv=sync,notrunc,fsync oflag=direct "
-                "2>/dev/null || exit 1; i=$((i+1)); done; echo wrote $i")
+                f"2>/dev/null || exit 1; i=$((i+1)); {note}done; echo wrote $i")
 
     def blocks_in(self, path: Path) -> set[int]:
         """The numbered blocks a volume or snapshot file holds, each at its own slot."""

@@ -71,3 +71,61 @@ def test_everything_goes_also_after_a_failure_and_a_stray_process_is_named(tmp_p
         for pid in strays:
             os.kill(pid, signal.SIGKILL)
     assert existing_namespaces(prefix) == []
+
+
+# A TCP connection opened before a cut: a line sent during the cut arrives only after the mend (TCP
+# retransmits it), on the same connection; prints what the server echoed and whether it came in time.
+ECHO_ACROSS_A_CUT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+print("connected", flush=True)
+sys.stdin.readline()  # the cut is made
+s.sendall(b"during\\n")
+s.settimeout(2)
+try:
+    s.recv(64)
+    print("answered during the cut", flush=True)
+except TimeoutError:
+    print("no answer during the cut", flush=True)
+sys.stdin.readline()  # the cut is mended
+s.settimeout(60)
+print("after the mend:", s.recv(64).decode().strip(), flush=True)
+"""
+ECHO_SERVER = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+while True:
+    c, _ = srv.accept()
+    c.sendall(c.recv(64))
+    c.close()
+"""
+
+
+def test_two_machines_cut_from_each_other_alone_and_mended(tmp_path: Path) -> None:
+    """``cut`` drops the packets between two machines only (silently: an open connection stalls, it is not
+    reset) and ``mend`` lets them through again; the stalled connection then carries on."""
+    with NetnsCluster(f"vbsrig{os.getpid() % 100000}") as cluster:
+        a, b, c = cluster.add("a", 10), cluster.add("b", 11), cluster.add("c", 12)
+        cluster.start(b, [sys.executable, "-c", ECHO_SERVER, b.address, "8000"], log=tmp_path / "b.log", env=ENV)
+        wait_listening(cluster, b, 8000, 60)
+        client = subprocess.Popen(a.argv([sys.executable, "-c", ECHO_ACROSS_A_CUT, b.address, "8000"]),  # noqa: S603
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+        try:
+            assert client.stdout is not None and client.stdin is not None
+            assert client.stdout.readline().strip() == "connected"
+            cluster.cut(a, b)
+            assert connect(cluster, a, b.address, 8000) == "TimeoutError"
+            assert connect(cluster, c, b.address, 8000) == "open"  # the rest of the bridge flows
+            client.stdin.write("\n")
+            client.stdin.flush()
+            assert client.stdout.readline().strip() == "no answer during the cut"
+            cluster.mend(a, b)
+            client.stdin.write("\n")
+            client.stdin.flush()
+            assert client.stdout.readline().strip() == "after the mend: during"
+            assert client.wait(60) == 0
+            assert connect(cluster, a, b.address, 8000) == "open"
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait(10)

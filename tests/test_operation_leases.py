@@ -226,3 +226,53 @@ def test_the_fence_book_appends_and_compacts_without_forgetting(tmp_path: Path) 
     with path.open("a") as f:
         f.write("garbage line\n")
     fencing.FenceBook(path).admit(f"{resources[0]} 59")  # unreadable lines are skipped
+
+
+def test_no_agent_call_is_sent_under_a_fence_whose_lease_the_controller_may_have_lost() -> None:
+    sent: list[str | None] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers.get(fencing.FENCE_HEADER))
+        return httpx.Response(200, json={})
+
+    client = ApiClient("http://agent.invalid", "token")
+    client._http = httpx.Client(base_url="http://agent.invalid", transport=httpx.MockTransport(answer))
+    held = [True]
+    with fencing.fenced(VOLUME, 7, lambda: held[0]):
+        client.call("PUT", f"/v1/pools/default/volumes/{VOLUME}")
+        held[0] = False
+        with pytest.raises(LeaseLost, match="could not renew its leases"):
+            client.call("PUT", f"/v1/pools/default/volumes/{VOLUME}")
+    assert sent == [f"{VOLUME} 7"]
+
+
+def test_a_run_stopped_while_the_leases_could_not_be_renewed_carries_on_once_they_are(
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut from the database, a controller stops acting on its operations once its leases may have lapsed
+    (its agent calls are not sent); renewed again and still their owner, it carries them on itself."""
+    calls: list[str] = []
+
+    def call(ctx: StepContext[Noted]) -> None:
+        fencing.current()  # what every agent call of the step asks first
+        calls.append(ctx.resource_id)
+
+    engine = WorkflowEngine(db, [Workflow("w", Noted, "forward", (Step("call", call),))], None,  # type: ignore[arg-type]
+                            owner="a", lease_s=1.5)
+    renew = engine.leases.renew
+    try:
+        engine.start()
+
+        def cut_off() -> int:
+            raise OSError("the database is unreachable")
+        monkeypatch.setattr(engine.leases, "renew", cut_off)
+        wait_until(lambda: not engine.leases.held(), 10)
+        with db.session() as s:
+            op_id = engine.begin(s, engine.workflows["w"], VOLUME, Noted())
+        engine.submit(op_id)
+        time.sleep(1.5)  # the run stopped before its call; the retry loop does not resume it yet
+        assert calls == [] and operation(db, op_id).status == "running"
+        monkeypatch.setattr(engine.leases, "renew", renew)
+        wait_until(lambda: operation(db, op_id).status == "succeeded", 20)
+        assert calls == [VOLUME]
+    finally:
+        engine.stop()

@@ -14,7 +14,11 @@ argv in its own place, so the PID a ``Popen`` returns is the process's, and it i
 Everything is undone in the reverse order of its making (processes, then the machines' namespaces —
 which takes their veth pairs with them — then the switch), also when a step failed half-way: each
 undo is registered before its making. A machine's link can be taken down and its address removed (and
-put back) for partition tests.
+put back) for partition tests, and two machines cut from each other alone (``cut``/``mend``): each one's
+neighbour entry for the other is pinned to a MAC no interface has, so their frames to each other go
+nowhere (the bridge floods them, no port takes them) while everything else flows. That needs nothing but
+``ip`` (no nftables, iptables or tc actions, which the machines this was written on lack): the loss is
+silent, as on a broken switch port, not an error the sender sees.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ IFACE = "eth0"
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,12}$")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 IP_TIMEOUT_S = 60.0
+# A locally administered unicast MAC no machine has: frames sent to it are dropped by every port.
+NOWHERE_MAC = "02:00:00:00:0b:ad"
 # The machines of docs/install.md, each with its address's last number there (10.0.0.10 is ctl-1),
 # and a client machine for the CLI and boto3.
 GUIDE_MACHINES = {"db": 5, "ctl-1": 10, "ctl-2": 11, "stor-1": 20, "stor-2": 21, "hv-1": 30, "hv-2": 31,
@@ -202,6 +208,18 @@ class NetnsCluster:
 
     def restore_address(self, machine: Machine) -> None:
         ip("-n", machine.netns, "addr", "add", f"{machine.address}/{machine.prefix_len}", "dev", IFACE)
+
+    def cut(self, a: Machine, b: Machine) -> None:
+        """Drop every packet between ``a`` and ``b`` (both ways), silently; the rest of their traffic flows.
+        Each one's neighbour entry for the other points to ``NOWHERE_MAC`` (permanent: ARP cannot fix it)."""
+        for here, there in ((a, b), (b, a)):
+            ip("-n", here.netns, "neigh", "replace", there.address, "lladdr", NOWHERE_MAC, "dev", IFACE,
+               "nud", "permanent")
+
+    def mend(self, a: Machine, b: Machine) -> None:
+        """Undo ``cut``: the pinned entries go, and the next packet finds the real MAC by ARP again."""
+        for here, there in ((a, b), (b, a)):
+            ip("-n", here.netns, "neigh", "del", there.address, "dev", IFACE, check=False)
 
 
 def remove(prefix: str) -> list[str]:

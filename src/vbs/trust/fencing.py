@@ -8,6 +8,11 @@ An agent remembers the highest fence it saw per resource (``FenceBook``) and ref
 with ``StaleFence``: a controller that was paused past its lease and wakes up cannot undo what the
 operation's new owner did there. The controller's own DB writes for the operation are conditional on
 its owner and fence as well (``vbs.controller.workflows.engine``).
+
+A controller that cannot renew its leases (cut from the database) may already have lost its operations
+without any agent having heard of the new owner yet: ``fenced(..., held=…)`` makes every agent call of
+the block first ask whether this controller still holds its leases, and ``current()`` raises
+``LeaseLost`` instead of a header when it does not, so the call is never sent.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from vbs.errors import InvalidParameter, StaleFence
+from vbs.errors import InvalidParameter, LeaseLost, StaleFence
 
 __all__ = ["FENCE_HEADER", "FenceBook", "current", "fenced", "parse"]
 
@@ -37,13 +42,14 @@ KEEP_S = 7 * 86400
 KEEP_MAX = 200_000
 COMPACT_EVERY_S = 86400.0
 
-_current: ContextVar[tuple[str, int] | None] = ContextVar("vbs_fence", default=None)
+_current: ContextVar[tuple[str, int, Callable[[], bool] | None] | None] = ContextVar("vbs_fence", default=None)
 
 
 @contextmanager
-def fenced(resource_id: str, fence: int) -> Iterator[None]:
-    """Agent calls made in this block (this thread) carry ``resource_id``'s fence."""
-    token = _current.set((resource_id, fence))
+def fenced(resource_id: str, fence: int, held: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Agent calls made in this block (this thread) carry ``resource_id``'s fence; with ``held``, each is
+    made only while ``held()`` says the caller still holds its lease."""
+    token = _current.set((resource_id, fence, held))
     try:
         yield
     finally:
@@ -51,9 +57,16 @@ def fenced(resource_id: str, fence: int) -> Iterator[None]:
 
 
 def current() -> str | None:
-    """The header value for the calls being made now, if they run under a fence."""
+    """The header value for the calls being made now, if they run under a fence; ``LeaseLost`` if the
+    caller no longer holds its lease (the call must not be made)."""
     value = _current.get()
-    return None if value is None else f"{value[0]} {value[1]}"
+    if value is None:
+        return None
+    resource_id, fence, held = value
+    if held is not None and not held():
+        raise LeaseLost(f"{resource_id}: this controller could not renew its leases in time; it makes no "
+                        "agent call until it can (another controller may own the operation by now)")
+    return f"{resource_id} {fence}"
 
 
 def parse(value: str) -> tuple[str, int]:

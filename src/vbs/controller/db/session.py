@@ -97,19 +97,45 @@ def has_password(url: str) -> bool:
 # request answered 503 RetryLater), instead of holding a connection and its locks without end.
 LOCK_TIMEOUT_MS = 10_000
 STATEMENT_TIMEOUT_MS = 60_000
+# PostgreSQL: a link to the database that goes silent (a partition drops packets, nothing resets the
+# connection) is given up after this long by both ends, well within an operation lease (15 s): data
+# unacknowledged for DEAD_LINK_MS (TCP_USER_TIMEOUT), or no answer to keepalive probes sent after 4 s
+# idle, every 2 s, 3 times; a connection attempt after CONNECT_TIMEOUT_S. Without them a controller cut
+# from the database waits on TCP's own retransmissions (about 15 minutes) and PostgreSQL keeps the cut
+# controller's open transaction, and its row locks, as long (docs/reliability.md "Partitions").
+DEAD_LINK_MS = 10_000
+CONNECT_TIMEOUT_S = 10
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 4, "keepalives_interval": 2, "keepalives_count": 3,
+               "tcp_user_timeout": DEAD_LINK_MS, "connect_timeout": CONNECT_TIMEOUT_S}
+_SERVER_SIDE = (f"-c tcp_keepalives_idle=4 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3 "
+                f"-c tcp_user_timeout={DEAD_LINK_MS}")
 # SQLSTATEs that mean "the same request would succeed if tried again".
 _TRANSIENT = {"40P01": "a deadlock", "40001": "a serialisation conflict", "55P03": "a lock wait timeout",
               "57014": "a statement timeout"}
 
 
+def _unreachable(exc: DBAPIError, read: bool) -> bool:
+    """Whether ``exc`` says the database could not be reached, with nothing changed: no connection could
+    be made (nothing was sent), or a read's connection was lost (a write's may have been lost on its
+    commit, which may have happened)."""
+    if type(exc.orig).__name__ == "ConnectionTimeout":  # psycopg's: the connection was never made
+        return True
+    return read and isinstance(exc, OperationalError) and getattr(exc.orig, "sqlstate", None) is None
+
+
 @contextmanager
-def _transient_conflicts() -> Iterator[None]:
+def _transient_conflicts(read: bool = False) -> Iterator[None]:
     """A deadlock, serialisation failure or timeout PostgreSQL detects rolls the transaction back: the
-    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500."""
+    request is answered 503 RetryLater (nothing changed; the SDKs retry), not 500. So is a database
+    that cannot be reached (a controller cut from it: the client goes on to another controller)."""
     try:
         yield
     except DBAPIError as exc:
         state = getattr(exc.orig, "sqlstate", None)
+        if _unreachable(exc, read):
+            log.warning("database unreachable: %s", str(exc.orig).strip()[:200])
+            raise RetryLater("The metadata database did not answer this controller; the request changed "
+                             "nothing. Try again, or another controller.") from None
         if state not in _TRANSIENT:
             raise
         log.warning("database: %s (SQLSTATE %s); the transaction was rolled back", _TRANSIENT[state], state)
@@ -213,7 +239,9 @@ class Database:
             _sqlite_pragmas(self.engine)
         else:
             self.engine = create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, connect_args={
-                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+                **_KEEPALIVES,
+                "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} -c statement_timeout={STATEMENT_TIMEOUT_MS} "
+                           + _SERVER_SIDE},
                 json_deserializer=decode_json)  # psycopg hands it the bytes of each JSON value
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}),
@@ -386,7 +414,8 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not wait for writers)."""
-        with _transient_conflicts(), _refused_values(), self._read_sessions() as session, session.begin():
+        with _transient_conflicts(read=True), _refused_values(), self._read_sessions() as session, \
+                session.begin():
             yield session
 
     def dispose(self) -> None:

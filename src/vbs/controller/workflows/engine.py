@@ -104,9 +104,10 @@ class WorkflowEngine:
         self.services = services
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="workflow")
         self._inflight: set[str] = set()
-        # Runs that stopped on a database error and could not even record when to retry (a full disk):
-        # the retry loop starts them again from memory until the database takes writes again.
-        self._stalled: set[str] = set()
+        # Runs stopped without a record of when to try again (the DB was unreachable, or this controller
+        # could not renew its leases): resumed by the retry loop once the leases are held again, if the
+        # operation is still this controller's.
+        self._stranded: set[str] = set()
         self._lock = threading.Lock()
         # Crash points, injected failures and holds (tests: vbs.controller.workflows.faults).
         self.faults = FaultHooks()
@@ -232,6 +233,7 @@ class WorkflowEngine:
             self._run(op_id, resuming)
         except LeaseLost as exc:
             log.warning("operation %s: %s; stopping here, its new owner carries on", op_id, exc.message)
+            self._strand(op_id)  # if no other controller took it after all, this one carries on later
         except Exception as exc:
             # The DB is unreachable, its disk full, or a bug: leave the operation for the retry loop.
             if isinstance(exc, DatabaseFull):
@@ -240,14 +242,27 @@ class WorkflowEngine:
                 log.exception("operation %s: engine error", op_id)
             try:
                 self.records.retry_later(op_id, "engine error")
-            except Exception as again:  # noqa: BLE001 - remembered instead, retried from memory
-                log.warning("operation %s: cannot record its retry (%s); retrying it from memory", op_id,
-                            getattr(again, "message", again))
-                with self._lock:
-                    self._stalled.add(op_id)
+            except Exception:
+                log.warning("operation %s: its next attempt could not be recorded; tried again once the "
+                            "leases are renewed", op_id)
+                self._strand(op_id)
         finally:
             with self._lock:
                 self._inflight.discard(op_id)
+
+    def _strand(self, op_id: str) -> None:
+        with self._lock:
+            self._stranded.add(op_id)
+
+    def _resume_stranded(self) -> None:
+        """Submit again the runs stopped without a record, once this controller holds its leases again
+        (each run first reads whether its operation is still this controller's)."""
+        if not self.leases.held():
+            return
+        with self._lock:
+            stranded, self._stranded = self._stranded, set()
+        for op_id in stranded:
+            self.submit(op_id)
 
     def _context(self, workflow: Workflow[Any], op: OperationRecord) -> StepContext[Any]:
         try:
@@ -274,15 +289,12 @@ class WorkflowEngine:
             steps: dict[int, str] = {pos: state for pos, state in c.execute(_STEPS_QUERY, {"op_id": op_id})}
         workflow = self.workflows[op.kind]
         ctx = self._context(workflow, op)
-        with fencing.fenced(op.resource_id, op.fence):
+        with fencing.fenced(op.resource_id, op.fence, self.leases.held):
             self._runner.resume(workflow, ctx, op.status, op.error, steps, resuming)
 
     def _retry_loop(self) -> None:
         while not self._stop.wait(self.records.retry_interval / 2):
-            with self._lock:
-                stalled, self._stalled = self._stalled, set()
-            for op_id in sorted(stalled):
-                self.submit(op_id)
+            self._resume_stranded()
             try:
                 with self.db.session() as s:
                     due = s.scalars(select(Operation.id).where(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -21,6 +22,11 @@ __all__ = ["OperationLeases"]
 
 log = logging.getLogger(__name__)
 
+# A controller acts on its operations only within this share of a lease since the start of its last
+# renewal that succeeded: the rest is the margin for a call on its way while the lease runs out (an agent
+# that already saw the new owner's fence refuses it anyway).
+HELD_SHARE = 0.8
+
 
 class OperationLeases:
     """The leases of one controller's operations: renewed, and adopted from others once expired."""
@@ -32,6 +38,15 @@ class OperationLeases:
         self._lease = lease
         self._resume = resume
         self._stop = threading.Event()
+        # Monotonic time of the start of the last renewal that succeeded; None until the loop runs (an
+        # engine driven by hand, without the loop, is not limited).
+        self._renewed: float | None = None
+
+    def held(self) -> bool:
+        """Whether this controller's leases are surely still its own: renewed within a share of a lease
+        (by this machine's clock, from before the renewal's statement: the database's lease ends later)."""
+        renewed = self._renewed
+        return renewed is None or time.monotonic() - renewed < self._lease.total_seconds() * HELD_SHARE
 
     def adopt(self, *, everything: bool = False, own: bool = False, limit: int = 100) -> list[str]:
         """Take over unfinished operations whose lease expired (or that have no owner), each with a new
@@ -64,16 +79,23 @@ class OperationLeases:
 
     def renew(self) -> int:
         """Extend the lease of every unfinished operation this controller owns."""
+        started = time.monotonic()
         with self.db.session() as s:
             until = self.db.clock(s) + self._lease
             result = s.execute(update(Operation).where(Operation.owner == self.owner,
                                                        Operation.status.in_(UNFINISHED_OPERATION))
                                .values(lease_until=until))
+        if self._renewed is not None:
+            if not self.held():
+                log.warning("leases renewed again after %.1f s without: acting on operations again",
+                            time.monotonic() - self._renewed)
+            self._renewed = max(self._renewed, started)
         return int(getattr(result, "rowcount", 0) or 0)
 
     def start(self, stop: threading.Event) -> None:
         """Renew and adopt every third of a lease, in a thread of its own, until ``stop`` is set."""
         self._stop = stop
+        self._renewed = time.monotonic()
         threading.Thread(target=self._loop, name="workflow-leases", daemon=True).start()
 
     def _loop(self) -> None:

@@ -61,7 +61,7 @@ class StepRunner:
             # destroy a finished volume or attachment.
             self.records.finish(ctx, OperationState.SUCCEEDED)
         elif resuming and workflow.rolls_back_after(steps):
-            reason = "interrupted by a controller restart"
+            reason = "interrupted: its controller restarted, or lost its lease to another"
             self.records.set_op(ctx, status=OperationState.ROLLING_BACK, error=reason, failing_since=None)
             self._rollback(workflow, ctx, steps, reason)
         else:
