@@ -14,6 +14,10 @@ attach. boto3 on the client machine drives the EC2 API over TLS.
 An iSCSI storage node (stor-2, section 7 with EXPORT=iscsi) joins last: a guest writes one of its volumes
 through its TLS tunnel, and only the certificate of the host holding the export reaches its tgtd; vm1 then
 live-migrates to hv-2 with a volume of each storage node, and the iSCSI one moves to stor-1 under it.
+
+A Ceph cluster in a namespace of its own (ceph-1, its daemons bound to its address) and an RBD storage
+node on it (stor-3) join by the guide's "A Ceph RBD storage node": each hypervisor's QEMU opens a volume
+there itself (librbd straight to ceph-1), vm1 writes it, it is snapshotted, and vm2 on hv-2 reads it back.
 Every process is stopped by its PID and every namespace is gone at the end (the rig fails the teardown
 if a process was left in one).
 """
