@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,20 +171,40 @@ def alter_role(pg: EmbeddedPostgres) -> Any:
     return run
 
 
-def join_ceph_storage_node(install: NetnsInstall) -> None:
-    """The guide's "A Ceph RBD storage node": Ceph's own install is not the guide's, so a single-node cluster
-    (``vbs.rigs.ceph``) in ceph-1's namespace on its address and Ceph's own ports, its ceph.conf and admin
-    keyring in ceph-1's /etc/ceph; then the guide's blocks on ceph-1 (VBS's pool, the node's cephx user), the
-    credential lines for stor-3 on ctl-1 (stor-1's with its name and address, as for stor-2), and the
-    node's own blocks on stor-3."""
-    cluster, runner, machines = install.cluster, install.runner, install.machines
-    ceph_1 = machines["ceph-1"]
+def start_ceph(cluster: NetnsCluster, ceph_1: GuideMachine) -> Future[EmbeddedCeph]:
+    """Ceph's own install is not the guide's, so a single-node cluster (``vbs.rigs.ceph``) in ceph-1's
+    namespace on its address and Ceph's own ports, its ceph.conf and admin keyring in ceph-1's /etc/ceph.
+    It starts in a thread of its own while the rest of the cluster is installed (its start is mostly
+    waiting for the mon and the PGs); stopped by its PIDs, the OSD first, once its start has ended (it
+    stops what it started if the start fails) and after every process started later (stor-3's agent)."""
     etc = ceph_1.path("/etc/ceph").parent  # the cluster's directory is ceph-1's /etc/ceph
     assert etc.is_relative_to(ceph_1.root), etc
     ceph = EmbeddedCeph(etc, address=ceph_1.machine.address, netns=ceph_1.machine.netns)
-    cluster.processes.callback(ceph.stop)  # by PID, the OSD first, after stor-3's agent (started later)
-    with install.timed("a single-node Ceph in its namespace, up to all PGs active+clean"):
-        ceph.start()
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ceph-1")
+
+    def start() -> EmbeddedCeph:
+        with NetnsInstall.timed("a single-node Ceph in its namespace, up to all PGs active+clean"):
+            ceph.start()
+        return ceph
+
+    started = starter.submit(start)
+
+    def stop() -> None:
+        try:
+            started.exception()  # wait: never stop daemons while they are being started
+        finally:
+            ceph.stop()
+            starter.shutdown()
+
+    cluster.processes.callback(stop)
+    return started
+
+
+def join_ceph_storage_node(install: NetnsInstall, ceph: EmbeddedCeph) -> None:
+    """The guide's "A Ceph RBD storage node" on ``ceph`` (ceph-1's cluster): its blocks on ceph-1 (VBS's
+    pool, the node's cephx user), the credential lines for stor-3 on ctl-1 (stor-1's with its name and
+    address, as for stor-2), and the node's own blocks on stor-3."""
+    runner, machines = install.runner, install.machines
     install.ceph = ceph
     with install.timed("the guide's Ceph and RBD storage node blocks, up to the node's pool reported"):
         ceph_blocks, node_blocks = section("A Ceph RBD")[:2], section("A Ceph RBD")[2:]
@@ -194,7 +215,7 @@ def join_ceph_storage_node(install: NetnsInstall) -> None:
                    for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
         assert len(further) == 2
         runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
-        cluster.processes.callback(reap_daemons, machines["stor-3"].path("/var/lib/vbs/storage"))
+        install.cluster.processes.callback(reap_daemons, machines["stor-3"].path("/var/lib/vbs/storage"))
         runner.run_blocks(node_blocks, "stor-3")
         wait_until(lambda: install.node_up("describe-storage-nodes", "storage_nodes", "stor-3"), 300, 1,
                    what="stor-3")
@@ -267,6 +288,7 @@ def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[Netns
         for name, m in machines.items():
             m.root.mkdir(mode=0o711 if name == "db" else 0o700)  # postgres enters db's (rigs/postgres.py)
             m.path("/root/").mkdir(mode=0o700)  # root's home, where the guide keeps the database's password
+        ceph_started = start_ceph(cluster, machines["ceph-1"]) if ceph else None
         env = clean_env(installed.root / "home", VBS_CACHE_DIR=str(default_cache_dir().parent))
         runner = GuideRunner(cluster, machines, installed.vbs, env, root)
         for name in ("ctl-1", "ctl-2", "stor-1", "hv-1"):
@@ -333,6 +355,6 @@ def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[Netns
                                                               "ADDR": machines["stor-2"].machine.address},
                           record=False)
         wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-2"), 300, 1, what="stor-2")
-        if ceph:
-            join_ceph_storage_node(done)
+        if ceph_started is not None:
+            join_ceph_storage_node(done, ceph_started.result())
         yield done
