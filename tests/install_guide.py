@@ -29,7 +29,7 @@ from vbs.system.files import write_private
 
 DOC = REPO / "docs" / "install.md"
 GUIDE_NET, CLUSTER_NET = "10.0.0.", "10.77.0."
-ROOTED = ("/etc/vbs", "/var/lib/vbs", "/srv/vbs", "/root/")
+ROOTED = ("/etc/vbs", "/etc/ceph", "/var/lib/vbs", "/srv/vbs", "/root/")
 UNIT_ROLES = {"vbs-controller.service": "controller", "vbs-storage-agent.service": "storage-agent",
               "vbs-host-agent.service": "host-agent"}
 # Lines with nothing to do here: the machine's user, packages, symlink, shell state and systemd's
@@ -38,6 +38,8 @@ UNIT_ROLES = {"vbs-controller.service": "controller", "vbs-storage-agent.service
 SKIPPED = re.compile(r"^(cd |umask |useradd |apt-get |ln -sf |chown |chgrp |chmod |cp /root/vbs-dist/"
                      r"|systemctl daemon-reload|python3 -m venv |/opt/vbs/bin/pip |scp -r root@\$BUILD)")
 VBS_LINE = re.compile(r"^(?:runuser -u vbs -- )?vbs |^[A-Z]+=\$\(vbs ")
+HEREDOC = re.compile(r"^cat > (/\S+) <<EOF$")
+CEPH_LINE = re.compile(r"^(?:ceph|rbd) ")  # Ceph's admin tools, on a machine whose /etc/ceph has the admin key
 
 
 def sections() -> dict[str, list[str]]:
@@ -121,13 +123,13 @@ class GuideRunner:
                 continue
             lines = iter(block.splitlines())
             for line in lines:
-                if line.startswith("cat > /etc/vbs/vbs.toml <<EOF"):
+                if heredoc := HEREDOC.match(line):
                     body = []
                     for next_line in lines:
                         if next_line == "EOF":
                             break
                         body.append(next_line)
-                    write_private(m.path("/etc/vbs/vbs.toml"), m.expand("\n".join(body) + "\n"))
+                    write_private(m.path(heredoc.group(1)), m.expand("\n".join(body) + "\n"))
                 else:
                     self.run_line(m, line, env, captured)
         if not record:
@@ -139,6 +141,8 @@ class GuideRunner:
             return
         if VBS_LINE.match(line):
             self.run_vbs(m, line, env, captured)
+        elif CEPH_LINE.match(line):
+            self.run_ceph(m, line)
         elif line.startswith("export "):
             name, value = line.removeprefix("export ").split("=", 1)
             env[name] = m.expand(value)
@@ -190,6 +194,16 @@ class GuideRunner:
             env[var] = captured[var]
             m.variables[var] = captured[var]
         if target is not None:
+            write_private(Path(target), proc.stdout)
+
+    def run_ceph(self, m: GuideMachine, line: str) -> None:
+        """A line of Ceph's tools: in the machine's namespace, its /etc/ceph/ceph.conf named by CEPH_CONF (the
+        tools' default path is the host's), its ``> FILE`` into the machine's file (0600)."""
+        text, target = (m.expand(line).rsplit(" > ", 1) + [""])[:2]
+        env = {**self.env, "CEPH_CONF": str(m.path("/etc/ceph/ceph.conf"))}
+        proc = self.cluster.run(m.machine, shlex.split(text), env=env, timeout=300)
+        assert proc.returncode == 0, f"{line} on {m.machine.name} exited {proc.returncode}: {proc.stderr}"
+        if target:
             write_private(Path(target), proc.stdout)
 
     def copy(self, m: GuideMachine, line: str) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.conftest import reap_daemons, wait_until
 from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section
 from tests.installed import Installed, clean_env
 from vbs.ids import virtio_serial
+from vbs.rigs.ceph import EmbeddedCeph
 from vbs.rigs.netns import GUIDE_MACHINES, NetnsCluster
 from vbs.rigs.postgres import EmbeddedPostgres
 from vbs.rigs.testguest import build_guest, default_cache_dir, pattern_sha256
@@ -32,6 +34,7 @@ from vbs.rigs.testguest.background import BackgroundGuest
 log = logging.getLogger(__name__)
 
 MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "stor-2", "hv-1", "hv-2", "client")
+CEPH_MACHINES = ("ceph-1", "stor-3")  # a Ceph cluster and the RBD storage node on it, when asked for
 HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
 GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
 
@@ -43,6 +46,7 @@ class NetnsInstall:
     machines: dict[str, GuideMachine]
     client_env: dict[str, str]
     database: EmbeddedPostgres | None = None  # the db machine's PostgreSQL, read by the tests over its socket
+    ceph: EmbeddedCeph | None = None  # ceph-1's cluster (netns_cluster(ceph=True))
 
     def operations(self, resource_id: str) -> list[dict[str, Any]]:
         """The operations of a volume or snapshot as the database holds them, oldest first."""
@@ -167,6 +171,56 @@ def alter_role(pg: EmbeddedPostgres) -> Any:
     return run
 
 
+def start_ceph(cluster: NetnsCluster, ceph_1: GuideMachine) -> Future[EmbeddedCeph]:
+    """Ceph's own install is not the guide's, so a single-node cluster (``vbs.rigs.ceph``) in ceph-1's
+    namespace on its address and Ceph's own ports, its ceph.conf and admin keyring in ceph-1's /etc/ceph.
+    It starts in a thread of its own while the rest of the cluster is installed (its start is mostly
+    waiting for the mon and the PGs); stopped by its PIDs, the OSD first, once its start has ended (it
+    stops what it started if the start fails) and after every process started later (stor-3's agent)."""
+    etc = ceph_1.path("/etc/ceph").parent  # the cluster's directory is ceph-1's /etc/ceph
+    assert etc.is_relative_to(ceph_1.root), etc
+    ceph = EmbeddedCeph(etc, address=ceph_1.machine.address, netns=ceph_1.machine.netns)
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ceph-1")
+
+    def start() -> EmbeddedCeph:
+        with NetnsInstall.timed("a single-node Ceph in its namespace, up to all PGs active+clean"):
+            ceph.start()
+        return ceph
+
+    started = starter.submit(start)
+
+    def stop() -> None:
+        try:
+            started.exception()  # wait: never stop daemons while they are being started
+        finally:
+            ceph.stop()
+            starter.shutdown()
+
+    cluster.processes.callback(stop)
+    return started
+
+
+def join_ceph_storage_node(install: NetnsInstall, ceph: EmbeddedCeph) -> None:
+    """The guide's "A Ceph RBD storage node" on ``ceph`` (ceph-1's cluster): its blocks on ceph-1 (VBS's
+    pool, the node's cephx user), the credential lines for stor-3 on ctl-1 (stor-1's with its name and
+    address, as for stor-2), and the node's own blocks on stor-3."""
+    runner, machines = install.runner, install.machines
+    install.ceph = ceph
+    with install.timed("the guide's Ceph and RBD storage node blocks, up to the node's pool reported"):
+        ceph_blocks, node_blocks = section("A Ceph RBD")[:2], section("A Ceph RBD")[2:]
+        runner.run_blocks(ceph_blocks, "ceph-1")
+        ceph.wait_clean()
+        ceph.wait_pool_stats("vbs")
+        further = [line.replace("stor-1", "stor-3").replace(f"{GUIDE_NET}20", f"{GUIDE_NET}22")
+                   for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
+        assert len(further) == 2
+        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        install.cluster.processes.callback(reap_daemons, machines["stor-3"].path("/var/lib/vbs/storage"))
+        runner.run_blocks(node_blocks, "stor-3")
+        wait_until(lambda: install.node_up("describe-storage-nodes", "storage_nodes", "stor-3"), 300, 1,
+                   what="stor-3")
+
+
 def connect(install: NetnsInstall, source: str, host: str, port: int) -> str:
     code = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close();"
             " print('open')\nexcept OSError as e:\n print(type(e).__name__)")
@@ -218,9 +272,10 @@ def iscsi_login(install: NetnsInstall, source: str, target: str, cert_of: str | 
 
 
 @contextmanager
-def netns_cluster(installed: Installed) -> Iterator[NetnsInstall]:
+def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[NetnsInstall]:
     """The cluster of docs/install.md on namespaces, installed by its commands from the wheel (the module
-    docstring of tests/test_netns_cluster.py says what runs); everything stopped and removed on exit."""
+    docstring of tests/test_netns_cluster.py says what runs); ``ceph``: with a Ceph cluster (ceph-1) and
+    an RBD storage node on it (stor-3), last; everything stopped and removed on exit."""
     build_guest()  # the demo guest's image, in the cache VBS_CACHE_DIR names below
     # Short paths (the export daemons' and monitors' sockets live under them), enterable by postgres.
     root = Path(tempfile.mkdtemp(prefix="vbsnc", dir="/tmp"))
@@ -228,10 +283,12 @@ def netns_cluster(installed: Installed) -> Iterator[NetnsInstall]:
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         cluster = stack.enter_context(NetnsCluster(f"vbsnc{os.getpid() % 100000}"))
-        machines = {n: GuideMachine(cluster.add(n, GUIDE_MACHINES[n]), root / n) for n in MACHINES}
+        machines = {n: GuideMachine(cluster.add(n, GUIDE_MACHINES[n]), root / n)
+                    for n in MACHINES + (CEPH_MACHINES if ceph else ())}
         for name, m in machines.items():
             m.root.mkdir(mode=0o711 if name == "db" else 0o700)  # postgres enters db's (rigs/postgres.py)
             m.path("/root/").mkdir(mode=0o700)  # root's home, where the guide keeps the database's password
+        ceph_started = start_ceph(cluster, machines["ceph-1"]) if ceph else None
         env = clean_env(installed.root / "home", VBS_CACHE_DIR=str(default_cache_dir().parent))
         runner = GuideRunner(cluster, machines, installed.vbs, env, root)
         for name in ("ctl-1", "ctl-2", "stor-1", "hv-1"):
@@ -298,4 +355,6 @@ def netns_cluster(installed: Installed) -> Iterator[NetnsInstall]:
                                                               "ADDR": machines["stor-2"].machine.address},
                           record=False)
         wait_until(lambda: done.node_up("describe-storage-nodes", "storage_nodes", "stor-2"), 300, 1, what="stor-2")
+        if ceph_started is not None:
+            join_ceph_storage_node(done, ceph_started.result())
         yield done

@@ -14,12 +14,17 @@ attach. boto3 on the client machine drives the EC2 API over TLS.
 An iSCSI storage node (stor-2, section 7 with EXPORT=iscsi) joins last: a guest writes one of its volumes
 through its TLS tunnel, and only the certificate of the host holding the export reaches its tgtd; vm1 then
 live-migrates to hv-2 with a volume of each storage node, and the iSCSI one moves to stor-1 under it.
+
+A Ceph cluster in a namespace of its own (ceph-1, its daemons bound to its address) and an RBD storage
+node on it (stor-3) join by the guide's "A Ceph RBD storage node": each hypervisor's QEMU opens a volume
+there itself (librbd straight to ceph-1), vm1 writes it, it is snapshotted, and vm2 on hv-2 reads it back.
 Every process is stopped by its PID and every namespace is gone at the end (the rig fails the teardown
 if a process was left in one).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -38,12 +43,12 @@ pytestmark = pytest.mark.integration
 
 # Sections of the guide run here, in order: all but the packages, the wheelhouse (tests/installed.py
 # builds it), PostgreSQL's packaged cluster (its equivalent below), the units' notes and the upgrades.
-RUN = ("3.", "5.", "Credentials and certificates", "6.", "7.", "8.", "9.")
+RUN = ("3.", "5.", "Credentials and certificates", "6.", "7.", "A Ceph RBD", "8.", "9.")
 
 
 @pytest.fixture(scope="module")
 def netns_install(installed: Installed) -> Iterator[NetnsInstall]:
-    with netns_cluster(installed) as done:
+    with netns_cluster(installed, ceph=True) as done:
         yield done
 
 
@@ -118,6 +123,60 @@ def test_a_volume_written_on_one_hypervisor_node_is_read_on_the_other(netns_inst
     assert c.checksum(vol, 4, "hv-2") == pattern_sha256("moved", 4)
     c.detach(vol, "hv-2")
     c.cli("delete-volume", vol, "--wait")
+
+
+def peers(c: NetnsInstall, machine: str, selector: str) -> set[str]:
+    """The remote addresses of ``machine``'s established TCP connections that ``ss``'s ``selector`` picks."""
+    proc = c.cluster.run(c.machines[machine].machine, ["ss", "-Htn", "state", "established", selector],
+                         env={"PATH": "/usr/sbin:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[-1].rsplit(":", 1)[0] for line in proc.stdout.splitlines() if line.strip()}
+
+
+def cephx_users(c: NetnsInstall) -> set[str]:
+    assert c.ceph is not None
+    return {e["entity"] for e in json.loads(c.ceph.ceph("auth", "ls", "--format", "json"))["auth_dump"]}
+
+
+def test_an_rbd_volume_reaches_a_guest_on_each_hypervisor_node_natively(netns_install: NetnsInstall) -> None:
+    """stor-3 keeps its volumes in the Ceph of ceph-1 (its own namespace and address): a volume made there is
+    opened by each hypervisor's QEMU itself (librbd, connected to ceph-1's monitor and OSD: no export on
+    stor-3), as the cephx user of that one attachment. vm1 on hv-1 writes it, a snapshot is taken, it moves
+    to vm2 on hv-2, which reads it back bit-exact, and a volume made from the snapshot holds the same."""
+    c = netns_install
+    ceph_1 = c.machines["ceph-1"].machine.address
+    (node,) = [n for n in c.cli("describe-storage-nodes")["storage_nodes"] if n["name"] == "stor-3"]
+    assert node["url"] == f"https://{CLUSTER_NET}22:8771", node
+    vol = c.create("stor-3")
+    with c.timed("attach over native rbd to a guest across the bridge (a cephx user made)"):
+        c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
+        c.guest_disk(vol, "hv-1")
+    assert f"client.vbs.hv-1.{vol}" in cephx_users(c)
+    assert ceph_1 in peers(c, "hv-1", f"( dst {ceph_1} )")  # QEMU's librbd, to the monitor and the OSD
+    seed = f"rbd{int(time.time())}"
+    c.write(vol, seed, 4, "hv-1")
+    c.log_read_rate(vol, "native RBD across the bridge", "hv-1")
+    assert not peers(c, "stor-3", "( sport = :10809 )")  # nothing goes through stor-3's NBD export
+    snap = c.cli("create-snapshot", vol, "--wait")["snapshot_id"]
+    c.detach(vol, "hv-1")
+    assert f"client.vbs.hv-1.{vol}" not in cephx_users(c)
+    wait_until(lambda: not peers(c, "hv-1", f"( dst {ceph_1} )"), 60, 1, what="hv-1's librbd gone")
+
+    c.cli("attach-volume", vol, "--host", "hv-2", "--vm", "vm2", "--wait")
+    assert f"client.vbs.hv-2.{vol}" in cephx_users(c)
+    assert c.checksum(vol, 4, "hv-2") == pattern_sha256(seed, 4)
+    assert ceph_1 in peers(c, "hv-2", f"( dst {ceph_1} )")
+    clone = c.cli("create-volume", "--snapshot", snap, "--wait")["volume_id"]
+    (made,) = c.cli("describe-volumes", clone)["volumes"]
+    assert made["storage_node"] == "stor-3", made
+    c.cli("attach-volume", clone, "--host", "hv-2", "--vm", "vm2", "--device", "vdc", "--wait")
+    assert c.checksum(clone, 4, "hv-2") == pattern_sha256(seed, 4)
+    assert not peers(c, "stor-3", "( sport = :10809 )")
+    for v in (vol, clone):
+        c.detach(v, "hv-2")
+        c.cli("delete-volume", v, "--wait")
+    c.cli("delete-snapshot", snap, "--wait")
+    assert not {u for u in cephx_users(c) if u.startswith("client.vbs.")}
 
 
 def iscsi_peers(c: NetnsInstall) -> set[str]:

@@ -5,6 +5,9 @@ The cluster lives in ``<parent>/ceph/`` (mode 0700): ``ceph.conf``, its keyrings
 one mgr and N bluestore OSDs whose block devices are sparse files, their logs, run files and admin
 sockets, all inside that directory. It listens on 127.0.0.1 only, the mon on free ports; clients
 find it through ``ceph.conf`` and ``ceph.client.admin.keyring`` (the key never appears on an argv).
+Or, for a machine of a namespace cluster (``vbs.rigs.netns``), on that machine's address with Ceph's
+own monitor ports (3300 and 6789: the namespace has them to itself), every daemon and tool run in its
+namespace (``ip netns exec``, which executes the daemon in its own place: its PID is the daemon's).
 
 Every daemon is this process's child, started from an argv list with a minimal environment and
 stopped by its PID (SIGTERM, then SIGKILL): the OSDs first, then the mgr, the mon last, so no OSD is
@@ -13,6 +16,7 @@ left waiting for a mon that has gone.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -35,6 +39,9 @@ STOP_TIMEOUT_S = 30.0
 COMMAND_TIMEOUT_S = 60.0
 _POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _MON_ID = "a"
+LOOPBACK = "127.0.0.1"
+MON_PORTS = (3300, 6789)  # Ceph's own (msgr2, msgr1): a cluster on an address of its own takes them
+_NETNS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _MGR_ID = "x"
 
 
@@ -54,9 +61,16 @@ def pgs_all_clean(status: dict[str, Any], osds: int) -> bool:
 class EmbeddedCeph:
     """One cluster in ``parent/ceph``: ``start()``, ``create_pool(name)``, ``stop()``; ``conf_path``."""
 
-    def __init__(self, parent: Path, osds: int = 1, *, osd_size_gib: int = 10) -> None:
+    def __init__(self, parent: Path, osds: int = 1, *, osd_size_gib: int = 10, address: str = LOOPBACK,
+                 netns: str | None = None) -> None:
         if not 1 <= osds <= 8:
             raise InvalidParameter(f"osds must be 1-8, not {osds}")
+        if ipaddress.ip_address(address).version != 4:
+            raise InvalidParameter(f"the cluster listens on an IPv4 address, not {address!r}")
+        if netns is not None and not _NETNS_RE.fullmatch(netns):
+            raise InvalidParameter(f"invalid network namespace name {netns!r}")
+        self.address = address
+        self.netns = netns
         self.parent = parent.resolve()
         self.root = self.parent / CLUSTER_DIR
         self.conf_path = self.root / "ceph.conf"
@@ -74,8 +88,8 @@ class EmbeddedCeph:
         text = f"""[global]
 fsid = {fsid}
 mon initial members = {_MON_ID}
-mon host = [v2:127.0.0.1:{v2_port},v1:127.0.0.1:{v1_port}]
-public network = 127.0.0.0/8
+mon host = {self._mon_addrs(v2_port, v1_port)}
+public network = {"127.0.0.0/8" if self.address == LOOPBACK else f"{self.address}/32"}
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx
@@ -129,12 +143,18 @@ log file =
         with os.fdopen(fd, "w") as f:
             f.write(text)
 
+    def _mon_addrs(self, v2_port: int, v1_port: int) -> str:
+        return f"[v2:{self.address}:{v2_port},v1:{self.address}:{v1_port}]"
+
+    def _in_netns(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *argv] if self.netns is not None else argv
+
     def run_tool(self, argv: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
         """A Ceph tool run to its end in the cluster's directory; its stdout. Failures name the tool and its
         stderr."""
         try:
-            proc = subprocess.run(argv, env=minimal_environment(), cwd=self.root, stdin=subprocess.DEVNULL,  # noqa: S603
-                                  capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(self._in_netns(argv), env=minimal_environment(), cwd=self.root,  # noqa: S603
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise DriverError(f"{' '.join(argv[:2])} did not finish within {timeout:g}s") from None
         if proc.returncode != 0:
@@ -151,7 +171,7 @@ log file =
         ``log/<name>.stdout``; the caller stops it by its PID."""
         log_fd = os.open(self.root / "log" / f"{name}.stdout", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            return subprocess.Popen(argv, env=minimal_environment(), cwd=self.root,  # noqa: S603
+            return subprocess.Popen(self._in_netns(argv), env=minimal_environment(), cwd=self.root,  # noqa: S603
                                     stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         finally:
@@ -162,8 +182,11 @@ log file =
 
     def _bootstrap_mon(self) -> None:
         fsid = str(uuid.uuid4())
-        ports = PortPicker()
-        v2_port, v1_port = ports(), ports()
+        if self.address == LOOPBACK:
+            ports = PortPicker()
+            v2_port, v1_port = ports(), ports()
+        else:
+            v2_port, v1_port = MON_PORTS
         self._write_conf(fsid, v2_port, v1_port)
         conf = ["--conf", str(self.conf_path)]
         mon_keyring = self.root / "mon.keyring"
@@ -175,7 +198,7 @@ log file =
         self.run_tool(["ceph-authtool", str(mon_keyring), "--import-keyring", str(self.admin_keyring)])
         monmap = self.root / "monmap"
         self.run_tool(["monmaptool", "--create", "--fsid", fsid, "--addv", _MON_ID,
-                   f"[v2:127.0.0.1:{v2_port},v1:127.0.0.1:{v1_port}]", str(monmap)])
+                   self._mon_addrs(v2_port, v1_port), str(monmap)])
         self.run_tool(["ceph-mon", *conf, "--mkfs", "-i", _MON_ID, "--monmap", str(monmap),
                        "--keyring", str(mon_keyring)])
         for f in (mon_keyring, self.admin_keyring):
@@ -264,9 +287,9 @@ log file =
         self.ceph("osd", "pool", "set", name, "min_size", str(min_size))
         self.ceph("osd", "pool", "application", "enable", name, "rbd")
         self.wait_clean()
-        self._wait_pool_stats(name)
+        self.wait_pool_stats(name)
 
-    def _wait_pool_stats(self, name: str, timeout: float = START_TIMEOUT_S) -> None:
+    def wait_pool_stats(self, name: str, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until ``ceph df`` reports the pool with free space: the mgr publishes a new pool's
         stats seconds after its PGs are clean, and until then an rbd backend cannot say its capacity."""
         deadline = time.monotonic() + timeout

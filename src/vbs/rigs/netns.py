@@ -52,10 +52,10 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 IP_TIMEOUT_S = 60.0
 # A locally administered unicast MAC no machine has: frames sent to it are dropped by every port.
 NOWHERE_MAC = "02:00:00:00:0b:ad"
-# The machines of docs/install.md, each with its address's last number there (10.0.0.10 is ctl-1),
-# and a client machine for the CLI and boto3.
-GUIDE_MACHINES = {"db": 5, "ctl-1": 10, "ctl-2": 11, "stor-1": 20, "stor-2": 21, "hv-1": 30, "hv-2": 31,
-                  "client": 40}
+# The machines of docs/install.md, each with its address's last number there (10.0.0.10 is ctl-1; ceph-1
+# is the Ceph cluster stor-3's RBD pool is in), and a client machine for the CLI and boto3.
+GUIDE_MACHINES = {"db": 5, "ctl-1": 10, "ctl-2": 11, "stor-1": 20, "stor-2": 21, "stor-3": 22, "hv-1": 30,
+                  "hv-2": 31, "ceph-1": 50, "client": 40}
 STOP_TIMEOUT_S = 60.0
 
 
