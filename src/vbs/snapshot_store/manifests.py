@@ -28,9 +28,10 @@ from vbs.snapshot_store.format import (
     manifest_key,
     marker_key,
 )
+from vbs.snapshot_store.gc_runs import CLOCK_SKEW_S
 
 __all__ = ["load_manifest", "find_manifest", "save_manifest", "snapshot_ids", "delete_snapshot", "load_marker",
-           "save_marker", "markers"]
+           "save_marker", "markers", "trust_before"]
 
 
 _T = TypeVar("_T")
@@ -102,3 +103,17 @@ def markers(store: SnapshotStore) -> Iterator[UploadMarker]:
         marker = load_marker(store, snapshot_id)
         if marker is not None:
             yield marker
+
+
+def trust_before(store: SnapshotStore, started: float) -> float:
+    """Before when a chunk in the store was put for certain by a writer that has committed: before this
+    writer (an upload, or a copy between stores) and every upload still in flight (a marker) began, less
+    the clocks' skew (docs/snapshots.md, "Durability"). A damaged marker hides when its upload began: then
+    no chunk is trusted."""
+    oldest = started
+    try:
+        for marker in markers(store):
+            oldest = min(oldest, marker.started_at.timestamp())
+    except SnapshotDataError:
+        return 0.0
+    return oldest - CLOCK_SKEW_S

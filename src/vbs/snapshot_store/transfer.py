@@ -25,7 +25,14 @@ from vbs.errors import IncorrectState, SnapshotDataError
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.contract import ObjectMissing, SnapshotStore, StoreBatch, open_batch
 from vbs.snapshot_store.format import UploadMarker, chunk_key, is_whole_chunk, key_id, marker_key
-from vbs.snapshot_store.manifests import find_manifest, load_manifest, load_marker, markers, save_manifest, save_marker
+from vbs.snapshot_store.manifests import (
+    find_manifest,
+    load_manifest,
+    load_marker,
+    save_manifest,
+    save_marker,
+    trust_before,
+)
 from vbs.snapshot_store.parallel import bounded_map
 
 __all__ = ["CopyResult", "copy_snapshot"]
@@ -41,17 +48,6 @@ class CopyResult:
     bytes_put: int = 0
     chunks_restored: int = 0
     already: bool = False
-
-
-def _trust_before(target: SnapshotStore, started: float) -> float:
-    """As an upload's (``upload._trust_before``): before this copy and every upload in flight began."""
-    oldest = started
-    try:
-        for marker in markers(target):
-            oldest = min(oldest, marker.started_at.timestamp())
-    except SnapshotDataError:
-        return 0.0
-    return oldest - gc_runs.CLOCK_SKEW_S
 
 
 @dataclass
@@ -108,7 +104,7 @@ def copy_snapshot(source: SnapshotStore, target: SnapshotStore, snapshot_id: str
         lengths.setdefault(cid, manifest.chunk_length(index))
     started = clock()
     runs_before = gc_runs.runs_seen(target)
-    batch = open_batch(target, lambda: _trust_before(target, started))
+    batch = open_batch(target, lambda: trust_before(target, started))
     earlier = load_marker(target, snapshot_id)
     first = started if earlier is None else min(started, earlier.started_at.timestamp())
     save_marker(target, UploadMarker(snapshot_id, manifest.volume_id, manifest.tenant,

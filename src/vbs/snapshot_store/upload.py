@@ -44,7 +44,7 @@ from vbs.snapshot_store.format import (
     key_id,
     marker_key,
 )
-from vbs.snapshot_store.manifests import find_manifest, load_marker, markers, save_manifest, save_marker
+from vbs.snapshot_store.manifests import find_manifest, load_marker, save_manifest, save_marker, trust_before
 from vbs.snapshot_store.parallel import bounded_map
 from vbs.snapshot_store.volume_io import FileReader, Target, VolumeReader
 
@@ -210,19 +210,6 @@ def upload_snapshot(store: SnapshotStore, source: VolumeReader | Target, size: i
                        progress, parallel, chunk_size, clock, gc_poll_s)
 
 
-def _trust_before(store: SnapshotStore, started: float) -> float:
-    """Before when a chunk in the store was put for certain by an upload that has committed: before this
-    upload and every one still in flight (a marker) began, less the clocks' skew (docs/snapshots.md,
-    "Durability"). A damaged marker hides when its upload began: then no chunk is trusted."""
-    oldest = started
-    try:
-        for marker in markers(store):
-            oldest = min(oldest, marker.started_at.timestamp())
-    except SnapshotDataError:
-        return 0.0
-    return oldest - gc_runs.CLOCK_SKEW_S
-
-
 def _first_start(store: SnapshotStore, snapshot_id: str, now: float) -> float:
     """When this snapshot's upload first began: a try run again keeps its marker's start, so what the
     earlier try put stays younger than every upload's trust horizon until this one has committed."""
@@ -240,7 +227,7 @@ def _upload(store: SnapshotStore, reader: VolumeReader, size: int, snapshot_id: 
     started = clock()
     runs_before = gc_runs.runs_seen(store)
     # Asked before this upload's marker is written: a resumed upload's first try counts as in flight.
-    batch = open_batch(store, lambda: _trust_before(store, started))
+    batch = open_batch(store, lambda: trust_before(store, started))
     first_start = _first_start(store, snapshot_id, started)
     marker = UploadMarker(snapshot_id, volume_id, tenant, datetime.fromtimestamp(first_start, UTC))
     save_marker(store, marker)
