@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -417,9 +418,17 @@ def postgres() -> Iterator[PostgresForTests]:
 
 
 @pytest.fixture(scope="session")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """This tree's wheel installed as docs/install.md says (tests/installed.py): built once per session."""
-    return install(tmp_path_factory.mktemp("install"))
+def installed() -> Iterator[Installed]:
+    """This tree's wheel installed as docs/install.md says (tests/installed.py): built once per session, in
+    a directory every user may enter and read (mkdtemp in /var/tmp, 0755; pytest's temp dirs are root's
+    alone), as the namespace cluster's controllers run it as the guide's user ``vbs``; removed at the
+    session's end."""
+    root = Path(tempfile.mkdtemp(prefix="vbs-install-", dir="/var/tmp"))
+    try:
+        root.chmod(0o755)
+        yield install(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,20 @@ Every ``vbs`` command of the guide's shell blocks is run word for word in its ma
 from two things: the guide's addresses (10.0.0.N) become the cluster's (10.77.0.N), and, as the
 namespaces share one file system, the absolute paths a machine keeps (/etc/vbs, /var/lib/vbs, /srv/vbs,
 /root) are under that machine's own directory. The configurations the guide writes (``cat > … <<EOF``)
-are written from its text the same way. The commands this host has no use or no means for are done by
-their equivalents here: ``scp`` is a copy between the machines' directories, ``systemctl enable --now``
-starts the unit's ExecStart line, ``useradd``/``runuser -u vbs``/``chown`` are left out (everything
-runs as root), ``apt-get`` is left out (the packages are there). The guide runner records each line
-it ran, so the test can check that none was left out.
+are written from its text the same way. The controller's user is the guide's too: ``useradd``,
+``runuser -u vbs --``, ``install -d -o vbs -g vbs``, ``chown``, ``chgrp`` and ``chmod`` run as written
+(``GuideUser`` says when the user is made and removed), and a unit with ``User=`` starts as that user.
+The commands this host has no use or no means for are done by their equivalents here: ``scp`` is a copy
+between the machines' directories, ``systemctl enable --now`` starts the unit's ExecStart line,
+``apt-get`` is left out (the packages are there). The guide runner records each line it ran, so the
+test can check that none was left out.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -23,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.installed import REPO, exec_start
+from tests.installed import REPO, exec_start, unit_lines
 from vbs.rigs.netns import Machine, NetnsCluster
 from vbs.system.files import write_private
 
@@ -32,14 +36,17 @@ GUIDE_NET, CLUSTER_NET = "10.0.0.", "10.77.0."
 ROOTED = ("/etc/vbs", "/etc/ceph", "/var/lib/vbs", "/srv/vbs", "/root/")
 UNIT_ROLES = {"vbs-controller.service": "controller", "vbs-storage-agent.service": "storage-agent",
               "vbs-host-agent.service": "host-agent"}
-# Lines with nothing to do here: the machine's user, packages, symlink, shell state and systemd's
-# reload; ownership (everything runs as root); a copy of the units (they are started from their
-# ExecStart lines); the wheelhouse's copy (one venv serves every namespace).
-SKIPPED = re.compile(r"^(cd |umask |useradd |apt-get |ln -sf |chown |chgrp |chmod |cp /root/vbs-dist/"
+# Lines with nothing to do here: packages, symlink, shell state and systemd's reload; a copy of the
+# units (they are started from their ExecStart lines); the wheelhouse's copy (one venv serves every
+# namespace).
+SKIPPED = re.compile(r"^(cd |umask |apt-get |ln -sf |cp /root/vbs-dist/"
                      r"|systemctl daemon-reload|python3 -m venv |/opt/vbs/bin/pip |scp -r root@\$BUILD)")
 VBS_LINE = re.compile(r"^(?:runuser -u vbs -- )?vbs |^[A-Z]+=\$\(vbs ")
 HEREDOC = re.compile(r"^cat > (/\S+) <<EOF$")
 CEPH_LINE = re.compile(r"^(?:ceph|rbd) ")  # Ceph's admin tools, on a machine whose /etc/ceph has the admin key
+# The lines that make the controller's user and give it its files, run as written (the test checks each ran).
+OWNERSHIP = re.compile(r"^(useradd |install -d |chown |chgrp |chmod )")
+RUNUSER = "runuser -u vbs -- "
 
 
 def sections() -> dict[str, list[str]]:
@@ -62,6 +69,57 @@ def section(title_start: str) -> list[str]:
 def vbs_lines(blocks: list[str]) -> list[str]:
     """The lines of ``blocks`` that run ``vbs``."""
     return [line for block in blocks for line in block.splitlines() if VBS_LINE.match(line)]
+
+
+class GuideUser:
+    """The guide's system user (``vbs``) on this host, which every namespace shares (one /etc/passwd).
+
+    ``add`` runs the guide's ``useradd`` line where no such user exists, and marks the user it made (its
+    comment, ``MARK``); where it exists (another controller machine's ``useradd`` already ran, or the
+    machine has one of its own) the line is satisfied by it. On exit, a user this or an earlier test made
+    (marked) is removed (``userdel``) by the last cluster to leave (each holds a shared lock on /etc while
+    it lives: another cluster's controllers may run as the same user); a ``vbs`` the machine had before is
+    never touched."""
+
+    MARK = "VBS namespace cluster test"
+    LOCK = "/etc"  # a directory: useradd replaces /etc/passwd, the directory stays
+
+    def __init__(self, name: str = "vbs") -> None:
+        self.name = name
+        self.lock = -1
+
+    def __enter__(self) -> GuideUser:
+        self.lock = os.open(self.LOCK, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self.lock, fcntl.LOCK_SH)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (entry := self.entry()) is not None and entry.pw_gecos == self.MARK:
+                subprocess.run(["userdel", self.name], check=True, capture_output=True, timeout=60)
+        except BlockingIOError:
+            pass  # another cluster lives on, perhaps with controllers of this user: the last one removes it
+        finally:
+            os.close(self.lock)
+
+    def entry(self) -> pwd.struct_passwd | None:
+        try:
+            return pwd.getpwnam(self.name)
+        except KeyError:
+            return None
+
+    def add(self, argv: list[str]) -> None:
+        """The guide's ``useradd … NAME`` (``argv``), unless the user exists."""
+        assert argv[0] == "useradd" and argv[-1] == self.name, argv
+        if self.entry() is None:
+            subprocess.run(argv, check=True, capture_output=True, timeout=60)
+            subprocess.run(["usermod", "--comment", self.MARK, self.name], check=True, capture_output=True, timeout=60)
+
+    def uid(self) -> int:
+        entry = self.entry()
+        assert entry is not None, f"no user {self.name}"
+        return entry.pw_uid
 
 
 @dataclass
@@ -90,13 +148,15 @@ class GuideMachine:
 
 
 class GuideRunner:
-    """Runs the guide's blocks on the cluster's machines with the installed ``vbs`` first on PATH."""
+    """Runs the guide's blocks on the cluster's machines with the installed ``vbs`` first on PATH, the
+    controller's user made and removed by ``user``."""
 
     def __init__(self, cluster: NetnsCluster, machines: Mapping[str, GuideMachine], vbs_path: Path,
-                 env: Mapping[str, str], logs: Path) -> None:
-        self.cluster, self.machines, self.vbs_path, self.logs = cluster, machines, vbs_path, logs
+                 env: Mapping[str, str], logs: Path, user: GuideUser) -> None:
+        self.cluster, self.machines, self.vbs_path, self.logs, self.user = cluster, machines, vbs_path, logs, user
         self.env = {**env, "PATH": f"{vbs_path.parent}:/usr/sbin:/usr/bin:/sbin:/bin"}
         self.ran: list[str] = []  # the guide's vbs lines, as the guide writes them
+        self.done: list[str] = []  # every line of the guide run (or, for useradd, satisfied), as it writes it
         self.services: dict[str, subprocess.Popen[bytes]] = {}  # by machine name
         self.on_sql: Callable[[str], None] | None = None  # the database's equivalent of psql
 
@@ -111,7 +171,7 @@ class GuideRunner:
         the guide's "and each further one" asks); ``record``: count its vbs lines as the guide's. The
         output of each ``VAR=$(vbs …)`` by its name."""
         m = self.machines[on]
-        recorded = len(self.ran)
+        recorded, done = len(self.ran), len(self.done)
         captured: dict[str, str] = {}
         env = env if env is not None else {}
         for block in blocks:
@@ -134,11 +194,13 @@ class GuideRunner:
                     self.run_line(m, line, env, captured)
         if not record:
             del self.ran[recorded:]
+            del self.done[done:]
         return captured
 
     def run_line(self, m: GuideMachine, line: str, env: dict[str, str], captured: dict[str, str]) -> None:
         if not line.strip() or line.lstrip().startswith("#") or SKIPPED.match(line):
             return
+        self.done.append(line)
         if VBS_LINE.match(line):
             self.run_vbs(m, line, env, captured)
         elif CEPH_LINE.match(line):
@@ -146,12 +208,10 @@ class GuideRunner:
         elif line.startswith("export "):
             name, value = line.removeprefix("export ").split("=", 1)
             env[name] = m.expand(value)
-        elif line.startswith("install -d "):
-            argv = shlex.split(m.expand(line))
-            for flag in ("-o", "-g"):
-                while flag in argv:
-                    del argv[argv.index(flag):argv.index(flag) + 2]
-            subprocess.run(argv, check=True, timeout=60)
+        elif line.startswith("useradd "):
+            self.user.add(shlex.split(m.expand(line)))
+        elif OWNERSHIP.match(line):  # install -d, chown, chgrp, chmod: as written, on the machine's paths
+            subprocess.run(shlex.split(m.expand(line)), check=True, capture_output=True, timeout=60)
         elif line.startswith("scp "):
             self.copy(m, line)
         elif line.startswith("rm "):
@@ -174,12 +234,13 @@ class GuideRunner:
             raise AssertionError(f"no equivalent for this line of docs/install.md: {line}")
 
     def run_vbs(self, m: GuideMachine, line: str, env: dict[str, str], captured: dict[str, str]) -> None:
-        """A vbs line: as the guide writes it (``runuser -u vbs --`` left out), its ``> FILE`` into the
-        machine's file, its ``VAR=$(…)`` captured."""
+        """A vbs line as the guide writes it (``runuser -u vbs -- vbs …`` as ``vbs``), its ``> FILE`` into
+        the machine's file (by root, as the guide's shell does), its ``VAR=$(…)`` captured."""
         self.ran.append(line)
         # The demo guest boots on the hypervisor node, whichever machine's blocks name it (section 9).
         where = self.machines["hv-1"] if line.startswith("vbs demo-vm ") else m
-        text = where.expand(line.removeprefix("runuser -u vbs -- "))
+        as_user = line.startswith(RUNUSER)
+        text = where.expand(line.removeprefix(RUNUSER))
         var = None
         if match := re.fullmatch(r"([A-Z]+)=\$\((.*)\)", text):
             var, text = match.groups()
@@ -187,6 +248,8 @@ class GuideRunner:
         if " > " in text:
             text, target = text.rsplit(" > ", 1)
         argv = [str(self.vbs_path) if a == "vbs" else a for a in shlex.split(text)]
+        if as_user:
+            argv = [*shlex.split(RUNUSER), *argv]
         proc = self.cluster.run(where.machine, argv, env={**self.env, **env}, cwd="/", timeout=600)
         assert proc.returncode == 0, f"{line} on {where.machine.name} exited {proc.returncode}: {proc.stderr}"
         if var is not None:
@@ -229,7 +292,12 @@ class GuideRunner:
         write_private(m.path(line.rsplit(" > ", 1)[1]), fmt % (password, m.variables["DB"]))
 
     def start_unit(self, m: GuideMachine, unit: str) -> None:
-        """``systemctl enable --now UNIT``: the unit's ExecStart in the machine's namespace."""
+        """``systemctl enable --now UNIT``: the unit's ExecStart in the machine's namespace, as the unit's
+        ``User=`` and ``Group=`` if it has them (``setpriv`` executes it in its place: the PID is the
+        service's; ``--no-new-privs`` for the unit's NoNewPrivileges=yes)."""
         argv = exec_start(UNIT_ROLES[unit], self.vbs_path, m.path("/etc/vbs/vbs.toml"))
+        if users := unit_lines(unit, "User"):
+            (user,), (group,) = users, unit_lines(unit, "Group")
+            argv = ["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", "--no-new-privs", "--", *argv]
         self.services[m.machine.name] = self.cluster.start(
             m.machine, argv, log=self.logs / f"{m.machine.name}.log", env=self.env)

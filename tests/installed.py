@@ -123,7 +123,16 @@ class Installed:
 
 def install(root: Path, release: Release | None = None) -> Installed:
     """Build the wheel of this tree (or of ``release``), its wheelhouse, and a fresh venv that installs it
-    from the wheelhouse alone."""
+    from the wheelhouse alone; everything readable by every user (umask 022, whatever this process's was:
+    a machine's /opt/vbs is, and a service may run it as a user of its own)."""
+    previous = os.umask(0o022)
+    try:
+        return _install(root, release)
+    finally:
+        os.umask(previous)
+
+
+def _install(root: Path, release: Release | None) -> Installed:
     version = vbs.__version__ if release is None else release.version
     wheel = build_wheel(this_tree(root) if release is None else release_tree(release, root), root)
     assert wheel.name == f"vbs-{version}-py3-none-any.whl", wheel

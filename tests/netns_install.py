@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import reap_daemons, wait_until
-from tests.install_guide import CLUSTER_NET, GUIDE_NET, GuideMachine, GuideRunner, section
+from tests.install_guide import CLUSTER_NET, GuideMachine, GuideRunner, GuideUser, section
 from tests.installed import Installed, clean_env
 from vbs.ids import virtio_serial
 from vbs.rigs.ceph import EmbeddedCeph
@@ -34,6 +34,7 @@ from vbs.rigs.testguest.background import BackgroundGuest
 log = logging.getLogger(__name__)
 
 MACHINES = ("db", "ctl-1", "ctl-2", "stor-1", "stor-2", "hv-1", "hv-2", "client")
+CONTROLLERS = ("ctl-1", "ctl-2")
 CEPH_MACHINES = ("ceph-1", "stor-3")  # a Ceph cluster and the RBD storage node on it, when asked for
 HOST_DIR = "/var/lib/vbs/host"  # the demo guests' data dir on the hypervisor nodes, as the guide gives it
 GUESTS = {"hv-1": "vm1", "hv-2": "vm2"}
@@ -211,14 +212,21 @@ def join_ceph_storage_node(install: NetnsInstall, ceph: EmbeddedCeph) -> None:
         runner.run_blocks(ceph_blocks, "ceph-1")
         ceph.wait_clean()
         ceph.wait_pool_stats("vbs")
-        further = [line.replace("stor-1", "stor-3").replace(f"{GUIDE_NET}20", f"{GUIDE_NET}22")
-                   for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
-        assert len(further) == 2
-        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        node_credentials(runner, "stor-3", "storage", record=False)
         install.cluster.processes.callback(reap_daemons, machines["stor-3"].path("/var/lib/vbs/storage"))
         runner.run_blocks(node_blocks, "stor-3")
         wait_until(lambda: install.node_up("describe-storage-nodes", "storage_nodes", "stor-3"), 300, 1,
                    what="stor-3")
+
+
+def node_credentials(runner: GuideRunner, node: str, kind: str, *, record: bool = True) -> None:
+    """The credentials' per-node block on ctl-1 (a certificate and a token) for ``node`` of ``kind``
+    (storage or host), its variables set as the guide says for each node."""
+    blocks = section("Credentials and certificates")[1:]
+    assert blocks[0].startswith("# per node"), blocks[0]
+    runner.run_blocks(blocks, "ctl-1", variables={"NODE": node, "KIND": kind,
+                                                  "NODE_ADDR": runner.machines[node].machine.address},
+                      record=record)
 
 
 def connect(install: NetnsInstall, source: str, host: str, port: int) -> str:
@@ -275,22 +283,30 @@ def iscsi_login(install: NetnsInstall, source: str, target: str, cert_of: str | 
 def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[NetnsInstall]:
     """The cluster of docs/install.md on namespaces, installed by its commands from the wheel (the module
     docstring of tests/test_netns_cluster.py says what runs); ``ceph``: with a Ceph cluster (ceph-1) and
-    an RBD storage node on it (stor-3), last; everything stopped and removed on exit."""
+    an RBD storage node on it (stor-3), last; everything stopped and removed on exit, the user ``vbs``
+    last (if made here: ``GuideUser``).
+
+    The controllers run as ``vbs``, as the guide has them: their machines' directories are 0755 (a
+    machine's ``/``) under a root ``vbs`` may enter (0711), and ``installed``'s venv is readable by all
+    (tests/conftest.py); their data dirs are the guide's (0700, ``vbs``'s)."""
     build_guest()  # the demo guest's image, in the cache VBS_CACHE_DIR names below
     # Short paths (the export daemons' and monitors' sockets live under them), enterable by postgres.
     root = Path(tempfile.mkdtemp(prefix="vbsnc", dir="/tmp"))
     root.chmod(0o711)
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, root, ignore_errors=True)
+        user = stack.enter_context(GuideUser())  # removed after every process (the controllers run as it)
         cluster = stack.enter_context(NetnsCluster(f"vbsnc{os.getpid() % 100000}"))
         machines = {n: GuideMachine(cluster.add(n, GUIDE_MACHINES[n]), root / n)
                     for n in MACHINES + (CEPH_MACHINES if ceph else ())}
         for name, m in machines.items():
-            m.root.mkdir(mode=0o711 if name == "db" else 0o700)  # postgres enters db's (rigs/postgres.py)
+            # postgres enters db's (rigs/postgres.py), vbs its controllers' (a machine's / is 0755).
+            m.root.mkdir()
+            m.root.chmod(0o755 if name in CONTROLLERS else 0o711 if name == "db" else 0o700)
             m.path("/root/").mkdir(mode=0o700)  # root's home, where the guide keeps the database's password
         ceph_started = start_ceph(cluster, machines["ceph-1"]) if ceph else None
         env = clean_env(installed.root / "home", VBS_CACHE_DIR=str(default_cache_dir().parent))
-        runner = GuideRunner(cluster, machines, installed.vbs, env, root)
+        runner = GuideRunner(cluster, machines, installed.vbs, env, root, user)
         for name in ("ctl-1", "ctl-2", "stor-1", "hv-1"):
             runner.run_blocks(section("3."), name)
         first = section("5.")
@@ -299,7 +315,10 @@ def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[Netns
         pg = start_database(cluster, runner, stack)
         runner.on_sql = alter_role(pg)
         runner.run_blocks(first[2:], "ctl-1")
-        runner.run_blocks(section("Credentials and certificates"), "ctl-1")
+        credentials = section("Credentials and certificates")
+        runner.run_blocks(credentials[:1], "ctl-1")  # the further controller's certificate
+        for node, kind in (("stor-1", "storage"), ("hv-1", "host")):  # the guide's own nodes
+            node_credentials(runner, node, kind)
         runner.run_blocks(section("6."), "ctl-2")
         # After the storage agent's stop (by its PID): any export daemon a crash of it left, by its pidfile.
         cluster.processes.callback(reap_daemons, machines["stor-1"].path("/var/lib/vbs/storage"))
@@ -309,12 +328,9 @@ def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[Netns
         for name in ("hv-1", "hv-2"):
             cluster.processes.callback(reap_daemons, machines[name].path(HOST_DIR))
         runner.run_blocks(section("8."), "hv-1")
-        # A further hypervisor node, as the guide's "and each further one" says: hv-1's lines of its
-        # credentials block with hv-2's name and address, then section 8 with hv-2's variables.
-        further = [line.replace("hv-1", "hv-2").replace(f"{GUIDE_NET}30", f"{GUIDE_NET}31")
-                   for line in section("Credentials and certificates")[0].splitlines() if " hv-1 " in line]
-        assert len(further) == 2
-        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        # A further hypervisor node, as the guide's "and each further one" says: the credentials' per-node
+        # block with hv-2's name and address, then section 8 with hv-2's variables.
+        node_credentials(runner, "hv-2", "host", record=False)
         runner.run_blocks(section("8."), "hv-2", variables={"NAME": "hv-2", "ADDR": machines["hv-2"].machine.address},
                           record=False)
         # Section 9 from the client machine, which has the CA and the key (copies of ctl-1's).
@@ -343,13 +359,10 @@ def netns_cluster(installed: Installed, *, ceph: bool = False) -> Iterator[Netns
         assert proc.returncode == 0, proc.stderr
         wait_until(lambda: any(i["vm_id"] == "vm2" and i["host"] == "hv-2" and i["state"] == "running"
                                for i in done.cli("describe-instances")["instances"]), 300, 1, what="vm2")
-        # The iSCSI storage node, stor-2, as section 7's "iSCSI" says: stor-1's credential lines with its
-        # name and address, then section 7 with its variables and EXPORT=iscsi (its tgtd and stunnel are
-        # the agent's, stopped by it; any it left, by their pidfiles).
-        further = [line.replace("stor-1", "stor-2").replace(f"{GUIDE_NET}20", f"{GUIDE_NET}21")
-                   for line in section("Credentials and certificates")[0].splitlines() if " stor-1 " in line]
-        assert len(further) == 2
-        runner.run_blocks(["\n".join(further)], "ctl-1", record=False)
+        # The iSCSI storage node, stor-2, as section 7's "iSCSI" says: the credentials' per-node block with
+        # its name and address, then section 7 with its variables and EXPORT=iscsi (its tgtd and stunnel
+        # are the agent's, stopped by it; any it left, by their pidfiles).
+        node_credentials(runner, "stor-2", "storage", record=False)
         cluster.processes.callback(reap_daemons, machines["stor-2"].path("/var/lib/vbs/storage"))
         runner.run_blocks(section("7."), "stor-2", variables={"NAME": "stor-2", "EXPORT": "iscsi",
                                                               "ADDR": machines["stor-2"].machine.address},

@@ -20,11 +20,18 @@ node on it (stor-3) join by the guide's "A Ceph RBD storage node": each hypervis
 there itself (librbd straight to ceph-1), vm1 writes it, it is snapshotted, and vm2 on hv-2 reads it back.
 Every process is stopped by its PID and every namespace is gone at the end (the rig fails the teardown
 if a process was left in one).
+
+The controllers run as the guide's unprivileged user ``vbs`` (their unit's ``User=vbs``): its ``useradd``,
+``runuser -u vbs --``, ``install -d -o vbs -g vbs``, ``chown``, ``chgrp`` and ``chmod`` lines run as
+written. The namespaces share the host's /etc/passwd, so the ``useradd`` line runs once, on ctl-1, where
+the host has no user ``vbs`` yet (the user is removed at the end); ctl-2's ``useradd`` is satisfied by
+that user and counted as run. A host that has a user ``vbs`` of its own lends it to both and keeps it.
 """
 
 from __future__ import annotations
 
 import json
+import pwd
 import signal
 import sys
 import time
@@ -34,7 +41,7 @@ import pytest
 from cryptography import x509
 
 from tests.conftest import wait_until
-from tests.install_guide import CLUSTER_NET, section, vbs_lines
+from tests.install_guide import CLUSTER_NET, OWNERSHIP, section, vbs_lines
 from tests.installed import Installed
 from tests.netns_install import HOST_DIR, NetnsInstall, connect, iscsi_login, netns_cluster
 from vbs.rigs.testguest import pattern_sha256
@@ -56,7 +63,15 @@ def test_the_guide_s_commands_install_a_cluster_of_namespaces(netns_install: Net
     """Every vbs line of the sections run was run; every service is up, apart, on its own address."""
     expected = [line for title in RUN for line in vbs_lines(section(title))]
     ran = netns_install.runner.ran
-    assert sorted(ran) == sorted(expected * 1 + vbs_lines(section("3.")) * 3)  # section 3 on each of 4 machines
+    # Section 3 on each of 4 machines, the credentials' per-node lines for stor-1 and hv-1.
+    node_lines = vbs_lines(section("Credentials and certificates")[1:])
+    assert len(node_lines) == 2
+    assert sorted(ran) == sorted(expected + vbs_lines(section("3.")) * 3 + node_lines)
+    # The user's and the ownership's lines ran too, each of them (useradd on both controller machines).
+    owning = [line for title in RUN for block in section(title) for line in block.splitlines() if OWNERSHIP.match(line)]
+    assert {line.split()[0] for line in owning} == {"useradd", "install", "chown", "chgrp", "chmod"}
+    assert set(owning) <= set(netns_install.runner.done)
+    assert len([line for line in netns_install.runner.done if line.startswith("useradd ")]) == 2
     nodes = netns_install.cli("describe-storage-nodes")["storage_nodes"]
     (stor,) = [n for n in nodes if n["name"] == "stor-1"]
     assert stor["url"] == f"https://{CLUSTER_NET}20:8771", stor
@@ -64,6 +79,29 @@ def test_the_guide_s_commands_install_a_cluster_of_namespaces(netns_install: Net
     assert hv["url"] == f"https://{CLUSTER_NET}30:8772", hv
     controllers = netns_install.cli("describe-controllers")["controllers"]
     assert sorted(c["state"] for c in controllers) == ["up", "up"], controllers
+
+
+def uids(pid: int) -> list[int]:
+    """The real, effective, saved and file-system uids of process ``pid``."""
+    (line,) = [line for line in open(f"/proc/{pid}/status").read().splitlines() if line.startswith("Uid:")]
+    return [int(u) for u in line.split()[1:]]
+
+
+def test_the_controllers_run_as_the_user_vbs_and_the_agents_as_root(netns_install: NetnsInstall) -> None:
+    """As their units say (User=vbs for the controller, none for the agents): every uid of each controller's
+    process is vbs's, and it serves (both are up); its data dir is the guide's, 0700 and vbs's."""
+    vbs = pwd.getpwnam("vbs").pw_uid
+    assert vbs == netns_install.runner.user.uid() != 0
+    services = netns_install.runner.services
+    assert set(services) >= {"ctl-1", "ctl-2", "stor-1", "stor-2", "hv-1", "hv-2"}
+    for name, proc in services.items():
+        assert proc.poll() is None, name
+        assert uids(proc.pid) == [vbs if name.startswith("ctl-") else 0] * 4, name
+    for name in ("ctl-1", "ctl-2"):
+        data = netns_install.machines[name].path("/var/lib/vbs/controller").stat()
+        assert (data.st_uid, data.st_gid, data.st_mode & 0o777) == (vbs, pwd.getpwnam("vbs").pw_gid, 0o700), name
+    controllers = netns_install.cli("describe-controllers")["controllers"]
+    assert sorted((c["controller_id"], c["state"]) for c in controllers) == [("ctl-1", "up"), ("ctl-2", "up")]
 
 
 def test_the_services_are_apart_and_their_certificates_name_their_addresses(netns_install: NetnsInstall) -> None:
