@@ -9,7 +9,9 @@ How each is interrupted (``mode``):
 
 * ``inflight``: the storage agent is SIGKILLed while its call to the ``rbd`` tool that changes the
   pool runs (the test watches the agent's children for that ``rbd`` argv), and so is that tool
-  (as the node's service manager would kill the whole unit). The controller lives on and repeats
+  (as the node's service manager would kill the whole unit). Snapshot creates and removals go through
+  the agent's rbd worker (librbd, no tool), so their points run the agent with ``--no-rbd-worker``
+  (WORKER_TOOLS); a worker killed mid-change is tests/test_rbd_worker.py's. The controller lives on and repeats
   the call once the agent is back 1 s later.
 * ``agent-frozen``: ``VBS_CRASH_AT=<kind>:<step>:started`` kills the controller before its call;
   the agent is SIGKILLed while the controller is down; the controller is restarted first, so its
@@ -89,6 +91,10 @@ FLOWS = {f.name: f for f in (
          True),
 )}
 MODES = ("inflight", "agent-frozen", "controller-done", "osd")
+# The changes the agent's long-lived rbd worker makes through librbd (storage/backends/rbd_worker_main.py),
+# which run no rbd tool: their inflight points run the agent with --no-rbd-worker, so that the tool
+# call can be caught; a worker killed in the middle of such a change is tests/test_rbd_worker.py's.
+WORKER_TOOLS = {("snap", "create"), ("snap", "rm")}
 CI_POINTS = {
     "create-volume-from-snapshot-inflight",
     "delete-volume-with-snapshot-inflight",
@@ -250,6 +256,9 @@ def run_point(s: RbdServices, flow: Flow, mode: str, osd_down_s: float) -> tuple
             time.sleep(AGENT_DOWN_S)
             s.start_agent()
     elif mode == "inflight":
+        if flow.tool in WORKER_TOOLS:  # the agent's rbd worker would serve it: no tool process to catch
+            s.kill_agent()
+            s.start_agent("--no-rbd-worker")
         start_flow(s, flow, prep, crashing=False)
         if not kill_agent_mid_call(s, flow):
             print(f"{flow.name}: rbd {' '.join(flow.tool)} had finished when the agent was killed")
