@@ -157,8 +157,11 @@ def test_an_iscsi_guest_filling_its_pool_gets_an_io_error_and_keeps_every_acknow
     assert (created.status_code, created.json()["error"]["code"]) == (503, "InsufficientVolumeCapacity")
 
     assert vbs.http.delete(f"/v1/volumes/{filler}").status_code == 200
-    # Every block acknowledged before the error is there; the guest's writes go on once space is freed.
+    # Every block acknowledged before the error is there; the guest's writes go on once space is freed
+    # (the delete runs after its answer: the guest writes again once the filler's file is gone).
     assert BLOCKS.blocks_in(iscsi_disks.pool / "volumes" / f"{vol}.raw") >= set(range(failed_at))
+    wait_until(lambda: not (iscsi_disks.pool / "volumes" / f"{filler}.raw").exists(), 120, interval=0.5,
+               what="the filler's file removed")
     assert guest.check(_writer(dev, failed_at), timeout=600).strip() == f"wrote {BLOCKS.writes}"
     assert BLOCKS.blocks_in(iscsi_disks.pool / "volumes" / f"{vol}.raw") == set(range(BLOCKS.writes))
 
