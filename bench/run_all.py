@@ -70,6 +70,7 @@ BENCHES = (
     Bench("nbd_limits", "nbd_limits.py", (), ("--quick",)),
     # NBD reads across a bridge of network namespaces against loopback (root; the cluster's link).
     Bench("netns_path", "netns_path.py", (), ("--quick",)),
+    Bench("netns_attach", "netns_attach.py", (), ("--quick",)),
     Bench("attach", "attach.py", (), ("--quick",)),
     # What one iSCSI export costs the storage agent, against the last driver that ran tgtadm.
     Bench("iscsi_control", "iscsi_control.py", (), ("--keys", "5", "--rounds", "1")),
