@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def _seconds(rows: list[tuple[object, object]]) -> list[float]:
     return out
 
 
+def timed_rounds(label: str, rounds: int, attach: Callable[[], object], detach: Callable[[], object]) -> list[float]:
+    """Seconds of each of ``rounds`` attaches, each followed by its detach (not timed)."""
+    out: list[float] = []
+    for r in range(rounds):
+        started = time.monotonic()
+        attach()
+        out.append(time.monotonic() - started)
+        log(f"{label} round {r + 1}: {out[-1]:.2f} s")
+        detach()
+    return out
+
+
 def across_the_bridge(rounds: int, work: Path) -> tuple[list[float], list[float]]:
     """(the CLI's seconds, the server's seconds) of ``rounds`` attaches on the namespace cluster."""
     import psycopg
@@ -59,13 +72,8 @@ def across_the_bridge(rounds: int, work: Path) -> tuple[list[float], list[float]
     installed = install(root)
     with netns_cluster(installed) as c:
         vol = c.create("stor-1")
-        cli: list[float] = []
-        for r in range(rounds):
-            started = time.monotonic()
-            c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1", "--wait")
-            cli.append(time.monotonic() - started)
-            log(f"bridge round {r + 1}: {cli[-1]:.2f} s")
-            c.detach(vol)
+        cli = timed_rounds("bridge", rounds, lambda: c.cli("attach-volume", vol, "--host", "hv-1", "--vm", "vm1",
+                                                            "--wait"), lambda: c.detach(vol))
         assert c.database is not None
         with psycopg.connect(host=str(c.database.run), port=c.database.port, user="vbs", dbname="vbs") as conn:
             rows = conn.execute("SELECT created_at, updated_at FROM operations WHERE resource_id = %s AND "
@@ -78,13 +86,9 @@ def over_loopback(rounds: int, work: Path) -> tuple[list[float], list[float]]:
     """The same on ``vbs up`` with a guest on this machine."""
     with vbs_up_with_guest(work) as (vbs, _up, _guest):
         vol = str(vbs.cli("create-volume", "--size", "1", "--wait")["volume_id"])
-        cli: list[float] = []
-        for r in range(rounds):
-            started = time.monotonic()
-            vbs.cli("attach-volume", vol, "--host", "host-1", "--vm", "vm1", "--wait")
-            cli.append(time.monotonic() - started)
-            log(f"loopback round {r + 1}: {cli[-1]:.2f} s")
-            vbs.cli("detach-volume", vol, "--wait")
+        cli = timed_rounds("loopback", rounds, lambda: vbs.cli("attach-volume", vol, "--host", "host-1", "--vm",
+                                                               "vm1", "--wait"),
+                           lambda: vbs.cli("detach-volume", vol, "--wait"))
         con = sqlite3.connect(f"file:{vbs.data_dir / 'vbs.db'}?mode=ro", uri=True, timeout=10)
         try:
             rows = con.execute("SELECT created_at, updated_at FROM operations WHERE resource_id = ? AND "
