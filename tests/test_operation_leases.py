@@ -174,8 +174,8 @@ def test_an_agent_refuses_a_lower_fence_for_a_resource_and_remembers_across_rest
             again.admit(bad)
 
 
-def test_agent_calls_carry_the_fence_of_the_run_that_makes_them() -> None:
-    seen: list[str | None] = []
+def fence_recording_client(seen: list[str | None]) -> ApiClient:
+    """An agent client whose agent answers every call with 200 and records the fence header it carried."""
 
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers.get(fencing.FENCE_HEADER))
@@ -183,6 +183,12 @@ def test_agent_calls_carry_the_fence_of_the_run_that_makes_them() -> None:
 
     client = ApiClient("http://agent.invalid", "token")
     client._http = httpx.Client(base_url="http://agent.invalid", transport=httpx.MockTransport(answer))
+    return client
+
+
+def test_agent_calls_carry_the_fence_of_the_run_that_makes_them() -> None:
+    seen: list[str | None] = []
+    client = fence_recording_client(seen)
     client.call("GET", "/v1/inventory")
     with fencing.fenced(VOLUME, 42):
         client.call("PUT", f"/v1/pools/default/volumes/{VOLUME}")
@@ -230,13 +236,7 @@ def test_the_fence_book_appends_and_compacts_without_forgetting(tmp_path: Path) 
 
 def test_no_agent_call_is_sent_under_a_fence_whose_lease_the_controller_may_have_lost() -> None:
     sent: list[str | None] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        sent.append(request.headers.get(fencing.FENCE_HEADER))
-        return httpx.Response(200, json={})
-
-    client = ApiClient("http://agent.invalid", "token")
-    client._http = httpx.Client(base_url="http://agent.invalid", transport=httpx.MockTransport(answer))
+    client = fence_recording_client(sent)
     held = [True]
     with fencing.fenced(VOLUME, 7, lambda: held[0]):
         client.call("PUT", f"/v1/pools/default/volumes/{VOLUME}")
