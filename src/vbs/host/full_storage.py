@@ -7,10 +7,10 @@ write waits while the VM is paused.
 from __future__ import annotations
 
 import logging
-import threading
 
 from vbs.errors import VbsError
 from vbs.host.hypervisors.base import SpaceWaitingDriver
+from vbs.net.repeating import Repeating
 
 __all__ = ["SpaceWaits", "RETRY_S"]
 
@@ -21,19 +21,14 @@ log = logging.getLogger(__name__)
 RETRY_S = 3.0
 
 
-class SpaceWaits:
+class SpaceWaits(Repeating):
+    """A round every ``interval_s`` (the first at start) in a background thread (vbs.net.repeating)."""
+
     def __init__(self, driver: SpaceWaitingDriver, interval_s: float = RETRY_S) -> None:
+        super().__init__("space-waits")
         self.driver = driver
         self.interval_s = interval_s
         self._waiting: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="space-waits", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def check(self) -> None:
         """One round: resume the VMs paused for space, and say which started or stopped waiting."""
@@ -49,6 +44,6 @@ class SpaceWaits:
             log.warning("VM %s: runs again, its writes fit", vm_id)
         self._waiting = resumed
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.check()
+    def _run_once(self) -> float:
+        self.check()
+        return self.interval_s
