@@ -642,6 +642,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion-rounds", type=int, default=None, help="completion: rounds per mode "
                                                                        "(default 30; --quick 10)")
     p.add_argument("--rbd-data-mib", type=int, default=256, help="rbd: MiB written over each volume (default 256)")
+    p.add_argument("--rbd-snapshot-store", default=None, metavar="SPEC",
+                   help="rbd: the storage agent's --snapshot-store (default: its dir store; 'none': snapshots stay "
+                        "in the pool, so 'completed' is the pool's snapshot, as before the snapshot store)")
     args = p.parse_args(argv)
     quick = args.quick
     args.rbd_sizes = [int(s) for s in args.rbd_sizes.split(",") if s.strip() and int(s) > 0]

@@ -54,6 +54,22 @@ def _wait(api: Api, path: str, target: str, timeout: float = 120.0) -> float:
         time.sleep(POLL_S)
 
 
+def _wait_gone(api: Api, path: str, timeout: float = 120.0) -> None:
+    """Until ``path`` answers 404 (a deleted snapshot is not listed) or ``deleted``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if api.get(path)["status"] == "deleted":
+                return
+        except RuntimeError as exc:
+            if "HTTP 404" in str(exc):
+                return
+            raise
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path}: not deleted within {timeout:g}s")
+        time.sleep(POLL_S)
+
+
 def _write_data(conf: Path, volume_id: str, mib: int) -> float:
     """``mib`` MiB of 4 MiB writes at random offsets of the image; MB/s."""
     t0 = time.monotonic()
@@ -163,6 +179,9 @@ def bench_size(api: Api, svc: Services, conf: Path, size_gib: int, rounds: int, 
         api.delete(f"/v1/volumes/{cid}")
         _wait(api, f"/v1/volumes/{cid}", "deleted")
         api.delete(f"/v1/snapshots/{sid}")
+        # Its deletion (an ``rbd snap rm`` and the store's copy) ends before the next round's snapshot, as
+        # the clone's does: otherwise the next snapshot queues behind it on the agent and its rbd worker.
+        _wait_gone(api, f"/v1/snapshots/{sid}")
         if (i + 1) % 5 == 0 or i + 1 == rounds:
             log(f"  {size_gib} GiB: round {i + 1}/{rounds}: snapshot {snap_ms[-1]:.0f} ms, clone {clone_ms[-1]:.0f} ms")
     out["direct"] = direct_calls(conf, vid, min(rounds, 10))
@@ -190,6 +209,8 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         svc.start_controller(VBS_CONTROLLER_OVERCOMMIT_RATIO="1000")
         agent = ("--backend", "rbd", "--export", "nbd", "--ceph-conf", str(ceph.conf_path),
                  "--ceph-user", "admin", "--rbd-pool", POOL)
+        if args.rbd_snapshot_store:
+            agent += ("--snapshot-store", args.rbd_snapshot_store)
         svc.start_agent(*agent)
         api = Api(svc.vbs.endpoint, {"authorization": f"Bearer {svc.vbs.key.bearer}"})
         try:
@@ -217,7 +238,8 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"RBD backend: snapshot and create-from-snapshot of a volume with {args.rbd_data_mib} MiB of data spread "
              f"over it, {args.rbd_rounds} rounds per size (POST until completed / available, polled every "
-             f"{POLL_S * 1000:.0f} ms; server-side = the operation's row in the DB)"]
+             f"{POLL_S * 1000:.0f} ms; server-side = the operation's row in the DB; snapshot store: "
+             f"{args.rbd_snapshot_store or 'the agent default (dir)'})"]
     if res.get("error"):
         lines.append(f"FAILED (figures below are partial): {res['error'][:500]}")
     rows = []
