@@ -346,8 +346,17 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
         exp.grants[host.name] = grant
         self._desired[key] = exp
         self._doomed.discard(key)
+        view = self._tgt.show()
+        live = view.get(self.iqn(key))
+        sizes = dict(exp.lun_sizes)
+        if live is None or exp.lun not in live.luns:
+            # The size the LUN is about to be made with goes into the one save below (each save is
+            # an fsync): apply measures it again as it makes the LUN and saves again only if it
+            # changed. A crash before the LUN exists leaves a size the restart's apply replaces.
+            exp.lun_sizes[exp.lun] = self._targets.store_size(exp)
 
         def undo() -> None:
+            exp.lun_sizes = sizes
             if old is None:
                 del exp.grants[host.name]
             else:
@@ -356,7 +365,7 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
                 del self._desired[key]
 
         with self._desired_first(undo):
-            self._targets.apply(exp, self._tgt.show(), fresh_users=fresh, tune=True)
+            self._targets.apply(exp, view, fresh_users=fresh, tune=True)
             self._sync_tunnel()
         log.info("exported %s to %s over iSCSI as %s (read_only=%s)", key, host.name, self.iqn(key), read_only)
         return self._connection(exp, grant)

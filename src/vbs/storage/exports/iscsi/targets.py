@@ -85,11 +85,13 @@ class Targets:
                 store = exp.backing_store()
                 if exp.rbd is None and self.direct_io and self._direct_ok(exp.path):
                     store += (("bsoflags", "direct"),)
-                size = self._store_size(exp)  # what tgtd reads as it opens the store just below
+                size = self.store_size(exp)  # what tgtd reads as it opens the store just below
                 self._tgt.new_lun(live, n, store)
                 lun = live.luns[n] = LiveLun(path=exp.store_path())
+                # ensure_export records the size in its own save, before the LUN is made: a second
+                # save only if the file changed in between (or a restart makes the LUN again).
+                sizes_changed = exp.lun_sizes.get(n) != size or sizes_changed
                 exp.lun_sizes[n] = size
-                sizes_changed = True
             elif lun.path != exp.store_path():
                 raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.store_path()}")
             # Thin provisioning lets an initiator zero or discard a range without sending its zeros:
@@ -146,7 +148,8 @@ class Targets:
         return free[0]
 
     @staticmethod
-    def _store_size(exp: Export) -> int:
+    def store_size(exp: Export) -> int:
+        """The bytes a LUN of ``exp`` made now would have."""
         if exp.rbd is not None:
             return exp.image_size
         try:
