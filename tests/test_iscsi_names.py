@@ -115,9 +115,13 @@ def test_a_host_that_sends_no_name_keeps_the_address_rule(make_driver: Make, vol
     c = export(drv, volume, HostIdentity(name="hv-old", address="127.0.0.1"))
     assert c.initiator_name is None and live_targets(drv)[c.iqn].acl == {"127.0.0.1"}
     assert logged_in(c)
-    # The same host upgraded: its next export call brings the name, which replaces the address.
-    c2 = export(drv, volume, HostIdentity(name="hv-old", address="127.0.0.1", initiator_name=NAME_B))
-    assert c2.chap_secret == c.chap_secret and live_targets(drv)[c.iqn].acl == {NAME_B}
+    # The same host upgraded, its disk still attached: the grant keeps what its hypervisor was
+    # given (a reconnect logs in with the old default name); the name comes with the next grant.
+    upgraded = HostIdentity(name="hv-old", address="127.0.0.1", initiator_name=NAME_B)
+    assert export(drv, volume, upgraded) == c and live_targets(drv)[c.iqn].acl == {"127.0.0.1"}
+    drv.remove_export(VOL, "hv-old")
+    c2 = export(drv, volume, upgraded)
+    assert c2.initiator_name == NAME_B and live_targets(drv)[c.iqn].acl == {NAME_B}
     assert logged_in(c2, initiator=NAME_B) and refused(c2, "Target not found", initiator=NAME_A)
 
 

@@ -340,9 +340,14 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
                            secret=new_secret(), lun=exp.lun)
             fresh.add(grant.user)
         else:
-            # Same host, maybe a new address or initiator name: same account, secret and LUNs.
-            grant = old.model_copy(update={"address": host.address, "addresses": addresses,
-                                           "initiator_name": host.initiator_name})
+            # Same host, maybe a new address: same account, secret and LUNs. The initiator name
+            # stays the one the grant was made with: the hypervisor was given it with the
+            # connection and logs in again with it after any reconnect, so a host that reports a
+            # new name (or its first, once upgraded from 0.1.0) gets it with its next grant.
+            grant = old.model_copy(update={"address": host.address, "addresses": addresses})
+            if host.initiator_name != old.initiator_name:
+                log.info("%s keeps initiator name %s for %s until that export is removed (it reports %s now)",
+                         host.name, old.initiator_name, key, host.initiator_name)
         exp.grants[host.name] = grant
         self._desired[key] = exp
         self._doomed.discard(key)
