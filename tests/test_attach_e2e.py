@@ -16,7 +16,11 @@ import pytest
 
 from tests.clouds import GUEST_DETACH_ENV, TwoHostCloud, detach_is_busy_until_forced, new_volume
 from tests.conftest import node_token, private_qmp, start_bare_vm, stop_process, wait_until
+from vbs.config import host_initiator_name
 from vbs.ids import virtio_serial
+from vbs.storage.exports.iscsi import parse_targets
+from vbs.system.argv import run
+from vbs.system.socket_paths import socket_path
 
 
 @pytest.fixture(scope="module", params=["nbd", "iscsi"])
@@ -27,7 +31,22 @@ def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield cloud
 
 
-def test_volume_moves_between_vms_on_two_hosts_with_its_data(cloud: TwoHostCloud) -> None:
+def iscsi_acls(cloud: TwoHostCloud) -> list[set[str]] | None:
+    """The ACL of each target of the storage agent's tgtd (None if none runs)."""
+    for key_file in (cloud.vbs.data_dir / "storage-state").rglob("iqn.key"):
+        base = socket_path(key_file.parent, "tgtd.sock")
+        for sock in base.parent.glob("tgtd.sock.*"):
+            control = sock.name.removeprefix("tgtd.sock.")
+            if not control.isdigit():
+                continue  # tgtd's lock file beside its socket
+            out = run(["tgtadm", "-C", control, "--lld", "iscsi", "--mode", "target", "--op", "show"], timeout=30,
+                      env={"PATH": os.environ["PATH"], "TGT_IPC_SOCKET": str(base)}).stdout
+            return [t.acl for t in parse_targets(out).values()]
+    return None
+
+
+def test_volume_moves_between_vms_on_two_hosts_with_its_data(cloud: TwoHostCloud, request: pytest.FixtureRequest
+                                                              ) -> None:
     vol_id = new_volume(cloud)
     serial = virtio_serial(vol_id)
 
@@ -36,6 +55,10 @@ def test_volume_moves_between_vms_on_two_hosts_with_its_data(cloud: TwoHostCloud
     assert cloud.vbs.volume(vol_id)["status"] == "in-use"
     dev = cloud.vm1.wait_for_disk(serial, 10)
     written = cloud.vm1.write_pattern(dev, "extendable", 8)
+    if request.node.callspec.params["cloud"] == "iscsi":
+        # host-1 reported its own initiator name, the controller passed it on, tgtd binds it (not
+        # 127.0.0.1, which every host here shares), and QEMU logged in with it.
+        assert iscsi_acls(cloud) == [{host_initiator_name("host-1")}]
 
     det = cloud.vbs.cli("detach-volume", vol_id, "--wait")
     assert det["state"] == "detached"

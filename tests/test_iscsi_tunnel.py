@@ -2,8 +2,9 @@
 
 Real tgtd behind a real stunnel on a veth address; clients in another network namespace. Only the
 attached host's certificate (the install's CA, its host name) gets through, and CHAP still
-applies behind it; a TCG guest's disk goes through the host agent's own tunnel end. Every daemon
-is stopped by PID; the namespace and veth are deleted at teardown.
+applies behind it, and the ACL holds the host's initiator name; a TCG guest's disk goes through
+the host agent's own tunnel end. Every daemon is stopped by PID; the namespace and veth are
+deleted at teardown.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 from tests import export_fixtures
 from tests.conftest import wait_until
 from tests.export_fixtures import MiB, drivers_of, guest_disk
-from tests.test_iscsi_export import tgtd_driver
+from tests.test_iscsi_export import live_targets, tgtd_driver
 from tests.test_nbd_access import Netns, netns  # noqa: F401 - the fixture
+from vbs.config import host_initiator_name
 from vbs.net.stunnel import client_config
 from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files
@@ -86,7 +88,8 @@ def login(site: Site, c: IscsiConnection, *, via: int | None = None) -> tuple[bo
     assert c.chap_secret is not None
     where = f"127.0.0.1:{via}" if via else f"{c.host}:{c.port}"
     url = f"iscsi://{c.chap_user}%{c.chap_secret.get_secret_value()}@{where}/{c.iqn}/{c.lun}"
-    proc = run(["ip", "netns", "exec", site.ns.name, "iscsi-readcapacity16", url], timeout=60, check=False)
+    name = ["-i", c.initiator_name] if c.initiator_name else []  # as the host's QEMU logs in
+    proc = run(["ip", "netns", "exec", site.ns.name, "iscsi-readcapacity16", *name, url], timeout=60, check=False)
     out = proc.stdout + proc.stderr
     return proc.returncode == 0 and f"Total size:{16 * MiB}" in out, out
 
@@ -96,9 +99,11 @@ def test_only_the_attached_hosts_certificate_gets_through_the_tunnel(
         tunnels_in_netns: list[subprocess.Popen[bytes]]) -> None:
     site = Site(tmp_path, netns)
     drv = make_driver(listen_host=netns.server, tunnel=site.node)
-    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address=netns.client))
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address=netns.client,
+                                                                initiator_name=host_initiator_name("hv-a")))
     assert isinstance(c, IscsiConnection)
     assert (c.host, c.port, c.tls) == (netns.server, drv.port, "stunnel")
+    assert drv.acl_by_name  # every login arrives from stunnel on 127.0.0.1: the ACL holds hv-a's name
     assert drv.portal == f"127.0.0.1:{drv.port}"  # tgtd itself only on loopback
 
     ok, out = login(site, c)  # plain iSCSI with the right CHAP, to the TLS port
@@ -123,6 +128,9 @@ def test_only_the_attached_hosts_certificate_gets_through_the_tunnel(
     wrong = c.model_copy(update={"chap_secret": type(c.chap_secret)("X" * 24)})
     ok, out = login(site, wrong, via=a)
     assert not ok and "Authentication failure" in out, out  # CHAP still applies behind the tunnel
+    other_name = c.model_copy(update={"initiator_name": host_initiator_name("hv-b")})
+    ok, out = login(site, other_name, via=a)
+    assert not ok and "Target not found" in out, out  # and so does hv-a's initiator name
 
     server_log = (drv.state_dir / "stunnel.log").read_text()
     assert "Rejected by CERT at depth=0: CN=hv-a" in server_log  # the other CA's
@@ -143,8 +151,10 @@ def test_a_guest_disk_through_the_host_agents_tunnel_end(
         make_driver: Callable[..., IscsiExportDriver], volume: Path, tmp_path: Path, netns: Netns) -> None:  # noqa: F811
     site = Site(tmp_path, netns)
     drv = make_driver(listen_host=netns.server, tunnel=site.node)
-    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address=netns.server))
+    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address=netns.server,
+                                                                initiator_name=host_initiator_name("hv-a")))
     assert isinstance(c, IscsiConnection) and c.tls == "stunnel"
+    assert live_targets(drv)[c.iqn].acl == {host_initiator_name("hv-a")}  # QEMU logs in with it
     with guest_disk(tmp_path, VOL, c, volume, site.host_files("hv-a"), "over-stunnel") as disk:
         (pid,) = disk.qemu.tunnels.pids()
         assert b"stunnel" in Path(f"/proc/{pid}/cmdline").read_bytes()

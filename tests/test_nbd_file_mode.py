@@ -89,7 +89,8 @@ def test_tgtd_on_a_file_system_without_o_direct_is_said_once_at_info(
         raise OSError(errno.EINVAL, "Invalid argument", path)
 
     monkeypatch.setattr(targets.os, "open", no_direct)
-    driver = targets.Targets(cast(Any, None), cast(Any, None), lambda: None, direct_io=True, session_grace=1.0)
+    driver = targets.Targets(cast(Any, None), cast(Any, None), lambda: None, direct_io=True, session_grace=1.0,
+                               by_name=False)
     with caplog.at_level(logging.DEBUG, logger="vbs.storage.exports.iscsi.targets"):
         assert [driver._direct_ok(f"/pool/vol-{k}.raw") for k in range(3)] == [False] * 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

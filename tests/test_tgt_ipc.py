@@ -133,6 +133,8 @@ FORMS: list[tuple[str, Callable[[TgtControl], object], list[str]]] = [
      [*S, "--mode", "target", "--op", "bind", "--tid", "3", "--initiator-address", "fd00::2"]),
     ("unbind address", lambda t: t.unbind_acl(LIVE, "initiator-address", "127.0.0.1"),
      [*S, "--mode", "target", "--op", "unbind", "--tid", "3", "--initiator-address", "127.0.0.1"]),
+    ("bind name", lambda t: t.bind_acl(LIVE, "initiator-name", "iqn.2026-11.org.vbs.host:hv-a"),
+     [*S, "--mode", "target", "--op", "bind", "--tid", "3", "--initiator-name", "iqn.2026-11.org.vbs.host:hv-a"]),
     ("unbind name", lambda t: t.unbind_acl(LIVE, "initiator-name", "iqn.1994-05.com.redhat:x"),
      [*S, "--mode", "target", "--op", "unbind", "--tid", "3", "--initiator-name", "iqn.1994-05.com.redhat:x"]),
     ("new file LUN", lambda t: t.new_lun(LIVE, 1, (("path", "/p/vol-1"), ("bstype", "rdwr"), ("bsoflags", "direct"))),
@@ -255,6 +257,8 @@ def test_a_request_without_fields_has_no_body_and_the_defaults_of_tgtadm() -> No
     (Request(Mode.TARGET, Op.NEW, (("targetname", IQN),), tid=1), f"targetname={IQN}"),
     (Request(Mode.TARGET, Op.UPDATE, (("InitialR2T", "No"),), tid=1), "InitialR2T=No"),
     (Request(Mode.TARGET, Op.BIND, (("initiator-address", "10.0.0.1"),), tid=1), "initiator-address=10.0.0.1"),
+    (Request(Mode.TARGET, Op.BIND, (("initiator-name", "iqn.2026-11.org.vbs.host:hv-a"),), tid=1),
+     "initiator-name=iqn.2026-11.org.vbs.host:hv-a"),
     (Request(Mode.DEVICE, Op.NEW, (("path", "/f"), ("bstype", "rdwr"), ("bsoflags", "direct")), tid=1, lun=1),
      "path=/f,bstype=rdwr,bsoflags=direct"),
     (Request(Mode.DEVICE, Op.NEW, (("path", "p/i"), ("bstype", "rbd"), ("bsopts", (("conf", "/c"), ("id", "a")))),
@@ -263,7 +267,7 @@ def test_a_request_without_fields_has_no_body_and_the_defaults_of_tgtadm() -> No
      "targetOps readonly=1,thin_provisioning=1,"),
     (Request(Mode.ACCOUNT, Op.NEW, (("user", "u"), ("password", "p"))), "user=u,password=p"),
     (Request(Mode.SYSTEM, Op.UPDATE, (("State", "offline"),), lld=""), "State=offline"),
-], ids=["target", "param", "acl", "file LUN", "rbd LUN", "LUN params", "account", "state"])
+], ids=["target", "param", "acl", "acl name", "file LUN", "rbd LUN", "LUN params", "account", "state"])
 def test_each_body_form(req: Request, body: str) -> None:
     assert fields(req)[1] == body.encode() + b"\0"
 

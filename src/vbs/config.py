@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from vbs.errors import InvalidParameter
 from vbs.net import endpoints
 from vbs.net.endpoints import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # still vbs.config's too
+from vbs.wire.connection import IQN_RE
 from vbs.wire.storage import MAX_POOLS, POOL_NAME_RE, ZONE_NAME_RE
 
 DRIVER_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -363,11 +364,25 @@ class StorageAgentConfig(_AgentSection):
         return flags.get(v.lower() if isinstance(v, str) else v, v)
 
 
+HOST_IQN_PREFIX = "iqn.2026-11.org.vbs.host"
+
+
+def host_initiator_name(node_name: str) -> str:
+    """The initiator name of a host that configures none: one per node name, the same at every start."""
+    name = f"{HOST_IQN_PREFIX}:{node_name}"
+    if not re.fullmatch(IQN_RE, name):
+        raise InvalidParameter(f"node name {node_name[:80]!r} gives no valid initiator name")
+    return name
+
+
 class HostAgentConfig(_AgentSection):
     port: int = Field(8772, ge=1, le=65535)
     node_name: str = Field("host-1", pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")
     address: str = "127.0.0.1"
-    initiator_name: str | None = None
+    # The iSCSI initiator name this host's QEMU (libiscsi) and libvirt log in with; by default
+    # derived from node_name (``host_initiator_name``). Storage agents on loopback or behind the TLS
+    # tunnel bind it in their targets' ACL, where the address tells no host from another.
+    initiator_name: str | None = Field(None, pattern=IQN_RE)
     vm_dir: Path = Path("./var/vms")
     # Where the agent keeps what must outlive it (the highest fence seen per volume); None: in memory.
     state_dir: Path | None = None
@@ -394,6 +409,12 @@ class HostAgentConfig(_AgentSection):
     # or VBS_HOST_AGENT_LOCAL_POOLS), made by the storage agents' backend drivers (local_backend).
     local_pools: Pools = Field(default_factory=list)
     local_backend: str = Field("file", pattern=DRIVER_NAME_RE)
+
+    @model_validator(mode="after")
+    def _initiator_name_of_the_node(self) -> HostAgentConfig:
+        if self.initiator_name is None:
+            self.initiator_name = host_initiator_name(self.node_name)
+        return self
 
     @model_validator(mode="after")
     def _local_pools_are_distinct(self) -> HostAgentConfig:

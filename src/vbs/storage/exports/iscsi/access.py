@@ -1,5 +1,6 @@
-"""Who may log in to a target: the names (IQN per key, CHAP user per key and host), the address
-ACL and the CHAP accounts in tgtd, bound and unbound without leaving tgt a hole in its slots."""
+"""Who may log in to a target: the names (IQN per key, CHAP user per key and host), the ACL (the
+host's initiator name, or its address) and the CHAP accounts in tgtd, bound and unbound without
+leaving tgt a hole in its slots."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ _CHAP_USER_MAX = 64  # IscsiConnection.chap_user limit
 def acl_kind(entry: str) -> AclKind:
     """What an ACL entry is, as tgtd's ``show`` lists it: an initiator name or an address."""
     return "initiator-name" if entry.startswith(("iqn.", "eui.", "naa.")) else "initiator-address"
+
+
+def acl_entries(grant: Grant, *, by_name: bool) -> list[str]:
+    """What the ACL holds for a grant: the host's initiator name where addresses tell no host from
+    another (``by_name``: tgtd on loopback, or behind the TLS tunnel where every login comes from
+    stunnel on 127.0.0.1) and the host gave one; its addresses otherwise. Never both: tgt admits a
+    login whose address OR whose name is bound, so a name next to an address would admit that name
+    from any address (measured on tgt 1.0.85; tests/test_iscsi_names.py)."""
+    if by_name and grant.initiator_name:
+        return [grant.initiator_name]
+    return list(grant.addresses)
 
 
 def is_loopback(host: str) -> bool:

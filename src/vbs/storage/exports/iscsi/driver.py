@@ -6,7 +6,8 @@ iSCSI exports from one userspace tgtd per storage agent, driven on its managemen
 requests tgtadm would send (tgt_ipc: no process per request; timeouts).
 
 One target per key (``<iqn_prefix>:t<the key, sealed>``, a volume or a snapshot a hypervisor copies into), LUN 1
-backed by its file, an address ACL entry and a CHAP account per (key, host); desired state survives
+backed by its file, an ACL entry (the host's initiator name, or its address) and a CHAP account
+per (key, host); desired state survives
 tgtd and agent restarts.
 
 Online resize (a LUN of the grown size beside the one a host uses): resize_calls.py.
@@ -45,9 +46,13 @@ log = logging.getLogger(__name__)
 
 # What tgt 1.0.85 (Debian 12) does, measured here, and what this module does about it:
 # * ACL entries are alternatives: a login is admitted if its address OR its initiator name is
-#   bound. Binding a host's initiator name next to its address would admit that name from any
-#   address, so only addresses are bound. The host's initiator name goes back in the connection
-#   info (the hypervisor logs in with it, so sessions are identifiable) but grants nothing.
+#   bound (an address ACL of 127.0.0.2 plus a name admits that name from 127.0.0.1). So each grant
+#   binds one kind (access.acl_entries): where tgtd listens on loopback (`vbs up`, or behind the
+#   TLS tunnel, where every login comes from stunnel on 127.0.0.1) the address tells no host from
+#   another, and the host's initiator name is bound instead (a host that sends none, an agent of
+#   0.1.0, keeps its address). Plain TCP off loopback (--insecure) binds addresses only: a name
+#   next to them would admit it from anywhere. The name goes back in the connection info: the
+#   hypervisor logs in with it.
 # * A target with no account bound admits logins without CHAP: accounts are bound before the
 #   first ACL entry and unbound after the last one.
 # * ACLs and accounts are per target, not per LUN or per host: on a multi-attached volume each
@@ -69,8 +74,8 @@ log = logging.getLogger(__name__)
 # no tgtadm: every request, accounts included, goes on tgtd's management socket (tgt_ipc), so no
 # secret is on any command line. tgtd runs with a minimal environment. Secrets are never logged.
 # Off loopback (``tunnel``): tgtd listens on 127.0.0.1 behind a stunnel on the export address that
-# admits only certificates of hosts with an export here (vbs.net.stunnel); the ACL then holds
-# 127.0.0.1, where stunnel connects from.
+# admits only certificates of hosts with an export here (vbs.net.stunnel); the ACL then holds the
+# hosts' initiator names (or 127.0.0.1, where stunnel connects from, for a host that gives none).
 
 SUN_PATH_MAX = 107  # sockaddr_un.sun_path minus the NUL; tgtd truncates longer paths silently
 CONTROL_MAX = 32767  # tgtd and tgtadm refuse a larger -C
@@ -170,8 +175,10 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
         self._doomed: set[str] = set()  # keys whose target teardown is unfinished (sessions)
         self._tgt = TgtControl(control_port, self.socket_base, adm_timeout)
         self._access = Access(self._tgt, iqn_prefix, state_dir)
+        # Addresses identify a host only where tgtd itself is reached over the network.
+        self.acl_by_name = tunnel is not None or is_loopback(listen_host)
         self._targets = Targets(self._tgt, self._access, self._save, direct_io=direct_io,
-                                session_grace=session_grace)
+                                session_grace=session_grace, by_name=self.acl_by_name)
         state = DesiredState(state_dir / "exports.json", Export, version=STATE_VERSION, upgrades={1: upgrade_v1})
         super().__init__(state_dir, state, listen_host=listen_host, port=port, advertise_host=advertise_host)
 
@@ -307,7 +314,8 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
 
     def _ensure(self, item: Export | None, key: str, source: ExportSource, host: HostIdentity, read_only: bool
                 ) -> Connection:
-        """A LUN of the key's target for the host (its address in the ACL, its own CHAP account);
+        """A LUN of the key's target for the host (its initiator name or address in the ACL, see
+        ``access.acl_entries``; its own CHAP account);
         the same (key, host) gets the same connection and secret. The LUN is 1 until a refresh
         (online resize): then the host's current one, or for a host that joins, the newest one.
 
@@ -332,14 +340,28 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
                            secret=new_secret(), lun=exp.lun)
             fresh.add(grant.user)
         else:
-            # Same host, maybe a new address or initiator name: same account, secret and LUNs.
-            grant = old.model_copy(update={"address": host.address, "addresses": addresses,
-                                           "initiator_name": host.initiator_name})
+            # Same host, maybe a new address: same account, secret and LUNs. The initiator name
+            # stays the one the grant was made with: the hypervisor was given it with the
+            # connection and logs in again with it after any reconnect, so a host that reports a
+            # new name (or its first, once upgraded from 0.1.0) gets it with its next grant.
+            grant = old.model_copy(update={"address": host.address, "addresses": addresses})
+            if host.initiator_name != old.initiator_name:
+                log.info("%s keeps initiator name %s for %s until that export is removed (it reports %s now)",
+                         host.name, old.initiator_name, key, host.initiator_name)
         exp.grants[host.name] = grant
         self._desired[key] = exp
         self._doomed.discard(key)
+        view = self._tgt.show()
+        live = view.get(self.iqn(key))
+        sizes = dict(exp.lun_sizes)
+        if live is None or exp.lun not in live.luns:
+            # The size the LUN is about to be made with goes into the one save below (each save is
+            # an fsync): apply measures it again as it makes the LUN and saves again only if it
+            # changed. A crash before the LUN exists leaves a size the restart's apply replaces.
+            exp.lun_sizes[exp.lun] = self._targets.store_size(exp)
 
         def undo() -> None:
+            exp.lun_sizes = sizes
             if old is None:
                 del exp.grants[host.name]
             else:
@@ -348,7 +370,7 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
                 del self._desired[key]
 
         with self._desired_first(undo):
-            self._targets.apply(exp, self._tgt.show(), fresh_users=fresh, tune=True)
+            self._targets.apply(exp, view, fresh_users=fresh, tune=True)
             self._sync_tunnel()
         log.info("exported %s to %s over iSCSI as %s (read_only=%s)", key, host.name, self.iqn(key), read_only)
         return self._connection(exp, grant)

@@ -25,7 +25,7 @@ class Grant(BaseModel):
     host: str
     address: str  # as the host identity gave it
     addresses: list[str]  # numeric, what the ACL holds (resolved once, not at every check)
-    initiator_name: str | None
+    initiator_name: str | None  # bound instead of the addresses where tgtd is on loopback; fixed per grant
     user: str
     secret: str
     lun: int = LUN  # the LUN this host is given

@@ -15,7 +15,7 @@ from pathlib import Path
 from vbs.errors import DriverError
 from vbs.storage.copy import punches_holes
 
-from .access import Access, acl_kind
+from .access import Access, acl_entries, acl_kind
 from .control import E_ABSENT, E_ACTIVE, AdmError, TgtControl
 from .state import Export, LiveLun, LiveTarget, View
 
@@ -35,8 +35,10 @@ class Targets:
     """Applies each key's desired target to tgtd, and removes targets."""
 
     def __init__(self, tgt: TgtControl, access: Access, save: Callable[[], None], *, direct_io: bool,
-                 session_grace: float) -> None:
-        self.direct_io, self.session_grace = direct_io, session_grace
+                 session_grace: float, by_name: bool) -> None:
+        """``by_name``: bind the hosts' initiator names rather than their addresses (see
+        ``access.acl_entries``)."""
+        self.direct_io, self.session_grace, self.by_name = direct_io, session_grace, by_name
         self._no_direct_told = False  # a file system without O_DIRECT: said once, with what it means
         self._punches: dict[str, bool] = {}  # per directory of backing files: whether it punches holes
         self._tgt, self._access, self._save = tgt, access, save
@@ -83,11 +85,13 @@ class Targets:
                 store = exp.backing_store()
                 if exp.rbd is None and self.direct_io and self._direct_ok(exp.path):
                     store += (("bsoflags", "direct"),)
-                size = self._store_size(exp)  # what tgtd reads as it opens the store just below
+                size = self.store_size(exp)  # what tgtd reads as it opens the store just below
                 self._tgt.new_lun(live, n, store)
                 lun = live.luns[n] = LiveLun(path=exp.store_path())
+                # ensure_export records the size in its own save, before the LUN is made: a second
+                # save only if the file changed in between (or a restart makes the LUN again).
+                sizes_changed = exp.lun_sizes.get(n) != size or sizes_changed
                 exp.lun_sizes[n] = size
-                sizes_changed = True
             elif lun.path != exp.store_path():
                 raise DriverError(f"target {live.iqn} serves {lun.path} as LUN {n}, not {exp.store_path()}")
             # Thin provisioning lets an initiator zero or discard a range without sending its zeros:
@@ -110,7 +114,9 @@ class Targets:
             sizes_changed = exp.lun_sizes.pop(n, None) is not None or sizes_changed
 
         want_users = {g.user: g for g in exp.grants.values()}
-        want_acl = {a for g in exp.grants.values() for a in g.addresses}
+        # Recomputed from the grants at every apply: a state file written before names were bound
+        # gets them at the next reconcile (agent start, check()).
+        want_acl = {a for g in exp.grants.values() for a in acl_entries(g, by_name=self.by_name)}
         # Accounts before the ACL opens: a target with an ACL entry and no account admits logins
         # without CHAP.
         stale = [u for u in live.accounts if u not in want_users or u in fresh_users]
@@ -124,11 +130,11 @@ class Targets:
             self._access.create_account(grant, view)
             self._tgt.bind_account(live, user)
             live.accounts.append(user)
-        for address in sorted(want_acl - live.acl):
-            self._tgt.bind_acl(live, "initiator-address", address)
-            live.acl.add(address)
+        for entry in sorted(want_acl - live.acl):
+            self._tgt.bind_acl(live, acl_kind(entry), entry)
+            live.acl.add(entry)
         for entry in sorted(live.acl - want_acl):
-            # Initiator names included: bound by hand, one would admit its name from any address.
+            # Whatever else is bound (by hand, or the addresses a name replaces) would widen access.
             self._access.unbind_acl(live, acl_kind(entry), entry)
         return sizes_changed
 
@@ -142,7 +148,8 @@ class Targets:
         return free[0]
 
     @staticmethod
-    def _store_size(exp: Export) -> int:
+    def store_size(exp: Export) -> int:
+        """The bytes a LUN of ``exp`` made now would have."""
         if exp.rbd is not None:
             return exp.image_size
         try:
