@@ -22,7 +22,7 @@ from vbs.rigs.testguest.bench_image import FIO_LOADER, FIO_PATH
 from vbs.rigs.testguest.bonnie import load_ext2
 from vbs.rigs.testguest.guest import TestGuest
 
-__all__ = ["ENGINE", "FIO_MOUNT", "FIO_SERIAL", "FioJob", "FioResult", "fill", "mount_fio", "run_fio"]
+__all__ = ["ENGINE", "FIO_MOUNT", "FIO_SERIAL", "FioJob", "FioResult", "fill", "mount_fio", "parse_json", "run_fio"]
 
 FIO_MOUNT = "/opt/fio"
 FIO_SERIAL = "benchfio"
@@ -96,7 +96,7 @@ def run_fio(guest: TestGuest, dev: str, job: FioJob, timeout: float | None = Non
     rc, out = guest.run(cmd, timeout if timeout is not None else job.runtime + 600)
     if rc != 0:
         raise DriverError(f"fio on {path} failed ({rc}): {out.strip()[-800:]}")
-    return _parse(out, "write" if "write" in job.rw else "read")
+    return parse_json(out, "write" if "write" in job.rw else "read")
 
 
 def fill(guest: TestGuest, dev: str, timeout: float = 3600) -> FioResult:
@@ -105,10 +105,11 @@ def fill(guest: TestGuest, dev: str, timeout: float = 3600) -> FioResult:
     return run_fio(guest, dev, FioJob("write", MIB, 8, 0), timeout)
 
 
-def _parse(out: str, side: str) -> FioResult:
-    start = out.find("{")
+def parse_json(out: str, side: str) -> FioResult:
+    """The figures of the first job's ``side`` ("read" or "write") in fio's JSON output (after any warnings)."""
+    found = re.search(r"^\{", out, re.MULTILINE)  # the document starts a line; a warning may hold a brace
     try:
-        doc: dict[str, Any] = json.loads(out[start:]) if start >= 0 else {}
+        doc: dict[str, Any] = json.loads(out[found.start():]) if found else {}
         stats = doc["jobs"][0][side]
         return FioResult(iops=float(stats["iops"]), bytes_s=float(stats["bw_bytes"]),
                          lat_mean_us=float(stats["clat_ns"]["mean"]) / 1000)
