@@ -179,6 +179,24 @@ def attach_volume(vbs: Vbs, guest: TestGuest) -> str:
     return volume_id
 
 
+def start_install(work: Path, export: str, guest: TestGuest) -> tuple[VbsUp, Vbs]:
+    """``vbs up --export EXPORT`` in ``work/EXPORT`` whose host agent finds ``guest`` (its VM directory holds
+    a link to the guest's monitor socket unless the guest's monitor is there already), once it reports
+    the guest's instance. One install at a time holds the guest's monitor: stop the last one first."""
+    vms = work / export / "var" / "vms"
+    vms.mkdir(parents=True, exist_ok=True)
+    if guest.qmp_path.parent.resolve() != vms.resolve():
+        (vms / guest.qmp_path.name).symlink_to(guest.qmp_path)
+    up = VbsUp(work / export / "var", work / export / "up.log", extra=["--export", export])
+    vbs = up.start()
+    try:
+        wait_instance(vbs)
+    except BaseException:
+        up.stop()
+        raise
+    return up, vbs
+
+
 def detach_volume(vbs: Vbs, guest: TestGuest, volume_id: str) -> None:
     r = vbs.http.post(f"/v1/volumes/{volume_id}/detach", json={})
     if r.status_code != 200:
@@ -321,13 +339,8 @@ def main() -> int:
             results.append(figures)
         if "vbs-iscsi" in disks:
             up.stop()  # the NBD install lets go of the guest's monitor; the iSCSI one takes it
-            vms = tmp / "iscsi" / "var" / "vms"
-            vms.mkdir(parents=True)
-            (vms / f"{VM}.qmp").symlink_to(guest.qmp_path)
-            up = VbsUp(tmp / "iscsi" / "var", tmp / "iscsi" / "up.log", extra=["--export", "iscsi"])
+            up, vbs = start_install(tmp, "iscsi", guest)
             ups.append(up)
-            vbs = up.start()
-            wait_instance(vbs)
             volume_id = attach_volume(vbs, guest)
             results.append(bench_disk(guest, virtio_serial(volume_id), "vbs-iscsi", size, rounds))
             detach_volume(vbs, guest, volume_id)

@@ -81,6 +81,8 @@ BENCHES = (
     Bench("migrate", "migrate.py", (), ("--mib", "64")),
     Bench("rtt", "rtt.py", (), ("--quick",)),
     Bench("bonnie", "bonnie.py", (), ("--quick",), ("--quick",)),
+    # fio inside the bench guest on VBS's NBD, nbdkit and iSCSI volumes against a local disk of that guest.
+    Bench("guest_datapath", "guest_datapath.py", (), ("--quick",)),
 )
 
 

@@ -11,7 +11,8 @@
 
 ``build_guest(bench=True)`` is the bench flavour: the same guest with Debian's bonnie++ and ext2
 (``bench_image``), which ``vbs.rigs.testguest.bonnie`` drives (bench/bonnie.py, the paper's (docs/architecture.md §1)
-experiment).
+experiment), and Debian's fio on a read-only disk image beside it, which ``vbs.rigs.testguest.fio`` mounts
+and runs (bench/guest_datapath.py). ``TestGuest(cpus=N)`` gives a guest N vCPUs (default one).
 """
 
 from vbs.rigs.testguest.build import GuestImage, build_guest, default_cache_dir

@@ -1,10 +1,18 @@
-"""What the "bench" flavour of the test guest adds: Debian's bonnie++ and an ext2 filesystem to run it on.
+"""What the "bench" flavour of the test guest adds: Debian's bonnie++ and an ext2 filesystem to run it on,
+and Debian's fio on a disk of its own.
 
 bonnie++ comes from its .deb with the shared libraries its ELF asks for (resolved by the host's
 ``ldd``: Debian's libstdc++, libgcc_s, libc, libm and the loader); the filesystem from the kernel
 package's own modules (ext2 itself, or ext4 where the kernel serves ext2 with it:
 ``CONFIG_EXT4_USE_FOR_EXT2``) with the dependencies (and pre-softdeps) their .modinfo names; ``mke2fs`` is busybox's.
 The guest loads the modules listed in ``FS_MODULE_ORDER`` before its first mount (``vbs.rigs.testguest.bonnie``).
+
+fio comes from its .deb too, with its libraries found the same way, but not in the initramfs: Debian
+builds it with every engine (rbd, glusterfs, rdma, nbd, pmem), so it loads about 80 MiB of libraries,
+and an initramfs lives in the guest's RAM (bonnie.py's guest has 128 MiB, and its figures depend on
+that). They go into a read-only ext2 image beside the kernel (``FIO_DISK``, made by the host's
+``mke2fs -d``) that ``vbs.rigs.testguest.fio`` hot-plugs and mounts when a benchmark wants fio; the
+guest runs it through the image's own loader (``FIO_LOADER``) with the image's library directories.
 """
 
 from __future__ import annotations
@@ -16,10 +24,15 @@ from pathlib import Path
 from vbs.errors import DriverError
 from vbs.system import argv
 
-__all__ = ["BONNIE_PACKAGE", "BONNIE_PATH", "FS_MODULE_DIR", "FS_MODULE_ORDER", "bench_files", "fs_modules"]
+__all__ = ["BONNIE_PACKAGE", "BONNIE_PATH", "FIO_DISK", "FIO_LOADER", "FIO_PACKAGE", "FIO_PATH", "FS_MODULE_DIR",
+           "FS_MODULE_ORDER", "bench_files", "fio_files", "fs_modules", "make_ext2_image"]
 
 BONNIE_PACKAGE = "bonnie++"
 BONNIE_PATH = "/usr/sbin/bonnie++"
+FIO_PACKAGE = "fio"
+FIO_PATH = "/usr/bin/fio"
+FIO_DISK = "fio.ext2"  # beside the kernel and initrd.img of the bench flavour
+FIO_LOADER = "/lib64/ld-linux-x86-64.so.2"
 FS_MODULE_DIR = "/lib/modules/fs"
 FS_MODULE_ORDER = "/lib/modules/fs.order"
 # bonnie++ -u looks the user up: a passwd and group file with root alone.
@@ -44,6 +57,34 @@ def bench_files(bonnie_root: Path, kernel_root: Path, kernel_release: str) -> di
         files[f"{FS_MODULE_DIR.lstrip('/')}/{name}.ko"] = data
     files[FS_MODULE_ORDER.lstrip("/")] = "".join(f"{name}\n" for name in modules).encode()
     return files
+
+
+def fio_files(fio_root: Path) -> dict[str, bytes]:
+    """Path in the fio disk (no leading /) -> contents: fio and every library it loads, the loader too."""
+    binary = fio_root / FIO_PATH.lstrip("/")
+    if not binary.is_file():
+        raise DriverError(f"{FIO_PACKAGE} has no {FIO_PATH}")
+    files = {FIO_PATH.lstrip("/"): binary.read_bytes()}
+    for lib in _shared_libraries(binary):
+        files[str(lib).lstrip("/")] = lib.resolve().read_bytes()
+    if FIO_LOADER.lstrip("/") not in files:
+        raise DriverError(f"{FIO_PATH} does not name the loader {FIO_LOADER}")
+    return files
+
+
+def make_ext2_image(files: dict[str, bytes], image: Path, work: Path) -> None:
+    """A read-only-sized ext2 image at ``image`` holding ``files`` (relative path -> contents), made by the
+    host's ``mke2fs -d`` from a tree under ``work``: no mount, no loop device."""
+    tree = work / "tree"
+    for path, data in files.items():
+        target = tree / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        target.chmod(0o755)
+    # Room for the metadata: 4 KiB blocks, a tenth more, and 8 MiB for the tables.
+    kib = (sum((len(d) + 4095) // 4096 * 4 for d in files.values()) * 11) // 10 + 8192
+    argv.run(["mke2fs", "-q", "-F", "-t", "ext2", "-b", "4096", "-L", "fio", "-E", "root_owner=0:0",
+              "-d", str(tree), str(image), f"{kib}k"], timeout=300)
 
 
 def _shared_libraries(binary: Path) -> list[Path]:

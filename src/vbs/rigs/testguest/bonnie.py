@@ -16,7 +16,8 @@ from vbs.errors import DriverError, InvalidParameter
 from vbs.rigs.testguest.bench_image import BONNIE_PATH, FS_MODULE_DIR, FS_MODULE_ORDER
 from vbs.rigs.testguest.guest import TestGuest
 
-__all__ = ["BonnieSize", "BonnieResult", "PAPER_COLUMNS", "mount_ext2", "unmount", "run_bonnie", "parse_csv"]
+__all__ = ["BonnieSize", "BonnieResult", "PAPER_COLUMNS", "load_ext2", "mount_ext2", "unmount", "run_bonnie",
+           "parse_csv"]
 
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$")
 _DIR_RE = re.compile(r"^/mnt/[a-z][a-z0-9]{0,15}$")
@@ -118,12 +119,18 @@ def mount_ext2(guest: TestGuest, dev: str, mountpoint: str) -> None:
     and mount it on ``mountpoint``."""
     path = _dev_path(dev)
     _check_dir(mountpoint)
+    load_ext2(guest)
+    guest.check(f"mke2fs -b 4096 {path} >/dev/null && mkdir -p {mountpoint} && mount -t ext2 {path} {mountpoint}",
+                timeout=600)
+
+
+def load_ext2(guest: TestGuest, timeout: float = 600) -> None:
+    """Load the guest's ext2 driver (the modules of ``FS_MODULE_ORDER``) unless it has it already."""
     guest.check(
         f"grep -qw ext2 /proc/filesystems || for m in $(cat {FS_MODULE_ORDER}); do "
         f'grep -q "^$m " /proc/modules || insmod {FS_MODULE_DIR}/$m.ko || exit 1; done; '
-        f"grep -qw ext2 /proc/filesystems && mke2fs -b 4096 {path} >/dev/null && mkdir -p {mountpoint} && "
-        f"mount -t ext2 {path} {mountpoint}",
-        timeout=600,
+        f"grep -qw ext2 /proc/filesystems",
+        timeout=timeout,
     )
 
 

@@ -3,7 +3,7 @@
 Only Debian's package tools are needed (``apt-get download``, ``dpkg -x``); nothing is installed on the
 host. The result is cached, keyed by the kernel and busybox package versions and the init script.
 ``build_guest(bench=True)`` builds the "bench" flavour beside it: the same guest plus bonnie++ and
-ext2 (``bench_image``); the default guest stays small and quick to boot.
+ext2, and fio on a disk image of its own (``bench_image``); the default guest stays small and quick to boot.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vbs.errors import DriverError
-from vbs.rigs.testguest.bench_image import BONNIE_PACKAGE, bench_files
+from vbs.rigs.testguest.bench_image import (
+    BONNIE_PACKAGE,
+    FIO_DISK,
+    FIO_PACKAGE,
+    bench_files,
+    fio_files,
+    make_ext2_image,
+)
 from vbs.system import argv
 
 __all__ = ["GuestImage", "build_guest", "default_cache_dir", "MODULES"]
@@ -48,6 +55,8 @@ _BENCH_SUFFIX = "-bench"
 class GuestImage:
     kernel: Path
     initrd: Path
+    # The bench flavour's read-only ext2 image with fio (``vbs.rigs.testguest.fio`` attaches it).
+    fio_disk: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -59,12 +68,13 @@ def default_cache_dir() -> Path:
 
 def build_guest(cache_dir: Path | None = None, bench: bool = False) -> GuestImage:
     """Return the cached guest image, building it first if this kernel/busybox/init has none yet.
-    ``bench``: the flavour with bonnie++ and ext2 (a bigger initramfs, for bench/bonnie.py)."""
+    ``bench``: the flavour with bonnie++ and ext2 (a bigger initramfs, for bench/bonnie.py) and a disk
+    image with fio (bench/guest_datapath.py)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     init_text = INIT_SCRIPT.read_bytes()
     flavour = _BENCH_SUFFIX if bench else ""
     try:
-        kernel_pkg, kernel_ver, busybox_ver, bonnie_ver = _current_packages(bench)
+        kernel_pkg, kernel_ver, busybox_ver, bench_vers = _current_packages(bench)
     except DriverError:
         # No package lists (offline, no apt-get update): any guest built before still does the job.
         built = (p for p in cache.glob("linux-image-*") if _image_in(p) and bench == p.name.endswith(_BENCH_SUFFIX))
@@ -77,7 +87,7 @@ def build_guest(cache_dir: Path | None = None, bench: bool = False) -> GuestImag
         raise
     parts = [busybox_ver.encode(), init_text, " ".join(MODULES).encode()]
     if bench:
-        parts += [bonnie_ver.encode(), Path(__file__).with_name("bench_image.py").read_bytes()]
+        parts += [*(v.encode() for v in bench_vers), Path(__file__).with_name("bench_image.py").read_bytes()]
     digest = hashlib.sha256(b"\0".join(parts))
     target = cache / f"{kernel_pkg}_{_safe(kernel_ver)}-{digest.hexdigest()[:12]}{flavour}"
     image = _image_in(target)
@@ -106,7 +116,8 @@ def _image_in(directory: Path) -> GuestImage | None:
     initrd = directory / "initrd.img"
     for name in ("vmlinux", "vmlinuz"):
         if (directory / name).is_file() and initrd.is_file():
-            return GuestImage(kernel=directory / name, initrd=initrd)
+            fio_disk = directory / FIO_DISK
+            return GuestImage(kernel=directory / name, initrd=initrd, fio_disk=fio_disk if fio_disk.is_file() else None)
     return None
 
 
@@ -114,10 +125,11 @@ def _safe(version: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", version)
 
 
-def _current_packages(bench: bool) -> tuple[str, str, str, str]:
-    """(kernel image package, its version, busybox-static version, bonnie++ version or "" unless
-    ``bench``), in one apt-cache call."""
-    packages = [KERNEL_META_PACKAGE, BUSYBOX_PACKAGE, *([BONNIE_PACKAGE] if bench else [])]
+def _current_packages(bench: bool) -> tuple[str, str, str, tuple[str, ...]]:
+    """(kernel image package, its version, busybox-static version, the versions of the bench flavour's
+    packages (bonnie++, fio) or () unless ``bench``), in one apt-cache call."""
+    extras = [BONNIE_PACKAGE, FIO_PACKAGE] if bench else []
+    packages = [KERNEL_META_PACKAGE, BUSYBOX_PACKAGE, *extras]
     proc = argv.run(["apt-cache", "show", "--no-all-versions", *packages], timeout=60, check=False)
     fields: dict[str, dict[str, str]] = {}
     for stanza in proc.stdout.split("\n\n"):
@@ -129,10 +141,10 @@ def _current_packages(bench: bool) -> tuple[str, str, str, str]:
     pin = re.search(r"(linux-image-[0-9][A-Za-z0-9.+-]*-amd64) \(= ([^)]+)\)", (meta or {}).get("Depends", ""))
     if pin is None or busybox is None or "Version" not in busybox:
         raise DriverError(f"apt-cache knows no {KERNEL_META_PACKAGE} / {BUSYBOX_PACKAGE}; run 'apt-get update' first")
-    bonnie = fields.get(BONNIE_PACKAGE, {}).get("Version", "")
-    if bench and not bonnie:
-        raise DriverError(f"apt-cache knows no {BONNIE_PACKAGE}; run 'apt-get update' first")
-    return pin.group(1), pin.group(2), busybox["Version"], bonnie
+    versions = tuple(fields.get(name, {}).get("Version", "") for name in extras)
+    if missing := [name for name, version in zip(extras, versions, strict=True) if not version]:
+        raise DriverError(f"apt-cache knows no {', '.join(missing)}; run 'apt-get update' first")
+    return pin.group(1), pin.group(2), busybox["Version"], versions
 
 
 def _download_and_extract(package: str, work: Path) -> Path:
@@ -166,6 +178,7 @@ def _build_into(work: Path, out: Path, kernel_pkg: str, init_text: bytes, bench:
     extra: dict[str, bytes] = {}
     if bench:
         extra = bench_files(_download_and_extract(BONNIE_PACKAGE, work), kernel_root, kernel_release)
+        make_ext2_image(fio_files(_download_and_extract(FIO_PACKAGE, work)), out / FIO_DISK, work / "fio")
     (out / "initrd.img").write_bytes(_initramfs(busybox.read_bytes(), applets, modules, init_text, extra))
 
 

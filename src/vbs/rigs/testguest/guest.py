@@ -41,6 +41,7 @@ _SEED_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _MAX_LINE = 4000
 MIB = 1024 * 1024
 MAX_ROOT_PORTS = 32
+MAX_CPUS = 8
 
 
 def qmp_execute(socket: Path, command: str, args: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
@@ -68,18 +69,22 @@ KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 no_timer_check"
 
 
 def qemu_argv(name: str, image: GuestImage, qmp_path: Path, *, machine: str = "pc", memory_mib: int = 256,
-              root_ports: int = 0, serial: str = "stdio") -> list[str]:
+              root_ports: int = 0, serial: str = "stdio", cpus: int = 1) -> list[str]:
     """The QEMU command line that boots the test guest ``name`` (TCG) with its QMP monitor at ``qmp_path``,
     its serial console (the protocol of ``init.sh``) on ``serial`` (a QEMU chardev: ``stdio``,
     ``unix:PATH,server=on,wait=off``) and ``root_ports`` empty PCIe root ports ``rp1``, ``rp2``, … (a q35
-    machine hot-plugs disks only into those)."""
+    machine hot-plugs disks only into those). ``cpus`` vCPUs (QEMU's multi-threaded TCG: one host thread
+    each); one leaves ``-smp`` out."""
     if not 0 <= root_ports <= MAX_ROOT_PORTS:
         raise InvalidParameter(f"root_ports is 0-{MAX_ROOT_PORTS}, not {root_ports}")
+    if not 1 <= cpus <= MAX_CPUS:
+        raise InvalidParameter(f"cpus is 1-{MAX_CPUS}, not {cpus}")
     return [
         "qemu-system-x86_64",
         "-accel", "tcg",
         "-machine", machine,
         "-m", str(memory_mib),
+        *(["-smp", str(cpus)] if cpus != 1 else []),
         "-nodefaults",
         "-display", "none",
         "-name", name,
@@ -108,6 +113,7 @@ class TestGuest:
         memory_mib: int = 256,
         root_ports: int = 0,
         cold: bool = False,
+        cpus: int = 1,
     ) -> None:
         """``cold``: boot the kernel from scratch; by default the guest resumes a saved boot of the same
         image and shape (``warm.py``), as fast as a guest can start."""
@@ -125,6 +131,9 @@ class TestGuest:
         if not 0 <= root_ports <= MAX_ROOT_PORTS:
             raise InvalidParameter(f"root_ports is 0-{MAX_ROOT_PORTS}, not {root_ports}")
         self.root_ports = root_ports
+        if not 1 <= cpus <= MAX_CPUS:
+            raise InvalidParameter(f"cpus is 1-{MAX_CPUS}, not {cpus}")
+        self.cpus = cpus
         self.cold = cold
         self.boot_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -146,7 +155,7 @@ class TestGuest:
         self.qmp_path.parent.mkdir(parents=True, exist_ok=True)
         if not self.cold and not self._incoming:
             state = warm.saved_state(self.image, warm.Shape(self.machine, self.memory_mib, self.root_ports,
-                                                            KERNEL_CMDLINE))
+                                                            KERNEL_CMDLINE, self.cpus))
             if self._resume(state):
                 return self
             log.warning("test guest %s: QEMU could not resume %s; booting it instead", self.name, state)
@@ -158,7 +167,7 @@ class TestGuest:
         argv = [
             *qemu_argv(self.name, self.image, qmp_path or self.qmp_path, machine=self.machine,
                        memory_mib=self.memory_mib,
-                       root_ports=self.root_ports, serial="stdio"),
+                       root_ports=self.root_ports, serial="stdio", cpus=self.cpus),
             "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off",
             *extra,
         ]  # fmt: skip
@@ -216,7 +225,7 @@ class TestGuest:
         the guest runs there and its console is the twin's: use the twin for commands from then on
         (it knows the disks this guest reported; it sees no boot)."""
         twin = TestGuest(self.name, workdir, self.image, qmp_dir, machine=self.machine, memory_mib=self.memory_mib,
-                         root_ports=self.root_ports)
+                         root_ports=self.root_ports, cpus=self.cpus)
         twin._incoming = True
         with self._cond:
             twin._disks = dict(self._disks)

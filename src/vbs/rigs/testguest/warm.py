@@ -49,14 +49,17 @@ SETTLE_S = 4.0
 
 
 class Shape:
-    """The QEMU options a saved state must be resumed with: the same machine, memory and root ports."""
+    """The QEMU options a saved state must be resumed with: the same machine, memory, root ports and vCPUs."""
 
-    def __init__(self, machine: str, memory_mib: int, root_ports: int, cmdline: str) -> None:
+    def __init__(self, machine: str, memory_mib: int, root_ports: int, cmdline: str, cpus: int = 1) -> None:
         self.machine, self.memory_mib, self.root_ports, self.cmdline = machine, memory_mib, root_ports, cmdline
+        self.cpus = cpus
 
     def key(self, image: GuestImage) -> str:
         parts = [FORMAT, _qemu_version(), str(image.kernel), str(image.initrd), _stamp(image.kernel),
                  _stamp(image.initrd), self.machine, str(self.memory_mib), str(self.root_ports), self.cmdline]
+        if self.cpus != 1:  # one vCPU keeps the key it had before guests could have more
+            parts.append(f"cpus={self.cpus}")
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -86,7 +89,7 @@ def _save(image: GuestImage, shape: Shape, path: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="vbs-guest-state-") as tmp:
         work = Path(tmp)
         guest = TestGuest("state", work, image, work, machine=shape.machine, memory_mib=shape.memory_mib,
-                          root_ports=shape.root_ports, cold=True)
+                          root_ports=shape.root_ports, cpus=shape.cpus, cold=True)
         with guest:
             guest.wait_ready(SAVE_TIMEOUT_S)
             guest.check("true")  # the command loop runs: a resumed guest answers at once
