@@ -55,10 +55,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import log, markdown_table  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from datapath import (  # noqa: E402
+from bench.common import log, markdown_table  # noqa: E402
+from bench.datapath import (  # noqa: E402
     GIB,
     WORKLOADS,
     Figure,
@@ -71,6 +74,7 @@ from datapath import (  # noqa: E402
     run_tool,
     warm_up,
 )
+
 from vbs.net.ports import free_port  # noqa: E402
 from vbs.storage.exports.iscsi.control import AdmError, TgtControl  # noqa: E402
 from vbs.storage.exports.iscsi.state import LiveTarget  # noqa: E402
