@@ -22,8 +22,9 @@ Each read goes through ``qemu-img bench -f raw -t none`` on the ``iscsi://`` URL
 client, the code a VM's disk runs on): 4 KiB at queue depth 32 (qemu-img's stride through the file,
 datapath.py's) and 1 MiB at queue depth 8, ``--runtime`` seconds each. For each figure the table
 gives IOPS and MB/s, the ratio to each local baseline, and the target's CPU over the run the figure
-comes from (``/proc/PID/task/*/stat``, utime + stime): per request, in cores, and the busiest
-thread's share of one core: a busiest thread near 100 % means the target is bound by that thread.
+comes from (utime + stime in ``/proc/PID/stat``, and each thread's in ``/proc/PID/task/*/stat``
+sampled every 0.1 s): per request, in cores, and the busiest thread's share of one core: a busiest
+thread near 100 % means the target is bound by that thread.
 
 Then, for every target, whether a flush (SCSI SYNCHRONIZE CACHE) reaches the file: ``strace -f`` on
 the target counts its fsync / fdatasync / sync_file_range / msync calls while ``qemu-io`` writes
@@ -50,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,21 +126,31 @@ BASELINES = ("local-fio-uring", "local-qemu-direct", "local-qemu-cached")
 # -- the target's CPU ------------------------------------------------------------------------------
 
 
+def process_ticks(pid: int) -> int:
+    """utime + stime of the whole process, threads that ended included, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+
+
 def thread_ticks(pid: int) -> dict[int, int]:
-    """utime + stime of each thread of ``pid``, in clock ticks (threads that ended are gone)."""
+    """utime + stime of each live thread of ``pid``, in clock ticks."""
     out: dict[int, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[int(task.name)] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        out[int(task.name)] = int(fields[11]) + int(fields[12])
     return out
 
 
 class CpuMeter:
-    """The CPU a process spent while a ``qemu-img`` run lasted, the last run it wrapped kept:
-    seconds in all threads, and the busiest thread's."""
+    """The CPU a process spent while a ``qemu-img`` run lasted, the last run it wrapped kept: seconds
+    in all threads (the process's own count, which keeps the time of threads that ended), and the
+    busiest thread's. Threads are sampled every ``SAMPLE_S`` while the run lasts, because istgt's
+    connection threads end with the client's session: the last interval of such a thread is lost."""
+
+    SAMPLE_S = 0.1
 
     def __init__(self, pid: int | None) -> None:
         self.pid, self.total, self.top = pid, 0.0, 0.0
@@ -148,10 +160,25 @@ class CpuMeter:
         if self.pid is None:
             yield
             return
-        before = thread_ticks(self.pid)
-        yield
-        used = [t - before.get(tid, 0) for tid, t in thread_ticks(self.pid).items()]
-        self.total, self.top = sum(used) / TICK, max(used, default=0) / TICK
+        pid = self.pid
+        total, before = process_ticks(pid), thread_ticks(pid)
+        seen = dict(before)
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(self.SAMPLE_S):
+                seen.update(thread_ticks(pid))
+
+        sampler = threading.Thread(target=sample, name="cpu-sampler", daemon=True)
+        sampler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            sampler.join()
+        seen.update(thread_ticks(pid))
+        self.total = (process_ticks(pid) - total) / TICK
+        self.top = max((t - before.get(tid, 0) for tid, t in seen.items()), default=0) / TICK
 
 
 @dataclass
