@@ -384,7 +384,7 @@ def measure(t: Target, volume: Path, work: Path, runtime: float) -> dict[str, Sa
     return out
 
 
-def strace_syncs(pid: int, work: Path, io_argv: list[str]) -> int:
+def strace_syncs(pid: int, work: Path, io_argv: list[str]) -> list[str]:
     """The sync calls (fsync, fdatasync, sync_file_range, syncfs, msync) the process ``pid`` makes,
     in any thread, while ``io_argv`` (a qemu-io) runs."""
     trace = work / "strace.out"
@@ -404,7 +404,7 @@ def strace_syncs(pid: int, work: Path, io_argv: list[str]) -> int:
     finally:
         tracer.send_signal(signal.SIGINT)  # strace detaches and exits
         reap(tracer, 10.0)
-    return len(SYNC_CALLS.findall(trace.read_text(errors="replace"))) if trace.exists() else 0
+    return SYNC_CALLS.findall(trace.read_text(errors="replace")) if trace.exists() else []
 
 
 def flush_check(t: Target, volume: Path, work: Path) -> str:
@@ -414,8 +414,9 @@ def flush_check(t: Target, volume: Path, work: Path) -> str:
         write = ["-c", "write -P 0xa5 0 4k"]
         quiet = strace_syncs(pid, work, ["qemu-io", "-f", "raw", "-t", "unsafe", *write, url])
         flushed = strace_syncs(pid, work, ["qemu-io", "-f", "raw", "-t", "writeback", *write, "-c", "flush", url])
-    verdict = "yes" if flushed > quiet else "NO"
-    return f"{verdict} (sync calls: {quiet} for a write without flush, {flushed} for a write and a flush)"
+    verdict = "yes" if len(flushed) > len(quiet) else "NO"
+    return (f"{verdict} (sync calls: {len(quiet)} for a write without flush, {len(flushed)} for a write and a "
+            f"flush{': ' + ', '.join(flushed) if flushed else ''})")
 
 
 # -- report ----------------------------------------------------------------------------------------
