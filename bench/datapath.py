@@ -77,7 +77,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,8 +332,10 @@ def fio(target: list[str], w: Workload, runtime: float, connections: int = 1) ->
 _COMPLETED = re.compile(r"Run completed in ([0-9.]+) seconds")
 
 
-def qemu_bench(target: list[str], w: Workload, runtime: float, size: int) -> Figure:
-    """``qemu-img bench`` for about ``runtime`` seconds: probe with a growing count, then scale."""
+def qemu_bench(target: list[str], w: Workload, runtime: float, size: int,
+               around: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> Figure:
+    """``qemu-img bench`` for about ``runtime`` seconds: probe with a growing count, then scale.
+    ``around`` wraps each ``qemu-img`` run; the last one it wraps is the run the figure comes from."""
     base = ["qemu-img", "bench", "-d", str(w.qd), "-s", str(w.bs)]
     if w.random:
         base += ["-S", str(stride_blocks(size // BLOCK) * BLOCK)]
@@ -340,7 +343,8 @@ def qemu_bench(target: list[str], w: Workload, runtime: float, size: int) -> Fig
         base += ["-w", f"--pattern={WRITE_PATTERN}"]
 
     def once(count: int, timeout: float) -> float:
-        out = run_tool([*base, "-c", str(count), *target], timeout=timeout)
+        with around():
+            out = run_tool([*base, "-c", str(count), *target], timeout=timeout)
         m = _COMPLETED.search(out)
         if not m:
             raise RuntimeError(f"qemu-img bench: no timing in {out[-300:]!r}")
@@ -425,10 +429,10 @@ def served(v: Variant, volume: Path, work: Path,
     if v.protocol == "nbdkit":
         kit = NbdkitExportDriver(state, "127.0.0.1", free_port(), tls="off", ports=1)
         try:
-            c = kit.ensure_export(VOLUME_ID, FileSource(volume), HOST)
-            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
-                    f"file.server.port={c.port},file.export={c.export}")
-            yield ["--ioengine=nbd", f"--uri=nbd://{c.host}:{c.port}/{c.export}"], ["--image-opts", opts], \
+            kc = kit.ensure_export(VOLUME_ID, FileSource(volume), HOST)
+            opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={kc.host},"
+                    f"file.server.port={kc.port},file.export={kc.export}")
+            yield ["--ioengine=nbd", f"--uri=nbd://{kc.host}:{kc.port}/{kc.export}"], ["--image-opts", opts], \
                 kit.pid(VOLUME_ID, HOST.name)
         finally:
             kit.stop()

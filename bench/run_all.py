@@ -74,6 +74,8 @@ BENCHES = (
     Bench("attach", "attach.py", (), ("--quick",)),
     # What one iSCSI export costs the storage agent, against the last driver that ran tgtadm.
     Bench("iscsi_control", "iscsi_control.py", (), ("--keys", "5", "--rounds", "1")),
+    # tgtd's backing stores and worker counts beside istgt, 4 KiB random and 1 MiB sequential reads.
+    Bench("iscsi_targets", "iscsi_targets.py", (), ("--quick",)),
     Bench("completion", "control_plane.py", ("--completion",), ("--completion", "--quick"),
           ("--completion", "--quick")),
     Bench("fairness", "fairness.py", (), ("--quick",)),
