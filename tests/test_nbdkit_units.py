@@ -11,9 +11,9 @@ from cryptography import x509
 from pydantic import ValidationError
 
 from vbs.errors import InvalidParameter
-from vbs.storage.exports.nbdkit.anchor import host_anchor
 from vbs.storage.exports.nbdkit.driver import NbdkitExportDriver, NbdkitOptions
-from vbs.storage.exports.nbdkit.process import Listener, process_spec
+from vbs.storage.exports.perhost.anchor import host_anchor
+from vbs.storage.exports.perhost.process import Listener, process_spec
 from vbs.trust.pki import CertificateAuthority
 
 pytestmark = pytest.mark.unit
@@ -55,8 +55,9 @@ def test_an_unreadable_ca_is_refused() -> None:
 
 def test_a_process_answers_to_its_one_name_and_lists_none(tmp_path: Path) -> None:
     listener = Listener(None, "10.0.0.1", 10810, "x509", tmp_path / "tls" / "p")
-    spec = process_spec(tmp_path / "run", "p", path=tmp_path / "vol.raw", name="vol-0123456789abcdef0-ab",
-                        read_only=True, listener=listener, threads=16, cache="default", start_timeout=5.0)
+    spec = process_spec(tmp_path / "run", "p", plugin=("file", f"file={tmp_path}/vol.raw", "cache=default"),
+                        name="vol-0123456789abcdef0-ab", read_only=True, listener=listener, threads=16,
+                        start_timeout=5.0)
     argv = list(spec.argv)
     assert argv[0] == "nbdkit" and "-f" not in argv  # it forks: in the foreground it dies with the agent
     assert spec.forks and spec.writes_pidfile and str(spec.pid_path) in argv
