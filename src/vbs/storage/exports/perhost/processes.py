@@ -108,6 +108,9 @@ class Processes:
             write_private(listener.tls_path, f"{one.host}:{one.psk}\n")
             return
         assert self.x509 is not None
+        if not one.address:
+            # An anchor must name the one address it admits (an export made before fronts had none).
+            raise DriverError(f"the export of {one.what} for {one.host} has no host address: detach and attach again")
         try:
             ca, cert, key = self.x509.ca.read_bytes(), self.x509.cert.read_text(), self.x509.key.read_text()
         except OSError as exc:
