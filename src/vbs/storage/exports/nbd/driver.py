@@ -239,6 +239,18 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
             super().close()
             self._access.forget_fronts()
 
+    def front_pid(self, key: str, host_name: str) -> int | None:
+        """PID of the nbdkit front of ``host_name``'s current export of ``key`` (None: none runs, or
+        the hosts open the daemon's unix socket themselves)."""
+        with self._lock:
+            self._load()
+            served = self._desired.get(key)
+            exp = served.current(host_name) if served is not None else None
+            if exp is None or self._access.fronts is None:
+                return None
+            daemon = self._access.fronts.daemon(self._access.front(key, exp))[0]
+            return daemon.pid if daemon.running() else daemon.recorded_pid()
+
     def _q(self, command: str, args: dict[str, Any] | None = None) -> Any:
         """Ask the daemon over its monitor."""
         return self._monitor.q(command, args)
