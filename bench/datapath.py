@@ -43,7 +43,8 @@ each one's ratio to plain TCP measured in the same run with the same tool.
 Variants marked "experimental" are not driver settings: they set TCP_NODELAY on the export daemon's
 listening socket from outside (pidfd_getfd; accepted connections inherit it), which QEMU 7.2's NBD
 server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
-sending reply"). tgtd sets it on its own connections.
+sending reply"). tgtd sets it on its own connections. Over TCP the daemon now has no socket of its
+own (its exports' nbdkit fronts hold the TCP connections), so these variants find nothing to set.
 
 ``--backend rbd``: the same file is imported into an RBD image of a single-node Ceph the benchmark
 starts (``vbs.rigs.ceph.EmbeddedCeph``, one OSD on a sparse file, pool size 1), and ``qemu-img bench``
