@@ -2,8 +2,8 @@
 
 Why one process per export and host, not one daemon per node as the ``nbd`` driver has:
 * Access. A process serves one export to one host, so who may open a session on it is exactly who
-  may use that export: the gap of one server-wide daemon (a host admitted for one export could list
-  and open every other export of the node) does not exist. Modes:
+  may use that export (the processes, ``vbs.storage.exports.perhost``, are also the ``nbd`` driver's
+  fronts of qemu-storage-daemon, whose one NBD server could not tell hosts apart). Modes:
   - unix socket (``socket_dir``, ``vbs up``): ``<socket_dir>/<id>.sock`` in a 0700 directory; only
     processes of the agent's user (QEMU on the same machine) can connect;
   - X.509 (the default over TCP): ``--tls=require --tls-verify-peer``; the client's certificate must
