@@ -223,6 +223,34 @@ def test_list_exports_and_multi_attach(make_driver: Callable[..., NbdExportDrive
     assert rc == 0, out
 
 
+def test_the_front_passes_flush_trim_zero_and_block_status_through(make_driver: Callable[..., NbdExportDriver],
+                                                                   volume: Path) -> None:
+    """What QEMU's client uses, through the export's nbdkit front (nbd plugin) to the daemon."""
+    drv = make_driver()
+    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
+    assert isinstance(c, NbdConnection) and c.socket is None and drv.front_pid(VOL, HOST_A.name) is not None
+    info = run(["nbdinfo", url(c)], timeout=30).stdout
+    for flag in ("can_flush: true", "can_fua: true", "can_trim: true", "can_zero: true", "can_fast_zero: true",
+                 "is_read_only: false", "base:allocation"):
+        assert flag in info, info
+    rc, out = qemu_io(c, "write -P 0x5b 0 2M")
+    assert rc == 0, out
+    rc, out = qemu_io(c, "flush")
+    assert rc == 0, out
+    rc, out = qemu_io(c, "write -z 1M 1M")  # write-zeroes
+    assert rc == 0, out
+    # Trim is passed on and accepted (an advisory request: qemu-storage-daemon itself, on its own
+    # socket, leaves these blocks as they were too).
+    rc, out = qemu_io(c, "discard 0 64k")
+    assert rc == 0, out
+    assert read_at(volume, 64 * 1024, 4096) == b"\x5b" * 4096 and read_at(volume, 1 * MiB, 1 * MiB) == bytes(MiB)
+    extents = json.loads(run(["qemu-img", "map", "--output=json", "-f", "raw", url(c)], timeout=30).stdout)
+    data = [(e["start"], e["start"] + e["length"]) for e in extents if e["data"]]
+    zero = [(e["start"], e["start"] + e["length"]) for e in extents if e["zero"]]
+    assert any(start <= 64 * 1024 and end >= MiB for start, end in data), extents  # block status: written
+    assert any(start <= 2 * MiB and end >= 16 * MiB for start, end in zero), extents  # never written: zero
+
+
 def test_read_only_export_refuses_writes(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
     drv = make_driver()
     write_at(volume, 0, b"\x11" * 4096)
