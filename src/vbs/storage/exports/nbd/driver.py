@@ -237,9 +237,11 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
     def stop(self) -> None:
         """Stop the daemon and the fronts (by PID); ``start()`` brings both back."""
         with self._lock:
-            super().stop()
-            self._load()
-            self._access.stop_fronts()
+            try:
+                super().stop()
+            finally:
+                self._load()
+                self._access.stop_fronts()
 
     def close(self) -> None:
         """Let go of the daemon and the fronts without stopping them: the next agent adopts them."""
