@@ -210,16 +210,6 @@ def tcp(c: NbdConnection, export: str | None = None) -> str:
     return f"server.type=inet,server.host={c.host},server.port={c.port},export={export or c.export}"
 
 
-def psk_client(tmp: Path, c: NbdConnection, identity: str, key: str, cmd: str, export: str | None = None
-               ) -> list[str]:
-    """qemu-io running ``cmd`` on ``c`` (or its ``export``) with this TLS-PSK identity and key."""
-    d = tmp / f"psk-{identity}-{key[:6]}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    (d / "keys.psk").write_text(f"{identity}:{key}\n")
-    return ["qemu-io", "--object", f"tls-creds-psk,id=t0,endpoint=client,dir={d},username={identity}",
-            "--image-opts", f"driver=nbd,{tcp(c, export)},tls-creds=t0", "-c", cmd]
-
-
 def tcp_listeners(pid: int) -> int:
     """How many TCP sockets in LISTEN state the process ``pid`` holds (from /proc)."""
     inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
@@ -369,7 +359,11 @@ def test_tls_psk_a_host_with_an_export_here_cannot_open_another_hosts(
     assert a.tls == "psk" and a.tls_psk_key is not None and b.tls_psk_key is not None
 
     def psk_io(c: NbdConnection, identity: str, key: str, cmd: str, export: str | None = None) -> list[str]:
-        return psk_client(tmp_path, c, identity, key, cmd, export)
+        d = tmp_path / f"psk-{identity}-{key[:6]}"
+        d.mkdir(mode=0o700, exist_ok=True)
+        (d / "keys.psk").write_text(f"{identity}:{key}\n")
+        return ["qemu-io", "--object", f"tls-creds-psk,id=t0,endpoint=client,dir={d},username={identity}",
+                "--image-opts", f"driver=nbd,{tcp(c, export)},tls-creds=t0", "-c", cmd]
 
     key_a, key_b = a.tls_psk_key.get_secret_value(), b.tls_psk_key.get_secret_value()
     ok, out = attempt(psk_io(a, "hv-a", key_a, "write -P 0x21 0 4k"))

@@ -20,7 +20,7 @@ import pytest
 from tests import export_fixtures
 from tests.conftest import free_ports
 from tests.export_fixtures import MiB, drivers_of, read_at, wait_dead
-from tests.test_nbd_access import attempt, client_dir, psk_client, qemu_io, tcp
+from tests.test_nbd_access import attempt, client_dir, qemu_io, tcp
 from vbs.pools.exports import FileSource
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.storage.exports.nbd import NbdExportDriver
@@ -149,41 +149,3 @@ def test_exports_made_before_the_fronts_keep_nbd_port_through_the_legacy_front(
     assert not list((fronts / "run").glob("legacy-*.pid")) and not list((fronts / "tls").glob("legacy-*"))
     ok, out = attempt(qemu_io(tcp(new), "read -P 0x33 0 4k", tls_dir=host_c))
     assert ok, out  # the new export's own front: untouched
-
-
-def test_with_tls_psk_the_legacy_front_takes_the_keys_of_the_hosts_that_hold_its_exports(
-        make_driver: Callable[..., NbdExportDriver], volume: Path, tmp_path: Path) -> None:
-    port = free_ports(4)
-    (tmp_path / "state" / "tls").mkdir(mode=0o700, parents=True)
-    a, name_a = old_item(VOL, volume, "hv-a")
-    (tmp_path / "state" / "exports.json").write_text(json.dumps({"version": 2, "items": [a]}))
-    key_a = secrets.token_hex(32)
-    (tmp_path / "state" / "tls" / "keys.psk").write_text(f"hv-a:{key_a}\n")  # 0.1.0's one key file
-    drv = make_driver(port=port, listen_host="127.0.0.1", tls="psk")
-    drv.start()
-    c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-a", address="127.0.0.1"))
-    assert isinstance(c, NbdConnection) and c.tls_psk_key is not None
-    assert (c.port, c.export, c.tls, c.tls_psk_identity, c.tls_psk_key.get_secret_value()) == (
-        port, name_a, "psk", "hv-a", key_a)  # what hv-a's QEMU holds since 0.1.0
-    ok, out = attempt(psk_client(tmp_path, c, "hv-a", key_a, "write -P 0x61 0 4k"))
-    assert ok, out
-    assert read_at(volume, 0, 4096) == b"\x61" * 4096
-
-    vol3 = tmp_path / "vol3.img"
-    vol3.write_bytes(bytes(16 * MiB))
-    new = drv.ensure_export(VOL3, FileSource(vol3), HostIdentity(name="hv-c", address="127.0.0.1"))
-    assert isinstance(new, NbdConnection) and new.tls_psk_key is not None and new.port not in (None, port)
-    key_c = new.tls_psk_key.get_secret_value()
-    for argv in (psk_client(tmp_path, c, "hv-c", key_c, "read 0 4k"),  # a key the legacy front does not hold
-                 psk_client(tmp_path, c, "hv-a", key_a, "read 0 4k", new.export)):  # a name it does not answer to
-        ok, out = attempt(argv)
-        assert not ok, out
-    ok, out = attempt(psk_client(tmp_path, new, "hv-c", key_c, "read 0 4k"))
-    assert ok, out
-
-    legacy = drv.front_pid(VOL, "hv-a")
-    assert legacy is not None
-    drv.remove_export(VOL, "hv-a")
-    wait_dead(legacy)
-    ok, out = attempt(psk_client(tmp_path, c, "hv-a", key_a, "read 0 4k"))
-    assert not ok and "refused" in out.lower(), out
