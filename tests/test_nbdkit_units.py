@@ -58,7 +58,7 @@ def test_an_unreadable_ca_is_refused() -> None:
 def test_a_process_answers_to_its_one_name_and_lists_none(tmp_path: Path) -> None:
     listener = Listener(None, "10.0.0.1", 10810, "x509", tmp_path / "tls" / "p")
     spec = process_spec(tmp_path / "run", "p", plugin=("file", f"file={tmp_path}/vol.raw", "cache=default"),
-                        names=("vol-0123456789abcdef0-ab",), read_only=True, listener=listener, threads=16,
+                        name="vol-0123456789abcdef0-ab", read_only=True, listener=listener, threads=16,
                         start_timeout=5.0)
     argv = list(spec.argv)
     assert argv[0] == "nbdkit" and "-f" not in argv  # it forks: in the foreground it dies with the agent
@@ -88,8 +88,7 @@ def test_options_are_bounded(tmp_path: Path) -> None:
 
 
 def test_an_x509_process_without_a_host_address_is_never_started(tmp_path: Path) -> None:
-    """A per-host process with no host address: no anchor could name it, so no process (exports made
-    before the fronts have none: the legacy front, any_host_of_ca, serves those)."""
+    """An nbd export made before the fronts has no address: no anchor could name it, so no process."""
     ca = CertificateAuthority(tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "ca-key.pem")
     node = ca.issue_in(tmp_path / "node", "storage-1", ["127.0.0.1"])
     procs = Processes(tmp_path / "state", listen_host="127.0.0.1", ports=range(10809, 10810), tls="x509",

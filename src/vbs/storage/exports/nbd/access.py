@@ -3,17 +3,6 @@ nbdkit front of its own (``vbs.storage.exports.perhost``: its trust anchor admit
 certificate only, or its PSK file holds that host's key only), which reaches qemu-storage-daemon
 on its unix socket in a 0700 directory; under ``vbs up`` the host's QEMU opens that socket itself.
 
-Exports made before the fronts (release 0.1.0's state file: no port, no address) were told the
-daemon's own TCP port, ``nbd_port``, and their hosts' QEMU reconnects there. While the desired state
-holds any, one more nbdkit process, the *legacy front*, listens on ``nbd_port``: the nbd plugin
-passing the client's export name through to the daemon (``dynamic-export``), under the exportname
-filter in strict mode with those exports' names only, listing none; with X.509 it admits any
-certificate of the install's CA (the hosts' addresses are not known: no anchor of one address),
-with TLS-PSK the keys of the hosts that hold such exports. So a host of the install that knows one
-of those 128-bit names opens it, as under 0.1.0 (where every admitted host could even list them);
-never a newer export. When such an export goes, the front restarts with the names left (its
-clients reconnect), and it stops with the last one.
-
 Here: the TLS-PSK key of every host with an export (``<state_dir>/tls/keys.psk``, 0600: one key per
 host, written into each of its fronts' one-host key files), the fronts' processes, and the
 connection a host is told (the socket, or its front's port)."""
@@ -34,7 +23,6 @@ from .state import Book, HostExport, hashed
 log = logging.getLogger("vbs.storage.exports.nbd.driver")  # the records keep the driver's name
 
 FRONT_THREADS = 16
-LEGACY = "legacy"  # the legacy front's files: "legacy-<hash of its names>"
 
 
 class Access:
@@ -71,64 +59,22 @@ class Access:
 
     # -- the fronts --------------------------------------------------------------------------------
 
-    def legacy(self, exp: HostExport) -> bool:
-        """Whether ``exp`` was made before the fronts: its host reaches it through the legacy front."""
-        return self.fronts is not None and exp.port is None
-
     def front(self, key: str, exp: HostExport) -> OneHost:
         """What the front of ``exp`` serves: the daemon's export of it, through the nbd plugin, under
-        the same name, to its host only (or the legacy front, for an export made before fronts)."""
-        if self.legacy(exp) and (legacy := self._legacy_front()) is not None:
-            return legacy
+        the same name, to its host only."""
         return OneHost(pid=front_id(exp), what=key, host=exp.host, address=exp.address, name=exp.name,
                        read_only=exp.read_only, port=exp.port, psk=self.keys.get(exp.host),
                        plugin=("nbd", f"socket={self.socket}", f"export={exp.name}"))
 
-    def _legacy_front(self) -> OneHost | None:
-        """What the legacy front serves (None: no export made before the fronts is left)."""
-        if self.fronts is None:
-            return None
-        exps = sorted((e for s in self._book.desired().values() for e in s.exports if e.port is None),
-                      key=lambda e: e.name)
-        if not exps:
-            return None
-        names = tuple(e.name for e in exps)
-        keys = tuple((h, self.keys[h]) for h in sorted({e.host for e in exps}) if h in self.keys)
-        first = keys[0] if keys else ("any host of the install's CA", None)
-        return OneHost(pid=f"{LEGACY}-{hashed(' '.join(names))}", what=f"{len(names)} export(s) made before the fronts",
-                       host=first[0], address="", name=names[0], more_names=names[1:], read_only=False,
-                       port=self.fronts.ports.start, psk=first[1], any_host_of_ca=True, more_keys=keys[1:],
-                       plugin=("nbd", f"socket={self.socket}", "dynamic-export=true"))
-
-    def run_legacy(self) -> None:
-        """The legacy front as the desired state has it: running with the names of the exports made
-        before the fronts (one with another list of names is stopped first: it holds the port), or
-        stopped when none is left."""
-        if self.fronts is None:
-            return
-        want = self._legacy_front()
-        for pid in self.fronts.ids():
-            if pid.startswith(f"{LEGACY}-") and (want is None or pid != want.pid):
-                self.fronts.end(pid)
-                log.info("stopped the NBD legacy front %s (%s)", pid,
-                         "its list of exports changed" if want else "no export made before the fronts is left")
-        if want is not None:
-            self.fronts.run(want)
-
     def free_port(self) -> int | None:
-        """A port for a new front (None without fronts); the legacy front's while it has exports."""
+        """A port for a new front (None without fronts)."""
         if self.fronts is None:
             return None
-        taken = {e.port for s in self._book.desired().values() for e in s.exports}
-        if None in taken:
-            taken.add(self.fronts.ports.start)
-        return self.fronts.free_port(taken)
+        return self.fronts.free_port({e.port for s in self._book.desired().values() for e in s.exports})
 
     def run_front(self, key: str, exp: HostExport) -> None:
         """The front of ``exp`` running (adopted, or started again with the same port, name and key)."""
-        if self.legacy(exp):
-            self.run_legacy()
-        elif self.fronts is not None:
+        if self.fronts is not None:
             self.fronts.run(self.front(key, exp))
 
     def end_front(self, exp: HostExport) -> None:
@@ -142,8 +88,6 @@ class Access:
         if self.fronts is None:
             return
         known = {front_id(e) for s in self._book.desired().values() for e in s.exports}
-        if (legacy := self._legacy_front()) is not None:
-            known.add(legacy.pid)
         for pid in self.fronts.end_unknown(known):
             log.warning("stopped NBD front %s: it served no export this agent knows", pid)
 
@@ -151,10 +95,7 @@ class Access:
         if self.fronts is not None:
             for served in self._book.desired().values():
                 for exp in served.exports:
-                    if not self.legacy(exp):
-                        self.fronts.stop(self.front(served.key, exp))
-            if (legacy := self._legacy_front()) is not None:
-                self.fronts.stop(legacy)
+                    self.fronts.stop(self.front(served.key, exp))
 
     def forget_fronts(self) -> None:
         if self.fronts is not None:
@@ -164,10 +105,6 @@ class Access:
         """What the host of ``exp`` connects with: the socket, or its front's address and TLS."""
         if self.fronts is None:
             return NbdConnection(socket=str(self.socket), export=exp.name)
-        if self.legacy(exp):  # the legacy front's port, the export's name, its host's key
-            return self.fronts.connection(OneHost(
-                pid=LEGACY, what=key, host=exp.host, address="", name=exp.name, read_only=exp.read_only,
-                port=self.fronts.ports.start, psk=self.keys.get(exp.host), plugin=()), host)
         return self.fronts.connection(self.front(key, exp), host)
 
     # -- PSK keys ----------------------------------------------------------------------------------

@@ -25,9 +25,7 @@ it. Modes:
   client certificate that chains to the install's CA through the front's own anchor, which admits
   only the host's address; with TLS-PSK its key file holds only that host's identity and key. The
   host is told the front's port. A host that holds an export here thus reaches its own exports
-  only: another host's front refuses its certificate (or key) in the handshake. Exports made before
-  the fronts (no port in the state file: the daemon listened on ``port`` itself) are served on
-  ``port`` by one *legacy front* while any is left (access.py).
+  only: another host's front refuses its certificate (or key) in the handshake.
 
 Other choices: desired chains and exports are kept in memory and in ``<state_dir>/exports.json``
 (mode 0600), keys only in ``keys.psk``. That way ``check()`` can rebuild a dead daemon, and a
@@ -222,8 +220,11 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         """Every chain an export uses and every export (older generations too: their host may not
         have moved yet); chains held only by copy jobs that died with a daemon are forgotten."""
         changed = self._views.check(item, view)  # views lost with a daemon: their leftovers go first
-        for exp in item.exports:  # one with no port was made before the fronts: the legacy front's
+        for exp in item.exports:
             changed = self._chains.open_export(item, exp, view) or changed
+            if exp.port is None and self._access.fronts is not None:
+                exp.port = self._access.free_port()  # an export made before fronts, or under vbs up
+                changed = True
         if self._chains.collect(item, view) or changed:
             self._save()
         for exp in item.exports:
@@ -310,7 +311,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
                 raise IdempotentParameterMismatch(f"{key} is already exported to {host.name} "
                                                   f"(read_only={cur.read_only}); remove that export first")
             changed = self._chains.open_export(served, cur, live)
-            if cur.address != host.address and not self._access.legacy(cur):
+            if cur.address != host.address:
                 # The front's anchor admits the old address: a new front for the new one.
                 for exp in served.exports:
                     if exp.host == host.name:
@@ -331,14 +332,14 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         log.info("exported %s to %s as NBD export (tls=%s)", key, host.name, self.tls)
         return self._connection(key, exp)
 
-    def _add_export(self, served: Served, host: HostIdentity, chain: Chain, read_only: bool, live: Live, *,
-                    legacy: bool = False) -> HostExport:
+    def _add_export(self, served: Served, host: HostIdentity, chain: Chain, read_only: bool, live: Live
+                    ) -> HostExport:
         """A new export for ``host`` on ``chain`` (made if it is not in ``served``) and its front,
-        desired first (``legacy``: on the legacy front, as the export it succeeds)."""
+        desired first."""
         new_chain_ = served.chain(chain.gen) is None
         exp = HostExport(host=host.name, gen=chain.gen, read_only=read_only,
                          name=f"{served.key}-{secrets.token_hex(16)}", id=export_id(served.key, host.name, chain.gen),
-                         address=host.address, port=None if legacy else self._access.free_port())
+                         address=host.address, port=self._access.free_port())
         new_key = self._access.needs_key(host.name)
         if new_chain_:
             served.chains.append(chain)
@@ -355,11 +356,6 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
                 self._chains.collect(served, live)  # closes a chain made for it
             except DriverError as exc:
                 log.error("could not remove the half-made export %s: %s", exp.id, exc.message)
-            if legacy:
-                try:
-                    self._access.run_legacy()  # without its name
-                except DriverError as exc:
-                    log.error("could not restart the NBD legacy front: %s", exc.message)
             if new_key:
                 del self._access.keys[host.name]
                 self._access.write_keys()
@@ -417,10 +413,9 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         newest = item.newest()
         if newest is None or not fits(newest, cur.read_only, size):
             newest = new_chain(item.key, item.next_gen(), cur.read_only, self._limits.fair_group(item))
-        # model_construct: an export made before fronts has no address; its successor is the legacy
-        # front's too (that host's QEMU knows no other port).
+        # model_construct: an export made before fronts has no address (its front refuses to start).
         host = HostIdentity.model_construct(name=host_name, address=cur.address)
-        exp = self._add_export(item, host, newest, cur.read_only, live, legacy=self._access.legacy(cur))
+        exp = self._add_export(item, host, newest, cur.read_only, live)
         log.info("refreshed the NBD export of %s for %s: chain %d serves %d bytes",
                  item.key, host_name, exp.gen, newest.size or 0)
         return self._connection(item.key, exp)
@@ -447,6 +442,4 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
             item.exports.remove(exp)
         if self._chains.collect(item, live) or going:
             self._save()
-        if any(self._access.legacy(e) for e in going):
-            self._access.run_legacy()  # with the names left, or stopped
         return len(going)

@@ -58,15 +58,14 @@ def _owns(pid_path: Path) -> Callable[[int], bool]:
     return owns
 
 
-def process_spec(run_dir: Path, pid: str, *, plugin: tuple[str, ...], names: tuple[str, ...], read_only: bool,
+def process_spec(run_dir: Path, pid: str, *, plugin: tuple[str, ...], name: str, read_only: bool,
                  listener: Listener, threads: int, start_timeout: float) -> DaemonSpec:
     """How the process of one export and host (files named ``pid`` in ``run_dir``) serves ``plugin``
-    (the plugin's name and its parameters) under the export names ``names`` only (one, but for the
-    nbd driver's legacy front)."""
+    (the plugin's name and its parameters) under the export name ``name`` only."""
     pid_path = run_dir / f"{pid}.pid"
     argv = [NBDKIT, "-P", str(pid_path), "--log=stderr", "-t", str(threads), *(["-r"] if read_only else []),
             *listener.argv(), "--filter=exportname", *plugin,
-            *(f"exportname={name}" for name in names), "exportname-strict=true", "exportname-list=empty"]
+            f"exportname={name}", "exportname-strict=true", "exportname-list=empty"]
     stale = (listener.socket,) if listener.socket is not None else ()
     return DaemonSpec(name=NBDKIT, argv=tuple(argv), pid_path=pid_path, log_path=run_dir / f"{pid}.log",
                       owns=_owns(pid_path), writes_pidfile=True, forks=True,

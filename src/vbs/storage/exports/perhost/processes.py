@@ -30,12 +30,7 @@ class OneHost:
     """What one process serves: ``plugin`` (its name and parameters) under the export name ``name``,
     to the host ``host`` at ``address`` (what its anchor admits), on ``port`` (TCP; None: a unix
     socket) with ``psk`` (hex, TLS-PSK mode). ``pid`` names its files, and ``what`` says in the logs
-    what it serves.
-
-    The nbd driver's *legacy front* (exports made before the fronts, whose hosts' addresses are not
-    known) answers to ``more_names`` too, admits any certificate of the install's CA
-    (``any_host_of_ca``: no anchor of one address) and, with TLS-PSK, the keys of ``more_keys``
-    (host, hex key) too."""
+    what it serves."""
 
     pid: str
     what: str
@@ -46,12 +41,6 @@ class OneHost:
     port: int | None
     psk: str | None
     plugin: tuple[str, ...]
-    more_names: tuple[str, ...] = ()
-    any_host_of_ca: bool = False
-    more_keys: tuple[tuple[str, str], ...] = ()
-
-    def names(self) -> tuple[str, ...]:
-        return (self.name, *self.more_names)
 
 
 class Processes:
@@ -87,7 +76,7 @@ class Processes:
 
     def daemon(self, one: OneHost) -> tuple[Daemon, Listener]:
         listener = self._listener(one)
-        spec = process_spec(self.run_dir, one.pid, plugin=one.plugin, names=one.names(), read_only=one.read_only,
+        spec = process_spec(self.run_dir, one.pid, plugin=one.plugin, name=one.name, read_only=one.read_only,
                             listener=listener, threads=self.threads, start_timeout=self.start_timeout)
         daemon = self._daemons.get(one.pid)
         if daemon is None or daemon.spec.argv != spec.argv:
@@ -116,10 +105,10 @@ class Processes:
         if listener.tls == "psk":
             if one.psk is None:
                 raise DriverError(f"no TLS-PSK key for {one.host}")
-            write_private(listener.tls_path, "".join(f"{h}:{k}\n" for h, k in ((one.host, one.psk), *one.more_keys)))
+            write_private(listener.tls_path, f"{one.host}:{one.psk}\n")
             return
         assert self.x509 is not None
-        if not one.address and not one.any_host_of_ca:
+        if not one.address:
             # An anchor must name the one address it admits (an export made before fronts had none).
             raise DriverError(f"the export of {one.what} for {one.host} has no host address: detach and attach again")
         try:
@@ -128,8 +117,7 @@ class Processes:
             raise InvalidParameter(f"cannot read a TLS file: {exc}") from exc
         listener.tls_path.mkdir(exist_ok=True, mode=0o700)
         listener.tls_path.chmod(0o700)
-        anchor = ca if one.any_host_of_ca else host_anchor(ca, one.address)
-        write_private(listener.tls_path / "ca-cert.pem", anchor.decode())
+        write_private(listener.tls_path / "ca-cert.pem", host_anchor(ca, one.address).decode())
         write_private(listener.tls_path / "server-cert.pem", cert)
         write_private(listener.tls_path / "server-key.pem", key)
 
@@ -161,15 +149,12 @@ class Processes:
         daemon.stop(grace=0.0)
         self._remove_files(pid)
 
-    def ids(self) -> list[str]:
-        """The ids of the processes that have a pidfile (running, or left by an earlier agent)."""
-        return sorted(p.stem for p in self.run_dir.glob("*.pid")) if self.run_dir.is_dir() else []
-
     def end_unknown(self, known: set[str]) -> list[str]:
         """Stop the processes whose pidfile names none of ``known`` (process ids): an agent that died
         between forgetting an export and stopping its process left it serving. Their ids."""
         ended = []
-        for pid in self.ids():
+        for pidfile in sorted(self.run_dir.glob("*.pid")) if self.run_dir.is_dir() else []:
+            pid = pidfile.stem
             if pid in known:
                 continue
             Daemon(stopper_spec(self.run_dir, pid)).stop(grace=0.0)
