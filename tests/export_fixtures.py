@@ -128,9 +128,15 @@ def session_across(restart: Callable[[], None], creds: Path, server: str, volume
         assert client.stdin is not None
         client.stdin.write("write -P 0x31 0 4k\n")
         client.stdin.flush()
+        assert client.stdout is not None
+        said = client.stdout.readline()  # the session is open and the first block written
+        assert "wrote 4096/4096" in said, said
         restart()
-        client.stdin.write("write -P 0x32 4k 4k\nread -P 0x31 0 4k\nquit\n")
-        client.stdin.flush()
+        try:
+            client.stdin.write("write -P 0x32 4k 4k\nread -P 0x31 0 4k\nquit\n")
+            client.stdin.flush()
+        except BrokenPipeError:  # the client is gone: what it said tells why
+            pass
         out, _ = client.communicate(timeout=60)
     finally:
         if client.poll() is None:

@@ -24,6 +24,7 @@ import logging
 import secrets
 from pathlib import Path
 
+from vbs.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.qemu.tls import X509Files
 from vbs.storage.exports.perhost import OneHost, Processes, TlsMode
 from vbs.system.files import write_private
@@ -34,6 +35,11 @@ from .state import Book, HostExport, hashed
 log = logging.getLogger("vbs.storage.exports.nbd.driver")  # the records keep the driver's name
 
 FRONT_THREADS = 16
+# A front rides out a restart of the daemon: a request that fails (the daemon died under it) is
+# tried again on a new session with the daemon, every second, for as long as the host's client
+# itself waits for a server that went away (NBD_RECONNECT_DELAY_S).
+RETRY = ("retry",)
+RETRY_PARAMS = (f"retries={NBD_RECONNECT_DELAY_S}", "retry-delay=1", "retry-exponential=no")
 LEGACY = "legacy"  # the legacy front's files: "legacy-<hash of its names>"
 
 
@@ -82,7 +88,7 @@ class Access:
             return legacy
         return OneHost(pid=front_id(exp), what=key, host=exp.host, address=exp.address, name=exp.name,
                        read_only=exp.read_only, port=exp.port, psk=self.keys.get(exp.host),
-                       plugin=("nbd", f"socket={self.socket}", f"export={exp.name}"))
+                       filters=RETRY, plugin=("nbd", f"socket={self.socket}", f"export={exp.name}", *RETRY_PARAMS))
 
     def _legacy_front(self) -> OneHost | None:
         """What the legacy front serves (None: no export made before the fronts is left)."""
@@ -98,7 +104,7 @@ class Access:
         return OneHost(pid=f"{LEGACY}-{hashed(' '.join(names))}", what=f"{len(names)} export(s) made before the fronts",
                        host=first[0], address="", name=names[0], more_names=names[1:], read_only=False,
                        port=self.fronts.ports.start, psk=first[1], any_host_of_ca=True, more_keys=keys[1:],
-                       plugin=("nbd", f"socket={self.socket}", "dynamic-export=true"))
+                       filters=RETRY, plugin=("nbd", f"socket={self.socket}", "dynamic-export=true", *RETRY_PARAMS))
 
     def run_legacy(self) -> None:
         """The legacy front as the desired state has it: running with the names of the exports made

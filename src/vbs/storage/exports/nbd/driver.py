@@ -195,14 +195,6 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
     def _take_over(self) -> bool:
         return self._monitor.take_over(self._daemon.pid, self._daemon.forget)
 
-    def _spawned(self) -> None:
-        """A new daemon (not an adopted one): the fronts' sessions with the old one are dead, and
-        nbdkit's nbd plugin answers their clients' requests with errors rather than closing them
-        (QEMU's client would not reconnect). So the fronts are stopped here and started again as the
-        exports are restored: their clients see the connection drop and reconnect, as they did when
-        they reached the daemon directly."""
-        self._access.stop_fronts()
-
     def _probe(self) -> None:
         self._q("query-version")
 

@@ -59,13 +59,14 @@ def _owns(pid_path: Path) -> Callable[[int], bool]:
 
 
 def process_spec(run_dir: Path, pid: str, *, plugin: tuple[str, ...], names: tuple[str, ...], read_only: bool,
-                 listener: Listener, threads: int, start_timeout: float) -> DaemonSpec:
+                 listener: Listener, threads: int, start_timeout: float, filters: tuple[str, ...] = ()) -> DaemonSpec:
     """How the process of one export and host (files named ``pid`` in ``run_dir``) serves ``plugin``
-    (the plugin's name and its parameters) under the export names ``names`` only (one, but for the
-    nbd driver's legacy front)."""
+    (the plugin's name and its parameters, the ``filters``' parameters too) under the export names
+    ``names`` only (one, but for the nbd driver's legacy front), through ``filters`` between the
+    ``exportname`` filter and the plugin."""
     pid_path = run_dir / f"{pid}.pid"
     argv = [NBDKIT, "-P", str(pid_path), "--log=stderr", "-t", str(threads), *(["-r"] if read_only else []),
-            *listener.argv(), "--filter=exportname", *plugin,
+            *listener.argv(), "--filter=exportname", *(f"--filter={f}" for f in filters), *plugin,
             *(f"exportname={name}" for name in names), "exportname-strict=true", "exportname-list=empty"]
     stale = (listener.socket,) if listener.socket is not None else ()
     return DaemonSpec(name=NBDKIT, argv=tuple(argv), pid_path=pid_path, log_path=run_dir / f"{pid}.log",

@@ -27,7 +27,7 @@ __all__ = ["OneHost", "Processes"]
 
 @dataclass(frozen=True)
 class OneHost:
-    """What one process serves: ``plugin`` (its name and parameters) under the export name ``name``,
+    """What one process serves: ``plugin`` (its name and parameters) through ``filters`` under the export name ``name``,
     to the host ``host`` at ``address`` (what its anchor admits), on ``port`` (TCP; None: a unix
     socket) with ``psk`` (hex, TLS-PSK mode). ``pid`` names its files, and ``what`` says in the logs
     what it serves.
@@ -49,6 +49,7 @@ class OneHost:
     more_names: tuple[str, ...] = ()
     any_host_of_ca: bool = False
     more_keys: tuple[tuple[str, str], ...] = ()
+    filters: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.more_names)
@@ -87,7 +88,8 @@ class Processes:
 
     def daemon(self, one: OneHost) -> tuple[Daemon, Listener]:
         listener = self._listener(one)
-        spec = process_spec(self.run_dir, one.pid, plugin=one.plugin, names=one.names(), read_only=one.read_only,
+        spec = process_spec(self.run_dir, one.pid, plugin=one.plugin, filters=one.filters, names=one.names(),
+                            read_only=one.read_only,
                             listener=listener, threads=self.threads, start_timeout=self.start_timeout)
         daemon = self._daemons.get(one.pid)
         if daemon is None or daemon.spec.argv != spec.argv:
