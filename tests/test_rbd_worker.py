@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.ceph_cluster import CephForTests
+from tests.conftest import wait_until
 from vbs import ids
 from vbs.errors import DriverError, NotFound
 from vbs.net.ports import free_port
@@ -132,6 +133,15 @@ def _in_thread(call: object) -> tuple[threading.Thread, list[object]]:
     return t, out
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP the worker and wait until it is stopped: a worker that has not run since the signal
+    would take the next request off its pipe before it stops (a read that finds data returns first),
+    and the request would never be seen waiting there."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T", 30,
+               what=f"worker {pid} stopped")
+
+
 def _wait_sent(pid: int) -> None:
     """Until the stopped worker's stdin pipe holds the request (the agent wrote it): the pipe,
     opened again through /proc, tells how many bytes wait in it."""
@@ -153,7 +163,7 @@ def test_a_worker_killed_mid_read_is_replaced_and_the_read_asked_again(backend: 
     backend.ensure_volume(vol, GIB)
     backend.ensure_snapshot(snap, vol)
     pid = _worker_pid(backend)
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     t, out = _in_thread(lambda: backend.snapshot_status(snap))
     _wait_sent(pid)
     os.kill(pid, signal.SIGKILL)
@@ -172,7 +182,7 @@ def test_a_worker_killed_mid_write_fails_the_call_and_the_next_one_runs_on_a_new
     backend.ensure_volume(vol, GIB)
     backend.ensure_snapshot(ids.new_id("snapshot"), vol)
     pid = _worker_pid(backend)
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     t, out = _in_thread(lambda: backend.ensure_snapshot(snap, vol))
     _wait_sent(pid)
     os.kill(pid, signal.SIGKILL)
@@ -188,7 +198,7 @@ def test_a_stopped_worker_fails_the_call_after_its_timeout_and_is_replaced(backe
     backend.ensure_volume(vol, GIB)
     backend.ensure_snapshot(ids.new_id("snapshot"), vol)
     pid = _worker_pid(backend)
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     with pytest.raises(DriverError, match="did not answer within 3s"):
         backend.ensure_snapshot(snap, vol)
     assert not pid_alive(pid)  # killed by its PID and reaped
