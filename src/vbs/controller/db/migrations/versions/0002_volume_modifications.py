@@ -9,8 +9,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -21,8 +21,6 @@ from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 EXCLUSIVE_KINDS = ("create-volume", "delete-volume", "attach-volume", "detach-volume", "modify-volume",
                    "migrate-volume", "delete-snapshot")

@@ -12,8 +12,6 @@ from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0006"
 down_revision = "0005"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

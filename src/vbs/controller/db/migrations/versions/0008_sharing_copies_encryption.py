@@ -16,8 +16,6 @@ from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

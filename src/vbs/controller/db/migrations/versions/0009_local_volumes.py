@@ -14,8 +14,6 @@ from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0009_local_volumes"
 down_revision = "0008"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

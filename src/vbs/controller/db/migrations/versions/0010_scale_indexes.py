@@ -15,8 +15,6 @@ from alembic import op
 
 revision = "0010_scale_indexes"
 down_revision = "0009_local_volumes"
-branch_labels = None
-depends_on = None
 
 INDEXES = {
     "ix_volumes_tenant_id": ["tenant", "id"],

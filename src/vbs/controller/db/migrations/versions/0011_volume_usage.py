@@ -19,8 +19,6 @@ from vbs.controller.db.migration_sql import VOLUME_USAGE_COUNTING
 
 revision = "0011_volume_usage"
 down_revision = "0010_scale_indexes"
-branch_labels = None
-depends_on = None
 
 # An UPDATE that changes what volume_usage counts.
 _COUNTED_CHANGE = ("OLD.size_gib <> NEW.size_gib OR OLD.tenant <> NEW.tenant OR OLD.storage_node <> NEW.storage_node"

@@ -16,8 +16,6 @@ from vbs.controller.db.migration_sql import VOLUME_USAGE_COUNTING
 
 revision = "0012_volume_usage_lock_order"
 down_revision = "0011_volume_usage"
-branch_labels = None
-depends_on = None
 
 POSTGRESQL_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION vbs_volume_usage() RETURNS trigger LANGUAGE plpgsql AS $$

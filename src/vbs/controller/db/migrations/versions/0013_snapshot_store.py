@@ -18,8 +18,6 @@ from alembic import op
 
 revision = "0013_snapshot_store"
 down_revision = "0012_volume_usage_lock_order"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

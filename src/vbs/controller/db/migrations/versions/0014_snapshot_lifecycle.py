@@ -21,8 +21,6 @@ from alembic import op
 
 revision = "0014_snapshot_lifecycle"
 down_revision = "0013_snapshot_store"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

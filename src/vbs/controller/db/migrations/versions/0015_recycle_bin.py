@@ -15,8 +15,6 @@ from alembic import op
 
 revision = "0015_recycle_bin"
 down_revision = "0014_snapshot_lifecycle"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -17,8 +17,6 @@ from alembic import op
 
 revision = "0016_lifecycle_policies"
 down_revision = "0015_recycle_bin"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -13,8 +13,6 @@ from alembic import op
 
 revision = "0017_direct_encrypted_snapshots"
 down_revision = "0016_lifecycle_policies"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -13,8 +13,6 @@ from alembic import op
 
 revision = "0018_archive_store"
 down_revision = "0017_direct_encrypted_snapshots"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
