@@ -30,11 +30,8 @@ per pass, never two neighbours in a row). Its request count is calibrated to las
 
 NBD transports (what the security defaults cost): plain TCP (``--insecure`` only), the unix socket
 ``vbs up`` uses, TLS with X.509 certificates from a throwaway CA (the default over TCP: the host
-presents its certificate, the export's front checks it against its one-host anchor) and TLS-PSK, all
-with the default tunables. Over TCP a host reaches qemu-storage-daemon through its export's nbdkit
-front (the ``nbd`` plugin on the daemon's unix socket): ``nbd-front-q`` is that path, ``nbd-native-q``
-the daemon alone on its socket in the same run (what the front costs). All four through QEMU's
-own NBD client with ``qemu-img convert`` (the whole file,
+presents its certificate, the server checks it against its authz list) and TLS-PSK, all with the
+default tunables. All four through QEMU's own NBD client with ``qemu-img convert`` (the whole file,
 8 coroutines, to or from ``null-co``: sequential read and write only; ``qemu-img bench`` takes no
 ``--object`` and fio's libnbd refuses a URI naming certificate files, so neither opens a TLS
 export); TCP and the socket also with fio and qemu-img bench (random I/O too). The report gives
@@ -43,8 +40,7 @@ each one's ratio to plain TCP measured in the same run with the same tool.
 Variants marked "experimental" are not driver settings: they set TCP_NODELAY on the export daemon's
 listening socket from outside (pidfd_getfd; accepted connections inherit it), which QEMU 7.2's NBD
 server does not do itself (QEMU 8.0 does: commit bd2cd4a441 "nbd/server: push pending frames after
-sending reply"). tgtd sets it on its own connections. Over TCP the daemon now has no socket of its
-own (its exports' nbdkit fronts hold the TCP connections), so these variants find nothing to set.
+sending reply"). tgtd sets it on its own connections.
 
 ``--backend rbd``: the same file is imported into an RBD image of a single-node Ceph the benchmark
 starts (``vbs.rigs.ceph.EmbeddedCeph``, one OSD on a sparse file, pool size 1), and ``qemu-img bench``
@@ -167,7 +163,6 @@ class Variant:
     nodelay: bool = False  # experimental: TCP_NODELAY forced on the daemon's sockets
     default: bool = False  # the drivers' defaults
     transport: str = "tcp"  # NBD: tcp (plain) | unix | x509 | psk
-    front: bool = True  # NBD over TCP: through the export's nbdkit front (False: the daemon's own socket)
     backend: str = "file"  # what is served: the volume file, or an RBD image of it (--backend rbd)
     connections: int = 1  # fio: jobs, each with its own NBD connection, sharing the workload's queue depth
     engine: str = "libaio"  # local fio: libaio with O_DIRECT, or io_uring through the page cache
@@ -189,10 +184,8 @@ VARIANTS = (
     Variant("nbd-2conn", "NBD default, 2 connections sharing the queue depth", "nbd", "fio",
             {"aio": "native", "cache_direct": True}, connections=2),
     Variant("local-qemu", "local file, qemu-img -t none -i native", "local", "qemu-img"),
-    Variant("nbd-native-q", "NBD aio=native cache.direct, the daemon alone (its unix socket, no front)", "nbd",
-            "qemu-img", {"aio": "native", "cache_direct": True}, front=False),
-    Variant("nbd-front-q", "NBD aio=native cache.direct (default): TCP through the export's nbdkit front", "nbd",
-            "qemu-img", {"aio": "native", "cache_direct": True}, default=True),
+    Variant("nbd-native-q", "NBD aio=native cache.direct (default)", "nbd", "qemu-img",
+            {"aio": "native", "cache_direct": True}, default=True),
     Variant("nbd-threads-q", "NBD aio=threads cache.direct", "nbd", "qemu-img",
             {"aio": "threads", "cache_direct": True}),
     Variant("nbd-io_uring-q", "NBD aio=io_uring cache.direct", "nbd", "qemu-img",
@@ -222,7 +215,7 @@ VARIANTS = (
 # --backend rbd: the local file, QEMU on librbd, and the product's path (NBD over the daemon's librbd).
 RBD_VARIANTS = ("local-qemu", "rbd-librbd-q", "rbd-nbd-q")
 # --quick: the drivers' defaults and their baselines, what the targets are judged on (about 2 minutes).
-QUICK_VARIANTS = ("local-fio", "nbd-native", "local-qemu", "nbd-front-q", "nbd-native-q", "iscsi-direct")
+QUICK_VARIANTS = ("local-fio", "nbd-native", "local-qemu", "nbd-native-q", "iscsi-direct")
 # --nbdkit: nbdkit next to qemu-storage-daemon (direct and page cache) and the local file, both tools.
 NBDKIT_VARIANTS = ("local-fio-uring", "local-fio", "nbd-native", "nbd-cached", "nbdkit", "local-qemu",
                    "nbd-native-q", "nbd-cached-q", "nbdkit-q")
@@ -463,12 +456,10 @@ def served(v: Variant, volume: Path, work: Path,
             nbd.start()
             c = nbd.ensure_export(VOLUME_ID, source, HOST)
             assert isinstance(c, NbdConnection)
-            if c.socket is not None or not v.front:
-                # Without the front: the daemon's own socket (under vbs up the host's; else the front's).
-                sock = c.socket or str(nbd.socket)
-                opts = (f"driver=raw,file.driver=nbd,file.server.type=unix,file.server.path={sock},"
+            if c.socket is not None:
+                opts = (f"driver=raw,file.driver=nbd,file.server.type=unix,file.server.path={c.socket},"
                         f"file.export={c.export}")
-                uri = f"nbd+unix:///{c.export}?socket={sock}"
+                uri = f"nbd+unix:///{c.export}?socket={c.socket}"
             else:
                 opts = (f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={c.host},"
                         f"file.server.port={c.port},file.export={c.export}")

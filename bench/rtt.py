@@ -78,7 +78,7 @@ CHUNK = 1 << 20
 # What one direction of a proxied connection may hold in flight by default (the "link's" window): the
 # proxy ends TCP on each side, so the sender's own window never sees the RTT; this one does.
 PROXY_BUFFER = 64 << 20
-VARIANT = {"nbd": "nbd-front-q", "iscsi": "iscsi-direct"}  # the product's TCP paths
+VARIANT = {"nbd": "nbd-native-q", "iscsi": "iscsi-direct"}
 CPU_JOB_MIB = 16
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from vbs.storage.exports.supervised import SupervisedExportDriver
 from vbs.wire.connection import AnyConnection
 
 __all__ = ["free_port", "runs", "wait_dead", "drivers_of", "volume", "read_at", "write_at", "taken_port", "MiB",
-           "GuestDisk", "guest_disk", "session_across"]
+           "GuestDisk", "guest_disk"]
 
 MiB = 1024 * 1024
 
@@ -114,36 +113,6 @@ def write_at(path: Path, offset: int, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def session_across(restart: Callable[[], None], creds: Path, server: str, volume: Path) -> None:
-    """One qemu-io client over X.509 (``creds``, ``server`` as image options) that writes a block, lives
-    through ``restart()`` (the agent going away and coming back) and, in the same session, writes the
-    next block and reads the first back; then the volume holds both."""
-    client = subprocess.Popen(
-        ["qemu-io", "--object", f"tls-creds-x509,id=t0,endpoint=client,dir={creds}", "--image-opts",
-         f"driver=nbd,{server},tls-creds=t0"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert client.stdin is not None
-        client.stdin.write("write -P 0x31 0 4k\n")
-        client.stdin.flush()
-        assert client.stdout is not None
-        said = client.stdout.readline()  # the session is open and the first block written
-        assert "wrote 4096/4096" in said, said
-        restart()
-        try:
-            client.stdin.write("write -P 0x32 4k 4k\nread -P 0x31 0 4k\nquit\n")
-            client.stdin.flush()
-        except BrokenPipeError:  # the client is gone: what it said tells why
-            pass
-        out, _ = client.communicate(timeout=60)
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
-    assert client.returncode == 0 and "Pattern verification failed" not in out and "error" not in out.lower(), out
-    assert read_at(volume, 0, 8192) == b"\x31" * 4096 + b"\x32" * 4096
 
 
 @contextmanager

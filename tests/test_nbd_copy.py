@@ -192,7 +192,7 @@ def test_refresh_and_new_chains_wait_for_a_copy(make_driver: Make, volume: Path,
 
     drv.remove_copy(SNAP)
     a2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
-    assert isinstance(a2, NbdConnection) and nbd.nbd_sizes(drv.socket)[a2.export] == 2 * SIZE
+    assert isinstance(a2, NbdConnection) and nbd.nbd_sizes(drv.port)[a2.export] == 2 * SIZE
 
 
 def test_a_copy_waits_for_hosts_still_on_an_older_chain(make_driver: Make, volume: Path, target: Path) -> None:

@@ -67,8 +67,6 @@ def info(key: str, host: str, target: str) -> ExportInfo:
 
 
 def url(c: NbdConnection) -> str:
-    if c.socket is not None:
-        return f"nbd+unix:///{c.export}?socket={c.socket}"
     return f"nbd://{c.host}:{c.port}/{c.export}"
 
 
@@ -167,8 +165,8 @@ def test_remove_export(make_driver: Callable[..., NbdExportDriver], volume: Path
     drv.remove_export(VOL, HOST_A.name)
     assert drv.list_exports() == []
     assert str(volume) not in open_files()  # both nodes deleted: the file is closed
-    rc, out = qemu_io(c, "read 0 4k")  # its front stopped with it
-    assert rc != 0 and "connection refused" in out.lower(), out
+    rc, out = qemu_io(c, "read 0 4k")
+    assert rc != 0 and "export" in out.lower(), out
     # idempotent: absent is success, also for a pair that never existed
     drv.remove_export(VOL, HOST_A.name)
     drv.remove_export(VOL2, "never-seen")
@@ -221,34 +219,6 @@ def test_list_exports_and_multi_attach(make_driver: Callable[..., NbdExportDrive
     assert {(e.key, e.host) for e in drv.list_exports()} == {(VOL, HOST_B.name), (VOL2, HOST_A.name)}
     rc, out = qemu_io(cb, "read -P 0x5a 0 64k")
     assert rc == 0, out
-
-
-def test_the_front_passes_flush_trim_zero_and_block_status_through(make_driver: Callable[..., NbdExportDriver],
-                                                                   volume: Path) -> None:
-    """What QEMU's client uses, through the export's nbdkit front (nbd plugin) to the daemon."""
-    drv = make_driver()
-    c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
-    assert isinstance(c, NbdConnection) and c.socket is None and drv.front_pid(VOL, HOST_A.name) is not None
-    info = run(["nbdinfo", url(c)], timeout=30).stdout
-    for flag in ("can_flush: true", "can_fua: true", "can_trim: true", "can_zero: true", "can_fast_zero: true",
-                 "is_read_only: false", "base:allocation"):
-        assert flag in info, info
-    rc, out = qemu_io(c, "write -P 0x5b 0 2M")
-    assert rc == 0, out
-    rc, out = qemu_io(c, "flush")
-    assert rc == 0, out
-    rc, out = qemu_io(c, "write -z 1M 1M")  # write-zeroes
-    assert rc == 0, out
-    # Trim is passed on and accepted (an advisory request: qemu-storage-daemon itself, on its own
-    # socket, leaves these blocks as they were too).
-    rc, out = qemu_io(c, "discard 0 64k")
-    assert rc == 0, out
-    assert read_at(volume, 64 * 1024, 4096) == b"\x5b" * 4096 and read_at(volume, 1 * MiB, 1 * MiB) == bytes(MiB)
-    extents = json.loads(run(["qemu-img", "map", "--output=json", "-f", "raw", url(c)], timeout=30).stdout)
-    data = [(e["start"], e["start"] + e["length"]) for e in extents if e["data"]]
-    zero = [(e["start"], e["start"] + e["length"]) for e in extents if e["zero"]]
-    assert any(start <= 64 * 1024 and end >= MiB for start, end in data), extents  # block status: written
-    assert any(start <= 2 * MiB and end >= 16 * MiB for start, end in zero), extents  # never written: zero
 
 
 def test_read_only_export_refuses_writes(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
@@ -385,18 +355,12 @@ def test_a_new_agent_adopts_the_running_daemon(make_driver: Callable[..., NbdExp
     assert rc == 0, out
 
 
-def test_a_front_skips_a_taken_port_and_says_when_none_is_left(make_driver: Callable[..., NbdExportDriver],
-                                                                 volume: Path) -> None:
+def test_start_fails_clearly_when_the_port_is_taken(make_driver: Callable[..., NbdExportDriver]) -> None:
     with taken_port() as port:
         drv = make_driver(port=port)
-        c = drv.ensure_export(VOL, FileSource(volume), HOST_A)
-        assert isinstance(c, NbdConnection) and c.port not in (None, port)  # the daemon has no TCP port
-        rc, out = qemu_io(c, "read 0 4k")
-        assert rc == 0, out
-        cramped = make_driver(state="cramped", port=port, ports=1)
-        with pytest.raises(DriverError, match="no free port"):
-            cramped.ensure_export(VOL, FileSource(volume), HOST_A)
-        assert cramped.list_exports() == []
+        with pytest.raises(DriverError, match="did not start"):
+            drv.start()
+    assert drv.pid is None
 
 
 def test_bad_input_never_reaches_the_daemon(make_driver: Callable[..., NbdExportDriver], volume: Path,
@@ -421,33 +385,24 @@ def test_bad_input_never_reaches_the_daemon(make_driver: Callable[..., NbdExport
     assert drv.pid is None  # nothing above started a daemon
 
 
-def test_a_daemon_or_front_with_another_configuration_is_replaced(make_driver: Callable[..., NbdExportDriver],
-                                                                   volume: Path, tmp_path: Path) -> None:
+def test_a_daemon_with_another_configuration_is_replaced(make_driver: Callable[..., NbdExportDriver],
+                                                         volume: Path, tmp_path: Path) -> None:
     port = free_port()
     first = make_driver(port=port)
     c = first.ensure_export(VOL, FileSource(volume), HOST_A)
     assert isinstance(c, NbdConnection)
-    old, old_front = first.pid, front_pid(first, c)
+    old = first.pid
     assert old is not None
     first.close()
-    second = make_driver(port=port, tls=True)  # the operator turned TLS on: that is the fronts' business
+    second = make_driver(port=port, tls=True)  # the operator turned TLS on
     second.start()
-    wait_dead(old_front)
-    assert second.pid == old  # the daemon's configuration (its unix socket) did not change: adopted
+    wait_dead(old)
+    assert second.pid not in (None, old)
     c2 = second.ensure_export(VOL, FileSource(volume), HOST_A)
-    assert isinstance(c2, NbdConnection) and (c2.export, c2.port) == (c.export, c.port) and c2.tls_psk_key
+    assert isinstance(c2, NbdConnection) and c2.export == c.export and c2.tls_psk_key is not None
     rc, out = qemu_io(c, "read 0 4k")  # plaintext is refused now
     assert rc != 0, out
     rc, out = qemu_io(c2, "read 0 4k", tls_dir=client_keys(tmp_path, c2), user=c2.tls_psk_identity)
-    assert rc == 0, out
-    second.close()
-    third = make_driver(port=port, socket_dir=tmp_path / "run")  # vbs up: the daemon listens elsewhere
-    third.start()
-    wait_dead(old)
-    assert third.pid not in (None, old)
-    c3 = third.ensure_export(VOL, FileSource(volume), HOST_A)
-    assert isinstance(c3, NbdConnection) and c3.socket is not None and c3.export == c.export
-    rc, out = qemu_io(c3, "read 0 4k")
     assert rc == 0, out
 
 
@@ -468,20 +423,9 @@ def test_a_second_agent_does_not_kill_a_busy_daemon(make_driver: Callable[..., N
 # -- online resize: refresh_export / retire_exports ---------------------------------------------------
 
 
-def front_pid(drv: NbdExportDriver, c: NbdConnection) -> int:
-    """PID of the nbdkit front that serves ``c`` (found by its pidfile)."""
-    fronts = drv.state_dir / "fronts" / "run"
-    for pidfile in fronts.glob("*.pid"):
-        pid = int(pidfile.read_text())
-        if f"exportname={c.export}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"):
-            return pid
-    raise AssertionError(f"no front serves {c.export}")
-
-
-def nbd_sizes(socket: Path) -> dict[str, int]:
-    """Every export the daemon has, with the size it reports (listed on its unix socket, in the
-    agent's 0700 directory: over TCP only the fronts listen, and they list nothing)."""
-    out = run(["nbdinfo", "--list", "--json", f"nbd+unix:///?socket={socket}"], timeout=30, check=False)
+def nbd_sizes(port: int) -> dict[str, int]:
+    """Every export a client can list on the daemon, with the size it reports."""
+    out = run(["nbdinfo", "--list", "--json", f"nbd://127.0.0.1:{port}"], timeout=30, check=False)
     if out.returncode != 0:
         return {}
     return {e["export-name"]: int(e["export-size"]) for e in json.loads(out.stdout)["exports"]}
@@ -494,11 +438,11 @@ def test_refresh_exports_the_grown_file_under_a_new_name(make_driver: Callable[.
     assert isinstance(c1, NbdConnection)
     assert drv.refresh_export(VOL, FileSource(volume), HOST_A.name) == c1  # the file did not grow: nothing to do
     os.truncate(volume, 32 * MiB)
-    assert nbd_sizes(drv.socket) == {c1.export: 16 * MiB}  # fixed when the export was made
+    assert nbd_sizes(drv.port) == {c1.export: 16 * MiB}  # fixed when the export was made
 
     c2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     assert isinstance(c2, NbdConnection) and c2.export != c1.export and c2.export.startswith(VOL + "-")
-    assert nbd_sizes(drv.socket) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
+    assert nbd_sizes(drv.port) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
     assert drv.refresh_export(VOL, FileSource(volume), HOST_A.name) == c2
     assert drv.ensure_export(VOL, FileSource(volume), HOST_A) == c2
     assert drv.list_exports() == [info(VOL, HOST_A.name, c2.export)]  # one per (volume, host)
@@ -509,7 +453,7 @@ def test_refresh_exports_the_grown_file_under_a_new_name(make_driver: Callable[.
 
     drv.retire_exports(VOL, HOST_A.name)
     drv.retire_exports(VOL, HOST_A.name)  # idempotent
-    assert nbd_sizes(drv.socket) == {c2.export: 32 * MiB}
+    assert nbd_sizes(drv.port) == {c2.export: 32 * MiB}
     rc, out = qemu_io(c1, "read 0 4k")
     assert rc != 0, out
     state = drv.state_path.read_text()
@@ -518,9 +462,9 @@ def test_refresh_exports_the_grown_file_under_a_new_name(make_driver: Callable[.
     # remove_export takes every generation with it.
     os.truncate(volume, 48 * MiB)
     c3 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
-    assert isinstance(c3, NbdConnection) and len(nbd_sizes(drv.socket)) == 2
+    assert isinstance(c3, NbdConnection) and len(nbd_sizes(drv.port)) == 2
     drv.remove_export(VOL, HOST_A.name)
-    assert nbd_sizes(drv.socket) == {} and drv.list_exports() == []
+    assert nbd_sizes(drv.port) == {} and drv.list_exports() == []
     assert VOL not in drv.state_path.read_text()
     with pytest.raises(NotFound):
         drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
@@ -537,9 +481,9 @@ def test_refresh_is_per_host(make_driver: Callable[..., NbdExportDriver], volume
     a2 = drv.refresh_export(VOL, FileSource(volume), HOST_A.name)
     drv.retire_exports(VOL, HOST_A.name)
     assert isinstance(a2, NbdConnection) and isinstance(b1, NbdConnection) and isinstance(a1, NbdConnection)
-    assert nbd_sizes(drv.socket) == {a2.export: 32 * MiB, b1.export: 16 * MiB}  # B untouched
+    assert nbd_sizes(drv.port) == {a2.export: 32 * MiB, b1.export: 16 * MiB}  # B untouched
     drv.retire_exports(VOL, HOST_B.name)  # B has nothing to retire
-    assert set(nbd_sizes(drv.socket)) == {a2.export, b1.export}
+    assert set(nbd_sizes(drv.port)) == {a2.export, b1.export}
 
 
 def test_refresh_survives_agent_and_daemon_restarts(make_driver: Callable[..., NbdExportDriver],
@@ -555,7 +499,7 @@ def test_refresh_survives_agent_and_daemon_restarts(make_driver: Callable[..., N
     first.close()
     second = make_driver(port=port)
     second.start()
-    assert nbd_sizes(first.socket) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
+    assert nbd_sizes(port) == {c1.export: 16 * MiB, c2.export: 32 * MiB}
     assert second.refresh_export(VOL, FileSource(volume), HOST_A.name) == c2  # its size was persisted
     assert second.ensure_export(VOL, FileSource(volume), HOST_A) == c2
 
@@ -565,16 +509,16 @@ def test_refresh_survives_agent_and_daemon_restarts(make_driver: Callable[..., N
     os.kill(pid, signal.SIGKILL)
     wait_dead(pid)
     second.check()
-    assert nbd_sizes(first.socket) == {c1.export: 32 * MiB, c2.export: 32 * MiB}
+    assert nbd_sizes(port) == {c1.export: 32 * MiB, c2.export: 32 * MiB}
     assert second.refresh_export(VOL, FileSource(volume), HOST_A.name) == c2
     second.retire_exports(VOL, HOST_A.name)
-    assert nbd_sizes(first.socket) == {c2.export: 32 * MiB}
+    assert nbd_sizes(port) == {c2.export: 32 * MiB}
 
     # Stopped and started again: only the current generation comes back.
     second.stop()
     third = make_driver(port=port)
     third.start()
-    assert nbd_sizes(first.socket) == {c2.export: 32 * MiB}
+    assert nbd_sizes(port) == {c2.export: 32 * MiB}
     rc, out = qemu_io(c2, "read 0 4k")
     assert rc == 0, out
 
@@ -622,17 +566,17 @@ def test_refresh_with_two_hosts_shares_the_new_chain(make_driver: Callable[..., 
     b2 = drv.refresh_export(VOL, FileSource(volume), HOST_B.name)  # chain 1 has the size: goes on it
     assert all(isinstance(c, NbdConnection) for c in (a1, b1, a2, b2))
     assert len(file_nodes(drv, volume)) == 2
-    assert nbd_sizes(drv.socket) == {a1.export: 16 * MiB, b1.export: 16 * MiB,  # type: ignore[union-attr]
+    assert nbd_sizes(drv.port) == {a1.export: 16 * MiB, b1.export: 16 * MiB,  # type: ignore[union-attr]
                                    a2.export: 32 * MiB, b2.export: 32 * MiB}  # type: ignore[union-attr]
     c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-c", address="127.0.0.3"))
-    assert isinstance(c, NbdConnection) and nbd_sizes(drv.socket)[c.export] == 32 * MiB  # the newest chain
+    assert isinstance(c, NbdConnection) and nbd_sizes(drv.port)[c.export] == 32 * MiB  # the newest chain
     assert len(file_nodes(drv, volume)) == 2
 
     drv.retire_exports(VOL, HOST_A.name)
     assert len(file_nodes(drv, volume)) == 2  # B may still be on chain 0
     drv.retire_exports(VOL, HOST_B.name)
     assert len(file_nodes(drv, volume)) == 1  # nothing uses chain 0 any more: closed
-    assert set(nbd_sizes(drv.socket)) == {a2.export, b2.export, c.export}  # type: ignore[union-attr]
+    assert set(nbd_sizes(drv.port)) == {a2.export, b2.export, c.export}  # type: ignore[union-attr]
     rc, out = qemu_io(b2, "write -P 0x62 0 64k")  # type: ignore[arg-type]
     assert rc == 0, out
     rc, out = qemu_io(a2, "read -P 0x62 0 64k")  # type: ignore[arg-type]
@@ -685,7 +629,7 @@ def test_v1_state_is_upgraded_under_a_running_daemon(make_driver: Callable[..., 
     # The old agent's daemon, with the command line and the exports it made.
     drv.state_dir.mkdir(parents=True)
     argv = ["qemu-storage-daemon", "--chardev", f"socket,path={drv.qmp_path},server=on,wait=off,id=m",
-            "--monitor", "chardev=m", "--nbd-server", f"addr.type=unix,addr.path={drv.socket}",
+            "--monitor", "chardev=m", "--nbd-server", f"addr.type=inet,addr.host=127.0.0.1,addr.port={port}",
             "--pidfile", str(drv.pid_path)]
     subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
@@ -703,7 +647,7 @@ def test_v1_state_is_upgraded_under_a_running_daemon(make_driver: Callable[..., 
     drv.start()
     assert drv.pid == pid  # adopted
     names = {name for _, _, name in old}
-    assert set(nbd_sizes(drv.socket)) == names
+    assert set(nbd_sizes(port)) == names
     assert sorted(drv.list_exports(), key=lambda e: e.host) == [
         info(VOL, HOST_A.name, old[1][2]), info(VOL, HOST_B.name, old[2][2])]
     assert len(file_nodes(drv, volume)) == 3  # nothing re-opened
@@ -713,7 +657,7 @@ def test_v1_state_is_upgraded_under_a_running_daemon(make_driver: Callable[..., 
     # The old generation of A retires as it would have; a new host joins the newest chain.
     drv.retire_exports(VOL, HOST_A.name)
     assert json.loads(drv.state_path.read_text())["version"] == 2
-    assert set(nbd_sizes(drv.socket)) == {old[1][2], old[2][2]} and len(file_nodes(drv, volume)) == 2
+    assert set(nbd_sizes(port)) == {old[1][2], old[2][2]} and len(file_nodes(drv, volume)) == 2
     c = drv.ensure_export(VOL, FileSource(volume), HostIdentity(name="hv-c", address="127.0.0.3"))
     assert isinstance(c, NbdConnection) and len(file_nodes(drv, volume)) == 2
     rc, out = qemu_io(c, "write -P 0x65 0 4k")
@@ -722,7 +666,7 @@ def test_v1_state_is_upgraded_under_a_running_daemon(make_driver: Callable[..., 
     assert rc == 0, out
     for host in (HOST_A.name, HOST_B.name, "hv-c"):
         drv.remove_export(VOL, host)
-    assert file_nodes(drv, volume) == [] and nbd_sizes(drv.socket) == {}
+    assert file_nodes(drv, volume) == [] and nbd_sizes(port) == {}
 
 
 def test_v1_state_is_upgraded_without_a_daemon(make_driver: Callable[..., NbdExportDriver], volume: Path) -> None:
@@ -732,7 +676,7 @@ def test_v1_state_is_upgraded_without_a_daemon(make_driver: Callable[..., NbdExp
     old = [(HOST_A.name, 0, f"{VOL}-{'d' * 32}"), (HOST_B.name, 3, f"{VOL}-{'e' * 32}")]
     drv.state_path.write_text(v1_state(volume, *old))
     drv.start()
-    assert set(nbd_sizes(drv.socket)) == {name for _, _, name in old}
+    assert set(nbd_sizes(drv.port)) == {name for _, _, name in old}
     export_ids = {e["id"] for e in qmp(drv, "query-block-exports")}
     assert export_ids == {v1_ids(HOST_A.name, 0)[0], v1_ids(HOST_B.name, 3)[0]}
     b = drv.ensure_export(VOL, FileSource(volume), HOST_B)

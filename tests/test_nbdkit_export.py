@@ -306,15 +306,29 @@ def test_a_restarted_agent_adopts_the_running_processes_and_clients_keep_their_s
     c = first.ensure_export(VOL, FileSource(volume), HV_A)
     pid = first.pid(VOL, "hv-a")
     creds = client_dir(ca, tmp_path, "hv-a", ["127.0.0.1"])
-
-    def restart() -> None:
+    # A client that stays connected across the agent's restart (qemu-io reads its commands from stdin).
+    client = subprocess.Popen(
+        ["qemu-io", "--object", f"tls-creds-x509,id=t0,endpoint=client,dir={creds}", "--image-opts",
+         f"driver=nbd,{server(c)},tls-creds=t0"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert client.stdin is not None
+        client.stdin.write("write -P 0x31 0 4k\n")
+        client.stdin.flush()
         first.close()  # the agent goes away; its processes keep serving
         second = make_driver(tls="x509", x509=x509, port=first.port)
         second.start()
         assert second.pid(VOL, "hv-a") == pid  # adopted, not restarted
         assert second.ensure_export(VOL, FileSource(volume), HV_A) == c
-
-    export_fixtures.session_across(restart, creds, server(c), volume)
+        client.stdin.write("write -P 0x32 4k 4k\nread -P 0x31 0 4k\nquit\n")
+        client.stdin.flush()
+        out, _ = client.communicate(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    assert client.returncode == 0 and "Pattern verification failed" not in out and "error" not in out.lower(), out
+    assert read_at(volume, 0, 8192) == b"\x31" * 4096 + b"\x32" * 4096
 
 
 def test_a_process_the_state_no_longer_names_is_stopped_when_the_agent_starts(

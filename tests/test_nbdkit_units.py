@@ -10,12 +10,10 @@ import pytest
 from cryptography import x509
 from pydantic import ValidationError
 
-from vbs.errors import DriverError, InvalidParameter
-from vbs.qemu.tls import X509Files
+from vbs.errors import InvalidParameter
+from vbs.storage.exports.nbdkit.anchor import host_anchor
 from vbs.storage.exports.nbdkit.driver import NbdkitExportDriver, NbdkitOptions
-from vbs.storage.exports.perhost import OneHost, Processes
-from vbs.storage.exports.perhost.anchor import host_anchor
-from vbs.storage.exports.perhost.process import Listener, process_spec
+from vbs.storage.exports.nbdkit.process import Listener, process_spec
 from vbs.trust.pki import CertificateAuthority
 
 pytestmark = pytest.mark.unit
@@ -57,9 +55,8 @@ def test_an_unreadable_ca_is_refused() -> None:
 
 def test_a_process_answers_to_its_one_name_and_lists_none(tmp_path: Path) -> None:
     listener = Listener(None, "10.0.0.1", 10810, "x509", tmp_path / "tls" / "p")
-    spec = process_spec(tmp_path / "run", "p", plugin=("file", f"file={tmp_path}/vol.raw", "cache=default"),
-                        names=("vol-0123456789abcdef0-ab",), read_only=True, listener=listener, threads=16,
-                        start_timeout=5.0)
+    spec = process_spec(tmp_path / "run", "p", path=tmp_path / "vol.raw", name="vol-0123456789abcdef0-ab",
+                        read_only=True, listener=listener, threads=16, cache="default", start_timeout=5.0)
     argv = list(spec.argv)
     assert argv[0] == "nbdkit" and "-f" not in argv  # it forks: in the foreground it dies with the agent
     assert spec.forks and spec.writes_pidfile and str(spec.pid_path) in argv
@@ -85,18 +82,3 @@ def test_options_are_bounded(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameter, match="listen_host"):
         NbdkitExportDriver(tmp_path / "s", listen_host="a b")
     assert NbdkitExportDriver(tmp_path / "s", port=65500, ports=256).ports == range(65500, 65536)
-
-
-def test_an_x509_process_without_a_host_address_is_never_started(tmp_path: Path) -> None:
-    """A per-host process with no host address: no anchor could name it, so no process (exports made
-    before the fronts have none: the legacy front, any_host_of_ca, serves those)."""
-    ca = CertificateAuthority(tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "ca-key.pem")
-    node = ca.issue_in(tmp_path / "node", "storage-1", ["127.0.0.1"])
-    procs = Processes(tmp_path / "state", listen_host="127.0.0.1", ports=range(10809, 10810), tls="x509",
-                      x509=X509Files(node.cert, node.key, node.ca), socket_dir=None, threads=4, start_timeout=5.0,
-                      logger="test", ports_option="ports")
-    one = OneHost(pid="p", what="vol-0123456789abcdef0", host="hv-a", address="", name="vol-0123456789abcdef0-ab",
-                  read_only=False, port=10809, psk=None, plugin=("null",))
-    with pytest.raises(DriverError, match="no host address"):
-        procs.run(one)
-    assert procs.pid("p") is None and not (tmp_path / "state" / "tls" / "p" / "ca-cert.pem").exists()

@@ -114,9 +114,7 @@ def exports(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NbdExpor
 def served(drv: ExportDriver, conn: Connection) -> dict[str, int]:
     """What a client of the export daemon can open now: export name (NBD) or LUN (iSCSI) -> bytes."""
     if isinstance(conn, NbdConnection):
-        # Listed on the daemon's unix socket: over TCP only the exports' fronts listen, and list nothing.
-        assert isinstance(drv, NbdExportDriver)
-        out = run(["nbdinfo", "--list", "--json", f"nbd+unix:///?socket={drv.socket}"], timeout=30, check=False)
+        out = run(["nbdinfo", "--list", "--json", f"nbd://{conn.host}:{conn.port}"], timeout=30, check=False)
         if out.returncode != 0:
             return {}
         return {e["export-name"]: int(e["export-size"]) for e in json.loads(out.stdout)["exports"]}

@@ -70,8 +70,7 @@ def test_a_node_pulls_over_x509_with_its_own_certificate_and_only_that_node_gets
                              read_only=True)
     assert isinstance(conn, NbdConnection) and conn.tls == "x509"
 
-    # Another node of the install, at its own address: the export's front admits storage-2's only.
-    other = ca.issue_in(tmp_path / "other-node", "storage-3", ["127.0.0.3"])
+    other = ca.issue_in(tmp_path / "other-node", "storage-3", ["127.0.0.1"])
     intruder = pool(tmp_path, "intruder", X509Files(other.cert, other.key, other.ca))
     refused = pulled(intruder, conn)
     assert refused.state == "error" and "qemu-img" in (refused.error or ""), refused

@@ -6,28 +6,41 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vbs.errors import DriverError
 from vbs.qemu.qmp import QmpClient, QmpCommandError, QmpError, connect_until
-from vbs.storage.exports.perhost.process import TlsMode
 from vbs.system.daemons import DaemonSpec, argv0_is
 from vbs.system.processes import minimal_environment
 
 from .state import JOB_PREFIX, Job, Live
 
-__all__ = ["QSD", "Monitor", "TlsMode", "daemon_spec"]
+TlsMode = Literal["x509", "psk", "off"]
 
 QSD = "qemu-storage-daemon"
+AUTHZ_ID = "vbsauthz"
 
 
-def daemon_spec(state_dir: Path, qmp_path: Path, *, socket: Path, start_timeout: float) -> DaemonSpec:
-    """How the daemon is run: its monitor socket, its NBD server on the unix ``socket`` (the only
-    listener it ever has: over TCP, each host reaches its exports through its own nbdkit front,
-    fronts.py), its pidfile and log."""
+def daemon_spec(state_dir: Path, qmp_path: Path, *, socket: Path | None, listen_host: str, port: int,
+                tls: TlsMode, tls_dir: Path, x509_dir: Path, start_timeout: float) -> DaemonSpec:
+    """How the daemon is run: its monitor socket, its NBD server (unix socket, or TCP with the TLS
+    credentials of ``tls``), its pidfile and log."""
     pid_path = state_dir / "qsd.pid"
-    argv = [QSD, "--chardev", f"socket,path={qmp_path},server=on,wait=off,id=m", "--monitor", "chardev=m",
-            "--nbd-server", f"addr.type=unix,addr.path={socket}", "--pidfile", str(pid_path)]
+    if socket is not None:
+        nbd = f"addr.type=unix,addr.path={socket}"
+    else:
+        nbd = f"addr.type=inet,addr.host={listen_host},addr.port={port}"
+    argv = [QSD, "--chardev", f"socket,path={qmp_path},server=on,wait=off,id=m", "--monitor", "chardev=m"]
+    if tls == "psk":
+        argv += ["--object", f"tls-creds-psk,id=tls0,endpoint=server,dir={tls_dir}"]
+        nbd += ",tls-creds=tls0"
+    elif tls == "x509":
+        # verify-peer: a client must present a certificate from the CA; the authz list (made
+        # over QMP, see access.Access.write_authz) then admits only hosts with an export here.
+        argv += ["--object", f"tls-creds-x509,id=tls0,endpoint=server,dir={x509_dir},verify-peer=on"]
+        nbd += f",tls-creds=tls0,tls-authz={AUTHZ_ID}"
+    argv += ["--nbd-server", nbd, "--pidfile", str(pid_path)]
+    stale = (qmp_path,) if socket is None else (qmp_path, socket)
 
     def owns(pid: int) -> bool:
         """A live qemu-storage-daemon with our monitor socket (guards against a reused PID)."""
@@ -35,7 +48,7 @@ def daemon_spec(state_dir: Path, qmp_path: Path, *, socket: Path, start_timeout:
 
     return DaemonSpec(name=QSD, argv=tuple(argv), pid_path=pid_path, log_path=state_dir / "qsd.log",
                       owns=owns, writes_pidfile=True, start_timeout=start_timeout,
-                      stale_files=(qmp_path, socket), env=minimal_environment())
+                      stale_files=stale, env=minimal_environment())
 
 
 class Monitor:

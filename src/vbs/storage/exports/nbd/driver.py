@@ -9,33 +9,36 @@ Each key (a volume, or a snapshot a hypervisor copies into) is opened once, as a
 node and a raw node, and every host's NBD export of that key is added on that one chain, under its
 own random name; TLS-PSK is optional. The daemon also takes point-in-time copies of what it serves.
 
-Access control. QEMU 7.2's NBD server is one per daemon, answers ``NBD_OPT_LIST`` with every
-export and has one ``tls-authz`` list and one PSK file for all of them: a host admitted for one
-export could list and open every other. So the daemon never listens on TCP: its NBD server is a
-unix socket in a 0700 directory of the agent, and who reaches which export is decided in front of
-it. Modes:
+Access control (measured on QEMU 7.2, the version installed here). The NBD server is one per
+daemon and answers ``NBD_OPT_LIST`` with every export, and QEMU has no per-export ACL: a client
+that can open a session can list and open every export. So who can open a session is the
+boundary; export names (``<key>-<128-bit random token>`` per attachment) only make a host that asks
+for a name it was not given (a typo, a stale id) fail rather than reach the wrong volume. Modes:
 
-* Unix socket (``socket_dir``, ``vbs up``): ``<socket_dir>/nbd.sock``, 0700 directory; only
-  processes of the daemon's user (QEMU on the same machine) can connect, and they are told it.
-* Over TCP (``tls`` ``x509``, the default; ``psk``; ``off`` with ``insecure`` only): the daemon's
-  socket is ``<state_dir>/nbd.sock``, and each host's export has an nbdkit *front* of its own
-  (access.py, ``vbs.storage.exports.perhost``, the very processes of the ``nbdkit`` driver): the
-  ``nbd`` plugin on that socket and that one export, on a port of its own, answering only to the
-  export's name (``<key>-<128-bit random token>``) and listing none; with X.509 it requires a
-  client certificate that chains to the install's CA through the front's own anchor, which admits
-  only the host's address; with TLS-PSK its key file holds only that host's identity and key. The
-  host is told the front's port. A host that holds an export here thus reaches its own exports
-  only: another host's front refuses its certificate (or key) in the handshake. Exports made before
-  the fronts (no port in the state file: the daemon listened on ``port`` itself) are served on
-  ``port`` by one *legacy front* while any is left (access.py).
+* Unix socket (``socket_dir``): the daemon listens on ``<socket_dir>/nbd.sock`` in a 0700
+  directory; only processes of the daemon's user (QEMU on the same machine) can connect. ``vbs up``.
+* TLS with X.509 (``tls="x509"``, the default over TCP): the daemon presents the storage node's
+  certificate and requires a client certificate from the same CA (``verify-peer``); plaintext
+  clients are refused before any option, listing included. A ``tls-authz`` list admits only the
+  client certificates whose DN is ``CN=<host>`` of a host with at least one export here: it is an
+  ``authz-list`` object made over QMP, replaced whenever that set of hosts changes (QEMU looks it
+  up by id at every handshake; while it is absent every client is refused). A host that holds an
+  export here can still list and open other hosts' exports on this daemon (the authz list is
+  server-wide); strict per-host isolation would need one daemon per host.
+* TLS-PSK (``tls="psk"``): each host gets its own PSK identity (its host name) and a 256-bit key,
+  kept in ``<state_dir>/tls/keys.psk`` only while the host has at least one export here. GnuTLS
+  reads that file at every handshake, so a host is admitted as soon as its key is written and
+  refused for new sessions as soon as its last export is removed. ``tls-authz`` ignores PSK
+  identities on 7.2, so the same server-wide caveat holds.
+* Plain TCP (``tls="off"``): the bind address is the only isolation; the storage agent allows it
+  only with ``insecure`` and says so at every start.
 
 Other choices: desired chains and exports are kept in memory and in ``<state_dir>/exports.json``
 (mode 0600), keys only in ``keys.psk``. That way ``check()`` can rebuild a dead daemon, and a
-restarted agent can adopt a running one and the fronts, with the same names, ports and keys, so
-connected clients keep their sessions (or just reconnect). Removal stops the export's front, then
-uses ``block-export-del`` mode ``hard``. The controller removes an export only after the host
-unplugged the disk. Any client still connected at that point (a forced detach) must be cut off, or
-the volume could never be deleted.
+restarted agent can adopt a running one, with the same names and keys, so connected clients just
+reconnect. Removal uses ``block-export-del`` mode ``hard``. The controller removes an export only
+after the host unplugged the disk. Any client still connected at that point (a forced detach) must
+be cut off, or the volume could never be deleted.
 
 Online resize (measured on QEMU 7.2): an NBD export's size is fixed when it is added, and a node
 opened before the file grew keeps its old size (``block_resize`` on it is refused: the export's
@@ -70,6 +73,7 @@ from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, RetryLater
 from vbs.pools.exports import ExportSource
 from vbs.qemu.tls import X509Files
+from vbs.storage.exports.nodelay import force_nodelay
 from vbs.storage.exports.supervised import (
     LISTEN_RE,
     ServedKey,
@@ -88,7 +92,7 @@ from .access import Access
 from .chains import Chains
 from .copies import Copies
 from .copy_calls import CopyCalls
-from .daemon import Monitor, TlsMode, daemon_spec
+from .daemon import QSD, Monitor, TlsMode, daemon_spec
 from .limits import Limits
 from .options import NbdOptions, tls_of
 from .state import (
@@ -122,14 +126,12 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
                  tls: TlsMode | bool = "off", aio: str = "native", cache_direct: bool = True, *,
                  advertise_host: str | None = None, qmp_timeout: float = 30.0, start_timeout: float = 15.0,
                  copy_speed: int = 0, x509: X509Files | None = None, socket_dir: Path | None = None,
-                 fair_share: dict[str, QoS] | None = None, ports: int = 256) -> None:
+                 fair_share: dict[str, QoS] | None = None) -> None:
         """``tls``: ``x509`` (needs ``x509``: this node's certificate, key and CA), ``psk``, or
         ``off`` (True and False are ``psk`` and ``off``). ``socket_dir``: listen on a unix socket
         there instead of TCP (no TLS then: the directory's mode is the boundary). ``fair_share``: per
         volume type, the limits all of this node's volumes of that type share, dispatched round-robin
-        between them (QEMU's throttle groups); a type not named has no shared group. ``ports``: how many
-        ports from ``port`` on the exports' fronts may take (one each, over TCP)."""
-        ports_ = NbdOptions(ports=ports).ports
+        between them (QEMU's throttle groups); a type not named has no shared group."""
         if aio not in ("native", "threads", "io_uring"):
             raise InvalidParameter(f"aio must be native, threads or io_uring, not {aio!r}")
         if aio == "native" and not cache_direct:
@@ -147,26 +149,23 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         if mode not in ("x509", "psk", "off"):
             raise InvalidParameter(f"nbd tls must be x509, psk or off, not {mode!r}")
         self.socket_dir = Path(socket_dir).absolute() if socket_dir is not None else None
-        # The daemon's only listener: the hosts' own under vbs up, else its fronts'.
-        self.socket = socket_path(self.socket_dir or state_dir.absolute(), "nbd.sock")
-        if "," in str(self.socket) or not NBD_SOCKET_RE.fullmatch(str(self.socket)):
+        self.socket = socket_path(self.socket_dir, "nbd.sock") if self.socket_dir is not None else None
+        if self.socket is not None and ("," in str(self.socket) or not NBD_SOCKET_RE.fullmatch(str(self.socket))):
             raise InvalidParameter(f"unusable NBD socket path {self.socket} (plain components, no comma)")
-        self.tls: TlsMode = "off" if self.socket_dir is not None else mode
+        self.tls: TlsMode = "off" if self.socket is not None else mode
         if self.tls == "x509" and x509 is None:
             raise InvalidParameter("NBD TLS with X.509 needs this node's certificate, key and CA")
         self.start_timeout = start_timeout
         self.qmp_path = socket_path(state_dir, "qsd.qmp")
         self._book = book = Book(desired=lambda: self._desired, save=self._save, first=self._desired_first)
         self._monitor = Monitor(self.qmp_path, qmp_timeout)
-        fronts = None if self.socket_dir is not None else range(port, min(65536, port + ports_))
-        self._access = Access(self.tls, state_dir, x509, book, socket=self.socket, listen_host=listen_host,
-                              ports=fronts, start_timeout=start_timeout)
+        self._access = Access(self.tls, state_dir, x509, self._monitor, book)
         self._limits = Limits(fair_share, self._monitor)
         tracking = Tracking(self._monitor, state_dir / "bitmaps")
         self._chains = Chains(self._monitor, self._limits, book, tracking, aio=aio, cache_direct=cache_direct)
         self._copies = Copies(self._monitor, self._chains, self._limits, book, copy_speed=copy_speed)
         self._views = Views(self._monitor, self._chains, self._limits, book, state_dir / "views")
-        self.x509 = x509
+        self.x509, self.x509_dir = x509, self._access.x509_dir
         self.tls_dir, self.keys_path = self._access.tls_dir, self._access.keys_path
         self.aio, self.cache_direct = aio, cache_direct  # how file nodes open their files
         self.qmp_timeout, self.copy_speed, self.fair_share = qmp_timeout, copy_speed, self._limits.fair_share
@@ -182,18 +181,34 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         tls = tls_of(cfg, x509)
         return cls(state_dir, listen_host=cfg.export_host, port=cfg.nbd_port, tls=tls, aio=opts.aio,
                    cache_direct=opts.cache_direct, copy_speed=opts.copy_speed, x509=x509,
-                   socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share, ports=opts.ports)
+                   socket_dir=cfg.nbd_socket_dir, fair_share=opts.fair_share)
 
     # -- the daemon (hooks of SupervisedDaemon) ------------------------------------------------------
 
     def _daemon_spec(self) -> DaemonSpec:
-        return daemon_spec(self.state_dir, self.qmp_path, socket=self.socket, start_timeout=self.start_timeout)
+        return daemon_spec(self.state_dir, self.qmp_path, socket=self.socket, listen_host=self.listen_host,
+                           port=self.port, tls=self.tls, tls_dir=self.tls_dir, x509_dir=self.x509_dir,
+                           start_timeout=self.start_timeout)
 
     def _ready(self, deadline: float) -> None:
         self._monitor.connect(deadline, self._daemon.running)
 
     def _take_over(self) -> bool:
         return self._monitor.take_over(self._daemon.pid, self._daemon.forget)
+
+    def _daemon_up(self) -> None:
+        """The authz list of an X.509 daemon; TCP_NODELAY (QEMU 7.2's NBD server leaves Nagle on,
+        which stalls QEMU's NBD client)."""
+        if self.tls == "x509":
+            self._access.write_authz()
+        pid = self._daemon.pid
+        if pid is None or self.socket is not None:
+            return
+        try:
+            force_nodelay(pid)
+        except OSError as exc:
+            log.warning("could not set TCP_NODELAY on %s %d (%s): small random I/O through QEMU's NBD "
+                        "client will be slow", QSD, pid, exc.strerror or exc)
 
     def _probe(self) -> None:
         self._q("query-version")
@@ -205,7 +220,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         self._monitor.let_go()
 
     def _loaded_state(self) -> None:
-        self._access.prepare()
+        self._access.prepare(self.socket_dir, self.socket)
 
     def _view(self) -> Live:
         return self._monitor.view(self._running())
@@ -214,43 +229,13 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         """Every chain an export uses and every export (older generations too: their host may not
         have moved yet); chains held only by copy jobs that died with a daemon are forgotten."""
         changed = self._views.check(item, view)  # views lost with a daemon: their leftovers go first
-        for exp in item.exports:  # one with no port was made before the fronts: the legacy front's
+        for exp in item.exports:
             changed = self._chains.open_export(item, exp, view) or changed
         if self._chains.collect(item, view) or changed:
             self._save()
-        for exp in item.exports:
-            self._access.run_front(item.key, exp)
 
     def _reconciled(self, view: Live) -> None:
         self._views.sweep(view)
-        self._access.end_unknown_fronts()
-
-    def stop(self) -> None:
-        """Stop the daemon and the fronts (by PID); ``start()`` brings both back."""
-        with self._lock:
-            try:
-                super().stop()
-            finally:
-                self._load()
-                self._access.stop_fronts()
-
-    def close(self) -> None:
-        """Let go of the daemon and the fronts without stopping them: the next agent adopts them."""
-        with self._lock:
-            super().close()
-            self._access.forget_fronts()
-
-    def front_pid(self, key: str, host_name: str) -> int | None:
-        """PID of the nbdkit front of ``host_name``'s current export of ``key`` (None: none runs, or
-        the hosts open the daemon's unix socket themselves)."""
-        with self._lock:
-            self._load()
-            served = self._desired.get(key)
-            exp = served.current(host_name) if served is not None else None
-            if exp is None or self._access.fronts is None:
-                return None
-            daemon = self._access.fronts.daemon(self._access.front(key, exp))[0]
-            return daemon.pid if daemon.running() else daemon.recorded_pid()
 
     def _q(self, command: str, args: dict[str, Any] | None = None) -> Any:
         """Ask the daemon over its monitor."""
@@ -280,8 +265,8 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
 
     # -- the contract (hooks of SupervisedExportDriver) ----------------------------------------------
 
-    def _connection(self, key: str, exp: HostExport) -> NbdConnection:
-        return self._access.connection(key, exp, self.advertise_host)
+    def _connection(self, exp: HostExport) -> NbdConnection:
+        return self._access.connection(exp, socket=self.socket, host=self.advertise_host, port=self.port)
 
     def _hosts(self, item: Served) -> set[str]:
         return {e.host for e in item.exports}
@@ -301,76 +286,60 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
             if cur.read_only != read_only:
                 raise IdempotentParameterMismatch(f"{key} is already exported to {host.name} "
                                                   f"(read_only={cur.read_only}); remove that export first")
-            changed = self._chains.open_export(served, cur, live)
-            if cur.address != host.address and not self._access.legacy(cur):
-                # The front's anchor admits the old address: a new front for the new one.
-                for exp in served.exports:
-                    if exp.host == host.name:
-                        self._access.end_front(exp)
-                        exp.address = host.address
-                changed = True
-            if changed:
+            if self._chains.open_export(served, cur, live):
                 self._save()
-            self._access.run_front(key, cur)
-            return self._connection(key, cur)
+            return self._connection(cur)
         chain = served.newest()
         if chain is None or not fits(chain, read_only, source_size(key, source)):
             if chain is not None and self._chains.copying(served, live):
                 # A new chain would escape the copy-before-write filter of the running copy.
                 raise RetryLater(f"a point-in-time copy of {key} is running; a new chain of it must wait")
             chain = new_chain(key, served.next_gen(), read_only, self._limits.fair_group(served))
-        exp = self._add_export(served, host, chain, read_only, live)
+        exp = self._add_export(served, host.name, chain, read_only, live)
         log.info("exported %s to %s as NBD export (tls=%s)", key, host.name, self.tls)
-        return self._connection(key, exp)
+        return self._connection(exp)
 
-    def _add_export(self, served: Served, host: HostIdentity, chain: Chain, read_only: bool, live: Live, *,
-                    legacy: bool = False) -> HostExport:
-        """A new export for ``host`` on ``chain`` (made if it is not in ``served``) and its front,
-        desired first (``legacy``: on the legacy front, as the export it succeeds)."""
+    def _add_export(self, served: Served, host: str, chain: Chain, read_only: bool, live: Live) -> HostExport:
+        """A new export for ``host`` on ``chain`` (made if it is not in ``served``), desired first."""
         new_chain_ = served.chain(chain.gen) is None
-        exp = HostExport(host=host.name, gen=chain.gen, read_only=read_only,
-                         name=f"{served.key}-{secrets.token_hex(16)}", id=export_id(served.key, host.name, chain.gen),
-                         address=host.address, port=None if legacy else self._access.free_port())
-        new_key = self._access.needs_key(host.name)
+        exp = HostExport(host=host, gen=chain.gen, read_only=read_only,
+                         name=f"{served.key}-{secrets.token_hex(16)}", id=export_id(served.key, host, chain.gen))
+        new_key, new_host = self._access.needs_key(host), self._access.is_new_host(host)
         if new_chain_:
             served.chains.append(chain)
         served.exports.append(exp)
         self._desired[served.key] = served
         if new_key:
-            self._access.keys[host.name] = secrets.token_hex(32)
+            self._access.keys[host] = secrets.token_hex(32)
 
         def undo() -> None:
             served.exports.remove(exp)
-            self._access.end_front(exp)
             try:
                 self._chains.close_export(exp.id, live)
                 self._chains.collect(served, live)  # closes a chain made for it
             except DriverError as exc:
                 log.error("could not remove the half-made export %s: %s", exp.id, exc.message)
-            if legacy:
-                try:
-                    self._access.run_legacy()  # without its name
-                except DriverError as exc:
-                    log.error("could not restart the NBD legacy front: %s", exc.message)
             if new_key:
-                del self._access.keys[host.name]
+                del self._access.keys[host]
                 self._access.write_keys()
+            if new_host:
+                self._access.write_authz_best_effort()
 
         # Desired state first: a crash from here on leaves an export that check() or the next
         # start() re-creates, never one the agent does not know about.
         with self._desired_first(undo):
             if new_key:
                 self._access.write_keys()
+            if new_host:
+                self._access.write_authz()
             self._chains.open_export(served, exp, live, replace=True)
             self._save()  # with the size of a new chain
-            self._access.run_front(served.key, exp)
         return exp
 
     def _remove(self, item: Served | None, key: str, host_name: str) -> None:
         self._close_host_exports(item, key, host_name)
-        self._access.end_unknown_fronts()  # also the front of an export the state file lost
         if host_name not in self._book.hosts_with_exports():
-            self._access.host_gone(host_name)
+            self._access.host_gone(host_name, self._running())
 
     def _list(self) -> list[ExportInfo]:
         desired = {e.id: e for s in self._desired.values() for e in s.exports}
@@ -404,18 +373,14 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
             self._save()
         chain = item.chain(cur.gen)
         if chain is not None and chain.size == size:
-            self._access.run_front(item.key, cur)
-            return self._connection(item.key, cur)
+            return self._connection(cur)
         newest = item.newest()
         if newest is None or not fits(newest, cur.read_only, size):
             newest = new_chain(item.key, item.next_gen(), cur.read_only, self._limits.fair_group(item))
-        # model_construct: an export made before fronts has no address; its successor is the legacy
-        # front's too (that host's QEMU knows no other port).
-        host = HostIdentity.model_construct(name=host_name, address=cur.address)
-        exp = self._add_export(item, host, newest, cur.read_only, live, legacy=self._access.legacy(cur))
+        exp = self._add_export(item, host_name, newest, cur.read_only, live)
         log.info("refreshed the NBD export of %s for %s: chain %d serves %d bytes",
                  item.key, host_name, exp.gen, newest.size or 0)
-        return self._connection(item.key, exp)
+        return self._connection(exp)
 
     def _retire(self, item: Served, host_name: str) -> None:
         """The host's exports older than its current one go (their clients are cut off), and the
@@ -434,11 +399,8 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
             return 0
         going = [e for e in item.exports if e.host == host_name and e is not keep]
         for exp in going:
-            self._access.end_front(exp)  # first: no new session reaches the export as it goes
             self._chains.close_export(exp.id, live)
             item.exports.remove(exp)
         if self._chains.collect(item, live) or going:
             self._save()
-        if any(self._access.legacy(e) for e in going):
-            self._access.run_legacy()  # with the names left, or stopped
         return len(going)

@@ -31,22 +31,18 @@ def tls_of(cfg: StorageAgentConfig, x509: X509Files | None) -> TlsMode:
     if cfg.nbd_socket_dir is None and tls == "off":
         if not cfg.insecure:
             raise InvalidParameter("nbd_tls = \"off\" (plain NBD over TCP) is allowed only with --insecure")
-        log.warning("INSECURE: NBD exports are served over plain TCP on %s from port %d: anyone who reaches "
-                    "that address and learns an export's name (an eavesdropper does) can read and write it",
-                    cfg.export_host, cfg.nbd_port)
+        log.warning("INSECURE: NBD exports are served over plain TCP on %s:%d: anyone who reaches that "
+                    "address can list, read and write every export", cfg.export_host, cfg.nbd_port)
     return tls
 
 
 class NbdOptions(BaseModel):
-    """``[storage_agent.options.nbd]``: the daemon's I/O mode, the point-in-time copy rate, and how
-    many ports from ``nbd_port`` on the exports' fronts may take (one each, over TCP)."""
+    """``[storage_agent.options.nbd]``: the daemon's I/O mode and the point-in-time copy rate."""
 
     model_config = ConfigDict(extra="forbid")
 
     aio: Literal["native", "threads", "io_uring"] = "native"
     cache_direct: bool = True
     copy_speed: int = Field(0, ge=0)
-    # Over TCP every host's export has an nbdkit front of its own, on a port from nbd_port on.
-    ports: int = Field(256, ge=1, le=4096)
     # [storage_agent.options.nbd.fair_share.gp3] iops = …, mbps = …: what this node's gp3 volumes share.
     fair_share: dict[str, QoS] = Field(default_factory=dict, max_length=16)

@@ -48,16 +48,13 @@ class Chain(BaseModel):
 
 
 class HostExport(BaseModel):
-    """One host's NBD export of the key, on the chain of generation ``gen``; over TCP, reached through
-    an nbdkit front of its own on ``port``."""
+    """One host's NBD export of the key, on the chain of generation ``gen``."""
 
     host: str
     gen: int = Field(ge=0)
     read_only: bool
-    name: str  # the NBD export name: the per-attachment secret-ish handle (the front answers to it too)
+    name: str  # the NBD export name: the per-attachment secret-ish handle
     id: str  # QEMU's block export id
-    address: str = ""  # the host's address when the export was made: what its front's anchor admits
-    port: int | None = Field(default=None, ge=1, le=65535)  # its front's (TCP); None under vbs up
 
 
 class Copy(BaseModel):

@@ -2,6 +2,6 @@
 point) and ``NBDKIT`` (the program's name)."""
 
 from vbs.storage.exports.nbdkit.driver import NbdkitExportDriver
-from vbs.storage.exports.perhost.process import NBDKIT
+from vbs.storage.exports.nbdkit.process import NBDKIT
 
 __all__ = ["NbdkitExportDriver", "NBDKIT"]

@@ -2,8 +2,8 @@
 
 Why one process per export and host, not one daemon per node as the ``nbd`` driver has:
 * Access. A process serves one export to one host, so who may open a session on it is exactly who
-  may use that export (the processes, ``vbs.storage.exports.perhost``, are also the ``nbd`` driver's
-  fronts of qemu-storage-daemon, whose one NBD server could not tell hosts apart). Modes:
+  may use that export: the gap of one server-wide daemon (a host admitted for one export could list
+  and open every other export of the node) does not exist. Modes:
   - unix socket (``socket_dir``, ``vbs up``): ``<socket_dir>/<id>.sock`` in a 0700 directory; only
     processes of the agent's user (QEMU on the same machine) can connect;
   - X.509 (the default over TCP): ``--tls=require --tls-verify-peer``; the client's certificate must
@@ -39,14 +39,13 @@ import secrets
 import threading
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from vbs.config import StorageAgentConfig
 from vbs.errors import DriverError, IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.pools.exports import ExportSource, FileSource, RbdSource
 from vbs.qemu.tls import X509Files
 from vbs.storage.exports.nbd.options import tls_of
-from vbs.storage.exports.perhost import OneHost, Processes, TlsMode
 from vbs.storage.exports.supervised import (
     LISTEN_RE,
     DesiredExports,
@@ -62,6 +61,8 @@ from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, HostIdentity, NbdConnection
 from vbs.wire.storage import ExportInfo
 
+from .process import TlsMode
+from .processes import Processes
 from .state import STATE_VERSION, HostExport, Served, process_id
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
         self.threads, self.cache = options.threads, options.cache
         self._processes = Processes(self.state_dir, listen_host=listen_host, ports=self.ports, tls=self.tls,
                                     x509=x509, socket_dir=self.socket_dir, threads=options.threads,
-                                    start_timeout=start_timeout, logger=__name__,
-                                    ports_option="[storage_agent.options.nbdkit] ports")
+                                    cache=options.cache, start_timeout=start_timeout)
         self.run_dir, self.tls_dir = self._processes.run_dir, self._processes.tls_dir
         self.state_path = self.state_dir / "exports.json"
         self._state = DesiredState(self.state_path, Served, version=STATE_VERSION)
@@ -136,16 +136,10 @@ class NbdkitExportDriver(DesiredExports[Served]):
     def pid(self, key: str, host_name: str) -> int | None:
         """PID of the process serving ``key`` to ``host_name`` (None when none runs)."""
         with self._lock:
-            return self._processes.pid(process_id(key, host_name))
+            return self._processes.pid(key, host_name)
 
     def log_path(self, key: str, host_name: str) -> Path:
-        return self._processes.log_path(process_id(key, host_name))
-
-    def _one(self, served: Served, exp: HostExport) -> OneHost:
-        """What (key, host)'s process serves: the key's file through the file plugin."""
-        return OneHost(pid=process_id(served.key, exp.host), what=served.key, host=exp.host, address=exp.address,
-                       name=exp.name, read_only=exp.read_only, port=exp.port, psk=exp.psk,
-                       plugin=("file", f"file={served.path}", f"cache={self.cache}"))
+        return self._processes.log_path(key, host_name)
 
     def _free_port(self) -> int:
         return self._processes.free_port({e.port for s in self._desired.values() for e in s.exports})
@@ -171,7 +165,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
             for served in list(self._desired.values()):
                 for exp in served.exports:
                     try:
-                        self._processes.run(self._one(served, exp))
+                        self._processes.run(served, exp)
                     except (DriverError, InvalidParameter) as exc:
                         # One missing source file must not keep every other host from its disk.
                         log.error("nbdkit export of %s for %s failed: %s", served.key, exp.host, exc.message)
@@ -185,7 +179,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
             self._load()
             for served in self._desired.values():
                 for exp in served.exports:
-                    self._processes.stop(self._one(served, exp))
+                    self._processes.stop(served, exp)
 
     def close(self) -> None:
         """Let go of the processes without stopping them: the next agent adopts them."""
@@ -213,10 +207,10 @@ class NbdkitExportDriver(DesiredExports[Served]):
                                                       f"(read_only={exp.read_only}); remove that export first")
                 if exp.address != host.address:
                     # Its anchor admits the old address: a new process for the new one.
-                    self._processes.end(process_id(key, host.name))
+                    self._processes.end(key, host.name)
                     exp.address = host.address
                     self._save()
-                self._processes.run(self._one(served, exp))
+                self._processes.run(served, exp)
                 return self._connection(served, exp)
             exp = HostExport(host=host.name, address=host.address, read_only=read_only,
                              name=f"{key}-{secrets.token_hex(16)}",
@@ -226,13 +220,13 @@ class NbdkitExportDriver(DesiredExports[Served]):
             self._desired[key] = served
             self._save()  # first: a crash from here on leaves an export check() re-creates
             try:
-                self._processes.run(self._one(served, exp))
+                self._processes.run(served, exp)
             except BaseException:
                 served.exports.remove(exp)
                 if not served.exports:
                     del self._desired[key]
                 self._save()
-                self._processes.end(process_id(key, host.name))
+                self._processes.end(key, host.name)
                 raise
             log.info("exported %s to %s through nbdkit (tls=%s)", key, host.name, self.tls)
             return self._connection(served, exp)
@@ -250,7 +244,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
                 if not served.exports:
                     del self._desired[key]
                 self._save()
-            self._processes.end(process_id(key, host_name))
+            self._processes.end(key, host_name)
             log.info("removed the nbdkit export of %s for %s", key, host_name)
 
     def refresh_export(self, key: str, source: ExportSource, host_name: str) -> NbdConnection:
@@ -266,7 +260,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
                 raise NotFound(f"{key} is not exported to {host_name}", code="InvalidAttachment.NotFound")
             if not served.serves(served_source):
                 raise IdempotentParameterMismatch(f"{key} is served from {served.describe()}, not {source}")
-            self._processes.run(self._one(served, exp))
+            self._processes.run(served, exp)
             return self._connection(served, exp)
 
     def retire_exports(self, key: str, host_name: str) -> None:
@@ -288,7 +282,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
             out = []
             for served in self._desired.values():
                 for exp in served.exports:
-                    if self._processes.serving(self._one(served, exp)):
+                    if self._processes.serving(served, exp):
                         out.append(ExportInfo(key=served.key, host=exp.host, protocol=self.protocol,
                                               target=exp.name))
             return sorted(out, key=lambda e: (e.key, e.host))
@@ -304,4 +298,12 @@ class NbdkitExportDriver(DesiredExports[Served]):
         return checked
 
     def _connection(self, served: Served, exp: HostExport) -> NbdConnection:
-        return self._processes.connection(self._one(served, exp), self.advertise_host)
+        sock = self._processes.socket(process_id(served.key, exp.host))
+        if sock is not None:
+            return NbdConnection(socket=str(sock), export=exp.name)
+        if self.tls == "x509":
+            return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name, tls="x509")
+        if self.tls == "psk" and exp.psk is not None:
+            return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name, tls="psk",
+                                 tls_psk_identity=exp.host, tls_psk_key=SecretStr(exp.psk))
+        return NbdConnection(host=self.advertise_host, port=exp.port, export=exp.name)

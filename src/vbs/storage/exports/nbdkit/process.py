@@ -1,4 +1,4 @@
-"""One nbdkit process: the command line that serves one export to one host, and when it is ready.
+"""One nbdkit process: the command line that serves one key to one host, and when it is ready.
 
 nbdkit forks into the background by itself and its child writes the pidfile ``-P`` (which also
 makes its command line name our state directory: ``owns`` and the tests' reaper find it by that):
@@ -6,10 +6,9 @@ run in the foreground (``-f``), nbdkit 1.32 stops serving when the process that 
 (measured: it sets PR_SET_PDEATHSIG, and the agent's SIGKILL cut every connection), and an agent
 restart must not touch a session. What nbdkit says before it forks (a port in use, unreadable
 credentials, a missing file) is in the process's log; after that its stderr is /dev/null.
-The plugin (the nbdkit driver's ``file``, the nbd driver's ``nbd`` front of qemu-storage-daemon's
-unix socket) runs with ``--threads`` workers (both are parallel: one NBD connection's requests run
-at once), under the ``exportname`` filter in strict mode, so that the process answers to its one
-export name and lists none.
+The ``file`` plugin runs with ``--threads`` workers (its thread model is parallel: one NBD
+connection's requests run at once), under the ``exportname`` filter in strict mode, so that the
+process answers to its one export name and lists none.
 """
 
 from __future__ import annotations
@@ -58,16 +57,13 @@ def _owns(pid_path: Path) -> Callable[[int], bool]:
     return owns
 
 
-def process_spec(run_dir: Path, pid: str, *, plugin: tuple[str, ...], names: tuple[str, ...], read_only: bool,
-                 listener: Listener, threads: int, start_timeout: float, filters: tuple[str, ...] = ()) -> DaemonSpec:
-    """How the process of one export and host (files named ``pid`` in ``run_dir``) serves ``plugin``
-    (the plugin's name and its parameters, the ``filters``' parameters too) under the export names
-    ``names`` only (one, but for the nbd driver's legacy front), through ``filters`` between the
-    ``exportname`` filter and the plugin."""
+def process_spec(run_dir: Path, pid: str, *, path: Path, name: str, read_only: bool, listener: Listener,
+                 threads: int, cache: str, start_timeout: float) -> DaemonSpec:
+    """How (key, host)'s process (files named ``pid`` in ``run_dir``) serves the file ``path``."""
     pid_path = run_dir / f"{pid}.pid"
     argv = [NBDKIT, "-P", str(pid_path), "--log=stderr", "-t", str(threads), *(["-r"] if read_only else []),
-            *listener.argv(), "--filter=exportname", *(f"--filter={f}" for f in filters), *plugin,
-            *(f"exportname={name}" for name in names), "exportname-strict=true", "exportname-list=empty"]
+            *listener.argv(), "--filter=exportname", "file", f"file={path}", f"cache={cache}",
+            f"exportname={name}", "exportname-strict=true", "exportname-list=empty"]
     stale = (listener.socket,) if listener.socket is not None else ()
     return DaemonSpec(name=NBDKIT, argv=tuple(argv), pid_path=pid_path, log_path=run_dir / f"{pid}.log",
                       owns=_owns(pid_path), writes_pidfile=True, forks=True,
