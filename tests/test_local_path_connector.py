@@ -26,6 +26,8 @@ from vbs.errors import IncorrectState, InvalidParameter
 from vbs.pools.exports import FileSource
 from vbs.storage.exports.iscsi import IscsiExportDriver
 from vbs.storage.exports.nbd import NbdExportDriver
+from vbs.system.argv import run
+from vbs.system.fuse_connections import FUSECTL
 from vbs.system.mounts import is_mounted as _mounted
 from vbs.system.processes import cmdline
 from vbs.wire.connection import HostIdentity, IscsiConnection, NbdConnection
@@ -204,3 +206,48 @@ def test_keys_are_checked(paths: Callable[[], LocalPaths]) -> None:
     for bad in ("../x", "a b", "", "-rf", "a/b", "x" * 65):
         with pytest.raises(InvalidParameter):
             lp.close(bad)
+
+
+def _qemu_io(*args: str) -> str:
+    return run(["qemu-io", *args], timeout=300).stdout
+
+
+@pytest.mark.parametrize("aio", ["io_uring", "native", "threads"])
+def test_concurrent_direct_writes_through_a_path_land_as_written(
+        aio: str, nbd: Callable[..., NbdExportDriver], paths: Callable[[], LocalPaths], tmp_path: Path) -> None:
+    """qemu-storage-daemon 7.2's FUSE export can store another concurrent write's bytes for a write
+    (vbs.system.fuse_connections). Without the limit, these 320 concurrent O_DIRECT writes (each of its
+    own pattern; those of 2 MiB the kernel splits into several requests) through a path on an NBD export
+    over loopback TCP left 12 to 76 wrong over io_uring or Linux AIO (through a unix socket most of them).
+    The volume's file must hold every one."""
+    volume = tmp_path / "big.raw"
+    with open(volume, "wb") as f:
+        f.truncate(384 * MiB)
+    drv = nbd()
+    drv.start()
+    c = drv.ensure_export(VOL, FileSource(volume), HOST)
+    path = paths().open("disk-1", c)
+    assert (FUSECTL / str(os.minor(path.stat().st_dev)) / "max_background").read_text().strip() == "1"
+    writes = [(i * MiB, MiB, i % 250 + 1) for i in range(256)] + \
+             [(256 * MiB + i * 2 * MiB, 2 * MiB, (i + 6) % 250 + 1) for i in range(64)]
+    _qemu_io("-f", "raw", "-t", "none", "-i", aio,
+             *[arg for off, size, p in writes for arg in ("-c", f"aio_write -P {p} {off} {size}")],
+             "-c", "aio_flush", str(path))
+    wrong = [(off, p) for off, size, p in writes if read_at(volume, off, size) != bytes([p]) * size]
+    assert wrong == [], f"{len(wrong)} of {len(writes)} writes hold other bytes"
+
+
+def test_a_path_opened_without_the_limit_gets_it_when_asked_again(
+        nbd: Callable[..., NbdExportDriver], paths: Callable[[], LocalPaths], volume: Path) -> None:
+    """A path an earlier version opened (the connection at the kernel's default of 12 background
+    requests) is limited when the agent is next asked for it; a read-only path needs no limit."""
+    drv = nbd()
+    drv.start()
+    c = drv.ensure_export(VOL, FileSource(volume), HOST)
+    lp = paths()
+    path = lp.open("disk-1", c)
+    setting = FUSECTL / str(os.minor(path.stat().st_dev)) / "max_background"
+    setting.write_text("12\n")
+    assert lp.open("disk-1", c) == path
+    assert setting.read_text().strip() == "1"
+    lp.close("disk-1")

@@ -22,6 +22,10 @@ place (``grow``): a second protocol node on the refreshed connection (the other 
 the raw node pointed at it with ``blockdev-reopen``, ``block_resize`` to the new size (the FUSE file
 then reports it), the old node removed. A path opened before this layering answers that it must be
 opened again.
+
+A writable path's FUSE connection is limited to one background request at a time before the path is
+handed out (``vbs.system.fuse_connections``): qemu-storage-daemon 7.2's FUSE export can otherwise store
+another concurrent write's bytes for a write.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from vbs.qemu.qmp import QmpClient, QmpError, connect_until
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
 from vbs.system.files import write_private
+from vbs.system.fuse_connections import one_request_at_a_time
 from vbs.system.mounts import detach_mount as _unmount
 from vbs.system.mounts import is_mounted as _mounted
 from vbs.system.socket_paths import socket_path
@@ -126,6 +131,8 @@ class LocalPaths:
         with self._lock:
             if item.daemon.running() or item.daemon.adopt(same_config=True):
                 if item.fingerprint() == fingerprint and _mounted(item.path):
+                    if not read_only:  # also a path an earlier version opened without the limit
+                        one_request_at_a_time(item.path)
                     return item.path
                 log.info("local path %s: opened on another connection; opening it again", key)
                 self._stop(item)
@@ -315,6 +322,8 @@ class LocalPaths:
             if time.monotonic() >= deadline:
                 raise DriverError(f"the FUSE export at {item.path} did not appear")
             time.sleep(0.01)
+        if not read_only:
+            one_request_at_a_time(item.path)  # before anyone can write to it: vbs.system.fuse_connections
 
     def _stop(self, item: _Opened) -> None:
         def ask() -> bool:
