@@ -45,6 +45,8 @@ def _mount_fusectl(root: Path) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     if libc.mount(b"fusectl", os.fsencode(str(root)), b"fusectl", 0, None) != 0:
         err = ctypes.get_errno()
+        if _is_fusectl(root):
+            return  # another process mounted it meanwhile
         raise DriverError(f"cannot mount the FUSE control file system on {root}: {os.strerror(err)} ({_WHY}, "
                           "and only its max_background setting prevents that)")
     log.info("mounted the FUSE control file system on %s", root)
