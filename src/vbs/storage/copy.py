@@ -224,22 +224,36 @@ def sparsify(
     total = sum(end - start for start, end in ranges)
     done = 0
     zero = bytes(_PUNCH_BLOCK)
+    run = [0, 0]  # the zero blocks found and not punched yet, [start, end): one fallocate per run
+
+    def punch_run() -> None:
+        nonlocal punched
+        if run[1] > run[0]:
+            _punch(fd, run[0], run[1] - run[0])
+            punched += run[1] - run[0]
+        run[:] = [0, 0]
+
     for start, end in ranges:
         offset = start - start % _PUNCH_BLOCK
         while offset < end:
             if cancel is not None and cancel.is_set():
                 raise CopyCancelled()
-            chunk = os.pread(fd, min(_SCAN_BYTES, end - offset), offset)
+            chunk = memoryview(os.pread(fd, min(_SCAN_BYTES, end - offset), offset))
             if not chunk:
                 break
             for at in range(0, len(chunk) - _PUNCH_BLOCK + 1, _PUNCH_BLOCK):
-                if chunk[at:at + _PUNCH_BLOCK] == zero:
-                    _punch(fd, offset + at, _PUNCH_BLOCK)
-                    punched += _PUNCH_BLOCK
+                if chunk[at:at + _PUNCH_BLOCK] != zero:
+                    punch_run()
+                elif run[1] == offset + at and run[1] > run[0]:
+                    run[1] += _PUNCH_BLOCK
+                else:
+                    punch_run()
+                    run[:] = [offset + at, offset + at + _PUNCH_BLOCK]
             offset += len(chunk)
             done = min(total, done + len(chunk))
             if progress is not None:
                 progress(done, total)
+    punch_run()
     os.fsync(fd)
     return punched
 
