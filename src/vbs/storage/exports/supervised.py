@@ -195,8 +195,10 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
         check_host(host_name)
         with self._lock:
             self._load()
-            self._remove(self._desired.get(key), key, host_name)
-            log.info("removed the %s export of %s for %s", self.protocol, key, host_name)
+            item = self._desired.get(key)
+            self._remove(item, key, host_name)
+            if item is not None:  # not said again for each repeated call (a workflow's polling step)
+                log.info("removed the %s export of %s for %s", self.protocol, key, host_name)
 
     def refresh_export(self, key: str, source: ExportSource, host_name: str) -> Connection:
         """A connection that reports the source's grown size; ``NotFound`` if there is no export."""
