@@ -471,7 +471,8 @@ class Cluster(Services):
         r = self.vbs.http.post("/v1/snapshots", json={"volume_id": volume_id})
         assert r.status_code == 200, r.text
         snap = r.json()["snapshot_id"]
-        self.vbs.wait_snapshot(snap, "completed", timeout=120)
+        # A bound for a wedged workflow, not a speed: one of an attached iSCSI volume copies 1 GiB (92 s idle).
+        self.vbs.wait_snapshot(snap, "completed", timeout=600)
         return str(snap)
 
     def attach(self, volume_id: str) -> None:
