@@ -48,7 +48,7 @@ from vbs.connectors import connector_for
 from vbs.connectors.base import QemuIds, open_in_qemu
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DriverError, IncorrectState, InvalidParameter
-from vbs.qemu.luks_nodes import qemu_luks_node, qemu_secret
+from vbs.qemu.luks_nodes import LUKS_OPEN_TIMEOUT_S, qemu_luks_node, qemu_secret
 from vbs.qemu.qmp import QmpClient, QmpError, connect_until
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
@@ -299,8 +299,8 @@ class LocalPaths:
 
     def _export(self, qmp: QmpClient, item: _Opened, connection: AnyConnection, read_only: bool,
                 luks: SecretStr | None) -> None:
-        def execute(command: str, args: dict[str, Any]) -> object:
-            return qmp.execute(command, args)
+        def execute(command: str, args: dict[str, Any], timeout: float | None = None) -> object:
+            return qmp.execute(command, args, timeout=timeout)
 
         ids = _GENERATIONS[0]
         blockdev = connector_for(connection).qemu_blockdev(connection, ids)
@@ -311,7 +311,8 @@ class LocalPaths:
             execute("blockdev-add", _raw_options(ids.proto, read_only))
         else:
             execute("object-add", qemu_secret(_LUKS_SECRET, luks))
-            execute("blockdev-add", qemu_luks_node(_RAW, ids.proto, _LUKS_SECRET, read_only))
+            execute("blockdev-add", qemu_luks_node(_RAW, ids.proto, _LUKS_SECRET, read_only),
+                    timeout=max(self.timeout, LUKS_OPEN_TIMEOUT_S))
         fd = os.open(item.path, os.O_WRONLY | os.O_CREAT, 0o600)
         os.close(fd)
         execute("block-export-add", {"type": "fuse", "id": "vbs-path", "node-name": _RAW,

@@ -7,7 +7,12 @@ from typing import Any
 
 from pydantic import SecretStr
 
-__all__ = ["qemu_secret", "qemu_luks_node"]
+__all__ = ["LUKS_OPEN_TIMEOUT_S", "qemu_secret", "qemu_luks_node"]
+
+# How long a ``blockdev-add`` of a luks node may take: QEMU derives the container's key first (PBKDF2,
+# calibrated by ``qemu-img create`` to take 2 s on the machine that formatted it), with its monitor
+# blocked meanwhile. On a loaded 2-core host beside TCG guests that took over 10 s, the QMP default.
+LUKS_OPEN_TIMEOUT_S = 120.0
 
 
 def qemu_secret(secret_id: str, luks: SecretStr) -> dict[str, Any]:

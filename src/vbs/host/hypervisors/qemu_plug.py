@@ -17,7 +17,7 @@ from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors import qemu_slots as slots
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Undo, Vm
 from vbs.host.hypervisors.qemu_ids import DiskIds
-from vbs.qemu.luks_nodes import qemu_secret
+from vbs.qemu.luks_nodes import LUKS_OPEN_TIMEOUT_S, qemu_secret
 from vbs.qemu.qmp import QmpCommandError, QmpConnectionError
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, QoS
@@ -61,7 +61,8 @@ def _build_chain(vm: Vm, connection: AnyConnection, ids: DiskIds, read_only: boo
         # The guest's plaintext exists only in this process: the export and the network carry ciphertext.
         vm.cmd("object-add", qemu_secret(ids.luks_secret, luks))
         undo.append(lambda: vm.cmd("object-del", {"id": ids.luks_secret}))
-    vm.cmd("blockdev-add", bd.format_options(ids, gen.proto, read_only, luks is not None))
+    vm.cmd("blockdev-add", bd.format_options(ids, gen.proto, read_only, luks is not None),
+           timeout=None if luks is None else max(host.qmp_timeout, LUKS_OPEN_TIMEOUT_S))
     undo.append(lambda: vm.cmd("blockdev-del", {"node-name": ids.raw}))
     return qos_.add_throttle(vm, ids, qos, read_only, undo)
 
