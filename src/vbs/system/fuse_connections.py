@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 
 from vbs.errors import DriverError
+from vbs.system.mounts import is_mounted
 
 __all__ = ["FUSECTL", "one_request_at_a_time"]
 
@@ -39,25 +40,17 @@ _WHY = "qemu-storage-daemon's FUSE export corrupts writes the kernel sends it co
 
 
 def _mount_fusectl(root: Path) -> None:
-    """Mount the FUSE control file system (as systemd does at boot) where it is not mounted yet."""
-    if _is_fusectl(root):
+    """Mount the FUSE control file system (as systemd does at boot) where nothing is mounted yet."""
+    if is_mounted(root):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     if libc.mount(b"fusectl", os.fsencode(str(root)), b"fusectl", 0, None) != 0:
         err = ctypes.get_errno()
-        if _is_fusectl(root):
+        if is_mounted(root):
             return  # another process mounted it meanwhile
         raise DriverError(f"cannot mount the FUSE control file system on {root}: {os.strerror(err)} ({_WHY}, "
                           "and only its max_background setting prevents that)")
     log.info("mounted the FUSE control file system on %s", root)
-
-
-def _is_fusectl(root: Path) -> bool:
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            return any(line.split()[4] == str(root) and " - fusectl " in line for line in f)
-    except (OSError, IndexError):
-        return False
 
 
 def one_request_at_a_time(path: Path, *, root: Path = FUSECTL) -> None:
