@@ -22,14 +22,12 @@ about a third as fast, sequential 1 MiB no slower (figures in docs/drivers.md).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from pathlib import Path
 
 from vbs.errors import DriverError
-from vbs.system.mounts import is_mounted
+from vbs.system.mounts import is_mounted, mount_pseudo
 
 __all__ = ["FUSECTL", "one_request_at_a_time"]
 
@@ -43,13 +41,13 @@ def _mount_fusectl(root: Path) -> None:
     """Mount the FUSE control file system (as systemd does at boot) where nothing is mounted yet."""
     if is_mounted(root):
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.mount(b"fusectl", os.fsencode(str(root)), b"fusectl", 0, None) != 0:
-        err = ctypes.get_errno()
+    try:
+        mount_pseudo("fusectl", root)
+    except OSError as exc:
         if is_mounted(root):
             return  # another process mounted it meanwhile
-        raise DriverError(f"cannot mount the FUSE control file system on {root}: {os.strerror(err)} ({_WHY}, "
-                          "and only its max_background setting prevents that)")
+        raise DriverError(f"cannot mount the FUSE control file system on {root}: {exc.strerror} ({_WHY}, "
+                          "and only its max_background setting prevents that)") from exc
     log.info("mounted the FUSE control file system on %s", root)
 
 

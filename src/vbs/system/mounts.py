@@ -6,16 +6,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 from pathlib import Path
 
 from vbs.errors import DriverError
 
-__all__ = ["is_mounted", "mount_source", "detach_mount"]
+__all__ = ["is_mounted", "mount_source", "mount_pseudo", "detach_mount"]
 
 _MNT_DETACH = 2
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -46,6 +48,14 @@ def mount_source(path: Path) -> str | None:
 
 def is_mounted(path: Path) -> bool:
     return mount_source(path) is not None
+
+
+def mount_pseudo(fstype: str, path: Path) -> None:
+    """Mount the kernel's file system ``fstype`` (no device: fusectl, sysfs...) on ``path``; ``OSError``
+    with the kernel's errno when it refuses."""
+    if _libc().mount(fstype.encode(), os.fsencode(str(path)), fstype.encode(), 0, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def detach_mount(path: Path) -> None:
