@@ -244,7 +244,7 @@ def sparsify(
             for at in range(0, len(chunk) - _PUNCH_BLOCK + 1, _PUNCH_BLOCK):
                 if chunk[at:at + _PUNCH_BLOCK] != zero:
                     punch_run()
-                elif run[1] == offset + at and run[1] > run[0]:
+                elif run[1] == offset + at:  # also the empty run [0, 0] and a block at 0
                     run[1] += _PUNCH_BLOCK
                 else:
                     punch_run()
