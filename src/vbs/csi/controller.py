@@ -5,7 +5,6 @@ is the host agent's node instance (``node_vm``: the csi-node hypervisor profile'
 
 from __future__ import annotations
 
-import threading
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -24,7 +23,7 @@ from vbs.csi.requests import (
     unsupported,
     zone_of,
 )
-from vbs.csi.rpc import in_flight, rpc, unimplemented
+from vbs.csi.rpc import KeyedLocks, rpc, unimplemented
 from vbs.csi.vbs_api import CLONE_TAG, NAME_TAG, Body, VbsApi
 from vbs.errors import VbsError
 
@@ -41,18 +40,14 @@ class ControllerService(SnapshotMethods):
         self.api = api
         self.node_vm = node_vm
         self.capacity = capacity
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+        # One call at a time per name or volume; another while it runs answers ABORTED (a sidecar's retry
+        # overlapping its first try, which goes on).
+        self.locked = KeyedLocks()
 
     def call_scope(self, request: Any) -> AbstractContextManager[None]:
         """The call acts with the VBS key its secrets carry (the sidecars fill them from the StorageClass's
         csi.storage.k8s.io/*-secret-name), else with the driver's own (``rpc`` enters this)."""
         return self.api.calls_as(key_of_secrets(dict(getattr(request, "secrets", {}))))
-
-    def locked(self, key: str) -> AbstractContextManager[None]:
-        """One call at a time per name or volume; another while it runs answers ABORTED (a sidecar's
-        retry overlapping its first try, which goes on)."""
-        return in_flight(self._locks, self._guard, key)
 
     @rpc
     def ControllerGetCapabilities(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
@@ -155,9 +150,7 @@ class ControllerService(SnapshotMethods):
     @rpc
     def DeleteVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
         required(request, "volume_id")
-        with self.locked(request.volume_id):
-            if self.api.volume(request.volume_id) is not None:
-                self.api.delete_volume(request.volume_id)
+        self._delete_live(request.volume_id, self.api.volume, self.api.delete_volume)
         return self.pb.DeleteVolumeResponse()
 
     # -- publish and unpublish ---------------------------------------------------------------------

@@ -3,16 +3,14 @@ volume, paged). A snapshot is a VBS snapshot tagged with its CSI name (``vbs_api
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vbs.csi.errors import CsiError
 from vbs.csi.messages import snapshot_message
 from vbs.csi.requests import SIDECAR_PREFIX, check_name, required
-from vbs.csi.rpc import rpc
-from vbs.csi.vbs_api import NAME_TAG, VbsApi
+from vbs.csi.rpc import KeyedLocks, rpc
+from vbs.csi.vbs_api import NAME_TAG, Body, VbsApi
 from vbs.errors import VbsError
 
 __all__ = ["SnapshotMethods"]
@@ -23,10 +21,7 @@ class SnapshotMethods:
 
     pb: Any
     api: VbsApi
-    _guard: threading.Lock
-
-    def locked(self, key: str) -> AbstractContextManager[None]:
-        raise NotImplementedError
+    locked: KeyedLocks
 
     @rpc
     def CreateSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
@@ -54,10 +49,16 @@ class SnapshotMethods:
     @rpc
     def DeleteSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802
         required(request, "snapshot_id")
-        with self.locked(request.snapshot_id):
-            if self.api.snapshot(request.snapshot_id) is not None:
-                self.api.delete_snapshot(request.snapshot_id)
+        self._delete_live(request.snapshot_id, self.api.snapshot, self.api.delete_snapshot)
         return self.pb.DeleteSnapshotResponse()
+
+    def _delete_live(self, resource_id: str, lookup: Callable[[str], Body | None],
+                     delete: Callable[[str], None]) -> None:
+        """DeleteVolume's and DeleteSnapshot's work: under the id's lock, ``delete`` the volume or snapshot
+        ``lookup`` finds live; one gone, absent or not such an id is success (CSI's deletes are idempotent)."""
+        with self.locked(resource_id):
+            if lookup(resource_id) is not None:
+                delete(resource_id)
 
     @rpc
     def GetSnapshot(self, request: Any, context: Any) -> Any:  # noqa: N802

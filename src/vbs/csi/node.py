@@ -5,8 +5,8 @@ devices themselves are ``node_devices``; what a volume is on this host comes fro
 
 from __future__ import annotations
 
-import threading
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from vbs.csi.errors import CsiError
 from vbs.csi.messages import capabilities
 from vbs.csi.node_devices import NodeDevices
 from vbs.csi.requests import TOPOLOGY_KEY, Capability, node_path, required, size_gib, unsupported
-from vbs.csi.rpc import in_flight, rpc, unimplemented
+from vbs.csi.rpc import KeyedLocks, rpc, unimplemented
 
 __all__ = ["NodeService", "MAX_VOLUMES_PER_NODE"]
 
@@ -28,11 +28,7 @@ class NodeService:
         self.devices = devices
         self.node_id = node_id
         self.zone = zone
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def _locked(self, volume_id: str) -> AbstractContextManager[None]:
-        return in_flight(self._locks, self._guard, volume_id)
+        self._locked = KeyedLocks()  # one call at a time per volume
 
     @rpc
     def NodeGetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - the spec's names
@@ -70,12 +66,19 @@ class NodeService:
 
     @rpc
     def NodeUnstageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        required(request, "volume_id")
-        staging = Path(node_path(request.staging_target_path, "staging_target_path"))
-        with self._locked(request.volume_id):
-            self.devices.unmount(staging)
+        with self._unmounted(request, "staging_target_path"):
             self.devices.detach_loops(request.volume_id)
         return self.pb.NodeUnstageVolumeResponse()
+
+    @contextmanager
+    def _unmounted(self, request: Any, field: str) -> Iterator[Path]:
+        """Undoing a stage or a publish: the path in ``request``'s ``field`` unmounted under the volume's lock,
+        which the block (the rest of the undo, given the path) still holds."""
+        required(request, "volume_id")
+        path = Path(node_path(getattr(request, field), field))
+        with self._locked(request.volume_id):
+            self.devices.unmount(path)
+            yield path
 
     @rpc
     def NodePublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -102,10 +105,7 @@ class NodeService:
 
     @rpc
     def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        required(request, "volume_id")
-        target = Path(node_path(request.target_path, "target_path"))
-        with self._locked(request.volume_id):
-            self.devices.unmount(target)
+        with self._unmounted(request, "target_path") as target:
             self.devices.remove_target(target)
         return self.pb.NodeUnpublishVolumeResponse()
 

@@ -1,6 +1,7 @@
 """What every CSI service shares: one decorator that turns an RPC's errors into gRPC statuses (CsiError as
 itself, a VbsError by ``errors.code_of``, anything else INTERNAL, logged) and runs the call in its service's
-``call_scope`` (the Controller's: the VBS key the request's secrets carry)."""
+``call_scope`` (the Controller's: the VBS key the request's secrets carry); and ``KeyedLocks``, one call at a
+time per volume or name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 from vbs.csi.errors import CsiError, from_vbs
 from vbs.errors import VbsError
 
-__all__ = ["rpc", "unimplemented", "in_flight"]
+__all__ = ["rpc", "unimplemented", "KeyedLocks"]
 
 log = logging.getLogger("vbs.csi")
 
@@ -57,15 +58,22 @@ def unimplemented(name: str) -> Callable[[Any, Any, Any], Any]:
     return method
 
 
-@contextmanager
-def in_flight(locks: dict[str, threading.Lock], guard: threading.Lock, key: str) -> Iterator[None]:
-    """Hold ``key``'s lock for one call; ABORTED when another call holds it (CSI: "an operation is
-    already pending for the volume"; the caller retries)."""
-    with guard:
-        lock = locks.setdefault(key, threading.Lock())
-    if not lock.acquire(blocking=False):
-        raise CsiError("ABORTED", f"an operation on {key} is already in flight: try again")
-    try:
-        yield
-    finally:
-        lock.release()
+class KeyedLocks:
+    """One call at a time per key (a volume or snapshot id, a name): ``with locks(key):`` holds ``key``'s lock
+    for the call, and another call on the same key meanwhile answers ABORTED (CSI: "an operation is already
+    pending for the volume"; the caller retries, while the first call goes on)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @contextmanager
+    def __call__(self, key: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        if not lock.acquire(blocking=False):
+            raise CsiError("ABORTED", f"an operation on {key} is already in flight: try again")
+        try:
+            yield
+        finally:
+            lock.release()
