@@ -13,12 +13,20 @@ import re
 from abc import abstractmethod
 from pathlib import Path
 
-from vbs import ids
 from vbs.errors import IdempotentParameterMismatch, InvalidParameter, NotFound
 from vbs.pools.exports import ExportSource, FileSource, RbdSource
-from vbs.storage.exports.supervised_daemon import DesiredExports, ItemT, ServedImage, ServedKey, SupervisedDaemon, ViewT
+from vbs.storage.exports.supervised_daemon import (
+    DesiredExports,
+    ItemT,
+    ServedImage,
+    ServedKey,
+    SupervisedDaemon,
+    ViewT,
+    check_host,
+    check_key,
+)
 from vbs.system.desired_state import DesiredState
-from vbs.wire.connection import HOST_NAME_RE, Connection, HostIdentity
+from vbs.wire.connection import Connection, HostIdentity
 from vbs.wire.storage import ExportInfo
 
 __all__ = [
@@ -44,19 +52,7 @@ _WILDCARDS = {"0.0.0.0", "::", ""}
 
 
 # -- what every call checks before anything reaches a daemon --------------------------------------
-
-
-def check_key(key: str) -> str:
-    """A volume id, or the id of a snapshot a hypervisor copies into; ``InvalidParameter`` otherwise."""
-    if ids.is_valid("volume", key) or ids.is_valid("snapshot", key):
-        return key
-    raise InvalidParameter(f"invalid export key {str(key)[:80]!r} (expecting a volume or snapshot id)")
-
-
-def check_host(host_name: str) -> str:
-    if not HOST_NAME_RE.match(host_name):
-        raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
-    return host_name
+# (``check_key`` and ``check_host`` live in supervised_daemon.py: ``DesiredExports._desired_for`` uses them)
 
 
 def check_port(port: int) -> int:
@@ -191,11 +187,7 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
 
     def remove_export(self, key: str, host_name: str) -> None:
         """Withdraw ``host_name``'s export of ``key``; idempotent (absent is success)."""
-        check_key(key)
-        check_host(host_name)
-        with self._lock:
-            self._load()
-            item = self._desired.get(key)
+        with self._desired_for(key, host_name) as item:
             self._remove(item, key, host_name)
             if item is not None:  # not said again for each repeated call (a workflow's polling step)
                 log.info("removed the %s export of %s for %s", self.protocol, key, host_name)
@@ -218,11 +210,7 @@ class SupervisedExportDriver(SupervisedDaemon[ItemT, ViewT]):
 
     def retire_exports(self, key: str, host_name: str) -> None:
         """Remove what a refresh replaced; idempotent."""
-        check_key(key)
-        check_host(host_name)
-        with self._lock:
-            self._load()
-            item = self._desired.get(key)
+        with self._desired_for(key, host_name) as item:
             if item is not None and host_name in self._hosts(item):
                 self._retire(item, host_name)
 

@@ -18,14 +18,29 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from vbs.errors import DriverError
+from vbs import ids
+from vbs.errors import DriverError, InvalidParameter
 from vbs.pools.exports import ExportSource, RbdSource
 from vbs.system.daemons import Daemon, DaemonSpec
 from vbs.system.desired_state import DesiredState
+from vbs.wire.connection import HOST_NAME_RE
 
-__all__ = ["DesiredExports", "ServedKey", "ServedImage", "SupervisedDaemon"]
+__all__ = ["DesiredExports", "ServedKey", "ServedImage", "SupervisedDaemon", "check_key", "check_host"]
 
 log = logging.getLogger("vbs.storage.exports.supervised")  # the records keep the drivers' shared name
+
+
+def check_key(key: str) -> str:
+    """A volume id, or the id of a snapshot a hypervisor copies into; ``InvalidParameter`` otherwise."""
+    if ids.is_valid("volume", key) or ids.is_valid("snapshot", key):
+        return key
+    raise InvalidParameter(f"invalid export key {str(key)[:80]!r} (expecting a volume or snapshot id)")
+
+
+def check_host(host_name: str) -> str:
+    if not HOST_NAME_RE.match(host_name):
+        raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
+    return host_name
 
 
 class ServedImage(BaseModel):
@@ -73,12 +88,23 @@ ViewT = TypeVar("ViewT")
 
 class DesiredExports(Generic[ItemT]):
     """An export driver's desired items by key: read from ``_state`` on first use (``_load``, under
-    the driver's lock) and written back whole (``_save``)."""
+    the driver's lock ``_lock``) and written back whole (``_save``)."""
 
     state_dir: Path
+    _lock: threading.RLock
     _state: DesiredState[ItemT]
     _desired: dict[str, ItemT]
     _loaded: bool
+
+    @contextmanager
+    def _desired_for(self, key: str, host_name: str) -> Iterator[ItemT | None]:
+        """Check ``key`` and ``host_name`` (``InvalidParameter``), then, under the lock with the desired
+        state loaded, give the desired item of ``key`` (None: it has none)."""
+        check_key(key)
+        check_host(host_name)
+        with self._lock:
+            self._load()
+            yield self._desired.get(key)
 
     def _load(self) -> None:
         if self._loaded:

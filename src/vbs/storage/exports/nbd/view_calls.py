@@ -4,6 +4,8 @@ in the daemon, under the driver's lock and desired state. A mixin of ``NbdExport
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vbs import ids
@@ -12,9 +14,21 @@ from vbs.pools.exports import ExportSource
 from vbs.wire.storage import ItemStatus
 
 from .instant_calls import Driver, checked_args, find_or_start
+from .state import Served, View
 from .views import LOST
 
 log = logging.getLogger("vbs.storage.exports.nbd.driver")  # the driver's records keep its name
+
+
+@contextmanager
+def _found(driver: Driver, view_id: str, prepare: Callable[[], None]) -> Iterator[tuple[Served, View] | None]:
+    """Check ``view_id``, then, under the driver's lock once ``prepare`` ran (the driver's ``_up``: the
+    daemon serving the desired state, or ``_load``: only the desired state), give the view and the key's
+    desired item it belongs to (None: there is no such view)."""
+    ids.check("snapshot", view_id)
+    with driver._lock:
+        prepare()
+        yield driver._views.find(view_id)
 
 
 class ViewCalls:
@@ -37,10 +51,7 @@ class ViewCalls:
 
     def view_path(self: Driver, view_id: str) -> Path:
         """The file that reads as the view's source at its instant (``NotFound``: no such view)."""
-        ids.check("snapshot", view_id)
-        with self._lock:
-            self._up()
-            found = self._views.find(view_id)
+        with _found(self, view_id, self._up) as found:
             if found is None:
                 raise NotFound(f"no point-in-time view {view_id} here", code="InvalidSnapshot.NotFound")
             served, view = found
@@ -68,10 +79,7 @@ class ViewCalls:
 
     def remove_view(self: Driver, view_id: str) -> None:
         """Take the view out of the daemon, remove its scratch file and forget it; idempotent."""
-        ids.check("snapshot", view_id)
-        with self._lock:
-            self._load()
-            found = self._views.find(view_id)
+        with _found(self, view_id, self._load) as found:
             if found is None:
                 return
             served, view = found

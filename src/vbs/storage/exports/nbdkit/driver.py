@@ -233,11 +233,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
 
     def remove_export(self, key: str, host_name: str) -> None:
         """Withdraw ``host_name``'s export of ``key``: its process stops; idempotent."""
-        check_key(key)
-        check_host(host_name)
-        with self._lock:
-            self._load()
-            served = self._desired.get(key)
+        with self._desired_for(key, host_name) as served:
             exp = served.export_for(host_name) if served is not None else None
             if served is not None and exp is not None:
                 served.exports.remove(exp)
