@@ -9,6 +9,7 @@ host agent arrives as ``DeviceBusy`` in the controller).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "ChunkMissing",
     "ChunkCorrupt",
     "from_body",
+    "matching",
 ]
 
 FieldValue = str | int | bool | None
@@ -95,6 +97,14 @@ def from_body(error: dict[str, Any], status: int) -> VbsError:
 class InvalidParameter(VbsError):
     code = "InvalidParameterValue"
     status = 400
+
+
+def matching(pattern: re.Pattern[str], value: str, what: str, *, shown: int = 64, hint: str = "") -> str:
+    """``value`` if ``pattern`` matches all of it, else ``InvalidParameter`` naming ``what`` with at most
+    ``shown`` characters of the value (and ``hint``, what was expected)."""
+    if not pattern.fullmatch(value):
+        raise InvalidParameter(f"invalid {what} {value[:shown]!r}" + (f": {hint}" if hint else ""))
+    return value
 
 
 class MissingParameter(VbsError):

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI, Query
 from starlette.responses import Response
 
 from vbs import ids
-from vbs.errors import IncorrectState, InvalidParameter
+from vbs.errors import IncorrectState, matching
 from vbs.host.hypervisors.base import HypervisorDriver, LimitingDriver, MigratingDriver, MirroringDriver
 from vbs.host.local_pools import CopyCredentials, LocalPools
 from vbs.host.metrics import host_registry
@@ -45,15 +45,11 @@ from vbs.wire.storage import ItemStatus, PoolList, Removed
 
 
 def _serial(serial: str) -> str:
-    if not SERIAL_RE.fullmatch(serial):
-        raise InvalidParameter(f"invalid disk serial {serial[:40]!r}: expecting a volume id without its dash")
-    return serial
+    return matching(SERIAL_RE, serial, "disk serial", shown=40, hint="expecting a volume id without its dash")
 
 
 def _vm(vm_id: str) -> str:
-    if not VM_ID_RE.fullmatch(vm_id):
-        raise InvalidParameter(f"invalid VM id {vm_id[:70]!r}")
-    return vm_id
+    return matching(VM_ID_RE, vm_id, "VM id", shown=70)
 
 
 class _Able:

@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
-from vbs.errors import InvalidParameter, NotFound
+from vbs.errors import InvalidParameter, NotFound, matching
 
 __all__ = ["SnapshotStore", "ObjectInfo", "ObjectMissing", "check_key", "check_prefix", "parse_options",
            "StoreBatch", "BatchingStore", "DurablePuts", "open_batch", "Trusted", "Whole"]
@@ -51,9 +51,7 @@ _PREFIX_RE = re.compile(rf"({_SEGMENT}/){{0,7}}({_SEGMENT})?")
 
 
 def _well_formed(pattern: re.Pattern[str], what: str, text: str) -> str:
-    if not pattern.fullmatch(text):
-        raise InvalidParameter(f"invalid snapshot store {what} {text[:80]!r}")
-    return text
+    return matching(pattern, text, f"snapshot store {what}", shown=80)
 
 
 def check_key(key: str) -> str:

@@ -13,21 +13,18 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.responses import Response
 
 from vbs import ids
-from vbs.errors import IncorrectState, InvalidParameter, NotFound
+from vbs.errors import IncorrectState, InvalidParameter, NotFound, matching
 from vbs.net.agent_app import agent_app
 from vbs.net.web import Scope
 from vbs.pools.backend import Backend, PullingBackend
 from vbs.pools.exports import ExportDriver, LimitEnforcer
 from vbs.pools.routes import add_volume_routes
-from vbs.storage.direct_blocks import DirectBlocks
 from vbs.storage.metrics import storage_registry
-from vbs.storage.store_check import check_snapshots
+from vbs.storage.store_routes import add_store_routes
 from vbs.storage.stored_snapshots import StoredSnapshots
 from vbs.wire.connection import HOST_NAME_RE, HostIdentity
-from vbs.wire.direct_blocks import BlockData, BlockRead, BlockWrite, BlockWritten, DirectManifest, SnapshotBlockList
 from vbs.wire.qos import ExportLimits, LimitsAnswer
 from vbs.wire.storage import (
-    CheckStore,
     ConnectionAnswer,
     ConnectionRequest,
     EnsureSnapshot,
@@ -37,19 +34,12 @@ from vbs.wire.storage import (
     PoolList,
     PullVolume,
     Removed,
-    RestoreVolume,
     SnapshotTargetRequest,
-    StoreCheckReport,
-    StoredStatus,
-    StoreSnapshot,
-    TierMove,
 )
 
 
 def _host_name(name: str) -> str:
-    if not HOST_NAME_RE.fullmatch(name):
-        raise InvalidParameter(f"invalid host name {name[:64]!r}")
-    return name
+    return matching(HOST_NAME_RE, name, "host name")
 
 
 class Reach(NamedTuple):
@@ -69,7 +59,6 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
                node_name: str, stored: StoredSnapshots | None = None) -> FastAPI:
     """The agent's API over its pools; ``stored``: its snapshot store's jobs (None: it has no store)."""
     stored = stored or StoredSnapshots(None)
-    direct = DirectBlocks(stored)
     app = agent_app("VBS storage agent", auth, node_name, storage_registry(backends, exports))
     router = APIRouter(prefix="/v1")
 
@@ -88,6 +77,7 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
         return Inventory(pools={name: b.inventory() for name, b in backends.items()})
 
     add_volume_routes(router, pool)
+    add_store_routes(router, pool, stored)
 
     @router.put("/pools/{pool_name}/volumes/{volume_id}/pull")
     def pull_volume(pool_name: str, volume_id: str, body: PullVolume) -> ItemStatus:
@@ -124,73 +114,6 @@ def create_app(backends: dict[str, Backend], exports: ExportDriver, auth: Callab
     def finish_snapshot_target(pool_name: str, snapshot_id: str, host_name: str) -> ItemStatus:
         """The hypervisor's copy is complete: close the host's access and make the snapshot ready."""
         return pool(pool_name).finish_snapshot_target(ids.check("snapshot", snapshot_id), _host_name(host_name))
-
-    # -- the snapshot store (``stored_snapshots``) -------------------------------------------------------
-
-    @router.put("/pools/{pool_name}/snapshots/{snapshot_id}/stored")
-    def store_snapshot(pool_name: str, snapshot_id: str, body: StoreSnapshot) -> StoredStatus:
-        """Put the pool's snapshot into the store (a job): ``copying`` with progress, then ``ready`` with
-        what its manifest holds; ``SnapshotStoreUnavailable`` while the store cannot be reached."""
-        return stored.upload(pool(pool_name), pool_name, ids.check("snapshot", snapshot_id), body)
-
-    @router.get("/pools/{pool_name}/snapshots/{snapshot_id}/stored")
-    def stored_status(pool_name: str, snapshot_id: str) -> StoredStatus:
-        return stored.status(pool(pool_name), pool_name, ids.check("snapshot", snapshot_id))
-
-    @router.delete("/snapshot-store/snapshots/{snapshot_id}")
-    def delete_stored(snapshot_id: str) -> Removed:
-        """Delete the snapshot's manifest from the store (its chunks go with garbage collection)."""
-        stored.delete(ids.check("snapshot", snapshot_id))
-        direct.forget(snapshot_id)
-        return Removed()
-
-    # -- the archive store (``archive_tier``) ------------------------------------------------------------
-
-    @router.put("/archive-store/snapshots/{snapshot_id}")
-    def archive_stored(snapshot_id: str, body: TierMove) -> StoredStatus:
-        """Move the snapshot from the snapshot store into the archive store (a job): ``copying`` with
-        progress, then ``ready`` once only the archive holds it."""
-        return stored.archive.archive_snapshot(ids.check("snapshot", snapshot_id), body)
-
-    @router.put("/snapshot-store/snapshots/{snapshot_id}/from-archive")
-    def restore_archived(snapshot_id: str, body: TierMove) -> StoredStatus:
-        """Copy the snapshot back from the archive store (a job; ``permanent``: then out of the archive)."""
-        return stored.archive.restore(ids.check("snapshot", snapshot_id), body)
-
-    # -- the EBS direct APIs' blocks (``direct_blocks``) ------------------------------------------------
-
-    @router.post("/snapshot-store/blocks")
-    def put_block(body: BlockWrite) -> BlockWritten:
-        """Put one block of a pending snapshot into the store: the id of its chunk (None: all zeros)."""
-        return direct.put(body)
-
-    @router.put("/snapshot-store/snapshots/{snapshot_id}/manifest")
-    def complete_direct(snapshot_id: str, body: DirectManifest) -> SnapshotBlockList:
-        """Write the manifest of a snapshot written block by block (its parent's blocks with its own over
-        them); a block whose chunk the store lost fails it, named."""
-        return direct.complete(ids.check("snapshot", snapshot_id), body)
-
-    @router.get("/snapshot-store/snapshots/{snapshot_id}/blocks")
-    def snapshot_blocks(snapshot_id: str) -> SnapshotBlockList:
-        """The stored snapshot's non-zero blocks and the chunk of each."""
-        return direct.blocks(ids.check("snapshot", snapshot_id))
-
-    @router.post("/snapshot-store/snapshots/{snapshot_id}/blocks/read")
-    def read_block(snapshot_id: str, body: BlockRead) -> BlockData:
-        """One block of a stored snapshot, checked against its chunk's id."""
-        return direct.read(ids.check("snapshot", snapshot_id), body)
-
-    @router.post("/snapshot-store/check")
-    def check_store(body: CheckStore) -> StoreCheckReport:
-        """Check the named snapshots in the store: manifests read, chunks found (``deep``: hashed again)."""
-        if body.archive:
-            return check_snapshots(stored.archive.archive, stored.archive.location, body, what="archive")
-        return check_snapshots(stored.store, stored.location, body)
-
-    @router.put("/pools/{pool_name}/volumes/{volume_id}/restore")
-    def restore_volume(pool_name: str, volume_id: str, body: RestoreVolume) -> ItemStatus:
-        """Make the volume from a snapshot in the store, every chunk checked: ``copying``, then ``ready``."""
-        return stored.restore(pool(pool_name), pool_name, ids.check("volume", volume_id), body)
 
     # -- how hosts reach volumes ------------------------------------------------------------------------
 
