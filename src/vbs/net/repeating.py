@@ -1,7 +1,9 @@
-"""Work repeated in a background thread until stopped: the agents' heartbeat, the host's RTT probes."""
+"""Work repeated in a background thread until stopped: the agents' heartbeat, the host's RTT probes, and
+the services' periodic passes."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -32,3 +34,33 @@ class Repeating:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class Periodic:
+    """``work`` in a daemon thread named ``name``, every ``interval()`` seconds from one interval after
+    ``start()`` until ``stop()``: the background passes of the reconciler, the lifecycle policies and the
+    snapshot store's collection. A run that raises is logged on ``log`` as ``what``; the next comes on time."""
+
+    def __init__(self, name: str, interval: Callable[[], float], work: Callable[[], None], *,
+                 log: logging.Logger, what: str) -> None:
+        self.stopping = threading.Event()
+        self._interval, self._work, self._log, self._what = interval, work, log, what
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (again: nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """No run after the one under way; ``timeout``: wait up to that long for it to end."""
+        self.stopping.set()
+        if timeout is not None and self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self.stopping.wait(self._interval()):
+            try:
+                self._work()
+            except Exception:
+                self._log.exception(self._what)

@@ -12,11 +12,11 @@ not involved: the store is the agents' to read and write.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 from vbs.errors import VbsError
+from vbs.net.repeating import Periodic
 from vbs.snapshot_store import gc_runs
 from vbs.snapshot_store.contract import SnapshotStore
 from vbs.snapshot_store.format import marker_key
@@ -38,19 +38,15 @@ class StoreGc:
         self.grace_s = grace_s
         self.check_every_s = check_every_s if check_every_s is not None else min(max(interval_s / 24, 60.0), 3600.0)
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._passes = Periodic("store-gc", lambda: self.check_every_s, self._collect_if_due, log=log,
+                                what=f"snapshot store {store.describe()} not collected")
 
     def start(self) -> None:
-        if self.interval_s <= 0 or self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._loop, name="store-gc", daemon=True)
-        self._thread.start()
+        if self.interval_s > 0:
+            self._passes.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._passes.stop(timeout)
 
     def due(self) -> bool:
         """No collection began in the store within the interval (a run id starts with its start time)."""
@@ -72,12 +68,9 @@ class StoreGc:
                  f"; uploads older than the grace: {', '.join(report.stale_uploads)}" if report.stale_uploads else "")
         return report
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.check_every_s):
-            try:
-                if self.due():
-                    self.run_once()
-            except VbsError as exc:  # the store is down, or a manifest is damaged: try again later
-                log.warning("snapshot store %s not collected: %s", self.store.describe(), exc.message)
-            except Exception:
-                log.exception("snapshot store %s not collected", self.store.describe())
+    def _collect_if_due(self) -> None:
+        try:
+            if self.due():
+                self.run_once()
+        except VbsError as exc:  # the store is down, or a manifest is damaged: try again later
+            log.warning("snapshot store %s not collected: %s", self.store.describe(), exc.message)

@@ -42,6 +42,7 @@ from vbs.controller.workflows.copy_snapshot import scratch_ids
 from vbs.controller.workflows.migrate_instance import migrating_volume_ids
 from vbs.controller.workflows.stored import STORED
 from vbs.errors import NotFound, VbsError
+from vbs.net.repeating import Periodic
 from vbs.wire.storage import ExportInfo, PoolInventory
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,8 @@ class Reconciler:
         self.interval_s = interval_s
         self._first_seen: dict[tuple[str, str, str], float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+        self._passes = Periodic("reconcile", lambda: self.interval_s, self._background_pass, log=log,
+                                what="reconcile pass failed")
         # Starts the live-migration workflow for instances whose VM an orchestrator is migrating to
         # another host (vbs.controller.requests.migrate_instance, set by the app): (instance, target host) of each.
         self.follow_incoming: Callable[[], list[tuple[str, str]]] | None = None
@@ -198,21 +199,17 @@ class Reconciler:
     # -- the loop ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._passes.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._passes.stop()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                if self._lease is not None and not self._lease.hold():
-                    continue
-                report = self.run(repair=True)
-                for f in report.findings:
-                    log.warning("reconcile: %s %s on %s: %s (%s)", f.kind, f.resource_id, f.node, f.detail, f.action)
-            except Exception:
-                log.exception("reconcile pass failed")
+    def _background_pass(self) -> None:
+        if self._lease is not None and not self._lease.hold():
+            return
+        report = self.run(repair=True)
+        for f in report.findings:
+            log.warning("reconcile: %s %s on %s: %s (%s)", f.kind, f.resource_id, f.node, f.detail, f.action)
 
     # -- one pass ----------------------------------------------------------------------------------
 

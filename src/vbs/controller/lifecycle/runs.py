@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from datetime import datetime, timedelta
 
@@ -30,6 +29,7 @@ from vbs.controller.db import Database, LifecyclePolicy, PolicyRun
 from vbs.controller.lifecycle.execute import RUNNING, SKIPPED, execute
 from vbs.controller.lifecycle.schedule import CronError, cadence_of
 from vbs.controller.runtime import Controller
+from vbs.net.repeating import Periodic
 
 __all__ = ["LifecycleScheduler", "MISSED", "purge"]
 
@@ -47,32 +47,27 @@ class LifecycleScheduler:
 
     def __init__(self, svc: Controller, owner: str, *, lease_s: float, poll_s: float) -> None:
         self.svc, self.owner, self.lease_s, self.poll_s = svc, owner, lease_s, poll_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._purged_at = 0.0
+        self._passes = Periodic("lifecycle-policies", lambda: self.poll_s, self._background_pass, log=log,
+                                what="lifecycle policies")
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="lifecycle-policies", daemon=True)
-        self._thread.start()
+        self._passes.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._passes.stop()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.tick()
-                if time.monotonic() - self._purged_at >= PURGE_INTERVAL_S:
-                    self._purged_at = time.monotonic()
-                    purge(self.svc.db, self.svc.cfg.operation_retention_s)
-            except Exception:
-                log.exception("lifecycle policies")
+    def _background_pass(self) -> None:
+        self.tick()
+        if time.monotonic() - self._purged_at >= PURGE_INTERVAL_S:
+            self._purged_at = time.monotonic()
+            purge(self.svc.db, self.svc.cfg.operation_retention_s)
 
     def tick(self) -> int:
         """One pass: take over orphaned runs, claim the due ones, run them; how many runs it carried out."""
         taken = [*self._orphans(), *self._claim_due()]
         for run_id in taken:
-            if self._stop.is_set():
+            if self._passes.stopping.is_set():
                 break
             execute(self.svc, self.owner, run_id)
         return len(taken)
