@@ -24,7 +24,7 @@ from tests.export_fixtures import MiB, free_port, wait_dead
 from vbs.errors import DriverError, NotFound, RetryLater
 from vbs.pools.exports import FileSource, PointInTimeViewer
 from vbs.storage.exports.nbd import NbdExportDriver
-from vbs.storage.exports.nbd.views import mounted
+from vbs.system.mounts import is_mounted
 from vbs.wire.connection import NbdConnection
 
 pytestmark = pytest.mark.integration
@@ -124,7 +124,7 @@ def test_a_view_is_the_volume_at_its_instant_while_hosts_write(make_driver: Make
 
     drv.remove_view(SNAP)
     drv.remove_view(SNAP)  # idempotent
-    assert not scratch.exists() and not view.exists() and not mounted(view)
+    assert not scratch.exists() and not view.exists() and not is_mounted(view)
     assert not any(n.startswith(("vbsv", "vbsw", "vbsl", "vbsx")) for n in node_names(drv))
     with pytest.raises(NotFound):
         drv.view_path(SNAP)
@@ -157,13 +157,13 @@ def test_a_view_lost_with_its_daemon_is_an_error_and_leaves_nothing(make_driver:
     assert drv.ensure_view(SNAP, VOL, FileSource(volume), scratch).state == "ready"
     view = drv.view_path(SNAP)
     pid = drv.pid
-    assert pid is not None and mounted(view)
+    assert pid is not None and is_mounted(view)
     os.kill(pid, signal.SIGKILL)
     wait_dead(pid)
 
     drv.check()  # the watcher's restart: the export comes back, the view's leftovers go
     assert drv.pid not in (None, pid)
-    assert not mounted(view) and not view.exists() and not scratch.exists()
+    assert not is_mounted(view) and not view.exists() and not scratch.exists()
     st = drv.ensure_view(SNAP, VOL, FileSource(volume), scratch)
     assert st.state == "error" and st.error is not None and "point in time is lost" in st.error
     assert not scratch.exists(), "never re-made"
@@ -197,7 +197,7 @@ def test_a_restarted_agent_keeps_a_live_view_and_sweeps_stale_ones(make_driver: 
     assert second.pid == pid  # adopted, with the live view in it
     write(a, 0xBB, 0, 8 * MiB)
     assert second.view_path(SNAP).read_bytes() == expected_a(), "the view survives an agent restart"
-    assert not mounted(stale_view) and not stale_view.exists(), "a view no record names is swept"
+    assert not is_mounted(stale_view) and not stale_view.exists(), "a view no record names is swept"
     names = node_names(second)
     assert sum(n.startswith("vbsw") for n in names) == 1
     second.remove_view(SNAP)

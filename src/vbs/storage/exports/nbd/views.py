@@ -25,6 +25,7 @@ from typing import Any
 from vbs.errors import DriverError, RetryLater
 from vbs.storage.exports.supervised import file_size
 from vbs.system import argv
+from vbs.system.mounts import is_mounted
 
 from .chains import Chains
 from .daemon import Monitor
@@ -38,19 +39,9 @@ LOST = "the point-in-time view was lost with its export daemon; its point in tim
 CBW_TIMEOUT_S = 60
 
 
-def mounted(path: Path) -> bool:
-    """Whether a file system is mounted on ``path`` (a FUSE export, or one left by a dead daemon)."""
-    try:
-        text = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return False
-    target = str(path)
-    return any(len(fields) > 4 and fields[4] == target for fields in (line.split() for line in text.splitlines()))
-
-
 def unmount_stale(path: Path) -> None:
     """Unmount what a dead daemon left on ``path`` (its FUSE connection is gone: every access fails)."""
-    if not mounted(path):
+    if not is_mounted(path):
         return
     if argv.run(["umount", str(path)], timeout=30, check=False).returncode != 0:
         argv.run(["umount", "--lazy", str(path)], timeout=30, check=False)
