@@ -27,7 +27,8 @@ from vbs.controller.db.transitions import transition, try_transition
 from vbs.controller.requests import filters
 from vbs.controller.rest.schemas.snapshots import CreateSnapshotRequest
 from vbs.controller.rest.schemas.volumes import CreateVolumeRequest
-from vbs.errors import IncorrectState, InvalidParameter, NotFound
+from vbs.errors import IncorrectState, InvalidParameter, NotFound, matching
+from vbs.wire.connection import HOST_NAME_RE
 
 pytestmark = pytest.mark.unit
 
@@ -202,3 +203,18 @@ def test_purge_forgets_deleted_volumes_that_were_attached_with_their_attachments
     with db.session() as s:
         assert s.get(Volume, vid) is None and s.get(Volume, never) is None and s.get(Volume, recent) is not None
         assert s.get(Attachment, "att-0123456789abcdef0") is None and s.get(Tag, (vid, "team")) is None
+
+
+@pytest.mark.parametrize("name", ["h1\n", "h1\nx", "", "H1", "-h1"])
+def test_a_name_is_matched_whole_a_trailing_newline_too(name: str) -> None:
+    # "^...$" patterns with re.match let "h1\n" through; every check matches the whole value.
+    from vbs.host.hypervisors.qemu_ids import disk_ids
+    from vbs.storage.exports.supervised import check_host
+
+    with pytest.raises(InvalidParameter):
+        check_host(name)
+    with pytest.raises(InvalidParameter):
+        disk_ids(ids.new_id("volume").replace("-", "") + "\n")
+    with pytest.raises(InvalidParameter, match="invalid host name"):
+        matching(HOST_NAME_RE, name, "host name")
+    assert matching(HOST_NAME_RE, "h1", "host name") == "h1"

@@ -51,7 +51,7 @@ class QemuIds:
 
     def __post_init__(self) -> None:
         for value in (self.proto, self.secret, self.tls):
-            if not _QEMU_ID_RE.match(value):
+            if not _QEMU_ID_RE.fullmatch(value):
                 raise InvalidParameter(f"invalid QEMU id {value!r}")
         if len(self.proto) > 31:
             raise InvalidParameter(f"QEMU node name {self.proto!r} is longer than 31 characters")

@@ -229,7 +229,7 @@ class LibvirtDriver:
     # -- calls on one domain ---------------------------------------------------------------------
 
     def _vm_lock(self, vm_id: str) -> threading.Lock:
-        if not isinstance(vm_id, str) or not VM_ID_RE.match(vm_id):
+        if not isinstance(vm_id, str) or not VM_ID_RE.fullmatch(vm_id):
             raise InvalidParameter(f"invalid VM id {vm_id!r}")
         with self._guard:
             return self._locks.setdefault(vm_id, threading.Lock())

@@ -262,7 +262,7 @@ def alive(conn: libvirt.virConnect) -> bool:
 
 def vm_info(dom: libvirt.virDomain) -> VmInfo | None:
     name = dom.name()
-    if not VM_ID_RE.match(name):
+    if not VM_ID_RE.fullmatch(name):
         log.debug("libvirt domain %r: its name is not a VBS VM id; ignored", name)
         return None
     state = dom.state()[0]

@@ -23,7 +23,7 @@ _SECRET_NAMESPACE = uuid.UUID("0b6f4a52-52a3-4e0c-9a49-7d0c3d2f1a61")
 
 
 def disk_alias(serial: str) -> str:
-    if not isinstance(serial, str) or not SERIAL_RE.match(serial):
+    if not isinstance(serial, str) or not SERIAL_RE.fullmatch(serial):
         raise InvalidParameter(f"invalid disk serial {serial!r} (a volume id without its dash)")
     return ALIAS_PREFIX + serial
 

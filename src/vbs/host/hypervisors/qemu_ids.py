@@ -59,7 +59,7 @@ class DiskIds:
 
 
 def disk_ids(serial: str) -> DiskIds:
-    if not isinstance(serial, str) or not SERIAL_RE.match(serial):
+    if not isinstance(serial, str) or not SERIAL_RE.fullmatch(serial):
         raise InvalidParameter(f"invalid disk serial {serial!r} (a volume id without its dash)")
     p = f"vbs-{serial}"
     return DiskIds(
@@ -93,7 +93,7 @@ class CopyIds:
 
 def copy_ids(serial: str, copy_id: str) -> CopyIds:
     prefix = disk_ids(serial).copy_job_prefix
-    if not isinstance(copy_id, str) or not _COPY_ID_RE.match(copy_id):
+    if not isinstance(copy_id, str) or not _COPY_ID_RE.fullmatch(copy_id):
         raise InvalidParameter(f"invalid copy id {copy_id!r} (a snapshot id)")
     return copy_ids_of(prefix, copy_id.replace("-", ""))
 

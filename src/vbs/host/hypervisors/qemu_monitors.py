@@ -49,7 +49,7 @@ class QemuMonitors:
         """The VMs whose QMP sockets are in the VM directory."""
         if not self.vm_dir.is_dir():
             return []
-        return sorted(p.stem for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.match(p.stem) and _is_socket(p))
+        return sorted(p.stem for p in self.vm_dir.glob("*.qmp") if VM_ID_RE.fullmatch(p.stem) and _is_socket(p))
 
     def list_vms(self) -> list[VmInfo]:
         vm_ids = self.vm_ids()
@@ -112,7 +112,7 @@ class QemuMonitors:
             return self._locks.setdefault(vm_id, threading.Lock())
 
     def _socket(self, vm_id: str) -> Path:
-        if not isinstance(vm_id, str) or not VM_ID_RE.match(vm_id):
+        if not isinstance(vm_id, str) or not VM_ID_RE.fullmatch(vm_id):
             raise InvalidParameter(f"invalid VM id {vm_id!r}")
         return self.vm_dir / f"{vm_id}.qmp"
 
@@ -215,7 +215,7 @@ def disk_stats(vm_id: str, blockstats: list[dict[str, Any]]) -> list[DiskStats]:
 
 
 def _run_state(status: object) -> str | None:
-    return status if isinstance(status, str) and _RUN_STATE_RE.match(status) else None
+    return status if isinstance(status, str) and _RUN_STATE_RE.fullmatch(status) else None
 
 
 def _is_socket(path: Path) -> bool:

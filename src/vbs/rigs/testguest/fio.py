@@ -86,7 +86,7 @@ def _fio_command(guest: TestGuest) -> str:
 def run_fio(guest: TestGuest, dev: str, job: FioJob, timeout: float | None = None) -> FioResult:
     """One fio job on the raw device ``dev`` (direct I/O, ``ENGINE``), with the guest's page cache dropped
     first; its figures from fio's JSON."""
-    if not _DEV_RE.match(dev):
+    if not _DEV_RE.fullmatch(dev):
         raise InvalidParameter(f"invalid device name {dev!r}")
     path = dev if dev.startswith("/dev/") else f"/dev/{dev}"
     timed = f"--time_based=1 --runtime={job.runtime} --ramp_time=1" if job.runtime else ""

@@ -117,7 +117,7 @@ class TestGuest:
     ) -> None:
         """``cold``: boot the kernel from scratch; by default the guest resumes a saved boot of the same
         image and shape (``warm.py``), as fast as a guest can start."""
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise InvalidParameter(f"invalid guest name {name!r}")
         self.name = name
         self.workdir = Path(workdir)
@@ -367,7 +367,7 @@ class TestGuest:
     def write_pattern(self, dev: str, seed: str, mib: int) -> str:
         """Write ``pattern_bytes(seed, mib)`` at the start of ``dev``; return the sha256 read back."""
         path = self._dev_path(dev)
-        if not _SEED_RE.match(seed):
+        if not _SEED_RE.fullmatch(seed):
             raise InvalidParameter(f"invalid seed {seed!r}")
         self.check(f"yes {seed} | head -c {mib * MIB} | dd of={path} bs=1M conv=fsync 2>/dev/null", timeout=120)
         return self.checksum(dev, mib)
@@ -383,7 +383,7 @@ class TestGuest:
 
     @staticmethod
     def _dev_path(dev: str) -> str:
-        if not _DEV_RE.match(dev):
+        if not _DEV_RE.fullmatch(dev):
             raise InvalidParameter(f"invalid device name {dev!r}")
         return dev if dev.startswith("/dev/") else f"/dev/{dev}"
 

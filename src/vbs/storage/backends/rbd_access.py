@@ -73,7 +73,7 @@ class ImageRef:
 def attachment_user(host_name: str, volume_id: str) -> str:
     """The cephx user id (after ``client.``) of ``host_name``'s attachment of ``volume_id``."""
     ids.check("volume", volume_id)
-    if not isinstance(host_name, str) or not HOST_NAME_RE.match(host_name):
+    if not isinstance(host_name, str) or not HOST_NAME_RE.fullmatch(host_name):
         raise InvalidParameter(f"invalid host name {str(host_name)[:64]!r}")
     return f"{_USER_PREFIX}{host_name}.{volume_id}"
 
@@ -147,7 +147,7 @@ def parse_attachment_users(text: str, pool: str) -> list[ExportInfo]:
             continue
         host, _, volume = entity.removeprefix(f"client.{_USER_PREFIX}").rpartition(".")
         osd = entry.get("caps", {}).get("osd", "")
-        if (HOST_NAME_RE.match(host) and ids.is_valid("volume", volume) and isinstance(osd, str)
+        if (HOST_NAME_RE.fullmatch(host) and ids.is_valid("volume", volume) and isinstance(osd, str)
                 and f"pool={pool} object_prefix rbd_id.{volume}," in osd):
             found.append(ExportInfo(key=volume, host=host, protocol="rbd", target=entity))
     return found

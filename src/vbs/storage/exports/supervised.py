@@ -63,7 +63,7 @@ def check_port(port: int) -> int:
 
 def advertised_host(listen_host: str, advertise_host: str | None) -> str:
     """The address clients are told to use: a daemon bound to a wildcard needs one named."""
-    if advertise_host is not None and not LISTEN_RE.match(advertise_host):
+    if advertise_host is not None and not LISTEN_RE.fullmatch(advertise_host):
         raise InvalidParameter(f"invalid advertise_host: {advertise_host[:80]!r}")
     advertised = advertise_host or listen_host
     if advertised in _WILDCARDS:

@@ -38,7 +38,7 @@ def check_key(key: str) -> str:
 
 
 def check_host(host_name: str) -> str:
-    if not HOST_NAME_RE.match(host_name):
+    if not HOST_NAME_RE.fullmatch(host_name):
         raise InvalidParameter(f"invalid host name: {host_name[:80]!r}")
     return host_name
 

@@ -95,7 +95,7 @@ def _checked(control_port: int, iqn_prefix: str, listen_host: str) -> str:
     """The driver's arguments checked; ``listen_host`` as the literal tgtd reports."""
     if not 0 <= control_port <= CONTROL_MAX:
         raise InvalidParameter(f"control_port must be 0-{CONTROL_MAX} (tgtd -C), not {control_port}")
-    if not PREFIX_RE.match(iqn_prefix):
+    if not PREFIX_RE.fullmatch(iqn_prefix):
         raise InvalidParameter(f"invalid IQN prefix {iqn_prefix[:80]!r} (expecting iqn.YYYY-MM.domain)")
     try:
         # A literal: tgtd reports its portal numerically, and start-up compares the two.

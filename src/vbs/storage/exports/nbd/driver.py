@@ -137,7 +137,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
         if aio == "native" and not cache_direct:
             # QEMU refuses aio=native without O_DIRECT; say so at configuration time.
             raise InvalidParameter("aio=native requires cache_direct=True")
-        if not LISTEN_RE.match(listen_host):
+        if not LISTEN_RE.fullmatch(listen_host):
             raise InvalidParameter(f"invalid listen_host: {listen_host[:80]!r}")
         if "," in str(state_dir):
             # QEMU's option syntax would split the path there.

@@ -94,7 +94,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
         (needs ``x509``: this node's certificate, key and the install's CA), ``psk`` or ``off``.
         ``socket_dir``: unix sockets there instead of TCP (no TLS: the directory's mode is the boundary)."""
         options = NbdkitOptions(threads=threads, cache=cache, ports=ports)
-        if not LISTEN_RE.match(listen_host):
+        if not LISTEN_RE.fullmatch(listen_host):
             raise InvalidParameter(f"invalid listen_host: {listen_host[:80]!r}")
         self.state_dir = Path(state_dir).absolute()
         self.listen_host = listen_host
