@@ -53,8 +53,7 @@ class NodeService:
 
     @rpc
     def NodeStageVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        required(request, "volume_id")
-        staging = Path(node_path(request.staging_target_path, "staging_target_path"))
+        staging = _volume_path(request, "staging_target_path")
         cap = self._capability(request)
         # Read-only when the publish was (the attach is: writes would fail) or the mode only reads.
         read_only = request.publish_context.get("readOnly") == "true" or cap.mode.endswith("_READER_ONLY")
@@ -74,16 +73,14 @@ class NodeService:
     def _unmounted(self, request: Any, field: str) -> Iterator[Path]:
         """Undoing a stage or a publish: the path in ``request``'s ``field`` unmounted under the volume's lock,
         which the block (the rest of the undo, given the path) still holds."""
-        required(request, "volume_id")
-        path = Path(node_path(getattr(request, field), field))
+        path = _volume_path(request, field)
         with self._locked(request.volume_id):
             self.devices.unmount(path)
             yield path
 
     @rpc
     def NodePublishVolume(self, request: Any, context: Any) -> Any:  # noqa: N802
-        required(request, "volume_id")
-        target = Path(node_path(request.target_path, "target_path"))
+        target = _volume_path(request, "target_path")
         cap = self._capability(request)
         if not request.staging_target_path:
             raise CsiError("FAILED_PRECONDITION", "staging_target_path is required (the driver stages volumes)")
@@ -148,3 +145,9 @@ class NodeService:
 
     NodeGetVolumeHealth = unimplemented("NodeGetVolumeHealth")
     NodeGetStorageHealth = unimplemented("NodeGetStorageHealth")
+
+
+def _volume_path(request: Any, field: str) -> Path:
+    """The checked path in ``request``'s ``field`` of a request that names its volume (both required)."""
+    required(request, "volume_id")
+    return Path(node_path(getattr(request, field), field))
