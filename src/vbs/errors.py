@@ -99,14 +99,6 @@ class InvalidParameter(VbsError):
     status = 400
 
 
-def matching(pattern: re.Pattern[str], value: str, what: str, *, shown: int = 64, hint: str = "") -> str:
-    """``value`` if ``pattern`` matches all of it, else ``InvalidParameter`` naming ``what`` with at most
-    ``shown`` characters of the value (and ``hint``, what was expected)."""
-    if not pattern.fullmatch(value):
-        raise InvalidParameter(f"invalid {what} {value[:shown]!r}" + (f": {hint}" if hint else ""))
-    return value
-
-
 class MissingParameter(VbsError):
     code = "MissingParameter"
     status = 400
@@ -260,3 +252,11 @@ class ChunkCorrupt(SnapshotDataError):
     """A chunk is in the store but its bytes do not decode, or do not hash to its id."""
 
     code = "SnapshotDataError.ChunkCorrupt"
+
+
+def matching(pattern: re.Pattern[str], value: str, what: str, *, shown: int = 64, hint: str = "") -> str:
+    """``value`` if ``pattern`` matches all of it, else ``InvalidParameter`` naming ``what`` with at most
+    ``shown`` characters of the value (and ``hint``, what was expected)."""
+    if not pattern.fullmatch(value):
+        raise InvalidParameter(f"invalid {what} {value[:shown]!r}" + (f": {hint}" if hint else ""))
+    return value

@@ -26,6 +26,16 @@ OPERATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 # Findings that are not drift between the DB and the agents.
 NOT_DRIFT = frozenset({"unreachable"})
 
+# Each pool's figures, labelled by storage node and pool, as its node last reported them.
+POOL_GAUGES = {
+    "vbs_pool_capacity_bytes": "Each pool's size, as its storage node last reported it.",
+    "vbs_pool_used_bytes": "Bytes used in each pool (capacity less free), as last reported.",
+    "vbs_pool_free_bytes": "Free bytes in each pool, as its storage node last reported them.",
+    "vbs_pool_full": "1 while a pool's free bytes are below its reserve: it takes no new volumes or snapshots "
+                     "(docs/operations.md \"A full pool\").",
+    "vbs_pool_provisioned_bytes": "The sizes of the volumes in each pool, added up.",
+}
+
 
 class ControllerMetrics:
     """The registry of one controller app and the counters its engine and reconciler move."""
@@ -87,16 +97,7 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
 
     age = GaugeMetricFamily("vbs_node_heartbeat_age_seconds", "Seconds since each agent's last heartbeat.",
                             labels=["kind", "node"])
-    capacity = GaugeMetricFamily("vbs_pool_capacity_bytes", "Each pool's size, as its storage node last reported it.",
-                                 labels=["node", "pool"])
-    used = GaugeMetricFamily("vbs_pool_used_bytes", "Bytes used in each pool (capacity less free), as last reported.",
-                             labels=["node", "pool"])
-    free = GaugeMetricFamily("vbs_pool_free_bytes", "Free bytes in each pool, as its storage node last reported them.",
-                             labels=["node", "pool"])
-    filled = GaugeMetricFamily("vbs_pool_full", "1 while a pool's free bytes are below its reserve: it takes no new "
-                               "volumes or snapshots (docs/operations.md \"A full pool\").", labels=["node", "pool"])
-    given = GaugeMetricFamily("vbs_pool_provisioned_bytes", "The sizes of the volumes in each pool, added up.",
-                              labels=["node", "pool"])
+    pools = {name: GaugeMetricFamily(name, doc, labels=["node", "pool"]) for name, doc in POOL_GAUGES.items()}
     exports = GaugeMetricFamily("vbs_exports", "Exports each storage node reported in its last heartbeat, by protocol.",
                                 labels=["node", "protocol"])
     rtt = GaugeMetricFamily("vbs_host_storage_rtt_seconds", "Each host's last measured round trip to each storage "
@@ -113,11 +114,12 @@ def state_metrics(db: Database, now: datetime) -> Iterator[Metric]:
             continue
         info = storage_info(node)
         for pool in info.pools:
-            capacity.add_metric([node.name, pool.name], pool.capacity_bytes)
-            used.add_metric([node.name, pool.name], max(0, pool.capacity_bytes - pool.free_bytes))
-            free.add_metric([node.name, pool.name], pool.free_bytes)
-            filled.add_metric([node.name, pool.name], 1 if is_full(pool) else 0)
-            given.add_metric([node.name, pool.name], provisioned.get((node.name, pool.name), 0))
+            for name, value in (("vbs_pool_capacity_bytes", pool.capacity_bytes),
+                                ("vbs_pool_used_bytes", max(0, pool.capacity_bytes - pool.free_bytes)),
+                                ("vbs_pool_free_bytes", pool.free_bytes),
+                                ("vbs_pool_full", 1 if is_full(pool) else 0),
+                                ("vbs_pool_provisioned_bytes", provisioned.get((node.name, pool.name), 0))):
+                pools[name].add_metric([node.name, pool.name], value)
         for protocol, count in sorted(Tally(e.protocol for e in info.exports).items()):
             exports.add_metric([node.name, protocol], count)
-    yield from (age, capacity, used, free, filled, given, exports, rtt, probe_rate)
+    yield from (age, *pools.values(), exports, rtt, probe_rate)
