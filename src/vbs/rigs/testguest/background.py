@@ -60,7 +60,7 @@ class BackgroundGuest:
     """The test guest ``name`` of the data dir ``data_dir``: start it, ask it, stop it, from any process."""
 
     def __init__(self, name: str, data_dir: Path) -> None:
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise InvalidParameter(f"a VM's name is 1-64 of A-Z a-z 0-9 . _ - (starting with a letter or digit), "
                                    f"not {name!r}")
         self.name = name

@@ -143,7 +143,7 @@ def run_bonnie(guest: TestGuest, directory: str, size: BonnieSize, label: str, t
     """One bonnie++ run in ``directory`` (a mounted filesystem of the guest), as root, with the page
     cache dropped before it starts; its figures."""
     _check_dir(directory)
-    if not _LABEL_RE.match(label):
+    if not _LABEL_RE.fullmatch(label):
         raise InvalidParameter(f"invalid bonnie++ label {label!r}")
     cmd = (f"sync; echo 3 > /proc/sys/vm/drop_caches; {BONNIE_PATH} -q -d {directory} -s {size.file_mib} "
            f"-r {size.ram_mib} -n {size.files_k} -u 0:0 -m {label}{'' if size.per_char else ' -f'}")
@@ -160,5 +160,5 @@ def _dev_path(dev: str) -> str:
 
 
 def _check_dir(directory: str) -> None:
-    if not _DIR_RE.match(directory):
+    if not _DIR_RE.fullmatch(directory):
         raise InvalidParameter(f"invalid mount point {directory!r} (want /mnt/NAME)")
