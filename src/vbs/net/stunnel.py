@@ -18,6 +18,7 @@ import ipaddress
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from vbs.errors import DriverError
 from vbs.qemu.tls import X509Files
 from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
 from vbs.system.files import write_private
-from vbs.system.processes import minimal_environment
+from vbs.system.processes import catches, minimal_environment
 
 __all__ = ["STUNNEL", "Tunnel", "server_config", "client_config", "listening"]
 
@@ -33,6 +34,9 @@ STUNNEL = "stunnel"
 # A checkHost no VBS host name can match (they start with a letter or digit): with no host
 # holding an export, stunnel must refuse every client rather than accept any CA certificate.
 NO_HOST = "-no-host-"
+# What stunnel logs (at its default level, 5) at the end of reading its config, after a SIGHUP too.
+_RELOADED = "Configuration successful"
+_RELOAD_FAILED = "Configuration failed"
 _ACCEPT_RE = re.compile(r"^accept = 127\.0\.0\.1:(\d+)$", re.MULTILINE)
 
 
@@ -121,11 +125,48 @@ class Tunnel:
             self.conf.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_private(self.conf, text)
         if self.daemon.running() or self.daemon.adopt():
-            pid = self.daemon.pid
-            if changed and pid is not None:
-                os.kill(pid, signal.SIGHUP)  # stunnel re-reads its config; open sessions stay
+            if changed:
+                self._reload()
             return
-        self.daemon.spawn(lambda _deadline: _ready(*listen))
+        self.daemon.spawn(lambda _deadline: self._ready(*listen))
+
+    def _ready(self, host: str, port: int) -> None:
+        # stunnel listens before it installs its signal handlers: a reload (SIGHUP) sent in between
+        # would end it (SIGHUP's default) or be lost (ignored by inheritance). Ready is both.
+        _ready(host, port)
+        pid = self.daemon.pid
+        if pid is None or not catches(pid, signal.SIGHUP):
+            raise DriverError(f"{STUNNEL} does not take reloads yet")
+
+    def _reload(self) -> None:
+        """Make stunnel re-read its config (open sessions stay) and wait until it has: a host added is
+        admitted, and a host removed refused, when this returns (``DriverError`` if the new config was
+        refused or not read within the start timeout)."""
+        deadline = time.monotonic() + self.daemon.spec.start_timeout
+        pid = self.daemon.pid
+        while pid is not None and not catches(pid, signal.SIGHUP) and time.monotonic() < deadline:
+            time.sleep(0.02)  # an stunnel another agent just started
+        if pid is None:
+            raise DriverError(f"{STUNNEL} is not running: its config cannot be reloaded")
+        start = self.daemon.log_size()
+        os.kill(pid, signal.SIGHUP)
+        while True:
+            logged = self._logged_since(start)
+            if _RELOAD_FAILED in logged:
+                raise DriverError(f"{STUNNEL} refused its new config: {self.daemon.log_tail(start)}")
+            if _RELOADED in logged:
+                return
+            if time.monotonic() >= deadline or not self.daemon.running():
+                raise DriverError(f"{STUNNEL} did not reload its config: {self.daemon.log_tail(start)}")
+            time.sleep(0.02)
+
+    def _logged_since(self, start: int) -> str:
+        try:
+            with open(self.daemon.spec.log_path, "rb") as f:
+                f.seek(start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         """Stop it by PID (also one only found by its pidfile)."""

@@ -63,6 +63,18 @@ def pid_alive(pid: int) -> bool:
     return not (fields[0] == "Z" and int(fields[17]) <= 1)
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``pid`` has installed a handler for ``sig`` (its ``SigCgt`` in /proc): before it has, the
+    signal does what its inherited disposition says (SIGHUP's default ends the process)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def cmdline(pid: int) -> list[str]:
     """The argv of ``pid``; empty if it is gone or unreadable."""
     try:
