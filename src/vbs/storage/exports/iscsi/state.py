@@ -103,7 +103,7 @@ def parse_targets(text: str) -> dict[str, LiveTarget]:
             continue
         indent = len(line) - len(line.lstrip(" "))
         body = line.strip()
-        m = re.match(r"^Target (\d+): (\S+)$", line)
+        m = re.fullmatch(r"Target (\d+): (\S+)", line)
         if m:
             cur = LiveTarget(tid=int(m.group(1)), iqn=m.group(2))
             targets[cur.iqn] = cur
