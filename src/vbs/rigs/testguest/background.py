@@ -34,16 +34,19 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a VM id the host 
 # The guest reads a command as one canonical tty line, which holds at most 4095 bytes.
 _MAX_LINE = 4000
 _PROBE_EVERY_S = 3.0
-# What the guest runs for ``disks``: one line per virtio disk, "<name> <serial or -> <bytes>".
+# What the guest runs for ``disks``: one line per disk, "<name> <serial or -> <bytes>" (a SCSI disk's
+# serial from its VPD page 0x80, as init.sh reads it).
 _DISKS_SCRIPT = (
-    'for d in /sys/block/vd*; do [ -e "$d/size" ] || continue; s=; read -r s 2>/dev/null < "$d/serial"; '
+    'for d in /sys/block/vd* /sys/block/sd*; do [ -e "$d/size" ] || continue; s=; '
+    'if [ -e "$d/serial" ]; then read -r s 2>/dev/null < "$d/serial"; '
+    'elif [ -e "$d/device/vpd_pg80" ]; then read -r s 2>/dev/null < "$d/device/vpd_pg80"; s=${s#??}; fi; '
     'read -r n < "$d/size"; echo "${d##*/} ${s:--} $((n * 512))"; done'
 )
 
 
 @dataclass(frozen=True)
 class GuestDisk:
-    """A virtio disk as the guest sees it: its name (``vdb``), serial (a VBS volume's id without its
+    """A disk as the guest sees it: its name (``vdb``, or ``sda`` on virtio-scsi), serial (a VBS volume's id without its
     dash) and size in bytes, read from ``/sys/block`` at the time of asking."""
 
     device: str
@@ -195,7 +198,7 @@ class BackgroundGuest:
         return status, "\n".join(collected)
 
     def disks(self) -> list[GuestDisk]:
-        """The guest's virtio disks as it sees them now."""
+        """The guest's disks (virtio-blk and SCSI) as it sees them now."""
         status, out = self.run(_DISKS_SCRIPT, 30)
         if status != 0:
             raise DriverError(f"{self.name}: listing its disks failed ({status}): {out.strip()[-300:]}")

@@ -34,7 +34,8 @@ __all__ = ["GuestImage", "build_guest", "default_cache_dir", "MODULES"]
 
 log = logging.getLogger(__name__)
 
-# Load order matters: each module needs the ones before it.
+# Load order matters: each module needs the ones before it (/init loads them in the order written to
+# lib/modules/order). The SCSI ones give the guest the disks of the QEMU driver's virtio-scsi bus.
 MODULES = (
     "virtio_ring",
     "virtio",
@@ -42,6 +43,17 @@ MODULES = (
     "virtio_pci_legacy_dev",
     "virtio_pci",
     "virtio_blk",
+    "crct10dif_common",
+    "crct10dif_generic",
+    "crc-t10dif",
+    "crc64",
+    "crc64_rocksoft_generic",
+    "crc64-rocksoft",
+    "t10-pi",
+    "scsi_common",
+    "scsi_mod",
+    "sd_mod",
+    "virtio_scsi",
 )
 KERNEL_META_PACKAGE = "linux-image-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -226,6 +238,7 @@ def _initramfs(
             cpio.add(f"bin/{applet}", stat.S_IFLNK | 0o777, b"busybox")
     for name, data in modules.items():
         cpio.add(f"lib/modules/{name}.ko", stat.S_IFREG | 0o644, data)
+    cpio.add("lib/modules/order", stat.S_IFREG | 0o644, "".join(f"{name}\n" for name in modules).encode())
     for path, data in sorted(extra.items()):
         cpio.add(path, stat.S_IFREG | 0o755, data)
     cpio.add("init", stat.S_IFREG | 0o755, init)

@@ -99,7 +99,8 @@ def qemu_argv(name: str, image: GuestImage, qmp_path: Path, *, machine: str = "p
 
 
 class TestGuest:
-    """Boot a guest, watch its virtio disks, and run shell commands in it over the serial console."""
+    """Boot a guest, watch its disks (virtio-blk and virtio-scsi), and run shell commands in it over the
+    serial console."""
 
     __test__ = False  # not a pytest test class despite its name
 
@@ -296,7 +297,7 @@ class TestGuest:
         self._wait(lambda: serial not in self._disks, timeout, f"disk {serial} to go")
 
     def disks(self) -> dict[str, str]:
-        """The virtio disks the guest reported and still has: serial -> device name."""
+        """The disks the guest reported and still has: serial -> device name."""
         with self._cond:
             return {serial: name for serial, (name, _) in self._disks.items()}
 

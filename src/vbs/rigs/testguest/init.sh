@@ -1,6 +1,7 @@
 #!/bin/sh
-# /init of the VBS test guest (busybox only). It loads the virtio modules, reports virtio disks as
-# they come and go, and runs commands that the host sends over the serial console.
+# /init of the VBS test guest (busybox only). It loads the virtio and SCSI modules, reports disks
+# (virtio-blk vdX, SCSI sdX on virtio-scsi) by serial as they come and go, and runs commands that the
+# host sends over the serial console.
 #
 # Console protocol (one line each, the host strips a trailing CR):
 #   guest -> host  VBS-READY
@@ -17,9 +18,9 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 # Kernel messages would interleave with the protocol lines; keep only emergencies.
 echo 1 > /proc/sys/kernel/printk
-for m in virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk; do
+while read -r m; do
     insmod "/lib/modules/$m.ko" || echo "VBS-ERROR insmod $m"
-done
+done < /lib/modules/order
 stty -echo < /dev/console
 mkdir -p /run/disks
 # A FIFO nobody writes: `read -t` on it is a sleep that forks nothing (cheap under TCG).
@@ -33,11 +34,19 @@ unlock() { rmdir /run/console.lock; }
 emit() { lock; echo "$*"; unlock; }
 
 scan_disks() {
-    for d in /sys/block/vd*; do
+    for d in /sys/block/vd* /sys/block/sd*; do
         [ -e "$d/size" ] || continue
         n=${d##*/}
         s=
-        read -r s 2>/dev/null < "$d/serial"
+        if [ -e "$d/serial" ]; then
+            read -r s 2>/dev/null < "$d/serial"
+        elif [ -e "$d/device/vpd_pg80" ]; then
+            # A SCSI disk's serial is its VPD page 0x80: after the page code and a length byte (the NUL
+            # bytes of the header are dropped by read); a VBS serial is 20 bytes, so that byte is 0x14.
+            # The page ends without a newline, so read fails though it sets s: its status is no test.
+            read -r s 2>/dev/null < "$d/device/vpd_pg80"
+            s=${s#??}
+        fi
         [ -n "$s" ] || s=-
         if [ -e "/run/disks/$n" ]; then
             read -r old < "/run/disks/$n"
