@@ -1,7 +1,8 @@
 """The QEMU hypervisor driver: VMs are QMP sockets ``<vm_id>.qmp`` in one directory.
 
-A disk is a chain of block nodes (protocol -> raw -> optional throttle) under a virtio-blk-pci device,
-all ids derived from the virtio serial, so attach, detach and crash cleanup read the VM's own state.
+A disk is a chain of block nodes (protocol -> raw -> optional throttle) under a virtio-blk-pci device
+(or a scsi-hd on VBS's virtio-scsi controller: ``qemu_disk_bus``), all ids derived from the virtio
+serial, so attach, detach and crash cleanup read the VM's own state.
 The protocol node and the objects it needs come from the connection's host connector
 (``vbs.connectors``). The driver keeps one persistent QMP connection per VM (``vbs.qemu.qmp``):
 QEMU serves one client per monitor, so tests talk to a second monitor of their own.
@@ -12,7 +13,8 @@ does not re-read the size. So ``resize`` opens a second protocol node on the ref
 other of two alternating generations of ids), points the raw node at it with ``blockdev-reopen``,
 then ``block_resize``s the top node to exactly the new node's size. That is a no-op for the
 protocol driver, but the truncate path notifies the device, so virtio-blk raises a config change
-and the guest sees the new capacity at once. The old protocol node is deleted last.
+(scsi-hd a capacity change the guest reads) and the guest sees the new capacity at once. The old
+protocol node is deleted last.
 
 Point-in-time copy: ``blockdev-backup`` (sync full) from the disk's raw node into a target protocol
 node. QEMU inserts a copy-before-write filter above the raw node, so the target receives the disk as
@@ -36,6 +38,7 @@ from vbs.connectors import CONNECTORS
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import InvalidParameter, VbsError
 from vbs.host.hypervisors import qemu_copies as copies
+from vbs.host.hypervisors import qemu_disk_bus as disk_bus_
 from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_plug as plug
@@ -71,7 +74,8 @@ class QemuDriver:
 
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
                  x509: X509Files | None = None, protocols: Collection[str] | None = None,
-                 migration_address: str = "127.0.0.1", migration_mibps: int | None = None) -> None:
+                 migration_address: str = "127.0.0.1", migration_mibps: int | None = None,
+                 disk_bus: str | None = None) -> None:
         if protocols is not None:
             # Fewer than it has connectors for: a QEMU built without a block driver (rbd comes with
             # Debian's qemu-block-extra), or an operator who wants volumes served through exports.
@@ -85,6 +89,8 @@ class QemuDriver:
         self.migration_address = migration_address
         # The live migration stream's cap in MiB/s (None: QEMU's own default, 128 MiB/s).
         self.migration_mibps = migration.checked_mibps(migration_mibps)
+        # virtio-blk-pci devices, or scsi-hd on one virtio-scsi controller a VM (qemu_disk_bus).
+        self.disk_bus = disk_bus_.checked_bus(disk_bus)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
@@ -102,6 +108,7 @@ class QemuDriver:
         secrets_dir = options.pop("secrets_dir", None)
         protocols = options.pop("protocols", None)
         migration_mibps = options.pop("migration_mibps", None)
+        disk_bus = options.pop("disk_bus", None)
         if protocols is not None and not (isinstance(protocols, list) and all(isinstance(p, str) for p in protocols)):
             raise InvalidParameter("protocols of the qemu driver is a list of protocol names")
         if options:
@@ -109,7 +116,7 @@ class QemuDriver:
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
                    secrets_dir=Path(secrets_dir) if secrets_dir else None, protocols=protocols,
                    x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), migration_address=cfg.address,
-                   migration_mibps=migration_mibps)
+                   migration_mibps=migration_mibps, disk_bus=disk_bus)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -134,8 +141,11 @@ class QemuDriver:
                                                                                    self.x509_server_dir))
 
     def migrate(self, vm_id: str, target: StartMigration) -> MigrationInfo:
-        return self.monitors.on_present_vm(vm_id, lambda vm: migration.send(vm.cmd, vm_id, target,
-                                                                                 self.x509_dir, self.migration_mibps))
+        def send(vm: Vm) -> MigrationInfo:
+            disk_bus_.refuse_migration(vm)
+            return migration.send(vm.cmd, vm_id, target, self.x509_dir, self.migration_mibps)
+
+        return self.monitors.on_present_vm(vm_id, send)
 
     def cancel_migration(self, vm_id: str, *, resume: bool) -> MigrationInfo:
         return self.monitors.on_present_vm(vm_id, lambda vm: migration.cancel(vm.cmd, vm_id, resume=resume))
@@ -245,7 +255,7 @@ class QemuDriver:
         return self.tunnels.local(connection)
 
     def _host(self) -> QemuHost:
-        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout)
+        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout, self.disk_bus)
 
 
 def _cont_if_paused_for_space(vm: Vm) -> bool:

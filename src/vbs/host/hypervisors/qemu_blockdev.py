@@ -80,11 +80,13 @@ class Vm:
 @dataclass(frozen=True)
 class QemuHost:
     """What a driver call needs of this host besides the VM: where QEMU reads key files, the host's
-    X.509 client credentials, and how long a QMP command may take."""
+    X.509 client credentials, how long a QMP command may take, and the bus its disks go on
+    (``qemu_disk_bus``)."""
 
     secrets_dir: Path
     x509_dir: Path | None
     qmp_timeout: float
+    disk_bus: str = "virtio-blk"
 
     def open_connection(self, vm: Vm, connection: AnyConnection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""
@@ -96,9 +98,16 @@ def our_disks(vm: Vm) -> list[DiskInfo]:
     """The disks VBS attached: devices with our ids and a medium, read from their raw nodes."""
     inserted: dict[str, dict[str, Any]] = {}
     for blk in vm.cmd("query-block"):
-        parts = blk.get("qdev", "").split("/")
-        if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] and "inserted" in blk:
+        # QEMU names the device holding the backend by its id where it has one (a scsi-hd), else by its
+        # QOM path (a virtio-blk-pci's backend is its unnamed child: /machine/peripheral/<id>/virtio-backend).
+        qdev = str(blk.get("qdev", ""))
+        parts = qdev.split("/")
+        if "inserted" not in blk:
+            continue
+        if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"]:
             inserted[parts[3]] = blk["inserted"]
+        elif DEVICE_ID_RE.match(qdev):
+            inserted[qdev] = blk["inserted"]
     nodes = vm.nodes()
     disks = []
     for dev in sorted(vm.devices()):

@@ -1,5 +1,6 @@
 """Attach and detach: a disk's chain of block nodes (protocol -> format -> optional throttle) under a
-virtio-blk-pci device, and its removal; a forced detach cuts the I/O of a disk the guest will not release.
+virtio-blk-pci or scsi-hd device (qemu_disk_bus), and its removal; a forced detach cuts the I/O of a disk
+the guest will not release.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from vbs.connectors.nbd import NBD_RECONNECT_DELAY_S
 from vbs.errors import DeviceBusy, IncorrectState
 from vbs.host.hypervisors import qemu_blockdev as bd
 from vbs.host.hypervisors import qemu_copies as copies
+from vbs.host.hypervisors import qemu_disk_bus as disk_bus
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors import qemu_slots as slots
@@ -47,8 +49,7 @@ def attach(vm: Vm, serial: str, ids: DiskIds, connection: AnyConnection, read_on
     bd.remove_nodes(vm, ids)
     with bd.undone_on_failure(vm, f"attach of {serial}") as undo:
         top = _build_chain(vm, connection, ids, read_only, qos, luks, undo, host)
-        device = {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial}
-        vm.cmd("device_add", {**device, **slots.placement(vm.cmd, vm.vm_id, pci_slot)})
+        vm.cmd("device_add", disk_bus.device(vm, host.disk_bus, ids.device, top, serial, pci_slot))
     return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw),
                     pci_slot=slots.device_slot(vm.cmd, ids.device))
 

@@ -1,0 +1,61 @@
+"""The device a disk is in the guest: ``virtio-blk`` (the default) or ``virtio-scsi``.
+
+With ``virtio-blk`` each disk is a ``virtio-blk-pci`` device of its own, a PCI hot-plug. On a ``pc``
+(i440fx) machine that hot-plug is ACPI's: the guest evaluates the bus's methods and rescans bus 0, and
+under TCG that grows with the devices already on it (docs/benchmarks-history.md, "Attach with many
+disks on pc: virtio-scsi").
+
+With ``virtio-scsi`` (``[host_agent.options.qemu] disk_bus``) the first disk brings one
+``virtio-scsi-pci`` controller, ``vbs-scsi`` (placed as any PCI device: ``qemu_slots.placement``), and
+every disk is a ``scsi-hd`` on it: a new disk reaches the guest as a virtio-scsi event, with no PCI
+hot-plug after the first. The guest names it ``sdX``; its serial is the volume's, in the disk's VPD
+page 0x80 (``/dev/disk/by-id/scsi-0QEMU_QEMU_HARDDISK_<serial>`` under udev). The controller stays
+when its last disk goes (removing it would be a PCI unplug on the detach path).
+
+A VM with the controller is not live-migrated: the destination would need the controller in the same
+slot and each disk at the same target and LUN, which the migration's per-disk slot does not carry yet.
+A disk attached with a ``pci_slot`` (a live migration's destination of a ``virtio-blk`` source) is a
+``virtio-blk-pci`` device in that slot whatever this host's bus, so that the two VMs' devices match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vbs.errors import IncorrectState, InvalidParameter
+from vbs.host.hypervisors import qemu_slots as slots
+from vbs.host.hypervisors.qemu_blockdev import Vm
+
+__all__ = ["DISK_BUSES", "SCSI_CONTROLLER", "checked_bus", "device", "refuse_migration"]
+
+DISK_BUSES = ("virtio-blk", "virtio-scsi")
+SCSI_CONTROLLER = "vbs-scsi"
+
+
+def checked_bus(value: object) -> str:
+    """The ``disk_bus`` option: one of ``DISK_BUSES`` (None: ``virtio-blk``)."""
+    if value is None:
+        return DISK_BUSES[0]
+    if not isinstance(value, str) or value not in DISK_BUSES:
+        raise InvalidParameter(f"disk_bus of the qemu driver: one of {', '.join(DISK_BUSES)}, not {value!r}")
+    return value
+
+
+def device(vm: Vm, bus: str, device_id: str, top: str, serial: str, pci_slot: str | None) -> dict[str, Any]:
+    """The ``device_add`` arguments of a new disk on ``bus`` (the controller made first if need be)."""
+    if bus == "virtio-blk" or pci_slot is not None:
+        return {"driver": "virtio-blk-pci", "id": device_id, "drive": top, "serial": serial,
+                **slots.placement(vm.cmd, vm.vm_id, pci_slot)}
+    if SCSI_CONTROLLER not in vm.devices():
+        vm.cmd("device_add", {"driver": "virtio-scsi-pci", "id": SCSI_CONTROLLER,
+                              **slots.placement(vm.cmd, vm.vm_id, None)})
+    return {"driver": "scsi-hd", "id": device_id, "drive": top, "serial": serial, "bus": f"{SCSI_CONTROLLER}.0"}
+
+
+def refuse_migration(vm: Vm) -> None:
+    """``IncorrectState`` for a VM with VBS's virtio-scsi controller (see the module's docstring)."""
+    if SCSI_CONTROLLER in vm.devices():
+        raise IncorrectState(
+            f"VM {vm.vm_id} has VBS's virtio-scsi controller ({SCSI_CONTROLLER}): live migration is offered "
+            "for VMs whose VBS disks are on virtio-blk (the controller goes when the VM restarts)",
+            code="IncorrectInstanceState")
