@@ -7,7 +7,8 @@ Five curves, each from one ``vbs up`` (SQLite, file backend) this script starts 
    one reconciliation pass (``GET /v1/admin/check``: every agent's inventory against the DB), at each
    number of volumes in the DB (``--levels``; the DB grows from one level to the next);
 2. attach latency (POST to the guest seeing the disk) with 1, 5, 20 disks already in the VM (QEMU TCG
-   test guest, NBD export; ``bench/attach.py``'s cycle);
+   test guest, NBD export; ``bench/attach.py``'s cycle), on the QEMU driver's disk buses
+   (``--disk-buses``: virtio-blk, the default, and virtio-scsi);
 3. snapshot time vs volume size on the copy path (the root ext4) and on reflink (xfs on a loop
    device): each volume is filled with non-zero data over its whole size before it is snapshotted
    (``bench/control_plane.py``'s snapshot round; page cache dropped before each copy), and the copy
@@ -59,6 +60,7 @@ from bench.control_plane import bench_snapshot, free_gib, git_revision, machine,
 from vbs import ids  # noqa: E402
 from vbs.controller.db import Database, Volume  # noqa: E402
 from vbs.controller.db.tables import utcnow  # noqa: E402
+from vbs.host.hypervisors.qemu_disk_bus import DISK_BUSES  # noqa: E402
 from vbs.rigs.testguest.guest import MAX_ROOT_PORTS  # noqa: E402
 
 GIB = 1 << 30
@@ -273,19 +275,25 @@ def tenant_of(db_path: Path, volume_id: str) -> str:
 # -- attach with N disks in the VM --------------------------------------------------------------------
 
 
-def run_attach(work: Path, args: argparse.Namespace, machine_type: str) -> list[dict[str, Any]]:
+def run_attach(work: Path, args: argparse.Namespace, machine_type: str,
+               bus: str = "virtio-blk") -> list[dict[str, Any]]:
     """Attach and detach latency of one more volume with N disks already in the guest, a ``pc`` or a
-    ``q35`` guest (the latter with a PCIe root port for each of those disks and the probe)."""
+    ``q35`` guest (the latter with a PCIe root port for each of those disks and the probe), the disks on
+    the QEMU driver's ``bus`` (``[host_agent.options.qemu] disk_bus``, through a ``VBS_CONFIG`` file)."""
     from bench.attach import HOST, VM, attach_once, attachment_state, detach_once, wait_for, wait_instance
     from tests.conftest import VbsUp as TestVbsUp
 
     from vbs.ids import virtio_serial
     from vbs.rigs.testguest import TestGuest, build_guest
 
-    data_dir = work / f"attach-{machine_type}-var"
-    up = TestVbsUp(data_dir, work / f"attach-{machine_type}-up.log", extra=["--export", "nbd", *BENCH_LIMITS])
+    name = f"attach-{machine_type}-{bus}"
+    data_dir = work / f"{name}-var"
+    config = work / f"{name}.toml"
+    config.write_text(f'[host_agent.options.qemu]\ndisk_bus = "{bus}"\n')
+    up = TestVbsUp(data_dir, work / f"{name}-up.log", extra=["--export", "nbd", *BENCH_LIMITS],
+                   env={"VBS_CONFIG": str(config)})
     ports = max(args.disks) + 1 if machine_type == "q35" else 0
-    guest = TestGuest(VM, work / f"guest-{machine_type}", build_guest(), data_dir / "vms", machine=machine_type,
+    guest = TestGuest(VM, work / f"guest-{name}", build_guest(), data_dir / "vms", machine=machine_type,
                       root_ports=ports)
     out: list[dict[str, Any]] = []
     try:
@@ -293,7 +301,7 @@ def run_attach(work: Path, args: argparse.Namespace, machine_type: str) -> list[
         guest.start()
         boot = guest.wait_ready(180)
         wait_instance(vbs)
-        log(f"attach ({machine_type}): guest up in {boot:.1f} s")
+        log(f"attach ({machine_type}, {bus}): guest up in {boot:.1f} s")
         probe = vbs.create_volume(size_gib=1)["volume_id"]
         vbs.wait_volume(probe, "available")
         resident: list[str] = []
@@ -315,11 +323,11 @@ def run_attach(work: Path, args: argparse.Namespace, machine_type: str) -> list[
             for _ in range(args.attach_rounds):
                 att.append(attach_once(vbs, guest, probe, serial).guest * 1000)
                 det.append(detach_once(vbs, guest, probe, serial).guest * 1000)
-            rec = {"machine": machine_type, "disks": n, "attach_p50_ms": statistics.median(att),
+            rec = {"machine": machine_type, "bus": bus, "disks": n, "attach_p50_ms": statistics.median(att),
                    "attach_max_ms": max(att), "detach_p50_ms": statistics.median(det), "rounds": len(att),
                    "load": load()}
-            log(f"attach ({machine_type}): {n} disks in the VM: attach p50 {rec['attach_p50_ms']:.0f} ms, detach p50 "
-                f"{rec['detach_p50_ms']:.0f} ms (load {rec['load']:.1f})")
+            log(f"attach ({machine_type}, {bus}): {n} disks in the VM: attach p50 {rec['attach_p50_ms']:.0f} ms, "
+                f"detach p50 {rec['detach_p50_ms']:.0f} ms (load {rec['load']:.1f})")
             out.append(rec)
     finally:
         guest.stop()
@@ -414,11 +422,12 @@ def report(res: dict[str, Any]) -> str:
                          verdict(r["rss_mib"] <= TARGET_RSS_MIB)])
         lines += [text_table(["volumes", "target", "verdict"], rows), ""]
     if res.get("attach"):
-        rows = [[r.get("machine", "pc"), str(r["disks"]), f"{r['attach_p50_ms']:.0f}", f"{r['attach_max_ms']:.0f}",
-                 f"{r['detach_p50_ms']:.0f}", str(r["rounds"]), f"{r['load']:.1f}"] for r in res["attach"]]
+        rows = [[r.get("machine", "pc"), r.get("bus", "virtio-blk"), str(r["disks"]), f"{r['attach_p50_ms']:.0f}",
+                 f"{r['attach_max_ms']:.0f}", f"{r['detach_p50_ms']:.0f}", str(r["rounds"]), f"{r['load']:.1f}"]
+                for r in res["attach"]]
         lines += ["## Attach with N disks already in the VM (QEMU TCG, NBD; API call to the guest seeing it)", "",
-                  text_table(["guest", "disks in the VM", "attach p50 ms", "attach max ms", "detach p50 ms", "rounds",
-                         "load"], rows), ""]
+                  text_table(["guest", "disk bus", "disks in the VM", "attach p50 ms", "attach max ms",
+                              "detach p50 ms", "rounds", "load"], rows), ""]
     for label in ("copy", "reflink"):
         pts = res.get(f"snapshots_{label}") or []
         if not pts:
@@ -467,13 +476,15 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     curve(axes[0][2], [("rss_mib", "controller RSS")], "controller memory", "MiB", [TARGET_RSS_MIB])
     curve(axes[1][2], [("reconcile_ms", "one pass")], "reconciliation (volumes per storage node)", "ms", [])
     ax = axes[1][0]
-    for machine_type in ("pc", "q35"):
-        att = [r for r in res.get("attach") or [] if r.get("machine", "pc") == machine_type]
+    for machine_type, bus in [(m, b) for m in ("pc", "q35") for b in DISK_BUSES]:
+        att = [r for r in res.get("attach") or []
+               if r.get("machine", "pc") == machine_type and r.get("bus", "virtio-blk") == bus]
         if att:
+            shown = machine_type if bus == "virtio-blk" else f"{machine_type}, {bus}"
             ax.plot([r["disks"] for r in att], [r["attach_p50_ms"] for r in att], marker="o",
-                    label=f"attach p50 ({machine_type})")
+                    label=f"attach p50 ({shown})")
             ax.plot([r["disks"] for r in att], [r["detach_p50_ms"] for r in att], marker="s",
-                    label=f"detach p50 ({machine_type})")
+                    label=f"detach p50 ({shown})")
     ax.set_title("attach with N disks already in the VM (TCG)")
     ax.set_xlabel("disks in the VM")
     ax.set_ylabel("ms")
@@ -527,6 +538,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disks", type=ints, default=None, help="disks already in the VM (default 1,5,20)")
     p.add_argument("--attach-machines", type=lambda t: t.split(","), default=["pc", "q35"],
                    help="the guest's machine types for the attach curve (default pc,q35)")
+    p.add_argument("--disk-buses", type=lambda t: t.split(","), default=["virtio-blk"],
+                   help="the QEMU driver's disk buses for the attach curve: virtio-blk (default), virtio-scsi")
     p.add_argument("--attach-rounds", type=int, default=None, help="attaches a level (default 5; --quick 3)")
     p.add_argument("--sizes", type=ints, default=None, help="snapshot sizes GiB (default 1,4,16,64; quick 1,2)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp"), help="on the root ext4 (default /var/tmp)")
@@ -545,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.parts = set(args.parts.split(","))
     if not set(args.attach_machines) <= {"pc", "q35"}:
         p.error("--attach-machines: some of pc, q35")
+    if not set(args.disk_buses) <= set(DISK_BUSES):
+        p.error(f"--disk-buses: some of {', '.join(DISK_BUSES)}")
     if "q35" in args.attach_machines and max(args.disks) + 1 > MAX_ROOT_PORTS:
         p.error(f"--disks: a q35 guest takes at most {MAX_ROOT_PORTS - 1} disks besides the probe")
     return args
@@ -575,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with workdir(args.work_dir) as work:
         for part, run in (("volumes", lambda: run_levels(work / "levels", args)),
-                          ("attach", lambda: [rec for m in args.attach_machines
-                                              for rec in guarded(f"attach ({m})", partial(run_attach, work, args, m),
+                          ("attach", lambda: [rec for m in args.attach_machines for b in args.disk_buses
+                                              for rec in guarded(f"attach ({m}, {b})",
+                                                                 partial(run_attach, work, args, m, b),
                                                                  res)]),
                           ("snapshots", lambda: run_snapshots(work, args, reflink=False))):
             if part in args.parts:
