@@ -111,7 +111,8 @@ def _check_hosts(s: Session, svc: Controller, inst: Instance, target_host: str) 
         if not is_alive(node, svc.cfg.heartbeat_timeout_s, now):
             raise AgentUnavailable(f"The host agent of '{name}' is not reporting; cannot migrate.")
         if not host_info(node).capabilities.live_migration:
-            raise IncorrectState(f"The hypervisor driver of '{name}' cannot live-migrate a VM (the qemu driver can).")
+            raise IncorrectState(f"The hypervisor driver of '{name}' cannot live-migrate a VM (the qemu driver "
+                                 "can, with its disks on virtio-blk).")
     waiting = s.scalar(select(Instance.state).where(Instance.host == target_host, Instance.vm_id == inst.vm_id))
     if waiting != INCOMING:
         raise IncorrectState(f"No VM '{inst.vm_id}' waits for an incoming migration on '{target_host}' "

@@ -89,8 +89,11 @@ class QemuDriver:
         self.migration_address = migration_address
         # The live migration stream's cap in MiB/s (None: QEMU's own default, 128 MiB/s).
         self.migration_mibps = migration.checked_mibps(migration_mibps)
-        # virtio-blk-pci devices, or scsi-hd on one virtio-scsi controller a VM (qemu_disk_bus).
+        # virtio-blk-pci devices, or scsi-hd on one virtio-scsi controller a VM (qemu_disk_bus); the latter's
+        # VMs are not live-migrated, so the host says so and the controller refuses a migration up front.
         self.disk_bus = disk_bus_.checked_bus(disk_bus)
+        if self.disk_bus != "virtio-blk":
+            self.capabilities = self.capabilities.model_copy(update={"live_migration": False})
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"

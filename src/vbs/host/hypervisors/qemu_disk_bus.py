@@ -14,6 +14,9 @@ when its last disk goes (removing it would be a PCI unplug on the detach path).
 
 A VM with the controller is not live-migrated: the destination would need the controller in the same
 slot and each disk at the same target and LUN, which the migration's per-disk slot does not carry yet.
+A driver on ``virtio-scsi`` reports no ``live_migration`` capability, so the controller refuses
+``migrate-instance`` before it starts; ``refuse_migration`` also stops a VM that got the controller
+while the host was on ``virtio-scsi`` and is asked to migrate after it went back to ``virtio-blk``.
 A disk attached with a ``pci_slot`` (a live migration's destination of a ``virtio-blk`` source) is a
 ``virtio-blk-pci`` device in that slot whatever this host's bus, so that the two VMs' devices match.
 """
