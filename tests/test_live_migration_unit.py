@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import select
 
 from tests.conftest import fresh_database, wait_until
-from vbs.controller.db import Database, Operation, OperationStep
+from vbs.controller.db import Database, Instance, Node, Operation, OperationStep
+from vbs.controller.db.tables import utcnow
+from vbs.controller.fleet.nodes import HostNodeInfo
+from vbs.controller.requests.migrate_instance import _check_hosts
 from vbs.controller.workflows import Params, Step, StepContext, Workflow, WorkflowEngine
 from vbs.controller.workflows.migrate_instance import GuestAt, locate_guest, migrating_volume_ids
 from vbs.errors import DriverError, IncorrectState
+from vbs.host.hypervisors.qemu import QemuDriver
 from vbs.host.hypervisors.qemu_slots import slot_of
 from vbs.wire.host import PCI_SLOT_RE, MigrationInfo, StartMigration
 
@@ -198,3 +203,24 @@ def test_a_rollback_that_meets_a_completed_migration_turns_forward(db: Database)
     finally:
         engine.stop()
     assert "undo:prepare" not in world.calls and world.calls[-1] == "do:cleanup"
+
+
+@pytest.mark.parametrize("scsi_host", ["source", "target"])
+def test_a_host_on_the_virtio_scsi_bus_is_refused_before_any_step(db: Database, tmp_path: Path, scsi_host: str) -> None:
+    """A QEMU driver on virtio-scsi reports no live migration (qemu_disk_bus): migrate-instance from or to
+    its host is refused by the request, before an operation exists."""
+    caps = {"source": QemuDriver(tmp_path).capabilities, "target": QemuDriver(tmp_path).capabilities}
+    caps[scsi_host] = QemuDriver(tmp_path, disk_bus="virtio-scsi").capabilities
+    now = utcnow()
+    with db.session() as s:
+        for name in ("source", "target"):
+            s.add(Node(name=name, kind="host", url="http://127.0.0.1:1", address="127.0.0.1", last_heartbeat=now,
+                       info=HostNodeInfo(hypervisor="qemu", capabilities=caps[name]).model_dump(mode="json")))
+        inst = Instance(id=INSTANCE, host="source", vm_id="vm1", state="running", first_seen=now, last_seen=now)
+        s.add(inst)
+        s.flush()
+        svc = SimpleNamespace(cfg=SimpleNamespace(heartbeat_timeout_s=30.0))
+        with pytest.raises(IncorrectState, match=f"The hypervisor driver of '{scsi_host}' cannot live-migrate"):
+            _check_hosts(s, svc, inst, "target")  # type: ignore[arg-type]
+    with db.session() as s:
+        assert s.scalars(select(Operation)).all() == []
