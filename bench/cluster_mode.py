@@ -17,65 +17,25 @@ say where the time went. Processes are stopped by PID; the PostgreSQL cluster an
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import log, pct, text_table
+from bench.common import cpu_seconds, log, machine_busy_seconds, pct, text_table, with_descendants
 from bench.control_api import BENCH_LIMITS, VBS, Api, VbsUp, concurrent_creates, free_port
 from tests.postgres_cluster import PostgresForTests
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGET_SPEEDUP = 1.3
 TARGET_CREATE_P50_MS = 30.0
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine spent on anything but idling and waiting for I/O."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
-
-
-def cpu_seconds(pids: list[int], descendants: bool = True) -> float:
-    """utime + stime of these processes (and their live descendants)."""
-    total = 0.0
-    for pid in _with_descendants(pids) if descendants else set(pids):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
-
-
-def _with_descendants(pids: list[int]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    seen: set[int] = set()
-    todo = list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo += children.get(pid, [])
-    return seen
 
 
 def _controller_pids(up: VbsUp) -> list[int]:
     """vbs up's controller child (found by its parent and argv, not by name)."""
     assert up.proc is not None
     found = []
-    for pid in _with_descendants([up.proc.pid]):
+    for pid in with_descendants([up.proc.pid]):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -129,7 +89,7 @@ class Install:
         """vbs up's processes but its controller: itself, the agents and their daemons."""
         assert self.up.proc is not None
         ctl = set(_controller_pids(self.up))
-        return sorted(_with_descendants([self.up.proc.pid]) - ctl)
+        return sorted(with_descendants([self.up.proc.pid]) - ctl)
 
     def stop(self) -> None:
         for proc in self.extra:

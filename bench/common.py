@@ -1,5 +1,6 @@
-"""What the bench scripts share: a timestamped log line on stderr, the system's name, percentiles and
-the two kinds of table they print. It imports no bench script, so any of them can import it."""
+"""What the bench scripts share: a timestamped log line on stderr, the system's name, percentiles, the
+two kinds of table they print, and CPU time (the machine's, and processes'). It imports no bench
+script, so any of them can import it."""
 
 from __future__ import annotations
 
@@ -61,3 +62,44 @@ def text_table(headers: list[str], rows: list[list[str]]) -> str:
     out += ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
             for r in rows]
     return "\n".join(out)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine spent on anything but idling and waiting for I/O."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
+
+
+def cpu_seconds(pids: list[int], descendants: bool = True) -> float:
+    """utime + stime of these processes (and their live descendants)."""
+    total = 0.0
+    for pid in with_descendants(pids) if descendants else set(pids):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
+def with_descendants(pids: list[int]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    seen: set[int] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return seen

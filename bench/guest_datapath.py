@@ -18,7 +18,9 @@ Each disk is written end to end first (a read of a hole costs an export nothing)
 guest on the raw device (no filesystem), ``direct=1`` and the same engine (libaio) on every disk:
 ``randread bs=4k iodepth=32`` and ``read bs=1M iodepth=8``, ``--runtime`` seconds each (and one
 second of ramp), ``--rounds`` times; the median is printed with its ratio to local-image and the
-1-minute load average (the machine is shared: compare figures of one run only). Every process is
+1-minute load average (the machine is shared: compare figures of one run only), and where the CPU
+went meanwhile: the machine's busy cores and the guest's QEMU process's (the rest is the export's
+daemon, VBS and anything else running). Every process is
 stopped by its PID in a ``finally``; only 127.0.0.1 is used. Run as root (tgtd).
 
     .venv/bin/python bench/guest_datapath.py            # 10 s per figure, 3 rounds
@@ -45,7 +47,7 @@ for _p in (REPO / "src", REPO):
 
 from bench.attach import VM  # noqa: E402
 from bench.bonnie import attach_volume, detach_volume, plug_local_file, start_install  # noqa: E402
-from bench.common import log, markdown_table  # noqa: E402
+from bench.common import cpu_seconds, log, machine_busy_seconds, markdown_table  # noqa: E402
 from tests.conftest import VbsUp  # noqa: E402
 
 from vbs.ids import virtio_serial  # noqa: E402
@@ -57,6 +59,28 @@ DISKS = ("local-image", "nbd", "nbdkit", "iscsi")
 MIB = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class CpuShare:
+    machine: float  # cores busy on the whole machine
+    guest: float  # of which the guest's QEMU process (its vCPUs, its I/O, the disk's client)
+
+    @staticmethod
+    def median(shares: list[CpuShare]) -> str:
+        return (f"{statistics.median(c.machine for c in shares):.2f} / "
+                f"{statistics.median(c.guest for c in shares):.2f}")
+
+
+def run_measured(guest: TestGuest, dev: str, job: FioJob) -> tuple[FioResult, CpuShare]:
+    """``run_fio``, with the cores the machine and the guest's QEMU were busy meanwhile."""
+    pid = guest.pid()
+    assert pid is not None
+    machine0, guest0, t0 = machine_busy_seconds(), cpu_seconds([pid], descendants=False), time.monotonic()
+    result = run_fio(guest, dev, job)
+    took = time.monotonic() - t0
+    return result, CpuShare((machine_busy_seconds() - machine0) / took,
+                            (cpu_seconds([pid], descendants=False) - guest0) / took)
+
+
 @dataclass
 class DiskFigures:
     name: str
@@ -64,6 +88,9 @@ class DiskFigures:
     rand: list[FioResult] = field(default_factory=list)
     seq: list[FioResult] = field(default_factory=list)
     load: list[float] = field(default_factory=list)  # 1-minute load average after each round
+    # Cores busy during each figure: the machine's and the guest's QEMU's (CpuShare).
+    rand_cpu: list[CpuShare] = field(default_factory=list)
+    seq_cpu: list[CpuShare] = field(default_factory=list)
 
     def rand_iops(self) -> float:
         return statistics.median(r.iops for r in self.rand)
@@ -79,11 +106,16 @@ def bench_disk(guest: TestGuest, serial: str, name: str, runtime: int, rounds: i
     figures.fill = fill(guest, dev)
     log(f"{name} ({dev}): filled in {time.monotonic() - t0:.0f} s ({figures.fill.bytes_s / 1e6:.0f} MB/s)")
     for i in range(rounds):
-        figures.rand.append(run_fio(guest, dev, FioJob("randread", 4096, 32, runtime)))
-        figures.seq.append(run_fio(guest, dev, FioJob("read", MIB, 8, runtime)))
+        rand, rand_cpu = run_measured(guest, dev, FioJob("randread", 4096, 32, runtime))
+        seq, seq_cpu = run_measured(guest, dev, FioJob("read", MIB, 8, runtime))
+        figures.rand.append(rand)
+        figures.rand_cpu.append(rand_cpu)
+        figures.seq.append(seq)
+        figures.seq_cpu.append(seq_cpu)
         figures.load.append(os.getloadavg()[0])
-        log(f"{name}: round {i + 1}/{rounds}: 4k randread QD32 {figures.rand[-1].iops:,.0f} IOPS, "
-            f"1M read QD8 {figures.seq[-1].bytes_s / 1e6:,.1f} MB/s, load {figures.load[-1]:.2f}")
+        log(f"{name}: round {i + 1}/{rounds}: 4k randread QD32 {rand.iops:,.0f} IOPS (cores busy "
+            f"{rand_cpu.machine:.2f}, guest {rand_cpu.guest:.2f}), 1M read QD8 {seq.bytes_s / 1e6:,.1f} MB/s "
+            f"(cores busy {seq_cpu.machine:.2f}, guest {seq_cpu.guest:.2f}), load {figures.load[-1]:.2f}")
     return figures
 
 
@@ -101,13 +133,15 @@ def report(results: list[DiskFigures], runtime: int, rounds: int, guest_ram: int
             f"{r.rand_iops():,.0f}", ratio(r.rand_iops(), base.rand_iops() if base else None),
             f"{r.seq_mb_s():,.1f}", ratio(r.seq_mb_s(), base.seq_mb_s() if base else None),
             f"{r.fill.bytes_s / 1e6:,.0f}" if r.fill else "-",
+            CpuShare.median(r.rand_cpu), CpuShare.median(r.seq_cpu),
             f"{statistics.median(r.load):.2f}",
         ])  # fmt: skip
     head = (f"fio {ENGINE} direct=1 on the raw disk inside a {guest_ram} MiB TCG guest ({cpus} vCPU), {runtime} s per "
             f"figure, median of {rounds} round(s); 1 GiB disks written end to end first; load average before: "
             f"{load_before:.2f}")
     table = markdown_table(["disk", "4k randread QD32 IOPS", f"ratio to {BASELINE}", "1M read QD8 MB/s",
-                            f"ratio to {BASELINE}", "fill 1M write MB/s", "load"], rows)
+                            f"ratio to {BASELINE}", "fill 1M write MB/s", "cores busy / guest QEMU: randread",
+                            "the same: 1M read", "load"], rows)
     return f"{head}\n\n{table}"
 
 

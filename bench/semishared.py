@@ -53,7 +53,7 @@ for _p in (REPO / "src", REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from bench.common import log  # noqa: E402
+from bench.common import cpu_seconds, log  # noqa: E402
 
 from vbs.config import HostAgentConfig, PoolConfig  # noqa: E402
 from vbs.host.local_pools import CopyCredentials, LocalPools, build_local_pools  # noqa: E402
@@ -64,15 +64,9 @@ from vbs.wire.connection import HostIdentity, NbdConnection  # noqa: E402
 from vbs.wire.qos import MIB, ExportLimits, QoS, throttle_limits  # noqa: E402
 
 CLIENTS = 8
-TICKS = os.sysconf("SC_CLK_TCK")
 TYPE = "gp3"
 POOL = "local"
 HOST = HostIdentity(name="bench-host", address="127.0.0.1")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 def volume_id(n: int) -> str:
@@ -203,10 +197,10 @@ def measure(hosts: int, local: int, storage: StorageNode, host_disks: list[HostD
             size_mib: int) -> Point:
     shared_uris = storage.uris[:CLIENTS - local]
     local_uris = [host_disks[i % hosts].uris[i // hosts] for i in range(local)]
-    cpu0, t0 = cpu_seconds(storage.pid()), time.monotonic()
+    cpu0, t0 = cpu_seconds([storage.pid()], descendants=False), time.monotonic()
     # One fio runs all 8 clients at once; the storage node's share is that of the shared ones.
     total, per_uri = fio_per_uri(shared_uris + local_uris, runtime, size_mib)
-    cpu1, t1 = cpu_seconds(storage.pid()), time.monotonic()
+    cpu1, t1 = cpu_seconds([storage.pid()], descendants=False), time.monotonic()
     storage_mib_s = sum(per_uri[u] for u in shared_uris)
     return Point(hosts, local, total, storage_mib_s, 100 * (cpu1 - cpu0) / (t1 - t0))
 
