@@ -72,7 +72,7 @@ class CpuShare:
 
 def run_measured(guest: TestGuest, dev: str, job: FioJob) -> tuple[FioResult, CpuShare]:
     """``run_fio``, with the cores the machine and the guest's QEMU were busy meanwhile."""
-    pid = guest.pid()
+    pid = guest.pid
     assert pid is not None
     machine0, guest0, t0 = machine_busy_seconds(), cpu_seconds([pid], descendants=False), time.monotonic()
     result = run_fio(guest, dev, job)
