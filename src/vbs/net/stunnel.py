@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vbs.errors import DriverError
 from vbs.qemu.tls import X509Files
-from vbs.system.daemons import Daemon, DaemonSpec, argv0_is
+from vbs.system.daemons import START_TIMEOUT_S, Daemon, DaemonSpec, argv0_is
 from vbs.system.files import write_private
 from vbs.system.processes import catches, minimal_environment
 
@@ -108,7 +108,7 @@ class Tunnel:
         self.daemon = Daemon(DaemonSpec(
             name=STUNNEL, argv=(STUNNEL, conf), pid_path=self.conf.with_suffix(".pid"),
             log_path=self.conf.with_suffix(".log"), owns=lambda pid: argv0_is(pid, STUNNEL, mentions=conf),
-            env=minimal_environment(), start_timeout=15.0))
+            env=minimal_environment(), start_timeout=START_TIMEOUT_S))
 
     @property
     def pid(self) -> int | None:

@@ -21,7 +21,13 @@ from vbs.errors import DriverError
 from vbs.system.files import write_private
 from vbs.system.processes import cmdline, minimal_environment, pid_alive
 
-__all__ = ["DaemonSpec", "Daemon", "argv0_is"]
+__all__ = ["DaemonSpec", "Daemon", "START_TIMEOUT_S", "argv0_is"]
+
+# How long a daemon may take to come up (its monitor or control socket answering) before its start
+# fails. A bound on a wedged start, not a speed: qemu-storage-daemon, which answers in tens of
+# milliseconds on an idle machine, once took over 15 s to greet its first QMP client while a loaded
+# machine (load 19: the test suite and the benchmarks side by side) was writing gigabytes.
+START_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +53,7 @@ class DaemonSpec:
     env: Mapping[str, str] | None = None
     writes_pidfile: bool = False
     stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)
-    start_timeout: float = 15.0
+    start_timeout: float = START_TIMEOUT_S
     stale_files: tuple[Path, ...] = field(default_factory=tuple)
     forks: bool = False
 

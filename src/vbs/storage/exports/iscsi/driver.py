@@ -29,7 +29,7 @@ from vbs.net.stunnel import Tunnel, server_config
 from vbs.pools.exports import ExportSource, RbdSource
 from vbs.qemu.tls import X509Files
 from vbs.storage.exports.supervised import ServedKey, SupervisedExportDriver, source_size
-from vbs.system.daemons import DaemonSpec
+from vbs.system.daemons import START_TIMEOUT_S, DaemonSpec
 from vbs.system.desired_state import DesiredState
 from vbs.system.processes import minimal_environment
 from vbs.system.socket_paths import socket_path
@@ -141,7 +141,7 @@ class IscsiExportDriver(ResizeCalls, SupervisedExportDriver[Export, View]):
         direct_io: bool = True,
         advertise_host: str | None = None,
         adm_timeout: float = 10.0,
-        start_timeout: float = 15.0,
+        start_timeout: float = START_TIMEOUT_S,
         session_grace: float = 10.0,
         tunnel: X509Files | None = None,
     ) -> None:

@@ -81,7 +81,7 @@ from vbs.storage.exports.supervised import (
     check_key,
     source_size,
 )
-from vbs.system.daemons import DaemonSpec
+from vbs.system.daemons import START_TIMEOUT_S, DaemonSpec
 from vbs.system.desired_state import DesiredState
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, Connection, HostIdentity, NbdConnection
@@ -124,7 +124,7 @@ class NbdExportDriver(SupervisedExportDriver[Served, Live], CopyCalls, ViewCalls
 
     def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809,
                  tls: TlsMode | bool = "off", aio: str = "native", cache_direct: bool = True, *,
-                 advertise_host: str | None = None, qmp_timeout: float = 30.0, start_timeout: float = 15.0,
+                 advertise_host: str | None = None, qmp_timeout: float = 30.0, start_timeout: float = START_TIMEOUT_S,
                  copy_speed: int = 0, x509: X509Files | None = None, socket_dir: Path | None = None,
                  fair_share: dict[str, QoS] | None = None) -> None:
         """``tls``: ``x509`` (needs ``x509``: this node's certificate, key and CA), ``psk``, or

@@ -56,6 +56,7 @@ from vbs.storage.exports.supervised import (
     check_port,
     checked_source,
 )
+from vbs.system.daemons import START_TIMEOUT_S
 from vbs.system.desired_state import DesiredState
 from vbs.system.socket_paths import socket_path
 from vbs.wire.connection import NBD_SOCKET_RE, HostIdentity, NbdConnection
@@ -89,7 +90,7 @@ class NbdkitExportDriver(DesiredExports[Served]):
     def __init__(self, state_dir: Path, listen_host: str = "127.0.0.1", port: int = 10809,
                  tls: TlsMode = "off", *, advertise_host: str | None = None, x509: X509Files | None = None,
                  socket_dir: Path | None = None, threads: int = 16, cache: str = "default", ports: int = 256,
-                 start_timeout: float = 15.0) -> None:
+                 start_timeout: float = START_TIMEOUT_S) -> None:
         """``port``: the first of ``ports`` TCP ports the processes take, one each. ``tls``: ``x509``
         (needs ``x509``: this node's certificate, key and the install's CA), ``psk`` or ``off``.
         ``socket_dir``: unix sockets there instead of TCP (no TLS: the directory's mode is the boundary)."""
