@@ -2,8 +2,8 @@
 
 With ``virtio-blk`` each disk is a ``virtio-blk-pci`` device of its own, a PCI hot-plug. On a ``pc``
 (i440fx) machine that hot-plug is ACPI's: the guest evaluates the bus's methods and rescans bus 0, and
-under TCG that grows with the devices already on it (docs/benchmarks-history.md, "Attach with many
-disks on pc: virtio-scsi").
+under TCG that grows with the devices already on it (docs/benchmarks-history.md, "Attach on pc with
+many disks: the virtio-scsi bus").
 
 With ``virtio-scsi`` (``[host_agent.options.qemu] disk_bus``) the first disk brings one
 ``virtio-scsi-pci`` controller, ``vbs-scsi`` (placed as any PCI device: ``qemu_slots.placement``), and

@@ -46,8 +46,8 @@ _DISKS_SCRIPT = (
 
 @dataclass(frozen=True)
 class GuestDisk:
-    """A disk as the guest sees it: its name (``vdb``, or ``sda`` on virtio-scsi), serial (a VBS volume's id without its
-    dash) and size in bytes, read from ``/sys/block`` at the time of asking."""
+    """A disk as the guest sees it: its name (``vdb``, or ``sda`` on virtio-scsi), serial (a VBS volume's
+    id without its dash) and size in bytes, read from ``/sys/block`` at the time of asking."""
 
     device: str
     serial: str
