@@ -4,6 +4,7 @@ says what to paste into another shell."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import VBS, running_vbs_up
+from tests.conftest import VBS, free_port, running_vbs_up
 from vbs.cli.up import Child
 from vbs.cli.up_banner import banner, hypervisor_of
 from vbs.trust import credentials
@@ -49,6 +50,22 @@ def test_vbs_up_makes_the_folders_it_names(tmp_path: Path) -> None:
         assert r.status_code == 401 and "AuthFailure" in r.text
     # Stopped cleanly: its key no longer sits in the user's file.
     assert f"[{vbs.endpoint}]" not in (tmp_path / "xdg" / "vbs" / "credentials").read_text()
+
+
+@pytest.mark.integration
+def test_an_agent_that_exits_during_start_up_is_started_again_on_new_ports_twice(tmp_path: Path) -> None:
+    """A port vbs up picked free can be taken before the agent binds it ("address already in use", seen
+    under load): the agent gets new ports and another start, twice at most, then vbs up gives up. Here the
+    host agent fails every start (its configuration is refused), so each retry shows."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VBS_")},
+           "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "VBS_HOST_AGENT_QMP_TIMEOUT_S": "-1"}
+    r = subprocess.run([*VBS, "up", "--data-dir", str(tmp_path / "var"), "--port", str(free_port())],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    again = re.findall(r"host-1 exited during start-up \(code 1\); starting it again on (http://127\.0\.0\.1:\d+)",
+                       r.stderr)
+    assert len(again) == 2 and len(set(again)) == 2, r.stderr[-2000:]
+    assert "vbs up: host-1 exited during start-up (code 1)" in r.stderr  # then it gave up
 
 
 @pytest.mark.unit

@@ -51,6 +51,8 @@ from vbs.trust.pki import CertificateAuthority
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = 1.0
+# Starts an agent gets on new ports after it exited during start-up (see on_new_ports in up()).
+AGENT_START_RETRIES = 2
 
 
 STORAGE_NODE = "storage-1"
@@ -260,11 +262,13 @@ def _controller_flags(urls: list[str]) -> list[str]:
     return [flag for url in urls for flag in ("--controller-url", url)]
 
 
-def _wait_until(check: Callable[[], bool], timeout: float, what: str, children: list[Child]) -> None:
+def _wait_until(check: Callable[[], bool], timeout: float, what: str, children: list[Child],
+                restart: Callable[[Child], bool] = lambda child: False) -> None:
+    """Wait for ``check``; a child that exits meanwhile fails the start-up unless ``restart`` started it again."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for c in children:
-            if not c.alive():
+            if not c.alive() and not restart(c):
                 raise RuntimeError(f"{c.name} exited during start-up (code {c.proc.returncode if c.proc else '?'})")
         try:
             if check():
@@ -416,9 +420,25 @@ def _run_services(data_dir: Path, host: str, controller_ports: list[int], shape:
         for child in children:
             child.start()
         write_services(services_file, children, ceph)
+        def on_new_ports(child: Child) -> bool:
+            """An agent that exited during start-up gets new ports and another start, twice at most: a port
+            picked free can be taken by another process before the agent binds it ("address already in
+            use"; the agents' ports are vbs up's choice, the controllers' the operator's)."""
+            if child.role == "controller" or child.restarts >= AGENT_START_RETRIES:
+                return False
+            again = (plan.host_agent(endpoints) if child.role == "host-agent" else
+                     plan.storage_agent(child.name, endpoints, export, clone_method, rbd))
+            child.argv, child.url, child.restarts = again.argv, again.url, child.restarts + 1
+            print(f"{child.name} exited during start-up (code {child.proc.returncode if child.proc else '?'}); "
+                  f"starting it again on {child.url}", file=sys.stderr, flush=True)
+            child.start()
+            write_services(services_file, children, ceph)
+            return True
+
         for controller in controllers:
-            _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", children)
-        _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children)
+            _wait_until(partial(_healthy, controller.url, verify), 60, f"the controller {controller.url}", children,
+                        on_new_ports)
+        _wait_until(lambda: _agents_up(api, storage_agents, host_agent), 60, "the agents", children, on_new_ports)
         print(banner(data_dir, endpoints, storage_agents, services_file, tls=tls, rbd=rbd, store=store,
                       demo_vm=hypervisor_of(host_agent_flags) == "qemu"), flush=True)
         while not stopping:
