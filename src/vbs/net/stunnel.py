@@ -151,7 +151,7 @@ class Tunnel:
         start = self.daemon.log_size()
         os.kill(pid, signal.SIGHUP)
         while True:
-            logged = self._logged_since(start)
+            logged = self.daemon.log_since(start) or ""
             if _RELOAD_FAILED in logged:
                 raise DriverError(f"{STUNNEL} refused its new config: {self.daemon.log_tail(start)}")
             if _RELOADED in logged:
@@ -159,14 +159,6 @@ class Tunnel:
             if time.monotonic() >= deadline or not self.daemon.running():
                 raise DriverError(f"{STUNNEL} did not reload its config: {self.daemon.log_tail(start)}")
             time.sleep(0.02)
-
-    def _logged_since(self, start: int) -> str:
-        try:
-            with open(self.daemon.spec.log_path, "rb") as f:
-                f.seek(start)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def stop(self) -> None:
         """Stop it by PID (also one only found by its pidfile)."""

@@ -207,15 +207,21 @@ class Daemon:
         except OSError:
             return 0
 
-    def log_tail(self, start: int = 0) -> str:
-        """What the daemon wrote to its log since ``start``: its own reason for failing."""
+    def log_since(self, start: int = 0) -> str | None:
+        """Everything the daemon wrote to its log since byte ``start`` (None: no log to read)."""
         try:
             with open(self.spec.log_path, "rb") as f:
                 f.seek(start)
-                text = f.read().decode(errors="replace").strip()
+                return f.read().decode(errors="replace")
         except OSError:
+            return None
+
+    def log_tail(self, start: int = 0) -> str:
+        """What the daemon wrote to its log since ``start``: its own reason for failing."""
+        text = self.log_since(start)
+        if text is None:
             return "(no log)"
-        return text[-500:] or "(no output)"
+        return text.strip()[-500:] or "(no output)"
 
     @staticmethod
     def _wait_exit(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> bool:
