@@ -84,6 +84,7 @@ OURS = "/machine/peripheral/vbs-vol0123456789abcdef0-dev/virtio-backend"
 @pytest.mark.parametrize(("status", "blocks", "resumed"), [
     ("io-error", [{"qdev": OURS, "io-status": "nospace"}, {"qdev": "/machine/peripheral/root", "io-status": "ok"}],
      True),
+    ("io-error", [{"qdev": "vbs-vol0123456789abcdef0-dev", "io-status": "nospace"}], True),  # a scsi-hd: by its id
     ("paused", [{"qdev": OURS, "io-status": "nospace"}], False),  # its operator's pause
     ("io-error", [{"qdev": OURS, "io-status": "failed"}], False),  # not a lack of space
     ("io-error", [{"qdev": OURS, "io-status": "nospace"}, {"qdev": "/machine/peripheral/root",

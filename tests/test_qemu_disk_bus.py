@@ -86,6 +86,8 @@ def test_disks_on_virtio_scsi_are_written_resized_detached_and_attached_again(
     assert device_type(guest, SCSI_CONTROLLER) == "virtio-scsi-pci"
     assert device_type(guest, disk_ids(a).device) == device_type(guest, disk_ids(b).device) == "scsi-hd"
     assert sorted(d.serial for d in driver.list_disks(VM)) == sorted([a, b])
+    # QEMU names a scsi-hd's backend by the device's id, not a QOM path: still counted per volume.
+    assert sorted(s.serial for s in driver.block_stats() if s.vm_id == VM) == sorted([a, b])
 
     assert guest.write_pattern(dev_a, "scsi-a", 3) == pattern_sha256("scsi-a", 3)
     assert guest.write_pattern(dev_b, "scsi-b", 2) == pattern_sha256("scsi-b", 2)

@@ -95,7 +95,7 @@ def our_disks(domain: ET.Element) -> dict[str, ET.Element]:
     found: dict[str, ET.Element] = {}
     for disk in domain.iterfind("devices/disk"):
         alias = disk.find("alias")
-        match = _ALIAS_RE.match(alias.get("name", "")) if alias is not None else None
+        match = _ALIAS_RE.fullmatch(alias.get("name", "")) if alias is not None else None
         if match is not None:
             found[match.group(1)] = disk
     return found

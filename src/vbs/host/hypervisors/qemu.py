@@ -44,7 +44,7 @@ from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_plug as plug
 from vbs.host.hypervisors import qemu_qos as qos_
 from vbs.host.hypervisors.base import DiskStats
-from vbs.host.hypervisors.qemu_blockdev import DEVICE_ID_RE, QemuHost, Vm, our_disks
+from vbs.host.hypervisors.qemu_blockdev import QemuHost, Vm, our_device, our_disks
 from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
 from vbs.host.hypervisors.qemu_monitors import QemuMonitors
 from vbs.host.hypervisors.qemu_resize import resize
@@ -270,9 +270,7 @@ def _cont_if_paused_for_space(vm: Vm) -> bool:
         io_status = blk.get("io-status", "ok")
         if io_status == "ok":
             continue
-        parts = str(blk.get("qdev", "")).split("/")
-        ours = len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] and DEVICE_ID_RE.match(parts[3])
-        if not ours or io_status != "nospace":
+        if our_device(blk.get("qdev", "")) is None or io_status != "nospace":
             return False  # another disk's error, or not a lack of space: the operator's to handle
         waiting = True
     if waiting:

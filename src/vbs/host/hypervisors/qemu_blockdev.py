@@ -23,8 +23,9 @@ from vbs.qemu.qmp import QmpClient, QmpCommandError, QmpConnectionError
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo
 
-__all__ = ["Vm", "QemuHost", "Undo", "DEVICE_ID_RE", "our_disks", "copy_jobs", "wait_concluded", "current_generation",
-           "settled", "other_generation", "format_options", "is_luks", "remove_nodes", "undone_on_failure"]
+__all__ = ["Vm", "QemuHost", "Undo", "DEVICE_ID_RE", "our_device", "our_disks", "copy_jobs", "wait_concluded",
+           "current_generation", "settled", "other_generation", "format_options", "is_luks", "remove_nodes",
+           "undone_on_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -94,24 +95,27 @@ class QemuHost:
                      read_only=read_only, secrets_dir=self.secrets_dir, x509_dir=self.x509_dir, undo=undo)
 
 
+def our_device(qdev: object) -> re.Match[str] | None:
+    """The VBS device (its id's match: group 1 is the serial) that the ``qdev`` of a ``query-block`` or
+    ``query-blockstats`` entry names. QEMU names the device holding the backend by its id where it has
+    one (a scsi-hd), else by its QOM path (a virtio-blk-pci's backend is its unnamed child:
+    ``/machine/peripheral/<id>/virtio-backend``)."""
+    parts = str(qdev).split("/")
+    device = parts[3] if len(parts) > 3 and parts[:3] == ["", "machine", "peripheral"] else str(qdev)
+    return DEVICE_ID_RE.fullmatch(device)
+
+
 def our_disks(vm: Vm) -> list[DiskInfo]:
     """The disks VBS attached: devices with our ids and a medium, read from their raw nodes."""
     inserted: dict[str, dict[str, Any]] = {}
     for blk in vm.cmd("query-block"):
-        # QEMU names the device holding the backend by its id where it has one (a scsi-hd), else by its
-        # QOM path (a virtio-blk-pci's backend is its unnamed child: /machine/peripheral/<id>/virtio-backend).
-        qdev = str(blk.get("qdev", ""))
-        parts = qdev.split("/")
-        if "inserted" not in blk:
-            continue
-        if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"]:
-            inserted[parts[3]] = blk["inserted"]
-        elif DEVICE_ID_RE.match(qdev):
-            inserted[qdev] = blk["inserted"]
+        device = our_device(blk.get("qdev", ""))
+        if device is not None and "inserted" in blk:
+            inserted[device.group(0)] = blk["inserted"]
     nodes = vm.nodes()
     disks = []
     for dev in sorted(vm.devices()):
-        match = DEVICE_ID_RE.match(dev)
+        match = DEVICE_ID_RE.fullmatch(dev)
         if match is None or dev not in inserted:
             continue
         # The raw node, not the device's top node: a copy's filter may sit on top of it.

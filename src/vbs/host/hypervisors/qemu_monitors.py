@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from vbs.errors import InvalidParameter, NotFound
 from vbs.host.hypervisors.base import DiskStats
-from vbs.host.hypervisors.qemu_blockdev import DEVICE_ID_RE, Vm
+from vbs.host.hypervisors.qemu_blockdev import Vm, our_device
 from vbs.qemu.qmp import QmpClient, QmpConnectionError, QmpError, QmpGone
 from vbs.wire.host import VM_ID_RE, VmInfo
 
@@ -205,8 +205,7 @@ def disk_stats(vm_id: str, blockstats: list[dict[str, Any]]) -> list[DiskStats]:
     """The VBS disks' counters in a ``query-blockstats`` answer (devices with our ids)."""
     found = []
     for entry in blockstats:
-        parts = str(entry.get("qdev", "")).split("/")
-        match = DEVICE_ID_RE.match(parts[3]) if len(parts) > 3 and parts[1:3] == ["machine", "peripheral"] else None
+        match = our_device(entry.get("qdev", ""))
         stats = entry.get("stats")
         if match is None or not isinstance(stats, dict):
             continue
