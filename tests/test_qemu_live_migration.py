@@ -180,3 +180,25 @@ def test_the_operator_sets_the_streams_cap_and_a_bad_one_is_refused(
     for bad in (0, -1, True, "fast", (1 << 20) + 1):
         with pytest.raises(InvalidParameter, match="migration_mibps"):
             QemuDriver(tmp_path / "h1" / "vms", migration_mibps=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("source_threads", "target_threads"), [(True, True), (True, False), (False, True)])
+def test_disks_in_io_threads_migrate_whichever_side_has_them(source_threads: bool, target_threads: bool,
+                                                              tmp_path: Path) -> None:
+    """An I/O thread is not part of a disk's migration state (``[host_agent.options.qemu] iothreads``):
+    hosts that differ in the option migrate both ways, each VM's disks in threads as its host says."""
+    procs = [start_vm(tmp_path / "h1" / "vms"), start_vm(tmp_path / "h2" / "vms", "-incoming", "defer")]
+    drivers = (QemuDriver(tmp_path / "h1" / "vms", qmp_timeout=5.0, iothreads=source_threads),
+               QemuDriver(tmp_path / "h2" / "vms", qmp_timeout=5.0, iothreads=target_threads))
+    with contextmanager(_with_volumes)(tmp_path, procs, drivers) as (source, target, volumes):
+        plug_both(source, target, volumes)
+        for host, threads in (("h1", source_threads), ("h2", target_threads)):
+            device = qmp_execute(private_qmp(tmp_path / host / "vms", "vm1"), "qom-get",
+                                 {"path": f"/machine/peripheral/vbs-{SERIALS[0]}-dev", "property": "iothread"})
+            assert device == (f"/objects/vbs-{SERIALS[0]}-io" if threads else "")
+        uri = target.listen_for_migration("vm1").uri
+        assert uri is not None
+        source.migrate("vm1", StartMigration(uri=uri))
+        wait_until(lambda: source.migration_info("vm1").state == "completed", 30, what="the migration")
+        wait_until(lambda: target.migration_info("vm1").status == "running", 10, what="the destination running")
+        assert sorted(d.serial for d in target.list_disks("vm1")) == list(SERIALS)

@@ -75,7 +75,7 @@ class QemuDriver:
     def __init__(self, vm_dir: Path, qmp_timeout: float = 10.0, secrets_dir: Path | None = None,
                  x509: X509Files | None = None, protocols: Collection[str] | None = None,
                  migration_address: str = "127.0.0.1", migration_mibps: int | None = None,
-                 disk_bus: str | None = None) -> None:
+                 disk_bus: str | None = None, iothreads: bool | None = None) -> None:
         if protocols is not None:
             # Fewer than it has connectors for: a QEMU built without a block driver (rbd comes with
             # Debian's qemu-block-extra), or an operator who wants volumes served through exports.
@@ -94,6 +94,8 @@ class QemuDriver:
         self.disk_bus = disk_bus_.checked_bus(disk_bus)
         if self.disk_bus != "virtio-blk":
             self.capabilities = self.capabilities.model_copy(update={"live_migration": False})
+        # An I/O thread for each disk (for the virtio-scsi controller) instead of QEMU's main loop.
+        self.iothreads = disk_bus_.checked_iothreads(iothreads)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"
@@ -112,6 +114,7 @@ class QemuDriver:
         protocols = options.pop("protocols", None)
         migration_mibps = options.pop("migration_mibps", None)
         disk_bus = options.pop("disk_bus", None)
+        iothreads = options.pop("iothreads", None)
         if protocols is not None and not (isinstance(protocols, list) and all(isinstance(p, str) for p in protocols)):
             raise InvalidParameter("protocols of the qemu driver is a list of protocol names")
         if options:
@@ -119,7 +122,7 @@ class QemuDriver:
         return cls(cfg.vm_dir.resolve(), qmp_timeout=cfg.qmp_timeout_s,
                    secrets_dir=Path(secrets_dir) if secrets_dir else None, protocols=protocols,
                    x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), migration_address=cfg.address,
-                   migration_mibps=migration_mibps, disk_bus=disk_bus)
+                   migration_mibps=migration_mibps, disk_bus=disk_bus, iothreads=iothreads)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -258,7 +261,7 @@ class QemuDriver:
         return self.tunnels.local(connection)
 
     def _host(self) -> QemuHost:
-        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout, self.disk_bus)
+        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout, self.disk_bus, self.iothreads)
 
 
 def _cont_if_paused_for_space(vm: Vm) -> bool:

@@ -44,6 +44,7 @@ class DiskIds:
     copy_job_prefix: str  # every point-in-time copy job of this disk has an id starting so
     luks_secret: str  # the passphrase of an encrypted volume's LUKS container (its format node is ``raw``)
     mirror_job: str  # the job that moves the disk onto another storage node's export
+    iothread: str  # the disk's own I/O thread on a host with ``iothreads`` (qemu_disk_bus)
 
     @property
     def generations(self) -> tuple[QemuIds, QemuIds]:
@@ -55,7 +56,8 @@ class DiskIds:
 
     @property
     def objects(self) -> tuple[str, ...]:
-        return (self.throttle_group, self.secret, self.tls, self.secret2, self.tls2, self.luks_secret)
+        # The I/O thread last: deleted once the nodes that ran in it are (remove_nodes).
+        return (self.throttle_group, self.secret, self.tls, self.secret2, self.tls2, self.luks_secret, self.iothread)
 
 
 def disk_ids(serial: str) -> DiskIds:
@@ -78,6 +80,7 @@ def disk_ids(serial: str) -> DiskIds:
         copy_job_prefix=f"{p}-copy-",
         luks_secret=f"{p}-key",
         mirror_job=f"{p}-mirror",
+        iothread=f"{p}-io",
     )
 
 

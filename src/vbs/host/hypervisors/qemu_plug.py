@@ -49,7 +49,7 @@ def attach(vm: Vm, serial: str, ids: DiskIds, connection: AnyConnection, read_on
     bd.remove_nodes(vm, ids)
     with bd.undone_on_failure(vm, f"attach of {serial}") as undo:
         top = _build_chain(vm, connection, ids, read_only, qos, luks, undo, host)
-        vm.cmd("device_add", disk_bus.device(vm, host.disk_bus, ids.device, top, serial, pci_slot))
+        vm.cmd("device_add", disk_bus.device(vm, host, ids, top, serial, pci_slot, undo))
     return DiskInfo(serial=serial, read_only=read_only, size_bytes=vm.node_size(ids.raw),
                     pci_slot=slots.device_slot(vm.cmd, ids.device))
 
