@@ -150,9 +150,10 @@ class CacheSampler:
 # -- disks -------------------------------------------------------------------------------------------
 
 
-def plug_local_file(guest: TestGuest, path: Path, name: str, host_cache: bool) -> str:
+def plug_local_file(guest: TestGuest, path: Path, name: str, host_cache: bool, iothread: bool = False) -> str:
     """Hot-plug ``path`` (raw) into the guest as QEMU's ``cache=none`` or ``cache=writeback`` would open
-    it; return the serial the guest reports it under."""
+    it (with ``iothread``, its device in an I/O thread of its own); return the serial the guest reports
+    it under."""
     with path.open("wb") as f:
         f.truncate(LOCAL_DISK_BYTES)
     file_node = {"driver": "file", "node-name": f"{name}-file", "filename": str(path),
@@ -161,8 +162,12 @@ def plug_local_file(guest: TestGuest, path: Path, name: str, host_cache: bool) -
     guest.qmp("blockdev-add", file_node)
     guest.qmp("blockdev-add", {"driver": "raw", "node-name": f"{name}-raw", "file": f"{name}-file"})
     serial = name.replace("-", "")
+    thread = {}
+    if iothread:
+        guest.qmp("object-add", {"qom-type": "iothread", "id": f"{name}-io"})
+        thread = {"iothread": f"{name}-io"}
     guest.qmp("device_add", {"driver": "virtio-blk-pci", "id": f"{name}-dev", "drive": f"{name}-raw",
-                             "serial": serial})
+                             "serial": serial, **thread})
     return serial
 
 
@@ -179,15 +184,21 @@ def attach_volume(vbs: Vbs, guest: TestGuest) -> str:
     return volume_id
 
 
-def start_install(work: Path, export: str, guest: TestGuest) -> tuple[VbsUp, Vbs]:
+def start_install(work: Path, export: str, guest: TestGuest, qemu_options: str = "") -> tuple[VbsUp, Vbs]:
     """``vbs up --export EXPORT`` in ``work/EXPORT`` whose host agent finds ``guest`` (its VM directory holds
     a link to the guest's monitor socket unless the guest's monitor is there already), once it reports
-    the guest's instance. One install at a time holds the guest's monitor: stop the last one first."""
+    the guest's instance. One install at a time holds the guest's monitor: stop the last one first.
+    ``qemu_options``: TOML lines of ``[host_agent.options.qemu]`` (through a ``VBS_CONFIG`` file)."""
     vms = work / export / "var" / "vms"
     vms.mkdir(parents=True, exist_ok=True)
     if guest.qmp_path.parent.resolve() != vms.resolve():
         (vms / guest.qmp_path.name).symlink_to(guest.qmp_path)
-    up = VbsUp(work / export / "var", work / export / "up.log", extra=["--export", export])
+    env = {}
+    if qemu_options:
+        config = work / export / "vbs.toml"
+        config.write_text(f"[host_agent.options.qemu]\n{qemu_options}\n")
+        env["VBS_CONFIG"] = str(config)
+    up = VbsUp(work / export / "var", work / export / "up.log", extra=["--export", export], env=env)
     vbs = up.start()
     try:
         wait_instance(vbs)

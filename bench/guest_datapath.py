@@ -120,7 +120,7 @@ def bench_disk(guest: TestGuest, serial: str, name: str, runtime: int, rounds: i
 
 
 def report(results: list[DiskFigures], runtime: int, rounds: int, guest_ram: int, cpus: int,
-           load_before: float) -> str:
+           load_before: float, iothreads: bool = False) -> str:
     base = next((r for r in results if r.name == BASELINE), None)
 
     def ratio(mine: float, ref: float | None) -> str:
@@ -138,7 +138,7 @@ def report(results: list[DiskFigures], runtime: int, rounds: int, guest_ram: int
         ])  # fmt: skip
     head = (f"fio {ENGINE} direct=1 on the raw disk inside a {guest_ram} MiB TCG guest ({cpus} vCPU), {runtime} s per "
             f"figure, median of {rounds} round(s); 1 GiB disks written end to end first; load average before: "
-            f"{load_before:.2f}")
+            f"{load_before:.2f}; each disk's device in {'an I/O thread of its own' if iothreads else 'the main loop'}")
     table = markdown_table(["disk", "4k randread QD32 IOPS", f"ratio to {BASELINE}", "1M read QD8 MB/s",
                             f"ratio to {BASELINE}", "fill 1M write MB/s", "cores busy / guest QEMU: randread",
                             "the same: 1M read", "load"], rows)
@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--guest-ram", type=int, default=256, help="MiB of guest RAM")
     ap.add_argument("--cpus", type=int, default=2, help="vCPUs of the guest (default 2)")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--iothreads", action="store_true",
+                    help="every disk in an I/O thread of its own: the QEMU driver's [host_agent.options.qemu] "
+                         "iothreads = true, and the same for local-image")
     args = ap.parse_args()
     runtime, rounds = (3, 1) if args.quick else (args.runtime, args.rounds)
     if not (1 <= runtime <= 600 and 1 <= rounds <= 20):
@@ -178,10 +181,11 @@ def main() -> int:
         mount_fio(guest)
         for name in disks:
             if name == BASELINE:
-                serial = plug_local_file(guest, tmp / "local-image.raw", BASELINE, host_cache=False)
+                serial = plug_local_file(guest, tmp / "local-image.raw", BASELINE, host_cache=False,
+                                         iothread=args.iothreads)
                 results.append(bench_disk(guest, serial, name, runtime, rounds))
                 continue
-            up, vbs = start_install(tmp, name, guest)
+            up, vbs = start_install(tmp, name, guest, "iothreads = true" if args.iothreads else "")
             ups.append(up)
             volume_id = attach_volume(vbs, guest)
             results.append(bench_disk(guest, virtio_serial(volume_id), name, runtime, rounds))
@@ -197,7 +201,7 @@ def main() -> int:
         else:
             log(f"work dir {tmp} kept (logs of the installs in */up.log, the guest's in guest/)")
     if results:
-        print(report(results, runtime, rounds, args.guest_ram, args.cpus, load_before))
+        print(report(results, runtime, rounds, args.guest_ram, args.cpus, load_before, args.iothreads))
     return 0 if finished else 1
 
 
