@@ -1,4 +1,4 @@
-"""The QEMU driver's I/O threads (``[host_agent.options.qemu] iothreads = true``, qemu_disk_bus): each
+"""The QEMU driver's I/O threads (``[host_agent.options.qemu] iothreads``, on by default; qemu_disk_bus): each
 virtio-blk disk in an ``iothread`` of its own, VBS's virtio-scsi controller in one for its disks.
 
 In a real TCG guest over NBD (qemu-nbd on a unix socket), every operation that moves a disk's block
@@ -231,6 +231,8 @@ def test_iothreads_takes_a_boolean_only(value: object, tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_iothreads_are_off_unless_asked_for(tmp_path: Path) -> None:
-    assert QemuDriver(tmp_path).iothreads is False
-    assert QemuDriver.from_config(HostAgentConfig(vm_dir=tmp_path, options={"qemu": {"iothreads": True}})).iothreads
+def test_iothreads_are_on_unless_turned_off(tmp_path: Path) -> None:
+    assert QemuDriver(tmp_path).iothreads is True
+    assert QemuDriver.from_config(HostAgentConfig(vm_dir=tmp_path)).iothreads is True
+    off = HostAgentConfig(vm_dir=tmp_path, options={"qemu": {"iothreads": False}})
+    assert QemuDriver.from_config(off).iothreads is False

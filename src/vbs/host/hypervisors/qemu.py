@@ -94,7 +94,8 @@ class QemuDriver:
         self.disk_bus = disk_bus_.checked_bus(disk_bus)
         if self.disk_bus != "virtio-blk":
             self.capabilities = self.capabilities.model_copy(update={"live_migration": False})
-        # An I/O thread for each disk (for the virtio-scsi controller) instead of QEMU's main loop.
+        # An I/O thread for each disk (for the virtio-scsi controller) instead of QEMU's main loop; on
+        # unless turned off.
         self.iothreads = disk_bus_.checked_iothreads(iothreads)
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.

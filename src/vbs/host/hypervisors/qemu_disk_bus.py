@@ -20,7 +20,7 @@ while the host was on ``virtio-scsi`` and is asked to migrate after it went back
 A disk attached with a ``pci_slot`` (a live migration's destination of a ``virtio-blk`` source) is a
 ``virtio-blk-pci`` device in that slot whatever this host's bus, so that the two VMs' devices match.
 
-I/O threads (``[host_agent.options.qemu] iothreads = true``): each ``virtio-blk`` disk gets an
+I/O threads (``[host_agent.options.qemu] iothreads``, on unless set to false): each ``virtio-blk`` disk gets an
 ``iothread`` object of its own (``DiskIds.iothread``, made before its device and deleted after its
 nodes), and VBS's virtio-scsi controller one for all its disks (``vbs-scsi-io``, when the controller
 is made). The disk's virtqueue and its block nodes, the storage client's socket among them, then run
@@ -57,9 +57,9 @@ def checked_bus(value: object) -> str:
 
 
 def checked_iothreads(value: object) -> bool:
-    """The ``iothreads`` option: a boolean (None: False)."""
+    """The ``iothreads`` option: a boolean (None: True)."""
     if value is None:
-        return False
+        return True
     if not isinstance(value, bool):
         raise InvalidParameter(f"iothreads of the qemu driver: true or false, not {value!r}")
     return value
