@@ -154,9 +154,10 @@ def main() -> int:
     ap.add_argument("--guest-ram", type=int, default=256, help="MiB of guest RAM")
     ap.add_argument("--cpus", type=int, default=2, help="vCPUs of the guest (default 2)")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--iothreads", action="store_true",
-                    help="every disk in an I/O thread of its own: the QEMU driver's [host_agent.options.qemu] "
-                         "iothreads = true, and the same for local-image")
+    ap.add_argument("--iothreads", choices=("on", "off"), default="on",
+                    help="every disk in an I/O thread of its own or in QEMU's main loop: the QEMU driver's "
+                         "[host_agent.options.qemu] iothreads (default on, as the driver's), and the same for "
+                         "local-image")
     args = ap.parse_args()
     runtime, rounds = (3, 1) if args.quick else (args.runtime, args.rounds)
     if not (1 <= runtime <= 600 and 1 <= rounds <= 20):
@@ -182,10 +183,10 @@ def main() -> int:
         for name in disks:
             if name == BASELINE:
                 serial = plug_local_file(guest, tmp / "local-image.raw", BASELINE, host_cache=False,
-                                         iothread=args.iothreads)
+                                         iothread=args.iothreads == "on")
                 results.append(bench_disk(guest, serial, name, runtime, rounds))
                 continue
-            up, vbs = start_install(tmp, name, guest, "iothreads = true" if args.iothreads else "")
+            up, vbs = start_install(tmp, name, guest, f"iothreads = {str(args.iothreads == 'on').lower()}")
             ups.append(up)
             volume_id = attach_volume(vbs, guest)
             results.append(bench_disk(guest, virtio_serial(volume_id), name, runtime, rounds))
@@ -201,7 +202,7 @@ def main() -> int:
         else:
             log(f"work dir {tmp} kept (logs of the installs in */up.log, the guest's in guest/)")
     if results:
-        print(report(results, runtime, rounds, args.guest_ram, args.cpus, load_before, args.iothreads))
+        print(report(results, runtime, rounds, args.guest_ram, args.cpus, load_before, args.iothreads == "on"))
     return 0 if finished else 1
 
 
