@@ -76,6 +76,23 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+def detached_after(request: pytest.FixtureRequest, vm: str, set_up_first: tuple[str, ...] = ()) -> Iterator[None]:
+    """The body of a module's autouse fixture: after each test that uses the module's ``driver`` fixture (a
+    hypervisor driver), force-detach every disk it still lists in ``vm``, so that a test that failed before
+    its detach leaves the module's shared guest as the next test expects. ``set_up_first``: fixtures the
+    test may use (its exports) that must be torn down after this, hence set up before it."""
+    if "driver" not in request.fixturenames:
+        yield
+        return
+    for name in set_up_first:
+        if name in request.fixturenames:
+            request.getfixturevalue(name)
+    yield
+    driver = request.getfixturevalue("driver")
+    for disk in driver.list_disks(vm):
+        driver.detach(vm, disk.serial, force=True)
+
+
 def wait_until(check: Any, timeout: float = 30.0, interval: float = 0.1, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
+from tests.conftest import detached_after, free_port, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.controller.fleet.agents import HostAgent, StorageAgent
 from vbs.errors import DriverError, IncorrectState, InvalidParameter, NotFound, VbsError
 from vbs.host.api import create_app as create_host_app
@@ -77,16 +77,7 @@ def driver(vm_dir: Path, guest: TestGuest) -> QemuDriver:
 def leaves_the_guest_without_our_disks(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that fails before it detaches leaves the module's guest as the next test expects (its
     export fixtures, set up first, are torn down after this)."""
-    if "driver" not in request.fixturenames:
-        yield
-        return
-    for storage in ("exports", "nbd_exports", "pool"):
-        if storage in request.fixturenames:
-            request.getfixturevalue(storage)
-    yield
-    drv: QemuDriver = request.getfixturevalue("driver")
-    for disk in drv.list_disks("guest1"):
-        drv.detach("guest1", disk.serial, force=True)
+    yield from detached_after(request, "guest1", ("exports", "nbd_exports", "pool"))
 
 
 def threads(driver: QemuDriver, ids: DiskIds) -> set[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import private_qmp, start_bare_vm, stop_process, wait_until
+from tests.conftest import detached_after, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.config import HostAgentConfig
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
@@ -79,11 +79,7 @@ def driver(vm_dir: Path, guest: TestGuest, bare_vm: str) -> Iterator[QemuDriver]
 @pytest.fixture(autouse=True)
 def leaves_the_guest_without_our_disks(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that fails before it detaches leaves the module's guest as the next test expects."""
-    yield
-    if "driver" in request.fixturenames:
-        drv: QemuDriver = request.getfixturevalue("driver")
-        for disk in drv.list_disks(VM):
-            drv.detach(VM, disk.serial, force=True)
+    yield from detached_after(request, VM)
 
 
 @pytest.fixture
