@@ -76,6 +76,13 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+def empty_file(path: Path, size: int) -> Path:
+    """A sparse file of ``size`` bytes at ``path``: a volume or a snapshot target for a driver's tests."""
+    with path.open("wb") as f:
+        f.truncate(size)
+    return path
+
+
 def detached_after(request: pytest.FixtureRequest, vm: str, set_up_first: tuple[str, ...] = ()) -> Iterator[None]:
     """The body of a module's autouse fixture: after each test that uses the module's ``driver`` fixture (a
     hypervisor driver), force-detach every disk it still lists in ``vm``, so that a test that failed before

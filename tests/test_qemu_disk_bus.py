@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import detached_after, wait_until
+from tests.conftest import detached_after, empty_file, wait_until
 from vbs.config import HostAgentConfig
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
@@ -59,10 +59,7 @@ def leaves_the_guest_without_our_disks(request: pytest.FixtureRequest) -> Iterat
 
 
 def volume_file(tmp_path: Path, name: str, size: int = 16 * MIB) -> Path:
-    path = tmp_path / name
-    with path.open("wb") as f:
-        f.truncate(size)
-    return path
+    return empty_file(tmp_path / name, size)
 
 
 def device_type(guest: TestGuest, device: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from tests.conftest import free_port, private_qmp, start_bare_vm, stop_process, wait_until
+from tests.conftest import empty_file, free_port, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.connectors import connector_for
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
 from vbs.host.hypervisors.base import HypervisorDriver
@@ -308,12 +308,6 @@ def tgt_server(tmp_path: Path, volume: Path) -> Iterator[IscsiConnection]:
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-
-
-def empty_file(path: Path, size: int) -> Path:
-    with path.open("wb") as f:
-        f.truncate(size)
-    return path
 
 
 def _listening(port: int) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import detached_after, private_qmp, start_bare_vm, stop_process, wait_until
+from tests.conftest import detached_after, empty_file, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.config import HostAgentConfig
 from vbs.errors import IncorrectState, InvalidParameter
 from vbs.host.hypervisors.qemu import QemuDriver
@@ -36,12 +36,6 @@ SNAP = "snap-0123456789abcdef1"
 
 def vol(n: int) -> str:
     return f"vol-{n:017x}"
-
-
-def empty_file(path: Path, size: int = 16 * MIB) -> Path:
-    with path.open("wb") as f:
-        f.truncate(size)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +115,7 @@ def test_a_disk_in_its_own_thread_is_written_throttled_resized_copied_detached_a
         tmp_path: Path) -> None:
     serial = virtio_serial(vol(0x10A))
     ids = disk_ids(serial)
-    volume = empty_file(tmp_path / "volume.raw")
+    volume = empty_file(tmp_path / "volume.raw", 16 * MIB)
     driver.attach(VM, serial, nbd_server(volume), qos=QoS(iops=5000))
     dev = guest.wait_for_disk(serial)
     # The device runs in the disk's own thread.
@@ -169,7 +163,7 @@ def test_a_crashed_attachs_thread_is_taken_over_and_a_failed_attach_leaves_none(
     ids = disk_ids(serial)
     # What an agent killed between the thread and the device leaves.
     guest.qmp("object-add", {"qom-type": "iothread", "id": ids.iothread})
-    driver.attach(VM, serial, FileConnection(path=str(empty_file(tmp_path / "a.raw"))))
+    driver.attach(VM, serial, FileConnection(path=str(empty_file(tmp_path / "a.raw", 16 * MIB))))
     guest.wait_for_disk(serial)
     assert qom(vm_dir, VM, f"/machine/peripheral/{ids.device}", "iothread") == f"/objects/{ids.iothread}"
     driver.detach(VM, serial)
@@ -177,9 +171,9 @@ def test_a_crashed_attachs_thread_is_taken_over_and_a_failed_attach_leaves_none(
     # An attach that fails after its thread was made (the guest's slots are full) takes it back.
     q35_ports = [virtio_serial(vol(0x10C + n)) for n in range(2)]
     for n, other in enumerate(q35_ports):
-        driver.attach(VM, other, FileConnection(path=str(empty_file(tmp_path / f"p{n}.raw"))))
+        driver.attach(VM, other, FileConnection(path=str(empty_file(tmp_path / f"p{n}.raw", 16 * MIB))))
     with pytest.raises(IncorrectState, match="no free slot for another disk"):
-        driver.attach(VM, serial, FileConnection(path=str(empty_file(tmp_path / "b.raw"))))
+        driver.attach(VM, serial, FileConnection(path=str(empty_file(tmp_path / "b.raw", 16 * MIB))))
     assert ids.iothread not in vbs_objects(vm_dir, VM)
     for other in q35_ports:
         driver.detach(VM, other)
@@ -191,7 +185,7 @@ def test_a_forced_detach_cuts_the_io_of_a_disk_in_its_thread(driver: QemuDriver,
                                                              tmp_path: Path) -> None:
     serial = virtio_serial(vol(0x10E))
     ids = disk_ids(serial)
-    driver.attach(bare_vm, serial, FileConnection(path=str(empty_file(tmp_path / "f.raw"))))
+    driver.attach(bare_vm, serial, FileConnection(path=str(empty_file(tmp_path / "f.raw", 16 * MIB))))
     assert qom(vm_dir, bare_vm, f"/machine/peripheral/{ids.device}", "iothread") == f"/objects/{ids.iothread}"
     driver.detach(bare_vm, serial, force=True, timeout=1.0)
     # The device stays (nothing releases it) with its thread; the storage under it is gone.
@@ -208,7 +202,7 @@ def test_the_scsi_controller_runs_its_disks_in_one_thread(vm_dir: Path, bare_vm:
     try:
         serials = [virtio_serial(vol(0x110 + n)) for n in range(2)]
         for n, serial in enumerate(serials):
-            scsi.attach(bare_vm, serial, FileConnection(path=str(empty_file(tmp_path / f"s{n}.raw"))))
+            scsi.attach(bare_vm, serial, FileConnection(path=str(empty_file(tmp_path / f"s{n}.raw", 16 * MIB))))
         assert qom(vm_dir, bare_vm, f"/machine/peripheral/{SCSI_CONTROLLER}", "iothread") == f"/objects/{SCSI_IOTHREAD}"
         # No thread of a disk's own: both run in the controller's.
         assert not {disk_ids(s).iothread for s in serials} & vbs_objects(vm_dir, bare_vm)
