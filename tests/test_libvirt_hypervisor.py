@@ -23,6 +23,7 @@ from tests.conftest import free_port, stop_process, wait_until
 from tests.libvirtd import URI, Libvirtd
 from vbs.errors import DeviceBusy, IncorrectState, NotFound
 from vbs.host.hypervisors.libvirt import LibvirtDriver
+from vbs.host.hypervisors.libvirt_iothreads import VBS_IOTHREAD_BASE, vbs_threads
 from vbs.host.hypervisors.libvirt_xml import disk_alias
 from vbs.qemu.tls import X509Files, qemu_x509_dir
 from vbs.rigs.testguest import build_guest
@@ -82,6 +83,20 @@ def live_disks(dom: libvirt.virDomain, serial: str, flags: int = 0) -> list[ET.E
     return [d for d in root.iterfind("devices/disk") if d.find(f"alias[@name='{disk_alias(serial)}']") is not None]
 
 
+def disk_thread(dom: libvirt.virDomain, serial: str, flags: int = 0) -> int | None:
+    """The id of the I/O thread the disk ``serial`` runs in (None: QEMU's main loop)."""
+    (disk,) = live_disks(dom, serial, flags)
+    driver = disk.find("driver")
+    value = driver.get("iothread") if driver is not None else None
+    return None if value is None else int(value)
+
+
+def qemu_threads(dom: libvirt.virDomain) -> set[str]:
+    """The ids of the iothread objects the domain's QEMU has."""
+    answer = json.loads(libvirt_qemu.qemuMonitorCommand(dom, json.dumps({"execute": "query-iothreads"}), 0))
+    return {t["id"] for t in answer["return"]}
+
+
 def test_a_disk_is_seen_by_the_guest_and_a_repeated_attach_adds_nothing(
         driver: LibvirtDriver, guest: LibvirtGuest, nbd: NbdConnection) -> None:
     serial = vol(1)
@@ -93,11 +108,15 @@ def test_a_disk_is_seen_by_the_guest_and_a_repeated_attach_adds_nothing(
     assert driver.attach(guest.name, serial, nbd) == disk
     assert len(live_disks(guest.domain(), serial)) == 1
     assert driver.list_disks(guest.name) == [disk]
+    # It runs in an I/O thread of its own (on by default), which a repeated attach does not add again.
+    assert vbs_threads(guest.domain()) == {disk_thread(guest.domain(), serial)} == {VBS_IOTHREAD_BASE + 1}
+    assert f"iothread{VBS_IOTHREAD_BASE + 1}" in qemu_threads(guest.domain())
 
     driver.detach(guest.name, serial, timeout=30)
     guest.wait_disk_gone(serial, 30)
     assert live_disks(guest.domain(), serial) == []
     assert driver.list_disks(guest.name) == []
+    assert vbs_threads(guest.domain()) == set(), "the thread goes with its disk"
     driver.detach(guest.name, serial)  # absent: success
 
     # The data is on the volume: a new attach reads it back.
@@ -105,6 +124,45 @@ def test_a_disk_is_seen_by_the_guest_and_a_repeated_attach_adds_nothing(
     assert guest.checksum(guest.wait_for_disk(serial, 30), 4) == written
     driver.detach(guest.name, serial, timeout=30)
     guest.wait_disk_gone(serial, 30)
+
+
+def test_each_disk_has_a_thread_of_its_own_a_leftover_is_taken_and_the_domains_own_are_left_alone(
+        driver: LibvirtDriver, guest: LibvirtGuest, nbd: NbdConnection, tmp_path: Path) -> None:
+    dom, live = guest.domain(), libvirt.VIR_DOMAIN_AFFECT_LIVE
+    first, second = vol(21), vol(22)
+    leftover = VBS_IOTHREAD_BASE + 1
+    dom.addIOThread(1, live)  # the domain's own thread, below VBS's range
+    dom.addIOThread(leftover, live)  # as an attach that crashed between its two calls leaves one
+    off = LibvirtDriver(URI, state_dir=tmp_path, iothreads=False)
+    try:
+        driver.attach(guest.name, first, nbd)
+        driver.attach(guest.name, second, nbd, read_only=True)
+        assert (disk_thread(dom, first), disk_thread(dom, second)) == (leftover, leftover + 1)
+        assert vbs_threads(dom) == {leftover, leftover + 1}
+        written = guest.write_pattern(guest.wait_for_disk(first, 30), "threads", 2)
+        assert guest.checksum(guest.wait_for_disk(second, 30), 2) == written  # the same export, read only
+
+        driver.detach(guest.name, first, timeout=30)
+        guest.wait_disk_gone(first, 30)
+        assert vbs_threads(dom) == {leftover + 1}
+        # With the option off a disk stays in the main loop.
+        wait_until(lambda: any(vm.vm_id == guest.name for vm in off.list_vms()), 30, what="the guest")
+        off.attach(guest.name, first, nbd, read_only=True)
+        assert disk_thread(dom, first) is None and vbs_threads(dom) == {leftover + 1}
+        assert guest.checksum(guest.wait_for_disk(first, 30), 2) == written
+        for serial in (first, second):
+            driver.detach(guest.name, serial, timeout=30)
+            guest.wait_disk_gone(serial, 30)
+        assert vbs_threads(dom) == set()
+        assert 1 in {tid for tid, _cpus in dom.ioThreadInfo(live)}, "the domain's own thread is left alone"
+    finally:
+        off.close()
+        for serial in (first, second):
+            if live_disks(dom, serial):
+                driver.detach(guest.name, serial, timeout=30)
+                guest.wait_disk_gone(serial, 30)
+        for tid, _cpus in dom.ioThreadInfo(live):
+            dom.delIOThread(tid, live)
 
 
 def test_limits_are_iotune_and_change_live(driver: LibvirtDriver, guest: LibvirtGuest, nbd: NbdConnection) -> None:
@@ -212,14 +270,23 @@ def test_a_guest_that_never_releases_the_disk_makes_detach_busy_and_persist_edit
         drv.attach("lv-bare", serial, nbd)
         assert len(live_disks(bare, serial)) == 1
         assert len(live_disks(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE)) == 1, "--persist: in the config"
+        # Its I/O thread too, in both: the configuration names no thread it lacks.
+        config = libvirt.VIR_DOMAIN_AFFECT_CONFIG
+        thread = disk_thread(bare, serial)
+        assert thread == disk_thread(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE) == VBS_IOTHREAD_BASE + 1
+        assert vbs_threads(bare) == vbs_threads(bare, config) == {thread}
         # A disk attached by an agent without --libvirt-persist gets into the config on a repeated attach.
         driver.attach("lv-bare", live_only, nbd)
         assert live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE) == []
         drv.attach("lv-bare", live_only, nbd)
         assert len(live_disks(bare, live_only)) == 1
         assert len(live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE)) == 1
+        live_only_thread = disk_thread(bare, live_only)
+        assert disk_thread(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE) == live_only_thread
+        assert vbs_threads(bare, config) == {thread, live_only_thread}
         drv.detach("lv-bare", live_only, force=True)
         assert live_disks(bare, live_only, libvirt.VIR_DOMAIN_XML_INACTIVE) == []
+        assert vbs_threads(bare, config) == {thread}, "the configuration's thread goes with its disk"
 
         started = time.monotonic()
         with pytest.raises(DeviceBusy):
@@ -229,6 +296,8 @@ def test_a_guest_that_never_releases_the_disk_makes_detach_busy_and_persist_edit
 
         drv.detach("lv-bare", serial, force=True)
         assert live_disks(bare, serial, libvirt.VIR_DOMAIN_XML_INACTIVE) == [], "gone from the config"
+        # The devices the guest holds keep their threads; the configuration has none left.
+        assert (vbs_threads(bare), vbs_threads(bare, config)) == ({thread, live_only_thread}, set())
         # The device stays until the guest lets go, but its NBD connection is closed.
         assert [(d.serial, d.connected) for d in drv.list_disks("lv-bare")] == [(serial, False), (live_only, False)]
         nodes = json.loads(libvirt_qemu.qemuMonitorCommand(
@@ -314,6 +383,8 @@ def test_on_q35_disks_go_into_spare_root_ports_and_one_more_is_refused_with_the_
             driver.attach(g.name, vol(13), nbd, read_only=True)
         assert err.value.status == 409
         assert live_disks(g.domain(), vol(13)) == []
+        # The refused disk's I/O thread was made first, and is gone with it.
+        assert vbs_threads(g.domain()) == {disk_thread(g.domain(), vol(11)), disk_thread(g.domain(), vol(12))}
         assert sorted(d.serial for d in driver.list_disks(g.name)) == [vol(11), vol(12)]
 
         # A port freed by a detach takes the next disk; it reads what the first one wrote.

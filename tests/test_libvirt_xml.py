@@ -43,6 +43,15 @@ def test_nbd_over_a_unix_socket() -> None:
     target = disk.find("target")
     assert target is not None and target.attrib == {"dev": "vdb", "bus": "virtio"}
     assert disk.find("readonly") is None and disk.find("iotune") is None
+    driver = disk.find("driver")
+    assert driver is not None and driver.attrib == {"name": "qemu", "type": "raw", "discard": "unmap"}  # main loop
+
+
+def test_a_disk_given_an_io_thread_names_it_in_its_driver() -> None:
+    conn = NbdConnection(socket="/var/lib/vbs/nbd/nbd.sock", export="vol-0123456789abcdef0")
+    disk = parsed(disk_xml(SERIAL, "vdb", connector_for(conn).libvirt_source(conn), iothread=0x56420003))
+    driver = disk.find("driver")
+    assert driver is not None and driver.get("iothread") == str(0x56420003)
 
 
 def test_nbd_over_tcp_with_qos_and_read_only() -> None:
@@ -163,9 +172,17 @@ def test_the_libvirt_uri_is_checked_and_unknown_driver_options_refused(tmp_path:
                       overrides={"hypervisor": "libvirt", "libvirt_uri": "test:///default", "state_dir": tmp_path})
     drv = LibvirtDriver.from_config(cfg)
     try:
-        assert (drv.uri, drv.persist) == ("test:///default", False)
+        assert (drv.uri, drv.persist, drv.iothreads) == ("test:///default", False, True)
     finally:
         drv.close()
+    off = LibvirtDriver.from_config(cfg.model_copy(update={"options": {"libvirt": {"iothreads": False}}}))
+    try:
+        assert off.iothreads is False
+    finally:
+        off.close()
+    for value in ("yes", 1, 0, ""):
+        with pytest.raises(InvalidParameter, match="iothreads of the libvirt driver: true or false"):
+            LibvirtDriver.from_config(cfg.model_copy(update={"options": {"libvirt": {"iothreads": value}}}))
     with pytest.raises(InvalidParameter, match="unknown options"):
         LibvirtDriver.from_config(cfg.model_copy(update={"options": {"libvirt": {"nbd_tls": True}}}))
     with pytest.raises(InvalidParameter, match="tls_cert"):  # a TLS dir needs this host's certificate

@@ -19,8 +19,9 @@ import pytest
 from tests.conftest import detached_after, empty_file, private_qmp, start_bare_vm, stop_process, wait_until
 from vbs.config import HostAgentConfig
 from vbs.errors import IncorrectState, InvalidParameter
+from vbs.host.hypervisors.base import checked_iothreads
 from vbs.host.hypervisors.qemu import QemuDriver
-from vbs.host.hypervisors.qemu_disk_bus import SCSI_CONTROLLER, SCSI_IOTHREAD, checked_iothreads
+from vbs.host.hypervisors.qemu_disk_bus import SCSI_CONTROLLER, SCSI_IOTHREAD
 from vbs.host.hypervisors.qemu_ids import disk_ids
 from vbs.ids import virtio_serial
 from vbs.rigs.testguest import TestGuest, build_guest, pattern_bytes, pattern_sha256
@@ -215,7 +216,7 @@ def test_the_scsi_controller_runs_its_disks_in_one_thread(vm_dir: Path, bare_vm:
 @pytest.mark.parametrize("value", ["yes", 1, 0, "", ["true"]])
 def test_iothreads_takes_a_boolean_only(value: object, tmp_path: Path) -> None:
     with pytest.raises(InvalidParameter, match="iothreads of the qemu driver"):
-        checked_iothreads(value)
+        checked_iothreads(value, "qemu")
     with pytest.raises(InvalidParameter, match="iothreads of the qemu driver"):
         QemuDriver.from_config(HostAgentConfig(vm_dir=tmp_path, options={"qemu": {"iothreads": value}}))
 

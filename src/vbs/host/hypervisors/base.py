@@ -19,12 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import SecretStr
 
 from vbs.config import HostAgentConfig
+from vbs.errors import InvalidParameter
 from vbs.wire.connection import AnyConnection
 from vbs.wire.host import DiskInfo, HypervisorCapabilities, MigrationInfo, QoS, StartMigration, VmInfo
 from vbs.wire.storage import ItemStatus
 
 __all__ = ["HypervisorDriver", "PausingDriver", "SpaceWaitingDriver", "LimitingDriver", "MigratingDriver",
-           "MirroringDriver", "DiskStats", "BlockStatsSource", "counter"]
+           "MirroringDriver", "DiskStats", "BlockStatsSource", "counter", "checked_iothreads"]
 
 
 @runtime_checkable
@@ -106,6 +107,15 @@ def counter(values: Mapping[str, Any], key: str) -> int:
     libvirt leave out what a device does not track)."""
     value = values.get(key, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def checked_iothreads(value: object, driver: str) -> bool:
+    """A driver's ``iothreads`` option (each disk in an I/O thread of its own): a boolean, None: True."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise InvalidParameter(f"iothreads of the {driver} driver: true or false, not {value!r}")
+    return value
 
 
 @runtime_checkable

@@ -53,7 +53,8 @@ from vbs.connectors import connector_for
 from vbs.connectors.base import LibvirtSource
 from vbs.connectors.tunnels import IscsiTunnels
 from vbs.errors import DeviceBusy, DriverError, IncorrectState, InvalidParameter, NotFound
-from vbs.host.hypervisors.base import DiskStats
+from vbs.host.hypervisors.base import DiskStats, checked_iothreads
+from vbs.host.hypervisors.libvirt_iothreads import drop_unused_threads, ensure_thread, thread_for_disk
 from vbs.host.hypervisors.libvirt_secrets import define_luks_secret, define_secret, drop_secret
 from vbs.host.hypervisors.libvirt_session import LibvirtSession, message, no_domain
 from vbs.host.hypervisors.libvirt_xml import disk_alias, disk_xml, free_target, iotune_limits, our_disks, secret_uuid
@@ -111,9 +112,10 @@ class LibvirtDriver:
     )
 
     def __init__(self, uri: str = "qemu:///system", *, persist: bool = False, state_dir: Path | None = None,
-                 x509: X509Files | None = None, nbd_tls_dir: Path | None = None) -> None:
+                 x509: X509Files | None = None, nbd_tls_dir: Path | None = None, iothreads: bool | None = None) -> None:
         self.uri = uri
         self.persist = persist
+        self.iothreads = checked_iothreads(iothreads, "libvirt")
         if nbd_tls_dir is not None:
             if x509 is None:
                 raise InvalidParameter("libvirt_nbd_tls_dir needs this host's certificate: set tls_cert, tls_key "
@@ -131,12 +133,14 @@ class LibvirtDriver:
     @classmethod
     def from_config(cls, cfg: HostAgentConfig) -> LibvirtDriver:
         options = dict(cfg.options.get("libvirt", {}))
+        iothreads = options.pop("iothreads", None)
         if options:
             raise InvalidParameter(f"unknown options of the libvirt hypervisor driver: {', '.join(sorted(options))}")
         state = cfg.state_dir.resolve() if cfg.state_dir is not None else cfg.vm_dir.resolve() / ".vbs-secrets"
         return cls(cfg.libvirt_uri, persist=cfg.libvirt_persist, state_dir=state,
                    x509=X509Files.from_config(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
-                   nbd_tls_dir=cfg.libvirt_nbd_tls_dir.resolve() if cfg.libvirt_nbd_tls_dir else None)
+                   nbd_tls_dir=cfg.libvirt_nbd_tls_dir.resolve() if cfg.libvirt_nbd_tls_dir else None,
+                   iothreads=iothreads)
 
     # -- the HypervisorDriver contract -----------------------------------------------------------
 
@@ -271,17 +275,24 @@ class LibvirtDriver:
                 live_source = live.find("source")
                 if live_source is not None:
                     live_source.attrib.pop("index", None)  # libvirt's runtime numbering of block nodes
+                thread = live.find("driver")
+                if thread is not None and thread.get("iothread", "").isdigit():
+                    ensure_thread(dom, int(thread.get("iothread", "")), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
                 dom.attachDeviceFlags(ET.tostring(live, encoding="unicode"), libvirt.VIR_DOMAIN_AFFECT_CONFIG)
             return self._disk(vm_id, dom, serial)
         self._forced.discard((vm_id, serial))
         secret = define_secret(conn, vm_id, serial, source) if source.auth is not None else None
+        flags = self._flags(dom, config=True)
+        config = bool(flags & libvirt.VIR_DOMAIN_AFFECT_CONFIG)
         try:
             luks_secret = define_luks_secret(conn, vm_id, serial, luks) if luks is not None else None
+            iothread = thread_for_disk(dom, config=config) if self.iothreads else None
             xml = disk_xml(serial, free_target(ET.fromstring(dom.XMLDesc(0))), source, read_only=read_only,
-                           qos=qos, secret=secret, luks_secret=luks_secret)
-            dom.attachDeviceFlags(xml, self._flags(dom, config=True))
+                           qos=qos, secret=secret, luks_secret=luks_secret, iothread=iothread)
+            dom.attachDeviceFlags(xml, flags)
         except libvirt.libvirtError as exc:
             drop_secret(conn, vm_id, serial)
+            self._drop_threads(dom, vm_id, config)
             if _NO_SLOT in message(exc):
                 raise IncorrectState(
                     f"VM {vm_id} has no free slot for another disk: libvirt found no free PCI slot (a q35 domain "
@@ -312,9 +323,11 @@ class LibvirtDriver:
             gone = removed.wait(wait) or serial not in our_disks(ET.fromstring(dom.XMLDesc(0)))
         finally:
             self.session.forget_removal(key)
+        config = self.persist and dom.isPersistent()
         if gone:
             self._forced.discard((vm_id, serial))
             drop_secret(conn, vm_id, serial)
+            self._drop_threads(dom, vm_id, config)
             log.info("VM %s: disk %s detached", vm_id, serial)
             return True
         if not force:
@@ -323,9 +336,18 @@ class LibvirtDriver:
         _cut_io(dom, vm_id, serial)
         self._forced.add((vm_id, serial))
         drop_secret(conn, vm_id, serial)  # QEMU keeps its own copy while the device stays
+        self._drop_threads(dom, vm_id, config)  # the device keeps its thread; the configuration's goes
         log.warning("VM %s: forced detach of %s: the guest still holds the device, its I/O now fails and the "
                     "storage connection is closed", vm_id, serial)
         return True
+
+    @staticmethod
+    def _drop_threads(dom: libvirt.virDomain, vm_id: str, config: bool) -> None:
+        """VBS's I/O threads no disk names deleted; one that cannot be is a leftover the next call takes."""
+        try:
+            drop_unused_threads(dom, config=config)
+        except libvirt.libvirtError as exc:
+            log.warning("VM %s: an unused I/O thread of VBS's stays: %s", vm_id, message(exc))
 
     def _flags(self, dom: libvirt.virDomain, *, config: bool) -> int:
         flags = libvirt.VIR_DOMAIN_AFFECT_LIVE

@@ -46,12 +46,16 @@ def iotune_limits(qos: QoS | None) -> dict[str, int]:
 
 
 def disk_xml(serial: str, target: str, source: LibvirtSource, *, read_only: bool = False, qos: QoS | None = None,
-             secret: str | None = None, luks_secret: str | None = None) -> str:
+             secret: str | None = None, luks_secret: str | None = None, iothread: int | None = None) -> str:
     """The ``<disk>`` that attaches ``source`` as virtio disk ``target`` with ``serial`` (xml.etree
     escapes every value; each was validated by its wire model before). ``luks_secret``: the volume is a
-    LUKS container, opened by QEMU with the passphrase in that libvirt secret."""
+    LUKS container, opened by QEMU with the passphrase in that libvirt secret. ``iothread``: the id of
+    the domain's I/O thread the disk runs in (none: QEMU's main loop)."""
     disk = ET.Element("disk", {"type": "network", "device": "disk"})
-    ET.SubElement(disk, "driver", {"name": "qemu", "type": "raw", "discard": "unmap"})
+    driver = {"name": "qemu", "type": "raw", "discard": "unmap"}
+    if iothread is not None:
+        driver["iothread"] = str(int(iothread))
+    ET.SubElement(disk, "driver", driver)
     source_el = source.element(secret)
     if luks_secret is not None:
         encryption = ET.SubElement(source_el, "encryption", {"format": "luks", "engine": "qemu"})

@@ -43,7 +43,7 @@ from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_plug as plug
 from vbs.host.hypervisors import qemu_qos as qos_
-from vbs.host.hypervisors.base import DiskStats
+from vbs.host.hypervisors.base import DiskStats, checked_iothreads
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Vm, our_device, our_disks
 from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
 from vbs.host.hypervisors.qemu_monitors import QemuMonitors
@@ -96,7 +96,7 @@ class QemuDriver:
             self.capabilities = self.capabilities.model_copy(update={"live_migration": False})
         # An I/O thread for each disk (for the virtio-scsi controller) instead of QEMU's main loop; on
         # unless turned off.
-        self.iothreads = disk_bus_.checked_iothreads(iothreads)
+        self.iothreads = checked_iothreads(iothreads, "qemu")
         self.qmp_timeout = qmp_timeout
         # TLS-PSK keys must be in a file for QEMU; it reads a client key once, when the object is made.
         self.secrets_dir = Path(secrets_dir) if secrets_dir else self.vm_dir / ".vbs-secrets"

@@ -88,7 +88,7 @@ class QemuHost:
     x509_dir: Path | None
     qmp_timeout: float
     disk_bus: str = "virtio-blk"
-    iothreads: bool = True  # as the driver's option (qemu_disk_bus.checked_iothreads)
+    iothreads: bool = True  # as the driver's option (base.checked_iothreads)
 
     def open_connection(self, vm: Vm, connection: AnyConnection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""

@@ -39,7 +39,7 @@ from vbs.host.hypervisors import qemu_slots as slots
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Undo, Vm
 from vbs.host.hypervisors.qemu_ids import DiskIds
 
-__all__ = ["DISK_BUSES", "SCSI_CONTROLLER", "SCSI_IOTHREAD", "checked_bus", "checked_iothreads", "device",
+__all__ = ["DISK_BUSES", "SCSI_CONTROLLER", "SCSI_IOTHREAD", "checked_bus", "device",
            "refuse_migration"]
 
 DISK_BUSES = ("virtio-blk", "virtio-scsi")
@@ -53,15 +53,6 @@ def checked_bus(value: object) -> str:
         return DISK_BUSES[0]
     if not isinstance(value, str) or value not in DISK_BUSES:
         raise InvalidParameter(f"disk_bus of the qemu driver: one of {', '.join(DISK_BUSES)}, not {value!r}")
-    return value
-
-
-def checked_iothreads(value: object) -> bool:
-    """The ``iothreads`` option: a boolean (None: True)."""
-    if value is None:
-        return True
-    if not isinstance(value, bool):
-        raise InvalidParameter(f"iothreads of the qemu driver: true or false, not {value!r}")
     return value
 
 
