@@ -7,6 +7,8 @@ Revises: 0001
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import integer, string, text, timestamp
+
 revision = "0002"
 down_revision = "0001"
 
@@ -15,21 +17,21 @@ def upgrade() -> None:
 
     op.create_table(
         "volume_modifications",
-        sa.Column("id", sa.String(length=32), nullable=False),
-        sa.Column("volume_id", sa.String(length=32), nullable=False),
-        sa.Column("state", sa.String(length=16), nullable=False),
-        sa.Column("status_message", sa.Text(), nullable=True),
-        sa.Column("original_size_gib", sa.Integer(), nullable=False),
-        sa.Column("target_size_gib", sa.Integer(), nullable=False),
-        sa.Column("original_volume_type", sa.String(length=16), nullable=False),
-        sa.Column("target_volume_type", sa.String(length=16), nullable=False),
-        sa.Column("original_iops", sa.Integer(), nullable=True),
-        sa.Column("target_iops", sa.Integer(), nullable=True),
-        sa.Column("original_throughput", sa.Integer(), nullable=True),
-        sa.Column("target_throughput", sa.Integer(), nullable=True),
-        sa.Column("progress", sa.Integer(), nullable=False),
-        sa.Column("start_time", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("end_time", sa.DateTime(timezone=True), nullable=True),
+        string("id", 32),
+        string("volume_id", 32),
+        string("state", 16),
+        text("status_message", null=True),
+        integer("original_size_gib"),
+        integer("target_size_gib"),
+        string("original_volume_type", 16),
+        string("target_volume_type", 16),
+        integer("original_iops", null=True),
+        integer("target_iops", null=True),
+        integer("original_throughput", null=True),
+        integer("target_throughput", null=True),
+        integer("progress"),
+        timestamp("start_time"),
+        timestamp("end_time", null=True),
         sa.PrimaryKeyConstraint("id"),
     )
     with op.batch_alter_table("volume_modifications", schema=None) as batch_op:

@@ -17,6 +17,7 @@ import json
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import flag, json_value, text, timestamp
 from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0003"
@@ -28,8 +29,8 @@ UNFINISHED = "status IN ('running', 'rolling-back') AND exclusive"
 
 
 def upgrade() -> None:
-    add_columns("operations", sa.Column("exclusive", sa.Boolean(), nullable=False, server_default=sa.false()),
-                sa.Column("failing_since", sa.DateTime(timezone=True), nullable=True))
+    add_columns("operations", flag("exclusive", default=False),
+                timestamp("failing_since", null=True))
     bind = op.get_bind()
     operations = sa.table("operations", sa.column("id", sa.String), sa.column("kind", sa.String),
                           sa.column("params", sa.JSON), sa.column("exclusive", sa.Boolean))
@@ -42,13 +43,13 @@ def upgrade() -> None:
     op.create_index("uq_operations_exclusive_unfinished", "operations", ["resource_id"], unique=True,
                     sqlite_where=sa.text(UNFINISHED), postgresql_where=sa.text(UNFINISHED))
     with op.batch_alter_table("attachments", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("status_reason", sa.Text(), nullable=True))
+        batch_op.add_column(text("status_reason", null=True))
         batch_op.drop_column("connection")
 
 
 def downgrade() -> None:
     with op.batch_alter_table("attachments", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("connection", sa.JSON(), nullable=True))
+        batch_op.add_column(json_value("connection", null=True))
         batch_op.drop_column("status_reason")
     op.drop_index("uq_operations_exclusive_unfinished", table_name="operations")
     drop_columns("operations", "failing_since", "exclusive")

@@ -10,6 +10,8 @@ Revises: 0003
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import string, text, timestamp
+
 revision = "0004"
 down_revision = "0003"
 
@@ -22,10 +24,10 @@ def upgrade() -> None:
     op.create_table(
         "access_keys",
         sa.Column("id", sa.String(128), primary_key=True),
-        sa.Column("tenant", sa.String(64), nullable=False),
-        sa.Column("role", sa.String(16), nullable=False),
-        sa.Column("sealed_secret", sa.Text(), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        string("tenant", 64),
+        string("role", 16),
+        text("sealed_secret"),
+        timestamp("created_at"),
     )
     op.create_index("ix_access_keys_tenant", "access_keys", ["tenant"])
 

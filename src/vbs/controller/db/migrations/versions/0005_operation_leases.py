@@ -14,34 +14,36 @@ Revises: 0004
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import big_integer, string, timestamp
+
 revision = "0005"
 down_revision = "0004"
 
 
 def upgrade() -> None:
     with op.batch_alter_table("operations", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("owner", sa.String(64), nullable=True))
-        batch_op.add_column(sa.Column("lease_until", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(string("owner", 64, null=True))
+        batch_op.add_column(timestamp("lease_until", null=True))
         batch_op.add_column(sa.Column("fence", sa.BigInteger(), nullable=False, server_default="0"))
         batch_op.create_index("ix_operations_owner", ["owner"])
     op.create_table(
         "controllers",
         sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("url", sa.String(255), nullable=False),
-        sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("last_seen", sa.DateTime(timezone=True), nullable=False),
+        string("url", 255),
+        timestamp("started_at"),
+        timestamp("last_seen"),
     )
     op.create_table(
         "leases",
         sa.Column("name", sa.String(64), primary_key=True),
-        sa.Column("owner", sa.String(64), nullable=False),
-        sa.Column("lease_until", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("fence", sa.BigInteger(), nullable=False),
+        string("owner", 64),
+        timestamp("lease_until"),
+        big_integer("fence"),
     )
     # The counter table exists on both (one schema); PostgreSQL draws from a sequence, which hands out
     # numbers without a row lock held to the end of the transaction.
     op.create_table("fence_counter", sa.Column("id", sa.Integer(), primary_key=True),
-                    sa.Column("value", sa.BigInteger(), nullable=False))
+                    big_integer("value"))
     op.execute("INSERT INTO fence_counter (id, value) VALUES (1, 0)")
     if op.get_bind().dialect.name == "postgresql":
         op.execute("CREATE SEQUENCE vbs_fence")

@@ -6,8 +6,7 @@ Revision ID: 0006
 Revises: 0005
 """
 
-import sqlalchemy as sa
-
+from vbs.controller.db.migration_columns import flag
 from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0006"
@@ -15,7 +14,7 @@ down_revision = "0005"
 
 
 def upgrade() -> None:
-    add_columns("nodes", sa.Column("drained", sa.Boolean(), nullable=False, server_default=sa.false()))
+    add_columns("nodes", flag("drained", default=False))
 
 
 def downgrade() -> None:

@@ -12,6 +12,7 @@ Revises: 0007
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import string, text, timestamp
 from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0008"
@@ -21,24 +22,24 @@ down_revision = "0007"
 def upgrade() -> None:
     op.create_table(
         "snapshot_permissions",
-        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
-        sa.Column("grantee", sa.String(length=64), nullable=False),
+        string("snapshot_id", 32),
+        string("grantee", 64),
         sa.PrimaryKeyConstraint("snapshot_id", "grantee"),
     )
     op.create_index("ix_snapshot_permissions_grantee", "snapshot_permissions", ["grantee"])
     op.create_table(
         "volume_keys",
-        sa.Column("id", sa.String(length=32), nullable=False),
-        sa.Column("sealed_key", sa.Text(), nullable=False),
-        sa.Column("kms_key_id", sa.String(length=2048), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        string("id", 32),
+        text("sealed_key"),
+        string("kms_key_id", 2048),
+        timestamp("created_at"),
         sa.PrimaryKeyConstraint("id"),
     )
     with op.batch_alter_table("snapshots", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("source_snapshot_id", sa.String(length=32), nullable=True))
+        batch_op.add_column(string("source_snapshot_id", 32, null=True))
         batch_op.create_index("ix_snapshots_source_snapshot_id", ["source_snapshot_id"])
-        batch_op.add_column(sa.Column("key_id", sa.String(length=32), nullable=True))
-    add_columns("volumes", sa.Column("key_id", sa.String(length=32), nullable=True))
+        batch_op.add_column(string("key_id", 32, null=True))
+    add_columns("volumes", string("key_id", 32, null=True))
 
 
 def downgrade() -> None:

@@ -8,8 +8,7 @@ Revision ID: 0009_local_volumes
 Revises: 0008
 """
 
-import sqlalchemy as sa
-
+from vbs.controller.db.migration_columns import flag, string
 from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0009_local_volumes"
@@ -17,8 +16,8 @@ down_revision = "0008"
 
 
 def upgrade() -> None:
-    add_columns("volumes", sa.Column("host", sa.String(length=64), nullable=True),
-                sa.Column("persistent", sa.Boolean(), nullable=False, server_default=sa.false()))
+    add_columns("volumes", string("host", 64, null=True),
+                flag("persistent", default=False))
 
 
 def downgrade() -> None:

@@ -15,6 +15,7 @@ Revises: 0010_scale_indexes
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import big_integer, string
 from vbs.controller.db.migration_sql import VOLUME_USAGE_COUNTING
 
 revision = "0011_volume_usage"
@@ -73,11 +74,11 @@ INSERT INTO volume_usage (scope, owner, pool, volumes, gib)
 def upgrade() -> None:
     op.create_table(
         "volume_usage",
-        sa.Column("scope", sa.String(length=8), nullable=False),
-        sa.Column("owner", sa.String(length=64), nullable=False),
-        sa.Column("pool", sa.String(length=64), nullable=False),
-        sa.Column("volumes", sa.BigInteger(), nullable=False),
-        sa.Column("gib", sa.BigInteger(), nullable=False),
+        string("scope", 8),
+        string("owner", 64),
+        string("pool", 64),
+        big_integer("volumes"),
+        big_integer("gib"),
         sa.PrimaryKeyConstraint("scope", "owner", "pool"),
     )
     # Backfilled and triggered in one transaction: no change to volumes falls between.

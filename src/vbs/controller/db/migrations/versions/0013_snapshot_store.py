@@ -13,24 +13,18 @@ Revision ID: 0013_snapshot_store
 Revises: 0012_volume_usage_lock_order
 """
 
-import sqlalchemy as sa
-from alembic import op
+from vbs.controller.db.migration_columns import big_integer, flag, string
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0013_snapshot_store"
 down_revision = "0012_volume_usage_lock_order"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("snapshots", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("store_state", sa.String(length=16), nullable=True))
-        batch_op.add_column(sa.Column("store", sa.String(length=1024), nullable=True))
-        batch_op.add_column(sa.Column("stored_bytes", sa.BigInteger(), nullable=True))
-        batch_op.add_column(sa.Column("pool_copy", sa.Boolean(), nullable=False, server_default=sa.true()))
+    add_columns("snapshots", string("store_state", 16, null=True), string("store", 1024, null=True),
+                big_integer("stored_bytes", null=True),
+                flag("pool_copy", default=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("snapshots", schema=None) as batch_op:
-        batch_op.drop_column("pool_copy")
-        batch_op.drop_column("stored_bytes")
-        batch_op.drop_column("store")
-        batch_op.drop_column("store_state")
+    drop_columns("snapshots", "pool_copy", "stored_bytes", "store", "store_state")

@@ -19,6 +19,8 @@ Revises: 0013_snapshot_store
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import big_integer, integer, string, text, timestamp
+
 revision = "0014_snapshot_lifecycle"
 down_revision = "0013_snapshot_store"
 
@@ -26,16 +28,16 @@ down_revision = "0013_snapshot_store"
 def upgrade() -> None:
     op.create_table(
         "direct_snapshots",
-        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
-        sa.Column("tenant", sa.String(length=64), nullable=False),
-        sa.Column("client_token", sa.String(length=64), nullable=True),
-        sa.Column("request_digest", sa.String(length=64), nullable=False),
-        sa.Column("parent_snapshot_id", sa.String(length=32), nullable=True),
-        sa.Column("lineage", sa.String(length=32), nullable=False),
-        sa.Column("volume_size_bytes", sa.BigInteger(), nullable=False),
-        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("state", sa.String(length=16), nullable=False),
-        sa.Column("state_changed_at", sa.DateTime(timezone=True), nullable=False),
+        string("snapshot_id", 32),
+        string("tenant", 64),
+        string("client_token", 64, null=True),
+        string("request_digest", 64),
+        string("parent_snapshot_id", 32, null=True),
+        string("lineage", 32),
+        big_integer("volume_size_bytes"),
+        timestamp("expires_at"),
+        string("state", 16),
+        timestamp("state_changed_at"),
         sa.PrimaryKeyConstraint("snapshot_id"),
     )
     op.create_index("uq_direct_snapshots_token", "direct_snapshots", ["tenant", "client_token"], unique=True)
@@ -43,35 +45,35 @@ def upgrade() -> None:
     op.create_index("ix_direct_snapshots_lineage", "direct_snapshots", ["lineage"])
     op.create_table(
         "direct_blocks",
-        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
+        string("snapshot_id", 32),
         sa.Column("block_index", sa.BigInteger(), autoincrement=False, nullable=False),
-        sa.Column("chunk_id", sa.String(length=64), nullable=True),
-        sa.Column("checksum", sa.String(length=64), nullable=False),
+        string("chunk_id", 64, null=True),
+        string("checksum", 64),
         sa.ForeignKeyConstraint(["snapshot_id"], ["direct_snapshots.snapshot_id"]),
         sa.PrimaryKeyConstraint("snapshot_id", "block_index"),
     )
     op.create_table(
         "snapshot_locks",
-        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
-        sa.Column("mode", sa.String(length=16), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("duration_start", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("duration_days", sa.Integer(), nullable=True),
-        sa.Column("cool_off_hours", sa.Integer(), nullable=True),
-        sa.Column("cool_off_expires_at", sa.DateTime(timezone=True), nullable=True),
+        string("snapshot_id", 32),
+        string("mode", 16),
+        timestamp("created_at"),
+        timestamp("duration_start"),
+        timestamp("expires_at"),
+        integer("duration_days", null=True),
+        integer("cool_off_hours", null=True),
+        timestamp("cool_off_expires_at", null=True),
         sa.PrimaryKeyConstraint("snapshot_id"),
     )
     op.create_table(
         "snapshot_tiers",
-        sa.Column("snapshot_id", sa.String(length=32), nullable=False),
-        sa.Column("tier", sa.String(length=16), nullable=False),
-        sa.Column("last_status", sa.String(length=40), nullable=False),
-        sa.Column("last_started_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("last_progress", sa.Integer(), nullable=False),
-        sa.Column("last_detail", sa.Text(), nullable=True),
-        sa.Column("archived_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("restore_expires_at", sa.DateTime(timezone=True), nullable=True),
+        string("snapshot_id", 32),
+        string("tier", 16),
+        string("last_status", 40),
+        timestamp("last_started_at"),
+        integer("last_progress"),
+        text("last_detail", null=True),
+        timestamp("archived_at", null=True),
+        timestamp("restore_expires_at", null=True),
         sa.PrimaryKeyConstraint("snapshot_id"),
     )
 

@@ -13,6 +13,8 @@ Revises: 0014_snapshot_lifecycle
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import integer, json_value, string, text, timestamp
+
 revision = "0015_recycle_bin"
 down_revision = "0014_snapshot_lifecycle"
 
@@ -20,30 +22,30 @@ down_revision = "0014_snapshot_lifecycle"
 def upgrade() -> None:
     op.create_table(
         "recycle_bin_rules",
-        sa.Column("id", sa.String(length=16), nullable=False),
-        sa.Column("tenant", sa.String(length=64), nullable=False),
-        sa.Column("resource_type", sa.String(length=16), nullable=False),
-        sa.Column("description", sa.Text(), nullable=False),
-        sa.Column("retention_days", sa.Integer(), nullable=False),
-        sa.Column("resource_tags", sa.JSON(), nullable=False),
-        sa.Column("exclude_tags", sa.JSON(), nullable=False),
-        sa.Column("tags", sa.JSON(), nullable=False),
-        sa.Column("lock_state", sa.String(length=16), nullable=False),
-        sa.Column("unlock_delay_days", sa.Integer(), nullable=True),
-        sa.Column("lock_end_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        string("id", 16),
+        string("tenant", 64),
+        string("resource_type", 16),
+        text("description"),
+        integer("retention_days"),
+        json_value("resource_tags"),
+        json_value("exclude_tags"),
+        json_value("tags"),
+        string("lock_state", 16),
+        integer("unlock_delay_days", null=True),
+        timestamp("lock_end_at", null=True),
+        timestamp("created_at"),
+        timestamp("updated_at"),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_recycle_bin_rules_tenant_type", "recycle_bin_rules", ["tenant", "resource_type"])
     op.create_table(
         "recycle_bin_entries",
-        sa.Column("resource_id", sa.String(length=32), nullable=False),
-        sa.Column("resource_type", sa.String(length=16), nullable=False),
-        sa.Column("tenant", sa.String(length=64), nullable=False),
-        sa.Column("former_status", sa.String(length=16), nullable=False),
-        sa.Column("entered_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("exits_at", sa.DateTime(timezone=True), nullable=False),
+        string("resource_id", 32),
+        string("resource_type", 16),
+        string("tenant", 64),
+        string("former_status", 16),
+        timestamp("entered_at"),
+        timestamp("exits_at"),
         sa.PrimaryKeyConstraint("resource_id"),
     )
     op.create_index("ix_recycle_bin_entries_tenant_type", "recycle_bin_entries",

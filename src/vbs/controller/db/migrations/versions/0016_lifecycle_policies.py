@@ -15,6 +15,8 @@ Revises: 0015_recycle_bin
 import sqlalchemy as sa
 from alembic import op
 
+from vbs.controller.db.migration_columns import json_value, string, text, timestamp
+
 revision = "0016_lifecycle_policies"
 down_revision = "0015_recycle_bin"
 
@@ -22,32 +24,32 @@ down_revision = "0015_recycle_bin"
 def upgrade() -> None:
     op.create_table(
         "lifecycle_policies",
-        sa.Column("id", sa.String(length=32), nullable=False),
-        sa.Column("tenant", sa.String(length=64), nullable=False),
-        sa.Column("description", sa.String(length=500), nullable=False),
-        sa.Column("state", sa.String(length=16), nullable=False),
-        sa.Column("execution_role_arn", sa.String(length=2048), nullable=False),
-        sa.Column("details", sa.JSON(), nullable=False),
-        sa.Column("tags", sa.JSON(), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("modified_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("schedules_from", sa.DateTime(timezone=True), nullable=False),
+        string("id", 32),
+        string("tenant", 64),
+        string("description", 500),
+        string("state", 16),
+        string("execution_role_arn", 2048),
+        json_value("details"),
+        json_value("tags"),
+        timestamp("created_at"),
+        timestamp("modified_at"),
+        timestamp("schedules_from"),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_lifecycle_policies_tenant", "lifecycle_policies", ["tenant"])
     op.create_table(
         "policy_runs",
-        sa.Column("id", sa.String(length=32), nullable=False),
-        sa.Column("policy_id", sa.String(length=32), nullable=False),
-        sa.Column("schedule_name", sa.String(length=120), nullable=False),
-        sa.Column("due_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("status", sa.String(length=16), nullable=False),
-        sa.Column("controller", sa.String(length=64), nullable=True),
-        sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("targets", sa.JSON(), nullable=False),
-        sa.Column("deleted", sa.JSON(), nullable=False),
-        sa.Column("error", sa.Text(), nullable=True),
+        string("id", 32),
+        string("policy_id", 32),
+        string("schedule_name", 120),
+        timestamp("due_at"),
+        string("status", 16),
+        string("controller", 64, null=True),
+        timestamp("started_at", null=True),
+        timestamp("finished_at", null=True),
+        json_value("targets"),
+        json_value("deleted"),
+        text("error", null=True),
         sa.ForeignKeyConstraint(["policy_id"], ["lifecycle_policies.id"]),
         sa.PrimaryKeyConstraint("id"),
     )

@@ -8,18 +8,16 @@ Revision ID: 0017_direct_encrypted_snapshots
 Revises: 0016_lifecycle_policies
 """
 
-import sqlalchemy as sa
-from alembic import op
+from vbs.controller.db.migration_columns import flag
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0017_direct_encrypted_snapshots"
 down_revision = "0016_lifecycle_policies"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("snapshots") as batch:
-        batch.add_column(sa.Column("plain_data", sa.Boolean(), nullable=False, server_default=sa.false()))
+    add_columns("snapshots", flag("plain_data", default=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("snapshots") as batch:
-        batch.drop_column("plain_data")
+    drop_columns("snapshots", "plain_data")

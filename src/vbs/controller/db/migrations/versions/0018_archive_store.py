@@ -8,18 +8,16 @@ Revision ID: 0018_archive_store
 Revises: 0017_direct_encrypted_snapshots
 """
 
-import sqlalchemy as sa
-from alembic import op
+from vbs.controller.db.migration_columns import string
+from vbs.controller.db.migration_ops import add_columns, drop_columns
 
 revision = "0018_archive_store"
 down_revision = "0017_direct_encrypted_snapshots"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("snapshot_tiers") as batch:
-        batch.add_column(sa.Column("archive_store", sa.String(1024), nullable=True))
+    add_columns("snapshot_tiers", string("archive_store", 1024, null=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("snapshot_tiers") as batch:
-        batch.drop_column("archive_store")
+    drop_columns("snapshot_tiers", "archive_store")
