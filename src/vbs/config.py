@@ -105,8 +105,10 @@ class ControllerConfig(_Service):
     max_requests_per_node: int = Field(16, ge=1, le=100_000)
     # A request body must arrive at body_min_rate bytes a second at least once body_grace_s have
     # passed (then 408): a body trickled a byte at a time holds its slot for seconds, not minutes.
+    # The grace is the idle bound's 10 s: a client on a loaded machine may send its head and its
+    # body seconds apart, and that is not an attack (Apache's mod_reqtimeout allows 20 s).
     body_min_rate: float = Field(1024.0, ge=0, le=1 << 30)
-    body_grace_s: float = Field(2.0, gt=0, le=30)
+    body_grace_s: float = Field(10.0, gt=0, le=30)
     # Reverse proxies whose X-Forwarded-For/X-Forwarded-Proto are believed (addresses or networks,
     # e.g. ["10.0.0.5"]); none by default, not even loopback (docs/security.md, "Behind a proxy").
     trusted_proxies: list[str] = Field(default_factory=list, max_length=64)
