@@ -251,15 +251,35 @@ class VbsUp:
 
     def __init__(self, data_dir: Path, log: Path, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, ports: int = 1) -> None:
+        self.ports = ports
         self.port = free_ports(ports)  # vbs up --controllers N takes this port and the N-1 after it
         self.data_dir = data_dir
         self.log_path = log
         self.extra = extra or []
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.came_up = False  # once up, a restart keeps its port: the test's clients hold its URL
 
     def start(self, timeout: float = 90) -> Vbs:
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # The port was free when it was chosen, not reserved: another worker's daemon may have bound it
+        # since (seen in a fresh clone's make test: "port … is in use", at the module's fixture). vbs up
+        # checks its ports before it starts anything, so a first start takes other ports and tries again.
+        for _ in range(3):
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._spawn()
+            # A restart appends to the same log: look at what this start wrote.
+            wait_until(lambda at=offset: b"VBS is up" in self.log_path.read_bytes()[at:] or self._died(), timeout,
+                       what="vbs up")
+            said = self.log_path.read_bytes()[offset:]
+            if self._died() and not self.came_up and f"port {self.port} ".encode() in said and b"is in use" in said:
+                self.port = free_ports(self.ports)
+                continue
+            break
+        assert self.proc is not None and self.proc.poll() is None, self.log_path.read_text()[-3000:]
+        self.came_up = True
+        return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
+
+    def _spawn(self) -> None:
         log = self.log_path.open("ab")
         # XDG_CONFIG_HOME: vbs up records its endpoint's key there; keep that inside the test's tree.
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg"), **self.env}
@@ -267,11 +287,6 @@ class VbsUp:
                                       *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         if self not in RUNNING_UPS:
             RUNNING_UPS.append(self)
-        # A restart appends to the same log: look at what this start wrote.
-        wait_until(lambda: b"VBS is up" in self.log_path.read_bytes()[offset:] or self._died(), timeout,
-                   what="vbs up")
-        assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-        return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
 
     def _died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
