@@ -78,6 +78,11 @@ def _osds_up(cloud: RbdCloud) -> int:
     return int(osdmap["num_up_osds"])
 
 
+def _up_osd_ids(cloud: RbdCloud) -> set[int]:
+    """The OSDs the monitor's map has up now."""
+    return {int(o["osd"]) for o in _json(cloud, "osd", "dump")["osds"] if int(o["up"])}
+
+
 def test_writes_go_on_while_an_osd_is_killed_and_recovery_restores_the_second_copy(
         ceph3: CephForTests, tmp_path: Path) -> None:
     cluster = ceph3.cluster
@@ -125,7 +130,10 @@ def test_writes_go_on_while_an_osd_is_killed_and_recovery_restores_the_second_co
 
         # The copy the victim got back is real: with the OSD that kept the data down, it is the only one.
         cluster.kill_osd(survivor)
-        wait_until(lambda: _osds_up(cloud) == 2, 120, what=f"osd.{survivor} marked down")
+        # Which two are up, not how many: a fresh clone's make test once read "acting [0]" right after the
+        # count reached two, without knowing which two. Wait for exactly the others.
+        others = set(cluster.osd_ids()) - {survivor}
+        wait_until(lambda: _up_osd_ids(cloud) == others, 120, what=f"osd.{survivor} down and the others up")
         assert _placement(cloud, last)["acting"] == [victim]
         assert cloud.export_sha256(vol, SPAN_MIB) == want
         assert cloud.guest.checksum(dev, SPAN_MIB) == want
