@@ -674,8 +674,7 @@ def against_fastest(figs: dict[str, dict[str, Figure]]) -> list[str]:
     moves with the machine: on one, io_uring through the page cache; on another, libaio with O_DIRECT, or
     QEMU's thread pool reading the page cache, which no socket protocol can match (a memory copy)."""
     locals_ = [v for v in VARIANTS if v.protocol == "local" and v.key in figs]
-    exports = [v for v in VARIANTS if v.protocol in TARGETS and v.default and v.tool != "convert"
-               and v.backend == "file" and v.key in figs]
+    exports = [v for v in judged(figs) if v.default]
     if not locals_ or not exports:
         return []
     heads, rows = [], []
@@ -722,14 +721,18 @@ def transports(figs: dict[str, dict[str, Figure]], shown: tuple[Workload, ...]) 
             markdown_table(["transport", *[w.key for w in shown]], rows), ""]
 
 
+def judged(figs: dict[str, dict[str, Figure]]) -> list[Variant]:
+    """The measured variants the targets judge: file-backed NBD and iSCSI exports read by fio or qemu-img."""
+    return [v for v in VARIANTS if v.protocol in TARGETS and v.tool != "convert" and v.backend == "file"
+            and v.key in figs]
+
+
 def target_rows(figs: dict[str, dict[str, Figure]], baseline: dict[str, dict[str, Figure]]) -> list[list[str]]:
     """Every measured file-backed NBD / iSCSI variant against its protocol's targets (issue 15): the ratio
     of sequential and random reads to the local file with the same tool, met or not, and the highest
     load average seen while its figures and the baseline's were taken."""
     rows = []
-    for v in VARIANTS:
-        if v.protocol not in TARGETS or v.tool == "convert" or v.backend != "file" or v.key not in figs:
-            continue
+    for v in judged(figs):
         seq_target, rand_target = TARGETS[v.protocol]
         cells = []
         loads = []

@@ -271,7 +271,8 @@ class VbsUp:
             wait_until(lambda at=offset: b"VBS is up" in self.log_path.read_bytes()[at:] or self._died(), timeout,
                        what="vbs up")
             said = self.log_path.read_bytes()[offset:]
-            if self._died() and not self.came_up and f"port {self.port} ".encode() in said and b"is in use" in said:
+            # Any of the ports it takes (--controllers N: this one and the N-1 after it).
+            if self._died() and not self.came_up and b"is in use" in said and b"give another --port" in said:
                 self.port = free_ports(self.ports)
                 continue
             break
@@ -280,11 +281,11 @@ class VbsUp:
         return Vbs(f"http://127.0.0.1:{self.port}", self.data_dir)
 
     def _spawn(self) -> None:
-        log = self.log_path.open("ab")
         # XDG_CONFIG_HOME: vbs up records its endpoint's key there; keep that inside the test's tree.
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.data_dir.parent / "xdg"), **self.env}
-        self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
-                                      *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
+        with self.log_path.open("ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([*VBS, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
+                                          *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         if self not in RUNNING_UPS:
             RUNNING_UPS.append(self)
 
