@@ -43,6 +43,7 @@ from vbs.host.hypervisors import qemu_migration as migration
 from vbs.host.hypervisors import qemu_mirror as mirror
 from vbs.host.hypervisors import qemu_plug as plug
 from vbs.host.hypervisors import qemu_qos as qos_
+from vbs.host.hypervisors import qemu_slots as slots
 from vbs.host.hypervisors.base import DiskStats, checked_iothreads
 from vbs.host.hypervisors.qemu_blockdev import QemuHost, Vm, our_device, our_disks
 from vbs.host.hypervisors.qemu_ids import copy_ids, disk_ids
@@ -107,6 +108,8 @@ class QemuDriver:
         # iSCSI served through TLS: QEMU dials this host's end of a tunnel to the storage portal.
         self.tunnels = IscsiTunnels(self.secrets_dir / "tunnels", x509)
         self.monitors = QemuMonitors(self.vm_dir, qmp_timeout)
+        # Which slot of each VM a disk was put in or taken from, when: a new disk goes where none was for longest.
+        self.placements = slots.Placements()
 
     @classmethod
     def from_config(cls, cfg: HostAgentConfig) -> QemuDriver:
@@ -202,7 +205,7 @@ class QemuDriver:
     def detach(self, vm_id: str, serial: str, *, force: bool = False, timeout: float = 10.0) -> None:
         ids = disk_ids(serial)
         try:
-            self.monitors.on_vm(vm_id, lambda vm: plug.detach(vm, serial, ids, force, timeout, self.qmp_timeout))
+            self.monitors.on_vm(vm_id, lambda vm: plug.detach(vm, serial, ids, force, timeout, self._host()))
         except QmpGone:
             log.info("VM %s is gone: disk %s went with it", vm_id, serial)
 
@@ -262,7 +265,8 @@ class QemuDriver:
         return self.tunnels.local(connection)
 
     def _host(self) -> QemuHost:
-        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout, self.disk_bus, self.iothreads)
+        return QemuHost(self.secrets_dir, self.x509_dir, self.qmp_timeout, self.disk_bus, self.iothreads,
+                        self.placements)
 
 
 def _cont_if_paused_for_space(vm: Vm) -> bool:

@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +81,15 @@ class Vm:
 @dataclass(frozen=True)
 class QemuHost:
     """What a driver call needs of this host besides the VM: where QEMU reads key files, the host's
-    X.509 client credentials, how long a QMP command may take, and the bus its disks go on
-    (``qemu_disk_bus``)."""
+    X.509 client credentials, how long a QMP command may take, the bus its disks go on
+    (``qemu_disk_bus``), and which slots of its VMs were touched when (the driver's, kept across calls)."""
 
     secrets_dir: Path
     x509_dir: Path | None
     qmp_timeout: float
     disk_bus: str = "virtio-blk"
     iothreads: bool = True  # as the driver's option (base.checked_iothreads)
+    placements: slots.Placements = field(default_factory=slots.Placements)
 
     def open_connection(self, vm: Vm, connection: AnyConnection, ids: QemuIds, read_only: bool, undo: Undo) -> None:
         """Make the connection's objects and protocol node ``ids.proto``, as its connector says."""

@@ -63,9 +63,10 @@ def device(vm: Vm, host: QemuHost, ids: DiskIds, top: str, serial: str, pci_slot
     if host.disk_bus == "virtio-blk" or pci_slot is not None:
         thread = {"iothread": _iothread(vm, ids.iothread, undo)} if host.iothreads else {}
         return {"driver": "virtio-blk-pci", "id": ids.device, "drive": top, "serial": serial, **thread,
-                **slots.placement(vm.cmd, vm.vm_id, pci_slot)}
+                **slots.placement(vm.cmd, vm.vm_id, pci_slot, host.placements)}
     if SCSI_CONTROLLER not in vm.devices():
-        controller = {"driver": "virtio-scsi-pci", "id": SCSI_CONTROLLER, **slots.placement(vm.cmd, vm.vm_id, None)}
+        controller = {"driver": "virtio-scsi-pci", "id": SCSI_CONTROLLER,
+                      **slots.placement(vm.cmd, vm.vm_id, None, host.placements)}
         if host.iothreads:
             controller["iothread"] = _iothread(vm, SCSI_IOTHREAD, [])  # it stays with the controller
         vm.cmd("device_add", controller)

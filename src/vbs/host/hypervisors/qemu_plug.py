@@ -68,13 +68,18 @@ def _build_chain(vm: Vm, connection: AnyConnection, ids: DiskIds, read_only: boo
     return qos_.add_throttle(vm, ids, qos, read_only, undo)
 
 
-def detach(vm: Vm, serial: str, ids: DiskIds, force: bool, timeout: float, qmp_timeout: float) -> None:
+def detach(vm: Vm, serial: str, ids: DiskIds, force: bool, timeout: float, host: QemuHost) -> None:
+    qmp_timeout = host.qmp_timeout
     copies.end_all(vm, serial, ids, qmp_timeout)
     mirror.end(vm, serial, ids, qmp_timeout)
     ids = bd.settled(vm, ids)
     if ids.device in vm.devices():
         wait = min(timeout, FORCE_GRACE_SECONDS) if force else timeout
-        if not _unplug(vm, ids.device, wait):
+        where = slots.device_slot(vm.cmd, ids.device)
+        unplugged = _unplug(vm, ids.device, wait)
+        if where is not None:
+            host.placements.touch(vm.vm_id, where)  # the guest may still have an eject request for it
+        if not unplugged:
             if not force:
                 raise DeviceBusy(f"guest of VM {vm.vm_id} did not release disk {serial} within {timeout:g}s",
                                  vm_id=vm.vm_id, serial=serial)
