@@ -574,6 +574,7 @@ class Services:
         self.agent: subprocess.Popen[bytes] | None = None
         self.host_agent: subprocess.Popen[bytes] | None = None
         self.host_agents: list[subprocess.Popen[bytes]] = []  # every one started (host_agent: the last)
+        self.host_names: dict[str, subprocess.Popen[bytes]] = {}  # node name -> its host agent, last started
         self.vbs = Vbs(f"http://127.0.0.1:{self.port}", self.data_dir, self.key)
 
     def node_env(self, kind: str, name: str) -> dict[str, str]:
@@ -609,10 +610,20 @@ class Services:
         assert self.controller is not None
         stop_process(self.controller)
         self.start_controller(**env)
-        if self.agent is not None and self.controller.poll() is None:
-            # Placement takes only nodes whose last report is recent: a request sent before the agent has
-            # reported to this controller could be refused (503) on a loaded machine, not crashed.
+        if self.controller.poll() is not None:
+            return
+        # Placement and attach take only nodes whose last report is recent: a request sent before an agent
+        # has reported to this controller could be refused (503) on a loaded machine, not crashed (the
+        # controller was down long enough for the agents' last reports to age).
+        if self.agent is not None:
             self.wait_storage_node_up()
+        for name, proc in self.host_names.items():
+            if proc.poll() is None:
+                self.wait_host_up(name)
+
+    def wait_host_up(self, name: str) -> None:
+        wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
+                               self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what=f"host agent {name}")
 
     def wait_storage_node_up(self) -> None:
         wait_until(lambda: any(n["state"] == "up" for n in
@@ -655,8 +666,8 @@ class Services:
              self.vbs.endpoint, "--vm-dir", str(vm_dir)],
             env=env, stdout=self._log(name), stderr=subprocess.STDOUT)
         self.host_agents.append(self.host_agent)
-        wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
-                               self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent")
+        self.host_names[name] = self.host_agent
+        self.wait_host_up(name)
         return vm_dir
 
     def stop(self) -> None:

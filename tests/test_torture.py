@@ -344,9 +344,9 @@ class Cluster(Services):
             [*VBS, "host-agent", "--node-name", name, "--port", str(self.host_port), "--controller-url",
              self.vbs.endpoint, "--vm-dir", str(self.vm_dir)],
             env=self.node_env("host", name), stdout=self._log(name), stderr=subprocess.STDOUT)
+        self.host_names[name] = self.host_agent
         self._wait_listening(self.host_agent, self.host_port, "host agent")
-        wait_until(lambda: any(h["name"] == name and h["state"] == "up" for h in
-                               self.vbs.http.get("/v1/hosts").json()["hosts"]), 60, what="host agent up")
+        self.wait_host_up(name)
         return self.vm_dir
 
     def _wait_listening(self, proc: subprocess.Popen[bytes], port: int, what: str) -> None:
